@@ -1,0 +1,137 @@
+"""Reason codes: the stable strings that explain every failure and fallback.
+
+Each code has a user-facing message that says what happened and what to do. The value is
+what SQLite stores and what `--json` prints; never rename one.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ReasonCode(enum.StrEnum):
+    # From the origin story, kept verbatim.
+    BINARY_MISSING_NVIDIA_DETECTED = "binary_missing_nvidia_detected"
+    GPU_MISSING = "gpu_missing"
+    CUDA_UNAVAILABLE = "cuda_unavailable"
+    CUDA_GPU_LAYERS_ZERO = "cuda_gpu_layers_zero"
+    CUDA_STARTUP_FAILED = "cuda_startup_failed"
+    CUDA_BUNDLE_INSTALL_FAILED = "cuda_bundle_install_failed"
+    # The other GPU backends' analogues.
+    BINARY_MISSING_AMD_DETECTED = "binary_missing_amd_detected"
+    ROCM_UNAVAILABLE = "rocm_unavailable"
+    ROCM_GPU_LAYERS_ZERO = "rocm_gpu_layers_zero"
+    ROCM_STARTUP_FAILED = "rocm_startup_failed"
+    ROCM_BUNDLE_INSTALL_FAILED = "rocm_bundle_install_failed"
+    BINARY_MISSING_VULKAN_DETECTED = "binary_missing_vulkan_detected"
+    VULKAN_UNAVAILABLE = "vulkan_unavailable"
+    VULKAN_GPU_LAYERS_ZERO = "vulkan_gpu_layers_zero"
+    VULKAN_STARTUP_FAILED = "vulkan_startup_failed"
+    VULKAN_BUNDLE_INSTALL_FAILED = "vulkan_bundle_install_failed"
+    BINARY_MISSING_METAL_DETECTED = "binary_missing_metal_detected"
+    METAL_UNAVAILABLE = "metal_unavailable"
+    METAL_GPU_LAYERS_ZERO = "metal_gpu_layers_zero"
+    METAL_STARTUP_FAILED = "metal_startup_failed"
+    METAL_BUNDLE_INSTALL_FAILED = "metal_bundle_install_failed"
+    CPU_BUNDLE_INSTALL_FAILED = "cpu_bundle_install_failed"
+    # Engine and bundles.
+    CPU_ILLEGAL_INSTRUCTION = "cpu_illegal_instruction"
+    BUNDLE_MISSING = "bundle_missing"
+    BUNDLE_BUILD_FAILED = "bundle_build_failed"
+    BUNDLE_DIGEST_MISMATCH = "bundle_digest_mismatch"
+    BUNDLE_METADATA_MISMATCH = "bundle_metadata_mismatch"
+    BUNDLE_UNSAFE_ARCHIVE = "bundle_unsafe_archive"
+    BUNDLE_VERIFY_FAILED = "bundle_verify_failed"
+    SOURCE_DIGEST_MISMATCH = "source_digest_mismatch"
+    # The server process.
+    MODEL_MISSING = "model_missing"
+    MODEL_LOAD_FAILED = "model_load_failed"
+    OUT_OF_MEMORY = "out_of_memory"
+    PORT_IN_USE = "port_in_use"
+    SERVER_CRASHED = "server_crashed"
+    SERVER_STALLED = "server_stalled"
+    CRASH_LOOP = "crash_loop"
+    GPU_CLAIMED_BUT_UNUSED = "gpu_claimed_but_unused"
+    # The daemon, its config and its socket.
+    CONFIG_INVALID = "config_invalid"
+    DAEMON_ALREADY_RUNNING = "daemon_already_running"
+    DAEMON_NOT_RUNNING = "daemon_not_running"
+    BAD_REQUEST = "bad_request"
+    REQUEST_TOO_LARGE = "request_too_large"
+    UNKNOWN_METHOD = "unknown_method"
+    ILLEGAL_TRANSITION = "illegal_transition"
+    INTERNAL_ERROR = "internal_error"
+
+
+_GPU = {
+    "cuda": ("NVIDIA", "CUDA"),
+    "rocm": ("AMD", "ROCm"),
+    "vulkan": ("Vulkan-capable", "Vulkan"),
+    "metal": ("Apple", "Metal"),
+}
+
+
+def _gpu_messages() -> dict[ReasonCode, str]:
+    out: dict[ReasonCode, str] = {}
+    for backend, (vendor, api) in _GPU.items():
+        out[ReasonCode(f"{backend}_unavailable")] = (
+            f"{api} could not initialise (driver too old for the build, or the runtime failed); "
+            f"update the driver or run `stoker probe --fresh` for the evidence."
+        )
+        out[ReasonCode(f"{backend}_gpu_layers_zero")] = (
+            f"The {api} server started but offloaded 0 layers to the GPU; serving on the CPU. "
+            f"Check free VRAM and the server log."
+        )
+        out[ReasonCode(f"{backend}_startup_failed")] = (
+            f"The {api} server failed to start (a library is missing or the backend crashed); "
+            f"see the evidence in `stoker history`."
+        )
+        out[ReasonCode(f"{backend}_bundle_install_failed")] = (
+            f"Installing the {api} engine bundle failed; the previous state is intact. "
+            f"Retry with `stoker install {backend}`."
+        )
+    for backend, vendor in (("nvidia", "NVIDIA"), ("amd", "AMD"), ("vulkan", "Vulkan"), ("metal", "Apple")):
+        out[ReasonCode(f"binary_missing_{backend}_detected")] = (
+            f"An {vendor} GPU is present but no matching engine bundle is installed; "
+            f"Stoker installs it on demand (`stoker install`)."
+        )
+    return out
+
+
+MESSAGES: dict[ReasonCode, str] = {
+    **_gpu_messages(),
+    ReasonCode.GPU_MISSING: "No usable GPU was found; serving on the CPU.",
+    ReasonCode.CPU_BUNDLE_INSTALL_FAILED: "Installing the CPU engine bundle failed; the previous state is intact.",
+    ReasonCode.CPU_ILLEGAL_INSTRUCTION: (
+        "The engine died with SIGILL: this CPU advertises an instruction set it cannot run. "
+        "Use a safer CPU variant (Stoker retries on one by itself)."
+    ),
+    ReasonCode.BUNDLE_MISSING: "No engine bundle is installed for this backend; build or install one.",
+    ReasonCode.BUNDLE_BUILD_FAILED: "Building the engine failed; the build log says why.",
+    ReasonCode.BUNDLE_DIGEST_MISMATCH: "A file in the bundle does not match its recorded sha256; the bundle is corrupt or tampered with.",
+    ReasonCode.BUNDLE_METADATA_MISMATCH: "The bundle's metadata does not match what was expected (backend, version or manifest).",
+    ReasonCode.BUNDLE_UNSAFE_ARCHIVE: "The bundle archive is unsafe (path escape, link, special file or absurd size) and was refused.",
+    ReasonCode.BUNDLE_VERIFY_FAILED: "The bundle's engine did not pass verification (version, devices or smoke test).",
+    ReasonCode.SOURCE_DIGEST_MISMATCH: "The engine source does not match its pinned sha256; refusing to build from it.",
+    ReasonCode.MODEL_MISSING: "The model file does not exist; fix `model` in the config.",
+    ReasonCode.MODEL_LOAD_FAILED: "The engine could not load the model (corrupt or unsupported file); see the server log.",
+    ReasonCode.OUT_OF_MEMORY: "The engine ran out of memory; lower the context size or the offloaded layers.",
+    ReasonCode.PORT_IN_USE: "The server port is taken by another process; choose another port or free it.",
+    ReasonCode.SERVER_CRASHED: "The server exited unexpectedly; Stoker restarts it with backoff.",
+    ReasonCode.SERVER_STALLED: "The server stopped making progress while loading; it was stopped.",
+    ReasonCode.CRASH_LOOP: "The server kept crashing; Stoker stopped restarting it. Fix the cause, then `stoker up`.",
+    ReasonCode.GPU_CLAIMED_BUT_UNUSED: "The server claimed GPU offload but holds no GPU memory; reporting it as CPU.",
+    ReasonCode.CONFIG_INVALID: "The config file is invalid; the previous config stays in force. See `stoker config check`.",
+    ReasonCode.DAEMON_ALREADY_RUNNING: "Another Stoker daemon already runs for this state directory.",
+    ReasonCode.DAEMON_NOT_RUNNING: "The Stoker daemon is not running; start it with `stoker daemon`.",
+    ReasonCode.BAD_REQUEST: "The request was malformed.",
+    ReasonCode.REQUEST_TOO_LARGE: "The request exceeded the size limit.",
+    ReasonCode.UNKNOWN_METHOD: "The daemon does not know this command.",
+    ReasonCode.ILLEGAL_TRANSITION: "That action is not possible in the current state.",
+    ReasonCode.INTERNAL_ERROR: "Stoker hit an internal error; the daemon log has the traceback.",
+}
+
+
+def message_for(code: ReasonCode | str) -> str:
+    """The user-facing sentence for a reason code."""
+    return MESSAGES[ReasonCode(code)]
