@@ -13,16 +13,21 @@ def cli() -> None:
     """Stoker keeps a local llama-server running on the best accelerator this machine has."""
 
 
-def _register() -> None:
-    # Imported here so that a broken optional group never stops `stoker --help`.
-    from daemon.cli import bundle
+# Each module exposes `register(group)`; listed here so the command set is visible in one place.
+COMMAND_MODULES = ("bundle", "service", "probe", "install", "snapshot", "telemetry", "tui_cmd")
 
-    cli.add_command(bundle.bundle)
-    try:
-        from daemon.cli import service
-    except ImportError:  # pragma: no cover - while the daemon commands are being built
-        return
-    service.register(cli)
+
+def _register() -> None:
+    import importlib
+
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"daemon.cli.{name}")
+        except ModuleNotFoundError as err:
+            if err.name == f"daemon.cli.{name}":
+                continue  # a command group not built yet
+            raise
+        module.register(cli)
 
 
 _register()
