@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 from pathlib import Path
 
 import attrs
@@ -34,7 +36,14 @@ class StokerPaths:
             root = Path(home).absolute()
             return cls(root / "config", root / "data", root / "run", cache)
         runtime = env.get("XDG_RUNTIME_DIR")
-        runtime_dir = Path(runtime) / APP if runtime else Path(platformdirs.user_runtime_dir(APP))
+        if runtime:
+            runtime_dir = Path(runtime) / APP
+        elif sys.platform == "darwin":
+            runtime_dir = Path(platformdirs.user_runtime_dir(APP))
+        else:
+            # No XDG runtime dir (a container, a cron job): a per-user dir that control.py
+            # creates 0700 and refuses if someone else owns it.
+            runtime_dir = Path(tempfile.gettempdir()) / f"{APP}-{os.getuid()}"
         return cls(
             Path(platformdirs.user_config_dir(APP)),
             Path(platformdirs.user_data_dir(APP)),
