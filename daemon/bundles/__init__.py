@@ -1,0 +1,1 @@
+"""Engine bundles: build, describe, unpack, verify and install llama-server builds."""
