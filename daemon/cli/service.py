@@ -1,0 +1,194 @@
+"""Service commands: daemon, status, up, down, restart, shutdown, history, chat."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import click
+
+from daemon.cli.output import emit, fail, json_option
+from daemon.errors import StokerError
+from daemon.paths import StokerPaths
+from states.reasons import ReasonCode, message_for
+
+READY_STATES = {"ready"}
+SETTLED_FAILURES = {"failed", "stopped"}
+
+
+def _client(timeout: float = 10.0):
+    from daemon.client import ControlClient
+
+    return ControlClient(StokerPaths.from_env().socket_path, timeout=timeout)
+
+
+def call(method: str, as_json: bool, timeout: float = 10.0, **params: Any) -> Any:
+    """One request to the daemon; a reason-coded failure exits the CLI with its code."""
+    try:
+        return _client(timeout).call(method, **params)
+    except StokerError as err:
+        fail(as_json, err)
+
+
+@click.command()
+@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning"]))
+def daemon(log_level: str) -> None:
+    """Run the service in the foreground (systemd and launchd run it like this)."""
+    from daemon.service import main as service_main
+
+    sys.exit(service_main(StokerPaths.from_env(), log_level=log_level))
+
+
+def format_status(st: dict) -> str:
+    lines = []
+    state = st.get("state", "?")
+    colour = {"ready": "green", "failed": "red", "crashed": "red", "backoff": "yellow"}.get(state)
+    head = click.style(state, fg=colour, bold=True) if colour else state
+    backend = st.get("backend") or "-"
+    if st.get("variant"):
+        backend += f" ({st['variant']})"
+    lines.append(f"state     {head}")
+    lines.append(f"backend   {backend}")
+    if st.get("reason"):
+        lines.append(f"reason    {st['reason']}: {st.get('message') or message_for(st['reason'])}")
+    for key, value in (st.get("evidence") or {}).items():
+        lines.append(f"          {key}: {value}")
+    lines.append(f"model     {st.get('model') or '-'}")
+    lines.append(f"endpoint  {st.get('endpoint') or '-'}")
+    layers = st.get("layers") or {}
+    if layers.get("offloaded") is not None or layers.get("planned") is not None:
+        lines.append(
+            f"layers    {layers.get('offloaded', '?')}/{layers.get('total', '?')} offloaded"
+            f" (planned {layers.get('planned', 'auto')}){' - ' + layers['why'] if layers.get('why') else ''}"
+        )
+    if st.get("pid"):
+        lines.append(f"pid       {st['pid']}   uptime {st.get('uptime_s', 0):.0f}s   restarts {st.get('restarts', 0)}")
+    cfg = st.get("config") or {}
+    if cfg.get("problems"):
+        lines.append(click.style("config    invalid, still running the previous config:", fg="yellow"))
+        lines.extend(f"          - {p}" for p in cfg["problems"])
+    for fb in st.get("fallbacks") or []:
+        lines.append(f"fallback  {fb.get('backend')}: {fb.get('reason')} - {fb.get('message', '')}")
+    return "\n".join(lines)
+
+
+@click.command()
+@json_option
+def status(as_json: bool) -> None:
+    """State, backend, reason and message, model, endpoint, layers."""
+    st = call("status", as_json)
+    emit(as_json, st, format_status)
+    if st.get("state") == "failed":
+        sys.exit(1)
+
+
+def wait_for_settled(as_json: bool, timeout: float) -> dict:
+    """Poll status until the server is ready or has settled in failure."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = call("status", as_json)
+        if st.get("state") in READY_STATES:
+            return st
+        if st.get("state") in SETTLED_FAILURES:
+            return st
+        if time.monotonic() > deadline:
+            return st
+        time.sleep(0.2)
+
+
+def _finish(as_json: bool, st: dict, want: str) -> None:
+    emit(as_json, st, format_status)
+    if st.get("state") != want:
+        sys.exit(1)
+
+
+@click.command()
+@click.option("--wait/--no-wait", default=True, help="Wait until the server is ready (default).")
+@click.option("--timeout", default=900.0, show_default=True, help="Seconds to wait for ready.")
+@json_option
+def up(wait: bool, timeout: float, as_json: bool) -> None:
+    """Start the server."""
+    st = call("up", as_json)
+    if wait:
+        st = wait_for_settled(as_json, timeout)
+        _finish(as_json, st, "ready")
+    else:
+        emit(as_json, st, format_status)
+
+
+@click.command()
+@json_option
+def down(as_json: bool) -> None:
+    """Stop the server (the daemon keeps running)."""
+    st = call("down", as_json, timeout=120.0)
+    _finish(as_json, st, "stopped")
+
+
+@click.command()
+@click.option("--wait/--no-wait", default=True)
+@click.option("--timeout", default=900.0, show_default=True)
+@json_option
+def restart(wait: bool, timeout: float, as_json: bool) -> None:
+    """Restart the server."""
+    st = call("restart", as_json, timeout=120.0)
+    if wait:
+        st = wait_for_settled(as_json, timeout)
+        _finish(as_json, st, "ready")
+    else:
+        emit(as_json, st, format_status)
+
+
+@click.command()
+@json_option
+def shutdown(as_json: bool) -> None:
+    """Stop the server and the daemon."""
+    result = call("shutdown", as_json, timeout=120.0)
+    emit(as_json, result, lambda r: "daemon stopping")
+
+
+def format_history(rows: list[dict]) -> str:
+    if not rows:
+        return "no transitions recorded"
+    out = []
+    for row in rows:
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["at"]))
+        line = f"{at}  {row['machine_id']:<14} {row['from_state']:>12} --{row['event']}--> {row['to_state']}"
+        if row.get("reason"):
+            line += f"  [{row['reason']}]"
+        out.append(line)
+    return "\n".join(out)
+
+
+@click.command()
+@click.option("--machine", "machine", default=None, help="Only this machine (e.g. launch, install:cuda).")
+@click.option("--limit", default=50, show_default=True)
+@click.option("--since", default=None, type=float, help="Only transitions after this unix time.")
+@json_option
+def history(machine: str | None, limit: int, since: float | None, as_json: bool) -> None:
+    """Transitions of every machine, newest first."""
+    rows = call("history", as_json, machine=machine, limit=limit, since=since)
+    emit(as_json, rows, format_history)
+
+
+@click.command()
+@click.argument("prompt")
+@click.option("--max-tokens", default=64, show_default=True)
+@json_option
+def chat(prompt: str, max_tokens: int, as_json: bool) -> None:
+    """Send one chat message to the running server and print the answer."""
+    from daemon.chat import chat_once
+
+    st = call("status", as_json)
+    if st.get("state") != "ready":
+        fail(as_json, StokerError(ReasonCode.ILLEGAL_TRANSITION, f"The server is {st.get('state')}, not ready; run `stoker up`."))
+    try:
+        answer = chat_once(st["endpoint"], st["api_key"], prompt, max_tokens=max_tokens)
+    except StokerError as err:
+        fail(as_json, err)
+    emit(as_json, answer, lambda a: a["content"])
+
+
+def register(cli: click.Group) -> None:
+    for command in (daemon, status, up, down, restart, shutdown, history, chat):
+        cli.add_command(command)
