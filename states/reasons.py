@@ -60,6 +60,11 @@ class ReasonCode(enum.StrEnum):
     REQUEST_TOO_LARGE = "request_too_large"
     UNKNOWN_METHOD = "unknown_method"
     ILLEGAL_TRANSITION = "illegal_transition"
+    # The state database and the machines' bookkeeping.
+    STORE_CORRUPT = "store_corrupt"
+    STORE_SCHEMA_TOO_NEW = "store_schema_too_new"
+    STORE_WRITE_FAILED = "store_write_failed"
+    PROBE_RESULT_STALE = "probe_result_stale"
     INTERNAL_ERROR = "internal_error"
 
 
@@ -128,6 +133,16 @@ MESSAGES: dict[ReasonCode, str] = {
     ReasonCode.REQUEST_TOO_LARGE: "The request exceeded the size limit.",
     ReasonCode.UNKNOWN_METHOD: "The daemon does not know this command.",
     ReasonCode.ILLEGAL_TRANSITION: "That action is not possible in the current state.",
+    ReasonCode.STORE_CORRUPT: (
+        "The state database failed its integrity check; move it aside (Stoker then starts a "
+        "fresh one) or restore a backup."
+    ),
+    ReasonCode.STORE_SCHEMA_TOO_NEW: (
+        "The state database was written by a newer Stoker; upgrade Stoker or point "
+        "STOKER_HOME elsewhere."
+    ),
+    ReasonCode.STORE_WRITE_FAILED: "Writing to the state database failed; nothing was changed. Check disk space and permissions.",
+    ReasonCode.PROBE_RESULT_STALE: "A probe result arrived after a newer probe had started; it was dropped.",
     ReasonCode.INTERNAL_ERROR: "Stoker hit an internal error; the daemon log has the traceback.",
 }
 
