@@ -50,6 +50,8 @@ class ReasonCode(enum.StrEnum):
     PORT_IN_USE = "port_in_use"
     SERVER_CRASHED = "server_crashed"
     SERVER_STALLED = "server_stalled"
+    SERVER_START_TIMEOUT = "server_start_timeout"
+    SERVER_SPAWN_FAILED = "server_spawn_failed"
     CRASH_LOOP = "crash_loop"
     GPU_CLAIMED_BUT_UNUSED = "gpu_claimed_but_unused"
     # The daemon, its config and its socket.
@@ -124,6 +126,14 @@ MESSAGES: dict[ReasonCode, str] = {
     ReasonCode.PORT_IN_USE: "The server port is taken by another process; choose another port or free it.",
     ReasonCode.SERVER_CRASHED: "The server exited unexpectedly; Stoker restarts it with backoff.",
     ReasonCode.SERVER_STALLED: "The server stopped making progress while loading; it was stopped.",
+    ReasonCode.SERVER_START_TIMEOUT: (
+        "The server kept loading but was not ready within the ready timeout; "
+        "raise it for a large model or check the server log."
+    ),
+    ReasonCode.SERVER_SPAWN_FAILED: (
+        "The engine binary could not be started (missing, not executable or built for "
+        "another machine); reinstall the bundle."
+    ),
     ReasonCode.CRASH_LOOP: "The server kept crashing; Stoker stopped restarting it. Fix the cause, then `stoker up`.",
     ReasonCode.GPU_CLAIMED_BUT_UNUSED: "The server claimed GPU offload but holds no GPU memory; reporting it as CPU.",
     ReasonCode.CONFIG_INVALID: "The config file is invalid; the previous config stays in force. See `stoker config check`.",
