@@ -1,0 +1,288 @@
+"""The generic state-machine machinery: tables as data, one pure `step`, JSON round trips.
+
+A machine is a `MachineSpec`: a `StrEnum` of states (the value is what SQLite stores), a
+frozen attrs record of data (counters, the current plan, knobs), and a transition table
+
+    {state: {EventType: target_state | Guarded}}
+
+A plain target is an unconditional move that keeps the data. A `Guarded` entry wraps a pure
+function `(state, data, event) -> Step | None` together with every state it may return, so
+the diagrams can draw it and `step` can refuse a handler that wanders off its declared
+edges. A handler returns None to refuse the event (a guard that does not hold): that is an
+illegal transition like any other. `step` never changes anything when it raises.
+
+Effects are frozen attrs records too: the machine asks, `daemon/` does the work and reports
+back with an event. Nothing here reads the clock, sleeps or does I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import types
+import typing
+from pathlib import PurePath
+from typing import Any, Callable, Mapping, Union
+
+import attrs
+
+from states.reasons import ReasonCode
+
+Handler = Callable[[Any, Any, Any], "Step | None"]
+
+
+class IllegalTransition(Exception):
+    """An event the table does not accept in the current state; nothing was changed."""
+
+    def __init__(self, machine: str, state: enum.Enum, event: object, detail: str = "") -> None:
+        self.machine = machine
+        self.state = state
+        self.event = event
+        self.reason = ReasonCode.ILLEGAL_TRANSITION
+        self.detail = detail
+        name = type(event).__name__
+        msg = f"{machine}: {name} is not accepted in state {state.value!r}"
+        super().__init__(f"{msg} ({detail})" if detail else msg)
+
+
+class MachineDefinitionError(Exception):
+    """A table or handler broke the machine's own declaration (a bug, never user input)."""
+
+
+def _evidence(value: Mapping[str, Any] | None) -> dict[str, Any]:
+    return dict(value or {})
+
+
+@attrs.frozen
+class Step:
+    """The outcome of one accepted event: the new state and data, what to do, and why."""
+
+    state: enum.StrEnum
+    data: Any
+    effects: tuple[Any, ...] = attrs.field(default=(), converter=tuple)
+    reason: ReasonCode | None = None
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+
+
+@attrs.frozen
+class Guarded:
+    """A guarded transition: a pure handler and every state it may move to."""
+
+    handler: Handler
+    targets: frozenset[enum.StrEnum] = attrs.field(converter=frozenset)
+
+    @property
+    def name(self) -> str:
+        return getattr(self.handler, "__name__", "handler")
+
+    def __call__(self, state: Any, data: Any, event: Any) -> Step | None:
+        return self.handler(state, data, event)
+
+
+def guarded(*targets: enum.StrEnum) -> Callable[[Handler], Guarded]:
+    """Decorator: declare a handler's possible target states next to its code."""
+
+    def wrap(fn: Handler) -> Guarded:
+        return Guarded(fn, targets)
+
+    return wrap
+
+
+Rule = Union[enum.StrEnum, Guarded]
+
+
+@attrs.frozen
+class MachineSpec:
+    """Everything that defines one kind of machine, checked for consistency on creation."""
+
+    name: str
+    states: type[enum.StrEnum]
+    initial: enum.StrEnum
+    data_type: type
+    transitions: Mapping[enum.StrEnum, Mapping[type, Rule]] = attrs.field(hash=False)
+    terminal: frozenset[enum.StrEnum] = attrs.field(default=frozenset(), converter=frozenset)
+    extra_events: tuple[type, ...] = ()
+    description: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        problems = []
+        if self.initial not in set(self.states):
+            problems.append(f"initial state {self.initial!r} is not a {self.states.__name__}")
+        for state, row in self.transitions.items():
+            if state not in set(self.states):
+                problems.append(f"table row {state!r} is not a state")
+            for event_type, rule in row.items():
+                if not attrs.has(event_type):
+                    problems.append(f"{event_type!r} is not an attrs event class")
+                targets = rule.targets if isinstance(rule, Guarded) else {rule}
+                for target in targets:
+                    if target not in set(self.states):
+                        problems.append(f"{state}/{event_type.__name__} -> {target!r} is not a state")
+        for state in self.terminal:
+            if state not in set(self.states):
+                problems.append(f"terminal {state!r} is not a state")
+        if problems:
+            raise MachineDefinitionError(f"{self.name}: " + "; ".join(problems))
+
+    @property
+    def event_types(self) -> dict[str, type]:
+        """Every event class the machine knows, by class name."""
+        found: dict[str, type] = {}
+        for row in self.transitions.values():
+            for event_type in row:
+                found[event_type.__name__] = event_type
+        for event_type in self.extra_events:
+            found[event_type.__name__] = event_type
+        return found
+
+    def accepted(self, state: enum.StrEnum) -> tuple[type, ...]:
+        """The event types that have an entry in `state`'s row (guards may still refuse)."""
+        return tuple(self.transitions.get(state, {}))
+
+    def edges(self) -> list[tuple[enum.StrEnum, str, enum.StrEnum]]:
+        """(from, event name, to) for every declared edge, in table order (for diagrams)."""
+        out = []
+        for state, row in self.transitions.items():
+            for event_type, rule in row.items():
+                if isinstance(rule, Guarded):
+                    targets = sorted(rule.targets, key=list(self.states).index)
+                else:
+                    targets = [rule]
+                out.extend((state, event_type.__name__, target) for target in targets)
+        return out
+
+    def reachable(self) -> set[enum.StrEnum]:
+        """The states reachable from the initial state through declared edges."""
+        seen = {self.initial}
+        frontier = [self.initial]
+        edges = self.edges()
+        while frontier:
+            current = frontier.pop()
+            for source, _, target in edges:
+                if source == current and target not in seen:
+                    seen.add(target)
+                    frontier.append(target)
+        return seen
+
+    def initial_data(self) -> Any:
+        """The data a fresh machine starts with (the data type's defaults)."""
+        return self.data_type()
+
+
+def step(spec: MachineSpec, state: enum.StrEnum, data: Any, event: object) -> Step:
+    """Apply one event: the new Step, or IllegalTransition with nothing changed."""
+    rule = spec.transitions.get(state, {}).get(type(event))
+    if rule is None:
+        raise IllegalTransition(spec.name, state, event)
+    if not isinstance(rule, Guarded):
+        return Step(rule, data)
+    result = rule(state, data, event)
+    if result is None:
+        raise IllegalTransition(spec.name, state, event, f"refused by {rule.name}")
+    if not isinstance(result, Step):
+        raise MachineDefinitionError(f"{spec.name}: {rule.name} returned {result!r}, not a Step")
+    if result.state not in rule.targets:
+        raise MachineDefinitionError(
+            f"{spec.name}: {rule.name} moved {state.value} -> {result.state!r}, "
+            f"which it does not declare ({sorted(t.value for t in rule.targets)})"
+        )
+    if not isinstance(result.data, spec.data_type):
+        raise MachineDefinitionError(f"{spec.name}: {rule.name} returned data of the wrong type")
+    return result
+
+
+# --- JSON round trips for history and machine rows -------------------------------------
+
+
+def to_json(value: Any) -> Any:
+    """A JSON-ready copy of events, effects, data records, enums, tuples and paths."""
+    if attrs.has(type(value)):
+        return {f.name: to_json(getattr(value, f.name)) for f in attrs.fields(type(value))}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, PurePath):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [to_json(v) for v in value]
+    return value
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def from_json(hint: Any, value: Any) -> Any:
+    """Rebuild a value of type `hint` from `to_json`'s output."""
+    if value is None:
+        return None
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is Union or origin is types.UnionType:
+        options = [a for a in args if a is not type(None)]
+        last_error: Exception | None = None
+        for option in options:
+            try:
+                return from_json(option, value)
+            except (TypeError, ValueError, KeyError) as exc:
+                last_error = exc
+        raise ValueError(f"{value!r} matches none of {hint}") from last_error
+    if hint is Any:
+        return value
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(from_json(args[0], v) for v in value)
+        if args:
+            return tuple(from_json(a, v) for a, v in zip(args, value))
+        return tuple(value)
+    if origin in (list,):
+        return [from_json(args[0], v) for v in value] if args else list(value)
+    if origin in (frozenset, set):
+        return origin(from_json(args[0], v) for v in value) if args else origin(value)
+    if origin in (dict, Mapping) or origin is typing.Mapping or hint in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise TypeError(f"expected a mapping for {hint}, got {value!r}")
+        if len(args) == 2:
+            return {from_json(args[0], k): from_json(args[1], v) for k, v in value.items()}
+        return dict(value)
+    if isinstance(hint, type):
+        if attrs.has(hint):
+            if not isinstance(value, Mapping):
+                raise TypeError(f"expected a mapping for {hint.__name__}, got {value!r}")
+            hints = _hints(hint)
+            kwargs = {}
+            for f in attrs.fields(hint):
+                if f.name in value and f.init:
+                    kwargs[f.alias or f.name] = from_json(hints.get(f.name, Any), value[f.name])
+            return hint(**kwargs)
+        if issubclass(hint, enum.Enum):
+            return hint(value)
+        if issubclass(hint, PurePath):
+            return hint(value)
+        if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if hint in (int, str, bool, float) and not isinstance(value, hint):
+            raise TypeError(f"expected {hint.__name__}, got {value!r}")
+    return value
+
+
+def event_to_json(event: object) -> tuple[str, dict[str, Any]]:
+    """(event class name, its fields as JSON) for the history table."""
+    return type(event).__name__, to_json(event)
+
+
+def event_from_json(spec: MachineSpec, name: str, payload: Mapping[str, Any]) -> object:
+    """Rebuild an event recorded in history; KeyError for a name the machine never knew."""
+    return from_json(spec.event_types[name], payload)
+
+
+def data_to_json(data: Any) -> dict[str, Any]:
+    """A machine's data record as JSON for its row."""
+    return to_json(data)
+
+
+def data_from_json(spec: MachineSpec, payload: Mapping[str, Any]) -> Any:
+    """Rebuild a machine's data record; fields added since it was written take defaults."""
+    return from_json(spec.data_type, payload)

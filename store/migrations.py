@@ -1,0 +1,100 @@
+"""Numbered schema migrations: an ordered list of small functions, recorded in the database.
+
+Each migration runs in one transaction together with its row in `_migrations`, so a kill
+mid-migration leaves the database exactly as it was before it. To change the schema, append
+a function `mNNN_what(db)` to MIGRATIONS; never edit or reorder one that has shipped.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from sqlite_utils import Database
+
+from states.reasons import ReasonCode
+from store.errors import StoreError
+
+Migration = Callable[[Database], None]
+
+
+def m001_initial(db: Database) -> None:
+    """Machines (one row each, current state) and their append-only transition history."""
+    db["machines"].create(
+        {
+            "id": str,  # "launch", "install:cuda-90", "probe:cuda", ...
+            "kind": str,  # the machine spec's name
+            "state": str,
+            "data": str,  # JSON of the machine's data record
+            "reason": str,
+            "evidence": str,  # JSON object
+            "updated_at": float,
+            "seq": int,  # number of transitions recorded for this machine
+        },
+        pk="id",
+        not_null={"kind", "state", "data", "evidence", "updated_at", "seq"},
+        defaults={"evidence": "{}", "seq": 0},
+    )
+    db["transitions"].create(
+        {
+            "id": int,
+            "machine_id": str,
+            "kind": str,
+            "from_state": str,
+            "event": str,
+            "event_data": str,  # JSON of the event's fields
+            "to_state": str,
+            "reason": str,
+            "evidence": str,  # JSON object
+            "at": float,  # wall clock, unix seconds
+            "seq": int,  # 1, 2, ... per machine: equals machines.seq after the write
+        },
+        pk="id",
+        not_null={"machine_id", "kind", "from_state", "event", "event_data", "to_state", "evidence", "at", "seq"},
+        foreign_keys=[("machine_id", "machines", "id")],
+    )
+    db["transitions"].create_index(["machine_id", "seq"], unique=True)
+    db["transitions"].create_index(["at"])
+    db["transitions"].create_index(["kind", "at"])
+
+
+MIGRATIONS: list[Migration] = [
+    m001_initial,
+]
+
+
+def applied(db: Database) -> list[str]:
+    """Names of the migrations recorded in this database, in the order they ran."""
+    if "_migrations" not in db.table_names():
+        return []
+    return [row["name"] for row in db.query("select name from _migrations order by rowid")]
+
+
+def migrate(
+    db: Database,
+    migrations: list[Migration] | None = None,
+    clock: Callable[[], float] = time.time,
+) -> list[str]:
+    """Run every migration not yet recorded; return the names that ran now."""
+    migrations = MIGRATIONS if migrations is None else migrations
+    if "_migrations" not in db.table_names():
+        with db.atomic():
+            db["_migrations"].create({"name": str, "applied_at": float}, pk="name", if_not_exists=True)
+    known = [m.__name__ for m in migrations]
+    done = applied(db)
+    unknown = [name for name in done if name not in known]
+    if unknown:
+        raise StoreError(
+            ReasonCode.STORE_SCHEMA_TOO_NEW,
+            evidence={"unknown_migrations": unknown, "known": known},
+        )
+    ran = []
+    for migration in migrations:
+        name = migration.__name__
+        if name in done:
+            continue
+        with db.atomic():
+            migration(db)
+            db["_migrations"].insert({"name": name, "applied_at": clock()})
+        ran.append(name)
+    return ran
