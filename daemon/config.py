@@ -83,8 +83,8 @@ class ConfigError(StokerError):
         super().__init__(
             ReasonCode.CONFIG_INVALID,
             f"The config file{'' if path is None else f' {path}'} has {count} "
-            f"problem{'s' if count != 1 else ''}; the previous config stays in force. "
-            f"See `stoker config check`.",
+            f"problem{'s' if count != 1 else ''}; fix {'them' if count != 1 else 'it'} "
+            f"(`stoker config check` lists every one).",
             evidence,
         )
 

@@ -49,6 +49,10 @@ ERROR_CODES: dict[ReasonCode, int] = {
     ReasonCode.DAEMON_ALREADY_RUNNING: 1002,
     ReasonCode.DAEMON_NOT_RUNNING: 1003,
     ReasonCode.ILLEGAL_TRANSITION: 1004,
+    ReasonCode.STORE_CORRUPT: 1101,
+    ReasonCode.STORE_SCHEMA_TOO_NEW: 1102,
+    ReasonCode.STORE_WRITE_FAILED: 1103,
+    ReasonCode.PROBE_RESULT_STALE: 1201,
     # The server process.
     ReasonCode.MODEL_MISSING: 2001,
     ReasonCode.MODEL_LOAD_FAILED: 2002,
@@ -59,6 +63,8 @@ ERROR_CODES: dict[ReasonCode, int] = {
     ReasonCode.CRASH_LOOP: 2007,
     ReasonCode.GPU_CLAIMED_BUT_UNUSED: 2008,
     ReasonCode.CPU_ILLEGAL_INSTRUCTION: 2009,
+    ReasonCode.SERVER_START_TIMEOUT: 2010,
+    ReasonCode.SERVER_SPAWN_FAILED: 2011,
     # Engine bundles.
     ReasonCode.BUNDLE_MISSING: 3001,
     ReasonCode.BUNDLE_BUILD_FAILED: 3002,
