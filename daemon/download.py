@@ -45,6 +45,7 @@ class DownloadErrorKind(enum.StrEnum):
     RANGE_MISMATCH = "range_mismatch"  # 206 at the wrong offset, or a malformed Content-Range
     CONTENT_CHANGED = "content_changed"  # the file kept changing under us (ETag) restart after restart
     CONNECTION = "connection"  # the connection failed more times than the retries allow
+    WRITE_FAILED = "write_failed"  # the part could not be written (disk full, permissions)
 
 
 _MESSAGES = {
@@ -55,6 +56,7 @@ _MESSAGES = {
     DownloadErrorKind.RANGE_MISMATCH: "the server resumed at the wrong offset; the partial file was discarded",
     DownloadErrorKind.CONTENT_CHANGED: "the file on the server kept changing while it was downloaded",
     DownloadErrorKind.CONNECTION: "the connection failed {attempts} times; the partial file is kept, retry to resume",
+    DownloadErrorKind.WRITE_FAILED: "writing {part} failed ({error}); free disk space and retry",
 }
 
 
@@ -192,6 +194,7 @@ class _Transfer:
     last_report: float = -1.0
     last_report_bytes: int = 0
     rate: float = 0.0
+    write_failure: OSError | None = None
 
     @property
     def part(self) -> Path:
@@ -239,6 +242,8 @@ class _Transfer:
             if self.fd >= 0:
                 os.close(self.fd)
                 self.fd = -1
+                if self.written == 0:
+                    self.discard()  # an empty part is nothing to resume
 
     async def open_part(self) -> None:
         """Open the part, keeping it only if it belongs to this URL and digest and can be resumed."""
@@ -354,26 +359,33 @@ class _Transfer:
         self.save_sidecar()
 
     async def stream_body(self, response: httpx.Response) -> None:
-        """Receive into batches; a writer task hashes and writes them in a thread meanwhile."""
+        """Receive into batches; a writer task hashes and writes them in a thread meanwhile.
+
+        Raised inside the nursery, an error would arrive wrapped in an ExceptionGroup, so
+        failures are kept aside, the nursery is cancelled, and they are raised after it.
+        """
         cap = self.max_bytes if self.expected_size is None else min(self.max_bytes, self.expected_size)
         cut: httpx.TransportError | None = None
+        failure: Exception | None = None
+        batch: list[bytes] = []
         send, receive = trio.open_memory_channel[list[bytes]](4)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.write_batches, receive)
-            async with send:
-                batch: list[bytes] = []
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.write_batches, receive, nursery.cancel_scope)
                 pending = 0
                 try:
                     async for chunk in response.aiter_raw():
                         if self.received + len(chunk) > cap:
                             over = self.expected_size is not None and cap == self.expected_size
-                            raise self.error(
+                            failure = self.error(
                                 DownloadErrorKind.SIZE_MISMATCH if over else DownloadErrorKind.TOO_LARGE,
                                 discard=True,
                                 expected_size=self.expected_size,
                                 max_bytes=self.max_bytes,
                                 actual_size=f">{self.received + len(chunk) - 1}",
                             )
+                            nursery.cancel_scope.cancel()
+                            break
                         self.received += len(chunk)
                         batch.append(chunk)
                         pending += len(chunk)
@@ -384,16 +396,44 @@ class _Transfer:
                             self.report(final=False)
                 except httpx.TransportError as exc:
                     cut = exc  # keep what arrived: the writer drains before we retry
-                if batch:
+                if failure is None and batch:
                     await send.send(batch)
+                    batch = []
+                send.close()
+        finally:
+            # A cut, a cancellation (daemon stopping) or a write error: every byte that
+            # arrived and is still queued goes to the part, so a resume loses nothing.
+            if failure is None and self.write_failure is None:
+                leftovers = []
+                while True:
+                    try:
+                        leftovers.append(receive.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                leftovers.append(batch)
+                if any(leftovers):
+                    with trio.CancelScope(shield=True):
+                        for queued in leftovers:
+                            if queued:
+                                await trio.to_thread.run_sync(self.write_batch, queued)
+        if self.write_failure is not None:
+            raise self.error(
+                DownloadErrorKind.WRITE_FAILED, discard=False, part=str(self.part), error=str(self.write_failure)
+            )
+        if failure is not None:
+            raise failure
         self.received = self.written
         if cut is not None:
             raise cut
 
-    async def write_batches(self, receive: trio.MemoryReceiveChannel[list[bytes]]) -> None:
-        async with receive:
-            async for batch in receive:
+    async def write_batches(self, receive: trio.MemoryReceiveChannel[list[bytes]], scope: trio.CancelScope) -> None:
+        async for batch in receive:
+            try:
                 await trio.to_thread.run_sync(self.write_batch, batch)
+            except OSError as exc:
+                self.write_failure = exc
+                scope.cancel()
+                return
 
     def write_batch(self, batch: list[bytes]) -> None:
         # Runs in a worker thread; sha256 and write release the GIL for large buffers.

@@ -58,8 +58,11 @@ class Fault:
     changed_data: bytes | None = None
     # Throttle the body to this many bytes per second.
     rate: int | None = None
-    # Send no ETag or Last-Modified at all.
+    # Send no ETag or Last-Modified at all; or only the Last-Modified.
     no_validator: bool = False
+    no_etag: bool = False
+    # Send the body chunked, without a Content-Length.
+    chunked: bool = False
 
 
 @attrs.frozen
@@ -233,11 +236,15 @@ class _FaultHandler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Type", "application/octet-stream")
             self.send_header("Accept-Ranges", "bytes")
             if not fault.no_validator:
-                self.send_header("ETag", etag)
+                if not fault.no_etag:
+                    self.send_header("ETag", etag)
                 self.send_header("Last-Modified", last_modified)
             if status == 206:
                 self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
-            self.send_header("Content-Length", str(end - start + fault.length_delta))
+            if fault.chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.send_header("Content-Length", str(end - start + fault.length_delta))
             self.end_headers()
             if head:
                 return
@@ -245,6 +252,8 @@ class _FaultHandler(http.server.BaseHTTPRequestHandler):
             if cut:
                 limit = min(limit, fault.cut_after)
             sent = self._body(data, start, limit, fault)
+            if fault.chunked and not cut:
+                self.wfile.write(b"0\r\n\r\n")
             if cut:
                 cut_happened = True
                 self.close_connection = True
@@ -272,7 +281,7 @@ class _FaultHandler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _body(self, data: bytes | Path, start: int, count: int, fault: Fault) -> int:
-        if isinstance(data, Path) and not fault.corrupt and fault.rate is None:
+        if isinstance(data, Path) and not fault.corrupt and fault.rate is None and not fault.chunked:
             with open(data, "rb") as f:
                 return self.connection.sendfile(f, start, count)
         if isinstance(data, Path):
@@ -290,7 +299,10 @@ class _FaultHandler(http.server.BaseHTTPRequestHandler):
         view = memoryview(blob)
         while sent < len(blob):
             chunk = view[sent : sent + step]
-            self.wfile.write(chunk)
+            if fault.chunked:
+                self.wfile.write(b"%x\r\n" % len(chunk) + bytes(chunk) + b"\r\n")
+            else:
+                self.wfile.write(chunk)
             sent += len(chunk)
             if fault.rate is not None:
                 ahead = sent / fault.rate - (time.monotonic() - began)
