@@ -16,6 +16,7 @@ import datetime
 import enum
 import json
 import os
+import zlib
 from typing import Any, Mapping
 
 import attrs
@@ -33,8 +34,11 @@ MAX_REPLY_FRAME = 64 * 1024 * 1024
 # one code not keyed by a reason, because JSON-RPC tells "not JSON" from "not a valid request"
 # while Stoker's reason for both is bad_request.
 PARSE_ERROR = -32700
-# Codes for reasons that are not in ERROR_CODES (a reason added later): a generic server error.
+# A string that is not a ReasonCode at all gets the generic JSON-RPC server error.
 APPLICATION_ERROR = -32000
+# A reason added after this table was last edited gets a code derived from its (stable) string
+# in DERIVED_BASE..DERIVED_BASE+9999, so it is stable too; give it a table entry when convenient.
+DERIVED_BASE = 90000
 
 # ReasonCode -> JSON-RPC error code: the one table. Protocol reasons use JSON-RPC's own codes;
 # application reasons have stable positive codes grouped by area. Never renumber an entry.
@@ -102,9 +106,13 @@ ERROR_CODES: dict[ReasonCode, int] = {
 def code_for(reason: ReasonCode | str) -> int:
     """The JSON-RPC error code for a reason."""
     try:
-        return ERROR_CODES.get(ReasonCode(reason), APPLICATION_ERROR)
+        reason = ReasonCode(reason)
     except ValueError:
         return APPLICATION_ERROR
+    code = ERROR_CODES.get(reason)
+    if code is None:
+        code = DERIVED_BASE + zlib.crc32(str(reason).encode()) % 10000
+    return code
 
 
 class ProtocolError(StokerError):
