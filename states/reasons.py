@@ -34,6 +34,8 @@ class ReasonCode(enum.StrEnum):
     METAL_STARTUP_FAILED = "metal_startup_failed"
     METAL_BUNDLE_INSTALL_FAILED = "metal_bundle_install_failed"
     CPU_BUNDLE_INSTALL_FAILED = "cpu_bundle_install_failed"
+    # Hardware probes.
+    PROBE_FAILED = "probe_failed"
     # Engine and bundles.
     CPU_ILLEGAL_INSTRUCTION = "cpu_illegal_instruction"
     BUNDLE_MISSING = "bundle_missing"
@@ -109,6 +111,10 @@ MESSAGES: dict[ReasonCode, str] = {
     **_gpu_messages(),
     ReasonCode.GPU_MISSING: "No usable GPU was found; serving on the CPU.",
     ReasonCode.CPU_BUNDLE_INSTALL_FAILED: "Installing the CPU engine bundle failed; the previous state is intact.",
+    ReasonCode.PROBE_FAILED: (
+        "The hardware probe for this backend crashed or timed out; it is treated as unavailable. "
+        "Run `stoker probe --fresh` for the evidence."
+    ),
     ReasonCode.CPU_ILLEGAL_INSTRUCTION: (
         "The engine died with SIGILL: this CPU advertises an instruction set it cannot run. "
         "Use a safer CPU variant (Stoker retries on one by itself)."

@@ -1,0 +1,269 @@
+"""The backend plugin contract: what every accelerator backend answers, and its records.
+
+A backend is found through the `stoker.backends` entry-point group (see `registry.py`).
+`detect()` runs inside the probe subprocess (`daemon/probe_child.py`), so a driver that
+crashes or hangs cannot take the daemon down; its answer crosses the process boundary as
+JSON through `Detection.to_dict()` / `Detection.from_dict()`.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from typing import Any, ClassVar, Iterable, Mapping, Protocol, runtime_checkable
+
+import attrs
+
+from states.reasons import ReasonCode, message_for
+
+
+def _device_tuple(devices: Iterable["Device"]) -> tuple["Device", ...]:
+    return tuple(devices)
+
+
+@attrs.frozen
+class Device:
+    """One accelerator (or the CPU) as detection saw it. Memory is in MiB."""
+
+    index: int
+    name: str
+    memory_total_mib: int | None = None
+    memory_free_mib: int | None = None
+    compute_capability: str | None = None  # "9.0" for CUDA, "gfx942" for ROCm
+    driver_version: str | None = None
+    runtime_version: str | None = None  # the CUDA version the driver supports, ROCm, Vulkan API
+    device_type: str | None = None  # "discrete", "integrated", "cpu", ... where the tool says
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Device":
+        names = {a.name for a in attrs.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@attrs.frozen
+class Detection:
+    """A backend's verdict on this machine, with the evidence that decided it.
+
+    `present`: the hardware is there. `usable`: its runtime can be driven now (a bundle may
+    still be missing; that is the fallback orchestrator's business). `reason` is None when
+    usable, otherwise the code that explains why not. `evidence` is JSON-safe: driver and
+    toolkit versions, compute capability, the failing library, raw tool output excerpts.
+    """
+
+    backend: str
+    present: bool
+    usable: bool
+    reason: ReasonCode | None = attrs.field(
+        default=None, converter=lambda r: None if r is None else ReasonCode(r)
+    )
+    message: str = ""
+    devices: tuple[Device, ...] = attrs.field(default=(), converter=_device_tuple)
+    evidence: Mapping[str, Any] = attrs.field(factory=dict)
+
+    @classmethod
+    def available(
+        cls, backend: str, devices: Iterable[Device], message: str, **evidence: Any
+    ) -> "Detection":
+        """Hardware present and its runtime usable."""
+        return cls(backend, True, True, None, message, tuple(devices), evidence)
+
+    @classmethod
+    def unavailable(
+        cls,
+        backend: str,
+        reason: ReasonCode,
+        *,
+        present: bool,
+        message: str | None = None,
+        devices: Iterable[Device] = (),
+        **evidence: Any,
+    ) -> "Detection":
+        """Not usable, with the reason code (its standard sentence unless `message` is given)."""
+        return cls(backend, present, False, reason, message or message_for(reason), tuple(devices), evidence)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "present": self.present,
+            "usable": self.usable,
+            "reason": None if self.reason is None else str(self.reason),
+            "message": self.message,
+            "devices": [d.to_dict() for d in self.devices],
+            "evidence": dict(self.evidence),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Detection":
+        """Parse the JSON form; raises KeyError/ValueError/TypeError on a malformed record."""
+        if not isinstance(data.get("present"), bool) or not isinstance(data.get("usable"), bool):
+            raise TypeError("present and usable must be booleans")
+        return cls(
+            backend=str(data["backend"]),
+            present=data["present"],
+            usable=data["usable"],
+            reason=data.get("reason"),
+            message=str(data.get("message", "")),
+            devices=tuple(Device.from_dict(d) for d in data.get("devices", ())),
+            evidence=dict(data.get("evidence") or {}),
+        )
+
+
+@attrs.frozen
+class BundleCheck:
+    """Whether a bundle's build fits the detected hardware; `reason` None means it fits."""
+
+    reason: ReasonCode | None
+    message: str = ""
+    evidence: Mapping[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+
+BUNDLE_FITS = BundleCheck(None, "the bundle fits this hardware")
+
+
+@runtime_checkable
+class LaunchPlanLike(Protocol):
+    """What `launch_args` reads from a launch plan (the launch machine owns the real class).
+
+    `gpu_layers`: None lets the engine fit layers to free VRAM (`-ngl auto`); an int is
+    passed as is. `devices`: engine device names (`CUDA0`, ...) to restrict to; empty = all.
+    """
+
+    gpu_layers: int | None
+    devices: tuple[str, ...]
+
+
+@attrs.frozen
+class TelemetryRequest:
+    """What to read: which devices (empty = all) and, optionally, one process's share."""
+
+    devices: tuple[int, ...] = ()
+    pid: int | None = None
+
+
+@attrs.frozen
+class DeviceTelemetry:
+    index: int
+    memory_used_mib: int | None = None
+    memory_total_mib: int | None = None
+    utilization_percent: int | None = None
+    temperature_c: int | None = None
+    power_w: float | None = None
+
+
+@attrs.frozen
+class Telemetry:
+    """A cheap, frequent reading (cached ~5 s by the caller), unlike detection (~30 s)."""
+
+    backend: str
+    devices: tuple[DeviceTelemetry, ...] = ()
+    process_memory_mib: int | None = None  # VRAM held by the requested pid; None = unknown
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class ListedDevice:
+    """One line of `llama-server --list-devices` that a backend's signature matched."""
+
+    backend: str
+    name: str  # the engine's device name: CUDA0, ROCm0, Vulkan0, MTL0
+    description: str
+    memory_total_mib: int | None = None
+    memory_free_mib: int | None = None
+
+
+class Backend(abc.ABC):
+    """One accelerator backend. Subclass it and register it under `stoker.backends`.
+
+    `detect` runs in the probe subprocess; everything else is cheap, pure and runs in the
+    daemon. Constructors take no required arguments (the registry calls `cls()`); tests
+    inject recorded hardware answers through keyword arguments.
+    """
+
+    name: ClassVar[str]
+    # The regex for this backend's `llama-server --list-devices` lines; groups:
+    # 1 engine device name, 2 description, 3 total MiB, 4 free MiB (where printed).
+    device_signature: ClassVar[re.Pattern[str]]
+    # Every reason code detect/check_bundle/launch verification can produce for it.
+    reason_codes: ClassVar[frozenset[ReasonCode]]
+    # The code for "present but cannot be used" (also what a crashed probe reports).
+    unavailable_reason: ClassVar[ReasonCode]
+    # Accelerators get -ngl; the CPU does not.
+    offloads: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def detect(self) -> Detection:
+        """Look at the hardware and its runtime; never raises for a hardware problem."""
+
+    @abc.abstractmethod
+    def choose_variant(self, detection: Detection, available_variants: Iterable[str]) -> str | None:
+        """The bundle variant that fits this detection, or None if none of them does."""
+
+    def explain_bundle(self, detection: Detection, bundle_meta: Mapping[str, Any]) -> BundleCheck:
+        """Whether a bundle (its `bundle.json` as a dict) can run here, with evidence."""
+        return BUNDLE_FITS
+
+    def check_bundle(self, detection: Detection, bundle_meta: Mapping[str, Any]) -> ReasonCode | None:
+        """The reason this bundle cannot run on the detected hardware, or None if it can."""
+        return self.explain_bundle(detection, bundle_meta).reason
+
+    def launch_args(self, plan: LaunchPlanLike) -> list[str]:
+        """The llama-server arguments this backend adds for a plan."""
+        if not self.offloads:
+            return []
+        layers = getattr(plan, "gpu_layers", None)
+        args = ["-ngl", "auto" if layers is None else str(int(layers))]
+        devices = tuple(getattr(plan, "devices", ()) or ())
+        if devices:
+            args += ["--device", ",".join(devices)]
+        return args
+
+    def parse_list_devices(self, output: str) -> tuple[ListedDevice, ...]:
+        """This backend's devices in `llama-server --list-devices` output (empty: not loaded)."""
+        found = []
+        for line in output.splitlines():
+            m = self.device_signature.match(line)
+            if m is None:
+                continue
+            groups = m.groups()
+            total = int(groups[2]) if len(groups) > 2 and groups[2] is not None else None
+            free = int(groups[3]) if len(groups) > 3 and groups[3] is not None else None
+            found.append(ListedDevice(self.name, groups[0], groups[1], total, free))
+        return tuple(found)
+
+    def read_telemetry(self, handle: TelemetryRequest) -> Telemetry | None:
+        """A cheap telemetry reading, or None where this backend cannot read one yet."""
+        return None
+
+
+def gpu_device_signature(prefix: str) -> re.Pattern[str]:
+    """The `--list-devices` line shape shared by the GGML GPU backends."""
+    return re.compile(rf"^\s+({prefix}\d+): (.+) \((\d+) MiB, (\d+) MiB free\)$")
+
+
+def version_tuple(text: str | None) -> tuple[int, ...]:
+    """'580.95.05' -> (580, 95, 5); non-numeric parts end the tuple."""
+    out: list[int] = []
+    for part in re.split(r"[.\-+ ]", (text or "").strip()):
+        if not part.isdigit():
+            break
+        out.append(int(part))
+    return tuple(out)
+
+
+def excerpt(text: str | bytes | None, limit: int = 2000) -> str:
+    """A bounded excerpt of tool output for evidence (the tail, where errors usually are)."""
+    if text is None:
+        return ""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    text = text.strip()
+    return text if len(text) <= limit else "..." + text[-limit:]

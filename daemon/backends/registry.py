@@ -1,0 +1,108 @@
+"""Finding backends: the `stoker.backends` entry-point group, a broken plugin isolated.
+
+An entry point names a Backend subclass (or any zero-argument factory returning one):
+
+    [project.entry-points."stoker.backends"]
+    rpc = "stoker_rpc:RpcBackend"
+
+A plugin that fails to import, to construct, or to look like a backend is recorded as a
+`PluginFailure` and left out; the other backends load as usual.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import traceback
+from importlib import metadata
+from typing import Any, Iterable, Mapping
+
+import attrs
+
+from daemon.backends.base import Backend
+
+GROUP = "stoker.backends"
+BUILTIN = ("cpu", "cuda", "rocm", "vulkan", "metal")
+_REQUIRED = ("name", "detect", "choose_variant", "device_signature", "launch_args", "check_bundle", "reason_codes")
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class PluginFailure:
+    """A backend plugin that could not be loaded, and why."""
+
+    name: str
+    target: str  # the entry point's value, "module:attr"
+    error: str
+    traceback: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class BackendRegistry:
+    backends: Mapping[str, Backend]
+    failures: tuple[PluginFailure, ...] = ()
+
+
+def _entry_points(group: str) -> list[metadata.EntryPoint]:
+    return list(metadata.entry_points(group=group))
+
+
+def instantiate(name: str, target: str, loaded: Any) -> Backend:
+    """Turn what an entry point loaded into a checked backend instance (raises on misfit)."""
+    backend = loaded() if isinstance(loaded, type) or (callable(loaded) and not hasattr(loaded, "detect")) else loaded
+    missing = [attr for attr in _REQUIRED if not hasattr(backend, attr)]
+    if missing:
+        raise TypeError(f"{target} is not a backend: missing {', '.join(missing)}")
+    if backend.name != name:
+        raise ValueError(f"{target} calls itself {backend.name!r} but is registered as {name!r}")
+    return backend
+
+
+def load_target(name: str, target: str) -> Backend:
+    """Load one backend from a "module:attr" reference (tests and `probe_child --target`)."""
+    module_name, _, attr = target.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in filter(None, attr.split(".")):
+        obj = getattr(obj, part)
+    return instantiate(name, target, obj)
+
+
+def discover_backends(entry_points: Iterable[metadata.EntryPoint] | None = None) -> BackendRegistry:
+    """Every registered backend, plus a record of each plugin that failed to load."""
+    points = _entry_points(GROUP) if entry_points is None else list(entry_points)
+    # Built-ins (from the stoker distribution) first, so a plugin cannot shadow one.
+    points.sort(key=lambda ep: (getattr(getattr(ep, "dist", None), "name", None) != "stoker", ep.name))
+    backends: dict[str, Backend] = {}
+    failures: list[PluginFailure] = []
+    for ep in points:
+        if ep.name in backends:
+            failures.append(PluginFailure(ep.name, ep.value, f"duplicate backend name; kept {backends[ep.name]!r}"))
+            continue
+        try:
+            backends[ep.name] = instantiate(ep.name, ep.value, ep.load())
+        except Exception as e:  # a third party's bug must not stop the daemon
+            failures.append(
+                PluginFailure(ep.name, ep.value, f"{type(e).__name__}: {e}", traceback.format_exc(limit=5))
+            )
+    for failure in failures:
+        log.warning("backend plugin %s (%s) not loaded: %s", failure.name, failure.target, failure.error)
+    return BackendRegistry(backends, tuple(failures))
+
+
+def load_backends(entry_points: Iterable[metadata.EntryPoint] | None = None) -> dict[str, Backend]:
+    """The backends that loaded, by name; failures are logged (see `discover_backends`)."""
+    return dict(discover_backends(entry_points).backends)
+
+
+def load_backend(name: str, entry_points: Iterable[metadata.EntryPoint] | None = None) -> Backend:
+    """Load just one backend by name (the probe child: other plugins are never imported)."""
+    points = _entry_points(GROUP) if entry_points is None else list(entry_points)
+    matches = [ep for ep in points if ep.name == name]
+    if not matches:
+        raise LookupError(f"no backend named {name!r} is registered under {GROUP!r}")
+    matches.sort(key=lambda ep: getattr(getattr(ep, "dist", None), "name", None) != "stoker")
+    return instantiate(name, matches[0].value, matches[0].load())
