@@ -1,0 +1,133 @@
+"""Installed bundles: one slot per backend and variant under the data dir's `bundles/`.
+
+Install = unpack (or copy) into a hidden staging directory beside the slots, verify there,
+then rename into place; the slot it replaces is kept as `<slot>.previous`. Staging names
+start with a dot and are never found by `find_installed`, so nothing half-installed is
+ever launched. If a crash falls between the two renames, the slot is missing and its
+`.previous` still there: `find_installed` then returns the previous bundle.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+
+from daemon.bundles.archive import unpack_bundle
+from daemon.bundles.metadata import BundleMeta
+from daemon.bundles.variants import SAFE_CPU_VARIANTS, cpu_flags, variant_fits
+from daemon.bundles.verify import VerifyReport, verify_dir
+from daemon.errors import StokerError
+from daemon.paths import StokerPaths
+from states.reasons import ReasonCode
+
+Progress = Callable[[str], None]
+PREVIOUS = ".previous"
+
+
+@attrs.frozen
+class InstalledBundle:
+    root: Path
+    meta: BundleMeta
+    server: Path  # the llama-server executable
+
+    @classmethod
+    def from_dir(cls, root: Path) -> "InstalledBundle":
+        root = Path(root)
+        meta = BundleMeta.read(root)
+        return cls(root, meta, root / meta.server)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"root": str(self.root), "server": str(self.server), "backend": self.meta.backend,
+                "variant": self.meta.variant, "version": self.meta.version,
+                "cache_key": self.meta.build.get("cache_key")}
+
+
+def _copy_dir_into(src: Path, staging: Path) -> None:
+    # Links are copied as links so that verification sees and refuses them.
+    shutil.copytree(src, staging, symlinks=True, dirs_exist_ok=True)
+
+
+def install_bundle(
+    zip_or_dir: str | Path,
+    paths: StokerPaths,
+    *,
+    expect_backend: str | None = None,
+    expect_version: str | None = None,
+    expect_variant: str | None = None,
+    smoke: bool = False,
+    progress: Progress = lambda _: None,
+) -> InstalledBundle:
+    """Verify a bundle zip or directory in staging and move it into its slot atomically."""
+    source = Path(zip_or_dir)
+    if not source.exists():
+        raise StokerError(ReasonCode.BUNDLE_MISSING, "The bundle to install does not exist.", {"path": str(source)})
+    bundles = paths.bundles_dir
+    bundles.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=bundles))
+    try:
+        unpacked = staging / "bundle"
+        if source.is_dir():
+            _copy_dir_into(source, unpacked)
+        else:
+            unpack_bundle(source, unpacked)
+        progress(f"unpacked into {unpacked}")
+        report: VerifyReport = verify_dir(unpacked, expect_backend=expect_backend, expect_version=expect_version,
+                                          expect_variant=expect_variant, smoke=smoke, progress=progress)
+        slot = bundles / report.meta.slot
+        previous = bundles / (report.meta.slot + PREVIOUS)
+        if slot.exists():
+            shutil.rmtree(previous, ignore_errors=True)
+            os.replace(slot, previous)
+        os.replace(unpacked, slot)
+        progress(f"installed {report.meta.slot} at {slot}")
+        return InstalledBundle.from_dir(slot)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _load(root: Path) -> InstalledBundle | None:
+    try:
+        bundle = InstalledBundle.from_dir(root)
+    except (StokerError, OSError):
+        return None  # a damaged slot is not launchable; `bundle list` shows it absent
+    return bundle if bundle.server.is_file() else None
+
+
+def list_installed(paths: StokerPaths) -> list[InstalledBundle]:
+    """Every launchable installed bundle, one per slot (a slot lost mid-install shows its previous)."""
+    root = paths.bundles_dir
+    if not root.is_dir():
+        return []
+    slots = {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    out = []
+    for name in sorted(slots):
+        if name.endswith(PREVIOUS):
+            base = name[: -len(PREVIOUS)]
+            if base in slots:
+                continue
+        bundle = _load(root / name)
+        if bundle is not None:
+            out.append(bundle)
+    return out
+
+
+def find_installed(paths: StokerPaths, backend: str, variant: str | None = None) -> InstalledBundle | None:
+    """The installed bundle for `backend` (and `variant`), or None.
+
+    Without a variant, the first safe variant this CPU can run wins (avx2, then compat);
+    a `native` bundle is only ever returned when asked for by name.
+    """
+    candidates = [b for b in list_installed(paths) if b.meta.backend == backend]
+    if variant is not None:
+        return next((b for b in candidates if b.meta.variant == variant), None)
+    flags = cpu_flags()
+    for name in SAFE_CPU_VARIANTS:
+        for bundle in candidates:
+            if bundle.meta.variant == name and variant_fits(bundle.meta.cpu_requires, flags):
+                return bundle
+    return None

@@ -1,0 +1,144 @@
+"""The smoke run: a greedy generation on the tiny model, the token-identical gate's input.
+
+Used twice with the same spec: at build time to record the reference tokens in bundle.json,
+and by `bundle verify --smoke` to compare. Greedy (temperature 0, top_k 1), one slot, a fixed
+seed and thread count, and no prompt cache, so the same build on the same CPU family gives
+the same ids. Blocking code: the daemon calls it through `trio.to_thread.run_sync`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+from daemon.bundles.exitcodes import classify_engine_exit, exit_evidence
+from daemon.bundles.tinymodel import write_tiny_model
+from daemon.errors import StokerError
+from states.reasons import ReasonCode
+
+_LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+)")
+
+
+def engine_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment an engine runs in: LLAMA_ARG_* would silently add arguments, so it is dropped."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+    env.pop("GGML_BACKEND_DIR", None)
+    env.update(extra or {})
+    return env
+
+
+@attrs.frozen
+class SmokeSpec:
+    model: Mapping[str, Any] = attrs.field(
+        factory=lambda: {"n_layer": 2, "n_embd": 128, "n_head": 2, "n_ctx": 256, "seed": 0, "vocab": "spm"}
+    )
+    prompt: str = "Once upon a time there was a"
+    n_predict: int = 16
+    threads: int = 2
+
+    def write_model(self, directory: Path) -> Path:
+        return write_tiny_model(Path(directory) / "smoke.gguf", **dict(self.model))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": dict(self.model), "prompt": self.prompt, "n_predict": self.n_predict,
+                "threads": self.threads}
+
+
+def _tail(log: Path, limit: int = 8000) -> str:
+    try:
+        data = log.read_bytes()
+    except OSError:
+        return ""
+    return data[-limit:].decode("utf-8", "replace")
+
+
+def _engine_failed(proc: subprocess.Popen, log: Path, what: str) -> StokerError:
+    tail = _tail(log)
+    reason = classify_engine_exit(proc.returncode, tail)
+    if reason != ReasonCode.CPU_ILLEGAL_INSTRUCTION:
+        reason = ReasonCode.BUNDLE_VERIFY_FAILED
+    return StokerError(reason, evidence={"step": what, **exit_evidence(proc.returncode, tail)})
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def generate(
+    server: Path,
+    model: Path,
+    prompt: str,
+    n_predict: int,
+    scratch: Path,
+    *,
+    threads: int = 2,
+    timeout: float = 120.0,
+) -> tuple[int, ...]:
+    """Start `server` on `model`, run one greedy completion, stop it; return the token ids."""
+    import httpx
+
+    scratch = Path(scratch)
+    scratch.mkdir(parents=True, exist_ok=True)
+    log = scratch / "smoke-server.log"
+    key = secrets.token_hex(16)
+    cmd = [str(server), "-m", str(model), "--host", "127.0.0.1", "--port", "0", "-c", "256", "-np", "1",
+           "-t", str(threads), "--seed", "0", "--api-key", key, "--log-colors", "off", "--no-webui"]
+    deadline = time.monotonic() + timeout
+    with open(log, "wb") as out:
+        # A scratch cwd: the engine may look for backend libraries in its working directory.
+        proc = subprocess.Popen(cmd, cwd=scratch, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=engine_env(), start_new_session=True)
+    try:
+        port = None
+        while port is None:
+            if proc.poll() is not None:
+                raise _engine_failed(proc, log, "smoke: start")
+            m = _LISTENING.search(_tail(log, 1 << 20))
+            if m:
+                port = int(m.group(1))
+            elif time.monotonic() > deadline:
+                raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "The smoke server did not start in time.",
+                                  {"step": "smoke: start", "log_tail": _tail(log, 2000)})
+            else:
+                time.sleep(0.05)
+        base = f"http://127.0.0.1:{port}"
+        headers = {"Authorization": f"Bearer {key}"}
+        body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "top_k": 1, "seed": 0,
+                "cache_prompt": False, "return_tokens": True, "stream": False}
+        with httpx.Client(timeout=max(5.0, deadline - time.monotonic())) as client:
+            while client.get(base + "/health").status_code != 200:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise _engine_failed(proc, log, "smoke: load")
+                time.sleep(0.05)
+            resp = client.post(base + "/completion", json=body, headers=headers)
+        if resp.status_code != 200 or not isinstance(resp.json().get("tokens"), list):
+            raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "The smoke completion failed.",
+                              {"status": resp.status_code, "body": resp.text[:500]})
+        return tuple(int(t) for t in resp.json()["tokens"])
+    except httpx.HTTPError as err:
+        if proc.poll() is not None:
+            raise _engine_failed(proc, log, "smoke: completion") from None
+        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "The smoke server stopped answering.",
+                          {"error": str(err), "log_tail": _tail(log, 2000)}) from None
+    finally:
+        _stop(proc)
+
+
+def run_smoke(server: Path, spec: SmokeSpec, scratch: Path, *, timeout: float = 120.0) -> tuple[int, ...]:
+    """Write the tiny model into `scratch` and return the greedy tokens `server` generates."""
+    model = spec.write_model(scratch)
+    return generate(server, model, spec.prompt, spec.n_predict, scratch, threads=spec.threads, timeout=timeout)

@@ -1,0 +1,256 @@
+"""Build plans: the pinned cmake flags for each backend and CPU variant, and the toolchain.
+
+Pure decisions live here (flags, the CPU features a variant needs, the CUDA driver floor) so
+they are unit-tested without a compiler; `build.py` runs them. docs/cpu-variants.md says why
+the CPU ships as explicit variants rather than ggml's GGML_CPU_ALL_VARIANTS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+from daemon.errors import StokerError
+from states.reasons import ReasonCode
+
+BACKENDS = ("cpu", "cuda")
+
+# Everything that makes the build hermetic and relocatable, for every backend.
+COMMON_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=ON",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",  # ON downloads the web UI at build time
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_LLGUIDANCE=OFF",
+    "-DGGML_BACKEND_DL=OFF",  # DL backends also load from the cwd and fail silently
+    "-DGGML_CCACHE=OFF",  # a shared compiler cache is an input the cache key cannot see
+    "-DGGML_OPENMP_FETCH=OFF",
+    "-DFETCHCONTENT_FULLY_DISCONNECTED=ON",  # nothing is downloaded while building
+    "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+    "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+    "-DCMAKE_INSTALL_RPATH_USE_LINK_PATH=OFF",
+)
+
+X86_SIMD = (
+    "SSE42", "AVX", "AVX_VNNI", "AVX2", "BMI2", "FMA", "F16C",
+    "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16",
+    "AMX_TILE", "AMX_INT8", "AMX_BF16",
+)
+
+# variant -> (GGML_NATIVE, the SIMD options turned ON, the /proc/cpuinfo flags they need)
+CPU_VARIANTS: Mapping[str, tuple[bool, tuple[str, ...], tuple[str, ...]]] = {
+    "avx2": (False, ("SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2"), ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2")),
+    "compat": (False, (), ()),
+    "native": (True, (), ("native",)),  # opt-in; runs only where cpuid tells the truth
+}
+SAFE_CPU_VARIANTS = ("avx2", "compat")  # in fallback order: fastest first
+
+# The Linux driver each CUDA major needs (NVIDIA's CUDA compatibility table, minor-version
+# compatibility floor): recorded so a too-old driver is named before launch.
+CUDA_MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
+DEFAULT_CUDA_ARCHS = ("90-real",)
+_ARCH = re.compile(r"^\d{2,3}[af]?(-real|-virtual)?$")
+
+
+def host_platform() -> str:
+    """`linux-x86_64`, `darwin-arm64`, ...: the platform a bundle is built for."""
+    machine = platform.machine().lower()
+    machine = {"amd64": "x86_64", "aarch64": "arm64"}.get(machine, machine)
+    return f"{platform.system().lower()}-{machine}"
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The `flags` line of /proc/cpuinfo (empty where there is none)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def default_cpu_variant(flags: frozenset[str] | None = None, machine: str | None = None) -> str:
+    """The safe variant this CPU can run: avx2 where its features are all present, else compat."""
+    machine = (machine or platform.machine()).lower()
+    if machine not in ("x86_64", "amd64"):
+        return "compat"
+    flags = cpu_flags() if flags is None else flags
+    needs = CPU_VARIANTS["avx2"][2]
+    return "avx2" if all(f in flags for f in needs) else "compat"
+
+
+def variant_fits(cpu_requires: tuple[str, ...], flags: frozenset[str]) -> bool:
+    """Whether a CPU with `flags` can run a bundle that requires `cpu_requires`."""
+    return "native" not in cpu_requires and all(f in flags for f in cpu_requires)
+
+
+def parse_cuda_archs(text: str | None) -> tuple[str, ...]:
+    """`90-real` or a list (`75-virtual;80-virtual,90-real`) -> a validated tuple."""
+    if not text:
+        return DEFAULT_CUDA_ARCHS
+    archs = tuple(a.strip() for a in re.split(r"[;,\s]+", text) if a.strip())
+    bad = [a for a in archs if not _ARCH.match(a)]
+    if not archs or bad:
+        raise StokerError(
+            ReasonCode.BUNDLE_BUILD_FAILED,
+            "Bad --cuda-archs: use compute capabilities such as 90-real or 75-virtual;86-real.",
+            {"cuda_archs": text, "invalid": bad},
+        )
+    return archs
+
+
+def cuda_system_libs(toolkit_major: int) -> tuple[str, ...]:
+    """The libraries a CUDA bundle needs from the host unless it bundles them."""
+    return ("libcuda.so.1", f"libcudart.so.{toolkit_major}", f"libcublas.so.{toolkit_major}",
+            f"libcublasLt.so.{toolkit_major}")
+
+
+def _cpu_flags_for(variant: str) -> tuple[str, ...]:
+    if variant not in CPU_VARIANTS:
+        raise StokerError(
+            ReasonCode.BUNDLE_BUILD_FAILED,
+            f"Unknown CPU variant {variant!r}; choose one of {', '.join(CPU_VARIANTS)}.",
+            {"variant": variant},
+        )
+    native, enabled, _ = CPU_VARIANTS[variant]
+    flags = [f"-DGGML_NATIVE={'ON' if native else 'OFF'}"]
+    if not native:
+        # Every option is stated, ON or OFF, so a changed upstream default cannot change us.
+        flags += [f"-DGGML_{opt}={'ON' if opt in enabled else 'OFF'}" for opt in X86_SIMD]
+    return tuple(flags)
+
+
+@attrs.frozen
+class Toolchain:
+    compiler: str  # first line of `c++ --version`
+    cmake: str
+    generator: str
+    toolkit: str | None = None  # "cuda 13.0" for CUDA builds
+    toolkit_major: int | None = None
+    nvcc: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"compiler": self.compiler, "cmake": self.cmake, "generator": self.generator,
+                "toolkit": self.toolkit}
+
+
+def _first_line(cmd: list[str]) -> str:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as err:
+        raise StokerError(
+            ReasonCode.BUNDLE_BUILD_FAILED, f"The build tool {cmd[0]!r} is missing or broken.", {"error": str(err)}
+        ) from None
+    return out.strip().splitlines()[0] if out.strip() else ""
+
+
+def find_nvcc(environ: Mapping[str, str] | None = None) -> str | None:
+    env = os.environ if environ is None else environ
+    for candidate in (env.get("CUDACXX"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return None
+
+
+def parse_nvcc_version(text: str) -> tuple[str, int]:
+    """`... release 13.0, V13.0.88` -> ("cuda 13.0", 13)."""
+    m = re.search(r"release (\d+)\.(\d+)", text)
+    if not m:
+        raise StokerError(ReasonCode.BUNDLE_BUILD_FAILED, "Could not read the CUDA toolkit version from nvcc.",
+                          {"nvcc_version": text[-500:]})
+    return f"cuda {m.group(1)}.{m.group(2)}", int(m.group(1))
+
+
+def detect_toolchain(backend: str) -> Toolchain:
+    """Probe the compiler, cmake and (for CUDA) nvcc on this host."""
+    generator = "Ninja" if shutil.which("ninja") else "Unix Makefiles"
+    compiler = _first_line([os.environ.get("CXX", "c++"), "--version"])
+    cmake = _first_line(["cmake", "--version"])
+    if backend != "cuda":
+        return Toolchain(compiler, cmake, generator)
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise StokerError(ReasonCode.BUNDLE_BUILD_FAILED,
+                          "nvcc (the CUDA toolkit) was not found; install it or set CUDACXX.",
+                          {"searched": ["$CUDACXX", "PATH", "/usr/local/cuda/bin/nvcc"]})
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    toolkit, major = parse_nvcc_version(out)
+    return Toolchain(compiler, cmake, generator, toolkit, major, nvcc)
+
+
+@attrs.frozen
+class BuildPlan:
+    """Everything that decides a build's output, except the source."""
+
+    backend: str
+    variant: str
+    platform: str
+    flags: tuple[str, ...]
+    cpu_requires: tuple[str, ...]
+    cuda_archs: tuple[str, ...]
+    min_driver: str | None
+    declared_system_libs: tuple[str, ...]
+    toolchain: Toolchain
+    host_cpu: str | None = None  # digest of the build host's cpu flags, for native only
+
+    @classmethod
+    def for_backend(
+        cls,
+        backend: str,
+        variant: str | None = None,
+        cuda_archs: tuple[str, ...] | None = None,
+        toolchain: Toolchain | None = None,
+    ) -> "BuildPlan":
+        """The pinned plan for a backend and CPU variant (the variant also sets a CUDA build's CPU part)."""
+        if backend not in BACKENDS:
+            raise StokerError(ReasonCode.BUNDLE_BUILD_FAILED,
+                              f"Stoker can build the {', '.join(BACKENDS)} backends, not {backend!r}.",
+                              {"backend": backend})
+        variant = variant or default_cpu_variant()
+        toolchain = toolchain or detect_toolchain(backend)
+        flags = COMMON_FLAGS + _cpu_flags_for(variant)
+        archs: tuple[str, ...] = ()
+        min_driver = None
+        libs: tuple[str, ...] = ()
+        if backend == "cuda":
+            archs = cuda_archs or DEFAULT_CUDA_ARCHS
+            major = toolchain.toolkit_major or 0
+            flags += ("-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(archs)}")
+            if toolchain.nvcc:
+                flags += (f"-DCMAKE_CUDA_COMPILER={toolchain.nvcc}",)
+            min_driver = CUDA_MIN_DRIVER.get(major)
+            libs = cuda_system_libs(major)
+        host_cpu = None
+        if variant == "native":
+            host_cpu = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
+        return cls(backend, variant, host_platform(), flags, CPU_VARIANTS[variant][2], archs,
+                   min_driver, libs, toolchain, host_cpu)
+
+    def cache_inputs(self, source_digest: str, extra: Mapping[str, Any]) -> dict[str, Any]:
+        """The document whose digest is the build cache key."""
+        return {
+            "source": source_digest,
+            "backend": self.backend,
+            "variant": self.variant,
+            "platform": self.platform,
+            "flags": list(self.flags),
+            "cuda_archs": list(self.cuda_archs),
+            "toolchain": self.toolchain.to_dict(),
+            "host_cpu": self.host_cpu,
+            **extra,
+        }

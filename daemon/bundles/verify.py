@@ -1,0 +1,228 @@
+"""Proving a bundle is what it says and that its engine runs here.
+
+The steps, in order, each failing with its own reason code:
+  files     every listed file present with its size, mode and sha256; nothing unlisted,
+            no links                                            -> bundle_digest_mismatch
+  metadata  backend, version and platform as expected           -> bundle_metadata_mismatch
+  version   `llama-server --version` names the stamped build     -> bundle_metadata_mismatch
+  devices   `--list-devices` shows the backend's signature       -> bundle_verify_failed
+  smoke     greedy tokens equal the build-time reference         -> bundle_verify_failed
+Any engine run that dies with SIGILL is cpu_illegal_instruction instead. Engines run from a
+scratch directory (ggml may load backend libraries from the cwd) with LLAMA_ARG_* dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+
+from daemon.bundles.archive import ArchiveLimits, unpack_bundle
+from daemon.bundles.exitcodes import classify_engine_exit, exit_evidence
+from daemon.bundles.metadata import BUNDLE_JSON, BundleMeta
+from daemon.bundles.smoke import SmokeSpec, engine_env, run_smoke
+from daemon.bundles.variants import host_platform
+from daemon.errors import StokerError
+from states.reasons import ReasonCode
+
+Progress = Callable[[str], None]
+
+_VERSION = re.compile(r"version: (\S+) \(build (\d+), commit (\S+)\)")
+# What `--list-devices` prints when the backend really loaded (ENGINE.md).
+DEVICE_SIGNATURES: dict[str, re.Pattern[str]] = {
+    "cpu": re.compile(r"^\s+\(none\)\s*$"),
+    "cuda": re.compile(r"^\s+(CUDA\d+): (.+) \((\d+) MiB, (\d+) MiB free\)$"),
+    "rocm": re.compile(r"^\s+(ROCm\d+): (.+)$"),
+    "vulkan": re.compile(r"^\s+(Vulkan\d+): (.+)$"),
+    "metal": re.compile(r"^\s+(MTL\d+|Metal): (.+)$"),
+}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@attrs.frozen
+class VerifyReport:
+    root: Path
+    meta: BundleMeta
+    steps: tuple[str, ...]
+    version_line: str | None = None
+    devices: tuple[str, ...] = ()
+    smoke_tokens: tuple[int, ...] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": True, "root": str(self.root), "backend": self.meta.backend, "variant": self.meta.variant,
+                "version": self.meta.version, "steps": list(self.steps), "version_line": self.version_line,
+                "devices": list(self.devices),
+                "smoke_tokens": None if self.smoke_tokens is None else list(self.smoke_tokens)}
+
+
+def check_files(root: Path, meta: BundleMeta) -> None:
+    """Every listed file matches; nothing unlisted hides beside them (ggml would load a stray .so)."""
+    root = Path(root)
+    listed = {f.path for f in meta.files} | {BUNDLE_JSON}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath, name)
+            rel = path.relative_to(root).as_posix()
+            if path.is_symlink() or not (path.is_file() or path.is_dir()):
+                raise StokerError(ReasonCode.BUNDLE_UNSAFE_ARCHIVE, "The bundle holds a link or special file.",
+                                  {"path": rel})
+            if path.is_file() and rel not in listed:
+                raise StokerError(ReasonCode.BUNDLE_DIGEST_MISMATCH, "The bundle holds a file its metadata does not list.",
+                                  {"path": rel})
+    for entry in meta.files:
+        path = root / entry.path
+        if not path.is_file():
+            raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "A file listed in bundle.json is missing.",
+                              {"path": entry.path})
+        st = path.stat()
+        actual = sha256_file(path)
+        if st.st_size != entry.size or actual != entry.sha256:
+            raise StokerError(ReasonCode.BUNDLE_DIGEST_MISMATCH, evidence={
+                "path": entry.path, "expected_sha256": entry.sha256, "actual_sha256": actual,
+                "expected_size": entry.size, "actual_size": st.st_size})
+        if st.st_mode & 0o777 != entry.mode:
+            raise StokerError(ReasonCode.BUNDLE_DIGEST_MISMATCH, "A bundle file's mode differs from its metadata.",
+                              {"path": entry.path, "expected": oct(entry.mode), "actual": oct(st.st_mode & 0o777)})
+
+
+def check_expectations(meta: BundleMeta, *, backend: str | None = None, version: str | None = None,
+                       variant: str | None = None, platform: str | None = None) -> None:
+    """The metadata says what the caller expected (a manifest entry, a --expect-* option)."""
+    wanted = {"backend": backend, "version": version, "variant": variant, "platform": platform}
+    got = {"backend": meta.backend, "version": meta.version, "variant": meta.variant, "platform": meta.platform}
+    diff = {k: {"expected": v, "actual": got[k]} for k, v in wanted.items() if v is not None and v != got[k]}
+    if diff:
+        raise StokerError(ReasonCode.BUNDLE_METADATA_MISMATCH, evidence=diff)
+
+
+def _run_engine(server: Path, args: list[str], step: str, backend: str, timeout: float) -> tuple[str, str]:
+    with tempfile.TemporaryDirectory(prefix="stoker-verify-") as scratch:
+        try:
+            proc = subprocess.run([str(server), *args], cwd=scratch, capture_output=True, text=True,
+                                  errors="replace", timeout=timeout, stdin=subprocess.DEVNULL, env=engine_env())
+        except subprocess.TimeoutExpired:
+            raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, f"`llama-server {' '.join(args)}` did not finish.",
+                              {"step": step, "timeout_s": timeout}) from None
+        except OSError as err:
+            raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "The engine binary cannot be executed.",
+                              {"step": step, "error": str(err)}) from None
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-8000:]
+        reason = classify_engine_exit(proc.returncode, tail, backend=backend)
+        evidence = {"step": step, "engine_reason": str(reason), **exit_evidence(proc.returncode, tail)}
+        if reason == ReasonCode.CPU_ILLEGAL_INSTRUCTION:
+            raise StokerError(reason, evidence=evidence)
+        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, evidence=evidence)
+    return proc.stdout, proc.stderr
+
+
+def check_version(server: Path, meta: BundleMeta, timeout: float = 30.0) -> str:
+    """`--version` must name the build number and commit stamped at build time."""
+    out, err = _run_engine(server, ["--version"], "version", meta.backend, timeout)
+    m = _VERSION.search(err + out)
+    if not m:
+        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "`llama-server --version` printed no version line.",
+                          {"output": (err + out)[-1000:]})
+    expected = (str(meta.llama.get("build_number")), str(meta.llama.get("commit")))
+    if (m.group(2), m.group(3)) != expected:
+        raise StokerError(ReasonCode.BUNDLE_METADATA_MISMATCH, "The engine's build stamp differs from bundle.json.",
+                          {"expected": {"build": expected[0], "commit": expected[1]},
+                           "actual": {"build": m.group(2), "commit": m.group(3)}})
+    return m.group(0)
+
+
+def check_devices(server: Path, meta: BundleMeta, timeout: float = 60.0) -> tuple[str, ...]:
+    """`--list-devices` must show the backend's signature: "(none)" for CPU, a CUDAn line for CUDA."""
+    out, err = _run_engine(server, ["--list-devices"], "devices", meta.backend, timeout)
+    lines = out.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == "Available devices:") + 1
+    except StopIteration:
+        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "`--list-devices` printed no device list.",
+                          {"stdout": out[-1000:], "stderr": err[-1000:]}) from None
+    devices = tuple(line for line in lines[start:] if line.strip())
+    signature = DEVICE_SIGNATURES.get(meta.backend)
+    if signature is None or not any(signature.match(d) for d in devices):
+        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED,
+                          f"The engine does not show the {meta.backend} backend's device signature.",
+                          {"devices": list(devices), "backend": meta.backend})
+    return devices
+
+
+def check_smoke(server: Path, meta: BundleMeta, timeout: float = 120.0) -> tuple[int, ...]:
+    """The token-identical gate: greedy tokens on the tiny model equal the recorded reference."""
+    ref = meta.smoke
+    if ref is None:
+        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "The bundle records no smoke reference to compare with.",
+                          {"backend": meta.backend})
+    model_args = {k: v for k, v in ref.model.items() if k != "sha256"}
+    spec = SmokeSpec(model=model_args, prompt=ref.prompt, n_predict=ref.n_predict)
+    with tempfile.TemporaryDirectory(prefix="stoker-smoke-") as scratch:
+        model = spec.write_model(Path(scratch))
+        if ref.model.get("sha256") and sha256_file(model) != ref.model["sha256"]:
+            raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED,
+                              "The tiny model written here differs from the one the reference was made with.",
+                              {"expected": ref.model["sha256"], "actual": sha256_file(model)})
+        # Run before judging a missing reference: a SIGILL here is the more useful answer.
+        tokens = run_smoke(server, spec, Path(scratch), timeout=timeout)
+    if ref.tokens is None:
+        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED,
+                          "The bundle records no smoke tokens (its build host could not run it); nothing to compare.",
+                          {"actual": list(tokens)})
+    if tokens != ref.tokens:
+        first = next((i for i, (a, b) in enumerate(zip(tokens, ref.tokens)) if a != b), min(len(tokens), len(ref.tokens)))
+        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "Smoke tokens differ from the build-time reference.",
+                          {"expected": list(ref.tokens), "actual": list(tokens), "first_difference": first})
+    return tokens
+
+
+def verify_dir(root: Path, *, expect_backend: str | None = None, expect_version: str | None = None,
+               expect_variant: str | None = None, smoke: bool = False, run_engine: bool = True,
+               progress: Progress = lambda _: None) -> VerifyReport:
+    """Verify an unpacked bundle directory in place."""
+    root = Path(root)
+    meta = BundleMeta.read(root)
+    check_files(root, meta)
+    progress("files: every digest matches")
+    check_expectations(meta, backend=expect_backend, version=expect_version, variant=expect_variant,
+                       platform=host_platform())
+    steps = ["files", "metadata"]
+    if not run_engine:
+        return VerifyReport(root, meta, tuple(steps))
+    server = root / meta.server
+    version_line = check_version(server, meta)
+    progress(f"version: {version_line}")
+    devices = check_devices(server, meta)
+    progress(f"devices: {', '.join(d.strip() for d in devices)}")
+    steps += ["version", "devices"]
+    tokens = None
+    if smoke:
+        tokens = check_smoke(server, meta)
+        progress(f"smoke: {len(tokens)} tokens identical to the reference")
+        steps.append("smoke")
+    return VerifyReport(root, meta, tuple(steps), version_line, devices, tokens)
+
+
+def verify_bundle(path: Path, *, limits: ArchiveLimits = ArchiveLimits(), **kwargs: Any) -> VerifyReport:
+    """Verify a bundle zip (unpacked into a throwaway staging dir) or an unpacked directory."""
+    path = Path(path)
+    if path.is_dir():
+        return verify_dir(path, **kwargs)
+    if not path.is_file():
+        raise StokerError(ReasonCode.BUNDLE_MISSING, "The bundle file does not exist.", {"path": str(path)})
+    with tempfile.TemporaryDirectory(prefix="stoker-staging-") as staging:
+        report = verify_dir(unpack_bundle(path, Path(staging) / "bundle", limits), **kwargs)
+        return attrs.evolve(report, root=path)
