@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from states.machine import Guarded, MachineSpec, Step, guarded
+from states.machine import STAY, Guarded, MachineSpec, Step, guarded
 from states.reasons import ReasonCode
 
 
@@ -346,17 +346,12 @@ def _keep(state: S, data: LaunchData, event: Any) -> Step:
     return Step(state, data)
 
 
-keep_stopped = Guarded(_keep, {S.STOPPED})
-keep_planning = Guarded(_keep, {S.PLANNING})
-keep_starting = Guarded(_keep, {S.STARTING})
-keep_loading = Guarded(_keep, {S.LOADING})
-keep_ready = Guarded(_keep, {S.READY})
-keep_crashed = Guarded(_keep, {S.CRASHED})
-keep_backoff = Guarded(_keep, {S.BACKOFF})
-keep_failed = Guarded(_keep, {S.FAILED})
+# Idempotent requests (up while already going up, down while stopped): accepted and
+# recorded, nothing else happens.
+keep = Guarded(_keep, {STAY})
 
 
-@guarded(S.STOPPED, S.FAILED)
+@guarded(STAY)
 def new_settings_only(state: S, data: LaunchData, event: ConfigChanged) -> Step:
     """Not running: remember new knobs, launch nothing."""
     return Step(state, attrs.evolve(data, settings=_settings(data, event.settings)))
@@ -388,7 +383,7 @@ def spawned(state: S, data: LaunchData, event: Spawned) -> Step:
     return Step(S.STARTING, data, evidence=evidence)
 
 
-@guarded(S.STARTING, S.LOADING, S.READY)
+@guarded(STAY)
 def adopted(state: S, data: LaunchData, event: Adopted) -> Step:
     data = attrs.evolve(data, pid=event.pid, create_time=event.create_time)
     if state is S.READY:
@@ -515,20 +510,20 @@ TRANSITIONS: dict[LaunchState, dict[type, Any]] = {
     S.STOPPED: {
         UpRequested: start,
         RestartRequested: restart_now,
-        DownRequested: keep_stopped,
+        DownRequested: keep,
         ConfigChanged: new_settings_only,
     },
     S.PLANNING: {
         PlanReady: plan_ready,
         PlanFailed: plan_failed,
-        UpRequested: keep_planning,
+        UpRequested: keep,
         DownRequested: stop_idle,
         RestartRequested: restart_now,
         ConfigChanged: replan_on_config,
     },
     S.STARTING: {
         **_RUNNING,
-        UpRequested: keep_starting,
+        UpRequested: keep,
         Spawned: spawned,
         Adopted: adopted,
         LoadStarted: load_started,
@@ -536,13 +531,13 @@ TRANSITIONS: dict[LaunchState, dict[type, Any]] = {
     },
     S.LOADING: {
         **_RUNNING,
-        UpRequested: keep_loading,
+        UpRequested: keep,
         Adopted: adopted,
         Ready: ready,
     },
     S.READY: {
         **{k: v for k, v in _RUNNING.items() if k is not StallTimeout},
-        UpRequested: keep_ready,
+        UpRequested: keep,
         Adopted: adopted,
         Stable: stable,
     },
@@ -556,7 +551,7 @@ TRANSITIONS: dict[LaunchState, dict[type, Any]] = {
     },
     S.CRASHED: {
         BackoffStarted: backoff_started,
-        UpRequested: keep_crashed,
+        UpRequested: keep,
         DownRequested: stop_idle,
         RestartRequested: retry_now,
         ConfigChanged: retry_now,
@@ -564,7 +559,7 @@ TRANSITIONS: dict[LaunchState, dict[type, Any]] = {
     S.BACKOFF: {
         BackoffElapsed: backoff_elapsed,
         BackoffStarted: backoff_started,  # re-armed after a daemon restart
-        UpRequested: keep_backoff,
+        UpRequested: keep,
         DownRequested: stop_idle,
         RestartRequested: retry_now,
         ConfigChanged: retry_now,
@@ -572,7 +567,7 @@ TRANSITIONS: dict[LaunchState, dict[type, Any]] = {
     S.FAILED: {
         UpRequested: start,
         RestartRequested: restart_now,
-        DownRequested: keep_failed,
+        DownRequested: keep,
         ConfigChanged: new_settings_only,
     },
 }

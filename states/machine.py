@@ -6,9 +6,9 @@ frozen attrs record of data (counters, the current plan, knobs), and a transitio
     {state: {EventType: target_state | Guarded}}
 
 A plain target is an unconditional move that keeps the data. A `Guarded` entry wraps a pure
-function `(state, data, event) -> Step | None` together with every state it may return, so
-the diagrams can draw it and `step` can refuse a handler that wanders off its declared
-edges. A handler returns None to refuse the event (a guard that does not hold): that is an
+function `(state, data, event) -> Step | None` together with every state it may return
+(`STAY` for "where it was"), so the diagrams can draw it and `step` can refuse a handler
+that wanders off its declared edges. A handler returns None to refuse the event (a guard that does not hold): that is an
 illegal transition like any other. `step` never changes anything when it raises.
 
 Effects are frozen attrs records too: the machine asks, `daemon/` does the work and reports
@@ -64,16 +64,34 @@ class Step:
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
 
+class _Stay:
+    """Target sentinel: the handler may leave the machine in the state it was in."""
+
+    def __repr__(self) -> str:
+        return "STAY"
+
+
+STAY: Any = _Stay()
+
+
 @attrs.frozen
 class Guarded:
-    """A guarded transition: a pure handler and every state it may move to."""
+    """A guarded transition: a pure handler and every state it may move to (STAY included)."""
 
     handler: Handler
-    targets: frozenset[enum.StrEnum] = attrs.field(converter=frozenset)
+    targets: frozenset[Any] = attrs.field(converter=frozenset)
 
     @property
     def name(self) -> str:
         return getattr(self.handler, "__name__", "handler")
+
+    def only(self, *targets: Any) -> "Guarded":
+        """The same handler, declared with fewer targets for one row of the table."""
+        return Guarded(self.handler, targets)
+
+    def targets_from(self, state: enum.StrEnum) -> frozenset[enum.StrEnum]:
+        """The concrete states this rule may reach from `state`."""
+        return frozenset(state if t is STAY else t for t in self.targets)
 
     def __call__(self, state: Any, data: Any, event: Any) -> Step | None:
         return self.handler(state, data, event)
@@ -114,7 +132,7 @@ class MachineSpec:
             for event_type, rule in row.items():
                 if not attrs.has(event_type):
                     problems.append(f"{event_type!r} is not an attrs event class")
-                targets = rule.targets if isinstance(rule, Guarded) else {rule}
+                targets = rule.targets_from(state) if isinstance(rule, Guarded) else {rule}
                 for target in targets:
                     if target not in set(self.states):
                         problems.append(f"{state}/{event_type.__name__} -> {target!r} is not a state")
@@ -145,7 +163,7 @@ class MachineSpec:
         for state, row in self.transitions.items():
             for event_type, rule in row.items():
                 if isinstance(rule, Guarded):
-                    targets = sorted(rule.targets, key=list(self.states).index)
+                    targets = sorted(rule.targets_from(state), key=list(self.states).index)
                 else:
                     targets = [rule]
                 out.extend((state, event_type.__name__, target) for target in targets)
@@ -181,10 +199,11 @@ def step(spec: MachineSpec, state: enum.StrEnum, data: Any, event: object) -> St
         raise IllegalTransition(spec.name, state, event, f"refused by {rule.name}")
     if not isinstance(result, Step):
         raise MachineDefinitionError(f"{spec.name}: {rule.name} returned {result!r}, not a Step")
-    if result.state not in rule.targets:
+    allowed = rule.targets_from(state)
+    if result.state not in allowed:
         raise MachineDefinitionError(
             f"{spec.name}: {rule.name} moved {state.value} -> {result.state!r}, "
-            f"which it does not declare ({sorted(t.value for t in rule.targets)})"
+            f"which it does not declare from there ({sorted(t.value for t in allowed)})"
         )
     if not isinstance(result.data, spec.data_type):
         raise MachineDefinitionError(f"{spec.name}: {rule.name} returned data of the wrong type")

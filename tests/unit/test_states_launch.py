@@ -1,0 +1,238 @@
+"""The launch machine's table, driven directly: no daemon, no store, no clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from states.launch import (
+    LAUNCH,
+    Adopted,
+    AfterStop,
+    ArmStableTimer,
+    BackoffElapsed,
+    BackoffStarted,
+    ConfigChanged,
+    DownRequested,
+    LaunchData,
+    LaunchPlan,
+    LaunchSettings,
+    LaunchState as S,
+    LoadStarted,
+    MakePlan,
+    Notify,
+    PlanFailed,
+    PlanReady,
+    Ready,
+    Reattach,
+    RestartRequested,
+    ServerExited,
+    Spawn,
+    Spawned,
+    Stable,
+    StallTimeout,
+    StartBackoff,
+    StopCompleted,
+    Terminate,
+    UpRequested,
+    WatchReadiness,
+    resume_effects,
+)
+from states.machine import IllegalTransition, step
+from states.reasons import ReasonCode
+
+PLAN = LaunchPlan("cpu", "x86-64-v3", "/b", "/b/llama-server", "/m.gguf", port=8099)
+
+
+def drive(*events, state=S.STOPPED, data=None):
+    data = LaunchData() if data is None else data
+    result = None
+    for event in events:
+        result = step(LAUNCH, state, data, event)
+        state, data = result.state, result.data
+    return result
+
+
+def running(*more, settings=LaunchSettings()):
+    return drive(UpRequested(settings), PlanReady(PLAN), Spawned(42, 1.5), LoadStarted(), Ready({"layers": 0}), *more)
+
+
+def test_happy_path_and_effects():
+    s = drive(UpRequested())
+    assert s.state is S.PLANNING and s.effects == (MakePlan(),)
+    s = drive(UpRequested(), PlanReady(PLAN))
+    assert s.state is S.STARTING
+    assert s.effects == (Spawn(PLAN), WatchReadiness(120.0))
+    assert s.data.plan == PLAN
+    s = drive(UpRequested(), PlanReady(PLAN), Spawned(42, 1.5))
+    assert (s.state, s.data.pid, s.data.create_time) == (S.STARTING, 42, 1.5)
+    s = running()
+    assert s.state is S.READY
+    assert s.effects == (ArmStableTimer(60.0), Notify("ready", "ready on cpu"))
+    assert s.evidence == {"layers": 0}
+    s = running(DownRequested())
+    assert s.state is S.STOPPING and s.effects[0] == Terminate(10.0)
+    s = running(DownRequested(), StopCompleted(0))
+    assert s.state is S.STOPPED and s.data.pid is None
+
+
+def test_ready_straight_from_starting():
+    s = drive(UpRequested(), PlanReady(PLAN), Spawned(1), Ready())
+    assert s.state is S.READY
+
+
+def test_crash_backs_off_and_respawns_same_plan():
+    s = running(ServerExited(-9, evidence={"signal": 9}))
+    assert s.state is S.CRASHED
+    assert s.reason is ReasonCode.SERVER_CRASHED
+    assert s.effects[0] == StartBackoff(1)
+    assert s.data.crashes == 1 and s.evidence["signal"] == 9
+    s = running(ServerExited(-9), BackoffStarted(0.7))
+    assert s.state is S.BACKOFF and s.evidence == {"delay": 0.7, "attempt": 1}
+    s = running(ServerExited(-9), BackoffStarted(0.7), BackoffElapsed())
+    assert s.state is S.STARTING and s.effects == (Spawn(PLAN), WatchReadiness(120.0))
+
+
+def test_crash_asking_for_new_plan_goes_back_to_planning():
+    s = running(ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION, replan=True), BackoffStarted(0.1), BackoffElapsed())
+    assert s.state is S.PLANNING
+    assert s.effects == (MakePlan(previous=PLAN, failure=ReasonCode.CPU_ILLEGAL_INSTRUCTION),)
+
+
+def test_fatal_exit_fails_at_once():
+    s = drive(UpRequested(), PlanReady(PLAN), ServerExited(1, ReasonCode.PORT_IN_USE, fatal=True))
+    assert s.state is S.FAILED and s.reason is ReasonCode.PORT_IN_USE
+
+
+@pytest.mark.parametrize("max_restarts", [0, 1, 3])
+def test_crash_loop_after_max_restarts(max_restarts):
+    settings = LaunchSettings(max_restarts=max_restarts)
+    s = drive(UpRequested(settings), PlanReady(PLAN))
+    for attempt in range(1, max_restarts + 1):
+        s = drive(ServerExited(1, ReasonCode.MODEL_LOAD_FAILED), state=s.state, data=s.data)
+        assert s.state is S.CRASHED and s.effects[0] == StartBackoff(attempt)
+        s = drive(BackoffStarted(0.1), BackoffElapsed(), state=s.state, data=s.data)
+        assert s.state is S.STARTING
+    s = drive(ServerExited(1, ReasonCode.MODEL_LOAD_FAILED), state=s.state, data=s.data)
+    assert s.state is S.FAILED and s.reason is ReasonCode.CRASH_LOOP
+    assert s.evidence["last_reason"] == "model_load_failed"
+    assert s.data.reason is ReasonCode.CRASH_LOOP
+    # failed stays failed until the user starts it again
+    for event in (DownRequested(), ConfigChanged()):
+        s = drive(event, state=s.state, data=s.data)
+        assert s.state is S.FAILED
+    for event in (BackoffElapsed(), Ready(), StallTimeout(), Stable()):
+        with pytest.raises(IllegalTransition):
+            step(LAUNCH, s.state, s.data, event)
+    s = drive(UpRequested(), state=s.state, data=s.data)
+    assert s.state is S.PLANNING and s.data.crashes == 0 and s.data.reason is None
+
+
+def test_stable_resets_crash_counter():
+    settings = LaunchSettings(max_restarts=1)
+    s = running(ServerExited(1), BackoffStarted(0), BackoffElapsed(), Spawned(2), Ready(), settings=settings)
+    assert s.data.crashes == 1
+    s2 = drive(ServerExited(1), state=s.state, data=s.data)
+    assert s2.state is S.FAILED  # a second crash without Stable is a loop
+    s = drive(Stable(), state=s.state, data=s.data)
+    assert s.data.crashes == 0 and s.evidence == {"crashes_forgotten": 1}
+    s = drive(ServerExited(1), state=s.state, data=s.data)
+    assert s.state is S.CRASHED
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        (UpRequested(),),  # planning
+        (UpRequested(), PlanReady(PLAN)),  # starting
+        (UpRequested(), PlanReady(PLAN), Spawned(3), LoadStarted()),  # loading
+        (UpRequested(), PlanReady(PLAN), Spawned(3), ServerExited(1)),  # crashed
+        (UpRequested(), PlanReady(PLAN), Spawned(3), ServerExited(1), BackoffStarted(2.0)),  # backoff
+    ],
+)
+def test_stop_works_from_every_transient_state(prefix):
+    s = drive(*prefix, DownRequested())
+    if s.state is S.STOPPING:
+        assert isinstance(s.effects[0], Terminate)
+        s = drive(StopCompleted(0), state=s.state, data=s.data)
+    assert s.state is S.STOPPED
+    assert s.data.reason is None
+
+
+def test_stall_stops_then_counts_as_crash():
+    s = drive(UpRequested(), PlanReady(PLAN), Spawned(5), LoadStarted(), StallTimeout())
+    assert s.state is S.STOPPING and s.reason is ReasonCode.SERVER_STALLED
+    assert s.data.after_stop is AfterStop.CRASH
+    s = drive(StopCompleted(-15), state=s.state, data=s.data)
+    assert s.state is S.CRASHED and s.reason is ReasonCode.SERVER_STALLED and s.data.crashes == 1
+
+
+def test_stall_then_user_down_just_stops():
+    s = drive(UpRequested(), PlanReady(PLAN), StallTimeout(), DownRequested(), StopCompleted(0))
+    assert s.state is S.STOPPED and s.data.crashes == 0
+
+
+def test_restart_and_config_change_relaunch():
+    s = running(RestartRequested())
+    assert s.state is S.STOPPING and s.data.after_stop is AfterStop.RESTART
+    s = drive(StopCompleted(0), state=s.state, data=s.data)
+    assert s.state is S.PLANNING and s.effects == (MakePlan(previous=PLAN),)
+    new = LaunchSettings(stall_timeout=5.0)
+    s = running(ConfigChanged(new), ServerExited(0))  # exit while stopping = stop completed
+    assert s.state is S.PLANNING and s.data.settings == new
+
+
+def test_up_while_stopping_comes_back():
+    s = running(DownRequested(), UpRequested(), StopCompleted(0))
+    assert s.state is S.PLANNING
+    s = running(RestartRequested(), DownRequested(), StopCompleted(0))
+    assert s.state is S.STOPPED
+
+
+def test_plan_failed_is_failed_with_its_reason():
+    s = drive(UpRequested(), PlanFailed(ReasonCode.MODEL_MISSING, {"path": "/nope"}))
+    assert s.state is S.FAILED and s.reason is ReasonCode.MODEL_MISSING
+    assert s.data.evidence == {"path": "/nope"}
+
+
+def test_config_change_when_not_running_only_updates_settings():
+    new = LaunchSettings(max_restarts=9)
+    s = drive(ConfigChanged(new))
+    assert s.state is S.STOPPED and s.effects == () and s.data.settings == new
+
+
+def test_illegal_events_raise_and_say_so():
+    with pytest.raises(IllegalTransition) as info:
+        step(LAUNCH, S.STOPPED, LaunchData(), Ready())
+    assert info.value.reason is ReasonCode.ILLEGAL_TRANSITION
+    assert "Ready" in str(info.value) and "stopped" in str(info.value)
+    s = running()
+    for event in (StallTimeout(), PlanReady(PLAN), BackoffElapsed(), StopCompleted()):
+        with pytest.raises(IllegalTransition):
+            step(LAUNCH, s.state, s.data, event)
+
+
+def test_adopt_after_daemon_restart():
+    s = running()
+    assert resume_effects(s.state, s.data) == (Reattach(42, 1.5),)
+    s = drive(Adopted(42, 1.5, {"proof": "api_key"}), state=s.state, data=s.data)
+    assert s.state is S.READY and isinstance(s.effects[0], ArmStableTimer)
+    s = drive(UpRequested(), PlanReady(PLAN), Spawned(7))
+    s = drive(Adopted(7, 2.0), state=s.state, data=s.data)
+    assert s.state is S.STARTING and s.effects == (WatchReadiness(120.0),)
+
+
+def test_resume_effects_per_state():
+    data = LaunchData(plan=PLAN, crashes=2, pid=9)
+    assert resume_effects(S.PLANNING, data) == (MakePlan(previous=PLAN),)
+    assert resume_effects(S.CRASHED, data) == (StartBackoff(2),)
+    assert resume_effects(S.BACKOFF, data) == (StartBackoff(2),)
+    assert resume_effects(S.STOPPING, data) == (Reattach(9, None), Terminate(10.0))
+    assert resume_effects(S.STOPPED, data) == ()
+    assert resume_effects(S.FAILED, data) == ()
+    # backoff re-armed after a restart is accepted where it was left
+    assert step(LAUNCH, S.BACKOFF, data, BackoffStarted(1.0)).state is S.BACKOFF
+
+
+def test_every_state_is_reachable_and_has_a_row():
+    assert LAUNCH.reachable() == set(S)
+    assert set(LAUNCH.transitions) == set(S)
