@@ -1,0 +1,208 @@
+"""The daemon: one root nursery in which every service starts, in this order.
+
+    lock -> store -> config -> supervisor (resumes the launch machine) -> control socket
+         -> config watcher -> sd_notify watchdog -> autostart
+
+A second daemon on the same state directory refuses to start (an flock that the kernel
+releases even when the daemon is killed with -9). A planned shutdown stops the server first.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import attrs
+import trio
+
+from daemon import sdnotify
+from daemon.config import Config, ConfigError, config_diff, load_config, needs_relaunch, watch_config
+from daemon.control import serve_control
+from daemon.errors import StokerError
+from daemon.events import EventBus
+from daemon.handlers import HANDLERS
+from daemon.machines import MachineRunner
+from daemon.paths import StokerPaths
+from daemon.planner import make_planner
+from daemon.supervisor import Supervisor, launch_settings
+from states import config as C
+from states import launch as L
+from states.reasons import ReasonCode
+from store import open_store
+
+log = logging.getLogger("stoker")
+
+
+def acquire_lock(path: Path) -> int:
+    """Hold an exclusive flock on `path` for the daemon's life; refuse if another holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip()
+        os.close(fd)
+        raise StokerError(
+            ReasonCode.DAEMON_ALREADY_RUNNING,
+            f"Another Stoker daemon (pid {holder or '?'}) already runs for {path.parent}; "
+            f"use `stoker status`, or `stoker shutdown` to stop it.",
+            {"pid": holder, "lock": str(path)},
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+@attrs.define(eq=False)
+class Daemon:
+    paths: StokerPaths
+    store: Any
+    bus: EventBus
+    config: Config
+    supervisor: Supervisor = attrs.field(init=False)
+    config_runner: MachineRunner = attrs.field(init=False)
+    config_problems: list[str] = attrs.field(factory=list)
+    config_loaded_invalid: bool = False  # no valid file was ever read: refuse `up`
+    started_at: float = attrs.field(factory=time.time)
+    _shutdown: trio.Event = attrs.field(factory=trio.Event)
+    _state_changed: trio.Event = attrs.field(factory=trio.Event)
+
+    def __attrs_post_init__(self) -> None:
+        self.config_runner = MachineRunner(C.CONFIG, "config", self.store, publish=self.publish)
+        launch = MachineRunner(L.LAUNCH, "launch", self.store, publish=self.publish)
+        self.supervisor = Supervisor(self.paths, launch, self.config, make_planner(self.paths))
+
+    def publish(self, event: Mapping[str, Any]) -> None:
+        self.bus.publish(event)
+        self._state_changed.set()
+        self._state_changed = trio.Event()
+
+    def launch_settings(self) -> L.LaunchSettings:
+        return launch_settings(self.config)
+
+    async def wait_state(self, states: Iterable[L.LaunchState]) -> None:
+        wanted = set(states)
+        while self.supervisor.state not in wanted:
+            await self._state_changed.wait()
+
+    def request_shutdown(self) -> None:
+        self._shutdown.set()
+
+    async def dispatch(self, method: str, params: Mapping[str, Any]) -> Any:
+        handler = HANDLERS.get(method)
+        if handler is None:
+            raise StokerError(ReasonCode.UNKNOWN_METHOD, f"Unknown method {method!r}.", {"known": sorted(HANDLERS)})
+        return await handler(self, params)
+
+    # --- config reload -------------------------------------------------------------------
+
+    def on_config_change(self, new: Config) -> None:
+        old = self.config
+        changed = sorted(config_diff(old, new))
+        relaunch = needs_relaunch(old, new)
+        self.config = new
+        self.supervisor.config = new
+        self.config_problems = []
+        self.config_loaded_invalid = False
+        self.config_runner.fire(C.ConfigAccepted(changed, relaunch))
+        log.info("config reloaded: %s%s", ", ".join(changed) or "no change", " (relaunch)" if relaunch else "")
+        if relaunch:
+            self.supervisor.offer(L.ConfigChanged(self.launch_settings()))
+        elif self.supervisor.state in (L.LaunchState.STOPPED, L.LaunchState.FAILED):
+            self.supervisor.offer(L.ConfigChanged(self.launch_settings()))
+
+    def on_config_invalid(self, err: ConfigError) -> None:
+        self.config_problems = list(err.problems)
+        self.config_runner.fire(C.ConfigRejected(err.problems))
+        log.warning("config rejected, keeping the previous one: %s", "; ".join(err.problems))
+
+    # --- the root nursery ----------------------------------------------------------------
+
+    async def serve(self, *, autostart: bool = True, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._handle_signals)
+            await nursery.start(self.supervisor.run)
+            await nursery.start(serve_control, self.paths.socket_path, self.dispatch, self.bus)
+            await nursery.start(
+                lambda task_status: watch_config(
+                    self.paths.config_file,
+                    self.on_config_change,
+                    on_invalid=self.on_config_invalid,
+                    current=self.config,
+                    task_status=task_status,
+                )
+            )
+            await nursery.start(sdnotify.serve_watchdog)
+            if autostart and not self.supervisor.runner.resumed and not self.config_loaded_invalid:
+                self.supervisor.offer(L.UpRequested(self.launch_settings()))
+            elif autostart and self.supervisor.state is L.LaunchState.STOPPED and not self.config_loaded_invalid:
+                self.supervisor.offer(L.UpRequested(self.launch_settings()))
+            log.info("daemon ready (pid %d, socket %s)", os.getpid(), self.paths.socket_path)
+            task_status.started()
+            await self._shutdown.wait()
+            await self._stop_server()
+            nursery.cancel_scope.cancel()
+
+    async def _stop_server(self) -> None:
+        sdnotify.stopping("stopping the server")
+        with trio.move_on_after(self.config.supervisor.stop_grace_s + 15):
+            self.supervisor.offer(L.DownRequested())
+            await self.wait_state({L.LaunchState.STOPPED, L.LaunchState.FAILED})
+
+    async def _handle_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for signum in signals:
+                if signum == signal.SIGHUP:
+                    continue  # the config watcher already follows the file
+                log.info("signal %s: shutting down", signal.Signals(signum).name)
+                self.request_shutdown()
+
+
+def _load_initial_config(paths: StokerPaths) -> tuple[Config, list[str]]:
+    try:
+        return load_config(paths.config_file), []
+    except ConfigError as err:
+        return Config(), list(err.problems)
+
+
+async def run_daemon(paths: StokerPaths, *, autostart: bool = True, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run the daemon until shutdown; raises StokerError if it cannot start."""
+    lock_fd = acquire_lock(paths.lock_file)
+    try:
+        paths.logs_dir.mkdir(parents=True, exist_ok=True)
+        store = open_store(paths.db_file)
+        config, problems = _load_initial_config(paths)
+        daemon = Daemon(paths, store, EventBus(), config)
+        if problems:
+            daemon.config_problems = problems
+            daemon.config_loaded_invalid = True
+            daemon.config_runner.fire(C.ConfigRejected(problems))
+        try:
+            await daemon.serve(autostart=autostart, task_status=task_status)
+        finally:
+            store.close()
+    finally:
+        os.close(lock_fd)
+
+
+def main(paths: StokerPaths, *, log_level: str = "info") -> int:
+    """`stoker daemon`: run in the foreground; the exit code says why it stopped."""
+    paths.logs_dir.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        trio.run(run_daemon, paths)
+    except StokerError as err:
+        log.error("%s: %s", err.reason, err.message)
+        print(f"error [{err.reason}]: {err.message}", flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
