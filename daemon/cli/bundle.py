@@ -1,0 +1,190 @@
+"""`stoker bundle build|inspect|verify|list|install`: engine bundles from the command line.
+
+These commands work without the daemon: they build, check and install bundles directly in
+the data and cache directories.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import click
+
+from daemon.cli.output import emit, fail, json_option
+from daemon.errors import StokerError
+from daemon.paths import StokerPaths
+from states.reasons import ReasonCode
+
+
+def _progress(line: str) -> None:
+    # Progress goes to stderr so that --json's stdout stays one document.
+    click.echo(f"  {line}", err=True)
+
+
+def _human_build(data: dict[str, Any]) -> str:
+    how = "cached, nothing compiled" if data["cached"] else f"built in {data['seconds']} s"
+    return (f"{data['backend']}-{data['variant']} {data['version']} ({how})\n"
+            f"  zip:    {data['zip']}\n  sha256: {data['sha256']}\n  size:   {data['size']}\n"
+            f"  key:    {data['cache_key']}\n  log:    {data['log']}")
+
+
+def _human_meta(data: dict[str, Any]) -> str:
+    lines = [f"{data['backend']}-{data['variant']} {data['version']} for {data['platform']}",
+             f"  llama.cpp {data['llama'].get('version')} build {data['llama'].get('build_number')} "
+             f"commit {data['llama'].get('commit')}",
+             f"  source: {data['source'].get('spec')}",
+             f"  compiler: {data['build'].get('compiler')}; toolkit: {data['build'].get('toolkit')}",
+             f"  cpu requires: {', '.join(data['cpu_requires']) or '(baseline)'}",
+             f"  system libs: {', '.join(data['required_system_libs'])}"]
+    if data["cuda_archs"]:
+        lines.append(f"  cuda archs: {';'.join(data['cuda_archs'])}; min driver {data['min_driver']}")
+    smoke = data.get("smoke") or {}
+    lines.append(f"  smoke reference: {len(smoke.get('tokens') or []) or 'none'} tokens")
+    lines.append(f"  files ({len(data['files'])}):")
+    lines += [f"    {f['mode']:o} {f['size']:>10} {f['sha256'][:16]} {f['path']}" for f in data["files"]]
+    return "\n".join(lines)
+
+
+def _human_verify(data: dict[str, Any]) -> str:
+    lines = [f"OK {data['backend']}-{data['variant']} {data['version']}: {', '.join(data['steps'])} passed"]
+    if data.get("version_line"):
+        lines.append(f"  {data['version_line']}")
+    lines += [f"  device: {d.strip()}" for d in data.get("devices", [])]
+    if data.get("smoke_tokens") is not None:
+        lines.append(f"  smoke tokens: {data['smoke_tokens']}")
+    return "\n".join(lines)
+
+
+def _human_list(data: dict[str, Any]) -> str:
+    lines = ["installed:"]
+    lines += [f"  {b['backend']}-{b['variant']} {b['version']}  {b['root']}" for b in data["installed"]] or ["  (none)"]
+    lines.append("build cache:")
+    lines += [f"  {c['backend']}-{c['variant']} {c['version']}  {c['cache_key']}  {c['zip']}" for c in data["cache"]] \
+        or ["  (empty)"]
+    return "\n".join(lines)
+
+
+def read_meta_from_zip(path: Path):
+    """bundle.json of a zip, read without unpacking anything."""
+    from daemon.bundles.metadata import BUNDLE_JSON, BundleMeta
+
+    try:
+        with zipfile.ZipFile(path) as zf:
+            info = zf.getinfo(BUNDLE_JSON)
+            if info.file_size > 16 << 20:
+                raise StokerError(ReasonCode.BUNDLE_UNSAFE_ARCHIVE, evidence={"entry": BUNDLE_JSON, "size": info.file_size})
+            return BundleMeta.from_json(zf.read(info))
+    except KeyError:
+        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "The bundle has no bundle.json.", {"path": str(path)}) from None
+    except (zipfile.BadZipFile, OSError) as err:
+        raise StokerError(ReasonCode.BUNDLE_UNSAFE_ARCHIVE, evidence={"path": str(path), "error": str(err)}) from None
+
+
+@click.group("bundle")
+def bundle_group() -> None:
+    """Build, inspect, verify, list and install engine bundles."""
+
+
+@bundle_group.command("build")
+@click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--variant", help="CPU variant: avx2, compat or native (default: the safe one for this CPU).")
+@click.option("--source", "source_text", help="pypi:NAME==VER[#sha256=..], URL#sha256=.., or a directory.")
+@click.option("--cuda-archs", help="CUDA architectures, e.g. 90-real or 75-virtual;86-real (default 90-real).")
+@click.option("--jobs", "-j", type=int, help="Parallel compile jobs (default: all cores).")
+@json_option
+def build_cmd(backend: str, variant: str | None, source_text: str | None, cuda_archs: str | None,
+              jobs: int | None, as_json: bool) -> None:
+    """Build llama-server into a bundle zip, or return the cached one for the same inputs."""
+    from daemon.bundles.build import build_bundle
+    from daemon.bundles.source import SourceSpec
+    from daemon.bundles.variants import parse_cuda_archs
+
+    try:
+        if cuda_archs and backend != "cuda":
+            raise StokerError(ReasonCode.BUNDLE_BUILD_FAILED, "--cuda-archs applies only to --backend cuda.")
+        result = build_bundle(
+            StokerPaths.from_env(), backend=backend, variant=variant, source=SourceSpec.parse(source_text),
+            cuda_archs=parse_cuda_archs(cuda_archs) if backend == "cuda" else None, jobs=jobs,
+            progress=_progress)
+    except StokerError as err:
+        fail(as_json, err)
+    emit(as_json, result.to_dict(), _human_build)
+
+
+@bundle_group.command("inspect")
+@click.argument("path", type=click.Path(path_type=Path))
+@json_option
+def inspect_cmd(path: Path, as_json: bool) -> None:
+    """Show a bundle's metadata (zip or directory) without running or unpacking it."""
+    from daemon.bundles.metadata import BundleMeta
+
+    try:
+        if path.is_dir():
+            meta = BundleMeta.read(path)
+        elif path.is_file():
+            meta = read_meta_from_zip(path)
+        else:
+            raise StokerError(ReasonCode.BUNDLE_MISSING, "The bundle does not exist.", {"path": str(path)})
+    except StokerError as err:
+        fail(as_json, err)
+    emit(as_json, meta.to_dict(), _human_meta)
+
+
+@bundle_group.command("verify")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--expect-backend")
+@click.option("--expect-version")
+@click.option("--expect-variant")
+@click.option("--smoke", is_flag=True, help="Also run a greedy generation and compare it with the reference.")
+@json_option
+def verify_cmd(path: Path, expect_backend: str | None, expect_version: str | None, expect_variant: str | None,
+               smoke: bool, as_json: bool) -> None:
+    """Check digests, metadata, --version, --list-devices and optionally the smoke tokens."""
+    from daemon.bundles.verify import verify_bundle
+
+    try:
+        report = verify_bundle(path, expect_backend=expect_backend, expect_version=expect_version,
+                               expect_variant=expect_variant, smoke=smoke, progress=_progress)
+    except StokerError as err:
+        fail(as_json, err)
+    emit(as_json, report.to_dict(), _human_verify)
+
+
+@bundle_group.command("list")
+@json_option
+def list_cmd(as_json: bool) -> None:
+    """List installed bundles and the build cache."""
+    from daemon.bundles.build import cached_builds
+    from daemon.bundles.installed import list_installed
+
+    paths = StokerPaths.from_env()
+    data = {
+        "installed": [b.to_dict() for b in list_installed(paths)],
+        "cache": [{"cache_key": c.cache_key, "zip": str(c.zip_path), "backend": c.meta.backend,
+                   "variant": c.meta.variant, "version": c.meta.version} for c in cached_builds(paths)],
+    }
+    emit(as_json, data, _human_list)
+
+
+@bundle_group.command("install")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--smoke", is_flag=True, help="Run the smoke test before installing.")
+@json_option
+def install_cmd(path: Path, smoke: bool, as_json: bool) -> None:
+    """Verify a bundle and install it into its slot (the previous one is kept)."""
+    from daemon.bundles.installed import install_bundle
+
+    try:
+        bundle = install_bundle(path, StokerPaths.from_env(), smoke=smoke, progress=_progress)
+    except StokerError as err:
+        fail(as_json, err)
+    emit(as_json, {"ok": True, **bundle.to_dict()},
+         lambda d: f"installed {d['backend']}-{d['variant']} {d['version']} at {d['root']}")
+
+
+def register(cli: click.Group) -> None:
+    """Add the `bundle` group to the root CLI."""
+    cli.add_command(bundle_group)
+
