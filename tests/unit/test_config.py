@@ -1,0 +1,391 @@
+"""config.toml: defaults, validation that reports everything, diffs, hot reload, `config check`."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import trio
+from click.testing import CliRunner
+
+from daemon.cli import cli
+from daemon.config import (
+    Config,
+    ConfigError,
+    config_diff,
+    load_config,
+    needs_relaunch,
+    parse_config,
+    watch_config,
+)
+from daemon.errors import StokerError
+from states.reasons import ReasonCode
+
+
+def test_missing_file_gives_defaults(tmp_path):
+    config = load_config(tmp_path / "nope.toml")
+    assert config == Config()
+    assert config.server.model == "gemma3-270m"
+    assert config.server.host == "127.0.0.1"
+    assert config.server.port == 0
+    assert config.server.n_gpu_layers == "auto"
+    assert config.backend.prefer == "auto" and not config.backend.forced
+    assert config.supervisor.max_restarts == 5
+    assert config.snapshots.max_bytes == 2 * 1024**3
+
+
+def test_default_path_is_under_stoker_home(stoker_home):
+    path = stoker_home / "config" / "config.toml"
+    path.parent.mkdir(parents=True)
+    path.write_text("[server]\nport = 8123\n")
+    assert load_config().server.port == 8123
+
+
+def test_to_dict_is_plain_data_and_covers_every_key():
+    data = Config().to_dict()
+    json.dumps(data)
+    assert set(data) == {"server", "backend", "supervisor", "snapshots"}
+    assert data["server"]["extra_args"] == []
+    assert set(data["server"]) == {
+        "model", "host", "port", "ctx_size", "parallel", "threads", "n_gpu_layers",
+        "flash_attn", "extra_args", "stall_timeout_s", "ready_timeout_s",
+    }
+
+
+def test_a_full_valid_file(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text(
+        """
+        [server]
+        model = "models/tiny.gguf"
+        host = "::1"
+        port = 8080
+        ctx_size = 8192
+        parallel = 2
+        threads = 4
+        n_gpu_layers = 99
+        flash_attn = "on"
+        extra_args = ["--no-mmap", "--temp=0.2"]
+        stall_timeout_s = 60
+        ready_timeout_s = 300.5
+
+        [backend]
+        prefer = "cpu"
+        cpu_variant = "compat"
+
+        [supervisor]
+        backoff_initial_s = 1
+        backoff_max_s = 60
+        max_restarts = 0
+        stable_after_s = 0
+        stop_grace_s = 5
+
+        [snapshots]
+        enabled = false
+        max_count = 3
+        max_bytes = "512 MiB"
+        swa_full = true
+        """
+    )
+    config = load_config(path)
+    assert config.server.model == str(tmp_path / "models" / "tiny.gguf")  # relative to the file
+    assert config.server.extra_args == ("--no-mmap", "--temp=0.2")
+    assert config.server.stall_timeout_s == 60.0 and isinstance(config.server.stall_timeout_s, float)
+    assert config.backend.forced
+    assert config.snapshots.max_bytes == 512 * 1024**2
+    assert config.snapshots.swa_full is True
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text(
+        """
+        [server]
+        model = "model.bin"
+        host = "0.0.0.0"
+        port = 70000
+        ctx_size = -1
+        parallel = 0
+        threads = "many"
+        n_gpu_layers = "all"
+        flash_attn = "maybe"
+        extra_args = ["--port", "8080", "-m=/x.gguf", "--api-key", "k", "--host=0.0.0.0"]
+        stall_timeout_s = 0
+        ready_timeout_s = true
+
+        [backend]
+        prefer = "tpu"
+        cpu_variant = "avx512"
+
+        [supervisor]
+        backoff_initial_s = 10
+        backoff_max_s = 5
+        max_restarts = -1
+        stop_grace_s = -3
+
+        [snapshots]
+        enabled = "yes"
+        max_count = 1.5
+        max_bytes = "lots"
+        swa_full = "sometimes"
+        """
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    err = info.value
+    assert isinstance(err, StokerError)
+    assert err.reason == ReasonCode.CONFIG_INVALID
+    assert err.evidence["problems"] == err.problems
+    assert err.evidence["path"] == str(path)
+    keys = [problem.split(":", 1)[0] for problem in err.problems]
+    assert keys == [
+        "server.model", "server.host", "server.port", "server.ctx_size", "server.parallel",
+        "server.threads", "server.n_gpu_layers", "server.flash_attn", "server.extra_args",
+        "server.stall_timeout_s", "server.ready_timeout_s",
+        "backend.prefer", "backend.cpu_variant",
+        "supervisor.max_restarts", "supervisor.stop_grace_s",
+        "snapshots.enabled", "snapshots.max_count", "snapshots.max_bytes", "snapshots.swa_full",
+        "supervisor.backoff_max_s",
+    ]
+    extra = next(p for p in err.problems if p.startswith("server.extra_args"))
+    for flag in ("--port", "-m=/x.gguf", "--api-key", "--host=0.0.0.0"):
+        assert flag in extra
+    assert "0.0.0.0 would expose the server" in next(p for p in err.problems if p.startswith("server.host"))
+
+
+def test_unknown_keys_and_sections_are_problems():
+    with pytest.raises(ConfigError) as info:
+        parse_config('[server]\nprot = 8080\nmodle = "x.gguf"\n[sever]\nport = 1\n[backend]\nprefer = "cpu"\n')
+    problems = info.value.problems
+    assert any(p.startswith("sever: unknown section") for p in problems)
+    assert any(p.startswith("server.prot: unknown key") for p in problems)
+    assert any(p.startswith("server.modle: unknown key") for p in problems)
+    assert len(problems) == 3
+
+
+def test_a_section_that_is_not_a_table():
+    with pytest.raises(ConfigError) as info:
+        parse_config('server = "fast"\n')
+    assert info.value.problems == ["server: must be a table ([server]), got str 'fast'"]
+
+
+def test_toml_syntax_error(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text("[server\nport = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems[0].startswith("toml: not valid TOML")
+
+
+def test_unreadable_and_non_utf8_files(tmp_path):
+    (tmp_path / "dir.toml").mkdir()
+    with pytest.raises(ConfigError):
+        load_config(tmp_path / "dir.toml")
+    (tmp_path / "bin.toml").write_bytes(b"\xff\xfe[server]")
+    with pytest.raises(ConfigError):
+        load_config(tmp_path / "bin.toml")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1"])
+def test_loopback_hosts_are_accepted(host):
+    assert parse_config(f'[server]\nhost = "{host}"\n').server.host == host
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.2", "::", "localhost", "example.com"])
+def test_other_hosts_are_refused(host):
+    with pytest.raises(ConfigError) as info:
+        parse_config(f'[server]\nhost = "{host}"\n')
+    assert info.value.problems[0].startswith("server.host:")
+
+
+def test_model_path_expands_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = parse_config('[server]\nmodel = "~/m.gguf"\n')
+    assert config.server.model == str(tmp_path / "m.gguf")
+
+
+def test_diff_and_relaunch():
+    old = Config()
+    assert config_diff(old, old) == set()
+    assert not needs_relaunch(old, old)
+    new = parse_config("[supervisor]\nmax_restarts = 9\n[snapshots]\nmax_count = 2\n")
+    assert config_diff(old, new) == {"supervisor.max_restarts", "snapshots.max_count"}
+    assert not needs_relaunch(old, new)
+    for text, key in [
+        ('[server]\nmodel = "/m.gguf"\n', "server.model"),
+        ("[server]\nport = 9000\n", "server.port"),
+        ('[backend]\nprefer = "cpu"\n', "backend.prefer"),
+        ("[snapshots]\nswa_full = true\n", "snapshots.swa_full"),
+    ]:
+        changed = parse_config(text)
+        assert config_diff(old, changed) == {key}
+        assert needs_relaunch(old, changed)
+
+
+def test_config_error_serialises_for_the_socket():
+    err = ConfigError(["server.port: bad"], "/x/config.toml")
+    assert err.to_dict()["evidence"] == {"problems": ["server.port: bad"], "path": "/x/config.toml"}
+
+
+# --- hot reload ---------------------------------------------------------------------------
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.changes: list[Config] = []
+        self.invalid: list[ConfigError] = []
+        self.event = trio.Event()
+
+    def on_change(self, config: Config) -> None:
+        self.changes.append(config)
+        self.event.set()
+
+    async def on_invalid(self, err: ConfigError) -> None:  # async callbacks work too
+        self.invalid.append(err)
+        self.event.set()
+
+    async def wait(self) -> None:
+        await self.event.wait()
+        self.event = trio.Event()
+
+
+def write_atomically(path, text):
+    """What editors do: write a temp file, rename it over the old one."""
+    tmp = path.with_name(f".{path.name}.swp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+async def test_reload_reports_valid_and_invalid_edits(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text("[server]\nport = 8000\n")
+    current = load_config(path)
+    rec = Recorder()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                lambda task_status: watch_config(
+                    path, rec.on_change, on_invalid=rec.on_invalid, current=current,
+                    debounce_ms=50, task_status=task_status,
+                )
+            )
+            write_atomically(path, "[server]\nport = 8001\n")
+            await rec.wait()
+            assert [c.server.port for c in rec.changes] == [8001]
+
+            path.write_text("[server]\nport = -5\nbogus = 1\n")  # in place
+            await rec.wait()
+            assert len(rec.invalid) == 1
+            assert len(rec.invalid[0].problems) == 2
+            assert len(rec.changes) == 1  # the old config stays
+
+            write_atomically(path, "[server]\nport = 8001\n")  # fixed back to the same config
+            await rec.wait()
+            assert [c.server.port for c in rec.changes] == [8001, 8001]
+            nursery.cancel_scope.cancel()
+
+
+async def test_unrelated_files_and_unchanged_content_are_ignored(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text("[server]\nport = 8000\n")
+    rec = Recorder()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                lambda task_status: watch_config(
+                    path, rec.on_change, on_invalid=rec.on_invalid, debounce_ms=50,
+                    task_status=task_status,
+                )
+            )
+            (tmp_path / "other.toml").write_text("garbage [")
+            path.write_text("# a comment\n[server]\nport = 8000\n")  # same config
+            await trio.sleep(0.5)
+            assert rec.changes == [] and rec.invalid == []
+            path.write_text("[server]\nport = 8002\n")
+            await rec.wait()
+            assert [c.server.port for c in rec.changes] == [8002]
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_deleted_file_means_defaults_and_a_missing_dir_is_created(tmp_path):
+    path = tmp_path / "conf" / "config.toml"
+    rec = Recorder()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                lambda task_status: watch_config(
+                    path, rec.on_change, on_invalid=rec.on_invalid, debounce_ms=50,
+                    task_status=task_status,
+                )
+            )
+            assert path.parent.is_dir()
+            path.write_text('[backend]\nprefer = "cpu"\n')
+            await rec.wait()
+            path.unlink()
+            await rec.wait()
+            assert [c.backend.prefer for c in rec.changes] == ["cpu", "auto"]
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_burst_of_writes_is_debounced(tmp_path):
+    path = tmp_path / "config.toml"
+    rec = Recorder()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                lambda task_status: watch_config(
+                    path, rec.on_change, on_invalid=rec.on_invalid, debounce_ms=300,
+                    task_status=task_status,
+                )
+            )
+            for port in range(9000, 9010):
+                path.write_text(f"[server]\nport = {port}\n")
+            await rec.wait()
+            await trio.sleep(0.5)
+            assert rec.changes[-1].server.port == 9009
+            assert len(rec.changes) <= 2
+            nursery.cancel_scope.cancel()
+
+
+async def test_watch_stops_promptly_on_cancel(tmp_path):
+    with trio.fail_after(5):
+        with trio.move_on_after(0.2):
+            await watch_config(tmp_path / "config.toml", lambda c: None)
+        # Returning here within the fail_after means the watcher thread was stopped.
+
+
+# --- stoker config check ------------------------------------------------------------------
+
+
+def test_config_check_ok_and_json(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text("[server]\nport = 8080\n")
+    runner = CliRunner()
+    result = runner.invoke(cli, ["config", "check", str(path)])
+    assert result.exit_code == 0 and "valid" in result.output
+    result = runner.invoke(cli, ["config", "check", str(path), "--json"])
+    assert result.exit_code == 0
+    data = json.loads(result.output)
+    assert data["ok"] is True and data["config"]["server"]["port"] == 8080
+
+
+def test_config_check_missing_file_is_valid(tmp_path):
+    result = CliRunner().invoke(cli, ["config", "check", str(tmp_path / "none.toml")])
+    assert result.exit_code == 0 and "defaults" in result.output
+
+
+def test_config_check_lists_every_problem(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text('[server]\nport = -1\nhost = "10.0.0.1"\nwat = 1\n')
+    runner = CliRunner()
+    result = runner.invoke(cli, ["config", "check", str(path)])
+    assert result.exit_code == 1
+    assert "config_invalid" in result.output
+    for key in ("server.port", "server.host", "server.wat"):
+        assert f"- {key}:" in result.output
+    result = runner.invoke(cli, ["config", "check", str(path), "--json"])
+    assert result.exit_code == 1
+    data = json.loads(result.output)
+    assert data["ok"] is False and data["error"]["reason"] == "config_invalid"
+    assert len(data["error"]["evidence"]["problems"]) == 3
