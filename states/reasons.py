@@ -99,9 +99,9 @@ def _gpu_messages() -> dict[ReasonCode, str]:
             f"Installing the {api} engine bundle failed; the previous state is intact. "
             f"Retry with `stoker install {backend}`."
         )
-    for backend, vendor in (("nvidia", "NVIDIA"), ("amd", "AMD"), ("vulkan", "Vulkan"), ("metal", "Apple")):
+    for backend, vendor in (("nvidia", "An NVIDIA"), ("amd", "An AMD"), ("vulkan", "A Vulkan"), ("metal", "An Apple")):
         out[ReasonCode(f"binary_missing_{backend}_detected")] = (
-            f"An {vendor} GPU is present but no matching engine bundle is installed; "
+            f"{vendor} GPU is present but no matching engine bundle is installed; "
             f"Stoker installs it on demand (`stoker install`)."
         )
     return out

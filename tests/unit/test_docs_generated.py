@@ -1,0 +1,27 @@
+"""Generated documentation must match the code it is generated from."""
+
+import importlib.util
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, DOCS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_reason_code_table_is_current():
+    module = _load("reason_codes")
+    assert module.PAGE.read_text() == module.document(), "run: python docs/reason_codes.py"
+
+
+def test_every_reason_code_is_documented():
+    from states.reasons import MESSAGES, ReasonCode
+
+    text = (DOCS / "reason-codes.md").read_text()
+    for code in ReasonCode:
+        assert f"`{code.value}`" in text
+        assert MESSAGES[code].strip()
