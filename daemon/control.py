@@ -35,6 +35,8 @@ SUBSCRIBE = "subscribe"
 MAX_IN_FLIGHT = 32  # requests per connection running at once; the reader waits beyond that
 SEND_TIMEOUT_S = 10.0  # a peer that does not read its replies for this long is disconnected
 CLOSE_TIMEOUT_S = 1.0
+STALE_PROBE_TIMEOUT_S = 2.0
+MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with the NUL
 RECEIVE_SIZE = 64 * 1024
 BACKLOG = 64
 
@@ -75,12 +77,13 @@ async def _clear_stale_socket(path: Path) -> None:
         )
     probe = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
     try:
-        with trio.move_on_after(2.0):
+        with trio.move_on_after(STALE_PROBE_TIMEOUT_S) as scope:
             await probe.connect(os.fspath(path))
-            raise StokerError(
-                ReasonCode.DAEMON_ALREADY_RUNNING,
-                evidence={"socket": str(path)},
-            )
+        # Connected, or a listener too busy to accept within the timeout: either way it lives.
+        raise StokerError(
+            ReasonCode.DAEMON_ALREADY_RUNNING,
+            evidence={"socket": str(path), "answered": not scope.cancelled_caught},
+        )
     except (ConnectionRefusedError, FileNotFoundError):
         pass  # stale: nothing listens
     finally:
@@ -132,6 +135,13 @@ async def serve_control(
     Raises StokerError(daemon_already_running) if a live server answers on `socket_path`.
     """
     path = Path(socket_path)
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise StokerError(
+            ReasonCode.INTERNAL_ERROR,
+            f"The control socket path is longer than the {MAX_SOCKET_PATH} bytes a Unix socket "
+            f"allows; set STOKER_HOME (or XDG_RUNTIME_DIR) to a shorter directory.",
+            {"socket": str(path)},
+        )
     prepare_runtime_dir(path.parent)
     await _clear_stale_socket(path)
     raw = _bind(path)

@@ -15,6 +15,7 @@ import collections
 import datetime
 import enum
 import json
+import math
 import os
 import zlib
 from typing import Any, Mapping
@@ -365,8 +366,35 @@ def _default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
-def _frame(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), default=_default, allow_nan=False).encode() + b"\n"
+def _lenient(value: Any) -> Any:
+    try:
+        return _default(value)
+    except TypeError:
+        return repr(value)
+
+
+def _finite(value: Any) -> Any:
+    """`value` with NaN and infinities (not JSON) replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def _frame(obj: dict[str, Any], *, lenient: bool = False) -> bytes:
+    """Compact JSON plus the newline. Strict: a value that is not JSON raises TypeError or
+    ValueError. Lenient (events): unknown types become their repr, NaN becomes null."""
+    default = _lenient if lenient else _default
+    try:
+        text = json.dumps(obj, separators=(",", ":"), default=default, allow_nan=False)
+    except ValueError:
+        if not lenient:
+            raise
+        text = json.dumps(_finite(obj), separators=(",", ":"), default=default, allow_nan=False)
+    return text.encode() + b"\n"
 
 
 def encode_request(request_id: int | str, method: str, params: Mapping[str, Any] | None = None) -> bytes:
@@ -410,5 +438,5 @@ def encode_stoker_error(request_id: int | str | None, err: StokerError) -> bytes
 
 
 def encode_event(event: Mapping[str, Any]) -> bytes:
-    """One event notification frame for subscribers."""
-    return _frame({"jsonrpc": JSONRPC, "method": "event", "params": dict(event)})
+    """One event notification frame; lenient, so an odd value cannot break a stream."""
+    return _frame({"jsonrpc": JSONRPC, "method": "event", "params": dict(event)}, lenient=True)

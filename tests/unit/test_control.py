@@ -394,3 +394,10 @@ async def test_reply_frames_are_single_lines_of_json(server):
             data += await stream.receive_some(4096)
         assert data.count(b"\n") == 1
         assert json.loads(data)["result"] == {"text": "a\nb"}
+
+
+async def test_a_socket_path_that_is_too_long_is_a_clear_error(tmp_path):
+    path = tmp_path / ("d" * 120) / "stoker.sock"
+    with pytest.raises(StokerError) as info:
+        await control.serve_control(path, Toy(), EventBus())
+    assert "longer than" in info.value.message

@@ -257,3 +257,10 @@ def test_protocol_reasons_use_jsonrpc_codes():
     assert protocol.code_for(ReasonCode.UNKNOWN_METHOD) == -32601
     assert protocol.code_for(ReasonCode.INTERNAL_ERROR) == -32603
     assert protocol.code_for("not_a_reason") == protocol.APPLICATION_ERROR
+
+
+def test_events_are_encoded_leniently():
+    obj = json.loads(protocol.encode_event({"topic": "t", "odd": object(), "x": float("nan"), "l": [float("inf")]}))
+    assert obj["params"]["odd"].startswith("<object") and obj["params"]["x"] is None and obj["params"]["l"] == [None]
+    with pytest.raises(ValueError):
+        protocol.encode_result(1, float("nan"))
