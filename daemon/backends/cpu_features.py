@@ -51,15 +51,16 @@ X86_TESTS: dict[str, tuple[str, bool]] = {
     "amx_bf16": (_AMX_PRELUDE + "c4e26a5cc1" + _AMX_EPILOGUE, True),  # tdpbf16ps %tmm2,%tmm1,%tmm0
 }
 
-# Run as `python -I -S -c CHILD HEX amx|plain`. Exit 3: the kernel refused AMX permission.
+# Run as `python -I -S -c CHILD HEX MODE`; MODE is plain, amx (permission + tile config) or
+# amx-noperm (tile config only: the negative control). Exit 3: the kernel refused permission.
 CHILD = r"""
 import ctypes, mmap, sys
-code, amx = bytes.fromhex(sys.argv[1]), sys.argv[2] == "amx"
+code, mode = bytes.fromhex(sys.argv[1]), sys.argv[2]
 libc = ctypes.CDLL(None, use_errno=True)
 arg = None
-if amx:
+if mode.startswith("amx"):
     # arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); 158 is SYS_arch_prctl on x86-64
-    if libc.syscall(158, 0x1023, 18) != 0:
+    if mode == "amx" and libc.syscall(158, 0x1023, 18) != 0:
         print("arch_prctl errno", ctypes.get_errno()); sys.exit(3)
     cfg = (ctypes.c_uint8 * 64)()
     cfg[0] = 1  # palette 1; tiles 0-2: 16 rows x 64 bytes
