@@ -1,0 +1,177 @@
+"""server_process and server_identity against the real llama-server and the tiny model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+
+import attrs
+import httpx
+import psutil
+import pytest
+import trio
+
+from daemon.errors import StokerError
+from daemon.server_identity import (
+    adopt,
+    read_identity,
+    stop_orphan,
+    verify_identity,
+    write_identity,
+)
+from daemon.server_process import ServerSpec, start_server, stop_server, wait_ready
+from states.reasons import ReasonCode
+
+pytestmark = pytest.mark.engine
+
+TIMEOUT = 60
+
+
+@pytest.fixture
+def spec(installed_cpu_bundle, tiny_model):
+    return ServerSpec(
+        server_path=installed_cpu_bundle.server, model_path=tiny_model, ctx_size=512, parallel=1, threads=1
+    )
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_start_ready_serve_with_the_key_stop(spec, tmp_path):
+    log_path = tmp_path / "server.log"
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            handle = await start_server(nursery, spec, log_path=log_path)
+            report = await wait_ready(handle, stall_timeout=20, ready_timeout=TIMEOUT)
+            assert report.port == handle.port and report.port > 0
+            assert report.base_url == f"http://127.0.0.1:{report.port}"
+            assert f"listening on http://127.0.0.1:{report.port}" in report.evidence_lines["listening"]
+            assert report.offloaded_layers is None  # CPU only: the line is absent
+            assert report.model_path == str(spec.model_path)
+            assert report.total_slots == 1 and report.n_ctx == 512
+            assert any(b.kind == "model" for b in report.buffers)
+            assert report.build_info and 0 < report.load_seconds <= report.ready_seconds
+
+            async with httpx.AsyncClient(base_url=report.base_url, trust_env=False, timeout=20) as client:
+                body = {"prompt": "hello", "n_predict": 4}
+                ok = await client.post("/completion", json=body, headers=handle.auth_headers)
+                assert ok.status_code == 200 and "content" in ok.json()
+                denied = await client.post("/completion", json=body)
+                assert denied.status_code == 401
+                wrong = await client.post("/completion", json=body, headers={"Authorization": "Bearer nope"})
+                assert wrong.status_code == 401
+                assert (await client.get("/health")).status_code == 200  # public in llama-server
+                props = (await client.get("/props", headers=handle.auth_headers)).json()
+                assert props["ui"] is False
+
+            assert handle.api_key not in " ".join(psutil.Process(handle.pid).cmdline())
+            assert handle.process.returncode is None
+            exit_report = await stop_server(handle, grace=10)
+    assert exit_report.expected and exit_report.returncode is not None
+    assert not _group_alive(handle.pgid)
+    assert not handle.launch_dir.exists()
+    assert "listening on" in log_path.read_text()  # the log is kept
+
+
+async def test_kill_9_is_a_crash_with_sigkill_evidence(spec, tmp_path):
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            handle = await start_server(nursery, spec, log_path=tmp_path / "server.log")
+            await wait_ready(handle, stall_timeout=20, ready_timeout=TIMEOUT)
+            os.kill(handle.pid, signal.SIGKILL)
+            report = await handle.wait_exit()
+    assert report.reason == ReasonCode.SERVER_CRASHED and not report.expected
+    assert report.returncode == -9 and report.signal == "SIGKILL"
+    assert report.evidence["signal"] == "SIGKILL" and report.evidence["log_tail"]
+    assert not _group_alive(handle.pgid)
+
+
+async def test_missing_model_is_model_missing(spec, tmp_path):
+    spec = attrs.evolve(spec, model_path=tmp_path / "absent.gguf")
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            handle = await start_server(nursery, spec, log_path=tmp_path / "server.log")
+            with pytest.raises(StokerError) as err:
+                await wait_ready(handle, stall_timeout=20, ready_timeout=TIMEOUT)
+    assert err.value.reason == ReasonCode.MODEL_MISSING
+    assert "failed to open GGUF file" in err.value.evidence["line"]
+    assert handle.exit is not None and handle.exit.returncode == 1
+
+
+async def test_a_taken_port_is_port_in_use(spec, tmp_path):
+    with socket.socket() as taken, trio.fail_after(TIMEOUT):
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        spec = attrs.evolve(spec, port=taken.getsockname()[1])
+        async with trio.open_nursery() as nursery:
+            handle = await start_server(nursery, spec, log_path=tmp_path / "server.log")
+            with pytest.raises(StokerError) as err:
+                await wait_ready(handle, stall_timeout=20, ready_timeout=TIMEOUT)
+    assert err.value.reason == ReasonCode.PORT_IN_USE
+    assert f"port: {spec.port}" in err.value.evidence["line"]
+
+
+async def test_cancelling_the_owner_stops_the_server(spec, tmp_path):
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            handle = await start_server(nursery, spec, log_path=tmp_path / "server.log", grace=5)
+            await wait_ready(handle, stall_timeout=20, ready_timeout=TIMEOUT)
+            nursery.cancel_scope.cancel()
+    assert handle.exit is not None and handle.exit.expected
+    assert not _group_alive(handle.pgid)
+
+
+async def test_identity_proves_ours_and_refuses_a_reused_pid(spec, tmp_path):
+    ident_path = tmp_path / "run" / "server.json"
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            handle = await start_server(nursery, spec, log_path=tmp_path / "server.log", identity_path=ident_path)
+            report = await wait_ready(handle, stall_timeout=20, ready_timeout=TIMEOUT)
+            ident = handle.identity
+            assert ident.port == report.port and ident.pid == handle.pid == ident.pgid
+            assert stat.S_IMODE(ident_path.stat().st_mode) == 0o600
+            assert read_identity(ident_path) == ident  # rewritten with the real port
+            copy = tmp_path / "copy" / "server.json"
+            write_identity(copy, ident)
+            assert read_identity(copy) == ident and stat.S_IMODE(copy.stat().st_mode) == 0o600
+            assert read_identity(tmp_path / "nothing.json") is None
+
+            assert await verify_identity(ident)
+            assert not await verify_identity(attrs.evolve(ident, api_key="not-the-key"))
+            assert not await verify_identity(attrs.evolve(ident, create_time=ident.create_time + 100))
+
+            # A pid that now belongs to another process: forged identity with a wrong start time.
+            with subprocess.Popen(["sleep", "60"]) as sleeper:
+                try:
+                    forged = attrs.evolve(ident, pid=sleeper.pid, pgid=sleeper.pid, create_time=ident.create_time)
+                    assert not await verify_identity(forged)
+                    assert await adopt(forged) is None
+                    assert not await stop_orphan(forged, grace=1)
+                    # Right start time but another executable: still not ours.
+                    same_time = attrs.evolve(forged, create_time=psutil.Process(sleeper.pid).create_time())
+                    assert not await stop_orphan(same_time, grace=1)
+                    assert sleeper.poll() is None  # never signalled
+                finally:
+                    sleeper.kill()
+
+            adopted = await adopt(read_identity(ident_path))
+            assert adopted is not None and adopted.is_running()
+            async with httpx.AsyncClient(base_url=adopted.base_url, trust_env=False, timeout=20) as client:
+                resp = await client.post("/completion", json={"prompt": "hi", "n_predict": 2}, headers=adopted.auth_headers)
+                assert resp.status_code == 200
+
+            # Stopping it as an orphan (as the next daemon would) ends our child too.
+            assert await stop_orphan(ident, grace=10)
+            report = await handle.wait_exit()
+    assert not _group_alive(handle.pgid)
+    assert not adopted.is_running()
+    assert not await verify_identity(ident)
+    assert not ident_path.exists()  # removed at exit: it was still this server's

@@ -1,0 +1,155 @@
+"""server_process without the engine: argv and env, log parsing, and the two fake-server cases.
+
+A fake server (a Python script) stands in for llama-server only where the real one cannot
+be made to misbehave on demand: a stall while loading and a SIGILL. Everything else runs
+against the real engine in tests/integration/test_server_process.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+
+import pytest
+import trio
+
+from daemon.errors import StokerError
+from daemon.server_process import (
+    ServerLog,
+    ServerSpec,
+    start_server,
+    server_argv,
+    server_env,
+    stop_server,
+    wait_ready,
+)
+from states.reasons import ReasonCode
+
+# Recorded from the CPU build (-lv 4 --log-colors off), abridged.
+RECORDED_LOAD = textwrap.dedent(
+    """\
+    llama_model_loader: loaded meta data with 27 key-value pairs and 21 tensors from /m/tiny.gguf (version GGUF V3 (latest))
+    load_tensors: offloaded 3/3 layers to GPU
+    load_tensors:   CPU_Mapped model buffer size =     1.52 MiB
+    load_tensors:        CUDA0 model buffer size =     0.58 MiB
+    llama_context: n_ctx                 = 512
+    llama_kv_cache:      CUDA0 KV buffer size =     0.50 MiB
+    llama_prepare_model_devices: using device CUDA0 (NVIDIA H200) (0000:00:00.0) - 142629 MiB free
+    srv    load_model: initializing slots, n_slots = 1
+    srv  llama_server: model loaded
+    srv  llama_server: listening on http://127.0.0.1:41235
+    """
+)
+
+
+def _fake_server(tmp_path, body: str):
+    script = tmp_path / "fake-llama-server"
+    script.write_text(f"#!{sys.executable}\n" + textwrap.dedent(body))
+    script.chmod(0o755)
+    return ServerSpec(server_path=script, model_path=tmp_path / "model.gguf")
+
+
+def test_argv_carries_the_settings_but_never_the_key(tmp_path):
+    spec = ServerSpec(
+        server_path="/b/llama-server", model_path="/m.gguf", port=0, ctx_size=2048, parallel=2,
+        threads=4, n_gpu_layers=99, flash_attn="off", slot_save_path=tmp_path, extra_args=["--swa-full"],
+    )
+    argv = server_argv(spec, api_key_file=tmp_path / "key")
+    joined = " ".join(argv)
+    for part in ("-m /m.gguf", "--host 127.0.0.1", "--port 0", "-lv 4", "--log-colors off", "-c 2048",
+                 "-np 2", "-t 4", "-ngl 99", "-fa off", f"--slot-save-path {tmp_path}",
+                 f"--api-key-file {tmp_path / 'key'}"):
+        assert part in joined
+    assert argv[-1] == "--swa-full" and "--api-key" not in argv
+
+
+def test_env_is_minimal_and_explicit(monkeypatch):
+    monkeypatch.setenv("LLAMA_ARG_MODEL", "/somewhere/else.gguf")
+    monkeypatch.setenv("GGML_BACKEND_DIR", "/tmp/evil")
+    env = server_env(ServerSpec(server_path="/s", model_path="/m", env={"CUDA_VISIBLE_DEVICES": "0"}))
+    assert "LLAMA_ARG_MODEL" not in env and "GGML_BACKEND_DIR" not in env
+    assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["LLAMA_ARG_UI"] == "0"
+
+
+async def test_log_facts_are_parsed(tmp_path):
+    path = tmp_path / "server.log"
+    path.write_text(RECORDED_LOAD[:60])  # a partial line is progress but not yet a line
+    log = ServerLog(path, 0)
+    assert log.poll() and not log.tail
+    path.write_text(RECORDED_LOAD)
+    assert log.poll()
+    assert log.model_path == "/m/tiny.gguf"
+    assert log.offloaded == (3, 3)
+    assert log.n_ctx == 512
+    assert [(b.kind, b.device, b.mib) for b in log.buffers] == [
+        ("model", "CPU_Mapped", 1.52), ("model", "CUDA0", 0.58), ("KV", "CUDA0", 0.5)
+    ]
+    assert log.devices == ["CUDA0 (NVIDIA H200)"]
+    assert log.model_loaded and log.listening == ("127.0.0.1", 41235)
+    assert not log.poll()  # nothing new
+
+
+async def test_a_stalled_load_is_server_stalled_and_stop_ends_it(tmp_path):
+    spec = _fake_server(tmp_path, """\
+        import time
+        print("llama_model_loader: loading...", flush=True)
+        time.sleep(120)
+    """)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            handle = await start_server(nursery, spec, log_path=tmp_path / "s.log")
+            with pytest.raises(StokerError) as err:
+                await wait_ready(handle, stall_timeout=1.0, ready_timeout=20)
+            assert err.value.reason == ReasonCode.SERVER_STALLED
+            assert err.value.evidence["last_line"] == "llama_model_loader: loading..."
+            report = await stop_server(handle, grace=2)
+    assert report.expected and report.signal == "SIGTERM"
+    with pytest.raises(ProcessLookupError):
+        os.killpg(handle.pgid, 0)
+    assert not handle.launch_dir.exists()
+
+
+async def test_sigill_is_cpu_illegal_instruction(tmp_path):
+    spec = _fake_server(tmp_path, """\
+        import os, signal
+        print("graph_compute: warming up", flush=True)
+        os.kill(os.getpid(), signal.SIGILL)
+    """)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            handle = await start_server(nursery, spec, log_path=tmp_path / "s.log")
+            with pytest.raises(StokerError) as err:
+                await wait_ready(handle, stall_timeout=10, ready_timeout=20)
+    assert err.value.reason == ReasonCode.CPU_ILLEGAL_INSTRUCTION
+    assert err.value.evidence["signal"] == "SIGILL"
+    assert handle.exit is not None and not handle.exit.expected
+
+
+async def test_cancelling_the_owner_kills_a_server_that_ignores_sigterm(tmp_path):
+    spec = _fake_server(tmp_path, """\
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("stubborn", flush=True)
+        time.sleep(120)
+    """)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            handle = await start_server(nursery, spec, log_path=tmp_path / "s.log", grace=0.5)
+            while not handle.log.tail:
+                await handle.wait_changed()
+            nursery.cancel_scope.cancel()
+    assert handle.exit is not None and handle.exit.expected
+    assert handle.exit.signal == "SIGKILL"
+    with pytest.raises(ProcessLookupError):
+        os.killpg(handle.pgid, 0)
+
+
+async def test_a_missing_binary_is_server_spawn_failed(tmp_path):
+    spec = ServerSpec(server_path=tmp_path / "nope", model_path=tmp_path / "m.gguf")
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(StokerError) as err:
+                await start_server(nursery, spec, log_path=tmp_path / "s.log")
+    assert err.value.reason == ReasonCode.SERVER_SPAWN_FAILED
