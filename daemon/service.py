@@ -150,6 +150,7 @@ class Daemon:
 
     async def _stop_server(self) -> None:
         sdnotify.stopping("stopping the server")
+        self.supervisor.shutting_down = True
         with trio.move_on_after(self.config.supervisor.stop_grace_s + 15):
             self.supervisor.offer(L.DownRequested())
             await self.wait_state({L.LaunchState.STOPPED, L.LaunchState.FAILED})

@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 Planner = Callable[[Config, L.MakePlan], L.LaunchPlan]
 # A hook run once a server is ready, before the machine says so (snapshot restore goes here).
 ReadyHook = Callable[["Supervisor", Any], Any]
+# A hook run before a planned stop while the server still serves (snapshot save goes here);
+# its second argument is the cause: "stop", "restart" or "shutdown".
+StopHook = Callable[["Supervisor", str], Any]
 
 
 def launch_settings(config: Config) -> L.LaunchSettings:
@@ -68,6 +71,8 @@ class Supervisor:
     config: Config
     planner: Planner
     ready_hook: ReadyHook | None = None
+    before_stop: StopHook | None = None
+    shutting_down: bool = False  # set by the daemon: the stop cause is "shutdown"
     rng: random.Random = attrs.field(factory=random.Random)
     server: ServerHandle | AdoptedServer | None = None
     ready_evidence: dict[str, Any] | None = None
@@ -288,6 +293,13 @@ class Supervisor:
 
     async def _terminate(self, grace: float) -> None:
         server = self.server
+        after = self.data.after_stop
+        if server is not None and self.before_stop is not None and after is not L.AfterStop.CRASH:
+            cause = "shutdown" if self.shutting_down else after.value
+            try:
+                await self.before_stop(self, cause)
+            except Exception:  # saving state must never keep a server from stopping
+                log.exception("before-stop hook failed")
         if isinstance(server, ServerHandle):
             await stop_server(server, grace)  # _run_server reports StopCompleted
             return
