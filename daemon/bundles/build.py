@@ -134,6 +134,8 @@ def _run_logged(cmd: list[str], cwd: Path, log, progress: Progress, step: str) -
 
 
 def _elf_dynamic(path: Path) -> tuple[list[str], list[str]]:
+    if shutil.which("readelf") is None:
+        raise StokerError(ReasonCode.BUNDLE_BUILD_FAILED, "readelf (binutils) is needed to package the build.")
     out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
     return _NEEDED.findall(out), _RUNPATH.findall(out)
 
@@ -179,9 +181,10 @@ def _file_entries(root: Path) -> tuple[FileEntry, ...]:
     return tuple(entries)
 
 
-def _engine_version(server: Path) -> str:
+def _engine_version(server: Path, scratch: Path) -> str:
+    scratch.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run([str(server), "--version"], capture_output=True, text=True, errors="replace",
-                          cwd=server.parent, env=engine_env(), timeout=30)
+                          cwd=scratch, env=engine_env(), timeout=30)
     m = _VERSION.search(proc.stderr + proc.stdout)
     return m.group(1) if m else "unknown"
 
@@ -252,7 +255,7 @@ def _build(paths: StokerPaths, plan: BuildPlan, tree: SourceTree, smoke: SmokeSp
         shutil.copyfile(license_file, stage / "LICENSE.llama.cpp")
         os.chmod(stage / "LICENSE.llama.cpp", 0o644)
     server = stage / SERVER_PATH
-    llama_version = _engine_version(server)
+    llama_version = _engine_version(server, work / "smoke")
     reference = _record_smoke(server, smoke, work / "smoke", progress)
     meta = BundleMeta(
         schema_version=SCHEMA_VERSION,
