@@ -1,0 +1,277 @@
+"""MachineRunner: step, persist, publish; and hypothesis models of launch and probe over it."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from hypothesis import HealthCheck, event as hypothesis_event, settings, strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from daemon.machines import MachineRunner
+from states import launch as L
+from states import probe as P
+from states.machine import IllegalTransition, data_to_json, event_from_json
+from states.reasons import ReasonCode
+from store import StoreError, open_store
+
+PLAN = L.LaunchPlan("cpu", "x86-64", "/b", "/b/llama-server", "/m.gguf", port=8091)
+
+
+@pytest.fixture
+def store():
+    s = open_store(":memory:")
+    yield s
+    s.close()
+
+
+def test_fire_persists_and_publishes(store):
+    seen = []
+    runner = MachineRunner(L.LAUNCH, "launch", store, seen.append)
+    assert runner.state is L.LaunchState.STOPPED and not runner.resumed
+    result = runner.fire(L.UpRequested())
+    assert result.effects == (L.MakePlan(),)
+    runner.fire(L.PlanReady(PLAN))
+    assert [m["type"] for m in seen] == ["machine.launch.planning", "machine.launch.starting"]
+    msg = seen[-1]
+    assert {k: msg[k] for k in ("machine", "from", "to", "event", "reason", "seq")} == {
+        "machine": "launch", "from": "planning", "to": "starting", "event": "PlanReady", "reason": None, "seq": 2,
+    }
+    assert msg["evidence"] == {"backend": "cpu", "variant": "x86-64"}
+    assert isinstance(msg["at"], float)
+    row = store.machine("launch")
+    assert row.state == "starting" and row.data == data_to_json(runner.data)
+    history = store.history(machine="launch")
+    assert [t.event for t in history] == ["PlanReady", "UpRequested"]
+    assert event_from_json(L.LAUNCH, history[0].event, history[0].event_data) == L.PlanReady(PLAN)
+
+
+def test_resume_from_the_store(store):
+    first = MachineRunner(L.LAUNCH, "launch", store, initial_data=L.LaunchData(settings=L.LaunchSettings(max_restarts=1)))
+    for event in (L.UpRequested(), L.PlanReady(PLAN), L.Spawned(77, 3.25), L.Ready({"layers": 0})):
+        first.fire(event)
+    again = MachineRunner(L.LAUNCH, "launch", store)
+    assert again.resumed and again.state is L.LaunchState.READY and again.data == first.data
+    assert again.seq == 4 and again.data.settings.max_restarts == 1
+    assert L.resume_effects(again.state, again.data) == (L.Reattach(77, 3.25),)
+
+
+def test_illegal_event_changes_nothing(store):
+    seen = []
+    runner = MachineRunner(L.LAUNCH, "launch", store, seen.append)
+    assert not runner.accepts(L.Ready())
+    with pytest.raises(IllegalTransition):
+        runner.fire(L.Ready())
+    assert runner.state is L.LaunchState.STOPPED and store.machine("launch") is None and seen == []
+    assert runner.accepts(L.UpRequested())
+    assert store.count_transitions() == 0
+
+
+def test_failed_write_changes_nothing(store):
+    seen = []
+    runner = MachineRunner(L.LAUNCH, "launch", store, seen.append)
+    runner.fire(L.UpRequested())
+    store.db.execute("CREATE TEMP TRIGGER refuse BEFORE INSERT ON transitions BEGIN SELECT RAISE(ABORT, 'no'); END")
+    with pytest.raises(StoreError):
+        runner.fire(L.PlanReady(PLAN))
+    assert runner.state is L.LaunchState.PLANNING and runner.data.plan is None and len(seen) == 1
+    assert store.machine("launch").state == "planning"
+
+
+def test_machine_of_another_kind_is_refused(store):
+    MachineRunner(P.PROBE, "probe:cuda", store).fire(P.ProbeRequested("cuda"))
+    with pytest.raises(StoreError):
+        MachineRunner(L.LAUNCH, "probe:cuda", store)
+
+
+# --- the launch machine as a hypothesis model -------------------------------------------
+
+MAX_RESTARTS = 2
+LAUNCH_EVENTS = [
+    L.UpRequested(), L.DownRequested(), L.RestartRequested(), L.ConfigChanged(),
+    L.ConfigChanged(L.LaunchSettings(max_restarts=MAX_RESTARTS, stall_timeout=5.0)),
+    L.PlanReady(PLAN), L.PlanFailed(ReasonCode.MODEL_MISSING, {"path": "/m.gguf"}),
+    L.Spawned(100, 1.0), L.Adopted(100, 1.0), L.LoadStarted(), L.Ready({"layers": 0}),
+    L.ServerExited(-9), L.ServerExited(1, ReasonCode.MODEL_LOAD_FAILED),
+    L.ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION, replan=True),
+    L.ServerExited(1, ReasonCode.PORT_IN_USE, fatal=True),
+    L.StallTimeout(), L.BackoffStarted(0.5), L.BackoffElapsed(), L.Stable(), L.StopCompleted(0),
+]
+CRASHING = (L.LaunchState.STARTING, L.LaunchState.LOADING, L.LaunchState.READY)
+
+
+class LaunchModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = open_store(":memory:")
+        self.published: list[dict] = []
+        data = L.LaunchData(settings=L.LaunchSettings(max_restarts=MAX_RESTARTS, stall_timeout=5.0))
+        self.runner = MachineRunner(L.LAUNCH, "launch", self.store, self.published.append, initial_data=data)
+        self.accepted = 0
+
+    def teardown(self) -> None:
+        self.store.close()
+
+    @initialize(running=st.booleans())
+    def maybe_start(self, running):
+        if running:
+            for event in (L.UpRequested(), L.PlanReady(PLAN), L.Spawned(100)):
+                self.fire(event)
+
+    @rule(event=st.sampled_from(LAUNCH_EVENTS))
+    def fire(self, event):
+        before_state, before_data = self.runner.state, self.runner.data
+        before_row = self.store.machine("launch")
+        try:
+            result = self.runner.fire(event)
+        except IllegalTransition:
+            assert (self.runner.state, self.runner.data) == (before_state, before_data)
+            assert self.store.machine("launch") == before_row
+            return
+        self.accepted += 1
+        data = result.data
+        newest = self.store.history(machine="launch", limit=1)[0]
+        assert (newest.from_state, newest.event, newest.to_state) == (
+            before_state.value, type(event).__name__, result.state.value)
+        assert newest.reason == (None if result.reason is None else str(result.reason))
+        # the crash counter
+        if isinstance(event, L.ServerExited) and before_state in CRASHING:
+            assert data.crashes == before_data.crashes + 1
+            if event.fatal:
+                assert result.state is L.LaunchState.FAILED and result.reason is event.reason
+            elif data.crashes > MAX_RESTARTS:
+                assert result.state is L.LaunchState.FAILED and result.reason is ReasonCode.CRASH_LOOP
+            else:
+                assert result.state is L.LaunchState.CRASHED and result.effects[0] == L.StartBackoff(data.crashes)
+        if isinstance(event, L.Stable):
+            assert data.crashes == 0
+        if isinstance(event, (L.UpRequested, L.RestartRequested)) and before_state in (
+                L.LaunchState.STOPPED, L.LaunchState.FAILED):
+            assert result.state is L.LaunchState.PLANNING and data.crashes == 0
+        if before_state is L.LaunchState.FAILED and not isinstance(event, (L.UpRequested, L.RestartRequested)):
+            assert result.state is L.LaunchState.FAILED  # sticky until the user starts it
+
+    @rule(data=st.data())
+    def fire_a_legal_one(self, data):
+        """Bias towards long legal runs, so crash loops and stops mid-way are reached."""
+        legal = [e for e in LAUNCH_EVENTS if self.runner.accepts(e)]
+        event = data.draw(st.sampled_from(legal))
+        self.fire(event)
+
+    @precondition(lambda self: self.runner.state in CRASHING)
+    @rule(back_up=st.booleans())
+    def crash_and_come_back(self, back_up):
+        """A whole crash cycle in one rule, so crash loops are common, not lucky."""
+        for event in (L.ServerExited(-9), L.BackoffStarted(0.1), L.BackoffElapsed(), L.Spawned(101), L.Ready()):
+            if not self.runner.accepts(event):
+                break
+            self.fire(event)
+            if not back_up and isinstance(event, L.BackoffElapsed):
+                break
+        if self.runner.data.reason is ReasonCode.CRASH_LOOP:
+            hypothesis_event("reached crash_loop")
+
+    @invariant()
+    def declared_state_and_one_row_per_transition(self):
+        assert self.runner.state in set(L.LaunchState)
+        assert self.store.count_transitions("launch") == self.accepted == len(self.published)
+        assert self.runner.seq == self.accepted
+
+    @invariant()
+    def counter_bounds(self):
+        state, data = self.runner.state, self.runner.data
+        assert 0 <= data.crashes <= MAX_RESTARTS + 1
+        if state in (L.LaunchState.CRASHED, L.LaunchState.BACKOFF):
+            assert 1 <= data.crashes <= MAX_RESTARTS
+        if state is L.LaunchState.FAILED and data.reason is ReasonCode.CRASH_LOOP:
+            assert data.crashes == MAX_RESTARTS + 1
+
+    @invariant()
+    def store_round_trips(self):
+        if self.accepted:
+            reloaded = MachineRunner(L.LAUNCH, "launch", self.store)
+            assert (reloaded.state, reloaded.data) == (self.runner.state, self.runner.data)
+
+
+TestLaunchModel = LaunchModel.TestCase
+TestLaunchModel.settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
+                                    suppress_health_check=[HealthCheck.too_slow])
+
+
+# --- the probe machine as a hypothesis model ---------------------------------------------
+
+
+class ProbeModel(RuleBasedStateMachine):
+    started = Bundle("started")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = open_store(":memory:")
+        self.runner = MachineRunner(P.PROBE, "probe:cuda", self.store)
+        self.accepted = 0
+        self.newest = 0
+        self.finished: set[int] = set()
+        self.verdict_generation = 0
+        self.drops = 0
+
+    def teardown(self) -> None:
+        self.store.close()
+
+    def _fire(self, event):
+        result = self.runner.fire(event)
+        self.accepted += 1
+        return result
+
+    @initialize(target=started)
+    def first(self):
+        self._fire(P.ProbeRequested("cuda"))
+        self.newest = 1
+        return 1
+
+    @rule(target=started)
+    def request(self):
+        result = self._fire(P.ProbeRequested())
+        self.newest += 1
+        assert result.effects == (P.RunProbe("cuda", self.newest, 10.0),)
+        return self.newest
+
+    @rule(gen=started, ok=st.booleans())
+    def finish(self, gen, ok):
+        event = P.ProbeSucceeded(gen, {"g": gen}) if ok else P.ProbeFailed(gen, ReasonCode.GPU_MISSING, {"g": gen})
+        before = self.runner.state
+        result = self._fire(event)
+        fresh = gen == self.newest and gen not in self.finished
+        self.finished.add(gen)
+        newest_row = self.store.history(machine="probe:cuda", limit=1)[0]
+        if fresh:
+            self.verdict_generation = gen
+            assert result.state is (P.ProbeState.AVAILABLE if ok else P.ProbeState.UNAVAILABLE)
+            assert newest_row.reason in (None, "gpu_missing")
+        else:
+            self.drops += 1
+            assert result.state is before
+            assert newest_row.reason == "probe_result_stale"
+            assert newest_row.evidence["dropped_generation"] == gen
+
+    @precondition(lambda self: self.runner.state in (P.ProbeState.AVAILABLE, P.ProbeState.UNAVAILABLE))
+    @rule()
+    def expire(self):
+        with pytest.raises(IllegalTransition):
+            self.runner.fire(P.Expired(self.verdict_generation + 1))
+        assert self._fire(P.Expired(self.verdict_generation)).state is P.ProbeState.IDLE
+
+    @invariant()
+    def verdict_is_the_newest_finished(self):
+        data = self.runner.data
+        assert data.generation == self.newest
+        assert data.result_generation == self.verdict_generation
+        assert data.dropped == self.drops
+        if self.verdict_generation:
+            assert data.evidence == {"g": self.verdict_generation}
+        probing = self.newest not in self.finished
+        assert (self.runner.state is P.ProbeState.PROBING) == probing
+        assert self.store.count_transitions("probe:cuda") == self.accepted
+
+
+TestProbeModel = ProbeModel.TestCase
+TestProbeModel.settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
+                                   suppress_health_check=[HealthCheck.too_slow])
