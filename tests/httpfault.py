@@ -101,7 +101,7 @@ class FaultServer:
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
         self.log: list[RequestRecord] = []
-        self._httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
+        self._httpd = _QuietServer(("127.0.0.1", 0), _handler_for(self))
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="fault-server", daemon=True)
 
@@ -171,6 +171,15 @@ class FaultServer:
             self.log.append(record)
             if entry is not None and cut_happened:
                 entry.cuts += 1
+
+
+class _QuietServer(http.server.ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        # Clients hanging up mid-response are what the faults are for; say nothing.
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
 
 
 def _handler_for(server: FaultServer) -> type[http.server.BaseHTTPRequestHandler]:

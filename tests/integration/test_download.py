@@ -336,7 +336,7 @@ async def test_connection_refused_is_a_connection_error(tmp_path: Path) -> None:
 
 
 @hypothesis.settings(
-    max_examples=25,
+    max_examples=20,
     deadline=None,
     suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture],
 )
