@@ -158,3 +158,6 @@ async def history(daemon: "Daemon", params: Mapping[str, Any]) -> list[dict[str,
 async def ping(daemon: "Daemon", params: Mapping[str, Any]) -> dict[str, Any]:
     """{} -> {"pong": true, "pid": N}: a liveness check that touches nothing."""
     return {"pong": True, "pid": os.getpid()}
+
+
+from daemon import handlers_telemetry  # noqa: E402,F401  (registers `telemetry`)

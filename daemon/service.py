@@ -26,6 +26,7 @@ from daemon.control import serve_control
 from daemon.errors import StokerError
 from daemon.events import EventBus
 from daemon.handlers import HANDLERS
+from daemon.handlers_telemetry import serve_telemetry
 from daemon.machines import MachineRunner
 from daemon.paths import StokerPaths
 from daemon.planner import make_planner
@@ -138,6 +139,7 @@ class Daemon:
                 )
             )
             await nursery.start(sdnotify.serve_watchdog)
+            nursery.start_soon(serve_telemetry, self)
             if autostart and not self.supervisor.runner.resumed and not self.config_loaded_invalid:
                 self.supervisor.offer(L.UpRequested(self.launch_settings()))
             elif autostart and self.supervisor.state is L.LaunchState.STOPPED and not self.config_loaded_invalid:

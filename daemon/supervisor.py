@@ -213,7 +213,7 @@ class Supervisor:
             threads=server.threads or None,
             n_gpu_layers=None if plan.backend == "cpu" else plan.n_gpu_layers,
             flash_attn=server.flash_attn,
-            extra_args=plan.extra_args,
+            extra_args=(*plan.extra_args, "--metrics"),  # telemetry reads tokens/s from /metrics
         )
 
     async def _run_server(self, plan: L.LaunchPlan, scope: trio.CancelScope) -> None:
