@@ -426,7 +426,9 @@ async def watch_config(
 
     A valid file that differs from the config in force (or follows an invalid one) calls
     `on_change(new)`; an invalid one calls `on_invalid(err)` and the config in force stays.
-    `current` is the config in force at the start (default: loaded now). The directory is
+    `current` is the config in force at the start (default: loaded now); if the file is
+    invalid at the start, that is not reported again, but fixing it calls `on_change` even
+    when the fixed file equals `current` (so problems can be cleared). The directory is
     watched, since editors replace the file rather than write it; it is created if missing.
     Callbacks may be plain functions or async ones.
     """
@@ -442,17 +444,21 @@ async def watch_config(
 
     lock = trio.Lock()
 
-    async def reload() -> None:
+    async def reload(initial: bool = False) -> None:
         async with lock:
-            await _reload()
+            await _reload(initial)
 
-    async def _reload() -> None:
+    async def _reload(initial: bool) -> None:
         nonlocal current, invalid
         try:
             new = load_config(path)
         except ConfigError as err:
             invalid = True
-            await _call(on_invalid, err)
+            # At start the caller has just loaded the file and knows it is invalid (it runs
+            # on `current`, the defaults or an older config); remember it, so that a fix is
+            # reported even if it equals `current`, but do not report it twice.
+            if not initial:
+                await _call(on_invalid, err)
             return
         if new != current or invalid:
             current, invalid = new, False
@@ -482,7 +488,7 @@ async def watch_config(
         # re-read scheduled here runs after that, so an edit made between the caller's load and
         # the watcher's start is not lost.
         task_status.started()
-        nursery.start_soon(reload)
+        nursery.start_soon(reload, True)
         async for _changes in watcher:
             await reload()
         nursery.cancel_scope.cancel()

@@ -389,3 +389,23 @@ def test_config_check_lists_every_problem(tmp_path):
     data = json.loads(result.output)
     assert data["ok"] is False and data["error"]["reason"] == "config_invalid"
     assert len(data["error"]["evidence"]["problems"]) == 3
+
+
+async def test_fixing_a_file_that_was_invalid_at_start_is_reported(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text("[server]\nport = -1\n")  # the daemon started on the defaults
+    rec = Recorder()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                lambda task_status: watch_config(
+                    path, rec.on_change, on_invalid=rec.on_invalid, current=Config(),
+                    debounce_ms=50, task_status=task_status,
+                )
+            )
+            await trio.sleep(0.2)
+            assert rec.invalid == []  # the caller already knows
+            path.write_text("[server]\nport = 0\n")  # fixed: equal to the defaults in force
+            await rec.wait()
+            assert rec.changes == [Config()]
+            nursery.cancel_scope.cancel()
