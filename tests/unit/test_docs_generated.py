@@ -25,3 +25,8 @@ def test_every_reason_code_is_documented():
     for code in ReasonCode:
         assert f"`{code.value}`" in text
         assert MESSAGES[code].strip()
+
+
+def test_cli_reference_is_current():
+    module = _load("cli_reference")
+    assert module.PAGE.read_text() == module.document(), "run: python docs/cli_reference.py"

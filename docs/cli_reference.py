@@ -1,0 +1,54 @@
+"""Write docs/cli.md from the click commands themselves: `python docs/cli_reference.py [--check]`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from daemon.cli import cli
+
+PAGE = Path(__file__).resolve().parent / "cli.md"
+
+INTRO = """# CLI reference
+
+Every command talks to the daemon over its Unix socket (except `daemon`, `bundle`, `config
+check` and `run`, which work without one). Every command takes `--json` and prints one JSON
+document; exit codes: 0 success, 1 a reason-coded failure (see [reason-codes.md](reason-codes.md)),
+2 a usage error, 3 the daemon is not running.
+
+Generated from the commands by `python docs/cli_reference.py`; never edit by hand.
+"""
+
+
+def _walk(command: click.Command, path: list[str]):
+    yield path, command
+    if isinstance(command, click.Group):
+        for name in sorted(command.commands):
+            yield from _walk(command.commands[name], path + [name])
+
+
+def document() -> str:
+    parts = [INTRO]
+    for path, command in _walk(cli, ["stoker"]):
+        if len(path) == 1:
+            continue
+        ctx = click.Context(command, info_name=" ".join(path), terminal_width=100, max_content_width=100)
+        parts.append(f"## `{' '.join(path)}`\n\n```\n{command.get_help(ctx)}\n```\n")
+    return "\n".join(parts)
+
+
+def main(argv: list[str]) -> int:
+    text = document()
+    if "--check" in argv:
+        if (PAGE.read_text() if PAGE.exists() else "") != text:
+            print(f"{PAGE} is stale: run python docs/cli_reference.py", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
