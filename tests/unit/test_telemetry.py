@@ -1,0 +1,334 @@
+"""Telemetry sampler: NVML from recorded H200 answers, the 5 s cache, idle vs unavailable,
+the CPU path never touching NVML, the history ring and the background publisher."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import trio
+import trio.testing
+
+import backend_recordings as rec
+from daemon.telemetry import (
+    HISTORY,
+    NvmlReader,
+    ServerTarget,
+    TelemetrySampler,
+    activity_of,
+    engine_figures,
+    parse_metrics,
+)
+
+SERVER_PID = 4242
+
+# `GET /metrics` of this llama.cpp build (tools/server/server-task.cpp to_metrics), trimmed.
+RECORDED_METRICS = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 118
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 64
+# HELP llamacpp:prompt_tokens_seconds Average prompt throughput in tokens/s
+# TYPE llamacpp:prompt_tokens_seconds gauge
+llamacpp:prompt_tokens_seconds 912.5
+# HELP llamacpp:predicted_tokens_seconds Average generation throughput in tokens/s
+# TYPE llamacpp:predicted_tokens_seconds gauge
+llamacpp:predicted_tokens_seconds 41.25
+# HELP llamacpp:requests_processing Number of requests processing
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 1
+# HELP llamacpp:requests_deferred Number of requests deferred
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 0
+"""
+
+
+class H200Nvml(rec.FakeNvml):
+    """The recorded H200 plus memory utilisation and a call counter."""
+
+    def __init__(self, *args, memory_util: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.memory_util = memory_util
+        self.reads = 0
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        self.reads += 1
+        return SimpleNamespace(gpu=handle.get("util", 0), memory=self.memory_util)
+
+
+def loaded_h200(**overrides):
+    """The H200 with a 2 GiB server (ours) and another tenant's 10 MiB process."""
+    gpu = rec.h200(
+        util=87, temp=54, power_mw=312_345,
+        free=(143771 - 2700) * rec.MIB,
+        processes=[(SERVER_PID, 2048 * rec.MIB), (7, 10 * rec.MIB)],
+    )
+    gpu.update(overrides)
+    return gpu
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def idle_engine():
+    return engine_figures(parse_metrics(RECORDED_METRICS.replace("requests_processing 1", "requests_processing 0")))
+
+
+def make_sampler(target, nvml=None, engine=None, clock=None, **kwargs):
+    published = []
+    factory_calls = []
+
+    def factory(backend):
+        factory_calls.append(backend)
+        return NvmlReader(nvml)
+
+    async def fetch(base_url, api_key):
+        if isinstance(engine, Exception):
+            raise engine
+        return engine if engine is not None else idle_engine()
+
+    sampler = TelemetrySampler(
+        target=lambda: target[0],
+        on_sample=published.append,
+        clock=clock or Clock(),
+        gpu_reader_factory=factory,
+        engine_fetch=fetch,
+        **kwargs,
+    )
+    return sampler, published, factory_calls
+
+
+def cuda_target(pid=SERVER_PID):
+    return ServerTarget("cuda", pid, "ready", "http://127.0.0.1:1", "key")
+
+
+# --- NVML ---------------------------------------------------------------------------------
+
+
+def test_nvml_reads_the_h200_and_the_servers_own_vram():
+    nvml = H200Nvml(gpus=[loaded_h200()], memory_util=41)
+    gpu = NvmlReader(nvml).read(SERVER_PID)
+    assert gpu["source"] == "nvml"
+    (dev,) = gpu["devices"]
+    assert dev["name"] == "NVIDIA H200"
+    assert (dev["utilization_percent"], dev["memory_utilization_percent"]) == (87, 41)
+    assert (dev["memory_used_mib"], dev["memory_total_mib"]) == (2700, 143771)
+    assert (dev["temperature_c"], dev["power_w"]) == (54, 312.3)
+    assert dev["process_vram_mib"] == 2048 and dev["compute_processes"] == 2
+    assert gpu["process_vram_mib"] == 2048  # the other tenant's 10 MiB is not ours
+    assert (gpu["utilization_percent"], gpu["memory_used_mib"], gpu["memory_total_mib"]) == (87, 2700, 143771)
+
+
+def test_nvml_two_gpus_sum_memory_and_take_peak_utilisation():
+    nvml = H200Nvml(gpus=[loaded_h200(), rec.a6000(util=3, processes=[(SERVER_PID, 512 * rec.MIB)])])
+    gpu = NvmlReader(nvml).read(SERVER_PID)
+    assert gpu["utilization_percent"] == 87
+    assert gpu["memory_total_mib"] == 143771 + 49140
+    assert gpu["process_vram_mib"] == 2048 + 512
+    assert gpu["power_w"] == 312.3  # the A6000 recording has no power reading: not counted as 0 W
+
+
+def test_nvml_is_initialised_once_and_shut_down_on_close():
+    nvml = H200Nvml(gpus=[loaded_h200()])
+    reader = NvmlReader(nvml)
+    reader.read(SERVER_PID)
+    reader.read(SERVER_PID)
+    assert nvml.init_calls == 1
+    reader.close()
+    assert nvml.shutdown_calls == 1
+
+
+def test_a_device_that_fell_off_the_bus_is_skipped():
+    nvml = H200Nvml(gpus=[rec.NVMLError_GpuIsLost, loaded_h200()])
+    gpu = NvmlReader(nvml).read(SERVER_PID)
+    assert [d["index"] for d in gpu["devices"]] == [1]
+
+
+# --- the engine's /metrics ---------------------------------------------------------------
+
+
+def test_metrics_parse_to_throughput_and_totals():
+    figures = engine_figures(parse_metrics(RECORDED_METRICS + 'other{label="x"} 3\nbroken line\n'))
+    assert figures == {
+        "tokens_per_s": 41.25,
+        "prompt_tokens_per_s": 912.5,
+        "tokens_predicted_total": 64,
+        "prompt_tokens_total": 118,
+        "requests_processing": 1,
+        "requests_deferred": 0,
+    }
+
+
+def test_missing_metrics_are_none():
+    assert engine_figures({})["tokens_per_s"] is None
+
+
+# --- the sampler --------------------------------------------------------------------------
+
+
+async def test_one_sample_per_ttl_however_many_callers():
+    nvml = H200Nvml(gpus=[loaded_h200()])
+    clock = Clock()
+    sampler, published, _ = make_sampler([cuda_target()], nvml, clock=clock)
+    results = []
+
+    async def ask():
+        results.append(await sampler.sample())
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(20):
+            nursery.start_soon(ask)
+    assert nvml.reads == 1 and sampler.samples_taken == 1 and len(published) == 1
+    assert all(r is results[0] for r in results)
+    clock.now += 4.9
+    await sampler.sample()
+    assert nvml.reads == 1
+    clock.now += 0.2
+    await sampler.sample()
+    assert nvml.reads == 2 and len(published) == 2
+
+
+async def test_a_new_server_is_sampled_at_once():
+    nvml = H200Nvml(gpus=[loaded_h200()])
+    target = [cuda_target()]
+    sampler, _, _ = make_sampler(target, nvml)
+    await sampler.sample()
+    target[0] = cuda_target(pid=SERVER_PID + 1)
+    sample = await sampler.sample()
+    assert nvml.reads == 2 and sample["pid"] == SERVER_PID + 1
+
+
+async def test_gpu_sample_is_busy_with_utilisation():
+    sampler, _, factory_calls = make_sampler([cuda_target()], H200Nvml(gpus=[loaded_h200()]))
+    sample = await sampler.sample()
+    assert factory_calls == ["cuda"]
+    assert sample["activity"] == "busy"
+    assert sample["gpu"]["process_vram_mib"] == 2048
+    assert sample["backend"] == "cuda" and sample["state"] == "ready"
+
+
+async def test_quiet_gpu_and_idle_server_is_idle_not_unavailable():
+    nvml = H200Nvml(gpus=[loaded_h200(util=0)])
+    sampler, _, _ = make_sampler([cuda_target()], nvml)
+    sample = await sampler.sample()
+    assert sample["activity"] == "idle"
+    assert sample["gpu"]["utilization_percent"] == 0 and sample["gpu_error"] is None
+
+
+async def test_serving_with_a_quiet_gpu_is_busy():
+    busy = engine_figures(parse_metrics(RECORDED_METRICS))
+    sampler, _, _ = make_sampler([cuda_target()], H200Nvml(gpus=[loaded_h200(util=0)]), engine=busy)
+    assert (await sampler.sample())["activity"] == "busy"
+
+
+async def test_nvml_that_cannot_load_is_unavailable_with_the_error():
+    nvml = H200Nvml(init_error=rec.NVMLError_LibraryNotFound)
+    sampler, _, _ = make_sampler([cuda_target()], nvml)
+    sample = await sampler.sample()
+    assert sample["activity"] == "unavailable"
+    assert sample["gpu"] is None and "NVMLError_LibraryNotFound" in sample["gpu_error"]
+
+
+async def test_cpu_plan_never_initialises_nvml():
+    nvml = H200Nvml(gpus=[loaded_h200()])
+    target = [ServerTarget("cpu", os.getpid(), "ready", "http://127.0.0.1:1", "key")]
+    sampler, _, factory_calls = make_sampler(target, nvml)
+    clock = sampler.clock
+    first = await sampler.sample()
+    clock.now += 10
+    second = await sampler.sample()
+    assert factory_calls == [] and nvml.init_calls == 0 and not sampler.gpu_initialised
+    assert first["gpu"] is None and first["activity"] == "idle"
+    assert first["process"]["rss_mib"] > 1 and first["process"]["cpu_percent"] is None  # needs two readings
+    assert second["process"]["cpu_percent"] is not None
+    assert second["engine"]["tokens_per_s"] == 41.25
+
+
+async def test_engine_errors_are_reported_not_raised():
+    target = [ServerTarget("cpu", os.getpid(), "ready", "http://127.0.0.1:1", "key")]
+    sampler, _, _ = make_sampler(target, engine=ValueError("/metrics answered HTTP 501"))
+    sample = await sampler.sample()
+    assert sample["engine"] is None and "501" in sample["engine_error"]
+    assert sample["activity"] == "idle"
+
+
+async def test_a_loading_server_is_not_scraped():
+    fetched = []
+    target = [ServerTarget("cpu", os.getpid(), "loading")]
+
+    async def fetch(base_url, api_key):
+        fetched.append(base_url)
+
+    sampler = TelemetrySampler(target=lambda: target[0], engine_fetch=fetch, clock=Clock())
+    sample = await sampler.sample()
+    assert fetched == [] and sample["engine"] is None and sample["state"] == "loading"
+
+
+async def test_no_server_reads_nothing_and_releases_nvml():
+    nvml = H200Nvml(gpus=[loaded_h200()])
+    target = [cuda_target()]
+    sampler, published, _ = make_sampler(target, nvml)
+    await sampler.sample()
+    target[0] = None
+    sample = await sampler.sample()
+    assert sample["activity"] == "stopped" and sample["gpu"] is None and sample["process"] is None
+    assert nvml.shutdown_calls == 1 and not sampler.gpu_initialised
+    assert len(published) == 1 and len(sampler.history) == 1  # the stopped sample is not history
+
+
+async def test_history_is_a_ring_of_compact_points():
+    nvml = H200Nvml(gpus=[loaded_h200()])
+    sampler, _, _ = make_sampler([cuda_target()], nvml)
+    for _ in range(HISTORY + 5):
+        sampler.clock.now += 5
+        await sampler.sample()
+    history = sampler.history
+    assert len(history) == HISTORY
+    assert history[-1]["gpu_utilization_percent"] == 87 and history[-1]["process_vram_mib"] == 2048
+    assert history[0]["time"] <= history[-1]["time"]
+    reply = sampler.snapshot(await sampler.sample())
+    assert set(reply) == {"sample", "history", "ttl_s"} and reply["ttl_s"] == 5.0
+
+
+async def test_background_publisher_samples_only_while_watched():
+    # A real clock with a short TTL: the sample runs NVML in a thread, which an autojump
+    # clock would race past.
+    nvml = H200Nvml(gpus=[loaded_h200()])
+    watched = [False]
+    published = []
+    sampler = TelemetrySampler(
+        target=lambda: cuda_target(),
+        on_sample=published.append,
+        ttl=0.05,
+        gpu_reader_factory=lambda backend: NvmlReader(nvml),
+        engine_fetch=lambda url, key: _idle_async(),
+    )
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sampler.run, lambda: watched[0])
+            await trio.sleep(0.3)
+            assert published == [] and nvml.init_calls == 0  # nobody watches: nothing is read
+            watched[0] = True
+            await trio.sleep(0.6)
+            assert 2 <= len(published) <= 13  # about one per TTL, never more
+            nursery.cancel_scope.cancel()
+    assert nvml.shutdown_calls == 1  # the publisher releases NVML when it ends
+
+
+async def _idle_async():
+    return idle_engine()
+
+
+def test_activity_without_a_target_is_stopped():
+    assert activity_of(None, None, None, None, None) == "stopped"
+    cpu = ServerTarget("cpu", 1)
+    assert activity_of(cpu, None, None, {"cpu_percent": 90.0}, None) == "busy"
+    assert activity_of(cpu, None, None, {"cpu_percent": 0.5}, None) == "idle"
