@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import platform
 
+import trio
+
 from daemon.config import Config
 from daemon.errors import StokerError
 from daemon.models import resolve_model
@@ -69,9 +71,9 @@ def plan_cpu(paths: StokerPaths, config: Config, effect: MakePlan) -> LaunchPlan
 
 
 def make_planner(paths: StokerPaths):
-    """The planner the supervisor calls (in a worker thread)."""
+    """The planner the supervisor awaits."""
 
-    def planner(config: Config, effect: MakePlan) -> LaunchPlan:
+    async def planner(config: Config, effect: MakePlan) -> LaunchPlan:
         prefer = config.backend.prefer
         if prefer not in ("auto", "cpu"):
             raise StokerError(
@@ -79,6 +81,7 @@ def make_planner(paths: StokerPaths):
                 f"The backend {prefer!r} is forced but this daemon plans CPU launches only so far.",
                 {"prefer": prefer},
             )
-        return plan_cpu(paths, config, effect)
+        # Resolving the default model may assemble it (a second or two of I/O): off the loop.
+        return await trio.to_thread.run_sync(plan_cpu, paths, config, effect)
 
     return planner

@@ -14,7 +14,7 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import attrs
 import trio
@@ -39,7 +39,8 @@ from states.reasons import ReasonCode
 
 log = logging.getLogger(__name__)
 
-Planner = Callable[[Config, L.MakePlan], L.LaunchPlan]
+# Async: planning may probe hardware out of process, install a bundle or assemble a model.
+Planner = Callable[[Config, L.MakePlan], Awaitable[L.LaunchPlan]]
 # A hook run once a server is ready, before the machine says so (snapshot restore goes here).
 ReadyHook = Callable[["Supervisor", Any], Any]
 # A hook run before a planned stop while the server still serves (snapshot save goes here);
@@ -137,8 +138,7 @@ class Supervisor:
 
     async def _make_plan(self, effect: L.MakePlan) -> None:
         try:
-            # Planning may assemble the default model (a second or two of I/O): off the loop.
-            plan = await trio.to_thread.run_sync(self.planner, self.config, effect)
+            plan = await self.planner(self.config, effect)
         except StokerError as err:
             self.offer(L.PlanFailed(err.reason, {"message": err.message, **err.evidence}))
             return
