@@ -70,6 +70,19 @@ class ReasonCode(enum.StrEnum):
     STORE_WRITE_FAILED = "store_write_failed"
     PROBE_RESULT_STALE = "probe_result_stale"
     INTERNAL_ERROR = "internal_error"
+    # KV slot snapshots.
+    SNAPSHOTS_DISABLED = "snapshots_disabled"
+    SNAPSHOT_NOT_FOUND = "snapshot_not_found"
+    SNAPSHOT_SERVER_NOT_READY = "snapshot_server_not_ready"
+    SNAPSHOT_MODEL_MISMATCH = "snapshot_model_mismatch"
+    SNAPSHOT_ENGINE_MISMATCH = "snapshot_engine_mismatch"
+    SNAPSHOT_LAYOUT_MISMATCH = "snapshot_layout_mismatch"
+    SNAPSHOT_CORRUPT = "snapshot_corrupt"
+    SNAPSHOT_BAD_SLOT = "snapshot_bad_slot"
+    SNAPSHOT_SAVE_FAILED = "snapshot_save_failed"
+    SNAPSHOT_DISK_FULL = "snapshot_disk_full"
+    SNAPSHOT_RESTORE_FAILED = "snapshot_restore_failed"
+    SNAPSHOT_NO_BENEFIT = "snapshot_no_benefit"
 
 
 _GPU = {
@@ -160,6 +173,37 @@ MESSAGES: dict[ReasonCode, str] = {
     ReasonCode.STORE_WRITE_FAILED: "Writing to the state database failed; nothing was changed. Check disk space and permissions.",
     ReasonCode.PROBE_RESULT_STALE: "A probe result arrived after a newer probe had started; it was dropped.",
     ReasonCode.INTERNAL_ERROR: "Stoker hit an internal error; the daemon log has the traceback.",
+    ReasonCode.SNAPSHOTS_DISABLED: "KV snapshots are off; set `[snapshots] enabled = true` in the config.",
+    ReasonCode.SNAPSHOT_NOT_FOUND: "No snapshot has that id; `stoker snapshot list` shows the ids.",
+    ReasonCode.SNAPSHOT_SERVER_NOT_READY: "The server is not ready, so no slot can be saved or restored now; try again after `stoker up`.",
+    ReasonCode.SNAPSHOT_MODEL_MISMATCH: (
+        "The snapshot was taken with a different model file (its sha256 differs); it was not restored. "
+        "Switch back to that model to use it."
+    ),
+    ReasonCode.SNAPSHOT_ENGINE_MISMATCH: (
+        "The snapshot was taken by a different engine build; its KV layout may differ, so it was not restored."
+    ),
+    ReasonCode.SNAPSHOT_LAYOUT_MISMATCH: (
+        "The server's KV layout differs from the snapshot's (context size, parallel slots, flash attention, "
+        "KV cache types or --swa-full); it was not restored. Restore the old settings to use it."
+    ),
+    ReasonCode.SNAPSHOT_CORRUPT: (
+        "The snapshot file is missing, truncated or altered (its size or sha256 differs from the catalogue); "
+        "it was not restored. Remove it with `stoker snapshot rm ID`."
+    ),
+    ReasonCode.SNAPSHOT_BAD_SLOT: "That slot id does not exist on this server (ids run from 0 to parallel - 1).",
+    ReasonCode.SNAPSHOT_SAVE_FAILED: "The engine could not save the slot; the previous snapshots are intact. See the server log.",
+    ReasonCode.SNAPSHOT_DISK_FULL: (
+        "The disk holding the snapshots is full; the new snapshot was discarded and the previous ones are intact. "
+        "Free space or lower `[snapshots] max_bytes`."
+    ),
+    ReasonCode.SNAPSHOT_RESTORE_FAILED: (
+        "The engine refused the snapshot; the slot was cleared and the server keeps serving. See the server log."
+    ),
+    ReasonCode.SNAPSHOT_NO_BENEFIT: (
+        "This model cannot resume from a snapshot (a sliding-window model without --swa-full, or a hybrid/"
+        "recurrent model): the engine would re-process the prompt anyway, so automatic snapshots are skipped."
+    ),
 }
 
 
