@@ -123,6 +123,10 @@ class BundleCheck:
     def ok(self) -> bool:
         return self.reason is None
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"reason": None if self.reason is None else str(self.reason), "message": self.message,
+                "evidence": dict(self.evidence)}
+
 
 BUNDLE_FITS = BundleCheck(None, "the bundle fits this hardware")
 

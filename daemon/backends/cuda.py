@@ -40,6 +40,7 @@ SMI_QUERY_NO_CC = (
     "--format=csv,noheader,nounits",
 )
 NVIDIA_PCI_VENDOR = "0x10de"
+NVML_LIBRARY = "libnvidia-ml.so.1"  # what pynvml dlopens on Linux
 _MIB = 1024 * 1024
 
 # NVML error classes (pynvml builds them as NVMLError_<Name>), grouped by what they mean.
@@ -109,7 +110,7 @@ class CudaBackend(Backend):
         except Exception as e:  # pynvml raises NVMLError subclasses
             name = _nvml_error_name(e)
             if name in _CANNOT_LOAD:
-                return self._detect_with_smi({"nvml": f"{name}: {e}"})
+                return self._detect_with_smi({"nvml": f"{name}: {e}", "failing_library": NVML_LIBRARY})
             return self._nvml_init_failed(name, str(e))
         try:
             return self._detect_with_nvml(nvml)
@@ -299,7 +300,7 @@ class CudaBackend(Backend):
         driver_major = (version_tuple(detection.evidence.get("cuda_driver_version")) or (None,))[0]
         numbered = []
         for v in variants:
-            m = re.search(r"(\d+)", v)
+            m = re.match(r"^cuda[-_]?(\d+)", v)
             if m is not None:
                 numbered.append((int(m.group(1)), v))
         if numbered and driver_major is not None:

@@ -44,6 +44,7 @@ def test_nvml_missing_falls_back_to_nvidia_smi():
     d = cuda(nvml, {"nvidia-smi": rec.H200_SMI}).detect()
     assert d.usable and d.evidence["source"] == "nvidia-smi"
     assert "NVMLError_LibraryNotFound" in d.evidence["nvml"]
+    assert d.evidence["failing_library"] == "libnvidia-ml.so.1"
     (dev,) = d.devices
     assert (dev.name, dev.memory_total_mib, dev.memory_free_mib, dev.driver_version, dev.compute_capability) == (
         "NVIDIA H200", 143771, 143150, "580.95.05", "9.0",
