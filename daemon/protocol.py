@@ -38,7 +38,8 @@ PARSE_ERROR = -32700
 # A string that is not a ReasonCode at all gets the generic JSON-RPC server error.
 APPLICATION_ERROR = -32000
 # A reason added after this table was last edited gets a code derived from its (stable) string
-# in DERIVED_BASE..DERIVED_BASE+9999, so it is stable too; give it a table entry when convenient.
+# in DERIVED_BASE..DERIVED_BASE+9999, so it is stable too. Give a new reason its table entry
+# before a release: once clients have seen a derived code, keep it (add it here verbatim).
 DERIVED_BASE = 90000
 
 # ReasonCode -> JSON-RPC error code: the one table. Protocol reasons use JSON-RPC's own codes;
@@ -58,6 +59,7 @@ ERROR_CODES: dict[ReasonCode, int] = {
     ReasonCode.STORE_SCHEMA_TOO_NEW: 1102,
     ReasonCode.STORE_WRITE_FAILED: 1103,
     ReasonCode.PROBE_RESULT_STALE: 1201,
+    ReasonCode.PROBE_FAILED: 1202,
     # The server process.
     ReasonCode.MODEL_MISSING: 2001,
     ReasonCode.MODEL_LOAD_FAILED: 2002,
@@ -79,6 +81,19 @@ ERROR_CODES: dict[ReasonCode, int] = {
     ReasonCode.BUNDLE_VERIFY_FAILED: 3006,
     ReasonCode.SOURCE_DIGEST_MISMATCH: 3007,
     ReasonCode.CPU_BUNDLE_INSTALL_FAILED: 3008,
+    # KV-cache slot snapshots.
+    ReasonCode.SNAPSHOTS_DISABLED: 5001,
+    ReasonCode.SNAPSHOT_NOT_FOUND: 5002,
+    ReasonCode.SNAPSHOT_SERVER_NOT_READY: 5003,
+    ReasonCode.SNAPSHOT_MODEL_MISMATCH: 5004,
+    ReasonCode.SNAPSHOT_ENGINE_MISMATCH: 5005,
+    ReasonCode.SNAPSHOT_LAYOUT_MISMATCH: 5006,
+    ReasonCode.SNAPSHOT_CORRUPT: 5007,
+    ReasonCode.SNAPSHOT_BAD_SLOT: 5008,
+    ReasonCode.SNAPSHOT_SAVE_FAILED: 5009,
+    ReasonCode.SNAPSHOT_DISK_FULL: 5010,
+    ReasonCode.SNAPSHOT_RESTORE_FAILED: 5011,
+    ReasonCode.SNAPSHOT_NO_BENEFIT: 5012,
     # Backends: 4xyy, x = backend (1 cuda, 2 rocm, 3 vulkan, 4 metal, 0 none), yy = what.
     ReasonCode.GPU_MISSING: 4001,
     ReasonCode.BINARY_MISSING_NVIDIA_DETECTED: 4101,
