@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from typing import Any, Mapping, Sequence
 
 import trio
@@ -22,6 +23,7 @@ from daemon.probe_child import MARKER
 from states.reasons import ReasonCode
 
 KILL_GRACE_S = 1.0
+MAX_OUTPUT_BYTES = 1 << 20  # a detection is a few KiB; more is noise
 
 
 def unavailable_reason_for(backend: str) -> ReasonCode:
@@ -90,28 +92,31 @@ async def run_probe(
     argv = probe_command(backend, target=target, python=python)
     started = trio.current_time()
     result: subprocess.CompletedProcess[bytes] | None = None
-    with trio.move_on_after(timeout):
-        result = await trio.run_process(
-            argv,
-            stdin=subprocess.DEVNULL,
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
-            start_new_session=True,  # its own process group, so a kill reaches its children
-            deliver_cancel=_kill_process_group,
-            env=None if env is None else dict(env),
-        )
+    # Output goes to temporary files, not pipes: a daemonised grandchild holding a pipe open
+    # cannot stall us, and a probe killed on timeout still leaves its stderr as evidence.
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        with trio.move_on_after(timeout):
+            result = await trio.run_process(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                check=False,
+                start_new_session=True,  # its own process group, so a kill reaches its children
+                deliver_cancel=_kill_process_group,
+                env=None if env is None else dict(env),
+            )
+        stdout, stderr_raw = await trio.to_thread.run_sync(_read_both, out, err)
     elapsed = round(trio.current_time() - started, 3)
     evidence: dict[str, Any] = {"probe_argv": " ".join(argv[1:]), "probe_seconds": elapsed}
+    stderr = excerpt(stderr_raw, 1500)
+    if stderr:
+        evidence["stderr"] = stderr
     if result is None:
         return _failure(
             backend, f"The {backend} probe timed out after {timeout:g}s and was killed.",
             probe=f"probe timed out after {timeout:g}s", timeout_s=timeout, **evidence,
         )
-    stdout = result.stdout.decode("utf-8", "replace")
-    stderr = excerpt(result.stderr, 1500)
-    if stderr:
-        evidence["stderr"] = stderr
     if result.returncode < 0:
         name = _signal_name(-result.returncode)
         return _failure(
@@ -132,6 +137,14 @@ async def run_probe(
             exit_status=result.returncode, **evidence,
         )
     return detection
+
+
+def _read_both(out: Any, err: Any) -> tuple[str, str]:
+    texts = []
+    for f in (out, err):
+        f.seek(0)
+        texts.append(f.read(MAX_OUTPUT_BYTES).decode("utf-8", "replace"))
+    return texts[0], texts[1]
 
 
 def _signal_name(number: int) -> str:

@@ -53,6 +53,7 @@ class HangingBackend(_TestBackend):
         helper = subprocess.Popen(["sleep", "3600"])
         with open(os.environ["STOKER_TEST_PIDFILE"], "w") as f:
             f.write(f"{os.getpid()} {helper.pid}")
+        print("waiting for the driver", file=sys.stderr, flush=True)
         while True:
             time.sleep(3600)
 
@@ -73,3 +74,15 @@ class GarbageBackend(_TestBackend):
         sys.__stdout__.write("not json at all\n")
         sys.__stdout__.flush()
         os._exit(3)
+
+
+class DaemonizingBackend(_TestBackend):
+    """Answers at once but leaves a daemon (own session) holding its stdout open."""
+
+    name = "daemonizing"
+
+    def detect(self) -> Detection:
+        helper = subprocess.Popen(["sleep", "3600"], start_new_session=True)
+        with open(os.environ["STOKER_TEST_PIDFILE"], "w") as f:
+            f.write(str(helper.pid))
+        return Detection.available(self.name, [], "answered; a helper daemon lives on")

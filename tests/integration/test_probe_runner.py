@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -120,10 +121,26 @@ async def test_hanging_probe_is_killed_with_its_children(tmp_path):
     assert (d.usable, d.reason) == (False, R.PROBE_FAILED)
     assert d.evidence["probe"] == "probe timed out after 3s"
     assert d.evidence["timeout_s"] == 3
+    assert "waiting for the driver" in d.evidence["stderr"]  # kept although the probe was killed
     child, grandchild = (int(p) for p in pidfile.read_text().split())
     with trio.fail_after(10):
         while not (process_gone(child) and process_gone(grandchild)):
             await trio.sleep(0.05)
+
+
+async def test_a_daemon_left_holding_stdout_does_not_stall_the_probe(tmp_path):
+    pidfile = tmp_path / "pid"
+    try:
+        with trio.fail_after(15):
+            d = await run_probe(
+                "daemonizing", timeout=10, target="probe_backends:DaemonizingBackend",
+                env=child_env(STOKER_TEST_PIDFILE=str(pidfile)),
+            )
+        assert d.usable and d.message == "answered; a helper daemon lives on"
+        assert d.evidence == {}
+    finally:
+        if pidfile.exists():
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
 
 
 async def test_raising_and_garbage_probes():
