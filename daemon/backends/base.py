@@ -238,6 +238,9 @@ class Backend(abc.ABC):
             if m is None:
                 continue
             groups = m.groups()
+            if not groups:  # the CPU's "(none)": a CPU-only build, nothing to name
+                found.append(ListedDevice(self.name, m.group(0).strip(), "no accelerator device"))
+                continue
             total = int(groups[2]) if len(groups) > 2 and groups[2] is not None else None
             free = int(groups[3]) if len(groups) > 3 and groups[3] is not None else None
             found.append(ListedDevice(self.name, groups[0], groups[1], total, free))

@@ -138,6 +138,9 @@ def test_cpu_has_no_offload_args_and_none_signature():
     b = CpuBackend()
     assert b.launch_args(SimpleNamespace(gpu_layers=99, devices=())) == []
     assert b.device_signature.match("  (none)")
+    (listed,) = b.parse_list_devices(rec.LIST_DEVICES_CPU)
+    assert (listed.backend, listed.name) == ("cpu", "(none)")
+    assert b.parse_list_devices(rec.LIST_DEVICES_H200) == ()
 
 
 @pytest.mark.parametrize("text", ["", "junk"])
