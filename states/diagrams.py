@@ -5,6 +5,8 @@ Pure text; `docs/states/generate.py` writes it to docs/states/<machine>.md.
 
 from __future__ import annotations
 
+import attrs
+
 from states.fallback import FALLBACK
 from states.install import INSTALL
 from states.launch import LAUNCH
@@ -45,6 +47,25 @@ def table(spec: MachineSpec) -> str:
     return "\n".join(rows)
 
 
+def _fields(cls: type) -> str:
+    names = [f.name for f in attrs.fields(cls)]
+    return ", ".join(f"`{n}`" for n in names) or "-"
+
+
+def _summary(cls: type) -> str:
+    doc = (cls.__doc__ or "").strip()
+    if not doc or doc.startswith(f"{cls.__name__}("):  # attrs' generated signature
+        return ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def catalogue(classes: list[type]) -> str:
+    """A Markdown table of event or effect classes: name, fields, first docstring paragraph."""
+    rows = ["| name | fields | meaning |", "|---|---|---|"]
+    rows += [f"| `{c.__name__}` | {_fields(c)} | {_summary(c)} |" for c in classes]
+    return "\n".join(rows)
+
+
 def document(spec: MachineSpec) -> str:
     """The whole docs/states/<machine>.md page."""
     resting = ", ".join(s.value for s in spec.states if s in spec.terminal) or "none"
@@ -56,5 +77,8 @@ def document(spec: MachineSpec) -> str:
         f"Any event not listed for a state is illegal there: it raises `IllegalTransition` and "
         f"changes nothing.\n\n"
         f"```mermaid\n{mermaid(spec)}\n```\n\n"
-        f"## Transitions\n\n{table(spec)}\n"
+        f"## Transitions\n\n{table(spec)}\n\n"
+        f"## Events\n\n{catalogue(list(spec.event_types.values()))}\n\n"
+        f"## Effects\n\nAsked for by the machine, carried out by the daemon, which reports the "
+        f"outcome back as an event.\n\n{catalogue(list(spec.effect_types))}\n"
     )

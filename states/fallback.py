@@ -82,18 +82,24 @@ class FallbackData:
 
 @attrs.frozen
 class FallbackStarted:
+    """Try these backends in order (CPU last); `forced`: exactly one, no fallback."""
+
     candidates: tuple[str, ...] = attrs.field(converter=_names)
     forced: bool = False
 
 
 @attrs.frozen
 class CheckPassed:
+    """The backend's hardware and bundle are there."""
+
     backend: str
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
 
 @attrs.frozen
 class CheckFailed:
+    """The backend cannot run, and why."""
+
     backend: str
     reason: ReasonCode
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
@@ -101,6 +107,8 @@ class CheckFailed:
 
 @attrs.frozen
 class BundleInstalled:
+    """The missing bundle was installed: check again."""
+
     backend: str
 
 
@@ -124,6 +132,8 @@ class LaunchSucceeded:
 
 @attrs.frozen
 class LaunchFailed:
+    """The server on this backend failed (cuda_startup_failed, ...)."""
+
     backend: str
     reason: ReasonCode
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
@@ -131,7 +141,7 @@ class LaunchFailed:
 
 @attrs.frozen
 class FallbackCancelled:
-    pass
+    """The launch was called off (the user stopped the server)."""
 
 
 # --- effects ----------------------------------------------------------------------------
@@ -146,6 +156,8 @@ class CheckBackend:
 
 @attrs.frozen
 class InstallBundle:
+    """Run the install machine for this backend; BundleInstalled or BundleInstallFailed."""
+
     backend: str
 
 
@@ -267,4 +279,5 @@ FALLBACK = MachineSpec(
     transitions=TRANSITIONS,
     terminal={S.IDLE, S.SETTLED, S.FAILED},
     description="Preferred backend first, install a missing bundle once, CPU last; forced never falls back.",
+    effect_types=(CheckBackend, InstallBundle, UsePlan, GiveUp),
 )

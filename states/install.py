@@ -8,6 +8,7 @@ download continues with HTTP Range from the partial file); verifying re-checks t
 unpacking, validating and smoke_testing start again from a clean staging directory. The
 bundle becomes visible to the launcher only through `Promote`'s atomic rename, so nothing
 half-installed is ever launched; `Promote` is re-sent on resume and must be idempotent.
+Download progress goes to the event bus, not into history: only steps are transitions.
 """
 
 from __future__ import annotations
@@ -57,12 +58,16 @@ class InstallData:
 
 @attrs.frozen
 class InstallRequested:
+    """Install (or reinstall, or retry) the bundle for backend + variant."""
+
     backend: str
     variant: str
 
 
 @attrs.frozen
 class Resolved:
+    """The manifest names the bundle: where it is, its sha256 and size."""
+
     url: str
     sha256: str
     size: int
@@ -71,6 +76,8 @@ class Resolved:
 
 @attrs.frozen
 class Downloaded:
+    """The archive is complete on disk (streamed digest and size)."""
+
     archive: str
     sha256: str
     size: int
@@ -78,21 +85,29 @@ class Downloaded:
 
 @attrs.frozen
 class Verified:
+    """The archive matches the resolved digest and size."""
+
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
 
 @attrs.frozen
 class Unpacked:
+    """The archive was unpacked safely into `staging`."""
+
     staging: str
 
 
 @attrs.frozen
 class Validated:
+    """The staged bundle's metadata matches the manifest and the platform."""
+
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
 
 @attrs.frozen
 class SmokePassed:
+    """The staged engine passed `--version`, `--list-devices` and the smoke test."""
+
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
 
@@ -114,6 +129,8 @@ class Resumed:
 
 @attrs.frozen
 class Resolve:
+    """Find the bundle for backend + variant in the manifest; answer Resolved."""
+
     backend: str
     variant: str
 
@@ -130,6 +147,8 @@ class Download:
 
 @attrs.frozen
 class VerifyArchive:
+    """Check the archive's sha256 and size; answer Verified."""
+
     archive: str
     sha256: str
     size: int
@@ -137,16 +156,20 @@ class VerifyArchive:
 
 @attrs.frozen
 class CleanStaging:
-    pass
+    """Remove the staging directory (never the installed bundle)."""
 
 
 @attrs.frozen
 class Unpack:
+    """Unpack the archive safely into a fresh staging directory; answer Unpacked."""
+
     archive: str
 
 
 @attrs.frozen
 class ValidateBundle:
+    """Check the staged bundle.json against the manifest; answer Validated."""
+
     staging: str
     backend: str
     variant: str
@@ -154,6 +177,8 @@ class ValidateBundle:
 
 @attrs.frozen
 class SmokeTest:
+    """Run the staged engine's verification; answer SmokePassed."""
+
     staging: str
 
 
@@ -274,6 +299,7 @@ INSTALL = MachineSpec(
     transitions=TRANSITIONS,
     terminal={S.INSTALLED, S.FAILED},
     description="One engine bundle: resolve, download, verify, unpack, validate, smoke-test, promote.",
+    effect_types=(Resolve, Download, VerifyArchive, CleanStaging, Unpack, ValidateBundle, SmokeTest, Promote),
 )
 
 

@@ -96,17 +96,19 @@ class LaunchData:
 
 @attrs.frozen
 class UpRequested:
+    """The user (or the daemon at start-up) wants the server running; `settings` replaces the knobs."""
+
     settings: LaunchSettings | None = None
 
 
 @attrs.frozen
 class DownRequested:
-    pass
+    """The user wants the server stopped."""
 
 
 @attrs.frozen
 class RestartRequested:
-    pass
+    """The user wants a fresh server now: stop, re-plan, start; the crash count starts over."""
 
 
 @attrs.frozen
@@ -118,17 +120,23 @@ class ConfigChanged:
 
 @attrs.frozen
 class PlanReady:
+    """MakePlan succeeded: spawn this plan."""
+
     plan: LaunchPlan
 
 
 @attrs.frozen
 class PlanFailed:
+    """No plan is possible (model missing, no usable backend): fail with the reason."""
+
     reason: ReasonCode
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
 
 @attrs.frozen
 class Spawned:
+    """The process exists: its pid and start time (identity), and where its log goes."""
+
     pid: int
     create_time: float | None = None
     log_path: str | None = None
@@ -171,7 +179,7 @@ class ServerExited:
 
 @attrs.frozen
 class StallTimeout:
-    pass
+    """No loading progress for `stall_timeout` seconds."""
 
 
 @attrs.frozen
@@ -183,7 +191,7 @@ class BackoffStarted:
 
 @attrs.frozen
 class BackoffElapsed:
-    pass
+    """The backoff delay ran out: try again."""
 
 
 @attrs.frozen
@@ -193,6 +201,8 @@ class Stable:
 
 @attrs.frozen
 class StopCompleted:
+    """The process is gone after Terminate (or was never there)."""
+
     returncode: int | None = None
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
@@ -211,6 +221,8 @@ class MakePlan:
 
 @attrs.frozen
 class Spawn:
+    """Start llama-server for the plan; answer Spawned, later ServerExited."""
+
     plan: LaunchPlan
 
 
@@ -248,6 +260,8 @@ class Reattach:
 
 @attrs.frozen
 class ArmStableTimer:
+    """After `after` seconds still ready, fire Stable."""
+
     after: float
 
 
@@ -580,6 +594,7 @@ LAUNCH = MachineSpec(
     transitions=TRANSITIONS,
     terminal={S.STOPPED, S.FAILED},
     description="One llama-server: plan, spawn, load, serve, stop; crash recovery with backoff.",
+    effect_types=(MakePlan, Spawn, WatchReadiness, Terminate, StartBackoff, Reattach, ArmStableTimer, Notify),
 )
 
 

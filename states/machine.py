@@ -121,6 +121,7 @@ class MachineSpec:
     terminal: frozenset[enum.StrEnum] = attrs.field(default=frozenset(), converter=frozenset)
     extra_events: tuple[type, ...] = ()
     description: str = ""
+    effect_types: tuple[type, ...] = ()  # the effects its handlers may ask for (for docs)
 
     def __attrs_post_init__(self) -> None:
         problems = []

@@ -45,17 +45,23 @@ class ProbeData:
 
 @attrs.frozen
 class ProbeRequested:
+    """Start a new probe: a new generation that supersedes any in flight."""
+
     backend: str | None = None  # set on the first request; later ones may omit it
 
 
 @attrs.frozen
 class ProbeSucceeded:
+    """Probe `generation` found the backend usable."""
+
     generation: int
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
 
 @attrs.frozen
 class ProbeFailed:
+    """Probe `generation` found it unusable, with the reason."""
+
     generation: int
     reason: ReasonCode
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
@@ -63,6 +69,8 @@ class ProbeFailed:
 
 @attrs.frozen
 class Expired:
+    """The verdict of probe `generation` is older than `cache_ttl`."""
+
     generation: int
 
 
@@ -77,6 +85,8 @@ class RunProbe:
 
 @attrs.frozen
 class ArmExpiry:
+    """After `after` seconds fire Expired(generation)."""
+
     generation: int
     after: float
 
@@ -144,6 +154,7 @@ PROBE = MachineSpec(
     transitions=TRANSITIONS,
     terminal={S.IDLE, S.AVAILABLE, S.UNAVAILABLE},
     description="One backend's capability; the newest probe's verdict wins.",
+    effect_types=(RunProbe, ArmExpiry),
 )
 
 

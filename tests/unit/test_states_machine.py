@@ -9,7 +9,9 @@ from pathlib import Path
 
 import attrs
 import pytest
+from hypothesis import given, settings, strategies as st
 
+from states import fallback as F, install as I, launch as L, probe as PR
 from states.diagrams import SPECS, document, mermaid
 from states.fallback import FallbackData, Skipped
 from states.install import InstallData
@@ -182,3 +184,57 @@ def test_generator_check_mode_passes():
     done = subprocess.run([sys.executable, str(ROOT / "docs/states/generate.py"), "--check"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+# --- every table under random event sequences -------------------------------------------
+SAMPLES = {
+    "launch": [
+        L.UpRequested(), L.DownRequested(), L.RestartRequested(), L.ConfigChanged(), L.PlanReady(PLAN),
+        L.PlanFailed(ReasonCode.MODEL_MISSING), L.Spawned(1), L.Adopted(1), L.LoadStarted(), L.Ready(),
+        L.ServerExited(1), L.ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION, replan=True),
+        L.ServerExited(1, ReasonCode.PORT_IN_USE, fatal=True), L.StallTimeout(), L.BackoffStarted(1.0),
+        L.BackoffElapsed(), L.Stable(), L.StopCompleted(0),
+    ],
+    "install": [
+        I.InstallRequested("cuda", "sm90"), I.Resolved("http://x/b.zip", "aa", 3), I.Downloaded("/a", "aa", 3),
+        I.Verified(), I.Unpacked("/s"), I.Validated(), I.SmokePassed(), I.Resumed(),
+        I.InstallFailed(ReasonCode.BUNDLE_VERIFY_FAILED),
+    ],
+    "probe": [
+        PR.ProbeRequested("cuda"), PR.ProbeRequested(), *[PR.ProbeSucceeded(g) for g in (1, 2, 3)],
+        *[PR.ProbeFailed(g, ReasonCode.GPU_MISSING) for g in (1, 2, 3)], *[PR.Expired(g) for g in (1, 2, 3)],
+    ],
+    "fallback": [
+        F.FallbackStarted(("cuda", "cpu")), F.FallbackStarted(("cuda",), forced=True),
+        *[F.CheckPassed(b) for b in ("cuda", "cpu")],
+        *[F.CheckFailed(b, r) for b in ("cuda", "cpu") for r in (ReasonCode.BINARY_MISSING_NVIDIA_DETECTED, ReasonCode.GPU_MISSING)],
+        *[F.BundleInstalled(b) for b in ("cuda", "cpu")],
+        F.BundleInstallFailed("cuda", ReasonCode.CUDA_BUNDLE_INSTALL_FAILED),
+        *[F.LaunchSucceeded(b) for b in ("cuda", "cpu")], F.LaunchFailed("cuda", ReasonCode.CUDA_STARTUP_FAILED),
+        F.FallbackCancelled(),
+    ],
+}
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_random_sequences_stay_inside_the_table(spec):
+    samples = SAMPLES[spec.name]
+    assert {type(e) for e in samples} == set(spec.event_types.values())
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.sampled_from(samples), max_size=60))
+    def run(events):
+        state, data = spec.initial, spec.initial_data()
+        for event in events:
+            try:
+                result = step(spec, state, data, event)
+            except IllegalTransition:
+                continue  # MachineDefinitionError would fail the test: a handler off its edges
+            assert result.state in set(spec.states)
+            assert (state, type(event).__name__, result.state) in spec.edges()
+            assert data_from_json(spec, data_to_json(result.data)) == result.data
+            name, payload = event_to_json(event)
+            assert event_from_json(spec, name, payload) == event
+            state, data = result.state, result.data
+
+    run()
