@@ -1,0 +1,15 @@
+"""The layering rules of STYLE.md, enforced with import-linter's contracts in pyproject.toml."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_import_contracts_hold():
+    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or "lint-imports"
+    result = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "0 broken" in result.stdout
