@@ -75,6 +75,7 @@ class RequestRecord:
     if_range: str | None
     status: int
     sent: int
+    seq: int  # arrival order
 
 
 @attrs.define(eq=False)
@@ -100,7 +101,8 @@ class FaultServer:
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
-        self.log: list[RequestRecord] = []
+        self.log: list[RequestRecord] = []  # in the order the responses ended
+        self._seq = 0
         self._httpd = _QuietServer(("127.0.0.1", 0), _handler_for(self))
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="fault-server", daemon=True)
@@ -136,9 +138,9 @@ class FaultServer:
             entry.mtime = time.time()
 
     def requests(self, path: str | None = None) -> list[RequestRecord]:
-        """The log, optionally for one path."""
+        """The requests answered so far in the order they arrived, optionally for one path."""
         with self._lock:
-            return [r for r in self.log if path is None or r.path == path]
+            return sorted((r for r in self.log if path is None or r.path == path), key=lambda r: r.seq)
 
     def __enter__(self) -> "FaultServer":
         self._thread.start()
@@ -150,6 +152,11 @@ class FaultServer:
         self._thread.join(timeout=5)
 
     # Called from the handler threads.
+
+    def _arrived(self) -> int:
+        with self._lock:
+            self._seq += 1
+            return self._seq
 
     def _take(self, path: str) -> tuple[_Entry, bytes | Path, str, float, Fault, bool] | None:
         with self._lock:
@@ -205,6 +212,7 @@ class _FaultHandler(http.server.BaseHTTPRequestHandler):
     def _serve(self, *, head: bool) -> None:
         range_h = self.headers.get("Range")
         if_range = self.headers.get("If-Range")
+        seq = self.owner._arrived()
         taken = self.owner._take(self.path)
         sent, cut_happened, status = 0, False, 404
         entry = None
@@ -266,10 +274,6 @@ class _FaultHandler(http.server.BaseHTTPRequestHandler):
             if cut:
                 cut_happened = True
                 self.close_connection = True
-                try:
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
             elif fault.length_delta:
                 # The framing is now wrong either way; never reuse this connection.
                 self.close_connection = True
@@ -277,8 +281,14 @@ class _FaultHandler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
         finally:
             self.owner._record(
-                RequestRecord(self.command, self.path, range_h, if_range, status, sent), entry, cut_happened
+                RequestRecord(self.command, self.path, range_h, if_range, status, sent, seq), entry, cut_happened
             )
+            if cut_happened:
+                # Logged before the cut, so a test that sees the client retry sees the cut too.
+                try:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def _short(self, status: int) -> None:
         body = f"{status} {self.responses.get(status, ('',))[0]}\n".encode()

@@ -12,7 +12,7 @@ import hypothesis.strategies as st
 import pytest
 import trio
 
-from daemon.download import DownloadError, DownloadErrorKind, DownloadProgress, download
+from daemon.download import DownloadError, DownloadErrorKind, DownloadProgress, download, download_client
 from states.reasons import ReasonCode
 from tests.httpfault import Fault, FaultServer
 
@@ -333,6 +333,24 @@ async def test_connection_refused_is_a_connection_error(tmp_path: Path) -> None:
         port = sock.getsockname()[1]
     with trio.fail_after(20):
         await fails(DownloadErrorKind.CONNECTION, f"http://127.0.0.1:{port}/b.zip", tmp_path / "b.zip", retries=1)
+
+
+async def test_download_client_reads_wider_than_64k(fault_server: FaultServer) -> None:
+    # The throughput depends on it (docs/benchmarks.md): a future httpx that drops the hook
+    # falls back to 64 KiB reads, and this test says so.
+    url = fault_server.add("/b.zip", DATA)
+    with trio.fail_after(20):
+        async with download_client() as client:
+            async with client.stream("GET", url) as response:
+                sizes = [len(chunk) async for chunk in response.aiter_raw()]
+    assert sum(sizes) == SIZE
+    assert max(sizes) > 64 * 1024
+
+
+async def test_download_client_honours_proxy_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    async with download_client() as client:
+        assert client._mounts  # httpx mounted the environment's proxy
 
 
 @hypothesis.settings(
