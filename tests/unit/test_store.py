@@ -96,16 +96,17 @@ def test_failing_migration_leaves_no_trace(tmp_path):
 
 def test_reopen_keeps_machines_and_history(tmp_path):
     path = tmp_path / "stoker.db"
-    s = open_store(path, clock=Clock())
-    record(s, evidence={"why": "user"})
-    record(s, frm="planning", to="starting", event="PlanReady", event_data={"plan": {"backend": "cpu"}})
+    s = open_store(path)
+    record(s, evidence={"why": "user"}, at=1001.0)
+    record(s, frm="planning", to="starting", event="PlanReady", event_data={"plan": {"backend": "cpu"}}, at=1002.0)
     s.close()
     s = open_store(path)
     try:
         m = s.machine("launch")
-        assert m == MachineRecord("launch", "launch", "starting", {"crashes": 0}, None, {}, 1003.0, 2)  # migration took 1001
+        assert m == MachineRecord("launch", "launch", "starting", {"crashes": 0}, None, {}, 1002.0, 2)
         assert [t.event for t in s.history()] == ["PlanReady", "UpRequested"]
         assert s.history()[0].event_data == {"plan": {"backend": "cpu"}}
+        assert s.history()[1].evidence == {"why": "user"}
     finally:
         s.close()
 
