@@ -58,8 +58,47 @@ def m001_initial(db: Database) -> None:
     db["transitions"].create_index(["kind", "at"])
 
 
+def m002_snapshots(db: Database) -> None:
+    """KV slot snapshots (one row per complete file) and the model digest cache."""
+    db["snapshots"].create(
+        {
+            "id": int,
+            "filename": str,  # inside the snapshots dir (llama-server's --slot-save-path)
+            "slot_id": int,
+            "model_path": str,
+            "model_sha256": str,
+            "engine_build": str,  # llama version, build number, commit, source digest
+            "backend": str,  # where it was taken; not part of the identity
+            "variant": str,
+            "n_ctx": int,  # per slot
+            "n_slots": int,
+            "flash_attn": str,
+            "cache_type_k": str,
+            "cache_type_v": str,
+            "swa_full": int,
+            "n_tokens": int,
+            "file_size": int,
+            "file_sha256": str,
+            "cause": str,  # stop | restart | shutdown | manual
+            "save_ms": float,
+            "created_at": float,
+        },
+        pk="id",
+        not_null={"filename", "slot_id", "model_sha256", "engine_build", "n_ctx", "n_slots", "n_tokens",
+                  "file_size", "file_sha256", "cause", "created_at"},
+    )
+    db["snapshots"].create_index(["filename"], unique=True)
+    db["snapshots"].create_index(["model_sha256", "slot_id", "created_at"])
+    db["model_digests"].create(
+        {"path": str, "size": int, "mtime_ns": int, "sha256": str, "computed_at": float},
+        pk="path",
+        not_null={"size", "mtime_ns", "sha256", "computed_at"},
+    )
+
+
 MIGRATIONS: list[Migration] = [
     m001_initial,
+    m002_snapshots,
 ]
 
 

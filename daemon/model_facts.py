@@ -1,0 +1,126 @@
+"""What a GGUF model's metadata says about KV snapshots: sliding window, recurrent layers.
+
+`gguf.GGUFReader` parses every tensor and the whole vocabulary with numpy (tens of seconds
+for Gemma 3's 262k-token vocabulary on a busy 2-core machine), so this reads only the
+key-value header, skipping arrays without decoding them, with the gguf package's type ids.
+Results are cached by (path, size, mtime).
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from pathlib import Path
+from typing import Any
+
+import attrs
+from gguf import GGUFValueType
+
+_SCALARS = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}
+# Key fragments of recurrent state (Mamba/SSM, RWKV, LFM2 short convolutions): such a model
+# keeps per-sequence recurrent state that the engine re-computes after a slot restore.
+_RECURRENT_MARKERS = (".ssm.", ".wkv.", ".time_mix_", ".token_shift_count", ".shortconv.")
+
+
+@attrs.frozen
+class ModelFacts:
+    """The metadata facts that decide whether a snapshot can spare a re-prefill."""
+
+    architecture: str
+    sliding_window: int | None  # tokens; None: every layer attends to the whole context
+    recurrent: bool  # has recurrent (SSM/RWKV/conv) state
+    attention: bool  # has attention layers (recurrent + attention = hybrid)
+    block_count: int | None
+
+    @property
+    def swa(self) -> bool:
+        return bool(self.sliding_window)
+
+    @property
+    def hybrid(self) -> bool:
+        return self.recurrent and self.attention
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**attrs.asdict(self), "swa": self.swa, "hybrid": self.hybrid}
+
+
+class _Header:
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def unpack(self, fmt: str) -> Any:
+        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        text = self.buf[self.pos:self.pos + n].decode("utf-8", "replace")
+        self.pos += n
+        return text
+
+    def value(self, vtype: int, keep: bool) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype == GGUFValueType.ARRAY:
+            etype, count = self.unpack("<I"), self.unpack("<Q")
+            if etype in _SCALARS and not keep:
+                self.pos += struct.calcsize(_SCALARS[etype]) * count  # skipped, not decoded
+                return None
+            items = [self.value(etype, keep) for _ in range(count)] if keep else None
+            if not keep:
+                for _ in range(count):
+                    self.value(etype, False)
+            return items
+        return self.unpack(_SCALARS[GGUFValueType(vtype)])
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    """The GGUF key-value metadata, with array values left out (None)."""
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        head = _Header(buf)
+        head.pos = 4
+        version = head.unpack("<I")
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is too old")
+        head.unpack("<Q")  # tensor count
+        n_kv = head.unpack("<Q")
+        out: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = head.string()
+            out[key] = head.value(head.unpack("<I"), keep=False)
+        return out
+
+
+def facts_from_header(meta: dict[str, Any]) -> ModelFacts:
+    arch = str(meta.get("general.architecture") or "unknown")
+    own = [k for k in meta if k.startswith(arch + ".")]
+    window = meta.get(f"{arch}.attention.sliding_window")
+    return ModelFacts(
+        architecture=arch,
+        sliding_window=int(window) if isinstance(window, (int, float)) and window > 0 else None,
+        recurrent=any(marker in k[len(arch):] for k in own for marker in _RECURRENT_MARKERS),
+        attention=f"{arch}.attention.head_count" in meta,
+        block_count=meta.get(f"{arch}.block_count"),
+    )
+
+
+_CACHE: dict[tuple[str, int, int], ModelFacts] = {}
+
+
+def model_facts(path: str | Path) -> ModelFacts:
+    """The model's snapshot-relevant facts, cached by path, size and mtime."""
+    path = Path(path)
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    facts = _CACHE.get(key)
+    if facts is None:
+        facts = _CACHE[key] = facts_from_header(read_header(path))
+    return facts
