@@ -23,6 +23,7 @@ from states.machine import (
     data_to_json,
     event_to_json,
     step,
+    to_json,
 )
 from store import Store, StoreError, TransitionRecord
 
@@ -89,7 +90,7 @@ class MachineRunner:
             to_state=result.state.value,
             data=data_to_json(result.data),
             reason=None if result.reason is None else str(result.reason),
-            evidence=result.evidence,
+            evidence=to_json(result.evidence),
         )
         self.state, self.data, self.seq = result.state, result.data, record.seq
         if self.publish is not None:

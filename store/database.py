@@ -30,7 +30,8 @@ MEMORY = ":memory:"
 
 
 def _dumps(value: Mapping[str, Any] | None) -> str:
-    return json.dumps(dict(value or {}), sort_keys=True, separators=(",", ":"))
+    # Evidence is diagnostic: an odd value (a path, a set) is kept as its text, not refused.
+    return json.dumps(dict(value or {}), sort_keys=True, separators=(",", ":"), default=str)
 
 
 @attrs.define(eq=False)

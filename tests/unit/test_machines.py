@@ -274,3 +274,12 @@ class ProbeModel(RuleBasedStateMachine):
 TestProbeModel = ProbeModel.TestCase
 TestProbeModel.settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
                                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_evidence_with_paths_and_enums_is_stored_as_json(store, tmp_path):
+    runner = MachineRunner(L.LAUNCH, "launch", store)
+    runner.fire(L.UpRequested())
+    runner.fire(L.PlanFailed(ReasonCode.MODEL_MISSING, {"path": tmp_path / "m.gguf", "tried": (1, 2)}))
+    row = store.history(limit=1)[0]
+    assert row.evidence == {"path": str(tmp_path / "m.gguf"), "tried": [1, 2]}
+    assert row.reason == "model_missing"
