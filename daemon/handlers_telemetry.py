@@ -14,7 +14,7 @@ import trio
 
 from daemon.errors import StokerError
 from daemon.handlers import handler
-from daemon.telemetry import ServerTarget, TelemetrySampler
+from daemon.telemetry import ServerTarget, TelemetrySampler, history_point
 from states.reasons import ReasonCode
 
 if TYPE_CHECKING:
@@ -47,7 +47,9 @@ def sampler_for(daemon: "Daemon") -> TelemetrySampler:
     if sampler is None:
         sampler = TelemetrySampler(
             target=lambda: target_of(daemon),
-            on_sample=lambda sample: daemon.bus.publish({"topic": TOPIC, "sample": sample}),
+            on_sample=lambda sample: daemon.bus.publish(
+                {"topic": TOPIC, "sample": sample, "point": history_point(sample)}
+            ),
         )
         _SAMPLERS[daemon] = sampler
     return sampler
@@ -72,6 +74,10 @@ async def telemetry(daemon: "Daemon", params: Mapping[str, Any]) -> dict[str, An
 
 
 async def serve_telemetry(daemon: "Daemon", *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Publish a `telemetry.sample` every TTL while a server runs and someone subscribes."""
+    """Publish a `telemetry.sample` every TTL while a server runs and someone subscribes.
+
+    The event: {"topic": "telemetry.sample", "sample": <as in the reply>, "point": <the
+    history point it added>} (plus the bus's seq and time).
+    """
     sampler = sampler_for(daemon)
     await sampler.run(lambda: daemon.bus.statistics().subscribers > 0, task_status=task_status)

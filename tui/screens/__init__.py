@@ -1,0 +1,1 @@
+"""Screens: modal confirmation, backend choice, help, and the daemon-not-running screen."""

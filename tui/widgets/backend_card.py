@@ -1,0 +1,81 @@
+"""The backend card: what serves, why, and since when."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widgets import Static
+
+from tui import quantities as q
+
+STATE_STYLE = {
+    "ready": "bold green",
+    "planning": "bold yellow",
+    "starting": "bold yellow",
+    "loading": "bold yellow",
+    "stopping": "bold yellow",
+    "backoff": "bold yellow",
+    "crashed": "bold red",
+    "failed": "bold red",
+    "stopped": "bold",
+}
+
+
+def layers_text(layers: dict[str, Any] | None, backend: str | None) -> str:
+    """'29/29 offloaded (planned 99)', or 'CPU only' on the CPU."""
+    layers = layers or {}
+    if backend == "cpu":
+        return "CPU only (no offload)"
+    planned, offloaded, total = layers.get("planned"), layers.get("offloaded"), layers.get("total")
+    if planned is None and offloaded is None:
+        return "-"
+    actual = "?" if offloaded is None else f"{offloaded}/{total if total is not None else '?'}"
+    return f"{actual} offloaded (planned {planned if planned is not None else 'auto'})"
+
+
+class BackendCard(Static):
+    """State, backend, reason code and message, model, endpoint, layers, uptime."""
+
+    status: reactive[dict[str, Any] | None] = reactive(None, layout=True)
+
+    def on_mount(self) -> None:
+        self.border_title = "Backend"
+
+    def render(self) -> Table | Text:
+        st = self.status
+        if st is None:
+            return Text("waiting for the daemon...", style="dim")
+        grid = Table.grid(padding=(0, 1), expand=True)
+        grid.add_column(style="dim", no_wrap=True)
+        grid.add_column(ratio=1, overflow="fold")
+        state = st.get("state") or "?"
+        grid.add_row("state", Text(state, style=STATE_STYLE.get(state, "bold")))
+        backend = st.get("backend") or "-"
+        if st.get("variant"):
+            backend += f" ({st['variant']})"
+        grid.add_row("backend", Text(backend, style="bold"))
+        if st.get("reason"):
+            grid.add_row("reason", Text(st["reason"], style="bold red" if state in ("failed", "crashed") else "bold yellow"))
+            if st.get("message"):
+                grid.add_row("", Text(st["message"]))
+        model = st.get("model")
+        grid.add_row("model", os.path.basename(model) if model else "-")
+        grid.add_row("endpoint", st.get("endpoint") or "-")
+        grid.add_row("layers", layers_text(st.get("layers"), st.get("backend")))
+        if st.get("n_ctx"):
+            grid.add_row("context", f"{st['n_ctx']} tokens")
+        uptime = q.duration(st.get("uptime_s")) if st.get("uptime_s") is not None else "-"
+        extra = []
+        if st.get("pid"):
+            extra.append(f"pid {st['pid']}")
+        if st.get("restarts"):
+            extra.append(f"restarts {st['restarts']}")
+        grid.add_row("uptime", uptime + ("   " + "  ".join(extra) if extra else ""))
+        problems = (st.get("config") or {}).get("problems") or []
+        if problems:
+            grid.add_row("config", Text(f"invalid ({len(problems)} problem(s)); running the previous one", style="yellow"))
+        return grid
