@@ -206,6 +206,16 @@ def _swa_full(value: Any) -> bool | str:
     raise _Invalid(f'must be "auto", true or false, got {_describe(value)}')
 
 
+def _manifest(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _Invalid(f"must be a path or an https://, http://127.0.0.1 or file:// URL, got {_describe(value)}")
+    if re.match(r"^[a-z][a-z0-9+.-]*://", value) and not re.match(
+        r"^(https://|file://|http://(127\.0\.0\.1|localhost|\[::1\])[:/])", value
+    ):
+        raise _Invalid(f"must be https:// (http:// only on loopback) or file://, got {value!r}"[:200])
+    return value
+
+
 def _field(default: Any, check: Callable[[Any], Any]) -> Any:
     return attrs.field(default=default, metadata={"check": check})
 
@@ -260,11 +270,19 @@ class SnapshotsConfig:
     swa_full: bool | str = _field("auto", _swa_full)
 
 
+@attrs.frozen
+class BundlesConfig:
+    # The published-bundles manifest (docs/bundles.md): a path or URL; "" means the
+    # STOKER_MANIFEST_URL environment variable, or none (on-demand installs then fail).
+    manifest: str = _field("", _manifest)
+
+
 SECTIONS: dict[str, type] = {
     "server": ServerConfig,
     "backend": BackendConfig,
     "supervisor": SupervisorConfig,
     "snapshots": SnapshotsConfig,
+    "bundles": BundlesConfig,
 }
 
 
@@ -276,6 +294,7 @@ class Config:
     backend: BackendConfig = attrs.field(factory=BackendConfig)
     supervisor: SupervisorConfig = attrs.field(factory=SupervisorConfig)
     snapshots: SnapshotsConfig = attrs.field(factory=SnapshotsConfig)
+    bundles: BundlesConfig = attrs.field(factory=BundlesConfig)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], base_dir: Path | None = None) -> "Config":

@@ -45,7 +45,7 @@ def test_default_path_is_under_stoker_home(stoker_home):
 def test_to_dict_is_plain_data_and_covers_every_key():
     data = Config().to_dict()
     json.dumps(data)
-    assert set(data) == {"server", "backend", "supervisor", "snapshots"}
+    assert set(data) == {"server", "backend", "supervisor", "snapshots", "bundles"}
     assert data["server"]["extra_args"] == []
     assert set(data["server"]) == {
         "model", "host", "port", "ctx_size", "parallel", "threads", "n_gpu_layers",
@@ -409,3 +409,12 @@ async def test_fixing_a_file_that_was_invalid_at_start_is_reported(tmp_path):
             await rec.wait()
             assert rec.changes == [Config()]
             nursery.cancel_scope.cancel()
+
+
+def test_bundles_manifest_accepts_paths_and_safe_urls_only():
+    for ok in ("", "/srv/manifest.json", "https://example.org/m.json", "file:///srv/m.json",
+               "http://127.0.0.1:8000/m.json"):
+        assert parse_config(f'[bundles]\nmanifest = "{ok}"\n').bundles.manifest == ok
+    with pytest.raises(ConfigError) as err:
+        parse_config('[bundles]\nmanifest = "http://example.org/m.json"\n')
+    assert err.value.problems[0].startswith("bundles.manifest:")
