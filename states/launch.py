@@ -457,15 +457,27 @@ def relaunch(state: S, data: LaunchData, event: RestartRequested | ConfigChanged
 
 @guarded(S.STOPPING)
 def retarget_stop(state: S, data: LaunchData, event: Any) -> Step:
-    """Already stopping: the newest request decides where it leads."""
+    """Already stopping: the newest request decides where it leads.
+
+    Down: stopped. Restart: a fresh start with a clean count. Up: come back up if this was
+    a plain stop (a stall already comes back through backoff, counted). Config change:
+    re-plan with the new config unless this was a plain stop.
+    """
+    after = data.after_stop
     if isinstance(event, DownRequested):
         after = AfterStop.STOP
-    elif isinstance(event, ConfigChanged):
-        after = AfterStop.STOP if data.after_stop is AfterStop.STOP else AfterStop.RESTART
-        data = attrs.evolve(data, settings=_settings(data, event.settings))
-    else:  # UpRequested or RestartRequested: come back up afterwards
+    elif isinstance(event, RestartRequested):
         after = AfterStop.RESTART
-        data = attrs.evolve(data, crashes=0, settings=_settings(data, getattr(event, "settings", None)))
+        data = attrs.evolve(data, crashes=0)
+    elif isinstance(event, UpRequested):
+        if after is AfterStop.STOP:
+            after = AfterStop.RESTART
+            data = attrs.evolve(data, crashes=0)
+        data = attrs.evolve(data, settings=_settings(data, event.settings))
+    else:  # ConfigChanged
+        if after is not AfterStop.STOP:
+            after = AfterStop.RESTART
+        data = attrs.evolve(data, settings=_settings(data, event.settings))
     return Step(S.STOPPING, attrs.evolve(data, after_stop=after), evidence={"after_stop": after.value})
 
 

@@ -236,3 +236,15 @@ def test_resume_effects_per_state():
 def test_every_state_is_reachable_and_has_a_row():
     assert LAUNCH.reachable() == set(S)
     assert set(LAUNCH.transitions) == set(S)
+
+
+def test_requests_while_stopping_after_a_stall():
+    stalled = drive(UpRequested(), PlanReady(PLAN), Spawned(5), StallTimeout())
+    up = drive(UpRequested(), StopCompleted(-15), state=stalled.state, data=stalled.data)
+    assert up.state is S.CRASHED and up.data.crashes == 1  # still counted: it comes back via backoff
+    restart = drive(RestartRequested(), StopCompleted(-15), state=stalled.state, data=stalled.data)
+    assert restart.state is S.PLANNING and restart.data.crashes == 0
+    config = drive(ConfigChanged(), StopCompleted(-15), state=stalled.state, data=stalled.data)
+    assert config.state is S.PLANNING
+    plain = drive(UpRequested(), PlanReady(PLAN), DownRequested(), ConfigChanged(), StopCompleted(0))
+    assert plain.state is S.STOPPED
