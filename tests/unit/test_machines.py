@@ -192,7 +192,7 @@ class LaunchModel(RuleBasedStateMachine):
 
 
 TestLaunchModel = LaunchModel.TestCase
-TestLaunchModel.settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
+TestLaunchModel.settings = settings(max_examples=75, stateful_step_count=40, deadline=None,
                                     suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -272,7 +272,7 @@ class ProbeModel(RuleBasedStateMachine):
 
 
 TestProbeModel = ProbeModel.TestCase
-TestProbeModel.settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
+TestProbeModel.settings = settings(max_examples=75, stateful_step_count=50, deadline=None,
                                    suppress_health_check=[HealthCheck.too_slow])
 
 
