@@ -1,0 +1,255 @@
+"""The install service over real HTTP from the loopback fault server.
+
+Every case ends installed-and-verified, or failed with `<backend>_bundle_install_failed`
+(the precise cause in the evidence) and the previous bundle intact. The bundles are
+bundlekit's fake CPU engines (a shell script that answers --version and --list-devices like
+the real one); one case installs the real CPU bundle and smoke-tests it (`engine` mark).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import trio
+
+from daemon.bundles.installed import find_installed, install_bundle
+from daemon.bundles.variants import host_platform
+from daemon.errors import StokerError
+from daemon.install_service import PROGRESS_TOPIC, InstallService
+from daemon.paths import StokerPaths
+from states import install as I
+from tests.bundlekit import make_bundle_zip
+from tests.httpfault import Fault
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class Setup:
+    """A STOKER_HOME with a previous good CPU bundle installed, a store, a manifest file."""
+
+    def __init__(self, tmp: Path, server) -> None:
+        self.tmp = tmp
+        self.server = server
+        self.paths = StokerPaths.from_env()
+        self.paths.data_dir.mkdir(parents=True, exist_ok=True)
+        from store import open_store
+
+        self.store = open_store(self.paths.db_file)
+        old = make_bundle_zip(tmp, "old.zip")
+        self.previous = install_bundle(old, self.paths)
+        self.previous_json = (self.previous.root / "bundle.json").read_bytes()
+        self.new_zip = make_bundle_zip(tmp, "new.zip")
+        self.data = self.new_zip.read_bytes()
+        self.manifest = tmp / "manifest.json"
+        self.events: list[dict] = []
+
+    def publish(self, url: str, *, data: bytes | None = None, size: int | None = None,
+                backend: str = "cpu", variant: str = "avx2") -> None:
+        data = self.data if data is None else data
+        entry = {"url": url, "sha256": _sha(data), "size": len(data) if size is None else size,
+                 "backend": backend, "variant": variant, "version": "b11434", "platform": host_platform()}
+        self.manifest.write_text(json.dumps({"schema_version": 1, "bundles": [entry]}))
+
+    def service(self, **kwargs) -> InstallService:
+        return InstallService(self.paths, self.store, self.events.append,
+                              manifest_source=lambda: str(self.manifest), smoke=False, **kwargs)
+
+    def slot_json(self) -> bytes:
+        return (self.paths.bundles_dir / "cpu-avx2" / "bundle.json").read_bytes()
+
+    def assert_previous_intact(self) -> None:
+        assert self.slot_json() == self.previous_json
+        assert find_installed(self.paths, "cpu", "avx2").root == self.paths.bundles_dir / "cpu-avx2"
+        assert not [p for p in self.paths.bundles_dir.iterdir() if p.name.startswith(".install-")]
+
+    def assert_new_installed(self) -> None:
+        bundle = find_installed(self.paths, "cpu", "avx2")
+        assert bundle is not None and (bundle.root / "bundle.json").read_bytes() != self.previous_json
+        assert (self.paths.bundles_dir / "cpu-avx2.previous" / "bundle.json").read_bytes() == self.previous_json
+        assert not [p for p in self.paths.bundles_dir.iterdir() if p.name.startswith(".")]
+        assert list((self.paths.data_dir / "downloads").iterdir()) == []  # the zip is gone
+        runner = self.store.machine(I.machine_id("cpu", "avx2"))
+        assert runner.state == "installed"
+
+
+@pytest.fixture
+def setup(tmp_path, fault_server):
+    s = Setup(tmp_path, fault_server)
+    yield s
+    s.store.close()
+
+
+async def _install_fails(service: InstallService, backend: str = "cpu") -> StokerError:
+    with pytest.raises(StokerError) as err:
+        with trio.fail_after(60):
+            await service.install(backend, variant="avx2")
+    return err.value
+
+
+async def test_clean_install_publishes_progress_and_keeps_the_previous(setup):
+    setup.publish(setup.server.add("/cpu.zip", setup.data))
+    with trio.fail_after(60):
+        bundle = await setup.service().install("cpu", variant="avx2")
+    assert bundle.meta.backend == "cpu"
+    setup.assert_new_installed()
+    progress = [e for e in setup.events if e.get("topic") == PROGRESS_TOPIC]
+    assert progress and progress[-1]["bytes_done"] == len(setup.data) == progress[-1]["total"]
+    assert set(progress[-1]) >= {"backend", "variant", "bytes_done", "total", "rate", "eta"}
+    path = [r.to_state for r in reversed(setup.store.history(machine="install:cpu-avx2"))]
+    assert path == ["resolving", "downloading", "verifying", "unpacking", "validating", "smoke_testing",
+                    "installed"]
+
+
+async def test_connection_cut_at_a_random_byte_resumes(setup):
+    cut = random.Random(7).randrange(1, len(setup.data) - 1)
+    setup.publish(setup.server.add("/cpu.zip", setup.data, Fault(cut_after=cut)))
+    with trio.fail_after(60):
+        await setup.service().install("cpu", variant="avx2")
+    setup.assert_new_installed()
+    asked = setup.server.requests("/cpu.zip")
+    assert asked[0].range is None and asked[1].range == f"bytes={cut}-" and asked[1].status == 206
+
+
+async def test_wrong_digest_fails_with_evidence(setup):
+    setup.publish(setup.server.add("/cpu.zip", setup.data, Fault(corrupt=True)))
+    err = await _install_fails(setup.service())
+    assert err.reason == "cpu_bundle_install_failed"
+    ev = err.evidence
+    assert ev["cause"] == "download_failed" and ev["kind"] == "digest_mismatch" and ev["step"] == "downloading"
+    assert ev["expected_sha256"] == _sha(setup.data) != ev["actual_sha256"]
+    setup.assert_previous_intact()
+    assert setup.store.machine("install:cpu-avx2").reason == "cpu_bundle_install_failed"
+
+
+async def test_wrong_size_fails(setup):
+    setup.publish(setup.server.add("/cpu.zip", setup.data), size=len(setup.data) + 10)
+    err = await _install_fails(setup.service())
+    assert err.reason == "cpu_bundle_install_failed" and err.evidence["kind"] == "size_mismatch"
+    assert err.evidence["expected_size"] == len(setup.data) + 10
+    setup.assert_previous_intact()
+
+
+async def test_404_fails(setup):
+    setup.publish(setup.server.url("/missing.zip"))
+    err = await _install_fails(setup.service())
+    assert err.evidence["kind"] == "http_status" and err.evidence["status"] == 404
+    setup.assert_previous_intact()
+
+
+async def test_200_instead_of_206_restarts_cleanly(setup):
+    setup.publish(setup.server.add("/cpu.zip", setup.data, Fault(cut_after=len(setup.data) // 3, ignore_range=True)))
+    with trio.fail_after(60):
+        await setup.service().install("cpu", variant="avx2")
+    setup.assert_new_installed()
+    asked = setup.server.requests("/cpu.zip")
+    assert asked[1].range is not None and asked[1].status == 200
+
+
+async def test_etag_changed_between_attempts_fails_on_the_digest(setup):
+    other = make_bundle_zip(setup.tmp, "other.zip").read_bytes()
+    fault = Fault(cut_after=len(setup.data) // 2, change_after=1, changed_data=other)
+    setup.publish(setup.server.add("/cpu.zip", setup.data, fault))
+    err = await _install_fails(setup.service())
+    assert err.reason == "cpu_bundle_install_failed"
+    assert err.evidence["kind"] in ("digest_mismatch", "size_mismatch")
+    asked = setup.server.requests("/cpu.zip")
+    assert asked[1].if_range is not None and asked[1].status == 200  # If-Range refused the old part
+    setup.assert_previous_intact()
+
+
+async def test_slow_server_reports_rate_and_eta(setup):
+    rate = max(len(setup.data) // 2, 1000)  # about two seconds
+    setup.publish(setup.server.add("/cpu.zip", setup.data, Fault(rate=rate)))
+    with trio.fail_after(60):
+        await setup.service().install("cpu", variant="avx2")
+    setup.assert_new_installed()
+    progress = [e for e in setup.events if e.get("topic") == PROGRESS_TOPIC]
+    assert len(progress) >= 3
+    mid = [p for p in progress if p["bytes_done"] < len(setup.data)]
+    assert mid and any(p["rate"] > 0 and p["eta"] is not None for p in mid)
+
+
+async def test_daemon_killed_mid_download_resumes_with_range(setup):
+    setup.publish(setup.server.add("/cpu.zip", setup.data, Fault(rate=max(len(setup.data) // 4, 500))))
+    first = setup.service()
+    with trio.move_on_after(1.5):  # the "kill": cancelled mid-stream
+        await first.install("cpu", variant="avx2")
+    assert setup.store.machine("install:cpu-avx2").state == "downloading"
+    setup.assert_previous_intact()
+    setup.server.set_fault("/cpu.zip", None)
+    again = setup.service()  # a new daemon on the same store
+    with trio.fail_after(60):
+        assert await again.resume_all() == ["install:cpu-avx2"]
+    setup.assert_new_installed()
+    resumed = setup.server.requests("/cpu.zip")[-1]
+    assert resumed.range is not None and resumed.status == 206
+    events = [r.event for r in reversed(setup.store.history(machine="install:cpu-avx2"))]
+    assert "Resumed" in events
+
+
+async def test_daemon_killed_while_validating_redoes_from_clean_staging(setup):
+    setup.publish(setup.server.add("/cpu.zip", setup.data))
+
+    class Stuck(InstallService):
+        async def _do_ValidateBundle(self, runner, effect):
+            await trio.sleep_forever()
+
+    with trio.move_on_after(5):
+        stuck = Stuck(setup.paths, setup.store, setup.events.append,
+                      manifest_source=lambda: str(setup.manifest), smoke=False)
+        await stuck.install("cpu", variant="avx2")
+    assert setup.store.machine("install:cpu-avx2").state == "validating"
+    # Half-way: the staging dir exists but the launcher still finds the previous bundle.
+    assert (setup.paths.bundles_dir / ".install-cpu-avx2" / "bundle").is_dir()
+    assert setup.slot_json() == setup.previous_json
+    with trio.fail_after(60):
+        await setup.service().resume_all()
+    setup.assert_new_installed()
+    rows = [(r.from_state, r.event, r.to_state) for r in reversed(setup.store.history(machine="install:cpu-avx2"))]
+    assert ("validating", "Resumed", "unpacking") in rows
+
+
+async def test_no_manifest_fails_with_the_reason(setup):
+    service = InstallService(setup.paths, setup.store, setup.events.append, manifest_source=lambda: "", smoke=False)
+    err = await _install_fails(service)
+    assert err.reason == "cpu_bundle_install_failed" and err.evidence["cause"] == "bundle_missing"
+    setup.assert_previous_intact()
+
+
+async def test_cuda_entry_holding_a_cpu_bundle_is_refused(setup):
+    # A "cuda" entry re-labelled onto a CPU bundle: bundle.json says cpu, the manifest cuda.
+    setup.publish(setup.server.add("/cuda.zip", setup.data), backend="cuda")
+    err = await _install_fails(setup.service(), backend="cuda")
+    assert err.reason == "cuda_bundle_install_failed"
+    assert err.evidence["cause"] == "bundle_metadata_mismatch" and err.evidence["step"] == "validating"
+    assert not (setup.paths.bundles_dir / "cuda-avx2").exists()
+    setup.assert_previous_intact()
+
+
+async def test_file_url_mirror(setup):
+    mirror = setup.tmp / "mirror.zip"
+    shutil.copy(setup.new_zip, mirror)
+    setup.publish(mirror.as_uri())
+    with trio.fail_after(60):
+        await setup.service().install("cpu", variant="avx2")
+    setup.assert_new_installed()
+
+
+@pytest.mark.engine
+async def test_real_cpu_bundle_installs_verified_and_smoke_tested(setup, cpu_bundle):
+    data = Path(cpu_bundle).read_bytes()
+    setup.publish(setup.server.add("/real.zip", data, Fault(cut_after=len(data) // 2)), data=data)
+    service = InstallService(setup.paths, setup.store, setup.events.append,
+                             manifest_source=lambda: str(setup.manifest), smoke=True)
+    with trio.fail_after(300):
+        bundle = await service.install("cpu", variant="avx2")
+    assert bundle.meta.backend == "cpu" and bundle.server.is_file()
+    smoke = [r for r in setup.store.history(machine="install:cpu-avx2") if r.event == "SmokePassed"]
+    assert smoke[0].evidence["smoke"] == "passed"
