@@ -73,6 +73,7 @@ def status_of(daemon: "Daemon") -> dict[str, Any]:
             "total": ready.get("total_layers"),
         },
         "n_ctx": ready.get("n_ctx"),
+        "snapshots": ready.get("snapshots"),  # KV snapshots: benefit, --swa-full cost, restored/refused
         "log_path": str(daemon.paths.logs_dir / "llama-server.log"),
         "config": {
             "path": str(daemon.paths.config_file),
@@ -161,3 +162,4 @@ async def ping(daemon: "Daemon", params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 from daemon import handlers_telemetry  # noqa: E402,F401  (registers `telemetry`)
+from daemon import handlers_snapshots  # noqa: E402,F401  (registers `snapshot.*`)

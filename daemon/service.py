@@ -30,11 +30,13 @@ from daemon.handlers_telemetry import serve_telemetry
 from daemon.machines import MachineRunner
 from daemon.paths import StokerPaths
 from daemon.planner import make_planner
+from daemon.snapshots import SnapshotService
 from daemon.supervisor import Supervisor, launch_settings
 from states import config as C
 from states import launch as L
 from states.reasons import ReasonCode
 from store import open_store
+from store.snapshots import SnapshotCatalog
 
 log = logging.getLogger("stoker")
 
@@ -66,6 +68,7 @@ class Daemon:
     bus: EventBus
     config: Config
     supervisor: Supervisor = attrs.field(init=False)
+    snapshots: SnapshotService = attrs.field(init=False)
     config_runner: MachineRunner = attrs.field(init=False)
     config_problems: list[str] = attrs.field(factory=list)
     config_loaded_invalid: bool = False  # no valid file was ever read: refuse `up`
@@ -76,7 +79,10 @@ class Daemon:
     def __attrs_post_init__(self) -> None:
         self.config_runner = MachineRunner(C.CONFIG, "config", self.store, publish=self.publish)
         launch = MachineRunner(L.LAUNCH, "launch", self.store, publish=self.publish)
-        self.supervisor = Supervisor(self.paths, launch, self.config, make_planner(self.paths))
+        self.snapshots = SnapshotService(self.paths, SnapshotCatalog(self.store), lambda: self.config,
+                                         self.bus.publish)
+        self.supervisor = Supervisor(self.paths, launch, self.config, make_planner(self.paths),
+                                     ready_hook=self.snapshots.on_ready, before_stop=self.snapshots.before_stop)
 
     def publish(self, event: Mapping[str, Any]) -> None:
         self.bus.publish(event)

@@ -32,6 +32,7 @@ from daemon.server_identity import (
     stop_orphan,
     write_identity,
 )
+from daemon.snapshots import snapshot_server_args
 from daemon.server_process import ServerHandle, ServerSpec, serve_server, stop_server, wait_ready
 from states import launch as L
 from states.machine import IllegalTransition, Step
@@ -203,6 +204,7 @@ class Supervisor:
 
     def server_spec(self, plan: L.LaunchPlan) -> ServerSpec:
         server = self.config.server
+        slot_save_path, snapshot_args = snapshot_server_args(self.paths, self.config, plan.model_path)
         return ServerSpec(
             server_path=plan.server_path,
             model_path=plan.model_path,
@@ -213,7 +215,8 @@ class Supervisor:
             threads=server.threads or None,
             n_gpu_layers=None if plan.backend == "cpu" else plan.n_gpu_layers,
             flash_attn=server.flash_attn,
-            extra_args=(*plan.extra_args, "--metrics"),  # telemetry reads tokens/s from /metrics
+            extra_args=(*plan.extra_args, "--metrics", *snapshot_args),  # telemetry reads tokens/s from /metrics
+            slot_save_path=slot_save_path,
         )
 
     async def _run_server(self, plan: L.LaunchPlan, scope: trio.CancelScope) -> None:

@@ -24,7 +24,8 @@ def write_config(paths: StokerPaths, text: str) -> None:
     os.replace(tmp, paths.config_file)
 
 
-def tiny_config(model: Path, **extra_server: Any) -> str:
+def tiny_config(model: Path, *, snapshots: bool | dict[str, Any] = False, **extra_server: Any) -> str:
+    """A fast config for `model`; `snapshots`: True, or a dict of [snapshots] keys, turns them on."""
     server = {"model": str(model), "ctx_size": 256, "stall_timeout_s": 30.0, "ready_timeout_s": 60.0, **extra_server}
     lines = ["[server]"]
     for key, value in server.items():
@@ -37,8 +38,9 @@ def tiny_config(model: Path, **extra_server: Any) -> str:
         "stable_after_s = 30",
         "stop_grace_s = 3",
         "[snapshots]",
-        "enabled = false",
     ]
+    snap = {"enabled": bool(snapshots), **(snapshots if isinstance(snapshots, dict) else {})}
+    lines += [f"{key} = {_toml(value)}" for key, value in snap.items()]
     return "\n".join(lines) + "\n"
 
 

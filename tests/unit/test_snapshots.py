@@ -148,3 +148,35 @@ def test_gguf_header_reader_skips_arrays(tmp_path, tiny_model):
     facts = model_facts(path)
     assert (facts.swa, facts.sliding_window, facts.block_count, facts.recurrent) == (True, 512, 6, False)
     assert model_facts(tiny_model).swa is False
+
+
+@pytest.mark.parametrize(("enabled", "setting", "swa_model", "want"), [
+    (True, "auto", True, True),
+    (True, "auto", False, False),
+    (False, "auto", True, False),  # off: no memory spent on a full SWA cache
+    (False, True, False, True),  # forced
+    (True, False, True, False),
+])
+def test_swa_full_flag(tmp_path, tiny_model, enabled, setting, swa_model, want):
+    import attrs
+
+    from daemon.config import Config
+    from daemon.paths import StokerPaths
+    from daemon.snapshots import snapshot_server_args
+
+    path = tiny_model
+    if swa_model:
+        path = tmp_path / "swa.gguf"
+        writer = gguf.GGUFWriter(str(path), "gemma3")
+        writer.add_uint32("gemma3.attention.sliding_window", 512)
+        writer.add_tensor("x", np.zeros((4,), dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    config = Config()
+    config = attrs.evolve(config, snapshots=attrs.evolve(config.snapshots, enabled=enabled, swa_full=setting))
+    paths = StokerPaths.from_env()
+    slot_dir, args = snapshot_server_args(paths, config, path)
+    assert slot_dir == paths.snapshots_dir and slot_dir.is_dir()  # always: enabling needs no relaunch
+    assert args == (("--swa-full",) if want else ())
