@@ -242,7 +242,7 @@ def _build(paths: StokerPaths, plan: BuildPlan, tree: SourceTree, smoke: SmokeSp
     work.mkdir(parents=True)
     log_path = work / BUILD_LOG
     progress(f"building {plan.backend}-{plan.variant} ({key}) with {jobs} jobs; log: {log_path}")
-    with open(log_path, "w") as log:
+    with open(log_path, "w", buffering=1) as log:  # line-buffered: `tail -f` shows a live build
         configure = ["cmake", "-S", str(tree.root), "-B", str(build_dir), "-G", plan.toolchain.generator,
                      *plan.flags, f"-DLLAMA_BUILD_NUMBER={tree.build_number}",
                      f"-DLLAMA_BUILD_COMMIT={tree.commit}"]
