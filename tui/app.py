@@ -100,6 +100,14 @@ class StokerApp(App[None]):
                 yield SnapshotsView(id="snapshots-view")
         yield Footer()
 
+    DAEMON_ACTIONS = frozenset({"probe", "up", "down", "restart", "backend", "snapshot"})
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Daemon actions are offered (and shown in the footer) only while connected."""
+        if action in self.DAEMON_ACTIONS and not self.connected:
+            return False
+        return True
+
     def on_mount(self) -> None:
         self.sub_title = "connecting..."
         self.follow_events()
@@ -153,6 +161,7 @@ class StokerApp(App[None]):
 
     def on_connected(self, message: Connected) -> None:
         self.connected = True
+        self.refresh_bindings()
         if self._not_running is not None:
             screen, self._not_running = self._not_running, None
             if screen.is_current:
@@ -161,6 +170,7 @@ class StokerApp(App[None]):
 
     def on_disconnected(self, message: Disconnected) -> None:
         self.connected = False
+        self.refresh_bindings()
         self.sub_title = "daemon not running"
         if self._not_running is None:
             self._not_running = NotRunningScreen(self.link.where)
@@ -324,6 +334,14 @@ class StokerApp(App[None]):
 
     def action_show_tab(self, tab: str) -> None:
         self.query_one(TabbedContent).active = tab
+
+    @on(TabbedContent.TabActivated)
+    def focus_pane(self, event: TabbedContent.TabActivated) -> None:
+        """The table of a tab takes the keyboard (arrows move its cursor)."""
+        tables = {"history": "#history-table", "snapshots": "#snapshots-table"}
+        target = tables.get(event.pane.id or "")
+        if target:
+            self.query_one(target).focus()
 
     @on(SnapshotsView.Requested)
     def snapshot_requested(self, message: SnapshotsView.Requested) -> None:

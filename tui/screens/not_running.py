@@ -27,11 +27,8 @@ class NotRunningScreen(Screen[None]):
         with Center():
             with Vertical(id="not-running", classes="dialog"):
                 yield Label("The Stoker daemon is not running", classes="dialog-title")
-                yield Static(id="not-running-body")
+                yield Static(self._body(), id="not-running-body")
         yield Footer()
-
-    def on_mount(self) -> None:
-        self._show()
 
     def watch_attempt(self) -> None:
         self._show()
@@ -39,14 +36,16 @@ class NotRunningScreen(Screen[None]):
     def watch_detail(self) -> None:
         self._show()
 
-    def _show(self) -> None:
-        if not self.is_mounted:
-            return
+    def _body(self) -> Text:
         text = Text()
         text.append("Nothing answers on\n")
         text.append(f"  {self.where}\n\n", style="bold")
         text.append("Start it with ")
         text.append("stoker daemon", style="bold cyan")
-        text.append(" (or through systemd / launchd).\n\n")
+        text.append(" (or through systemd or launchd).\n\n")
         text.append(f"Reconnecting by itself (attempt {self.attempt})...", style="dim")
-        self.query_one("#not-running-body", Static).update(text)
+        return text
+
+    def _show(self) -> None:
+        for body in self.query("#not-running-body").results(Static):
+            body.update(self._body())
