@@ -29,7 +29,6 @@ import attrs
 import certifi
 import httpcore
 import httpx
-import sniffio
 import trio
 
 from daemon.errors import StokerError
@@ -434,7 +433,8 @@ class _Transfer:
                         break
                 leftovers.append(batch)
                 if any(leftovers):
-                    with trio.CancelScope(shield=True):
+                    # Bounded: batches go in order, so stopping early still leaves a prefix.
+                    with trio.CancelScope(shield=True, deadline=trio.current_time() + 10):
                         for queued in leftovers:
                             if queued:
                                 await trio.to_thread.run_sync(self.write_batch, queued)
@@ -550,9 +550,11 @@ class _WideReadBackend(httpcore.AsyncNetworkBackend):
     """httpcore's trio (or anyio) backend, with wide reads."""
 
     def _inner(self) -> httpcore.AsyncNetworkBackend:
-        if sniffio.current_async_library() == "trio":
-            return httpcore.TrioBackend()
-        return httpcore.AnyIOBackend()
+        try:
+            trio.lowlevel.current_task()
+        except RuntimeError:  # not on trio (asyncio through anyio)
+            return httpcore.AnyIOBackend()
+        return httpcore.TrioBackend()
 
     async def connect_tcp(
         self,
