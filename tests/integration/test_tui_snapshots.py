@@ -1,17 +1,237 @@
 """Snapshots of every main view at fixed sizes, fed recorded daemon answers (deterministic).
 
+Only these tests use the fake link below (a snapshot must not depend on a live daemon);
+the Pilot tests in test_tui_live.py drive a real one. The figures are illustrative, shaped
+like the daemon's replies: the recorded H200 (143771 MiB) serving an 8B Q4_K_M model, and a
+CPU fallback on a 2-core machine.
+
 Regenerate after an intended change with `pytest tests/integration/test_tui_snapshots.py
 --snapshot-update` and review the SVGs in __snapshots__/.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Any
 
 import pytest
 
-from tests.integration import tui_fakes as fake
+from daemon.errors import StokerError
+from states.reasons import ReasonCode
 from tui.app import StokerApp
+
+# --- recorded daemon answers ------------------------------------------------------------
+
+T0 = 1764423000.0  # 2025-11-29 13:30:00 UTC
+
+
+def status_cuda() -> dict[str, Any]:
+    return {
+        "state": "ready",
+        "backend": "cuda",
+        "variant": "cuda13",
+        "reason": None,
+        "message": None,
+        "evidence": {},
+        "model": "/home/ana/.local/share/stoker/models/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf",
+        "endpoint": "http://127.0.0.1:41873",
+        "api_key": "k",
+        "pid": 48213,
+        "uptime_s": 4520.4,
+        "restarts": 0,
+        "crashes": 0,
+        "layers": {"planned": 99, "offloaded": 33, "total": 33},
+        "n_ctx": 8192,
+        "config": {"path": "/home/ana/.config/stoker/config.toml", "valid": True, "problems": []},
+    }
+
+
+def status_cpu_fallback() -> dict[str, Any]:
+    return {
+        **status_cuda(),
+        "backend": "cpu",
+        "variant": "x86-64-v3",
+        "reason": "cuda_unavailable",
+        "message": "NVIDIA driver 535.183.01 is older than this CUDA bundle's minimum 580.65; update the driver.",
+        "evidence": {"driver": "535.183.01", "min_driver": "580.65"},
+        "model": "/home/ana/models/tiny.gguf",
+        "pid": 9120,
+        "uptime_s": 75.0,
+        "layers": {"planned": None, "offloaded": None, "total": None},
+    }
+
+
+def _point(i: int, util: int, used: int, proc: int, tps: float | None, cpu: float | None = None) -> dict[str, Any]:
+    return {
+        "time": T0 + 5 * i, "pid": 48213, "activity": "busy" if util else "idle",
+        "gpu_utilization_percent": util, "memory_used_mib": used, "process_vram_mib": proc,
+        "cpu_percent": cpu, "rss_mib": 812.0, "tokens_per_s": tps,
+    }
+
+
+GPU_UTIL = [0, 0, 12, 64, 91, 93, 88, 95, 90, 41, 0, 0, 0, 35, 87, 92, 94, 89, 90, 60, 8, 0, 0, 0]
+CPU_LOAD = [1.0, 0.5, 180.0, 196.0, 198.0, 150.0, 2.0, 0.0, 0.0, 120.0, 197.0, 199.0, 190.0, 5.0, 0.0, 0.0]
+
+
+def telemetry_cuda() -> dict[str, Any]:
+    history = [_point(i, u, 6310 if u else 6290, 5702, 118.4 if u else 0.0) for i, u in enumerate(GPU_UTIL)]
+    sample = {
+        "time": T0 + 5 * len(GPU_UTIL), "ttl_s": 5.0, "state": "ready", "backend": "cuda", "pid": 48213,
+        "activity": "busy",
+        "gpu": {
+            "source": "nvml",
+            "devices": [{"index": 0, "name": "NVIDIA H200", "utilization_percent": 87,
+                         "memory_utilization_percent": 41, "memory_used_mib": 6310, "memory_total_mib": 143771,
+                         "temperature_c": 54, "power_w": 312.3, "process_vram_mib": 5702, "compute_processes": 1}],
+            "utilization_percent": 87, "memory_utilization_percent": 41, "memory_used_mib": 6310,
+            "memory_total_mib": 143771, "process_vram_mib": 5702, "temperature_c": 54, "power_w": 312.3,
+        },
+        "gpu_error": None,
+        "process": {"cpu_percent": 99.5, "rss_mib": 812.0, "threads": 18, "cpu_count": 16},
+        "process_error": None,
+        "engine": {"tokens_per_s": 118.4, "prompt_tokens_per_s": 4210.7, "tokens_predicted_total": 48211,
+                   "prompt_tokens_total": 90312, "requests_processing": 1, "requests_deferred": 0},
+        "engine_error": None,
+    }
+    return {"sample": sample, "history": history, "ttl_s": 5.0}
+
+
+def telemetry_cuda_idle() -> dict[str, Any]:
+    reply = telemetry_cuda()
+    sample = reply["sample"]
+    sample["activity"] = "idle"
+    sample["gpu"] = {**sample["gpu"], "utilization_percent": 0, "memory_utilization_percent": 0, "power_w": 74.9}
+    sample["engine"] = {**sample["engine"], "tokens_per_s": 0.0, "prompt_tokens_per_s": 0.0, "requests_processing": 0}
+    return reply
+
+
+def telemetry_cpu() -> dict[str, Any]:
+    history = [
+        {"time": T0 + 5 * i, "pid": 9120, "activity": "busy" if c > 5 else "idle", "gpu_utilization_percent": None,
+         "memory_used_mib": None, "process_vram_mib": None, "cpu_percent": c, "rss_mib": 142.0,
+         "tokens_per_s": 310.2 if c > 5 else 0.0}
+        for i, c in enumerate(CPU_LOAD)
+    ]
+    sample = {
+        "time": T0 + 5 * len(CPU_LOAD), "ttl_s": 5.0, "state": "ready", "backend": "cpu", "pid": 9120,
+        "activity": "busy", "gpu": None, "gpu_error": None,
+        "process": {"cpu_percent": 190.0, "rss_mib": 142.3, "threads": 5, "cpu_count": 2},
+        "process_error": None,
+        "engine": {"tokens_per_s": 310.2, "prompt_tokens_per_s": 1822.0, "tokens_predicted_total": 4096,
+                   "prompt_tokens_total": 2210, "requests_processing": 1, "requests_deferred": 0},
+        "engine_error": None,
+    }
+    return {"sample": sample, "history": history, "ttl_s": 5.0}
+
+
+def _row(i: int, machine: str, frm: str, event: str, to: str, reason: str | None = None,
+         evidence: dict | None = None, data: dict | None = None) -> dict[str, Any]:
+    return {"id": i, "machine_id": machine, "kind": machine.split(":")[0], "from_state": frm, "event": event,
+            "event_data": data or {}, "to_state": to, "reason": reason, "evidence": evidence or {},
+            "at": T0 - 600 + 7 * i, "seq": i}
+
+
+def history() -> list[dict[str, Any]]:
+    rows = [
+        _row(1, "config", "unloaded", "ConfigAccepted", "valid", data={"changed": ["server.model"]}),
+        _row(2, "probe:cuda", "idle", "ProbeStarted", "probing", data={"generation": 1}),
+        _row(3, "probe:cuda", "probing", "ProbeFinished", "available",
+             evidence={"devices": 1, "driver": "580.95.05", "compute_capability": "9.0"}),
+        _row(4, "install:cuda13", "requested", "Resolved", "downloading", data={"url": "https://example.invalid/b.zip"}),
+        _row(5, "install:cuda13", "downloading", "Downloaded", "verifying"),
+        _row(6, "install:cuda13", "smoke_testing", "SmokePassed", "installed"),
+        _row(7, "launch", "stopped", "UpRequested", "planning"),
+        _row(8, "launch", "planning", "PlanReady", "starting", data={"backend": "cuda", "n_gpu_layers": 99}),
+        _row(9, "launch", "starting", "Spawned", "starting", data={"pid": 48100}),
+        _row(10, "launch", "starting", "ServerExited", "crashed", reason="out_of_memory",
+             evidence={"log_line": "cudaMalloc failed: out of memory", "returncode": -6, "signal": "SIGABRT"}),
+        _row(11, "launch", "crashed", "BackoffStarted", "backoff", data={"delay": 0.71}),
+        _row(12, "launch", "backoff", "BackoffElapsed", "starting"),
+        _row(13, "launch", "starting", "LoadStarted", "loading"),
+        _row(14, "launch", "loading", "Ready", "ready",
+             evidence={"offloaded_layers": 33, "total_layers": 33, "process_vram_mib": 5702}),
+    ]
+    return list(reversed(rows))  # newest first, as the daemon answers
+
+
+def snapshots() -> list[dict[str, Any]]:
+    return [
+        {"id": 3, "filename": "slot0-3.bin", "slot_id": 0, "model_path": "/m/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf",
+         "backend": "cuda", "n_tokens": 4096, "file_size": 536_870_912, "cause": "restart", "created_at": T0 - 120},
+        {"id": 2, "filename": "slot0-2.bin", "slot_id": 0, "model_path": "/m/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf",
+         "backend": "cuda", "n_tokens": 1210, "file_size": 158_597_120, "cause": "manual", "created_at": T0 - 3600},
+        {"id": 1, "filename": "slot0-1.bin", "slot_id": 0, "model_path": "/m/tiny.gguf",
+         "backend": "cpu", "n_tokens": 24, "file_size": 20_611_072, "cause": "stop", "created_at": T0 - 86400},
+    ]
+
+
+class FakeStream:
+    """An event stream that yields the given events, then blocks until closed."""
+
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        self.events = list(events)
+        self.closed = threading.Event()
+
+    def __iter__(self):
+        yield from self.events
+        self.closed.wait()
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+class FakeLink:
+    """Answers from fixed data; `calls` records what the app asked."""
+
+    def __init__(self, answers: dict[str, Any], events: list[dict[str, Any]] | None = None,
+                 running: bool = True) -> None:
+        self.answers = answers
+        self.events = events or []
+        self.running = running
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.streams: list[FakeStream] = []
+
+    @property
+    def where(self) -> str:
+        return "/run/user/1000/stoker/stoker.sock"
+
+    def _answer(self, method: str, params: dict[str, Any]) -> Any:
+        self.calls.append((method, params))
+        if not self.running:
+            raise StokerError(ReasonCode.DAEMON_NOT_RUNNING)
+        if method not in self.answers:
+            raise StokerError(ReasonCode.UNKNOWN_METHOD, f"Unknown method {method!r}.")
+        answer = self.answers[method]
+        return answer() if callable(answer) else answer
+
+    def call(self, method: str, /, **params: Any) -> Any:
+        return self._answer(method, params)
+
+    def act(self, method: str, /, **params: Any) -> Any:
+        return self._answer(method, params)
+
+    def subscribe(self) -> FakeStream:
+        if not self.running:
+            raise StokerError(ReasonCode.DAEMON_NOT_RUNNING)
+        stream = FakeStream(self.events)
+        self.streams.append(stream)
+        return stream
+
+
+def cuda_link(**overrides: Any) -> FakeLink:
+    answers = {"status": status_cuda(), "history": history(), "telemetry": telemetry_cuda(), "snapshot.list": snapshots()}
+    answers.update(overrides)
+    return FakeLink(answers)
+
+
+def cpu_link(**overrides: Any) -> FakeLink:
+    answers = {"status": status_cpu_fallback(), "history": history(), "telemetry": telemetry_cpu()}
+    answers.update(overrides)
+    return FakeLink(answers)
+
+
+# --- the snapshots ----------------------------------------------------------------------
 
 EVERYTHING = {"status", "history", "telemetry", "snapshots"}
 
@@ -49,23 +269,23 @@ def on_tab(tab: str, *keys: str):
 
 @pytest.mark.parametrize("size", [(100, 30), (80, 24)])
 def test_overview_gpu(snap_compare, size):
-    assert snap_compare(StokerApp(fake.cuda_link()), terminal_size=size, run_before=loaded)
+    assert snap_compare(StokerApp(cuda_link()), terminal_size=size, run_before=loaded)
 
 
 def test_overview_gpu_idle(snap_compare):
-    app = StokerApp(fake.cuda_link(telemetry=fake.telemetry_cuda_idle()))
+    app = StokerApp(cuda_link(telemetry=telemetry_cuda_idle()))
     assert snap_compare(app, terminal_size=(80, 24), run_before=loaded)
 
 
 @pytest.mark.parametrize("size", [(100, 30), (80, 24)])
 def test_overview_cpu_fallback(snap_compare, size):
-    assert snap_compare(StokerApp(fake.cpu_link()), terminal_size=size, run_before=loaded)
+    assert snap_compare(StokerApp(cpu_link()), terminal_size=size, run_before=loaded)
 
 
 def test_overview_install_progress(snap_compare):
-    link = fake.cuda_link(status={**fake.status_cuda(), "state": "stopped", "endpoint": None, "pid": None,
+    link = cuda_link(status={**status_cuda(), "state": "stopped", "endpoint": None, "pid": None,
                                   "uptime_s": None, "layers": {}})
-    link.answers["telemetry"] = {"sample": {"activity": "stopped", "time": fake.T0}, "history": [], "ttl_s": 5.0}
+    link.answers["telemetry"] = {"sample": {"activity": "stopped", "time": T0}, "history": [], "ttl_s": 5.0}
     link.events = [
         {"topic": "install.progress", "backend": "cuda", "variant": "cuda13", "phase": "downloading",
          "bytes_done": 187_695_104, "total": 563_085_312, "rate": 24_117_248.0, "eta": 15.6},
@@ -76,7 +296,7 @@ def test_overview_install_progress(snap_compare):
 @pytest.mark.parametrize("size", [(100, 30), (80, 24)])
 def test_history_with_evidence_of_the_selected_crash(snap_compare, size):
     # Rows are newest first; the fifth is the out_of_memory crash.
-    assert snap_compare(StokerApp(fake.cuda_link()), terminal_size=size,
+    assert snap_compare(StokerApp(cuda_link()), terminal_size=size,
                         run_before=on_tab("history", "down", "down", "down", "down"))
 
 
@@ -87,28 +307,28 @@ def test_history_filtered_by_machine(snap_compare):
         view.value = "install:cuda13"
         await pilot.pause(0.2)
 
-    assert snap_compare(StokerApp(fake.cuda_link()), terminal_size=(80, 24), run_before=run_before)
+    assert snap_compare(StokerApp(cuda_link()), terminal_size=(80, 24), run_before=run_before)
 
 
 def test_snapshots_catalogue(snap_compare):
-    assert snap_compare(StokerApp(fake.cuda_link()), terminal_size=(80, 24), run_before=on_tab("snapshots"))
+    assert snap_compare(StokerApp(cuda_link()), terminal_size=(80, 24), run_before=on_tab("snapshots"))
 
 
 def test_snapshots_not_available(snap_compare):
     # The CPU link has no snapshot.list: the daemon answers unknown_method.
-    assert snap_compare(StokerApp(fake.cpu_link()), terminal_size=(80, 24), run_before=on_tab("snapshots"))
+    assert snap_compare(StokerApp(cpu_link()), terminal_size=(80, 24), run_before=on_tab("snapshots"))
 
 
 def test_confirmation_before_stopping(snap_compare):
-    assert snap_compare(StokerApp(fake.cuda_link()), terminal_size=(80, 24), run_before=on_tab("overview", "d"))
+    assert snap_compare(StokerApp(cuda_link()), terminal_size=(80, 24), run_before=on_tab("overview", "d"))
 
 
 def test_backend_choice(snap_compare):
-    assert snap_compare(StokerApp(fake.cuda_link()), terminal_size=(80, 24), run_before=on_tab("overview", "b"))
+    assert snap_compare(StokerApp(cuda_link()), terminal_size=(80, 24), run_before=on_tab("overview", "b"))
 
 
 def test_help(snap_compare):
-    assert snap_compare(StokerApp(fake.cuda_link()), terminal_size=(80, 24),
+    assert snap_compare(StokerApp(cuda_link()), terminal_size=(80, 24),
                         run_before=on_tab("overview", "question_mark"))
 
 
@@ -121,5 +341,5 @@ def test_daemon_not_running(snap_compare):
         await pilot.pause(0.2)
 
     # A long retry interval keeps the attempt counter at 1 for the picture.
-    app = StokerApp(fake.FakeLink({}, running=False), retry_s=1000)
+    app = StokerApp(FakeLink({}, running=False), retry_s=1000)
     assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
