@@ -127,9 +127,8 @@ class TelemetryPanel(Vertical):
         engine = sample.get("engine")
         if engine:
             tokens.update(
-                f"{q.number(engine.get('tokens_per_s'), ' tok/s', '{:.1f}')} gen  "
-                f"{q.number(engine.get('prompt_tokens_per_s'), ' tok/s', '{:.0f}')} prompt  "
-                f"{q.number(engine.get('tokens_predicted_total'))} total"
+                f"gen {q.number(engine.get('tokens_per_s'), ' tok/s', '{:.1f}')}  "
+                f"prompt {q.number(engine.get('prompt_tokens_per_s'), ' tok/s', '{:.0f}')}"
             )
         elif sample.get("activity") == "stopped":
             tokens.update(Text("start the server with u", style="dim"))

@@ -1,4 +1,4 @@
-"""A one-line history of a figure: `▁▁▃▇██▆▂▁`, newest on the right, on a fixed scale.
+"""A one-line history of a figure: `▁▁▃▇██▆▂▁`, newest last, on a fixed scale.
 
 Textual's Sparkline stretches its data between the series' own minimum and maximum, which
 turns a 20 MiB wobble in 140 GiB of VRAM into a full-height bar; a trend here is drawn from
@@ -27,13 +27,13 @@ def trend_line(values: Sequence[float | None], width: int, ceiling: float | None
             continue
         level = max(0.0, min(1.0, float(value) / top))
         cells.append(BLOCKS[max(1, round(level * (len(BLOCKS) - 1)))])
-    return "".join(cells).rjust(width)
+    return "".join(cells).ljust(width)
 
 
 class Trend(Widget):
     """Follows `values` (oldest first) on the scale 0..`ceiling` (None: the series' peak)."""
 
-    DEFAULT_CSS = "Trend { height: 1; color: $accent; }"
+    DEFAULT_CSS = "Trend { height: 1; width: 1fr; color: $accent; }"
 
     values: reactive[list[float | None]] = reactive(list, always_update=True)
     ceiling: reactive[float | None] = reactive(None)
