@@ -2,11 +2,12 @@
 
     .venv/bin/python tests/bench/install_throughput.py [--size-mb 300] [--runs 5] [--no-write]
 
-Serves one random file from tests/httpfault.FaultServer (no faults; sendfile), then times,
-alternately, `curl -s -o FILE URL && sha256sum FILE` and `daemon.download.download()` (whose
-sha256 is computed while streaming, then fsync and rename). The digest is included on both
-sides. Prints the runs and the median ratio stoker/curl; writes the table to
-docs/benchmarks.md under "## Install throughput", leaving other sections alone.
+Serves one random file from tests/httpfault.FaultServer (no faults; sendfile; its own process),
+then times, alternately, `curl -s -o FILE URL && sha256sum FILE` (and, as stricter references,
+curl + `openssl dgst -sha256` and curl alone) and `daemon.download.download()` (sha256 computed
+while streaming, then fsync and rename). Prints the runs and the median ratio stoker/curl;
+writes the table to docs/benchmarks.md under "## Install throughput", leaving other sections
+alone. Exits 1 when the median ratio misses the 0.8 target.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
+import attrs
 import trio
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,17 +84,37 @@ def cpu_seconds(who: int) -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def time_curl(url: str, out: Path, digest: str) -> tuple[float, float, float, float]:
-    """Wall and CPU seconds for curl alone, then for curl + sha256sum."""
-    out.unlink(missing_ok=True)
+@attrs.frozen
+class Run:
+    """One round: wall and CPU seconds of each contestant."""
+
+    curl: float
+    sha256sum: float
+    openssl: float
+    stoker: float
+    curl_cpu: float
+    sha256sum_cpu: float
+    openssl_cpu: float
+    stoker_cpu: float
+
+
+def timed_child(argv: list[str]) -> tuple[float, float, str]:
+    """Wall and CPU seconds of a child process, and its stdout."""
     cpu0, began = cpu_seconds(resource.RUSAGE_CHILDREN), time.perf_counter()
-    subprocess.run(["curl", "-s", "-o", str(out), url], check=True)
-    cpu1, fetched = cpu_seconds(resource.RUSAGE_CHILDREN), time.perf_counter()
-    got = subprocess.run(["sha256sum", str(out)], check=True, capture_output=True, text=True).stdout.split()[0]
-    cpu2, done = cpu_seconds(resource.RUSAGE_CHILDREN), time.perf_counter()
-    assert got == digest, "curl fetched the wrong bytes"
+    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    return time.perf_counter() - began, cpu_seconds(resource.RUSAGE_CHILDREN) - cpu0, out
+
+
+def time_curl(url: str, out: Path, digest: str) -> tuple[float, float, float, float, float, float]:
+    """curl to a file, then its digest by sha256sum and by `openssl dgst` (wall, CPU each)."""
+    out.unlink(missing_ok=True)
+    curl, curl_cpu, _ = timed_child(["curl", "-s", "-o", str(out), url])
+    sha, sha_cpu, printed = timed_child(["sha256sum", str(out)])
+    assert printed.split()[0] == digest, "curl fetched the wrong bytes"
+    ossl, ossl_cpu, printed = timed_child(["openssl", "dgst", "-sha256", "-r", str(out)])
+    assert printed.split()[0] == digest
     out.unlink()
-    return fetched - began, done - began, cpu1 - cpu0, cpu2 - cpu0
+    return curl, sha, ossl, curl_cpu, sha_cpu, ossl_cpu
 
 
 def time_stoker(url: str, out: Path, digest: str, size: int) -> tuple[float, float]:
@@ -143,85 +165,105 @@ def main() -> int:
     size = args.size_mb * 1024 * 1024
     load = os.getloadavg()[0]
 
+    def mbps(seconds: float) -> float:
+        return size / seconds / 1e6
+
     with tempfile.TemporaryDirectory(prefix="stoker-bench-") as tmp:
         tmpdir = Path(tmp)
         src = tmpdir / "bundle.bin"
         digest = make_file(src, size)
-        rows = []
+        rows: list[Run] = []
         with server_process(src) as url:
             time_curl(url, tmpdir / "warm.bin", digest)  # page cache and connection warm-up
-            for run in range(1, args.runs + 1):
-                curl_only, curl_total, curl_cpu, curl_total_cpu = time_curl(url, tmpdir / "curl.bin", digest)
+            for n in range(1, args.runs + 1):
+                curl, sha, ossl, curl_cpu, sha_cpu, ossl_cpu = time_curl(url, tmpdir / "curl.bin", digest)
                 stoker, stoker_cpu = time_stoker(url, tmpdir / "stoker.bin", digest, size)
-                rows.append((run, curl_only, curl_total, stoker, curl_cpu, curl_total_cpu, stoker_cpu))
+                run = Run(curl, sha, ossl, stoker, curl_cpu, sha_cpu, ossl_cpu, stoker_cpu)
+                rows.append(run)
                 print(
-                    f"run {run}: curl {size / curl_only / 1e6:7.1f} MB/s, curl+sha256sum "
-                    f"{size / curl_total / 1e6:7.1f} MB/s, stoker {size / stoker / 1e6:7.1f} MB/s; "
-                    f"CPU s: curl {curl_cpu:.2f}, curl+sha256sum {curl_total_cpu:.2f}, stoker {stoker_cpu:.2f}",
+                    f"run {n}: MB/s curl {mbps(curl):.1f}, curl+sha256sum {mbps(curl + sha):.1f}, "
+                    f"curl+openssl {mbps(curl + ossl):.1f}, stoker {mbps(stoker):.1f}; CPU s: curl "
+                    f"{curl_cpu:.2f}, sha256sum {sha_cpu:.2f}, openssl {ossl_cpu:.2f}, stoker {stoker_cpu:.2f}",
                     flush=True,
                 )
 
-    mbps = lambda s: size / s / 1e6  # noqa: E731
-    med_curl = statistics.median(mbps(r[2]) for r in rows)
-    med_curl_only = statistics.median(mbps(r[1]) for r in rows)
-    med_stoker = statistics.median(mbps(r[3]) for r in rows)
-    ratio = med_stoker / med_curl
-    ratio_only = med_stoker / med_curl_only
+    def median(f: Callable[[Run], float]) -> float:
+        return statistics.median(f(r) for r in rows)
+
+    med = {
+        "curl": median(lambda r: mbps(r.curl)),
+        "sha": median(lambda r: mbps(r.curl + r.sha256sum)),
+        "ossl": median(lambda r: mbps(r.curl + r.openssl)),
+        "stoker": median(lambda r: mbps(r.stoker)),
+    }
+    ratio = med["stoker"] / med["sha"]
+    ratio_ossl = med["stoker"] / med["ossl"]
+    ratio_curl = med["stoker"] / med["curl"]
     verdict = "meets" if ratio >= TARGET else "MISSES"
-    print(f"median: stoker {med_stoker:.1f} MB/s, curl+sha256sum {med_curl:.1f} MB/s, curl alone {med_curl_only:.1f} MB/s")
-    print(f"ratio stoker/(curl+sha256sum) = {ratio:.2f} ({verdict} the {TARGET} target); stoker/curl-alone = {ratio_only:.2f}")
+    print(
+        f"median MB/s: stoker {med['stoker']:.1f}, curl+sha256sum {med['sha']:.1f}, "
+        f"curl+openssl {med['ossl']:.1f}, curl alone {med['curl']:.1f}"
+    )
+    print(
+        f"ratio stoker/(curl+sha256sum) = {ratio:.2f} ({verdict} the {TARGET} target); "
+        f"stoker/(curl+openssl) = {ratio_ossl:.2f}; stoker/curl-alone = {ratio_curl:.2f}"
+    )
 
     lines = [
-        f"`daemon.download.download()` (httpx on trio, sha256 while streaming, fsync + rename) against",
+        "`daemon.download.download()` (httpx on trio, sha256 while streaming, fsync + rename) against",
         f"`curl -s -o FILE URL && sha256sum FILE`, fetching the same {args.size_mb} MiB random file from the",
-        "loopback fault server (`tests/httpfault.py`, no faults, served with sendfile, in its own "
-        "process), alternating, "
-        f"{args.runs} runs each, one process. Target: at least {TARGET} of curl's throughput, digest included.",
+        "loopback fault server (`tests/httpfault.py`, no faults, served with sendfile, in its own process),",
+        f"alternating, {args.runs} runs each, one benchmark process. Target: at least {TARGET} of curl's",
+        "throughput, digest included. Two stricter references beside it: curl followed by",
+        "`openssl dgst -sha256` (the same OpenSSL code that Python's hashlib uses), and curl alone.",
         "",
         f"Command: `.venv/bin/python tests/bench/install_throughput.py --size-mb {args.size_mb} --runs {args.runs}`",
         "",
         f"Machine: {machine()}. Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"load average {load:.1f} at the start.",
         "",
-        "| run | curl alone MB/s | curl + sha256sum MB/s | stoker MB/s "
-        "| CPU s: curl | CPU s: curl + sha256sum | CPU s: stoker |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | curl + sha256sum MB/s | curl + openssl MB/s | curl alone MB/s | **stoker MB/s** "
+        "| CPU s: curl | sha256sum | openssl | stoker |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for run, curl_only, curl_total, stoker, c_cpu, ct_cpu, s_cpu in rows:
+    for n, r in enumerate(rows, 1):
         lines.append(
-            f"| {run} | {mbps(curl_only):.1f} | {mbps(curl_total):.1f} | {mbps(stoker):.1f} "
-            f"| {c_cpu:.2f} | {ct_cpu:.2f} | {s_cpu:.2f} |"
+            f"| {n} | {mbps(r.curl + r.sha256sum):.1f} | {mbps(r.curl + r.openssl):.1f} | {mbps(r.curl):.1f} "
+            f"| {mbps(r.stoker):.1f} | {r.curl_cpu:.2f} | {r.sha256sum_cpu:.2f} | {r.openssl_cpu:.2f} "
+            f"| {r.stoker_cpu:.2f} |"
         )
-    med_cpu = [statistics.median(r[i] for r in rows) for i in (4, 5, 6)]
     lines.append(
-        f"| **median** | **{med_curl_only:.1f}** | **{med_curl:.1f}** | **{med_stoker:.1f}** "
-        f"| **{med_cpu[0]:.2f}** | **{med_cpu[1]:.2f}** | **{med_cpu[2]:.2f}** |"
+        f"| **median** | **{med['sha']:.1f}** | **{med['ossl']:.1f}** | **{med['curl']:.1f}** "
+        f"| **{med['stoker']:.1f}** | {median(lambda r: r.curl_cpu):.2f} | {median(lambda r: r.sha256sum_cpu):.2f} "
+        f"| {median(lambda r: r.openssl_cpu):.2f} | {median(lambda r: r.stoker_cpu):.2f} |"
     )
     lines += [
         "",
         f"Median ratio stoker / (curl + sha256sum): **{ratio:.2f}** ({verdict} the {TARGET} target). "
-        f"Against curl alone, with no digest at all: {ratio_only:.2f}.",
+        f"Stoker / (curl + openssl dgst): {ratio_ossl:.2f}. Stoker / curl with no digest at all: "
+        f"{ratio_curl:.2f}.",
         "",
         "Reading the figures:",
         "",
-        "- Both sides include the digest; Stoker also includes what curl does not do: fsync of the "
-        "file and of its directory before the atomic rename, and starting an event loop and a client.",
-        "- Stoker hashes while it receives (a writer thread hashes and writes 1 MiB batches while the "
-        "event loop reads the socket); the shell pipeline reads the file again after the transfer, "
-        "and coreutils' `sha256sum` is several times slower than Python's hashlib (OpenSSL) on this "
-        "CPU: compare the CPU columns.",
-        "- Against curl with no digest at all, the gap is what a Python HTTP stack costs. The CPU "
-        "columns are the figure that depends least on the other tenants of the machine: Stoker's "
-        "CPU time is curl's, plus one pass of OpenSSL's sha256 (about 0.35 s for 300 MiB), plus about "
-        "as much again for httpx/h11's buffer copies, the thread hand-offs and the fsync. "
-        "Wall-clock figures on a shared 2-core machine swing by 2x from run to run (see the load "
-        "average above); the medians are the figures to read.",
+        "- Every column but \"curl alone\" includes the digest; Stoker's also includes what curl does "
+        "not do: fsync of the file and of its directory before the atomic rename, and starting an "
+        "event loop and an HTTP client.",
+        "- Stoker hashes while it receives (a worker thread hashes and writes 1 MiB batches while the "
+        "event loop reads the socket); the shell pipelines read the file again after the transfer. "
+        "coreutils' `sha256sum` is several times slower than OpenSSL on this CPU (compare the CPU "
+        "columns), which is why the target's baseline is easy to beat and the openssl column is the "
+        "fairer one.",
+        "- The CPU columns depend least on the other tenants of the machine. Stoker's CPU time is "
+        "curl's, plus one pass of OpenSSL's sha256, plus about as much again for httpx/h11's buffer "
+        "copies, the thread hand-offs and the fsync. Wall-clock figures on a shared 2-core machine "
+        "swing by 2x from run to run (see the load average), and a process that needs more CPU "
+        "suffers more from the contention; the medians are the figures to read.",
         "- What moved the needle: socket reads of 1 MiB instead of httpcore's 64 KiB (through "
         "httpcore's network-backend hook, `daemon.download.download_client()`; about 2x on the "
-        "receive path alone), hashing and writing in a worker thread in 1 MiB batches with `writev`, "
-        "and one TLS context per process (loading the CA bundle cost 0.1 s per client). The server "
-        "runs in its own process so that the client does not share its GIL with the server, as it "
-        "never does with a real CDN (and as curl, a separate process, never did).",
+        "receive path alone: 190 against 420 MB/s), hashing and writing in a worker thread in 1 MiB "
+        "batches with `writev`, and one TLS context per process (loading the CA bundle cost 0.1 s per "
+        "client). The server runs in its own process so that the client does not share a GIL with "
+        "it, as it never does with a real CDN (and as curl never did).",
     ]
     if not args.no_write:
         write_section(args.doc, "\n".join(lines))
