@@ -234,6 +234,12 @@ class _Transfer:
     # The whole download.
 
     async def run(self, client: httpx.AsyncClient, *, retries: int, backoff: float) -> DownloadResult:
+        try:
+            return await self.run_attempts(client, retries=retries, backoff=backoff)
+        except OSError as exc:  # the local side: mkdir, open, fsync, rename
+            raise self.error(DownloadErrorKind.WRITE_FAILED, discard=False, part=str(self.part), error=str(exc)) from exc
+
+    async def run_attempts(self, client: httpx.AsyncClient, *, retries: int, backoff: float) -> DownloadResult:
         self.started = trio.current_time()
         self.dest.parent.mkdir(parents=True, exist_ok=True)
         try:

@@ -46,6 +46,7 @@ async def fails(kind: DownloadErrorKind, url: str, dest: Path, **kw) -> Download
     assert info.value.kind is kind, info.value.to_dict()
     assert info.value.evidence["kind"] == kind
     assert info.value.evidence["url"] == url
+    json.dumps(info.value.to_dict())  # evidence goes to SQLite and --json as is
     assert not dest.exists()
     return info.value
 
@@ -325,6 +326,15 @@ async def test_complete_part_is_verified_without_a_request(fault_server: FaultSe
         result = await fetch(url, dest)
     assert_complete(dest)
     assert result.attempts == 0 and fault_server.requests() == []
+
+
+async def test_unwritable_destination_is_a_write_failure(fault_server: FaultServer, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    url = fault_server.add("/b.zip", DATA)
+    with trio.fail_after(20):
+        err = await fails(DownloadErrorKind.WRITE_FAILED, url, tmp_path / "file" / "b.zip")
+    assert "file/b.zip.part" in err.evidence["part"]
+    assert fault_server.requests() == []
 
 
 async def test_connection_refused_is_a_connection_error(tmp_path: Path) -> None:
