@@ -54,6 +54,7 @@ class ReasonCode(enum.StrEnum):
     SERVER_STALLED = "server_stalled"
     SERVER_START_TIMEOUT = "server_start_timeout"
     SERVER_SPAWN_FAILED = "server_spawn_failed"
+    SERVER_BAD_ARGUMENTS = "server_bad_arguments"
     CRASH_LOOP = "crash_loop"
     GPU_CLAIMED_BUT_UNUSED = "gpu_claimed_but_unused"
     # The daemon, its config and its socket.
@@ -152,6 +153,10 @@ MESSAGES: dict[ReasonCode, str] = {
     ReasonCode.SERVER_SPAWN_FAILED: (
         "The engine binary could not be started (missing, not executable or built for "
         "another machine); reinstall the bundle."
+    ),
+    ReasonCode.SERVER_BAD_ARGUMENTS: (
+        "The engine rejected its command line (an unknown option or a bad value, often in the "
+        "server's extra arguments); fix the server settings in the config."
     ),
     ReasonCode.CRASH_LOOP: "The server kept crashing; Stoker stopped restarting it. Fix the cause, then `stoker up`.",
     ReasonCode.GPU_CLAIMED_BUT_UNUSED: "The server claimed GPU offload but holds no GPU memory; reporting it as CPU.",
