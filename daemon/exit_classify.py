@@ -2,7 +2,7 @@
 
 The core rules (SIGILL first, then the engine's own log lines) are the shared engine
 classifier in `daemon/bundles/exitcodes.py`; this adds what only a supervisor knows: the
-CUDA runtime failing to initialise, the kernel OOM killer, an unexpected clean exit, an
+CUDA runtime failing to initialise, a rejected command line, the kernel OOM killer, an unexpected clean exit, an
 adopted server whose exit status is not ours to read, and the deciding log line. Pure.
 """
 
@@ -24,6 +24,11 @@ _CUDA_INIT = re.compile(
     r"|ggml_cuda_init: failed",
     re.IGNORECASE,
 )
+# The engine's argument parser refusing its command line (common/arg.cpp): a config problem.
+_BAD_ARGUMENTS = re.compile(
+    r"error: invalid argument:|error while handling (?:argument|environment variable)"
+    r"|error: unknown value for|expected value for argument",
+)
 # The line that decided a log rule, or the last one that looks like an error.
 _DECIDING = {
     ReasonCode.PORT_IN_USE: re.compile(r"couldn't bind HTTP server socket|address already in use", re.I),
@@ -35,6 +40,7 @@ _DECIDING = {
         r"error loading model|exiting due to model loading error|failed to load model", re.I
     ),
     ReasonCode.CUDA_UNAVAILABLE: _CUDA_INIT,
+    ReasonCode.SERVER_BAD_ARGUMENTS: _BAD_ARGUMENTS,
 }
 _ERRORISH = re.compile(r"error|failed|abort|assert|exception|terminate|fatal|illegal", re.IGNORECASE)
 # Stand-in status for an exit we could not observe (an adopted server is not our child).
@@ -72,6 +78,8 @@ def classify_exit(
     reason = classify_engine_exit(status, "\n".join(lines), backend=backend) or ReasonCode.SERVER_CRASHED
     if reason in (ReasonCode.MODEL_LOAD_FAILED, ReasonCode.SERVER_CRASHED) and _last(lines, _CUDA_INIT):
         reason = ReasonCode.CUDA_UNAVAILABLE
+    if reason == ReasonCode.SERVER_CRASHED and returncode == 1 and _last(lines, _BAD_ARGUMENTS):
+        reason = ReasonCode.SERVER_BAD_ARGUMENTS
     if reason == ReasonCode.SERVER_CRASHED and oom_killed and exit_signal(returncode) == signal.SIGKILL:
         reason = ReasonCode.OUT_OF_MEMORY
         evidence["line"] = "the kernel OOM killer fired (cgroup memory.events oom_kill)"

@@ -175,3 +175,13 @@ async def test_identity_proves_ours_and_refuses_a_reused_pid(spec, tmp_path):
     assert not adopted.is_running()
     assert not await verify_identity(ident)
     assert not ident_path.exists()  # removed at exit: it was still this server's
+
+
+async def test_a_rejected_command_line_is_server_bad_arguments(spec, tmp_path):
+    spec = attrs.evolve(spec, extra_args=("--no-such-option",))
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            handle = await start_server(nursery, spec, log_path=tmp_path / "server.log")
+            report = await handle.wait_exit()
+    assert report.reason == ReasonCode.SERVER_BAD_ARGUMENTS and report.returncode == 1
+    assert report.evidence["line"] == "error: invalid argument: --no-such-option"
