@@ -220,9 +220,11 @@ class StokerApp(App[None]):
     @work(thread=True, exclusive=True, group="status", exit_on_error=False)
     def refresh_status(self) -> None:
         try:
-            self.post_message(StatusLoaded(self.link.call("status")))
+            status = self.link.call("status")
         except StokerError:
-            pass  # the event worker notices a daemon that went away
+            return  # the event worker notices a daemon that went away
+        if not get_current_worker().is_cancelled:  # a newer refresh is under way: it wins
+            self.post_message(StatusLoaded(status))
 
     @work(thread=True, exclusive=True, group="history", exit_on_error=False)
     def refresh_history(self) -> None:
@@ -249,8 +251,10 @@ class StokerApp(App[None]):
             why = "This daemon has no snapshot commands yet." if err.reason == UNKNOWN_METHOD else f"{err.reason}: {err.message}"
             self.post_message(SnapshotsLoaded(None, why))
             return
-        items = reply.get("snapshots", []) if isinstance(reply, dict) else list(reply or [])
-        self.post_message(SnapshotsLoaded(items))
+        if isinstance(reply, dict):
+            self.post_message(SnapshotsLoaded(list(reply.get("snapshots") or []), listing=reply))
+        else:
+            self.post_message(SnapshotsLoaded(list(reply or [])))
 
     def on_status_loaded(self, message: StatusLoaded) -> None:
         self.status = message.status
@@ -277,7 +281,7 @@ class StokerApp(App[None]):
         if message.items is None:
             view.unavailable(message.unavailable or "")
         else:
-            view.load(message.items)
+            view.load(message.items, message.listing)
 
     # --- actions -------------------------------------------------------------------------
 

@@ -155,8 +155,9 @@ def history() -> list[dict[str, Any]]:
     return list(reversed(rows))  # newest first, as the daemon answers
 
 
-def snapshots() -> list[dict[str, Any]]:
-    return [
+def snapshots() -> dict[str, Any]:
+    """A `snapshot.list` reply (daemon/handlers_snapshots.py)."""
+    rows = [
         {"id": 3, "filename": "slot0-3.bin", "slot_id": 0, "model_path": "/m/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf",
          "backend": "cuda", "n_tokens": 4096, "file_size": 536_870_912, "cause": "restart", "created_at": T0 - 120},
         {"id": 2, "filename": "slot0-2.bin", "slot_id": 0, "model_path": "/m/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf",
@@ -164,6 +165,11 @@ def snapshots() -> list[dict[str, Any]]:
         {"id": 1, "filename": "slot0-1.bin", "slot_id": 0, "model_path": "/m/tiny.gguf",
          "backend": "cpu", "n_tokens": 24, "file_size": 20_611_072, "cause": "stop", "created_at": T0 - 86400},
     ]
+    fits = [(True, None), (True, None), (False, "snapshot_model_mismatch")]
+    for row, (ok, why) in zip(rows, fits):
+        row["fits_server"], row["why_not"] = ok, why
+    return {"snapshots": rows, "total_bytes": sum(r["file_size"] for r in rows), "enabled": True,
+            "max_count": 8, "max_bytes": None, "dir": "/home/ana/.local/share/stoker/snapshots", "server": None}
 
 
 class FakeStream:

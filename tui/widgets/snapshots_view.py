@@ -18,6 +18,14 @@ def snapshot_id(item: dict[str, Any]) -> Any:
     return item.get("id", item.get("filename"))
 
 
+def fits_text(item: dict[str, Any]) -> Text:
+    """Whether the snapshot fits the running server (the daemon decides; '-' when unknown)."""
+    fits = item.get("fits_server")
+    if fits is None:
+        return Text("-", style="dim")
+    return Text("yes", style="green") if fits else Text("no", style="yellow")
+
+
 class SnapshotsView(Vertical):
     """Gets `load(items)` or `unavailable(why)`; posts `SnapshotsView.Requested` up."""
 
@@ -32,6 +40,7 @@ class SnapshotsView(Vertical):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.items: list[dict[str, Any]] = []
+        self._summary = ""
 
     def compose(self) -> ComposeResult:
         yield Static(Text("loading the catalogue...", style="dim"), id="snapshots-note")
@@ -43,14 +52,23 @@ class SnapshotsView(Vertical):
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        for label, width in (("id", 3), ("taken", 11), ("slot", 4), ("tokens", 6), ("size", 10), ("cause", 7), ("backend", 7), ("model", None)):
+        for label, width in (("id", 3), ("taken", 11), ("slot", 4), ("tokens", 6), ("size", 9), ("cause", 7), ("fits", 4), ("model", 16)):
             table.add_column(label, key=label, width=width)
 
-    def load(self, items: list[dict[str, Any]]) -> None:
+    def load(self, items: list[dict[str, Any]], listing: dict[str, Any] | None = None) -> None:
+        """Show the catalogue; `listing` is the rest of the `snapshot.list` reply, if any."""
         self.items = list(items)
         self.set_class(False, "-unavailable")
+        listing = listing or {}
         note = self.query_one("#snapshots-note", Static)
-        note.update(Text(f"{len(items)} snapshot(s)" if items else "no snapshots yet: s saves one", style="dim"))
+        if listing.get("enabled") is False:
+            note.update(Text("Snapshots are off: set [snapshots] enabled = true in the config.", style="yellow"))
+        elif items:
+            total = listing.get("total_bytes", sum(i.get("file_size") or 0 for i in items))
+            self._summary = f"{len(items)} snapshot(s), {q.size(total)}"
+            note.update(Text(self._summary, style="dim"))
+        else:
+            note.update(Text("no snapshots yet: s saves one", style="dim"))
         table = self.query_one(DataTable)
         table.clear()
         for item in self.items:
@@ -62,11 +80,20 @@ class SnapshotsView(Vertical):
                 q.number(item.get("n_tokens")),
                 q.size(item.get("file_size")),
                 str(item.get("cause") or "-"),
-                str(item.get("backend") or "-"),
+                fits_text(item),
                 os.path.basename(model) if model else "-",
                 key=str(snapshot_id(item)),
             )
         self._enable(True)
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        event.stop()
+        item = self.selected()
+        if item is not None and item.get("fits_server") is False:
+            self.query_one("#snapshots-note", Static).update(
+                Text(f"snapshot {snapshot_id(item)} does not fit the running server: {item.get('why_not')}", style="yellow"))
+        elif item is not None:
+            self.query_one("#snapshots-note", Static).update(Text(self._summary, style="dim"))
 
     def unavailable(self, why: str) -> None:
         self.items = []
