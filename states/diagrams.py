@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import attrs
 
+from states.config import CONFIG
 from states.fallback import FALLBACK
 from states.install import INSTALL
 from states.launch import LAUNCH
 from states.machine import Guarded, MachineSpec
 from states.probe import PROBE
 
-SPECS: tuple[MachineSpec, ...] = (LAUNCH, INSTALL, PROBE, FALLBACK)
+SPECS: tuple[MachineSpec, ...] = (LAUNCH, INSTALL, PROBE, FALLBACK, CONFIG)
 
 
 def mermaid(spec: MachineSpec) -> str:
