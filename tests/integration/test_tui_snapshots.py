@@ -59,6 +59,8 @@ def status_cpu_fallback() -> dict[str, Any]:
         "pid": 9120,
         "uptime_s": 75.0,
         "layers": {"planned": None, "offloaded": None, "total": None},
+        "preference": {"prefer": "auto", "forced": False},
+        "fallbacks": [{"backend": "cuda", "reason": "cuda_unavailable", "message": "...", "evidence": {}}],
     }
 
 

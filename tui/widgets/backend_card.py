@@ -57,7 +57,13 @@ class BackendCard(Static):
         backend = st.get("backend") or "-"
         if st.get("variant"):
             backend += f" ({st['variant']})"
-        grid.add_row("backend", Text(backend, style="bold"))
+        line = Text(backend, style="bold")
+        preference = st.get("preference") or {}
+        if preference.get("forced"):
+            line.append("  forced", style="bold magenta")  # never falls back: fails with the reason
+        grid.add_row("backend", line)
+        for fallback in st.get("fallbacks") or []:
+            grid.add_row("fell back", Text(f"{fallback.get('backend')}: {fallback.get('reason')}", style="yellow"))
         if st.get("reason"):
             grid.add_row("reason", Text(st["reason"], style="bold red" if state in ("failed", "crashed") else "bold yellow"))
             if st.get("message"):
