@@ -218,7 +218,7 @@ def build_bundle(
     started = time.monotonic()
     spec = source or SourceSpec.default()
     plan = plan or BuildPlan.for_backend(backend, variant, cuda_archs)
-    smoke = SmokeSpec()
+    smoke = SmokeSpec.for_variant(plan.variant)
     digest = spec.sha256 if spec.kind != "dir" else tree_digest(Path(spec.location))
     assert digest is not None
     key = cache_key(plan, digest, spec, smoke)

@@ -43,6 +43,19 @@ class SmokeSpec:
     n_predict: int = 16
     threads: int = 2
 
+    @classmethod
+    def for_variant(cls, variant: str) -> "SmokeSpec":
+        """The smoke spec a build records its reference with.
+
+        `native` gets Q8_0 layer weights: only quantized matmuls reach the kernels that
+        -march=native adds (AMX tiles), so only they make a lying CPU fault in the smoke run.
+        The safe variants keep F32 weights (their cached references were recorded so).
+        """
+        spec = cls()
+        if variant == "native":
+            return attrs.evolve(spec, model={**spec.model, "weights": "q8_0"})
+        return spec
+
     def write_model(self, directory: Path) -> Path:
         return write_tiny_model(Path(directory) / "smoke.gguf", **dict(self.model))
 

@@ -84,6 +84,21 @@ def _tensor(rng: np.random.Generator, shape: Sequence[int], scale: float) -> np.
     return (rng.standard_normal(size=tuple(shape)) * scale).astype(np.float32)
 
 
+# weights -> (the layer matrices' ggml type, or None for F32; the file type recorded)
+_WEIGHT_TYPES = {
+    "f32": (None, gguf.LlamaFileType.ALL_F32),
+    "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    "q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+}
+
+
+def _add_matrix(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype) -> None:
+    if qtype is None:
+        writer.add_tensor(name, data)
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
 def write_tiny_model(
     path: str | Path,
     *,
@@ -93,12 +108,19 @@ def write_tiny_model(
     n_ctx: int = 256,
     seed: int = 0,
     vocab: str = "spm",
+    weights: str = "f32",
 ) -> Path:
-    """Write a seeded random-weight llama GGUF to `path` and return the path."""
+    """Write a seeded random-weight llama GGUF to `path` and return the path.
+
+    `weights="q8_0"` or `"q4_0"` quantizes the layer matrices: those types take ggml's
+    quantized CPU kernels (and AMX where the CPU claims it), which F32 weights never reach.
+    """
     if n_embd % n_head:
         raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
     if vocab not in ("spm", "bpe"):
         raise ValueError(f"vocab must be 'spm' or 'bpe', not {vocab!r}")
+    if weights not in _WEIGHT_TYPES:
+        raise ValueError(f"weights must be one of {sorted(_WEIGHT_TYPES)}, not {weights!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     head_dim = n_embd // n_head
@@ -115,7 +137,8 @@ def write_tiny_model(
     writer.add_head_count_kv(n_head)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    qtype, file_type = _WEIGHT_TYPES[weights]
+    writer.add_file_type(file_type)
 
     if vocab == "spm":
         tokens, scores, types = _spm_vocab()
@@ -143,14 +166,14 @@ def write_tiny_model(
     for i in range(n_layer):
         scale = n_embd**-0.5
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        writer.add_tensor(f"blk.{i}.attn_q.weight", _tensor(rng, (n_embd, n_embd), scale))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", _tensor(rng, (n_embd, n_embd), scale))
-        writer.add_tensor(f"blk.{i}.attn_v.weight", _tensor(rng, (n_embd, n_embd), scale))
-        writer.add_tensor(f"blk.{i}.attn_output.weight", _tensor(rng, (n_embd, n_embd), scale))
+        _add_matrix(writer, f"blk.{i}.attn_q.weight", _tensor(rng, (n_embd, n_embd), scale), qtype)
+        _add_matrix(writer, f"blk.{i}.attn_k.weight", _tensor(rng, (n_embd, n_embd), scale), qtype)
+        _add_matrix(writer, f"blk.{i}.attn_v.weight", _tensor(rng, (n_embd, n_embd), scale), qtype)
+        _add_matrix(writer, f"blk.{i}.attn_output.weight", _tensor(rng, (n_embd, n_embd), scale), qtype)
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", _tensor(rng, (n_ff, n_embd), scale))
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", _tensor(rng, (n_ff, n_embd), scale))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", _tensor(rng, (n_embd, n_ff), n_ff**-0.5))
+        _add_matrix(writer, f"blk.{i}.ffn_gate.weight", _tensor(rng, (n_ff, n_embd), scale), qtype)
+        _add_matrix(writer, f"blk.{i}.ffn_up.weight", _tensor(rng, (n_ff, n_embd), scale), qtype)
+        _add_matrix(writer, f"blk.{i}.ffn_down.weight", _tensor(rng, (n_embd, n_ff), n_ff**-0.5), qtype)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

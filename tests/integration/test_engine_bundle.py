@@ -87,3 +87,11 @@ def test_install_twice_keeps_the_previous(cpu_bundle):
     install_bundle(cpu_bundle, paths)
     second = install_bundle(cpu_bundle, paths)
     assert (paths.bundles_dir / f"{second.meta.slot}.previous" / "bin" / "llama-server").is_file()
+
+
+def test_safe_variant_runs_quantized_kernels_on_this_cpu(installed_cpu_bundle, tmp_path):
+    """Q8_0 matmuls are where -march=native faults on a CPU that lies about AMX; avx2 must not."""
+    from daemon.bundles.tinymodel import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "q8.gguf", weights="q8_0")
+    assert len(generate(installed_cpu_bundle.server, model, "Once upon a time", 8, tmp_path / "run")) == 8

@@ -161,3 +161,9 @@ def test_exit_evidence_names_the_signal():
     ev = exit_evidence(-4, "a\nb\nc", lines=2)
     assert ev == {"returncode": -4, "signal": "SIGILL", "log_tail": "b\nc"}
     assert exit_signal(132) == signal.SIGILL and exit_signal(1) is None
+
+
+def test_native_smoke_reaches_the_quantized_kernels():
+    assert SmokeSpec.for_variant("avx2") == SmokeSpec() == SmokeSpec.for_variant("compat")
+    assert "weights" not in SmokeSpec().model  # the recorded references of safe variants stay valid
+    assert SmokeSpec.for_variant("native").model["weights"] == "q8_0"

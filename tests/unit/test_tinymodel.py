@@ -46,3 +46,15 @@ def test_the_fixture_model_exists(tiny_model):
 def test_head_count_must_divide_width(tmp_path):
     with pytest.raises(ValueError):
         write_tiny_model(tmp_path / "x.gguf", n_embd=100, n_head=3)
+
+
+@pytest.mark.parametrize("weights, ggml_type", [("q8_0", gguf.GGMLQuantizationType.Q8_0),
+                                                ("q4_0", gguf.GGMLQuantizationType.Q4_0)])
+def test_quantized_layer_weights(tmp_path, weights, ggml_type):
+    path = write_tiny_model(tmp_path / "q.gguf", weights=weights)
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}
+    assert types["blk.0.attn_q.weight"] == ggml_type and types["blk.1.ffn_down.weight"] == ggml_type
+    assert types["token_embd.weight"] == gguf.GGMLQuantizationType.F32
+    assert path.stat().st_size < write_tiny_model(tmp_path / "f.gguf").stat().st_size
+    with pytest.raises(ValueError):
+        write_tiny_model(tmp_path / "x.gguf", weights="q2_k")
