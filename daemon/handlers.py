@@ -163,3 +163,4 @@ async def ping(daemon: "Daemon", params: Mapping[str, Any]) -> dict[str, Any]:
 
 from daemon import handlers_telemetry  # noqa: E402,F401  (registers `telemetry`)
 from daemon import handlers_snapshots  # noqa: E402,F401  (registers `snapshot.*`)
+from daemon import handlers_backends  # noqa: E402,F401  (registers `probe`, `use`, `install`; `status` with fallbacks)

@@ -1,15 +1,14 @@
-"""Launch planning: which installed bundle, which model, which arguments.
+"""CPU launch planning: which installed CPU bundle (variant), which model, which arguments.
 
-The launch machine asks (`MakePlan`), this answers with a `LaunchPlan` or a reason-coded
-StokerError. After a SIGILL the previous plan's CPU variant is known to be unsafe for this
-CPU, so the next plan steps down to a safer one.
+The supervisor's planner is the fallback orchestrator (daemon/fallback.py): it tries the
+preferred backend first and comes here for the CPU plan, last. After a SIGILL the previous
+plan's CPU variant is known to be unsafe for this CPU, so the next plan steps down to a
+safer one.
 """
 
 from __future__ import annotations
 
 import platform
-
-import trio
 
 from daemon.config import Config
 from daemon.errors import StokerError
@@ -68,20 +67,3 @@ def plan_cpu(paths: StokerPaths, config: Config, effect: MakePlan) -> LaunchPlan
         "`stoker bundle install FILE` (./dev run does both).",
         {"tried_variants": tried, "bundles_dir": str(paths.bundles_dir)},
     )
-
-
-def make_planner(paths: StokerPaths):
-    """The planner the supervisor awaits."""
-
-    async def planner(config: Config, effect: MakePlan) -> LaunchPlan:
-        prefer = config.backend.prefer
-        if prefer not in ("auto", "cpu"):
-            raise StokerError(
-                ReasonCode.BUNDLE_MISSING,
-                f"The backend {prefer!r} is forced but this daemon plans CPU launches only so far.",
-                {"prefer": prefer},
-            )
-        # Resolving the default model may assemble it (a second or two of I/O): off the loop.
-        return await trio.to_thread.run_sync(plan_cpu, paths, config, effect)
-
-    return planner

@@ -1,7 +1,8 @@
 """The daemon: one root nursery in which every service starts, in this order.
 
-    lock -> store -> config -> supervisor (resumes the launch machine) -> control socket
-         -> config watcher -> sd_notify watchdog -> autostart
+    lock -> store -> config -> probes -> installs (resumes interrupted installs)
+         -> supervisor (resumes the launch machine; its planner is the fallback
+            orchestrator) -> control socket -> config watcher -> sd_notify watchdog -> autostart
 
 A second daemon on the same state directory refuses to start (an flock that the kernel
 releases even when the daemon is killed with -9). A planned shutdown stops the server first.
@@ -29,7 +30,10 @@ from daemon.handlers import HANDLERS
 from daemon.handlers_telemetry import serve_telemetry
 from daemon.machines import MachineRunner
 from daemon.paths import StokerPaths
-from daemon.planner import make_planner
+from daemon.backends import load_backends
+from daemon.fallback import FallbackOrchestrator, OrchestratedSupervisor
+from daemon.install_service import MANIFEST_ENV, InstallService
+from daemon.probe_service import ProbeService
 from daemon.snapshots import SnapshotService
 from daemon.supervisor import Supervisor, launch_settings
 from states import config as C
@@ -68,6 +72,9 @@ class Daemon:
     bus: EventBus
     config: Config
     supervisor: Supervisor = attrs.field(init=False)
+    probes: ProbeService = attrs.field(init=False)
+    installs: InstallService = attrs.field(init=False)
+    orchestrator: FallbackOrchestrator = attrs.field(init=False)
     snapshots: SnapshotService = attrs.field(init=False)
     config_runner: MachineRunner = attrs.field(init=False)
     config_problems: list[str] = attrs.field(factory=list)
@@ -81,8 +88,28 @@ class Daemon:
         launch = MachineRunner(L.LAUNCH, "launch", self.store, publish=self.publish)
         self.snapshots = SnapshotService(self.paths, SnapshotCatalog(self.store), lambda: self.config,
                                          self.bus.publish)
-        self.supervisor = Supervisor(self.paths, launch, self.config, make_planner(self.paths),
-                                     ready_hook=self.snapshots.on_ready, before_stop=self.snapshots.before_stop)
+        backends = load_backends()
+        self.probes = ProbeService(self.store, tuple(backends), publish=self.publish)
+        self.installs = InstallService(self.paths, self.store, self.publish, manifest_source=self.manifest_source,
+                                       backends=backends)
+        self.orchestrator = FallbackOrchestrator(self.paths, self.store, self.probes, self.installs, backends,
+                                                 publish=self.publish)
+        self.supervisor = OrchestratedSupervisor(self.paths, launch, self.config, self.orchestrator.plan,
+                                                 ready_hook=self._on_ready, before_stop=self.snapshots.before_stop)
+
+    def manifest_source(self) -> str:
+        """Where bundles are resolved: `[bundles] manifest`, else $STOKER_MANIFEST_URL."""
+        return self.config.bundles.manifest or os.environ.get(MANIFEST_ENV, "")
+
+    async def _on_ready(self, supervisor: Supervisor, evidence: dict[str, Any]) -> dict[str, Any]:
+        # First prove the backend is really in use (or demote it), then restore snapshots.
+        try:
+            extra = dict(await self.orchestrator.on_ready(supervisor, evidence) or {})
+        except Exception:  # never keep a serving server from ready, nor skip the restore
+            log.exception("verifying the backend in use failed")
+            extra = {}
+        extra.update(await self.snapshots.on_ready(supervisor, {**evidence, **extra}) or {})
+        return extra
 
     def publish(self, event: Mapping[str, Any]) -> None:
         self.bus.publish(event)
@@ -133,6 +160,8 @@ class Daemon:
     async def serve(self, *, autostart: bool = True, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._handle_signals)
+            await nursery.start(self.probes.serve)
+            await nursery.start(self.installs.serve)
             await nursery.start(self.supervisor.run)
             await nursery.start(serve_control, self.paths.socket_path, self.dispatch, self.bus)
             await nursery.start(

@@ -1,0 +1,61 @@
+"""`stoker probe [--fresh]` and `stoker use auto|cpu|cuda|rocm|vulkan|metal`."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from daemon.cli.output import emit, json_option
+from daemon.cli.service import call, format_status
+
+USE_CHOICES = ("auto", "cpu", "cuda", "rocm", "vulkan", "metal")
+
+
+def format_probe_reply(reply: dict) -> str:
+    """Each backend's verdict, reason, message, devices and evidence; where it came from."""
+    from daemon.backends.base import Detection
+    from daemon.probe_report import format_probe
+
+    items = reply.get("backends") or []
+    text = format_probe([Detection.from_dict(b) for b in items]).rstrip("\n")
+    origin = []
+    for b in items:
+        how = f"cached, {b.get('age_s', 0):.1f} s old" if b.get("cached") else "probed now"
+        origin.append(f"  {b['backend']}: generation {b.get('generation')}, {how}")
+    return text + "\n\nprobe results (fresh with --fresh):\n" + "\n".join(origin) + f"\nanswered in {reply.get('elapsed_s', 0):.3f} s"
+
+
+@click.command()
+@click.option("--fresh", is_flag=True, help="Probe now instead of answering from the 30 s cache.")
+@json_option
+def probe(fresh: bool, as_json: bool) -> None:
+    """Capability per backend with reason codes and evidence."""
+    reply = call("probe", as_json, timeout=120.0, fresh=fresh)
+    emit(as_json, reply, format_probe_reply)
+
+
+def format_use(reply: dict) -> str:
+    prefer = reply["prefer"]
+    head = (f"backend preference: {prefer} (forced: no fallback; a failure is reported)" if reply.get("forced")
+            else "backend preference: auto (the best backend this machine really has, CPU last)")
+    lines = [head, f"written to {reply['config_path']} ([backend] prefer)"]
+    if reply.get("relaunch"):
+        lines.append("relaunching the server")
+    return "\n".join(lines) + "\n\n" + format_status(reply.get("status") or {})
+
+
+@click.command()
+@click.argument("backend", type=click.Choice(USE_CHOICES))
+@json_option
+def use(backend: str, as_json: bool) -> None:
+    """Set the backend preference (anything but auto is forced) and relaunch."""
+    reply = call("use", as_json, timeout=60.0, backend=backend)
+    emit(as_json, reply, format_use)
+    if (reply.get("status") or {}).get("state") == "failed":
+        sys.exit(1)
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(probe)
+    cli.add_command(use)

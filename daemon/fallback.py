@@ -1,0 +1,362 @@
+"""The fallback orchestrator: per launch request, the preferred backend first, CPU last.
+
+It drives the fallback machine (states/fallback.py) and answers the launch machine's
+`MakePlan`:
+
+    CheckBackend(b)   probe b (the 30 s cache answers most of the time) and look for its
+                      installed bundle, checked against the hardware (driver floor, archs)
+    InstallBundle(b)  only when the sole problem is a missing bundle on present hardware
+                      (binary_missing_*_detected): install from the manifest, then re-check
+    UsePlan(b)        the LaunchPlan for b (GPU: -ngl auto, the engine fits the layers)
+    GiveUp(reason)    no backend left, or the forced one failed: PlanFailed(reason)
+
+Every skipped backend is a transition with its reason and evidence. After the server is
+ready, `on_ready` confirms that a GPU plan really offloaded layers (the engine's
+`offloaded N/M layers to GPU`) and, where the platform reports it (NVML per-process memory),
+that the server holds VRAM; otherwise the launch is reported as CPU with
+`<backend>_gpu_layers_zero` or `gpu_claimed_but_unused`. A GPU server that dies before it is
+ready comes back here as `LaunchFailed(<backend>_startup_failed)` and the next backend is
+tried (`OrchestratedSupervisor` asks for a new plan instead of respawning the same one).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Mapping
+
+import attrs
+import trio
+
+from daemon.backends.base import Backend, Detection, TelemetryRequest
+from daemon.bundles.installed import InstalledBundle, list_installed
+from daemon.config import Config
+from daemon.errors import StokerError
+from daemon.install_service import InstallService
+from daemon.layer_plan import LayerEstimate, estimate, free_vram, why_actual, why_planned
+from daemon.machines import MachineRunner, Publish
+from daemon.paths import StokerPaths
+from daemon.planner import plan_cpu
+from daemon.probe_service import ProbeService
+from daemon.supervisor import Supervisor
+from states import fallback as F
+from states import launch as L
+from states.reasons import ReasonCode, message_for
+
+log = logging.getLogger(__name__)
+
+MACHINE_ID = "fallback"
+# The order in which accelerators are tried in auto mode; plugins come after, CPU last.
+GPU_ORDER = ("cuda", "rocm", "metal", "vulkan")
+BINARY_MISSING = {
+    "cuda": ReasonCode.BINARY_MISSING_NVIDIA_DETECTED,
+    "rocm": ReasonCode.BINARY_MISSING_AMD_DETECTED,
+    "vulkan": ReasonCode.BINARY_MISSING_VULKAN_DETECTED,
+    "metal": ReasonCode.BINARY_MISSING_METAL_DETECTED,
+}
+AUTO_LAYERS = -1  # LaunchPlan.n_gpu_layers for "-ngl auto" (the engine fits)
+
+
+def _code(template: str, backend: str, default: ReasonCode) -> ReasonCode:
+    try:
+        return ReasonCode(template.format(backend))
+    except ValueError:
+        return default
+
+
+def startup_failed_reason(backend: str) -> ReasonCode:
+    return _code("{}_startup_failed", backend, ReasonCode.SERVER_CRASHED)
+
+
+def layers_zero_reason(backend: str) -> ReasonCode:
+    return _code("{}_gpu_layers_zero", backend, ReasonCode.GPU_CLAIMED_BUT_UNUSED)
+
+
+def candidates_for(prefer: str, available: Iterable[str]) -> tuple[tuple[str, ...], bool]:
+    """(backends to try in order, forced). Anything but "auto" is forced: exactly that one."""
+    names = list(available)
+    if prefer != "auto":
+        return (prefer,), True
+    gpus = [b for b in GPU_ORDER if b in names]
+    plugins = sorted(b for b in names if b not in GPU_ORDER and b != "cpu")
+    return tuple(gpus + plugins + ["cpu"]), False
+
+
+def detection_evidence(detection: Detection) -> dict[str, Any]:
+    """A detection as fallback evidence: the verdict, the devices and what decided it."""
+    return {
+        "message": detection.message,
+        "present": detection.present,
+        "devices": [d.to_dict() for d in detection.devices],
+        **dict(detection.evidence),
+    }
+
+
+@attrs.define(eq=False)
+class FallbackOrchestrator:
+    """Plans launches for the supervisor, walking the fallback machine through the backends."""
+
+    paths: StokerPaths
+    store: Any
+    probes: ProbeService
+    installs: InstallService
+    backends: Mapping[str, Backend]
+    publish: Publish | None = None
+    runner: MachineRunner = attrs.field(init=False)
+    _detections: dict[str, Detection] = attrs.field(factory=dict, init=False)
+    _bundles: dict[str, InstalledBundle] = attrs.field(factory=dict, init=False)
+    estimate: LayerEstimate | None = attrs.field(default=None, init=False)
+    planned_why: str | None = attrs.field(default=None, init=False)
+    lock: trio.Lock = attrs.field(factory=trio.Lock, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.runner = MachineRunner(F.FALLBACK, MACHINE_ID, self.store, self.publish)
+
+    @property
+    def data(self) -> F.FallbackData:
+        return self.runner.data
+
+    # --- the supervisor's planner ---------------------------------------------------------
+
+    async def plan(self, config: Config, effect: L.MakePlan) -> L.LaunchPlan:
+        """Answer MakePlan: a LaunchPlan, or StokerError (the launch machine's PlanFailed)."""
+        async with self.lock:
+            try:
+                return await self._plan(config, effect)
+            except StokerError:
+                raise
+            except Exception as err:  # a bug here must become a reason, never kill the daemon
+                log.exception("fallback orchestrator failed")
+                raise StokerError(ReasonCode.INTERNAL_ERROR, f"Planning failed: {type(err).__name__}: {err}") from err
+
+    async def _plan(self, config: Config, effect: L.MakePlan) -> L.LaunchPlan:
+        from daemon.models import resolve_model
+
+        # A missing model is nobody's backend problem: fail the plan with it at once.
+        model = await trio.to_thread.run_sync(resolve_model, config.server.model, self.paths)
+        state, data = self.runner.state, self.data
+        previous = effect.previous
+        if (
+            state is F.FallbackState.LAUNCHING
+            and effect.failure is not None
+            and previous is not None
+            and previous.backend == data.current
+            and previous.backend != "cpu"
+        ):
+            # The GPU server died before it was ready: that backend is out, try the next.
+            event: object = F.LaunchFailed(
+                previous.backend, startup_failed_reason(previous.backend),
+                {"exit_reason": str(effect.failure), "variant": previous.variant},
+            )
+        else:
+            if state in (F.FallbackState.CHECKING, F.FallbackState.INSTALLING, F.FallbackState.LAUNCHING):
+                self.runner.fire(F.FallbackCancelled())  # an earlier request never finished
+            candidates, forced = candidates_for(config.backend.prefer, self.backends)
+            if not forced:
+                # Probe every candidate at once: each check then reads the cache.
+                await self.probes.probe_all([b for b in candidates if b in self.probes.backends and b != "cpu"])
+            event = F.FallbackStarted(candidates, forced)
+        effects = list(self.runner.fire(event).effects)
+        while effects:
+            eff = effects.pop(0)
+            if isinstance(eff, F.CheckBackend):
+                event = await self._check(config, eff.backend, effect)
+            elif isinstance(eff, F.InstallBundle):
+                event = await self._install(eff.backend)
+            elif isinstance(eff, F.UsePlan):
+                return await self._launch_plan(config, eff.backend, effect, str(model))
+            elif isinstance(eff, F.GiveUp):
+                raise self._give_up(eff)
+            else:  # pragma: no cover - the table declares no other effect
+                raise StokerError(ReasonCode.INTERNAL_ERROR, f"unknown fallback effect {eff!r}")
+            effects.extend(self.runner.fire(event).effects)
+        raise StokerError(ReasonCode.INTERNAL_ERROR, "The fallback machine stopped without a plan.",
+                          {"state": self.runner.state.value})
+
+    def _give_up(self, eff: F.GiveUp) -> StokerError:
+        data = self.data
+        tried = ", ".join(f"{s.backend}: {s.reason}" for s in data.skipped)
+        if data.forced:
+            backend = data.candidates[0]
+            message = (f"The backend {backend!r} is forced (`stoker use {backend}` or [backend] prefer) and cannot "
+                       f"run: {message_for(eff.reason)} Stoker does not fall back from a forced backend; "
+                       f"`stoker use auto` lets it.")
+        else:
+            message = f"No backend can run here ({tried}). {message_for(eff.reason)}"
+        return StokerError(eff.reason, message, eff.evidence)
+
+    async def _check(self, config: Config, backend: str, effect: L.MakePlan) -> object:
+        if backend == "cpu":
+            try:
+                plan = await trio.to_thread.run_sync(plan_cpu, self.paths, config, effect)
+            except StokerError as err:
+                return F.CheckFailed("cpu", err.reason, {"message": err.message, **err.evidence})
+            return F.CheckPassed("cpu", {"variant": plan.variant, "bundle": plan.bundle_root})
+        plugin = self.backends.get(backend)
+        if plugin is None or backend not in self.probes.backends:
+            return F.CheckFailed(backend, ReasonCode.PROBE_FAILED,
+                                 {"message": f"No backend plugin named {backend!r} is loaded.",
+                                  "loaded": sorted(self.backends)})
+        result = await self.probes.probe(backend)
+        detection = result.detection
+        self._detections[backend] = detection
+        evidence = {**detection_evidence(detection), "probe_generation": result.generation,
+                    "probe_cached": result.cached}
+        if not detection.usable:
+            return F.CheckFailed(backend, detection.reason or plugin.unavailable_reason, evidence)
+        installed = [b for b in await trio.to_thread.run_sync(list_installed, self.paths) if b.meta.backend == backend]
+        if not installed:
+            reason = BINARY_MISSING.get(backend, ReasonCode.BUNDLE_MISSING) if detection.present else ReasonCode.BUNDLE_MISSING
+            return F.CheckFailed(backend, reason, {**evidence, "bundles_dir": str(self.paths.bundles_dir)})
+        variant = plugin.choose_variant(detection, [b.meta.variant for b in installed]) or installed[0].meta.variant
+        bundle = next(b for b in installed if b.meta.variant == variant)
+        check = plugin.explain_bundle(detection, bundle.meta.to_dict())
+        if not check.ok:
+            return F.CheckFailed(backend, check.reason or plugin.unavailable_reason,
+                                 {"message": check.message, "bundle": str(bundle.root), **dict(check.evidence)})
+        self._bundles[backend] = bundle
+        return F.CheckPassed(backend, {"variant": variant, "bundle": str(bundle.root),
+                                       "devices": [d.name for d in detection.devices]})
+
+    async def _install(self, backend: str) -> object:
+        try:
+            await self.installs.install(backend, detection=self._detections.get(backend))
+        except StokerError as err:
+            reason = err.reason
+            if not str(reason).endswith("_bundle_install_failed"):
+                reason = _code("{}_bundle_install_failed", backend, ReasonCode.BUNDLE_VERIFY_FAILED)
+            return F.BundleInstallFailed(backend, reason, {"message": err.message, **err.evidence})
+        return F.BundleInstalled(backend)
+
+    async def _launch_plan(self, config: Config, backend: str, effect: L.MakePlan, model: str) -> L.LaunchPlan:
+        self.estimate = None
+        if backend == "cpu":
+            plan = await trio.to_thread.run_sync(plan_cpu, self.paths, config, effect)
+            self.planned_why = why_planned("cpu", None, str(self.data.reason) if self.data.reason else None)
+            return plan
+        bundle = self._bundles[backend]
+        detection = self._detections.get(backend)
+        free, device = free_vram([d.to_dict() for d in detection.devices] if detection else [])
+        try:
+            self.estimate = await trio.to_thread.run_sync(estimate, model, config.server.ctx_size, free, device)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            log.info("no layer estimate for %s: %s", model, err)
+        self.planned_why = why_planned(backend, self.estimate)
+        layers = config.server.n_gpu_layers
+        return L.LaunchPlan(
+            backend=backend,
+            variant=bundle.meta.variant,
+            bundle_root=str(bundle.root),
+            server_path=str(bundle.server),
+            model_path=model,
+            host=config.server.host,
+            port=config.server.port,
+            ctx_size=config.server.ctx_size,
+            parallel=config.server.parallel,
+            n_gpu_layers=AUTO_LAYERS if layers == "auto" else int(layers),
+            extra_args=config.server.extra_args,
+        )
+
+    # --- after the launch ---------------------------------------------------------------
+
+    async def on_ready(self, supervisor: Supervisor, evidence: Mapping[str, Any]) -> dict[str, Any]:
+        """Confirm the planned backend is really in use; settle the fallback machine."""
+        plan = supervisor.data.plan
+        if plan is None or self.runner.state is not F.FallbackState.LAUNCHING or plan.backend != self.data.current:
+            return {}
+        backend = plan.backend
+        if evidence.get("adopted"):
+            # A server kept across a daemon restart: its load lines were read by the daemon
+            # before; nothing new to prove here, and nothing to demote on missing lines.
+            self.runner.fire(F.LaunchSucceeded(backend, None, None, {"adopted": True}))
+            return {}
+        if backend == "cpu":
+            self.runner.fire(F.LaunchSucceeded("cpu"))
+            return {"effective_backend": "cpu"}
+        offloaded = evidence.get("offloaded_layers")
+        proof: dict[str, Any] = {"offloaded_layers": offloaded, "total_layers": evidence.get("total_layers"),
+                                 "offload_line": (evidence.get("evidence_lines") or {}).get("offloaded")}
+        reason: ReasonCode | None = None
+        if not offloaded:
+            reason = layers_zero_reason(backend)
+        else:
+            vram = await self._process_vram(backend, evidence.get("pid"))
+            proof["process_vram_mib"] = vram
+            if vram == 0:
+                reason = ReasonCode.GPU_CLAIMED_BUT_UNUSED
+        effective = "cpu" if reason is not None else backend
+        self.runner.fire(F.LaunchSucceeded(backend, effective if reason else None, reason, proof))
+        return {"effective_backend": effective, **({"demoted": str(reason)} if reason else {})}
+
+    async def _process_vram(self, backend: str, pid: Any) -> int | None:
+        """The server's own VRAM (MiB) where the platform reports it; None where it cannot."""
+        plugin = self.backends.get(backend)
+        if plugin is None or not isinstance(pid, int):
+            return None
+        try:
+            telemetry = await trio.to_thread.run_sync(plugin.read_telemetry, TelemetryRequest(pid=pid))
+        except Exception:
+            return None
+        return None if telemetry is None else telemetry.process_memory_mib
+
+    # --- for status ---------------------------------------------------------------------
+
+    def status(self, supervisor: Supervisor) -> dict[str, Any]:
+        """The fallback part of `status`: effective backend, fallbacks with reasons, layers."""
+        data = self.data
+        plan = supervisor.data.plan
+        ready = supervisor.ready_evidence or {}
+        fallbacks = [
+            {"backend": s.backend, "reason": str(s.reason), "message": s.evidence.get("message") or message_for(s.reason),
+             "evidence": dict(s.evidence)}
+            for s in data.skipped
+        ]
+        effective = plan.backend if plan else None
+        if self.runner.state is F.FallbackState.SETTLED and data.chosen:
+            effective = data.chosen
+            if plan is not None and data.chosen != plan.backend and data.reason:
+                fallbacks.append({"backend": plan.backend, "reason": str(data.reason),
+                                  "message": message_for(data.reason), "evidence": dict(data.evidence)})
+        planned: Any = None
+        if plan is not None and plan.backend != "cpu":
+            planned = "auto" if plan.n_gpu_layers == AUTO_LAYERS else plan.n_gpu_layers
+        elif plan is not None:
+            planned = 0
+        why = self.planned_why or ""
+        if plan is not None and ready:
+            why = why_actual(plan.backend, why, ready)
+        return {
+            "backend": effective,
+            "planned_backend": plan.backend if plan else None,
+            "preference": {"prefer": data.candidates[0] if data.candidates else None, "forced": data.forced,
+                           "candidates": list(data.candidates)},
+            "fallback_state": self.runner.state.value,
+            "fallback_reason": str(data.reason) if data.reason else None,
+            "fallbacks": fallbacks,
+            "layers": {
+                "planned": planned,
+                "offloaded": ready.get("offloaded_layers"),
+                "total": ready.get("total_layers"),
+                "why": why or None,
+                "estimate": self.estimate.to_dict() if self.estimate else None,
+            },
+        }
+
+
+class OrchestratedSupervisor(Supervisor):
+    """The supervisor with GPU launches that fail before ready sent back to the orchestrator."""
+
+    def server_spec(self, plan: L.LaunchPlan):
+        spec = super().server_spec(plan)
+        if plan.backend != "cpu" and plan.n_gpu_layers == AUTO_LAYERS:
+            spec = attrs.evolve(spec, n_gpu_layers="auto")  # -ngl auto: the engine fits
+        return spec
+
+    def _exit_event(self, returncode, reason, evidence):
+        event = super()._exit_event(returncode, reason, evidence)
+        plan = self.data.plan
+        never_ready = self.state in (L.LaunchState.STARTING, L.LaunchState.LOADING)
+        if plan is not None and plan.backend != "cpu" and never_ready and not event.fatal:
+            # Respawning the same GPU plan would fail the same way: ask for a new plan, and
+            # the orchestrator records <backend>_startup_failed and tries the next backend.
+            event = attrs.evolve(event, replan=True)
+        return event

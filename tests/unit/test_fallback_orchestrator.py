@@ -1,0 +1,231 @@
+"""The fallback orchestrator with recorded hardware answers (NVML of an H200, no GPU at all).
+
+Bundles are bundlekit's fake engines on disk: the orchestrator only reads their metadata
+here; nothing is launched. The CUDA detections come from the real CudaBackend fed with
+recorded NVML answers, so the driver floor and architecture checks are the real ones.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
+
+import attrs
+import pytest
+import trio
+
+import backend_recordings as rec
+from daemon.backends.cpu import CpuBackend
+from daemon.backends.cuda import CudaBackend
+from daemon.backends.tools import recorded_runner
+from daemon.bundles.tinymodel import write_tiny_model
+from daemon.config import BackendConfig, Config, ServerConfig
+from daemon.errors import StokerError
+from daemon.fallback import AUTO_LAYERS, FallbackOrchestrator, OrchestratedSupervisor, candidates_for
+from daemon.paths import StokerPaths
+from daemon.probe_service import ProbeService
+from states import fallback as F
+from states import launch as L
+from states.reasons import ReasonCode as R
+from store import open_store
+from bundlekit import make_bundle_dir
+
+PID = 4242
+
+
+def cuda_backend(nvml) -> CudaBackend:
+    return CudaBackend(nvml=nvml, run=recorded_runner({}), sysfs_root="/nonexistent-sys")
+
+
+def no_gpu_cuda() -> CudaBackend:
+    return cuda_backend(rec.FakeNvml(init_error=rec.NVMLError_LibraryNotFound))
+
+
+class FakeInstalls:
+    """Stands in for InstallService: writes a (fake) CUDA bundle, or fails like the real one."""
+
+    def __init__(self, paths: StokerPaths, *, fail: bool = False, min_driver: str | None = "580.65.06"):
+        self.paths, self.fail, self.min_driver, self.calls = paths, fail, min_driver, []
+
+    async def install(self, backend, *, variant=None, detection=None):
+        self.calls.append((backend, detection))
+        await trio.lowlevel.checkpoint()
+        if self.fail:
+            raise StokerError(R.CUDA_BUNDLE_INSTALL_FAILED, "download failed",
+                              {"cause": "download_failed", "kind": "http_status", "status": 404, "step": "downloading"})
+        install_cuda_bundle(self.paths, min_driver=self.min_driver)
+
+
+def install_cuda_bundle(paths: StokerPaths, *, min_driver="580.65.06", archs=("90-real",)) -> None:
+    make_bundle_dir(paths.bundles_dir / "cuda-avx2", backend="cuda", variant="avx2",
+                    cuda_archs=archs, min_driver=min_driver)
+
+
+@pytest.fixture
+def paths(stoker_home):
+    p = StokerPaths.from_env()
+    make_bundle_dir(p.bundles_dir / "cpu-avx2", backend="cpu", variant="avx2")
+    return p
+
+
+@pytest.fixture
+def config(tmp_path):
+    model = write_tiny_model(tmp_path / "tiny.gguf")
+    return Config(server=ServerConfig(model=str(model), ctx_size=2048))
+
+
+@asynccontextmanager
+async def orchestrator(paths, cuda, installs=None, store=None):
+    store = store or open_store(":memory:")
+    backends = {"cpu": CpuBackend(tester=lambda flags: {f: "usable" for f in flags}), "cuda": cuda}
+
+    async def run_probe(name, *, timeout):
+        await trio.sleep(0.01)
+        return backends[name].detect()
+
+    probes = ProbeService(store, tuple(backends), run_probe=run_probe)
+    orch = FallbackOrchestrator(paths, store, probes, installs or FakeInstalls(paths), backends)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(probes.serve)
+        yield orch
+        nursery.cancel_scope.cancel()
+
+
+def supervisor_for(plan, ready=None):
+    return SimpleNamespace(data=SimpleNamespace(plan=plan), ready_evidence=ready)
+
+
+def ready_evidence(offloaded, total=3):
+    return {"pid": PID, "offloaded_layers": offloaded, "total_layers": total, "n_ctx": 2048,
+            "buffers": [{"kind": "KV", "device": "CUDA0", "mib": 16.0}],
+            "evidence_lines": {"offloaded": f"load_tensors: offloaded {offloaded}/{total} layers to GPU"}}
+
+
+def transitions(orch):
+    return [(r.from_state, r.event, r.to_state, r.reason) for r in reversed(orch.store.history(machine="fallback"))]
+
+
+def test_candidates():
+    assert candidates_for("auto", ["cpu", "vulkan", "cuda", "rpc"]) == (("cuda", "vulkan", "rpc", "cpu"), False)
+    assert candidates_for("cuda", ["cpu", "cuda"]) == (("cuda",), True)
+
+
+async def test_missing_bundle_on_present_gpu_is_installed_then_launched(paths, config):
+    nvml = rec.FakeNvml([rec.h200(processes=[(PID, 900 * rec.MIB)])])
+    installs = FakeInstalls(paths)
+    async with orchestrator(paths, cuda_backend(nvml), installs) as orch:
+        plan = await orch.plan(config, L.MakePlan())
+        assert plan.backend == "cuda" and plan.n_gpu_layers == AUTO_LAYERS and plan.server_path.endswith("llama-server")
+        assert installs.calls and installs.calls[0][1].usable  # installed for the detected H200
+        steps = transitions(orch)
+        assert ("checking", "CheckFailed", "installing", "binary_missing_nvidia_detected") in steps
+        assert ("installing", "BundleInstalled", "checking", None) in steps
+        extra = await orch.on_ready(supervisor_for(plan), ready_evidence(3))
+        assert extra["effective_backend"] == "cuda"
+        assert orch.runner.state is F.FallbackState.SETTLED and orch.data.chosen == "cuda"
+        st = orch.status(supervisor_for(plan, ready_evidence(3)))
+        assert st["backend"] == "cuda" and st["fallbacks"] == []
+        assert st["layers"]["planned"] == "auto" and st["layers"]["offloaded"] == 3
+        assert "free VRAM" in st["layers"]["why"] and "KV" in st["layers"]["why"]
+        assert "engine offloaded 3/3" in st["layers"]["why"]
+        assert st["layers"]["estimate"]["free_vram_mib"] == 143150
+
+
+async def test_zero_layers_offloaded_is_reported_as_cpu(paths, config):
+    install_cuda_bundle(paths)
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml())) as orch:
+        plan = await orch.plan(config, L.MakePlan())
+        assert plan.backend == "cuda"
+        await orch.on_ready(supervisor_for(plan), ready_evidence(0))
+        st = orch.status(supervisor_for(plan, ready_evidence(0)))
+        assert st["backend"] == "cpu" and st["planned_backend"] == "cuda"
+        assert [(f["backend"], f["reason"]) for f in st["fallbacks"]] == [("cuda", "cuda_gpu_layers_zero")]
+        assert st["fallbacks"][0]["evidence"]["offload_line"].endswith("offloaded 0/3 layers to GPU")
+
+
+async def test_offload_claimed_but_no_vram_held_is_reported_as_cpu(paths, config):
+    install_cuda_bundle(paths)
+    nvml = rec.FakeNvml([rec.h200(processes=[(999, 900 * rec.MIB)])])  # someone else's VRAM only
+    async with orchestrator(paths, cuda_backend(nvml)) as orch:
+        plan = await orch.plan(config, L.MakePlan())
+        await orch.on_ready(supervisor_for(plan), ready_evidence(3))
+        st = orch.status(supervisor_for(plan, ready_evidence(3)))
+        assert st["backend"] == "cpu"
+        assert st["fallbacks"][0]["reason"] == "gpu_claimed_but_unused"
+        assert st["fallbacks"][0]["evidence"]["process_vram_mib"] == 0
+
+
+async def test_install_failure_falls_back_to_cpu_with_the_reason(paths, config):
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml()), FakeInstalls(paths, fail=True)) as orch:
+        plan = await orch.plan(config, L.MakePlan())
+        assert plan.backend == "cpu"
+        await orch.on_ready(supervisor_for(plan), {"pid": PID})
+        st = orch.status(supervisor_for(plan, {}))
+        assert st["backend"] == "cpu"
+        fb = st["fallbacks"][0]
+        assert fb["backend"] == "cuda" and fb["reason"] == "cuda_bundle_install_failed"
+        assert fb["evidence"]["status"] == 404
+        assert st["fallback_reason"] == "cuda_bundle_install_failed"
+
+
+async def test_no_gpu_serves_on_cpu_and_says_why(paths, config):
+    async with orchestrator(paths, no_gpu_cuda()) as orch:
+        plan = await orch.plan(config, L.MakePlan())
+        assert plan.backend == "cpu" and plan.n_gpu_layers == 0
+        await orch.on_ready(supervisor_for(plan), {"pid": PID})
+        st = orch.status(supervisor_for(plan, {}))
+        assert st["backend"] == "cpu" and st["fallback_reason"] == "gpu_missing"
+        assert st["fallbacks"][0]["backend"] == "cuda" and st["fallbacks"][0]["reason"] == "gpu_missing"
+        assert st["fallbacks"][0]["evidence"]["failing_library"] == "libnvidia-ml.so.1"
+        assert st["layers"]["why"].startswith("CPU plan")
+
+
+async def test_forced_cuda_without_gpu_fails_loudly(paths, config):
+    forced = attrs.evolve(config, backend=BackendConfig(prefer="cuda"))
+    async with orchestrator(paths, no_gpu_cuda()) as orch:
+        with pytest.raises(StokerError) as err:
+            await orch.plan(forced, L.MakePlan())
+        assert err.value.reason == "gpu_missing" and "forced" in err.value.message
+        assert err.value.evidence["forced"] is True
+        assert orch.runner.state is F.FallbackState.FAILED
+        assert not [t for t in transitions(orch) if t[1] == "CheckPassed"]  # CPU never considered
+
+
+async def test_gpu_server_dying_before_ready_moves_on(paths, config):
+    install_cuda_bundle(paths)
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml())) as orch:
+        plan = await orch.plan(config, L.MakePlan())
+        assert plan.backend == "cuda"
+        again = await orch.plan(config, L.MakePlan(previous=plan, failure=R.SERVER_CRASHED))
+        assert again.backend == "cpu"
+        skipped = [(s.backend, s.reason) for s in orch.data.skipped]
+        assert skipped == [("cuda", R.CUDA_STARTUP_FAILED)]
+
+
+async def test_driver_older_than_the_bundle_is_cuda_unavailable_not_installed(paths, config):
+    install_cuda_bundle(paths, min_driver="999.0")
+    installs = FakeInstalls(paths)
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml()), installs) as orch:
+        plan = await orch.plan(config, L.MakePlan())
+        assert plan.backend == "cpu" and installs.calls == []
+        fb = orch.data.skipped[0]
+        assert fb.reason == R.CUDA_UNAVAILABLE and fb.evidence["min_driver"] == "999.0"
+
+
+async def test_archs_that_cannot_run_on_the_gpu_are_refused(paths, config):
+    install_cuda_bundle(paths, archs=("100-real",))
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml())) as orch:
+        plan = await orch.plan(config, L.MakePlan())
+        assert plan.backend == "cpu"
+        assert orch.data.skipped[0].evidence["compute_capability"] == ["9.0"]
+
+
+def test_orchestrated_supervisor_replans_a_gpu_launch_that_never_got_ready(paths):
+    plan = L.LaunchPlan("cuda", "avx2", "/b", "/b/bin/llama-server", "/m.gguf", n_gpu_layers=AUTO_LAYERS)
+    sup = OrchestratedSupervisor(paths, None, Config(), None)
+    sup.runner = SimpleNamespace(state=L.LaunchState.LOADING, data=L.LaunchData(plan=plan))
+    event = sup._exit_event(1, R.SERVER_CRASHED, {})
+    assert event.replan and not event.fatal
+    assert sup.server_spec(plan).n_gpu_layers == "auto"
+    sup.runner = SimpleNamespace(state=L.LaunchState.READY, data=L.LaunchData(plan=plan))
+    assert not sup._exit_event(1, R.SERVER_CRASHED, {}).replan  # a crash after ready: respawn
