@@ -300,7 +300,7 @@ class FallbackOrchestrator:
 
     # --- for status ---------------------------------------------------------------------
 
-    def status(self, supervisor: Supervisor) -> dict[str, Any]:
+    def status(self, supervisor: Supervisor, prefer: str | None = None) -> dict[str, Any]:
         """The fallback part of `status`: effective backend, fallbacks with reasons, layers."""
         data = self.data
         plan = supervisor.data.plan
@@ -327,7 +327,7 @@ class FallbackOrchestrator:
         return {
             "backend": effective,
             "planned_backend": plan.backend if plan else None,
-            "preference": {"prefer": data.candidates[0] if data.candidates else None, "forced": data.forced,
+            "preference": {"prefer": prefer, "forced": data.forced,
                            "candidates": list(data.candidates)},
             "fallback_state": self.runner.state.value,
             "fallback_reason": str(data.reason) if data.reason else None,

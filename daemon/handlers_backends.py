@@ -43,7 +43,7 @@ def _backend_param(daemon: "Daemon", params: Mapping[str, Any]) -> str:
 def full_status(daemon: "Daemon") -> dict[str, Any]:
     """The status document with the backend really in use, the fallbacks and the layers' why."""
     out = status_of(daemon)
-    extra = daemon.orchestrator.status(daemon.supervisor)
+    extra = daemon.orchestrator.status(daemon.supervisor, daemon.config.backend.prefer)
     layers = {**(out.get("layers") or {}), **{k: v for k, v in extra.pop("layers").items() if v is not None}}
     out.update(extra)
     out["layers"] = layers

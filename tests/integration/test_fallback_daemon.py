@@ -1,0 +1,157 @@
+"""The fallback orchestrator end to end through the real daemon on this CPU-only machine.
+
+The daemon probes every backend out of process, finds no GPU (cuda, rocm, vulkan, metal:
+gpu_missing, each with the evidence that decided it), serves on the CPU and says why in
+`status`. A forced `stoker use cuda` fails with the reason instead of falling back.
+`stoker install` streams progress from a loopback server. Nothing here claims a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from daemon.bundles.variants import host_platform
+from daemon.errors import StokerError
+from tests.bundlekit import make_bundle_zip
+from tests.httpfault import Fault
+from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
+
+GPUS = ("cuda", "rocm", "vulkan", "metal")
+
+
+def stoker(d: DaemonProcess, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "daemon", *args], env=d.env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture
+def model(tiny_model, tmp_path):
+    path = tmp_path / "tiny.gguf"
+    shutil.copy(tiny_model, path)
+    return path
+
+
+@pytest.fixture
+def daemon(stoker_home, installed_cpu_bundle, model):
+    d = DaemonProcess(stoker_home)
+    write_config(d.paths, tiny_config(model))
+    yield d
+    d.stop()
+    leftovers = servers_for(model)
+    for proc in leftovers:
+        proc.kill()
+    assert not leftovers, f"servers left behind: {[p.pid for p in leftovers]}"
+
+
+@pytest.mark.engine
+def test_no_gpu_serves_on_cpu_and_status_says_why(daemon, model):
+    daemon.start()
+    st = daemon.wait_state("ready", timeout=120)
+    assert st["backend"] == "cpu" and st["planned_backend"] == "cpu"
+    assert st["preference"] == {"prefer": "auto", "forced": False, "candidates": ["cuda", "rocm", "metal", "vulkan", "cpu"]}
+    assert st["fallback_reason"] == "gpu_missing"
+    why = {f["backend"]: f for f in st["fallbacks"]}
+    assert set(why) == set(GPUS)
+    for gpu in GPUS:
+        assert why[gpu]["reason"] == "gpu_missing" and why[gpu]["message"]
+        assert why[gpu]["evidence"]["present"] is False
+    assert "nvml" in why["cuda"]["evidence"]  # what NVML said when it could not load
+    assert st["layers"]["planned"] == 0 and st["layers"]["why"].startswith("CPU plan")
+    assert st["layers"]["offloaded"] is None  # a CPU build prints no offload line: nothing claimed
+    # Every probe ran out of process and its verdict is a recorded transition.
+    for gpu in GPUS:
+        rows = daemon.history(machine=f"probe:{gpu}")
+        assert any(r["to_state"] == "unavailable" and r["reason"] == "gpu_missing" for r in rows)
+    steps = [(r["from_state"], r["event"], r["to_state"], r["reason"])
+             for r in reversed(daemon.history(machine="fallback"))]
+    assert steps[0][1] == "FallbackStarted"
+    assert ("checking", "CheckFailed", "checking", "gpu_missing") in steps
+    assert steps[-1][1:3] == ("LaunchSucceeded", "settled")
+    # The human status names each fallback and why.
+    out = stoker(daemon, "status")
+    assert out.returncode == 0, out.stderr
+    assert "fallback  cuda: gpu_missing" in out.stdout and "backend   cpu" in out.stdout
+    # `stoker probe` answers from the cache, `--fresh` probes again (a new generation).
+    cached = json.loads(stoker(daemon, "probe", "--json").stdout)
+    assert {b["backend"]: b["cached"] for b in cached["backends"]}["cuda"] is True
+    fresh = json.loads(stoker(daemon, "probe", "--fresh", "--json").stdout)
+    by = {b["backend"]: b for b in fresh["backends"]}
+    assert by["cuda"]["cached"] is False and by["cuda"]["generation"] > 1
+    assert by["cuda"]["reason"] == "gpu_missing" and by["cpu"]["usable"] is True
+    human = stoker(daemon, "probe").stdout
+    assert "cuda: absent [gpu_missing]" in human and "Usable backends: cpu" in human
+
+
+@pytest.mark.engine
+def test_forced_cuda_fails_loudly_then_auto_serves_again(daemon, model):
+    daemon.start()
+    first = daemon.wait_state("ready", timeout=120)
+    out = stoker(daemon, "use", "cuda", "--json")
+    reply = json.loads(out.stdout)
+    assert reply["prefer"] == "cuda" and reply["forced"] is True
+    assert 'prefer = "cuda"' in daemon.paths.config_file.read_text()
+    st = daemon.wait_state("failed", timeout=60)
+    assert st["reason"] == "gpu_missing" and "forced" in st["evidence"]["message"]
+    assert st["evidence"]["forced"] is True
+    assert st["endpoint"] is None and servers_for(model) == []  # no silent CPU server
+    assert st["preference"]["forced"] is True and st["preference"]["candidates"] == ["cuda"]
+    status = stoker(daemon, "status")
+    assert status.returncode == 1 and "gpu_missing" in status.stdout
+    back = stoker(daemon, "use", "auto")
+    assert back.returncode in (0, 1), back.stderr
+    st = daemon.wait_for(lambda s: s["state"] == "ready" and s["pid"] != first["pid"], 120, "ready on auto")
+    assert st["backend"] == "cpu" and not st["preference"]["forced"]
+    assert 'prefer = "auto"' in daemon.paths.config_file.read_text()
+
+
+def test_install_streams_progress_lines(stoker_home, tmp_path, fault_server):
+    """`stoker install cpu --json` through a daemon: progress lines, then the installed bundle."""
+    data = make_bundle_zip(tmp_path, "compat.zip", variant="compat", smoke_tokens=None).read_bytes()
+    import hashlib
+
+    url = fault_server.add("/cpu-compat.zip", data, Fault(rate=max(len(data) // 2, 1000)))
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"schema_version": 1, "bundles": [{
+        "url": url, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "backend": "cpu",
+        "variant": "compat", "version": "b11434", "platform": host_platform()}]}))
+    d = DaemonProcess(stoker_home)
+    # A model that does not exist: the autostart fails at once (model_missing), before any
+    # install, so the daemon sits idle while `stoker install` is exercised.
+    write_config(d.paths, tiny_config(tmp_path / "absent.gguf") + f'[bundles]\nmanifest = "{manifest}"\n')
+    d.start()
+    try:
+        st = d.wait_state("failed", timeout=60)
+        assert st["reason"] == "model_missing"
+        out = stoker(d, "install", "cpu", "--variant", "compat", "--json")
+        assert out.returncode == 0, out.stdout + out.stderr
+        lines = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+        progress = [line["progress"] for line in lines if "progress" in line]
+        assert progress and progress[-1]["bytes_done"] == len(data)
+        assert lines[-1]["ok"] is True and lines[-1]["installed"]["variant"] == "compat"
+        assert (d.paths.bundles_dir / "cpu-compat" / "bundle.json").exists()
+        # A failure exits 1 with the reason and the evidence.
+        fault_server.set_fault("/cpu-compat.zip", Fault(status=404))
+        bad = stoker(d, "install", "cpu", "--variant", "compat", "--json")
+        assert bad.returncode == 1
+        error = json.loads(bad.stdout)["error"]
+        assert error["reason"] == "cpu_bundle_install_failed" and error["evidence"]["status"] == 404
+        assert (d.paths.bundles_dir / "cpu-compat" / "bundle.json").exists()  # the installed one stays
+    finally:
+        d.stop()
+
+
+def test_use_refuses_an_unknown_backend(stoker_home, tmp_path):
+    d = DaemonProcess(stoker_home)
+    write_config(d.paths, tiny_config(tmp_path / "absent.gguf"))
+    d.start()
+    try:
+        with pytest.raises(StokerError) as err:
+            d.call("use", backend="tpu")
+        assert err.value.reason == "bad_request"
+    finally:
+        d.stop()
