@@ -109,7 +109,7 @@ def generate(
     log = scratch / "smoke-server.log"
     key = secrets.token_hex(16)
     cmd = [str(server), "-m", str(model), "--host", "127.0.0.1", "--port", "0", "-c", "256", "-np", "1",
-           "-t", str(threads), "--seed", "0", "--api-key", key, "--log-colors", "off", "--no-webui"]
+           "-t", str(threads), "--seed", "0", "--api-key", key, "--log-colors", "off"]
     deadline = time.monotonic() + timeout
     with open(log, "wb") as out:
         # A scratch cwd: the engine may look for backend libraries in its working directory.
