@@ -328,7 +328,8 @@ class StokerApp(App[None]):
             if name:
                 self.send("use", {"backend": name}, f"Backend preference: {name}.")
 
-        self.push_screen(BackendChoiceScreen(), chosen)
+        current = ((self.status or {}).get("preference") or {}).get("prefer")
+        self.push_screen(BackendChoiceScreen(current), chosen)
 
     def action_snapshot(self) -> None:
         self.send("snapshot.save", {}, "Snapshot saved.")

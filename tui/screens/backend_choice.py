@@ -10,9 +10,9 @@ from textual.widgets import Label, OptionList
 from textual.widgets.option_list import Option
 
 CHOICES = (
-    ("auto", "auto: the best backend that works, falling back to the CPU"),
+    ("auto", "auto: the best backend that works (falls back)"),
     ("cpu", "cpu"),
-    ("cuda", "cuda: NVIDIA (forced: fails instead of falling back)"),
+    ("cuda", "cuda: NVIDIA (forced: fails, never falls back)"),
     ("rocm", "rocm: AMD (forced)"),
     ("vulkan", "vulkan (forced)"),
     ("metal", "metal: Apple (forced)"),

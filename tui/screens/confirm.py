@@ -6,7 +6,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Label
+from textual.widgets import Button, Static
 
 
 class ConfirmScreen(ModalScreen[bool]):
@@ -24,7 +24,7 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="confirm-dialog", classes="dialog"):
-            yield Label(self.question, id="confirm-question")
+            yield Static(self.question, id="confirm-question")
             with Horizontal(classes="dialog-buttons"):
                 yield Button(f"{self.confirm_label} (y)", id="confirm-yes", variant="error")
                 yield Button("Cancel (n)", id="confirm-no")
