@@ -20,7 +20,8 @@ from states.reasons import ReasonCode
 from store.snapshots import IDENTITY_FIELDS
 
 LAUNCH_MARKER = b"==== stoker: launch "
-_LOG_WINDOW = 4 << 20  # the last launch's load lines are well inside the log's last 4 MiB
+_LOG_CHUNK = 1 << 20
+_LOAD_LINES_BYTES = 1 << 20  # a launch's load lines take ~16 KB at -lv 4
 
 _FA_SET = re.compile(r"llama_context: flash_attn\s+= (\w+)")
 _FA_RESOLVED = re.compile(r"Flash Attention (enabled|not supported)")
@@ -81,17 +82,23 @@ class KVLog:
 
 
 def last_launch_lines(log_path: Path) -> list[str]:
-    """The log lines of the most recent launch (the supervisor launches one server at a time)."""
+    """The first lines of the most recent launch in the log (the supervisor runs one server at a
+    time): found by scanning back from the end, however long that server has been logging."""
     try:
         with open(log_path, "rb") as fh:
-            fh.seek(0, 2)
-            size = fh.tell()
-            fh.seek(max(0, size - _LOG_WINDOW))
-            data = fh.read()
+            end = fh.seek(0, 2)
+            start = -1
+            while end > 0 and start < 0:
+                low = max(0, end - _LOG_CHUNK)
+                fh.seek(low)
+                chunk = fh.read(end - low + len(LAUNCH_MARKER))  # a marker may straddle chunks
+                found = chunk.rfind(LAUNCH_MARKER)
+                start = low + found if found >= 0 else -1
+                end = low
+            fh.seek(max(start, 0))
+            data = fh.read(_LOAD_LINES_BYTES)
     except OSError:
         return []
-    start = data.rfind(LAUNCH_MARKER)
-    data = data[start:] if start >= 0 else data
     return data.decode("utf-8", "replace").splitlines()
 
 
