@@ -40,6 +40,10 @@ def daemon(log_level: str) -> None:
     sys.exit(service_main(StokerPaths.from_env(), log_level=log_level))
 
 
+def _or_dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
 def format_status(st: dict) -> str:
     lines = []
     state = st.get("state", "?")
@@ -59,8 +63,8 @@ def format_status(st: dict) -> str:
     layers = st.get("layers") or {}
     if layers.get("offloaded") is not None or layers.get("planned") is not None:
         lines.append(
-            f"layers    {layers.get('offloaded', '?')}/{layers.get('total', '?')} offloaded"
-            f" (planned {layers.get('planned', 'auto')}){' - ' + layers['why'] if layers.get('why') else ''}"
+            f"layers    {_or_dash(layers.get('offloaded'))}/{_or_dash(layers.get('total'))} offloaded"
+            f" (planned {_or_dash(layers.get('planned'))}){' - ' + layers['why'] if layers.get('why') else ''}"
         )
     if st.get("pid"):
         lines.append(f"pid       {st['pid']}   uptime {st.get('uptime_s', 0):.0f}s   restarts {st.get('restarts', 0)}")
