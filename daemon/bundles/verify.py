@@ -204,7 +204,7 @@ def verify_dir(root: Path, *, expect_backend: str | None = None, expect_version:
         return VerifyReport(root, meta, tuple(steps))
     server = root / meta.server
     version_line = check_version(server, meta)
-    progress(f"version: {version_line}")
+    progress(f"engine: {version_line}")
     devices = check_devices(server, meta)
     progress(f"devices: {', '.join(d.strip() for d in devices)}")
     steps += ["version", "devices"]
