@@ -12,6 +12,7 @@ first one's result in the cache. Blocking code; the daemon calls it from a threa
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -69,8 +70,6 @@ class BuildResult:
 
 
 def cache_key(plan: BuildPlan, source_digest: str, spec: SourceSpec, smoke: SmokeSpec) -> str:
-    import hashlib
-
     inputs = plan.cache_inputs(source_digest, {
         "build_number": spec.build_number or 0,
         "commit": spec.commit or "unknown",
