@@ -112,6 +112,29 @@ def cuda_target(pid=SERVER_PID):
 
 # --- NVML ---------------------------------------------------------------------------------
 
+# Recorded on a real H200 (driver 580.159.04, CUDA 13.0) with pynvml: the idle GPU, then a
+# process (pid 456) holding a CUDA context and a 2 GiB allocation but computing nothing.
+H200_TOTAL = 150754820096
+H200_IDLE = {"total": H200_TOTAL, "free": 150109880320, "util": 0, "temp": 32, "power_mw": 85105, "processes": []}
+H200_HOLDING = {"total": H200_TOTAL, "free": 147409993728, "util": 0, "temp": 33, "power_mw": 104200,
+                "processes": [(456, 2690646016)]}
+
+
+def test_recorded_h200_with_a_process_holding_vram_is_idle_not_unavailable():
+    nvml = H200Nvml(gpus=[rec.h200(**H200_HOLDING)], driver="580.159.04")
+    gpu = NvmlReader(nvml).read(456)
+    assert (gpu["memory_used_mib"], gpu["memory_total_mib"]) == (3189, 143771)
+    assert gpu["process_vram_mib"] == 2566 and gpu["utilization_percent"] == 0
+    assert gpu["temperature_c"] == 33 and gpu["power_w"] == 104.2
+    target = ServerTarget("cuda", 456, "ready")
+    assert activity_of(target, gpu, None, None, idle_engine()) == "idle"
+
+
+def test_recorded_idle_h200_without_our_process():
+    gpu = NvmlReader(H200Nvml(gpus=[rec.h200(**H200_IDLE)])).read(456)
+    assert gpu["memory_used_mib"] == 615 and gpu["process_vram_mib"] == 0
+    assert gpu["devices"][0]["compute_processes"] == 0 and gpu["power_w"] == 85.1
+
 
 def test_nvml_reads_the_h200_and_the_servers_own_vram():
     nvml = H200Nvml(gpus=[loaded_h200()], memory_util=41)
