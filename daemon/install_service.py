@@ -38,6 +38,7 @@ from daemon.errors import StokerError
 from daemon.machines import MachineRunner, Publish
 from daemon.paths import StokerPaths
 from states import install as I
+from states.machine import IllegalTransition
 from states.reasons import ReasonCode
 
 log = logging.getLogger(__name__)
@@ -225,16 +226,25 @@ class InstallService:
             # Recorded on the machine for the variant asked (or `default`), so history says why.
             runner = self.runner(backend, variant or "default")
             async with self._locks[runner.machine_id]:
-                runner.fire(I.InstallRequested(backend, variant or "default"))
-                runner.fire(I.InstallFailed(reason, _cause(err)))
+                try:
+                    runner.fire(I.InstallRequested(backend, variant or "default"))
+                    runner.fire(I.InstallFailed(reason, _cause(err)))
+                except IllegalTransition:  # that machine is mid-way (resuming): say why anyway
+                    raise StokerError(reason, err.message, _cause(err)) from None
             raise self._failure(runner) from None
         runner = self.runner(backend, entry.variant)
         async with self._locks[runner.machine_id]:
             self._entries[runner.machine_id] = entry
             if detection is not None:
                 self._detections[runner.machine_id] = detection
-            step = runner.fire(I.InstallRequested(backend, entry.variant))
-            await self._drive(runner, step.effects)
+            if runner.state in I.WORKING:
+                # Left mid-way by a killed daemon and not resumed yet: finish that first.
+                await self._drive(runner, runner.fire(I.Resumed()).effects)
+            current = (runner.state is I.InstallState.INSTALLED and runner.data.sha256 == entry.sha256
+                       and find_installed(self.paths, backend, entry.variant) is not None)
+            if not current:  # the same bundle already installed and in place: nothing to do
+                step = runner.fire(I.InstallRequested(backend, entry.variant))
+                await self._drive(runner, step.effects)
         if runner.state is not I.InstallState.INSTALLED:
             raise self._failure(runner)
         bundle = find_installed(self.paths, backend, entry.variant)
@@ -269,7 +279,7 @@ class InstallService:
             effect = queue.pop(0)
             try:
                 event = await getattr(self, f"_do_{type(effect).__name__}")(runner, effect)
-            except (StokerError, OSError, ValueError) as err:
+            except Exception as err:  # every failure of a step is the machine's InstallFailed
                 log.info("%s: %s failed: %s", runner.machine_id, type(effect).__name__, err)
                 event = I.InstallFailed(install_failed_reason(runner.data.backend), _cause(err))
             if event is not None:

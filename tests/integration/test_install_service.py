@@ -253,3 +253,13 @@ async def test_real_cpu_bundle_installs_verified_and_smoke_tested(setup, cpu_bun
     assert bundle.meta.backend == "cpu" and bundle.server.is_file()
     smoke = [r for r in setup.store.history(machine="install:cpu-avx2") if r.event == "SmokePassed"]
     assert smoke[0].evidence["smoke"] == "passed"
+
+
+async def test_installing_the_same_bundle_again_is_a_no_op(setup):
+    setup.publish(setup.server.add("/cpu.zip", setup.data))
+    with trio.fail_after(60):
+        await setup.service().install("cpu", variant="avx2")
+        before = len(setup.server.requests("/cpu.zip"))
+        await setup.service().install("cpu", variant="avx2")
+    assert len(setup.server.requests("/cpu.zip")) == before
+    setup.assert_new_installed()
