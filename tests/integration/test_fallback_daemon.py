@@ -155,3 +155,106 @@ def test_use_refuses_an_unknown_backend(stoker_home, tmp_path):
         assert err.value.reason == "bad_request"
     finally:
         d.stop()
+
+
+def _manifest_for(tmp_path, url: str, data: bytes, variant: str) -> "Path":
+    import hashlib
+
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"schema_version": 1, "bundles": [{
+        "url": url, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "backend": "cpu",
+        "variant": variant, "version": "b11434", "platform": host_platform()}]}))
+    return manifest
+
+
+def _big_bundle_zip(tmp_path, size: int):
+    """A fake CPU bundle padded with `size` random bytes (a download that takes a while)."""
+    import hashlib
+    import os
+
+    import attrs
+
+    from daemon.bundles.archive import pack_bundle
+    from daemon.bundles.metadata import BundleMeta, FileEntry
+    from tests.bundlekit import make_bundle_dir
+
+    src = make_bundle_dir(tmp_path / "big.src", variant="compat", smoke_tokens=None)
+    pad = src / "bin" / "libggml-pad.so"
+    pad.write_bytes(os.urandom(size))
+    os.chmod(pad, 0o644)
+    meta = BundleMeta.read(src)
+    entry = FileEntry("bin/libggml-pad.so", size, 0o644, hashlib.sha256(pad.read_bytes()).hexdigest())
+    meta = attrs.evolve(meta, files=tuple(sorted(meta.files + (entry,), key=lambda f: f.path)))
+    (src / "bundle.json").write_text(meta.to_json())
+    return pack_bundle(src, tmp_path / "big.zip")
+
+
+def test_daemon_killed_mid_download_resumes_after_restart(stoker_home, tmp_path, fault_server):
+    import threading
+    import time
+
+    data = _big_bundle_zip(tmp_path, 4 * 2**20).read_bytes()
+    url = fault_server.add("/slow.zip", data, Fault(rate=2**20))  # about 4 s
+    manifest = _manifest_for(tmp_path, url, data, "compat")
+    d = DaemonProcess(stoker_home)
+    write_config(d.paths, tiny_config(tmp_path / "absent.gguf") + f'[bundles]\nmanifest = "{manifest}"\n')
+    d.start()
+    try:
+        d.wait_state("failed", timeout=60)
+        caller = threading.Thread(target=lambda: stoker(d, "install", "cpu", "--variant", "compat", "--json"))
+        caller.start()
+        deadline = time.monotonic() + 30
+        parts = []
+        while time.monotonic() < deadline:  # until at least one batch (1 MiB) is on disk
+            parts = list((d.paths.data_dir / "downloads").glob("*.part"))
+            if parts and parts[0].stat().st_size >= 2**20:
+                break
+            time.sleep(0.05)
+        d.kill9()  # mid-stream: the part file and its sidecar stay
+        caller.join(30)
+        assert list((d.paths.data_dir / "downloads").glob("*.part"))
+        assert not (d.paths.bundles_dir / "cpu-compat").exists()
+        fault_server.set_fault("/slow.zip", None)
+        d.start()
+        deadline = time.monotonic() + 60
+        while not (d.paths.bundles_dir / "cpu-compat").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (d.paths.bundles_dir / "cpu-compat" / "bundle.json").exists()
+        rows = [(r["from_state"], r["event"], r["to_state"]) for r in reversed(d.history(machine="install:cpu-compat"))]
+        assert ("downloading", "Resumed", "downloading") in rows and rows[-1][2] == "installed"
+        last = fault_server.requests("/slow.zip")[-1]
+        assert last.range is not None and last.status == 206  # continued, not restarted
+    finally:
+        d.stop()
+
+
+@pytest.mark.engine
+def test_missing_cpu_bundle_is_installed_on_demand_then_served(stoker_home, tmp_path, fault_server, cpu_bundle, model):
+    """The install-then-retry path with a real engine: no bundle at all, a manifest with the
+    real CPU bundle on the loopback server; the daemon installs it, re-checks and serves."""
+    data = cpu_bundle.read_bytes()
+    from daemon.bundles.metadata import BundleMeta
+    from daemon.bundles.verify import verify_bundle  # noqa: F401  (the zip is the built one)
+    import zipfile
+
+    with zipfile.ZipFile(cpu_bundle) as zf:
+        meta = BundleMeta.from_json(zf.read("bundle.json"))
+    url = fault_server.add("/cpu.zip", data, Fault(cut_after=len(data) // 3))
+    manifest = _manifest_for(tmp_path, url, data, meta.variant)
+    d = DaemonProcess(stoker_home)
+    write_config(d.paths, tiny_config(model) + f'[bundles]\nmanifest = "{manifest}"\n')
+    d.start()
+    try:
+        st = d.wait_state("ready", timeout=300)
+        assert st["backend"] == "cpu" and st["variant"] == meta.variant
+        steps = [(r["event"], r["to_state"], r["reason"]) for r in reversed(d.history(machine="fallback"))]
+        assert ("CheckFailed", "installing", "bundle_missing") in steps
+        assert ("BundleInstalled", "checking", None) in steps
+        assert steps[-1][:2] == ("LaunchSucceeded", "settled")
+        install = [r["to_state"] for r in reversed(d.history(machine=f"install:cpu-{meta.variant}"))]
+        assert install[-1] == "installed" and "smoke_testing" in install
+        assert [r.range for r in fault_server.requests("/cpu.zip")][1] is not None  # resumed after the cut
+    finally:
+        d.stop()
+        for proc in servers_for(model):
+            proc.kill()
