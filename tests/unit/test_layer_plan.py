@@ -1,0 +1,33 @@
+"""Layer planning's why: GGUF header estimate against free VRAM, then the engine's own lines."""
+
+from __future__ import annotations
+
+from daemon.bundles.tinymodel import write_tiny_model
+from daemon.layer_plan import MIB, estimate, free_vram, why_actual, why_planned
+
+
+def test_kv_estimate_from_the_header(tmp_path):
+    model = write_tiny_model(tmp_path / "m.gguf", n_layer=2, n_embd=128, n_head=2)
+    est = estimate(model, 4096, free_vram_mib=1500, device="0: GPU")
+    # 2 layers x 4096 tokens x 2 KV heads x (64 + 64) dims x 2 bytes (f16)
+    assert est.n_layer == 2 and est.kv_mib == 2 * 4096 * 2 * 128 * 2 / MIB
+    assert abs(est.model_mib - model.stat().st_size / MIB) < 1e-9
+    assert est.fits is True  # ~1.6 MiB model + 4 MiB KV + 1024 MiB margin <= 1500 MiB free
+    assert estimate(model, 4096, 1000).fits is False  # the margin alone does not fit
+    assert estimate(model, 4096, None).fits is None  # no VRAM figure: the engine decides
+
+
+def test_why_sentences(tmp_path):
+    model = write_tiny_model(tmp_path / "m.gguf")
+    est = estimate(model, 2048, 143150, "0: NVIDIA H200")
+    text = why_planned("cuda", est)
+    assert "139.8 GiB free VRAM on 0: NVIDIA H200" in text and "KV 2 MiB at ctx 2048" in text
+    assert "all layers should fit" in text
+    tight = estimate(model, 2048, 1000, "0: small")
+    assert "not everything fits" in why_planned("cuda", tight)
+    assert why_planned("cpu", None, "gpu_missing") == "CPU plan: nothing is offloaded (gpu_missing)"
+    after = why_actual("cuda", text, {"offloaded_layers": 3, "total_layers": 3, "n_ctx": 2048,
+                                      "buffers": [{"kind": "KV", "device": "CUDA0", "mib": 2.0}]})
+    assert after.endswith("engine offloaded 3/3; KV CUDA0 2 MiB; n_ctx 2048")
+    assert free_vram([{"index": 0, "name": "a", "memory_free_mib": 10},
+                      {"index": 1, "name": "b", "memory_free_mib": 20}]) == (20, "1: b")
