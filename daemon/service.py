@@ -235,6 +235,9 @@ def main(paths: StokerPaths, *, log_level: str = "info") -> int:
         level=getattr(logging, log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # Per-request lines from the HTTP client would drown the daemon's own story.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         trio.run(run_daemon, paths)
     except StokerError as err:

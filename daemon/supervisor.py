@@ -271,6 +271,10 @@ class Supervisor:
             if err.reason in (ReasonCode.SERVER_STALLED, ReasonCode.SERVER_START_TIMEOUT):
                 self.offer(L.StallTimeout())
             return  # an exit is reported by _run_server
+        # With port 0 the port is known only now: the identity must carry it to be provable.
+        if handle.identity.port != report.port:
+            handle.identity = attrs.evolve(handle.identity, port=report.port, host=report.host)
+        write_identity(self.identity_file, handle.identity)
         evidence = report.to_evidence()
         await self._ready(evidence)
 
