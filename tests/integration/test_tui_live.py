@@ -103,7 +103,8 @@ def test_keys_reach_the_daemon_and_the_screen_follows(daemon, model):
             assert servers_for(model) == []
             history = app.query_one(HistoryView)
             await until(pilot, lambda: history.rows[0]["to_state"] == "stopped", what="the live transition")
-            assert [r["to_state"] for r in history.rows[:2]] == ["stopped", "stopping"]
+            launch_rows = [r["to_state"] for r in history.rows if r["machine_id"] == "launch"]
+            assert launch_rows[:2] == ["stopped", "stopping"]
             panel = app.query_one(TelemetryPanel)
             await until(pilot, lambda: (panel.sample or {}).get("activity") == "stopped", what="telemetry to stop")
 
