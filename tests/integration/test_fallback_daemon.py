@@ -134,8 +134,9 @@ def test_install_streams_progress_lines(stoker_home, tmp_path, fault_server):
         assert progress and progress[-1]["bytes_done"] == len(data)
         assert lines[-1]["ok"] is True and lines[-1]["installed"]["variant"] == "compat"
         assert (d.paths.bundles_dir / "cpu-compat" / "bundle.json").exists()
-        # A failure exits 1 with the reason and the evidence.
-        fault_server.set_fault("/cpu-compat.zip", Fault(status=404))
+        # A newer bundle that cannot be fetched: exit 1 with the reason and the evidence.
+        newer = make_bundle_zip(tmp_path, "newer.zip", variant="compat", smoke_tokens=None).read_bytes()
+        _manifest_for(tmp_path, fault_server.url("/gone.zip"), newer, "compat")
         bad = stoker(d, "install", "cpu", "--variant", "compat", "--json")
         assert bad.returncode == 1
         error = json.loads(bad.stdout)["error"]
