@@ -42,7 +42,10 @@ __all__ = [
 DEFAULT_GRACE = 10.0
 # After SIGKILL: how long to wait for the kernel to reap (a process in D state can linger).
 KILL_WAIT = 5.0
-_POLL_LOADING = 0.02  # the log is read this often until the model is loaded
+# How often the log is read: often early (a small model loads in ~0.1 s and time-to-ready
+# counts), less while a big model loads, rarely once it serves. A read is one small pread.
+_POLL_EARLY, _EARLY_FOR = 0.005, 2.0
+_POLL_LOADING = 0.02
 _POLL_SERVING = 0.25
 
 
@@ -314,7 +317,14 @@ async def _follow_log(handle: ServerHandle) -> None:
                 handle.identity = attrs.evolve(handle.identity, port=handle.port)
                 _record_identity(handle)
             handle._notify()
-        await trio.sleep(_POLL_SERVING if handle.log.model_loaded else _POLL_LOADING)
+        await trio.sleep(_poll_interval(handle))
+
+
+def _poll_interval(handle: ServerHandle) -> float:
+    if handle.log.listening:
+        return _POLL_SERVING
+    early = trio.current_time() - handle.started_clock < _EARLY_FOR
+    return _POLL_EARLY if early else _POLL_LOADING
 
 
 def _record_identity(handle: ServerHandle) -> None:
