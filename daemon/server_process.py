@@ -355,15 +355,34 @@ def _finish(handle: ServerHandle) -> None:
 
 
 def _oom_kill_count() -> int | None:
-    """The kernel OOM killer's count for our cgroup (v2); the child starts in the same one."""
+    """The kernel OOM killer's count for our memory cgroup; the child starts in the same one.
+
+    cgroup v2: `memory.events`; v1: `memory.oom_control`. In a container the cgroup path
+    named in /proc/self/cgroup may not be mounted, so the mount root is tried as well.
+    """
     try:
-        rel = Path("/proc/self/cgroup").read_text().strip().split("\n")[0].split("::", 1)[1]
-        for line in Path("/sys/fs/cgroup", rel.lstrip("/"), "memory.events").read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-    except (OSError, IndexError, ValueError):
-        pass
+        entries = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    candidates: list[Path] = []
+    for entry in entries:
+        parts = entry.split(":", 2)
+        if len(parts) != 3:
+            continue
+        controllers, rel = parts[1], parts[2].lstrip("/")
+        if controllers == "":
+            candidates += [Path("/sys/fs/cgroup", rel, "memory.events"), Path("/sys/fs/cgroup/memory.events")]
+        elif "memory" in controllers.split(","):
+            base = Path("/sys/fs/cgroup/memory")
+            candidates += [base / rel / "memory.oom_control", base / "memory.oom_control"]
+    for path in candidates:
+        try:
+            for line in path.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            continue
     return None
 
 
