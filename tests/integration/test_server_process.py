@@ -7,6 +7,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 
 import attrs
 import httpx
@@ -38,11 +39,14 @@ def spec(installed_cpu_bundle, tiny_model):
 
 
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    """A live (non-zombie) process in the group: an orphan's zombie waits for init to reap it."""
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return False
 
 
 async def test_start_ready_serve_with_the_key_stop(spec, tmp_path):
@@ -185,3 +189,37 @@ async def test_a_rejected_command_line_is_server_bad_arguments(spec, tmp_path):
             report = await handle.wait_exit()
     assert report.reason == ReasonCode.SERVER_BAD_ARGUMENTS and report.returncode == 1
     assert report.evidence["line"] == "error: invalid argument: --no-such-option"
+
+
+_DAEMON = """
+import sys, trio
+from daemon.server_process import ServerSpec, serve_server
+spec = ServerSpec(server_path=sys.argv[1], model_path=sys.argv[2], ctx_size=512, parallel=1, threads=1)
+trio.run(lambda: serve_server(spec, log_path=sys.argv[3], identity_path=sys.argv[4]))
+"""
+
+
+async def test_a_server_outlives_its_killed_daemon_and_is_adopted(spec, tmp_path):
+    ident_path = tmp_path / "run" / "server.json"
+    log_path = tmp_path / "server.log"
+    argv = [sys.executable, "-c", _DAEMON, str(spec.server_path), str(spec.model_path), str(log_path), str(ident_path)]
+    with trio.fail_after(TIMEOUT):
+        daemon = await trio.lowlevel.open_process(argv)
+        try:
+            while (ident := read_identity(ident_path)) is None or ident.port is None:
+                await trio.sleep(0.05)
+        finally:
+            daemon.kill()  # the daemon dies with -9: no cleanup runs
+            await daemon.wait()
+        adopted = None
+        while adopted is None:  # listening is logged a moment before /health says 200
+            adopted = await adopt(ident)
+            await trio.sleep(0.05)
+        async with httpx.AsyncClient(base_url=adopted.base_url, trust_env=False, timeout=20) as client:
+            resp = await client.post("/completion", json={"prompt": "hi", "n_predict": 2}, headers=adopted.auth_headers)
+            assert resp.status_code == 200
+        assert await adopted.stop(grace=10)
+        reason, evidence = await adopted.wait_exit()
+    assert not _group_alive(ident.pgid)
+    assert not os.path.exists(ident.launch_dir)
+    assert reason == ReasonCode.SERVER_CRASHED and evidence["returncode"] is None  # not our child
