@@ -272,8 +272,8 @@ async def serve_server(
         oom_kills_at_start=oom_kills,
         identity_path=identity_path,
     )
-    _record_identity(handle)
     try:
+        _record_identity(handle)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_follow_log, handle)
             task_status.started(handle)
@@ -284,7 +284,7 @@ async def serve_server(
             if process.returncode is None:  # cancelled or failed: we end it
                 handle.stop_requested = True
                 await _terminate(handle, grace)
-            _kill_survivors(handle)
+            _kill_survivors(handle, reaped_at=time.time())
             _finish(handle)
             shutil.rmtree(launch_dir, ignore_errors=True)
             _forget_identity(handle)
@@ -395,11 +395,20 @@ def _signal_group(handle: ServerHandle, sig: signal.Signals) -> None:
             pass
 
 
-def _kill_survivors(handle: ServerHandle) -> None:
-    """SIGKILL what is left of the group once the leader is reaped (proven by pgid and age)."""
+def _kill_survivors(handle: ServerHandle, reaped_at: float) -> None:
+    """SIGKILL what is left of the group once the leader is reaped.
+
+    A survivor has our pgid, is not a group leader (ours is gone) and was born between the
+    server's start and the leader's reap: a group that reuses the pgid can only be born after
+    ours emptied, and its leader has pid == pgid.
+    """
     for proc in psutil.process_iter(["create_time"]):
         try:
-            if os.getpgid(proc.pid) == handle.pgid and proc.info["create_time"] >= handle.identity.create_time:
+            if (
+                proc.pid != handle.pgid
+                and os.getpgid(proc.pid) == handle.pgid
+                and handle.identity.create_time <= proc.info["create_time"] <= reaped_at
+            ):
                 proc.send_signal(signal.SIGKILL)  # psutil refuses a reused pid
         except (ProcessLookupError, psutil.Error, OSError):
             continue

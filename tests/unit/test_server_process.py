@@ -12,6 +12,7 @@ import signal
 import sys
 import textwrap
 
+import psutil
 import pytest
 import trio
 
@@ -153,3 +154,25 @@ async def test_a_missing_binary_is_server_spawn_failed(tmp_path):
             with pytest.raises(StokerError) as err:
                 await start_server(nursery, spec, log_path=tmp_path / "s.log")
     assert err.value.reason == ReasonCode.SERVER_SPAWN_FAILED
+
+
+async def test_a_leader_that_exits_leaves_no_survivor_in_its_group(tmp_path):
+    spec = _fake_server(tmp_path, """\
+        import subprocess, sys
+        child = subprocess.Popen(["sleep", "60"])
+        print(f"child {child.pid}", flush=True)
+        sys.exit(3)
+    """)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            handle = await start_server(nursery, spec, log_path=tmp_path / "s.log")
+            report = await handle.wait_exit()
+        assert report.returncode == 3 and report.reason == ReasonCode.SERVER_CRASHED
+        child = int(report.evidence["log_tail"][-1].split()[1])
+        while True:  # killed; init reaps the orphan in its own time
+            try:
+                if psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            await trio.sleep(0.05)
