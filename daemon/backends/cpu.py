@@ -162,15 +162,44 @@ class CpuBackend(Backend):
         return sorted(safe)[0] if len(safe) == 1 else None
 
     def explain_bundle(self, detection: Detection, bundle_meta: Mapping[str, Any]) -> BundleCheck:
-        """A bundle compiled for features this CPU cannot execute would die with SIGILL."""
+        """A bundle compiled for features this CPU cannot execute would die with SIGILL.
+
+        `cpu_requires` lists /proc/cpuinfo flags, or "native" for a -march=native build of
+        this host: that one needs every advertised feature proven, and is refused on an AMX
+        CPU when GCC <= 12 built it (its `_tile_loadconfig` miscompiles ggml's tile config,
+        so the engine dies at `tilezero` on any AMX machine; docs/backends.md).
+        """
         required = set(bundle_meta.get("cpu_requires") or ())
+        ev = detection.evidence
+        usable = set(ev.get("usable", ()))
+        advertised = set(ev.get("advertised", ()))
+        if "native" in required:
+            required.discard("native")
+            unproven = sorted((advertised - usable) | set(ev.get("untested", ())))
+            if unproven:
+                return BundleCheck(
+                    R.CPU_ILLEGAL_INSTRUCTION,
+                    f"A -march=native bundle needs every advertised feature; not proven here: "
+                    f"{', '.join(unproven)}. Use the avx2 or compat variant.",
+                    {"cpu_requires": ["native"], "unproven": unproven},
+                )
+            compiler = str((bundle_meta.get("build") or {}).get("compiler") or "")
+            gcc = gcc_major(compiler)
+            amx = sorted(f for f in advertised if f.startswith("amx"))
+            if amx and gcc is not None and gcc <= 12:
+                return BundleCheck(
+                    R.CPU_ILLEGAL_INSTRUCTION,
+                    f"This native bundle was built by GCC {gcc}, whose _tile_loadconfig drops ggml's AMX tile "
+                    "configuration: it dies with SIGILL at tilezero on any AMX CPU. Use the avx2 variant, or "
+                    "rebuild with a newer compiler or with AMX off.",
+                    {"compiler": compiler, "amx": amx},
+                )
         if not required:
             return BUNDLE_FITS
-        usable = set(detection.evidence.get("usable", ()))
         missing = sorted(required - usable)
         if not missing:
             return BUNDLE_FITS
-        faulting = sorted(set(missing) & set(detection.evidence.get("unusable", ())))
+        faulting = sorted(set(missing) & set(ev.get("unusable", ())))
         detail = (
             f"advertised but faulting here: {', '.join(faulting)}" if faulting else f"not available: {', '.join(missing)}"
         )
@@ -179,3 +208,12 @@ class CpuBackend(Backend):
             f"This CPU bundle needs {', '.join(missing)} ({detail}); use a safer CPU variant.",
             {"cpu_requires": sorted(required), "missing": missing, "faulting": faulting},
         )
+
+
+def gcc_major(compiler_version_line: str) -> int | None:
+    """GCC's major version from `c++ --version`'s first line; None for clang or unknown."""
+    line = compiler_version_line.strip()
+    if not line or "clang" in line.lower():
+        return None
+    m = re.search(r"\)\s+(\d+)\.\d+", line) or re.search(r"(\d+)\.\d+(?:\.\d+)?\s*$", line)
+    return int(m.group(1)) if m else None

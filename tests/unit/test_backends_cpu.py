@@ -147,3 +147,37 @@ def test_cpu_has_no_offload_args_and_none_signature():
 def test_parsers_tolerate_junk(text):
     assert parse_cpuinfo(text) == (None, frozenset())
     assert parse_meminfo(text) == (None, None)
+
+
+def test_native_bundle_needs_every_advertised_feature_proven(tmp_path):
+    b = CpuBackend()
+    native = {"cpu_requires": ["native"], "build": {"compiler": "c++ (GCC) 14.2.0"}}
+    faulty = cpu(tmp_path / "a", rec.CPUINFO_SPR_VM, tester=recorded_tester(faulting={"amx_tile"})).detect()
+    check = b.explain_bundle(faulty, native)
+    assert check.reason == R.CPU_ILLEGAL_INSTRUCTION and check.evidence["unproven"] == ["amx_tile"]
+    proven = cpu(tmp_path / "b", rec.CPUINFO_SPR_VM, tester=recorded_tester()).detect()
+    assert b.check_bundle(proven, native) is None
+
+
+def test_native_amx_bundle_built_by_gcc_12_is_refused(tmp_path):
+    """GCC 12.2's _tile_loadconfig drops the tile config stores: SIGILL at tilezero (verified here)."""
+    b = CpuBackend()
+    proven = cpu(tmp_path / "a", rec.CPUINFO_SPR_VM, tester=recorded_tester()).detect()
+    gcc12 = {"cpu_requires": ["native"], "build": {"compiler": "c++ (Debian 12.2.0-14+deb12u1) 12.2.0"}}
+    check = b.explain_bundle(proven, gcc12)
+    assert check.reason == R.CPU_ILLEGAL_INSTRUCTION
+    assert check.evidence["amx"] == ["amx_bf16", "amx_int8", "amx_tile"]
+    clang = {"cpu_requires": ["native"], "build": {"compiler": "Debian clang version 16.0.6 (15)"}}
+    assert b.check_bundle(proven, clang) is None
+    haswell = cpu(tmp_path / "b", rec.CPUINFO_HASWELL, tester=recorded_tester()).detect()
+    assert b.check_bundle(haswell, gcc12) is None  # no AMX, no miscompiled path
+
+
+def test_gcc_major():
+    from daemon.backends.cpu import gcc_major
+
+    assert gcc_major("c++ (Debian 12.2.0-14+deb12u1) 12.2.0") == 12
+    assert gcc_major("g++ (GCC) 14.2.1 20240912 (Red Hat 14.2.1-3)") == 14
+    assert gcc_major("gcc 11.4.0") == 11
+    assert gcc_major("Ubuntu clang version 18.1.3 (1ubuntu1)") is None
+    assert gcc_major("") is None
