@@ -11,7 +11,7 @@ import attrs
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from states import fallback as F, install as I, launch as L, probe as PR
+from states import config as C, fallback as F, install as I, launch as L, probe as PR
 from states.diagrams import SPECS, document, mermaid
 from states.fallback import FallbackData, Skipped
 from states.install import InstallData
@@ -212,6 +212,10 @@ SAMPLES = {
         F.BundleInstallFailed("cuda", ReasonCode.CUDA_BUNDLE_INSTALL_FAILED),
         *[F.LaunchSucceeded(b) for b in ("cuda", "cpu")], F.LaunchFailed("cuda", ReasonCode.CUDA_STARTUP_FAILED),
         F.FallbackCancelled(),
+    ],
+    "config": [
+        C.ConfigAccepted(), C.ConfigAccepted(("server.ctx_size",), relaunch=True),
+        C.ConfigRejected(("server.ctx_size: must be an integer",)),
     ],
 }
 
