@@ -49,10 +49,12 @@ class ServerIdentity:
     launch_dir: str | None = None
 
     def to_json(self) -> str:
+        """The record as JSON (what `write_identity` stores)."""
         return json.dumps(attrs.asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "ServerIdentity":
+        """Parse a stored record; unknown keys are ignored."""
         data = json.loads(text)
         fields = {f.name for f in attrs.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in fields})
@@ -63,6 +65,7 @@ class ServerIdentity:
 
 
 def cmdline_digest(argv: Sequence[str]) -> str:
+    """sha256 of the argv joined by NULs, as /proc/PID/cmdline holds it."""
     return hashlib.sha256("\0".join(argv).encode()).hexdigest()
 
 
@@ -160,6 +163,7 @@ class AdoptedServer:
         return {"Authorization": f"Bearer {self.identity.api_key}"}
 
     def is_running(self) -> bool:
+        """True while the recorded process (pid, start time, exe) is alive and not a zombie."""
         return matching_process(self.identity) is not None
 
     async def wait_exit(self, poll: float = 0.5) -> tuple[ReasonCode, dict[str, Any]]:
@@ -171,6 +175,7 @@ class AdoptedServer:
         return reason, evidence
 
     async def stop(self, grace: float) -> bool:
+        """`stop_orphan` for this server; False if it could no longer be proven ours."""
         return await stop_orphan(self.identity, grace)
 
 
