@@ -132,7 +132,7 @@ class ServerHandle:
     launch_dir: Path
     argv: list[str]
     started_at: float  # wall clock
-    started_clock: float  # trio clock
+    started_clock: float  # trio clock, just after the spawn
     identity: ServerIdentity
     exit: ExitReport | None = None
     stop_requested: bool = False

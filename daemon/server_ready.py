@@ -39,6 +39,8 @@ _BUFFER = re.compile(r"(\S+)\s+(model|KV|compute|output|RS) buffer size =\s*([\d
 _DEVICE = re.compile(r"using device (\S+) \((.*?)\)")
 _META = re.compile(r"loaded meta data with \d+ key-value pairs and \d+ tensors from (.+?) \(version")
 _N_CTX = re.compile(r"llama_context: n_ctx\s+= (\d+)")
+# The engine's own line prefix: minutes.seconds.millis.micros since it started, and a level.
+_STAMP = re.compile(r"^(\d+)\.(\d\d)\.(\d\d\d)\.(\d\d\d) [A-Z] ")
 _MODEL_LOADED = re.compile(r"\bmodel loaded$")
 
 
@@ -105,6 +107,15 @@ class ServerLog:
             self.n_ctx = int(m.group(1))
 
 
+def engine_seconds(line: str) -> float | None:
+    """Seconds since the engine started, from its log-line prefix (`0.07.699.316 I ...`)."""
+    m = _STAMP.match(line)
+    if m is None:
+        return None
+    minutes, secs, millis, micros = (int(g) for g in m.groups())
+    return round(minutes * 60 + secs + millis / 1e3 + micros / 1e6, 6)
+
+
 @attrs.frozen
 class ReadyReport:
     """Evidence that a server is ready, from its log and its own endpoints."""
@@ -122,7 +133,8 @@ class ReadyReport:
     devices: tuple[str, ...]
     buffers: tuple[BufferSize, ...]
     build_info: str | None
-    load_seconds: float  # spawn to "model loaded"
+    load_seconds: float  # spawn to reading "model loaded" (our clock)
+    engine_load_seconds: float | None  # the engine's own timestamp on "model loaded"
     ready_seconds: float  # spawn to the first /health 200
     log_path: Path
     evidence_lines: dict[str, str]
@@ -200,6 +212,7 @@ async def _ready_report(client: httpx.AsyncClient, handle: ServerHandle, ready_c
         buffers=tuple(log.buffers),
         build_info=props.get("build_info"),
         load_seconds=round((log.loaded_at or ready_clock) - handle.started_clock, 4),
+        engine_load_seconds=engine_seconds(log.evidence.get("model_loaded", "")),
         ready_seconds=round(ready_clock - handle.started_clock, 4),
         log_path=handle.log_path,
         evidence_lines=dict(log.evidence),

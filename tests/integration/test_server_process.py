@@ -63,6 +63,7 @@ async def test_start_ready_serve_with_the_key_stop(spec, tmp_path):
             assert report.total_slots == 1 and report.n_ctx == 512
             assert any(b.kind == "model" for b in report.buffers)
             assert report.build_info and 0 < report.load_seconds <= report.ready_seconds
+            assert report.engine_load_seconds is not None and report.engine_load_seconds > 0
 
             async with httpx.AsyncClient(base_url=report.base_url, trust_env=False, timeout=20) as client:
                 body = {"prompt": "hello", "n_predict": 4}

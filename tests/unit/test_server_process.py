@@ -26,6 +26,7 @@ from daemon.server_process import (
     stop_server,
     wait_ready,
 )
+from daemon.server_ready import engine_seconds
 from states.reasons import ReasonCode
 
 # Recorded from the CPU build (-lv 4 --log-colors off), abridged.
@@ -90,6 +91,12 @@ async def test_log_facts_are_parsed(tmp_path):
     assert log.devices == ["CUDA0 (NVIDIA H200)"]
     assert log.model_loaded and log.listening == ("127.0.0.1", 41235)
     assert not log.poll()  # nothing new
+
+
+def test_engine_timestamps():
+    assert engine_seconds("0.07.699.316 I srv  llama_server: model loaded") == 7.699316
+    assert engine_seconds("2.03.000.001 I x") == 123.000001
+    assert engine_seconds("error: invalid argument: --x") is None
 
 
 async def test_a_stalled_load_is_server_stalled_and_stop_ends_it(tmp_path):
