@@ -28,7 +28,7 @@ _FA_RESOLVED = re.compile(r"Flash Attention (enabled|not supported)")
 _KV_CACHE = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,.*K \((\w+)\):.*V \((\w+)\)")
 _SWA_CREATE = re.compile(r"creating\s+SWA KV cache, size = (\d+) cells")
 _KV_BUFFER = re.compile(r"KV buffer size =\s*([\d.]+) MiB")
-_INT_PARAM = re.compile(r"llama_context: (n_ubatch|n_seq_max|n_ctx)\s+= (\d+)")
+_INT_PARAM = re.compile(r"llama_context: (n_ubatch|n_seq_max|n_ctx|n_ctx_seq)\s+= (\d+)")
 _UNIFIED = re.compile(r"llama_context: kv_unified\s+= (true|false)")
 
 
@@ -44,6 +44,7 @@ class KVLog:
     swa_mib: float | None = None
     swa_full: bool = False
     n_ctx: int | None = None  # all slots together
+    n_ctx_seq: int | None = None  # the KV cache's cells per sequence (slot)
     n_ubatch: int | None = None
     n_seq_max: int | None = None
     kv_unified: bool | None = None
@@ -137,7 +138,9 @@ def identity_of_server(*, model_sha256: str, engine_build: str, props: Mapping[s
     return {
         "model_sha256": model_sha256,
         "engine_build": engine_build,
-        "n_ctx": settings.get("n_ctx"),
+        # The KV layout's cells per slot; /props may report less (capped at the model's
+        # training context), which would hide a changed context size.
+        "n_ctx": kv.n_ctx_seq or settings.get("n_ctx"),
         "n_slots": props.get("total_slots"),
         "flash_attn": kv.flash_attn or config_flash_attn,
         "cache_type_k": kv.cache_type_k or "f16",

@@ -89,6 +89,7 @@ def test_backend_is_not_identity(catalog):
 GEMMA_LOG = """\
 llama_context: n_seq_max             = 1
 llama_context: n_ctx                 = 8192
+llama_context: n_ctx_seq             = 8192
 llama_context: n_ubatch              = 512
 llama_context: flash_attn            = auto
 llama_context: kv_unified            = false
@@ -106,7 +107,7 @@ llama_context: Flash Attention enabled
 def test_kv_log_facts_and_swa_full_cost():
     kv = KVLog.parse(GEMMA_LOG.splitlines())
     assert (kv.flash_attn, kv.cache_type_k, kv.cache_type_v, kv.swa_full) == ("on", "q8_0", "q8_0", True)
-    assert (kv.kv_mib, kv.swa_mib, kv.swa_cells, kv.n_ctx, kv.n_ubatch) == (144.0, 120.0, 8192, 8192, 512)
+    assert (kv.kv_mib, kv.swa_mib, kv.swa_cells, kv.n_ctx, kv.n_ctx_seq, kv.n_ubatch) == (144.0, 120.0, 8192, 8192, 8192, 512)
     facts = facts_from_header({"general.architecture": "gemma3", "gemma3.attention.sliding_window": 512,
                                "gemma3.attention.head_count": 4})
     report = swa_report(facts, kv, swa_full=True)

@@ -1,0 +1,351 @@
+"""KV snapshots through a real daemon and the real engine: the token-identical gate, every
+refusal, a full disk and a daemon killed during a save."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from daemon.errors import StokerError
+from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
+
+pytestmark = [pytest.mark.engine]
+
+PROMPT = "hello world, this conversation goes on for a while"  # byte tokens mostly: ~50 of ctx 256
+MORE = " and then some more"
+
+
+@pytest.fixture
+def model(tiny_model, tmp_path):
+    path = tmp_path / "tiny.gguf"
+    shutil.copy(tiny_model, path)
+    return path
+
+
+@pytest.fixture
+def daemon(stoker_home, installed_cpu_bundle, model):
+    d = DaemonProcess(stoker_home)
+    write_config(d.paths, tiny_config(model, snapshots=True))
+    yield d
+    d.stop()
+    leftovers = servers_for(model)
+    for proc in leftovers:
+        proc.kill()
+    assert not leftovers, f"servers left behind: {[p.pid for p in leftovers]}"
+
+
+class Engine:
+    """The ready server's HTTP API, with the per-launch key from `stoker status`."""
+
+    def __init__(self, status: dict) -> None:
+        self.url = status["endpoint"]
+        self.headers = {"Authorization": f"Bearer {status['api_key']}"}
+
+    def post(self, path: str, body: dict) -> dict:
+        resp = httpx.post(self.url + path, json=body, headers=self.headers, timeout=300)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.post("/tokenize", {"content": text})["tokens"]
+
+    def complete(self, tokens: list[int], n: int = 12) -> tuple[list[int], dict]:
+        out = self.post("/completion", {"prompt": tokens, "n_predict": n, "temperature": 0, "cache_prompt": True,
+                                        "return_tokens": True, "id_slot": 0})
+        return out["tokens"], out["timings"]
+
+    def erase(self, slot: int = 0) -> None:
+        self.post(f"/slots/{slot}?action=erase", {})
+
+
+def relaunched(d: DaemonProcess, old_pid: int, timeout: float = 120) -> dict:
+    return d.wait_for(lambda s: s["state"] == "ready" and s["pid"] != old_pid, timeout, "a relaunched server")
+
+
+def gate(d: DaemonProcess, n: int = 12, prompt: str = PROMPT) -> dict:
+    """Greedy continuation after restart + restore == the same server's uninterrupted one."""
+    st = d.wait_state("ready", timeout=300)
+    eng = Engine(st)
+    first = eng.tokenize(prompt)
+    gen1, _ = eng.complete(first, n)
+    second = first + gen1 + eng.tokenize(MORE)
+    reference, _ = eng.complete(second, n)  # uninterrupted: the slot's cache carries req 1
+    eng.erase()
+    again, _ = eng.complete(first, n)
+    assert again == gen1
+    d.call("restart")  # saves slot 0 (cause restart), relaunches, restores before ready
+    st = relaunched(d, st["pid"], 300)
+    report = st["snapshots"]
+    assert report["enabled"] and report["benefit"] and len(report["restored"]) == 1, report
+    assert report["restored"][0]["n_tokens"] >= len(first)
+    eng = Engine(st)
+    after, timings = eng.complete(second, n)
+    assert after == reference
+    # Only the new tokens were processed: the restored cache served the rest.
+    assert timings["prompt_n"] <= len(second) - len(first), timings
+    listed = d.call("snapshot.list")["snapshots"]
+    assert listed[0]["cause"] == "restart" and listed[0]["fits_server"] is True
+    return st
+
+
+def test_gate_tiny_model_token_identical_after_restart(daemon):
+    daemon.start()
+    gate(daemon)
+
+
+@pytest.mark.gemma
+@pytest.mark.slow
+def test_gate_gemma_token_identical_after_restart(stoker_home, installed_cpu_bundle):
+    """Gemma 3 is a sliding-window model: the conversation is longer than its 512-token window,
+    and Stoker must have added --swa-full for the restore to spare the prefill."""
+    from daemon.models import resolve_model
+
+    d = DaemonProcess(stoker_home)
+    model = resolve_model("gemma3-270m", d.paths)
+    write_config(d.paths, tiny_config(model, snapshots=True, ctx_size=2048, stall_timeout_s=120.0,
+                                      ready_timeout_s=300.0))
+    d.start()
+    try:
+        long_prompt = " ".join(["The river carried the old boat past the mill and the quiet town."] * 50)
+        st = gate(d, n=16, prompt=long_prompt)
+        report = st["snapshots"]
+        assert report["swa_full"] is True and report["model"]["sliding_window"] == 512
+        assert report["swa_full_cost_mib"] > 0 and report["kv_mib_with_swa_full"] > report["kv_mib_without_swa_full"]
+    finally:
+        d.stop()
+
+
+def _saved(d: DaemonProcess) -> dict:
+    st = d.wait_state("ready")
+    eng = Engine(st)
+    eng.complete(eng.tokenize(PROMPT), 8)
+    saved = d.call("snapshot.save")["saved"]
+    assert len(saved) == 1 and saved[0]["slot_id"] == 0 and saved[0]["cause"] == "manual"
+    return saved[0]
+
+
+def _refused(d: DaemonProcess, reason: str, **params) -> dict:
+    with pytest.raises(StokerError) as err:
+        d.call("snapshot.restore", **params)
+    assert err.value.reason == reason, err.value.to_dict()
+    st = d.call("status")
+    assert st["state"] == "ready"  # a refusal never breaks the server
+    Engine(st).complete(Engine(st).tokenize("still serving"), 2)
+    return err.value.evidence
+
+
+def test_refused_tampered_truncated_bad_slot_and_engine(daemon):
+    daemon.start()
+    snap = _saved(daemon)
+    path = daemon.paths.snapshots_dir / snap["filename"]
+    good = path.read_bytes()
+    assert good[:4] == b"qsgg"  # the engine's magic 'ggsq', little-endian
+    assert daemon.call("snapshot.restore", id=snap["id"])["n_tokens"] == snap["n_tokens"]
+    # Bad slot ids: the engine would wrap 1 onto slot 0 (id % n_slots).
+    assert _refused(daemon, "snapshot_bad_slot", id=snap["id"], slot=1)["n_slots"] == 1
+    _refused(daemon, "snapshot_bad_slot", id=snap["id"], slot=-1)
+    _refused(daemon, "snapshot_not_found", id=snap["id"] + 100)
+    # Tampered: same size, one byte flipped.
+    path.write_bytes(good[:-10] + bytes([good[-10] ^ 0xFF]) + good[-9:])
+    ev = _refused(daemon, "snapshot_corrupt", id=snap["id"])
+    assert ev["digest_matches"] is False and ev["found_size"] == len(good)
+    # Truncated.
+    path.write_bytes(good[: len(good) // 2])
+    assert _refused(daemon, "snapshot_corrupt", id=snap["id"])["found_size"] == len(good) // 2
+    path.write_bytes(good)
+    # Another engine build in the catalogue: refused before the engine sees it.
+    with sqlite3.connect(daemon.paths.db_file) as db:
+        db.execute("update snapshots set engine_build = 'b1 build 1 commit other' where id = ?", [snap["id"]])
+    _refused(daemon, "snapshot_engine_mismatch", id=snap["id"])
+
+
+def test_engine_refusal_clears_the_slot_and_the_server_keeps_serving(daemon):
+    daemon.start()
+    snap = _saved(daemon)
+    path = daemon.paths.snapshots_dir / snap["filename"]
+    # A file that passes Stoker's checks (its catalogue row is rewritten to match) but not the engine's.
+    bad = b"qsgg" + b"\x04\x00\x00\x00" + b"\xff\xff\xff\x7f" + b"\x00" * 64
+    path.write_bytes(bad)
+    import hashlib
+
+    with sqlite3.connect(daemon.paths.db_file) as db:
+        db.execute("update snapshots set file_size = ?, file_sha256 = ? where id = ?",
+                   [len(bad), hashlib.sha256(bad).hexdigest(), snap["id"]])
+    ev = _refused(daemon, "snapshot_restore_failed", id=snap["id"])
+    assert ev["status"] == 400
+    slots = httpx.get(daemon.call("status")["endpoint"] + "/slots",
+                      headers=Engine(daemon.call("status")).headers, timeout=30).json()
+    assert slots[0]["is_processing"] is False
+
+
+def test_refused_after_ctx_parallel_and_model_change(daemon, model, tmp_path):
+    daemon.start()
+    snap = _saved(daemon)
+    # Context size changed: the relaunched server refuses the snapshot on its own (auto) ...
+    pid = daemon.call("status")["pid"]
+    write_config(daemon.paths, tiny_config(model, snapshots=True, ctx_size=512))
+    st = relaunched(daemon, pid)
+    assert st["n_ctx"] == 512
+    refused = st["snapshots"]["refused"]
+    assert refused and refused[0]["reason"] == "snapshot_layout_mismatch"
+    assert set(refused[0]["evidence"]["differs"]) == {"n_ctx"}
+    # ... and on demand.
+    assert "n_ctx" in _refused(daemon, "snapshot_layout_mismatch", id=snap["id"])["differs"]
+    # Parallel changed (slot count, and so the context per slot).
+    write_config(daemon.paths, tiny_config(model, snapshots=True, parallel=2, ctx_size=512))
+    st = relaunched(daemon, st["pid"])
+    assert st["snapshots"]["refused"] and st["snapshots"]["restored"] == []
+    assert "n_slots" in _refused(daemon, "snapshot_layout_mismatch", id=snap["id"])["differs"]
+    # Another model (same architecture and shapes, other weights): the engine would take it.
+    from daemon.bundles.tinymodel import write_tiny_model
+
+    other = write_tiny_model(tmp_path / "other.gguf", seed=7)
+    write_config(daemon.paths, tiny_config(other, snapshots=True))
+    st = relaunched(daemon, st["pid"])
+    assert st["model"] == str(other)
+    assert st["snapshots"]["restored"] == [] and st["snapshots"]["refused"] == []  # none for this model
+    _refused(daemon, "snapshot_model_mismatch", id=snap["id"])
+    listed = daemon.call("snapshot.list")["snapshots"]
+    assert {r["why_not"] for r in listed} == {"snapshot_model_mismatch"}
+    # Back on the first model and settings: the newest snapshot that fits is restored by itself.
+    fits = [r for r in listed if (r["n_ctx"], r["n_slots"]) == (256, 1)]
+    assert len(fits) >= 2 and len(listed) > len(fits)
+    write_config(daemon.paths, tiny_config(model, snapshots=True))
+    st = relaunched(daemon, st["pid"])
+    assert [r["id"] for r in st["snapshots"]["restored"]] == [fits[0]["id"]]
+    for proc in servers_for(other):
+        proc.kill()
+
+
+def test_retention_and_rm(daemon, model):
+    write_config(daemon.paths, tiny_config(model, snapshots={"max_count": 2}))
+    daemon.start()
+    st = daemon.wait_state("ready")
+    eng = Engine(st)
+    ids = []
+    for i in range(4):
+        eng.complete(eng.tokenize(f"{PROMPT} {i}"), 2)
+        ids.append(daemon.call("snapshot.save")["saved"][0]["id"])
+    listed = daemon.call("snapshot.list")
+    assert [r["id"] for r in listed["snapshots"]] == ids[:1:-1]  # the two newest, newest first
+    files = sorted(p.name for p in daemon.paths.snapshots_dir.iterdir())
+    assert files == sorted(r["filename"] for r in listed["snapshots"])
+    assert daemon.call("snapshot.rm", id=ids[-1]) == {"removed": ids[-1]}
+    assert [r["id"] for r in daemon.call("snapshot.list")["snapshots"]] == [ids[-2]]
+    assert len(list(daemon.paths.snapshots_dir.iterdir())) == 1
+    with pytest.raises(StokerError) as err:
+        daemon.call("snapshot.rm", id=ids[-1])
+    assert err.value.reason == "snapshot_not_found"
+    # The CLI with --json.
+    env = {**os.environ, "STOKER_HOME": str(daemon.home)}
+    stoker = [sys.executable, "-m", "daemon"]
+    out = subprocess.run([*stoker, "snapshot", "list", "--json"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert '"snapshots"' in out.stdout
+    bad = subprocess.run([*stoker, "snapshot", "restore", "999", "--json"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 1 and "snapshot_not_found" in bad.stdout
+
+
+def test_down_saves_and_disabled_does_not(daemon, model):
+    daemon.start()
+    st = daemon.wait_state("ready")
+    eng = Engine(st)
+    eng.complete(eng.tokenize(PROMPT), 4)
+    daemon.call("down")
+    rows = daemon.call("snapshot.list")["snapshots"]
+    assert [r["cause"] for r in rows] == ["stop"]
+    with pytest.raises(StokerError) as err:
+        daemon.call("snapshot.save")
+    assert err.value.reason == "snapshot_server_not_ready"
+    write_config(daemon.paths, tiny_config(model, snapshots=False))
+    daemon_sees = time.monotonic() + 30
+    while daemon.call("snapshot.list")["enabled"] and time.monotonic() < daemon_sees:
+        time.sleep(0.1)  # the config watcher debounces
+    daemon.call("up")
+    st = daemon.wait_state("ready")
+    assert st["snapshots"] == {"enabled": False}
+    Engine(st).complete(Engine(st).tokenize(PROMPT), 4)
+    daemon.stop()  # shutdown: snapshots are off, nothing saved
+    daemon.start()
+    assert len(daemon.call("snapshot.list")["snapshots"]) == 1
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_disk_full_during_save_keeps_the_previous_snapshot(daemon):
+    snaps = daemon.paths.snapshots_dir
+    if not _mount_tmpfs(snaps, "1m"):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        daemon.start()
+        first = _saved(daemon)
+        before = (snaps / first["filename"]).read_bytes()
+        # Fill the disk, leaving less than the next snapshot needs.
+        free = os.statvfs(snaps).f_bavail * os.statvfs(snaps).f_frsize
+        (snaps / "filler").write_bytes(b"\0" * max(0, free - 8192))
+        eng = Engine(daemon.call("status"))
+        eng.complete(eng.tokenize(PROMPT * 3), 8)  # ~150 tokens, ~150 KiB of KV
+        with pytest.raises(StokerError) as err:
+            daemon.call("snapshot.save")
+        assert err.value.reason == "snapshot_disk_full", err.value.to_dict()
+        assert (snaps / first["filename"]).read_bytes() == before
+        assert [r["id"] for r in daemon.call("snapshot.list")["snapshots"]] == [first["id"]]
+        assert sorted(p.name for p in snaps.iterdir()) == sorted([first["filename"], "filler"])  # no partial file
+        assert daemon.call("snapshot.restore", id=first["id"])["n_tokens"] == first["n_tokens"]
+        assert daemon.call("status")["state"] == "ready"
+        (snaps / "filler").unlink()
+        daemon.stop()
+    finally:
+        daemon.stop()
+        subprocess.run(["umount", "-l", str(snaps)], capture_output=True)
+
+
+def test_daemon_killed_during_a_save_leaves_no_half_snapshot(daemon):
+    daemon.start()
+    first = _saved(daemon)
+    st = daemon.call("status")
+    server_pid = st["pid"]
+    # Freeze the engine so that the next save hangs inside the engine, then kill the daemon.
+    os.kill(st["pid"], signal.SIGSTOP)
+    errors: list[Exception] = []
+
+    def save() -> None:
+        try:
+            daemon.call("snapshot.save")
+        except Exception as exc:  # the daemon dies under it
+            errors.append(exc)
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    time.sleep(1.0)
+    daemon.kill9()
+    os.kill(st["pid"], signal.SIGCONT)
+    saver.join(30)
+    # What a kill can leave at worst: a partial file and a renamed but uncatalogued one.
+    (daemon.paths.snapshots_dir / "partial-deadbeef.bin").write_bytes(b"half")
+    (daemon.paths.snapshots_dir / "slot0-1-abcd.bin").write_bytes(b"orphan")
+    daemon.start()
+    st = daemon.wait_state("ready")
+    assert st["pid"] == server_pid  # adopted: the engine outlived the daemon
+    rows = daemon.call("snapshot.list")["snapshots"]
+    assert [r["id"] for r in rows] == [first["id"]]
+    time.sleep(0.5)  # the resumed engine may still write the partial file it was asked for
+    daemon.call("snapshot.save")  # a save cleans up what is not in flight
+    names = {p.name for p in daemon.paths.snapshots_dir.iterdir()}
+    rows = daemon.call("snapshot.list")["snapshots"]
+    assert names == {r["filename"] for r in rows}
+    assert not any(n.startswith("partial-") for n in names)
