@@ -182,7 +182,10 @@ class FallbackOrchestrator:
                        f"`stoker use auto` lets it.")
         else:
             message = f"No backend can run here ({tried}). {message_for(eff.reason)}"
-        return StokerError(eff.reason, message, eff.evidence)
+        evidence = dict(eff.evidence)
+        if "message" in evidence:  # the last check's own sentence; ours says what it means
+            evidence["detail"] = evidence.pop("message")
+        return StokerError(eff.reason, message, evidence)
 
     async def _check(self, config: Config, backend: str, effect: L.MakePlan) -> object:
         if backend == "cpu":
