@@ -100,15 +100,13 @@ def why_planned(backend: str, est: LayerEstimate | None, reason: str | None = No
 
 def why_actual(backend: str, planned_why: str, ready: Mapping[str, Any]) -> str:
     """After ready: the engine's own figures (offloaded N/M, KV and model buffers per device)."""
-    if backend == "cpu":
-        return planned_why
     offloaded, total = ready.get("offloaded_layers"), ready.get("total_layers")
     buffers = ready.get("buffers") or []
     kv = [b for b in buffers if b.get("kind") == "KV"]
     parts = [planned_why]
     if offloaded is not None:
         parts.append(f"engine offloaded {offloaded}/{total}")
-    else:
+    elif backend != "cpu":
         parts.append("the engine printed no offload line (no GPU device loaded)")
     if kv:
         parts.append("KV " + ", ".join(f"{b['device']} {b['mib']:.0f} MiB" for b in kv))
