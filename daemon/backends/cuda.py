@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from pathlib import Path
@@ -84,7 +85,9 @@ class CudaBackend(Backend):
         nvml: ModuleType | Any | None = None,
         run: ToolRunner = run_tool,
         sysfs_root: Path | str = "/sys",
+        environ: Mapping[str, str] | None = None,
     ) -> None:
+        self._environ = environ
         self._nvml = nvml
         self._run = run
         self._sysfs_root = Path(sysfs_root)
@@ -171,9 +174,14 @@ class CudaBackend(Backend):
                 self.name, R.GPU_MISSING, present=False,
                 message="The NVIDIA driver is installed but reports no GPU.", **evidence,
             )
+        # NVML ignores CUDA_VISIBLE_DEVICES; the engine's CUDA runtime does not.
+        indices = self._visible(count, lambda i: _text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))))
+        hidden = self._hidden_verdict(count, indices, evidence)
+        if hidden is not None:
+            return hidden
         devices: list[Device] = []
         errors: dict[str, str] = {}
-        for index in range(count):
+        for index in indices:
             try:
                 handle = nvml.nvmlDeviceGetHandleByIndex(index)
                 name = _text(nvml.nvmlDeviceGetName(handle))
@@ -242,6 +250,11 @@ class CudaBackend(Backend):
             return Detection.unavailable(
                 self.name, R.GPU_MISSING, present=False, message="nvidia-smi lists no NVIDIA GPU.", **evidence
             )
+        indices = self._visible(len(devices), lambda i: None)
+        hidden = self._hidden_verdict(len(devices), indices, evidence)
+        if hidden is not None:
+            return hidden
+        devices = [devices[i] for i in indices]
         driver = devices[0].driver_version
         evidence.update(
             driver=driver,
@@ -250,6 +263,30 @@ class CudaBackend(Backend):
             compute_capabilities=sorted({d.compute_capability for d in devices if d.compute_capability}),
         )
         return Detection.available(self.name, devices, _summary(devices, driver, None), **evidence)
+
+    def _visible(self, count: int, uuid_of: Any) -> list[int]:
+        """The indices CUDA_VISIBLE_DEVICES lets the CUDA runtime see (all when it is unset)."""
+        env = os.environ if self._environ is None else self._environ
+        value = env.get("CUDA_VISIBLE_DEVICES")
+        if value is None:
+            return list(range(count))
+        return visible_indices(value, [_try(lambda i=i: uuid_of(i)) for i in range(count)])
+
+    def _hidden_verdict(self, count: int, indices: list[int], evidence: dict[str, Any]) -> Detection | None:
+        """gpu_missing when CUDA_VISIBLE_DEVICES hides every GPU the driver reports."""
+        env = os.environ if self._environ is None else self._environ
+        value = env.get("CUDA_VISIBLE_DEVICES")
+        if value is None:
+            return None
+        evidence.update(cuda_visible_devices=value, visible_indices=indices)
+        if indices:
+            return None
+        return Detection.unavailable(
+            self.name, R.GPU_MISSING, present=False,
+            message=f"The driver reports {count} NVIDIA GPU(s) but CUDA_VISIBLE_DEVICES={value!r} hides all of them "
+            "from CUDA; unset it or name a GPU.",
+            **evidence,
+        )
 
     # -- bundles, variants, launch -------------------------------------------------------
 
@@ -361,6 +398,32 @@ class CudaBackend(Backend):
             )
 
 
+def visible_indices(value: str, uuids: list[str | None]) -> list[int]:
+    """The device indices CUDA_VISIBLE_DEVICES selects, in its order, the way the CUDA runtime reads it.
+
+    Entries are indices or (prefixes of) GPU UUIDs; the list ends at the first entry that names
+    no device (so "" and "-1" hide every GPU), and a device named twice ends it too.
+    """
+    chosen: list[int] = []
+    for token in value.split(","):
+        token = token.strip()
+        if token.isdigit():
+            index = int(token)
+            if index >= len(uuids):
+                break
+        elif token.upper().startswith(("GPU-", "MIG-")):
+            matches = [i for i, u in enumerate(uuids) if u and u.lower().startswith(token.lower())]
+            if len(matches) != 1:
+                break
+            index = matches[0]
+        else:
+            break
+        if index in chosen:
+            break
+        chosen.append(index)
+    return chosen
+
+
 def _try(call: Any) -> Any:
     try:
         return call()
@@ -408,4 +471,4 @@ def parse_smi_csv(stdout: str) -> list[Device]:
     return devices
 
 
-__all__ = ["CudaBackend", "parse_smi_csv", "SMI_QUERY", "ToolResult"]
+__all__ = ["CudaBackend", "parse_smi_csv", "visible_indices", "SMI_QUERY", "ToolResult"]

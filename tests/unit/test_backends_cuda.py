@@ -276,3 +276,48 @@ def test_telemetry_without_nvml_is_none():
 
 def test_smi_csv_parser_skips_junk():
     assert [d.name for d in parse_smi_csv("\n" + rec.TWO_GPU_SMI + "garbage\n")] == ["NVIDIA H200", "NVIDIA RTX A6000"]
+
+
+# -- CUDA_VISIBLE_DEVICES: NVML ignores it, the engine's CUDA runtime does not -----------------
+
+class UuidNvml(rec.FakeNvml):
+    def nvmlDeviceGetUUID(self, handle):
+        return handle["uuid"]
+
+
+def two_gpus() -> UuidNvml:
+    return UuidNvml([rec.h200(uuid="GPU-aaaa1111-0000"), rec.a6000(uuid="GPU-bbbb2222-0000")])
+
+
+@pytest.mark.parametrize("value", ["", "-1", "7", "GPU-cccc", "nonsense"])
+def test_cuda_visible_devices_hiding_every_gpu_is_gpu_missing(value):
+    d = CudaBackend(nvml=two_gpus(), run=recorded_runner({}), sysfs_root="/nonexistent",
+                    environ={"CUDA_VISIBLE_DEVICES": value}).detect()
+    assert not d.usable and not d.present and d.reason == R.GPU_MISSING
+    assert d.evidence["cuda_visible_devices"] == value and d.evidence["visible_indices"] == []
+    assert d.evidence["device_count"] == 2 and "CUDA_VISIBLE_DEVICES" in d.message
+
+
+@pytest.mark.parametrize(("value", "names"), [
+    ("1", ["NVIDIA RTX A6000"]),
+    ("1,0", ["NVIDIA RTX A6000", "NVIDIA H200"]),
+    ("GPU-aaaa", ["NVIDIA H200"]),
+    ("0,7,1", ["NVIDIA H200"]),  # the runtime stops at the first entry that names no device
+    (" 0 , 0", ["NVIDIA H200"]),
+])
+def test_cuda_visible_devices_selects_like_the_runtime(value, names):
+    d = CudaBackend(nvml=two_gpus(), run=recorded_runner({}), sysfs_root="/nonexistent",
+                    environ={"CUDA_VISIBLE_DEVICES": value}).detect()
+    assert d.usable and [dev.name for dev in d.devices] == names
+
+
+def test_unset_cuda_visible_devices_sees_every_gpu():
+    d = CudaBackend(nvml=two_gpus(), run=recorded_runner({}), sysfs_root="/nonexistent", environ={}).detect()
+    assert d.usable and len(d.devices) == 2 and "cuda_visible_devices" not in d.evidence
+
+
+def test_cuda_visible_devices_applies_to_nvidia_smi_too():
+    nvml = rec.FakeNvml(init_error=rec.NVMLError_LibraryNotFound)
+    d = CudaBackend(nvml=nvml, run=recorded_runner({"nvidia-smi": rec.H200_SMI}), sysfs_root="/nonexistent",
+                    environ={"CUDA_VISIBLE_DEVICES": ""}).detect()
+    assert d.reason == R.GPU_MISSING and d.evidence["source"] == "nvidia-smi"
