@@ -96,6 +96,12 @@ def server_argv(spec: ServerSpec, *, api_key_file: Path) -> list[str]:
     return argv + list(spec.extra_args)
 
 
+PASS_THROUGH_ENV = (
+    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+    "GGML_VK_VISIBLE_DEVICES", "LD_LIBRARY_PATH",
+)
+
+
 def server_env(spec: ServerSpec) -> dict[str, str]:
     """A minimal, explicit environment: nothing of the daemon's leaks in (no LLAMA_ARG_*)."""
     env = {"PATH": os.defpath, "LC_ALL": "C", "LANG": "C"}
@@ -104,6 +110,13 @@ def server_env(spec: ServerSpec) -> dict[str, str]:
     # No web UI: env instead of --no-webui so that a build without the option ignores it.
     env["LLAMA_ARG_UI"] = "0"  # this source's name for it
     env["LLAMA_ARG_NO_WEBUI"] = "1"  # older builds' name
+    # Which GPUs the engine may use, and where the loader finds the toolkit libraries a
+    # bundle declares but does not ship: the probes and `bundle verify` saw these, so the
+    # server must see them too (else CUDA_VISIBLE_DEVICES="" hides the GPU from the probe
+    # while the server still uses it).
+    for name in PASS_THROUGH_ENV:
+        if name in os.environ:
+            env[name] = os.environ[name]
     env.update(dict(spec.env))
     return env
 

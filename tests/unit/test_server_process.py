@@ -183,3 +183,12 @@ async def test_a_leader_that_exits_leaves_no_survivor_in_its_group(tmp_path):
             except psutil.NoSuchProcess:
                 break
             await trio.sleep(0.05)
+
+
+def test_env_passes_gpu_selection_and_loader_path(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/usr/local/cuda/lib64")
+    monkeypatch.setenv("SOME_SECRET", "x")
+    env = server_env(ServerSpec(server_path="/s", model_path="/m"))
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["LD_LIBRARY_PATH"] == "/usr/local/cuda/lib64"
+    assert "SOME_SECRET" not in env
