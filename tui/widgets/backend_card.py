@@ -37,6 +37,14 @@ def layers_text(layers: dict[str, Any] | None, backend: str | None) -> str:
     return f"{actual} offloaded (planned {planned if planned is not None else 'auto'})"
 
 
+def fallbacks_by_reason(fallbacks: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """{reason: [backend, ...]} in the order the daemon tried them (one line per reason)."""
+    grouped: dict[str, list[str]] = {}
+    for fallback in fallbacks:
+        grouped.setdefault(str(fallback.get("reason")), []).append(str(fallback.get("backend")))
+    return grouped
+
+
 class BackendCard(Static):
     """State, backend, reason code and message, model, endpoint, layers, uptime."""
 
@@ -62,8 +70,8 @@ class BackendCard(Static):
         if preference.get("forced"):
             line.append("  forced", style="bold magenta")  # never falls back: fails with the reason
         grid.add_row("backend", line)
-        for fallback in st.get("fallbacks") or []:
-            grid.add_row("fell back", Text(f"{fallback.get('backend')}: {fallback.get('reason')}", style="yellow"))
+        for reason, backends in fallbacks_by_reason(st.get("fallbacks") or []).items():
+            grid.add_row("fell back", Text(f"{', '.join(backends)}: {reason}", style="yellow"))
         if st.get("reason"):
             grid.add_row("reason", Text(st["reason"], style="bold red" if state in ("failed", "crashed") else "bold yellow"))
             if st.get("message"):

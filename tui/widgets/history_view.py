@@ -14,6 +14,7 @@ from tui import quantities as q
 
 ALL = "*"
 MAX_ROWS = 500
+EVIDENCE_CHARS = 160  # per value; the whole record is in `stoker history --json`
 
 
 def row_from_event(event: dict[str, Any]) -> dict[str, Any] | None:
@@ -53,7 +54,8 @@ def describe(row: dict[str, Any]) -> Text:
             text.append(f"{title if index == 0 else '':<9}", style="dim")
             text.append(f"{name}: ", style="cyan")
             item = value[name]
-            text.append((item if isinstance(item, str) else json.dumps(item, default=str)) + "\n")
+            shown = item if isinstance(item, str) else json.dumps(item, default=str)
+            text.append((shown if len(shown) <= EVIDENCE_CHARS else shown[: EVIDENCE_CHARS - 1] + "…") + "\n")
     text.rstrip()
     return text
 

@@ -114,7 +114,8 @@ class TelemetryPanel(Vertical):
         cores = process.get("cpu_count") or 1
         meter = self.query_one("#cpu-util", Meter)
         meter.percent = None if cpu is None else cpu / cores
-        meter.caption = f"{q.number(cpu, '%', '{:.0f}')} of {cores} core{'s' if cores != 1 else ''}"
+        # psutil's percent counts one core as 100: say it in cores, which cannot be misread.
+        meter.caption = f"{q.number(None if cpu is None else cpu / 100, '', '{:.2f}')}/{cores} cores"
         self.query_one("#cpu-spark", Trend).ceiling = 100.0 * cores
         details = self.query_one("#cpu-details", Label)
         if not process:
