@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -235,6 +236,20 @@ def test_telemetry_events_and_the_cli(daemon):
     human = subprocess.run([sys.executable, "-m", "daemon", "telemetry"], env=env,
                            capture_output=True, text=True, timeout=60)
     assert human.returncode == 0 and "rss" in human.stdout and "tok/s" in human.stdout
+
+    # --watch --json: one sample per line, a new one about every 5 s.
+    watch = subprocess.Popen([sys.executable, "-m", "daemon", "telemetry", "--watch", "--json"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    guard = threading.Timer(60, watch.kill)  # a stuck stream fails the test instead of hanging it
+    guard.start()
+    try:
+        lines = [json.loads(watch.stdout.readline()) for _ in range(3)]
+    finally:
+        guard.cancel()
+        watch.terminate()
+        watch.wait(10)
+    assert all(line["backend"] == "cpu" for line in lines)
+    assert lines[-1]["time"] > lines[0]["time"]
 
 
 def test_telemetry_cli_without_a_daemon_exits_3(stoker_home):
