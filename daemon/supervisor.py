@@ -251,8 +251,9 @@ class Supervisor:
     def _exit_event(self, returncode: int | None, reason: ReasonCode, evidence: dict[str, Any]) -> L.ServerExited:
         # SIGILL: the CPU variant is wrong for this CPU, so the next attempt needs a new plan.
         replan = reason == ReasonCode.CPU_ILLEGAL_INSTRUCTION
-        # A missing model or an unparseable one cannot get better by retrying.
-        fatal = reason in (ReasonCode.MODEL_MISSING, ReasonCode.MODEL_LOAD_FAILED)
+        # A missing or unparseable model, or an option the engine rejects, cannot get better
+        # by retrying: fail at once with the real reason instead of looping into crash_loop.
+        fatal = reason in (ReasonCode.MODEL_MISSING, ReasonCode.MODEL_LOAD_FAILED, ReasonCode.SERVER_BAD_ARGUMENTS)
         self.restarts += 1
         return L.ServerExited(returncode, reason, evidence, replan=replan, fatal=fatal)
 

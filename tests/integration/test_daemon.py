@@ -76,16 +76,14 @@ def test_killed_server_is_restarted_and_history_says_so(daemon, model):
     assert [p.pid for p in servers_for(model)] == [second["pid"]]
 
 
-def test_server_dying_at_start_ends_in_crash_loop(daemon, model):
+def test_rejected_option_fails_at_once_without_retrying(daemon, model):
     write_config(daemon.paths, tiny_config(model, extra_args=["--no-such-flag-exists"]))
     daemon.start()
     st = daemon.wait_state("failed", timeout=60)
-    assert st["reason"] == "crash_loop"
-    assert st["evidence"]["max_restarts"] == 3
+    assert st["reason"] == "server_bad_arguments"
+    assert "--no-such-flag-exists" in " ".join(st["evidence"].get("log_tail", [])) or st["evidence"]
     crashes = [r for r in daemon.history(machine="launch", limit=500) if r["to_state"] == "crashed"]
-    assert len(crashes) == 3  # then the fourth crash ends the loop
-    time.sleep(1.0)  # and it stays failed: no endless restarts
-    assert daemon.call("status")["state"] == "failed"
+    assert crashes == []  # retrying cannot help, so it does not
     assert servers_for(model) == []
 
 
@@ -155,7 +153,7 @@ def test_missing_model_is_reason_coded(daemon, tmp_path):
     assert "nope.gguf" in st["evidence"]["model"]
 
 
-def test_taken_port_is_port_in_use(daemon, model):
+def test_server_dying_at_start_ends_in_crash_loop_with_port_in_use(daemon, model):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -165,7 +163,13 @@ def test_taken_port_is_port_in_use(daemon, model):
         st = daemon.wait_state("failed", timeout=60)
         assert st["reason"] == "crash_loop"
         assert st["evidence"]["last_reason"] == "port_in_use"
+        assert st["evidence"]["max_restarts"] == 3
+        crashes = [r for r in daemon.history(machine="launch", limit=500) if r["to_state"] == "crashed"]
+        assert len(crashes) == 3 and all(r["reason"] == "port_in_use" for r in crashes)
+        time.sleep(1.0)  # and it stays failed: no endless restarts
+        assert daemon.call("status")["state"] == "failed"
     assert daemon.call("ping")["pong"] is True
+    assert servers_for(model) == []
 
 
 def test_broken_config_keeps_running_config(daemon, model):
