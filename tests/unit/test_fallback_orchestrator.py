@@ -229,3 +229,15 @@ def test_orchestrated_supervisor_replans_a_gpu_launch_that_never_got_ready(paths
     assert sup.server_spec(plan).n_gpu_layers == "auto"
     sup.runner = SimpleNamespace(state=L.LaunchState.READY, data=L.LaunchData(plan=plan))
     assert not sup._exit_event(1, R.SERVER_CRASHED, {}).replan  # a crash after ready: respawn
+
+
+async def test_a_server_adopted_after_a_daemon_restart_is_not_demoted(paths, config):
+    install_cuda_bundle(paths)
+    store = open_store(":memory:")
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml()), store=store) as orch:
+        plan = await orch.plan(config, L.MakePlan())
+    # A new daemon on the same store: the machine is still launching, the server adopted.
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml()), store=store) as again:
+        assert again.runner.resumed and again.runner.state is F.FallbackState.LAUNCHING
+        await again.on_ready(supervisor_for(plan), {"adopted": True, "pid": PID})
+        assert again.data.chosen == "cuda" and again.data.reason is None
