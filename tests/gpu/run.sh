@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU verification (issue 7) on an NVIDIA machine, from a checkout with no network.
+#
+#   tests/gpu/run.sh all            build the CUDA and CPU bundles, then verify everything
+#   tests/gpu/run.sh setup|build-bg|wait-build|verify|bring-back ...   the same in steps
+#
+# Wheels for what the machine lacks go in .gpu/whl (ignored through .git/info/exclude), the
+# engine sdist in .gpu/src, Gemma's GGUF (whole or in parts) in .gpu/gemma. See
+# docs/gpu-verification.md. Everything else is tests/gpu/verify_gpu.py.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+SITE=${STOKER_GPU_SITE:-/tmp/stoker-gpu-site}
+WHEELS=${STOKER_GPU_WHEELS:-.gpu/whl}
+
+if compgen -G "$WHEELS/*.whl" >/dev/null && [ ! -f "$SITE/.stoker-wheels" ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
+    touch "$SITE/.stoker-wheels"
+fi
+mkdir -p "$SITE"
+# A CUDA bundle declares the toolkit's libcudart/libcublas instead of shipping them: make sure
+# the loader finds them (said out loud, since it is part of what was verified).
+if ! ldconfig -p 2>/dev/null | grep -q 'libcublas\.so'; then
+    for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+        if compgen -G "$dir/libcublas.so*" >/dev/null; then
+            export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+            echo "run.sh: libcublas is not in the ld.so cache; LD_LIBRARY_PATH=$LD_LIBRARY_PATH" >&2
+            break
+        fi
+    done
+fi
+# Stoker runs from this checkout, not installed: register its backend entry points beside the
+# wheels so that daemon/backends/registry.py finds the built-ins.
+"$PY" - "$SITE" "$ROOT/pyproject.toml" <<'EOF'
+import sys, tomllib, pathlib
+site, pyproject = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+project = tomllib.loads(pyproject.read_text())["project"]
+info = site / f"stoker-{project['version']}.dist-info"
+info.mkdir(parents=True, exist_ok=True)
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: stoker\nVersion: {project['version']}\n")
+lines = []
+for group, points in project.get("entry-points", {}).items():
+    lines.append(f"[{group}]")
+    lines += [f"{name} = {target}" for name, target in points.items()]
+lines.append("[console_scripts]")
+lines += [f"{name} = {target}" for name, target in project.get("scripts", {}).items()]
+(info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+EOF
+export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+exec "$PY" tests/gpu/verify_gpu.py "$@"
