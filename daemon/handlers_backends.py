@@ -47,6 +47,13 @@ def full_status(daemon: "Daemon") -> dict[str, Any]:
     layers = {**(out.get("layers") or {}), **{k: v for k, v in extra.pop("layers").items() if v is not None}}
     out.update(extra)
     out["layers"] = layers
+    if out.get("state") in ("failed", "stopped"):
+        # Nothing serves: no backend is in use (the last plan stays in planned_backend).
+        out["backend"] = None
+        out["fallbacks"] = [] if out.get("state") == "stopped" else out["fallbacks"]
+    specific = (out.get("evidence") or {}).get("message")
+    if out.get("reason") and isinstance(specific, str) and specific:
+        out["message"] = specific  # the plan's own sentence (forced backend, ...), not the generic one
     out["probes"] = {
         name: {"usable": v["usable"], "reason": v["reason"], "generation": v["generation"]}
         for name, v in daemon.probes.verdicts().items()

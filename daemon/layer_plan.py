@@ -109,7 +109,7 @@ def why_actual(backend: str, planned_why: str, ready: Mapping[str, Any]) -> str:
     elif backend != "cpu":
         parts.append("the engine printed no offload line (no GPU device loaded)")
     if kv:
-        parts.append("KV " + ", ".join(f"{b['device']} {b['mib']:.0f} MiB" for b in kv))
+        parts.append("KV " + ", ".join(f"{b['device']} {b['mib']:.{0 if b['mib'] >= 10 else 1}f} MiB" for b in kv))
     if ready.get("n_ctx"):
         parts.append(f"n_ctx {ready['n_ctx']}")
     return "; ".join(parts)

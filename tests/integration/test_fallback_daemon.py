@@ -97,6 +97,7 @@ def test_forced_cuda_fails_loudly_then_auto_serves_again(daemon, model):
     assert 'prefer = "cuda"' in daemon.paths.config_file.read_text()
     st = daemon.wait_state("failed", timeout=60)
     assert st["reason"] == "gpu_missing" and "forced" in st["evidence"]["message"]
+    assert "does not fall back" in st["message"] and st["backend"] is None
     assert st["evidence"]["forced"] is True
     assert st["endpoint"] is None and servers_for(model) == []  # no silent CPU server
     assert st["preference"]["forced"] is True and st["preference"]["candidates"] == ["cuda"]

@@ -28,6 +28,6 @@ def test_why_sentences(tmp_path):
     assert why_planned("cpu", None, "gpu_missing") == "CPU plan: nothing is offloaded (gpu_missing)"
     after = why_actual("cuda", text, {"offloaded_layers": 3, "total_layers": 3, "n_ctx": 2048,
                                       "buffers": [{"kind": "KV", "device": "CUDA0", "mib": 2.0}]})
-    assert after.endswith("engine offloaded 3/3; KV CUDA0 2 MiB; n_ctx 2048")
+    assert after.endswith("engine offloaded 3/3; KV CUDA0 2.0 MiB; n_ctx 2048")
     assert free_vram([{"index": 0, "name": "a", "memory_free_mib": 10},
                       {"index": 1, "name": "b", "memory_free_mib": 20}]) == (20, "1: b")
