@@ -1,0 +1,229 @@
+"""KV restore against a cold prefill on Gemma 3 270M, through the daemon, in one run.
+
+    .venv/bin/python tests/bench/kv_restore.py [--lengths 512,1024,2048,4096,8192] [--ctx 8704]
+
+One daemon on a temporary STOKER_HOME serves Gemma 3 270M with snapshots on (so Stoker adds
+--swa-full itself). For each prompt length, in the same run and on the same server:
+1. cold: the slot is erased, then one completion (n_predict 1) prefills the whole prompt;
+2. `snapshot.save` through the daemon; the file is then read once from disk (a plain read);
+3. warm: the slot is erased again, then the engine's own restore plus the same completion,
+   and Stoker's full restore (identity, size and sha256 checks, then the engine) plus it.
+The first token must be identical in every path, and the warm completion must have
+processed at most a token or two. Results: docs/benchmarks.md "KV restore", docs/kv-restore.svg.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from daemon.bundles.build import build_bundle  # noqa: E402
+from daemon.bundles.installed import install_bundle  # noqa: E402
+from daemon.models import resolve_model  # noqa: E402
+from daemon.paths import StokerPaths  # noqa: E402
+from tests.bench.report import machine, write_section  # noqa: E402
+from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config  # noqa: E402
+
+WORDS = ("the river engine kernel slot cache model token server window ready bundle prefill restore "
+         "memory thread socket config quiet amber lantern orbit meadow copper signal harbor").split()
+SVG = ROOT / "docs" / "kv-restore.svg"
+
+
+class Engine:
+    def __init__(self, status: dict) -> None:
+        self.url = status["endpoint"]
+        self.client = httpx.Client(timeout=900, trust_env=False,
+                                   headers={"Authorization": f"Bearer {status['api_key']}"})
+
+    def post(self, path: str, body: dict) -> dict:
+        resp = self.client.post(self.url + path, json=body)
+        resp.raise_for_status()
+        return resp.json()
+
+    def first_token(self, tokens: list[int]) -> tuple[int, dict]:
+        out = self.post("/completion", {"prompt": tokens, "n_predict": 1, "temperature": 0, "cache_prompt": True,
+                                        "return_tokens": True, "id_slot": 0})
+        return out["tokens"][0], out["timings"]
+
+
+def text_tokens(eng: Engine, n: int) -> list[int]:
+    rng = random.Random(42)
+    words = " ".join(rng.choice(WORDS) for _ in range(n * 2))
+    tokens = eng.post("/tokenize", {"content": words})["tokens"]
+    assert len(tokens) >= n, (len(tokens), n)
+    return tokens[:n]
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def read_file(path: Path) -> int:
+    with open(path, "rb", buffering=0) as fh:
+        total = 0
+        while chunk := fh.read(1 << 20):
+            total += len(chunk)
+    return total
+
+
+def measure(d: DaemonProcess, eng: Engine, n: int, repeats: int) -> dict:
+    tokens = text_tokens(eng, n)
+    eng.post("/slots/0?action=erase", {})
+    cold_s, (tok_cold, t_cold) = timed(lambda: eng.first_token(tokens))
+    assert t_cold["prompt_n"] >= n - 1, t_cold
+    saved = d.call("snapshot.save")["saved"][0]
+    path = d.paths.snapshots_dir / saved["filename"]
+    runs: dict[str, list[float]] = {k: [] for k in ("read_s", "restore_s", "restore_engine_ms", "first_s",
+                                                     "stoker_restore_s", "stoker_first_s")}
+    # The warm paths are cheap: repeated, and the median taken (the machine is shared).
+    for _ in range(repeats):
+        read_s, size = timed(lambda: read_file(path))
+        runs["read_s"].append(read_s)
+        # The engine's restore alone, then the first token.
+        eng.post("/slots/0?action=erase", {})
+        restore_s, body = timed(lambda: eng.post("/slots/0?action=restore", {"filename": saved["filename"]}))
+        first_s, (tok_engine, t_engine) = timed(lambda: eng.first_token(tokens))
+        runs["restore_s"].append(restore_s)
+        runs["restore_engine_ms"].append(body["timings"]["restore_ms"])
+        runs["first_s"].append(first_s)
+        # Stoker's restore (identity, size and sha256 checks, then the engine), then the first token.
+        eng.post("/slots/0?action=erase", {})
+        stoker_s, _ = timed(lambda: d.call("snapshot.restore", id=saved["id"]))
+        stoker_first_s, (tok_stoker, t_stoker) = timed(lambda: eng.first_token(tokens))
+        runs["stoker_restore_s"].append(stoker_s)
+        runs["stoker_first_s"].append(stoker_first_s)
+        assert tok_cold == tok_engine == tok_stoker, (tok_cold, tok_engine, tok_stoker)
+        assert t_engine["prompt_n"] <= 2 and t_stoker["prompt_n"] <= 2, (t_engine, t_stoker)
+    row = {k: statistics.median(v) for k, v in runs.items()}
+    row.update(tokens=n, cold_s=cold_s, size=size, save_ms=saved["save_ms"])
+    row["warm_s"] = row["restore_s"] + row["first_s"]
+    row["stoker_warm_s"] = row["stoker_restore_s"] + row["stoker_first_s"]
+    row["ratio"] = cold_s / row["warm_s"]
+    row["stoker_ratio"] = cold_s / row["stoker_warm_s"]
+    row["restore_vs_read"] = row["restore_s"] / row["read_s"]
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| prompt tokens | cold prefill + 1st token | restore + 1st token | ratio | Stoker restore (checks) + 1st token | ratio | snapshot | save | read file | engine restore (request) | restore / read |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(
+            f"| {r['tokens']} | {r['cold_s'] * 1000:.0f} ms | {r['warm_s'] * 1000:.1f} ms | **{r['ratio']:.0f}x** | "
+            f"{r['stoker_warm_s'] * 1000:.1f} ms | {r['stoker_ratio']:.0f}x | {r['size'] / 2**20:.1f} MiB | "
+            f"{r['save_ms']:.0f} ms | {r['read_s'] * 1000:.1f} ms | {r['restore_engine_ms']:.1f} ms "
+            f"({r['restore_s'] * 1000:.1f} ms) | {r['restore_vs_read']:.2f} |")
+    return "\n".join(out)
+
+
+def svg(rows: list[dict]) -> str:
+    """A log-scale chart of cold prefill against restore + first token, written by hand."""
+    import math
+
+    w, h, left, right, top, bottom = 640, 360, 70, 20, 40, 50
+    lo, hi = -3, 2  # 1 ms .. 100 s
+    xs = {r["tokens"]: left + i * (w - left - right) / max(1, len(rows) - 1) for i, r in enumerate(rows)}
+
+    def y(seconds: float) -> float:
+        v = min(max(math.log10(max(seconds, 1e-3)), lo), hi)
+        return top + (hi - v) / (hi - lo) * (h - top - bottom)
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
+             f'<rect width="{w}" height="{h}" fill="white"/>',
+             f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">Gemma 3 270M, CPU: cold prefill vs KV restore (+ first token)</text>']
+    for e in range(lo, hi + 1):
+        yy = y(10.0**e)
+        label = f"{10.0**e * 1000:g} ms" if e < 0 else f"{10.0**e:g} s"
+        parts += [f'<line x1="{left}" x2="{w - right}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#ddd"/>',
+                  f'<text x="{left - 6}" y="{yy + 4:.1f}" text-anchor="end">{label}</text>']
+    for n, x in xs.items():
+        parts.append(f'<text x="{x:.1f}" y="{h - bottom + 18}" text-anchor="middle">{n}</text>')
+    parts.append(f'<text x="{w / 2}" y="{h - 10}" text-anchor="middle">prompt tokens</text>')
+    for key, colour, name in (("cold_s", "#c0392b", "cold prefill"), ("warm_s", "#2471a3", "restore + first token"),
+                              ("stoker_warm_s", "#27ae60", "Stoker restore (checks) + first token")):
+        pts = " ".join(f"{xs[r['tokens']]:.1f},{y(r[key]):.1f}" for r in rows)
+        parts.append(f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="2"/>')
+        parts += [f'<circle cx="{xs[r["tokens"]]:.1f}" cy="{y(r[key]):.1f}" r="3" fill="{colour}"/>' for r in rows]
+    for i, (colour, name) in enumerate((("#c0392b", "cold prefill"), ("#2471a3", "engine restore + first token"),
+                                        ("#27ae60", "Stoker restore (checks) + first token"))):
+        yy = top + 10 + i * 16
+        parts += [f'<line x1="{left + 10}" x2="{left + 30}" y1="{yy}" y2="{yy}" stroke="{colour}" stroke-width="2"/>',
+                  f'<text x="{left + 36}" y="{yy + 4}">{name}</text>']
+    for r in rows:
+        parts.append(f'<text x="{xs[r["tokens"]]:.1f}" y="{y(r["warm_s"]) + 16:.1f}" text-anchor="middle" '
+                     f'fill="#2471a3">{r["ratio"]:.0f}x</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lengths", default="512,1024,2048,4096,8192")
+    parser.add_argument("--ctx", type=int, default=8704)
+    parser.add_argument("--repeats", type=int, default=5, help="warm-path repeats (median)")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="kv-bench-") as tmp:
+        home = Path(tmp)
+        os.environ["STOKER_HOME"] = str(home)
+        paths = StokerPaths.from_env()
+        install_bundle(build_bundle(paths, backend="cpu").zip_path, paths)
+        model = resolve_model("gemma3-270m", paths)
+        d = DaemonProcess(home)
+        write_config(d.paths, tiny_config(model, snapshots=True, ctx_size=args.ctx, stall_timeout_s=120.0,
+                                          ready_timeout_s=600.0))
+        d.start()
+        try:
+            st = d.wait_state("ready", timeout=600)
+            snap = st["snapshots"]
+            assert snap["swa_full"] and snap["benefit"], snap
+            eng = Engine(st)
+            rows = []
+            for n in lengths:
+                row = measure(d, eng, n, args.repeats)
+                rows.append(row)
+                print(f"{n:>6} tokens: cold {row['cold_s']:.3f} s, restore+first {row['warm_s'] * 1000:.1f} ms "
+                      f"-> {row['ratio']:.0f}x (Stoker path {row['stoker_ratio']:.0f}x); restore/read "
+                      f"{row['restore_vs_read']:.2f}", flush=True)
+        finally:
+            d.stop()
+    body = (
+        f"`.venv/bin/python tests/bench/kv_restore.py` on {machine()}; Gemma 3 270M Q4_K_M, one slot, "
+        f"ctx {args.ctx}, `--swa-full` (added by Stoker: snapshots on, swa_full = \"auto\"); KV with "
+        f"--swa-full {snap.get('kv_mib_with_swa_full')} MiB, without {snap.get('kv_mib_without_swa_full')} MiB.\n\n"
+        "Per length, on one server in one run: the slot erased and the prompt prefilled cold (first token); "
+        f"`stoker snapshot save`; then, {args.repeats} times (medians shown): the file read with a plain read; the "
+        "slot erased, restored by the engine and the same completion asked again (it processes one token); the "
+        "same with Stoker's restore, which first checks the snapshot's identity, size and sha256. The first "
+        "token is identical on every path. The machine is shared with other work: load average "
+        f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 cores).\n\n"
+        + table(rows) + "\n\n![KV restore](kv-restore.svg)\n"
+    )
+    if not args.no_write:
+        write_section("KV restore", body)
+        SVG.write_text(svg(rows))
+    print(table(rows))
+    at = {r["tokens"]: r for r in rows}
+    if 4096 in at:
+        print(f"4096 tokens: {at[4096]['ratio']:.0f}x (target >= 200x); restore/read "
+              f"{at[4096]['restore_vs_read']:.2f} (target <= 2)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
