@@ -105,6 +105,9 @@ class FallbackOrchestrator:
     _detections: dict[str, Detection] = attrs.field(factory=dict, init=False)
     _bundles: dict[str, InstalledBundle] = attrs.field(factory=dict, init=False)
     estimate: LayerEstimate | None = attrs.field(default=None, init=False)
+    # A respawn of a settled GPU plan (a crash after ready) found it not really in use:
+    # (plan backend, reason, proof). The table settles once per request, so this is kept here.
+    respawn_demotion: tuple[str, ReasonCode, dict[str, Any]] | None = attrs.field(default=None, init=False)
     planned_why: str | None = attrs.field(default=None, init=False)
     lock: trio.Lock = attrs.field(factory=trio.Lock, init=False)
 
@@ -264,8 +267,18 @@ class FallbackOrchestrator:
     async def on_ready(self, supervisor: Supervisor, evidence: Mapping[str, Any]) -> dict[str, Any]:
         """Confirm the planned backend is really in use; settle the fallback machine."""
         plan = supervisor.data.plan
-        if plan is None or self.runner.state is not F.FallbackState.LAUNCHING or plan.backend != self.data.current:
+        if plan is None:
             return {}
+        if self.runner.state is F.FallbackState.SETTLED and plan.backend != "cpu" and not evidence.get("adopted"):
+            # The same GPU plan respawned after a crash: prove it again, every time.
+            reason, proof = await self._judge(plan.backend, evidence)
+            self.respawn_demotion = None if reason is None else (plan.backend, reason, proof)
+            if reason is not None:
+                log.warning("respawned %s server is not really accelerated: %s", plan.backend, reason)
+            return {"effective_backend": "cpu" if reason else plan.backend}
+        if self.runner.state is not F.FallbackState.LAUNCHING or plan.backend != self.data.current:
+            return {}
+        self.respawn_demotion = None
         backend = plan.backend
         if evidence.get("adopted"):
             # A server kept across a daemon restart: its load lines were read by the daemon
@@ -275,20 +288,23 @@ class FallbackOrchestrator:
         if backend == "cpu":
             self.runner.fire(F.LaunchSucceeded("cpu"))
             return {"effective_backend": "cpu"}
-        offloaded = evidence.get("offloaded_layers")
-        proof: dict[str, Any] = {"offloaded_layers": offloaded, "total_layers": evidence.get("total_layers"),
-                                 "offload_line": (evidence.get("evidence_lines") or {}).get("offloaded")}
-        reason: ReasonCode | None = None
-        if not offloaded:
-            reason = layers_zero_reason(backend)
-        else:
-            vram = await self._process_vram(backend, evidence.get("pid"))
-            proof["process_vram_mib"] = vram
-            if vram == 0:
-                reason = ReasonCode.GPU_CLAIMED_BUT_UNUSED
+        reason, proof = await self._judge(backend, evidence)
         effective = "cpu" if reason is not None else backend
         self.runner.fire(F.LaunchSucceeded(backend, effective if reason else None, reason, proof))
         return {"effective_backend": effective, **({"demoted": str(reason)} if reason else {})}
+
+    async def _judge(self, backend: str, evidence: Mapping[str, Any]) -> tuple[ReasonCode | None, dict[str, Any]]:
+        """None if the GPU is really in use, else why not; and the proof either way."""
+        offloaded = evidence.get("offloaded_layers")
+        proof: dict[str, Any] = {"offloaded_layers": offloaded, "total_layers": evidence.get("total_layers"),
+                                 "offload_line": (evidence.get("evidence_lines") or {}).get("offloaded")}
+        if not offloaded:
+            return layers_zero_reason(backend), proof
+        vram = await self._process_vram(backend, evidence.get("pid"))
+        proof["process_vram_mib"] = vram
+        if vram == 0:
+            return ReasonCode.GPU_CLAIMED_BUT_UNUSED, proof
+        return None, proof
 
     async def _process_vram(self, backend: str, pid: Any) -> int | None:
         """The server's own VRAM (MiB) where the platform reports it; None where it cannot."""
@@ -319,6 +335,11 @@ class FallbackOrchestrator:
             if plan is not None and data.chosen != plan.backend and data.reason:
                 fallbacks.append({"backend": plan.backend, "reason": str(data.reason),
                                   "message": message_for(data.reason), "evidence": dict(data.evidence)})
+        late = self.respawn_demotion
+        if late is not None and plan is not None and late[0] == plan.backend and self.runner.state is F.FallbackState.SETTLED:
+            effective = "cpu"
+            fallbacks.append({"backend": late[0], "reason": str(late[1]), "message": message_for(late[1]),
+                              "evidence": {**late[2], "after": "respawn"}})
         planned: Any = None
         if plan is not None and plan.backend != "cpu":
             planned = "auto" if plan.n_gpu_layers == AUTO_LAYERS else plan.n_gpu_layers

@@ -241,3 +241,18 @@ async def test_a_server_adopted_after_a_daemon_restart_is_not_demoted(paths, con
         assert again.runner.resumed and again.runner.state is F.FallbackState.LAUNCHING
         await again.on_ready(supervisor_for(plan), {"adopted": True, "pid": PID})
         assert again.data.chosen == "cuda" and again.data.reason is None
+
+
+async def test_a_respawned_gpu_server_is_proven_again(paths, config):
+    install_cuda_bundle(paths)
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml([rec.h200(processes=[(PID, 900 * rec.MIB)])]))) as orch:
+        plan = await orch.plan(config, L.MakePlan())
+        await orch.on_ready(supervisor_for(plan), ready_evidence(3))
+        assert orch.status(supervisor_for(plan, ready_evidence(3)))["backend"] == "cuda"
+        # Crashed after ready and respawned by the supervisor (same plan): this time 0 layers.
+        await orch.on_ready(supervisor_for(plan), ready_evidence(0))
+        st = orch.status(supervisor_for(plan, ready_evidence(0)))
+        assert st["backend"] == "cpu" and st["fallbacks"][-1]["reason"] == "cuda_gpu_layers_zero"
+        assert st["fallbacks"][-1]["evidence"]["after"] == "respawn"
+        await orch.on_ready(supervisor_for(plan), ready_evidence(3))
+        assert orch.status(supervisor_for(plan, ready_evidence(3)))["backend"] == "cuda"
