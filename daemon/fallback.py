@@ -224,8 +224,11 @@ class FallbackOrchestrator:
                                        "devices": [d.name for d in detection.devices]})
 
     async def _install(self, backend: str) -> object:
+        detection = self._detections.get(backend)
+        if detection is None and backend in self.probes.backends:
+            detection = (await self.probes.probe(backend)).detection  # the CPU: its variant by features
         try:
-            await self.installs.install(backend, detection=self._detections.get(backend))
+            await self.installs.install(backend, detection=detection)
         except StokerError as err:
             reason = err.reason
             if not str(reason).endswith("_bundle_install_failed"):
