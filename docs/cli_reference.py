@@ -22,20 +22,22 @@ Generated from the commands by `python docs/cli_reference.py`; never edit by han
 """
 
 
-def _walk(command: click.Command, path: list[str]):
-    yield path, command
+def _walk(command: click.Command, ctx: click.Context):
+    yield ctx
     if isinstance(command, click.Group):
         for name in sorted(command.commands):
-            yield from _walk(command.commands[name], path + [name])
+            sub = command.commands[name]
+            # A child context inherits the root's settings (-h/--help), as at the command line.
+            yield from _walk(sub, click.Context(sub, info_name=name, parent=ctx))
 
 
 def document() -> str:
     parts = [INTRO]
-    for path, command in _walk(cli, ["stoker"]):
-        if len(path) == 1:
+    root = click.Context(cli, info_name="stoker", terminal_width=100, max_content_width=100, **cli.context_settings)
+    for ctx in _walk(cli, root):
+        if ctx.parent is None:
             continue
-        ctx = click.Context(command, info_name=" ".join(path), terminal_width=100, max_content_width=100)
-        parts.append(f"## `{' '.join(path)}`\n\n```\n{command.get_help(ctx)}\n```\n")
+        parts.append(f"## `{ctx.command_path}`\n\n```\n{ctx.command.get_help(ctx)}\n```\n")
     return "\n".join(parts)
 
 

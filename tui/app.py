@@ -48,7 +48,7 @@ UNKNOWN_METHOD = "unknown_method"
 
 def topic_of(event: dict[str, Any]) -> str:
     """Events name themselves in `topic` (the protocol's convention) or `type` (machines)."""
-    return str(event.get("topic") or event.get("type") or "")
+    return str(event.get("topic") or "")
 
 
 class StokerApp(App[None]):

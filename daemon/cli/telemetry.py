@@ -96,9 +96,9 @@ def telemetry(watch: bool, as_json: bool) -> None:
         # The daemon samples every 5 s while somebody subscribes; this stream is that somebody.
         with client.subscribe() as events:
             for event in events:
-                if (event.get("topic") or event.get("type")) == TOPIC:
+                if event.get("topic") == TOPIC:
                     _print_watched(event["sample"], as_json)
-                elif str(event.get("type", "")).startswith("machine.launch."):
+                elif str(event.get("topic", "")).startswith("machine.launch."):
                     _print_watched(client.call("telemetry")["sample"], as_json)
     except StokerError as err:
         fail(as_json, err)

@@ -81,7 +81,7 @@ def time_daemon(d: DaemonProcess) -> float:
         started = time.perf_counter()
         client.call("up")
         for event in events:
-            if event.get("type") == "machine.launch.ready" and event.get("event") == "Ready":
+            if event.get("topic") == "machine.launch.ready" and event.get("event") == "Ready":
                 elapsed = time.perf_counter() - started
                 break
         events.close()

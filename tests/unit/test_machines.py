@@ -30,7 +30,7 @@ def test_fire_persists_and_publishes(store):
     result = runner.fire(L.UpRequested())
     assert result.effects == (L.MakePlan(),)
     runner.fire(L.PlanReady(PLAN))
-    assert [m["type"] for m in seen] == ["machine.launch.planning", "machine.launch.starting"]
+    assert [m["topic"] for m in seen] == ["machine.launch.planning", "machine.launch.starting"]
     msg = seen[-1]
     assert {k: msg[k] for k in ("machine", "from", "to", "event", "reason", "seq")} == {
         "machine": "launch", "from": "planning", "to": "starting", "event": "PlanReady", "reason": None, "seq": 2,

@@ -19,7 +19,7 @@ EVIDENCE_CHARS = 160  # per value; the whole record is in `stoker history --json
 
 def row_from_event(event: dict[str, Any]) -> dict[str, Any] | None:
     """A `machine.<kind>.<state>` event as a history row (the `history` reply's shape)."""
-    kind = str(event.get("type") or event.get("topic") or "")
+    kind = str(event.get("topic") or "")
     if not kind.startswith("machine.") or "machine" not in event:
         return None
     return {
