@@ -750,6 +750,7 @@ def st_snapshot(homes: Homes, model: Path, label: str, n: int, ctx: int) -> dict
         # Control: the CPU re-computing the whole prompt, no snapshot involved.
         fresh = completion(st, {"prompt": ids + list(out["first_half"]), "n_predict": n, "cache_prompt": False, **greedy})
         out["cpu_recompute_tokens"] = fresh["tokens"]
+        out["restored_equals_cpu_recompute"] = fresh["tokens"] == cont["tokens"]
         out["cpu_recompute_first_divergence"] = next(
             (i for i, (x, y) in enumerate(zip(fresh["tokens"], expected)) if x != y), None)
         try:
@@ -781,7 +782,7 @@ def st_figures(homes: Homes, model: Path, runs: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {"model": str(model), "runs": runs}
     prompt = "Write a short story about a lighthouse keeper who discovers a message in a bottle."
-    body = {"prompt": prompt, "n_predict": 256, "temperature": 0, "top_k": 1, "seed": 0, "cache_prompt": False,
+    body = {"prompt": prompt, "n_predict": int(os.environ.get("STOKER_GPU_N_PREDICT", "256")), "temperature": 0, "top_k": 1, "seed": 0, "cache_prompt": False,
             "ignore_eos": True, "stream": False}
 
     def tok_s(base: str, key: str, count: int) -> list[dict[str, float]]:
@@ -860,7 +861,7 @@ def st_figures(homes: Homes, model: Path, runs: int) -> dict[str, Any]:
     out["cpu_direct_tok_s"] = summary([r["predicted_per_second"] for r in cpu_runs])
     out["cpu_prompt_tok_s"] = summary([r["prompt_per_second"] for r in cpu_runs])
     out["cuda_vs_cpu_tok_s"] = round(statistics.median(x_tps) / out["cpu_direct_tok_s"]["median"], 2)
-    out["nvml_vs_nvidia_smi"] = sampling_cost()
+    out["nvml_vs_nvidia_smi"] = safe(sampling_cost)
     checks = {"daemon within 2% of direct tok/s": out["cuda_daemon_vs_direct_tok_s"] >= 0.98,
               "daemon on cuda": out["daemon_status"]["backend"] == "cuda"}
     return {"status": verdict(checks), "checks": checks, **out}
