@@ -46,7 +46,7 @@ def _fire(daemon: "Daemon", event: object) -> None:
         ) from err
 
 
-def status_of(daemon: "Daemon") -> dict[str, Any]:
+def _launch_status(daemon: "Daemon") -> dict[str, Any]:
     sup = daemon.supervisor
     data = sup.data
     plan = data.plan
@@ -85,9 +85,33 @@ def status_of(daemon: "Daemon") -> dict[str, Any]:
     return out
 
 
+def status_of(daemon: "Daemon") -> dict[str, Any]:
+    """The status document with the backend really in use, the fallbacks and the layers' why."""
+    out = _launch_status(daemon)
+    extra = daemon.orchestrator.status(daemon.supervisor, daemon.config.backend.prefer)
+    layers = {**(out.get("layers") or {}), **{k: v for k, v in extra.pop("layers").items() if v is not None}}
+    out.update(extra)
+    out["layers"] = layers
+    if out.get("state") in ("failed", "stopped"):
+        # Nothing serves: no backend is in use (the last plan stays in planned_backend).
+        out["backend"] = None
+        out["fallbacks"] = [] if out.get("state") == "stopped" else out["fallbacks"]
+    specific = (out.get("evidence") or {}).get("message")
+    if out.get("reason") and isinstance(specific, str) and specific:
+        out["message"] = specific  # the plan's own sentence (forced backend, ...), not the generic one
+    out["probes"] = {
+        name: {"usable": v["usable"], "reason": v["reason"], "generation": v["generation"]}
+        for name, v in daemon.probes.verdicts().items()
+    }
+    return out
+
+
 @handler("status")
 async def status(daemon: "Daemon", params: Mapping[str, Any]) -> dict[str, Any]:
-    """{} -> the status document (state, backend, reason, message, model, endpoint, api_key, layers, ...)."""
+    """{} -> the status document: state, backend (the one really in use), planned_backend,
+    reason, message, model, endpoint, api_key, layers {planned, offloaded, total, why,
+    estimate}, preference {prefer, forced, candidates}, fallbacks [{backend, reason, message,
+    evidence}], probes {backend: {usable, reason, generation}}, config, daemon."""
     _no_params(params)
     return status_of(daemon)
 
@@ -163,4 +187,4 @@ async def ping(daemon: "Daemon", params: Mapping[str, Any]) -> dict[str, Any]:
 
 from daemon import handlers_telemetry  # noqa: E402,F401  (registers `telemetry`)
 from daemon import handlers_snapshots  # noqa: E402,F401  (registers `snapshot.*`)
-from daemon import handlers_backends  # noqa: E402,F401  (registers `probe`, `use`, `install`; `status` with fallbacks)
+from daemon import handlers_backends  # noqa: E402,F401  (registers `probe`, `use`, `install`)

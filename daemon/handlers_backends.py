@@ -1,4 +1,4 @@
-"""Control commands for backends: probe, use, install; and `status` with the fallback's why.
+"""Control commands for backends: probe, use, install.
 
 `use` persists the preference in the config file itself (`[backend] prefer`, written
 atomically), so the file stays the single source of truth that `stoker config check`, an
@@ -38,37 +38,6 @@ def _backend_param(daemon: "Daemon", params: Mapping[str, Any]) -> str:
         raise StokerError(ReasonCode.BAD_REQUEST, f"backend must be one of {', '.join(daemon.probes.backends)}.",
                           {"backend": backend})
     return backend
-
-
-def full_status(daemon: "Daemon") -> dict[str, Any]:
-    """The status document with the backend really in use, the fallbacks and the layers' why."""
-    out = status_of(daemon)
-    extra = daemon.orchestrator.status(daemon.supervisor, daemon.config.backend.prefer)
-    layers = {**(out.get("layers") or {}), **{k: v for k, v in extra.pop("layers").items() if v is not None}}
-    out.update(extra)
-    out["layers"] = layers
-    if out.get("state") in ("failed", "stopped"):
-        # Nothing serves: no backend is in use (the last plan stays in planned_backend).
-        out["backend"] = None
-        out["fallbacks"] = [] if out.get("state") == "stopped" else out["fallbacks"]
-    specific = (out.get("evidence") or {}).get("message")
-    if out.get("reason") and isinstance(specific, str) and specific:
-        out["message"] = specific  # the plan's own sentence (forced backend, ...), not the generic one
-    out["probes"] = {
-        name: {"usable": v["usable"], "reason": v["reason"], "generation": v["generation"]}
-        for name, v in daemon.probes.verdicts().items()
-    }
-    return out
-
-
-@handler("status")
-async def status(daemon: "Daemon", params: Mapping[str, Any]) -> dict[str, Any]:
-    """{} -> the status document: state, backend (the one really in use), planned_backend,
-    reason, message, model, endpoint, api_key, layers {planned, offloaded, total, why,
-    estimate}, preference {prefer, forced, candidates}, fallbacks [{backend, reason, message,
-    evidence}], probes {backend: {usable, reason, generation}}, ..."""
-    _params(params, set())
-    return full_status(daemon)
 
 
 @handler("probe")
@@ -159,7 +128,7 @@ async def use(daemon: "Daemon", params: Mapping[str, Any]) -> dict[str, Any]:
         "forced": BackendConfig(prefer=value).forced,
         "config_path": str(path),
         "relaunch": changed and before is not L.LaunchState.STOPPED,
-        "status": full_status(daemon),
+        "status": status_of(daemon),
     }
 
 
