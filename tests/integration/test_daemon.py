@@ -233,7 +233,8 @@ def test_sd_notify_ready_and_stopping(stoker_home, installed_cpu_bundle, model, 
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
         listener.bind(str(notify_path))
         listener.settimeout(60)
-        d = DaemonProcess(stoker_home, env={"NOTIFY_SOCKET": str(notify_path)})
+        # WATCHDOG_USEC asks for watchdog pings (at half the interval, from the event loop).
+        d = DaemonProcess(stoker_home, env={"NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "400000"})
         write_config(d.paths, tiny_config(model))
         d.start()
         messages = []
@@ -242,6 +243,9 @@ def test_sd_notify_ready_and_stopping(stoker_home, installed_cpu_bundle, model, 
                 messages.append(listener.recv(4096).decode())
             st = d.call("status")
             assert st["state"] == "ready"  # READY=1 only once the server really is
+            pings = sum("WATCHDOG=1" in m for m in messages)
+            while pings < 3:
+                pings += "WATCHDOG=1" in listener.recv(4096).decode()
             d.call("shutdown")
             while not any("STOPPING=1" in m for m in messages):
                 messages.append(listener.recv(4096).decode())
