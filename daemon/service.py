@@ -39,7 +39,7 @@ from daemon.supervisor import Supervisor, launch_settings
 from states import config as C
 from states import launch as L
 from states.reasons import ReasonCode
-from store import open_store
+from store import StoreError, open_store
 from store.snapshots import SnapshotCatalog
 
 log = logging.getLogger("stoker")
@@ -240,7 +240,7 @@ def main(paths: StokerPaths, *, log_level: str = "info") -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         trio.run(run_daemon, paths)
-    except StokerError as err:
+    except (StokerError, StoreError) as err:
         log.error("%s: %s", err.reason, err.message)
         print(f"error [{err.reason}]: {err.message}", flush=True)
         return 1

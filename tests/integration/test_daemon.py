@@ -253,3 +253,14 @@ def test_sd_notify_ready_and_stopping(stoker_home, installed_cpu_bundle, model, 
             d.stop()
         assert d.proc.wait(30) == 0
         assert servers_for(model) == []
+
+
+def test_corrupt_database_refuses_to_start_and_keeps_the_file(stoker_home):
+    d = DaemonProcess(stoker_home)
+    d.paths.data_dir.mkdir(parents=True, exist_ok=True)
+    garbage = os.urandom(8192)
+    d.paths.db_file.write_bytes(garbage)
+    d.start(wait=False)
+    assert d.proc.wait(30) == 1
+    assert "store_corrupt" in d.log_text()
+    assert d.paths.db_file.read_bytes() == garbage  # nothing lost: the user decides what to do
