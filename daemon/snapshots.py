@@ -84,6 +84,12 @@ class LiveServer:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
+def _engine_client() -> httpx.AsyncClient:
+    """A client for the engine on loopback: plain HTTP, so no CA bundle is loaded (that alone
+    costs tens of milliseconds per client, more than a restore); timeouts are cancel scopes."""
+    return httpx.AsyncClient(timeout=None, trust_env=False, verify=False)
+
+
 def _engine_error(resp: httpx.Response) -> str:
     try:
         return str(resp.json().get("error", {}).get("message") or resp.text)[:300]
@@ -168,7 +174,11 @@ class SnapshotService:
         if not config.enabled or self.live is None or not self.live.swa["benefit"]:
             return
         with trio.move_on_after(STOP_BUDGET):
-            saved = await self.save(supervisor, cause, timeout=STOP_BUDGET / 2)
+            try:
+                saved = await self.save(supervisor, cause, timeout=STOP_BUDGET / 2)
+            except StokerError as err:  # the server stops anyway; the previous snapshots stay
+                log.warning("no snapshot before %s: %s %s", cause, err.reason, err.evidence)
+                return
             log.info("saved %d slot snapshot(s) before %s", len(saved), cause)
 
     # --- the live server ----------------------------------------------------------------
@@ -182,10 +192,13 @@ class SnapshotService:
         key = (getattr(supervisor.server, "pid", None), base_url)
         if self.live is not None and self.live.key == key:
             return self.live
-        async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
-            resp = await client.get(f"{base_url}/props", headers={"Authorization": f"Bearer {api_key}"})
-        if resp.status_code != 200:
-            raise StokerError(ReasonCode.SNAPSHOT_SERVER_NOT_READY, evidence={"props": resp.status_code})
+        resp = None
+        async with _engine_client() as client:
+            with trio.move_on_after(SLOT_TIMEOUT):
+                resp = await client.get(f"{base_url}/props", headers={"Authorization": f"Bearer {api_key}"})
+        if resp is None or resp.status_code != 200:
+            raise StokerError(ReasonCode.SNAPSHOT_SERVER_NOT_READY,
+                              evidence={"props": None if resp is None else resp.status_code})
         props = resp.json()
         digest = await self.model_digest(Path(plan.model_path))
         engine, kv, facts = await trio.to_thread.run_sync(self._read_facts, plan)
@@ -226,7 +239,7 @@ class SnapshotService:
             self._check_slot(live, slot)
         async with self._lock:
             self.cleanup_files()
-            async with httpx.AsyncClient(timeout=None, trust_env=False) as client:
+            async with _engine_client() as client:
                 resp = None
                 with trio.move_on_after(timeout):
                     resp = await client.get(f"{live.base_url}/slots", headers=live.headers)
@@ -318,7 +331,7 @@ class SnapshotService:
             raise StokerError(ReasonCode.SNAPSHOT_CORRUPT, evidence={
                 "snapshot_id": rec.id, "file": rec.filename, "expected_size": rec.file_size,
                 "found_size": found[0] if found else None, "digest_matches": bool(found and found[1] == rec.file_sha256)})
-        async with self._lock, httpx.AsyncClient(timeout=None, trust_env=False) as client:
+        async with self._lock, _engine_client() as client:
             resp = None
             with trio.move_on_after(SLOT_TIMEOUT):
                 resp = await client.post(f"{live.base_url}/slots/{slot}?action=restore",
