@@ -170,11 +170,13 @@ class SnapshotService:
 
     async def before_stop(self, supervisor: "Supervisor", cause: str) -> None:
         """before_stop: save every non-empty slot while the server still serves."""
-        config = self.get_config().snapshots
-        if not config.enabled or self.live is None or not self.live.swa["benefit"]:
+        if not self.get_config().snapshots.enabled:
             return
         with trio.move_on_after(STOP_BUDGET):
             try:
+                # Inspected at ready, or now if snapshots were turned on since (no relaunch).
+                if not (await self.inspect(supervisor)).swa["benefit"]:
+                    return
                 saved = await self.save(supervisor, cause, timeout=STOP_BUDGET / 2)
             except StokerError as err:  # the server stops anyway; the previous snapshots stay
                 log.warning("no snapshot before %s: %s %s", cause, err.reason, err.evidence)
