@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,3 +21,26 @@ def fault_server():
     """A loopback HTTP server with programmable faults (see tests/httpfault.py)."""
     with FaultServer() as server:
         yield server
+
+
+@pytest.fixture
+def model(tiny_model, tmp_path):
+    """A private copy of the tiny model, so that its path names this test's servers only."""
+    path = tmp_path / "tiny.gguf"
+    shutil.copy(tiny_model, path)
+    return path
+
+
+@pytest.fixture
+def daemon(stoker_home, installed_cpu_bundle, model):
+    """A real daemon (not started yet) on the tiny model; no server may outlive the test."""
+    from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
+
+    d = DaemonProcess(stoker_home)
+    write_config(d.paths, tiny_config(model))
+    yield d
+    d.stop()
+    leftovers = servers_for(model)
+    for proc in leftovers:
+        proc.kill()
+    assert not leftovers, f"servers left behind: {[p.pid for p in leftovers]}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import time
@@ -17,26 +16,6 @@ from daemon.errors import StokerError
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 
 pytestmark = [pytest.mark.engine]
-
-
-@pytest.fixture
-def model(tiny_model, tmp_path):
-    """A private copy of the tiny model, so that its path names this test's servers only."""
-    path = tmp_path / "tiny.gguf"
-    shutil.copy(tiny_model, path)
-    return path
-
-
-@pytest.fixture
-def daemon(stoker_home, installed_cpu_bundle, model):
-    d = DaemonProcess(stoker_home)
-    write_config(d.paths, tiny_config(model))
-    yield d
-    d.stop()
-    leftovers = servers_for(model)
-    for proc in leftovers:
-        proc.kill()
-    assert not leftovers, f"servers left behind: {[p.pid for p in leftovers]}"
 
 
 def transitions(d: DaemonProcess, machine: str = "launch") -> list[tuple[str, str, str]]:

@@ -9,7 +9,6 @@ gpu_missing, each with the evidence that decided it), serves on the CPU and says
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -27,25 +26,6 @@ GPUS = ("cuda", "rocm", "vulkan", "metal")
 def stoker(d: DaemonProcess, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "daemon", *args], env=d.env, capture_output=True, text=True,
                           timeout=timeout)
-
-
-@pytest.fixture
-def model(tiny_model, tmp_path):
-    path = tmp_path / "tiny.gguf"
-    shutil.copy(tiny_model, path)
-    return path
-
-
-@pytest.fixture
-def daemon(stoker_home, installed_cpu_bundle, model):
-    d = DaemonProcess(stoker_home)
-    write_config(d.paths, tiny_config(model))
-    yield d
-    d.stop()
-    leftovers = servers_for(model)
-    for proc in leftovers:
-        proc.kill()
-    assert not leftovers, f"servers left behind: {[p.pid for p in leftovers]}"
 
 
 @pytest.mark.engine
