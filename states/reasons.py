@@ -215,3 +215,20 @@ MESSAGES: dict[ReasonCode, str] = {
 def message_for(code: ReasonCode | str) -> str:
     """The user-facing sentence for a reason code."""
     return MESSAGES[ReasonCode(code)]
+
+
+class ReasonedError(Exception):
+    """A failure with a stable reason code, a message that says what to do, and evidence.
+
+    Pure data, so that every layer (store/ included, which must not import daemon/) raises
+    errors of one shape: `reason`, `message`, `evidence`, `to_dict()`.
+    """
+
+    def __init__(self, reason: ReasonCode | str, message: str | None = None, evidence=None) -> None:
+        self.reason = ReasonCode(reason)
+        self.message = message or message_for(self.reason)
+        self.evidence = dict(evidence or {})
+        super().__init__(f"{self.reason}: {self.message}")
+
+    def to_dict(self) -> dict:
+        return {"reason": str(self.reason), "message": self.message, "evidence": self.evidence}
