@@ -18,8 +18,6 @@ import datetime
 import hashlib
 import multiprocessing
 import os
-import platform
-import re
 import resource
 import statistics
 import subprocess
@@ -39,6 +37,8 @@ if str(ROOT) not in sys.path:
 
 from daemon.download import download  # noqa: E402
 from tests.httpfault import FaultServer  # noqa: E402
+
+from tests.bench import report  # noqa: E402
 
 HEADING = "## Install throughput"
 TARGET = 0.8
@@ -131,28 +131,9 @@ def time_stoker(url: str, out: Path, digest: str, size: int) -> tuple[float, flo
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """The shared machine line, plus the curl that is compared against."""
     curl = subprocess.run(["curl", "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    return f"{cpu}, {os.cpu_count()} cores (shared); Python {platform.python_version()}; {curl.split(' (')[0]}"
-
-
-def write_section(doc: Path, body: str) -> None:
-    """Replace (or append) the "Install throughput" section, keeping the rest intact."""
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    section = f"{HEADING}\n\n{body.rstrip()}\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip() + "\n"
-    else:
-        text = text.rstrip() + "\n\n" + section
-    doc.write_text(text)
+    return f"{report.machine()}; {curl.split(' (')[0]}"
 
 
 def main() -> int:
@@ -266,7 +247,7 @@ def main() -> int:
         "it, as it never does with a real CDN (and as curl never did).",
     ]
     if not args.no_write:
-        write_section(args.doc, "\n".join(lines))
+        report.write_section(HEADING, "\n".join(lines), args.doc)
         print(f"wrote {HEADING!r} in {args.doc}")
     return 0 if ratio >= TARGET else 1
 
