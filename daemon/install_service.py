@@ -28,6 +28,7 @@ from urllib.parse import unquote, urlparse
 import attrs
 import trio
 
+from daemon.digests import sha256_file
 from daemon.backends.base import Backend, Detection
 from daemon.bundles.archive import unpack_bundle
 from daemon.bundles.installed import PREVIOUS, InstalledBundle, find_installed
@@ -308,7 +309,7 @@ class InstallService:
         dest = self.archive_path(runner, effect.sha256)
         data: I.InstallData = runner.data
         if dest.exists() and dest.stat().st_size == effect.size:
-            digest = await trio.to_thread.run_sync(_sha256_file, dest)
+            digest = await trio.to_thread.run_sync(sha256_file, dest)
             if digest == effect.sha256:  # committed by a run killed before it said so
                 return I.Downloaded(str(dest), digest, effect.size)
         reason = install_failed_reason(data.backend)
@@ -329,7 +330,7 @@ class InstallService:
     async def _do_VerifyArchive(self, runner: MachineRunner, effect: I.VerifyArchive) -> I.Verified:
         path = Path(effect.archive)
         size = path.stat().st_size
-        digest = await trio.to_thread.run_sync(_sha256_file, path)
+        digest = await trio.to_thread.run_sync(sha256_file, path)
         if size != effect.size or digest != effect.sha256:
             path.unlink(missing_ok=True)
             raise StokerError(ReasonCode.BUNDLE_DIGEST_MISMATCH,
@@ -406,14 +407,6 @@ class InstallService:
         data: I.InstallData = runner.data
         if data.archive:
             Path(data.archive).unlink(missing_ok=True)  # installed: the zip has done its job
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _copy_file_url(url: str, dest: Path, sha256: str, size: int, reason: ReasonCode) -> str:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
 import attrs
 
+from daemon.digests import sha256_file as file_sha256  # noqa: F401  (models are hashed like any file)
 from daemon.errors import StokerError
 from daemon.paths import StokerPaths
 from states.reasons import ReasonCode
@@ -95,12 +95,3 @@ def _write_stamp(stamp: Path, target: Path, sha256: str) -> None:
     tmp = stamp.with_suffix(".tmp")
     tmp.write_text(json.dumps({"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
     os.replace(tmp, stamp)
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, streamed."""
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while block := fh.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()

@@ -26,6 +26,7 @@ from urllib.parse import parse_qsl
 
 import attrs
 
+from daemon.digests import sha256_file
 from daemon.errors import StokerError
 from daemon.paths import StokerPaths
 from states.reasons import ReasonCode
@@ -40,14 +41,6 @@ KNOWN_PINS = {DEFAULT_REQUIREMENT: (DEFAULT_SHA256, 11434, "b11434")}
 
 _SKIP_DIRS = {".git", "build", "__pycache__", ".cache"}
 _COMPLETE = ".stoker-complete"
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @attrs.frozen
@@ -147,12 +140,12 @@ def tree_digest(root: Path) -> str:
                 h.update(f"L {rel} {os.readlink(path)}\n".encode())
                 continue
             executable = "x" if os.access(path, os.X_OK) else "-"
-            h.update(f"F {rel} {executable} {_sha256_file(path)}\n".encode())
+            h.update(f"F {rel} {executable} {sha256_file(path)}\n".encode())
     return h.hexdigest()
 
 
 def _check_digest(path: Path, expected: str, spec: SourceSpec) -> None:
-    actual = _sha256_file(path)
+    actual = sha256_file(path)
     if actual != expected:
         raise StokerError(
             ReasonCode.SOURCE_DIGEST_MISMATCH,

@@ -13,7 +13,6 @@ scratch directory (ggml may load backend libraries from the cwd) with LLAMA_ARG_
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import subprocess
@@ -23,6 +22,7 @@ from typing import Any, Callable
 
 import attrs
 
+from daemon.digests import sha256_file
 from daemon.bundles.archive import ArchiveLimits, unpack_bundle
 from daemon.bundles.exitcodes import classify_engine_exit, exit_evidence
 from daemon.bundles.metadata import BUNDLE_JSON, BundleMeta
@@ -42,14 +42,6 @@ DEVICE_SIGNATURES: dict[str, re.Pattern[str]] = {
     "vulkan": re.compile(r"^\s+(Vulkan\d+): (.+)$"),
     "metal": re.compile(r"^\s+(MTL\d+|Metal): (.+)$"),
 }
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @attrs.frozen
