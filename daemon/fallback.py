@@ -28,6 +28,7 @@ import attrs
 import trio
 
 from daemon.backends.base import Backend, Detection, TelemetryRequest
+from daemon.bundles.exitcodes import exit_evidence
 from daemon.bundles.installed import InstalledBundle, list_installed
 from daemon.config import Config
 from daemon.errors import StokerError
@@ -69,6 +70,19 @@ def startup_failed_reason(backend: str) -> ReasonCode:
 
 def layers_zero_reason(backend: str) -> ReasonCode:
     return _code("{}_gpu_layers_zero", backend, ReasonCode.GPU_CLAIMED_BUT_UNUSED)
+
+
+def exit_detail(evidence: Mapping[str, Any]) -> dict[str, Any]:
+    """What decided a GPU server's early exit, for <backend>_startup_failed: the deciding log
+    line, a library the loader could not find, the exit status and the log's last lines."""
+    tail = [str(line) for line in (evidence.get("log_tail") or [])][-8:]
+    detail = {k: evidence[k] for k in ("line", "returncode", "signal") if evidence.get(k) is not None}
+    missing = exit_evidence(None, "\n".join(tail)).get("missing_library")
+    if missing:
+        detail["missing_library"] = missing
+    if tail:
+        detail["log_tail"] = tail
+    return detail
 
 
 def candidates_for(prefer: str, available: Iterable[str]) -> tuple[tuple[str, ...], bool]:
@@ -148,7 +162,8 @@ class FallbackOrchestrator:
             # The GPU server died before it was ready: that backend is out, try the next.
             event: object = F.LaunchFailed(
                 previous.backend, startup_failed_reason(previous.backend),
-                {"exit_reason": str(effect.failure), "variant": previous.variant},
+                {"exit_reason": str(effect.failure), "variant": previous.variant,
+                 **exit_detail(effect.failure_evidence)},
             )
         else:
             if state in (F.FallbackState.CHECKING, F.FallbackState.INSTALLING, F.FallbackState.LAUNCHING):

@@ -213,10 +213,12 @@ class StopCompleted:
 @attrs.frozen
 class MakePlan:
     """Choose backend, bundle and arguments; answer PlanReady or PlanFailed. After a crash
-    that asked for a new plan, `previous` and `failure` say what to avoid."""
+    that asked for a new plan, `previous` and `failure` say what to avoid, and
+    `failure_evidence` what decided the failure (the exit's deciding line, log tail)."""
 
     previous: LaunchPlan | None = None
     failure: ReasonCode | None = None
+    failure_evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False, eq=False)
 
 
 @attrs.frozen
@@ -296,7 +298,8 @@ def _plan(data: LaunchData, settings: LaunchSettings | None = None, *, reset: bo
         data, settings=settings, pid=None, create_time=None, after_stop=AfterStop.STOP, replan=False
     )
     failure = data.reason if not reset else None
-    return Step(S.PLANNING, data, (MakePlan(previous=data.plan, failure=failure),))
+    evidence = data.evidence if failure is not None else {}
+    return Step(S.PLANNING, data, (MakePlan(previous=data.plan, failure=failure, failure_evidence=evidence),))
 
 
 def _stop(data: LaunchData, after: AfterStop, reason: ReasonCode | None = None,
@@ -504,7 +507,8 @@ def backoff_started(state: S, data: LaunchData, event: BackoffStarted) -> Step:
 def backoff_elapsed(state: S, data: LaunchData, event: BackoffElapsed) -> Step:
     if data.replan or data.plan is None:
         data = attrs.evolve(data, replan=False)
-        return Step(S.PLANNING, data, (MakePlan(previous=data.plan, failure=data.reason),))
+        return Step(S.PLANNING, data, (MakePlan(previous=data.plan, failure=data.reason,
+                                                failure_evidence=data.evidence if data.reason else {}),))
     return Step(
         S.STARTING,
         attrs.evolve(data, pid=None, create_time=None),
@@ -617,7 +621,8 @@ def resume_effects(state: LaunchState, data: LaunchData) -> tuple[Any, ...]:
     stop, which must also only ever signal a proven process.
     """
     if state is S.PLANNING:
-        return (MakePlan(previous=data.plan, failure=data.reason),)
+        return (MakePlan(previous=data.plan, failure=data.reason,
+                         failure_evidence=data.evidence if data.reason else {}),)
     if state in (S.STARTING, S.LOADING, S.READY):
         return (Reattach(data.pid, data.create_time),)
     if state is S.STOPPING:

@@ -202,6 +202,25 @@ async def test_gpu_server_dying_before_ready_moves_on(paths, config):
         assert skipped == [("cuda", R.CUDA_STARTUP_FAILED)]
 
 
+async def test_startup_failure_keeps_what_decided_it(paths, config):
+    """Seen on an H200: a bundle whose libggml-cuda.so.0 was deleted dies at exec with exit 127;
+    the fallback record names the line and the missing library, not only `server_crashed`."""
+    line = ("/b/cuda-avx2/bin/llama-server: error while loading shared libraries: libggml-cuda.so.0: "
+            "cannot open shared object file: No such file or directory")
+    install_cuda_bundle(paths)
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml())) as orch:
+        plan = await orch.plan(config, L.MakePlan())
+        exit_evidence = {"returncode": 127, "signal": None, "line": line, "log_tail": [line]}
+        again = await orch.plan(config, L.MakePlan(previous=plan, failure=R.SERVER_CRASHED,
+                                                   failure_evidence=exit_evidence))
+        assert again.backend == "cpu"
+        (skipped,) = orch.data.skipped
+        assert skipped.reason == R.CUDA_STARTUP_FAILED
+        assert skipped.evidence["missing_library"] == "libggml-cuda.so.0"
+        assert skipped.evidence["line"] == line and skipped.evidence["returncode"] == 127
+        assert skipped.evidence["exit_reason"] == "server_crashed"
+
+
 async def test_driver_older_than_the_bundle_is_cuda_unavailable_not_installed(paths, config):
     install_cuda_bundle(paths, min_driver="999.0")
     installs = FakeInstalls(paths)

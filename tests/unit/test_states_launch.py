@@ -98,6 +98,15 @@ def test_crash_asking_for_new_plan_goes_back_to_planning():
     assert s.effects == (MakePlan(previous=PLAN, failure=ReasonCode.CPU_ILLEGAL_INSTRUCTION),)
 
 
+def test_new_plan_carries_what_decided_the_exit():
+    evidence = {"returncode": 127, "line": "error while loading shared libraries: libggml-cuda.so.0: cannot open"}
+    s = running(ServerExited(127, ReasonCode.SERVER_CRASHED, evidence, replan=True), BackoffStarted(0.1),
+                BackoffElapsed())
+    (effect,) = s.effects
+    assert effect.failure is ReasonCode.SERVER_CRASHED
+    assert effect.failure_evidence["line"] == evidence["line"] and effect.failure_evidence["returncode"] == 127
+
+
 def test_fatal_exit_fails_at_once():
     s = drive(UpRequested(), PlanReady(PLAN), ServerExited(1, ReasonCode.PORT_IN_USE, fatal=True))
     assert s.state is S.FAILED and s.reason is ReasonCode.PORT_IN_USE
