@@ -81,7 +81,11 @@ def stoker(*args: str, env: dict[str, str], timeout: float = 900) -> tuple[int, 
     """`stoker ARGS --json` from this checkout: (exit code, the last JSON document, stderr)."""
     proc = sh([sys.executable, "-m", "daemon", *args], env=env, timeout=timeout, cwd=ROOT)
     doc: Any = None
-    for line in reversed(proc.stdout.strip().splitlines()):
+    try:
+        doc = json.loads(proc.stdout)
+    except ValueError:
+        pass
+    for line in reversed(proc.stdout.strip().splitlines() if doc is None else []):
         try:
             doc = json.loads(line)
             break
@@ -258,8 +262,8 @@ def cmd_build(args: argparse.Namespace) -> int:
             proc = subprocess.run([sys.executable, "-m", "daemon", *jobs[kind]], env=env, cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=progress, text=True)
         try:
-            doc = json.loads(proc.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
+            doc = json.loads(proc.stdout)
+        except ValueError:
             doc = {"stdout": proc.stdout[-2000:]}
         results[kind] = {"returncode": proc.returncode, "wall_s": round(time.monotonic() - started, 1), **doc}
 
@@ -309,6 +313,11 @@ def bundle_zips() -> tuple[Path | None, Path | None]:
     found = []
     for kind in ("cuda", "cpu"):
         doc = built.get(kind) or {}
+        if "stdout" in doc and "ok" not in doc:  # the CLI's JSON document spans several lines
+            try:
+                doc = {**doc, **json.loads(doc["stdout"])}
+            except ValueError:
+                pass
         path = Path(doc["zip"]) if doc.get("ok") and doc.get("zip") else None
         if path is None and (WORK / f"carried-{kind}.zip").is_file():
             path = WORK / f"carried-{kind}.zip"
@@ -714,8 +723,12 @@ def st_failures(homes: Homes, cuda_zip: Path, model: Path) -> dict[str, Any]:
     return {"status": "PASS" if all(s == "PASS" for s in ok.values()) else "FAIL", "summary": ok, **cases}
 
 
-def st_snapshot(homes: Homes, model: Path, label: str, n: int, ctx: int) -> dict[str, Any]:
-    """Save on CUDA, fall back to the CPU (CUDA_VISIBLE_DEVICES=""), restore, continue."""
+def st_snapshot(homes: Homes, model: Path, label: str, n: int, ctx: int, second: str = "cpu") -> dict[str, Any]:
+    """Save on CUDA, fall back to the CPU (CUDA_VISIBLE_DEVICES=""), restore, continue.
+
+    `second="cuda"` is the control: the same save and restore with CUDA on both sides, which
+    separates the snapshot's own exactness from CPU-vs-CUDA arithmetic.
+    """
     home = homes.fresh(f"snapshot-{label}", cpu=True, cuda=True)
     prompt = "The history of the steam engine begins with"
     out: dict[str, Any] = {"model": str(model), "n_predict_each": n}
@@ -735,7 +748,7 @@ def st_snapshot(homes: Homes, model: Path, label: str, n: int, ctx: int) -> dict
         out["saved"] = saved
     finally:
         a.finish()
-    b = Scenario(f"snapshot-{label}-cpu", home, env={"CUDA_VISIBLE_DEVICES": ""})
+    b = Scenario(f"snapshot-{label}-{second}", home, env={"CUDA_VISIBLE_DEVICES": ""} if second == "cpu" else {})
     b.write_config(config_text(model, snapshots=True, ctx_size=ctx))
     try:
         st = b.run(timeout=300)
@@ -764,8 +777,8 @@ def st_snapshot(homes: Homes, model: Path, label: str, n: int, ctx: int) -> dict
     prompt_n = (out.get("continued_timings") or {}).get("prompt_n")
     checks = {
         "ran on cuda first": (out.get("cuda_status") or {}).get("backend") == "cuda",
-        "fell back to cpu (gpu_missing)": (out.get("cpu_status") or {}).get("backend") == "cpu"
-        and (out.get("cpu_status") or {}).get("fallback_reason") == "gpu_missing",
+        f"second launch on {second}": (out.get("cpu_status") or {}).get("backend") == second
+        and (second != "cpu" or (out.get("cpu_status") or {}).get("fallback_reason") == "gpu_missing"),
         "restored at ready": bool(restored),
         "continued without re-prefill": prompt_n is not None and prompt_n <= 2,
         "tokens identical to the uninterrupted CUDA run": out.get("continued_tokens") == out.get("expected_tokens"),
@@ -774,7 +787,11 @@ def st_snapshot(homes: Homes, model: Path, label: str, n: int, ctx: int) -> dict
 
 
 def st_figures(homes: Homes, model: Path, runs: int) -> dict[str, Any]:
-    """Gemma: tok/s and time-to-ready through the daemon vs llama-server run directly; CUDA vs CPU."""
+    """Gemma: tok/s and time-to-ready through the daemon vs llama-server run directly; CUDA vs CPU.
+
+    tok/s: the daemon's server and a direct server with the same argv and environment run side
+    by side, and requests alternate between them (ABBA), so clock and thermal drift hit both.
+    """
     import httpx
     import psutil
 
@@ -782,79 +799,85 @@ def st_figures(homes: Homes, model: Path, runs: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {"model": str(model), "runs": runs}
     prompt = "Write a short story about a lighthouse keeper who discovers a message in a bottle."
-    body = {"prompt": prompt, "n_predict": int(os.environ.get("STOKER_GPU_N_PREDICT", "256")), "temperature": 0, "top_k": 1, "seed": 0, "cache_prompt": False,
-            "ignore_eos": True, "stream": False}
+    body = {"prompt": prompt, "n_predict": int(os.environ.get("STOKER_GPU_N_PREDICT", "256")), "temperature": 0,
+            "top_k": 1, "seed": 0, "cache_prompt": False, "ignore_eos": True, "stream": False}
 
-    def tok_s(base: str, key: str, count: int) -> list[dict[str, float]]:
-        figures = []
+    def one(base: str, key: str, n_predict: int | None = None) -> dict[str, float]:
         with httpx.Client(timeout=300, trust_env=False, headers={"Authorization": f"Bearer {key}"}) as client:
-            client.post(base + "/completion", json={**body, "n_predict": 16}).raise_for_status()  # warm-up
-            for _ in range(count):
-                t = client.post(base + "/completion", json=body).json()["timings"]
-                figures.append({"predicted_per_second": t["predicted_per_second"], "prompt_per_second": t["prompt_per_second"],
-                                "predicted_n": t["predicted_n"]})
-        return figures
+            reply = client.post(base + "/completion", json={**body, **({"n_predict": n_predict} if n_predict else {})})
+            reply.raise_for_status()
+            t = reply.json()["timings"]
+        return {"predicted_per_second": t["predicted_per_second"], "prompt_per_second": t["prompt_per_second"],
+                "predicted_n": t["predicted_n"]}
 
     def summary(values: list[float]) -> dict[str, float]:
-        return {"median": round(statistics.median(values), 2), "min": round(min(values), 2), "max": round(max(values), 2)}
+        return {"median": round(statistics.median(values), 2), "mean": round(statistics.mean(values), 2),
+                "min": round(min(values), 2), "max": round(max(values), 2), "n": len(values)}
 
     home = homes.fresh("figures", cpu=True, cuda=True)
     sc = Scenario("figures-daemon", home)
     sc.write_config(config_text(model, ctx_size=4096, stall_timeout_s=120.0, ready_timeout_s=600.0))
+    runs_ab: dict[str, list[dict[str, float]]] = {"daemon": [], "direct": []}
     direct_ready: list[float] = []
     daemon_ready: list[float] = []
     try:
         st = sc.run(timeout=300)
         out["daemon_status"] = {k: st.get(k) for k in ("backend", "layers", "n_ctx")}
         proc = psutil.Process(st["pid"])
-        argv = proc.cmdline()
-        environ = proc.environ()
+        argv, environ = proc.cmdline(), proc.environ()
         out["daemon_server_argv"] = argv
-        daemon_runs = tok_s(st["endpoint"], st["api_key"], runs)
-        # time-to-ready through the daemon: `up` -> the ready event (as tests/bench/daemon_ready.py)
+        base_x, key_x, px, _ = spawn_direct(argv, environ, WORK / "direct-ab")
+        try:
+            servers = {"daemon": (st["endpoint"], st["api_key"]), "direct": (base_x, key_x)}
+            for base, key in servers.values():
+                one(base, key, 16)  # warm-up
+            for i in range(2 * runs):
+                order = ["daemon", "direct"] if i % 2 == 0 else ["direct", "daemon"]
+                for label in order:
+                    runs_ab[label].append(one(*servers[label]))
+        finally:
+            stop_proc(px)
+        # time-to-ready through the daemon: `up` -> the ready transition on the event stream
         for _ in range(3):
             sc.daemon.call("down")
             with ControlClient(sc.daemon.paths.socket_path, timeout=300) as sub, sc.daemon.client(timeout=300) as c:
                 events = sub.subscribe()
+                watchdog = threading.Timer(120, events.close)  # never hang on a missing event
+                watchdog.start()
                 t0 = time.perf_counter()
                 c.call("up")
                 for event in events:
-                    if event.get("type") == "machine.launch.ready" and event.get("event") == "Ready":
+                    if event.get("topic") == "machine.launch.ready":
                         daemon_ready.append(time.perf_counter() - t0)
                         break
+                watchdog.cancel()
                 events.close()
-        st = sc.daemon.wait_for(settled, timeout=120)
-        daemon_runs += tok_s(st["endpoint"], st["api_key"], runs)
+        sc.daemon.wait_for(settled, timeout=120)
         sc.daemon.call("down")
-        # the same engine, model and arguments, run directly
-        direct_runs: list[dict[str, float]] = []
-        for i in range(3):
-            direct_ready.append(-1.0)
-            base, key, p, ready_s = spawn_direct(argv, environ, WORK / f"direct-cuda-{i}")
-            direct_ready[-1] = ready_s
-            try:
-                if i == 0:
-                    direct_runs += tok_s(base, key, runs)
-                if i == 2:
-                    direct_runs += tok_s(base, key, runs)
-            finally:
-                stop_proc(p)
+        for i in range(3):  # the same argv spawned directly, /health polled every 2 ms
+            _, _, p, ready_s = spawn_direct(argv, environ, WORK / f"direct-ready-{i}")
+            direct_ready.append(ready_s)
+            stop_proc(p)
     finally:
         sc.finish()
-    d_tps = [r["predicted_per_second"] for r in daemon_runs]
-    x_tps = [r["predicted_per_second"] for r in direct_runs]
+    d_tps = [r["predicted_per_second"] for r in runs_ab["daemon"]]
+    x_tps = [r["predicted_per_second"] for r in runs_ab["direct"]]
     out["cuda_daemon_tok_s"] = summary(d_tps)
     out["cuda_direct_tok_s"] = summary(x_tps)
     out["cuda_daemon_vs_direct_tok_s"] = round(statistics.median(d_tps) / statistics.median(x_tps), 4)
+    out["cuda_daemon_vs_direct_tok_s_mean"] = round(statistics.mean(d_tps) / statistics.mean(x_tps), 4)
+    out["tok_s_pairs"] = [[round(a, 1), round(b, 1)] for a, b in zip(d_tps, x_tps)]
     out["ready_s_daemon"] = [round(x, 3) for x in daemon_ready]
     out["ready_s_direct"] = [round(x, 3) for x in direct_ready]
-    out["ready_daemon_vs_direct"] = round(statistics.median(daemon_ready) / statistics.median(direct_ready), 3)
-    out["cuda_prompt_tok_s"] = summary([r["prompt_per_second"] for r in direct_runs])
+    if daemon_ready and direct_ready:
+        out["ready_daemon_vs_direct"] = round(statistics.median(daemon_ready) / statistics.median(direct_ready), 3)
+    out["cuda_prompt_tok_s"] = summary([r["prompt_per_second"] for r in runs_ab["direct"]])
     # the CPU bundle on the same model (argv without -ngl: the CPU plan sets none)
-    cpu_argv = [str(homes.cpu.server)] + [a for a in drop_flag(argv[1:], "-ngl")]
+    cpu_argv = [str(homes.cpu.server)] + drop_flag(argv[1:], "-ngl")
     base, key, p, ready_s = spawn_direct(cpu_argv, environ, WORK / "direct-cpu")
     try:
-        cpu_runs = tok_s(base, key, max(2, runs // 2))
+        one(base, key, 16)
+        cpu_runs = [one(base, key) for _ in range(max(2, runs // 2))]
     finally:
         stop_proc(p)
     out["cpu_ready_s"] = round(ready_s, 3)
@@ -1022,6 +1045,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         stage("snapshot_tiny", lambda: st_snapshot(homes, tiny, "tiny", 16, 256))
         if GEMMA.exists():
             stage("snapshot_gemma", lambda: st_snapshot(homes, GEMMA, "gemma", 32, 2048))
+            stage("snapshot_gemma_cuda_to_cuda", lambda: st_snapshot(homes, GEMMA, "gemma-control", 32, 2048, "cuda"))
     if want("figures"):
         if GEMMA.exists():
             stage("figures", lambda: st_figures(homes, GEMMA, args.runs))
