@@ -224,12 +224,15 @@ class Supervisor:
     async def _run_server(self, plan: L.LaunchPlan, scope: trio.CancelScope) -> None:
         log_path = self.paths.logs_dir / "llama-server.log"
         with scope:
+            # The spec reads the model's GGUF header once per file (about a second for
+            # Gemma): off the event loop, so status requests never wait on it.
+            spec = await trio.to_thread.run_sync(self.server_spec, plan)
             async with trio.open_nursery() as nursery:
                 try:
                     handle: ServerHandle = await nursery.start(
                         functools.partial(
                             serve_server,
-                            self.server_spec(plan),
+                            spec,
                             log_path=log_path,
                             grace=self.data.settings.stop_grace,
                             launch_root=self.paths.runtime_dir / "launch",
