@@ -666,8 +666,14 @@ def st_failures(homes: Homes, cuda_zip: Path, model: Path) -> dict[str, Any]:
         for lib in bin_dir.glob("libggml-cuda.so*"):
             lib.unlink()
 
+    def startup_failed_names_library(status: dict[str, Any], sc: Scenario) -> dict[str, bool]:
+        checks = on_cpu_because("cuda_startup_failed")(status, sc)
+        evidence = (fallback_of(status, "cuda") or {}).get("evidence") or {}
+        checks["evidence names libggml-cuda.so.0"] = evidence.get("missing_library") == "libggml-cuda.so.0"
+        return checks
+
     cases["missing_cuda_library_installed"] = failure_case(homes, model, "missing-libggml-cuda", prepare=drop_cuda_lib,
-                                                           expect=on_cpu_because("cuda_startup_failed"))
+                                                           expect=startup_failed_names_library)
 
     # The same library missing from a published bundle: refused at install (bundle_verify_failed).
     broken = WORK / "cuda-without-libggml-cuda.zip"
