@@ -1017,7 +1017,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not (WORK / "build.done").exists() and not (WORK / "carried-cuda.zip").exists():
         say("no build yet: building now")
         cmd_build(argparse.Namespace(backends=["cuda", "cpu"]))
-    else:
+    elif (WORK / "build-bg.log").exists():  # a background build was started: wait for it
         try:
             wait_build(args.build_timeout)
         except TimeoutError as err:
