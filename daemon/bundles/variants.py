@@ -230,7 +230,9 @@ class BuildPlan:
         if backend == "cuda":
             archs = cuda_archs or DEFAULT_CUDA_ARCHS
             major = toolchain.toolkit_major or 0
-            flags += ("-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(archs)}")
+            # NCCL only serves several GPUs, and cmake links it whenever the build host happens
+            # to have it (the H200 image does): the bundle then needs libnccl.so.2 on every host.
+            flags += ("-DGGML_CUDA=ON", "-DGGML_CUDA_NCCL=OFF", f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(archs)}")
             if toolchain.nvcc:
                 flags += (f"-DCMAKE_CUDA_COMPILER={toolchain.nvcc}",)
             min_driver = CUDA_MIN_DRIVER.get(major)

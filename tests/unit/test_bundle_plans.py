@@ -71,6 +71,7 @@ def test_cuda_plan_flags_and_metadata():
     assert flag(plan, "GGML_CUDA") == "ON"
     assert flag(plan, "CMAKE_CUDA_ARCHITECTURES") == "75-virtual;90-real"
     assert flag(plan, "CMAKE_CUDA_COMPILER") == "/opt/cuda/bin/nvcc"
+    assert flag(plan, "GGML_CUDA_NCCL") == "OFF"  # else libnccl.so.2 follows the build host into the bundle
     assert flag(plan, "GGML_AMX_TILE") == "OFF"  # the CUDA bundle's CPU part is a safe variant too
     assert plan.min_driver == "580.65.06"
     assert plan.declared_system_libs == ("libcuda.so.1", "libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13")
