@@ -195,8 +195,11 @@ class FallbackOrchestrator:
         tried = ", ".join(f"{s.backend}: {s.reason}" for s in data.skipped)
         if data.forced:
             backend = data.candidates[0]
+            # The check's own sentence: the generic one for gpu_missing says "serving on the
+            # CPU", which is exactly what a forced backend does not do (seen on an H200 run).
+            why = str(eff.evidence.get("message") or message_for(eff.reason)).rstrip(".")
             message = (f"The backend {backend!r} is forced (`stoker use {backend}` or [backend] prefer) and cannot "
-                       f"run: {message_for(eff.reason)} Stoker does not fall back from a forced backend; "
+                       f"run: {why}. Stoker does not fall back from a forced backend, so nothing is served; "
                        f"`stoker use auto` lets it.")
         else:
             message = f"No backend can run here ({tried}). {message_for(eff.reason)}"

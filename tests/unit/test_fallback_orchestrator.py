@@ -186,6 +186,8 @@ async def test_forced_cuda_without_gpu_fails_loudly(paths, config):
         with pytest.raises(StokerError) as err:
             await orch.plan(forced, L.MakePlan())
         assert err.value.reason == "gpu_missing" and "forced" in err.value.message
+        assert "serving on the CPU" not in err.value.message and "nothing is served" in err.value.message
+        assert err.value.evidence["detail"] in err.value.message  # the check's own sentence says why
         assert err.value.evidence["forced"] is True
         assert orch.runner.state is F.FallbackState.FAILED
         assert not [t for t in transitions(orch) if t[1] == "CheckPassed"]  # CPU never considered
