@@ -440,7 +440,8 @@ class Scenario:
         self.daemon.start()
         status = self.daemon.wait_for(settled, timeout=timeout, what="ready+settled or failed")
         self.evidence["settle_s"] = round(time.monotonic() - started, 2)
-        self.evidence["daemon_status"] = status
+        # The per-launch API key is a credential, even a throwaway one: never in the results.
+        self.evidence["daemon_status"] = {**status, "api_key": "<redacted>" if status.get("api_key") else None}
         return status
 
     def history(self, machine: str) -> list[tuple]:
