@@ -28,7 +28,7 @@ from urllib.parse import unquote, urlparse
 import attrs
 import trio
 
-from daemon.digests import sha256_file
+from daemon.digests import fsync_dir, sha256_file
 from daemon.backends.base import Backend, Detection
 from daemon.bundles.archive import unpack_bundle
 from daemon.bundles.installed import PREVIOUS, InstalledBundle, find_installed
@@ -399,7 +399,7 @@ class InstallService:
                 shutil.rmtree(previous, ignore_errors=True)
                 os.replace(slot, previous)  # between these two renames find_installed uses .previous
             os.replace(staging, slot)
-            _fsync_dir(slot.parent)
+            fsync_dir(slot.parent)
         elif not slot.is_dir():
             raise StokerError(ReasonCode.BUNDLE_MISSING, "Neither the staged bundle nor the slot exists.",
                               {"staging": str(staging), "slot": str(slot)})
@@ -433,11 +433,3 @@ def _copy_file_url(url: str, dest: Path, sha256: str, size: int, reason: ReasonC
                            "actual_sha256": h.hexdigest(), "expected_size": size, "actual_size": actual_size})
     os.replace(part, dest)
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

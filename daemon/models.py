@@ -8,7 +8,6 @@ from pathlib import Path
 
 import attrs
 
-from daemon.digests import sha256_file as file_sha256  # noqa: F401  (models are hashed like any file)
 from daemon.errors import StokerError
 from daemon.paths import StokerPaths
 from states.reasons import ReasonCode

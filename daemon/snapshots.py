@@ -26,7 +26,7 @@ import trio
 from daemon.config import Config
 from daemon.errors import StokerError
 from daemon.model_facts import model_facts
-from daemon.models import file_sha256
+from daemon.digests import fsync_dir, sha256_file
 from daemon.paths import StokerPaths
 from daemon.snapshot_layout import KVLog, check_identity, engine_build_of, identity_of_server, last_launch_lines, swa_report
 from states.reasons import ReasonCode
@@ -101,20 +101,12 @@ def _seal(path: Path) -> tuple[int, str]:
     """fsync a finished file; its size and sha256."""
     with open(path, "rb") as fh:
         os.fsync(fh.fileno())
-    return path.stat().st_size, file_sha256(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return path.stat().st_size, sha256_file(path)
 
 
 def _file_state(path: Path) -> tuple[int, str] | None:
     try:
-        return path.stat().st_size, file_sha256(path)
+        return path.stat().st_size, sha256_file(path)
     except OSError:
         return None
 
@@ -287,7 +279,7 @@ class SnapshotService:
             created = time.time()
             final = f"slot{slot}-{int(created * 1000)}-{secrets.token_hex(4)}.bin"
             os.replace(path, self.dir / final)
-            await trio.to_thread.run_sync(_fsync_dir, self.dir)
+            await trio.to_thread.run_sync(fsync_dir, self.dir)
             return self.catalog.add({
                 "filename": final, "slot_id": slot, "model_path": live.model_path, "backend": live.backend,
                 "variant": live.variant, **live.identity, "n_tokens": body.get("n_saved", 0), "file_size": size,

@@ -4,7 +4,6 @@ refusal, a full disk and a daemon killed during a save."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sqlite3
 import subprocess
@@ -26,22 +25,10 @@ MORE = " and then some more"
 
 
 @pytest.fixture
-def model(tiny_model, tmp_path):
-    path = tmp_path / "tiny.gguf"
-    shutil.copy(tiny_model, path)
-    return path
-
-
-@pytest.fixture
-def daemon(stoker_home, installed_cpu_bundle, model):
-    d = DaemonProcess(stoker_home)
-    write_config(d.paths, tiny_config(model, snapshots=True))
-    yield d
-    d.stop()
-    leftovers = servers_for(model)
-    for proc in leftovers:
-        proc.kill()
-    assert not leftovers, f"servers left behind: {[p.pid for p in leftovers]}"
+def daemon(daemon, model):
+    """The integration suite's daemon, with snapshots on."""
+    write_config(daemon.paths, tiny_config(model, snapshots=True))
+    return daemon
 
 
 class Engine:
