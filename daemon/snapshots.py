@@ -219,7 +219,7 @@ class SnapshotService:
         cached = self.catalog.cached_digest(str(path), st.st_size, st.st_mtime_ns)
         if cached:
             return cached
-        digest = await trio.to_thread.run_sync(file_sha256, path)
+        digest = await trio.to_thread.run_sync(sha256_file, path)
         self.catalog.remember_digest(str(path), st.st_size, st.st_mtime_ns, digest)
         return digest
 

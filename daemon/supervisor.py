@@ -27,7 +27,6 @@ from daemon.models import model_launch_args
 from daemon.paths import StokerPaths
 from daemon.server_identity import (
     AdoptedServer,
-    ServerIdentity,
     adopt,
     read_identity,
     stop_orphan,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import email.utils
 import hashlib
 import http.server
-import os
 import re
 import socket
 import threading

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import click
 
@@ -31,7 +31,7 @@ def emit(as_json: bool, data: Any, human: Callable[[Any], str] | None = None) ->
         click.echo(data)
 
 
-def fail(as_json: bool, err: StokerError) -> "NoReturn":  # type: ignore[name-defined]
+def fail(as_json: bool, err: StokerError) -> NoReturn:
     """Report a reason-coded failure and exit non-zero."""
     code = EXIT_NOT_RUNNING if err.reason == ReasonCode.DAEMON_NOT_RUNNING else EXIT_FAILURE
     if as_json:

@@ -7,7 +7,6 @@ up on the configured model (Gemma 3 270M by default) and ask it one question.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time

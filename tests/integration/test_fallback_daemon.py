@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -139,7 +140,7 @@ def test_use_refuses_an_unknown_backend(stoker_home, tmp_path):
         d.stop()
 
 
-def _manifest_for(tmp_path, url: str, data: bytes, variant: str) -> "Path":
+def _manifest_for(tmp_path, url: str, data: bytes, variant: str) -> Path:
     import hashlib
 
     manifest = tmp_path / "manifest.json"

@@ -13,3 +13,11 @@ def test_import_contracts_hold():
     result = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "0 broken" in result.stdout
+
+
+def test_no_undefined_or_unused_names():
+    """pyflakes' rules through ruff: an undefined name is a crash waiting in a rare path."""
+    exe = shutil.which("ruff", path=str(Path(sys.executable).parent)) or "ruff"
+    result = subprocess.run([exe, "check", "--select", "F", "--output-format", "concise", "daemon", "states",
+                             "store", "tui", "tests", "docs"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]

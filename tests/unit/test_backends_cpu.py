@@ -22,7 +22,7 @@ def recorded_tester(faulting=(), errors=()):
         seen.append(features)
         out = {}
         for f in features:
-            out[f] = SIGILL if f in faulting else (f"error: exit 1 PermissionError" if f in errors else USABLE)
+            out[f] = SIGILL if f in faulting else ("error: exit 1 PermissionError" if f in errors else USABLE)
         return out
 
     run_tests.seen = seen

@@ -8,7 +8,6 @@ against the real engine in tests/integration/test_server_process.py.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import textwrap
 

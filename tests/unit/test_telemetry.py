@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-import pytest
 import trio
 import trio.testing
 
