@@ -72,7 +72,9 @@ def test_daemon_killed_mid_run_adopts_its_server(daemon, model):
     daemon.kill9()
     assert [p.pid for p in servers_for(model)] == [first["pid"]]  # the server outlived it
     daemon.start()
-    st = daemon.wait_state("ready")
+    # The machine resumes in `ready` from the store; the identity proof follows (Adopted), and
+    # only then does status hand out the endpoint again.
+    st = daemon.wait_for(lambda s: s["state"] == "ready" and s["endpoint"], 60, "adoption")
     assert st["pid"] == first["pid"]  # adopted, not restarted
     assert [p.pid for p in servers_for(model)] == [first["pid"]]
     adopted = [r for r in daemon.history(machine="launch") if r["event"] == "Adopted"]
