@@ -14,130 +14,33 @@ went wrong (`DownloadErrorKind`), with the evidence (URL, status, bytes, digests
 
 from __future__ import annotations
 
-import enum
-import functools
 import hashlib
-import json
 import os
 import re
-import ssl
-import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
 import attrs
-import certifi
-import httpcore
 import httpx
 import trio
 
-from daemon.errors import StokerError
+from daemon.digests import fsync_dir
+from daemon.download_records import (  # noqa: F401  (re-exported: the download API)
+    DownloadError,
+    DownloadErrorKind,
+    DownloadProgress,
+    DownloadResult,
+    PartSidecar,
+)
+from daemon.http_client import download_client  # noqa: F401  (re-exported)
 from states.reasons import ReasonCode
 
 # Bytes handed to the writer thread at once: big enough that thread hand-offs are rare,
 # small enough that a cancelled download loses little.
 BATCH_BYTES = 1024 * 1024
-# The most one socket read may return (see download_client).
-READ_BYTES = 1024 * 1024
 PROGRESS_INTERVAL = 0.1
 MAX_RESTARTS = 3
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
-
-
-class DownloadErrorKind(enum.StrEnum):
-    HTTP_STATUS = "http_status"  # 4xx/5xx (or an unexpected status)
-    TOO_LARGE = "too_large"  # announced or streamed size over max_bytes
-    SIZE_MISMATCH = "size_mismatch"  # size differs from expected_size
-    DIGEST_MISMATCH = "digest_mismatch"  # sha256 differs from expected_sha256
-    RANGE_MISMATCH = "range_mismatch"  # 206 at the wrong offset, or a malformed Content-Range
-    CONTENT_CHANGED = "content_changed"  # the file kept changing under us (ETag) restart after restart
-    CONNECTION = "connection"  # the connection failed more times than the retries allow
-    WRITE_FAILED = "write_failed"  # the part could not be written (disk full, permissions)
-
-
-_MESSAGES = {
-    DownloadErrorKind.HTTP_STATUS: "the server answered HTTP {status}; check the bundle URL in the manifest",
-    DownloadErrorKind.TOO_LARGE: "the file is larger than the {max_bytes}-byte cap; the manifest or server is wrong",
-    DownloadErrorKind.SIZE_MISMATCH: "the file is {actual_size} bytes, the manifest says {expected_size}",
-    DownloadErrorKind.DIGEST_MISMATCH: "the file's sha256 does not match the manifest (corrupt or tampered with)",
-    DownloadErrorKind.RANGE_MISMATCH: "the server resumed at the wrong offset; the partial file was discarded",
-    DownloadErrorKind.CONTENT_CHANGED: "the file on the server kept changing while it was downloaded",
-    DownloadErrorKind.CONNECTION: "the connection failed {attempts} times; the partial file is kept, retry to resume",
-    DownloadErrorKind.WRITE_FAILED: "writing {part} failed ({error}); free disk space and retry",
-}
-
-
-class DownloadError(StokerError):
-    """A failed download: the caller's reason code plus a precise `kind` and evidence."""
-
-    def __init__(self, kind: DownloadErrorKind, reason: ReasonCode | str, evidence: dict[str, Any]) -> None:
-        self.kind = DownloadErrorKind(kind)
-        evidence = {"kind": str(self.kind), **evidence}
-        detail = _MESSAGES[self.kind].format_map(_Blank(evidence))
-        super().__init__(reason, f"Downloading {evidence.get('url', 'the bundle')} failed: {detail}.", evidence)
-
-
-class _Blank(dict):
-    def __missing__(self, key: str) -> str:
-        return "?"
-
-
-@attrs.frozen
-class DownloadProgress:
-    """A progress event: bytes so far, total if known, smoothed rate (bytes/s), eta (s)."""
-
-    bytes_done: int
-    total: int | None
-    rate: float
-    eta: float | None
-
-
-@attrs.frozen
-class DownloadResult:
-    """A completed download."""
-
-    path: Path
-    sha256: str
-    size: int
-    resumed_from: int  # bytes reused from a part left by an earlier run
-    attempts: int  # HTTP requests made
-    elapsed: float
-
-
-@attrs.frozen
-class PartSidecar:
-    """What `DEST.part.json` records so that a restarted daemon can resume."""
-
-    url: str
-    sha256: str
-    etag: str | None
-    last_modified: str | None
-    bytes: int
-
-    @property
-    def validator(self) -> str | None:
-        return self.etag or self.last_modified
-
-    @classmethod
-    def load(cls, path: Path) -> PartSidecar | None:
-        """Read a sidecar; None when absent or unreadable."""
-        try:
-            raw = json.loads(path.read_text())
-            return cls(
-                url=str(raw["url"]),
-                sha256=str(raw["sha256"]),
-                etag=raw.get("etag"),
-                last_modified=raw.get("last_modified"),
-                bytes=int(raw.get("bytes", 0)),
-            )
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-
-    def save(self, path: Path) -> None:
-        """Write atomically (tmp + rename): a torn sidecar must never be read back."""
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(attrs.asdict(self)))
-        os.replace(tmp, path)
 
 
 class _Retry(Exception):
@@ -175,21 +78,6 @@ async def download(
         return await transfer.run(client, retries=retries, backoff=backoff)
     async with download_client() as own:
         return await transfer.run(own, retries=retries, backoff=backoff)
-
-
-def download_client() -> httpx.AsyncClient:
-    """An httpx client for bundle downloads: 1 MiB socket reads, proxies from the environment.
-
-    httpcore reads the socket 64 KiB at a time, and each read is a trip through the event loop
-    and h11: on loopback that alone halves the throughput (about 190 against 420 MB/s on the
-    2-core development machine). httpcore's public network-backend hook lets one client read
-    wider without touching anyone else's. Behind a proxy (HTTP(S)_PROXY/ALL_PROXY) the stock
-    transport is used, since a custom transport turns httpx's environment proxies off.
-    """
-    timeout = httpx.Timeout(30.0, connect=10.0)
-    env = {k.lower() for k, v in urllib.request.getproxies().items() if v and k.lower() != "no"}
-    transport = _wide_read_transport() if not env else None
-    return httpx.AsyncClient(timeout=timeout, verify=_tls_context(), transport=transport)
 
 
 @attrs.define(eq=False)
@@ -528,82 +416,6 @@ class _Transfer:
         self.progress(DownloadProgress(self.received, total, self.rate, 0.0 if final else eta))
 
 
-class _WideReadStream(httpcore.AsyncNetworkStream):
-    """A network stream that reads up to READ_BYTES whatever httpcore asks for."""
-
-    def __init__(self, inner: httpcore.AsyncNetworkStream) -> None:
-        self._inner = inner
-
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return await self._inner.read(max(max_bytes, READ_BYTES), timeout)
-
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        await self._inner.write(buffer, timeout)
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-    async def start_tls(
-        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
-    ) -> httpcore.AsyncNetworkStream:
-        return _WideReadStream(await self._inner.start_tls(ssl_context, server_hostname, timeout))
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._inner.get_extra_info(info)
-
-
-class _WideReadBackend(httpcore.AsyncNetworkBackend):
-    """httpcore's trio (or anyio) backend, with wide reads."""
-
-    def _inner(self) -> httpcore.AsyncNetworkBackend:
-        try:
-            trio.lowlevel.current_task()
-        except RuntimeError:  # not on trio (asyncio through anyio)
-            return httpcore.AnyIOBackend()
-        return httpcore.TrioBackend()
-
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Any = None,
-    ) -> httpcore.AsyncNetworkStream:
-        stream = await self._inner().connect_tcp(host, port, timeout, local_address, socket_options)
-        return _WideReadStream(stream)
-
-    async def connect_unix_socket(
-        self, path: str, timeout: float | None = None, socket_options: Any = None
-    ) -> httpcore.AsyncNetworkStream:
-        return _WideReadStream(await self._inner().connect_unix_socket(path, timeout, socket_options))
-
-    async def sleep(self, seconds: float) -> None:
-        await self._inner().sleep(seconds)
-
-
-def _wide_read_transport() -> httpx.AsyncHTTPTransport | None:
-    """httpx's own transport over a wide-read connection pool; None if httpx changed shape."""
-    transport = httpx.AsyncHTTPTransport(verify=_tls_context())
-    if not isinstance(getattr(transport, "_pool", None), httpcore.AsyncConnectionPool):
-        return None  # a future httpx: fall back to the stock transport (slower, still right)
-    limits = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=5.0)
-    transport._pool = httpcore.AsyncConnectionPool(
-        ssl_context=_tls_context(),
-        max_connections=limits.max_connections,
-        max_keepalive_connections=limits.max_keepalive_connections,
-        keepalive_expiry=limits.keepalive_expiry,
-        network_backend=_WideReadBackend(),
-    )
-    return transport
-
-
-@functools.cache
-def _tls_context() -> ssl.SSLContext:
-    """One verifying TLS context per process: loading the CA bundle costs ~0.1 s each time."""
-    return ssl.create_default_context(cafile=certifi.where())
-
-
 def _hash_prefix(path: Path, size: int) -> Any:
     """sha256 of the first `size` bytes of a file, streamed."""
     hasher = hashlib.sha256()
@@ -627,8 +439,4 @@ def _commit(fd: int, part: Path, dest: Path) -> None:
     finally:
         os.close(fd)
     os.replace(part, dest)
-    dir_fd = os.open(dest.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(dest.parent)

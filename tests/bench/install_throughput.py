@@ -240,7 +240,7 @@ def main() -> int:
         "swing by 2x from run to run (see the load average), and a process that needs more CPU "
         "suffers more from the contention; the medians are the figures to read.",
         "- What moved the needle: socket reads of 1 MiB instead of httpcore's 64 KiB (through "
-        "httpcore's network-backend hook, `daemon.download.download_client()`; about 2x on the "
+        "httpcore's network-backend hook, `daemon.http_client.download_client()`; about 2x on the "
         "receive path alone: 190 against 420 MB/s), hashing and writing in a worker thread in 1 MiB "
         "batches with `writev`, and one TLS context per process (loading the CA bundle cost 0.1 s per "
         "client). The server runs in its own process so that the client does not share a GIL with "
