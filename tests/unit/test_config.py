@@ -17,8 +17,8 @@ from daemon.config import (
     load_config,
     needs_relaunch,
     parse_config,
-    watch_config,
 )
+from daemon.config_watch import watch_config
 from daemon.errors import StokerError
 from states.reasons import ReasonCode
 
