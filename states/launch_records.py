@@ -1,0 +1,270 @@
+"""The launch machine's vocabulary: its states, data, plan, events and effects (pure data).
+
+The transitions that use them are in states/launch.py, which re-exports every name here.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+from states.reasons import ReasonCode
+
+
+class LaunchState(enum.StrEnum):
+    STOPPED = "stopped"
+    PLANNING = "planning"
+    STARTING = "starting"
+    LOADING = "loading"
+    READY = "ready"
+    STOPPING = "stopping"
+    CRASHED = "crashed"
+    BACKOFF = "backoff"
+    FAILED = "failed"
+
+
+class AfterStop(enum.StrEnum):
+    """What `stopping` leads to once the process is gone."""
+
+    STOP = "stop"
+    RESTART = "restart"
+    CRASH = "crash"
+
+
+def _args(value: Any) -> tuple[str, ...]:
+    return tuple(str(v) for v in value)
+
+
+def _evidence(value: Any) -> dict[str, Any]:
+    return dict(value or {})
+
+
+@attrs.frozen
+class LaunchPlan:
+    """Everything needed to spawn one llama-server (paths are strings: JSON-stable)."""
+
+    backend: str
+    variant: str
+    bundle_root: str
+    server_path: str
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    ctx_size: int = 4096
+    parallel: int = 1
+    n_gpu_layers: int = 0
+    extra_args: tuple[str, ...] = attrs.field(default=(), converter=_args)
+
+
+@attrs.frozen
+class LaunchSettings:
+    """The machine's knobs; they travel in UpRequested/ConfigChanged so tests can vary them."""
+
+    max_restarts: int = 5  # more consecutive crashes than this without Stable -> crash_loop
+    stall_timeout: float = 120.0  # seconds without loading progress before the server is stopped
+    stop_grace: float = 10.0  # seconds between TERM and KILL
+    stable_after: float = 60.0  # seconds ready before the crash counter resets
+
+
+@attrs.frozen
+class LaunchData:
+    settings: LaunchSettings = LaunchSettings()
+    crashes: int = 0  # consecutive crashes since the last Stable or user start
+    plan: LaunchPlan | None = None
+    pid: int | None = None
+    create_time: float | None = None  # the process's start time: part of its identity
+    after_stop: AfterStop = AfterStop.STOP
+    replan: bool = False  # the last crash asked for a new plan rather than a respawn
+    reason: ReasonCode | None = None  # why the machine is where it is (None when healthy)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+
+
+# --- events -----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class UpRequested:
+    """The user (or the daemon at start-up) wants the server running; `settings` replaces the knobs."""
+
+    settings: LaunchSettings | None = None
+
+
+@attrs.frozen
+class DownRequested:
+    """The user wants the server stopped."""
+
+
+@attrs.frozen
+class RestartRequested:
+    """The user wants a fresh server now: stop, re-plan, start; the crash count starts over."""
+
+
+@attrs.frozen
+class ConfigChanged:
+    """The model or server settings changed: relaunch if running."""
+
+    settings: LaunchSettings | None = None
+
+
+@attrs.frozen
+class PlanReady:
+    """MakePlan succeeded: spawn this plan."""
+
+    plan: LaunchPlan
+
+
+@attrs.frozen
+class PlanFailed:
+    """No plan is possible (model missing, no usable backend): fail with the reason."""
+
+    reason: ReasonCode
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+
+
+@attrs.frozen
+class Spawned:
+    """The process exists: its pid and start time (identity), and where its log goes."""
+
+    pid: int
+    create_time: float | None = None
+    log_path: str | None = None
+
+
+@attrs.frozen
+class Adopted:
+    """After a daemon restart: the running server's identity was proven, keep it."""
+
+    pid: int
+    create_time: float | None = None
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+
+
+@attrs.frozen
+class LoadStarted:
+    """The HTTP listener answers (503 while loading the model)."""
+
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+
+
+@attrs.frozen
+class Ready:
+    """/health is 200 and the planned backend is really in use."""
+
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+
+
+@attrs.frozen
+class ServerExited:
+    """The process is gone. `replan`: next attempt needs a new plan (e.g. SIGILL -> safer
+    CPU variant). `fatal`: no retry can help, go straight to failed with `reason`."""
+
+    returncode: int | None
+    reason: ReasonCode = ReasonCode.SERVER_CRASHED
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    replan: bool = False
+    fatal: bool = False
+
+
+@attrs.frozen
+class StallTimeout:
+    """No loading progress for `stall_timeout` seconds."""
+
+
+@attrs.frozen
+class BackoffStarted:
+    """The daemon chose the jittered delay for StartBackoff(attempt) and armed the timer."""
+
+    delay: float
+
+
+@attrs.frozen
+class BackoffElapsed:
+    """The backoff delay ran out: try again."""
+
+
+@attrs.frozen
+class Stable:
+    """The server stayed ready for `stable_after` seconds: forget earlier crashes."""
+
+
+@attrs.frozen
+class StopCompleted:
+    """The process is gone after Terminate (or was never there)."""
+
+    returncode: int | None = None
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+
+
+# --- effects ----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class MakePlan:
+    """Choose backend, bundle and arguments; answer PlanReady or PlanFailed. After a crash
+    that asked for a new plan, `previous` and `failure` say what to avoid, and
+    `failure_evidence` what decided the failure (the exit's deciding line, log tail)."""
+
+    previous: LaunchPlan | None = None
+    failure: ReasonCode | None = None
+    failure_evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False, eq=False)
+
+
+@attrs.frozen
+class Spawn:
+    """Start llama-server for the plan; answer Spawned, later ServerExited."""
+
+    plan: LaunchPlan
+
+
+@attrs.frozen
+class WatchReadiness:
+    """Poll /health and the log; LoadStarted, Ready, or StallTimeout after no progress."""
+
+    stall_timeout: float
+
+
+@attrs.frozen
+class Terminate:
+    """TERM to the process group, `grace` seconds, then KILL; answer StopCompleted."""
+
+    grace: float
+
+
+@attrs.frozen
+class StartBackoff:
+    """Compute the capped, jittered exponential delay for `attempt` (1-based), answer
+    BackoffStarted(delay), then BackoffElapsed when it runs out."""
+
+    attempt: int
+
+
+@attrs.frozen
+class Reattach:
+    """After a daemon restart: prove the recorded server's identity (pid, start time,
+    executable, API key, health) and fire Adopted; otherwise stop it if it is ours and fire
+    ServerExited. Never signal a process whose identity is not proven."""
+
+    pid: int | None
+    create_time: float | None
+
+
+@attrs.frozen
+class ArmStableTimer:
+    """After `after` seconds still ready, fire Stable."""
+
+    after: float
+
+
+@attrs.frozen
+class Notify:
+    """Tell the service manager: kind "ready" (READY=1) or "status" (STATUS=text)."""
+
+    kind: str
+    text: str = ""
+
+
+Effect = (
+    MakePlan | Spawn | WatchReadiness | Terminate | StartBackoff | Reattach | ArmStableTimer | Notify
+)
