@@ -61,7 +61,9 @@ def format_status(st: dict) -> str:
     lines.append(f"model     {st.get('model') or '-'}")
     lines.append(f"endpoint  {st.get('endpoint') or '-'}")
     layers = st.get("layers") or {}
-    if layers.get("offloaded") is not None or layers.get("planned") is not None:
+    if st.get("backend") == "cpu" and layers.get("offloaded") is None:
+        lines.append(f"layers    none offloaded (CPU){': ' + layers['why'] if layers.get('why') else ''}")
+    elif layers.get("offloaded") is not None or layers.get("planned") is not None:
         lines.append(
             f"layers    {_or_dash(layers.get('offloaded'))}/{_or_dash(layers.get('total'))} offloaded"
             f" (planned {_or_dash(layers.get('planned'))}){' - ' + layers['why'] if layers.get('why') else ''}"
