@@ -115,7 +115,11 @@ def _finish(as_json: bool, st: dict, want: str) -> None:
 @json_option
 def up(wait: bool, timeout: float, as_json: bool) -> None:
     """Start the server."""
-    st = call("up", as_json)
+    _start(as_json, call("up", as_json), wait, timeout)
+
+
+def _start(as_json: bool, st: dict, wait: bool, timeout: float) -> None:
+    """After up/restart: wait until ready (exit 1 if it settles otherwise), or print at once."""
     if wait:
         st = wait_for_settled(as_json, timeout)
         _finish(as_json, st, "ready")
@@ -137,12 +141,7 @@ def down(as_json: bool) -> None:
 @json_option
 def restart(wait: bool, timeout: float, as_json: bool) -> None:
     """Restart the server."""
-    st = call("restart", as_json, timeout=120.0)
-    if wait:
-        st = wait_for_settled(as_json, timeout)
-        _finish(as_json, st, "ready")
-    else:
-        emit(as_json, st, format_status)
+    _start(as_json, call("restart", as_json, timeout=120.0), wait, timeout)
 
 
 @click.command()
