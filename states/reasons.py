@@ -232,3 +232,21 @@ class ReasonedError(Exception):
 
     def to_dict(self) -> dict:
         return {"reason": str(self.reason), "message": self.message, "evidence": self.evidence}
+
+
+# The GPU backends' reason-code families, and the vendor word in their binary_missing_* code.
+GPU_VENDORS = {"cuda": "nvidia", "rocm": "amd", "vulkan": "vulkan", "metal": "metal"}
+
+
+def gpu_reason_codes(backend: str, *, process_vram: bool = True) -> frozenset[ReasonCode]:
+    """Every code a GPU backend can produce; `process_vram`: the platform reports a
+    process's own VRAM, so gpu_claimed_but_unused can be proven."""
+    codes = {
+        ReasonCode.GPU_MISSING,
+        ReasonCode(f"binary_missing_{GPU_VENDORS[backend]}_detected"),
+        ReasonCode.OUT_OF_MEMORY,
+        *(ReasonCode(f"{backend}_{kind}") for kind in ("unavailable", "gpu_layers_zero", "startup_failed", "bundle_install_failed")),
+    }
+    if process_vram:
+        codes.add(ReasonCode.GPU_CLAIMED_BUT_UNUSED)
+    return frozenset(codes)

@@ -25,7 +25,7 @@ from daemon.backends.base import (
 from daemon.backends.cuda_arch import cc_supported, parse_cc, split_archs
 from daemon.backends.pci import pci_display_vendor_present
 from daemon.backends.tools import ToolResult, ToolRunner, run_tool
-from states.reasons import ReasonCode
+from states.reasons import ReasonCode, gpu_reason_codes
 
 R = ReasonCode
 
@@ -66,18 +66,7 @@ class CudaBackend(Backend):
     name = "cuda"
     device_signature = gpu_device_signature("CUDA")
     unavailable_reason = R.CUDA_UNAVAILABLE
-    reason_codes = frozenset(
-        {
-            R.GPU_MISSING,
-            R.CUDA_UNAVAILABLE,
-            R.BINARY_MISSING_NVIDIA_DETECTED,
-            R.CUDA_GPU_LAYERS_ZERO,
-            R.CUDA_STARTUP_FAILED,
-            R.CUDA_BUNDLE_INSTALL_FAILED,
-            R.GPU_CLAIMED_BUT_UNUSED,
-            R.OUT_OF_MEMORY,
-        }
-    )
+    reason_codes = gpu_reason_codes("cuda")
 
     def __init__(
         self,

@@ -8,7 +8,7 @@ from typing import Iterable
 
 from daemon.backends.base import Backend, Detection, Device
 from daemon.backends.tools import ToolRunner, run_tool
-from states.reasons import ReasonCode
+from states.reasons import ReasonCode, gpu_reason_codes
 
 R = ReasonCode
 
@@ -18,17 +18,7 @@ class MetalBackend(Backend):
     # ggml-metal names its device MTL0; memory is the recommended working set.
     device_signature = re.compile(r"^\s+(MTL\d+): (.+) \((\d+) MiB, (\d+) MiB free\)$")
     unavailable_reason = R.METAL_UNAVAILABLE
-    reason_codes = frozenset(
-        {
-            R.GPU_MISSING,
-            R.METAL_UNAVAILABLE,
-            R.BINARY_MISSING_METAL_DETECTED,
-            R.METAL_GPU_LAYERS_ZERO,
-            R.METAL_STARTUP_FAILED,
-            R.METAL_BUNDLE_INSTALL_FAILED,
-            R.OUT_OF_MEMORY,
-        }
-    )
+    reason_codes = gpu_reason_codes("metal", process_vram=False)  # Metal reports no per-process VRAM
 
     def __init__(self, *, system: str | None = None, machine: str | None = None, run: ToolRunner = run_tool) -> None:
         self._system = system or platform.system()

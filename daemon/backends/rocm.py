@@ -9,7 +9,7 @@ from typing import Any, Iterable, Mapping
 
 from daemon.backends.base import BUNDLE_FITS, Backend, BundleCheck, Detection, Device, excerpt, gpu_device_signature
 from daemon.backends.tools import ToolRunner, run_tool
-from states.reasons import ReasonCode
+from states.reasons import ReasonCode, gpu_reason_codes
 
 R = ReasonCode
 
@@ -140,18 +140,7 @@ class RocmBackend(Backend):
     name = "rocm"
     device_signature = gpu_device_signature("ROCm")
     unavailable_reason = R.ROCM_UNAVAILABLE
-    reason_codes = frozenset(
-        {
-            R.GPU_MISSING,
-            R.ROCM_UNAVAILABLE,
-            R.BINARY_MISSING_AMD_DETECTED,
-            R.ROCM_GPU_LAYERS_ZERO,
-            R.ROCM_STARTUP_FAILED,
-            R.ROCM_BUNDLE_INSTALL_FAILED,
-            R.GPU_CLAIMED_BUT_UNUSED,
-            R.OUT_OF_MEMORY,
-        }
-    )
+    reason_codes = gpu_reason_codes("rocm")
 
     def __init__(self, *, run: ToolRunner = run_tool, sysfs_root: Path | str = "/sys") -> None:
         self._run = run

@@ -7,7 +7,7 @@ from typing import Any, Iterable
 
 from daemon.backends.base import Backend, Detection, Device, excerpt, gpu_device_signature
 from daemon.backends.tools import ToolRunner, run_tool
-from states.reasons import ReasonCode
+from states.reasons import ReasonCode, gpu_reason_codes
 
 R = ReasonCode
 
@@ -59,18 +59,7 @@ class VulkanBackend(Backend):
     name = "vulkan"
     device_signature = gpu_device_signature("Vulkan")
     unavailable_reason = R.VULKAN_UNAVAILABLE
-    reason_codes = frozenset(
-        {
-            R.GPU_MISSING,
-            R.VULKAN_UNAVAILABLE,
-            R.BINARY_MISSING_VULKAN_DETECTED,
-            R.VULKAN_GPU_LAYERS_ZERO,
-            R.VULKAN_STARTUP_FAILED,
-            R.VULKAN_BUNDLE_INSTALL_FAILED,
-            R.GPU_CLAIMED_BUT_UNUSED,
-            R.OUT_OF_MEMORY,
-        }
-    )
+    reason_codes = gpu_reason_codes("vulkan")
 
     def __init__(self, *, run: ToolRunner = run_tool) -> None:
         self._run = run
