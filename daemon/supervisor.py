@@ -30,7 +30,6 @@ from daemon.server_identity import (
     adopt,
     read_identity,
     stop_orphan,
-    write_identity,
 )
 from daemon.snapshots import snapshot_server_args
 from daemon.server_process import ServerHandle, ServerSpec, serve_server, stop_server, wait_ready
@@ -235,13 +234,15 @@ class Supervisor:
                             log_path=log_path,
                             grace=self.data.settings.stop_grace,
                             launch_root=self.paths.runtime_dir / "launch",
+                            # Written at spawn, rewritten once the real port is known (port 0),
+                            # removed at exit: what a restarted daemon proves before adopting.
+                            identity_path=self.identity_file,
                         )
                     )
                 except StokerError as err:
                     self.offer(L.ServerExited(None, err.reason, err.evidence, fatal=True))
                     return
                 self.server = handle
-                write_identity(self.identity_file, handle.identity)
                 self.offer(L.Spawned(handle.pid, handle.identity.create_time, str(log_path)))
                 nursery.start_soon(self._watch_ready, handle)
                 report = await handle.wait_exit()
@@ -276,10 +277,6 @@ class Supervisor:
             if err.reason in (ReasonCode.SERVER_STALLED, ReasonCode.SERVER_START_TIMEOUT):
                 self.offer(L.StallTimeout())
             return  # an exit is reported by _run_server
-        # With port 0 the port is known only now: the identity must carry it to be provable.
-        if handle.identity.port != report.port:
-            handle.identity = attrs.evolve(handle.identity, port=report.port, host=report.host)
-        write_identity(self.identity_file, handle.identity)
         evidence = report.to_evidence()
         await self._ready(evidence)
 
@@ -301,7 +298,8 @@ class Supervisor:
             self.server = None
             self.ready_evidence = None
             self.ready_at = None
-            self.identity_file.unlink(missing_ok=True)
+            if isinstance(server, AdoptedServer):  # a spawned server's record goes with it
+                self.identity_file.unlink(missing_ok=True)
 
     async def _terminate(self, grace: float) -> None:
         server = self.server
