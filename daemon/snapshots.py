@@ -65,6 +65,14 @@ def snapshot_server_args(paths: StokerPaths, config: Config, model_path: str | P
     return paths.snapshots_dir, ("--swa-full",) if swa_full_wanted(config, model_path) else ()
 
 
+def cross_backend_note(saved_on: str | None, restored_on: str | None) -> str:
+    """What a restore across backends keeps and what it does not (measured on an H200, issue 7)."""
+    return (f"saved on {saved_on}, restored on {restored_on}: the conversation resumes without re-processing, "
+            f"but the next tokens are {restored_on}'s arithmetic on {saved_on}'s cache: where two candidates "
+            f"are near-tied (common with quantized weights) greedy output can differ from what {saved_on} "
+            f"would have produced; it is no less valid than a fresh run on {restored_on}")
+
+
 @attrs.frozen
 class LiveServer:
     """One ready server as the snapshot code sees it."""
@@ -338,8 +346,13 @@ class SnapshotService:
                 raise StokerError(ReasonCode.SNAPSHOT_RESTORE_FAILED, evidence={
                     "snapshot_id": rec.id, "slot": slot, "status": None if resp is None else resp.status_code,
                     "engine": None if resp is None else _engine_error(resp)})
-        return {"id": rec.id, "slot": slot, "n_tokens": body["n_restored"],
-                "restore_ms": (body.get("timings") or {}).get("restore_ms")}
+        result = {"id": rec.id, "slot": slot, "n_tokens": body["n_restored"],
+                  "restore_ms": (body.get("timings") or {}).get("restore_ms"),
+                  "saved_on": rec.backend, "restored_on": live.backend,
+                  "cross_backend": bool(rec.backend and live.backend and rec.backend != live.backend)}
+        if result["cross_backend"]:
+            result["note"] = cross_backend_note(rec.backend, live.backend)
+        return result
 
     # --- catalogue ----------------------------------------------------------------------
 

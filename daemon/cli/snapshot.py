@@ -71,7 +71,8 @@ def restore(snapshot_id: int, slot: int | None, as_json: bool) -> None:
     params = {"id": snapshot_id, **({} if slot is None else {"slot": slot})}
     data = call("snapshot.restore", as_json, timeout=120.0, **params)
     emit(as_json, data, lambda d: f"restored snapshot {d['id']} into slot {d['slot']}: "
-                                  f"{d['n_tokens']} tokens in {d.get('restore_ms')} ms")
+                                  f"{d['n_tokens']} tokens in {d.get('restore_ms')} ms"
+                                  + (f"\nnote: {d['note']}" if d.get("note") else ""))
 
 
 @snapshot.command()

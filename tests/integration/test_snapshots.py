@@ -137,7 +137,18 @@ def test_refused_tampered_truncated_bad_slot_and_engine(daemon):
     path = daemon.paths.snapshots_dir / snap["filename"]
     good = path.read_bytes()
     assert good[:4] == b"qsgg"  # the engine's magic 'ggsq', little-endian
-    assert daemon.call("snapshot.restore", id=snap["id"])["n_tokens"] == snap["n_tokens"]
+    same = daemon.call("snapshot.restore", id=snap["id"])
+    assert same["n_tokens"] == snap["n_tokens"] and same["saved_on"] == same["restored_on"] == "cpu"
+    assert same["cross_backend"] is False and "note" not in same
+    # Saved by another backend's build of the same engine (a CUDA server before a fallback):
+    # restored, and the result says the continuation is this backend's arithmetic.
+    with sqlite3.connect(daemon.paths.db_file) as db:
+        db.execute("update snapshots set backend = 'cuda' where id = ?", [snap["id"]])
+    crossed = daemon.call("snapshot.restore", id=snap["id"])
+    assert crossed["n_tokens"] == snap["n_tokens"] and crossed["cross_backend"] is True
+    assert crossed["note"].startswith("saved on cuda, restored on cpu") and "near-tied" in crossed["note"]
+    with sqlite3.connect(daemon.paths.db_file) as db:
+        db.execute("update snapshots set backend = 'cpu' where id = ?", [snap["id"]])
     # Bad slot ids: the engine would wrap 1 onto slot 0 (id % n_slots).
     assert _refused(daemon, "snapshot_bad_slot", id=snap["id"], slot=1)["n_slots"] == 1
     _refused(daemon, "snapshot_bad_slot", id=snap["id"], slot=-1)
