@@ -33,7 +33,7 @@ from daemon.bundles.installed import InstalledBundle, list_installed
 from daemon.config import Config
 from daemon.errors import StokerError
 from daemon.install_service import InstallService
-from daemon.layer_plan import LayerEstimate, estimate, free_vram, why_actual, why_planned
+from daemon.layer_plan import CONTEXT_RESERVE_MIB, FIT_MARGIN_MIB, LayerEstimate, estimate, free_vram, why_actual, why_planned
 from daemon.machines import MachineRunner, Publish
 from daemon.paths import StokerPaths
 from daemon.planner import plan_cpu
@@ -264,7 +264,8 @@ class FallbackOrchestrator:
         detection = self._detections.get(backend)
         free, device = free_vram([d.to_dict() for d in detection.devices] if detection else [])
         try:
-            self.estimate = await trio.to_thread.run_sync(estimate, model, config.server.ctx_size, free, device)
+            self.estimate = await trio.to_thread.run_sync(estimate, model, config.server.ctx_size, free, device,
+                                                          CONTEXT_RESERVE_MIB.get(backend, 0))
         except (OSError, ValueError, KeyError, TypeError) as err:
             log.info("no layer estimate for %s: %s", model, err)
         self.planned_why = why_planned(backend, self.estimate)
@@ -292,7 +293,7 @@ class FallbackOrchestrator:
             return {}
         if self.runner.state is F.FallbackState.SETTLED and plan.backend != "cpu" and not evidence.get("adopted"):
             # The same GPU plan respawned after a crash: prove it again, every time.
-            reason, proof = await self._judge(plan.backend, evidence)
+            reason, proof = await self._judge(plan.backend, evidence, plan)
             self.respawn_demotion = None if reason is None else (plan.backend, reason, proof)
             if reason is not None:
                 log.warning("respawned %s server is not really accelerated: %s", plan.backend, reason)
@@ -309,23 +310,38 @@ class FallbackOrchestrator:
         if backend == "cpu":
             self.runner.fire(F.LaunchSucceeded("cpu"))
             return {"effective_backend": "cpu"}
-        reason, proof = await self._judge(backend, evidence)
+        reason, proof = await self._judge(backend, evidence, plan)
         effective = "cpu" if reason is not None else backend
         self.runner.fire(F.LaunchSucceeded(backend, effective if reason else None, reason, proof))
         return {"effective_backend": effective, **({"demoted": str(reason)} if reason else {})}
 
-    async def _judge(self, backend: str, evidence: Mapping[str, Any]) -> tuple[ReasonCode | None, dict[str, Any]]:
+    async def _judge(self, backend: str, evidence: Mapping[str, Any],
+                     plan: L.LaunchPlan | None = None) -> tuple[ReasonCode | None, dict[str, Any]]:
         """None if the GPU is really in use, else why not; and the proof either way."""
         offloaded = evidence.get("offloaded_layers")
         proof: dict[str, Any] = {"offloaded_layers": offloaded, "total_layers": evidence.get("total_layers"),
                                  "offload_line": (evidence.get("evidence_lines") or {}).get("offloaded")}
         if not offloaded:
+            proof["hint"] = self._zero_layers_hint(plan)
             return layers_zero_reason(backend), proof
         vram = await self._process_vram(backend, evidence.get("pid"))
         proof["process_vram_mib"] = vram
         if vram == 0:
             return ReasonCode.GPU_CLAIMED_BUT_UNUSED, proof
         return None, proof
+
+    def _zero_layers_hint(self, plan: L.LaunchPlan | None) -> str:
+        """Why a GPU plan offloaded nothing, and the one setting that changes it."""
+        if plan is not None and plan.n_gpu_layers == 0:
+            return "n_gpu_layers = 0 in the config: nothing is offloaded by request"
+        if plan is not None and any(a in ("-fitt", "--fit-target") for a in plan.extra_args):
+            return "the engine's fit found no room for a layer within the -fitt margin in extra_args"
+        est = self.estimate
+        room = "" if est is None or est.free_vram_mib is None else (
+            f"{est.free_vram_mib} MiB free VRAM, about {est.context_mib} MiB of it taken by the runtime, "
+            f"vs model {est.model_mib:.0f} MiB + KV {est.kv_mib or 0:.0f} MiB; ")
+        return (f"{room}the engine keeps {FIT_MARGIN_MIB} MiB free (-fitt) and offloads nothing when less is left; "
+                f"free VRAM, or lower the margin: [server] extra_args = [\"-fitt\", \"256\"]")
 
     async def _process_vram(self, backend: str, pid: Any) -> int | None:
         """The server's own VRAM (MiB) where the platform reports it; None where it cannot."""

@@ -19,6 +19,10 @@ from daemon.model_facts import read_header
 
 MIB = 2**20
 FIT_MARGIN_MIB = 1024  # llama-server's default -fitt per device
+# VRAM a server's own runtime takes before the engine measures "free" and fits: on an H200
+# (CUDA 13, driver 580) NVML said 1499 MiB free and the engine saw 975 MiB, and a server that
+# offloaded nothing still held 542 MiB (docs/gpu-verification.md). Other runtimes: unmeasured.
+CONTEXT_RESERVE_MIB: dict[str, int] = {"cuda": 524}
 KV_BYTES_PER_ELEMENT = 2  # f16 K and V (the engine's default cache type)
 
 
@@ -32,12 +36,13 @@ class LayerEstimate:
     ctx: int
     free_vram_mib: int | None
     device: str | None
+    context_mib: int = 0  # the runtime's own VRAM, taken before the engine fits (CONTEXT_RESERVE_MIB)
 
     @property
     def fits(self) -> bool | None:
         if self.free_vram_mib is None or self.kv_mib is None:
             return None
-        return self.model_mib + self.kv_mib + FIT_MARGIN_MIB <= self.free_vram_mib
+        return self.model_mib + self.kv_mib + self.context_mib + FIT_MARGIN_MIB <= self.free_vram_mib
 
     def to_dict(self) -> dict[str, Any]:
         return {**attrs.asdict(self), "fits": self.fits, "margin_mib": FIT_MARGIN_MIB}
@@ -48,7 +53,7 @@ def _int(value: Any) -> int | None:
 
 
 def estimate(model_path: str | Path, ctx: int, free_vram_mib: int | None = None,
-             device: str | None = None) -> LayerEstimate:
+             device: str | None = None, context_mib: int = 0) -> LayerEstimate:
     """Read the GGUF header (not the tensors) and estimate model + KV bytes at `ctx`."""
     path = Path(model_path)
     meta = read_header(path)
@@ -64,7 +69,7 @@ def estimate(model_path: str | Path, ctx: int, free_vram_mib: int | None = None,
     kv_mib = None
     if n_layer and heads_kv and key_len and value_len:
         kv_mib = n_layer * ctx * heads_kv * (key_len + value_len) * KV_BYTES_PER_ELEMENT / MIB
-    return LayerEstimate(n_layer, path.stat().st_size / MIB, kv_mib, ctx, free_vram_mib, device)
+    return LayerEstimate(n_layer, path.stat().st_size / MIB, kv_mib, ctx, free_vram_mib, device, context_mib)
 
 
 def free_vram(devices: Iterable[Mapping[str, Any]]) -> tuple[int | None, str | None]:
@@ -93,9 +98,10 @@ def why_planned(backend: str, est: LayerEstimate | None, reason: str | None = No
     if est.free_vram_mib is None:
         return f"-ngl auto: the engine fits layers to free VRAM; {size}"
     verdict = {True: "all layers should fit", False: "not everything fits: the engine offloads fewer layers "
-               "(or shrinks the context)", None: "the engine decides"}[est.fits]
-    return (f"-ngl auto: {_mib(est.free_vram_mib)} free VRAM on {est.device} vs {size} "
-            f"+ {_mib(FIT_MARGIN_MIB)} margin; {verdict}")
+               "(or shrinks the context, or offloads none)", None: "the engine decides"}[est.fits]
+    context = f" + {_mib(est.context_mib)} {backend.upper()} runtime" if est.context_mib else ""
+    return (f"-ngl auto: {_mib(est.free_vram_mib)} free VRAM on {est.device} vs {size}{context} "
+            f"+ {_mib(FIT_MARGIN_MIB)} margin (-fitt); {verdict}")
 
 
 def why_actual(backend: str, planned_why: str, ready: Mapping[str, Any]) -> str:

@@ -76,6 +76,8 @@ def format_status(st: dict) -> str:
         lines.extend(f"          - {p}" for p in cfg["problems"])
     for fb in st.get("fallbacks") or []:
         lines.append(f"fallback  {fb.get('backend')}: {fb.get('reason')} - {fb.get('message', '')}")
+        if (fb.get("evidence") or {}).get("hint"):
+            lines.append(f"          hint: {fb['evidence']['hint']}")
     return "\n".join(lines)
 
 

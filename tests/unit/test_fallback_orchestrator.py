@@ -141,6 +141,10 @@ async def test_zero_layers_offloaded_is_reported_as_cpu(paths, config):
         assert st["backend"] == "cpu" and st["planned_backend"] == "cuda"
         assert [(f["backend"], f["reason"]) for f in st["fallbacks"]] == [("cuda", "cuda_gpu_layers_zero")]
         assert st["fallbacks"][0]["evidence"]["offload_line"].endswith("offloaded 0/3 layers to GPU")
+        # what to do about it: the engine's fit margin, and the setting that lowers it
+        hint = st["fallbacks"][0]["evidence"]["hint"]
+        assert "keeps 1024 MiB free (-fitt)" in hint and '"-fitt", "256"' in hint
+        assert "about 524 MiB of it taken by the runtime" in hint
 
 
 async def test_offload_claimed_but_no_vram_held_is_reported_as_cpu(paths, config):

@@ -31,3 +31,17 @@ def test_why_sentences(tmp_path):
     assert after.endswith("engine offloaded 3/3; KV CUDA0 2.0 MiB; n_ctx 2048")
     assert free_vram([{"index": 0, "name": "a", "memory_free_mib": 10},
                       {"index": 1, "name": "b", "memory_free_mib": 20}]) == (20, "1: b")
+
+
+def test_the_cuda_runtime_counts_against_free_vram(tmp_path):
+    """Measured on an H200: NVML said 1499 MiB free, the engine saw 975 after its CUDA context,
+    kept its 1024 MiB margin and offloaded 0 of Gemma's layers. The estimate must say so too."""
+    from daemon.layer_plan import CONTEXT_RESERVE_MIB
+
+    model = write_tiny_model(tmp_path / "m.gguf", n_layer=2, n_embd=128, n_head=2)
+    assert estimate(model, 4096, 1500, "0: NVIDIA H200").fits is True  # runtime ignored
+    est = estimate(model, 4096, 1500, "0: NVIDIA H200", CONTEXT_RESERVE_MIB["cuda"])
+    assert est.fits is False and est.to_dict()["context_mib"] == 524
+    text = why_planned("cuda", est)
+    assert "+ 524 MiB CUDA runtime + 1.0 GiB margin (-fitt)" in text and "offloads none" in text
+    assert "runtime" not in why_planned("cuda", estimate(model, 4096, 1500, "0: NVIDIA H200"))
