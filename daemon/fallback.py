@@ -33,7 +33,8 @@ from daemon.bundles.installed import InstalledBundle, list_installed
 from daemon.config import Config
 from daemon.errors import StokerError
 from daemon.install_service import InstallService
-from daemon.layer_plan import CONTEXT_RESERVE_MIB, FIT_MARGIN_MIB, LayerEstimate, estimate, free_vram, why_actual, why_planned
+from daemon.layer_plan import (CONTEXT_RESERVE_MIB, FIT_MARGIN_MIB, LayerEstimate, estimate, fit_margin, free_vram,
+                               why_actual, why_planned)
 from daemon.machines import MachineRunner, Publish
 from daemon.paths import StokerPaths
 from daemon.planner import plan_cpu
@@ -265,7 +266,8 @@ class FallbackOrchestrator:
         free, device = free_vram([d.to_dict() for d in detection.devices] if detection else [])
         try:
             self.estimate = await trio.to_thread.run_sync(estimate, model, config.server.ctx_size, free, device,
-                                                          CONTEXT_RESERVE_MIB.get(backend, 0))
+                                                          CONTEXT_RESERVE_MIB.get(backend, 0),
+                                                          fit_margin(config.server.extra_args))
         except (OSError, ValueError, KeyError, TypeError) as err:
             log.info("no layer estimate for %s: %s", model, err)
         self.planned_why = why_planned(backend, self.estimate)

@@ -37,15 +37,16 @@ class LayerEstimate:
     free_vram_mib: int | None
     device: str | None
     context_mib: int = 0  # the runtime's own VRAM, taken before the engine fits (CONTEXT_RESERVE_MIB)
+    margin_mib: int = FIT_MARGIN_MIB  # what the engine keeps free: -fitt, from extra_args or its default
 
     @property
     def fits(self) -> bool | None:
         if self.free_vram_mib is None or self.kv_mib is None:
             return None
-        return self.model_mib + self.kv_mib + self.context_mib + FIT_MARGIN_MIB <= self.free_vram_mib
+        return self.model_mib + self.kv_mib + self.context_mib + self.margin_mib <= self.free_vram_mib
 
     def to_dict(self) -> dict[str, Any]:
-        return {**attrs.asdict(self), "fits": self.fits, "margin_mib": FIT_MARGIN_MIB}
+        return {**attrs.asdict(self), "fits": self.fits}
 
 
 def _int(value: Any) -> int | None:
@@ -53,7 +54,7 @@ def _int(value: Any) -> int | None:
 
 
 def estimate(model_path: str | Path, ctx: int, free_vram_mib: int | None = None,
-             device: str | None = None, context_mib: int = 0) -> LayerEstimate:
+             device: str | None = None, context_mib: int = 0, margin_mib: int = FIT_MARGIN_MIB) -> LayerEstimate:
     """Read the GGUF header (not the tensors) and estimate model + KV bytes at `ctx`."""
     path = Path(model_path)
     meta = read_header(path)
@@ -69,7 +70,21 @@ def estimate(model_path: str | Path, ctx: int, free_vram_mib: int | None = None,
     kv_mib = None
     if n_layer and heads_kv and key_len and value_len:
         kv_mib = n_layer * ctx * heads_kv * (key_len + value_len) * KV_BYTES_PER_ELEMENT / MIB
-    return LayerEstimate(n_layer, path.stat().st_size / MIB, kv_mib, ctx, free_vram_mib, device, context_mib)
+    return LayerEstimate(n_layer, path.stat().st_size / MIB, kv_mib, ctx, free_vram_mib, device, context_mib,
+                         margin_mib)
+
+
+def fit_margin(extra_args: Iterable[str]) -> int:
+    """The engine's fit margin per device in MiB: `-fitt N` in extra_args, else its default.
+    (A list of margins, one per device, counts by its first.)"""
+    args = list(extra_args)
+    for flag, value in zip(args, args[1:]):
+        if flag in ("-fitt", "--fit-target"):
+            try:
+                return int(value.split(",")[0])
+            except ValueError:
+                break
+    return FIT_MARGIN_MIB
 
 
 def free_vram(devices: Iterable[Mapping[str, Any]]) -> tuple[int | None, str | None]:
@@ -101,7 +116,7 @@ def why_planned(backend: str, est: LayerEstimate | None, reason: str | None = No
                "(or shrinks the context, or offloads none)", None: "the engine decides"}[est.fits]
     context = f" + {_mib(est.context_mib)} {backend.upper()} runtime" if est.context_mib else ""
     return (f"-ngl auto: {_mib(est.free_vram_mib)} free VRAM on {est.device} vs {size}{context} "
-            f"+ {_mib(FIT_MARGIN_MIB)} margin (-fitt); {verdict}")
+            f"+ {_mib(est.margin_mib)} margin (-fitt); {verdict}")
 
 
 def why_actual(backend: str, planned_why: str, ready: Mapping[str, Any]) -> str:

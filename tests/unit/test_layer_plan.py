@@ -45,3 +45,11 @@ def test_the_cuda_runtime_counts_against_free_vram(tmp_path):
     text = why_planned("cuda", est)
     assert "+ 524 MiB CUDA runtime + 1.0 GiB margin (-fitt)" in text and "offloads none" in text
     assert "runtime" not in why_planned("cuda", estimate(model, 4096, 1500, "0: NVIDIA H200"))
+
+    # The hint applied (extra_args = ["-fitt", "256"]): the same GPU now fits, as it did there
+    from daemon.layer_plan import fit_margin
+
+    assert fit_margin(["-fitt", "256"]) == 256 and fit_margin(["--fit-target", "128,512"]) == 128
+    assert fit_margin([]) == fit_margin(["-fitt"]) == fit_margin(["-fitt", "x"]) == 1024
+    est = estimate(model, 4096, 1500, "0: NVIDIA H200", CONTEXT_RESERVE_MIB["cuda"], fit_margin(["-fitt", "256"]))
+    assert est.fits is True and "+ 256 MiB margin (-fitt); all layers should fit" in why_planned("cuda", est)
