@@ -840,6 +840,12 @@ def st_snapshot(homes: Homes, model: Path, label: str, n: int, ctx: int, second:
         # out the first step's entry: align by id when reading)
         out["reference_top3"] = compact_probs(out.pop("reference_probs", None))
         out["continued_top3"] = compact_probs(cont.get("completion_probabilities"))
+        i, ref_top = out["first_divergence"], out["reference_top3"] or []
+        if i is not None and n + i < len(ref_top) and len(ref_top[n + i][2]) >= 2:
+            (first, lp1), (second, lp2) = ref_top[n + i][2][:2]
+            out["divergence"] = {"index": i, "uninterrupted_top2": [[first, lp1], [second, lp2]],
+                                 "gap_nats": round(lp1 - lp2, 4), "restored_chose": cont["tokens"][i],
+                                 "restored_chose_the_runner_up": cont["tokens"][i] == second}
         # Control: the CPU re-computing the whole prompt, no snapshot involved.
         fresh = completion(st, {"prompt": ids + list(out["first_half"]), "n_predict": n, "cache_prompt": False, **greedy})
         out["cpu_recompute_tokens"] = fresh["tokens"]
@@ -1211,14 +1217,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if (WORK / "results.json").exists() and args.keep:
         STATE.update(json.loads(RESULTS.read_text()))
     assemble_gemma()
-    if not (WORK / "build.done").exists() and not (WORK / "carried-cuda.zip").exists():
-        say("no build yet: building now")
-        cmd_build(argparse.Namespace(backends=["cuda", "cpu"]))
-    elif (WORK / "build-bg.log").exists():  # a background build was started: wait for it
-        try:
+    if (WORK / "build-bg.log").exists() and not (WORK / "build.done").exists():
+        try:  # a background build was started: wait for it (never start a second one)
             wait_build(args.build_timeout)
         except TimeoutError as err:
             say(str(err))
+    elif not (WORK / "build.done").exists() and not (WORK / "carried-cuda.zip").exists():
+        say("no build yet: building now")
+        cmd_build(argparse.Namespace(backends=["cuda", "cpu"]))
     cuda_zip, cpu_zip = bundle_zips()
     STATE["bundles"] = {"cuda": str(cuda_zip), "cpu": str(cpu_zip)}
     if cuda_zip is None or cpu_zip is None:
