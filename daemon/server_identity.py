@@ -23,6 +23,7 @@ import httpx
 import psutil
 import trio
 
+from daemon.http_client import loopback_client
 from daemon.exit_classify import classify_exit
 from states.reasons import ReasonCode
 
@@ -134,7 +135,7 @@ async def verify_identity(ident: ServerIdentity) -> bool:
 async def _http_proof(ident: ServerIdentity) -> bool:
     auth = {"Authorization": f"Bearer {ident.api_key}"}
     try:
-        async with httpx.AsyncClient(base_url=ident.base_url, timeout=3.0, trust_env=False) as client:
+        async with loopback_client(base_url=ident.base_url, timeout=3.0) as client:
             if (await client.get("/health")).status_code != 200:
                 return False
             if (await client.get("/props")).status_code != 401:

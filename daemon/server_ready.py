@@ -17,6 +17,7 @@ import attrs
 import httpx
 import trio
 
+from daemon.http_client import loopback_client
 from daemon.errors import StokerError
 from states.reasons import ReasonCode
 
@@ -158,7 +159,7 @@ async def wait_ready(
     classified reason. The server is left running either way: stopping it is the caller's call.
     """
     deadline = handle.started_clock + ready_timeout
-    async with httpx.AsyncClient(timeout=httpx.Timeout(5.0), trust_env=False) as client:
+    async with loopback_client(timeout=httpx.Timeout(5.0)) as client:
         while True:
             if handle.exit is not None:
                 raise StokerError(handle.exit.reason, evidence=handle.exit.evidence)

@@ -23,6 +23,7 @@ import attrs
 import httpx
 import trio
 
+from daemon.http_client import loopback_client
 from daemon.config import Config
 from daemon.errors import StokerError
 from daemon.model_facts import model_facts
@@ -93,9 +94,8 @@ class LiveServer:
 
 
 def _engine_client() -> httpx.AsyncClient:
-    """A client for the engine on loopback: plain HTTP, so no CA bundle is loaded (that alone
-    costs tens of milliseconds per client, more than a restore); timeouts are cancel scopes."""
-    return httpx.AsyncClient(timeout=None, trust_env=False, verify=False)
+    """A client for the engine on loopback (see loopback_client); timeouts are cancel scopes."""
+    return loopback_client(timeout=None)
 
 
 def _engine_error(resp: httpx.Response) -> str:

@@ -347,8 +347,10 @@ class Supervisor:
     async def _watch_adopted_ready(self, server: AdoptedServer, stall_timeout: float) -> None:
         import httpx
 
+        from daemon.http_client import loopback_client
+
         with trio.move_on_after(self.config.server.ready_timeout_s):
-            async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+            async with loopback_client(timeout=5.0) as client:
                 while self.server is server:
                     try:
                         health = await client.get(f"{server.base_url}/health")

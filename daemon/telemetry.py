@@ -272,10 +272,10 @@ def engine_figures(metrics: dict[str, float]) -> dict[str, Any]:
 
 async def fetch_engine_metrics(base_url: str, api_key: str | None) -> dict[str, Any]:
     """GET /metrics (llama-server started with --metrics); raises httpx errors or ValueError."""
-    import httpx
+    from daemon.http_client import loopback_client
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=METRICS_TIMEOUT_S, trust_env=False) as client:
+    async with loopback_client(timeout=METRICS_TIMEOUT_S) as client:
         reply = await client.get(f"{base_url}/metrics", headers=headers)
     if reply.status_code != 200:
         raise ValueError(f"/metrics answered HTTP {reply.status_code}")

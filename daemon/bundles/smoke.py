@@ -132,7 +132,8 @@ def generate(
         headers = {"Authorization": f"Bearer {key}"}
         body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "top_k": 1, "seed": 0,
                 "cache_prompt": False, "return_tokens": True, "stream": False}
-        with httpx.Client(timeout=max(5.0, deadline - time.monotonic())) as client:
+        # loopback, plain HTTP: no proxy from the environment, no CA bundle to load
+        with httpx.Client(timeout=max(5.0, deadline - time.monotonic()), trust_env=False, verify=False) as client:
             while client.get(base + "/health").status_code != 200:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise _engine_failed(proc, log, "smoke: load")
