@@ -146,12 +146,22 @@ def identity_of_server(*, model_sha256: str, engine_build: str, props: Mapping[s
         "cache_type_k": kv.cache_type_k or "f16",
         "cache_type_v": kv.cache_type_v or "f16",
         "swa_full": bool(swa_full),
+        "kv_unified": kv.kv_unified,
     }
+
+
+def _unknown_or_moot(field: str, snapshot: Mapping[str, Any], server: Mapping[str, Any]) -> bool:
+    """kv_unified counts only when both sides know it and there are several slots: with one
+    slot a unified and a per-slot cache hold the same cells (restored token-identical)."""
+    if field != "kv_unified":
+        return False
+    return snapshot.get(field) is None or server.get(field) is None or (server.get("n_slots") or 1) <= 1
 
 
 def check_identity(snapshot: Mapping[str, Any], server: Mapping[str, Any], *, snapshot_id: int) -> None:
     """Raise a reason-coded StokerError if the snapshot does not fit the server."""
-    differ = {k: {"snapshot": snapshot[k], "server": server[k]} for k in IDENTITY_FIELDS if snapshot[k] != server[k]}
+    differ = {k: {"snapshot": snapshot.get(k), "server": server.get(k)} for k in IDENTITY_FIELDS
+              if snapshot.get(k) != server.get(k) and not _unknown_or_moot(k, snapshot, server)}
     if not differ:
         return
     if "model_sha256" in differ:

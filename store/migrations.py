@@ -96,9 +96,17 @@ def m002_snapshots(db: Database) -> None:
     )
 
 
+def m003_snapshot_kv_unified(db: Database) -> None:
+    """Whether the KV cache was unified across slots (`-kvu`): with several slots a unified
+    and a per-slot cache take different files (the engine refuses with a 400). NULL for rows
+    written before: unknown, not compared."""
+    db["snapshots"].add_column("kv_unified", int)
+
+
 MIGRATIONS: list[Migration] = [
     m001_initial,
     m002_snapshots,
+    m003_snapshot_kv_unified,
 ]
 
 

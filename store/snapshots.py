@@ -17,7 +17,7 @@ from store.errors import StoreError
 
 # The fields that must match between a snapshot and a server before the engine sees the file.
 IDENTITY_FIELDS = ("model_sha256", "engine_build", "n_ctx", "n_slots", "flash_attn", "cache_type_k",
-                   "cache_type_v", "swa_full")
+                   "cache_type_v", "swa_full", "kv_unified")
 
 
 @attrs.frozen
@@ -44,12 +44,14 @@ class SnapshotRecord:
     cause: str
     save_ms: float | None
     created_at: float
+    kv_unified: bool | None = None  # None: catalogued before it was recorded
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> "SnapshotRecord":
         fields = {f.name for f in attrs.fields(cls)}
         data = {k: row[k] for k in fields}
         data["swa_full"] = bool(row["swa_full"])
+        data["kv_unified"] = None if row.get("kv_unified") is None else bool(row["kv_unified"])
         return cls(**data)
 
     def identity(self) -> dict[str, Any]:
@@ -74,7 +76,8 @@ class SnapshotCatalog:
 
     def add(self, row: Mapping[str, Any]) -> SnapshotRecord:
         """Catalogue a complete snapshot file; returns its record."""
-        row = {**row, "swa_full": int(bool(row.get("swa_full")))}
+        unified = row.get("kv_unified")
+        row = {**row, "swa_full": int(bool(row.get("swa_full"))), "kv_unified": None if unified is None else int(bool(unified))}
         new_id = self._write("snapshots", lambda db: db["snapshots"].insert(row).last_pk)
         record = self.get(new_id)
         assert record is not None

@@ -225,6 +225,31 @@ def test_refused_after_ctx_parallel_and_model_change(daemon, model, tmp_path):
         proc.kill()
 
 
+def test_a_unified_kv_cache_is_a_different_layout_with_several_slots(daemon, model):
+    """Measured: a slot saved from a 2-slot per-slot cache, restored into a 2-slot unified one
+    (`-kvu`), makes the engine answer 400 and clear the slot. Stoker refuses it first."""
+    write_config(daemon.paths, tiny_config(model, snapshots=True, parallel=2))
+    daemon.start()
+    snap = _saved(daemon)
+    assert snap["n_slots"] == 2 and snap["kv_unified"] is False
+    write_config(daemon.paths, tiny_config(model, snapshots=True, parallel=2, extra_args=["-kvu"]))
+    st = relaunched(daemon, daemon.call("status")["pid"])
+    refused = st["snapshots"]["refused"]
+    assert st["snapshots"]["restored"] == [] and refused, st["snapshots"]
+    assert {r["reason"] for r in refused} == {"snapshot_layout_mismatch"}
+    assert refused[0]["evidence"]["differs"] == {"kv_unified": {"snapshot": False, "server": True}}
+    Engine(st).complete(Engine(st).tokenize("still serving"), 2)
+    # Back to a per-slot cache: the newest per-slot snapshot comes back by itself, the one the
+    # unified server saved on its way out (kv_unified true) is passed over.
+    write_config(daemon.paths, tiny_config(model, snapshots=True, parallel=2))
+    st = relaunched(daemon, st["pid"])
+    listed = daemon.call("snapshot.list")["snapshots"]
+    assert [r["kv_unified"] for r in listed][:1] == [True]
+    newest_per_slot = next(r["id"] for r in listed if r["kv_unified"] is False)
+    assert newest_per_slot > snap["id"]
+    assert [r["id"] for r in st["snapshots"]["restored"]] == [newest_per_slot]
+
+
 def test_retention_and_rm(daemon, model):
     write_config(daemon.paths, tiny_config(model, snapshots={"max_count": 2}))
     daemon.start()

@@ -14,7 +14,7 @@ from store import open_store
 from store.snapshots import SnapshotCatalog, retention_victims
 
 IDENTITY = {"model_sha256": "m" * 64, "engine_build": "b1 build 1 commit x source y", "n_ctx": 256, "n_slots": 1,
-            "flash_attn": "on", "cache_type_k": "f16", "cache_type_v": "f16", "swa_full": False}
+            "flash_attn": "on", "cache_type_k": "f16", "cache_type_v": "f16", "swa_full": False, "kv_unified": False}
 
 
 def _row(slot=0, size=100, at=1.0, model="m" * 64, **extra):
@@ -79,6 +79,19 @@ def test_every_identity_field_is_checked(field, value, reason):
         check_identity(IDENTITY, {**IDENTITY, field: value}, snapshot_id=1)
     assert err.value.reason == reason
     assert err.value.evidence["differs"] == {field: {"snapshot": IDENTITY[field], "server": value}}
+
+
+def test_kv_unified_counts_with_several_slots_and_when_known(catalog):
+    two = {**IDENTITY, "n_slots": 2}
+    with pytest.raises(StokerError) as err:  # the engine answers 400 to this one (seen with -np 2 -kvu)
+        check_identity(two, {**two, "kv_unified": True}, snapshot_id=1)
+    assert err.value.reason == ReasonCode.SNAPSHOT_LAYOUT_MISMATCH
+    assert err.value.evidence["differs"] == {"kv_unified": {"snapshot": False, "server": True}}
+    check_identity(IDENTITY, {**IDENTITY, "kv_unified": True}, snapshot_id=1)  # one slot: same cells, restores
+    check_identity({**two, "kv_unified": None}, {**two, "kv_unified": True}, snapshot_id=1)  # an older row
+    # the catalogue keeps the three states
+    for value in (True, False, None):
+        assert catalog.add(_row(at=float(len(catalog.list()) + 1), kv_unified=value)).kv_unified is value
 
 
 def test_backend_is_not_identity(catalog):
