@@ -358,7 +358,9 @@ def test_daemon_killed_during_a_save_leaves_no_half_snapshot(daemon):
     daemon.kill9()
     os.kill(st["pid"], signal.SIGCONT)
     saver.join(30)
-    # What a kill can leave at worst: a partial file and a renamed but uncatalogued one.
+    # The resumed engine drops the save whose client died (checked: no file appears), so what
+    # a kill can leave comes from two narrow windows, planted here: a kill while the engine
+    # writes (a partial file) and one between the rename and the row (an uncatalogued file).
     (daemon.paths.snapshots_dir / "partial-deadbeef.bin").write_bytes(b"half")
     (daemon.paths.snapshots_dir / "slot0-1-abcd.bin").write_bytes(b"orphan")
     daemon.start()
