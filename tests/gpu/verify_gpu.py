@@ -1040,7 +1040,7 @@ def st_figures(homes: Homes, model: Path, runs: int) -> dict[str, Any]:
                                                      "direct": summary(tps(paused["direct"])),
                                                      "ratio": ratio(paused["daemon"], paused["direct"])}}
         # time-to-ready through the daemon: `up` -> the ready transition on the event stream
-        for _ in range(5):
+        for _ in range(int(os.environ.get("STOKER_GPU_READY_PAIRS", "5"))):
             sc.daemon.call("down")
             with ControlClient(sc.daemon.paths.socket_path, timeout=300) as sub, sc.daemon.client(timeout=300) as c:
                 events = sub.subscribe()
