@@ -152,6 +152,7 @@ def test_gguf_header_reader_skips_arrays(tmp_path, tiny_model):
     writer.add_block_count(6)
     writer.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc"] * 1000)
     writer.add_array("tokenizer.ggml.scores", [0.5] * 3000)
+    writer.add_string("tokenizer.after_the_vocabulary", "é, found")  # the skip lands exactly here
     writer.add_tensor("x", np.zeros((4,), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -159,6 +160,9 @@ def test_gguf_header_reader_skips_arrays(tmp_path, tiny_model):
     writer.close()
     meta = read_header(path)
     assert meta["tokenizer.ggml.tokens"] is None and meta["general.architecture"] == "gemma3"
+    assert meta["tokenizer.after_the_vocabulary"] == "é, found"
+    meta["general.architecture"] = "changed"  # a caller's copy: the cache keeps its own
+    assert read_header(path)["general.architecture"] == "gemma3"
     facts = model_facts(path)
     assert (facts.swa, facts.sliding_window, facts.block_count, facts.recurrent) == (True, 512, 6, False)
     assert model_facts(tiny_model).swa is False
