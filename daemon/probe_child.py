@@ -30,9 +30,10 @@ def _failed(name: str, reason: str, message: str, **evidence: object) -> dict[st
 
 def probe(name: str, target: str | None = None) -> dict[str, object]:
     """Detect one backend; every failure inside this process becomes a Detection dict."""
-    from daemon.backends.registry import load_backend, load_target
+    from daemon.backends.registry import BUILTIN_TARGETS, load_backend, load_target
     from states.reasons import ReasonCode
 
+    target = target or BUILTIN_TARGETS.get(name)
     try:
         backend = load_target(name, target) if target else load_backend(name)
     except Exception as e:

@@ -99,3 +99,16 @@ def test_load_one_backend_without_importing_the_others():
 def test_plugin_list_devices_signature():
     listed = RpcBackend().parse_list_devices("  RPC[10.0.0.2:50052]: RPC0 (24000 MiB, 23000 MiB free)\n")
     assert listed[0].name == "RPC[10.0.0.2:50052]" and listed[0].memory_free_mib == 23000
+
+
+def test_builtin_targets_are_the_entry_points():
+    """A probe child loads a built-in straight from BUILTIN_TARGETS (no entry-point scan):
+    the map must say exactly what pyproject.toml registers."""
+    import tomllib
+    from pathlib import Path
+
+    from daemon.backends.registry import BUILTIN, BUILTIN_TARGETS
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    assert BUILTIN_TARGETS == project["entry-points"]["stoker.backends"]
+    assert tuple(BUILTIN_TARGETS) == BUILTIN
