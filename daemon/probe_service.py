@@ -73,6 +73,8 @@ class ProbeService:
     backends: tuple[str, ...] = attrs.field(converter=tuple)
     publish: Publish | None = None
     run_probe: ProbeFn = run_probe_out_of_process
+    # backend -> its quick_detect: an answer that needs no driver is had in-process
+    quick: Mapping[str, Callable[[], Detection | None]] = attrs.field(factory=dict)
     ttl: float = CACHE_TTL_S
     timeout: float = PROBE_TIMEOUT_S
     _runners: dict[str, MachineRunner] = attrs.field(factory=dict, init=False)
@@ -188,10 +190,27 @@ class ProbeService:
             elif isinstance(effect, P.ArmExpiry):
                 self._nursery.start_soon(self._expire_later, backend, effect)
 
-    async def _run(self, effect: P.RunProbe) -> None:
-        self.probes_run += 1
+    def _quick(self, backend: str) -> Detection | None:
+        quick = self.quick.get(backend)
+        if quick is None:
+            return None
         try:
-            detection = await self.run_probe(effect.backend, timeout=effect.timeout)
+            detection = quick()
+        except Exception:  # a plugin's bug: the subprocess probe still gets its say
+            log.exception("quick_detect of %s failed; probing out of process", backend)
+            return None
+        if detection is not None:
+            detection = attrs.evolve(detection, evidence={**detection.evidence, "probed": "in-process (quick_detect)"})
+        return detection
+
+    async def _run(self, effect: P.RunProbe) -> None:
+        try:
+            detection = self._quick(effect.backend)
+            if detection is None:
+                self.probes_run += 1
+                detection = await self.run_probe(effect.backend, timeout=effect.timeout)
+            else:
+                await trio.lowlevel.checkpoint()
         except Exception as err:  # run_probe reports failures as Detections; this is a bug
             log.exception("probe %s failed", effect.backend)
             detection = Detection.unavailable(

@@ -90,7 +90,8 @@ class Daemon:
         self.snapshots = SnapshotService(self.paths, SnapshotCatalog(self.store), lambda: self.config,
                                          self.bus.publish)
         backends = load_backends()
-        self.probes = ProbeService(self.store, tuple(backends), publish=self.publish)
+        self.probes = ProbeService(self.store, tuple(backends), publish=self.publish,
+                                   quick={name: b.quick_detect for name, b in backends.items()})
         self.installs = InstallService(self.paths, self.store, self.publish, manifest_source=self.manifest_source,
                                        backends=backends)
         self.orchestrator = FallbackOrchestrator(self.paths, self.store, self.probes, self.installs, backends,

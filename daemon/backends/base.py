@@ -207,6 +207,14 @@ class Backend(abc.ABC):
     def detect(self) -> Detection:
         """Look at the hardware and its runtime; never raises for a hardware problem."""
 
+    def quick_detect(self) -> Detection | None:
+        """`detect()`'s answer when it can be had without loading a driver or running a tool
+        (the wrong platform, none of the backend's tools on PATH), else None.
+
+        The daemon calls this in-process before it spawns a probe subprocess: the answer must
+        be exactly what `detect()` would say, and nothing here may touch a driver."""
+        return None
+
     @abc.abstractmethod
     def choose_variant(self, detection: Detection, available_variants: Iterable[str]) -> str | None:
         """The bundle variant that fits this detection, or None if none of them does."""

@@ -44,6 +44,12 @@ class MetalBackend(Backend):
         device = Device(index=0, name=name, memory_total_mib=total, runtime_version=macos, device_type="integrated")
         return Detection.available(self.name, [device], f"{name}, {total} MiB unified memory", **evidence)
 
+    def quick_detect(self) -> Detection | None:
+        # Not an Apple silicon Mac: detect() answers from the platform alone.
+        if self._system != "Darwin" or self._machine not in ("arm64", "aarch64"):
+            return self.detect()
+        return None
+
     def choose_variant(self, detection: Detection, available_variants: Iterable[str]) -> str | None:
         variants = sorted(set(available_variants))
         if not detection.usable or not variants:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -145,6 +146,12 @@ class RocmBackend(Backend):
     def __init__(self, *, run: ToolRunner = run_tool, sysfs_root: Path | str = "/sys") -> None:
         self._run = run
         self._sysfs_root = Path(sysfs_root)
+
+    def quick_detect(self) -> Detection | None:
+        # Neither ROCm tool on PATH: detect() only reads sysfs attributes (no driver call).
+        if self._run is run_tool and not any(shutil.which(argv[0]) for argv in (AMD_SMI, ROCM_SMI)):
+            return self.detect()
+        return None
 
     def detect(self) -> Detection:
         """amd-smi, rocm-smi, sysfs: the first that names a GPU decides; all are recorded."""

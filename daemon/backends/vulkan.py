@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 from typing import Any, Iterable
 
 from daemon.backends.base import Backend, Detection, Device, excerpt, gpu_device_signature
@@ -63,6 +64,12 @@ class VulkanBackend(Backend):
 
     def __init__(self, *, run: ToolRunner = run_tool) -> None:
         self._run = run
+
+    def quick_detect(self) -> Detection | None:
+        # No vulkaninfo on PATH: detect() says so without running anything.
+        if self._run is run_tool and shutil.which(VULKANINFO[0]) is None:
+            return self.detect()
+        return None
 
     def detect(self) -> Detection:
         """Hardware Vulkan devices from vulkaninfo; software ones are recorded and ignored."""

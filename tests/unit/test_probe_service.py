@@ -205,3 +205,44 @@ def test_unknown_backend_is_refused():
             await service.probe("tpu")
 
     trio.run(main)
+
+
+def test_a_quick_answer_spares_the_subprocess_and_a_broken_one_does_not_count():
+    """quick_detect answers in-process when it can (metal off a Mac, no ROCm/Vulkan tools);
+    None or a plugin bug sends the backend to the subprocess probe as before."""
+    def broken():
+        raise RuntimeError("plugin bug")
+
+    async def main():
+        store = open_store(":memory:")
+        fake = FakeProbes([1.0])
+        quick = {"metal": lambda: Detection.unavailable("metal", ReasonCode.GPU_MISSING, present=False,
+                                                        message="not a Mac"),
+                 "cuda": lambda: None, "rocm": broken}
+        service = ProbeService(store, ("cuda", "rocm", "metal"), run_probe=fake, quick=quick)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.serve)
+            got = await service.probe_all()
+            nursery.cancel_scope.cancel()
+        assert fake.calls == 2 and service.probes_run == 2  # cuda and rocm went out of process
+        metal = got["metal"].detection
+        assert metal.reason == ReasonCode.GPU_MISSING and metal.evidence["probed"] == "in-process (quick_detect)"
+        assert service.runner("metal").state is P.ProbeState.UNAVAILABLE  # the same machine, the same history
+        assert "probed" not in got["cuda"].detection.evidence
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_builtin_quick_detect_matches_detect(tmp_path, monkeypatch):
+    """With no tools on PATH and not on a Mac, the built-ins answer exactly as detect() does."""
+    from daemon.backends.cuda import CudaBackend
+    from daemon.backends.metal import MetalBackend
+    from daemon.backends.rocm import RocmBackend
+    from daemon.backends.vulkan import VulkanBackend
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no amd-smi, rocm-smi, vulkaninfo
+    for backend in (VulkanBackend(), RocmBackend(sysfs_root=tmp_path), MetalBackend()):
+        quick = backend.quick_detect()
+        assert quick is not None and quick.to_dict() == backend.detect().to_dict(), backend.name
+        assert not quick.usable
+    assert CudaBackend().quick_detect() is None  # NVML is a driver: always out of process
