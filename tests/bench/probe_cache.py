@@ -4,7 +4,7 @@
 
 A real daemon (its autostart fails at once on a missing model, so no engine runs) is asked
 over its socket, the way the CLI asks: `probe` for every backend with `fresh: true` (each
-backend's detect() in its own subprocess, concurrently) and then `probe` from the cache.
+backend's detect(), concurrently) and then `probe` from the cache.
 Runs alternate fresh / cached; the figure is the median round trip of each and their ratio.
 The cache must also be *right*: every cached answer is checked against the fresh one before it.
 
@@ -68,16 +68,18 @@ def main() -> int:
         f"Machine: {machine()}; load average during the run {load}.\n\n"
         "`probe` over the daemon's socket for every registered backend "
         f"({', '.join(backends)}; usable here: {', '.join(usable) or 'none'}), {args.runs} alternating runs. "
-        "Fresh: each backend's `detect()` in its own subprocess, concurrently (generation N+1). Cached: "
+        "Fresh: each backend's `detect()`, concurrently (generation N+1): in its own subprocess, or "
+        "in-process where `quick_detect()` needs no driver (no tool installed, not a Mac). Cached: "
         "the verdicts of the probe just before, within the 30 s TTL, checked equal to them.\n\n"
         "| | median | p90 | min |\n|---|---|---|---|\n"
         f"| fresh probe (`stoker probe --fresh`) | {f50:.1f} ms | {percentile(fresh_ms, 90):.1f} ms | {min(fresh_ms):.1f} ms |\n"
         f"| from cache (`stoker probe`) | {c50:.2f} ms | {percentile(cached_ms, 90):.2f} ms | {min(cached_ms):.2f} ms |\n\n"
         f"Cache speed-up (median fresh / median cached): **{ratio:.0f}x**.\n\n"
         "Command: `.venv/bin/python tests/bench/probe_cache.py --runs "
-        f"{args.runs}`. The fresh figure is dominated by starting five Python probe processes "
-        "(and the CPU backend's instruction tests) on a shared 2-core machine; on a GPU host NVML "
-        "init adds about 110 ms (ENGINE.md).\n"
+        f"{args.runs}`. The fresh figure is dominated by starting the Python probe processes that "
+        "remain (cuda's NVML probe, and the CPU backend's instruction tests) on a shared 2-core "
+        "machine; on a GPU host NVML init adds about 110 ms (ENGINE.md). Before `quick_detect` "
+        "all five ran as subprocesses: 2177 ms median.\n"
     )
     print(text)
     if not args.no_write:
