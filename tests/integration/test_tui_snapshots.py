@@ -64,6 +64,23 @@ def status_cpu_fallback() -> dict[str, Any]:
     }
 
 
+def status_zero_layers() -> dict[str, Any]:
+    """Recorded on the H200 (docs/gpu-verification.md): another process held all but 1.5 GiB."""
+    hint = ("1499 MiB free VRAM, about 524 MiB of it taken by the runtime, vs model 241 MiB + KV 72 MiB; "
+            "the engine keeps 1024 MiB free (-fitt) and offloads nothing when less is left; free VRAM, "
+            'or lower the margin: [server] extra_args = ["-fitt", "256"]')
+    return {
+        **status_cpu_fallback(),
+        "reason": None, "message": None, "evidence": {},
+        "planned_backend": "cuda", "variant": "avx2",
+        "model": "/home/ana/models/gemma-3-270m-q4_k_m.gguf",
+        "layers": {"planned": "auto", "offloaded": 0, "total": 19},
+        "fallbacks": [{"backend": "cuda", "reason": "cuda_gpu_layers_zero",
+                       "message": "The CUDA server started but offloaded 0 layers to the GPU; serving on the CPU.",
+                       "evidence": {"offloaded_layers": 0, "total_layers": 19, "hint": hint}}],
+    }
+
+
 def _point(i: int, util: int, used: int, proc: int, tps: float | None, cpu: float | None = None) -> dict[str, Any]:
     return {
         "time": T0 + 5 * i, "pid": 48213, "activity": "busy" if util else "idle",
@@ -288,6 +305,10 @@ def test_overview_gpu_idle(snap_compare):
 @pytest.mark.parametrize("size", [(100, 30), (80, 24)])
 def test_overview_cpu_fallback(snap_compare, size):
     assert snap_compare(StokerApp(cpu_link()), terminal_size=size, run_before=loaded)
+
+
+def test_overview_zero_layers_with_its_hint(snap_compare):
+    assert snap_compare(StokerApp(cpu_link(status=status_zero_layers())), terminal_size=(100, 30), run_before=loaded)
 
 
 def test_overview_install_progress(snap_compare):

@@ -72,6 +72,9 @@ class BackendCard(Static):
         grid.add_row("backend", line)
         for reason, backends in fallbacks_by_reason(st.get("fallbacks") or []).items():
             grid.add_row("fell back", Text(f"{', '.join(backends)}: {reason}", style="yellow"))
+        for hint in dict.fromkeys((f.get("evidence") or {}).get("hint") for f in st.get("fallbacks") or []):
+            if hint:  # what to change (e.g. the fit margin when no layer fitted)
+                grid.add_row("hint", Text(str(hint)))
         if st.get("reason"):
             grid.add_row("reason", Text(st["reason"], style="bold red" if state in ("failed", "crashed") else "bold yellow"))
             if st.get("message"):
