@@ -339,9 +339,9 @@ class FallbackOrchestrator:
         if plan is not None and any(a in ("-fitt", "--fit-target") for a in plan.extra_args):
             return "the engine's fit found no room for a layer within the -fitt margin in extra_args"
         est = self.estimate
+        runtime = f", about {est.context_mib} MiB of it taken by the runtime," if est and est.context_mib else ""
         room = "" if est is None or est.free_vram_mib is None else (
-            f"{est.free_vram_mib} MiB free VRAM, about {est.context_mib} MiB of it taken by the runtime, "
-            f"vs model {est.model_mib:.0f} MiB + KV {est.kv_mib or 0:.0f} MiB; ")
+            f"{est.free_vram_mib} MiB free VRAM{runtime} vs model {est.model_mib:.0f} MiB + KV {est.kv_mib or 0:.0f} MiB; ")
         return (f"{room}the engine keeps {FIT_MARGIN_MIB} MiB free (-fitt) and offloads nothing when less is left; "
                 f"free VRAM, or lower the margin: [server] extra_args = [\"-fitt\", \"256\"]")
 
