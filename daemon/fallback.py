@@ -263,11 +263,11 @@ class FallbackOrchestrator:
             return plan
         bundle = self._bundles[backend]
         detection = self._detections.get(backend)
-        free, device = free_vram([d.to_dict() for d in detection.devices] if detection else [])
+        free, device, n_devices = free_vram([d.to_dict() for d in detection.devices] if detection else [])
         try:
             self.estimate = await trio.to_thread.run_sync(estimate, model, config.server.ctx_size, free, device,
                                                           CONTEXT_RESERVE_MIB.get(backend, 0),
-                                                          fit_margin(config.server.extra_args))
+                                                          fit_margin(config.server.extra_args), max(1, n_devices))
         except (OSError, ValueError, KeyError, TypeError) as err:
             log.info("no layer estimate for %s: %s", model, err)
         self.planned_why = why_planned(backend, self.estimate)
@@ -339,7 +339,8 @@ class FallbackOrchestrator:
         if plan is not None and any(a in ("-fitt", "--fit-target") for a in plan.extra_args):
             return "the engine's fit found no room for a layer within the -fitt margin in extra_args"
         est = self.estimate
-        runtime = f", about {est.context_mib} MiB of it taken by the runtime," if est and est.context_mib else ""
+        runtime = (f", about {est.context_mib * est.n_devices} MiB of it taken by the runtime,"
+                   if est and est.context_mib else "")
         room = "" if est is None or est.free_vram_mib is None else (
             f"{est.free_vram_mib} MiB free VRAM{runtime} vs model {est.model_mib:.0f} MiB + KV {est.kv_mib or 0:.0f} MiB; ")
         return (f"{room}the engine keeps {FIT_MARGIN_MIB} MiB free (-fitt) and offloads nothing when less is left; "

@@ -38,12 +38,14 @@ class LayerEstimate:
     device: str | None
     context_mib: int = 0  # the runtime's own VRAM, taken before the engine fits (CONTEXT_RESERVE_MIB)
     margin_mib: int = FIT_MARGIN_MIB  # what the engine keeps free: -fitt, from extra_args or its default
+    n_devices: int = 1  # the engine splits layers over all of them; each pays the reserve and margin
 
     @property
     def fits(self) -> bool | None:
         if self.free_vram_mib is None or self.kv_mib is None:
             return None
-        return self.model_mib + self.kv_mib + self.context_mib + self.margin_mib <= self.free_vram_mib
+        per_device = (self.context_mib + self.margin_mib) * max(1, self.n_devices)
+        return self.model_mib + self.kv_mib + per_device <= self.free_vram_mib
 
     def to_dict(self) -> dict[str, Any]:
         return {**attrs.asdict(self), "fits": self.fits}
@@ -54,7 +56,8 @@ def _int(value: Any) -> int | None:
 
 
 def estimate(model_path: str | Path, ctx: int, free_vram_mib: int | None = None,
-             device: str | None = None, context_mib: int = 0, margin_mib: int = FIT_MARGIN_MIB) -> LayerEstimate:
+             device: str | None = None, context_mib: int = 0, margin_mib: int = FIT_MARGIN_MIB,
+             n_devices: int = 1) -> LayerEstimate:
     """Read the GGUF header (not the tensors) and estimate model + KV bytes at `ctx`."""
     path = Path(model_path)
     meta = read_header(path)
@@ -71,7 +74,7 @@ def estimate(model_path: str | Path, ctx: int, free_vram_mib: int | None = None,
     if n_layer and heads_kv and key_len and value_len:
         kv_mib = n_layer * ctx * heads_kv * (key_len + value_len) * KV_BYTES_PER_ELEMENT / MIB
     return LayerEstimate(n_layer, path.stat().st_size / MIB, kv_mib, ctx, free_vram_mib, device, context_mib,
-                         margin_mib)
+                         margin_mib, n_devices)
 
 
 def fit_margin(extra_args: Iterable[str]) -> int:
@@ -87,14 +90,17 @@ def fit_margin(extra_args: Iterable[str]) -> int:
     return FIT_MARGIN_MIB
 
 
-def free_vram(devices: Iterable[Mapping[str, Any]]) -> tuple[int | None, str | None]:
-    """The largest free VRAM among detected devices (MiB) and which device it is."""
-    best: tuple[int | None, str | None] = (None, None)
-    for d in devices:
-        free = d.get("memory_free_mib")
-        if isinstance(free, int) and (best[0] is None or free > best[0]):
-            best = (free, f"{d.get('index')}: {d.get('name')}")
-    return best
+def free_vram(devices: Iterable[Mapping[str, Any]]) -> tuple[int | None, str | None, int]:
+    """(free VRAM in MiB over every detected device, which devices, how many).
+
+    A GPU plan passes no `--device`, so the engine splits layers over every visible device
+    (`--split-mode layer`); each of them also pays the runtime's reserve and the fit margin."""
+    known = [d for d in devices if isinstance(d.get("memory_free_mib"), int)]
+    if not known:
+        return None, None, 0
+    names = ", ".join(f"{d.get('index')}: {d.get('name')}" for d in known)
+    label = names if len(known) == 1 else f"{len(known)} GPUs ({names})"
+    return sum(int(d["memory_free_mib"]) for d in known), label, len(known)
 
 
 def _mib(value: float | None) -> str:
@@ -114,9 +120,10 @@ def why_planned(backend: str, est: LayerEstimate | None, reason: str | None = No
         return f"-ngl auto: the engine fits layers to free VRAM; {size}"
     verdict = {True: "all layers should fit", False: "not everything fits: the engine offloads fewer layers "
                "(or shrinks the context, or offloads none)", None: "the engine decides"}[est.fits]
-    context = f" + {_mib(est.context_mib)} {backend.upper()} runtime" if est.context_mib else ""
+    times = f"{est.n_devices} x " if est.n_devices > 1 else ""
+    context = f" + {times}{_mib(est.context_mib)} {backend.upper()} runtime" if est.context_mib else ""
     return (f"-ngl auto: {_mib(est.free_vram_mib)} free VRAM on {est.device} vs {size}{context} "
-            f"+ {_mib(est.margin_mib)} margin (-fitt); {verdict}")
+            f"+ {times}{_mib(est.margin_mib)} margin (-fitt); {verdict}")
 
 
 def why_actual(backend: str, planned_why: str, ready: Mapping[str, Any]) -> str:

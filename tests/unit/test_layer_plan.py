@@ -29,8 +29,29 @@ def test_why_sentences(tmp_path):
     after = why_actual("cuda", text, {"offloaded_layers": 3, "total_layers": 3, "n_ctx": 2048,
                                       "buffers": [{"kind": "KV", "device": "CUDA0", "mib": 2.0}]})
     assert after.endswith("engine offloaded 3/3; KV CUDA0 2.0 MiB; n_ctx 2048")
-    assert free_vram([{"index": 0, "name": "a", "memory_free_mib": 10},
-                      {"index": 1, "name": "b", "memory_free_mib": 20}]) == (20, "1: b")
+    assert free_vram([{"index": 0, "name": "a", "memory_free_mib": 10}]) == (10, "0: a", 1)
+    assert free_vram([{"index": 1, "name": "b", "memory_free_mib": None}]) == (None, None, 0)
+
+
+def test_several_gpus_share_the_layers_and_each_pays_its_reserve(tmp_path):
+    """No --device is passed, so the engine splits layers over every visible GPU: their free
+    VRAM adds up, and each one pays the runtime's reserve and the fit margin."""
+    from daemon.layer_plan import CONTEXT_RESERVE_MIB
+
+    two = [{"index": 0, "name": "NVIDIA H200", "memory_free_mib": 1200},
+           {"index": 1, "name": "NVIDIA H200", "memory_free_mib": 1200},
+           {"index": 2, "name": "lost", "memory_free_mib": None}]
+    free, label, n = free_vram(two)
+    assert (free, n) == (2400, 2) and label == "2 GPUs (0: NVIDIA H200, 1: NVIDIA H200)"
+    model = write_tiny_model(tmp_path / "m.gguf", n_layer=2, n_embd=128, n_head=2)
+    one = estimate(model, 4096, 1200, "0: NVIDIA H200", CONTEXT_RESERVE_MIB["cuda"])
+    both = estimate(model, 4096, free, label, CONTEXT_RESERVE_MIB["cuda"], n_devices=n)
+    assert one.fits is False  # 1.6 + 4 + 524 + 1024 > 1200
+    assert both.fits is False  # 1.6 + 4 + 2 x (524 + 1024) > 2400: the reserves do not vanish
+    assert estimate(model, 4096, 3200, label, CONTEXT_RESERVE_MIB["cuda"], n_devices=2).fits is True
+    text = why_planned("cuda", both)
+    assert "2.3 GiB free VRAM on 2 GPUs (0: NVIDIA H200, 1: NVIDIA H200)" in text
+    assert "+ 2 x 524 MiB CUDA runtime + 2 x 1.0 GiB margin (-fitt)" in text
 
 
 def test_the_cuda_runtime_counts_against_free_vram(tmp_path):
