@@ -17,22 +17,26 @@ class ReasonCode(enum.StrEnum):
     CUDA_GPU_LAYERS_ZERO = "cuda_gpu_layers_zero"
     CUDA_STARTUP_FAILED = "cuda_startup_failed"
     CUDA_BUNDLE_INSTALL_FAILED = "cuda_bundle_install_failed"
+    CUDA_VRAM_FULL = "cuda_vram_full"
     # The other GPU backends' analogues.
     BINARY_MISSING_AMD_DETECTED = "binary_missing_amd_detected"
     ROCM_UNAVAILABLE = "rocm_unavailable"
     ROCM_GPU_LAYERS_ZERO = "rocm_gpu_layers_zero"
     ROCM_STARTUP_FAILED = "rocm_startup_failed"
     ROCM_BUNDLE_INSTALL_FAILED = "rocm_bundle_install_failed"
+    ROCM_VRAM_FULL = "rocm_vram_full"
     BINARY_MISSING_VULKAN_DETECTED = "binary_missing_vulkan_detected"
     VULKAN_UNAVAILABLE = "vulkan_unavailable"
     VULKAN_GPU_LAYERS_ZERO = "vulkan_gpu_layers_zero"
     VULKAN_STARTUP_FAILED = "vulkan_startup_failed"
     VULKAN_BUNDLE_INSTALL_FAILED = "vulkan_bundle_install_failed"
+    VULKAN_VRAM_FULL = "vulkan_vram_full"
     BINARY_MISSING_METAL_DETECTED = "binary_missing_metal_detected"
     METAL_UNAVAILABLE = "metal_unavailable"
     METAL_GPU_LAYERS_ZERO = "metal_gpu_layers_zero"
     METAL_STARTUP_FAILED = "metal_startup_failed"
     METAL_BUNDLE_INSTALL_FAILED = "metal_bundle_install_failed"
+    METAL_VRAM_FULL = "metal_vram_full"
     CPU_BUNDLE_INSTALL_FAILED = "cpu_bundle_install_failed"
     # Hardware probes.
     PROBE_FAILED = "probe_failed"
@@ -104,6 +108,11 @@ def _gpu_messages() -> dict[ReasonCode, str]:
         out[ReasonCode(f"{backend}_gpu_layers_zero")] = (
             f"The {api} server started but offloaded 0 layers to the GPU; serving on the CPU. "
             f"Check free VRAM and the server log."
+        )
+        out[ReasonCode(f"{backend}_vram_full")] = (
+            f"Every {api} GPU has less free VRAM than the engine keeps free (-fitt), so no layer "
+            f"could go on it: the {api} server was not started; serving on the CPU. Free VRAM, or "
+            f"lower the margin (see the hint)."
         )
         out[ReasonCode(f"{backend}_startup_failed")] = (
             f"The {api} server failed to start (a library is missing or the backend crashed); "
@@ -245,7 +254,8 @@ def gpu_reason_codes(backend: str, *, process_vram: bool = True) -> frozenset[Re
         ReasonCode.GPU_MISSING,
         ReasonCode(f"binary_missing_{GPU_VENDORS[backend]}_detected"),
         ReasonCode.OUT_OF_MEMORY,
-        *(ReasonCode(f"{backend}_{kind}") for kind in ("unavailable", "gpu_layers_zero", "startup_failed", "bundle_install_failed")),
+        *(ReasonCode(f"{backend}_{kind}") for kind in ("unavailable", "gpu_layers_zero", "startup_failed",
+                                                        "bundle_install_failed", "vram_full")),
     }
     if process_vram:
         codes.add(ReasonCode.GPU_CLAIMED_BUT_UNUSED)

@@ -771,11 +771,14 @@ def vram_nearly_full(homes: Homes, keep_mib: int, extra_args: list[str] | None =
                 checks["on cuda, every layer offloaded"] = (status.get("backend") == "cuda" and bool(layers.get("total"))
                                                             and layers.get("offloaded") == layers.get("total"))
                 return checks
-            zero = fb.get("reason") == "cuda_gpu_layers_zero"
-            checks["says why (the estimate does not fit, or a cuda reason with a hint)"] = (
+            hint = "-fitt" in str((fb.get("evidence") or {}).get("hint"))
+            zero = fb.get("reason") == "cuda_gpu_layers_zero" and (layers.get("estimate") or {}).get("fits") is False
+            full = fb.get("reason") == "cuda_vram_full"  # less free than the margin: not even launched
+            checks["says why (cuda_vram_full, or zero layers against an estimate that does not fit, with a hint)"] = (
                 status.get("backend") == "cuda" and layers.get("offloaded") == layers.get("total")) or (
-                zero and "-fitt" in str((fb.get("evidence") or {}).get("hint"))
-                and (layers.get("estimate") or {}).get("fits") is False)
+                (zero or full) and hint)
+            if keep_mib < 1024:
+                checks["less free than the margin: no CUDA server started (cuda_vram_full)"] = full
             return checks
 
         server: dict[str, Any] = {"ctx_size": 4096}

@@ -281,3 +281,29 @@ async def test_a_respawned_gpu_server_is_proven_again(paths, config):
         assert st["fallbacks"][-1]["evidence"]["after"] == "respawn"
         await orch.on_ready(supervisor_for(plan), ready_evidence(3))
         assert orch.status(supervisor_for(plan, ready_evidence(3)))["backend"] == "cuda"
+
+
+async def test_less_free_vram_than_the_fit_margin_skips_the_gpu_launch(paths, config):
+    """The H200 case with 699 MiB free: the engine keeps 1024 MiB free, fitted for 16 s and
+    offloaded nothing. Stoker now knows that before the launch and goes to the CPU at once."""
+    import attrs
+
+    install_cuda_bundle(paths)
+    nearly_full = rec.FakeNvml([rec.h200(free=699 * rec.MIB)])
+    async with orchestrator(paths, cuda_backend(nearly_full)) as orch:
+        plan = await orch.plan(config, L.MakePlan())
+        assert plan.backend == "cpu"
+        assert ("checking", "CheckFailed", "checking", "cuda_vram_full") in transitions(orch)
+        st = orch.status(supervisor_for(plan))
+        [fb] = st["fallbacks"]
+        assert fb["reason"] == "cuda_vram_full" and fb["evidence"]["free_vram_mib"] == {"0": 699}
+        assert fb["evidence"]["margin_mib"] == 1024 and '"-fitt", "256"' in fb["evidence"]["hint"]
+        # The hint applied: a lower margin than what is free leaves it to the engine again.
+        lower = attrs.evolve(config, server=attrs.evolve(config.server, extra_args=("-fitt", "256")))
+        assert (await orch.plan(lower, L.MakePlan())).backend == "cuda"
+        # So does a fixed layer count (the engine does not fit then; it loads as told).
+        fixed = attrs.evolve(config, server=attrs.evolve(config.server, n_gpu_layers=4))
+        assert (await orch.plan(fixed, L.MakePlan())).backend == "cuda"
+    # 1.5 GiB free is not certain (the engine's runtime takes ~524 MiB first): launched and proven after.
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml([rec.h200(free=1499 * rec.MIB)]))) as orch:
+        assert (await orch.plan(config, L.MakePlan())).backend == "cuda"
