@@ -22,6 +22,8 @@ def format_probe_reply(reply: dict) -> str:
     origin = []
     for b in items:
         how = f"cached, {b.get('age_s', 0):.1f} s old" if b.get("cached") else "probed now"
+        if (b.get("evidence") or {}).get("probed"):
+            how += ", in-process (no driver needed)"
         origin.append(f"  {b['backend']}: generation {b.get('generation')}, {how}")
     return text + "\n\nprobe results (fresh with --fresh):\n" + "\n".join(origin) + f"\nanswered in {reply.get('elapsed_s', 0):.3f} s"
 

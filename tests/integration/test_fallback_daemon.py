@@ -1,6 +1,7 @@
 """The fallback orchestrator end to end through the real daemon on this CPU-only machine.
 
-The daemon probes every backend out of process, finds no GPU (cuda, rocm, vulkan, metal:
+The daemon probes every backend (out of process, or in-process where no driver or tool is
+involved: metal off a Mac, rocm/vulkan without their tools), finds no GPU (cuda, rocm, vulkan, metal:
 gpu_missing, each with the evidence that decided it), serves on the CPU and says why in
 `status`. A forced `stoker use cuda` fails with the reason instead of falling back.
 `stoker install` streams progress from a loopback server. Nothing here claims a GPU.
@@ -44,7 +45,7 @@ def test_no_gpu_serves_on_cpu_and_status_says_why(daemon, model):
     assert "nvml" in why["cuda"]["evidence"]  # what NVML said when it could not load
     assert st["layers"]["planned"] == 0 and st["layers"]["why"].startswith("CPU plan")
     assert st["layers"]["offloaded"] is None  # a CPU build prints no offload line: nothing claimed
-    # Every probe ran out of process and its verdict is a recorded transition.
+    # Every verdict is a recorded transition; NVML is only ever touched out of process.
     for gpu in GPUS:
         rows = daemon.history(machine=f"probe:{gpu}")
         assert any(r["to_state"] == "unavailable" and r["reason"] == "gpu_missing" for r in rows)
@@ -64,8 +65,11 @@ def test_no_gpu_serves_on_cpu_and_status_says_why(daemon, model):
     by = {b["backend"]: b for b in fresh["backends"]}
     assert by["cuda"]["cached"] is False and by["cuda"]["generation"] > 1
     assert by["cuda"]["reason"] == "gpu_missing" and by["cpu"]["usable"] is True
+    assert "probed" not in (by["cuda"].get("evidence") or {})  # NVML: a subprocess, always
+    assert by["metal"]["evidence"]["probed"] == "in-process (quick_detect)"  # not a Mac: no driver needed
     human = stoker(daemon, "probe").stdout
     assert "cuda: absent [gpu_missing]" in human and "Usable backends: cpu" in human
+    assert "metal: generation" in human and "in-process (no driver needed)" in human
 
 
 @pytest.mark.engine
