@@ -289,7 +289,7 @@ class StokerApp(App[None]):
     def send(self, method: str, params: dict[str, Any], done: str) -> None:
         """Ask the daemon to act; say how it went. State changes arrive as events."""
         try:
-            self.link.act(method, **params)
+            result = self.link.act(method, **params)
         except StokerError as err:
             if err.reason == UNKNOWN_METHOD:
                 text, severity = f"`{method}` is not available in this daemon.", "warning"
@@ -297,7 +297,11 @@ class StokerApp(App[None]):
                 text, severity = f"{err.reason}: {err.message}", "error"
             self.call_from_thread(self.notify, text, title=method, severity=severity, timeout=8)
             return
-        self.call_from_thread(self.notify, done, title=method)
+        note = result.get("note") if isinstance(result, dict) else None  # e.g. a restore across backends
+        if note:
+            self.call_from_thread(self.notify, f"{done}\n{note}", title=method, timeout=12, markup=False)
+        else:
+            self.call_from_thread(self.notify, done, title=method)
         if method.startswith("snapshot."):
             self.refresh_snapshots()
         self.refresh_status()

@@ -372,3 +372,32 @@ def test_daemon_not_running(snap_compare):
     # A long retry interval keeps the attempt counter at 1 for the picture.
     app = StokerApp(FakeLink({}, running=False), retry_s=1000)
     assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
+def test_a_restore_across_backends_shows_the_daemons_note():
+    """A restore that crossed backends (a CUDA snapshot on a CPU server) shows the daemon's note
+    in the toast, not only 'restored'."""
+    from tui.widgets.snapshots_view import SnapshotsView
+
+    note = "saved on cuda, restored on cpu: the conversation resumes without re-processing, but ..."
+    link = cpu_link(**{"snapshot.list": snapshots(),
+                       "snapshot.restore": {"id": 3, "slot": 0, "n_tokens": 4096, "restore_ms": 9.5,
+                                            "saved_on": "cuda", "restored_on": "cpu", "cross_backend": True,
+                                            "note": note}})
+
+    async def main() -> list[str]:
+        app = StokerApp(link)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await loaded(pilot)
+            app.post_message(SnapshotsView.Requested("restore", snapshots()["snapshots"][0]))
+            for _ in range(100):
+                await pilot.pause(0.02)
+                if any(m == "snapshot.restore" for m, _ in link.calls) and list(app._notifications):
+                    break
+            return [n.message for n in app._notifications]
+
+    import asyncio
+
+    messages = asyncio.run(main())
+    assert ("snapshot.restore", {"id": 3}) in link.calls
+    assert any(m.startswith("Snapshot 3 restored.") and note in m for m in messages), messages
