@@ -119,9 +119,12 @@ def _read_header(path: Path) -> dict[str, Any]:
         head.unpack("<Q")  # tensor count
         n_kv = head.unpack("<Q")
         out: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = head.string()
-            out[key] = head.value(head.unpack("<I"), keep=False)
+        try:
+            for _ in range(n_kv):
+                key = head.string()
+                out[key] = head.value(head.unpack("<I"), keep=False)
+        except (struct.error, ValueError) as err:  # a length or type that runs off the file
+            raise ValueError(f"{path}: the GGUF header is truncated or corrupt ({err})") from err
         return out
 
 

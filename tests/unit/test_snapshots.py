@@ -198,3 +198,12 @@ def test_swa_full_flag(tmp_path, tiny_model, enabled, setting, swa_model, want):
     slot_dir, args = snapshot_server_args(paths, config, path)
     assert slot_dir == paths.snapshots_dir and slot_dir.is_dir()  # always: enabling needs no relaunch
     assert args == (("--swa-full",) if want else ())
+
+
+def test_a_truncated_gguf_header_is_a_value_error(tmp_path, tiny_model):
+    """Callers (the layer estimate, the SWA check) treat ValueError as "no facts"; a header cut
+    inside the vocabulary must not escape as a struct.error (an internal error in planning)."""
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_model.read_bytes()[:600])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        read_header(cut)
