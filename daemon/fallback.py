@@ -264,7 +264,7 @@ class FallbackOrchestrator:
             return F.CheckFailed(backend, check.reason or plugin.unavailable_reason,
                                  {"message": check.message, "bundle": str(bundle.root), **dict(check.evidence)})
         full = vram_full(backend, detection, config)
-        if full is not None:
+        if full is not None and await self._still_full(backend, full[1]):
             return F.CheckFailed(backend, *full)
         self._bundles[backend] = bundle
         return F.CheckPassed(backend, {"variant": variant, "bundle": str(bundle.root),
@@ -373,6 +373,23 @@ class FallbackOrchestrator:
             f"{est.free_vram_mib} MiB free VRAM{runtime} vs model {est.model_mib:.0f} MiB + KV {est.kv_mib or 0:.0f} MiB; ")
         return (f"{room}the engine keeps {FIT_MARGIN_MIB} MiB free (-fitt) and offloads nothing when less is left; "
                 f"free VRAM, or lower the margin: [server] extra_args = [\"-fitt\", \"256\"]")
+
+    async def _still_full(self, backend: str, evidence: dict[str, Any]) -> bool:
+        """The probe's free-VRAM figures can be 30 s old: confirm them with a reading now
+        (NVML in-process, as telemetry does). Unreadable or freed since: launch after all."""
+        plugin = self.backends.get(backend)
+        indices = tuple(int(i) for i in evidence["free_vram_mib"])
+        try:
+            now = await trio.to_thread.run_sync(plugin.read_telemetry, TelemetryRequest(devices=indices))
+        except Exception:
+            now = None
+        free = {str(d.index): d.memory_total_mib - d.memory_used_mib for d in (now.devices if now else ())
+                if d.memory_total_mib is not None and d.memory_used_mib is not None}
+        if set(free) != set(evidence["free_vram_mib"]) or any(f >= evidence["margin_mib"] for f in free.values()):
+            log.info("%s: probe said %s MiB free, now %s: launching", backend, evidence["free_vram_mib"], free or "?")
+            return False
+        evidence["free_vram_mib"] = free
+        return True
 
     async def _process_vram(self, backend: str, pid: Any) -> int | None:
         """The server's own VRAM (MiB) where the platform reports it; None where it cannot."""

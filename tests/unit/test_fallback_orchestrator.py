@@ -304,6 +304,11 @@ async def test_less_free_vram_than_the_fit_margin_skips_the_gpu_launch(paths, co
         # So does a fixed layer count (the engine does not fit then; it loads as told).
         fixed = attrs.evolve(config, server=attrs.evolve(config.server, n_gpu_layers=4))
         assert (await orch.plan(fixed, L.MakePlan())).backend == "cuda"
+        # The probe's figure is cached for 30 s: VRAM freed since then is read now, and launched on.
+        assert (await orch.plan(config, L.MakePlan())).backend == "cpu"
+        nearly_full.gpus[0]["free"] = 100_000 * rec.MIB
+        assert orch.probes.cached("cuda") is not None  # still the old verdict (699 MiB)
+        assert (await orch.plan(config, L.MakePlan())).backend == "cuda"
     # 1.5 GiB free is not certain (the engine's runtime takes ~524 MiB first): launched and proven after.
     async with orchestrator(paths, cuda_backend(rec.FakeNvml([rec.h200(free=1499 * rec.MIB)]))) as orch:
         assert (await orch.plan(config, L.MakePlan())).backend == "cuda"
