@@ -391,3 +391,33 @@ async def test_cut_anywhere_gives_identical_bytes(fault_server: FaultServer, tmp
 
 def first_etag(data: bytes) -> str:
     return '"' + hashlib.sha256(data).hexdigest()[:16] + '"'
+
+
+async def test_a_large_download_cut_past_a_writeback_window_resumes_intact(fault_server: FaultServer,
+                                                                          tmp_path: Path) -> None:
+    """40 MiB, cut 21 MiB in (past the first 16 MiB window the writer queued for writing): the
+    resumed part starts mid-window, and the file is still byte-identical and fsynced whole."""
+    import daemon.download as dl
+
+    data = os.urandom(40 * 2**20)
+    calls: list[tuple[int, int]] = []
+    real = dl._START_WRITEBACK
+
+    def spy(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        calls.append((offset, nbytes))
+        return real(fd, offset, nbytes, flags) if real is not None else 0
+
+    dl._START_WRITEBACK = spy
+    try:
+        url = fault_server.add("/big.zip", data, Fault(cut_after=21 * 2**20 + 12345))
+        with trio.fail_after(60):
+            result = await fetch(url, tmp_path / "big.zip", expected_sha256=hashlib.sha256(data).hexdigest(),
+                                 expected_size=len(data), max_bytes=2 * len(data))
+    finally:
+        dl._START_WRITEBACK = real
+    assert_complete(tmp_path / "big.zip", data)
+    assert result.attempts == 2
+    # every whole window queued once, in order, none past the data
+    starts = [offset for offset, _ in calls]
+    assert starts == sorted(starts) and starts[0] == 0 and 16 * 2**20 in starts
+    assert all(offset + n <= len(data) for offset, n in calls)
