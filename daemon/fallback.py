@@ -69,7 +69,7 @@ def startup_failed_reason(backend: str) -> ReasonCode:
     return _code("{}_startup_failed", backend, ReasonCode.SERVER_CRASHED)
 
 
-def vram_full(backend: str, detection: Any, config: Config) -> tuple[ReasonCode, dict[str, Any]] | None:
+def vram_full(backend: str, free: Mapping[int, int], config: Config) -> tuple[ReasonCode, dict[str, Any]] | None:
     """(`<backend>_vram_full`, evidence) if the engine could put no layer on any GPU, or None.
 
     With `-ngl auto` the engine keeps the fit margin (-fitt) free on every device and offloads
@@ -83,13 +83,12 @@ def vram_full(backend: str, detection: Any, config: Config) -> tuple[ReasonCode,
         reason = ReasonCode(f"{backend}_vram_full")
     except ValueError:  # a plugin backend without such a code: leave it to the engine
         return None
-    devices = [d for d in detection.devices if isinstance(d.memory_free_mib, int)]
     margin = fit_margin(config.server.extra_args)
-    if not devices or any(d.memory_free_mib >= margin for d in devices):
+    if not free or any(mib >= margin for mib in free.values()):
         return None
-    free = ", ".join(f"{d.index}: {d.memory_free_mib} MiB" for d in devices)
-    return reason, {"free_vram_mib": {str(d.index): d.memory_free_mib for d in devices}, "margin_mib": margin,
-            "hint": f"free VRAM per GPU ({free}) is below the {margin} MiB the engine keeps free (-fitt); "
+    listed = ", ".join(f"{index}: {mib} MiB" for index, mib in free.items())
+    return reason, {"free_vram_mib": {str(index): mib for index, mib in free.items()}, "margin_mib": margin,
+            "hint": f"free VRAM per GPU ({listed}) is below the {margin} MiB the engine keeps free (-fitt); "
                     f"free VRAM held by other processes, or lower the margin: "
                     f"[server] extra_args = [\"-fitt\", \"256\"]"}
 
@@ -263,9 +262,14 @@ class FallbackOrchestrator:
         if not check.ok:
             return F.CheckFailed(backend, check.reason or plugin.unavailable_reason,
                                  {"message": check.message, "bundle": str(bundle.root), **dict(check.evidence)})
-        full = vram_full(backend, detection, config)
-        if full is not None and await self._still_full(backend, full[1]):
-            return F.CheckFailed(backend, *full)
+        probed = {d.index: d.memory_free_mib for d in detection.devices if isinstance(d.memory_free_mib, int)}
+        if vram_full(backend, probed, config) is not None:
+            # The probe's figures can be 30 s old: only a reading now may skip the launch.
+            now = await self._free_vram_now(backend, tuple(probed))
+            full = vram_full(backend, now, config) if set(now) == set(probed) else None
+            if full is not None:
+                return F.CheckFailed(backend, *full)
+            log.info("%s: probe said %s MiB free, now %s: launching", backend, probed, now or "?")
         self._bundles[backend] = bundle
         return F.CheckPassed(backend, {"variant": variant, "bundle": str(bundle.root),
                                        "devices": [d.name for d in detection.devices]})
@@ -374,22 +378,15 @@ class FallbackOrchestrator:
         return (f"{room}the engine keeps {FIT_MARGIN_MIB} MiB free (-fitt) and offloads nothing when less is left; "
                 f"free VRAM, or lower the margin: [server] extra_args = [\"-fitt\", \"256\"]")
 
-    async def _still_full(self, backend: str, evidence: dict[str, Any]) -> bool:
-        """The probe's free-VRAM figures can be 30 s old: confirm them with a reading now
-        (NVML in-process, as telemetry does). Unreadable or freed since: launch after all."""
-        plugin = self.backends.get(backend)
-        indices = tuple(int(i) for i in evidence["free_vram_mib"])
+    async def _free_vram_now(self, backend: str, indices: tuple[int, ...]) -> dict[int, int]:
+        """Free VRAM per device read now (NVML in-process, as telemetry does); {} if unreadable."""
         try:
-            now = await trio.to_thread.run_sync(plugin.read_telemetry, TelemetryRequest(devices=indices))
+            now = await trio.to_thread.run_sync(self.backends[backend].read_telemetry,
+                                                TelemetryRequest(devices=indices))
         except Exception:
-            now = None
-        free = {str(d.index): d.memory_total_mib - d.memory_used_mib for d in (now.devices if now else ())
+            return {}
+        return {d.index: d.memory_total_mib - d.memory_used_mib for d in (now.devices if now else ())
                 if d.memory_total_mib is not None and d.memory_used_mib is not None}
-        if set(free) != set(evidence["free_vram_mib"]) or any(f >= evidence["margin_mib"] for f in free.values()):
-            log.info("%s: probe said %s MiB free, now %s: launching", backend, evidence["free_vram_mib"], free or "?")
-            return False
-        evidence["free_vram_mib"] = free
-        return True
 
     async def _process_vram(self, backend: str, pid: Any) -> int | None:
         """The server's own VRAM (MiB) where the platform reports it; None where it cannot."""
