@@ -141,15 +141,6 @@ def facts_from_header(meta: dict[str, Any]) -> ModelFacts:
     )
 
 
-_CACHE: dict[tuple[str, int, int], ModelFacts] = {}
-
-
 def model_facts(path: str | Path) -> ModelFacts:
-    """The model's snapshot-relevant facts, cached by path, size and mtime."""
-    path = Path(path)
-    st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime_ns)
-    facts = _CACHE.get(key)
-    if facts is None:
-        facts = _CACHE[key] = facts_from_header(read_header(path))
-    return facts
+    """The model's snapshot-relevant facts (from the header, which read_header caches)."""
+    return facts_from_header(read_header(Path(path)))

@@ -93,11 +93,6 @@ class LiveServer:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-def _engine_client() -> httpx.AsyncClient:
-    """A client for the engine on loopback (see loopback_client); timeouts are cancel scopes."""
-    return loopback_client(timeout=None)
-
-
 def _engine_error(resp: httpx.Response) -> str:
     try:
         return str(resp.json().get("error", {}).get("message") or resp.text)[:300]
@@ -195,7 +190,7 @@ class SnapshotService:
         if self.live is not None and self.live.key == key:
             return self.live
         resp = None
-        async with _engine_client() as client:
+        async with loopback_client(timeout=None) as client:
             with trio.move_on_after(SLOT_TIMEOUT):
                 resp = await client.get(f"{base_url}/props", headers={"Authorization": f"Bearer {api_key}"})
         if resp is None or resp.status_code != 200:
@@ -241,7 +236,7 @@ class SnapshotService:
             self._check_slot(live, slot)
         async with self._lock:
             self.cleanup_files()
-            async with _engine_client() as client:
+            async with loopback_client(timeout=None) as client:
                 resp = None
                 with trio.move_on_after(timeout):
                     resp = await client.get(f"{live.base_url}/slots", headers=live.headers)
@@ -333,7 +328,7 @@ class SnapshotService:
             raise StokerError(ReasonCode.SNAPSHOT_CORRUPT, evidence={
                 "snapshot_id": rec.id, "file": rec.filename, "expected_size": rec.file_size,
                 "found_size": found[0] if found else None, "digest_matches": bool(found and found[1] == rec.file_sha256)})
-        async with self._lock, _engine_client() as client:
+        async with self._lock, loopback_client(timeout=None) as client:
             resp = None
             with trio.move_on_after(SLOT_TIMEOUT):
                 resp = await client.post(f"{live.base_url}/slots/{slot}?action=restore",
