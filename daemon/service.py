@@ -21,22 +21,22 @@ from typing import Any, Iterable, Mapping
 import attrs
 import trio
 
-from daemon import sdnotify
-from daemon.config import Config, ConfigError, config_diff, load_config, needs_relaunch
-from daemon.config_watch import watch_config
-from daemon.control import serve_control
-from daemon.errors import StokerError
-from daemon.events import EventBus
-from daemon.handlers import HANDLERS
-from daemon.handlers_telemetry import serve_telemetry
-from daemon.machines import MachineRunner
-from daemon.paths import StokerPaths
+from daemon.core import sdnotify
+from daemon.config.model import Config, ConfigError, config_diff, load_config, needs_relaunch
+from daemon.config.watch import watch_config
+from daemon.control.server import serve_control
+from daemon.core.errors import StokerError
+from daemon.core.events import EventBus
+from daemon.control.handlers.service import HANDLERS
+from daemon.control.handlers.telemetry import serve_telemetry
+from daemon.core.machines import MachineRunner
+from daemon.core.paths import StokerPaths
 from daemon.backends import load_backends
-from daemon.fallback import FallbackOrchestrator, OrchestratedSupervisor
-from daemon.install_service import MANIFEST_ENV, InstallService
-from daemon.probe_service import ProbeService
-from daemon.snapshots import SnapshotService
-from daemon.supervisor import Supervisor, launch_settings
+from daemon.fallback.orchestrator import FallbackOrchestrator, OrchestratedSupervisor
+from daemon.install.service import MANIFEST_ENV, InstallService
+from daemon.probes.service import ProbeService
+from daemon.snapshots.service import SnapshotService
+from daemon.launch.supervisor import Supervisor, launch_settings
 from states import config as C
 from states import launch as L
 from states.reasons import ReasonCode

@@ -32,7 +32,7 @@ def cpu_bundle():
     import sys
 
     from daemon.bundles.build import build_bundle
-    from daemon.paths import StokerPaths
+    from daemon.core.paths import StokerPaths
 
     result = build_bundle(StokerPaths.from_env(), backend="cpu",
                           progress=lambda line: print(f"[cpu_bundle] {line}", file=sys.stderr))
@@ -43,7 +43,7 @@ def cpu_bundle():
 def installed_cpu_bundle(stoker_home, cpu_bundle):
     """The CPU bundle installed (verified, without the smoke run) into this test's STOKER_HOME."""
     from daemon.bundles.installed import install_bundle
-    from daemon.paths import StokerPaths
+    from daemon.core.paths import StokerPaths
 
     return install_bundle(cpu_bundle, StokerPaths.from_env())
 

@@ -18,7 +18,7 @@ from textual.containers import Horizontal
 from textual.widgets import Footer, Header, TabbedContent, TabPane
 from textual.worker import get_current_worker
 
-from daemon.errors import StokerError
+from daemon.core.errors import StokerError
 from tui.link import DaemonLink
 from tui.messages import (
     Connected,

@@ -1,6 +1,6 @@
 """The TUI's line to the daemon: blocking calls and the event stream, used from threads.
 
-`SocketLink` is the real one (daemon.client over the control socket). Anything with the same
+`SocketLink` is the real one (daemon.control.client over the control socket). Anything with the same
 three methods works: the snapshot tests feed the app recorded data through a fake link.
 """
 
@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-from daemon.client import ControlClient
+from daemon.control.client import ControlClient
 
 QUERY_TIMEOUT_S = 10.0
 # `down` waits for the server to stop (TERM, grace, KILL): give actions room.

@@ -1,7 +1,7 @@
 """The backend plugin contract: what every accelerator backend answers, and its records.
 
 A backend is found through the `stoker.backends` entry-point group (see `registry.py`).
-`detect()` runs inside the probe subprocess (`daemon/probe_child.py`), so a driver that
+`detect()` runs inside the probe subprocess (`daemon/probes/child.py`), so a driver that
 crashes or hangs cannot take the daemon down; its answer crosses the process boundary as
 JSON through `Detection.to_dict()` / `Detection.from_dict()`.
 """

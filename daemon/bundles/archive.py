@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from daemon.errors import StokerError
+from daemon.core.errors import StokerError
 from daemon.bundles.metadata import BUNDLE_JSON
 from states.reasons import ReasonCode
 

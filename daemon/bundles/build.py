@@ -31,8 +31,8 @@ from daemon.bundles.smoke import SmokeSpec, engine_env, run_smoke
 from daemon.bundles.source import SourceSpec, SourceTree, resolve_source, tree_digest
 from daemon.bundles.variants import BuildPlan
 from daemon.bundles.verify import sha256_file
-from daemon.errors import StokerError
-from daemon.paths import StokerPaths
+from daemon.core.errors import StokerError
+from daemon.core.paths import StokerPaths
 from states.reasons import ReasonCode
 
 Progress = Callable[[str], None]

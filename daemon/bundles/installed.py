@@ -21,8 +21,8 @@ from daemon.bundles.archive import unpack_bundle
 from daemon.bundles.metadata import BundleMeta
 from daemon.bundles.variants import SAFE_CPU_VARIANTS, cpu_flags, variant_fits
 from daemon.bundles.verify import VerifyReport, verify_dir
-from daemon.errors import StokerError
-from daemon.paths import StokerPaths
+from daemon.core.errors import StokerError
+from daemon.core.paths import StokerPaths
 from states.reasons import ReasonCode
 
 Progress = Callable[[str], None]

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from daemon.errors import StokerError
+from daemon.core.errors import StokerError
 from states.reasons import ReasonCode
 
 SCHEMA_VERSION = 1

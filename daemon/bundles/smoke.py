@@ -20,7 +20,7 @@ import attrs
 
 from daemon.bundles.exitcodes import classify_engine_exit, exit_evidence
 from daemon.bundles.tinymodel import write_tiny_model
-from daemon.errors import StokerError
+from daemon.core.errors import StokerError
 from states.reasons import ReasonCode
 
 _LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+)")

@@ -26,9 +26,9 @@ from urllib.parse import parse_qsl
 
 import attrs
 
-from daemon.digests import sha256_file
-from daemon.errors import StokerError
-from daemon.paths import StokerPaths
+from daemon.core.digests import sha256_file
+from daemon.core.errors import StokerError
+from daemon.core.paths import StokerPaths
 from states.reasons import ReasonCode
 
 Progress = Callable[[str], None]

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from daemon.errors import StokerError
+from daemon.core.errors import StokerError
 from states.reasons import ReasonCode
 
 BACKENDS = ("cpu", "cuda")

@@ -22,13 +22,13 @@ from typing import Any, Callable
 
 import attrs
 
-from daemon.digests import sha256_file
+from daemon.core.digests import sha256_file
 from daemon.bundles.archive import ArchiveLimits, unpack_bundle
 from daemon.bundles.exitcodes import classify_engine_exit, exit_evidence
 from daemon.bundles.metadata import BUNDLE_JSON, BundleMeta
 from daemon.bundles.smoke import SmokeSpec, engine_env, run_smoke
 from daemon.bundles.variants import host_platform
-from daemon.errors import StokerError
+from daemon.core.errors import StokerError
 from states.reasons import ReasonCode
 
 Progress = Callable[[str], None]

@@ -13,8 +13,8 @@ from typing import Any
 import click
 
 from daemon.cli.output import emit, fail, json_option
-from daemon.errors import StokerError
-from daemon.paths import StokerPaths
+from daemon.core.errors import StokerError
+from daemon.core.paths import StokerPaths
 from states.reasons import ReasonCode
 
 

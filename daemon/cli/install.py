@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from daemon.cli.output import emit, fail, json_option
-from daemon.errors import StokerError
+from daemon.core.errors import StokerError
 
 PROGRESS_TOPIC = "install.progress"
 BAR_WIDTH = 30

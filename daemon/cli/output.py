@@ -12,7 +12,7 @@ from typing import Any, Callable, NoReturn
 
 import click
 
-from daemon.errors import StokerError
+from daemon.core.errors import StokerError
 from states.reasons import ReasonCode
 
 EXIT_FAILURE = 1

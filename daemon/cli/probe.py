@@ -15,7 +15,7 @@ USE_CHOICES = ("auto", "cpu", "cuda", "rocm", "vulkan", "metal")
 def format_probe_reply(reply: dict) -> str:
     """Each backend's verdict, reason, message, devices and evidence; where it came from."""
     from daemon.backends.base import Detection
-    from daemon.probe_report import format_probe
+    from daemon.probes.report import format_probe
 
     items = reply.get("backends") or []
     text = format_probe([Detection.from_dict(b) for b in items]).rstrip("\n")

@@ -15,8 +15,8 @@ import click
 
 from daemon.cli.output import emit, fail, json_option
 from daemon.cli.service import call, format_status, wait_for_settled
-from daemon.errors import StokerError
-from daemon.paths import StokerPaths
+from daemon.core.errors import StokerError
+from daemon.core.paths import StokerPaths
 from states.reasons import ReasonCode
 
 DEFAULT_PROMPT = "In one sentence, what is a GPU?"
@@ -44,7 +44,7 @@ def ensure_cpu_bundle(paths: StokerPaths, as_json: bool) -> dict:
 
 
 def daemon_running(paths: StokerPaths) -> bool:
-    from daemon.client import ControlClient
+    from daemon.control.client import ControlClient
 
     try:
         with ControlClient(paths.socket_path, timeout=5) as client:
@@ -88,7 +88,7 @@ def start_daemon(paths: StokerPaths, as_json: bool) -> int:
 @json_option
 def run_cmd(prompt: str, timeout: float, as_json: bool) -> None:
     """Install the engine if needed, start the daemon and the server, answer one chat request."""
-    from daemon.chat import chat_once
+    from daemon.engine.chat import chat_once
 
     paths = StokerPaths.from_env()
     try:

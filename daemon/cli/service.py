@@ -9,8 +9,8 @@ from typing import Any
 import click
 
 from daemon.cli.output import emit, fail, json_option
-from daemon.errors import StokerError
-from daemon.paths import StokerPaths
+from daemon.core.errors import StokerError
+from daemon.core.paths import StokerPaths
 from states.reasons import ReasonCode, message_for
 
 READY_STATES = {"ready"}
@@ -18,7 +18,7 @@ SETTLED_FAILURES = {"failed", "stopped"}
 
 
 def _client(timeout: float = 10.0):
-    from daemon.client import ControlClient
+    from daemon.control.client import ControlClient
 
     return ControlClient(StokerPaths.from_env().socket_path, timeout=timeout)
 
@@ -184,7 +184,7 @@ def history(machine: str | None, limit: int, since: float | None, as_json: bool)
 @json_option
 def chat(prompt: str, max_tokens: int, as_json: bool) -> None:
     """Send one chat message to the running server and print the answer."""
-    from daemon.chat import chat_once
+    from daemon.engine.chat import chat_once
 
     st = call("status", as_json)
     if st.get("state") != "ready":

@@ -9,8 +9,8 @@ from typing import Any
 import click
 
 from daemon.cli.output import emit, fail, json_option
-from daemon.errors import StokerError
-from daemon.paths import StokerPaths
+from daemon.core.errors import StokerError
+from daemon.core.paths import StokerPaths
 
 TOPIC = "telemetry.sample"
 
@@ -73,7 +73,7 @@ def format_sample(sample: dict[str, Any]) -> str:
 
 
 def _client(timeout: float = 10.0):
-    from daemon.client import ControlClient
+    from daemon.control.client import ControlClient
 
     return ControlClient(StokerPaths.from_env().socket_path, timeout=timeout)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from daemon.paths import StokerPaths
+from daemon.core.paths import StokerPaths
 
 
 @click.command()

@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT))
 
 from daemon.bundles.build import build_bundle  # noqa: E402
 from daemon.bundles.installed import install_bundle  # noqa: E402
-from daemon.client import ControlClient  # noqa: E402
-from daemon.models import resolve_model  # noqa: E402
-from daemon.paths import StokerPaths  # noqa: E402
-from daemon.server_process import ServerSpec, server_argv, server_env  # noqa: E402
+from daemon.control.client import ControlClient  # noqa: E402
+from daemon.models.resolve import resolve_model  # noqa: E402
+from daemon.core.paths import StokerPaths  # noqa: E402
+from daemon.engine.process import ServerSpec, server_argv, server_env  # noqa: E402
 from tests.bench.report import machine, percentile, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config  # noqa: E402
 

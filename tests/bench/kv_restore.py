@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from daemon.bundles.build import build_bundle  # noqa: E402
 from daemon.bundles.installed import install_bundle  # noqa: E402
-from daemon.models import resolve_model  # noqa: E402
-from daemon.paths import StokerPaths  # noqa: E402
+from daemon.models.resolve import resolve_model  # noqa: E402
+from daemon.core.paths import StokerPaths  # noqa: E402
 from tests.bench.report import machine, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config  # noqa: E402
 

@@ -334,7 +334,7 @@ class Homes:
 
     def __init__(self, cuda_zip: Path, cpu_zip: Path) -> None:
         from daemon.bundles.installed import install_bundle
-        from daemon.paths import StokerPaths
+        from daemon.core.paths import StokerPaths
 
         self.template = WORK / "template-home"
         shutil.rmtree(self.template, ignore_errors=True)
@@ -344,7 +344,7 @@ class Homes:
         self.count = 0
 
     def fresh(self, name: str, *, cpu: bool = True, cuda: bool = False) -> Path:
-        from daemon.paths import StokerPaths
+        from daemon.core.paths import StokerPaths
 
         self.count += 1
         home = WORK / "homes" / f"{self.count:02d}-{name}"
@@ -628,7 +628,7 @@ def failure_case(homes: Homes, model: Path, name: str, *, env: dict[str, str] | 
 
 def st_failures(homes: Homes, cuda_zip: Path, model: Path) -> dict[str, Any]:
     from daemon.bundles.archive import pack_bundle, unpack_bundle
-    from daemon.paths import StokerPaths
+    from daemon.core.paths import StokerPaths
     from tests.httpfault import Fault, FaultServer
 
     cases: dict[str, Any] = {}
@@ -918,7 +918,7 @@ def st_figures(homes: Homes, model: Path, runs: int) -> dict[str, Any]:
     import httpx
     import psutil
 
-    from daemon.client import ControlClient
+    from daemon.control.client import ControlClient
 
     out: dict[str, Any] = {"model": str(model), "runs": runs}
     prompt = "Write a short story about a lighthouse keeper who discovers a message in a bottle."

@@ -12,9 +12,9 @@ from typing import Any, Callable
 
 import psutil
 
-from daemon.client import ControlClient
-from daemon.errors import StokerError
-from daemon.paths import StokerPaths
+from daemon.control.client import ControlClient
+from daemon.core.errors import StokerError
+from daemon.core.paths import StokerPaths
 
 
 def write_config(paths: StokerPaths, text: str) -> None:

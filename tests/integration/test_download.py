@@ -1,4 +1,4 @@
-"""daemon.download over real HTTP against the loopback fault server."""
+"""daemon.install.download over real HTTP against the loopback fault server."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import hypothesis.strategies as st
 import pytest
 import trio
 
-from daemon.download import DownloadError, DownloadErrorKind, DownloadProgress, download, download_client
+from daemon.install.download import DownloadError, DownloadErrorKind, DownloadProgress, download, download_client
 from states.reasons import ReasonCode
 from tests.httpfault import Fault, FaultServer
 
@@ -397,7 +397,7 @@ async def test_a_large_download_cut_past_a_writeback_window_resumes_intact(fault
                                                                           tmp_path: Path) -> None:
     """40 MiB, cut 21 MiB in (past the first 16 MiB window the writer queued for writing): the
     resumed part starts mid-window, and the file is still byte-identical and fsynced whole."""
-    import daemon.download as dl
+    import daemon.install.download as dl
 
     data = os.urandom(40 * 2**20)
     calls: list[tuple[int, int]] = []

@@ -16,7 +16,7 @@ from daemon.bundles.installed import find_installed, install_bundle
 from daemon.bundles.smoke import generate
 from daemon.bundles.verify import verify_bundle
 from daemon.cli import cli
-from daemon.paths import StokerPaths
+from daemon.core.paths import StokerPaths
 
 pytestmark = pytest.mark.engine
 

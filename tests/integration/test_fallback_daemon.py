@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from daemon.bundles.variants import host_platform
-from daemon.errors import StokerError
+from daemon.core.errors import StokerError
 from tests.bundlekit import make_bundle_zip
 from tests.httpfault import Fault
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config

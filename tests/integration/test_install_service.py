@@ -19,9 +19,9 @@ import trio
 
 from daemon.bundles.installed import find_installed, install_bundle
 from daemon.bundles.variants import host_platform
-from daemon.errors import StokerError
-from daemon.install_service import PROGRESS_TOPIC, InstallService
-from daemon.paths import StokerPaths
+from daemon.core.errors import StokerError
+from daemon.install.service import PROGRESS_TOPIC, InstallService
+from daemon.core.paths import StokerPaths
 from states import install as I
 from tests.bundlekit import make_bundle_zip
 from tests.httpfault import Fault

@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from daemon.backends.cpu_features import CHILD, SIGILL, USABLE, X86_TESTS
-from daemon.probe_runner import run_probe, run_probes
+from daemon.probes.runner import run_probe, run_probes
 from states.reasons import ReasonCode as R
 
 HERE = Path(__file__).parent

@@ -15,15 +15,15 @@ import psutil
 import pytest
 import trio
 
-from daemon.errors import StokerError
-from daemon.server_identity import (
+from daemon.core.errors import StokerError
+from daemon.engine.identity import (
     adopt,
     read_identity,
     stop_orphan,
     verify_identity,
     write_identity,
 )
-from daemon.server_process import ServerSpec, start_server, stop_server, wait_ready
+from daemon.engine.process import ServerSpec, start_server, stop_server, wait_ready
 from states.reasons import ReasonCode
 
 pytestmark = pytest.mark.engine
@@ -194,7 +194,7 @@ async def test_a_rejected_command_line_is_server_bad_arguments(spec, tmp_path):
 
 _DAEMON = """
 import sys, trio
-from daemon.server_process import ServerSpec, serve_server
+from daemon.engine.process import ServerSpec, serve_server
 spec = ServerSpec(server_path=sys.argv[1], model_path=sys.argv[2], ctx_size=512, parallel=1, threads=1)
 trio.run(lambda: serve_server(spec, log_path=sys.argv[3], identity_path=sys.argv[4]))
 """

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from daemon.errors import StokerError
+from daemon.core.errors import StokerError
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 
 pytestmark = [pytest.mark.engine]
@@ -95,7 +95,7 @@ def test_gate_tiny_model_token_identical_after_restart(daemon):
 def test_gate_gemma_token_identical_after_restart(stoker_home, installed_cpu_bundle):
     """Gemma 3 is a sliding-window model: the conversation is longer than its 512-token window,
     and Stoker must have added --swa-full for the restore to spare the prefill."""
-    from daemon.models import resolve_model
+    from daemon.models.resolve import resolve_model
 
     d = DaemonProcess(stoker_home)
     model = resolve_model("gemma3-270m", d.paths)

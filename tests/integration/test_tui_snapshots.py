@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from daemon.errors import StokerError
+from daemon.core.errors import StokerError
 from states.reasons import ReasonCode
 from tui.app import StokerApp
 
@@ -175,7 +175,7 @@ def history() -> list[dict[str, Any]]:
 
 
 def snapshots() -> dict[str, Any]:
-    """A `snapshot.list` reply (daemon/handlers_snapshots.py)."""
+    """A `snapshot.list` reply (daemon/control/handlers/snapshots.py)."""
     rows = [
         {"id": 3, "filename": "slot0-3.bin", "slot_id": 0, "model_path": "/m/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf",
          "backend": "cuda", "n_tokens": 4096, "file_size": 536_870_912, "cause": "restart", "created_at": T0 - 120},

@@ -14,8 +14,8 @@ from daemon.bundles.build import build_bundle, cached_builds, collect_outputs
 from daemon.bundles.source import SourceSpec
 from daemon.bundles.variants import BuildPlan, Toolchain
 from daemon.bundles.verify import verify_bundle
-from daemon.errors import StokerError
-from daemon.paths import StokerPaths
+from daemon.core.errors import StokerError
+from daemon.core.paths import StokerPaths
 from states.reasons import ReasonCode
 
 FAKE_CMAKE = """#!/bin/sh

@@ -14,8 +14,8 @@ from bundlekit import add_raw_entry, engine_script, make_bundle_dir, make_bundle
 from daemon.bundles.archive import ArchiveLimits, unpack_bundle
 from daemon.bundles.installed import find_installed, install_bundle, list_installed
 from daemon.bundles.verify import verify_bundle
-from daemon.errors import StokerError
-from daemon.paths import StokerPaths
+from daemon.core.errors import StokerError
+from daemon.core.paths import StokerPaths
 from states.reasons import ReasonCode
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from daemon.bundles.metadata import BundleManifest, BundleMeta, ManifestEntry
-from daemon.errors import StokerError
+from daemon.core.errors import StokerError
 from states.reasons import ReasonCode
 
 SHA = "a" * 64

@@ -12,7 +12,7 @@ from daemon.bundles.exitcodes import classify_engine_exit, exit_evidence, exit_s
 from daemon.bundles.smoke import SmokeSpec
 from daemon.bundles.source import DEFAULT_SHA256, SourceSpec
 from daemon.bundles.variants import BuildPlan, Toolchain
-from daemon.errors import StokerError
+from daemon.core.errors import StokerError
 from states.reasons import ReasonCode
 
 GCC = Toolchain("c++ (Debian 12.2.0) 12.2.0", "cmake version 3.25.1", "Ninja")

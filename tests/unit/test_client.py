@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from daemon import control
-from daemon.client import ControlClient
-from daemon.errors import StokerError
-from daemon.events import DROPPED_TOPIC, EventBus
+from daemon.control import server as control
+from daemon.control.client import ControlClient
+from daemon.core.errors import StokerError
+from daemon.core.events import DROPPED_TOPIC, EventBus
 from states.reasons import ReasonCode
 
 TIMEOUT = 15

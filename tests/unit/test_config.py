@@ -10,7 +10,7 @@ import trio
 from click.testing import CliRunner
 
 from daemon.cli import cli
-from daemon.config import (
+from daemon.config.model import (
     Config,
     ConfigError,
     config_diff,
@@ -18,8 +18,8 @@ from daemon.config import (
     needs_relaunch,
     parse_config,
 )
-from daemon.config_watch import watch_config
-from daemon.errors import StokerError
+from daemon.config.watch import watch_config
+from daemon.core.errors import StokerError
 from states.reasons import ReasonCode
 
 

@@ -14,9 +14,9 @@ import pytest
 import trio
 import trio.testing
 
-from daemon import control, protocol
-from daemon.errors import StokerError
-from daemon.events import DROPPED_TOPIC, EventBus
+from daemon.control import server as control, protocol
+from daemon.core.errors import StokerError
+from daemon.core.events import DROPPED_TOPIC, EventBus
 from states.reasons import ReasonCode
 
 TIMEOUT = 10

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.exit_classify import classify_exit, signal_name
+from daemon.engine.exits import classify_exit, signal_name
 from states.reasons import ReasonCode
 
 # Tails recorded from the CPU build at -lv 4 --log-colors off (each line carries the

@@ -19,11 +19,11 @@ from daemon.backends.cpu import CpuBackend
 from daemon.backends.cuda import CudaBackend
 from daemon.backends.tools import recorded_runner
 from daemon.bundles.tinymodel import write_tiny_model
-from daemon.config import BackendConfig, Config, ServerConfig
-from daemon.errors import StokerError
-from daemon.fallback import AUTO_LAYERS, FallbackOrchestrator, OrchestratedSupervisor, candidates_for
-from daemon.paths import StokerPaths
-from daemon.probe_service import ProbeService
+from daemon.config.model import BackendConfig, Config, ServerConfig
+from daemon.core.errors import StokerError
+from daemon.fallback.orchestrator import AUTO_LAYERS, FallbackOrchestrator, OrchestratedSupervisor, candidates_for
+from daemon.core.paths import StokerPaths
+from daemon.probes.service import ProbeService
 from states import fallback as F
 from states import launch as L
 from states.reasons import ReasonCode as R

@@ -8,8 +8,8 @@ import backend_recordings as rec
 from daemon.backends.cuda import CudaBackend
 from daemon.backends.tools import recorded_runner
 from daemon.bundles.metadata import BundleManifest
-from daemon.errors import StokerError
-from daemon.install_service import choose_entry, install_failed_reason
+from daemon.core.errors import StokerError
+from daemon.install.service import choose_entry, install_failed_reason
 
 PLATFORM = "linux-x86_64"
 

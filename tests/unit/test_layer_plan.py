@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from daemon.bundles.tinymodel import write_tiny_model
-from daemon.layer_plan import MIB, estimate, free_vram, why_actual, why_planned
+from daemon.fallback.layers import MIB, estimate, free_vram, why_actual, why_planned
 
 
 def test_kv_estimate_from_the_header(tmp_path):
@@ -36,7 +36,7 @@ def test_why_sentences(tmp_path):
 def test_several_gpus_share_the_layers_and_each_pays_its_reserve(tmp_path):
     """No --device is passed, so the engine splits layers over every visible GPU: their free
     VRAM adds up, and each one pays the runtime's reserve and the fit margin."""
-    from daemon.layer_plan import CONTEXT_RESERVE_MIB
+    from daemon.fallback.layers import CONTEXT_RESERVE_MIB
 
     two = [{"index": 0, "name": "NVIDIA H200", "memory_free_mib": 1200},
            {"index": 1, "name": "NVIDIA H200", "memory_free_mib": 1200},
@@ -57,7 +57,7 @@ def test_several_gpus_share_the_layers_and_each_pays_its_reserve(tmp_path):
 def test_the_cuda_runtime_counts_against_free_vram(tmp_path):
     """Measured on an H200: NVML said 1499 MiB free, the engine saw 975 after its CUDA context,
     kept its 1024 MiB margin and offloaded 0 of Gemma's layers. The estimate must say so too."""
-    from daemon.layer_plan import CONTEXT_RESERVE_MIB
+    from daemon.fallback.layers import CONTEXT_RESERVE_MIB
 
     model = write_tiny_model(tmp_path / "m.gguf", n_layer=2, n_embd=128, n_head=2)
     assert estimate(model, 4096, 1500, "0: NVIDIA H200").fits is True  # runtime ignored
@@ -68,7 +68,7 @@ def test_the_cuda_runtime_counts_against_free_vram(tmp_path):
     assert "runtime" not in why_planned("cuda", estimate(model, 4096, 1500, "0: NVIDIA H200"))
 
     # The hint applied (extra_args = ["-fitt", "256"]): the same GPU now fits, as it did there
-    from daemon.layer_plan import fit_margin
+    from daemon.fallback.layers import fit_margin
 
     assert fit_margin(["-fitt", "256"]) == 256 and fit_margin(["--fit-target", "128,512"]) == 128
     assert fit_margin([]) == fit_margin(["-fitt"]) == fit_margin(["-fitt", "x"]) == 1024

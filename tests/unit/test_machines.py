@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, event as hypothesis_event, settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from daemon.machines import MachineRunner
+from daemon.core.machines import MachineRunner
 from states import launch as L
 from states import probe as P
 from states.machine import IllegalTransition, data_to_json, event_from_json

@@ -10,7 +10,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from daemon.backends.base import Detection
-from daemon.probe_service import ProbeService
+from daemon.probes.service import ProbeService
 from states import probe as P
 from states.reasons import ReasonCode
 from store import open_store
@@ -183,7 +183,7 @@ def test_concurrent_callers_share_one_probe():
 def test_a_machine_left_probing_by_a_dead_daemon_is_probed_again():
     async def main():
         store = open_store(":memory:")
-        from daemon.machines import MachineRunner
+        from daemon.core.machines import MachineRunner
 
         MachineRunner(P.PROBE, "probe:cuda", store).fire(P.ProbeRequested("cuda"))  # then "killed"
         fake = FakeProbes([1.0])

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon import protocol
-from daemon.errors import StokerError
+from daemon.control import protocol
+from daemon.core.errors import StokerError
 from states.reasons import ReasonCode
 
 

@@ -15,8 +15,8 @@ import psutil
 import pytest
 import trio
 
-from daemon.errors import StokerError
-from daemon.server_process import (
+from daemon.core.errors import StokerError
+from daemon.engine.process import (
     ServerLog,
     ServerSpec,
     start_server,
@@ -25,7 +25,7 @@ from daemon.server_process import (
     stop_server,
     wait_ready,
 )
-from daemon.server_ready import engine_seconds
+from daemon.engine.ready import engine_seconds
 from states.reasons import ReasonCode
 
 # Recorded from the CPU build (-lv 4 --log-colors off), abridged.

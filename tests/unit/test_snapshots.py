@@ -6,9 +6,9 @@ import gguf
 import numpy as np
 import pytest
 
-from daemon.errors import StokerError
-from daemon.model_facts import facts_from_header, model_facts, read_header
-from daemon.snapshot_layout import KVLog, check_identity, swa_report
+from daemon.core.errors import StokerError
+from daemon.models.facts import facts_from_header, model_facts, read_header
+from daemon.snapshots.layout import KVLog, check_identity, swa_report
 from states.reasons import ReasonCode
 from store import open_store
 from store.snapshots import SnapshotCatalog, retention_victims
@@ -178,9 +178,9 @@ def test_gguf_header_reader_skips_arrays(tmp_path, tiny_model):
 def test_swa_full_flag(tmp_path, tiny_model, enabled, setting, swa_model, want):
     import attrs
 
-    from daemon.config import Config
-    from daemon.paths import StokerPaths
-    from daemon.snapshots import snapshot_server_args
+    from daemon.config.model import Config
+    from daemon.core.paths import StokerPaths
+    from daemon.snapshots.service import snapshot_server_args
 
     path = tiny_model
     if swa_model:

@@ -4,7 +4,7 @@ import random
 
 from hypothesis import given, strategies as st
 
-from daemon.supervisor import backoff_delay
+from daemon.launch.supervisor import backoff_delay
 
 
 @given(attempt=st.integers(1, 60), initial=st.floats(0.01, 5), cap=st.floats(0.01, 120), seed=st.integers())

@@ -10,7 +10,7 @@ import trio
 import trio.testing
 
 import backend_recordings as rec
-from daemon.telemetry import (
+from daemon.telemetry.sampler import (
     HISTORY,
     NvmlReader,
     ServerTarget,

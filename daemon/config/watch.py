@@ -1,0 +1,109 @@
+"""Hot reload of config.toml with watchfiles: valid edits are applied, invalid ones reported.
+
+`watch_config` watches the file's directory (editors replace files rather than write them)
+and reports each edit once it settles; the caller keeps the old config on an invalid one.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import trio
+
+from daemon.config.model import Config, ConfigError, load_config
+
+DEFAULT_DEBOUNCE_MS = 300
+
+OnChange = Callable[[Config], "Awaitable[None] | None"]
+OnInvalid = Callable[[ConfigError], "Awaitable[None] | None"]
+
+
+async def _call(callback: Callable[[Any], Any] | None, arg: Any) -> None:
+    if callback is None:
+        return
+    result = callback(arg)
+    if inspect.isawaitable(result):
+        await result
+
+
+async def watch_config(
+    path: Path | str,
+    on_change: OnChange,
+    *,
+    on_invalid: OnInvalid | None = None,
+    current: Config | None = None,
+    debounce_ms: int = DEFAULT_DEBOUNCE_MS,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Watch `path` until cancelled; report each edit once it settles for `debounce_ms`.
+
+    A valid file that differs from the config in force (or follows an invalid one) calls
+    `on_change(new)`; an invalid one calls `on_invalid(err)` and the config in force stays.
+    `current` is the config in force at the start (default: loaded now); if the file is
+    invalid at the start, that is not reported again, but fixing it calls `on_change` even
+    when the fixed file equals `current` (so problems can be cleared). The directory is
+    watched, since editors replace the file rather than write it; it is created if missing.
+    Callbacks may be plain functions or async ones.
+    """
+    import anyio
+    from watchfiles import awatch
+
+    path = Path(path).absolute()
+    if current is None:
+        current = load_config(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stop = anyio.Event()
+    invalid = False
+
+    lock = trio.Lock()
+
+    async def reload(initial: bool = False) -> None:
+        async with lock:
+            await _reload(initial)
+
+    async def _reload(initial: bool) -> None:
+        nonlocal current, invalid
+        try:
+            new = load_config(path)
+        except ConfigError as err:
+            invalid = True
+            # At start the caller has just loaded the file and knows it is invalid (it runs
+            # on `current`, the defaults or an older config); remember it, so that a fix is
+            # reported even if it equals `current`, but do not report it twice.
+            if not initial:
+                await _call(on_invalid, err)
+            return
+        if new != current or invalid:
+            current, invalid = new, False
+            await _call(on_change, new)
+
+    def is_ours(_change: Any, changed: str) -> bool:
+        return Path(changed).name == path.name
+
+    async def stop_on_cancel() -> None:
+        # awatch blocks in a worker thread that only notices cancellation through stop_event.
+        try:
+            await trio.sleep_forever()
+        finally:
+            stop.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stop_on_cancel)
+        watcher = awatch(
+            path.parent,
+            watch_filter=is_ours,
+            debounce=debounce_ms,
+            step=min(50, debounce_ms),
+            stop_event=stop,
+            recursive=False,
+        )
+        # awatch creates its watcher in the first __anext__, before it first checkpoints; the
+        # re-read scheduled here runs after that, so an edit made between the caller's load and
+        # the watcher's start is not lost.
+        task_status.started()
+        nursery.start_soon(reload, True)
+        async for _changes in watcher:
+            await reload()
+        nursery.cancel_scope.cancel()

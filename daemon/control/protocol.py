@@ -1,0 +1,461 @@
+"""The control protocol, sans-I/O: newline-delimited JSON in the JSON-RPC 2.0 shape.
+
+Shared by the trio daemon, the blocking CLI client and the TUI; nothing here touches a socket
+or an event loop. Bytes go in through `FrameDecoder.feed`, complete frames come out of
+`FrameDecoder.next_frame`, and `decode_request` / `decode_reply` turn a frame into a message.
+The `encode_*` functions produce one frame each (compact JSON plus the newline).
+
+Every error reply carries `{code, reason, message, data}`; the JSON-RPC `code` comes from the
+one table `ERROR_CODES`, the `reason` is the stable `ReasonCode` string. See docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import enum
+import json
+import math
+import os
+import zlib
+from typing import Any, Mapping
+
+import attrs
+
+from daemon.core.errors import StokerError
+from states.reasons import ReasonCode, message_for
+
+JSONRPC = "2.0"
+# One request frame is at most this many bytes, newline excluded; the daemon never buffers more.
+MAX_FRAME = 1024 * 1024
+# Replies can be larger (history, telemetry); the client reads them with this limit.
+MAX_REPLY_FRAME = 64 * 1024 * 1024
+
+# JSON-RPC 2.0 reserves -32768..-32000. Unparsable JSON is -32700 (reason bad_request); it is the
+# one code not keyed by a reason, because JSON-RPC tells "not JSON" from "not a valid request"
+# while Stoker's reason for both is bad_request.
+PARSE_ERROR = -32700
+# A string that is not a ReasonCode at all gets the generic JSON-RPC server error.
+APPLICATION_ERROR = -32000
+# A reason added after this table was last edited gets a code derived from its (stable) string
+# in DERIVED_BASE..DERIVED_BASE+9999, so it is stable too. Give a new reason its table entry
+# before a release: once clients have seen a derived code, keep it (add it here verbatim).
+DERIVED_BASE = 90000
+
+# ReasonCode -> JSON-RPC error code: the one table. Protocol reasons use JSON-RPC's own codes;
+# application reasons have stable positive codes grouped by area. Never renumber an entry.
+ERROR_CODES: dict[ReasonCode, int] = {
+    # The protocol itself.
+    ReasonCode.BAD_REQUEST: -32600,
+    ReasonCode.UNKNOWN_METHOD: -32601,
+    ReasonCode.INTERNAL_ERROR: -32603,
+    ReasonCode.REQUEST_TOO_LARGE: -32001,
+    # The daemon, its config and its state machines.
+    ReasonCode.CONFIG_INVALID: 1001,
+    ReasonCode.DAEMON_ALREADY_RUNNING: 1002,
+    ReasonCode.DAEMON_NOT_RUNNING: 1003,
+    ReasonCode.ILLEGAL_TRANSITION: 1004,
+    ReasonCode.STORE_CORRUPT: 1101,
+    ReasonCode.STORE_SCHEMA_TOO_NEW: 1102,
+    ReasonCode.STORE_WRITE_FAILED: 1103,
+    ReasonCode.PROBE_RESULT_STALE: 1201,
+    ReasonCode.PROBE_FAILED: 1202,
+    # The server process.
+    ReasonCode.MODEL_MISSING: 2001,
+    ReasonCode.MODEL_LOAD_FAILED: 2002,
+    ReasonCode.OUT_OF_MEMORY: 2003,
+    ReasonCode.PORT_IN_USE: 2004,
+    ReasonCode.SERVER_CRASHED: 2005,
+    ReasonCode.SERVER_STALLED: 2006,
+    ReasonCode.CRASH_LOOP: 2007,
+    ReasonCode.GPU_CLAIMED_BUT_UNUSED: 2008,
+    ReasonCode.CPU_ILLEGAL_INSTRUCTION: 2009,
+    ReasonCode.SERVER_START_TIMEOUT: 2010,
+    ReasonCode.SERVER_SPAWN_FAILED: 2011,
+    # Engine bundles.
+    ReasonCode.BUNDLE_MISSING: 3001,
+    ReasonCode.BUNDLE_BUILD_FAILED: 3002,
+    ReasonCode.BUNDLE_DIGEST_MISMATCH: 3003,
+    ReasonCode.BUNDLE_METADATA_MISMATCH: 3004,
+    ReasonCode.BUNDLE_UNSAFE_ARCHIVE: 3005,
+    ReasonCode.BUNDLE_VERIFY_FAILED: 3006,
+    ReasonCode.SOURCE_DIGEST_MISMATCH: 3007,
+    ReasonCode.CPU_BUNDLE_INSTALL_FAILED: 3008,
+    # KV-cache slot snapshots.
+    ReasonCode.SNAPSHOTS_DISABLED: 5001,
+    ReasonCode.SNAPSHOT_NOT_FOUND: 5002,
+    ReasonCode.SNAPSHOT_SERVER_NOT_READY: 5003,
+    ReasonCode.SNAPSHOT_MODEL_MISMATCH: 5004,
+    ReasonCode.SNAPSHOT_ENGINE_MISMATCH: 5005,
+    ReasonCode.SNAPSHOT_LAYOUT_MISMATCH: 5006,
+    ReasonCode.SNAPSHOT_CORRUPT: 5007,
+    ReasonCode.SNAPSHOT_BAD_SLOT: 5008,
+    ReasonCode.SNAPSHOT_SAVE_FAILED: 5009,
+    ReasonCode.SNAPSHOT_DISK_FULL: 5010,
+    ReasonCode.SNAPSHOT_RESTORE_FAILED: 5011,
+    ReasonCode.SNAPSHOT_NO_BENEFIT: 5012,
+    # Backends: 4xyy, x = backend (1 cuda, 2 rocm, 3 vulkan, 4 metal, 0 none), yy = what.
+    ReasonCode.GPU_MISSING: 4001,
+    ReasonCode.BINARY_MISSING_NVIDIA_DETECTED: 4101,
+    ReasonCode.CUDA_UNAVAILABLE: 4102,
+    ReasonCode.CUDA_GPU_LAYERS_ZERO: 4103,
+    ReasonCode.CUDA_STARTUP_FAILED: 4104,
+    ReasonCode.CUDA_BUNDLE_INSTALL_FAILED: 4105,
+    ReasonCode.CUDA_VRAM_FULL: 4106,
+    ReasonCode.BINARY_MISSING_AMD_DETECTED: 4201,
+    ReasonCode.ROCM_UNAVAILABLE: 4202,
+    ReasonCode.ROCM_GPU_LAYERS_ZERO: 4203,
+    ReasonCode.ROCM_STARTUP_FAILED: 4204,
+    ReasonCode.ROCM_BUNDLE_INSTALL_FAILED: 4205,
+    ReasonCode.ROCM_VRAM_FULL: 4206,
+    ReasonCode.BINARY_MISSING_VULKAN_DETECTED: 4301,
+    ReasonCode.VULKAN_UNAVAILABLE: 4302,
+    ReasonCode.VULKAN_GPU_LAYERS_ZERO: 4303,
+    ReasonCode.VULKAN_STARTUP_FAILED: 4304,
+    ReasonCode.VULKAN_BUNDLE_INSTALL_FAILED: 4305,
+    ReasonCode.VULKAN_VRAM_FULL: 4306,
+    ReasonCode.BINARY_MISSING_METAL_DETECTED: 4401,
+    ReasonCode.METAL_UNAVAILABLE: 4402,
+    ReasonCode.METAL_GPU_LAYERS_ZERO: 4403,
+    ReasonCode.METAL_STARTUP_FAILED: 4404,
+    ReasonCode.METAL_BUNDLE_INSTALL_FAILED: 4405,
+    ReasonCode.METAL_VRAM_FULL: 4406,
+}
+
+
+def code_for(reason: ReasonCode | str) -> int:
+    """The JSON-RPC error code for a reason."""
+    try:
+        reason = ReasonCode(reason)
+    except ValueError:
+        return APPLICATION_ERROR
+    code = ERROR_CODES.get(reason)
+    if code is None:
+        code = DERIVED_BASE + zlib.crc32(str(reason).encode()) % 10000
+    return code
+
+
+class ProtocolError(StokerError):
+    """A frame that is not a valid message: reason bad_request or request_too_large.
+
+    `request_id` is the request's id when it could be recovered (so the error reply can still
+    be matched by the client), else None. `code` is the JSON-RPC code for the reply.
+    """
+
+    def __init__(
+        self,
+        reason: ReasonCode | str,
+        message: str | None = None,
+        evidence: Mapping[str, Any] | None = None,
+        *,
+        request_id: int | str | None = None,
+        code: int | None = None,
+    ) -> None:
+        super().__init__(reason, message, evidence)
+        self.request_id = request_id
+        self.code = code_for(self.reason) if code is None else code
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame longer than the decoder's limit; its bytes were discarded, not buffered."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            ReasonCode.REQUEST_TOO_LARGE,
+            f"A message exceeded the {limit}-byte frame limit and was discarded.",
+            {"limit_bytes": limit},
+        )
+
+
+# --- messages ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Request:
+    """A call: `method` with keyword `params`; the reply carries the same `id`."""
+
+    id: int | str
+    method: str
+    params: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class Result:
+    """A successful reply."""
+
+    id: int | str | None
+    result: Any
+
+
+@attrs.frozen
+class ErrorReply:
+    """A failed reply: the JSON-RPC code, the stable reason string, a sentence, evidence."""
+
+    id: int | str | None
+    code: int
+    reason: str
+    message: str
+    data: dict[str, Any] = attrs.field(factory=dict)
+
+    def to_error(self) -> StokerError:
+        """The StokerError this reply stands for (an unknown reason becomes internal_error)."""
+        try:
+            reason = ReasonCode(self.reason)
+        except ValueError:
+            return StokerError(
+                ReasonCode.INTERNAL_ERROR,
+                self.message,
+                {**self.data, "remote_reason": self.reason},
+            )
+        return StokerError(reason, self.message, self.data)
+
+
+@attrs.frozen
+class Event:
+    """A notification on a subscribed connection; `params` is the published event."""
+
+    params: dict[str, Any]
+
+
+Reply = Result | ErrorReply | Event
+
+
+# --- framing ----------------------------------------------------------------------------
+
+_TOO_LARGE = object()
+
+
+class FrameDecoder:
+    """Splits a byte stream into newline-terminated frames, never holding more than the limit.
+
+    `feed(data)` any chunking; `next_frame()` returns one frame (bytes without the newline),
+    None when no complete frame is buffered, or raises FrameTooLarge once per oversized frame
+    (whose bytes are dropped up to its newline; the frames after it decode normally).
+    Blank lines are skipped.
+    """
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self._partial = bytearray()
+        self._discarding = False
+        self._ready: collections.deque[bytes | object] = collections.deque()
+
+    def feed(self, data: bytes) -> None:
+        """Add received bytes; an empty `data` means nothing (EOF is the caller's business)."""
+        view = memoryview(data)
+        start = 0
+        end = len(view)
+        while start <= end:
+            newline = data.find(b"\n", start)
+            stop = end if newline < 0 else newline
+            if not self._discarding:
+                room = self.max_frame + 1 - len(self._partial)
+                self._partial += view[start : min(stop, start + room)]
+                if len(self._partial) > self.max_frame:
+                    self._partial.clear()
+                    self._discarding = True
+                    self._ready.append(_TOO_LARGE)
+            if newline < 0:
+                return
+            if self._discarding:
+                self._discarding = False
+            else:
+                frame = bytes(self._partial)
+                self._partial.clear()
+                if frame.strip():
+                    self._ready.append(frame)
+            start = newline + 1
+
+    def next_frame(self) -> bytes | None:
+        """The next complete frame, or None; raises FrameTooLarge for an oversized one."""
+        if not self._ready:
+            return None
+        frame = self._ready.popleft()
+        if frame is _TOO_LARGE:
+            raise FrameTooLarge(self.max_frame)
+        return frame  # type: ignore[return-value]
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of the incomplete frame held now (at most max_frame)."""
+        return len(self._partial)
+
+
+# --- decoding ---------------------------------------------------------------------------
+
+
+def _recover_id(obj: Any) -> int | str | None:
+    if isinstance(obj, dict):
+        value = obj.get("id")
+        if _valid_id(value):
+            return value
+    return None
+
+
+def _valid_id(value: Any) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool)) or isinstance(value, str)
+
+
+def _parse_json(frame: bytes) -> Any:
+    try:
+        return json.loads(frame)
+    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+        raise ProtocolError(
+            ReasonCode.BAD_REQUEST,
+            "The message is not valid JSON.",
+            {"error": str(err)[:200]},
+            code=PARSE_ERROR,
+        ) from None
+
+
+def _bad(message: str, request_id: int | str | None, **evidence: Any) -> ProtocolError:
+    return ProtocolError(ReasonCode.BAD_REQUEST, message, evidence, request_id=request_id)
+
+
+def decode_request(frame: bytes) -> Request:
+    """A request frame -> Request; raises ProtocolError (bad_request) with the id if known."""
+    obj = _parse_json(frame)
+    if not isinstance(obj, dict):
+        raise _bad("A request must be a JSON object.", None, got=type(obj).__name__)
+    request_id = _recover_id(obj)
+    if obj.get("jsonrpc") != JSONRPC:
+        raise _bad('A request must have "jsonrpc": "2.0".', request_id)
+    if "id" not in obj or not _valid_id(obj["id"]):
+        raise _bad('A request must have an "id" that is an integer or a string.', None)
+    method = obj.get("method")
+    if not isinstance(method, str) or not method:
+        raise _bad('A request must have a "method" that is a non-empty string.', request_id)
+    params = obj.get("params", {})
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise _bad('"params" must be a JSON object (by-name parameters).', request_id)
+    extra = set(obj) - {"jsonrpc", "id", "method", "params"}
+    if extra:
+        raise _bad("A request has unknown members.", request_id, unknown=sorted(extra))
+    return Request(obj["id"], method, params)
+
+
+def decode_reply(frame: bytes) -> Reply:
+    """A frame from the daemon -> Result, ErrorReply or Event; raises ProtocolError."""
+    obj = _parse_json(frame)
+    if not isinstance(obj, dict) or obj.get("jsonrpc") != JSONRPC:
+        raise _bad("A reply must be a JSON-RPC 2.0 object.", _recover_id(obj))
+    if obj.get("method") == "event" and "id" not in obj:
+        params = obj.get("params")
+        if not isinstance(params, dict):
+            raise _bad("An event notification must carry an object in params.", None)
+        return Event(params)
+    request_id = obj.get("id")
+    if request_id is not None and not _valid_id(request_id):
+        raise _bad('A reply "id" must be an integer, a string or null.', None)
+    if "result" in obj and "error" not in obj:
+        return Result(request_id, obj["result"])
+    error = obj.get("error")
+    if isinstance(error, dict) and "result" not in obj:
+        code = error.get("code")
+        data = error.get("data") or {}
+        return ErrorReply(
+            request_id,
+            code if isinstance(code, int) and not isinstance(code, bool) else APPLICATION_ERROR,
+            str(error.get("reason") or ReasonCode.INTERNAL_ERROR),
+            str(error.get("message") or ""),
+            data if isinstance(data, dict) else {"data": data},
+        )
+    raise _bad('A reply must have exactly one of "result" and "error".', _recover_id(obj))
+
+
+# --- encoding ---------------------------------------------------------------------------
+
+
+def _default(value: Any) -> Any:
+    """JSON for the few non-JSON types handlers return; anything else is a bug (TypeError)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (datetime.datetime, datetime.date)):
+        return value.isoformat()
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=repr)
+    if attrs.has(type(value)):
+        return attrs.asdict(value, recurse=False)
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _lenient(value: Any) -> Any:
+    try:
+        return _default(value)
+    except TypeError:
+        return repr(value)
+
+
+def _finite(value: Any) -> Any:
+    """`value` with NaN and infinities (not JSON) replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def _frame(obj: dict[str, Any], *, lenient: bool = False) -> bytes:
+    """Compact JSON plus the newline. Strict: a value that is not JSON raises TypeError or
+    ValueError. Lenient (events): unknown types become their repr, NaN becomes null."""
+    default = _lenient if lenient else _default
+    try:
+        text = json.dumps(obj, separators=(",", ":"), default=default, allow_nan=False)
+    except ValueError:
+        if not lenient:
+            raise
+        text = json.dumps(_finite(obj), separators=(",", ":"), default=default, allow_nan=False)
+    return text.encode() + b"\n"
+
+
+def encode_request(request_id: int | str, method: str, params: Mapping[str, Any] | None = None) -> bytes:
+    """One request frame."""
+    return _frame({"jsonrpc": JSONRPC, "id": request_id, "method": method, "params": dict(params or {})})
+
+
+def encode_result(request_id: int | str | None, result: Any) -> bytes:
+    """One success reply frame; raises TypeError/ValueError if `result` is not JSON-able."""
+    return _frame({"jsonrpc": JSONRPC, "id": request_id, "result": result})
+
+
+def encode_error(
+    request_id: int | str | None,
+    reason: ReasonCode | str,
+    message: str | None = None,
+    data: Mapping[str, Any] | None = None,
+    *,
+    code: int | None = None,
+) -> bytes:
+    """One error reply frame: {code, reason, message, data}; message defaults to the reason's."""
+    reason = ReasonCode(reason)
+    error = {
+        "code": code_for(reason) if code is None else code,
+        "reason": str(reason),
+        "message": message or message_for(reason),
+        "data": dict(data or {}),
+    }
+    try:
+        return _frame({"jsonrpc": JSONRPC, "id": request_id, "error": error})
+    except (TypeError, ValueError):
+        # Evidence that is not JSON-able must not turn an error reply into a crash.
+        error["data"] = {key: repr(value) for key, value in error["data"].items()}
+        return _frame({"jsonrpc": JSONRPC, "id": request_id, "error": error})
+
+
+def encode_stoker_error(request_id: int | str | None, err: StokerError) -> bytes:
+    """The error reply for a StokerError (a ProtocolError keeps its own code)."""
+    code = err.code if isinstance(err, ProtocolError) else None
+    return encode_error(request_id, err.reason, err.message, err.evidence, code=code)
+
+
+def encode_event(event: Mapping[str, Any]) -> bytes:
+    """One event notification frame; lenient, so an odd value cannot break a stream."""
+    return _frame({"jsonrpc": JSONRPC, "method": "event", "params": dict(event)}, lenient=True)

@@ -1,0 +1,220 @@
+"""Readiness of a llama-server launch: the facts its log states, and `wait_ready`.
+
+The server answers HTTP before the model is loaded (503 on every route, /health included),
+and with `--port 0` it names its port only after the load. So progress and readiness are read
+from the log (any new output is progress; `model loaded` then `listening on http://H:P`), and
+readiness is confirmed by `/health` 200. Lines and formats: docs/engine-process.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import httpx
+import trio
+
+from daemon.core.http import loopback_client
+from daemon.core.errors import StokerError
+from states.reasons import ReasonCode
+
+if TYPE_CHECKING:
+    from daemon.engine.process import ServerHandle
+
+LOG_TAIL_LINES = 400
+
+
+@attrs.frozen
+class BufferSize:
+    kind: str  # "model" | "KV" | "compute" | ...
+    device: str  # "CPU", "CUDA0", "CUDA_Host", ...
+    mib: float
+
+
+_LISTENING = re.compile(r"listening on (https?)://(\[[^\]]+\]|[^:\s]+):(\d+)")
+_OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
+_BUFFER = re.compile(r"(\S+)\s+(model|KV|compute|output|RS) buffer size =\s*([\d.]+) MiB")
+_DEVICE = re.compile(r"using device (\S+) \((.*?)\)")
+_META = re.compile(r"loaded meta data with \d+ key-value pairs and \d+ tensors from (.+?) \(version")
+_N_CTX = re.compile(r"llama_context: n_ctx\s+= (\d+)")
+# The engine's own line prefix: minutes.seconds.millis.micros since it started, and a level.
+_STAMP = re.compile(r"^(\d+)\.(\d\d)\.(\d\d\d)\.(\d\d\d) [A-Z] ")
+_MODEL_LOADED = re.compile(r"\bmodel loaded$")
+
+
+@attrs.define(eq=False)
+class ServerLog:
+    """Follows one launch's log file from an offset and keeps the facts the engine states."""
+
+    path: Path
+    offset: int
+    tail: collections.deque[str] = attrs.field(factory=lambda: collections.deque(maxlen=LOG_TAIL_LINES))
+    last_progress: float = 0.0  # trio clock of the last new line
+    lines_read: int = 0
+    model_loaded: bool = False
+    loaded_at: float | None = None
+    listening: tuple[str, int] | None = None
+    offloaded: tuple[int, int] | None = None
+    devices: list[str] = attrs.field(factory=list)
+    buffers: list[BufferSize] = attrs.field(factory=list)
+    model_path: str | None = None
+    n_ctx: int | None = None
+    evidence: dict[str, str] = attrs.field(factory=dict)  # fact -> the line that stated it
+    _partial: bytes = b""
+
+    def poll(self, *, final: bool = False) -> bool:
+        """Read what the server wrote since the last poll; True if it wrote anything (progress)."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return False
+        if not data and not (final and self._partial):
+            return False
+        self.offset += len(data)
+        chunks = (self._partial + data).split(b"\n")
+        self._partial = b"" if final else chunks.pop()
+        for raw in chunks:
+            if raw:
+                self._parse(raw.decode("utf-8", "replace").rstrip("\r"))
+        self.last_progress = trio.current_time()
+        return True
+
+    def _parse(self, line: str) -> None:
+        self.tail.append(line)
+        self.lines_read += 1
+        if m := _LISTENING.search(line):
+            self.listening = (m.group(2).strip("[]"), int(m.group(3)))
+            self.evidence["listening"] = line
+        elif _MODEL_LOADED.search(line):
+            self.model_loaded = True
+            self.loaded_at = trio.current_time()
+            self.evidence["model_loaded"] = line
+        elif m := _OFFLOADED.search(line):
+            self.offloaded = (int(m.group(1)), int(m.group(2)))
+            self.evidence["offloaded"] = line
+        elif m := _BUFFER.search(line):
+            self.buffers.append(BufferSize(m.group(2), m.group(1), float(m.group(3))))
+        elif m := _DEVICE.search(line):
+            self.devices.append(f"{m.group(1)} ({m.group(2)})")
+            self.evidence.setdefault("device", line)
+        elif m := _META.search(line):
+            self.model_path = m.group(1)
+        elif m := _N_CTX.search(line):
+            self.n_ctx = int(m.group(1))
+
+
+def engine_seconds(line: str) -> float | None:
+    """Seconds since the engine started, from its log-line prefix (`0.07.699.316 I ...`)."""
+    m = _STAMP.match(line)
+    if m is None:
+        return None
+    minutes, secs, millis, micros = (int(g) for g in m.groups())
+    return round(minutes * 60 + secs + millis / 1e3 + micros / 1e6, 6)
+
+
+@attrs.frozen
+class ReadyReport:
+    """Evidence that a server is ready, from its log and its own endpoints."""
+
+    pid: int
+    host: str
+    port: int
+    base_url: str
+    model_path: str | None
+    n_ctx: int | None  # the context the server allocated (all slots)
+    slot_n_ctx: int | None  # per slot, from /props
+    total_slots: int | None
+    offloaded_layers: int | None  # None: no GPU device, the line is absent
+    total_layers: int | None
+    devices: tuple[str, ...]
+    buffers: tuple[BufferSize, ...]
+    build_info: str | None
+    load_seconds: float  # spawn to reading "model loaded" (our clock)
+    engine_load_seconds: float | None  # the engine's own timestamp on "model loaded"
+    ready_seconds: float  # spawn to the first /health 200
+    log_path: Path
+    evidence_lines: dict[str, str]
+
+    def to_evidence(self) -> dict[str, Any]:
+        """A JSON-ready dict for the transition history."""
+        out = attrs.asdict(self, recurse=True)
+        out["log_path"] = str(self.log_path)
+        out["devices"] = list(self.devices)
+        out["buffers"] = [attrs.asdict(b) for b in self.buffers]
+        return out
+
+
+async def wait_ready(
+    handle: ServerHandle, *, stall_timeout: float = 60.0, ready_timeout: float = 600.0
+) -> ReadyReport:
+    """Block until /health is 200 and the log says the model loaded; raise a reason-coded error.
+
+    Any new log line counts as progress; `stall_timeout` seconds without one raise
+    `server_stalled`, `ready_timeout` in all raises `server_start_timeout`, an exit raises its
+    classified reason. The server is left running either way: stopping it is the caller's call.
+    """
+    deadline = handle.started_clock + ready_timeout
+    async with loopback_client(timeout=httpx.Timeout(5.0)) as client:
+        while True:
+            if handle.exit is not None:
+                raise StokerError(handle.exit.reason, evidence=handle.exit.evidence)
+            now = trio.current_time()
+            if handle.log.model_loaded and handle.port:
+                try:
+                    health = await client.get(f"{handle.base_url}/health")
+                except httpx.HTTPError:
+                    health = None
+                if health is not None and health.status_code == 200:
+                    return await _ready_report(client, handle, trio.current_time())
+            idle = now - handle.log.last_progress
+            if idle > stall_timeout:
+                raise StokerError(ReasonCode.SERVER_STALLED, evidence=_wait_evidence(handle, stall_timeout=stall_timeout, idle_seconds=round(idle, 3)))
+            if now > deadline:
+                raise StokerError(ReasonCode.SERVER_START_TIMEOUT, evidence=_wait_evidence(handle, ready_timeout=ready_timeout))
+            wake = min(deadline, handle.log.last_progress + stall_timeout) - now
+            if handle.log.model_loaded:
+                wake = min(wake, 0.05)  # loaded but /health not yet 200: poll it
+            with trio.move_on_after(max(wake, 0.0) + 0.001):
+                await handle.wait_changed()
+
+
+def _wait_evidence(handle: ServerHandle, **extra: Any) -> dict[str, Any]:
+    tail = list(handle.log.tail)
+    return {**extra, "pid": handle.pid, "last_line": tail[-1] if tail else None, "log_tail": tail[-20:], "log_path": str(handle.log_path)}
+
+
+async def _ready_report(client: httpx.AsyncClient, handle: ServerHandle, ready_clock: float) -> ReadyReport:
+    props: dict[str, Any] = {}
+    try:
+        resp = await client.get(f"{handle.base_url}/props", headers=handle.auth_headers)
+        if resp.status_code == 200:
+            props = resp.json()
+    except (httpx.HTTPError, ValueError):
+        pass
+    log = handle.log
+    assert handle.port is not None
+    return ReadyReport(
+        pid=handle.pid,
+        host=handle.host,
+        port=handle.port,
+        base_url=handle.base_url or "",
+        model_path=props.get("model_path") or log.model_path,
+        n_ctx=log.n_ctx,
+        slot_n_ctx=(props.get("default_generation_settings") or {}).get("n_ctx"),
+        total_slots=props.get("total_slots"),
+        offloaded_layers=log.offloaded[0] if log.offloaded else None,
+        total_layers=log.offloaded[1] if log.offloaded else None,
+        devices=tuple(log.devices),
+        buffers=tuple(log.buffers),
+        build_info=props.get("build_info"),
+        load_seconds=round((log.loaded_at or ready_clock) - handle.started_clock, 4),
+        engine_load_seconds=engine_seconds(log.evidence.get("model_loaded", "")),
+        ready_seconds=round(ready_clock - handle.started_clock, 4),
+        log_path=handle.log_path,
+        evidence_lines=dict(log.evidence),
+    )

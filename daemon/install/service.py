@@ -1,0 +1,435 @@
+"""The install service: one install machine per backend-variant, from manifest to atomic rename.
+
+    resolve (manifest entry by detected capability) -> download (resumable, into
+    data/downloads) -> verify archive -> unpack into a hidden staging dir -> validate
+    (bundle.json against the manifest, --version, --list-devices) -> smoke (where the
+    hardware allows and a reference exists) -> promote (rename into the slot, the old slot
+    kept as `.previous`)
+
+The table (states/install.py) decides; this module does each step and answers with an event.
+Every failure becomes `InstallFailed(<backend>_bundle_install_failed)` whose evidence says
+what broke (`cause`: the precise reason code, the download error `kind`, HTTP `status`,
+expected and actual digests). Staging lives under `bundles/.install-<slot>/`: names with a
+dot are never launchable, so nothing half-installed is ever launched; the slot changes only
+in Promote's rename. A daemon killed mid-way resumes (`resume_all`): a download continues
+from its part file with Range/If-Range, later steps redo from a clean staging directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Mapping
+from urllib.parse import unquote, urlparse
+
+import attrs
+import trio
+
+from daemon.core.digests import fsync_dir, sha256_file
+from daemon.backends.base import Backend, Detection
+from daemon.bundles.archive import unpack_bundle
+from daemon.bundles.installed import PREVIOUS, InstalledBundle, find_installed
+from daemon.bundles.metadata import BundleManifest, BundleMeta, ManifestEntry
+from daemon.bundles.variants import host_platform
+from daemon.install.download import DownloadError, DownloadProgress, download
+from daemon.core.errors import StokerError
+from daemon.core.machines import MachineRunner, Publish
+from daemon.core.paths import StokerPaths
+from states import install as I
+from states.machine import IllegalTransition
+from states.reasons import ReasonCode
+
+log = logging.getLogger(__name__)
+
+PROGRESS_TOPIC = "install.progress"
+MAX_BUNDLE_BYTES = 8 * 2**30  # the archive checker's own total cap
+MANIFEST_ENV = "STOKER_MANIFEST_URL"
+MANIFEST_MAX_BYTES = 4 * 2**20
+
+
+def install_failed_reason(backend: str) -> ReasonCode:
+    """`<backend>_bundle_install_failed`, or bundle_verify_failed for a backend without one."""
+    try:
+        return ReasonCode(f"{backend}_bundle_install_failed")
+    except ValueError:
+        return ReasonCode.BUNDLE_VERIFY_FAILED
+
+
+def _cause(err: BaseException) -> dict[str, Any]:
+    """The evidence of a failed step: the precise reason code, its sentence and evidence."""
+    if isinstance(err, DownloadError):
+        return {"cause": "download_failed", "message": err.message, **err.evidence}
+    if isinstance(err, StokerError):
+        return {"cause": str(err.reason), "message": err.message, **err.evidence}
+    return {"cause": "internal_error", "message": f"{type(err).__name__}: {err}"}
+
+
+# --- the manifest -------------------------------------------------------------------------
+
+
+async def load_manifest(source: str) -> BundleManifest:
+    """Read the manifest from a path, a file:// URL or an http(s) URL; StokerError if unusable."""
+    if not source:
+        raise StokerError(
+            ReasonCode.BUNDLE_MISSING,
+            f"No bundle manifest is configured; set `[bundles] manifest` in the config or {MANIFEST_ENV}.",
+            {"manifest": None},
+        )
+    try:
+        if source.startswith(("http://", "https://")):
+            import httpx
+
+            async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=10.0), follow_redirects=True) as client:
+                reply = await client.get(source)
+            if reply.status_code != 200:
+                raise StokerError(ReasonCode.BUNDLE_MISSING, f"The manifest at {source} answered HTTP {reply.status_code}.",
+                                  {"manifest": source, "status": reply.status_code})
+            text = reply.content[:MANIFEST_MAX_BYTES]
+        else:
+            path = Path(unquote(urlparse(source).path)) if source.startswith("file://") else Path(source).expanduser()
+            text = await trio.to_thread.run_sync(lambda: path.read_bytes()[:MANIFEST_MAX_BYTES])
+    except StokerError:
+        raise
+    except Exception as err:  # OSError, httpx errors: the manifest cannot be read
+        raise StokerError(ReasonCode.BUNDLE_MISSING, f"The bundle manifest {source} cannot be read: {err}.",
+                          {"manifest": source, "error": f"{type(err).__name__}: {err}"}) from None
+    try:
+        return BundleManifest.from_json(text)
+    except StokerError as err:
+        raise StokerError(err.reason, f"The bundle manifest {source} is invalid: {err.message}",
+                          {"manifest": source, **err.evidence}) from None
+
+
+def choose_entry(
+    manifest: BundleManifest,
+    backend: str,
+    *,
+    variant: str | None = None,
+    detection: Detection | None = None,
+    plugin: Backend | None = None,
+    platform: str | None = None,
+) -> ManifestEntry:
+    """The manifest entry for this backend that fits the detected hardware (driver floor,
+    CUDA architectures vs compute capability, ...), the backend's own variant choice first."""
+    platform = platform or host_platform()
+    entries = manifest.select(backend, platform, variant)
+    if not entries:
+        raise StokerError(
+            ReasonCode.BUNDLE_MISSING,
+            f"The manifest lists no {backend} bundle{f' ({variant})' if variant else ''} for {platform}.",
+            {"backend": backend, "variant": variant, "platform": platform,
+             "listed": [f"{e.backend}-{e.variant} {e.platform}" for e in manifest.bundles]},
+        )
+    refused: dict[str, Any] = {}
+    fitting = list(entries)
+    if detection is not None and plugin is not None:
+        fitting = []
+        for entry in entries:
+            check = plugin.explain_bundle(detection, entry.to_dict())
+            if check.ok:
+                fitting.append(entry)
+            else:
+                refused[f"{entry.variant} {entry.version}"] = {"reason": str(check.reason), "message": check.message,
+                                                               **dict(check.evidence)}
+        if fitting and variant is None:
+            chosen = plugin.choose_variant(detection, [e.variant for e in fitting])
+            if chosen is not None:
+                fitting = [e for e in fitting if e.variant == chosen]
+    if not fitting:
+        raise StokerError(
+            ReasonCode.BUNDLE_MISSING,
+            f"No {backend} bundle in the manifest fits this machine.",
+            {"backend": backend, "platform": platform, "refused": refused},
+        )
+    return fitting[0]
+
+
+# --- the service --------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class InstallService:
+    """Install machines keyed by backend-variant; `install()` drives one to its end."""
+
+    paths: StokerPaths
+    store: Any
+    publish: Publish | None = None
+    manifest_source: Callable[[], str] = lambda: os.environ.get(MANIFEST_ENV, "")
+    backends: Mapping[str, Backend] = attrs.field(factory=dict)
+    smoke: bool = True
+    _runners: dict[str, MachineRunner] = attrs.field(factory=dict, init=False)
+    _locks: dict[str, trio.Lock] = attrs.field(factory=dict, init=False)
+    _entries: dict[str, ManifestEntry] = attrs.field(factory=dict, init=False)
+    _detections: dict[str, Detection] = attrs.field(factory=dict, init=False)
+
+    @property
+    def downloads_dir(self) -> Path:
+        return self.paths.data_dir / "downloads"
+
+    def staging_root(self, backend: str, variant: str) -> Path:
+        return self.paths.bundles_dir / f".install-{backend}-{variant}"
+
+    def runner(self, backend: str, variant: str) -> MachineRunner:
+        mid = I.machine_id(backend, variant)
+        runner = self._runners.get(mid)
+        if runner is None:
+            runner = MachineRunner(I.INSTALL, mid, self.store, self.publish)
+            self._runners[mid] = runner
+            self._locks[mid] = trio.Lock()
+        return runner
+
+    def _bus(self, event: dict[str, Any]) -> None:
+        if self.publish is not None:
+            self.publish(event)
+
+    # --- entry points --------------------------------------------------------------------
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Resume every install a previous daemon left mid-way, then idle."""
+        task_status.started()
+        await self.resume_all()
+        await trio.sleep_forever()
+
+    async def resume_all(self) -> list[str]:
+        """Resume or clean up the installs a killed daemon left behind; the machine ids."""
+        resumed = []
+        for record in self.store.machines(kind=I.INSTALL.name):
+            state = I.InstallState(record.state)
+            staging = (record.data or {}).get("staging")
+            if state in I.WORKING or (state is I.InstallState.INSTALLED and staging and Path(staging).exists()):
+                backend, variant = record.data.get("backend", ""), record.data.get("variant", "")
+                runner = self.runner(backend, variant)
+                async with self._locks[runner.machine_id]:
+                    try:
+                        step = runner.fire(I.Resumed())
+                    except Exception as err:
+                        log.warning("cannot resume %s: %s", runner.machine_id, err)
+                        continue
+                    log.info("resuming %s from %s", runner.machine_id, record.state)
+                    await self._drive(runner, step.effects)
+                resumed.append(runner.machine_id)
+        return resumed
+
+    async def install(
+        self, backend: str, *, variant: str | None = None, detection: Detection | None = None
+    ) -> InstalledBundle:
+        """Install the bundle for `backend` that fits `detection`; StokerError with the
+        backend's `*_bundle_install_failed` (and the cause in the evidence) if it cannot."""
+        reason = install_failed_reason(backend)
+        try:
+            manifest = await load_manifest(self.manifest_source())
+            entry = choose_entry(manifest, backend, variant=variant, detection=detection,
+                                 plugin=self.backends.get(backend))
+        except StokerError as err:
+            # Recorded on the machine for the variant asked (or `default`), so history says why.
+            runner = self.runner(backend, variant or "default")
+            async with self._locks[runner.machine_id]:
+                try:
+                    runner.fire(I.InstallRequested(backend, variant or "default"))
+                    runner.fire(I.InstallFailed(reason, _cause(err)))
+                except IllegalTransition:  # that machine is mid-way (resuming): say why anyway
+                    raise StokerError(reason, err.message, _cause(err)) from None
+            raise self._failure(runner) from None
+        runner = self.runner(backend, entry.variant)
+        async with self._locks[runner.machine_id]:
+            self._entries[runner.machine_id] = entry
+            if detection is not None:
+                self._detections[runner.machine_id] = detection
+            if runner.state in I.WORKING:
+                # Left mid-way by a killed daemon and not resumed yet: finish that first.
+                await self._drive(runner, runner.fire(I.Resumed()).effects)
+            current = (runner.state is I.InstallState.INSTALLED and runner.data.sha256 == entry.sha256
+                       and find_installed(self.paths, backend, entry.variant) is not None)
+            if not current:  # the same bundle already installed and in place: nothing to do
+                step = runner.fire(I.InstallRequested(backend, entry.variant))
+                await self._drive(runner, step.effects)
+        if runner.state is not I.InstallState.INSTALLED:
+            raise self._failure(runner)
+        bundle = find_installed(self.paths, backend, entry.variant)
+        if bundle is None:  # promoted, then removed under us
+            raise StokerError(reason, "The bundle was installed but is no longer there.", {"slot": entry.variant})
+        return bundle
+
+    def _failure(self, runner: MachineRunner) -> StokerError:
+        data: I.InstallData = runner.data
+        evidence = dict(data.evidence)
+        cause = evidence.get("message") or "see the evidence"
+        return StokerError(
+            data.reason or install_failed_reason(data.backend),
+            f"Installing the {data.backend} bundle ({data.variant}) failed at {evidence.get('step', '?')}: "
+            f"{cause} The previous state is intact; retry with `stoker install {data.backend}`.",
+            evidence,
+        )
+
+    def statistics(self) -> list[dict[str, Any]]:
+        """Every install machine's state and reason, for status displays."""
+        out = []
+        for record in self.store.machines(kind=I.INSTALL.name):
+            out.append({"machine": record.id, "state": record.state, "reason": record.reason,
+                        "backend": record.data.get("backend"), "variant": record.data.get("variant")})
+        return out
+
+    # --- effects -------------------------------------------------------------------------
+
+    async def _drive(self, runner: MachineRunner, effects: tuple[Any, ...]) -> None:
+        queue = list(effects)
+        while queue:
+            effect = queue.pop(0)
+            try:
+                event = await getattr(self, f"_do_{type(effect).__name__}")(runner, effect)
+            except Exception as err:  # every failure of a step is the machine's InstallFailed
+                log.info("%s: %s failed: %s", runner.machine_id, type(effect).__name__, err)
+                event = I.InstallFailed(install_failed_reason(runner.data.backend), _cause(err))
+            if event is not None:
+                queue.extend(runner.fire(event).effects)
+
+    async def _entry(self, runner: MachineRunner) -> ManifestEntry:
+        entry = self._entries.get(runner.machine_id)
+        if entry is None:  # resumed after a restart: find it again in the manifest
+            data: I.InstallData = runner.data
+            manifest = await load_manifest(self.manifest_source())
+            entry = choose_entry(manifest, data.backend, variant=data.variant)
+            self._entries[runner.machine_id] = entry
+        return entry
+
+    async def _do_Resolve(self, runner: MachineRunner, effect: I.Resolve) -> I.Resolved:
+        entry = await self._entry(runner)
+        return I.Resolved(entry.url, entry.sha256, entry.size,
+                          {"version": entry.version, "platform": entry.platform, "variant": entry.variant,
+                           "min_driver": entry.min_driver, "cuda_archs": list(entry.cuda_archs)})
+
+    def archive_path(self, runner: MachineRunner, sha256: str) -> Path:
+        data: I.InstallData = runner.data
+        return self.downloads_dir / f"{data.backend}-{data.variant}-{sha256[:16]}.zip"
+
+    async def _do_Download(self, runner: MachineRunner, effect: I.Download) -> I.Downloaded:
+        dest = self.archive_path(runner, effect.sha256)
+        data: I.InstallData = runner.data
+        if dest.exists() and dest.stat().st_size == effect.size:
+            digest = await trio.to_thread.run_sync(sha256_file, dest)
+            if digest == effect.sha256:  # committed by a run killed before it said so
+                return I.Downloaded(str(dest), digest, effect.size)
+        reason = install_failed_reason(data.backend)
+
+        def progress(p: DownloadProgress) -> None:
+            self._bus({"topic": PROGRESS_TOPIC, "backend": data.backend, "variant": data.variant,
+                       "bytes_done": p.bytes_done, "total": p.total, "rate": round(p.rate, 1),
+                       "eta": None if p.eta is None else round(p.eta, 2)})
+
+        if effect.url.startswith("file://"):
+            result = await trio.to_thread.run_sync(_copy_file_url, effect.url, dest, effect.sha256, effect.size, reason)
+            progress(DownloadProgress(effect.size, effect.size, 0.0, 0.0))
+            return I.Downloaded(str(dest), result, effect.size)
+        done = await download(effect.url, dest, expected_sha256=effect.sha256, expected_size=effect.size,
+                              max_bytes=MAX_BUNDLE_BYTES, progress=progress, failure_reason=reason)
+        return I.Downloaded(str(done.path), done.sha256, done.size)
+
+    async def _do_VerifyArchive(self, runner: MachineRunner, effect: I.VerifyArchive) -> I.Verified:
+        path = Path(effect.archive)
+        size = path.stat().st_size
+        digest = await trio.to_thread.run_sync(sha256_file, path)
+        if size != effect.size or digest != effect.sha256:
+            path.unlink(missing_ok=True)
+            raise StokerError(ReasonCode.BUNDLE_DIGEST_MISMATCH,
+                              "The downloaded archive does not match the manifest's sha256 and size.",
+                              {"expected_sha256": effect.sha256, "actual_sha256": digest,
+                               "expected_size": effect.size, "actual_size": size})
+        return I.Verified({"sha256": digest, "size": size})
+
+    async def _do_CleanStaging(self, runner: MachineRunner, effect: I.CleanStaging) -> None:
+        data: I.InstallData = runner.data
+        await trio.to_thread.run_sync(
+            lambda: shutil.rmtree(self.staging_root(data.backend, data.variant), ignore_errors=True)
+        )
+
+    async def _do_Unpack(self, runner: MachineRunner, effect: I.Unpack) -> I.Unpacked:
+        data: I.InstallData = runner.data
+        staging = self.staging_root(data.backend, data.variant) / "bundle"
+        await trio.to_thread.run_sync(unpack_bundle, Path(effect.archive), staging)
+        return I.Unpacked(str(staging))
+
+    async def _do_ValidateBundle(self, runner: MachineRunner, effect: I.ValidateBundle) -> I.Validated:
+        from daemon.bundles.verify import verify_dir
+
+        entry = await self._entry(runner)
+        report = await trio.to_thread.run_sync(
+            lambda: verify_dir(Path(effect.staging), expect_backend=entry.backend, expect_variant=entry.variant,
+                               expect_version=entry.version, smoke=False)
+        )
+        return I.Validated({"steps": list(report.steps), "version_line": report.version_line,
+                            "devices": [d.strip() for d in report.devices or ()]})
+
+    async def _do_SmokeTest(self, runner: MachineRunner, effect: I.SmokeTest) -> I.SmokePassed:
+        from daemon.bundles.verify import check_smoke
+
+        meta = BundleMeta.read(Path(effect.staging))
+        why_not = self._smoke_skip(runner, meta)
+        if why_not:
+            return I.SmokePassed({"smoke": f"skipped: {why_not}"})
+        tokens = await trio.to_thread.run_sync(check_smoke, Path(effect.staging) / meta.server, meta)
+        return I.SmokePassed({"smoke": "passed", "tokens": len(tokens)})
+
+    def _smoke_skip(self, runner: MachineRunner, meta: BundleMeta) -> str | None:
+        if not self.smoke:
+            return "smoke tests are off for this service"
+        if meta.smoke is None or meta.smoke.tokens is None:
+            return "the bundle records no smoke reference"
+        if meta.backend != "cpu":
+            detection = self._detections.get(runner.machine_id)
+            if detection is None or not detection.usable:
+                return f"no usable {meta.backend} device was detected to run it on"
+        return None
+
+    async def _do_Promote(self, runner: MachineRunner, effect: I.Promote) -> None:
+        await trio.to_thread.run_sync(self._promote, runner, effect)
+
+    def _promote(self, runner: MachineRunner, effect: I.Promote) -> None:
+        staging = Path(effect.staging)
+        slot = self.paths.bundles_dir / f"{effect.backend}-{effect.variant}"
+        previous = slot.with_name(slot.name + PREVIOUS)
+        if staging.is_dir():
+            meta = BundleMeta.read(staging)
+            if meta.slot != slot.name:
+                raise StokerError(ReasonCode.BUNDLE_METADATA_MISMATCH, "The staged bundle belongs to another slot.",
+                                  {"staged": meta.slot, "slot": slot.name})
+            if slot.exists():
+                shutil.rmtree(previous, ignore_errors=True)
+                os.replace(slot, previous)  # between these two renames find_installed uses .previous
+            os.replace(staging, slot)
+            fsync_dir(slot.parent)
+        elif not slot.is_dir():
+            raise StokerError(ReasonCode.BUNDLE_MISSING, "Neither the staged bundle nor the slot exists.",
+                              {"staging": str(staging), "slot": str(slot)})
+        shutil.rmtree(staging.parent, ignore_errors=True)
+        data: I.InstallData = runner.data
+        if data.archive:
+            Path(data.archive).unlink(missing_ok=True)  # installed: the zip has done its job
+
+
+def _copy_file_url(url: str, dest: Path, sha256: str, size: int, reason: ReasonCode) -> str:
+    """A file:// mirror: copy into the downloads dir through a part file, checking as it goes."""
+    source = Path(unquote(urlparse(url).path))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_suffix(dest.suffix + ".part")
+    h = hashlib.sha256()
+    try:
+        with open(source, "rb") as src, open(part, "wb") as out:
+            while chunk := src.read(1 << 20):
+                h.update(chunk)
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+    except OSError as err:
+        part.unlink(missing_ok=True)
+        raise StokerError(reason, f"Copying {url} failed: {err}.", {"url": url, "error": str(err)}) from None
+    actual_size = part.stat().st_size
+    if actual_size != size or h.hexdigest() != sha256:
+        part.unlink(missing_ok=True)
+        raise StokerError(reason, f"{url} does not match the manifest's sha256 and size.",
+                          {"url": url, "kind": "digest_mismatch", "expected_sha256": sha256,
+                           "actual_sha256": h.hexdigest(), "expected_size": size, "actual_size": actual_size})
+    os.replace(part, dest)
+    return h.hexdigest()

@@ -1,0 +1,169 @@
+"""Run a backend's detect() out of process, so a crashing or hanging driver costs one probe.
+
+`run_probe` never raises for anything the probe does: a segfault, a hang past the timeout,
+a non-zero exit or garbage on stdout all become an unavailable Detection whose evidence says
+what happened. (Cancellation from outside - daemon shutdown - still propagates, as it must.)
+The probe machine in states/ decides what a result means; this module only obtains it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Any, Mapping, Sequence
+
+import trio
+
+from daemon.backends.base import Detection, excerpt
+from daemon.probes.child import MARKER
+from states.reasons import ReasonCode
+
+KILL_GRACE_S = 1.0
+MAX_OUTPUT_BYTES = 1 << 20  # a detection is a few KiB; more is noise
+
+
+def unavailable_reason_for(backend: str) -> ReasonCode:
+    """`<backend>_unavailable` where such a code exists (cuda, rocm, ...), else probe_failed."""
+    try:
+        return ReasonCode(f"{backend}_unavailable")
+    except ValueError:
+        return ReasonCode.PROBE_FAILED
+
+
+def probe_command(backend: str, *, target: str | None = None, python: str = sys.executable) -> list[str]:
+    """The argv of the probe subprocess."""
+    argv = [python, "-m", "daemon.probes.child", backend]
+    if target:
+        argv += ["--target", target]
+    return argv
+
+
+async def _kill_process_group(proc: trio.Process) -> None:
+    """TERM the probe's whole process group, give it a moment, then KILL what is left."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    with trio.move_on_after(KILL_GRACE_S):
+        await proc.wait()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # also sweeps grandchildren left in the group
+    except ProcessLookupError:
+        pass
+
+
+def _failure(backend: str, message: str, **evidence: Any) -> Detection:
+    # Presence is unknown when the probe itself failed; False keeps the orchestrator from
+    # installing a bundle for hardware nobody has seen.
+    return Detection.unavailable(
+        backend, unavailable_reason_for(backend), present=False, message=message, probe_failed=True, **evidence
+    )
+
+
+def parse_probe_output(backend: str, stdout: str) -> Detection | None:
+    """The Detection the child printed after its marker, or None if there is none."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(MARKER):
+            data = json.loads(line[len(MARKER) :])
+            detection = Detection.from_dict(data)
+            if detection.backend != backend:
+                raise ValueError(f"probe for {backend!r} answered for {detection.backend!r}")
+            return detection
+    return None
+
+
+async def run_probe(
+    backend: str,
+    *,
+    timeout: float,
+    target: str | None = None,
+    python: str = sys.executable,
+    env: Mapping[str, str] | None = None,
+) -> Detection:
+    """Detect `backend` in a subprocess; a crash or a hang becomes an unavailable Detection.
+
+    `target` ("module:attr") loads the backend from there instead of the entry points
+    (tests, development). `env` replaces the subprocess's environment.
+    """
+    argv = probe_command(backend, target=target, python=python)
+    started = trio.current_time()
+    result: subprocess.CompletedProcess[bytes] | None = None
+    # Output goes to temporary files, not pipes: a daemonised grandchild holding a pipe open
+    # cannot stall us, and a probe killed on timeout still leaves its stderr as evidence.
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        with trio.move_on_after(timeout):
+            result = await trio.run_process(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                check=False,
+                start_new_session=True,  # its own process group, so a kill reaches its children
+                deliver_cancel=_kill_process_group,
+                env=None if env is None else dict(env),
+            )
+        stdout, stderr_raw = await trio.to_thread.run_sync(_read_both, out, err)
+    elapsed = round(trio.current_time() - started, 3)
+    evidence: dict[str, Any] = {"probe_argv": " ".join(argv[1:]), "probe_seconds": elapsed}
+    stderr = excerpt(stderr_raw, 1500)
+    if stderr:
+        evidence["stderr"] = stderr
+    if result is None:
+        return _failure(
+            backend, f"The {backend} probe timed out after {timeout:g}s and was killed.",
+            probe=f"probe timed out after {timeout:g}s", timeout_s=timeout, **evidence,
+        )
+    if result.returncode < 0:
+        name = _signal_name(-result.returncode)
+        return _failure(
+            backend, f"The {backend} probe crashed with {name} (a driver or runtime fault); treating {backend} as unavailable.",
+            probe=f"probe crashed with {name}", signal=name, **evidence,
+        )
+    try:
+        detection = parse_probe_output(backend, stdout)
+    except (ValueError, KeyError, TypeError) as e:
+        return _failure(
+            backend, f"The {backend} probe printed an invalid detection ({type(e).__name__}).",
+            probe=f"invalid detection: {e}", stdout=excerpt(stdout, 1000), exit_status=result.returncode, **evidence,
+        )
+    if detection is None:
+        return _failure(
+            backend, f"The {backend} probe exited with status {result.returncode} without a detection.",
+            probe=f"probe exited with status {result.returncode}", stdout=excerpt(stdout, 1000),
+            exit_status=result.returncode, **evidence,
+        )
+    return detection
+
+
+def _read_both(out: Any, err: Any) -> tuple[str, str]:
+    texts = []
+    for f in (out, err):
+        f.seek(0)
+        texts.append(f.read(MAX_OUTPUT_BYTES).decode("utf-8", "replace"))
+    return texts[0], texts[1]
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+async def run_probes(
+    backends: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+) -> dict[str, Detection]:
+    """Probe several backends concurrently, each in its own subprocess."""
+    results: dict[str, Detection] = {}
+
+    async def one(name: str) -> None:
+        results[name] = await run_probe(name, timeout=timeout, env=env)
+
+    async with trio.open_nursery() as nursery:
+        for name in backends:
+            nursery.start_soon(one, name)
+    return {name: results[name] for name in backends}
