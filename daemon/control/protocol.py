@@ -296,9 +296,50 @@ def _valid_id(value: Any) -> bool:
     return (isinstance(value, int) and not isinstance(value, bool)) or isinstance(value, str)
 
 
-def _parse_json(frame: bytes) -> Any:
+class _DuplicateKey(Exception):
+    """A JSON object that names one key twice: which value was meant cannot be known."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _DuplicateKey(key)
+        obj[key] = value
+    return obj
+
+
+def _not_json_constant(name: str) -> Any:
+    # Python's json accepts NaN and Infinity; JSON does not, and no parameter means them.
+    raise ValueError(f"{name} is not JSON")
+
+
+def _lenient_id(frame: bytes) -> int | str | None:
+    """The id of a frame refused for a reason other than its syntax, when it can be read."""
     try:
+        return _recover_id(json.loads(frame))
+    except (ValueError, RecursionError):
+        return None
+
+
+def _parse_json(frame: bytes, *, strict: bool = False) -> Any:
+    """The frame's JSON value. Strict (requests): NaN/Infinity are not JSON, and an object
+    that repeats a key is refused: json.loads would keep the last value silently, so a
+    client and the daemon could disagree about what was asked."""
+    try:
+        if strict:
+            return json.loads(frame, object_pairs_hook=_unique_keys, parse_constant=_not_json_constant)
         return json.loads(frame)
+    except _DuplicateKey as dup:
+        raise _bad(
+            f"The request names the key {dup.key!r} twice in one object; send each key once.",
+            None if dup.key == "id" else _lenient_id(frame),
+            duplicate_key=dup.key,
+        ) from None
     except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
         raise ProtocolError(
             ReasonCode.BAD_REQUEST,
@@ -314,7 +355,7 @@ def _bad(message: str, request_id: int | str | None, **evidence: Any) -> Protoco
 
 def decode_request(frame: bytes) -> Request:
     """A request frame -> Request; raises ProtocolError (bad_request) with the id if known."""
-    obj = _parse_json(frame)
+    obj = _parse_json(frame, strict=True)
     if not isinstance(obj, dict):
         raise _bad("A request must be a JSON object.", None, got=type(obj).__name__)
     request_id = _recover_id(obj)

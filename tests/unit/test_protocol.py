@@ -171,6 +171,32 @@ def test_wrong_shapes_are_bad_requests_with_the_id_when_known(obj, recovered):
     assert info.value.request_id == recovered
 
 
+@pytest.mark.parametrize(
+    "frame, recovered, key",
+    [
+        (b'{"jsonrpc":"2.0","id":1,"method":"history","params":{"limit":5,"limit":9999}}', 1, "limit"),
+        (b'{"jsonrpc":"2.0","id":2,"method":"up","method":"down"}', 2, "method"),
+        (b'{"jsonrpc":"2.0","id":3,"id":4,"method":"up"}', None, "id"),  # which id? neither
+    ],
+)
+def test_a_key_named_twice_in_a_request_is_refused(frame, recovered, key):
+    # json.loads would silently keep the last value: the daemon could act on what the
+    # client did not mean (`limit` 9999 where a reviewer of the frame reads 5).
+    with pytest.raises(protocol.ProtocolError) as info:
+        protocol.decode_request(frame)
+    assert info.value.reason == ReasonCode.BAD_REQUEST and info.value.code == -32600
+    assert info.value.request_id == recovered
+    assert info.value.evidence == {"duplicate_key": key}
+
+
+@pytest.mark.parametrize("constant", [b"NaN", b"Infinity", b"-Infinity"])
+def test_nan_and_infinity_are_not_json_in_a_request(constant):
+    frame = b'{"jsonrpc":"2.0","id":1,"method":"history","params":{"since":' + constant + b"}}"
+    with pytest.raises(protocol.ProtocolError) as info:
+        protocol.decode_request(frame)
+    assert (info.value.reason, info.value.code) == (ReasonCode.BAD_REQUEST, protocol.PARSE_ERROR)
+
+
 # --- replies ---------------------------------------------------------------------------
 
 
