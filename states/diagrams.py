@@ -25,8 +25,8 @@ def mermaid(spec: MachineSpec) -> str:
         if event not in names:
             names.append(event)
     lines = ["stateDiagram-v2", f"    [*] --> {spec.initial.value}"]
-    for (source, target), events in labels.items():
-        lines.append(f"    {source} --> {target} : {', '.join(events)}")
+    for (source_name, target_name), events in labels.items():
+        lines.append(f"    {source_name} --> {target_name} : {', '.join(events)}")
     for state in spec.states:
         if state in spec.terminal:
             lines.append(f"    class {state.value} resting")

@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from states.machine import STAY, MachineSpec, Step, guarded
+from states.machine import STAY, Guarded, MachineSpec, Rule, Step, guarded
 from states.reasons import ReasonCode
 
 
@@ -210,11 +210,11 @@ def resolved(state: S, data: InstallData, event: Resolved) -> Step:
 
 
 @guarded(S.VERIFYING)
-def downloaded(state: S, data: InstallData, event: Downloaded) -> Step:
-    data = attrs.evolve(data, archive=event.archive)
-    expected_sha = data.sha256 or event.sha256
-    expected_size = data.size if data.size is not None else event.size
-    return Step(S.VERIFYING, data, (VerifyArchive(event.archive, expected_sha, expected_size),),
+def downloaded(state: S, data: InstallData, event: Downloaded) -> Step | None:
+    if data.sha256 is None or data.size is None:
+        return None  # nothing resolved to verify against: the archive's own digest proves nothing
+    verify = VerifyArchive(event.archive, data.sha256, data.size)
+    return Step(S.VERIFYING, attrs.evolve(data, archive=event.archive), (verify,),
                 evidence={"sha256": event.sha256, "size": event.size})
 
 
@@ -242,9 +242,8 @@ def validated(state: S, data: InstallData, event: Validated) -> Step | None:
 def smoke_passed(state: S, data: InstallData, event: SmokePassed) -> Step | None:
     if data.staging is None:
         return None
-    data = attrs.evolve(data, reason=None, evidence={})
-    return Step(S.INSTALLED, data, (Promote(data.staging, data.backend, data.variant),),
-                evidence=event.evidence)
+    promote = Promote(data.staging, data.backend, data.variant)
+    return Step(S.INSTALLED, attrs.evolve(data, reason=None, evidence={}), (promote,), evidence=event.evidence)
 
 
 @guarded(S.FAILED)
@@ -258,28 +257,28 @@ def failed(state: S, data: InstallData, event: InstallFailed) -> Step:
 def resumed(state: S, data: InstallData, event: Resumed) -> Step | None:
     data = attrs.evolve(data, resumes=data.resumes + 1)
     evidence = {"resumed_from": state.value}
-    if state is S.RESOLVING or (state is S.DOWNLOADING and data.url is None):
-        return Step(S.RESOLVING, data, (Resolve(data.backend, data.variant),), evidence=evidence)
-    if state is S.DOWNLOADING:
+    if state is S.DOWNLOADING and data.url is not None and data.sha256 is not None and data.size is not None:
         return Step(S.DOWNLOADING, data, (Download(data.url, data.sha256, data.size, resume=True),),
                     evidence=evidence)
-    if state is S.VERIFYING and data.archive is not None:
+    if state in (S.RESOLVING, S.DOWNLOADING):  # a download without a complete resolution starts over
+        return Step(S.RESOLVING, data, (Resolve(data.backend, data.variant),), evidence=evidence)
+    if state is S.VERIFYING and data.archive is not None and data.sha256 is not None and data.size is not None:
         return Step(S.VERIFYING, data, (VerifyArchive(data.archive, data.sha256, data.size),),
                     evidence=evidence)
     if state in (S.UNPACKING, S.VALIDATING, S.SMOKE_TESTING) and data.archive is not None:
-        data = attrs.evolve(data, staging=None)
-        return Step(S.UNPACKING, data, (CleanStaging(), Unpack(data.archive)), evidence=evidence)
+        unpack = Unpack(data.archive)
+        return Step(S.UNPACKING, attrs.evolve(data, staging=None), (CleanStaging(), unpack), evidence=evidence)
     if state is S.INSTALLED and data.staging is not None:
         return Step(S.INSTALLED, data, (Promote(data.staging, data.backend, data.variant),),
                     evidence=evidence)
     return None
 
 
-def _row(success: type, handler: Any, *resume_targets: Any) -> dict[type, Any]:
+def _row(success: type, handler: Guarded, *resume_targets: Any) -> dict[type, Rule]:
     return {success: handler, InstallFailed: failed, Resumed: resumed.only(*resume_targets)}
 
 
-TRANSITIONS: dict[InstallState, dict[type, Any]] = {
+TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
     S.REQUESTED: {InstallRequested: requested},
     S.RESOLVING: _row(Resolved, resolved, STAY),
     S.DOWNLOADING: _row(Downloaded, downloaded, STAY, S.RESOLVING),

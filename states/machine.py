@@ -22,7 +22,7 @@ import functools
 import types
 import typing
 from pathlib import PurePath
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Iterable, Mapping, Union
 
 import attrs
 
@@ -53,13 +53,23 @@ def _evidence(value: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(value or {})
 
 
+# Named converters rather than `converter=tuple`: mypy's attrs plugin cannot bind the type
+# variable of a bare builtin, so every Step(...) call would fail to type-check.
+def _tuple(items: Iterable[Any]) -> tuple[Any, ...]:
+    return tuple(items)
+
+
+def _states(items: Iterable[Any]) -> frozenset[Any]:
+    return frozenset(items)
+
+
 @attrs.frozen
 class Step:
     """The outcome of one accepted event: the new state and data, what to do, and why."""
 
     state: enum.StrEnum
     data: Any
-    effects: tuple[Any, ...] = attrs.field(default=(), converter=tuple)
+    effects: tuple[Any, ...] = attrs.field(default=(), converter=_tuple)
     reason: ReasonCode | None = None
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
@@ -79,7 +89,7 @@ class Guarded:
     """A guarded transition: a pure handler and every state it may move to (STAY included)."""
 
     handler: Handler
-    targets: frozenset[Any] = attrs.field(converter=frozenset)
+    targets: frozenset[Any] = attrs.field(converter=_states)
 
     @property
     def name(self) -> str:
@@ -118,7 +128,7 @@ class MachineSpec:
     initial: enum.StrEnum
     data_type: type
     transitions: Mapping[enum.StrEnum, Mapping[type, Rule]] = attrs.field(hash=False)
-    terminal: frozenset[enum.StrEnum] = attrs.field(default=frozenset(), converter=frozenset)
+    terminal: frozenset[enum.StrEnum] = attrs.field(default=frozenset(), converter=_states)
     extra_events: tuple[type, ...] = ()
     description: str = ""
     effect_types: tuple[type, ...] = ()  # the effects its handlers may ask for (for docs)
@@ -160,7 +170,7 @@ class MachineSpec:
 
     def edges(self) -> list[tuple[enum.StrEnum, str, enum.StrEnum]]:
         """(from, event name, to) for every declared edge, in table order (for diagrams)."""
-        out = []
+        out: list[tuple[enum.StrEnum, str, enum.StrEnum]] = []
         for state, row in self.transitions.items():
             for event_type, rule in row.items():
                 if isinstance(rule, Guarded):
@@ -217,7 +227,7 @@ def step(spec: MachineSpec, state: enum.StrEnum, data: Any, event: object) -> St
 def to_json(value: Any) -> Any:
     """A JSON-ready copy of events, effects, data records, enums, tuples and paths."""
     if attrs.has(type(value)):
-        return {f.name: to_json(getattr(value, f.name)) for f in attrs.fields(type(value))}
+        return _record_to_json(value)
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, PurePath):
@@ -227,6 +237,10 @@ def to_json(value: Any) -> Any:
     if isinstance(value, (list, tuple, set, frozenset)):
         return [to_json(v) for v in value]
     return value
+
+
+def _record_to_json(record: Any) -> dict[str, Any]:
+    return {f.name: to_json(getattr(record, f.name)) for f in attrs.fields(type(record))}
 
 
 @functools.cache
@@ -290,7 +304,7 @@ def from_json(hint: Any, value: Any) -> Any:
 
 def event_to_json(event: object) -> tuple[str, dict[str, Any]]:
     """(event class name, its fields as JSON) for the history table."""
-    return type(event).__name__, to_json(event)
+    return type(event).__name__, _record_to_json(event)
 
 
 def event_from_json(spec: MachineSpec, name: str, payload: Mapping[str, Any]) -> object:
@@ -300,7 +314,7 @@ def event_from_json(spec: MachineSpec, name: str, payload: Mapping[str, Any]) ->
 
 def data_to_json(data: Any) -> dict[str, Any]:
     """A machine's data record as JSON for its row."""
-    return to_json(data)
+    return _record_to_json(data)
 
 
 def data_from_json(spec: MachineSpec, payload: Mapping[str, Any]) -> Any:

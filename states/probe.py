@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from states.machine import STAY, MachineSpec, Step, guarded
+from states.machine import STAY, MachineSpec, Rule, Step, guarded
 from states.reasons import ReasonCode
 
 
@@ -135,7 +135,7 @@ def expired(state: S, data: ProbeData, event: Expired) -> Step | None:
 # Outside `probing` the newest probe's verdict is already in: any result is stale.
 _STALE = {ProbeSucceeded: result.only(STAY), ProbeFailed: result.only(STAY)}
 
-TRANSITIONS: dict[ProbeState, dict[type, Any]] = {
+TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
     S.IDLE: {ProbeRequested: start, **_STALE},
     S.PROBING: {
         ProbeRequested: start,

@@ -107,3 +107,16 @@ def test_out_of_order_events_are_illegal():
         drive(Resumed())
     with pytest.raises(IllegalTransition):
         drive(*HAPPY, InstallFailed(ReasonCode.BUNDLE_VERIFY_FAILED))
+
+
+def test_a_download_never_resolved_is_refused_rather_than_verified_against_itself():
+    # Checking an archive against the digest streamed from it would pass any archive at all.
+    unresolved = InstallData(backend="cuda", variant="sm90", url="http://127.0.0.1:1/b.zip")
+    with pytest.raises(IllegalTransition):
+        drive(Downloaded("/dl/b.zip.part", "ab" * 32, 1000), state=S.DOWNLOADING, data=unresolved)
+
+
+def test_resume_of_a_download_without_its_digest_resolves_again():
+    unresolved = InstallData(backend="cuda", variant="sm90", url="http://127.0.0.1:1/b.zip")
+    s = drive(Resumed(), state=S.DOWNLOADING, data=unresolved)
+    assert s.state is S.RESOLVING and s.effects == (Resolve("cuda", "sm90"),)
