@@ -90,9 +90,9 @@ class Store:
             with self.db.atomic():
                 current = self.db.execute("select seq from machines where id = ?", [machine_id]).fetchone()
                 seq = (current[0] if current else 0) + 1
-                self.db["machines"].upsert({**machine, "seq": seq}, pk="id")
+                self.db.table("machines").upsert({**machine, "seq": seq}, pk="id")
                 row["seq"] = seq
-                row_id = self.db["transitions"].insert(row).last_pk
+                row_id = self.db.table("transitions").insert(row).last_pk
         except sqlite3.Error as exc:
             raise StoreError(
                 ReasonCode.STORE_WRITE_FAILED,
@@ -140,8 +140,8 @@ class Store:
     def count_transitions(self, machine: str | None = None) -> int:
         """How many transitions are recorded (for one machine)."""
         if machine is None:
-            return self.db.execute("select count(*) from transitions").fetchone()[0]
-        return self.db.execute("select count(*) from transitions where machine_id = ?", [machine]).fetchone()[0]
+            return int(self.db.execute("select count(*) from transitions").fetchone()[0])
+        return int(self.db.execute("select count(*) from transitions where machine_id = ?", [machine]).fetchone()[0])
 
     def close(self) -> None:
         self.db.close()

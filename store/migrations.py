@@ -20,7 +20,7 @@ Migration = Callable[[Database], None]
 
 def m001_initial(db: Database) -> None:
     """Machines (one row each, current state) and their append-only transition history."""
-    db["machines"].create(
+    db.table("machines").create(
         {
             "id": str,  # "launch", "install:cuda-90", "probe:cuda", ...
             "kind": str,  # the machine spec's name
@@ -35,7 +35,7 @@ def m001_initial(db: Database) -> None:
         not_null={"kind", "state", "data", "evidence", "updated_at", "seq"},
         defaults={"evidence": "{}", "seq": 0},
     )
-    db["transitions"].create(
+    db.table("transitions").create(
         {
             "id": int,
             "machine_id": str,
@@ -53,14 +53,14 @@ def m001_initial(db: Database) -> None:
         not_null={"machine_id", "kind", "from_state", "event", "event_data", "to_state", "evidence", "at", "seq"},
         foreign_keys=[("machine_id", "machines", "id")],
     )
-    db["transitions"].create_index(["machine_id", "seq"], unique=True)
-    db["transitions"].create_index(["at"])
-    db["transitions"].create_index(["kind", "at"])
+    db.table("transitions").create_index(["machine_id", "seq"], unique=True)
+    db.table("transitions").create_index(["at"])
+    db.table("transitions").create_index(["kind", "at"])
 
 
 def m002_snapshots(db: Database) -> None:
     """KV slot snapshots (one row per complete file) and the model digest cache."""
-    db["snapshots"].create(
+    db.table("snapshots").create(
         {
             "id": int,
             "filename": str,  # inside the snapshots dir (llama-server's --slot-save-path)
@@ -87,9 +87,9 @@ def m002_snapshots(db: Database) -> None:
         not_null={"filename", "slot_id", "model_sha256", "engine_build", "n_ctx", "n_slots", "n_tokens",
                   "file_size", "file_sha256", "cause", "created_at"},
     )
-    db["snapshots"].create_index(["filename"], unique=True)
-    db["snapshots"].create_index(["model_sha256", "slot_id", "created_at"])
-    db["model_digests"].create(
+    db.table("snapshots").create_index(["filename"], unique=True)
+    db.table("snapshots").create_index(["model_sha256", "slot_id", "created_at"])
+    db.table("model_digests").create(
         {"path": str, "size": int, "mtime_ns": int, "sha256": str, "computed_at": float},
         pk="path",
         not_null={"size", "mtime_ns", "sha256", "computed_at"},
@@ -100,7 +100,7 @@ def m003_snapshot_kv_unified(db: Database) -> None:
     """Whether the KV cache was unified across slots (`-kvu`): with several slots a unified
     and a per-slot cache take different files (the engine refuses with a 400). NULL for rows
     written before: unknown, not compared."""
-    db["snapshots"].add_column("kv_unified", int)
+    db.table("snapshots").add_column("kv_unified", int)
 
 
 MIGRATIONS: list[Migration] = [
@@ -126,7 +126,7 @@ def migrate(
     migrations = MIGRATIONS if migrations is None else migrations
     if "_migrations" not in db.table_names():
         with db.atomic():
-            db["_migrations"].create({"name": str, "applied_at": float}, pk="name", if_not_exists=True)
+            db.table("_migrations").create({"name": str, "applied_at": float}, pk="name", if_not_exists=True)
     known = [m.__name__ for m in migrations]
     done = applied(db)
     unknown = [name for name in done if name not in known]
@@ -142,6 +142,6 @@ def migrate(
             continue
         with db.atomic():
             migration(db)
-            db["_migrations"].insert({"name": name, "applied_at": clock()})
+            db.table("_migrations").insert({"name": name, "applied_at": clock()})
         ran.append(name)
     return ran

@@ -7,9 +7,10 @@ catalogue never names a half-written file. Files and rows leave together (`remov
 from __future__ import annotations
 
 import sqlite3
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import attrs
+from sqlite_utils import Database
 
 from states.reasons import ReasonCode
 from store.database import Store
@@ -18,6 +19,8 @@ from store.errors import StoreError
 # The fields that must match between a snapshot and a server before the engine sees the file.
 IDENTITY_FIELDS = ("model_sha256", "engine_build", "n_ctx", "n_slots", "flash_attn", "cache_type_k",
                    "cache_type_v", "swa_full", "kv_unified")
+
+T = TypeVar("T")
 
 
 @attrs.frozen
@@ -67,7 +70,7 @@ class SnapshotCatalog:
 
     store: Store
 
-    def _write(self, what: str, fn):
+    def _write(self, what: str, fn: Callable[[Database], T]) -> T:
         try:
             with self.store.transaction() as db:
                 return fn(db)
@@ -78,9 +81,9 @@ class SnapshotCatalog:
         """Catalogue a complete snapshot file; returns its record."""
         unified = row.get("kv_unified")
         row = {**row, "swa_full": int(bool(row.get("swa_full"))), "kv_unified": None if unified is None else int(bool(unified))}
-        new_id = self._write("snapshots", lambda db: db["snapshots"].insert(row).last_pk)
-        record = self.get(new_id)
-        assert record is not None
+        new_id = self._write("snapshots", lambda db: db.table("snapshots").insert(row).last_pk)
+        record = self.get(new_id) if isinstance(new_id, int) else None
+        assert record is not None, f"snapshot row {new_id!r} not read back"
         return record
 
     def get(self, snapshot_id: int) -> SnapshotRecord | None:
@@ -118,7 +121,7 @@ class SnapshotCatalog:
 
     def remember_digest(self, path: str, size: int, mtime_ns: int, sha256: str) -> None:
         row = {"path": path, "size": size, "mtime_ns": mtime_ns, "sha256": sha256, "computed_at": self.store.clock()}
-        self._write("model_digests", lambda db: db["model_digests"].upsert(row, pk="path"))
+        self._write("model_digests", lambda db: db.table("model_digests").upsert(row, pk="path"))
 
 
 def retention_victims(records: list[SnapshotRecord], max_count: int, max_bytes: int) -> list[SnapshotRecord]:
