@@ -135,7 +135,7 @@ class HistoryView(Vertical):
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         event.stop()
-        key = event.row_key.value if event.row_key is not None else None
+        key = event.row_key.value
         row = next((r for r in self.rows if row_key(r) == key), None)
         detail = self.query_one("#history-detail", Static)
         if row is not None:

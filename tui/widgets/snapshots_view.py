@@ -108,7 +108,7 @@ class SnapshotsView(Vertical):
 
     def selected(self) -> dict[str, Any] | None:
         table = self.query_one(DataTable)
-        if not self.items or table.cursor_row is None or not 0 <= table.cursor_row < len(self.items):
+        if not 0 <= table.cursor_row < len(self.items):
             return None
         return self.items[table.cursor_row]
 
