@@ -21,7 +21,7 @@ import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TextIO
 
 import attrs
 
@@ -109,7 +109,7 @@ def _build_lock(paths: StokerPaths, progress: Progress) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _run_logged(cmd: list[str], cwd: Path, log, progress: Progress, step: str) -> None:
+def _run_logged(cmd: list[str], cwd: Path, log: TextIO, progress: Progress, step: str) -> None:
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -191,8 +191,9 @@ def _engine_version(server: Path, scratch: Path) -> str:
 def _record_smoke(server: Path, smoke: SmokeSpec, scratch: Path, progress: Progress) -> SmokeReference:
     model = smoke.write_model(scratch)
     model_doc = {**dict(smoke.model), "sha256": sha256_file(model)}
+    tokens: tuple[int, ...] | None
     try:
-        tokens: tuple[int, ...] | None = run_smoke(server, smoke, scratch)
+        tokens = run_smoke(server, smoke, scratch)
         progress(f"smoke reference: {len(tokens)} greedy tokens recorded")
     except StokerError as err:
         # A CUDA build on a host without a GPU, or `native` on a CPU that lies: the bundle is

@@ -92,7 +92,7 @@ _WEIGHT_TYPES = {
 }
 
 
-def _add_matrix(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype) -> None:
+def _add_matrix(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: gguf.GGMLQuantizationType | None) -> None:
     if qtype is None:
         writer.add_tensor(name, data)
     else:
