@@ -1,4 +1,4 @@
-"""Glue between the pure tables (states/) and the store: step, persist, publish.
+"""Glue between the pure tables (states/) and the store: step, persist, publish; run effects.
 
 `MachineRunner.fire(event)` steps the table, writes the machine row and its history row in
 one transaction, then publishes `machine.<kind>.<state>` and returns the Step whose effects
@@ -6,17 +6,22 @@ the caller executes. An illegal event raises IllegalTransition and a failed writ
 StoreError; either way the runner's state, the store and subscribers are untouched.
 Synchronous on purpose: a transition is a few hundred microseconds of SQLite, so the trio
 daemon calls it directly.
+
+The effects a Step asks for are carried out through an `EffectDriver`: one handler per
+effect type, checked against the machine's declaration, shared by every service (launch,
+fallback, probes, installs), so no effect is ever looked up by name or silently dropped.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable
+from typing import Any, Callable, Generic, Mapping, TypeVar
 
 import attrs
 
 from states.machine import (
     IllegalTransition,
+    MachineDefinitionError,
     MachineSpec,
     Step,
     data_from_json,
@@ -111,3 +116,44 @@ class MachineRunner:
             "at": record.at,
             "seq": record.seq,
         }
+
+
+# --- effects ------------------------------------------------------------------------------
+
+R = TypeVar("R")
+
+
+class UnhandledEffect(Exception):
+    """An effect reached a driver that has no handler for its type: a bug, never dropped."""
+
+
+@attrs.frozen
+class EffectDriver(Generic[R]):
+    """The one way every service runs its machine's effects: a type -> handler map.
+
+    Built against the machine's declared `effect_types`, so a service that forgets an effect
+    (or handles one its machine never asks for) fails when it is constructed, not when that
+    effect first turns up. `run` calls the handler with the effect and the service's context
+    arguments (a backend, a runner) and returns what it returns: a sync handler's result, or
+    an async handler's coroutine for the caller to await.
+    """
+
+    spec: MachineSpec
+    handlers: Mapping[type, Callable[..., R]]
+
+    def __attrs_post_init__(self) -> None:
+        declared, given = set(self.spec.effect_types), set(self.handlers)
+        missing = sorted(t.__name__ for t in declared - given)
+        stray = sorted(t.__name__ for t in given - declared)
+        if missing or stray:
+            raise MachineDefinitionError(
+                f"{self.spec.name}: effect handlers do not match the declared effects "
+                f"(missing {missing}, not declared {stray})"
+            )
+
+    def run(self, effect: object, *context: Any) -> R:
+        """Hand `effect` to its handler; UnhandledEffect for a type without one."""
+        handler = self.handlers.get(type(effect))
+        if handler is None:
+            raise UnhandledEffect(f"{self.spec.name}: no handler for effect {effect!r}")
+        return handler(effect, *context)

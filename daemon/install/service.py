@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 from urllib.parse import unquote, urlparse
 
 import attrs
@@ -36,7 +36,7 @@ from daemon.bundles.metadata import BundleManifest, BundleMeta, ManifestEntry
 from daemon.bundles.variants import host_platform
 from daemon.install.download import DownloadError, DownloadProgress, download
 from daemon.core.errors import StokerError
-from daemon.core.machines import MachineRunner, Publish
+from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.core.paths import StokerPaths
 from states import install as I
 from states.machine import IllegalTransition
@@ -164,6 +164,14 @@ class InstallService:
     _locks: dict[str, trio.Lock] = attrs.field(factory=dict, init=False)
     _entries: dict[str, ManifestEntry] = attrs.field(factory=dict, init=False)
     _detections: dict[str, Detection] = attrs.field(factory=dict, init=False)
+    _effects: EffectDriver[Awaitable[object | None]] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._effects = EffectDriver(I.INSTALL, {
+            I.Resolve: self._resolve, I.Download: self._download, I.VerifyArchive: self._verify_archive,
+            I.CleanStaging: self._clean_staging, I.Unpack: self._unpack, I.ValidateBundle: self._validate_bundle,
+            I.SmokeTest: self._smoke_test, I.Promote: self._promote_staged,
+        })
 
     @property
     def downloads_dir(self) -> Path:
@@ -279,7 +287,7 @@ class InstallService:
         while queue:
             effect = queue.pop(0)
             try:
-                event = await getattr(self, f"_do_{type(effect).__name__}")(runner, effect)
+                event = await self._effects.run(effect, runner)
             except Exception as err:  # every failure of a step is the machine's InstallFailed
                 log.info("%s: %s failed: %s", runner.machine_id, type(effect).__name__, err)
                 event = I.InstallFailed(install_failed_reason(runner.data.backend), _cause(err))
@@ -295,7 +303,7 @@ class InstallService:
             self._entries[runner.machine_id] = entry
         return entry
 
-    async def _do_Resolve(self, runner: MachineRunner, effect: I.Resolve) -> I.Resolved:
+    async def _resolve(self, effect: I.Resolve, runner: MachineRunner) -> I.Resolved:
         entry = await self._entry(runner)
         return I.Resolved(entry.url, entry.sha256, entry.size,
                           {"version": entry.version, "platform": entry.platform, "variant": entry.variant,
@@ -305,7 +313,7 @@ class InstallService:
         data: I.InstallData = runner.data
         return self.downloads_dir / f"{data.backend}-{data.variant}-{sha256[:16]}.zip"
 
-    async def _do_Download(self, runner: MachineRunner, effect: I.Download) -> I.Downloaded:
+    async def _download(self, effect: I.Download, runner: MachineRunner) -> I.Downloaded:
         dest = self.archive_path(runner, effect.sha256)
         data: I.InstallData = runner.data
         if dest.exists() and dest.stat().st_size == effect.size:
@@ -327,7 +335,7 @@ class InstallService:
                               max_bytes=MAX_BUNDLE_BYTES, progress=progress, failure_reason=reason)
         return I.Downloaded(str(done.path), done.sha256, done.size)
 
-    async def _do_VerifyArchive(self, runner: MachineRunner, effect: I.VerifyArchive) -> I.Verified:
+    async def _verify_archive(self, effect: I.VerifyArchive, runner: MachineRunner) -> I.Verified:
         path = Path(effect.archive)
         size = path.stat().st_size
         digest = await trio.to_thread.run_sync(sha256_file, path)
@@ -339,19 +347,19 @@ class InstallService:
                                "expected_size": effect.size, "actual_size": size})
         return I.Verified({"sha256": digest, "size": size})
 
-    async def _do_CleanStaging(self, runner: MachineRunner, effect: I.CleanStaging) -> None:
+    async def _clean_staging(self, effect: I.CleanStaging, runner: MachineRunner) -> None:
         data: I.InstallData = runner.data
         await trio.to_thread.run_sync(
             lambda: shutil.rmtree(self.staging_root(data.backend, data.variant), ignore_errors=True)
         )
 
-    async def _do_Unpack(self, runner: MachineRunner, effect: I.Unpack) -> I.Unpacked:
+    async def _unpack(self, effect: I.Unpack, runner: MachineRunner) -> I.Unpacked:
         data: I.InstallData = runner.data
         staging = self.staging_root(data.backend, data.variant) / "bundle"
         await trio.to_thread.run_sync(unpack_bundle, Path(effect.archive), staging)
         return I.Unpacked(str(staging))
 
-    async def _do_ValidateBundle(self, runner: MachineRunner, effect: I.ValidateBundle) -> I.Validated:
+    async def _validate_bundle(self, effect: I.ValidateBundle, runner: MachineRunner) -> I.Validated:
         from daemon.bundles.verify import verify_dir
 
         entry = await self._entry(runner)
@@ -362,7 +370,7 @@ class InstallService:
         return I.Validated({"steps": list(report.steps), "version_line": report.version_line,
                             "devices": [d.strip() for d in report.devices or ()]})
 
-    async def _do_SmokeTest(self, runner: MachineRunner, effect: I.SmokeTest) -> I.SmokePassed:
+    async def _smoke_test(self, effect: I.SmokeTest, runner: MachineRunner) -> I.SmokePassed:
         from daemon.bundles.verify import check_smoke
 
         meta = BundleMeta.read(Path(effect.staging))
@@ -383,7 +391,7 @@ class InstallService:
                 return f"no usable {meta.backend} device was detected to run it on"
         return None
 
-    async def _do_Promote(self, runner: MachineRunner, effect: I.Promote) -> None:
+    async def _promote_staged(self, effect: I.Promote, runner: MachineRunner) -> None:
         await trio.to_thread.run_sync(self._promote, runner, effect)
 
     def _promote(self, runner: MachineRunner, effect: I.Promote) -> None:

@@ -21,7 +21,7 @@ import attrs
 import trio
 
 from daemon.backends.base import Detection
-from daemon.core.machines import MachineRunner, Publish
+from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.probes.runner import run_probe as run_probe_out_of_process
 from states import probe as P
 from states.machine import IllegalTransition
@@ -83,6 +83,10 @@ class ProbeService:
     _nursery: trio.Nursery | None = attrs.field(default=None, init=False)
     _running: dict[str, int] = attrs.field(factory=dict, init=False)  # probes in flight here
     probes_run: int = attrs.field(default=0, init=False)  # subprocesses started (statistics)
+    _effects: EffectDriver[None] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._effects = EffectDriver(P.PROBE, {P.RunProbe: self._do_run_probe, P.ArmExpiry: self._do_arm_expiry})
 
     def runner(self, backend: str) -> MachineRunner:
         """The probe machine of one backend (loaded from the store on first use)."""
@@ -184,11 +188,16 @@ class ProbeService:
         if self._nursery is None:
             raise RuntimeError("the probe service is not running")
         for effect in effects:
-            if isinstance(effect, P.RunProbe):
-                self._running[backend] = self._running.get(backend, 0) + 1  # counted from now
-                self._nursery.start_soon(self._run, effect)
-            elif isinstance(effect, P.ArmExpiry):
-                self._nursery.start_soon(self._expire_later, backend, effect)
+            self._effects.run(effect, backend)
+
+    def _do_run_probe(self, effect: P.RunProbe, backend: str) -> None:
+        assert self._nursery is not None
+        self._running[backend] = self._running.get(backend, 0) + 1  # counted from now
+        self._nursery.start_soon(self._run, effect)
+
+    def _do_arm_expiry(self, effect: P.ArmExpiry, backend: str) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(self._expire_later, backend, effect)
 
     def _quick(self, backend: str) -> Detection | None:
         quick = self.quick.get(backend)

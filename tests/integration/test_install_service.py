@@ -198,7 +198,7 @@ async def test_daemon_killed_while_validating_redoes_from_clean_staging(setup):
     setup.publish(setup.server.add("/cpu.zip", setup.data))
 
     class Stuck(InstallService):
-        async def _do_ValidateBundle(self, runner, effect):
+        async def _validate_bundle(self, effect, runner):
             await trio.sleep_forever()
 
     with trio.move_on_after(5):

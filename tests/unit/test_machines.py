@@ -6,10 +6,10 @@ import pytest
 from hypothesis import HealthCheck, event as hypothesis_event, settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from daemon.core.machines import MachineRunner
+from daemon.core.machines import EffectDriver, MachineRunner, UnhandledEffect
 from states import launch as L
 from states import probe as P
-from states.machine import IllegalTransition, data_to_json, event_from_json
+from states.machine import IllegalTransition, MachineDefinitionError, data_to_json, event_from_json
 from states.reasons import ReasonCode
 from store import StoreError, open_store
 
@@ -283,3 +283,28 @@ def test_evidence_with_paths_and_enums_is_stored_as_json(store, tmp_path):
     row = store.history(limit=1)[0]
     assert row.evidence == {"path": str(tmp_path / "m.gguf"), "tried": [1, 2]}
     assert row.reason == "model_missing"
+
+
+# --- the effect driver --------------------------------------------------------------------
+
+
+def test_effect_driver_runs_each_effect_through_its_handler():
+    ran = []
+    driver = EffectDriver(P.PROBE, {P.RunProbe: lambda e, who: ran.append((who, e)) or "run",
+                                    P.ArmExpiry: lambda e, who: "armed"})
+    assert driver.run(P.RunProbe("cuda", 1, 10.0), "svc") == "run"
+    assert driver.run(P.ArmExpiry(1, 30.0), "svc") == "armed"
+    assert ran == [("svc", P.RunProbe("cuda", 1, 10.0))]
+
+
+def test_effect_driver_refuses_a_missing_or_stray_handler_when_built():
+    with pytest.raises(MachineDefinitionError, match="missing \\['ArmExpiry'\\]"):
+        EffectDriver(P.PROBE, {P.RunProbe: lambda e: None})
+    with pytest.raises(MachineDefinitionError, match="not declared \\['Spawn'\\]"):
+        EffectDriver(P.PROBE, {P.RunProbe: print, P.ArmExpiry: print, L.Spawn: print})
+
+
+def test_effect_driver_never_drops_an_unknown_effect():
+    driver = EffectDriver(P.PROBE, {P.RunProbe: lambda e: None, P.ArmExpiry: lambda e: None})
+    with pytest.raises(UnhandledEffect, match="Spawn"):
+        driver.run(L.Spawn(PLAN))
