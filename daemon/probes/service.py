@@ -24,7 +24,7 @@ from daemon.backends.base import Detection
 from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.probes.runner import run_probe as run_probe_out_of_process
 from states import probe as P
-from states.machine import IllegalTransition
+from states.machine import IllegalTransition, Step
 from states.reasons import ReasonCode
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ class ProbeService:
         step = self._fire(backend, P.ProbeRequested(backend))
         self._execute(backend, step.effects)
 
-    def _fire(self, backend: str, event: object):
+    def _fire(self, backend: str, event: object) -> Step:
         runner = self.runner(backend)
         step = runner.fire(event)
         changed = self._changed[backend]
