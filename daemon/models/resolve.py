@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 import attrs
@@ -41,15 +42,32 @@ def model_launch_args(spec: str) -> tuple[str, ...]:
 
 
 def resolve_model(spec: str, paths: StokerPaths) -> Path:
-    """Turn the config's `server.model` into an existing GGUF file, or fail with model_missing."""
+    """Turn the config's `server.model` into an existing GGUF file; model_missing when nothing is
+    there, model_load_failed (saying what is there) when it is not a readable GGUF file."""
     named = NAMED_MODELS.get(spec)
     if named is not None:
         return _assemble_named(named, paths)
     path = Path(spec).expanduser()
-    if not path.is_file():
-        raise StokerError(ReasonCode.MODEL_MISSING, f"Model file {path} does not exist; fix server.model in the config.", {"model": str(path)})
-    with path.open("rb") as fh:
-        magic = fh.read(4)
+    try:
+        kind = file_kind(path)
+    except OSError as err:
+        raise _unreadable(path, err) from None
+    if kind is None:
+        what = f"{path} (a symbolic link to {os.readlink(path)})" if path.is_symlink() else str(path)
+        raise StokerError(ReasonCode.MODEL_MISSING, f"Model file {what} does not exist; fix server.model in the config.", {"model": str(path)})
+    if kind != "regular file":
+        # There, but not a file the engine can load (and a FIFO would block its open until
+        # the stall timeout): say what it is, never "does not exist".
+        raise StokerError(
+            ReasonCode.MODEL_LOAD_FAILED,
+            f"{path} is a {kind}, not a model file; point server.model at a .gguf model.",
+            {"model": str(path), "kind": kind},
+        )
+    try:
+        with path.open("rb") as fh:
+            magic = fh.read(4)
+    except OSError as err:
+        raise _unreadable(path, err) from None
     if magic != GGUF_MAGIC:
         raise StokerError(
             ReasonCode.MODEL_LOAD_FAILED,
@@ -57,6 +75,37 @@ def resolve_model(spec: str, paths: StokerPaths) -> Path:
             {"model": str(path), "magic": magic.hex()},
         )
     return path.absolute()
+
+
+def file_kind(path: Path) -> str | None:
+    """What is at `path` ("regular file", "directory", "named pipe (FIFO)", ...); None if nothing.
+
+    A symbolic link is followed (a dangling one is nothing). OSError when the path cannot be
+    examined (a directory on the way is not searchable, say).
+    """
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return None
+    for test, kind in (
+        (stat.S_ISREG, "regular file"),
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISFIFO, "named pipe (FIFO)"),
+        (stat.S_ISSOCK, "socket"),
+    ):
+        if test(mode):
+            return kind
+    return "special file"
+
+
+def _unreadable(path: Path, err: OSError) -> StokerError:
+    return StokerError(
+        ReasonCode.MODEL_LOAD_FAILED,
+        f"{path} cannot be read ({err.strerror}); make it readable or point server.model elsewhere.",
+        {"model": str(path), "error": f"{type(err).__name__}: {err.strerror}"},
+    )
 
 
 def _assemble_named(named: NamedModel, paths: StokerPaths) -> Path:
