@@ -2,14 +2,39 @@
 
 Each code has a user-facing message that says what happened and what to do. The value is
 what SQLite stores and what `--json` prints; never rename one.
+
+The members below are Stoker's own codes (the built-in backends' included). A backend plugin
+brings its own codes with their sentences: the daemon registers them when it loads the
+plugin (`register_reasons`, called from daemon/backends/registry.py), and from then on
+`ReasonCode("fakegpu_startup_failed")` is a ReasonCode like any member, stored and printed as
+the same string. Iterating `ReasonCode` lists the built-in codes only (docs/reason-codes.md).
 """
 
 from __future__ import annotations
 
 import enum
+import re
+from typing import Any, Mapping
+
+import attrs
 
 
 class ReasonCode(enum.StrEnum):
+    """A stable reason string: a built-in member, or a code a loaded plugin registered."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> ReasonCode | None:
+        # A plugin's registered code: a pseudo-member, made once (like Flag's), never listed.
+        if not isinstance(value, str) or value not in _PLUGIN_REASONS:
+            return None
+        member = _PSEUDO_MEMBERS.get(value)
+        if member is None:
+            member = str.__new__(cls, value)
+            member._name_ = value.upper()
+            member._value_ = value
+            _PSEUDO_MEMBERS[value] = member
+        return member
+
     # From the origin story, kept verbatim.
     BINARY_MISSING_NVIDIA_DETECTED = "binary_missing_nvidia_detected"
     GPU_MISSING = "gpu_missing"
@@ -222,8 +247,10 @@ MESSAGES: dict[ReasonCode, str] = {
 
 
 def message_for(code: ReasonCode | str) -> str:
-    """The user-facing sentence for a reason code."""
-    return MESSAGES[ReasonCode(code)]
+    """The user-facing sentence for a reason code (a plugin's: the sentence it registered)."""
+    reason = ReasonCode(code)
+    builtin = MESSAGES.get(reason)
+    return builtin if builtin is not None else _PLUGIN_REASONS[reason.value].message
 
 
 class ReasonedError(Exception):
@@ -233,30 +260,64 @@ class ReasonedError(Exception):
     errors of one shape: `reason`, `message`, `evidence`, `to_dict()`.
     """
 
-    def __init__(self, reason: ReasonCode | str, message: str | None = None, evidence=None) -> None:
+    def __init__(
+        self, reason: ReasonCode | str, message: str | None = None, evidence: Mapping[str, Any] | None = None
+    ) -> None:
         self.reason = ReasonCode(reason)
         self.message = message or message_for(self.reason)
-        self.evidence = dict(evidence or {})
+        self.evidence: dict[str, Any] = dict(evidence or {})
         super().__init__(f"{self.reason}: {self.message}")
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"reason": str(self.reason), "message": self.message, "evidence": self.evidence}
 
 
-# The GPU backends' reason-code families, and the vendor word in their binary_missing_* code.
-GPU_VENDORS = {"cuda": "nvidia", "rocm": "amd", "vulkan": "vulkan", "metal": "metal"}
+# --- codes that plugins bring ------------------------------------------------------------
+
+# What a code looks like: lowercase words joined by single underscores.
+CODE_SHAPE = re.compile(r"^[a-z][a-z0-9]*(?:_[a-z0-9]+)*$")
+MAX_CODE_LENGTH = 64
 
 
-def gpu_reason_codes(backend: str, *, process_vram: bool = True) -> frozenset[ReasonCode]:
-    """Every code a GPU backend can produce; `process_vram`: the platform reports a
-    process's own VRAM, so gpu_claimed_but_unused can be proven."""
-    codes = {
-        ReasonCode.GPU_MISSING,
-        ReasonCode(f"binary_missing_{GPU_VENDORS[backend]}_detected"),
-        ReasonCode.OUT_OF_MEMORY,
-        *(ReasonCode(f"{backend}_{kind}") for kind in ("unavailable", "gpu_layers_zero", "startup_failed",
-                                                        "bundle_install_failed", "vram_full")),
-    }
-    if process_vram:
-        codes.add(ReasonCode.GPU_CLAIMED_BUT_UNUSED)
-    return frozenset(codes)
+@attrs.frozen
+class PluginReason:
+    """A reason code a backend plugin declared, with the sentence a user reads for it."""
+
+    code: str
+    owner: str  # the plugin that declared it (its backend name)
+    message: str
+
+
+_PLUGIN_REASONS: dict[str, PluginReason] = {}
+_PSEUDO_MEMBERS: dict[str, ReasonCode] = {}
+
+
+def register_reasons(owner: str, messages: Mapping[str, str]) -> tuple[ReasonCode, ...]:
+    """Admit a plugin's own codes and their sentences; returns them as ReasonCodes.
+
+    A table, not a discovery (states/ stays pure): the daemon calls this for each plugin it
+    loads. Nothing is registered when any entry is refused (ValueError naming it): a code of
+    the wrong shape, an empty sentence, a built-in code (its meaning is fixed), or a code
+    another plugin declared. The same owner declaring again replaces its sentences.
+    """
+    admitted = []
+    for code, message in messages.items():
+        if not isinstance(code, str) or not CODE_SHAPE.match(code) or len(code) > MAX_CODE_LENGTH:
+            raise ValueError(f"{owner}: {code!r} is not a reason code (lowercase words joined by '_', "
+                             f"at most {MAX_CODE_LENGTH} characters)")
+        if code in ReasonCode._value2member_map_:
+            raise ValueError(f"{owner}: {code!r} is a built-in reason code; a plugin cannot redefine it")
+        taken = _PLUGIN_REASONS.get(code)
+        if taken is not None and taken.owner != owner:
+            raise ValueError(f"{owner}: {code!r} is already declared by the {taken.owner!r} plugin")
+        if not isinstance(message, str) or not message.strip():
+            raise ValueError(f"{owner}: {code!r} needs a sentence that says what happened and what to do")
+        admitted.append(PluginReason(code, owner, message.strip()))
+    for reason in admitted:
+        _PLUGIN_REASONS[reason.code] = reason
+    return tuple(ReasonCode(reason.code) for reason in admitted)
+
+
+def plugin_reasons() -> tuple[PluginReason, ...]:
+    """Every registered plugin code, by owner then code."""
+    return tuple(sorted(_PLUGIN_REASONS.values(), key=lambda r: (r.owner, r.code)))

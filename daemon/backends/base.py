@@ -4,11 +4,17 @@ A backend is found through the `stoker.backends` entry-point group (see `registr
 `detect()` runs inside the probe subprocess (`daemon/probes/child.py`), so a driver that
 crashes or hangs cannot take the daemon down; its answer crosses the process boundary as
 JSON through `Detection.to_dict()` / `Detection.from_dict()`.
+
+Everything the core knows about a backend it asks here: its name, where auto mode tries it
+(`auto_rank`), which reason code names each fallback step's failure on it (`reason(kind)`),
+the codes it brings with their sentences (`reason_messages`), its `--list-devices` signature
+and its launch arguments. The core never spells a backend's name or assembles its codes.
 """
 
 from __future__ import annotations
 
 import abc
+import enum
 import re
 from typing import Any, ClassVar, Iterable, Mapping, Protocol, runtime_checkable
 
@@ -19,6 +25,22 @@ from states.reasons import ReasonCode, message_for
 
 def _device_tuple(devices: Iterable["Device"]) -> tuple["Device", ...]:
     return tuple(devices)
+
+
+def _reason_or_none(reason: ReasonCode | str | None) -> ReasonCode | None:
+    # A plugin's own code arrives as its string; registered, it is a ReasonCode like Stoker's.
+    return None if reason is None else ReasonCode(reason)
+
+
+class ReasonKind(enum.StrEnum):
+    """The steps at which the fallback asks a backend which of its codes names the failure."""
+
+    UNAVAILABLE = "unavailable"  # present, its runtime unusable; also what a crashed probe reports
+    BINARY_MISSING = "binary_missing"  # present and usable, no bundle installed: installed on demand
+    STARTUP_FAILED = "startup_failed"  # its server died before it was ready: the next backend is tried
+    GPU_LAYERS_ZERO = "gpu_layers_zero"  # ready, but no layer offloaded: reported as the CPU
+    BUNDLE_INSTALL_FAILED = "bundle_install_failed"  # its bundle could not be installed
+    VRAM_FULL = "vram_full"  # every device below the engine's fit margin: its server is not started
 
 
 @attrs.frozen
@@ -56,9 +78,7 @@ class Detection:
     backend: str
     present: bool
     usable: bool
-    reason: ReasonCode | None = attrs.field(
-        default=None, converter=lambda r: None if r is None else ReasonCode(r)
-    )
+    reason: ReasonCode | None = attrs.field(default=None, converter=_reason_or_none)
     message: str = ""
     devices: tuple[Device, ...] = attrs.field(default=(), converter=_device_tuple)
     evidence: Mapping[str, Any] = attrs.field(factory=dict)
@@ -74,7 +94,7 @@ class Detection:
     def unavailable(
         cls,
         backend: str,
-        reason: ReasonCode,
+        reason: ReasonCode | str,
         *,
         present: bool,
         message: str | None = None,
@@ -195,13 +215,33 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     # The regex for this backend's `llama-server --list-devices` lines; groups:
     # 1 engine device name, 2 description, 3 total MiB, 4 free MiB (where printed).
+    # Bundle verification asks it too: a bundle's engine must list this backend's devices.
     device_signature: ClassVar[re.Pattern[str]]
+    # Which code names each fallback step's failure here (`reason(kind)`). A kind left out
+    # falls back to a generic code (server_crashed, bundle_missing, ...), or is skipped
+    # (vram_full: the engine is left to fit); UNAVAILABLE defaults to probe_failed.
+    reason_family: ClassVar[Mapping[ReasonKind, str]] = {}
+    # The codes this backend brings itself, each with the sentence a user reads: registered
+    # when the plugin is loaded (states/reasons.py `register_reasons`). The built-ins bring
+    # none; their codes are Stoker's own.
+    reason_messages: ClassVar[Mapping[str, str]] = {}
     # Every reason code detect/check_bundle/launch verification can produce for it.
-    reason_codes: ClassVar[frozenset[ReasonCode]]
-    # The code for "present but cannot be used" (also what a crashed probe reports).
-    unavailable_reason: ClassVar[ReasonCode]
+    reason_codes: ClassVar[frozenset[str]] = frozenset()
+    # Where auto mode tries it: lowest first, ties by name. The built-in GPUs take 10-40, a
+    # plugin 100 unless it says otherwise, the CPU 1000: the floor, always last.
+    auto_rank: ClassVar[int] = 100
     # Accelerators get -ngl; the CPU does not.
     offloads: ClassVar[bool] = True
+
+    def reason(self, kind: ReasonKind) -> ReasonCode | None:
+        """This backend's code for a fallback step, or None where it declares none."""
+        code = self.reason_family.get(kind)
+        return None if code is None else ReasonCode(code)
+
+    @property
+    def unavailable_reason(self) -> ReasonCode:
+        """The code for "present but cannot be used" (also what a crashed probe reports)."""
+        return self.reason(ReasonKind.UNAVAILABLE) or ReasonCode.PROBE_FAILED
 
     @abc.abstractmethod
     def detect(self) -> Detection:
@@ -257,6 +297,15 @@ class Backend(abc.ABC):
     def read_telemetry(self, handle: TelemetryRequest) -> Telemetry | None:
         """A cheap telemetry reading, or None where this backend cannot read one yet."""
         return None
+
+
+def gpu_reason_codes(family: Mapping[ReasonKind, str], *, process_vram: bool = True) -> frozenset[str]:
+    """Every code a GPU backend can produce: its family, gpu_missing and out_of_memory, and
+    gpu_claimed_but_unused where the platform reports a process's own VRAM (so it can be proven)."""
+    codes = {ReasonCode.GPU_MISSING.value, ReasonCode.OUT_OF_MEMORY.value, *family.values()}
+    if process_vram:
+        codes.add(ReasonCode.GPU_CLAIMED_BUT_UNUSED.value)
+    return frozenset(codes)
 
 
 def gpu_device_signature(prefix: str) -> re.Pattern[str]:

@@ -8,12 +8,13 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from daemon.backends.base import BUNDLE_FITS, Backend, BundleCheck, Detection, Device
+from daemon.backends.base import BUNDLE_FITS, Backend, BundleCheck, Detection, Device, ReasonKind
 from daemon.backends.cpu_features import USABLE, X86_TESTS, InstructionTester, run_feature_tests
 from daemon.backends.tools import ToolRunner, run_tool
 from states.reasons import ReasonCode
 
 R = ReasonCode
+K = ReasonKind
 
 # The flags that decide a llama.cpp CPU variant (the rest of /proc/cpuinfo is noise here).
 RELEVANT = re.compile(r"^(sse3|ssse3|sse4_1|sse4_2|avx|avx2|fma|f16c|bmi1|bmi2|avx_vnni|avx512.*|amx.*)$")
@@ -58,9 +59,10 @@ def parse_meminfo(text: str) -> tuple[int | None, int | None]:
 
 class CpuBackend(Backend):
     name = "cpu"
-    device_signature = re.compile(r"^\s+\(none\)$")  # a CPU-only build lists no device
-    unavailable_reason = R.PROBE_FAILED
+    device_signature = re.compile(r"^\s+\(none\)\s*$")  # a CPU-only build lists no device
     offloads = False
+    auto_rank = 1000  # the floor: tried last, after every accelerator
+    reason_family = {K.UNAVAILABLE: R.PROBE_FAILED, K.BUNDLE_INSTALL_FAILED: R.CPU_BUNDLE_INSTALL_FAILED}
     reason_codes = frozenset(
         {R.CPU_ILLEGAL_INSTRUCTION, R.CPU_BUNDLE_INSTALL_FAILED, R.OUT_OF_MEMORY, R.PROBE_FAILED}
     )

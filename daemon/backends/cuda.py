@@ -16,18 +16,21 @@ from daemon.backends.base import (
     Detection,
     Device,
     DeviceTelemetry,
+    ReasonKind,
     Telemetry,
     TelemetryRequest,
     excerpt,
     gpu_device_signature,
+    gpu_reason_codes,
     version_tuple,
 )
 from daemon.backends.cuda_arch import cc_supported, parse_cc, split_archs
 from daemon.backends.pci import pci_display_vendor_present
 from daemon.backends.tools import ToolResult, ToolRunner, run_tool
-from states.reasons import ReasonCode, gpu_reason_codes
+from states.reasons import ReasonCode
 
 R = ReasonCode
+K = ReasonKind
 
 SMI_QUERY = (
     "nvidia-smi",
@@ -65,8 +68,16 @@ def _cuda_version(number: int) -> str:
 class CudaBackend(Backend):
     name = "cuda"
     device_signature = gpu_device_signature("CUDA")
-    unavailable_reason = R.CUDA_UNAVAILABLE
-    reason_codes = gpu_reason_codes("cuda")
+    auto_rank = 10
+    reason_family = {
+        K.UNAVAILABLE: R.CUDA_UNAVAILABLE,
+        K.BINARY_MISSING: R.BINARY_MISSING_NVIDIA_DETECTED,
+        K.STARTUP_FAILED: R.CUDA_STARTUP_FAILED,
+        K.GPU_LAYERS_ZERO: R.CUDA_GPU_LAYERS_ZERO,
+        K.BUNDLE_INSTALL_FAILED: R.CUDA_BUNDLE_INSTALL_FAILED,
+        K.VRAM_FULL: R.CUDA_VRAM_FULL,
+    }
+    reason_codes = gpu_reason_codes(reason_family)
 
     def __init__(
         self,

@@ -6,19 +6,28 @@ import platform
 import re
 from typing import Iterable
 
-from daemon.backends.base import Backend, Detection, Device
+from daemon.backends.base import Backend, Detection, Device, ReasonKind, gpu_reason_codes
 from daemon.backends.tools import ToolRunner, run_tool
-from states.reasons import ReasonCode, gpu_reason_codes
+from states.reasons import ReasonCode
 
 R = ReasonCode
+K = ReasonKind
 
 
 class MetalBackend(Backend):
     name = "metal"
     # ggml-metal names its device MTL0; memory is the recommended working set.
     device_signature = re.compile(r"^\s+(MTL\d+): (.+) \((\d+) MiB, (\d+) MiB free\)$")
-    unavailable_reason = R.METAL_UNAVAILABLE
-    reason_codes = gpu_reason_codes("metal", process_vram=False)  # Metal reports no per-process VRAM
+    auto_rank = 30
+    reason_family = {
+        K.UNAVAILABLE: R.METAL_UNAVAILABLE,
+        K.BINARY_MISSING: R.BINARY_MISSING_METAL_DETECTED,
+        K.STARTUP_FAILED: R.METAL_STARTUP_FAILED,
+        K.GPU_LAYERS_ZERO: R.METAL_GPU_LAYERS_ZERO,
+        K.BUNDLE_INSTALL_FAILED: R.METAL_BUNDLE_INSTALL_FAILED,
+        K.VRAM_FULL: R.METAL_VRAM_FULL,
+    }
+    reason_codes = gpu_reason_codes(reason_family, process_vram=False)  # Metal reports no per-process VRAM
 
     def __init__(self, *, system: str | None = None, machine: str | None = None, run: ToolRunner = run_tool) -> None:
         self._system = system or platform.system()

@@ -6,7 +6,13 @@ An entry point names a Backend subclass (or any zero-argument factory returning 
     rpc = "stoker_rpc:RpcBackend"
 
 A plugin that fails to import, to construct, or to look like a backend is recorded as a
-`PluginFailure` and left out; the other backends load as usual.
+`PluginFailure` and left out; the other backends load as usual. Loading a plugin registers
+the reason codes it brings (`Backend.reason_messages`), so that every process that loads it
+(the daemon, a probe child, `stoker bundle verify`) reads and stores them like Stoker's own.
+
+This module also answers the core's questions about the loaded set: the order auto mode
+tries them in (`try_order`), a backend's code for a fallback step (`family_reason`), and
+which names a config may prefer without importing any plugin (`registered_names`).
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import attrs
 
-from daemon.backends.base import Backend
+from daemon.backends.base import Backend, ReasonKind
+from states.reasons import ReasonCode, register_reasons
 
 if TYPE_CHECKING:
     from importlib import metadata
@@ -35,7 +42,7 @@ BUILTIN_TARGETS = {
     "vulkan": "daemon.backends.vulkan:VulkanBackend",
     "metal": "daemon.backends.metal:MetalBackend",
 }
-_REQUIRED = ("name", "detect", "choose_variant", "device_signature", "launch_args", "check_bundle", "reason_codes")
+_REQUIRED = ("name", "detect", "choose_variant", "device_signature", "launch_args", "check_bundle", "reason")
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +80,33 @@ def instantiate(name: str, target: str, loaded: Any) -> Backend:
         raise TypeError(f"{target} is not a backend: missing {', '.join(missing)}")
     if backend.name != name:
         raise ValueError(f"{target} calls itself {backend.name!r} but is registered as {name!r}")
+    register_plugin_reasons(backend)
     return backend
+
+
+def register_plugin_reasons(backend: Backend) -> None:
+    """Register the codes a backend brings, after checking every code it names is known.
+
+    Raises ValueError (the plugin is then not loaded, and nothing of it registered) for a
+    family kind that is not a `ReasonKind`, or a code that is neither Stoker's nor declared
+    with its sentence in `reason_messages`."""
+    own = dict(getattr(backend, "reason_messages", None) or {})
+    family = dict(getattr(backend, "reason_family", None) or {})
+    for kind in family:
+        try:
+            ReasonKind(kind)
+        except ValueError:
+            raise ValueError(f"{backend.name}: reason_family names {kind!r}, not one of "
+                             f"{[k.value for k in ReasonKind]}") from None
+    for code in [*family.values(), *(getattr(backend, "reason_codes", None) or ())]:
+        if code in own:
+            continue
+        try:
+            ReasonCode(code)
+        except ValueError:
+            raise ValueError(f"{backend.name}: reason code {code!r} is neither Stoker's nor declared in "
+                             f"reason_messages with its sentence") from None
+    register_reasons(backend.name, own)
 
 
 def load_target(name: str, target: str) -> Backend:
@@ -113,10 +146,35 @@ def load_backends(entry_points: Iterable[metadata.EntryPoint] | None = None) -> 
 
 
 def load_backend(name: str, entry_points: Iterable[metadata.EntryPoint] | None = None) -> Backend:
-    """Load just one backend by name (the probe child: other plugins are never imported)."""
+    """Load just one backend by name (the probe child: other plugins are never imported).
+
+    A built-in is loaded straight from its module: it always wins over a plugin of its name,
+    so the scan of every distribution's entry points is skipped."""
+    if entry_points is None and name in BUILTIN_TARGETS:
+        return load_target(name, BUILTIN_TARGETS[name])
     points = _entry_points(GROUP) if entry_points is None else list(entry_points)
     matches = [ep for ep in points if ep.name == name]
     if not matches:
         raise LookupError(f"no backend named {name!r} is registered under {GROUP!r}")
     matches.sort(key=lambda ep: getattr(getattr(ep, "dist", None), "name", None) != "stoker")
     return instantiate(name, matches[0].value, matches[0].load())
+
+
+def try_order(backends: Mapping[str, Backend]) -> tuple[str, ...]:
+    """The names in the order auto mode tries them: by each backend's `auto_rank`, then name."""
+    return tuple(sorted(backends, key=lambda name: (backends[name].auto_rank, name)))
+
+
+def family_reason(backends: Mapping[str, Backend], name: str, kind: ReasonKind, default: ReasonCode) -> ReasonCode:
+    """Backend `name`'s code for a fallback step, or `default` where it declares none or is not loaded."""
+    backend = backends.get(name)
+    code = None if backend is None else backend.reason(kind)
+    return default if code is None else code
+
+
+def registered_names(entry_points: Iterable[metadata.EntryPoint] | None = None) -> tuple[str, ...]:
+    """Every backend name registered under the entry-point group, built-ins first, without
+    importing any plugin (config validation asks this: a cheap, side-effect-free read)."""
+    points = _entry_points(GROUP) if entry_points is None else list(entry_points)
+    others = sorted({ep.name for ep in points} - set(BUILTIN))
+    return (*BUILTIN, *others)

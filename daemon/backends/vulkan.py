@@ -6,11 +6,12 @@ import re
 import shutil
 from typing import Any, Iterable
 
-from daemon.backends.base import Backend, Detection, Device, excerpt, gpu_device_signature
+from daemon.backends.base import Backend, Detection, Device, ReasonKind, excerpt, gpu_device_signature, gpu_reason_codes
 from daemon.backends.tools import ToolRunner, run_tool
-from states.reasons import ReasonCode, gpu_reason_codes
+from states.reasons import ReasonCode
 
 R = ReasonCode
+K = ReasonKind
 
 VULKANINFO = ("vulkaninfo", "--summary")
 _TYPES = {
@@ -59,8 +60,16 @@ def is_software(block: dict[str, str]) -> bool:
 class VulkanBackend(Backend):
     name = "vulkan"
     device_signature = gpu_device_signature("Vulkan")
-    unavailable_reason = R.VULKAN_UNAVAILABLE
-    reason_codes = gpu_reason_codes("vulkan")
+    auto_rank = 40
+    reason_family = {
+        K.UNAVAILABLE: R.VULKAN_UNAVAILABLE,
+        K.BINARY_MISSING: R.BINARY_MISSING_VULKAN_DETECTED,
+        K.STARTUP_FAILED: R.VULKAN_STARTUP_FAILED,
+        K.GPU_LAYERS_ZERO: R.VULKAN_GPU_LAYERS_ZERO,
+        K.BUNDLE_INSTALL_FAILED: R.VULKAN_BUNDLE_INSTALL_FAILED,
+        K.VRAM_FULL: R.VULKAN_VRAM_FULL,
+    }
+    reason_codes = gpu_reason_codes(reason_family)
 
     def __init__(self, *, run: ToolRunner = run_tool) -> None:
         self._run = run

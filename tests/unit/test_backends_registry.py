@@ -28,7 +28,6 @@ class RpcBackend(Backend):
 
     name = "rpc"
     device_signature = re.compile(r"^\s+(RPC\[[^\]]+\]): (.+) \((\d+) MiB, (\d+) MiB free\)$")
-    unavailable_reason = R.PROBE_FAILED
     reason_codes = frozenset({R.PROBE_FAILED})
 
     def detect(self) -> Detection:
@@ -56,6 +55,7 @@ def test_the_five_builtins_are_registered():
         b = backends[name]
         assert isinstance(b, Backend) and b.name == name
         assert b.unavailable_reason in b.reason_codes
+        assert set(b.reason_family.values()) <= b.reason_codes
     assert R.GPU_MISSING in backends["cuda"].reason_codes
     assert R.CPU_ILLEGAL_INSTRUCTION in backends["cpu"].reason_codes
 
