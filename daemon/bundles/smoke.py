@@ -3,13 +3,15 @@
 Used twice with the same spec: at build time to record the reference tokens in bundle.json,
 and by `bundle verify --smoke` to compare. Greedy (temperature 0, top_k 1), one slot, a fixed
 seed and thread count, and no prompt cache, so the same build on the same CPU family gives
-the same ids. Blocking code: the daemon calls it through `trio.to_thread.run_sync`.
+the same ids. Blocking code: the daemon calls it through `trio.to_thread.run_sync`; the wait
+for the server and the request run on a private trio loop in that thread, reading the log
+with engine.ready's `ServerLog` and talking through engine.api's `EngineClient`.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-import re
 import secrets
 import subprocess
 import time
@@ -17,13 +19,17 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import attrs
+import httpx
+import trio
 
-from daemon.bundles.exitcodes import classify_engine_exit, exit_evidence
 from daemon.bundles.tinymodel import write_tiny_model
 from daemon.core.errors import StokerError
+from daemon.engine.api import EngineClient
+from daemon.engine.exits import classify_exit
+from daemon.engine.ready import ServerLog
 from states.reasons import ReasonCode
 
-_LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+)")
+_POLL = 0.05
 
 
 def engine_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -73,11 +79,10 @@ def _tail(log: Path, limit: int = 8000) -> str:
 
 
 def _engine_failed(proc: subprocess.Popen, log: Path, what: str) -> StokerError:
-    tail = _tail(log)
-    reason = classify_engine_exit(proc.returncode, tail)
+    reason, evidence = classify_exit(proc.returncode, _tail(log).splitlines())
     if reason != ReasonCode.CPU_ILLEGAL_INSTRUCTION:
         reason = ReasonCode.BUNDLE_VERIFY_FAILED
-    return StokerError(reason, evidence={"step": what, **exit_evidence(proc.returncode, tail)})
+    return StokerError(reason, evidence={"step": what, **evidence})
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -102,43 +107,21 @@ def generate(
     timeout: float = 120.0,
 ) -> tuple[int, ...]:
     """Start `server` on `model`, run one greedy completion, stop it; return the token ids."""
-    import httpx
-
     scratch = Path(scratch)
     scratch.mkdir(parents=True, exist_ok=True)
     log = scratch / "smoke-server.log"
     key = secrets.token_hex(16)
     cmd = [str(server), "-m", str(model), "--host", "127.0.0.1", "--port", "0", "-c", "256", "-np", "1",
            "-t", str(threads), "--seed", "0", "--api-key", key, "--log-colors", "off"]
+    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "top_k": 1, "seed": 0,
+            "cache_prompt": False, "return_tokens": True, "stream": False}
     deadline = time.monotonic() + timeout
     with open(log, "wb") as out:
         # A scratch cwd: the engine may look for backend libraries in its working directory.
         proc = subprocess.Popen(cmd, cwd=scratch, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=engine_env(), start_new_session=True)
     try:
-        port = None
-        while port is None:
-            if proc.poll() is not None:
-                raise _engine_failed(proc, log, "smoke: start")
-            m = _LISTENING.search(_tail(log, 1 << 20))
-            if m:
-                port = int(m.group(1))
-            elif time.monotonic() > deadline:
-                raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "The smoke server did not start in time.",
-                                  {"step": "smoke: start", "log_tail": _tail(log, 2000)})
-            else:
-                time.sleep(0.05)
-        base = f"http://127.0.0.1:{port}"
-        headers = {"Authorization": f"Bearer {key}"}
-        body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "top_k": 1, "seed": 0,
-                "cache_prompt": False, "return_tokens": True, "stream": False}
-        # loopback, plain HTTP: no proxy from the environment, no CA bundle to load
-        with httpx.Client(timeout=max(5.0, deadline - time.monotonic()), trust_env=False, verify=False) as client:
-            while client.get(base + "/health").status_code != 200:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise _engine_failed(proc, log, "smoke: load")
-                time.sleep(0.05)
-            resp = client.post(base + "/completion", json=body, headers=headers)
+        resp = trio.run(functools.partial(_complete, proc, log, key, body, deadline))
         if resp.status_code != 200 or not isinstance(resp.json().get("tokens"), list):
             raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "The smoke completion failed.",
                               {"status": resp.status_code, "body": resp.text[:500]})
@@ -150,6 +133,30 @@ def generate(
                           {"error": str(err), "log_tail": _tail(log, 2000)}) from None
     finally:
         _stop(proc)
+
+
+async def _complete(proc: subprocess.Popen, log: Path, key: str, body: dict[str, Any],
+                    deadline: float) -> httpx.Response:
+    """Wait for the log to name the port and /health to say 200, then ask for the completion."""
+    server_log = ServerLog(log, 0)
+    while server_log.listening is None:
+        server_log.poll()
+        if server_log.listening is not None:
+            break
+        if proc.poll() is not None:
+            raise _engine_failed(proc, log, "smoke: start")
+        if time.monotonic() > deadline:
+            raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "The smoke server did not start in time.",
+                              {"step": "smoke: start", "log_tail": _tail(log, 2000)})
+        await trio.sleep(_POLL)
+    host, port = server_log.listening
+    async with EngineClient.open(f"http://{host}:{port}", key,
+                                 timeout=max(5.0, deadline - time.monotonic())) as engine:
+        while (await engine.health()).status_code != 200:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise _engine_failed(proc, log, "smoke: load")
+            await trio.sleep(_POLL)
+        return await engine.completion(body)
 
 
 def run_smoke(server: Path, spec: SmokeSpec, scratch: Path, *, timeout: float = 120.0) -> tuple[int, ...]:

@@ -1,18 +1,26 @@
-"""One chat completion against the server's OpenAI-compatible endpoint."""
+"""One chat completion against the server's OpenAI-compatible endpoint, for the CLI."""
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
 import httpx
+import trio
 
 from daemon.core.errors import StokerError
+from daemon.engine.api import EngineClient
 from states.reasons import ReasonCode
 
 
 def chat_once(endpoint: str, api_key: str, prompt: str, *, max_tokens: int = 64, timeout: float = 300.0) -> dict[str, Any]:
-    """Ask one question; returns {content, tokens, seconds, model}."""
+    """Ask one question; returns {content, tokens, seconds, model}. Blocking (the CLI's)."""
+    return trio.run(functools.partial(chat, endpoint, api_key, prompt, max_tokens=max_tokens, timeout=timeout))
+
+
+async def chat(endpoint: str, api_key: str, prompt: str, *, max_tokens: int = 64, timeout: float = 300.0) -> dict[str, Any]:
+    """`chat_once` on trio: greedy, so the same question gets the same answer."""
     body = {
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
@@ -20,12 +28,8 @@ def chat_once(endpoint: str, api_key: str, prompt: str, *, max_tokens: int = 64,
     }
     started = time.monotonic()
     try:
-        reply = httpx.post(
-            f"{endpoint}/v1/chat/completions",
-            json=body,
-            headers={"Authorization": f"Bearer {api_key}"},
-            timeout=timeout,
-        )
+        async with EngineClient.open(endpoint, api_key, timeout=timeout) as engine:
+            reply = await engine.chat_completion(body)
     except httpx.HTTPError as err:
         raise StokerError(ReasonCode.SERVER_CRASHED, f"The server did not answer: {err}", {"endpoint": endpoint}) from err
     if reply.status_code != 200:

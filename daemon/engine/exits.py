@@ -1,55 +1,132 @@
-"""Why a supervised llama-server exited: a reason code and the evidence that decided it.
+"""Why an engine process ended: one rule table, one classifier, for every engine Stoker runs.
 
-The core rules (SIGILL first, then the engine's own log lines) are the shared engine
-classifier in `daemon/bundles/exitcodes.py`; this adds what only a supervisor knows: the
-CUDA runtime failing to initialise, a rejected command line, the kernel OOM killer, an unexpected clean exit, an
-adopted server whose exit status is not ours to read, and the deciding log line. Pure.
+The supervised server, `bundle verify`'s `--version`/`--list-devices` runs and the smoke
+generation all exit the same way and are named by `classify_exit`. The order is fixed:
+
+1. the signal: SIGILL means the build uses an instruction this CPU cannot run (the CPU that
+   advertises AMX but faults on it), whatever the log says;
+2. the engine's own log lines, in the order of `LOG_RULES` (llama-server's words,
+   docs/engine-process.md "Exits"), each rule's last matching line being the evidence;
+3. a GPU library the loader could not find, for a GPU backend: `<backend>_startup_failed`;
+4. the kernel OOM killer (the caller's evidence: the cgroup's oom_kill count moved) for a
+   SIGKILL, which the log cannot state because the process died mid-line;
+5. anything else is a crash, with the last line that looks like an error.
+
+Pure: no I/O, the caller hands in the status and the log's lines.
 """
 
 from __future__ import annotations
 
 import re
 import signal
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
-from daemon.bundles.exitcodes import classify_engine_exit, exit_signal
-from daemon.bundles.exitcodes import signal_name as _signal_name
+import attrs
+
 from states.reasons import ReasonCode
 
 # How many log lines an exit's evidence carries.
 EVIDENCE_LINES = 20
+# A shell that runs the engine reports a signal as 128 + signo.
+_SHELL_SIGNAL_BASE = 128
+_GPU_BACKENDS = ("cuda", "rocm", "vulkan", "metal")
 
-_CUDA_INIT = re.compile(
-    r"failed to initialize CUDA|CUDA driver version is insufficient|no CUDA-capable device"
-    r"|ggml_cuda_init: failed",
-    re.IGNORECASE,
-)
-# The engine's argument parser refusing its command line (common/arg.cpp): a config problem.
-_BAD_ARGUMENTS = re.compile(
-    r"error: invalid argument:|error while handling (?:argument|environment variable)"
-    r"|error: unknown value for|expected value for argument",
-)
-# The line that decided a log rule, or the last one that looks like an error.
-_DECIDING = {
-    ReasonCode.PORT_IN_USE: re.compile(r"couldn't bind HTTP server socket|address already in use", re.I),
-    ReasonCode.OUT_OF_MEMORY: re.compile(
-        r"out of memory|cudaMalloc failed|unable to allocate \w+ buffer|std::bad_alloc", re.I
+
+@attrs.frozen
+class LogRule:
+    """A reason the engine states in its log: `pattern` on one line, `applies` to the status."""
+
+    pattern: re.Pattern[str]
+    reason: ReasonCode
+    applies: Callable[[int | None], bool] = lambda _returncode: True
+
+
+def _status_one(returncode: int | None) -> bool:
+    return returncode == 1
+
+
+# First match wins. The model_missing rule asks for the GGUF opener's "No such file" (or a
+# .gguf path after it): a bare "No such file or directory" is also what the loader prints for
+# a missing shared library, and a file that exists but is not a model is model_load_failed.
+LOG_RULES: tuple[LogRule, ...] = (
+    LogRule(re.compile(r"couldn't bind HTTP server socket|address already in use", re.I), ReasonCode.PORT_IN_USE),
+    LogRule(
+        re.compile(r"out of memory|cudaMalloc failed|unable to allocate \w+ buffer|std::bad_alloc", re.I),
+        ReasonCode.OUT_OF_MEMORY,
     ),
-    ReasonCode.MODEL_MISSING: re.compile(r"failed to open GGUF file|No such file or directory", re.I),
-    ReasonCode.MODEL_LOAD_FAILED: re.compile(
-        r"error loading model|exiting due to model loading error|failed to load model", re.I
+    LogRule(
+        re.compile(r"failed to open GGUF file.*No such file|No such file or directory.*\.gguf", re.I),
+        ReasonCode.MODEL_MISSING,
     ),
-    ReasonCode.CUDA_UNAVAILABLE: _CUDA_INIT,
-    ReasonCode.SERVER_BAD_ARGUMENTS: _BAD_ARGUMENTS,
-}
+    # The CUDA runtime failing to initialise: the load error that follows is its consequence.
+    LogRule(
+        re.compile(
+            r"failed to initialize CUDA|CUDA driver version is insufficient|no CUDA-capable device"
+            r"|ggml_cuda_init: failed",
+            re.I,
+        ),
+        ReasonCode.CUDA_UNAVAILABLE,
+    ),
+    LogRule(
+        re.compile(r"error loading model|exiting due to model loading error|failed to load model", re.I),
+        ReasonCode.MODEL_LOAD_FAILED,
+    ),
+    # The argument parser refusing its command line (common/arg.cpp): a config problem.
+    LogRule(
+        re.compile(
+            r"error: invalid argument:|error while handling (?:argument|environment variable)"
+            r"|error: unknown value for|expected value for argument"
+        ),
+        ReasonCode.SERVER_BAD_ARGUMENTS,
+        _status_one,
+    ),
+)
+_MISSING_LIBRARY = re.compile(r"error while loading shared libraries: (\S+?):")
 _ERRORISH = re.compile(r"error|failed|abort|assert|exception|terminate|fatal|illegal", re.IGNORECASE)
-# Stand-in status for an exit we could not observe (an adopted server is not our child).
-_UNKNOWN_FAILURE = 1
+OOM_KILLER_LINE = "the kernel OOM killer fired (cgroup memory.events oom_kill)"
+
+
+@attrs.frozen
+class ExitReport:
+    """How a server ended: exit status, reason code and evidence; `expected` if we stopped it."""
+
+    returncode: int | None
+    signal: str | None
+    reason: ReasonCode
+    evidence: dict[str, Any]
+    expected: bool
+    log_path: Path
+
+
+def exit_signal(returncode: int | None) -> int | None:
+    """The signal that ended the process, from a Popen returncode or a shell's 128+N."""
+    if returncode is None:
+        return None
+    if returncode < 0:
+        return -returncode
+    if _SHELL_SIGNAL_BASE < returncode < _SHELL_SIGNAL_BASE + 65:
+        return returncode - _SHELL_SIGNAL_BASE
+    return None
 
 
 def signal_name(returncode: int | None) -> str | None:
     """`SIGKILL` for -9 (and for 137, a shell's way of saying it); None for a plain exit."""
-    return _signal_name(exit_signal(returncode))
+    signo = exit_signal(returncode)
+    if signo is None:
+        return None
+    try:
+        return signal.Signals(signo).name
+    except ValueError:
+        return f"SIG{signo}"
+
+
+def missing_library(lines: Sequence[str]) -> str | None:
+    """The shared library the dynamic loader could not find, if the log says so."""
+    for line in lines:
+        if m := _MISSING_LIBRARY.search(line):
+            return m.group(1)
+    return None
 
 
 def classify_exit(
@@ -59,11 +136,11 @@ def classify_exit(
     oom_killed: bool = False,
     backend: str | None = None,
 ) -> tuple[ReasonCode, dict[str, Any]]:
-    """The reason code for a server's exit and its evidence (signal or status, line, log tail).
+    """The reason code for an engine's exit and its evidence (signal or status, line, log tail).
 
-    `returncode` None means the status is unknown (an adopted server): the log alone decides.
-    `oom_killed` is the caller's evidence that the kernel OOM killer fired (the cgroup's
-    `memory.events` oom_kill count moved): the log cannot say so, the process died mid-line.
+    `returncode` None means the status is unknown (an adopted server is not our child): the
+    log alone decides. A clean exit (0) is still a reason here: a server is not meant to
+    end by itself, and a tool run that exits 0 is not classified by its caller.
     """
     lines = [line.rstrip("\r\n") for line in log_tail]
     sig = signal_name(returncode)
@@ -74,18 +151,28 @@ def classify_exit(
         "line": None,
         "log_tail": lines[-EVIDENCE_LINES:],
     }
-    status = _UNKNOWN_FAILURE if returncode is None else returncode
-    reason = classify_engine_exit(status, "\n".join(lines), backend=backend) or ReasonCode.SERVER_CRASHED
-    if reason in (ReasonCode.MODEL_LOAD_FAILED, ReasonCode.SERVER_CRASHED) and _last(lines, _CUDA_INIT):
-        reason = ReasonCode.CUDA_UNAVAILABLE
-    if reason == ReasonCode.SERVER_CRASHED and returncode == 1 and _last(lines, _BAD_ARGUMENTS):
-        reason = ReasonCode.SERVER_BAD_ARGUMENTS
-    if reason == ReasonCode.SERVER_CRASHED and oom_killed and exit_signal(returncode) == signal.SIGKILL:
-        reason = ReasonCode.OUT_OF_MEMORY
-        evidence["line"] = "the kernel OOM killer fired (cgroup memory.events oom_kill)"
-        return reason, evidence
-    evidence["line"] = _last(lines, _DECIDING.get(reason, _ERRORISH)) or _last(lines, _ERRORISH)
+    library = missing_library(lines)
+    if library is not None:
+        evidence["missing_library"] = library
+    reason, line = _decide(returncode, lines, oom_killed=oom_killed, backend=backend, library=library)
+    evidence["line"] = line or _last(lines, _ERRORISH)
     return reason, evidence
+
+
+def _decide(
+    returncode: int | None, lines: list[str], *, oom_killed: bool, backend: str | None, library: str | None
+) -> tuple[ReasonCode, str | None]:
+    """(reason, the line that decided it, if a line did)."""
+    if exit_signal(returncode) == signal.SIGILL:
+        return ReasonCode.CPU_ILLEGAL_INSTRUCTION, None
+    for rule in LOG_RULES:
+        if rule.applies(returncode) and (line := _last(lines, rule.pattern)) is not None:
+            return rule.reason, line
+    if library is not None and backend in _GPU_BACKENDS:
+        return ReasonCode(f"{backend}_startup_failed"), _last(lines, _MISSING_LIBRARY)
+    if oom_killed and exit_signal(returncode) == signal.SIGKILL:
+        return ReasonCode.OUT_OF_MEMORY, OOM_KILLER_LINE
+    return ReasonCode.SERVER_CRASHED, None
 
 
 def _last(lines: Sequence[str], pattern: re.Pattern[str]) -> str | None:

@@ -23,7 +23,7 @@ import httpx
 import psutil
 import trio
 
-from daemon.core.http import loopback_client
+from daemon.engine.api import EngineClient
 from daemon.engine.exits import classify_exit
 from states.reasons import ReasonCode
 
@@ -133,14 +133,13 @@ async def verify_identity(ident: ServerIdentity) -> bool:
 
 
 async def _http_proof(ident: ServerIdentity) -> bool:
-    auth = {"Authorization": f"Bearer {ident.api_key}"}
     try:
-        async with loopback_client(base_url=ident.base_url, timeout=3.0) as client:
-            if (await client.get("/health")).status_code != 200:
+        async with EngineClient.open(ident.base_url, ident.api_key, timeout=3.0) as engine:
+            if (await engine.health()).status_code != 200:
                 return False
-            if (await client.get("/props")).status_code != 401:
+            if (await engine.props(with_key=False)).status_code != 401:
                 return False
-            return (await client.get("/props", headers=auth)).status_code == 200
+            return (await engine.props()).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -160,8 +159,8 @@ class AdoptedServer:
         return self.identity.base_url
 
     @property
-    def auth_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.identity.api_key}"}
+    def api_key(self) -> str:
+        return self.identity.api_key
 
     def is_running(self) -> bool:
         """True while the recorded process (pid, start time, exe) is alive and not a zombie."""

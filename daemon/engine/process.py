@@ -2,7 +2,7 @@
 
 `serve_server` owns the child: start it with `await nursery.start(serve_server, spec, ...)`
 and it hands back a `ServerHandle` once the process exists; it returns the `ExitReport` when
-the process ends. Cancelling the owning scope stops the server (TERM to its process group,
+the process ends. `engine.ready.wait_ready(handle)` then waits for the model to load. Cancelling the owning scope stops the server (TERM to its process group,
 grace, KILL) under a shielded, bounded scope, so a server never outlives its nursery.
 
 The server writes its stdout and stderr straight into the log file (not through a pipe to
@@ -21,23 +21,18 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 import attrs
 import psutil
 import trio
 
 from daemon.core.errors import StokerError
-from daemon.engine.exits import classify_exit, signal_name
 from daemon.core.paths import StokerPaths
-from daemon.engine.ready import BufferSize, ReadyReport, ServerLog, wait_ready
+from daemon.engine.exits import ExitReport, classify_exit, signal_name
 from daemon.engine.identity import ServerIdentity, cmdline_digest, live_exe, read_identity, write_identity
+from daemon.engine.ready import ServerLog
 from states.reasons import ReasonCode
-
-__all__ = [
-    "BufferSize", "ExitReport", "ReadyReport", "ServerHandle", "ServerLog", "ServerSpec", "serve_server",
-    "server_argv", "server_env", "start_server", "stop_server", "wait_ready",
-]
 
 DEFAULT_GRACE = 10.0
 # After SIGKILL: how long to wait for the kernel to reap (a process in D state can linger).
@@ -121,18 +116,6 @@ def server_env(spec: ServerSpec) -> dict[str, str]:
     return env
 
 
-@attrs.frozen
-class ExitReport:
-    """How a server ended: exit status, reason code and evidence; `expected` if we stopped it."""
-
-    returncode: int | None
-    signal: str | None
-    reason: ReasonCode
-    evidence: dict[str, Any]
-    expected: bool
-    log_path: Path
-
-
 @attrs.define(eq=False)
 class ServerHandle:
     """A running llama-server child, owned by the `serve_server` task that started it."""
@@ -176,10 +159,6 @@ class ServerHandle:
     @property
     def base_url(self) -> str | None:
         return f"http://{self.spec.host}:{self.port}" if self.port else None
-
-    @property
-    def auth_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"}
 
     async def wait_exit(self) -> ExitReport:
         """Block until the process has ended and been classified."""

@@ -4,25 +4,28 @@ The server answers HTTP before the model is loaded (503 on every route, /health 
 and with `--port 0` it names its port only after the load. So progress and readiness are read
 from the log (any new output is progress; `model loaded` then `listening on http://H:P`), and
 readiness is confirmed by `/health` 200. Lines and formats: docs/engine-process.md.
+
+This module knows the log and the API, not the process: `wait_ready` reads what
+`StartingServer` names, which engine.process's `ServerHandle` provides (process -> ready,
+never back).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 import httpx
 import trio
 
-from daemon.core.http import loopback_client
 from daemon.core.errors import StokerError
+from daemon.engine.api import EngineClient
+from daemon.engine.exits import ExitReport
 from states.reasons import ReasonCode
-
-if TYPE_CHECKING:
-    from daemon.engine.process import ServerHandle
 
 LOG_TAIL_LINES = 400
 
@@ -149,8 +152,33 @@ class ReadyReport:
         return out
 
 
+class StartingServer(Protocol):
+    """What `wait_ready` reads of the server it waits for (engine.process's ServerHandle)."""
+
+    log: ServerLog
+    log_path: Path
+    api_key: str
+    started_clock: float  # trio clock, just after the spawn
+    exit: ExitReport | None
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def port(self) -> int | None: ...
+
+    @property
+    def base_url(self) -> str | None: ...
+
+    async def wait_changed(self) -> None:
+        """Block until a new log line arrives or the process ends."""
+
+
 async def wait_ready(
-    handle: ServerHandle, *, stall_timeout: float = 60.0, ready_timeout: float = 600.0
+    handle: StartingServer, *, stall_timeout: float = 60.0, ready_timeout: float = 600.0
 ) -> ReadyReport:
     """Block until /health is 200 and the log says the model loaded; raise a reason-coded error.
 
@@ -159,18 +187,17 @@ async def wait_ready(
     classified reason. The server is left running either way: stopping it is the caller's call.
     """
     deadline = handle.started_clock + ready_timeout
-    async with loopback_client(timeout=httpx.Timeout(5.0)) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        engine: EngineClient | None = None
         while True:
             if handle.exit is not None:
                 raise StokerError(handle.exit.reason, evidence=handle.exit.evidence)
             now = trio.current_time()
-            if handle.log.model_loaded and handle.port:
-                try:
-                    health = await client.get(f"{handle.base_url}/health")
-                except httpx.HTTPError:
-                    health = None
-                if health is not None and health.status_code == 200:
-                    return await _ready_report(client, handle, trio.current_time())
+            if handle.log.model_loaded and handle.base_url:
+                if engine is None:  # the URL is known once the log names the port
+                    engine = await stack.enter_async_context(EngineClient.open(handle.base_url, handle.api_key))
+                if await engine.healthy():
+                    return await _ready_report(engine, handle, trio.current_time())
             idle = now - handle.log.last_progress
             if idle > stall_timeout:
                 raise StokerError(ReasonCode.SERVER_STALLED, evidence=_wait_evidence(handle, stall_timeout=stall_timeout, idle_seconds=round(idle, 3)))
@@ -183,15 +210,15 @@ async def wait_ready(
                 await handle.wait_changed()
 
 
-def _wait_evidence(handle: ServerHandle, **extra: Any) -> dict[str, Any]:
+def _wait_evidence(handle: StartingServer, **extra: Any) -> dict[str, Any]:
     tail = list(handle.log.tail)
     return {**extra, "pid": handle.pid, "last_line": tail[-1] if tail else None, "log_tail": tail[-20:], "log_path": str(handle.log_path)}
 
 
-async def _ready_report(client: httpx.AsyncClient, handle: ServerHandle, ready_clock: float) -> ReadyReport:
+async def _ready_report(engine: EngineClient, handle: StartingServer, ready_clock: float) -> ReadyReport:
     props: dict[str, Any] = {}
     try:
-        resp = await client.get(f"{handle.base_url}/props", headers=handle.auth_headers)
+        resp = await engine.props()
         if resp.status_code == 200:
             props = resp.json()
     except (httpx.HTTPError, ValueError):

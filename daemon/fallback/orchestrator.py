@@ -28,10 +28,10 @@ import attrs
 import trio
 
 from daemon.backends.base import Backend, Detection, TelemetryRequest
-from daemon.bundles.exitcodes import exit_evidence
 from daemon.bundles.installed import InstalledBundle, list_installed
 from daemon.config.model import Config
 from daemon.core.errors import StokerError
+from daemon.engine.exits import missing_library
 from daemon.install.service import InstallService
 from daemon.fallback.layers import (CONTEXT_RESERVE_MIB, FIT_MARGIN_MIB, LayerEstimate, estimate, fit_margin, free_vram,
                                why_actual, why_planned)
@@ -102,7 +102,7 @@ def exit_detail(evidence: Mapping[str, Any]) -> dict[str, Any]:
     line, a library the loader could not find, the exit status and the log's last lines."""
     tail = [str(line) for line in (evidence.get("log_tail") or [])][-8:]
     detail = {k: evidence[k] for k in ("line", "returncode", "signal") if evidence.get(k) is not None}
-    missing = exit_evidence(None, "\n".join(tail)).get("missing_library")
+    missing = missing_library(tail)
     if missing:
         detail["missing_library"] = missing
     if tail:

@@ -25,6 +25,7 @@ from daemon.core.errors import StokerError
 from daemon.core.machines import MachineRunner
 from daemon.models.resolve import model_launch_args
 from daemon.core.paths import StokerPaths
+from daemon.engine.api import EngineClient
 from daemon.engine.identity import (
     AdoptedServer,
     adopt,
@@ -32,7 +33,8 @@ from daemon.engine.identity import (
     stop_orphan,
 )
 from daemon.snapshots.service import snapshot_server_args
-from daemon.engine.process import ServerHandle, ServerSpec, serve_server, stop_server, wait_ready
+from daemon.engine.process import ServerHandle, ServerSpec, serve_server, stop_server
+from daemon.engine.ready import wait_ready
 from states import launch as L
 from states.machine import IllegalTransition, Step
 from states.reasons import ReasonCode
@@ -345,20 +347,12 @@ class Supervisor:
         self.offer(event)
 
     async def _watch_adopted_ready(self, server: AdoptedServer, stall_timeout: float) -> None:
-        import httpx
-
-        from daemon.core.http import loopback_client
-
         with trio.move_on_after(self.config.server.ready_timeout_s):
-            async with loopback_client(timeout=5.0) as client:
+            async with EngineClient.open(server.base_url, server.api_key) as engine:
                 while self.server is server:
-                    try:
-                        health = await client.get(f"{server.base_url}/health")
-                        if health.status_code == 200:
-                            await self._ready({"adopted": True, "base_url": server.base_url, "pid": server.pid})
-                            return
-                    except httpx.HTTPError:
-                        pass
+                    if await engine.healthy():
+                        await self._ready({"adopted": True, "base_url": server.base_url, "pid": server.pid})
+                        return
                     await trio.sleep(0.2)
             return
         self.offer(L.StallTimeout())

@@ -20,12 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
-import httpx
 import trio
 
-from daemon.core.http import loopback_client
 from daemon.config.model import Config
 from daemon.core.errors import StokerError
+from daemon.engine.api import EngineClient, error_message
 from daemon.models.facts import model_facts
 from daemon.core.digests import fsync_dir, sha256_file
 from daemon.core.paths import StokerPaths
@@ -87,17 +86,6 @@ class LiveServer:
     variant: str | None
     model_path: str
     swa: dict[str, Any]
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-
-def _engine_error(resp: httpx.Response) -> str:
-    try:
-        return str(resp.json().get("error", {}).get("message") or resp.text)[:300]
-    except ValueError:
-        return resp.text[:300]
 
 
 def _seal(path: Path) -> tuple[int, str]:
@@ -190,9 +178,9 @@ class SnapshotService:
         if self.live is not None and self.live.key == key:
             return self.live
         resp = None
-        async with loopback_client(timeout=None) as client:
+        async with EngineClient.open(base_url, api_key, timeout=None) as engine:
             with trio.move_on_after(SLOT_TIMEOUT):
-                resp = await client.get(f"{base_url}/props", headers={"Authorization": f"Bearer {api_key}"})
+                resp = await engine.props()
         if resp is None or resp.status_code != 200:
             raise StokerError(ReasonCode.SNAPSHOT_SERVER_NOT_READY,
                               evidence={"props": None if resp is None else resp.status_code})
@@ -236,10 +224,10 @@ class SnapshotService:
             self._check_slot(live, slot)
         async with self._lock:
             self.cleanup_files()
-            async with loopback_client(timeout=None) as client:
+            async with EngineClient.open(live.base_url, live.api_key, timeout=None) as engine:
                 resp = None
                 with trio.move_on_after(timeout):
-                    resp = await client.get(f"{live.base_url}/slots", headers=live.headers)
+                    resp = await engine.slots()
                 if resp is None or resp.status_code != 200:
                     raise StokerError(ReasonCode.SNAPSHOT_SAVE_FAILED, "The server did not list its slots.",
                                       {"status": None if resp is None else resp.status_code})
@@ -249,7 +237,7 @@ class SnapshotService:
                 saved, errors = [], []
                 for sid, _ in todo:
                     try:
-                        saved.append(await self._save_slot(client, live, sid, cause, timeout))
+                        saved.append(await self._save_slot(engine, live, sid, cause, timeout))
                     except StokerError as err:  # one slot's failure does not cost the others
                         log.warning("slot %d not saved: %s %s", sid, err.reason, err.evidence)
                         errors.append(err)
@@ -260,7 +248,7 @@ class SnapshotService:
             raise errors[0]
         return saved
 
-    async def _save_slot(self, client: httpx.AsyncClient, live: LiveServer, slot: int, cause: str,
+    async def _save_slot(self, engine: EngineClient, live: LiveServer, slot: int, cause: str,
                          timeout: float) -> SnapshotRecord:
         tmp = f"{PARTIAL_PREFIX}{secrets.token_hex(8)}.bin"
         path = self.dir / tmp
@@ -268,13 +256,12 @@ class SnapshotService:
         try:
             resp = None
             with trio.move_on_after(timeout):
-                resp = await client.post(f"{live.base_url}/slots/{slot}?action=save", json={"filename": tmp},
-                                         headers=live.headers)
+                resp = await engine.save_slot(slot, tmp)
             if resp is None:
                 raise StokerError(ReasonCode.SNAPSHOT_SAVE_FAILED, f"Saving slot {slot} took longer than {timeout:g} s.",
                                   {"slot": slot, "timeout_s": timeout})
             if resp.status_code != 200:
-                raise self._save_error(slot, {"status": resp.status_code, "engine": _engine_error(resp)})
+                raise self._save_error(slot, {"status": resp.status_code, "engine": error_message(resp)})
             body = resp.json()
             size, sha = await trio.to_thread.run_sync(_seal, path)
             if size != body.get("n_written"):
@@ -328,19 +315,18 @@ class SnapshotService:
             raise StokerError(ReasonCode.SNAPSHOT_CORRUPT, evidence={
                 "snapshot_id": rec.id, "file": rec.filename, "expected_size": rec.file_size,
                 "found_size": found[0] if found else None, "digest_matches": bool(found and found[1] == rec.file_sha256)})
-        async with self._lock, loopback_client(timeout=None) as client:
+        async with self._lock, EngineClient.open(live.base_url, live.api_key, timeout=None) as engine:
             resp = None
             with trio.move_on_after(SLOT_TIMEOUT):
-                resp = await client.post(f"{live.base_url}/slots/{slot}?action=restore",
-                                         json={"filename": rec.filename}, headers=live.headers)
+                resp = await engine.restore_slot(slot, rec.filename)
             body = resp.json() if resp is not None and resp.status_code == 200 else {}
             if body.get("n_restored") != rec.n_tokens:
                 # The engine clears the slot after a failed restore; erase makes sure of it.
                 with trio.move_on_after(SLOT_TIMEOUT):
-                    await client.post(f"{live.base_url}/slots/{slot}?action=erase", headers=live.headers)
+                    await engine.erase_slot(slot)
                 raise StokerError(ReasonCode.SNAPSHOT_RESTORE_FAILED, evidence={
                     "snapshot_id": rec.id, "slot": slot, "status": None if resp is None else resp.status_code,
-                    "engine": None if resp is None else _engine_error(resp)})
+                    "engine": None if resp is None else error_message(resp)})
         result = {"id": rec.id, "slot": slot, "n_tokens": body["n_restored"],
                   "restore_ms": (body.get("timings") or {}).get("restore_ms"),
                   "saved_on": rec.backend, "restored_on": live.backend,

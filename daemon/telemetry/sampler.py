@@ -272,11 +272,10 @@ def engine_figures(metrics: dict[str, float]) -> dict[str, Any]:
 
 async def fetch_engine_metrics(base_url: str, api_key: str | None) -> dict[str, Any]:
     """GET /metrics (llama-server started with --metrics); raises httpx errors or ValueError."""
-    from daemon.core.http import loopback_client
+    from daemon.engine.api import EngineClient
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with loopback_client(timeout=METRICS_TIMEOUT_S) as client:
-        reply = await client.get(f"{base_url}/metrics", headers=headers)
+    async with EngineClient.open(base_url, api_key, timeout=METRICS_TIMEOUT_S) as engine:
+        reply = await engine.metrics()
     if reply.status_code != 200:
         raise ValueError(f"/metrics answered HTTP {reply.status_code}")
     return engine_figures(parse_metrics(reply.text))

@@ -10,12 +10,12 @@ import subprocess
 import sys
 
 import attrs
-import httpx
 import psutil
 import pytest
 import trio
 
 from daemon.core.errors import StokerError
+from daemon.engine.api import EngineClient
 from daemon.engine.identity import (
     adopt,
     read_identity,
@@ -23,7 +23,8 @@ from daemon.engine.identity import (
     verify_identity,
     write_identity,
 )
-from daemon.engine.process import ServerSpec, start_server, stop_server, wait_ready
+from daemon.engine.process import ServerSpec, start_server, stop_server
+from daemon.engine.ready import wait_ready
 from states.reasons import ReasonCode
 
 pytestmark = pytest.mark.engine
@@ -65,17 +66,17 @@ async def test_start_ready_serve_with_the_key_stop(spec, tmp_path):
             assert report.build_info and 0 < report.load_seconds <= report.ready_seconds
             assert report.engine_load_seconds is not None and report.engine_load_seconds > 0
 
-            async with httpx.AsyncClient(base_url=report.base_url, trust_env=False, timeout=20) as client:
-                body = {"prompt": "hello", "n_predict": 4}
-                ok = await client.post("/completion", json=body, headers=handle.auth_headers)
+            body = {"prompt": "hello", "n_predict": 4}
+            async with EngineClient.open(report.base_url, handle.api_key, timeout=20) as engine:
+                ok = await engine.completion(body)
                 assert ok.status_code == 200 and "content" in ok.json()
-                denied = await client.post("/completion", json=body)
-                assert denied.status_code == 401
-                wrong = await client.post("/completion", json=body, headers={"Authorization": "Bearer nope"})
-                assert wrong.status_code == 401
-                assert (await client.get("/health")).status_code == 200  # public in llama-server
-                props = (await client.get("/props", headers=handle.auth_headers)).json()
-                assert props["ui"] is False
+                assert (await engine.props()).json()["ui"] is False
+                assert (await engine.props(with_key=False)).status_code == 401
+            async with EngineClient.open(report.base_url, None, timeout=20) as keyless:
+                assert (await keyless.completion(body)).status_code == 401
+                assert await keyless.healthy()  # public in llama-server
+            async with EngineClient.open(report.base_url, "nope", timeout=20) as wrong:
+                assert (await wrong.completion(body)).status_code == 401
 
             assert handle.api_key not in " ".join(psutil.Process(handle.pid).cmdline())
             assert handle.process.returncode is None
@@ -109,6 +110,19 @@ async def test_missing_model_is_model_missing(spec, tmp_path):
     assert err.value.reason == ReasonCode.MODEL_MISSING
     assert "failed to open GGUF file" in err.value.evidence["line"]
     assert handle.exit is not None and handle.exit.returncode == 1
+
+
+@pytest.mark.parametrize("kind", ["directory", "/dev/zero"])
+async def test_a_model_path_that_is_not_a_file_is_not_model_missing(spec, tmp_path, kind):
+    """The engine opens a directory or /dev/zero and cannot read a GGUF header from it: a model
+    it cannot load (the file is there), never "does not exist"."""
+    spec = attrs.evolve(spec, model_path=tmp_path if kind == "directory" else kind)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            handle = await start_server(nursery, spec, log_path=tmp_path / "server.log")
+            report = await handle.wait_exit()
+    assert report.reason == ReasonCode.MODEL_LOAD_FAILED and report.returncode == 1
+    assert "No such file" not in "\n".join(report.evidence["log_tail"])
 
 
 async def test_a_taken_port_is_port_in_use(spec, tmp_path):
@@ -169,8 +183,8 @@ async def test_identity_proves_ours_and_refuses_a_reused_pid(spec, tmp_path):
 
             adopted = await adopt(read_identity(ident_path))
             assert adopted is not None and adopted.is_running()
-            async with httpx.AsyncClient(base_url=adopted.base_url, trust_env=False, timeout=20) as client:
-                resp = await client.post("/completion", json={"prompt": "hi", "n_predict": 2}, headers=adopted.auth_headers)
+            async with EngineClient.open(adopted.base_url, adopted.api_key, timeout=20) as engine:
+                resp = await engine.completion({"prompt": "hi", "n_predict": 2})
                 assert resp.status_code == 200
 
             # Stopping it as an orphan (as the next daemon would) ends our child too.
@@ -216,8 +230,8 @@ async def test_a_server_outlives_its_killed_daemon_and_is_adopted(spec, tmp_path
         while adopted is None:  # listening is logged a moment before /health says 200
             adopted = await adopt(ident)
             await trio.sleep(0.05)
-        async with httpx.AsyncClient(base_url=adopted.base_url, trust_env=False, timeout=20) as client:
-            resp = await client.post("/completion", json={"prompt": "hi", "n_predict": 2}, headers=adopted.auth_headers)
+        async with EngineClient.open(adopted.base_url, adopted.api_key, timeout=20) as engine:
+            resp = await engine.completion({"prompt": "hi", "n_predict": 2})
             assert resp.status_code == 200
         assert await adopted.stop(grace=10)
         reason, evidence = await adopted.wait_exit()

@@ -211,7 +211,7 @@ def test_engine_dying_of_sigill_is_cpu_illegal_instruction(tmp_path, paths, step
 def test_engine_dying_of_sigill_during_the_smoke_run(tmp_path):
     src = make_bundle_dir(tmp_path / "dir", script=engine_script(crash_on="serve", sig="ILL"))
     err = refused(ReasonCode.CPU_ILLEGAL_INSTRUCTION, verify_bundle, src, smoke=True)
-    assert "loading model" in err.evidence["log_tail"]
+    assert "main: loading model" in err.evidence["log_tail"]  # the engine's last lines
 
 
 @pytest.mark.parametrize("step", ["version", "devices", "serve"])

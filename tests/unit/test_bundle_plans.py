@@ -1,14 +1,11 @@
-"""Build plans, CPU variants, the CUDA path, source specs, exit classification and the cache key."""
+"""Build plans, CPU variants, the CUDA path, source specs and the cache key (exits: test_exit_classify)."""
 
 from __future__ import annotations
-
-import signal
 
 import pytest
 
 from daemon.bundles import variants
 from daemon.bundles.build import cache_key
-from daemon.bundles.exitcodes import classify_engine_exit, exit_evidence, exit_signal
 from daemon.bundles.smoke import SmokeSpec
 from daemon.bundles.source import DEFAULT_SHA256, SourceSpec
 from daemon.bundles.variants import BuildPlan, Toolchain
@@ -135,33 +132,6 @@ def test_source_specs(tmp_path):
                 "/does/not/exist", "https://x.invalid/a#sha256=" + "c" * 64 + "&evil=1"):
         with pytest.raises(StokerError):
             SourceSpec.parse(bad)
-
-
-@pytest.mark.parametrize("returncode, tail, reason", [
-    (-signal.SIGILL, "", ReasonCode.CPU_ILLEGAL_INSTRUCTION),
-    (128 + signal.SIGILL, "", ReasonCode.CPU_ILLEGAL_INSTRUCTION),
-    (-signal.SIGILL, "error loading model", ReasonCode.CPU_ILLEGAL_INSTRUCTION),  # the signal decides first
-    (-signal.SIGSEGV, "", ReasonCode.SERVER_CRASHED),
-    (1, "couldn't bind HTTP server socket", ReasonCode.PORT_IN_USE),
-    (1, "llama_model_load: error loading model: bad magic", ReasonCode.MODEL_LOAD_FAILED),
-    (-signal.SIGABRT, "CUDA error: out of memory", ReasonCode.OUT_OF_MEMORY),
-    (0, "", None),
-    (None, "", None),
-])
-def test_classify_engine_exit(returncode, tail, reason):
-    assert classify_engine_exit(returncode, tail) == reason
-
-
-def test_missing_gpu_library_is_the_backends_startup_failure():
-    tail = "llama-server: error while loading shared libraries: libcuda.so.1: cannot open shared object file"
-    assert classify_engine_exit(127, tail, backend="cuda") == ReasonCode.CUDA_STARTUP_FAILED
-    assert exit_evidence(127, tail)["missing_library"] == "libcuda.so.1"
-
-
-def test_exit_evidence_names_the_signal():
-    ev = exit_evidence(-4, "a\nb\nc", lines=2)
-    assert ev == {"returncode": -4, "signal": "SIGILL", "log_tail": "b\nc"}
-    assert exit_signal(132) == signal.SIGILL and exit_signal(1) is None
 
 
 def test_native_smoke_reaches_the_quantized_kernels():

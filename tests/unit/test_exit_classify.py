@@ -1,10 +1,16 @@
-"""classify_exit on recorded log tails: the engine's own words decide, in a fixed order."""
+"""classify_exit on recorded log tails: the engine's own words decide, in a fixed order.
+
+One classifier names every engine exit: the supervised server's, `bundle verify`'s tool
+runs and the smoke generation's (the tails without a timestamp prefix are what those print).
+"""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
-from daemon.engine.exits import classify_exit, signal_name
+from daemon.engine.exits import classify_exit, exit_signal, missing_library, signal_name
 from states.reasons import ReasonCode
 
 # Tails recorded from the CPU build at -lv 4 --log-colors off (each line carries the
@@ -118,3 +124,69 @@ def test_evidence_keeps_only_the_last_lines():
 def test_signal_names():
     assert signal_name(-9) == "SIGKILL" and signal_name(137) == "SIGKILL"
     assert signal_name(1) is None and signal_name(None) is None
+
+
+@pytest.mark.parametrize(
+    ("returncode", "tail", "reason"),
+    [
+        (-signal.SIGILL, "", ReasonCode.CPU_ILLEGAL_INSTRUCTION),
+        (128 + signal.SIGILL, "", ReasonCode.CPU_ILLEGAL_INSTRUCTION),
+        (-signal.SIGILL, "error loading model", ReasonCode.CPU_ILLEGAL_INSTRUCTION),  # the signal decides first
+        (-signal.SIGSEGV, "", ReasonCode.SERVER_CRASHED),
+        (1, "couldn't bind HTTP server socket", ReasonCode.PORT_IN_USE),
+        (1, "llama_model_load: error loading model: bad magic", ReasonCode.MODEL_LOAD_FAILED),
+        (-signal.SIGABRT, "CUDA error: out of memory", ReasonCode.OUT_OF_MEMORY),
+    ],
+)
+def test_tool_runs_are_named_by_the_same_rules(returncode, tail, reason):
+    """What `bundle verify` and the smoke run hand in: a status and untimestamped lines."""
+    assert classify_exit(returncode, tail.splitlines())[0] == reason
+
+
+LIBCUDA_MISSING = "llama-server: error while loading shared libraries: libcuda.so.1: cannot open shared object file: No such file or directory"
+
+
+def test_a_missing_gpu_library_is_the_backends_startup_failure():
+    reason, evidence = classify_exit(127, [LIBCUDA_MISSING], backend="cuda")
+    assert reason == ReasonCode.CUDA_STARTUP_FAILED
+    assert evidence["missing_library"] == "libcuda.so.1" and evidence["line"] == LIBCUDA_MISSING
+    assert missing_library([LIBCUDA_MISSING]) == "libcuda.so.1"
+
+
+def test_a_missing_library_is_not_a_missing_model():
+    """The loader's "No such file or directory" for a library says nothing about the model: the
+    model_missing rule asks for the GGUF opener's words (the two old classifiers disagreed here:
+    the supervisor's evidence rule took any "No such file or directory" line)."""
+    assert classify_exit(127, [LIBCUDA_MISSING])[0] == ReasonCode.SERVER_CRASHED
+    tail = MISSING_MODEL + "0.00.033.000 W srv  slot_save: cannot open /s/slot0.bin: No such file or directory\n"
+    reason, evidence = classify_exit(1, tail.splitlines())
+    assert reason == ReasonCode.MODEL_MISSING
+    assert "failed to open GGUF file '/nope/missing.gguf'" in evidence["line"]  # the line that decided
+
+
+# What the engine says for a path that is there but is not a model: fopen succeeds on a
+# directory or /dev/zero, the header read fails (ggml/src/gguf.cpp). Not "does not exist".
+DIRECTORY_MODEL = """\
+0.00.030.100 E gguf_init_from_reader: failed to read magic
+0.00.030.104 E llama_model_load: error loading model: llama_model_loader: failed to load model from /models
+0.00.030.900 E srv  llama_server: exiting due to model loading error
+"""
+UNREADABLE_MODEL = """\
+0.00.030.100 E gguf_init_from_file: failed to open GGUF file '/m/secret.gguf' (Permission denied)
+0.00.030.104 E llama_model_load: error loading model: llama_model_loader: failed to load model from /m/secret.gguf
+0.00.030.900 E srv  llama_server: exiting due to model loading error
+"""
+
+
+@pytest.mark.parametrize("tail", [DIRECTORY_MODEL, UNREADABLE_MODEL])
+def test_a_model_that_is_there_but_unloadable_is_model_load_failed(tail):
+    reason, evidence = classify_exit(1, tail.splitlines())
+    assert reason == ReasonCode.MODEL_LOAD_FAILED
+    assert "exiting due to model loading error" in evidence["line"]
+
+
+def test_evidence_names_the_signal_and_keeps_the_last_lines():
+    reason, evidence = classify_exit(-4, ["a", "b", "c"])
+    assert reason == ReasonCode.CPU_ILLEGAL_INSTRUCTION
+    assert evidence["signal"] == "SIGILL" and evidence["returncode"] == -4 and evidence["exit_code"] is None
+    assert exit_signal(132) == signal.SIGILL and exit_signal(1) is None and exit_signal(None) is None

@@ -17,15 +17,13 @@ import trio
 
 from daemon.core.errors import StokerError
 from daemon.engine.process import (
-    ServerLog,
     ServerSpec,
     start_server,
     server_argv,
     server_env,
     stop_server,
-    wait_ready,
 )
-from daemon.engine.ready import engine_seconds
+from daemon.engine.ready import ServerLog, engine_seconds, wait_ready
 from states.reasons import ReasonCode
 
 # Recorded from the CPU build (-lv 4 --log-colors off), abridged.
