@@ -1,8 +1,13 @@
 """Installed bundles: one slot per backend and variant under the data dir's `bundles/`.
 
 Install = unpack (or copy) into a hidden staging directory beside the slots, verify there,
-then rename into place; the slot it replaces is kept as `<slot>.previous`. Staging names
-start with a dot and are never found by `find_installed`, so nothing half-installed is
+then `promote`: the one way a bundle enters its slot, used by `install_bundle` (a local zip
+or directory, what the daemon's `install {path}` and `stoker run` without a daemon run) and
+by the install service's Promote step (a bundle from the manifest). Promote makes the staged
+files durable (fsync every file and directory), renames the old slot to `<slot>.previous`,
+renames the staged tree into the slot and fsyncs `bundles/`, so that after a crash the slot
+holds either the old bundle or the whole new one, never names without their data. Staging
+names start with a dot and are never found by `find_installed`, so nothing half-installed is
 ever launched. If a crash falls between the two renames, the slot is missing and its
 `.previous` still there: `find_installed` then returns the previous bundle.
 """
@@ -21,6 +26,7 @@ from daemon.bundles.archive import unpack_bundle
 from daemon.bundles.metadata import BundleMeta
 from daemon.bundles.variants import SAFE_CPU_VARIANTS, cpu_flags, variant_fits
 from daemon.bundles.verify import VerifyReport, verify_dir
+from daemon.core.digests import fsync_dir
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
 from states.reasons import ReasonCode
@@ -52,6 +58,50 @@ def _copy_dir_into(src: Path, staging: Path) -> None:
     shutil.copytree(src, staging, symlinks=True, dirs_exist_ok=True)
 
 
+def _sync_tree(root: Path) -> None:
+    """fsync every file and directory under `root`, deepest first: its data and names are on
+    disk before a rename makes them launchable."""
+    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                continue  # verification refuses links; nothing to make durable
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
+
+
+def promote(staged: Path, bundles_dir: Path, *, slot: str | None = None) -> InstalledBundle:
+    """Move a verified staged bundle into its slot, durably; the old slot becomes `.previous`.
+
+    `slot`: the slot the caller staged for (a manifest entry's); a staged bundle whose
+    metadata names another is refused. Idempotent for a resumed install: with the staged tree
+    gone and the slot in place, the rename already happened and the slot is returned.
+    """
+    staged = Path(staged)
+    if not staged.is_dir():
+        if slot is not None and (bundles_dir / slot).is_dir():
+            return InstalledBundle.from_dir(bundles_dir / slot)
+        raise StokerError(ReasonCode.BUNDLE_MISSING, "Neither the staged bundle nor the slot exists.",
+                          {"staging": str(staged), "slot": None if slot is None else str(bundles_dir / slot)})
+    meta = BundleMeta.read(staged)
+    if slot is not None and meta.slot != slot:
+        raise StokerError(ReasonCode.BUNDLE_METADATA_MISMATCH, "The staged bundle belongs to another slot.",
+                          {"staged": meta.slot, "slot": slot})
+    _sync_tree(staged)
+    target = bundles_dir / meta.slot
+    previous = bundles_dir / (meta.slot + PREVIOUS)
+    if target.exists():
+        shutil.rmtree(previous, ignore_errors=True)
+        os.replace(target, previous)  # between these two renames find_installed uses .previous
+    os.replace(staged, target)
+    fsync_dir(bundles_dir)
+    return InstalledBundle.from_dir(target)
+
+
 def install_bundle(
     zip_or_dir: str | Path,
     paths: StokerPaths,
@@ -62,7 +112,10 @@ def install_bundle(
     smoke: bool = False,
     progress: Progress = lambda _: None,
 ) -> InstalledBundle:
-    """Verify a bundle zip or directory in staging and move it into its slot atomically."""
+    """Verify a bundle zip or directory in staging and `promote` it into its slot.
+
+    Blocking: the daemon runs it in a worker thread (`install {path}`), `stoker run` without
+    a daemon and the tests call it directly."""
     source = Path(zip_or_dir)
     if not source.exists():
         raise StokerError(ReasonCode.BUNDLE_MISSING, "The bundle to install does not exist.", {"path": str(source)})
@@ -78,14 +131,9 @@ def install_bundle(
         progress(f"unpacked into {unpacked}")
         report: VerifyReport = verify_dir(unpacked, expect_backend=expect_backend, expect_version=expect_version,
                                           expect_variant=expect_variant, smoke=smoke, progress=progress)
-        slot = bundles / report.meta.slot
-        previous = bundles / (report.meta.slot + PREVIOUS)
-        if slot.exists():
-            shutil.rmtree(previous, ignore_errors=True)
-            os.replace(slot, previous)
-        os.replace(unpacked, slot)
-        progress(f"installed {report.meta.slot} at {slot}")
-        return InstalledBundle.from_dir(slot)
+        installed = promote(unpacked, bundles, slot=report.meta.slot)
+        progress(f"installed {report.meta.slot} at {installed.root}")
+        return installed
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

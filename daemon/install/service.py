@@ -28,10 +28,10 @@ from urllib.parse import unquote, urlparse
 import attrs
 import trio
 
-from daemon.core.digests import fsync_dir, sha256_file
+from daemon.core.digests import sha256_file
 from daemon.backends.base import Backend, Detection
 from daemon.bundles.archive import unpack_bundle
-from daemon.bundles.installed import PREVIOUS, InstalledBundle, find_installed
+from daemon.bundles.installed import InstalledBundle, find_installed, promote
 from daemon.bundles.metadata import BundleManifest, BundleMeta, ManifestEntry
 from daemon.bundles.variants import host_platform
 from daemon.install.download import DownloadError, DownloadProgress, download
@@ -395,22 +395,9 @@ class InstallService:
         await trio.to_thread.run_sync(self._promote, runner, effect)
 
     def _promote(self, runner: MachineRunner, effect: I.Promote) -> None:
+        # The one promote (bundles.installed), as `install_bundle` uses it: idempotent on resume.
         staging = Path(effect.staging)
-        slot = self.paths.bundles_dir / f"{effect.backend}-{effect.variant}"
-        previous = slot.with_name(slot.name + PREVIOUS)
-        if staging.is_dir():
-            meta = BundleMeta.read(staging)
-            if meta.slot != slot.name:
-                raise StokerError(ReasonCode.BUNDLE_METADATA_MISMATCH, "The staged bundle belongs to another slot.",
-                                  {"staged": meta.slot, "slot": slot.name})
-            if slot.exists():
-                shutil.rmtree(previous, ignore_errors=True)
-                os.replace(slot, previous)  # between these two renames find_installed uses .previous
-            os.replace(staging, slot)
-            fsync_dir(slot.parent)
-        elif not slot.is_dir():
-            raise StokerError(ReasonCode.BUNDLE_MISSING, "Neither the staged bundle nor the slot exists.",
-                              {"staging": str(staging), "slot": str(slot)})
+        promote(staging, self.paths.bundles_dir, slot=f"{effect.backend}-{effect.variant}")
         shutil.rmtree(staging.parent, ignore_errors=True)
         data: I.InstallData = runner.data
         if data.archive:
