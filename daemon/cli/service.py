@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -13,11 +13,14 @@ from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
 from states.reasons import ReasonCode, message_for
 
+if TYPE_CHECKING:
+    from daemon.control.client import ControlClient
+
 READY_STATES = {"ready"}
 SETTLED_FAILURES = {"failed", "stopped"}
 
 
-def _client(timeout: float = 10.0):
+def _client(timeout: float = 10.0) -> ControlClient:
     from daemon.control.client import ControlClient
 
     return ControlClient(StokerPaths.from_env().socket_path, timeout=timeout)
@@ -44,7 +47,8 @@ def _or_dash(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def format_status(st: dict) -> str:
+def format_status(st: dict[str, Any]) -> str:
+    """The status document for a person: state, backend, why, layers, fallbacks."""
     lines = []
     state = st.get("state", "?")
     colour = {"ready": "green", "failed": "red", "crashed": "red", "backoff": "yellow"}.get(state)
@@ -69,7 +73,10 @@ def format_status(st: dict) -> str:
             f" (planned {_or_dash(layers.get('planned'))}){' - ' + layers['why'] if layers.get('why') else ''}"
         )
     if st.get("pid"):
-        lines.append(f"pid       {st['pid']}   uptime {st.get('uptime_s', 0):.0f}s   restarts {st.get('restarts', 0)}")
+        # uptime_s is null until the server is ready (loading, or adopted and not yet proven).
+        uptime = st.get("uptime_s")
+        shown = "-" if uptime is None else f"{uptime:.0f}s"
+        lines.append(f"pid       {st['pid']}   uptime {shown}   restarts {st.get('restarts', 0)}")
     cfg = st.get("config") or {}
     if cfg.get("problems"):
         lines.append(click.style("config    invalid, still running the previous config:", fg="yellow"))

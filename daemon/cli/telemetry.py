@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from daemon.cli.output import emit, fail, json_option
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
+
+if TYPE_CHECKING:
+    from daemon.control.client import ControlClient
 
 TOPIC = "telemetry.sample"
 
@@ -72,7 +75,7 @@ def format_sample(sample: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _client(timeout: float = 10.0):
+def _client(timeout: float = 10.0) -> ControlClient:
     from daemon.control.client import ControlClient
 
     return ControlClient(StokerPaths.from_env().socket_path, timeout=timeout)

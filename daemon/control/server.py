@@ -279,7 +279,12 @@ class _Connection:
                     _internal_message(err),
                     {"method": request.method, "exception": type(err).__name__},
                 )
-            await self.send(frame)
+            # A handler that finished has its reply delivered even if the server is being
+            # cancelled meanwhile: `shutdown` is exactly that case (its handler sets off the
+            # cancellation of this very server), and without the shield its reply was lost about
+            # half the time, by the luck of trio's scheduling. The send is bounded by its timeout.
+            with trio.CancelScope(shield=True):
+                await self.send(frame)
         finally:
             self.slots.release()
 

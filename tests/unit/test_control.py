@@ -37,6 +37,7 @@ class Toy:
         self.running = 0
         self.most = 0
         self.release = trio.Event()
+        self.on_stop = lambda: None
 
     async def __call__(self, method, params):
         self.running += 1
@@ -52,6 +53,9 @@ class Toy:
                 raise StokerError(ReasonCode.PORT_IN_USE, evidence={"port": 8080})
             if method == "boom":
                 raise RuntimeError("handler bug")
+            if method == "stop":  # as `shutdown` does: set off the cancellation of this server
+                self.on_stop()
+                return {"stopping": True}
             raise StokerError(ReasonCode.UNKNOWN_METHOD, evidence={"method": method})
         finally:
             self.running -= 1
@@ -401,3 +405,23 @@ async def test_a_socket_path_that_is_too_long_is_a_clear_error(tmp_path):
     with pytest.raises(StokerError) as info:
         await control.serve_control(path, Toy(), EventBus())
     assert "longer than" in info.value.message
+
+
+async def test_a_handler_that_stops_the_server_still_gets_its_reply_out(sock_path):
+    # `stoker shutdown` exited 3 about half the time: its handler sets off the daemon's
+    # cancellation, which used to catch the reply before it was sent.
+    toy = Toy()
+    for attempt in range(20):  # trio's scheduling order is random: try it many times
+        server = trio.CancelScope()
+        toy.on_stop = server.cancel
+
+        async def serve(task_status=trio.TASK_STATUS_IGNORED):
+            with server:
+                await control.serve_control(sock_path, toy, EventBus(), task_status=task_status)
+
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                path = await nursery.start(serve)
+                peer = await Peer.connect(path)
+                assert await peer.call(attempt, "stop") == protocol.Result(attempt, {"stopping": True})
+                assert await peer.closed()

@@ -1,0 +1,35 @@
+"""`stoker status` for a person: every state the daemon can report renders."""
+
+from __future__ import annotations
+
+import click
+
+from daemon.cli.service import format_status
+
+
+def plain(text: str) -> str:
+    return click.unstyle(text)
+
+
+def test_a_loading_server_has_a_pid_but_no_uptime_yet():
+    # uptime_s is null until ready (and after an adoption until it is proven): this crashed.
+    text = plain(format_status({"state": "loading", "backend": "cpu", "pid": 4242, "uptime_s": None, "restarts": 0}))
+    assert "pid       4242   uptime -   restarts 0" in text
+
+
+def test_a_ready_server_shows_its_uptime():
+    text = plain(format_status({"state": "ready", "backend": "cpu", "pid": 7, "uptime_s": 61.4, "restarts": 2}))
+    assert "uptime 61s   restarts 2" in text
+
+
+def test_a_failed_server_shows_the_reason_and_the_fallbacks():
+    st = {
+        "state": "failed", "backend": None, "pid": None, "uptime_s": None,
+        "reason": "model_missing", "message": "The model file does not exist.", "evidence": {"path": "/m.gguf"},
+        "fallbacks": [{"backend": "cuda", "reason": "gpu_missing", "message": "no GPU", "evidence": {"hint": "x"}}],
+        "config": {"path": "/c.toml", "valid": False, "problems": ["server.port: not an integer"]},
+    }
+    text = plain(format_status(st))
+    assert "reason    model_missing: The model file does not exist." in text
+    assert "fallback  cuda: gpu_missing - no GPU" in text and "hint: x" in text
+    assert "- server.port: not an integer" in text and "pid" not in text
