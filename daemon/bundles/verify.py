@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import attrs
 
+from daemon.backends.registry import load_backend
 from daemon.core.digests import sha256_file
 from daemon.bundles.archive import ArchiveLimits, unpack_bundle
 from daemon.bundles.metadata import BUNDLE_JSON, BundleMeta
@@ -34,14 +35,6 @@ from states.reasons import ReasonCode
 Progress = Callable[[str], None]
 
 _VERSION = re.compile(r"version: (\S+) \(build (\d+), commit (\S+)\)")
-# What `--list-devices` prints when the backend really loaded (ENGINE.md).
-DEVICE_SIGNATURES: dict[str, re.Pattern[str]] = {
-    "cpu": re.compile(r"^\s+\(none\)\s*$"),
-    "cuda": re.compile(r"^\s+(CUDA\d+): (.+) \((\d+) MiB, (\d+) MiB free\)$"),
-    "rocm": re.compile(r"^\s+(ROCm\d+): (.+)$"),
-    "vulkan": re.compile(r"^\s+(Vulkan\d+): (.+)$"),
-    "metal": re.compile(r"^\s+(MTL\d+|Metal): (.+)$"),
-}
 
 
 @attrs.frozen
@@ -137,7 +130,14 @@ def check_version(server: Path, meta: BundleMeta, timeout: float = 30.0) -> str:
 
 
 def check_devices(server: Path, meta: BundleMeta, timeout: float = 60.0) -> tuple[str, ...]:
-    """`--list-devices` must show the backend's signature: "(none)" for CPU, a CUDAn line for CUDA."""
+    """`--list-devices` must show the backend's devices, as its plugin's signature knows them
+    ("(none)" for the CPU, a CUDAn line for CUDA): the plugin is asked, never a table here."""
+    try:
+        backend = load_backend(meta.backend)
+    except Exception as exc:  # not registered, or a plugin that fails to load: nothing can judge it
+        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED,
+                          f"No loadable backend plugin named {meta.backend!r} can judge this bundle's devices.",
+                          {"backend": meta.backend, "error": f"{type(exc).__name__}: {exc}"}) from None
     out, err = _run_engine(server, ["--list-devices"], "devices", meta.backend, timeout)
     lines = out.splitlines()
     try:
@@ -146,11 +146,11 @@ def check_devices(server: Path, meta: BundleMeta, timeout: float = 60.0) -> tupl
         raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "`--list-devices` printed no device list.",
                           {"stdout": out[-1000:], "stderr": err[-1000:]}) from None
     devices = tuple(line for line in lines[start:] if line.strip())
-    signature = DEVICE_SIGNATURES.get(meta.backend)
-    if signature is None or not any(signature.match(d) for d in devices):
+    if not backend.parse_list_devices("\n".join(devices)):
         raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED,
                           f"The engine does not show the {meta.backend} backend's device signature.",
-                          {"devices": list(devices), "backend": meta.backend})
+                          {"devices": list(devices), "backend": meta.backend,
+                           "signature": backend.device_signature.pattern})
     return devices
 
 

@@ -22,12 +22,13 @@ tried (`OrchestratedSupervisor` asks for a new plan instead of respawning the sa
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import attrs
 import trio
 
-from daemon.backends.base import Backend, Detection, TelemetryRequest
+from daemon.backends.base import Backend, Detection, ReasonKind, TelemetryRequest
+from daemon.backends.registry import family_reason, try_order
 from daemon.bundles.installed import InstalledBundle, list_installed
 from daemon.config.model import Config
 from daemon.core.errors import StokerError
@@ -47,42 +48,21 @@ from states.reasons import ReasonCode, message_for
 log = logging.getLogger(__name__)
 
 MACHINE_ID = "fallback"
-# The order in which accelerators are tried in auto mode; plugins come after, CPU last.
-GPU_ORDER = ("cuda", "rocm", "metal", "vulkan")
-BINARY_MISSING = {
-    "cuda": ReasonCode.BINARY_MISSING_NVIDIA_DETECTED,
-    "rocm": ReasonCode.BINARY_MISSING_AMD_DETECTED,
-    "vulkan": ReasonCode.BINARY_MISSING_VULKAN_DETECTED,
-    "metal": ReasonCode.BINARY_MISSING_METAL_DETECTED,
-}
 AUTO_LAYERS = -1  # LaunchPlan.n_gpu_layers for "-ngl auto" (the engine fits)
 
 
-def _code(template: str, backend: str, default: ReasonCode) -> ReasonCode:
-    try:
-        return ReasonCode(template.format(backend))
-    except ValueError:
-        return default
-
-
-def startup_failed_reason(backend: str) -> ReasonCode:
-    return _code("{}_startup_failed", backend, ReasonCode.SERVER_CRASHED)
-
-
-def vram_full(backend: str, free: Mapping[int, int], config: Config) -> tuple[ReasonCode, dict[str, Any]] | None:
-    """(`<backend>_vram_full`, evidence) if the engine could put no layer on any GPU, or None.
+def vram_full(reason: ReasonCode | None, free: Mapping[int, int], config: Config) -> tuple[ReasonCode, dict[str, Any]] | None:
+    """(`reason`, evidence) if the engine could put no layer on any GPU, or None. `reason` is
+    the backend's vram_full code (`cuda_vram_full`...); a backend that declares none is left
+    to the engine.
 
     With `-ngl auto` the engine keeps the fit margin (-fitt) free on every device and offloads
     nothing where less is free (measured on an H200: 699 MiB free, 0/19 layers after 16 s of
     fitting, the server still holding 542 MiB). Where every device already has less free
     than the margin, before the engine's own runtime takes its share, the outcome is certain:
     skip the launch and say so. Anything less certain is left to the engine and proven after."""
-    if config.server.n_gpu_layers != "auto":
+    if config.server.n_gpu_layers != "auto" or reason is None:
         return None  # a fixed -ngl: the engine does not fit, it loads (or fails) as told
-    try:
-        reason = ReasonCode(f"{backend}_vram_full")
-    except ValueError:  # a plugin backend without such a code: leave it to the engine
-        return None
     margin = fit_margin(config.server.extra_args)
     if not free or any(mib >= margin for mib in free.values()):
         return None
@@ -91,10 +71,6 @@ def vram_full(backend: str, free: Mapping[int, int], config: Config) -> tuple[Re
             "hint": f"free VRAM per GPU ({listed}) is below the {margin} MiB the engine keeps free (-fitt); "
                     f"free VRAM held by other processes, or lower the margin: "
                     f"[server] extra_args = [\"-fitt\", \"256\"]"}
-
-
-def layers_zero_reason(backend: str) -> ReasonCode:
-    return _code("{}_gpu_layers_zero", backend, ReasonCode.GPU_CLAIMED_BUT_UNUSED)
 
 
 def exit_detail(evidence: Mapping[str, Any]) -> dict[str, Any]:
@@ -110,14 +86,12 @@ def exit_detail(evidence: Mapping[str, Any]) -> dict[str, Any]:
     return detail
 
 
-def candidates_for(prefer: str, available: Iterable[str]) -> tuple[tuple[str, ...], bool]:
-    """(backends to try in order, forced). Anything but "auto" is forced: exactly that one."""
-    names = list(available)
+def candidates_for(prefer: str, backends: Mapping[str, Backend]) -> tuple[tuple[str, ...], bool]:
+    """(backends to try in order, forced). Anything but "auto" is forced: exactly that one;
+    auto tries every loaded backend in the order they declare (`auto_rank`: the CPU last)."""
     if prefer != "auto":
         return (prefer,), True
-    gpus = [b for b in GPU_ORDER if b in names]
-    plugins = sorted(b for b in names if b not in GPU_ORDER and b != "cpu")
-    return tuple(gpus + plugins + ["cpu"]), False
+    return try_order(backends), False
 
 
 def detection_evidence(detection: Detection) -> dict[str, Any]:
@@ -186,7 +160,8 @@ class FallbackOrchestrator:
         ):
             # The GPU server died before it was ready: that backend is out, try the next.
             event: object = F.LaunchFailed(
-                previous.backend, startup_failed_reason(previous.backend),
+                previous.backend,
+                family_reason(self.backends, previous.backend, ReasonKind.STARTUP_FAILED, ReasonCode.SERVER_CRASHED),
                 {"exit_reason": str(effect.failure), "variant": previous.variant,
                  **exit_detail(effect.failure_evidence)},
             )
@@ -254,7 +229,8 @@ class FallbackOrchestrator:
             return F.CheckFailed(backend, detection.reason or plugin.unavailable_reason, evidence)
         installed = [b for b in await trio.to_thread.run_sync(list_installed, self.paths) if b.meta.backend == backend]
         if not installed:
-            reason = BINARY_MISSING.get(backend, ReasonCode.BUNDLE_MISSING) if detection.present else ReasonCode.BUNDLE_MISSING
+            reason = (plugin.reason(ReasonKind.BINARY_MISSING) or ReasonCode.BUNDLE_MISSING) if detection.present \
+                else ReasonCode.BUNDLE_MISSING
             return F.CheckFailed(backend, reason, {**evidence, "bundles_dir": str(self.paths.bundles_dir)})
         variant = plugin.choose_variant(detection, [b.meta.variant for b in installed]) or installed[0].meta.variant
         bundle = next(b for b in installed if b.meta.variant == variant)
@@ -263,10 +239,11 @@ class FallbackOrchestrator:
             return F.CheckFailed(backend, check.reason or plugin.unavailable_reason,
                                  {"message": check.message, "bundle": str(bundle.root), **dict(check.evidence)})
         probed = {d.index: d.memory_free_mib for d in detection.devices if isinstance(d.memory_free_mib, int)}
-        if vram_full(backend, probed, config) is not None:
+        full_reason = plugin.reason(ReasonKind.VRAM_FULL)
+        if vram_full(full_reason, probed, config) is not None:
             # The probe's figures can be 30 s old: only a reading now may skip the launch.
             now = await self._free_vram_now(backend, tuple(probed))
-            full = vram_full(backend, now, config) if set(now) == set(probed) else None
+            full = vram_full(full_reason, now, config) if set(now) == set(probed) else None
             if full is not None:
                 return F.CheckFailed(backend, *full)
             log.info("%s: probe said %s MiB free, now %s: launching", backend, probed, now or "?")
@@ -281,9 +258,8 @@ class FallbackOrchestrator:
         try:
             await self.installs.install(backend, detection=detection)
         except StokerError as err:
-            reason = err.reason
-            if not str(reason).endswith("_bundle_install_failed"):
-                reason = _code("{}_bundle_install_failed", backend, ReasonCode.BUNDLE_VERIFY_FAILED)
+            reason = family_reason(self.backends, backend, ReasonKind.BUNDLE_INSTALL_FAILED,
+                                   ReasonCode.BUNDLE_VERIFY_FAILED)
             return F.BundleInstallFailed(backend, reason, {"message": err.message, **err.evidence})
         return F.BundleInstalled(backend)
 
@@ -357,7 +333,8 @@ class FallbackOrchestrator:
                                  "offload_line": (evidence.get("evidence_lines") or {}).get("offloaded")}
         if not offloaded:
             proof["hint"] = self._zero_layers_hint(plan)
-            return layers_zero_reason(backend), proof
+            return family_reason(self.backends, backend, ReasonKind.GPU_LAYERS_ZERO,
+                                 ReasonCode.GPU_CLAIMED_BUT_UNUSED), proof
         vram = await self._process_vram(backend, evidence.get("pid"))
         proof["process_vram_mib"] = vram
         if vram == 0:

@@ -29,7 +29,8 @@ import attrs
 import trio
 
 from daemon.core.digests import sha256_file
-from daemon.backends.base import Backend, Detection
+from daemon.backends.base import Backend, Detection, ReasonKind
+from daemon.backends.registry import family_reason, load_backends
 from daemon.bundles.archive import unpack_bundle
 from daemon.bundles.installed import InstalledBundle, find_installed, promote
 from daemon.bundles.metadata import BundleManifest, BundleMeta, ManifestEntry
@@ -50,12 +51,10 @@ MANIFEST_ENV = "STOKER_MANIFEST_URL"
 MANIFEST_MAX_BYTES = 4 * 2**20
 
 
-def install_failed_reason(backend: str) -> ReasonCode:
-    """`<backend>_bundle_install_failed`, or bundle_verify_failed for a backend without one."""
-    try:
-        return ReasonCode(f"{backend}_bundle_install_failed")
-    except ValueError:
-        return ReasonCode.BUNDLE_VERIFY_FAILED
+def install_failed_reason(backends: Mapping[str, Backend], backend: str) -> ReasonCode:
+    """The backend's own bundle_install_failed code (`cuda_bundle_install_failed`...), or
+    bundle_verify_failed for a backend that declares none."""
+    return family_reason(backends, backend, ReasonKind.BUNDLE_INSTALL_FAILED, ReasonCode.BUNDLE_VERIFY_FAILED)
 
 
 def _cause(err: BaseException) -> dict[str, Any]:
@@ -158,7 +157,7 @@ class InstallService:
     store: Any
     publish: Publish | None = None
     manifest_source: Callable[[], str] = lambda: os.environ.get(MANIFEST_ENV, "")
-    backends: Mapping[str, Backend] = attrs.field(factory=dict)
+    backends: Mapping[str, Backend] = attrs.field(factory=load_backends)  # every registered one by default
     smoke: bool = True
     _runners: dict[str, MachineRunner] = attrs.field(factory=dict, init=False)
     _locks: dict[str, trio.Lock] = attrs.field(factory=dict, init=False)
@@ -226,7 +225,7 @@ class InstallService:
     ) -> InstalledBundle:
         """Install the bundle for `backend` that fits `detection`; StokerError with the
         backend's `*_bundle_install_failed` (and the cause in the evidence) if it cannot."""
-        reason = install_failed_reason(backend)
+        reason = install_failed_reason(self.backends, backend)
         try:
             manifest = await load_manifest(self.manifest_source())
             entry = choose_entry(manifest, backend, variant=variant, detection=detection,
@@ -266,7 +265,7 @@ class InstallService:
         evidence = dict(data.evidence)
         cause = evidence.get("message") or "see the evidence"
         return StokerError(
-            data.reason or install_failed_reason(data.backend),
+            data.reason or install_failed_reason(self.backends, data.backend),
             f"Installing the {data.backend} bundle ({data.variant}) failed at {evidence.get('step', '?')}: "
             f"{cause} The previous state is intact; retry with `stoker install {data.backend}`.",
             evidence,
@@ -290,7 +289,7 @@ class InstallService:
                 event = await self._effects.run(effect, runner)
             except Exception as err:  # every failure of a step is the machine's InstallFailed
                 log.info("%s: %s failed: %s", runner.machine_id, type(effect).__name__, err)
-                event = I.InstallFailed(install_failed_reason(runner.data.backend), _cause(err))
+                event = I.InstallFailed(install_failed_reason(self.backends, runner.data.backend), _cause(err))
             if event is not None:
                 queue.extend(runner.fire(event).effects)
 
@@ -320,7 +319,7 @@ class InstallService:
             digest = await trio.to_thread.run_sync(sha256_file, dest)
             if digest == effect.sha256:  # committed by a run killed before it said so
                 return I.Downloaded(str(dest), digest, effect.size)
-        reason = install_failed_reason(data.backend)
+        reason = install_failed_reason(self.backends, data.backend)
 
         def progress(p: DownloadProgress) -> None:
             self._bus({"topic": PROGRESS_TOPIC, "backend": data.backend, "variant": data.variant,

@@ -18,6 +18,7 @@ import backend_recordings as rec
 from daemon.backends.cpu import CpuBackend
 from daemon.backends.cuda import CudaBackend
 from daemon.backends.tools import recorded_runner
+from daemon.backends.vulkan import VulkanBackend
 from daemon.bundles.tinymodel import write_tiny_model
 from daemon.config.model import BackendConfig, Config, ServerConfig
 from daemon.core.errors import StokerError
@@ -106,8 +107,10 @@ def transitions(orch):
 
 
 def test_candidates():
-    assert candidates_for("auto", ["cpu", "vulkan", "cuda", "rpc"]) == (("cuda", "vulkan", "rpc", "cpu"), False)
-    assert candidates_for("cuda", ["cpu", "cuda"]) == (("cuda",), True)
+    # Auto mode asks each loaded backend where it goes (auto_rank): a plugin after the GPUs, CPU last.
+    loaded = {"cpu": CpuBackend(), "vulkan": VulkanBackend(), "cuda": CudaBackend(), "rpc": SimpleNamespace(auto_rank=100)}
+    assert candidates_for("auto", loaded) == (("cuda", "vulkan", "rpc", "cpu"), False)
+    assert candidates_for("cuda", loaded) == (("cuda",), True)
 
 
 async def test_missing_bundle_on_present_gpu_is_installed_then_launched(paths, config):

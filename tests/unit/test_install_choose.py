@@ -9,6 +9,7 @@ from daemon.backends.cuda import CudaBackend
 from daemon.backends.tools import recorded_runner
 from daemon.bundles.metadata import BundleManifest
 from daemon.core.errors import StokerError
+from daemon.backends import load_backends
 from daemon.install.service import choose_entry, install_failed_reason
 
 PLATFORM = "linux-x86_64"
@@ -61,6 +62,7 @@ def test_no_gpu_no_entry():
 
 
 def test_reason_per_backend():
-    assert install_failed_reason("cuda") == "cuda_bundle_install_failed"
-    assert install_failed_reason("cpu") == "cpu_bundle_install_failed"
-    assert install_failed_reason("rpc") == "bundle_verify_failed"
+    backends = load_backends()
+    assert install_failed_reason(backends, "cuda") == "cuda_bundle_install_failed"
+    assert install_failed_reason(backends, "cpu") == "cpu_bundle_install_failed"
+    assert install_failed_reason(backends, "rpc") == "bundle_verify_failed"  # not loaded: no family to ask
