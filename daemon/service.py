@@ -2,7 +2,12 @@
 
     lock -> store -> config -> probes -> installs (resumes interrupted installs)
          -> supervisor (resumes the launch machine; its planner is the fallback
-            orchestrator) -> control socket -> config watcher -> sd_notify watchdog -> autostart
+            orchestrator) -> telemetry -> control socket -> config watcher
+         -> sd_notify watchdog -> autostart
+
+The control socket's handlers reach the daemon only through `ControlledDaemon`
+(daemon/control/controlled.py); the methods below under "what the socket methods use" are
+that interface, and nothing in daemon.control imports this module.
 
 A second daemon on the same state directory refuses to start (an flock that the kernel
 releases even when the daemon is killed with -9). A planned shutdown stops the server first.
@@ -15,8 +20,9 @@ import logging
 import os
 import signal
 import time
+from functools import partial
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import attrs
 import trio
@@ -24,24 +30,27 @@ import trio
 from daemon.core import sdnotify
 from daemon.config.model import Config, ConfigError, config_diff, load_config, needs_relaunch
 from daemon.config.watch import watch_config
+from daemon.control.methods import dispatch
 from daemon.control.server import serve_control
 from daemon.core.errors import StokerError
 from daemon.core.events import EventBus
-from daemon.control.handlers.service import HANDLERS
-from daemon.control.handlers.telemetry import serve_telemetry
 from daemon.core.machines import MachineRunner
 from daemon.core.paths import StokerPaths
 from daemon.backends import load_backends
+from daemon.backends.base import Detection
+from daemon.bundles.installed import InstalledBundle
 from daemon.fallback.orchestrator import FallbackOrchestrator, OrchestratedSupervisor
 from daemon.install.service import MANIFEST_ENV, InstallService
-from daemon.probes.service import ProbeService
+from daemon.probes.service import ProbeResult, ProbeService
 from daemon.snapshots.service import SnapshotService
 from daemon.launch.supervisor import Supervisor, launch_settings
+from daemon.telemetry.sampler import ServerTarget, TelemetrySampler
+from daemon.telemetry.service import serve_telemetry
 from states import config as C
 from states import launch as L
 from states.reasons import ReasonCode
-from store import StoreError, open_store
-from store.snapshots import SnapshotCatalog
+from store import StoreError, TransitionRecord, open_store
+from store.snapshots import SnapshotCatalog, SnapshotRecord
 
 log = logging.getLogger("stoker")
 
@@ -78,6 +87,7 @@ class Daemon:
     orchestrator: FallbackOrchestrator = attrs.field(init=False)
     snapshots: SnapshotService = attrs.field(init=False)
     config_runner: MachineRunner = attrs.field(init=False)
+    telemetry_sampler: TelemetrySampler | None = attrs.field(init=False, default=None)  # set when served
     config_problems: list[str] = attrs.field(factory=list)
     config_loaded_invalid: bool = False  # no valid file was ever read: refuse `up`
     started_at: float = attrs.field(factory=time.time)
@@ -129,11 +139,66 @@ class Daemon:
     def request_shutdown(self) -> None:
         self._shutdown.set()
 
-    async def dispatch(self, method: str, params: Mapping[str, Any]) -> Any:
-        handler = HANDLERS.get(method)
-        if handler is None:
-            raise StokerError(ReasonCode.UNKNOWN_METHOD, f"Unknown method {method!r}.", {"known": sorted(HANDLERS)})
-        return await handler(self, params)
+    # --- what the socket methods use (daemon.control.controlled.ControlledDaemon) --------
+
+    def fallback_status(self) -> Mapping[str, Any]:
+        return self.orchestrator.status(self.supervisor, self.config.backend.prefer)
+
+    def probe_verdicts(self) -> Mapping[str, Mapping[str, Any]]:
+        return self.probes.verdicts()
+
+    def history(self, *, machine: str | None, kind: str | None, since: float | None, until: float | None,
+                limit: int) -> Sequence[TransitionRecord]:
+        return self.store.history(machine=machine, kind=kind, since=since, until=until, limit=limit)
+
+    @property
+    def backend_names(self) -> Sequence[str]:
+        return tuple(self.probes.backends)
+
+    async def probe(self, backend: str) -> ProbeResult:
+        return await self.probes.probe(backend)
+
+    async def probe_all(self, names: Sequence[str], *, fresh: bool) -> Mapping[str, ProbeResult]:
+        return await self.probes.probe_all(list(names), fresh=fresh)
+
+    async def install(self, backend: str, *, variant: str | None, detection: Detection) -> InstalledBundle:
+        return await self.installs.install(backend, variant=variant, detection=detection)
+
+    def snapshot_listing(self) -> dict[str, Any]:
+        return self.snapshots.listing(ready=self.supervisor.state is L.LaunchState.READY)
+
+    def snapshot(self, snapshot_id: int) -> SnapshotRecord:
+        return self.snapshots.get(snapshot_id)
+
+    async def save_snapshots(self, slot: int | None) -> Sequence[SnapshotRecord]:
+        return await self.snapshots.save(self.supervisor, "manual", slot=slot)
+
+    async def restore_snapshot(self, snapshot_id: int, slot: int | None) -> dict[str, Any]:
+        return await self.snapshots.restore(self.supervisor, snapshot_id, slot)
+
+    def remove_snapshot(self, record: SnapshotRecord) -> None:
+        self.snapshots.remove([record])
+
+    async def telemetry(self) -> dict[str, Any]:
+        if self.telemetry_sampler is None:
+            raise RuntimeError("the telemetry service is not running")
+        return await self.telemetry_sampler.reading()
+
+    def telemetry_target(self) -> ServerTarget | None:
+        """The live server for the telemetry service to sample, or None when none runs."""
+        sup = self.supervisor
+        server, plan = sup.server, sup.data.plan
+        if server is None or plan is None:
+            return None
+        base_url, api_key = sup.endpoint()
+        ready = sup.state is L.LaunchState.READY
+        return ServerTarget(
+            backend=plan.backend,
+            pid=server.pid,
+            state=sup.state.value,
+            base_url=base_url if ready else None,
+            api_key=api_key if ready else None,
+        )
 
     # --- config reload -------------------------------------------------------------------
 
@@ -159,13 +224,14 @@ class Daemon:
 
     # --- the root nursery ----------------------------------------------------------------
 
-    async def serve(self, *, autostart: bool = True, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, autostart: bool = True, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._handle_signals)
             await nursery.start(self.probes.serve)
             await nursery.start(self.installs.serve)
             await nursery.start(self.supervisor.run)
-            await nursery.start(serve_control, self.paths.socket_path, self.dispatch, self.bus)
+            self.telemetry_sampler = await nursery.start(serve_telemetry, self.telemetry_target, self.bus)
+            await nursery.start(serve_control, self.paths.socket_path, partial(dispatch, self), self.bus)
             await nursery.start(
                 lambda task_status: watch_config(
                     self.paths.config_file,
@@ -176,7 +242,6 @@ class Daemon:
                 )
             )
             await nursery.start(sdnotify.serve_watchdog)
-            nursery.start_soon(serve_telemetry, self)
             if autostart and not self.supervisor.runner.resumed and not self.config_loaded_invalid:
                 self.supervisor.offer(L.UpRequested(self.launch_settings()))
             elif autostart and self.supervisor.state is L.LaunchState.STOPPED and not self.config_loaded_invalid:
@@ -210,7 +275,9 @@ def _load_initial_config(paths: StokerPaths) -> tuple[Config, list[str]]:
         return Config(), list(err.problems)
 
 
-async def run_daemon(paths: StokerPaths, *, autostart: bool = True, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def run_daemon(
+    paths: StokerPaths, *, autostart: bool = True, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
     """Run the daemon until shutdown; raises StokerError if it cannot start."""
     lock_fd = acquire_lock(paths.lock_file)
     try:

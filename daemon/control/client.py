@@ -166,7 +166,7 @@ class ControlClient:
         """A new connection streaming the daemon's events; iterate it, close it when done."""
         sock = _connect(self.socket_path, self.timeout)
         try:
-            sock.sendall(protocol.encode_request(0, "subscribe", {}))
+            sock.sendall(protocol.encode_request(0, protocol.SUBSCRIBE, {}))
             reader = _FrameReader(sock, self.socket_path)
             ack = reader.read()
             if ack is None:

@@ -26,6 +26,8 @@ from daemon.core.errors import StokerError
 from states.reasons import ReasonCode, message_for
 
 JSONRPC = "2.0"
+# The one method the server answers itself: it turns the connection into an event stream.
+SUBSCRIBE = "subscribe"
 # One request frame is at most this many bytes, newline excluded; the daemon never buffers more.
 MAX_FRAME = 1024 * 1024
 # Replies can be larger (history, telemetry); the client reads them with this limit.
@@ -477,17 +479,18 @@ def encode_error(
 ) -> bytes:
     """One error reply frame: {code, reason, message, data}; message defaults to the reason's."""
     reason = ReasonCode(reason)
-    error = {
+    evidence = dict(data or {})
+    error: dict[str, Any] = {
         "code": code_for(reason) if code is None else code,
         "reason": str(reason),
         "message": message or message_for(reason),
-        "data": dict(data or {}),
+        "data": evidence,
     }
     try:
         return _frame({"jsonrpc": JSONRPC, "id": request_id, "error": error})
     except (TypeError, ValueError):
         # Evidence that is not JSON-able must not turn an error reply into a crash.
-        error["data"] = {key: repr(value) for key, value in error["data"].items()}
+        error["data"] = {key: repr(value) for key, value in evidence.items()}
         return _frame({"jsonrpc": JSONRPC, "id": request_id, "error": error})
 
 

@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 
 Dispatch = Callable[[str, Mapping[str, Any]], Awaitable[Any]]
 
-SUBSCRIBE = "subscribe"
 MAX_IN_FLIGHT = 32  # requests per connection running at once; the reader waits beyond that
 SEND_TIMEOUT_S = 10.0  # a peer that does not read its replies for this long is disconnected
 CLOSE_TIMEOUT_S = 1.0
@@ -255,7 +254,7 @@ class _Connection:
                 except protocol.ProtocolError as err:
                     await self.send(protocol.encode_stoker_error(err.request_id, err))
                     continue
-                if request.method == SUBSCRIBE:
+                if request.method == protocol.SUBSCRIBE:
                     self.subscribed = True
                     receive = self.handler.bus.subscribe()
                     seq = self.handler.bus.seq

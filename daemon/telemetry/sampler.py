@@ -2,8 +2,8 @@
 throughput from the engine's own `/metrics`.
 
 A `TelemetrySampler` takes at most one sample per TTL (5 s), however many clients ask: the
-`telemetry` handler and the background publisher share its cache. A sample is cheap on a
-GPU backend (NVML is sub-millisecond once initialised) but it is still work, so:
+`telemetry` handler and the publisher (daemon.telemetry.service) share its cache. A sample is
+cheap on a GPU backend (NVML is sub-millisecond once initialised) but it is still work, so:
 
 - NVML is initialised only when the live server's plan is on a GPU backend; a CPU plan, a
   CPU-only machine or a stopped server never loads it.
@@ -19,15 +19,12 @@ means the GPU could not be read at all (NVML missing or failing).
 from __future__ import annotations
 
 import collections
-import logging
 import math
 import time
 from typing import Any, Callable, Protocol
 
 import attrs
 import trio
-
-log = logging.getLogger(__name__)
 
 TTL_S = 5.0
 HISTORY = 60
@@ -434,8 +431,12 @@ class TelemetrySampler:
         return self._gpu
 
     def snapshot(self, sample: dict[str, Any]) -> dict[str, Any]:
-        """The `telemetry` reply: the sample and the history."""
+        """The `telemetry` reply for `sample`: the sample and the history."""
         return {"sample": sample, "history": self.history, "ttl_s": self.ttl}
+
+    async def reading(self) -> dict[str, Any]:
+        """The `telemetry` reply now: the current (cached within the TTL) sample and the history."""
+        return self.snapshot(await self.sample())
 
     def close(self) -> None:
         """Release the GPU library, if one was loaded."""
@@ -445,21 +446,6 @@ class TelemetrySampler:
             finally:
                 self._gpu = None
                 self._gpu_backend = None
-
-    async def run(self, watched: Callable[[], bool], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Sample every TTL while a server is live and somebody watches; publish through
-        `on_sample`. With nobody subscribed nothing is read (the handler samples on demand)."""
-        task_status.started()
-        try:
-            while True:
-                if self.target() is not None and watched():
-                    try:
-                        await self.sample()
-                    except Exception:  # telemetry must never take the daemon down
-                        log.exception("telemetry sample failed")
-                await trio.sleep(self.ttl)
-        finally:
-            self.close()
 
 
 def _key(target: ServerTarget | None) -> tuple[Any, ...]:

@@ -1,5 +1,5 @@
 """Telemetry sampler: NVML from recorded H200 answers, the 5 s cache, idle vs unavailable,
-the CPU path never touching NVML, the history ring and the background publisher."""
+the CPU path never touching NVML, the history ring and the telemetry service."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import trio
 import trio.testing
 
 import backend_recordings as rec
+from daemon.core.events import EventBus
+from daemon.telemetry.service import TOPIC, serve_telemetry
 from daemon.telemetry.sampler import (
     HISTORY,
     NvmlReader,
@@ -320,29 +322,36 @@ async def test_history_is_a_ring_of_compact_points():
     assert set(reply) == {"sample", "history", "ttl_s"} and reply["ttl_s"] == 5.0
 
 
-async def test_background_publisher_samples_only_while_watched():
+async def test_the_service_publishes_only_while_somebody_subscribes():
     # A real clock with a short TTL: the sample runs NVML in a thread, which an autojump
     # clock would race past.
     nvml = H200Nvml(gpus=[loaded_h200()])
-    watched = [False]
-    published = []
-    sampler = TelemetrySampler(
-        target=lambda: cuda_target(),
-        on_sample=published.append,
-        ttl=0.05,
-        gpu_reader_factory=lambda backend: NvmlReader(nvml),
-        engine_fetch=lambda url, key: _idle_async(),
-    )
+    bus = EventBus()
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            await nursery.start(sampler.run, lambda: watched[0])
+            sampler = await nursery.start(
+                lambda task_status: serve_telemetry(
+                    lambda: cuda_target(), bus, ttl=0.05, gpu_reader_factory=lambda backend: NvmlReader(nvml),
+                    engine_fetch=lambda url, key: _idle_async(), task_status=task_status,
+                )
+            )
             await trio.sleep(0.3)
-            assert published == [] and nvml.init_calls == 0  # nobody watches: nothing is read
-            watched[0] = True
+            assert bus.seq == 0 and nvml.init_calls == 0  # nobody watches: nothing is read
+            events = bus.subscribe()
             await trio.sleep(0.6)
+            published = []
+            while True:
+                try:
+                    published.append(events.receive_nowait())
+                except trio.WouldBlock:
+                    break
             assert 2 <= len(published) <= 13  # about one per TTL, never more
+            assert {e["topic"] for e in published} == {TOPIC}
+            assert published[-1]["point"] == sampler.history[-1]  # the point it added to the history
+            reading = await sampler.reading()  # what the `telemetry` method answers
+            assert reading["sample"]["backend"] == "cuda" and reading["history"] == sampler.history
             nursery.cancel_scope.cancel()
-    assert nvml.shutdown_calls == 1  # the publisher releases NVML when it ends
+    assert nvml.shutdown_calls == 1  # the service releases NVML when it ends
 
 
 async def _idle_async():

@@ -1,4 +1,4 @@
-"""Control commands for backends: probe, use, install.
+"""Socket methods for backends: probe, use, install.
 
 `use` persists the preference in the config file itself (`[backend] prefer`, written
 atomically), so the file stays the single source of truth that `stoker config check`, an
@@ -12,47 +12,35 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from daemon.config.model import BackendConfig, ConfigError, load_config, parse_config
+from daemon.control.controlled import ControlledDaemon
+from daemon.control.status import build_status
+from daemon.control.params import Choices, Kind, Param, method
 from daemon.core.errors import StokerError
-from daemon.control.handlers.service import handler, status_of
 from states import launch as L
 from states.reasons import ReasonCode
 
-if TYPE_CHECKING:
-    from daemon.service import Daemon
-
-USE_CHOICES = ("auto", "cpu", "cuda", "rocm", "vulkan", "metal")
-
-
-def _params(params: Mapping[str, Any], allowed: set[str]) -> None:
-    unknown = set(params) - allowed
-    if unknown:
-        raise StokerError(ReasonCode.BAD_REQUEST, f"Unknown parameters {sorted(unknown)}.")
+# The loaded backend plugins are the only source of backend names (a third-party one included).
+BACKENDS = Choices("a loaded backend", lambda daemon: daemon.backend_names)
+PREFERENCES = Choices("auto or a loaded backend", lambda daemon: ("auto", *daemon.backend_names))
 
 
-def _backend_param(daemon: "Daemon", params: Mapping[str, Any]) -> str:
-    backend = params.get("backend")
-    if not isinstance(backend, str) or backend not in daemon.probes.backends:
-        raise StokerError(ReasonCode.BAD_REQUEST, f"backend must be one of {', '.join(daemon.probes.backends)}.",
-                          {"backend": backend})
-    return backend
+@method(
+    "probe",
+    Param("fresh", Kind.BOOLEAN, "Probe again even where a verdict younger than 30 s is cached.", default=False),
+    Param("backends", Kind.STRINGS, "Only these backends (default: every loaded one).", choices=BACKENDS),
+)
+async def probe(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Probe the backends: is each one's hardware, driver and runtime there and usable?
 
-
-@handler("probe")
-async def probe(daemon: "Daemon", params: Mapping[str, Any]) -> dict[str, Any]:
-    """{fresh?: bool, backends?: [name]} -> {"backends": [Detection + generation, cached,
-    age_s], "elapsed_s"}. Verdicts younger than 30 s come from the cache unless fresh."""
-    _params(params, {"fresh", "backends"})
-    fresh = params.get("fresh", False)
-    if not isinstance(fresh, bool):
-        raise StokerError(ReasonCode.BAD_REQUEST, "fresh must be true or false.")
-    names = params.get("backends") or list(daemon.probes.backends)
-    if not isinstance(names, list) or not all(isinstance(n, str) and n in daemon.probes.backends for n in names):
-        raise StokerError(ReasonCode.BAD_REQUEST, f"backends must name loaded backends: {list(daemon.probes.backends)}.")
+    Verdicts younger than 30 s come from the cache unless `fresh`.
+    Reply: {"backends": [Detection + generation, cached, age_s], "elapsed_s"}.
+    """
+    names = params["backends"] or list(daemon.backend_names)
     started = time.perf_counter()
-    results = await daemon.probes.probe_all(names, fresh=fresh)
+    results = await daemon.probe_all(names, fresh=params["fresh"])
     return {"backends": [r.to_dict() for r in results.values()],
             "elapsed_s": round(time.perf_counter() - started, 4)}
 
@@ -97,19 +85,23 @@ def write_preference(path: Path, value: str) -> None:
     os.replace(tmp, path)
 
 
-@handler("use")
-async def use(daemon: "Daemon", params: Mapping[str, Any]) -> dict[str, Any]:
-    """{backend: auto|cpu|cuda|rocm|vulkan|metal} -> {prefer, forced, config_path, relaunch,
-    status}. Persists `[backend] prefer` in the config file and relaunches on it; anything but
-    auto is forced: that backend or a reason-coded failure, never a silent fallback."""
-    _params(params, {"backend"})
-    value = params.get("backend")
-    if value not in USE_CHOICES:
-        raise StokerError(ReasonCode.BAD_REQUEST, f"backend must be one of {', '.join(USE_CHOICES)}.",
-                          {"backend": value})
+@method(
+    "use",
+    Param("backend", Kind.STRING, "The preference to persist: auto tries the backends in order; a name forces it.",
+          required=True, choices=PREFERENCES),
+    errors=(ReasonCode.CONFIG_INVALID,),
+)
+async def use(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Persist `[backend] prefer` in the config file and relaunch on it.
+
+    Anything but auto is forced: that backend or a reason-coded failure, never a silent
+    fallback. Refused while the config file is invalid (fix it first).
+    Reply: {prefer, forced, config_path, relaunch, status (the status document)}.
+    """
+    value = params["backend"]
     if daemon.config_problems:
         raise StokerError(ReasonCode.CONFIG_INVALID, "The config file is invalid; fix it before `stoker use`.",
-                          {"problems": daemon.config_problems})
+                          {"problems": list(daemon.config_problems)})
     path = daemon.paths.config_file
     try:
         write_preference(path, value)
@@ -128,20 +120,24 @@ async def use(daemon: "Daemon", params: Mapping[str, Any]) -> dict[str, Any]:
         "forced": BackendConfig(prefer=value).forced,
         "config_path": str(path),
         "relaunch": changed and before is not L.LaunchState.STOPPED,
-        "status": status_of(daemon),
+        "status": build_status(daemon),
     }
 
 
-@handler("install")
-async def install(daemon: "Daemon", params: Mapping[str, Any]) -> dict[str, Any]:
-    """{backend, variant?} -> {"installed": {root, server, backend, variant, version, cache_key}}.
-    Probes the backend, resolves the fitting bundle from the manifest, downloads it (progress
-    as `install.progress` events on the subscribe stream), verifies and installs it."""
-    _params(params, {"backend", "variant"})
-    backend = _backend_param(daemon, params)
-    variant = params.get("variant")
-    if variant is not None and not isinstance(variant, str):
-        raise StokerError(ReasonCode.BAD_REQUEST, "variant must be a string.")
-    detection = (await daemon.probes.probe(backend)).detection
-    bundle = await daemon.installs.install(backend, variant=variant, detection=detection)
+@method(
+    "install",
+    Param("backend", Kind.STRING, "The backend whose engine bundle to install.", required=True, choices=BACKENDS),
+    Param("variant", Kind.STRING, "This variant of the bundle (default: the one that fits the probed machine)."),
+    errors=("<backend>_bundle_install_failed", ReasonCode.BUNDLE_VERIFY_FAILED),
+)
+async def install(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Probe the backend, resolve the fitting bundle from the manifest, download, verify and install it.
+
+    Progress comes as `install.progress` events on the subscribe stream; a failure carries the
+    precise cause (download, digest, archive, smoke test) in its evidence.
+    Reply: {"installed": {root, server, backend, variant, version, cache_key}}.
+    """
+    backend = params["backend"]
+    detection = (await daemon.probe(backend)).detection
+    bundle = await daemon.install(backend, variant=params["variant"], detection=detection)
     return {"installed": bundle.to_dict()}

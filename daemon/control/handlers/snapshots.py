@@ -1,62 +1,78 @@
-"""Control commands for KV slot snapshots: snapshot.list, snapshot.save, snapshot.restore, snapshot.rm."""
+"""Socket methods for KV slot snapshots: snapshot.list, snapshot.save, snapshot.restore, snapshot.rm."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
+from daemon.control.controlled import ControlledDaemon
+from daemon.control.params import Kind, Param, method
 from daemon.core.errors import StokerError
-from daemon.control.handlers.service import handler
 from states import launch as L
 from states.reasons import ReasonCode
 
-if TYPE_CHECKING:
-    from daemon.service import Daemon
+# A slot's upper bound is the running server's slot count, known only to it: snapshot_bad_slot.
+SLOT_DOC = "The server's slot (0 to its --parallel minus 1; else snapshot_bad_slot)."
+ID = Param("id", Kind.INTEGER, "The snapshot's id, as snapshot.list shows it.", required=True)
 
 
-def _params(params: Mapping[str, Any], allowed: set[str], required: set[str] = frozenset()) -> None:
-    unknown = set(params) - allowed
-    if unknown:
-        raise StokerError(ReasonCode.BAD_REQUEST, f"Unknown parameters {sorted(unknown)}.")
-    missing = required - set(params)
-    if missing:
-        raise StokerError(ReasonCode.BAD_REQUEST, f"Missing parameters {sorted(missing)}.")
-
-
-def _ready(daemon: "Daemon") -> None:
+def _ready(daemon: ControlledDaemon) -> None:
     if not daemon.config.snapshots.enabled:
         raise StokerError(ReasonCode.SNAPSHOTS_DISABLED)
-    if daemon.supervisor.state is not L.LaunchState.READY:
-        raise StokerError(ReasonCode.SNAPSHOT_SERVER_NOT_READY, evidence={"state": daemon.supervisor.state.value})
+    state = daemon.supervisor.state
+    if state is not L.LaunchState.READY:
+        raise StokerError(ReasonCode.SNAPSHOT_SERVER_NOT_READY, evidence={"state": state.value})
 
 
-@handler("snapshot.list")
-async def snapshot_list(daemon: "Daemon", params: Mapping[str, Any]) -> dict[str, Any]:
-    """{} -> {snapshots: [record + fits_server, why_not], total_bytes, enabled, max_count, max_bytes, dir, server}."""
-    _params(params, set())
-    return daemon.snapshots.listing(ready=daemon.supervisor.state is L.LaunchState.READY)
+@method("snapshot.list")
+async def snapshot_list(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Every catalogued snapshot, newest first, with whether it fits the running server.
+
+    Reply: {snapshots: [record + fits_server, why_not], total_bytes, enabled, max_count,
+    max_bytes, dir, server}.
+    """
+    return daemon.snapshot_listing()
 
 
-@handler("snapshot.save")
-async def snapshot_save(daemon: "Daemon", params: Mapping[str, Any]) -> dict[str, Any]:
-    """{slot?} -> {saved: [record]}: the non-empty slots (or one) saved now, cause "manual"."""
-    _params(params, {"slot"})
+@method(
+    "snapshot.save",
+    Param("slot", Kind.INTEGER, "Only this slot. " + SLOT_DOC),
+    errors=(ReasonCode.SNAPSHOTS_DISABLED, ReasonCode.SNAPSHOT_SERVER_NOT_READY, ReasonCode.SNAPSHOT_BAD_SLOT,
+            ReasonCode.SNAPSHOT_SAVE_FAILED, ReasonCode.SNAPSHOT_DISK_FULL),
+)
+async def snapshot_save(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Save the non-empty slots (or one) now, with cause "manual".
+
+    Reply: {saved: [record]}.
+    """
     _ready(daemon)
-    saved = await daemon.snapshots.save(daemon.supervisor, "manual", slot=params.get("slot"))
+    saved = await daemon.save_snapshots(params["slot"])
     return {"saved": [r.to_dict() for r in saved]}
 
 
-@handler("snapshot.restore")
-async def snapshot_restore(daemon: "Daemon", params: Mapping[str, Any]) -> dict[str, Any]:
-    """{id, slot?} -> {id, slot, n_tokens, restore_ms}; refused with a reason code if it does not fit."""
-    _params(params, {"id", "slot"}, {"id"})
-    daemon.snapshots.get(params["id"])  # not_found before not_ready: the id is checked first
+@method(
+    "snapshot.restore",
+    ID,
+    Param("slot", Kind.INTEGER, "Restore into this slot instead of the one it was saved from. " + SLOT_DOC),
+    errors=(ReasonCode.SNAPSHOT_NOT_FOUND, ReasonCode.SNAPSHOTS_DISABLED, ReasonCode.SNAPSHOT_SERVER_NOT_READY,
+            ReasonCode.SNAPSHOT_BAD_SLOT, ReasonCode.SNAPSHOT_MODEL_MISMATCH, ReasonCode.SNAPSHOT_ENGINE_MISMATCH,
+            ReasonCode.SNAPSHOT_LAYOUT_MISMATCH, ReasonCode.SNAPSHOT_CORRUPT, ReasonCode.SNAPSHOT_RESTORE_FAILED),
+)
+async def snapshot_restore(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Restore one snapshot into a slot of the running server; refused with a reason code if it does not fit.
+
+    Reply: {id, slot, n_tokens, restore_ms, saved_on, restored_on, cross_backend, note?
+    (a restore across backends says what it keeps)}.
+    """
+    daemon.snapshot(params["id"])  # not_found before not_ready: the id is checked first
     _ready(daemon)
-    return await daemon.snapshots.restore(daemon.supervisor, params["id"], params.get("slot"))
+    return await daemon.restore_snapshot(params["id"], params["slot"])
 
 
-@handler("snapshot.rm")
-async def snapshot_rm(daemon: "Daemon", params: Mapping[str, Any]) -> dict[str, Any]:
-    """{id} -> {removed: id}: the file and its row go together."""
-    _params(params, {"id"}, {"id"})
-    daemon.snapshots.remove([daemon.snapshots.get(params["id"])])
+@method("snapshot.rm", ID, errors=(ReasonCode.SNAPSHOT_NOT_FOUND,))
+async def snapshot_rm(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Remove one snapshot: its file and its row go together.
+
+    Reply: {removed: id}.
+    """
+    daemon.remove_snapshot(daemon.snapshot(params["id"]))
     return {"removed": params["id"]}

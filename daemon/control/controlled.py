@@ -1,0 +1,138 @@
+"""What the control handlers may see and do of the daemon: the narrow interface they type against.
+
+The handlers never import the daemon itself (`daemon.service` sits above `daemon.control` in
+the layers contract, and importing it back would be the cycle issue 11 removed). The root
+nursery's `Daemon` satisfies these protocols structurally; a handler that needs something new
+adds it here first, so this file stays the complete list of what a socket method can reach.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence
+
+from daemon.core.paths import StokerPaths
+from states import launch as L
+
+if TYPE_CHECKING:
+    from daemon.backends.base import Detection
+    from daemon.bundles.installed import InstalledBundle
+    from daemon.config.model import Config
+    from daemon.probes.service import ProbeResult
+    from store.records import TransitionRecord
+    from store.snapshots import SnapshotRecord
+
+
+class LaunchControl(Protocol):
+    """The launch machine as the handlers see it: its state and data, and events to fire."""
+
+    @property
+    def state(self) -> L.LaunchState: ...
+
+    @property
+    def data(self) -> L.LaunchData: ...
+
+    @property
+    def ready_evidence(self) -> Mapping[str, Any] | None:
+        """What the server reported when it became ready (layers, n_ctx, snapshots)."""
+
+    @property
+    def ready_at(self) -> float | None:
+        """Unix time the server became ready; None before (and after an adoption until proven)."""
+
+    @property
+    def restarts(self) -> int: ...
+
+    def endpoint(self) -> tuple[str | None, str | None]:
+        """The server's base URL and per-launch API key (None, None without a plan)."""
+
+    def fire(self, event: Any) -> object:
+        """Fire a launch event; raises IllegalTransition where the machine refuses it."""
+
+    def offer(self, event: Any) -> object:
+        """Fire a launch event where the machine takes it; ignore it where it does not."""
+
+
+class ControlledDaemon(Protocol):
+    """Everything a socket method may read or ask of the daemon, and nothing else."""
+
+    # --- where things are, and the config ------------------------------------------------
+
+    @property
+    def paths(self) -> StokerPaths:
+        """Where the config file, the logs and the socket are."""
+
+    @property
+    def started_at(self) -> float: ...
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def config_problems(self) -> Sequence[str]:
+        """Why the config file on disk was refused (empty: it is the one in use)."""
+
+    @property
+    def config_loaded_invalid(self) -> bool:
+        """No valid config was ever read: `up` is refused until the file is fixed."""
+
+    def on_config_change(self, new: Config) -> None:
+        """Apply a config read from the file (what the watcher does), relaunching if needed."""
+
+    # --- the launch machine --------------------------------------------------------------
+
+    @property
+    def supervisor(self) -> LaunchControl: ...
+
+    def launch_settings(self) -> L.LaunchSettings:
+        """The settings an UpRequested carries, from the config in use."""
+
+    async def wait_state(self, states: Iterable[L.LaunchState]) -> None:
+        """Return once the launch machine is in one of `states`."""
+
+    def request_shutdown(self) -> None:
+        """Stop the server, then the daemon (after this request's reply has gone out)."""
+
+    # --- what `status` is built from -----------------------------------------------------
+
+    def fallback_status(self) -> Mapping[str, Any]:
+        """The fallback orchestrator's part: effective backend, fallbacks, preference, layers."""
+
+    def probe_verdicts(self) -> Mapping[str, Mapping[str, Any]]:
+        """Each probed backend's last verdict."""
+
+    # --- history, probes, installs -------------------------------------------------------
+
+    def history(
+        self, *, machine: str | None, kind: str | None, since: float | None, until: float | None, limit: int
+    ) -> Sequence[TransitionRecord]:
+        """Recorded transitions, newest first."""
+
+    @property
+    def backend_names(self) -> Sequence[str]:
+        """The loaded backend plugins, in the registry's order."""
+
+    async def probe(self, backend: str) -> ProbeResult: ...
+
+    async def probe_all(self, names: Sequence[str], *, fresh: bool) -> Mapping[str, ProbeResult]: ...
+
+    async def install(self, backend: str, *, variant: str | None, detection: Detection) -> InstalledBundle: ...
+
+    # --- KV slot snapshots ---------------------------------------------------------------
+
+    def snapshot_listing(self) -> dict[str, Any]:
+        """Every snapshot with whether it fits the running server."""
+
+    def snapshot(self, snapshot_id: int) -> SnapshotRecord:
+        """One catalogued snapshot; StokerError(snapshot_not_found) if there is none."""
+
+    async def save_snapshots(self, slot: int | None) -> Sequence[SnapshotRecord]:
+        """Save the non-empty slots (or one) of the running server now."""
+
+    async def restore_snapshot(self, snapshot_id: int, slot: int | None) -> dict[str, Any]: ...
+
+    def remove_snapshot(self, record: SnapshotRecord) -> None: ...
+
+    # --- telemetry -----------------------------------------------------------------------
+
+    async def telemetry(self) -> dict[str, Any]:
+        """The telemetry service's reading: the (cached) sample and the short history."""

@@ -1,0 +1,57 @@
+"""The socket methods: one explicit map from a method's name to its declaration and handler.
+
+A new method is written in the handler module of its concern (`@method(...)` declares it and
+registers nothing) and listed here; that is the whole of adding one. `subscribe` is not in the
+map: the control server answers it itself, because it turns the connection into an event stream.
+docs/protocol-methods.md is generated from this map (python docs/protocol_methods.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from daemon.control.controlled import ControlledDaemon
+from daemon.control.handlers import backends, service, snapshots, telemetry
+from daemon.control.params import Method
+from daemon.control.protocol import SUBSCRIBE
+from daemon.core.errors import StokerError
+from states.reasons import ReasonCode
+
+def _by_name(*methods: Method) -> dict[str, Method]:
+    table: dict[str, Method] = {}
+    for declared in methods:
+        if declared.name in table or declared.name == SUBSCRIBE:
+            raise ValueError(f"the socket method {declared.name!r} is declared twice")
+        table[declared.name] = declared
+    return table
+
+
+METHODS: Mapping[str, Method] = _by_name(
+    service.status,
+    service.up,
+    service.down,
+    service.restart,
+    service.shutdown,
+    service.history,
+    service.ping,
+    backends.probe,
+    backends.use,
+    backends.install,
+    snapshots.snapshot_list,
+    snapshots.snapshot_save,
+    snapshots.snapshot_restore,
+    snapshots.snapshot_rm,
+    telemetry.telemetry,
+)
+
+
+async def dispatch(daemon: ControlledDaemon, name: str, params: Mapping[str, Any]) -> Any:
+    """Run the method `name` on `params`: unknown_method, bad_request, or the handler's reply."""
+    declared = METHODS.get(name)
+    if declared is None:
+        raise StokerError(
+            ReasonCode.UNKNOWN_METHOD,
+            f"Unknown method {name!r}; the daemon knows {', '.join(sorted([*METHODS, SUBSCRIBE]))}.",
+            {"known": sorted(METHODS)},
+        )
+    return await declared(daemon, params)

@@ -1,0 +1,164 @@
+"""The status document as a typed record, built in one place from the daemon's sources.
+
+`build_status` reads the launch machine, the fallback orchestrator's part, the probe verdicts
+and the config through the narrow `ControlledDaemon` interface and returns a frozen `Status`.
+The control reply turns it into JSON (daemon.control.protocol encodes attrs records field by
+field), so the field names below are the JSON keys the CLI, the TUI and scripts read: rename
+one and every client breaks. docs/protocol-methods.md lists the `status` reply.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Literal, Mapping
+
+import attrs
+
+from daemon.control.controlled import ControlledDaemon
+from states import launch as L
+from states.reasons import message_for
+
+# States in which no server serves: no backend is in use (the last plan's stays in planned_backend).
+_NOT_SERVING = (L.LaunchState.FAILED, L.LaunchState.STOPPED)
+
+
+@attrs.frozen
+class Layers:
+    """Model layers on the GPU: as planned ("auto": the engine fits), as the engine reported."""
+
+    planned: int | Literal["auto"] | None
+    offloaded: int | None
+    total: int | None
+    why: str | None
+    estimate: dict[str, Any] | None
+
+
+@attrs.frozen
+class Preference:
+    """`[backend] prefer`, whether it is forced (no fallback), and the order tried."""
+
+    prefer: str | None
+    forced: bool
+    candidates: tuple[str, ...]
+
+
+@attrs.frozen
+class Fallback:
+    """A backend passed over, and the reason code that says why."""
+
+    backend: str
+    reason: str
+    message: str
+    evidence: dict[str, Any]
+
+
+@attrs.frozen
+class ProbeVerdict:
+    """A backend's last probe verdict, as far as a glance needs it."""
+
+    usable: bool
+    reason: str | None
+    generation: int
+
+
+@attrs.frozen
+class ConfigStatus:
+    """The config file, and why it was refused (the previous config then stays in use)."""
+
+    path: str
+    valid: bool
+    problems: tuple[str, ...]
+
+
+@attrs.frozen
+class DaemonInfo:
+    pid: int
+    started_at: float
+    socket: str
+
+
+@attrs.frozen
+class Status:
+    """The reply of `status`, `up`, `down` and `restart` (and `use`'s `status`)."""
+
+    state: str
+    backend: str | None  # the backend really in use (after a late demotion: cpu)
+    variant: str | None
+    reason: str | None
+    message: str | None  # the plan's own sentence where it has one, else the reason's
+    evidence: dict[str, Any]
+    model: str | None
+    endpoint: str | None  # only while ready: a loading server's port is not yet an API
+    api_key: str | None
+    pid: int | None
+    uptime_s: float | None  # None until ready (and after an adoption until it is proven)
+    restarts: int
+    crashes: int
+    layers: Layers
+    n_ctx: int | None
+    snapshots: dict[str, Any] | None  # KV snapshots: benefit, --swa-full cost, restored/refused
+    log_path: str
+    config: ConfigStatus
+    daemon: DaemonInfo
+    planned_backend: str | None
+    preference: Preference
+    fallback_state: str
+    fallback_reason: str | None
+    fallbacks: tuple[Fallback, ...]
+    probes: dict[str, ProbeVerdict]
+
+
+def build_status(daemon: ControlledDaemon) -> Status:
+    """The status document now: the launch machine, the fallbacks, the layers' why, the probes."""
+    sup = daemon.supervisor
+    data = sup.data
+    plan = data.plan
+    state = sup.state
+    ready = dict(sup.ready_evidence or {})
+    endpoint, api_key = sup.endpoint()
+    serving = state is L.LaunchState.READY
+    fallback = daemon.fallback_status()
+    reason = str(data.reason) if data.reason else None
+    specific = data.evidence.get("message")
+    if reason and isinstance(specific, str) and specific:
+        message: str | None = specific  # the plan's own sentence (forced backend, ...)
+    else:
+        message = message_for(data.reason) if data.reason else None
+    fallbacks = tuple(Fallback(f["backend"], f["reason"], f["message"], dict(f["evidence"]))
+                      for f in fallback["fallbacks"])
+    layers = fallback["layers"]
+    preference = fallback["preference"]
+    model = plan.model_path if plan else daemon.config.server.model
+    return Status(
+        state=state.value,
+        backend=None if state in _NOT_SERVING else fallback["backend"],
+        variant=plan.variant if plan else None,
+        reason=reason,
+        message=message,
+        evidence=dict(data.evidence),
+        model=None if model is None else os.fspath(model),
+        endpoint=endpoint if serving else None,
+        api_key=api_key if serving else None,
+        pid=data.pid,
+        uptime_s=round(time.time() - sup.ready_at, 1) if sup.ready_at else None,
+        restarts=sup.restarts,
+        crashes=data.crashes,
+        layers=Layers(layers["planned"], layers["offloaded"], layers["total"], layers["why"], layers["estimate"]),
+        n_ctx=ready.get("n_ctx"),
+        snapshots=ready.get("snapshots"),
+        log_path=str(daemon.paths.logs_dir / "llama-server.log"),
+        config=ConfigStatus(str(daemon.paths.config_file), not daemon.config_problems,
+                            tuple(daemon.config_problems)),
+        daemon=DaemonInfo(os.getpid(), daemon.started_at, str(daemon.paths.socket_path)),
+        planned_backend=fallback["planned_backend"],
+        preference=Preference(preference["prefer"], bool(preference["forced"]), tuple(preference["candidates"])),
+        fallback_state=fallback["fallback_state"],
+        fallback_reason=fallback["fallback_reason"],
+        fallbacks=() if state is L.LaunchState.STOPPED else fallbacks,
+        probes={name: _verdict(v) for name, v in daemon.probe_verdicts().items()},
+    )
+
+
+def _verdict(verdict: Mapping[str, Any]) -> ProbeVerdict:
+    return ProbeVerdict(bool(verdict["usable"]), verdict["reason"], verdict["generation"])

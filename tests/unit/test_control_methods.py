@@ -1,0 +1,312 @@
+"""Socket methods: the parameter declarations and their one validator, the explicit method map,
+and the status record as its JSON reaches a client."""
+
+from __future__ import annotations
+
+import ast
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from daemon.config.model import Config
+from daemon.control import protocol
+from daemon.control.methods import METHODS, dispatch
+from daemon.control.params import SQLITE_INT_MAX, Kind, Param, method
+from daemon.control.status import build_status
+from daemon.core.errors import StokerError
+from daemon.core.paths import StokerPaths
+from states import launch as L
+from states.machine import IllegalTransition
+from states.reasons import ReasonCode
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The keys the CLI (daemon/cli/service.py), the TUI and tests/integration read from `status`.
+STATUS_KEYS = {
+    "state", "backend", "variant", "reason", "message", "evidence", "model", "endpoint", "api_key", "pid",
+    "uptime_s", "restarts", "crashes", "layers", "n_ctx", "snapshots", "log_path", "config", "daemon",
+    "planned_backend", "preference", "fallback_state", "fallback_reason", "fallbacks", "probes",
+}
+
+
+@attrs.define
+class FakeLaunch:
+    state: L.LaunchState = L.LaunchState.STOPPED
+    data: L.LaunchData = attrs.field(factory=L.LaunchData)
+    ready_evidence: dict[str, Any] | None = None
+    ready_at: float | None = None
+    restarts: int = 0
+    fired: list[object] = attrs.field(factory=list)
+
+    def endpoint(self) -> tuple[str | None, str | None]:
+        return ("http://127.0.0.1:8080", "key") if self.data.plan else (None, None)
+
+    def fire(self, event: object) -> object:
+        if self.state is L.LaunchState.STOPPING:
+            raise IllegalTransition("launch", self.state, event)
+        self.fired.append(event)
+        return None
+
+    def offer(self, event: object) -> object:
+        self.fired.append(event)
+        return None
+
+
+@attrs.define
+class FakeDaemon:
+    """A ControlledDaemon with nothing behind it: the interface is all a handler may use."""
+
+    paths: StokerPaths = attrs.field(factory=lambda: StokerPaths.from_env({"STOKER_HOME": "/tmp/stoker-fake"}))
+    started_at: float = 1_700_000_000.0
+    config: Config = attrs.field(factory=Config)
+    config_problems: list[str] = attrs.field(factory=list)
+    config_loaded_invalid: bool = False
+    supervisor: FakeLaunch = attrs.field(factory=FakeLaunch)
+    backend_names: tuple[str, ...] = ("cpu", "cuda", "acme")
+    fallback: dict[str, Any] = attrs.field(factory=lambda: fallback_part())
+    history_asked: list[dict[str, Any]] = attrs.field(factory=list)
+    shutdown: bool = False
+
+    def launch_settings(self) -> L.LaunchSettings:
+        return L.LaunchSettings()
+
+    def request_shutdown(self) -> None:
+        self.shutdown = True
+
+    def fallback_status(self) -> dict[str, Any]:
+        return self.fallback
+
+    def probe_verdicts(self) -> dict[str, dict[str, Any]]:
+        return {"cpu": {"usable": True, "reason": None, "generation": 3, "devices": []}}
+
+    def history(self, **query: Any) -> list[Any]:
+        self.history_asked.append(query)
+        return []
+
+
+def fallback_part(backend: str | None = "cpu", **extra: Any) -> dict[str, Any]:
+    """What FallbackOrchestrator.status returns."""
+    return {
+        "backend": backend, "planned_backend": backend,
+        "preference": {"prefer": "auto", "forced": False, "candidates": ["cuda", "cpu"]},
+        "fallback_state": "settled", "fallback_reason": None,
+        "fallbacks": [{"backend": "cuda", "reason": "gpu_missing", "message": "no GPU", "evidence": {"n": 0}}],
+        "layers": {"planned": 0, "offloaded": None, "total": None, "why": "CPU plan", "estimate": None},
+        **extra,
+    }
+
+
+def plan(backend: str = "cpu") -> L.LaunchPlan:
+    return L.LaunchPlan(backend, "x86-64", "/b", "/b/llama-server", "/m/model.gguf")
+
+
+def as_json(value: Any) -> Any:
+    """What a client receives: the value through the control reply's encoder."""
+    return json.loads(protocol.encode_result(1, value))["result"]
+
+
+async def call(daemon: FakeDaemon, name: str, **params: Any) -> Any:
+    return as_json(await dispatch(daemon, name, params))
+
+
+async def refused(daemon: FakeDaemon, name: str, **params: Any) -> StokerError:
+    with pytest.raises(StokerError) as info:
+        await dispatch(daemon, name, params)
+    return info.value
+
+
+# --- the one validator ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+async def test_every_method_refuses_a_parameter_it_does_not_declare(name):
+    err = await refused(FakeDaemon(), name, bogus=1)
+    assert err.reason == ReasonCode.BAD_REQUEST
+    assert err.evidence["unknown"] == ["bogus"]
+
+
+@pytest.mark.parametrize(
+    "params, why",
+    [
+        ({"limit": "x"}, "must be an integer"),
+        ({"limit": True}, "must be an integer"),  # JSON true is not 1
+        ({"limit": 2.0}, "must be an integer"),
+        ({"limit": 0}, "1 to 10000"),
+        ({"limit": 10_001}, "1 to 10000"),
+        ({"since": 2**63}, "64-bit"),  # SQLite would raise OverflowError deep in the store
+        ({"until": -(2**63) - 1}, "64-bit"),
+        ({"since": False}, "must be a number"),
+        ({"machine": 7}, "must be a string"),
+        ({"kind": ["launch"]}, "must be a string"),
+    ],
+)
+async def test_history_parameters_are_checked_before_the_store_is_asked(params, why):
+    daemon = FakeDaemon()
+    err = await refused(daemon, "history", **params)
+    assert err.reason == ReasonCode.BAD_REQUEST and why in err.message
+    assert err.evidence["param"] == next(iter(params))
+    assert daemon.history_asked == []
+
+
+async def test_defaults_fill_in_and_null_means_not_given():
+    daemon = FakeDaemon()
+    await call(daemon, "history", machine=None, since=None, limit=None)
+    await call(daemon, "history", since=1.5, until=SQLITE_INT_MAX, limit=10_000, kind="probe")
+    assert daemon.history_asked == [
+        {"machine": None, "kind": None, "since": None, "until": None, "limit": 100},
+        {"machine": None, "kind": "probe", "since": 1.5, "until": SQLITE_INT_MAX, "limit": 10_000},
+    ]
+
+
+async def test_a_required_parameter_must_be_given():
+    err = await refused(FakeDaemon(), "snapshot.rm")
+    assert (err.reason, err.evidence["missing"]) == (ReasonCode.BAD_REQUEST, "id")
+    err = await refused(FakeDaemon(), "snapshot.restore", id=None)
+    assert err.evidence["missing"] == "id"
+
+
+@pytest.mark.parametrize("snapshot_id", ["3", 3.0, True, 2**64])
+async def test_a_snapshot_id_is_a_64_bit_integer(snapshot_id):
+    err = await refused(FakeDaemon(), "snapshot.rm", id=snapshot_id)
+    assert err.reason == ReasonCode.BAD_REQUEST and err.evidence["param"] == "id"
+
+
+async def test_backend_choices_are_the_loaded_plugins():
+    daemon = FakeDaemon()
+    err = await refused(daemon, "use", backend="tpu")
+    assert err.reason == ReasonCode.BAD_REQUEST and "auto, cpu, cuda, acme" in err.message
+    err = await refused(daemon, "probe", backends=["cpu", "tpu"])
+    assert err.reason == ReasonCode.BAD_REQUEST
+    err = await refused(daemon, "install", backend="auto")  # a preference, not a backend
+    assert err.reason == ReasonCode.BAD_REQUEST
+
+
+def test_a_declaration_describes_its_bounds_in_words():
+    assert Param("n", Kind.INTEGER, "", low=1, high=9).describe() == "integer, 1 to 9"
+    assert Param("n", Kind.NUMBER, "", low=0).describe() == "number, at least 0"
+    assert Param("s", Kind.STRINGS, "").describe() == "array of strings"
+
+
+# --- the method map ---------------------------------------------------------------------
+
+
+async def test_an_unknown_method_names_the_known_ones():
+    err = await refused(FakeDaemon(), "stat")
+    assert err.reason == ReasonCode.UNKNOWN_METHOD
+    assert "status" in err.evidence["known"] and "subscribe" in err.message
+
+
+def test_every_method_documents_its_reply_and_real_reason_codes():
+    reasons = {code.value for code in ReasonCode}
+    for name, declared in METHODS.items():
+        assert declared.name == name
+        assert "Reply:" in declared.doc, f"{name}: the docstring says what it answers after 'Reply:'"
+        for reason in declared.errors:
+            assert reason in reasons or reason.startswith("<backend>"), (name, reason)
+        for param in declared.params:
+            assert param.doc.strip(), (name, param.name)
+
+
+def test_a_method_declared_twice_is_refused():
+    from daemon.control import methods
+
+    @method("ping")
+    async def again(daemon: Any, params: Any) -> None:
+        """Reply: nothing."""
+
+    with pytest.raises(ValueError):
+        methods._by_name(methods.service.ping, again)
+
+
+def test_control_never_imports_the_daemon_it_serves():
+    # daemon.service sits above daemon.control: importing it back (even for types) is a cycle.
+    for path in (ROOT / "daemon" / "control").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            assert not any(n == "daemon.service" or n.startswith("daemon.service.") for n in names), path
+
+
+# --- handlers through the narrow interface -----------------------------------------------
+
+
+async def test_up_fires_and_a_refused_event_is_illegal_transition():
+    daemon = FakeDaemon()
+    await call(daemon, "up")
+    assert [type(e) for e in daemon.supervisor.fired] == [L.UpRequested]
+    daemon.supervisor.state = L.LaunchState.STOPPING
+    err = await refused(daemon, "restart")
+    assert (err.reason, err.evidence) == (ReasonCode.ILLEGAL_TRANSITION, {"state": "stopping"})
+    assert "Cannot restart while the server is stopping" in err.message
+
+
+async def test_up_is_refused_while_no_valid_config_was_ever_read():
+    daemon = FakeDaemon(config_problems=["line 1: bad"], config_loaded_invalid=True)
+    err = await refused(daemon, "up")
+    assert err.reason == ReasonCode.CONFIG_INVALID and daemon.supervisor.fired == []
+
+
+async def test_shutdown_asks_the_daemon_and_answers():
+    daemon = FakeDaemon()
+    assert await call(daemon, "shutdown") == {"stopping": True}
+    assert daemon.shutdown
+
+
+# --- the status record ------------------------------------------------------------------
+
+
+async def test_status_json_has_the_keys_clients_read():
+    daemon = FakeDaemon()
+    st = await call(daemon, "status")
+    assert set(st) == STATUS_KEYS
+    assert set(st["layers"]) == {"planned", "offloaded", "total", "why", "estimate"}
+    assert set(st["config"]) == {"path", "valid", "problems"}
+    assert set(st["daemon"]) == {"pid", "started_at", "socket"}
+    assert set(st["preference"]) == {"prefer", "forced", "candidates"}
+    assert st["probes"] == {"cpu": {"usable": True, "reason": None, "generation": 3}}
+
+
+async def test_status_of_a_ready_server():
+    daemon = FakeDaemon()
+    sup = daemon.supervisor
+    sup.state, sup.data = L.LaunchState.READY, L.LaunchData(plan=plan(), pid=4242, crashes=1)
+    sup.ready_evidence = {"n_ctx": 4096, "offloaded_layers": 0, "total_layers": 19, "snapshots": {"restored": 1}}
+    sup.ready_at, sup.restarts = time.time() - 30, 2
+    st = await call(daemon, "status")
+    assert (st["state"], st["backend"], st["variant"], st["pid"]) == ("ready", "cpu", "x86-64", 4242)
+    assert st["endpoint"] == "http://127.0.0.1:8080" and st["api_key"] == "key"
+    assert 29 <= st["uptime_s"] <= 31 and (st["restarts"], st["crashes"]) == (2, 1)
+    assert (st["n_ctx"], st["snapshots"], st["model"]) == (4096, {"restored": 1}, "/m/model.gguf")
+    assert st["fallbacks"] == [{"backend": "cuda", "reason": "gpu_missing", "message": "no GPU", "evidence": {"n": 0}}]
+
+
+async def test_status_while_loading_hands_out_no_endpoint_and_no_uptime():
+    daemon = FakeDaemon()
+    daemon.supervisor.state, daemon.supervisor.data = L.LaunchState.LOADING, L.LaunchData(plan=plan(), pid=7)
+    st = await call(daemon, "status")
+    assert (st["endpoint"], st["api_key"], st["uptime_s"], st["pid"]) == (None, None, None, 7)
+
+
+async def test_status_when_nothing_serves():
+    daemon = FakeDaemon(fallback=fallback_part(backend="cuda"))
+    reason = ReasonCode.CUDA_STARTUP_FAILED
+    daemon.supervisor.state = L.LaunchState.FAILED
+    daemon.supervisor.data = L.LaunchData(plan=plan("cuda"), reason=reason, evidence={"message": "the plan's own"})
+    st = await call(daemon, "status")
+    assert st["backend"] is None and st["planned_backend"] == "cuda"  # the last plan stays visible
+    assert (st["reason"], st["message"]) == ("cuda_startup_failed", "the plan's own")
+    assert len(st["fallbacks"]) == 1  # failed: what was passed over still matters
+    daemon.supervisor.state = L.LaunchState.STOPPED
+    st = await call(daemon, "status")
+    assert st["backend"] is None and st["fallbacks"] == []
+
+
+async def test_status_config_part_says_why_the_file_was_refused():
+    daemon = FakeDaemon(config_problems=["server.port: not an integer"])
+    st = build_status(daemon)
+    assert not st.config.valid and st.config.problems == ("server.port: not an integer",)
+    assert as_json(st)["config"]["problems"] == ["server.port: not an integer"]
