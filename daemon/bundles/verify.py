@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import attrs
 
+from daemon.backends.base import Backend, ReasonKind
 from daemon.backends.registry import load_backend
 from daemon.core.digests import sha256_file
 from daemon.bundles.archive import ArchiveLimits, unpack_bundle
@@ -93,7 +94,18 @@ def check_expectations(meta: BundleMeta, *, backend: str | None = None, version:
         raise StokerError(ReasonCode.BUNDLE_METADATA_MISMATCH, evidence=diff)
 
 
-def _run_engine(server: Path, args: list[str], step: str, backend: str, timeout: float) -> tuple[str, str]:
+def judging_backend(meta: BundleMeta) -> Backend:
+    """The plugin of the bundle's backend: it knows the engine's device lines and what a
+    missing library means there. bundle_verify_failed when none is registered or it fails to load."""
+    try:
+        return load_backend(meta.backend)
+    except Exception as exc:  # not registered, or a plugin that fails to load: nothing can judge it
+        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED,
+                          f"No loadable backend plugin named {meta.backend!r} can judge this bundle.",
+                          {"backend": meta.backend, "error": f"{type(exc).__name__}: {exc}"}) from None
+
+
+def _run_engine(server: Path, args: list[str], step: str, backend: Backend, timeout: float) -> tuple[str, str]:
     with tempfile.TemporaryDirectory(prefix="stoker-verify-") as scratch:
         try:
             proc = subprocess.run([str(server), *args], cwd=scratch, capture_output=True, text=True,
@@ -106,7 +118,8 @@ def _run_engine(server: Path, args: list[str], step: str, backend: str, timeout:
                               {"step": step, "error": str(err)}) from None
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-8000:]
-        reason, exit_evidence = classify_exit(proc.returncode, tail.splitlines(), backend=backend)
+        reason, exit_evidence = classify_exit(proc.returncode, tail.splitlines(),
+                                              startup_failed=backend.reason(ReasonKind.STARTUP_FAILED))
         evidence = {"step": step, "engine_reason": str(reason), **exit_evidence}
         if reason == ReasonCode.CPU_ILLEGAL_INSTRUCTION:
             raise StokerError(reason, evidence=evidence)
@@ -114,9 +127,9 @@ def _run_engine(server: Path, args: list[str], step: str, backend: str, timeout:
     return proc.stdout, proc.stderr
 
 
-def check_version(server: Path, meta: BundleMeta, timeout: float = 30.0) -> str:
+def check_version(server: Path, meta: BundleMeta, backend: Backend, timeout: float = 30.0) -> str:
     """`--version` must name the build number and commit stamped at build time."""
-    out, err = _run_engine(server, ["--version"], "version", meta.backend, timeout)
+    out, err = _run_engine(server, ["--version"], "version", backend, timeout)
     m = _VERSION.search(err + out)
     if not m:
         raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "`llama-server --version` printed no version line.",
@@ -129,16 +142,10 @@ def check_version(server: Path, meta: BundleMeta, timeout: float = 30.0) -> str:
     return m.group(0)
 
 
-def check_devices(server: Path, meta: BundleMeta, timeout: float = 60.0) -> tuple[str, ...]:
+def check_devices(server: Path, meta: BundleMeta, backend: Backend, timeout: float = 60.0) -> tuple[str, ...]:
     """`--list-devices` must show the backend's devices, as its plugin's signature knows them
     ("(none)" for the CPU, a CUDAn line for CUDA): the plugin is asked, never a table here."""
-    try:
-        backend = load_backend(meta.backend)
-    except Exception as exc:  # not registered, or a plugin that fails to load: nothing can judge it
-        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED,
-                          f"No loadable backend plugin named {meta.backend!r} can judge this bundle's devices.",
-                          {"backend": meta.backend, "error": f"{type(exc).__name__}: {exc}"}) from None
-    out, err = _run_engine(server, ["--list-devices"], "devices", meta.backend, timeout)
+    out, err = _run_engine(server, ["--list-devices"], "devices", backend, timeout)
     lines = out.splitlines()
     try:
         start = next(i for i, line in enumerate(lines) if line.strip() == "Available devices:") + 1
@@ -195,9 +202,10 @@ def verify_dir(root: Path, *, expect_backend: str | None = None, expect_version:
     if not run_engine:
         return VerifyReport(root, meta, tuple(steps))
     server = root / meta.server
-    version_line = check_version(server, meta)
+    backend = judging_backend(meta)
+    version_line = check_version(server, meta, backend)
     progress(f"engine: {version_line}")
-    devices = check_devices(server, meta)
+    devices = check_devices(server, meta, backend)
     progress(f"devices: {', '.join(d.strip() for d in devices)}")
     steps += ["version", "devices"]
     tokens = None

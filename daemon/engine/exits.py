@@ -7,7 +7,8 @@ generation all exit the same way and are named by `classify_exit`. The order is 
    advertises AMX but faults on it), whatever the log says;
 2. the engine's own log lines, in the order of `LOG_RULES` (llama-server's words,
    docs/engine-process.md "Exits"), each rule's last matching line being the evidence;
-3. a GPU library the loader could not find, for a GPU backend: `<backend>_startup_failed`;
+3. a library the loader could not find, where the caller names the backend's startup-failed
+   code (its plugin's, `cuda_startup_failed`...): a GPU runtime that is not there;
 4. the kernel OOM killer (the caller's evidence: the cgroup's oom_kill count moved) for a
    SIGKILL, which the log cannot state because the process died mid-line;
 5. anything else is a crash, with the last line that looks like an error.
@@ -30,7 +31,6 @@ from states.reasons import ReasonCode
 EVIDENCE_LINES = 20
 # A shell that runs the engine reports a signal as 128 + signo.
 _SHELL_SIGNAL_BASE = 128
-_GPU_BACKENDS = ("cuda", "rocm", "vulkan", "metal")
 
 
 @attrs.frozen
@@ -134,7 +134,7 @@ def classify_exit(
     log_tail: Sequence[str],
     *,
     oom_killed: bool = False,
-    backend: str | None = None,
+    startup_failed: ReasonCode | None = None,
 ) -> tuple[ReasonCode, dict[str, Any]]:
     """The reason code for an engine's exit and its evidence (signal or status, line, log tail).
 
@@ -154,13 +154,18 @@ def classify_exit(
     library = missing_library(lines)
     if library is not None:
         evidence["missing_library"] = library
-    reason, line = _decide(returncode, lines, oom_killed=oom_killed, backend=backend, library=library)
+    reason, line = _decide(returncode, lines, oom_killed=oom_killed, startup_failed=startup_failed, library=library)
     evidence["line"] = line or _last(lines, _ERRORISH)
     return reason, evidence
 
 
 def _decide(
-    returncode: int | None, lines: list[str], *, oom_killed: bool, backend: str | None, library: str | None
+    returncode: int | None,
+    lines: list[str],
+    *,
+    oom_killed: bool,
+    startup_failed: ReasonCode | None,
+    library: str | None,
 ) -> tuple[ReasonCode, str | None]:
     """(reason, the line that decided it, if a line did)."""
     if exit_signal(returncode) == signal.SIGILL:
@@ -168,8 +173,8 @@ def _decide(
     for rule in LOG_RULES:
         if rule.applies(returncode) and (line := _last(lines, rule.pattern)) is not None:
             return rule.reason, line
-    if library is not None and backend in _GPU_BACKENDS:
-        return ReasonCode(f"{backend}_startup_failed"), _last(lines, _MISSING_LIBRARY)
+    if library is not None and startup_failed is not None:
+        return startup_failed, _last(lines, _MISSING_LIBRARY)
     if oom_killed and exit_signal(returncode) == signal.SIGKILL:
         return ReasonCode.OUT_OF_MEMORY, OOM_KILLER_LINE
     return ReasonCode.SERVER_CRASHED, None

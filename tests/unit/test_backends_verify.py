@@ -55,3 +55,21 @@ def test_a_bundle_for_a_backend_no_plugin_provides_is_refused(tmp_path):
         verify_dir(root)
     assert err.value.reason == ReasonCode.BUNDLE_VERIFY_FAILED
     assert "nosuchgpu" in err.value.message and "LookupError" in err.value.evidence["error"]
+    assert "step" not in err.value.evidence  # refused before the engine ran
+
+
+LOADER_ERROR = """#!/bin/sh
+echo "llama-server: error while loading shared libraries: libcuda.so.1: cannot open shared object file: No such file or directory" >&2
+exit 127
+"""
+
+
+@pytest.mark.parametrize("backend, engine_reason", [("cuda", "cuda_startup_failed"), ("cpu", "server_crashed")])
+def test_a_missing_runtime_library_is_named_by_the_backends_own_code(tmp_path, backend, engine_reason):
+    """The plugin's startup_failed code names a GPU runtime the loader cannot find; the CPU has none."""
+    root = make_bundle_dir(tmp_path / "b", backend=backend, variant="default", script=LOADER_ERROR)
+    with pytest.raises(StokerError) as err:
+        verify_dir(root)
+    assert err.value.reason == ReasonCode.BUNDLE_VERIFY_FAILED
+    assert err.value.evidence["engine_reason"] == engine_reason
+    assert err.value.evidence["missing_library"] == "libcuda.so.1"

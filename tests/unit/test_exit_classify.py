@@ -147,7 +147,7 @@ LIBCUDA_MISSING = "llama-server: error while loading shared libraries: libcuda.s
 
 
 def test_a_missing_gpu_library_is_the_backends_startup_failure():
-    reason, evidence = classify_exit(127, [LIBCUDA_MISSING], backend="cuda")
+    reason, evidence = classify_exit(127, [LIBCUDA_MISSING], startup_failed=ReasonCode.CUDA_STARTUP_FAILED)
     assert reason == ReasonCode.CUDA_STARTUP_FAILED
     assert evidence["missing_library"] == "libcuda.so.1" and evidence["line"] == LIBCUDA_MISSING
     assert missing_library([LIBCUDA_MISSING]) == "libcuda.so.1"
