@@ -30,3 +30,18 @@ def test_every_reason_code_is_documented():
 def test_cli_reference_is_current():
     module = _load("cli_reference")
     assert module.PAGE.read_text() == module.document(), "run: python docs/cli_reference.py"
+
+
+def test_protocol_method_reference_is_current():
+    module = _load("protocol_methods")
+    assert module.PAGE.read_text() == module.document(), "run: python docs/protocol_methods.py"
+
+
+def test_every_socket_method_is_in_the_reference():
+    from daemon.control.methods import METHODS
+
+    text = (DOCS / "protocol-methods.md").read_text()
+    for name, declared in METHODS.items():
+        assert f"## `{name}`" in text
+        for param in declared.params:
+            assert f"| `{param.name}` |" in text

@@ -1,0 +1,102 @@
+"""Write docs/protocol-methods.md from the socket methods' declarations: `python docs/protocol_methods.py [--check]`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from daemon.control.methods import METHODS
+from daemon.control.params import Method, Param
+from daemon.control.protocol import SUBSCRIBE
+
+PAGE = Path(__file__).resolve().parent / "protocol-methods.md"
+
+INTRO = """# Socket methods
+
+Every method the daemon answers on its control socket, with its parameters, its reply and the
+reason codes it can fail with. Generated from the methods' declarations
+(`daemon/control/methods.py`, the handlers in `daemon/control/handlers/`) by
+`python docs/protocol_methods.py`; never edit by hand. Framing, error replies and the event
+stream are in [protocol.md](protocol.md); what each reason means is in
+[reason-codes.md](reason-codes.md).
+
+Parameters are by name (`params` is an object). Before a method runs, one validator refuses with
+`bad_request`: a parameter the method does not declare, a missing required one, a value of the
+wrong JSON type (`true` is not an integer), an integer beyond the 64-bit range the daemon stores,
+and a value outside its bounds or choices. `null` for an optional parameter is the same as
+leaving it out. Any method may also answer `internal_error` (a bug; the daemon log has the
+traceback).
+"""
+
+SUBSCRIBE_SECTION = f"""## `{SUBSCRIBE}`
+
+Turn this connection into the daemon's event stream (the control server answers it itself).
+See [protocol.md](protocol.md#the-event-stream-subscribe) for the events, their order and what
+happens to a subscriber that falls behind.
+
+Parameters: none.
+
+Reply:
+
+```text
+{{"subscribed": true, "seq": S}}, then event notifications (the first has seq S + 1).
+```
+"""
+
+
+def _summary_body_reply(declared: Method) -> tuple[str, str, str]:
+    doc = declared.doc
+    text, _, reply = doc.partition("Reply:")
+    summary, _, body = text.strip().partition("\n\n")
+    return " ".join(summary.split()), body.strip(), reply.strip()
+
+
+def _param_row(param: Param) -> str:
+    default = "" if param.default is None else f"`{str(param.default).lower() if isinstance(param.default, bool) else param.default}`"
+    required = "yes" if param.required else "no"
+    return f"| `{param.name}` | {param.describe()} | {required} | {default} | {param.doc} |"
+
+
+def _section(declared: Method) -> str:
+    summary, body, reply = _summary_body_reply(declared)
+    lines = [f"## `{declared.name}`", "", summary, ""]
+    if body:
+        lines += [" ".join(paragraph.split()) + "\n" for paragraph in body.split("\n\n")]
+    if declared.params:
+        lines += ["| parameter | type | required | default | meaning |", "|---|---|---|---|---|"]
+        lines += [_param_row(param) for param in declared.params]
+        lines.append("")
+    else:
+        lines += ["Parameters: none.", ""]
+    lines += ["Reply:", "", "```text", reply, "```", ""]
+    errors = ["bad_request", *declared.errors]
+    lines += ["Errors: " + ", ".join(f"`{reason}`" for reason in errors) + ".", ""]
+    return "\n".join(lines)
+
+
+def document() -> str:
+    names = sorted(METHODS)
+    index = ["| method | what it does |", "|---|---|"]
+    for name in [*names, SUBSCRIBE]:
+        anchor = name.replace(".", "")
+        what = _summary_body_reply(METHODS[name])[0] if name in METHODS else "Stream the daemon's events."
+        index.append(f"| [`{name}`](#{anchor}) | {what} |")
+    parts = [INTRO, "\n".join(index) + "\n"]
+    parts += [_section(METHODS[name]) for name in names]
+    parts.append(SUBSCRIBE_SECTION)
+    return "\n".join(parts)
+
+
+def main(argv: list[str]) -> int:
+    text = document()
+    if "--check" in argv:
+        if (PAGE.read_text() if PAGE.exists() else "") != text:
+            print(f"{PAGE} is stale: run python docs/protocol_methods.py", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
