@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 import trio
 
 from daemon.backends.base import Detection, excerpt
+from daemon.backends.registry import load_backend
 from daemon.probes.child import MARKER
 from states.reasons import ReasonCode
 
@@ -27,10 +28,11 @@ MAX_OUTPUT_BYTES = 1 << 20  # a detection is a few KiB; more is noise
 
 
 def unavailable_reason_for(backend: str) -> ReasonCode:
-    """`<backend>_unavailable` where such a code exists (cuda, rocm, ...), else probe_failed."""
+    """The backend's own code for "present but unusable" (`cuda_unavailable`...), asked of its
+    plugin; probe_failed where no plugin of that name loads."""
     try:
-        return ReasonCode(f"{backend}_unavailable")
-    except ValueError:
+        return load_backend(backend).unavailable_reason
+    except Exception:  # not registered, or broken: the probe's failure is all there is to say
         return ReasonCode.PROBE_FAILED
 
 
