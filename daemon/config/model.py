@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 import attrs
 
+from daemon.backends.registry import registered_names
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
 from states.reasons import ReasonCode
@@ -126,6 +127,12 @@ def _choice(*options: str) -> Callable[[Any], str]:
         return value
 
     return check
+
+
+def _backend_preference(value: Any) -> str:
+    """auto, or a backend some installed distribution registers (a built-in or a plugin's
+    entry point): the names are read from the entry points, no plugin is imported."""
+    return _choice("auto", *registered_names())(value)
 
 
 def _bool(value: Any) -> bool:
@@ -240,7 +247,7 @@ class ServerConfig:
 
 @attrs.frozen
 class BackendConfig:
-    prefer: str = _field("auto", _choice("auto", "cpu", "cuda", "rocm", "vulkan", "metal"))
+    prefer: str = _field("auto", _backend_preference)
     cpu_variant: str = _field("auto", _choice("auto", "avx2", "compat", "native"))
 
     @property
