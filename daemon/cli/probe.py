@@ -1,4 +1,8 @@
-"""`stoker probe [--fresh]` and `stoker use auto|cpu|cuda|rocm|vulkan|metal`."""
+"""`stoker probe [--fresh]` and `stoker use auto|BACKEND`.
+
+The backend names are the daemon's (its loaded plugins, a third party's included): the CLI
+passes the name on and the daemon refuses one it has not loaded, listing those it has.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +13,12 @@ import click
 from daemon.cli.output import emit, json_option
 from daemon.cli.service import call, format_status
 
-USE_CHOICES = ("auto", "cpu", "cuda", "rocm", "vulkan", "metal")
-
-
 def format_probe_reply(reply: dict) -> str:
     """Each backend's verdict, reason, message, devices and evidence; where it came from."""
-    from daemon.backends.base import Detection
     from daemon.probes.report import format_probe
 
     items = reply.get("backends") or []
-    text = format_probe([Detection.from_dict(b) for b in items]).rstrip("\n")
+    text = format_probe(items).rstrip("\n")
     origin = []
     for b in items:
         how = f"cached, {b.get('age_s', 0):.1f} s old" if b.get("cached") else "probed now"
@@ -48,10 +48,12 @@ def format_use(reply: dict) -> str:
 
 
 @click.command()
-@click.argument("backend", type=click.Choice(USE_CHOICES))
+@click.argument("backend", metavar="auto|BACKEND")
 @json_option
 def use(backend: str, as_json: bool) -> None:
-    """Set the backend preference (anything but auto is forced) and relaunch."""
+    """Set the backend preference (anything but auto is forced) and relaunch.
+
+    BACKEND is one `stoker probe` lists: cpu, cuda, rocm, vulkan, metal, or a plugin's."""
     reply = call("use", as_json, timeout=60.0, backend=backend)
     emit(as_json, reply, format_use)
     if (reply.get("status") or {}).get("state") == "failed":

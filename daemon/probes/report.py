@@ -1,23 +1,25 @@
 """`stoker probe` for humans: each backend's verdict, reason code, message and evidence.
 
-Pure: Detections in, text out. The CLI prints it; `--json` prints `Detection.to_dict()`.
+Pure: the probe reply's records in (a Detection's JSON form, `Detection.to_dict()`, which is
+what the daemon sends), text out. A client renders a plugin's reason code as the string it is:
+the CLI never loads the plugin that brought it, nor needs to.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from daemon.backends.base import Detection, Device
+Record = Mapping[str, Any]
 
 INDENT = "    "
 MAX_BLOCK_LINES = 12  # raw tool output, tracebacks: enough to act on, not a wall
 
 
-def verdict(detection: Detection) -> str:
+def verdict(detection: Record) -> str:
     """available | unusable (hardware there, runtime not) | absent."""
-    if detection.usable:
+    if detection.get("usable"):
         return "available"
-    return "unusable" if detection.present else "absent"
+    return "unusable" if detection.get("present") else "absent"
 
 
 def _scalar(value: Any) -> str:
@@ -32,22 +34,22 @@ def _scalar(value: Any) -> str:
     return str(value)
 
 
-def _device_line(device: Device) -> str:
-    parts = [device.name]
-    if device.memory_total_mib is not None:
-        mem = f"{device.memory_total_mib} MiB"
-        if device.memory_free_mib is not None:
-            mem += f" ({device.memory_free_mib} MiB free)"
+def _device_line(device: Record) -> str:
+    parts = [str(device.get("name"))]
+    if device.get("memory_total_mib") is not None:
+        mem = f"{device['memory_total_mib']} MiB"
+        if device.get("memory_free_mib") is not None:
+            mem += f" ({device['memory_free_mib']} MiB free)"
         parts.append(mem)
-    if device.compute_capability:
-        parts.append(f"cc {device.compute_capability}")
-    if device.device_type:
-        parts.append(device.device_type)
-    if device.driver_version:
-        parts.append(f"driver {device.driver_version}")
-    if device.runtime_version:
-        parts.append(f"runtime {device.runtime_version}")
-    return f"device {device.index}: " + ", ".join(parts)
+    if device.get("compute_capability"):
+        parts.append(f"cc {device['compute_capability']}")
+    if device.get("device_type"):
+        parts.append(str(device["device_type"]))
+    if device.get("driver_version"):
+        parts.append(f"driver {device['driver_version']}")
+    if device.get("runtime_version"):
+        parts.append(f"runtime {device['runtime_version']}")
+    return f"device {device.get('index')}: " + ", ".join(parts)
 
 
 def _evidence_lines(evidence: Mapping[str, Any]) -> list[str]:
@@ -64,27 +66,27 @@ def _evidence_lines(evidence: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def format_detection(detection: Detection) -> str:
+def format_detection(detection: Record) -> str:
     """One backend's block: headline, message, devices, evidence."""
-    head = f"{detection.backend}: {verdict(detection)}"
-    if detection.reason is not None:
-        head += f" [{detection.reason}]"
+    head = f"{detection.get('backend')}: {verdict(detection)}"
+    if detection.get("reason") is not None:
+        head += f" [{detection['reason']}]"
     lines = [head]
-    if detection.message:
-        lines.append(INDENT + detection.message)
-    lines.extend(INDENT + _device_line(d) for d in detection.devices)
-    evidence = _evidence_lines(detection.evidence)
+    if detection.get("message"):
+        lines.append(INDENT + str(detection["message"]))
+    lines.extend(INDENT + _device_line(d) for d in detection.get("devices") or ())
+    evidence = _evidence_lines(detection.get("evidence") or {})
     if evidence:
         lines.append(INDENT + "evidence:")
         lines.extend(INDENT * 2 + e for e in evidence)
     return "\n".join(lines)
 
 
-def format_probe(detections: Iterable[Detection] | Mapping[str, Detection]) -> str:
+def format_probe(detections: Iterable[Record]) -> str:
     """The whole `stoker probe` report: a summary line, then each backend's block."""
-    items = list(detections.values()) if isinstance(detections, Mapping) else list(detections)
+    items = list(detections)
     if not items:
         return "No backends were probed."
-    usable = [d.backend for d in items if d.usable]
+    usable = [str(d.get("backend")) for d in items if d.get("usable")]
     summary = "Usable backends: " + (", ".join(usable) if usable else "none")
     return "\n\n".join([summary, *(format_detection(d) for d in items)]) + "\n"

@@ -53,7 +53,7 @@ def test_json_roundtrip(backend, present, usable, reason, devs, evidence):
     d = Detection(backend, present, usable, reason, "m", tuple(devs), evidence)
     again = Detection.from_dict(json.loads(json.dumps(d.to_dict())))
     assert again == d
-    assert format_probe([d])  # never raises on any record
+    assert format_probe([d.to_dict()])  # never raises on any record
 
 
 def test_report_shows_verdict_reason_message_and_evidence():
@@ -68,7 +68,7 @@ def test_report_shows_verdict_reason_message_and_evidence():
         driver="535.104.05", min_driver="580.00", raw="line one\nline two",
     )
     vulkan = Detection.unavailable("vulkan", R.GPU_MISSING, present=False, software_devices=["llvmpipe"])
-    text = format_probe({"cpu": cpu, "cuda": cuda, "vulkan": vulkan})
+    text = format_probe([cpu.to_dict(), cuda.to_dict(), vulkan.to_dict()])
     assert text.splitlines()[0] == "Usable backends: cpu"
     assert "cpu: available\n" in text
     assert "cuda: unusable [cuda_unavailable]" in text
@@ -83,12 +83,22 @@ def test_report_shows_verdict_reason_message_and_evidence():
 
 def test_report_of_a_gpu_device_and_nothing():
     d = Detection.available("cuda", [H200], "1 NVIDIA GPU(s)")
-    assert "device 0: NVIDIA H200, 143771 MiB (143150 MiB free), cc 9.0, discrete, driver 580.95.05, runtime 13.0" in format_detection(d)
-    assert verdict(attrs.evolve(d, usable=False)) == "unusable"
+    assert "device 0: NVIDIA H200, 143771 MiB (143150 MiB free), cc 9.0, discrete, driver 580.95.05, runtime 13.0" in format_detection(d.to_dict())
+    assert verdict(attrs.evolve(d, usable=False).to_dict()) == "unusable"
     assert format_probe([]) == "No backends were probed."
 
 
 def test_long_evidence_blocks_are_cut():
     d = Detection.unavailable("cuda", R.PROBE_FAILED, present=False, stderr="\n".join(f"l{i}" for i in range(100)))
-    text = format_detection(d)
+    text = format_detection(d.to_dict())
     assert "l99" in text and "l5\n" not in text and "..." in text
+
+
+def test_a_client_renders_a_plugin_code_it_has_never_loaded():
+    """The CLI does not load plugins: a code only the daemon registered is shown as it is."""
+    record = {"backend": "zluda", "present": True, "usable": False, "reason": "zluda_unavailable",
+              "message": "The ZLUDA runtime did not start; reinstall it.", "devices": [{"index": 0, "name": "RX 7900"}],
+              "evidence": {"probe": "probe timed out after 20s"}}
+    text = format_probe([record])
+    assert "zluda: unusable [zluda_unavailable]" in text and "The ZLUDA runtime did not start" in text
+    assert "device 0: RX 7900" in text and "probe: probe timed out after 20s" in text
