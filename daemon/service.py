@@ -37,6 +37,7 @@ from daemon.core.events import EventBus
 from daemon.core.machines import MachineRunner
 from daemon.core.paths import StokerPaths
 from daemon.backends import load_backends
+from daemon.backends.registry import try_order
 from daemon.backends.base import Detection
 from daemon.bundles.installed import InstalledBundle
 from daemon.fallback.orchestrator import FallbackOrchestrator, OrchestratedSupervisor
@@ -95,12 +96,14 @@ class Daemon:
     _state_changed: trio.Event = attrs.field(factory=trio.Event)
 
     def __attrs_post_init__(self) -> None:
+        # Plugins first: loading one registers the reason codes it brings, which the machine
+        # rows restored below may hold (a fallback that recorded fakegpu_startup_failed).
+        backends = load_backends()
         self.config_runner = MachineRunner(C.CONFIG, "config", self.store, publish=self.publish)
         launch = MachineRunner(L.LAUNCH, "launch", self.store, publish=self.publish)
         self.snapshots = SnapshotService(self.paths, SnapshotCatalog(self.store), lambda: self.config,
                                          self.bus.publish)
-        backends = load_backends()
-        self.probes = ProbeService(self.store, tuple(backends), publish=self.publish,
+        self.probes = ProbeService(self.store, try_order(backends), publish=self.publish,
                                    quick={name: b.quick_detect for name, b in backends.items()})
         self.installs = InstallService(self.paths, self.store, self.publish, manifest_source=self.manifest_source,
                                        backends=backends)

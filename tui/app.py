@@ -332,8 +332,11 @@ class StokerApp(App[None]):
             if name:
                 self.send("use", {"backend": name}, f"Backend preference: {name}.")
 
-        current = ((self.status or {}).get("preference") or {}).get("prefer")
-        self.push_screen(BackendChoiceScreen(current), chosen)
+        status = self.status or {}
+        current = (status.get("preference") or {}).get("prefer")
+        # The daemon's loaded backends; an older daemon's status lacks them, its probes name them.
+        backends = status.get("backends") or list(status.get("probes") or {})
+        self.push_screen(BackendChoiceScreen(current, backends), chosen)
 
     def action_snapshot(self) -> None:
         self.send("snapshot.save", {}, "Snapshot saved.")

@@ -107,6 +107,7 @@ class Status:
     fallback_reason: str | None
     fallbacks: tuple[Fallback, ...]
     probes: dict[str, ProbeVerdict]
+    backends: tuple[str, ...]  # the loaded backend plugins: what a preference may name besides auto
 
 
 def build_status(daemon: ControlledDaemon) -> Status:
@@ -157,6 +158,7 @@ def build_status(daemon: ControlledDaemon) -> Status:
         fallback_reason=fallback["fallback_reason"],
         fallbacks=() if state is L.LaunchState.STOPPED else fallbacks,
         probes={name: _verdict(v) for name, v in daemon.probe_verdicts().items()},
+        backends=tuple(daemon.backend_names),
     )
 
 

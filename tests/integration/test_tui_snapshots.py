@@ -44,6 +44,7 @@ def status_cuda() -> dict[str, Any]:
         "layers": {"planned": 99, "offloaded": 33, "total": 33},
         "n_ctx": 8192,
         "config": {"path": "/home/ana/.config/stoker/config.toml", "valid": True, "problems": []},
+        "backends": ["cuda", "rocm", "metal", "vulkan", "cpu"],
     }
 
 

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STATUS_KEYS = {
     "state", "backend", "variant", "reason", "message", "evidence", "model", "endpoint", "api_key", "pid",
     "uptime_s", "restarts", "crashes", "layers", "n_ctx", "snapshots", "log_path", "config", "daemon",
-    "planned_backend", "preference", "fallback_state", "fallback_reason", "fallbacks", "probes",
+    "planned_backend", "preference", "fallback_state", "fallback_reason", "fallbacks", "probes", "backends",
 }
 
 
@@ -268,6 +268,7 @@ async def test_status_json_has_the_keys_clients_read():
     assert set(st["daemon"]) == {"pid", "started_at", "socket"}
     assert set(st["preference"]) == {"prefer", "forced", "candidates"}
     assert st["probes"] == {"cpu": {"usable": True, "reason": None, "generation": 3}}
+    assert st["backends"] == ["cpu", "cuda", "acme"]  # what the TUI offers besides auto
 
 
 async def test_status_of_a_ready_server():

@@ -1,6 +1,12 @@
-"""Choose the backend preference: auto, or force one (a forced backend never falls back)."""
+"""Choose the backend preference: auto, or force one (a forced backend never falls back).
+
+The backends offered are the daemon's loaded plugins (the status document's `backends`), a
+third party's included: the TUI knows no backend by name.
+"""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -9,14 +15,12 @@ from textual.screen import ModalScreen
 from textual.widgets import Label, OptionList
 from textual.widgets.option_list import Option
 
-CHOICES = (
-    ("auto", "auto: the best backend that works (falls back)"),
-    ("cpu", "cpu"),
-    ("cuda", "cuda: NVIDIA (forced: fails, never falls back)"),
-    ("rocm", "rocm: AMD (forced)"),
-    ("vulkan", "vulkan (forced)"),
-    ("metal", "metal: Apple (forced)"),
-)
+AUTO = ("auto", "auto: the best backend that works (falls back)")
+
+
+def choices(backends: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """(name, label) for auto and each backend the daemon loaded."""
+    return (AUTO, *((name, f"{name} (forced: fails, never falls back)") for name in backends if name != "auto"))
 
 
 class BackendChoiceScreen(ModalScreen[str | None]):
@@ -24,18 +28,19 @@ class BackendChoiceScreen(ModalScreen[str | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, current: str | None = None) -> None:
+    def __init__(self, current: str | None = None, backends: Sequence[str] = ()) -> None:
         super().__init__()
         self.current = current
+        self.choices = choices(backends)
 
     def compose(self) -> ComposeResult:
         with Vertical(id="backend-dialog", classes="dialog"):
             yield Label("Backend preference", classes="dialog-title")
-            yield OptionList(*(Option(text, id=name) for name, text in CHOICES), id="backend-options")
+            yield OptionList(*(Option(text, id=name) for name, text in self.choices), id="backend-options")
 
     def on_mount(self) -> None:
         options = self.query_one(OptionList)
-        names = [name for name, _ in CHOICES]
+        names = [name for name, _ in self.choices]
         options.highlighted = names.index(self.current) if self.current in names else 0
         options.focus()
 

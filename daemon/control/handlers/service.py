@@ -44,8 +44,8 @@ async def status(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     uptime_s (null until ready), restarts, crashes, layers {planned ("auto" or a count),
     offloaded, total, why, estimate}, n_ctx, snapshots, log_path, preference {prefer, forced,
     candidates}, fallback_state, fallback_reason, fallbacks [{backend, reason, message,
-    evidence}], probes {backend: {usable, reason, generation}}, config {path, valid,
-    problems}, daemon {pid, started_at, socket}}.
+    evidence}], probes {backend: {usable, reason, generation}}, backends [the loaded backend
+    plugins], config {path, valid, problems}, daemon {pid, started_at, socket}}.
     """
     return build_status(daemon)
 
