@@ -40,7 +40,7 @@ from daemon.backends import load_backends
 from daemon.backends.registry import try_order
 from daemon.backends.base import Detection
 from daemon.bundles.installed import InstalledBundle
-from daemon.fallback.orchestrator import FallbackOrchestrator, OrchestratedSupervisor
+from daemon.fallback.orchestrator import FallbackOrchestrator
 from daemon.install.service import MANIFEST_ENV, InstallService
 from daemon.probes.service import ProbeResult, ProbeService
 from daemon.snapshots.service import SnapshotService
@@ -100,7 +100,6 @@ class Daemon:
         # rows restored below may hold (a fallback that recorded fakegpu_startup_failed).
         backends = load_backends()
         self.config_runner = MachineRunner(C.CONFIG, "config", self.store, publish=self.publish)
-        launch = MachineRunner(L.LAUNCH, "launch", self.store, publish=self.publish)
         self.snapshots = SnapshotService(self.paths, SnapshotCatalog(self.store), lambda: self.config,
                                          self.bus.publish)
         self.probes = ProbeService(self.store, try_order(backends), publish=self.publish,
@@ -109,8 +108,8 @@ class Daemon:
                                        backends=backends)
         self.orchestrator = FallbackOrchestrator(self.paths, self.store, self.probes, self.installs, backends,
                                                  publish=self.publish)
-        self.supervisor = OrchestratedSupervisor(self.paths, launch, self.config, self.orchestrator.plan,
-                                                 ready_hook=self._on_ready, before_stop=self.snapshots.before_stop)
+        self.supervisor = Supervisor(self.paths, self.store, self.config, self.orchestrator.plan, publish=self.publish,
+                                     ready_hook=self._on_ready, before_stop=self.snapshots.before_stop)
 
     def manifest_source(self) -> str:
         """Where bundles are resolved: `[bundles] manifest`, else $STOKER_MANIFEST_URL."""

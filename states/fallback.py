@@ -1,4 +1,4 @@
-"""The fallback orchestrator: one per launch request, from the preferred backend to CPU.
+"""The fallback machine: one per server instance, from the preferred backend to CPU.
 
     idle -> checking(backend) -> launching(backend) -> settled
                  |  ^
@@ -6,20 +6,28 @@
              installing(backend)
     any failure -> record (backend, reason, evidence) -> checking(next) ... -> failed
 
+Every launch request (the launch machine's MakePlan) arrives as `PlanRequested` with its
+facts, and this table decides what it means: a non-CPU candidate whose server died before it
+was ever ready is recorded as `<backend>_startup_failed` (the backend's own code, carried in
+the event) and the next candidate is checked; anything else starts afresh from the first.
 Only a missing bundle on present hardware (binary_missing_*_detected, bundle_missing) is
 repaired in place: install once, re-check, retry. Every other failure is recorded and the
 next candidate is tried, CPU last (the daemon orders the candidates). A forced backend has
-no next candidate: its first unrepaired failure ends in `failed` with that reason.
+no next candidate: its first unrepaired failure ends in `failed` with that reason. Once
+settled, a server respawned with the same plan is proven again on every ready; one that is
+no longer accelerated is kept in the data as `respawn_demotion`.
 """
 
 from __future__ import annotations
 
 import enum
+import typing
 from typing import Any
 
 import attrs
 
-from states.machine import MachineSpec, Step, guarded
+from states.launch_records import CPU_BACKEND, ExitPhase
+from states.machine import STAY, MachineSpec, Rule, Step, guarded
 from states.reasons import ReasonCode
 
 
@@ -61,16 +69,31 @@ class Skipped:
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
 
+def _skipped(value: Any) -> tuple[Skipped, ...]:
+    return tuple(value)
+
+
+@attrs.frozen
+class Demotion:
+    """A server on `backend` that serves but is not really accelerated, and the proof."""
+
+    backend: str
+    reason: ReasonCode
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+
+
 @attrs.frozen
 class FallbackData:
     candidates: tuple[str, ...] = attrs.field(default=(), converter=_names)
     index: int = 0
     forced: bool = False
     installed: tuple[str, ...] = attrs.field(default=(), converter=_names)  # installs tried
-    skipped: tuple[Skipped, ...] = attrs.field(default=(), converter=tuple)
+    skipped: tuple[Skipped, ...] = attrs.field(default=(), converter=_skipped)
     chosen: str | None = None  # the backend the server really runs on, once settled
     reason: ReasonCode | None = None  # why not the preferred one (or why failed)
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    # Settled, then the same plan respawned after a crash and found not really accelerated.
+    respawn_demotion: Demotion | None = None
 
     @property
     def current(self) -> str | None:
@@ -81,11 +104,20 @@ class FallbackData:
 
 
 @attrs.frozen
-class FallbackStarted:
-    """Try these backends in order (CPU last); `forced`: exactly one, no fallback."""
+class PlanRequested:
+    """The launch machine asked for a plan (its MakePlan), with the facts of the request:
+    the backends to try for the config in use (CPU last; `forced`: exactly that one) and,
+    when a crash asked for the new plan, the previous plan's backend, the exit's reason and
+    phase, that backend's own reason code for a start that failed (a plugin's fact), and
+    the evidence that decided the exit (its line, a missing library, the log's tail)."""
 
     candidates: tuple[str, ...] = attrs.field(converter=_names)
     forced: bool = False
+    previous_backend: str | None = None
+    failure: ReasonCode | None = None
+    phase: ExitPhase | None = None
+    startup_failed: ReasonCode = ReasonCode.SERVER_CRASHED
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
 
 @attrs.frozen
@@ -122,29 +154,25 @@ class BundleInstallFailed:
 @attrs.frozen
 class LaunchSucceeded:
     """The server is ready. `effective_backend`/`reason` when it is not really accelerated
-    (cuda_gpu_layers_zero, gpu_claimed_but_unused): it serves, and says why on CPU."""
+    (cuda_gpu_layers_zero, gpu_claimed_but_unused): it serves, and says why on CPU.
+    `adopted`: a server kept across a daemon restart, with nothing new to prove."""
 
     backend: str
     effective_backend: str | None = None
     reason: ReasonCode | None = None
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
-
-
-@attrs.frozen
-class LaunchFailed:
-    """The server on this backend failed (cuda_startup_failed, ...)."""
-
-    backend: str
-    reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
-
-
-@attrs.frozen
-class FallbackCancelled:
-    """The launch was called off (the user stopped the server)."""
+    adopted: bool = False
 
 
 # --- effects ----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ProbeCandidates:
+    """Probe these backends at once (each in its own process), so that every check that
+    follows reads a fresh cache instead of probing in turn. Nothing to answer."""
+
+    backends: tuple[str, ...] = attrs.field(converter=_names)
 
 
 @attrs.frozen
@@ -176,6 +204,8 @@ class GiveUp:
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
 
+Effect = ProbeCandidates | CheckBackend | InstallBundle | UsePlan | GiveUp
+
 S = FallbackState
 
 
@@ -196,13 +226,33 @@ def _next(data: FallbackData, backend: str, reason: ReasonCode, evidence: dict[s
     return Step(S.FAILED, data, (GiveUp(reason, summary),), reason, summary)
 
 
-@guarded(S.CHECKING)
-def started(state: S, data: FallbackData, event: FallbackStarted) -> Step | None:
+def _startup_failed(data: FallbackData, event: PlanRequested) -> bool:
+    """The candidate being launched got a server that died before it was ever ready."""
+    return (
+        event.failure is not None
+        and event.phase is ExitPhase.NEVER_READY
+        and event.previous_backend == data.current
+        and event.previous_backend != CPU_BACKEND
+    )
+
+
+@guarded(S.CHECKING, S.FAILED)
+def requested(state: S, data: FallbackData, event: PlanRequested) -> Step | None:
+    """A launch request: the next candidate after a failed start, else afresh from the first."""
+    if state is S.LAUNCHING and _startup_failed(data, event):
+        backend = data.candidates[data.index]
+        return _next(data, backend, event.startup_failed, {"exit_reason": str(event.failure), **event.evidence})
     if not event.candidates or (event.forced and len(event.candidates) != 1):
         return None
     data = FallbackData(candidates=event.candidates, forced=event.forced)
-    return Step(S.CHECKING, data, (CheckBackend(event.candidates[0]),),
-                evidence={"candidates": list(event.candidates), "forced": event.forced})
+    others = tuple(b for b in event.candidates if b != CPU_BACKEND)
+    effects: tuple[Effect, ...] = (CheckBackend(event.candidates[0]),)
+    if others and not event.forced:
+        effects = (ProbeCandidates(others), *effects)
+    evidence: dict[str, Any] = {"candidates": list(event.candidates), "forced": event.forced}
+    if state in (S.CHECKING, S.INSTALLING, S.LAUNCHING):
+        evidence["abandoned"] = state.value  # an earlier request never finished
+    return Step(S.CHECKING, data, effects, evidence=evidence)
 
 
 @guarded(S.LAUNCHING)
@@ -244,31 +294,35 @@ def launched(state: S, data: FallbackData, event: LaunchSucceeded) -> Step | Non
     preferred = data.candidates[0]
     reason = event.reason or (data.reason if effective != preferred else None)
     evidence = {"backend": event.backend, "effective_backend": effective, **event.evidence}
-    data = attrs.evolve(data, chosen=effective, reason=reason, evidence=evidence)
+    data = attrs.evolve(data, chosen=effective, reason=reason, evidence=evidence, respawn_demotion=None)
     return Step(S.SETTLED, data, (), reason, evidence)
 
 
-@guarded(S.CHECKING, S.FAILED)
-def launch_failed(state: S, data: FallbackData, event: LaunchFailed) -> Step | None:
+@guarded(STAY)
+def relaunched(state: S, data: FallbackData, event: LaunchSucceeded) -> Step | None:
+    """Settled, and the same plan is ready again after a crash: proven again every time (an
+    adopted server has nothing new to prove and keeps what was found before)."""
     if event.backend != data.current:
         return None
-    return _next(data, event.backend, event.reason, event.evidence)
+    if event.adopted:
+        return Step(S.SETTLED, data, evidence={"adopted": True})
+    demotion = None if event.reason is None else Demotion(event.backend, event.reason, event.evidence)
+    evidence = {"backend": event.backend, "effective_backend": event.effective_backend or event.backend,
+                **event.evidence, "after": "respawn"}
+    return Step(S.SETTLED, attrs.evolve(data, respawn_demotion=demotion), (), event.reason, evidence)
 
 
-@guarded(S.IDLE)
-def cancelled(state: S, data: FallbackData, event: FallbackCancelled) -> Step:
-    return Step(S.IDLE, data, evidence={"cancelled_in": state.value})
+# Only a request while launching can be about the candidate being launched; anywhere else
+# it starts afresh.
+afresh = requested.only(S.CHECKING)
 
-
-_CANCEL = {FallbackCancelled: cancelled}
-
-TRANSITIONS: dict[FallbackState, dict[type, Any]] = {
-    S.IDLE: {FallbackStarted: started},
-    S.CHECKING: {CheckPassed: check_passed, CheckFailed: check_failed, **_CANCEL},
-    S.INSTALLING: {BundleInstalled: installed, BundleInstallFailed: install_failed, **_CANCEL},
-    S.LAUNCHING: {LaunchSucceeded: launched, LaunchFailed: launch_failed, **_CANCEL},
-    S.SETTLED: {FallbackStarted: started},
-    S.FAILED: {FallbackStarted: started},
+TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
+    S.IDLE: {PlanRequested: afresh},
+    S.CHECKING: {CheckPassed: check_passed, CheckFailed: check_failed, PlanRequested: afresh},
+    S.INSTALLING: {BundleInstalled: installed, BundleInstallFailed: install_failed, PlanRequested: afresh},
+    S.LAUNCHING: {LaunchSucceeded: launched, PlanRequested: requested},
+    S.SETTLED: {LaunchSucceeded: relaunched, PlanRequested: afresh},
+    S.FAILED: {PlanRequested: afresh},
 }
 
 FALLBACK = MachineSpec(
@@ -278,6 +332,9 @@ FALLBACK = MachineSpec(
     data_type=FallbackData,
     transitions=TRANSITIONS,
     terminal={S.IDLE, S.SETTLED, S.FAILED},
-    description="Preferred backend first, install a missing bundle once, CPU last; forced never falls back.",
-    effect_types=(CheckBackend, InstallBundle, UsePlan, GiveUp),
+    description=(
+        "One server instance's backend: preferred first, install a missing bundle once, CPU last; "
+        "a non-CPU server that dies before ready moves on to the next; forced never falls back."
+    ),
+    effect_types=typing.get_args(Effect),
 )

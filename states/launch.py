@@ -4,25 +4,36 @@
     crashed -> backoff -> starting (or planning when the crash asks for a new plan)
     failed (crash loop, a plan that cannot be made, or a fatal exit) until UpRequested
 
+One machine per server instance (its store id is keyed by the instance's name); one runs.
+
 Timers are effects (`WatchReadiness`, `StartBackoff`, `ArmStableTimer`) whose expiry comes
 back as an event. A timer belongs to the state that armed it: the daemon cancels it when the
 machine leaves that state, and a late expiry is an illegal event that changes nothing.
 
 `stopping` remembers why it stops in `data.after_stop`: the user's down (-> stopped), a
 restart or config change (-> planning), or a stall (-> counted as a crash).
+
+An unasked exit (`ServerExited`) carries facts: the exit status and the classified reason.
+This table judges it (`judge_exit`): a reason in FATAL_EXITS fails at once; a reason in
+REPLAN_EXITS, or any non-CPU plan that dies before it was ever ready, asks for a new plan
+(the fallback then records `<backend>_startup_failed` and moves on); anything else is
+respawned with the same plan after a backoff, until `max_restarts` makes it a crash loop.
 """
 
 from __future__ import annotations
 
+import enum
+import typing
 from typing import Any
 
 import attrs
 
-from states.machine import STAY, Guarded, MachineSpec, Step, guarded
+from states.machine import STAY, Guarded, MachineSpec, Rule, Step, guarded
 from states.reasons import ReasonCode
 
 
 from states.launch_records import (  # noqa: F401  (the machine's vocabulary, re-exported)
+    CPU_BACKEND,
     Adopted,
     AfterStop,
     ArmStableTimer,
@@ -31,6 +42,8 @@ from states.launch_records import (  # noqa: F401  (the machine's vocabulary, re
     ConfigChanged,
     DownRequested,
     Effect,
+    ExitPhase,
+    GpuLayers,
     LaunchData,
     LaunchPlan,
     LaunchSettings,
@@ -39,12 +52,14 @@ from states.launch_records import (  # noqa: F401  (the machine's vocabulary, re
     MakePlan,
     Notify,
     PlanFailed,
+    PlanFailure,
     PlanReady,
     Ready,
     Reattach,
     RestartRequested,
     ServerExited,
     Spawn,
+    SpawnFailed,
     Spawned,
     Stable,
     StallTimeout,
@@ -58,6 +73,33 @@ from states.launch_records import (  # noqa: F401  (the machine's vocabulary, re
 
 S = LaunchState
 
+# Exits that no retry can help: a missing or unparseable model, an option the engine
+# rejects. They fail at once with the real reason instead of looping into crash_loop.
+FATAL_EXITS = frozenset({ReasonCode.MODEL_MISSING, ReasonCode.MODEL_LOAD_FAILED, ReasonCode.SERVER_BAD_ARGUMENTS})
+# Exits that the same plan would repeat: SIGILL says the CPU variant is wrong for this CPU.
+REPLAN_EXITS = frozenset({ReasonCode.CPU_ILLEGAL_INSTRUCTION})
+
+
+class ExitVerdict(enum.StrEnum):
+    """What an unasked exit means for the next attempt."""
+
+    FATAL = "fatal"  # fail now with the exit's reason
+    REPLAN = "replan"  # back off, then ask for a new plan (MakePlan with the failure)
+    RESPAWN = "respawn"  # back off, then spawn the same plan again
+
+
+def judge_exit(reason: ReasonCode, phase: ExitPhase, plan: LaunchPlan | None) -> ExitVerdict:
+    """The policy for an unasked exit, from its facts: the reason, the phase, the plan."""
+    if reason in FATAL_EXITS:
+        return ExitVerdict.FATAL
+    if reason in REPLAN_EXITS:
+        return ExitVerdict.REPLAN
+    if phase is ExitPhase.NEVER_READY and plan is not None and not plan.on_cpu:
+        # The same accelerated plan would die the same way: plan anew, and the fallback
+        # records <backend>_startup_failed and tries the next backend.
+        return ExitVerdict.REPLAN
+    return ExitVerdict.RESPAWN
+
 
 # --- handlers ---------------------------------------------------------------------------
 
@@ -66,17 +108,20 @@ def _settings(data: LaunchData, new: LaunchSettings | None) -> LaunchSettings:
     return data.settings if new is None else new
 
 
+def _fresh_count(data: LaunchData) -> LaunchData:
+    """A start the user asked for: earlier crashes and restarts no longer count."""
+    return attrs.evolve(data, crashes=0, restarts=0)
+
+
 def _plan(data: LaunchData, settings: LaunchSettings | None = None, *, reset: bool) -> Step:
-    """Enter planning. A user start resets the crash count and clears the last reason."""
+    """Enter planning afresh (a start, restart or config change: no failure to avoid). A
+    user start resets the counts and clears the last reason."""
     settings = _settings(data, settings)
     if reset:
-        data = attrs.evolve(data, crashes=0, reason=None, evidence={})
-    data = attrs.evolve(
-        data, settings=settings, pid=None, create_time=None, after_stop=AfterStop.STOP, replan=False
-    )
-    failure = data.reason if not reset else None
-    evidence = data.evidence if failure is not None else {}
-    return Step(S.PLANNING, data, (MakePlan(previous=data.plan, failure=failure, failure_evidence=evidence),))
+        data = attrs.evolve(_fresh_count(data), reason=None, evidence={})
+    data = attrs.evolve(data, settings=settings, pid=None, create_time=None, after_stop=AfterStop.STOP,
+                        replan_for=None)
+    return Step(S.PLANNING, data, (MakePlan(previous=data.plan),))
 
 
 def _stop(data: LaunchData, after: AfterStop, reason: ReasonCode | None = None,
@@ -94,21 +139,23 @@ def _stop(data: LaunchData, after: AfterStop, reason: ReasonCode | None = None,
     )
 
 
-def _crash(data: LaunchData, reason: ReasonCode, evidence: dict[str, Any], *,
-           replan: bool = False, fatal: bool = False, returncode: int | None = None) -> Step:
-    """Count a crash: back off and retry, or fail for good (fatal exit or crash loop)."""
+def _crash(data: LaunchData, reason: ReasonCode, evidence: dict[str, Any], verdict: ExitVerdict,
+           phase: ExitPhase, returncode: int | None) -> Step:
+    """Count a crash: fail for good (fatal, or a crash loop), or back off and come back with
+    the same plan or, for REPLAN, a new one that knows what failed."""
     crashes = data.crashes + 1
     evidence = {**evidence, "crashes": crashes, "returncode": returncode}
-    data = attrs.evolve(data, crashes=crashes, pid=None, create_time=None, replan=replan,
+    data = attrs.evolve(data, crashes=crashes, pid=None, create_time=None, replan_for=None,
                         after_stop=AfterStop.STOP)
-    if fatal:
+    if verdict is ExitVerdict.FATAL:
         data = attrs.evolve(data, reason=reason, evidence=evidence)
         return Step(S.FAILED, data, (Notify("status", f"failed: {reason}"),), reason, evidence)
     if crashes > data.settings.max_restarts:
         loop = {**evidence, "last_reason": str(reason), "max_restarts": data.settings.max_restarts}
         data = attrs.evolve(data, reason=ReasonCode.CRASH_LOOP, evidence=loop)
         return Step(S.FAILED, data, (Notify("status", "failed: crash_loop"),), ReasonCode.CRASH_LOOP, loop)
-    data = attrs.evolve(data, reason=reason, evidence=evidence)
+    failure = PlanFailure(reason, phase, evidence) if verdict is ExitVerdict.REPLAN else None
+    data = attrs.evolve(data, reason=reason, evidence=evidence, restarts=data.restarts + 1, replan_for=failure)
     return Step(S.CRASHED, data, (StartBackoff(crashes), Notify("status", f"crashed: {reason}")),
                 reason, evidence)
 
@@ -129,14 +176,14 @@ def replan_on_config(state: S, data: LaunchData, event: ConfigChanged) -> Step:
 
 
 @guarded(S.STOPPED)
-def stop_idle(state: S, data: LaunchData, event: Any) -> Step:
+def stop_idle(state: S, data: LaunchData, event: DownRequested) -> Step:
     """Nothing runs (planning, crashed, backoff): stopped at once."""
     data = attrs.evolve(data, pid=None, create_time=None, reason=None, evidence={},
-                        after_stop=AfterStop.STOP, replan=False)
+                        after_stop=AfterStop.STOP, replan_for=None)
     return Step(S.STOPPED, data, (Notify("status", "stopped"),))
 
 
-def _keep(state: S, data: LaunchData, event: Any) -> Step:
+def _keep(state: S, data: LaunchData, event: object) -> Step:
     return Step(state, data)
 
 
@@ -153,35 +200,42 @@ def new_settings_only(state: S, data: LaunchData, event: ConfigChanged) -> Step:
 
 @guarded(S.STARTING)
 def plan_ready(state: S, data: LaunchData, event: PlanReady) -> Step:
-    data = attrs.evolve(data, plan=event.plan, pid=None, create_time=None)
+    data = attrs.evolve(data, plan=event.plan, pid=None, create_time=None, replan_for=None)
     return Step(
         S.STARTING,
         data,
-        (Spawn(event.plan), WatchReadiness(data.settings.stall_timeout)),
+        (Spawn(event.plan),),
         evidence={"backend": event.plan.backend, "variant": event.plan.variant},
     )
 
 
 @guarded(S.FAILED)
 def plan_failed(state: S, data: LaunchData, event: PlanFailed) -> Step:
-    data = attrs.evolve(data, reason=event.reason, evidence=event.evidence)
+    data = attrs.evolve(data, reason=event.reason, evidence=event.evidence, replan_for=None)
     return Step(S.FAILED, data, (Notify("status", f"failed: {event.reason}"),), event.reason, event.evidence)
 
 
 @guarded(S.STARTING)
 def spawned(state: S, data: LaunchData, event: Spawned) -> Step:
+    """The process exists: watch it until it is ready."""
     data = attrs.evolve(data, pid=event.pid, create_time=event.create_time)
-    evidence = {"pid": event.pid}
+    evidence: dict[str, Any] = {"pid": event.pid}
     if event.log_path:
         evidence["log_path"] = event.log_path
-    return Step(S.STARTING, data, evidence=evidence)
+    return Step(S.STARTING, data, (WatchReadiness(data.settings.stall_timeout),), evidence=evidence)
+
+
+@guarded(S.FAILED)
+def spawn_failed(state: S, data: LaunchData, event: SpawnFailed) -> Step:
+    """No process at all: retrying the same binary cannot help."""
+    return _crash(data, event.reason, event.evidence, ExitVerdict.FATAL, ExitPhase.NEVER_READY, None)
 
 
 @guarded(STAY)
 def adopted(state: S, data: LaunchData, event: Adopted) -> Step:
     data = attrs.evolve(data, pid=event.pid, create_time=event.create_time)
     if state is S.READY:
-        effects: tuple[Any, ...] = (ArmStableTimer(data.settings.stable_after), Notify("ready", "adopted"))
+        effects: tuple[Effect, ...] = (ArmStableTimer(data.settings.stable_after), Notify("ready", "adopted"))
     else:
         effects = (WatchReadiness(data.settings.stall_timeout),)
     return Step(state, data, effects, evidence={"pid": event.pid, **event.evidence})
@@ -211,8 +265,11 @@ def stable(state: S, data: LaunchData, event: Stable) -> Step:
 
 @guarded(S.CRASHED, S.FAILED)
 def exited(state: S, data: LaunchData, event: ServerExited) -> Step:
-    return _crash(data, event.reason, event.evidence, replan=event.replan, fatal=event.fatal,
-                  returncode=event.returncode)
+    """An unasked exit: judged from its reason, the phase (this state) and the plan."""
+    phase = ExitPhase.AFTER_READY if state is S.READY else ExitPhase.NEVER_READY
+    verdict = judge_exit(event.reason, phase, data.plan)
+    evidence = {**event.evidence, "phase": phase.value, "verdict": verdict.value}
+    return _crash(data, event.reason, evidence, verdict, phase, event.returncode)
 
 
 @guarded(S.STOPPING)
@@ -231,12 +288,13 @@ def relaunch(state: S, data: LaunchData, event: RestartRequested | ConfigChanged
     if isinstance(event, ConfigChanged):
         data = attrs.evolve(data, settings=_settings(data, event.settings))
     else:
-        data = attrs.evolve(data, crashes=0)
+        data = _fresh_count(data)
     return _stop(data, AfterStop.RESTART)
 
 
 @guarded(S.STOPPING)
-def retarget_stop(state: S, data: LaunchData, event: Any) -> Step:
+def retarget_stop(state: S, data: LaunchData,
+                  event: DownRequested | RestartRequested | UpRequested | ConfigChanged) -> Step:
     """Already stopping: the newest request decides where it leads.
 
     Down: stopped. Restart: a fresh start with a clean count. Up: come back up if this was
@@ -248,11 +306,11 @@ def retarget_stop(state: S, data: LaunchData, event: Any) -> Step:
         after = AfterStop.STOP
     elif isinstance(event, RestartRequested):
         after = AfterStop.RESTART
-        data = attrs.evolve(data, crashes=0)
+        data = _fresh_count(data)
     elif isinstance(event, UpRequested):
         if after is AfterStop.STOP:
             after = AfterStop.RESTART
-            data = attrs.evolve(data, crashes=0)
+            data = _fresh_count(data)
         data = attrs.evolve(data, settings=_settings(data, event.settings))
     else:  # ConfigChanged
         if after is not AfterStop.STOP:
@@ -262,12 +320,14 @@ def retarget_stop(state: S, data: LaunchData, event: Any) -> Step:
 
 
 @guarded(S.STOPPED, S.PLANNING, S.CRASHED, S.FAILED)
-def stopped(state: S, data: LaunchData, event: StopCompleted | ServerExited) -> Step:
+def stopped(state: S, data: LaunchData, event: StopCompleted | ServerExited | SpawnFailed) -> Step:
     """The process is gone while stopping: go where `after_stop` says."""
-    evidence = {"returncode": event.returncode, **event.evidence}
+    returncode = None if isinstance(event, SpawnFailed) else event.returncode
+    evidence = {"returncode": returncode, **event.evidence}
     if data.after_stop is AfterStop.CRASH:
+        # A stall (only ever before ready): respawned like any crash, never re-planned.
         return _crash(data, data.reason or ReasonCode.SERVER_STALLED, {**data.evidence, **evidence},
-                      returncode=event.returncode)
+                      ExitVerdict.RESPAWN, ExitPhase.NEVER_READY, returncode)
     if data.after_stop is AfterStop.RESTART:
         step_ = _plan(data, reset=False)
         return attrs.evolve(step_, evidence=evidence)
@@ -282,14 +342,13 @@ def backoff_started(state: S, data: LaunchData, event: BackoffStarted) -> Step:
 
 @guarded(S.STARTING, S.PLANNING)
 def backoff_elapsed(state: S, data: LaunchData, event: BackoffElapsed) -> Step:
-    if data.replan or data.plan is None:
-        data = attrs.evolve(data, replan=False)
-        return Step(S.PLANNING, data, (MakePlan(previous=data.plan, failure=data.reason,
-                                                failure_evidence=data.evidence if data.reason else {}),))
+    """Come back: a new plan if the crash asked for one (or there is none), else respawn."""
+    if data.replan_for is not None or data.plan is None:
+        return Step(S.PLANNING, data, (MakePlan(previous=data.plan, failure=data.replan_for),))
     return Step(
         S.STARTING,
         attrs.evolve(data, pid=None, create_time=None),
-        (Spawn(data.plan), WatchReadiness(data.settings.stall_timeout)),
+        (Spawn(data.plan),),
         evidence={"attempt": data.crashes},
     )
 
@@ -305,7 +364,7 @@ def retry_now(state: S, data: LaunchData, event: RestartRequested | ConfigChange
 
 # --- the table --------------------------------------------------------------------------
 
-_RUNNING = {
+_RUNNING: dict[type, Rule] = {
     DownRequested: down,
     RestartRequested: relaunch,
     ConfigChanged: relaunch,
@@ -313,7 +372,7 @@ _RUNNING = {
     StallTimeout: stall,
 }
 
-TRANSITIONS: dict[LaunchState, dict[type, Any]] = {
+TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
     S.STOPPED: {
         UpRequested: start,
         RestartRequested: restart_now,
@@ -332,6 +391,7 @@ TRANSITIONS: dict[LaunchState, dict[type, Any]] = {
         **_RUNNING,
         UpRequested: keep,
         Spawned: spawned,
+        SpawnFailed: spawn_failed,
         Adopted: adopted,
         LoadStarted: load_started,
         Ready: ready,
@@ -351,6 +411,7 @@ TRANSITIONS: dict[LaunchState, dict[type, Any]] = {
     S.STOPPING: {
         StopCompleted: stopped,
         ServerExited: stopped,
+        SpawnFailed: stopped,
         DownRequested: retarget_stop,
         UpRequested: retarget_stop,
         RestartRequested: retarget_stop,
@@ -386,20 +447,25 @@ LAUNCH = MachineSpec(
     data_type=LaunchData,
     transitions=TRANSITIONS,
     terminal={S.STOPPED, S.FAILED},
-    description="One llama-server: plan, spawn, load, serve, stop; crash recovery with backoff.",
-    effect_types=(MakePlan, Spawn, WatchReadiness, Terminate, StartBackoff, Reattach, ArmStableTimer, Notify),
+    description=(
+        "One llama-server instance: plan, spawn, load, serve, stop; crash recovery with backoff. "
+        "An unasked exit is judged here: " + ", ".join(sorted(FATAL_EXITS)) + " fail at once; "
+        + ", ".join(sorted(REPLAN_EXITS)) + ", or a non-CPU plan that dies before ready, asks for a "
+        "new plan; any other exit respawns the same plan, until more than max_restarts crashes in a "
+        "row (without Stable) make it crash_loop."
+    ),
+    effect_types=typing.get_args(Effect),
 )
 
 
-def resume_effects(state: LaunchState, data: LaunchData) -> tuple[Any, ...]:
+def resume_effects(state: LaunchState, data: LaunchData) -> tuple[Effect, ...]:
     """What the daemon must (re)do for a machine loaded from the store after a restart.
 
     In starting/loading/ready the server may still run (Reattach); stopping re-sends the
     stop, which must also only ever signal a proven process.
     """
     if state is S.PLANNING:
-        return (MakePlan(previous=data.plan, failure=data.reason,
-                         failure_evidence=data.evidence if data.reason else {}),)
+        return (MakePlan(previous=data.plan, failure=data.replan_for),)
     if state in (S.STARTING, S.LOADING, S.READY):
         return (Reattach(data.pid, data.create_time),)
     if state is S.STOPPING:

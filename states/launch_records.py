@@ -6,11 +6,20 @@ The transitions that use them are in states/launch.py, which re-exports every na
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, Literal, Union
 
 import attrs
 
 from states.reasons import ReasonCode
+
+# The backend every fallback ends on, the one the engine always has. The machines treat it
+# apart: a CPU server that dies before ready is respawned (there is nowhere to fall back to),
+# any other is re-planned so that the fallback moves on.
+CPU_BACKEND = "cpu"
+
+# GPU layers, spelled one way everywhere (config, plan, spawn spec, status): a count, or
+# "auto" (-ngl auto: the engine fits as many as free VRAM allows). A CPU plan has 0.
+GpuLayers = Union[int, Literal["auto"]]
 
 
 class LaunchState(enum.StrEnum):
@@ -33,8 +42,24 @@ class AfterStop(enum.StrEnum):
     CRASH = "crash"
 
 
+class ExitPhase(enum.StrEnum):
+    """When a server died: before the machine ever saw it ready, or while it served."""
+
+    NEVER_READY = "never_ready"
+    AFTER_READY = "after_ready"
+
+
 def _args(value: Any) -> tuple[str, ...]:
     return tuple(str(v) for v in value)
+
+
+def _gpu_layers(value: Any) -> GpuLayers:
+    # -1 is how plans recorded before "auto" had one spelling said it; read them as "auto".
+    if value == "auto" or value == -1:
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f'n_gpu_layers must be "auto" or an integer >= 0, got {value!r}')
+    return value
 
 
 def _evidence(value: Any) -> dict[str, Any]:
@@ -43,7 +68,10 @@ def _evidence(value: Any) -> dict[str, Any]:
 
 @attrs.frozen
 class LaunchPlan:
-    """Everything needed to spawn one llama-server (paths are strings: JSON-stable)."""
+    """Everything needed to spawn one llama-server, complete when planning ends: the command
+    line is a function of this record alone, so what history records is what ran (paths are
+    strings: JSON-stable). `extra_args` come after the named flags: the model's own arguments
+    (a chat template), the user's extra_args, --metrics, the snapshot flags."""
 
     backend: str
     variant: str
@@ -52,10 +80,28 @@ class LaunchPlan:
     model_path: str
     host: str = "127.0.0.1"
     port: int = 8080
-    ctx_size: int = 4096
+    ctx_size: int = 4096  # 0: no -c, the engine's default
     parallel: int = 1
-    n_gpu_layers: int = 0
+    threads: int = 0  # 0: no -t, the engine decides
+    n_gpu_layers: GpuLayers = attrs.field(default=0, converter=_gpu_layers)
+    flash_attn: str | None = None  # "on" | "off" | "auto"; None: no -fa
+    slot_save_path: str | None = None  # where the engine may save KV slots; None: no saving
     extra_args: tuple[str, ...] = attrs.field(default=(), converter=_args)
+
+    @property
+    def on_cpu(self) -> bool:
+        """A CPU plan: nothing is offloaded, and nowhere is left to fall back to."""
+        return self.backend == CPU_BACKEND
+
+
+@attrs.frozen
+class PlanFailure:
+    """The crash that asked for a new plan, as the machine judged it: what the next plan must
+    avoid (a SIGILL'd CPU variant, a backend that never got its server ready)."""
+
+    reason: ReasonCode
+    phase: ExitPhase
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
 
 @attrs.frozen
@@ -72,11 +118,12 @@ class LaunchSettings:
 class LaunchData:
     settings: LaunchSettings = LaunchSettings()
     crashes: int = 0  # consecutive crashes since the last Stable or user start
+    restarts: int = 0  # restarts after a crash since the user last started the server
     plan: LaunchPlan | None = None
     pid: int | None = None
     create_time: float | None = None  # the process's start time: part of its identity
     after_stop: AfterStop = AfterStop.STOP
-    replan: bool = False  # the last crash asked for a new plan rather than a respawn
+    replan_for: PlanFailure | None = None  # the last crash asked for a new plan, not a respawn
     reason: ReasonCode | None = None  # why the machine is where it is (None when healthy)
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
@@ -157,14 +204,21 @@ class Ready:
 
 @attrs.frozen
 class ServerExited:
-    """The process is gone. `replan`: next attempt needs a new plan (e.g. SIGILL -> safer
-    CPU variant). `fatal`: no retry can help, go straight to failed with `reason`."""
+    """The process is gone, unasked: its exit status and the classified reason, with the
+    evidence that decided it. The machine judges it (fatal, new plan, or respawn) from the
+    reason, the state it was in (the phase) and the plan's backend."""
 
     returncode: int | None
     reason: ReasonCode = ReasonCode.SERVER_CRASHED
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
-    replan: bool = False
-    fatal: bool = False
+
+
+@attrs.frozen
+class SpawnFailed:
+    """The process could not be started at all (the binary will not execute)."""
+
+    reason: ReasonCode = ReasonCode.SERVER_SPAWN_FAILED
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
 
 @attrs.frozen
@@ -202,25 +256,26 @@ class StopCompleted:
 
 @attrs.frozen
 class MakePlan:
-    """Choose backend, bundle and arguments; answer PlanReady or PlanFailed. After a crash
-    that asked for a new plan, `previous` and `failure` say what to avoid, and
-    `failure_evidence` what decided the failure (the exit's deciding line, log tail)."""
+    """Choose backend, bundle and every argument; answer PlanReady or PlanFailed. `previous`
+    is the last plan; after a crash that asked for a new plan, `failure` says what it was
+    (reason, phase, the evidence that decided it) so that the planner avoids it."""
 
     previous: LaunchPlan | None = None
-    failure: ReasonCode | None = None
-    failure_evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False, eq=False)
+    failure: PlanFailure | None = None
 
 
 @attrs.frozen
 class Spawn:
-    """Start llama-server for the plan; answer Spawned, later ServerExited."""
+    """Start llama-server for the plan (its command line from the plan alone); answer
+    Spawned, or SpawnFailed, and later ServerExited."""
 
     plan: LaunchPlan
 
 
 @attrs.frozen
 class WatchReadiness:
-    """Poll /health and the log; LoadStarted, Ready, or StallTimeout after no progress."""
+    """Follow the live server (spawned or adopted) until it is ready: LoadStarted, Ready,
+    or StallTimeout after no progress."""
 
     stall_timeout: float
 

@@ -12,7 +12,7 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import attrs
 
@@ -163,9 +163,9 @@ def _loopback(value: Any) -> str:
     return value
 
 
-def _gpu_layers(value: Any) -> int | str:
+def _gpu_layers(value: Any) -> int | Literal["auto"]:
     if value == "auto" and isinstance(value, str):
-        return value
+        return "auto"
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 100_000:
         return value
     raise _Invalid(f'must be "auto" or an integer of at least 0, got {_describe(value)}')
@@ -234,7 +234,7 @@ class ServerConfig:
     ctx_size: int = _field(4096, _int(0, 1 << 24))
     parallel: int = _field(1, _int(1, 256))
     threads: int = _field(0, _int(0, 4096))
-    n_gpu_layers: int | str = _field("auto", _gpu_layers)
+    n_gpu_layers: int | Literal["auto"] = _field("auto", _gpu_layers)
     flash_attn: str = _field("auto", _choice("auto", "on", "off"))
     extra_args: tuple[str, ...] = _field((), _extra_args)
     stall_timeout_s: float = _field(120.0, _seconds())

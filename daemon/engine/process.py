@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Literal, Mapping
 
 import attrs
 import psutil
@@ -60,7 +60,7 @@ class ServerSpec:
     ctx_size: int | None = None
     parallel: int | None = None
     threads: int | None = None
-    n_gpu_layers: int | str | None = None  # None: the engine's default ("auto")
+    n_gpu_layers: int | Literal["auto"] | None = None  # a count or "auto" (the engine fits); None: no -ngl
     flash_attn: str | None = None  # "on" | "off" | "auto"; None: the engine's default
     extra_args: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     slot_save_path: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))

@@ -1,28 +1,30 @@
 """The fallback orchestrator: per launch request, the preferred backend first, CPU last.
 
-It drives the fallback machine (states/fallback.py) and answers the launch machine's
-`MakePlan`:
+It answers the launch machine's `MakePlan` by handing its facts to the fallback machine
+(states/fallback.py) as `PlanRequested`, whose table decides what the request means (a start
+that failed on the backend being launched: record `<backend>_startup_failed` and move on;
+anything else: start afresh), and by carrying out that machine's effects:
 
+    ProbeCandidates   probe every candidate at once, so each check reads the cache
     CheckBackend(b)   probe b (the 30 s cache answers most of the time) and look for its
                       installed bundle, checked against the hardware (driver floor, archs)
     InstallBundle(b)  only when the sole problem is a missing bundle on present hardware
                       (binary_missing_*_detected): install from the manifest, then re-check
-    UsePlan(b)        the LaunchPlan for b (GPU: -ngl auto, the engine fits the layers)
+    UsePlan(b)        the complete LaunchPlan for b (daemon/fallback/launch_plan.py)
     GiveUp(reason)    no backend left, or the forced one failed: PlanFailed(reason)
 
 Every skipped backend is a transition with its reason and evidence. After the server is
 ready, `on_ready` confirms that a GPU plan really offloaded layers (the engine's
 `offloaded N/M layers to GPU`) and, where the platform reports it (NVML per-process memory),
-that the server holds VRAM; otherwise the launch is reported as CPU with
-`<backend>_gpu_layers_zero` or `gpu_claimed_but_unused`. A GPU server that dies before it is
-ready comes back here as `LaunchFailed(<backend>_startup_failed)` and the next backend is
-tried (`OrchestratedSupervisor` asks for a new plan instead of respawning the same one).
+that the server holds VRAM, and reports it as `LaunchSucceeded`; otherwise the launch is
+reported as CPU with `<backend>_gpu_layers_zero` or `gpu_claimed_but_unused`. One
+orchestrator per server instance, with its own fallback machine.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Any, Awaitable, Mapping, Protocol
 
 import attrs
 import trio
@@ -36,19 +38,41 @@ from daemon.engine.exits import missing_library
 from daemon.install.service import InstallService
 from daemon.fallback.layers import (CONTEXT_RESERVE_MIB, FIT_MARGIN_MIB, LayerEstimate, estimate, fit_margin, free_vram,
                                why_actual, why_planned)
-from daemon.core.machines import MachineRunner, Publish
+from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.core.paths import StokerPaths
-from daemon.fallback.cpu_plan import plan_cpu
+from daemon.fallback.cpu_plan import cpu_bundle
+from daemon.fallback.launch_plan import complete_plan
+from daemon.launch.instance import ServerInstance
 from daemon.probes.service import ProbeService
-from daemon.launch.supervisor import Supervisor
 from states import fallback as F
 from states import launch as L
+from states.machine import IllegalTransition
 from states.reasons import ReasonCode, message_for
 
 log = logging.getLogger(__name__)
 
-MACHINE_ID = "fallback"
-AUTO_LAYERS = -1  # LaunchPlan.n_gpu_layers for "-ngl auto" (the engine fits)
+
+
+class ServedPlan(Protocol):
+    """A server instance as the fallback sees it after the launch: its plan, and what the
+    engine said when it became ready (the launch supervisor is one)."""
+
+    @property
+    def plan(self) -> L.LaunchPlan | None: ...
+
+    @property
+    def ready_evidence(self) -> Mapping[str, Any] | None: ...
+
+
+@attrs.define(eq=False)
+class PlanRequest:
+    """One MakePlan being answered: the config it is planned for, the request, the model
+    file, and the plan once UsePlan has made it."""
+
+    config: Config
+    effect: L.MakePlan
+    model: str
+    plan: L.LaunchPlan | None = None
 
 
 def vram_full(reason: ReasonCode | None, free: Mapping[int, int], config: Config) -> tuple[ReasonCode, dict[str, Any]] | None:
@@ -114,18 +138,21 @@ class FallbackOrchestrator:
     installs: InstallService
     backends: Mapping[str, Backend]
     publish: Publish | None = None
+    instance: ServerInstance = ServerInstance()
     runner: MachineRunner = attrs.field(init=False)
     _detections: dict[str, Detection] = attrs.field(factory=dict, init=False)
     _bundles: dict[str, InstalledBundle] = attrs.field(factory=dict, init=False)
     estimate: LayerEstimate | None = attrs.field(default=None, init=False)
-    # A respawn of a settled GPU plan (a crash after ready) found it not really in use:
-    # (plan backend, reason, proof). The table settles once per request, so this is kept here.
-    respawn_demotion: tuple[str, ReasonCode, dict[str, Any]] | None = attrs.field(default=None, init=False)
     planned_why: str | None = attrs.field(default=None, init=False)
     lock: trio.Lock = attrs.field(factory=trio.Lock, init=False)
+    _effects: EffectDriver[Awaitable[object | None]] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.runner = MachineRunner(F.FALLBACK, MACHINE_ID, self.store, self.publish)
+        self.runner = MachineRunner(F.FALLBACK, self.instance.machine_id(F.FALLBACK.name), self.store, self.publish)
+        self._effects = EffectDriver(F.FALLBACK, {
+            F.ProbeCandidates: self._probe_candidates, F.CheckBackend: self._check,
+            F.InstallBundle: self._install, F.UsePlan: self._use_plan, F.GiveUp: self._give_up,
+        })
 
     @property
     def data(self) -> F.FallbackData:
@@ -149,48 +176,42 @@ class FallbackOrchestrator:
 
         # A missing model is nobody's backend problem: fail the plan with it at once.
         model = await trio.to_thread.run_sync(resolve_model, config.server.model, self.paths)
-        state, data = self.runner.state, self.data
-        previous = effect.previous
-        if (
-            state is F.FallbackState.LAUNCHING
-            and effect.failure is not None
-            and previous is not None
-            and previous.backend == data.current
-            and previous.backend != "cpu"
-        ):
-            # The GPU server died before it was ready: that backend is out, try the next.
-            event: object = F.LaunchFailed(
-                previous.backend,
-                family_reason(self.backends, previous.backend, ReasonKind.STARTUP_FAILED, ReasonCode.SERVER_CRASHED),
-                {"exit_reason": str(effect.failure), "variant": previous.variant,
-                 **exit_detail(effect.failure_evidence)},
-            )
-        else:
-            if state in (F.FallbackState.CHECKING, F.FallbackState.INSTALLING, F.FallbackState.LAUNCHING):
-                self.runner.fire(F.FallbackCancelled())  # an earlier request never finished
-            candidates, forced = candidates_for(config.backend.prefer, self.backends)
-            if not forced:
-                # Probe every candidate at once: each check then reads the cache.
-                await self.probes.probe_all([b for b in candidates if b in self.probes.backends and b != "cpu"])
-            event = F.FallbackStarted(candidates, forced)
-        effects = list(self.runner.fire(event).effects)
-        while effects:
-            eff = effects.pop(0)
-            if isinstance(eff, F.CheckBackend):
-                event = await self._check(config, eff.backend, effect)
-            elif isinstance(eff, F.InstallBundle):
-                event = await self._install(eff.backend)
-            elif isinstance(eff, F.UsePlan):
-                return await self._launch_plan(config, eff.backend, effect, str(model))
-            elif isinstance(eff, F.GiveUp):
-                raise self._give_up(eff)
-            else:  # pragma: no cover - the table declares no other effect
-                raise StokerError(ReasonCode.INTERNAL_ERROR, f"unknown fallback effect {eff!r}")
-            effects.extend(self.runner.fire(event).effects)
-        raise StokerError(ReasonCode.INTERNAL_ERROR, "The fallback machine stopped without a plan.",
-                          {"state": self.runner.state.value})
+        request = PlanRequest(config, effect, str(model))
+        effects = list(self.runner.fire(self._requested(config, effect)).effects)
+        while effects:  # until the machine asks for nothing more (UsePlan) or gives up
+            event = await self._effects.run(effects.pop(0), request)
+            if event is not None:
+                effects.extend(self.runner.fire(event).effects)
+        if request.plan is None:
+            raise StokerError(ReasonCode.INTERNAL_ERROR, "The fallback machine stopped without a plan.",
+                              {"state": self.runner.state.value})
+        return request.plan
 
-    def _give_up(self, eff: F.GiveUp) -> StokerError:
+    def _requested(self, config: Config, effect: L.MakePlan) -> F.PlanRequested:
+        """MakePlan's facts for the fallback table: the candidates now, and the failure (if
+        a crash asked for this plan) with the failed backend's own startup code."""
+        candidates, forced = candidates_for(config.backend.prefer, self.backends)
+        previous, failure = effect.previous, effect.failure
+        if previous is None or failure is None:
+            return F.PlanRequested(candidates, forced, previous_backend=previous.backend if previous else None)
+        return F.PlanRequested(
+            candidates, forced,
+            previous_backend=previous.backend,
+            failure=failure.reason,
+            phase=failure.phase,
+            startup_failed=family_reason(self.backends, previous.backend, ReasonKind.STARTUP_FAILED,
+                                         ReasonCode.SERVER_CRASHED),
+            evidence={"variant": previous.variant, **exit_detail(failure.evidence)},
+        )
+
+    async def _probe_candidates(self, eff: F.ProbeCandidates, request: PlanRequest) -> None:
+        await self.probes.probe_all([b for b in eff.backends if b in self.probes.backends])
+
+    async def _give_up(self, eff: F.GiveUp, request: PlanRequest) -> None:
+        await trio.lowlevel.checkpoint()
+        raise self._no_backend(eff)
+
+    def _no_backend(self, eff: F.GiveUp) -> StokerError:
         data = self.data
         tried = ", ".join(f"{s.backend}: {s.reason}" for s in data.skipped)
         if data.forced:
@@ -208,13 +229,15 @@ class FallbackOrchestrator:
             evidence["detail"] = evidence.pop("message")
         return StokerError(eff.reason, message, evidence)
 
-    async def _check(self, config: Config, backend: str, effect: L.MakePlan) -> object:
-        if backend == "cpu":
+    async def _check(self, eff: F.CheckBackend, request: PlanRequest) -> object:
+        backend, config = eff.backend, request.config
+        if backend == L.CPU_BACKEND:
             try:
-                plan = await trio.to_thread.run_sync(plan_cpu, self.paths, config, effect)
+                bundle = await trio.to_thread.run_sync(cpu_bundle, self.paths, config, request.effect)
             except StokerError as err:
-                return F.CheckFailed("cpu", err.reason, {"message": err.message, **err.evidence})
-            return F.CheckPassed("cpu", {"variant": plan.variant, "bundle": plan.bundle_root})
+                return F.CheckFailed(backend, err.reason, {"message": err.message, **err.evidence})
+            self._bundles[backend] = bundle
+            return F.CheckPassed(backend, {"variant": bundle.meta.variant, "bundle": str(bundle.root)})
         plugin = self.backends.get(backend)
         if plugin is None or backend not in self.probes.backends:
             return F.CheckFailed(backend, ReasonCode.PROBE_FAILED,
@@ -251,7 +274,8 @@ class FallbackOrchestrator:
         return F.CheckPassed(backend, {"variant": variant, "bundle": str(bundle.root),
                                        "devices": [d.name for d in detection.devices]})
 
-    async def _install(self, backend: str) -> object:
+    async def _install(self, eff: F.InstallBundle, request: PlanRequest) -> object:
+        backend = eff.backend
         detection = self._detections.get(backend)
         if detection is None and backend in self.probes.backends:
             detection = (await self.probes.probe(backend)).detection  # the CPU: its variant by features
@@ -263,67 +287,52 @@ class FallbackOrchestrator:
             return F.BundleInstallFailed(backend, reason, {"message": err.message, **err.evidence})
         return F.BundleInstalled(backend)
 
-    async def _launch_plan(self, config: Config, backend: str, effect: L.MakePlan, model: str) -> L.LaunchPlan:
-        self.estimate = None
-        if backend == "cpu":
-            plan = await trio.to_thread.run_sync(plan_cpu, self.paths, config, effect)
-            self.planned_why = why_planned("cpu", None, str(self.data.reason) if self.data.reason else None)
-            return plan
+    async def _use_plan(self, eff: F.UsePlan, request: PlanRequest) -> None:
+        """The complete plan for the backend that passed its check."""
+        backend, config, model = eff.backend, request.config, request.model
         bundle = self._bundles[backend]
-        detection = self._detections.get(backend)
-        free, device, n_devices = free_vram([d.to_dict() for d in detection.devices] if detection else [])
-        try:
-            self.estimate = await trio.to_thread.run_sync(estimate, model, config.server.ctx_size, free, device,
-                                                          CONTEXT_RESERVE_MIB.get(backend, 0),
-                                                          fit_margin(config.server.extra_args), max(1, n_devices))
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            log.info("no layer estimate for %s: %s", model, err)
-        self.planned_why = why_planned(backend, self.estimate)
-        layers = config.server.n_gpu_layers
-        return L.LaunchPlan(
-            backend=backend,
-            variant=bundle.meta.variant,
-            bundle_root=str(bundle.root),
-            server_path=str(bundle.server),
-            model_path=model,
-            host=config.server.host,
-            port=config.server.port,
-            ctx_size=config.server.ctx_size,
-            parallel=config.server.parallel,
-            n_gpu_layers=AUTO_LAYERS if layers == "auto" else int(layers),
-            extra_args=config.server.extra_args,
-        )
+        self.estimate = None
+        layers: L.GpuLayers = 0
+        if backend == L.CPU_BACKEND:
+            self.planned_why = why_planned(backend, None, str(self.data.reason) if self.data.reason else None)
+        else:
+            detection = self._detections.get(backend)
+            free, device, n_devices = free_vram([d.to_dict() for d in detection.devices] if detection else [])
+            try:
+                self.estimate = await trio.to_thread.run_sync(estimate, model, config.server.ctx_size, free, device,
+                                                              CONTEXT_RESERVE_MIB.get(backend, 0),
+                                                              fit_margin(config.server.extra_args), max(1, n_devices))
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                log.info("no layer estimate for %s: %s", model, err)
+            self.planned_why = why_planned(backend, self.estimate)
+            layers = config.server.n_gpu_layers
+        request.plan = await trio.to_thread.run_sync(complete_plan, self.paths, config, bundle, model, layers)
 
     # --- after the launch ---------------------------------------------------------------
 
-    async def on_ready(self, supervisor: Supervisor, evidence: Mapping[str, Any]) -> dict[str, Any]:
-        """Confirm the planned backend is really in use; settle the fallback machine."""
-        plan = supervisor.data.plan
+    async def on_ready(self, server: ServedPlan, evidence: Mapping[str, Any]) -> dict[str, Any]:
+        """Prove the planned backend is really in use and report it to the fallback machine,
+        which settles (or, for the same plan respawned, keeps the new verdict)."""
+        plan = server.plan
         if plan is None:
             return {}
-        if self.runner.state is F.FallbackState.SETTLED and plan.backend != "cpu" and not evidence.get("adopted"):
-            # The same GPU plan respawned after a crash: prove it again, every time.
-            reason, proof = await self._judge(plan.backend, evidence, plan)
-            self.respawn_demotion = None if reason is None else (plan.backend, reason, proof)
-            if reason is not None:
-                log.warning("respawned %s server is not really accelerated: %s", plan.backend, reason)
-            return {"effective_backend": "cpu" if reason else plan.backend}
-        if self.runner.state is not F.FallbackState.LAUNCHING or plan.backend != self.data.current:
-            return {}
-        self.respawn_demotion = None
-        backend = plan.backend
         if evidence.get("adopted"):
             # A server kept across a daemon restart: its load lines were read by the daemon
             # before; nothing new to prove here, and nothing to demote on missing lines.
-            self.runner.fire(F.LaunchSucceeded(backend, None, None, {"adopted": True}))
+            self._report(F.LaunchSucceeded(plan.backend, evidence={"adopted": True}, adopted=True))
             return {}
-        if backend == "cpu":
-            self.runner.fire(F.LaunchSucceeded("cpu"))
-            return {"effective_backend": "cpu"}
-        reason, proof = await self._judge(backend, evidence, plan)
-        effective = "cpu" if reason is not None else backend
-        self.runner.fire(F.LaunchSucceeded(backend, effective if reason else None, reason, proof))
+        reason, proof = (None, {}) if plan.on_cpu else await self._judge(plan.backend, evidence, plan)
+        if reason is not None:
+            log.warning("the %s server is not really accelerated: %s", plan.backend, reason)
+        effective = L.CPU_BACKEND if reason is not None else plan.backend
+        self._report(F.LaunchSucceeded(plan.backend, effective if reason else None, reason, proof))
         return {"effective_backend": effective, **({"demoted": str(reason)} if reason else {})}
+
+    def _report(self, event: F.LaunchSucceeded) -> None:
+        try:
+            self.runner.fire(event)
+        except IllegalTransition as err:  # a ready server from before the current request
+            log.info("fallback: %s", err)
 
     async def _judge(self, backend: str, evidence: Mapping[str, Any],
                      plan: L.LaunchPlan | None = None) -> tuple[ReasonCode | None, dict[str, Any]]:
@@ -378,11 +387,11 @@ class FallbackOrchestrator:
 
     # --- for status ---------------------------------------------------------------------
 
-    def status(self, supervisor: Supervisor, prefer: str | None = None) -> dict[str, Any]:
+    def status(self, server: ServedPlan, prefer: str | None = None) -> dict[str, Any]:
         """The fallback part of `status`: effective backend, fallbacks with reasons, layers."""
         data = self.data
-        plan = supervisor.data.plan
-        ready = supervisor.ready_evidence or {}
+        plan = server.plan
+        ready = server.ready_evidence or {}
         fallbacks = [
             {"backend": s.backend, "reason": str(s.reason), "message": s.evidence.get("message") or message_for(s.reason),
              "evidence": dict(s.evidence)}
@@ -394,16 +403,12 @@ class FallbackOrchestrator:
             if plan is not None and data.chosen != plan.backend and data.reason:
                 fallbacks.append({"backend": plan.backend, "reason": str(data.reason),
                                   "message": message_for(data.reason), "evidence": dict(data.evidence)})
-        late = self.respawn_demotion
-        if late is not None and plan is not None and late[0] == plan.backend and self.runner.state is F.FallbackState.SETTLED:
-            effective = "cpu"
-            fallbacks.append({"backend": late[0], "reason": str(late[1]), "message": message_for(late[1]),
-                              "evidence": {**late[2], "after": "respawn"}})
-        planned: Any = None
-        if plan is not None and plan.backend != "cpu":
-            planned = "auto" if plan.n_gpu_layers == AUTO_LAYERS else plan.n_gpu_layers
-        elif plan is not None:
-            planned = 0
+        late = data.respawn_demotion
+        if late is not None and plan is not None and late.backend == plan.backend \
+                and self.runner.state is F.FallbackState.SETTLED:
+            effective = L.CPU_BACKEND
+            fallbacks.append({"backend": late.backend, "reason": str(late.reason), "message": message_for(late.reason),
+                              "evidence": {**late.evidence, "after": "respawn"}})
         why = self.planned_why or ""
         if plan is not None and ready:
             why = why_actual(plan.backend, why, ready)
@@ -416,30 +421,10 @@ class FallbackOrchestrator:
             "fallback_reason": str(data.reason) if data.reason else None,
             "fallbacks": fallbacks,
             "layers": {
-                "planned": planned,
+                "planned": plan.n_gpu_layers if plan is not None else None,
                 "offloaded": ready.get("offloaded_layers"),
                 "total": ready.get("total_layers"),
                 "why": why or None,
                 "estimate": self.estimate.to_dict() if self.estimate else None,
             },
         }
-
-
-class OrchestratedSupervisor(Supervisor):
-    """The supervisor with GPU launches that fail before ready sent back to the orchestrator."""
-
-    def server_spec(self, plan: L.LaunchPlan):
-        spec = super().server_spec(plan)
-        if plan.backend != "cpu" and plan.n_gpu_layers == AUTO_LAYERS:
-            spec = attrs.evolve(spec, n_gpu_layers="auto")  # -ngl auto: the engine fits
-        return spec
-
-    def _exit_event(self, returncode, reason, evidence):
-        event = super()._exit_event(returncode, reason, evidence)
-        plan = self.data.plan
-        never_ready = self.state in (L.LaunchState.STARTING, L.LaunchState.LOADING)
-        if plan is not None and plan.backend != "cpu" and never_ready and not event.fatal:
-            # Respawning the same GPU plan would fail the same way: ask for a new plan, and
-            # the orchestrator records <backend>_startup_failed and tries the next backend.
-            event = attrs.evolve(event, replan=True)
-        return event

@@ -1,10 +1,16 @@
-"""The launch supervisor: executes the launch machine's effects and feeds the results back.
+"""The launch supervisor: executes one server instance's launch machine effects, feeds back events.
 
-The machine (states/launch.py) decides; this module does. Every effect becomes a task in
-the supervisor's nursery, and every outcome becomes an event through `MachineRunner.fire`,
-which persists the transition before anything else happens. Timers belong to the state that
-armed them and are cancelled when the machine leaves it; an event that arrives too late for
-the state it was meant for is an illegal transition, logged and dropped.
+The machine (states/launch.py) decides; this module does. Every effect goes through one
+`EffectDriver` (a handler per effect type) and becomes a task in the supervisor's nursery;
+every outcome becomes an event carrying facts (an exit's status and classified reason, a
+spawn that failed) through `MachineRunner.fire`, which persists the transition before
+anything else happens. Nothing here judges what an exit means. Timers belong to the state
+that armed them and are cancelled when the machine leaves it; an event that arrives too
+late for the state it was meant for is an illegal transition, logged and dropped.
+
+The plan is complete when it arrives (daemon/fallback/launch_plan.py): `server_spec` maps it
+onto the engine's spawn spec field by field, reading neither the config, nor the models,
+nor the snapshot settings, so the command line is what history recorded.
 """
 
 from __future__ import annotations
@@ -22,8 +28,7 @@ import trio
 from daemon.core import sdnotify
 from daemon.config.model import Config
 from daemon.core.errors import StokerError
-from daemon.core.machines import MachineRunner
-from daemon.models.resolve import model_launch_args
+from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.core.paths import StokerPaths
 from daemon.engine.api import EngineClient
 from daemon.engine.identity import (
@@ -32,9 +37,9 @@ from daemon.engine.identity import (
     read_identity,
     stop_orphan,
 )
-from daemon.snapshots.service import snapshot_server_args
 from daemon.engine.process import ServerHandle, ServerSpec, serve_server, stop_server
 from daemon.engine.ready import wait_ready
+from daemon.launch.instance import ServerInstance
 from states import launch as L
 from states.machine import IllegalTransition, Step
 from states.reasons import ReasonCode
@@ -61,6 +66,24 @@ def launch_settings(config: Config) -> L.LaunchSettings:
     )
 
 
+def server_spec(plan: L.LaunchPlan) -> ServerSpec:
+    """The engine's spawn spec for a plan: the plan's fields, nothing else (0 threads or
+    context means the engine's default, so no flag)."""
+    return ServerSpec(
+        server_path=plan.server_path,
+        model_path=plan.model_path,
+        host=plan.host,
+        port=plan.port,
+        ctx_size=plan.ctx_size or None,
+        parallel=plan.parallel,
+        threads=plan.threads or None,
+        n_gpu_layers=plan.n_gpu_layers,
+        flash_attn=plan.flash_attn,
+        extra_args=plan.extra_args,
+        slot_save_path=plan.slot_save_path,
+    )
+
+
 def backoff_delay(attempt: int, initial: float, cap: float, rng: random.Random) -> float:
     """Capped exponential backoff with jitter in [50%, 100%] of the step (never zero)."""
     step = min(cap, initial * (2 ** max(attempt - 1, 0)))
@@ -69,10 +92,15 @@ def backoff_delay(attempt: int, initial: float, cap: float, rng: random.Random) 
 
 @attrs.define(eq=False)
 class Supervisor:
+    """One server instance: its launch machine (store id keyed by the instance), the live
+    server, and the tasks that carry out the machine's effects."""
+
     paths: StokerPaths
-    runner: MachineRunner
+    store: Any
     config: Config
     planner: Planner
+    instance: ServerInstance = ServerInstance()
+    publish: Publish | None = None
     ready_hook: ReadyHook | None = None
     before_stop: StopHook | None = None
     shutting_down: bool = False  # set by the daemon: the stop cause is "shutdown"
@@ -80,14 +108,28 @@ class Supervisor:
     server: ServerHandle | AdoptedServer | None = None
     ready_evidence: dict[str, Any] | None = None
     ready_at: float | None = None
-    restarts: int = 0
+    runner: MachineRunner = attrs.field(init=False)
+    _effects: EffectDriver[None] = attrs.field(init=False)
     _nursery: trio.Nursery | None = None
     _server_scope: trio.CancelScope | None = None
+    _server_nursery: trio.Nursery | None = None  # the spawned server's own tasks
     _timers: dict[str, trio.CancelScope] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        self.runner = MachineRunner(L.LAUNCH, self.instance.machine_id(L.LAUNCH.name), self.store, self.publish)
+        self._effects = EffectDriver(L.LAUNCH, {
+            L.MakePlan: self._make_plan, L.Spawn: self._spawn, L.WatchReadiness: self._watch_readiness,
+            L.Terminate: self._stop, L.StartBackoff: self._start_backoff, L.ArmStableTimer: self._arm_stable,
+            L.Reattach: self._reattach_later, L.Notify: self._notify,
+        })
 
     @property
     def identity_file(self) -> Path:
-        return self.paths.runtime_dir / "server.json"
+        return self.instance.identity_file(self.paths)
+
+    @property
+    def log_path(self) -> Path:
+        return self.instance.log_path(self.paths)
 
     @property
     def state(self) -> L.LaunchState:
@@ -96,6 +138,21 @@ class Supervisor:
     @property
     def data(self) -> L.LaunchData:
         return self.runner.data
+
+    @property
+    def plan(self) -> L.LaunchPlan | None:
+        """The plan the server runs (or last ran)."""
+        return self.data.plan
+
+    @property
+    def pid(self) -> int | None:
+        """The live server's pid (spawned or adopted), if any."""
+        return None if self.server is None else self.server.pid
+
+    @property
+    def restarts(self) -> int:
+        """Restarts after a crash since the user last started the server (machine data)."""
+        return self.data.restarts
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Resume the machine where the store left it, then execute effects until cancelled."""
@@ -115,7 +172,7 @@ class Supervisor:
         before = self.state
         result = self.runner.fire(event)
         if result.state != before:
-            self._cancel_timers_not_owned_by(result.state)
+            self._cancel_timers_not_owned_by(L.LaunchState(result.state))
         self._execute(result.effects)
         return result
 
@@ -132,13 +189,17 @@ class Supervisor:
     def _execute(self, effects: tuple[Any, ...]) -> None:
         assert self._nursery is not None, "supervisor is not running"
         for effect in effects:
-            handler = getattr(self, f"_do_{type(effect).__name__}")
-            handler(effect)
+            self._effects.run(effect)
 
-    def _do_MakePlan(self, effect: L.MakePlan) -> None:
-        self._nursery.start_soon(self._make_plan, effect)
+    @property
+    def _tasks(self) -> trio.Nursery:
+        assert self._nursery is not None, "supervisor is not running"
+        return self._nursery
 
-    async def _make_plan(self, effect: L.MakePlan) -> None:
+    def _make_plan(self, effect: L.MakePlan) -> None:
+        self._tasks.start_soon(self._plan, effect)
+
+    async def _plan(self, effect: L.MakePlan) -> None:
         try:
             plan = await self.planner(self.config, effect)
         except StokerError as err:
@@ -146,34 +207,39 @@ class Supervisor:
             return
         self.offer(L.PlanReady(plan))
 
-    def _do_Spawn(self, effect: L.Spawn) -> None:
+    def _spawn(self, effect: L.Spawn) -> None:
         if self._server_scope is not None:
             self._server_scope.cancel()
         scope = trio.CancelScope()
         self._server_scope = scope
-        self._nursery.start_soon(self._run_server, effect.plan, scope)
+        self._tasks.start_soon(self._run_server, effect.plan, scope)
 
-    def _do_WatchReadiness(self, effect: L.WatchReadiness) -> None:
-        # A spawned server is watched by its own task (_run_server); an adopted one here.
-        if isinstance(self.server, AdoptedServer):
-            self._nursery.start_soon(self._watch_adopted_ready, self.server, effect.stall_timeout)
+    def _watch_readiness(self, effect: L.WatchReadiness) -> None:
+        server = self.server
+        if isinstance(server, ServerHandle) and self._server_nursery is not None:
+            # In the spawned server's own nursery: its exit ends the watch.
+            self._server_nursery.start_soon(self._watch_ready, server, effect.stall_timeout)
+        elif isinstance(server, AdoptedServer):
+            self._tasks.start_soon(self._watch_adopted_ready, server, effect.stall_timeout)
+        else:
+            log.error("WatchReadiness with no live server (state %s)", self.state)
 
-    def _do_Terminate(self, effect: L.Terminate) -> None:
-        self._nursery.start_soon(self._terminate, effect.grace)
+    def _stop(self, effect: L.Terminate) -> None:
+        self._tasks.start_soon(self._terminate, effect.grace)
 
-    def _do_StartBackoff(self, effect: L.StartBackoff) -> None:
+    def _start_backoff(self, effect: L.StartBackoff) -> None:
         sup = self.config.supervisor
         delay = backoff_delay(effect.attempt, sup.backoff_initial_s, sup.backoff_max_s, self.rng)
         if self.offer(L.BackoffStarted(delay)) is not None:
             self._start_timer(L.LaunchState.BACKOFF, delay, L.BackoffElapsed())
 
-    def _do_ArmStableTimer(self, effect: L.ArmStableTimer) -> None:
+    def _arm_stable(self, effect: L.ArmStableTimer) -> None:
         self._start_timer(L.LaunchState.READY, effect.after, L.Stable())
 
-    def _do_Reattach(self, effect: L.Reattach) -> None:
-        self._nursery.start_soon(self._reattach, effect)
+    def _reattach_later(self, effect: L.Reattach) -> None:
+        self._tasks.start_soon(self._reattach, effect)
 
-    def _do_Notify(self, effect: L.Notify) -> None:
+    def _notify(self, effect: L.Notify) -> None:
         if effect.kind == "ready":
             sdnotify.ready(effect.text or None)
         else:
@@ -194,7 +260,7 @@ class Supervisor:
                 self._timers.pop(owner.value, None)
                 self.offer(event)
 
-        self._nursery.start_soon(timer)
+        self._tasks.start_soon(timer)
 
     def _cancel_timers_not_owned_by(self, state: L.LaunchState) -> None:
         for owner in list(self._timers):
@@ -203,36 +269,15 @@ class Supervisor:
 
     # --- one server's life ---------------------------------------------------------------
 
-    def server_spec(self, plan: L.LaunchPlan) -> ServerSpec:
-        server = self.config.server
-        slot_save_path, snapshot_args = snapshot_server_args(self.paths, self.config, plan.model_path)
-        return ServerSpec(
-            server_path=plan.server_path,
-            model_path=plan.model_path,
-            host=plan.host,
-            port=plan.port,
-            ctx_size=plan.ctx_size or None,
-            parallel=plan.parallel,
-            threads=server.threads or None,
-            n_gpu_layers=None if plan.backend == "cpu" else plan.n_gpu_layers,
-            flash_attn=server.flash_attn,
-            # --metrics: telemetry reads tokens/s from /metrics.
-            extra_args=(*model_launch_args(server.model), *plan.extra_args, "--metrics", *snapshot_args),
-            slot_save_path=slot_save_path,
-        )
-
     async def _run_server(self, plan: L.LaunchPlan, scope: trio.CancelScope) -> None:
-        log_path = self.paths.logs_dir / "llama-server.log"
+        log_path = self.log_path
         with scope:
-            # The spec reads the model's GGUF header once per file (about a second for
-            # Gemma): off the event loop, so status requests never wait on it.
-            spec = await trio.to_thread.run_sync(self.server_spec, plan)
             async with trio.open_nursery() as nursery:
                 try:
                     handle: ServerHandle = await nursery.start(
                         functools.partial(
                             serve_server,
-                            spec,
+                            server_spec(plan),
                             log_path=log_path,
                             grace=self.data.settings.stop_grace,
                             launch_root=self.paths.runtime_dir / "launch",
@@ -242,30 +287,21 @@ class Supervisor:
                         )
                     )
                 except StokerError as err:
-                    self.offer(L.ServerExited(None, err.reason, err.evidence, fatal=True))
+                    self.offer(L.SpawnFailed(err.reason, err.evidence))
                     return
                 self.server = handle
+                self._server_nursery = nursery
                 self.offer(L.Spawned(handle.pid, handle.identity.create_time, str(log_path)))
-                nursery.start_soon(self._watch_ready, handle)
                 report = await handle.wait_exit()
+                self._server_nursery = None
                 nursery.cancel_scope.cancel()
             self._forget_server(handle)
             if report.expected:
                 self.offer(L.StopCompleted(report.returncode, {"signal": report.signal}))
             else:
-                self.offer(self._exit_event(report.returncode, report.reason, report.evidence))
+                self.offer(L.ServerExited(report.returncode, report.reason, report.evidence))
 
-    def _exit_event(self, returncode: int | None, reason: ReasonCode, evidence: dict[str, Any]) -> L.ServerExited:
-        # SIGILL: the CPU variant is wrong for this CPU, so the next attempt needs a new plan.
-        replan = reason == ReasonCode.CPU_ILLEGAL_INSTRUCTION
-        # A missing or unparseable model, or an option the engine rejects, cannot get better
-        # by retrying: fail at once with the real reason instead of looping into crash_loop.
-        fatal = reason in (ReasonCode.MODEL_MISSING, ReasonCode.MODEL_LOAD_FAILED, ReasonCode.SERVER_BAD_ARGUMENTS)
-        self.restarts += 1
-        return L.ServerExited(returncode, reason, evidence, replan=replan, fatal=fatal)
-
-    async def _watch_ready(self, handle: ServerHandle) -> None:
-        settings = self.data.settings
+    async def _watch_ready(self, handle: ServerHandle, stall_timeout: float) -> None:
         # The engine's first "loaded meta data" line: the model is being read.
         while handle.log.model_path is None and handle.exit is None:
             await handle.wait_changed()
@@ -273,7 +309,7 @@ class Supervisor:
             self.offer(L.LoadStarted({"model_path": handle.log.model_path}))
         try:
             report = await wait_ready(
-                handle, stall_timeout=settings.stall_timeout, ready_timeout=self.config.server.ready_timeout_s
+                handle, stall_timeout=stall_timeout, ready_timeout=self.config.server.ready_timeout_s
             )
         except StokerError as err:
             if err.reason in (ReasonCode.SERVER_STALLED, ReasonCode.SERVER_START_TIMEOUT):
@@ -332,19 +368,16 @@ class Supervisor:
             if adopted is not None:
                 self.server = adopted
                 self.offer(L.Adopted(ident.pid, ident.create_time, {"adopted": True, "port": ident.port}))
-                self._nursery.start_soon(self._watch_adopted_exit, adopted)
+                self._tasks.start_soon(self._watch_adopted_exit, adopted)
                 return
             why = "identity not proven (pid, start time, executable, API key or health)"
             # Only a process proven to be ours (pid + start time + executable) is signalled.
             stopped = await stop_orphan(ident, self.data.settings.stop_grace)
             why += "; orphan stopped" if stopped else "; no process of ours to stop"
         self.identity_file.unlink(missing_ok=True)
-        event = (
-            L.StopCompleted(None, {"adoption": why})
-            if self.state is L.LaunchState.STOPPING
-            else L.ServerExited(None, ReasonCode.SERVER_CRASHED, {"adoption": why})
-        )
-        self.offer(event)
+        # No server of ours runs: an exit as far as the machine is concerned (while stopping,
+        # the table takes it as the stop completed).
+        self.offer(L.ServerExited(None, ReasonCode.SERVER_CRASHED, {"adoption": why}))
 
     async def _watch_adopted_ready(self, server: AdoptedServer, stall_timeout: float) -> None:
         with trio.move_on_after(self.config.server.ready_timeout_s):
@@ -362,7 +395,7 @@ class Supervisor:
         if self.server is not server:
             return
         self._forget_server(server)
-        self.offer(self._exit_event(None, reason, evidence))
+        self.offer(L.ServerExited(None, reason, evidence))
 
     # --- for status ----------------------------------------------------------------------
 

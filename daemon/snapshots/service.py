@@ -17,7 +17,7 @@ import re
 import secrets
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import attrs
 import trio
@@ -25,15 +25,14 @@ import trio
 from daemon.config.model import Config
 from daemon.core.errors import StokerError
 from daemon.engine.api import EngineClient, error_message
-from daemon.models.facts import model_facts
+from daemon.models.facts import ModelFacts, model_facts
 from daemon.core.digests import fsync_dir, sha256_file
 from daemon.core.paths import StokerPaths
 from daemon.snapshots.layout import KVLog, check_identity, engine_build_of, identity_of_server, last_launch_lines, swa_report
+from states.launch import LaunchPlan, LaunchState
 from states.reasons import ReasonCode
 from store.snapshots import SnapshotCatalog, SnapshotRecord, retention_victims
 
-if TYPE_CHECKING:
-    from daemon.launch.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +70,26 @@ def cross_backend_note(saved_on: str | None, restored_on: str | None) -> str:
             f"but the next tokens are {restored_on}'s arithmetic on {saved_on}'s cache: where two candidates "
             f"are near-tied (common with quantized weights) greedy output can differ from what {saved_on} "
             f"would have produced; it is no less valid than a fresh run on {restored_on}")
+
+
+class ServedPlan(Protocol):
+    """A server instance as the snapshot code needs it: where it answers (base URL and key),
+    its pid, the plan it runs, its log, and the launch machine's state for the evidence. The
+    launch supervisor is one; this package never imports daemon.launch."""
+
+    @property
+    def plan(self) -> LaunchPlan | None: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def log_path(self) -> Path: ...
+
+    @property
+    def state(self) -> LaunchState: ...
+
+    def endpoint(self) -> tuple[str | None, str | None]: ...
 
 
 @attrs.frozen
@@ -121,7 +140,7 @@ class SnapshotService:
 
     # --- hooks the supervisor runs ------------------------------------------------------
 
-    async def on_ready(self, supervisor: "Supervisor", evidence: dict[str, Any]) -> dict[str, Any] | None:
+    async def on_ready(self, supervisor: ServedPlan, evidence: dict[str, Any]) -> dict[str, Any] | None:
         """ready_hook: inspect the server, then restore the newest compatible snapshot per slot."""
         config = self.get_config().snapshots
         if not config.enabled:
@@ -151,7 +170,7 @@ class SnapshotService:
         self.last_report = report
         return {"snapshots": report}
 
-    async def before_stop(self, supervisor: "Supervisor", cause: str) -> None:
+    async def before_stop(self, supervisor: ServedPlan, cause: str) -> None:
         """before_stop: save every non-empty slot while the server still serves."""
         if not self.get_config().snapshots.enabled:
             return
@@ -168,13 +187,13 @@ class SnapshotService:
 
     # --- the live server ----------------------------------------------------------------
 
-    async def inspect(self, supervisor: "Supervisor") -> LiveServer:
+    async def inspect(self, supervisor: ServedPlan) -> LiveServer:
         """The ready server's identity (cached per server: it cannot change while it runs)."""
         base_url, api_key = supervisor.endpoint()
-        plan = supervisor.data.plan
+        plan = supervisor.plan
         if base_url is None or plan is None:
             raise StokerError(ReasonCode.SNAPSHOT_SERVER_NOT_READY, evidence={"state": supervisor.state.value})
-        key = (getattr(supervisor.server, "pid", None), base_url)
+        key = (supervisor.pid, base_url)
         if self.live is not None and self.live.key == key:
             return self.live
         resp = None
@@ -186,22 +205,24 @@ class SnapshotService:
                               evidence={"props": None if resp is None else resp.status_code})
         props = resp.json()
         digest = await self.model_digest(Path(plan.model_path))
-        engine, kv, facts = await trio.to_thread.run_sync(self._read_facts, plan)
+        build, kv, facts = await trio.to_thread.run_sync(self._read_facts, plan, supervisor.log_path)
         swa_full = kv.swa_full if facts.swa else False
-        identity = identity_of_server(model_sha256=digest, engine_build=engine, props=props, kv=kv,
-                                      config_flash_attn=self.get_config().server.flash_attn, swa_full=swa_full)
+        # The flash attention the server was given: the plan's (what ran), not today's config.
+        flash_attn = plan.flash_attn or self.get_config().server.flash_attn
+        identity = identity_of_server(model_sha256=digest, engine_build=build, props=props, kv=kv,
+                                      config_flash_attn=flash_attn, swa_full=swa_full)
         self.live = LiveServer(key, base_url, api_key, identity, int(props.get("total_slots") or 1),
                                plan.backend, plan.variant, plan.model_path, swa_report(facts, kv, swa_full))
         return self.live
 
-    def _read_facts(self, plan: Any):
+    def _read_facts(self, plan: LaunchPlan, log_path: Path) -> tuple[str, KVLog, ModelFacts]:
         from daemon.bundles.metadata import BundleMeta
 
         try:
             engine = engine_build_of(BundleMeta.read(Path(plan.bundle_root)))
         except StokerError:
             engine = f"unknown engine at {plan.server_path}"
-        kv = KVLog.parse(last_launch_lines(self.paths.logs_dir / "llama-server.log"))
+        kv = KVLog.parse(last_launch_lines(log_path))
         return engine, kv, model_facts(plan.model_path)
 
     async def model_digest(self, path: Path) -> str:
@@ -216,7 +237,7 @@ class SnapshotService:
 
     # --- save ---------------------------------------------------------------------------
 
-    async def save(self, supervisor: "Supervisor", cause: str, *, slot: int | None = None,
+    async def save(self, supervisor: ServedPlan, cause: str, *, slot: int | None = None,
                    timeout: float = SLOT_TIMEOUT) -> list[SnapshotRecord]:
         """Save the non-empty slots (or one slot); newest catalogued records."""
         live = await self.inspect(supervisor)
@@ -294,7 +315,7 @@ class SnapshotService:
 
     # --- restore ------------------------------------------------------------------------
 
-    async def restore(self, supervisor: "Supervisor", snapshot_id: int, slot: int | None = None) -> dict[str, Any]:
+    async def restore(self, supervisor: ServedPlan, snapshot_id: int, slot: int | None = None) -> dict[str, Any]:
         """Restore one catalogued snapshot into its slot (or `slot`); the engine's figures."""
         rec = self.get(snapshot_id)
         live = await self.inspect(supervisor)

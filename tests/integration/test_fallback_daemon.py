@@ -51,7 +51,7 @@ def test_no_gpu_serves_on_cpu_and_status_says_why(daemon, model):
         assert any(r["to_state"] == "unavailable" and r["reason"] == "gpu_missing" for r in rows)
     steps = [(r["from_state"], r["event"], r["to_state"], r["reason"])
              for r in reversed(daemon.history(machine="fallback"))]
-    assert steps[0][1] == "FallbackStarted"
+    assert steps[0][1] == "PlanRequested"
     assert ("checking", "CheckFailed", "checking", "gpu_missing") in steps
     assert steps[-1][1:3] == ("LaunchSucceeded", "settled")
     # The human status names each fallback and why.

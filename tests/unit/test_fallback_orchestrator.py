@@ -22,7 +22,9 @@ from daemon.backends.vulkan import VulkanBackend
 from daemon.bundles.tinymodel import write_tiny_model
 from daemon.config.model import BackendConfig, Config, ServerConfig
 from daemon.core.errors import StokerError
-from daemon.fallback.orchestrator import AUTO_LAYERS, FallbackOrchestrator, OrchestratedSupervisor, candidates_for
+from daemon.engine.process import server_argv
+from daemon.fallback.orchestrator import FallbackOrchestrator, candidates_for
+from daemon.launch.supervisor import server_spec
 from daemon.core.paths import StokerPaths
 from daemon.probes.service import ProbeService
 from states import fallback as F
@@ -93,7 +95,12 @@ async def orchestrator(paths, cuda, installs=None, store=None):
 
 
 def supervisor_for(plan, ready=None):
-    return SimpleNamespace(data=SimpleNamespace(plan=plan), ready_evidence=ready)
+    return SimpleNamespace(plan=plan, ready_evidence=ready)
+
+
+def died_before_ready(plan, **evidence):
+    """The launch machine's MakePlan after `plan`'s server died before it was ever ready."""
+    return L.MakePlan(previous=plan, failure=L.PlanFailure(R.SERVER_CRASHED, L.ExitPhase.NEVER_READY, evidence))
 
 
 def ready_evidence(offloaded, total=3):
@@ -118,7 +125,7 @@ async def test_missing_bundle_on_present_gpu_is_installed_then_launched(paths, c
     installs = FakeInstalls(paths)
     async with orchestrator(paths, cuda_backend(nvml), installs) as orch:
         plan = await orch.plan(config, L.MakePlan())
-        assert plan.backend == "cuda" and plan.n_gpu_layers == AUTO_LAYERS and plan.server_path.endswith("llama-server")
+        assert plan.backend == "cuda" and plan.n_gpu_layers == "auto" and plan.server_path.endswith("llama-server")
         assert installs.calls and installs.calls[0][1].usable  # installed for the detected H200
         steps = transitions(orch)
         assert ("checking", "CheckFailed", "installing", "binary_missing_nvidia_detected") in steps
@@ -205,10 +212,11 @@ async def test_gpu_server_dying_before_ready_moves_on(paths, config):
     async with orchestrator(paths, cuda_backend(rec.FakeNvml())) as orch:
         plan = await orch.plan(config, L.MakePlan())
         assert plan.backend == "cuda"
-        again = await orch.plan(config, L.MakePlan(previous=plan, failure=R.SERVER_CRASHED))
+        again = await orch.plan(config, died_before_ready(plan))
         assert again.backend == "cpu"
         skipped = [(s.backend, s.reason) for s in orch.data.skipped]
         assert skipped == [("cuda", R.CUDA_STARTUP_FAILED)]
+        assert ("launching", "PlanRequested", "checking", "cuda_startup_failed") in transitions(orch)
 
 
 async def test_startup_failure_keeps_what_decided_it(paths, config):
@@ -219,9 +227,8 @@ async def test_startup_failure_keeps_what_decided_it(paths, config):
     install_cuda_bundle(paths)
     async with orchestrator(paths, cuda_backend(rec.FakeNvml())) as orch:
         plan = await orch.plan(config, L.MakePlan())
-        exit_evidence = {"returncode": 127, "signal": None, "line": line, "log_tail": [line]}
-        again = await orch.plan(config, L.MakePlan(previous=plan, failure=R.SERVER_CRASHED,
-                                                   failure_evidence=exit_evidence))
+        again = await orch.plan(config, died_before_ready(plan, returncode=127, signal=None, line=line,
+                                                          log_tail=[line]))
         assert again.backend == "cpu"
         (skipped,) = orch.data.skipped
         assert skipped.reason == R.CUDA_STARTUP_FAILED
@@ -248,15 +255,23 @@ async def test_archs_that_cannot_run_on_the_gpu_are_refused(paths, config):
         assert orch.data.skipped[0].evidence["compute_capability"] == ["9.0"]
 
 
-def test_orchestrated_supervisor_replans_a_gpu_launch_that_never_got_ready(paths):
-    plan = L.LaunchPlan("cuda", "avx2", "/b", "/b/bin/llama-server", "/m.gguf", n_gpu_layers=AUTO_LAYERS)
-    sup = OrchestratedSupervisor(paths, None, Config(), None)
-    sup.runner = SimpleNamespace(state=L.LaunchState.LOADING, data=L.LaunchData(plan=plan))
-    event = sup._exit_event(1, R.SERVER_CRASHED, {})
-    assert event.replan and not event.fatal
-    assert sup.server_spec(plan).n_gpu_layers == "auto"
-    sup.runner = SimpleNamespace(state=L.LaunchState.READY, data=L.LaunchData(plan=plan))
-    assert not sup._exit_event(1, R.SERVER_CRASHED, {}).replan  # a crash after ready: respawn
+async def test_the_plan_is_complete_and_the_command_line_comes_from_it_alone(paths, config):
+    """Everything the engine is given is in the plan history records: the supervisor turns
+    it into argv without the config (another config now changes nothing)."""
+    install_cuda_bundle(paths)
+    config = attrs.evolve(config, server=attrs.evolve(config.server, threads=3, flash_attn="on",
+                                                      extra_args=("--jinja",)),
+                          snapshots=attrs.evolve(config.snapshots, swa_full=True))
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml())) as orch:
+        plan = await orch.plan(config, L.MakePlan())
+    assert plan.backend == "cuda" and plan.n_gpu_layers == "auto" and plan.threads == 3
+    assert plan.flash_attn == "on" and plan.slot_save_path == str(paths.snapshots_dir)
+    assert plan.extra_args == ("--jinja", "--metrics", "--swa-full")
+    argv = server_argv(server_spec(plan), api_key_file=paths.runtime_dir / "key")
+    flags = dict(zip(argv[1:-3:2], argv[2:-3:2]))  # the named flags, before the extra args
+    assert {k: flags[k] for k in ("-ngl", "-t", "-fa", "-c", "--slot-save-path")} == {
+        "-ngl": "auto", "-t": "3", "-fa": "on", "-c": "2048", "--slot-save-path": str(paths.snapshots_dir)}
+    assert argv[-3:] == ["--jinja", "--metrics", "--swa-full"]
 
 
 async def test_a_server_adopted_after_a_daemon_restart_is_not_demoted(paths, config):

@@ -14,6 +14,7 @@ from states.reasons import ReasonCode
 from store import StoreError, open_store
 
 PLAN = L.LaunchPlan("cpu", "x86-64", "/b", "/b/llama-server", "/m.gguf", port=8091)
+GPU_PLAN = L.LaunchPlan("cuda", "avx2", "/c", "/c/llama-server", "/m.gguf", port=8091, n_gpu_layers="auto")
 
 
 @pytest.fixture
@@ -88,13 +89,13 @@ MAX_RESTARTS = 2
 LAUNCH_EVENTS = [
     L.UpRequested(), L.DownRequested(), L.RestartRequested(), L.ConfigChanged(),
     L.ConfigChanged(L.LaunchSettings(max_restarts=MAX_RESTARTS, stall_timeout=5.0)),
-    L.PlanReady(PLAN), L.PlanFailed(ReasonCode.MODEL_MISSING, {"path": "/m.gguf"}),
-    L.Spawned(100, 1.0), L.Adopted(100, 1.0), L.LoadStarted(), L.Ready({"layers": 0}),
+    L.PlanReady(PLAN), L.PlanReady(GPU_PLAN), L.PlanFailed(ReasonCode.MODEL_MISSING, {"path": "/m.gguf"}),
+    L.Spawned(100, 1.0), L.SpawnFailed(), L.Adopted(100, 1.0), L.LoadStarted(), L.Ready({"layers": 0}),
     L.ServerExited(-9), L.ServerExited(1, ReasonCode.MODEL_LOAD_FAILED),
-    L.ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION, replan=True),
-    L.ServerExited(1, ReasonCode.PORT_IN_USE, fatal=True),
+    L.ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION), L.ServerExited(1, ReasonCode.PORT_IN_USE),
     L.StallTimeout(), L.BackoffStarted(0.5), L.BackoffElapsed(), L.Stable(), L.StopCompleted(0),
 ]
+FATAL = {ReasonCode.MODEL_MISSING, ReasonCode.MODEL_LOAD_FAILED, ReasonCode.SERVER_BAD_ARGUMENTS}
 CRASHING = (L.LaunchState.STARTING, L.LaunchState.LOADING, L.LaunchState.READY)
 
 
@@ -135,17 +136,26 @@ class LaunchModel(RuleBasedStateMachine):
         # the crash counter
         if isinstance(event, L.ServerExited) and before_state in CRASHING:
             assert data.crashes == before_data.crashes + 1
-            if event.fatal:
+            if event.reason in FATAL:
                 assert result.state is L.LaunchState.FAILED and result.reason is event.reason
             elif data.crashes > MAX_RESTARTS:
                 assert result.state is L.LaunchState.FAILED and result.reason is ReasonCode.CRASH_LOOP
             else:
                 assert result.state is L.LaunchState.CRASHED and result.effects[0] == L.StartBackoff(data.crashes)
+                assert data.restarts == before_data.restarts + 1
+                # a new plan after SIGILL, or after a GPU server that never got ready
+                never_ready = before_state is not L.LaunchState.READY
+                gpu = before_data.plan is not None and before_data.plan.backend != "cpu"
+                replan = event.reason is ReasonCode.CPU_ILLEGAL_INSTRUCTION or (never_ready and gpu)
+                assert (data.replan_for is not None) == replan
+        if isinstance(event, L.BackoffElapsed):
+            asked = before_data.replan_for is not None or before_data.plan is None
+            assert result.state is (L.LaunchState.PLANNING if asked else L.LaunchState.STARTING)
         if isinstance(event, L.Stable):
             assert data.crashes == 0
         if isinstance(event, (L.UpRequested, L.RestartRequested)) and before_state in (
                 L.LaunchState.STOPPED, L.LaunchState.FAILED):
-            assert result.state is L.LaunchState.PLANNING and data.crashes == 0
+            assert result.state is L.LaunchState.PLANNING and data.crashes == 0 and data.restarts == 0
         if before_state is L.LaunchState.FAILED and not isinstance(event, (L.UpRequested, L.RestartRequested)):
             assert result.state is L.LaunchState.FAILED  # sticky until the user starts it
 

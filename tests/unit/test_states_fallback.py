@@ -11,18 +11,25 @@ from states.fallback import (
     CheckBackend,
     CheckFailed,
     CheckPassed,
-    FallbackCancelled,
+    Demotion,
     FallbackData,
-    FallbackStarted,
     FallbackState as S,
     GiveUp,
     InstallBundle,
-    LaunchFailed,
     LaunchSucceeded,
+    PlanRequested,
+    ProbeCandidates,
     UsePlan,
 )
+from states.launch_records import ExitPhase
 from states.machine import IllegalTransition, step
 from states.reasons import ReasonCode as R
+
+
+def startup_failed(backend, reason=R.CUDA_STARTUP_FAILED, phase=ExitPhase.NEVER_READY, **evidence):
+    """The launch machine's MakePlan after a `backend` server died (before ready by default)."""
+    return PlanRequested(("cuda", "cpu"), previous_backend=backend, failure=R.SERVER_CRASHED, phase=phase,
+                         startup_failed=reason, evidence=evidence)
 
 
 def drive(*events, state=S.IDLE, data=None):
@@ -35,16 +42,16 @@ def drive(*events, state=S.IDLE, data=None):
 
 
 def test_preferred_backend_works():
-    s = drive(FallbackStarted(("cuda", "cpu")))
-    assert s.state is S.CHECKING and s.effects == (CheckBackend("cuda"),)
-    s = drive(FallbackStarted(("cuda", "cpu")), CheckPassed("cuda"))
+    s = drive(PlanRequested(("cuda", "cpu")))
+    assert s.state is S.CHECKING and s.effects == (ProbeCandidates(("cuda",)), CheckBackend("cuda"))
+    s = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda"))
     assert s.state is S.LAUNCHING and s.effects == (UsePlan("cuda"),)
-    s = drive(FallbackStarted(("cuda", "cpu")), CheckPassed("cuda"), LaunchSucceeded("cuda", evidence={"layers": 25}))
+    s = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda"), LaunchSucceeded("cuda", evidence={"layers": 25}))
     assert s.state is S.SETTLED and s.data.chosen == "cuda" and s.reason is None
 
 
 def test_missing_bundle_on_present_hardware_installs_rechecks_retries():
-    s = drive(FallbackStarted(("cuda", "cpu")), CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED, {"gpu": "H200"}))
+    s = drive(PlanRequested(("cuda", "cpu")), CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED, {"gpu": "H200"}))
     assert s.state is S.INSTALLING and s.effects == (InstallBundle("cuda"),)
     s = drive(BundleInstalled("cuda"), state=s.state, data=s.data)
     assert s.state is S.CHECKING and s.effects == (CheckBackend("cuda"),)
@@ -54,7 +61,7 @@ def test_missing_bundle_on_present_hardware_installs_rechecks_retries():
 
 def test_install_is_tried_once_per_backend():
     s = drive(
-        FallbackStarted(("cuda", "cpu")),
+        PlanRequested(("cuda", "cpu")),
         CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED),
         BundleInstalled("cuda"),
         CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED),
@@ -64,7 +71,7 @@ def test_install_is_tried_once_per_backend():
 
 def test_other_failures_move_on_with_reason_cpu_last():
     s = drive(
-        FallbackStarted(("cuda", "vulkan", "cpu")),
+        PlanRequested(("cuda", "vulkan", "cpu")),
         CheckFailed("cuda", R.CUDA_UNAVAILABLE, {"driver": "470"}),
         CheckFailed("vulkan", R.GPU_MISSING),
         CheckPassed("cpu"),
@@ -77,59 +84,100 @@ def test_other_failures_move_on_with_reason_cpu_last():
 
 def test_install_failure_and_launch_failure_fall_back():
     s = drive(
-        FallbackStarted(("cuda", "cpu")),
+        PlanRequested(("cuda", "cpu")),
         CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED),
         BundleInstallFailed("cuda", R.CUDA_BUNDLE_INSTALL_FAILED, {"step": "verifying"}),
     )
     assert s.state is S.CHECKING and s.reason is R.CUDA_BUNDLE_INSTALL_FAILED
-    s = drive(FallbackStarted(("cuda", "cpu")), CheckPassed("cuda"), LaunchFailed("cuda", R.CUDA_STARTUP_FAILED))
-    assert s.state is S.CHECKING and s.effects == (CheckBackend("cpu"),)
+    s = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda"), startup_failed("cuda", line="libcuda.so.1"))
+    assert s.state is S.CHECKING and s.effects == (CheckBackend("cpu"),) and s.reason is R.CUDA_STARTUP_FAILED
+    assert s.data.skipped[0].evidence == {"exit_reason": "server_crashed", "line": "libcuda.so.1"}
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        PlanRequested(("cuda", "cpu")),  # a user start or config change: no failure
+        startup_failed("cuda", phase=ExitPhase.AFTER_READY),  # it was serving: not a failed start
+        startup_failed("rocm"),  # about another backend than the one launching
+    ],
+)
+def test_any_other_request_while_launching_starts_afresh(request_):
+    s = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda"), request_)
+    assert s.state is S.CHECKING and s.effects[-1] == CheckBackend("cuda") and s.data.skipped == ()
+    assert s.evidence["abandoned"] == "launching"
+
+
+def test_a_cpu_server_that_never_got_ready_is_planned_afresh():
+    """SIGILL before ready: the CPU is not skipped (nothing is left after it); the planner steps
+    its variant down from the failure it is given."""
+    s = drive(PlanRequested(("cuda", "cpu")), CheckFailed("cuda", R.GPU_MISSING), CheckPassed("cpu"),
+              PlanRequested(("cuda", "cpu"), previous_backend="cpu", failure=R.CPU_ILLEGAL_INSTRUCTION,
+                            phase=ExitPhase.NEVER_READY))
+    assert s.state is S.CHECKING and s.data.index == 0 and s.data.skipped == ()
 
 
 def test_gpu_claimed_but_cpu_in_fact_settles_with_reason():
-    s = drive(FallbackStarted(("cuda", "cpu")), CheckPassed("cuda"),
+    s = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda"),
               LaunchSucceeded("cuda", effective_backend="cpu", reason=R.CUDA_GPU_LAYERS_ZERO))
     assert s.state is S.SETTLED and s.data.chosen == "cpu" and s.reason is R.CUDA_GPU_LAYERS_ZERO
 
 
 @pytest.mark.parametrize(
-    "failure",
+    "failure, reason",
     [
-        CheckFailed("cuda", R.CUDA_UNAVAILABLE),
-        LaunchFailed("cuda", R.CUDA_STARTUP_FAILED),
+        (CheckFailed("cuda", R.CUDA_UNAVAILABLE), R.CUDA_UNAVAILABLE),
+        (startup_failed("cuda"), R.CUDA_STARTUP_FAILED),
     ],
 )
-def test_forced_backend_never_falls_back(failure):
-    events = [FallbackStarted(("cuda",), forced=True)]
-    if isinstance(failure, LaunchFailed):
+def test_forced_backend_never_falls_back(failure, reason):
+    events = [PlanRequested(("cuda",), forced=True)]
+    assert drive(*events).effects == (CheckBackend("cuda"),)  # nothing else to probe
+    if isinstance(failure, PlanRequested):
         events.append(CheckPassed("cuda"))
     s = drive(*events, failure)
-    assert s.state is S.FAILED and s.reason is failure.reason
-    assert s.effects == (GiveUp(failure.reason, s.evidence),)
+    assert s.state is S.FAILED and s.reason is reason
+    assert s.effects == (GiveUp(reason, s.evidence),)
     assert s.evidence["forced"] is True
 
 
 def test_forced_backend_still_installs_its_missing_bundle():
-    s = drive(FallbackStarted(("cuda",), forced=True), CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED))
+    s = drive(PlanRequested(("cuda",), forced=True), CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED))
     assert s.state is S.INSTALLING
     s = drive(BundleInstallFailed("cuda", R.CUDA_BUNDLE_INSTALL_FAILED), state=s.state, data=s.data)
     assert s.state is S.FAILED and s.reason is R.CUDA_BUNDLE_INSTALL_FAILED
 
 
 def test_all_exhausted_fails_with_last_reason_and_summary():
-    s = drive(FallbackStarted(("cuda", "cpu")), CheckFailed("cuda", R.GPU_MISSING), CheckFailed("cpu", R.BUNDLE_BUILD_FAILED))
+    s = drive(PlanRequested(("cuda", "cpu")), CheckFailed("cuda", R.GPU_MISSING), CheckFailed("cpu", R.BUNDLE_BUILD_FAILED))
     assert s.state is S.FAILED and s.reason is R.BUNDLE_BUILD_FAILED
     assert s.evidence["skipped"] == [{"backend": "cuda", "reason": "gpu_missing"}, {"backend": "cpu", "reason": "bundle_build_failed"}]
 
 
-def test_results_for_another_backend_are_illegal_and_cancel_works():
-    s = drive(FallbackStarted(("cuda", "cpu")))
+def test_results_for_another_backend_are_illegal_and_a_new_request_starts_over():
+    s = drive(PlanRequested(("cuda", "cpu")))
     with pytest.raises(IllegalTransition):
         step(FALLBACK, s.state, s.data, CheckPassed("cpu"))
     with pytest.raises(IllegalTransition):
-        drive(FallbackStarted(()))
+        drive(PlanRequested(()))
     with pytest.raises(IllegalTransition):
-        drive(FallbackStarted(("cuda", "cpu"), forced=True))
-    assert drive(FallbackCancelled(), state=s.state, data=s.data).state is S.IDLE
-    again = drive(FallbackStarted(("cpu",)), state=S.FAILED, data=s.data)
+        drive(PlanRequested(("cuda", "cpu"), forced=True))
+    over = drive(PlanRequested(("cpu",)), state=s.state, data=s.data)
+    assert over.evidence["abandoned"] == "checking" and over.effects == (CheckBackend("cpu"),)
+    again = drive(PlanRequested(("cpu",)), state=S.FAILED, data=s.data)
     assert again.data == FallbackData(candidates=("cpu",))
+
+
+def test_a_respawned_server_is_proven_again_and_the_verdict_kept():
+    settled = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda"), LaunchSucceeded("cuda"))
+    proof = {"offloaded_layers": 0}
+    s = drive(LaunchSucceeded("cuda", "cpu", R.CUDA_GPU_LAYERS_ZERO, proof), state=settled.state, data=settled.data)
+    assert s.state is S.SETTLED and s.reason is R.CUDA_GPU_LAYERS_ZERO and s.evidence["after"] == "respawn"
+    assert s.data.respawn_demotion == Demotion("cuda", R.CUDA_GPU_LAYERS_ZERO, proof)
+    assert s.data.chosen == "cuda"  # what settled stays; the demotion is said beside it
+    kept = drive(LaunchSucceeded("cuda", adopted=True), state=s.state, data=s.data)
+    assert kept.data.respawn_demotion == s.data.respawn_demotion  # the same process, nothing new
+    cleared = drive(LaunchSucceeded("cuda"), state=s.state, data=s.data)
+    assert cleared.data.respawn_demotion is None
+    with pytest.raises(IllegalTransition):
+        step(FALLBACK, s.state, s.data, LaunchSucceeded("cpu"))

@@ -13,6 +13,8 @@ from states.launch import (
     BackoffStarted,
     ConfigChanged,
     DownRequested,
+    ExitPhase,
+    ExitVerdict,
     LaunchData,
     LaunchPlan,
     LaunchSettings,
@@ -21,12 +23,14 @@ from states.launch import (
     MakePlan,
     Notify,
     PlanFailed,
+    PlanFailure,
     PlanReady,
     Ready,
     Reattach,
     RestartRequested,
     ServerExited,
     Spawn,
+    SpawnFailed,
     Spawned,
     Stable,
     StallTimeout,
@@ -35,12 +39,14 @@ from states.launch import (
     Terminate,
     UpRequested,
     WatchReadiness,
+    judge_exit,
     resume_effects,
 )
 from states.machine import IllegalTransition, step
 from states.reasons import ReasonCode
 
 PLAN = LaunchPlan("cpu", "x86-64-v3", "/b", "/b/llama-server", "/m.gguf", port=8099)
+GPU_PLAN = LaunchPlan("cuda", "avx2", "/c", "/c/llama-server", "/m.gguf", n_gpu_layers="auto")
 
 
 def drive(*events, state=S.STOPPED, data=None):
@@ -52,8 +58,8 @@ def drive(*events, state=S.STOPPED, data=None):
     return result
 
 
-def running(*more, settings=LaunchSettings()):
-    return drive(UpRequested(settings), PlanReady(PLAN), Spawned(42, 1.5), LoadStarted(), Ready({"layers": 0}), *more)
+def running(*more, settings=LaunchSettings(), plan=PLAN):
+    return drive(UpRequested(settings), PlanReady(plan), Spawned(42, 1.5), LoadStarted(), Ready({"layers": 0}), *more)
 
 
 def test_happy_path_and_effects():
@@ -61,10 +67,11 @@ def test_happy_path_and_effects():
     assert s.state is S.PLANNING and s.effects == (MakePlan(),)
     s = drive(UpRequested(), PlanReady(PLAN))
     assert s.state is S.STARTING
-    assert s.effects == (Spawn(PLAN), WatchReadiness(120.0))
+    assert s.effects == (Spawn(PLAN),)
     assert s.data.plan == PLAN
     s = drive(UpRequested(), PlanReady(PLAN), Spawned(42, 1.5))
     assert (s.state, s.data.pid, s.data.create_time) == (S.STARTING, 42, 1.5)
+    assert s.effects == (WatchReadiness(120.0),)  # the process exists: watch it
     s = running()
     assert s.state is S.READY
     assert s.effects == (ArmStableTimer(60.0), Notify("ready", "ready on cpu"))
@@ -89,27 +96,76 @@ def test_crash_backs_off_and_respawns_same_plan():
     s = running(ServerExited(-9), BackoffStarted(0.7))
     assert s.state is S.BACKOFF and s.evidence == {"delay": 0.7, "attempt": 1}
     s = running(ServerExited(-9), BackoffStarted(0.7), BackoffElapsed())
-    assert s.state is S.STARTING and s.effects == (Spawn(PLAN), WatchReadiness(120.0))
+    assert s.state is S.STARTING and s.effects == (Spawn(PLAN),)
+    assert s.evidence["attempt"] == 1
 
 
-def test_crash_asking_for_new_plan_goes_back_to_planning():
-    s = running(ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION, replan=True), BackoffStarted(0.1), BackoffElapsed())
+def test_sigill_asks_for_a_new_plan_that_knows_why():
+    s = running(ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION, {"signal": "SIGILL"}))
+    assert s.state is S.CRASHED and s.evidence["verdict"] == "replan" and s.evidence["phase"] == "after_ready"
+    s = drive(BackoffStarted(0.1), BackoffElapsed(), state=s.state, data=s.data)
     assert s.state is S.PLANNING
-    assert s.effects == (MakePlan(previous=PLAN, failure=ReasonCode.CPU_ILLEGAL_INSTRUCTION),)
-
-
-def test_new_plan_carries_what_decided_the_exit():
-    evidence = {"returncode": 127, "line": "error while loading shared libraries: libggml-cuda.so.0: cannot open"}
-    s = running(ServerExited(127, ReasonCode.SERVER_CRASHED, evidence, replan=True), BackoffStarted(0.1),
-                BackoffElapsed())
     (effect,) = s.effects
-    assert effect.failure is ReasonCode.SERVER_CRASHED
-    assert effect.failure_evidence["line"] == evidence["line"] and effect.failure_evidence["returncode"] == 127
+    assert effect.previous == PLAN and effect.failure.reason is ReasonCode.CPU_ILLEGAL_INSTRUCTION
+    assert effect.failure.phase is ExitPhase.AFTER_READY and effect.failure.evidence["signal"] == "SIGILL"
+    # the new plan is spawned; nothing of the old failure is left over for the next one
+    s = drive(PlanReady(PLAN), state=s.state, data=s.data)
+    assert s.state is S.STARTING and s.data.replan_for is None
 
 
-def test_fatal_exit_fails_at_once():
-    s = drive(UpRequested(), PlanReady(PLAN), ServerExited(1, ReasonCode.PORT_IN_USE, fatal=True))
-    assert s.state is S.FAILED and s.reason is ReasonCode.PORT_IN_USE
+def test_a_gpu_server_that_never_got_ready_asks_for_a_new_plan():
+    evidence = {"returncode": 127, "line": "error while loading shared libraries: libggml-cuda.so.0: cannot open"}
+    s = drive(UpRequested(), PlanReady(GPU_PLAN), Spawned(7), LoadStarted(), ServerExited(127, evidence=evidence),
+              BackoffStarted(0.1), BackoffElapsed())
+    assert s.state is S.PLANNING
+    (effect,) = s.effects
+    assert effect.previous == GPU_PLAN
+    assert effect.failure.reason is ReasonCode.SERVER_CRASHED and effect.failure.phase is ExitPhase.NEVER_READY
+    assert effect.failure.evidence["line"] == evidence["line"] and effect.failure.evidence["returncode"] == 127
+
+
+def test_a_gpu_server_that_crashes_after_ready_is_respawned_with_its_plan():
+    s = running(ServerExited(-11), BackoffStarted(0.1), BackoffElapsed(), plan=GPU_PLAN)
+    assert s.state is S.STARTING and s.effects == (Spawn(GPU_PLAN),)
+
+
+def test_a_cpu_server_that_never_got_ready_is_respawned():
+    s = drive(UpRequested(), PlanReady(PLAN), Spawned(7), ServerExited(-9), BackoffStarted(0.1), BackoffElapsed())
+    assert s.state is S.STARTING and s.effects == (Spawn(PLAN),)
+
+
+@pytest.mark.parametrize(
+    "reason, phase, plan, verdict",
+    [
+        (ReasonCode.MODEL_MISSING, ExitPhase.NEVER_READY, PLAN, ExitVerdict.FATAL),
+        (ReasonCode.MODEL_LOAD_FAILED, ExitPhase.NEVER_READY, GPU_PLAN, ExitVerdict.FATAL),
+        (ReasonCode.SERVER_BAD_ARGUMENTS, ExitPhase.AFTER_READY, PLAN, ExitVerdict.FATAL),
+        (ReasonCode.CPU_ILLEGAL_INSTRUCTION, ExitPhase.AFTER_READY, PLAN, ExitVerdict.REPLAN),
+        (ReasonCode.CPU_ILLEGAL_INSTRUCTION, ExitPhase.NEVER_READY, PLAN, ExitVerdict.REPLAN),
+        (ReasonCode.SERVER_CRASHED, ExitPhase.NEVER_READY, GPU_PLAN, ExitVerdict.REPLAN),
+        (ReasonCode.OUT_OF_MEMORY, ExitPhase.NEVER_READY, GPU_PLAN, ExitVerdict.REPLAN),
+        (ReasonCode.SERVER_CRASHED, ExitPhase.AFTER_READY, GPU_PLAN, ExitVerdict.RESPAWN),
+        (ReasonCode.SERVER_CRASHED, ExitPhase.NEVER_READY, PLAN, ExitVerdict.RESPAWN),
+        (ReasonCode.PORT_IN_USE, ExitPhase.NEVER_READY, PLAN, ExitVerdict.RESPAWN),
+        (ReasonCode.SERVER_CRASHED, ExitPhase.NEVER_READY, None, ExitVerdict.RESPAWN),
+    ],
+)
+def test_the_exit_policy(reason, phase, plan, verdict):
+    assert judge_exit(reason, phase, plan) is verdict
+
+
+@pytest.mark.parametrize("reason", [ReasonCode.MODEL_LOAD_FAILED, ReasonCode.SERVER_BAD_ARGUMENTS])
+def test_fatal_exit_fails_at_once(reason):
+    s = drive(UpRequested(), PlanReady(PLAN), ServerExited(1, reason))
+    assert s.state is S.FAILED and s.reason is reason and s.evidence["verdict"] == "fatal"
+
+
+def test_a_binary_that_cannot_start_fails_at_once():
+    s = drive(UpRequested(), PlanReady(PLAN), SpawnFailed(ReasonCode.SERVER_SPAWN_FAILED, {"errno": 8}))
+    assert s.state is S.FAILED and s.reason is ReasonCode.SERVER_SPAWN_FAILED and s.data.evidence["errno"] == 8
+    # asked to stop while spawning: the failed spawn completes the stop
+    s = drive(UpRequested(), PlanReady(PLAN), DownRequested(), SpawnFailed())
+    assert s.state is S.STOPPED
 
 
 @pytest.mark.parametrize("max_restarts", [0, 1, 3])
@@ -117,13 +173,13 @@ def test_crash_loop_after_max_restarts(max_restarts):
     settings = LaunchSettings(max_restarts=max_restarts)
     s = drive(UpRequested(settings), PlanReady(PLAN))
     for attempt in range(1, max_restarts + 1):
-        s = drive(ServerExited(1, ReasonCode.MODEL_LOAD_FAILED), state=s.state, data=s.data)
+        s = drive(ServerExited(1, ReasonCode.OUT_OF_MEMORY), state=s.state, data=s.data)
         assert s.state is S.CRASHED and s.effects[0] == StartBackoff(attempt)
         s = drive(BackoffStarted(0.1), BackoffElapsed(), state=s.state, data=s.data)
         assert s.state is S.STARTING
-    s = drive(ServerExited(1, ReasonCode.MODEL_LOAD_FAILED), state=s.state, data=s.data)
+    s = drive(ServerExited(1, ReasonCode.OUT_OF_MEMORY), state=s.state, data=s.data)
     assert s.state is S.FAILED and s.reason is ReasonCode.CRASH_LOOP
-    assert s.evidence["last_reason"] == "model_load_failed"
+    assert s.evidence["last_reason"] == "out_of_memory"
     assert s.data.reason is ReasonCode.CRASH_LOOP
     # failed stays failed until the user starts it again
     for event in (DownRequested(), ConfigChanged()):
@@ -146,6 +202,18 @@ def test_stable_resets_crash_counter():
     assert s.data.crashes == 0 and s.evidence == {"crashes_forgotten": 1}
     s = drive(ServerExited(1), state=s.state, data=s.data)
     assert s.state is S.CRASHED
+
+
+def test_restarts_count_every_restart_since_the_user_started_it():
+    s = running(ServerExited(-9), BackoffStarted(0), BackoffElapsed(), Spawned(2), Ready(), Stable(),
+                ServerExited(-9))
+    assert s.data.restarts == 2 and s.data.crashes == 1  # Stable forgets crashes, not restarts
+    s = drive(RestartRequested(), state=s.state, data=s.data)
+    assert s.data.restarts == 0
+    s = running(ServerExited(-9), BackoffStarted(0), BackoffElapsed(), Spawned(2), Ready(), RestartRequested())
+    assert s.data.restarts == 0
+    s = running(ServerExited(1, ReasonCode.MODEL_LOAD_FAILED))
+    assert s.state is S.FAILED and s.data.restarts == 0  # failed: no restart followed
 
 
 @pytest.mark.parametrize(
@@ -184,6 +252,9 @@ def test_restart_and_config_change_relaunch():
     s = running(RestartRequested())
     assert s.state is S.STOPPING and s.data.after_stop is AfterStop.RESTART
     s = drive(StopCompleted(0), state=s.state, data=s.data)
+    assert s.state is S.PLANNING and s.effects == (MakePlan(previous=PLAN),)
+    # a config change after a crash that asked for a new plan is a fresh plan, not a retry
+    s = running(ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION), ConfigChanged())
     assert s.state is S.PLANNING and s.effects == (MakePlan(previous=PLAN),)
     new = LaunchSettings(stall_timeout=5.0)
     s = running(ConfigChanged(new), ServerExited(0))  # exit while stopping = stop completed
@@ -233,6 +304,9 @@ def test_adopt_after_daemon_restart():
 def test_resume_effects_per_state():
     data = LaunchData(plan=PLAN, crashes=2, pid=9)
     assert resume_effects(S.PLANNING, data) == (MakePlan(previous=PLAN),)
+    failure = PlanFailure(ReasonCode.CPU_ILLEGAL_INSTRUCTION, ExitPhase.NEVER_READY, {"signal": "SIGILL"})
+    replanning = LaunchData(plan=PLAN, crashes=1, replan_for=failure)
+    assert resume_effects(S.PLANNING, replanning) == (MakePlan(previous=PLAN, failure=failure),)
     assert resume_effects(S.CRASHED, data) == (StartBackoff(2),)
     assert resume_effects(S.BACKOFF, data) == (StartBackoff(2),)
     assert resume_effects(S.STOPPING, data) == (Reattach(9, None), Terminate(10.0))

@@ -131,11 +131,15 @@ def test_spec_rejects_inconsistent_tables():
 
 
 PLAN = LaunchPlan("cuda", "sm90", "/b", "/b/llama-server", "/m.gguf", n_gpu_layers=99, extra_args=("--jinja",))
+AUTO_PLAN = LaunchPlan("cuda", "sm90", "/b", "/b/llama-server", "/m.gguf", n_gpu_layers="auto", threads=4,
+                       flash_attn="auto", slot_save_path="/s", extra_args=("--metrics", "--swa-full"))
+CPU_PLAN = LaunchPlan("cpu", "avx2", "/c", "/c/llama-server", "/m.gguf")
 
 
 @pytest.mark.parametrize(
     "event",
-    [UpRequested(), PlanReady(PLAN), ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION, {"sig": "SIGILL"}, replan=True)],
+    [UpRequested(), PlanReady(PLAN), PlanReady(AUTO_PLAN),
+     ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION, {"sig": "SIGILL"})],
 )
 def test_event_json_round_trip(event):
     name, payload = event_to_json(event)
@@ -159,6 +163,14 @@ def test_data_json_round_trip(spec_data):
 
 def test_data_missing_fields_take_defaults():
     assert data_from_json(LAUNCH, {"crashes": 3}) == LaunchData(crashes=3)
+
+
+def test_gpu_layers_have_one_spelling_and_old_rows_are_read_into_it():
+    assert data_to_json(AUTO_PLAN)["n_gpu_layers"] == "auto"
+    old_row = {**data_to_json(PLAN), "n_gpu_layers": -1}  # written before "auto" had one spelling
+    assert data_from_json(LAUNCH, {"plan": old_row, "replan": True}).plan.n_gpu_layers == "auto"
+    with pytest.raises(ValueError):
+        LaunchPlan("cuda", "sm90", "/b", "/b/llama-server", "/m.gguf", n_gpu_layers="all")
 
 
 def test_unknown_event_name_is_a_key_error():
@@ -189,10 +201,11 @@ def test_generator_check_mode_passes():
 # --- every table under random event sequences -------------------------------------------
 SAMPLES = {
     "launch": [
-        L.UpRequested(), L.DownRequested(), L.RestartRequested(), L.ConfigChanged(), L.PlanReady(PLAN),
-        L.PlanFailed(ReasonCode.MODEL_MISSING), L.Spawned(1), L.Adopted(1), L.LoadStarted(), L.Ready(),
-        L.ServerExited(1), L.ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION, replan=True),
-        L.ServerExited(1, ReasonCode.PORT_IN_USE, fatal=True), L.StallTimeout(), L.BackoffStarted(1.0),
+        L.UpRequested(), L.DownRequested(), L.RestartRequested(), L.ConfigChanged(), L.PlanReady(AUTO_PLAN),
+        L.PlanReady(CPU_PLAN), L.PlanFailed(ReasonCode.MODEL_MISSING), L.Spawned(1), L.Adopted(1),
+        L.SpawnFailed(), L.LoadStarted(), L.Ready(), L.ServerExited(1), L.ServerExited(-9),
+        L.ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION), L.ServerExited(1, ReasonCode.MODEL_LOAD_FAILED),
+        L.ServerExited(1, ReasonCode.PORT_IN_USE), L.StallTimeout(), L.BackoffStarted(1.0),
         L.BackoffElapsed(), L.Stable(), L.StopCompleted(0),
     ],
     "install": [
@@ -205,13 +218,16 @@ SAMPLES = {
         *[PR.ProbeFailed(g, ReasonCode.GPU_MISSING) for g in (1, 2, 3)], *[PR.Expired(g) for g in (1, 2, 3)],
     ],
     "fallback": [
-        F.FallbackStarted(("cuda", "cpu")), F.FallbackStarted(("cuda",), forced=True),
+        F.PlanRequested(("cuda", "cpu")), F.PlanRequested(("cuda",), forced=True),
+        *[F.PlanRequested(("cuda", "cpu"), previous_backend=b, failure=ReasonCode.SERVER_CRASHED, phase=p,
+                          startup_failed=ReasonCode.CUDA_STARTUP_FAILED)
+          for b in ("cuda", "cpu") for p in L.ExitPhase],
         *[F.CheckPassed(b) for b in ("cuda", "cpu")],
         *[F.CheckFailed(b, r) for b in ("cuda", "cpu") for r in (ReasonCode.BINARY_MISSING_NVIDIA_DETECTED, ReasonCode.GPU_MISSING)],
         *[F.BundleInstalled(b) for b in ("cuda", "cpu")],
         F.BundleInstallFailed("cuda", ReasonCode.CUDA_BUNDLE_INSTALL_FAILED),
-        *[F.LaunchSucceeded(b) for b in ("cuda", "cpu")], F.LaunchFailed("cuda", ReasonCode.CUDA_STARTUP_FAILED),
-        F.FallbackCancelled(),
+        *[F.LaunchSucceeded(b) for b in ("cuda", "cpu")], F.LaunchSucceeded("cuda", adopted=True),
+        F.LaunchSucceeded("cuda", "cpu", ReasonCode.CUDA_GPU_LAYERS_ZERO),
     ],
     "config": [
         C.ConfigAccepted(), C.ConfigAccepted(("server.ctx_size",), relaunch=True),
@@ -220,22 +236,107 @@ SAMPLES = {
 }
 
 
+# --- the policies the tables decide, checked on every accepted step ----------------------
+# Written from the rules as the docs state them, not from the handlers: a handler that drifts
+# from the stated policy fails here under random sequences.
+
+FATAL = {ReasonCode.MODEL_MISSING, ReasonCode.MODEL_LOAD_FAILED, ReasonCode.SERVER_BAD_ARGUMENTS}
+RUNNING = (L.LaunchState.STARTING, L.LaunchState.LOADING, L.LaunchState.READY)
+
+
+def launch_policy(state, data, event, result):
+    new = result.data
+    if isinstance(event, L.ServerExited) and state in RUNNING:
+        phase = L.ExitPhase.AFTER_READY if state is L.LaunchState.READY else L.ExitPhase.NEVER_READY
+        assert new.crashes == data.crashes + 1
+        if event.reason in FATAL:
+            assert (result.state, new.reason) == (L.LaunchState.FAILED, event.reason)
+        elif new.crashes > new.settings.max_restarts:
+            assert (result.state, new.reason) == (L.LaunchState.FAILED, ReasonCode.CRASH_LOOP)
+        else:
+            assert result.state is L.LaunchState.CRASHED and new.restarts == data.restarts + 1
+            gpu_start = phase is L.ExitPhase.NEVER_READY and data.plan is not None and data.plan.backend != "cpu"
+            wants_plan = event.reason is ReasonCode.CPU_ILLEGAL_INSTRUCTION or gpu_start
+            assert (new.replan_for is not None) == wants_plan
+            if wants_plan:
+                assert (new.replan_for.reason, new.replan_for.phase) == (event.reason, phase)
+    if isinstance(event, L.SpawnFailed) and state is L.LaunchState.STARTING:
+        assert (result.state, new.reason) == (L.LaunchState.FAILED, event.reason)
+    if isinstance(event, L.BackoffElapsed):
+        if data.replan_for is not None or data.plan is None:
+            assert result.effects == (L.MakePlan(previous=data.plan, failure=data.replan_for),)
+        else:
+            assert result.effects == (L.Spawn(data.plan),)
+    if isinstance(event, (L.UpRequested, L.RestartRequested, L.ConfigChanged)):
+        # a start, restart or config change plans afresh: no crash's failure rides along
+        assert all(e.failure is None for e in result.effects if isinstance(e, L.MakePlan))
+    if isinstance(event, L.Spawned):
+        assert result.effects == (L.WatchReadiness(new.settings.stall_timeout),)
+    if isinstance(event, L.Stable):
+        assert new.crashes == 0 and new.restarts == data.restarts
+
+
+def fallback_policy(state, data, event, result):
+    new = result.data
+    if isinstance(event, F.PlanRequested):
+        failed_start = (state is F.FallbackState.LAUNCHING and event.failure is not None
+                        and event.phase is L.ExitPhase.NEVER_READY and event.previous_backend == data.current
+                        and event.previous_backend != "cpu")
+        if failed_start:
+            assert new.skipped[-1].backend == data.current and new.skipped[-1].reason is event.startup_failed
+            assert len(new.skipped) == len(data.skipped) + 1
+            assert result.state is (F.FallbackState.CHECKING if data.index + 1 < len(data.candidates)
+                                    and not data.forced else F.FallbackState.FAILED)
+        else:
+            assert result.state is F.FallbackState.CHECKING
+            assert new == F.FallbackData(candidates=event.candidates, forced=event.forced)
+            assert result.effects[-1] == F.CheckBackend(event.candidates[0])
+            assert any(isinstance(e, F.ProbeCandidates) for e in result.effects) == (not event.forced)
+    if isinstance(event, F.LaunchSucceeded) and state is F.FallbackState.SETTLED:
+        if event.adopted:
+            assert new == data
+        else:
+            assert (new.respawn_demotion is None) == (event.reason is None)
+    if result.state is F.FallbackState.FAILED and state is not F.FallbackState.FAILED:
+        assert result.effects == (F.GiveUp(new.reason, result.evidence),)
+
+
+POLICIES = {"launch": launch_policy, "fallback": fallback_policy}
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_random_sequences_stay_inside_the_table(spec):
     samples = SAMPLES[spec.name]
     assert {type(e) for e in samples} == set(spec.event_types.values())
+    policy = POLICIES.get(spec.name)
+
+    def legal(state, data):
+        out = []
+        for event in samples:
+            try:
+                step(spec, state, data, event)
+            except IllegalTransition:
+                continue
+            out.append(event)
+        return out
 
     @settings(max_examples=200, deadline=None)
-    @given(st.lists(st.sampled_from(samples), max_size=60))
-    def run(events):
+    @given(st.data())
+    def run(draw):
         state, data = spec.initial, spec.initial_data()
-        for event in events:
+        for _ in range(draw.draw(st.integers(0, 60))):
+            # Half the time a legal event, so that deep paths (a crash loop, a fallback's last
+            # candidate) are reached; otherwise any, so that refusals change nothing.
+            accepted = legal(state, data)
+            event = draw.draw(st.sampled_from(accepted if accepted and draw.draw(st.booleans()) else samples))
             try:
                 result = step(spec, state, data, event)
             except IllegalTransition:
                 continue  # MachineDefinitionError would fail the test: a handler off its edges
             assert result.state in set(spec.states)
             assert (state, type(event).__name__, result.state) in spec.edges()
+            if policy is not None:
+                policy(state, data, event, result)
             assert data_from_json(spec, data_to_json(result.data)) == result.data
             name, payload = event_to_json(event)
             assert event_from_json(spec, name, payload) == event

@@ -1,0 +1,59 @@
+"""The LaunchPlan, complete: every argument llama-server gets, decided here, when planning ends.
+
+The launch machine records the plan in history (PlanReady) and the supervisor turns it into a
+command line without reading the config, the model registry or the snapshot settings; so what
+history shows is exactly what ran. Everything that shapes the command line is therefore
+settled here, once per plan:
+
+    -ngl            the count the config asks for, or "auto" (the engine fits); 0 on the CPU
+    -t, -fa         the config's threads (0: the engine decides) and flash attention
+    extra args      the model's own (a chat template for a named model), then the user's
+                    extra_args, then --metrics (telemetry reads tokens/s from /metrics), then
+                    the snapshot flags (--swa-full where the KV cache must hold full SWA)
+    --slot-save-path  always, so that turning snapshots on needs no relaunch
+
+A respawn after a crash runs the same plan; a config change that touches any of these
+re-plans (config.needs_relaunch), so the plan never goes stale while it is in use.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from daemon.bundles.installed import InstalledBundle
+from daemon.config.model import Config
+from daemon.core.paths import StokerPaths
+from daemon.models.resolve import model_launch_args
+from daemon.snapshots.service import snapshot_server_args
+from states.launch import GpuLayers, LaunchPlan
+
+METRICS = "--metrics"
+
+
+def complete_plan(
+    paths: StokerPaths,
+    config: Config,
+    bundle: InstalledBundle,
+    model_path: str | Path,
+    n_gpu_layers: GpuLayers,
+) -> LaunchPlan:
+    """The whole plan for `bundle` (its backend and variant) and the model. Blocking: it may
+    read the model's GGUF header (for --swa-full) and creates the slot-save directory."""
+    server = config.server
+    slot_save_path, snapshot_args = snapshot_server_args(paths, config, model_path)
+    return LaunchPlan(
+        backend=bundle.meta.backend,
+        variant=bundle.meta.variant,
+        bundle_root=str(bundle.root),
+        server_path=str(bundle.server),
+        model_path=str(model_path),
+        host=server.host,
+        port=server.port,
+        ctx_size=server.ctx_size,
+        parallel=server.parallel,
+        threads=server.threads,
+        n_gpu_layers=n_gpu_layers,
+        flash_attn=server.flash_attn,
+        slot_save_path=str(slot_save_path),
+        extra_args=(*model_launch_args(server.model), *server.extra_args, METRICS, *snapshot_args),
+    )

@@ -1,0 +1,50 @@
+"""One server instance: its name, and the store ids and files that belong to it alone.
+
+Each llama-server the daemon runs is an instance with its own launch machine, fallback
+machine, identity file and log, so that a second instance (another model, an RPC worker) is
+constructed beside the first without touching it. One instance runs today, `default`; its
+machines keep the ids the store has always had (`launch`, `fallback`), so that history and
+`stoker history --machine launch` read the same before and after. Another instance's are
+`launch:<name>` and `fallback:<name>`, like `install:<slot>` and `probe:<backend>`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import attrs
+
+from daemon.core.paths import StokerPaths
+
+DEFAULT_INSTANCE = "default"
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+
+
+def _name(value: str) -> str:
+    if not _NAME.match(value):
+        raise ValueError(f"an instance name is 1-32 of a-z, 0-9, '_' and '-', got {value!r}")
+    return value
+
+
+@attrs.frozen
+class ServerInstance:
+    """A server instance's name and what is keyed by it."""
+
+    name: str = attrs.field(default=DEFAULT_INSTANCE, converter=_name)
+
+    @property
+    def is_default(self) -> bool:
+        return self.name == DEFAULT_INSTANCE
+
+    def machine_id(self, kind: str) -> str:
+        """The store id of this instance's machine of `kind` (`launch`, `fallback`)."""
+        return kind if self.is_default else f"{kind}:{self.name}"
+
+    def identity_file(self, paths: StokerPaths) -> Path:
+        """Where the running server's identity is recorded (what a restarted daemon proves)."""
+        return paths.runtime_dir / ("server.json" if self.is_default else f"server-{self.name}.json")
+
+    def log_path(self, paths: StokerPaths) -> Path:
+        """The server's own log (stdout and stderr), appended to across launches."""
+        return paths.logs_dir / ("llama-server.log" if self.is_default else f"llama-server-{self.name}.log")
