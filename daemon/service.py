@@ -166,6 +166,9 @@ class Daemon:
     async def install(self, backend: str, *, variant: str | None, detection: Detection) -> InstalledBundle:
         return await self.installs.install(backend, variant=variant, detection=detection)
 
+    async def install_file(self, path: Path, *, smoke: bool, detection: Detection | None) -> InstalledBundle:
+        return await self.installs.install_file(path, smoke=smoke, detection=detection)
+
     def snapshot_listing(self) -> dict[str, Any]:
         return self.snapshots.listing(ready=self.supervisor.state is L.LaunchState.READY)
 

@@ -1,15 +1,16 @@
 """Installed bundles: one slot per backend and variant under the data dir's `bundles/`.
 
 Install = unpack (or copy) into a hidden staging directory beside the slots, verify there,
-then `promote`: the one way a bundle enters its slot, used by `install_bundle` (a local zip
-or directory, what the daemon's `install {path}` and `stoker run` without a daemon run) and
-by the install service's Promote step (a bundle from the manifest). Promote makes the staged
-files durable (fsync every file and directory), renames the old slot to `<slot>.previous`,
-renames the staged tree into the slot and fsyncs `bundles/`, so that after a crash the slot
-holds either the old bundle or the whole new one, never names without their data. Staging
-names start with a dot and are never found by `find_installed`, so nothing half-installed is
-ever launched. If a crash falls between the two renames, the slot is missing and its
-`.previous` still there: `find_installed` then returns the previous bundle.
+then `promote`: the one way a bundle enters its slot, used by the install service's Promote
+step (every install Stoker's commands make, daemon.install.service) and by `install_bundle`
+(the same unpack, verify and promote without the machine: how tests and benchmarks set up a
+data directory). Promote makes the staged files durable (fsync every file and directory),
+renames the old slot to `<slot>.previous`, renames the staged tree into the slot and fsyncs
+`bundles/`, so that after a crash the slot holds either the old bundle or the whole new one,
+never names without their data. Staging names start with a dot and are never found by
+`find_installed`, so nothing half-installed is ever launched. If a crash falls between the
+two renames, the slot is missing and its `.previous` still there: `find_installed` then
+returns the previous bundle.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
 import attrs
 
 from daemon.bundles.archive import unpack_bundle
-from daemon.bundles.metadata import BundleMeta
+from daemon.bundles.metadata import BUNDLE_JSON, BundleMeta
 from daemon.bundles.variants import SAFE_CPU_VARIANTS, cpu_flags, variant_fits
 from daemon.bundles.verify import VerifyReport, verify_dir
 from daemon.core.digests import fsync_dir
@@ -51,6 +53,25 @@ class InstalledBundle:
         return {"root": str(self.root), "server": str(self.server), "backend": self.meta.backend,
                 "variant": self.meta.variant, "version": self.meta.version,
                 "cache_key": self.meta.build.get("cache_key")}
+
+
+def bundle_meta_of(path: Path) -> BundleMeta:
+    """bundle.json of a bundle zip (read without unpacking anything) or directory."""
+    path = Path(path)
+    if path.is_dir():
+        return BundleMeta.read(path)
+    if not path.is_file():
+        raise StokerError(ReasonCode.BUNDLE_MISSING, "The bundle does not exist.", {"path": str(path)})
+    try:
+        with zipfile.ZipFile(path) as zf:
+            info = zf.getinfo(BUNDLE_JSON)
+            if info.file_size > 16 << 20:
+                raise StokerError(ReasonCode.BUNDLE_UNSAFE_ARCHIVE, evidence={"entry": BUNDLE_JSON, "size": info.file_size})
+            return BundleMeta.from_json(zf.read(info))
+    except KeyError:
+        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "The bundle has no bundle.json.", {"path": str(path)}) from None
+    except (zipfile.BadZipFile, OSError) as err:
+        raise StokerError(ReasonCode.BUNDLE_UNSAFE_ARCHIVE, evidence={"path": str(path), "error": str(err)}) from None
 
 
 def _copy_dir_into(src: Path, staging: Path) -> None:
@@ -114,8 +135,8 @@ def install_bundle(
 ) -> InstalledBundle:
     """Verify a bundle zip or directory in staging and `promote` it into its slot.
 
-    Blocking: the daemon runs it in a worker thread (`install {path}`), `stoker run` without
-    a daemon and the tests call it directly."""
+    Blocking, and without the install machine or its history: the tests' and benchmarks'
+    way to set up a data directory. Stoker's commands install through the install service."""
     source = Path(zip_or_dir)
     if not source.exists():
         raise StokerError(ReasonCode.BUNDLE_MISSING, "The bundle to install does not exist.", {"path": str(source)})

@@ -1,12 +1,12 @@
 """`stoker bundle build|inspect|verify|list|install`: engine bundles from the command line.
 
-These commands work without the daemon: they build, check and install bundles directly in
-the data and cache directories.
+Build, inspect, verify and list work without the daemon, in the data and cache directories.
+Install goes through the install service like every install: the running daemon's, else this
+process's (daemon.cli.install.install_file).
 """
 
 from __future__ import annotations
 
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -66,22 +66,6 @@ def _human_list(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def read_meta_from_zip(path: Path):
-    """bundle.json of a zip, read without unpacking anything."""
-    from daemon.bundles.metadata import BUNDLE_JSON, BundleMeta
-
-    try:
-        with zipfile.ZipFile(path) as zf:
-            info = zf.getinfo(BUNDLE_JSON)
-            if info.file_size > 16 << 20:
-                raise StokerError(ReasonCode.BUNDLE_UNSAFE_ARCHIVE, evidence={"entry": BUNDLE_JSON, "size": info.file_size})
-            return BundleMeta.from_json(zf.read(info))
-    except KeyError:
-        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "The bundle has no bundle.json.", {"path": str(path)}) from None
-    except (zipfile.BadZipFile, OSError) as err:
-        raise StokerError(ReasonCode.BUNDLE_UNSAFE_ARCHIVE, evidence={"path": str(path), "error": str(err)}) from None
-
-
 @click.group("bundle")
 def bundle_group() -> None:
     """Build, inspect, verify, list and install engine bundles."""
@@ -118,15 +102,10 @@ def build_cmd(backend: str, variant: str | None, source_text: str | None, cuda_a
 @json_option
 def inspect_cmd(path: Path, as_json: bool) -> None:
     """Show a bundle's metadata (zip or directory) without running or unpacking it."""
-    from daemon.bundles.metadata import BundleMeta
+    from daemon.bundles.installed import bundle_meta_of
 
     try:
-        if path.is_dir():
-            meta = BundleMeta.read(path)
-        elif path.is_file():
-            meta = read_meta_from_zip(path)
-        else:
-            raise StokerError(ReasonCode.BUNDLE_MISSING, "The bundle does not exist.", {"path": str(path)})
+        meta = bundle_meta_of(path)
     except StokerError as err:
         fail(as_json, err)
     emit(as_json, meta.to_dict(), _human_meta)
@@ -173,14 +152,18 @@ def list_cmd(as_json: bool) -> None:
 @click.option("--smoke", is_flag=True, help="Run the smoke test before installing.")
 @json_option
 def install_cmd(path: Path, smoke: bool, as_json: bool) -> None:
-    """Verify a bundle and install it into its slot (the previous one is kept)."""
-    from daemon.bundles.installed import install_bundle
+    """Verify a bundle and install it into its slot (the previous one is kept).
+
+    Through the running daemon's install service, else through the same service here."""
+    from daemon.bundles.installed import bundle_meta_of
+    from daemon.cli.install import install_file
 
     try:
-        bundle = install_bundle(path, StokerPaths.from_env(), smoke=smoke, progress=_progress)
+        bundle_meta_of(path)  # a missing or unreadable bundle is refused before anything starts
+        bundle = install_file(StokerPaths.from_env(), path, smoke=smoke, progress=_progress)
     except StokerError as err:
         fail(as_json, err)
-    emit(as_json, {"ok": True, **bundle.to_dict()},
+    emit(as_json, {"ok": True, **bundle},
          lambda d: f"installed {d['backend']}-{d['variant']} {d['version']} at {d['root']}")
 
 

@@ -1,24 +1,42 @@
-"""`stoker install BACKEND`: fetch, verify and install an engine bundle, with a progress bar.
+"""`stoker install BACKEND`: fetch, verify and install an engine bundle, with a progress bar;
+and `install_file`, how every CLI command installs a local bundle.
 
 Progress comes from the daemon's event stream (`install.progress`), read in a thread while
 the `install` call blocks; `--json` prints each progress event as one JSON line, then the
 result (or the error) as the last line.
+
+Every install runs through the install service (daemon.install.service): its machine, its
+steps, its promote, its history. A local bundle (`stoker bundle install`, `stoker run`'s
+build) goes to the running daemon's service (the `bundle.install` socket method); with no
+daemon, this process takes the daemon's lock (so that none starts and resumes the same
+machine meanwhile) and runs the same service on the same store itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+import tempfile
 import threading
-from typing import Any
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import click
+import trio
 
 from daemon.cli.output import emit, fail, json_option
 from daemon.core.errors import StokerError
+from daemon.core.paths import StokerPaths
+from states.reasons import ReasonCode
 
 PROGRESS_TOPIC = "install.progress"
 BAR_WIDTH = 30
+# A daemon that holds the lock may not have opened its socket yet: how long to keep asking.
+SOCKET_WAIT_S = 30.0
+INSTALL_TIMEOUT_S = 3600.0
 
 
 def _size(n: float | None) -> str:
@@ -93,6 +111,72 @@ def install(backend: str, variant: str | None, as_json: bool) -> None:
     else:
         emit(False, installed, lambda b: f"installed {b['backend']}-{b['variant']} ({b.get('version')}) at {b['root']}")
     sys.exit(0)
+
+
+def install_file(
+    paths: StokerPaths, path: Path, *, smoke: bool = False, progress: Callable[[str], None] = lambda _: None
+) -> dict[str, Any]:
+    """Install a local bundle (zip or directory) through the install service; its `to_dict()`.
+
+    Through the running daemon when there is one; else in this process, holding the daemon's
+    lock. A directory is packed into a temporary zip first (after refusing links and special
+    files, which a zip could not carry for verification to refuse).
+    """
+    from daemon.control.client import ControlClient
+    from daemon.service import acquire_lock
+
+    with _as_zip(Path(path)) as zip_path:
+        deadline = time.monotonic() + SOCKET_WAIT_S
+        while True:
+            try:
+                lock = acquire_lock(paths.lock_file)
+            except StokerError as err:
+                if err.reason != ReasonCode.DAEMON_ALREADY_RUNNING:
+                    raise
+            else:
+                try:
+                    progress(f"no daemon runs: installing {zip_path} here")
+                    return trio.run(_install_here, paths, zip_path, smoke).to_dict()
+                finally:
+                    os.close(lock)
+            try:
+                with ControlClient(paths.socket_path, timeout=INSTALL_TIMEOUT_S) as client:
+                    progress(f"installing {zip_path} through the daemon")
+                    return dict(client.call("bundle.install", path=str(zip_path), smoke=smoke)["installed"])
+            except StokerError as err:
+                # Starting (lock held, socket not open yet) or gone meanwhile: ask again.
+                if err.reason != ReasonCode.DAEMON_NOT_RUNNING or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.2)
+
+
+async def _install_here(paths: StokerPaths, zip_path: Path, smoke: bool) -> Any:
+    from daemon.install.service import InstallService
+    from store.database import open_store
+
+    store = open_store(paths.db_file)
+    try:
+        return await InstallService(paths, store).install_file(zip_path, smoke=smoke)
+    finally:
+        store.close()
+
+
+@contextlib.contextmanager
+def _as_zip(path: Path) -> Iterator[Path]:
+    """`path` if it is a file; a directory packed into a temporary zip beside nothing else."""
+    if not path.is_dir():
+        yield path.absolute()
+        return
+    from daemon.bundles.archive import pack_bundle
+
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            entry = Path(dirpath, name)
+            if entry.is_symlink() or not (entry.is_file() or entry.is_dir()):
+                raise StokerError(ReasonCode.BUNDLE_UNSAFE_ARCHIVE, "The bundle holds a link or special file.",
+                                  {"path": entry.relative_to(path).as_posix()})
+    with tempfile.TemporaryDirectory(prefix="stoker-bundle-") as scratch:
+        yield pack_bundle(path, Path(scratch) / "bundle.zip")
 
 
 def register(cli: click.Group) -> None:

@@ -1,8 +1,9 @@
 """`stoker run`: the main job in one command.
 
 Make sure a CPU engine bundle is installed (built from the pinned source, or taken from the
-build cache), make sure the daemon runs (started in the background if not), bring the server
-up on the configured model (Gemma 3 270M by default) and ask it one question.
+build cache, and installed through the install service: the running daemon's, else the same
+service in this process), make sure the daemon runs (started in the background if not), bring
+the server up on the configured model (Gemma 3 270M by default) and ask it one question.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def say(as_json: bool, text: str) -> None:
 def ensure_cpu_bundle(paths: StokerPaths, as_json: bool) -> dict:
     """An installed CPU bundle: the one in place, or a (cached) build installed now."""
     from daemon.bundles.build import build_bundle
-    from daemon.bundles.installed import find_installed, install_bundle
+    from daemon.bundles.installed import find_installed
+    from daemon.cli.install import install_file
 
     installed = find_installed(paths, "cpu")
     if installed is not None:
@@ -38,9 +40,7 @@ def ensure_cpu_bundle(paths: StokerPaths, as_json: bool) -> dict:
         return installed.to_dict()
     say(as_json, "building the CPU engine from the pinned llama.cpp source (cached after the first time)")
     result = build_bundle(paths, backend="cpu", progress=lambda line: say(as_json, line))
-    say(as_json, f"installing {result.zip_path}")
-    bundle = install_bundle(result.zip_path, paths, expect_backend="cpu", smoke=True)
-    return bundle.to_dict()
+    return install_file(paths, result.zip_path, smoke=True, progress=lambda line: say(as_json, line))
 
 
 def daemon_running(paths: StokerPaths) -> bool:

@@ -8,6 +8,7 @@ adds it here first, so this file stays the complete list of what a socket method
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence
 
 from daemon.core.paths import StokerPaths
@@ -116,6 +117,8 @@ class ControlledDaemon(Protocol):
     async def probe_all(self, names: Sequence[str], *, fresh: bool) -> Mapping[str, ProbeResult]: ...
 
     async def install(self, backend: str, *, variant: str | None, detection: Detection) -> InstalledBundle: ...
+
+    async def install_file(self, path: Path, *, smoke: bool, detection: Detection | None) -> InstalledBundle: ...
 
     # --- KV slot snapshots ---------------------------------------------------------------
 

@@ -37,6 +37,7 @@ METHODS: Mapping[str, Method] = _by_name(
     backends.probe,
     backends.use,
     backends.install,
+    backends.bundle_install,
     snapshots.snapshot_list,
     snapshots.snapshot_save,
     snapshots.snapshot_restore,

@@ -32,7 +32,7 @@ from daemon.core.digests import sha256_file
 from daemon.backends.base import Backend, Detection, ReasonKind
 from daemon.backends.registry import family_reason, load_backends
 from daemon.bundles.archive import unpack_bundle
-from daemon.bundles.installed import InstalledBundle, find_installed, promote
+from daemon.bundles.installed import InstalledBundle, bundle_meta_of, find_installed, promote
 from daemon.bundles.metadata import BundleManifest, BundleMeta, ManifestEntry
 from daemon.bundles.variants import host_platform
 from daemon.install.download import DownloadError, DownloadProgress, download
@@ -163,6 +163,7 @@ class InstallService:
     _locks: dict[str, trio.Lock] = attrs.field(factory=dict, init=False)
     _entries: dict[str, ManifestEntry] = attrs.field(factory=dict, init=False)
     _detections: dict[str, Detection] = attrs.field(factory=dict, init=False)
+    _local_smoke: dict[str, bool] = attrs.field(factory=dict, init=False)  # machine id -> smoke asked
     _effects: EffectDriver[Awaitable[object | None]] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -240,7 +241,32 @@ class InstallService:
                 except IllegalTransition:  # that machine is mid-way (resuming): say why anyway
                     raise StokerError(reason, err.message, _cause(err)) from None
             raise self._failure(runner) from None
-        runner = self.runner(backend, entry.variant)
+        self._local_smoke.pop(I.machine_id(backend, entry.variant), None)
+        return await self._install_entry(entry, detection)
+
+    async def install_file(
+        self, path: Path, *, smoke: bool = False, detection: Detection | None = None
+    ) -> InstalledBundle:
+        """Install a local bundle zip through the same machine, steps and promote as a
+        manifest bundle: the entry is the zip itself (a file:// URL, its sha256 and size, the
+        backend, variant, version and platform its bundle.json states). What `bundle.install`,
+        `stoker bundle install` and `stoker run` use. The smoke test runs only when asked
+        (`stoker bundle install --smoke`, `stoker run`), as it did for a local install."""
+        path = Path(path).absolute()
+        meta = await trio.to_thread.run_sync(bundle_meta_of, path)
+        if not path.is_file():
+            raise StokerError(ReasonCode.BUNDLE_MISSING, "Only a bundle zip installs through the install service.",
+                              {"path": str(path)})
+        size = path.stat().st_size
+        digest = await trio.to_thread.run_sync(sha256_file, path)
+        entry = ManifestEntry(url=path.as_uri(), sha256=digest, size=size, backend=meta.backend,
+                              variant=meta.variant, version=meta.version, platform=meta.platform)
+        self._local_smoke[I.machine_id(meta.backend, meta.variant)] = smoke
+        return await self._install_entry(entry, detection)
+
+    async def _install_entry(self, entry: ManifestEntry, detection: Detection | None) -> InstalledBundle:
+        """Drive the machine of the entry's slot to installed (unless that very bundle already is)."""
+        runner = self.runner(entry.backend, entry.variant)
         async with self._locks[runner.machine_id]:
             self._entries[runner.machine_id] = entry
             if detection is not None:
@@ -249,15 +275,16 @@ class InstallService:
                 # Left mid-way by a killed daemon and not resumed yet: finish that first.
                 await self._drive(runner, runner.fire(I.Resumed()).effects)
             current = (runner.state is I.InstallState.INSTALLED and runner.data.sha256 == entry.sha256
-                       and find_installed(self.paths, backend, entry.variant) is not None)
+                       and find_installed(self.paths, entry.backend, entry.variant) is not None)
             if not current:  # the same bundle already installed and in place: nothing to do
-                step = runner.fire(I.InstallRequested(backend, entry.variant))
+                step = runner.fire(I.InstallRequested(entry.backend, entry.variant))
                 await self._drive(runner, step.effects)
         if runner.state is not I.InstallState.INSTALLED:
             raise self._failure(runner)
-        bundle = find_installed(self.paths, backend, entry.variant)
+        bundle = find_installed(self.paths, entry.backend, entry.variant)
         if bundle is None:  # promoted, then removed under us
-            raise StokerError(reason, "The bundle was installed but is no longer there.", {"slot": entry.variant})
+            raise StokerError(self._failure(runner).reason, "The bundle was installed but is no longer there.",
+                              {"slot": f"{entry.backend}-{entry.variant}"})
         return bundle
 
     def _failure(self, runner: MachineRunner) -> StokerError:
@@ -382,6 +409,8 @@ class InstallService:
     def _smoke_skip(self, runner: MachineRunner, meta: BundleMeta) -> str | None:
         if not self.smoke:
             return "smoke tests are off for this service"
+        if self._local_smoke.get(runner.machine_id) is False:
+            return "not asked for this local bundle (stoker bundle install --smoke asks)"
         if meta.smoke is None or meta.smoke.tokens is None:
             return "the bundle records no smoke reference"
         if meta.backend != "cpu":

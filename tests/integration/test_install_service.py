@@ -263,3 +263,39 @@ async def test_installing_the_same_bundle_again_is_a_no_op(setup):
         await setup.service().install("cpu", variant="avx2")
     assert len(setup.server.requests("/cpu.zip")) == before
     setup.assert_new_installed()
+
+
+def test_the_cli_installs_a_local_bundle_through_the_running_daemon(stoker_home, tmp_path):
+    """`stoker bundle install` with a daemon running goes to the daemon's install machine (the
+    CLI cannot take the daemon's lock, so nothing else could have installed it): the same
+    steps and history as a manifest install, and a second bundle then a first again each
+    really installs (the machine knows which bundle the slot holds)."""
+    import subprocess
+    import sys
+
+    from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config
+
+    def bundle_install(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "daemon", "bundle", "install", *args, "--json"], env=d.env,
+                              capture_output=True, text=True, timeout=120)
+
+    first = make_bundle_zip(tmp_path, "first.zip", smoke_tokens=None)
+    second = make_bundle_zip(tmp_path, "second.zip", smoke_tokens=None)
+    d = DaemonProcess(stoker_home)
+    write_config(d.paths, tiny_config(tmp_path / "absent.gguf"))  # model_missing: the daemon idles
+    d.start()
+    try:
+        d.wait_state("failed", timeout=60)
+        for zip_path in (first, second, first):
+            out = bundle_install(str(zip_path))
+            assert out.returncode == 0, out.stdout + out.stderr
+            assert "through the daemon" in out.stderr and json.loads(out.stdout)["variant"] == "avx2"
+            slot = d.paths.bundles_dir / "cpu-avx2" / "bin" / "libggml-fake.so"
+            assert slot.read_bytes() == (tmp_path / f"{zip_path.name}.src" / "bin" / "libggml-fake.so").read_bytes()
+        steps = [r["to_state"] for r in reversed(d.history(machine="install:cpu-avx2"))]
+        assert steps.count("installed") == 3 and "validating" in steps
+        relative = subprocess.run([sys.executable, "-m", "daemon", "bundle", "install", "first.zip", "--json"],
+                                  env=d.env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert relative.returncode == 0, relative.stdout + relative.stderr  # the CLI sends an absolute path
+    finally:
+        d.stop()

@@ -1,4 +1,4 @@
-"""Socket methods for backends: probe, use, install.
+"""Socket methods for backends: probe, use, install, bundle.install.
 
 `use` persists the preference in the config file itself (`[backend] prefer`, written
 atomically), so the file stays the single source of truth that `stoker config check`, an
@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+import trio
+
+from daemon.bundles.installed import bundle_meta_of
 from daemon.config.model import BackendConfig, ConfigError, load_config, parse_config
 from daemon.control.controlled import ControlledDaemon
 from daemon.control.status import build_status
@@ -140,4 +143,31 @@ async def install(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[s
     backend = params["backend"]
     detection = (await daemon.probe(backend)).detection
     bundle = await daemon.install(backend, variant=params["variant"], detection=detection)
+    return {"installed": bundle.to_dict()}
+
+
+@method(
+    "bundle.install",
+    Param("path", Kind.STRING, "The bundle zip to install, an absolute path the daemon can read.", required=True),
+    Param("smoke", Kind.BOOLEAN, "Run the smoke test (where this machine can run the bundle's engine).",
+          default=False),
+    errors=("<backend>_bundle_install_failed", ReasonCode.BUNDLE_VERIFY_FAILED, ReasonCode.BUNDLE_MISSING),
+)
+async def bundle_install(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Install a local bundle zip through the install machine, as a manifest bundle is installed.
+
+    What `stoker bundle install` and `stoker run` ask of a running daemon: the same steps
+    (copy, verify, unpack, validate, smoke if asked, promote) and history as `install`.
+    Reply: {"installed": {root, server, backend, variant, version, cache_key}}.
+    """
+    path = Path(params["path"])
+    if not path.is_absolute():
+        raise StokerError(ReasonCode.BAD_REQUEST, "The bundle path must be absolute (the daemon has its own cwd).",
+                          {"path": str(path)})
+    detection = None
+    if params["smoke"]:  # a GPU bundle's smoke test needs its device seen
+        meta = await trio.to_thread.run_sync(bundle_meta_of, path)
+        if meta.backend in daemon.backend_names:
+            detection = (await daemon.probe(meta.backend)).detection
+    bundle = await daemon.install_file(path, smoke=params["smoke"], detection=detection)
     return {"installed": bundle.to_dict()}
