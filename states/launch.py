@@ -30,9 +30,7 @@ import attrs
 
 from states.machine import STAY, Guarded, MachineSpec, Rule, Step, guarded
 from states.reasons import ReasonCode
-
-
-from states.launch_records import (  # noqa: F401  (the machine's vocabulary, re-exported)
+from states.launch_records import (
     CPU_BACKEND,
     Adopted,
     AfterStop,
@@ -69,6 +67,17 @@ from states.launch_records import (  # noqa: F401  (the machine's vocabulary, re
     UpRequested,
     WatchReadiness,
 )
+
+# The machine's vocabulary (states/launch_records.py) and its table, in one name space.
+__all__ = [
+    "Adopted", "AfterStop", "ArmStableTimer", "BackoffElapsed", "BackoffStarted", "ConfigChanged",
+    "CPU_BACKEND", "DownRequested", "Effect", "ExitPhase", "ExitVerdict", "FATAL_EXITS",
+    "GpuLayers", "judge_exit", "LAUNCH", "LaunchData", "LaunchPlan", "LaunchSettings",
+    "LaunchState", "LoadStarted", "MakePlan", "Notify", "PlanFailed", "PlanFailure", "PlanReady",
+    "Ready", "Reattach", "REPLAN_EXITS", "RestartRequested", "resume_effects", "ServerExited",
+    "Spawn", "Spawned", "SpawnFailed", "Stable", "StallTimeout", "StartBackoff", "StopCompleted",
+    "Terminate", "TRANSITIONS", "UpRequested", "WatchReadiness",
+]
 
 
 S = LaunchState

@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Iterable, Literal, Mapping
 
 import attrs
 import psutil
@@ -44,6 +44,10 @@ _POLL_LOADING = 0.02
 _POLL_SERVING = 0.25
 
 
+def _args(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
 def _env_items(value: Mapping[str, str] | tuple[tuple[str, str], ...] | None) -> tuple[tuple[str, str], ...]:
     items = value.items() if isinstance(value, Mapping) else (value or ())
     return tuple(sorted((str(k), str(v)) for k, v in items))
@@ -62,7 +66,7 @@ class ServerSpec:
     threads: int | None = None
     n_gpu_layers: int | Literal["auto"] | None = None  # a count or "auto" (the engine fits); None: no -ngl
     flash_attn: str | None = None  # "on" | "off" | "auto"; None: the engine's default
-    extra_args: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    extra_args: tuple[str, ...] = attrs.field(default=(), converter=_args)
     slot_save_path: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
     env: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_env_items)
 
