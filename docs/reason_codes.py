@@ -32,6 +32,10 @@ def document() -> str:
         "output and socket error replies. Generated from `states/reasons.py` by",
         "`python docs/reason_codes.py`; never edit by hand.",
         "",
+        "These are Stoker's own codes. A backend plugin brings its own (`fakegpu_startup_failed`...)",
+        "with the sentence for each; they are stored and shown the same way and documented by the",
+        "plugin ([backends.md](backends.md), \"A plugin's own reason codes\").",
+        "",
     ]
     titles = [t for t, _ in GROUPS] + ["The daemon, its config, store and socket"]
     for title in titles:
