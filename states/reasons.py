@@ -115,48 +115,108 @@ class ReasonCode(enum.StrEnum):
     SNAPSHOT_NO_BENEFIT = "snapshot_no_benefit"
 
 
-_GPU = {
-    "cuda": ("NVIDIA", "CUDA"),
-    "rocm": ("AMD", "ROCm"),
-    "vulkan": ("Vulkan-capable", "Vulkan"),
-    "metal": ("Apple", "Metal"),
-}
-
-
-def _gpu_messages() -> dict[ReasonCode, str]:
-    out: dict[ReasonCode, str] = {}
-    for backend, (vendor, api) in _GPU.items():
-        out[ReasonCode(f"{backend}_unavailable")] = (
-            f"{api} could not initialise (driver too old for the build, or the runtime failed); "
-            f"update the driver or run `stoker probe --fresh` for the evidence."
-        )
-        out[ReasonCode(f"{backend}_gpu_layers_zero")] = (
-            f"The {api} server started but offloaded 0 layers to the GPU; serving on the CPU. "
-            f"Check free VRAM and the server log."
-        )
-        out[ReasonCode(f"{backend}_vram_full")] = (
-            f"Every {api} GPU has less free VRAM than the engine keeps free (-fitt), so no layer "
-            f"could go on it: the {api} server was not started; serving on the CPU. Free VRAM, or "
-            f"lower the margin (see the hint)."
-        )
-        out[ReasonCode(f"{backend}_startup_failed")] = (
-            f"The {api} server failed to start (a library is missing or the backend crashed); "
-            f"see the evidence in `stoker history`."
-        )
-        out[ReasonCode(f"{backend}_bundle_install_failed")] = (
-            f"Installing the {api} engine bundle failed; the previous state is intact. "
-            f"Retry with `stoker install {backend}`."
-        )
-    for backend, vendor in (("nvidia", "An NVIDIA"), ("amd", "An AMD"), ("vulkan", "A Vulkan"), ("metal", "An Apple")):
-        out[ReasonCode(f"binary_missing_{backend}_detected")] = (
-            f"{vendor} GPU is present but no matching engine bundle is installed; "
-            f"Stoker installs it on demand (`stoker install`)."
-        )
-    return out
-
-
 MESSAGES: dict[ReasonCode, str] = {
-    **_gpu_messages(),
+    # The built-in GPU backends' families, one sentence per code.
+    ReasonCode.BINARY_MISSING_NVIDIA_DETECTED: (
+        "An NVIDIA GPU is present but no matching engine bundle is installed; Stoker installs it on"
+        " demand (`stoker install`)."
+    ),
+    ReasonCode.CUDA_UNAVAILABLE: (
+        "CUDA could not initialise (driver too old for the build, or the runtime failed); update "
+        "the driver or run `stoker probe --fresh` for the evidence."
+    ),
+    ReasonCode.CUDA_GPU_LAYERS_ZERO: (
+        "The CUDA server started but offloaded 0 layers to the GPU; serving on the CPU. Check free "
+        "VRAM and the server log."
+    ),
+    ReasonCode.CUDA_STARTUP_FAILED: (
+        "The CUDA server failed to start (a library is missing or the backend crashed); see the "
+        "evidence in `stoker history`."
+    ),
+    ReasonCode.CUDA_BUNDLE_INSTALL_FAILED: (
+        "Installing the CUDA engine bundle failed; the previous state is intact. Retry with `stoker"
+        " install cuda`."
+    ),
+    ReasonCode.CUDA_VRAM_FULL: (
+        "Every CUDA GPU has less free VRAM than the engine keeps free (-fitt), so no layer could go"
+        " on it: the CUDA server was not started; serving on the CPU. Free VRAM, or lower the "
+        "margin (see the hint)."
+    ),
+    ReasonCode.BINARY_MISSING_AMD_DETECTED: (
+        "An AMD GPU is present but no matching engine bundle is installed; Stoker installs it on "
+        "demand (`stoker install`)."
+    ),
+    ReasonCode.ROCM_UNAVAILABLE: (
+        "ROCm could not initialise (driver too old for the build, or the runtime failed); update "
+        "the driver or run `stoker probe --fresh` for the evidence."
+    ),
+    ReasonCode.ROCM_GPU_LAYERS_ZERO: (
+        "The ROCm server started but offloaded 0 layers to the GPU; serving on the CPU. Check free "
+        "VRAM and the server log."
+    ),
+    ReasonCode.ROCM_STARTUP_FAILED: (
+        "The ROCm server failed to start (a library is missing or the backend crashed); see the "
+        "evidence in `stoker history`."
+    ),
+    ReasonCode.ROCM_BUNDLE_INSTALL_FAILED: (
+        "Installing the ROCm engine bundle failed; the previous state is intact. Retry with `stoker"
+        " install rocm`."
+    ),
+    ReasonCode.ROCM_VRAM_FULL: (
+        "Every ROCm GPU has less free VRAM than the engine keeps free (-fitt), so no layer could go"
+        " on it: the ROCm server was not started; serving on the CPU. Free VRAM, or lower the "
+        "margin (see the hint)."
+    ),
+    ReasonCode.BINARY_MISSING_VULKAN_DETECTED: (
+        "A Vulkan GPU is present but no matching engine bundle is installed; Stoker installs it on "
+        "demand (`stoker install`)."
+    ),
+    ReasonCode.VULKAN_UNAVAILABLE: (
+        "Vulkan could not initialise (driver too old for the build, or the runtime failed); update "
+        "the driver or run `stoker probe --fresh` for the evidence."
+    ),
+    ReasonCode.VULKAN_GPU_LAYERS_ZERO: (
+        "The Vulkan server started but offloaded 0 layers to the GPU; serving on the CPU. Check "
+        "free VRAM and the server log."
+    ),
+    ReasonCode.VULKAN_STARTUP_FAILED: (
+        "The Vulkan server failed to start (a library is missing or the backend crashed); see the "
+        "evidence in `stoker history`."
+    ),
+    ReasonCode.VULKAN_BUNDLE_INSTALL_FAILED: (
+        "Installing the Vulkan engine bundle failed; the previous state is intact. Retry with "
+        "`stoker install vulkan`."
+    ),
+    ReasonCode.VULKAN_VRAM_FULL: (
+        "Every Vulkan GPU has less free VRAM than the engine keeps free (-fitt), so no layer could "
+        "go on it: the Vulkan server was not started; serving on the CPU. Free VRAM, or lower the "
+        "margin (see the hint)."
+    ),
+    ReasonCode.BINARY_MISSING_METAL_DETECTED: (
+        "An Apple GPU is present but no matching engine bundle is installed; Stoker installs it on "
+        "demand (`stoker install`)."
+    ),
+    ReasonCode.METAL_UNAVAILABLE: (
+        "Metal could not initialise (driver too old for the build, or the runtime failed); update "
+        "the driver or run `stoker probe --fresh` for the evidence."
+    ),
+    ReasonCode.METAL_GPU_LAYERS_ZERO: (
+        "The Metal server started but offloaded 0 layers to the GPU; serving on the CPU. Check free"
+        " VRAM and the server log."
+    ),
+    ReasonCode.METAL_STARTUP_FAILED: (
+        "The Metal server failed to start (a library is missing or the backend crashed); see the "
+        "evidence in `stoker history`."
+    ),
+    ReasonCode.METAL_BUNDLE_INSTALL_FAILED: (
+        "Installing the Metal engine bundle failed; the previous state is intact. Retry with "
+        "`stoker install metal`."
+    ),
+    ReasonCode.METAL_VRAM_FULL: (
+        "Every Metal GPU has less free VRAM than the engine keeps free (-fitt), so no layer could "
+        "go on it: the Metal server was not started; serving on the CPU. Free VRAM, or lower the "
+        "margin (see the hint)."
+    ),
     ReasonCode.GPU_MISSING: "No usable GPU was found; serving on the CPU.",
     ReasonCode.CPU_BUNDLE_INSTALL_FAILED: "Installing the CPU engine bundle failed; the previous state is intact.",
     ReasonCode.PROBE_FAILED: (
