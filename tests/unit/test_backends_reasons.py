@@ -16,7 +16,7 @@ import pytest
 from daemon.backends import Backend, Detection, Device, discover_backends, load_backends
 from daemon.backends.base import ReasonKind as K
 from daemon.backends.registry import family_reason, registered_names, try_order
-from daemon.control import protocol
+from daemon.control import error_codes
 from daemon.core.errors import StokerError
 from states import fallback as F
 from states.machine import data_from_json, data_to_json
@@ -114,7 +114,7 @@ def test_a_plugin_brings_its_own_codes_with_their_sentences():
     assert detection.message == "The TPU runtime did not answer; restart tpud."
     err = StokerError(code, evidence={"returncode": 1})
     assert err.to_dict()["message"] == message_for(code)
-    assert protocol.code_for(code) != protocol.APPLICATION_ERROR
+    assert error_codes.code_for(code) != error_codes.APPLICATION_ERROR
     data = F.FallbackData(candidates=("tpux", "cpu"), skipped=(F.Skipped("tpux", code, {}),), reason=code)
     assert data_from_json(F.FALLBACK, data_to_json(data)) == data
 

@@ -14,7 +14,8 @@ import pytest
 import trio
 import trio.testing
 
-from daemon.control import server as control, protocol
+from daemon.control import error_codes, protocol
+from daemon.control import server as control
 from daemon.core.errors import StokerError
 from daemon.core.events import DROPPED_TOPIC, EventBus
 from states.reasons import ReasonCode
@@ -145,7 +146,7 @@ async def test_calls_results_and_errors(server):
         reply = await peer.call("two", "fail")
         assert isinstance(reply, protocol.ErrorReply)
         assert (reply.id, reply.reason, reply.data) == ("two", "port_in_use", {"port": 8080})
-        assert reply.code == protocol.ERROR_CODES[ReasonCode.PORT_IN_USE]
+        assert reply.code == error_codes.ERROR_CODES[ReasonCode.PORT_IN_USE]
         reply = await peer.call(3, "nope")
         assert (reply.id, reply.code, reply.reason) == (3, -32601, "unknown_method")
 
@@ -164,8 +165,8 @@ async def test_a_handler_bug_is_an_internal_error_and_the_connection_lives_on(se
 @pytest.mark.parametrize(
     "line, code, request_id",
     [
-        (b"{not json", protocol.PARSE_ERROR, None),
-        (b"\xff\xfe\n", protocol.PARSE_ERROR, None),
+        (b"{not json", error_codes.PARSE_ERROR, None),
+        (b"\xff\xfe\n", error_codes.PARSE_ERROR, None),
         (b"[1, 2, 3]", -32600, None),
         (b"42", -32600, None),
         (b'{"jsonrpc": "2.0", "id": 5, "method": 7}', -32600, 5),

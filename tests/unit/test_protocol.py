@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.control import protocol
+from daemon.control import error_codes, protocol
 from daemon.core.errors import StokerError
 from states.reasons import ReasonCode
 
@@ -138,14 +138,14 @@ def test_malformed_json_is_a_parse_error():
     with pytest.raises(protocol.ProtocolError) as info:
         protocol.decode_request(b'{"jsonrpc": "2.0", "id": 1,')
     assert info.value.reason == ReasonCode.BAD_REQUEST
-    assert info.value.code == protocol.PARSE_ERROR
+    assert info.value.code == error_codes.PARSE_ERROR
     assert info.value.request_id is None
 
 
 def test_invalid_utf8_is_a_parse_error():
     with pytest.raises(protocol.ProtocolError) as info:
         protocol.decode_request(b'{"a": "\xff\xfe"}')
-    assert info.value.code == protocol.PARSE_ERROR
+    assert info.value.code == error_codes.PARSE_ERROR
 
 
 @pytest.mark.parametrize(
@@ -194,7 +194,7 @@ def test_nan_and_infinity_are_not_json_in_a_request(constant):
     frame = b'{"jsonrpc":"2.0","id":1,"method":"history","params":{"since":' + constant + b"}}"
     with pytest.raises(protocol.ProtocolError) as info:
         protocol.decode_request(frame)
-    assert (info.value.reason, info.value.code) == (ReasonCode.BAD_REQUEST, protocol.PARSE_ERROR)
+    assert (info.value.reason, info.value.code) == (ReasonCode.BAD_REQUEST, error_codes.PARSE_ERROR)
 
 
 # --- replies ---------------------------------------------------------------------------
@@ -237,7 +237,7 @@ def test_error_reply_with_an_unknown_reason_becomes_internal_error():
 def test_stoker_error_encodes_with_its_evidence():
     err = StokerError(ReasonCode.PORT_IN_USE, evidence={"port": 8080})
     obj = json.loads(protocol.encode_stoker_error(1, err))
-    assert obj["error"]["code"] == protocol.ERROR_CODES[ReasonCode.PORT_IN_USE]
+    assert obj["error"]["code"] == error_codes.ERROR_CODES[ReasonCode.PORT_IN_USE]
     assert obj["error"]["data"] == {"port": 8080}
 
 
@@ -263,26 +263,26 @@ def test_result_encoder_handles_common_types_and_refuses_others(tmp_path):
 
 def test_every_reason_has_a_distinct_code():
     # Reasons missing from the table get a code derived from their string; if two collide,
-    # give one of them an entry in protocol.ERROR_CODES.
-    codes = {reason: protocol.code_for(reason) for reason in ReasonCode}
+    # give one of them an entry in error_codes.ERROR_CODES.
+    codes = {reason: error_codes.code_for(reason) for reason in ReasonCode}
     assert len(set(codes.values())) == len(codes), codes
-    assert protocol.PARSE_ERROR not in codes.values()
-    assert len(set(protocol.ERROR_CODES.values())) == len(protocol.ERROR_CODES)
+    assert error_codes.PARSE_ERROR not in codes.values()
+    assert len(set(error_codes.ERROR_CODES.values())) == len(error_codes.ERROR_CODES)
 
 
 def test_a_reason_missing_from_the_table_gets_a_stable_derived_code():
-    assert protocol.code_for(ReasonCode.GPU_MISSING) == 4001
-    unlisted = [reason for reason in ReasonCode if reason not in protocol.ERROR_CODES]
+    assert error_codes.code_for(ReasonCode.GPU_MISSING) == 4001
+    unlisted = [reason for reason in ReasonCode if reason not in error_codes.ERROR_CODES]
     for reason in unlisted:
-        assert protocol.DERIVED_BASE <= protocol.code_for(reason) < protocol.DERIVED_BASE + 10000
-        assert protocol.code_for(reason) == protocol.code_for(str(reason))
+        assert error_codes.DERIVED_BASE <= error_codes.code_for(reason) < error_codes.DERIVED_BASE + 10000
+        assert error_codes.code_for(reason) == error_codes.code_for(str(reason))
 
 
 def test_protocol_reasons_use_jsonrpc_codes():
-    assert protocol.code_for(ReasonCode.BAD_REQUEST) == -32600
-    assert protocol.code_for(ReasonCode.UNKNOWN_METHOD) == -32601
-    assert protocol.code_for(ReasonCode.INTERNAL_ERROR) == -32603
-    assert protocol.code_for("not_a_reason") == protocol.APPLICATION_ERROR
+    assert error_codes.code_for(ReasonCode.BAD_REQUEST) == -32600
+    assert error_codes.code_for(ReasonCode.UNKNOWN_METHOD) == -32601
+    assert error_codes.code_for(ReasonCode.INTERNAL_ERROR) == -32603
+    assert error_codes.code_for("not_a_reason") == error_codes.APPLICATION_ERROR
 
 
 def test_events_are_encoded_leniently():
