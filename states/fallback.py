@@ -40,18 +40,6 @@ class FallbackState(enum.StrEnum):
     FAILED = "failed"
 
 
-# Failures that an install repairs: the hardware is there, only the engine is missing.
-INSTALLABLE = frozenset(
-    {
-        ReasonCode.BINARY_MISSING_NVIDIA_DETECTED,
-        ReasonCode.BINARY_MISSING_AMD_DETECTED,
-        ReasonCode.BINARY_MISSING_VULKAN_DETECTED,
-        ReasonCode.BINARY_MISSING_METAL_DETECTED,
-        ReasonCode.BUNDLE_MISSING,
-    }
-)
-
-
 def _evidence(value: Any) -> dict[str, Any]:
     return dict(value or {})
 
@@ -130,11 +118,14 @@ class CheckPassed:
 
 @attrs.frozen
 class CheckFailed:
-    """The backend cannot run, and why."""
+    """The backend cannot run, and why. `bundle_missing`: what the check saw was usable
+    hardware with no engine bundle installed for it (the backend's binary_missing code, or
+    bundle_missing), the one failure an install repairs."""
 
     backend: str
     reason: ReasonCode
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    bundle_missing: bool = False
 
 
 @attrs.frozen
@@ -266,7 +257,7 @@ def check_passed(state: S, data: FallbackData, event: CheckPassed) -> Step | Non
 def check_failed(state: S, data: FallbackData, event: CheckFailed) -> Step | None:
     if event.backend != data.current:
         return None
-    if event.reason in INSTALLABLE and event.backend not in data.installed:
+    if event.bundle_missing and event.backend not in data.installed:
         data = attrs.evolve(data, installed=data.installed + (event.backend,))
         return Step(S.INSTALLING, data, (InstallBundle(event.backend),), event.reason, event.evidence)
     return _next(data, event.backend, event.reason, event.evidence)

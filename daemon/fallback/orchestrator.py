@@ -235,7 +235,8 @@ class FallbackOrchestrator:
             try:
                 bundle = await trio.to_thread.run_sync(cpu_bundle, self.paths, config, request.effect)
             except StokerError as err:
-                return F.CheckFailed(backend, err.reason, {"message": err.message, **err.evidence})
+                return F.CheckFailed(backend, err.reason, {"message": err.message, **err.evidence},
+                                     bundle_missing=err.reason == ReasonCode.BUNDLE_MISSING)
             self._bundles[backend] = bundle
             return F.CheckPassed(backend, {"variant": bundle.meta.variant, "bundle": str(bundle.root)})
         plugin = self.backends.get(backend)
@@ -254,7 +255,8 @@ class FallbackOrchestrator:
         if not installed:
             reason = (plugin.reason(ReasonKind.BINARY_MISSING) or ReasonCode.BUNDLE_MISSING) if detection.present \
                 else ReasonCode.BUNDLE_MISSING
-            return F.CheckFailed(backend, reason, {**evidence, "bundles_dir": str(self.paths.bundles_dir)})
+            return F.CheckFailed(backend, reason, {**evidence, "bundles_dir": str(self.paths.bundles_dir)},
+                                 bundle_missing=True)
         variant = plugin.choose_variant(detection, [b.meta.variant for b in installed]) or installed[0].meta.variant
         bundle = next(b for b in installed if b.meta.variant == variant)
         check = plugin.explain_bundle(detection, bundle.meta.to_dict())

@@ -51,7 +51,7 @@ def test_preferred_backend_works():
 
 
 def test_missing_bundle_on_present_hardware_installs_rechecks_retries():
-    s = drive(PlanRequested(("cuda", "cpu")), CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED, {"gpu": "H200"}))
+    s = drive(PlanRequested(("cuda", "cpu")), CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED, {"gpu": "H200"}, bundle_missing=True))
     assert s.state is S.INSTALLING and s.effects == (InstallBundle("cuda"),)
     s = drive(BundleInstalled("cuda"), state=s.state, data=s.data)
     assert s.state is S.CHECKING and s.effects == (CheckBackend("cuda"),)
@@ -62,9 +62,9 @@ def test_missing_bundle_on_present_hardware_installs_rechecks_retries():
 def test_install_is_tried_once_per_backend():
     s = drive(
         PlanRequested(("cuda", "cpu")),
-        CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED),
+        CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED, bundle_missing=True),
         BundleInstalled("cuda"),
-        CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED),
+        CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED, bundle_missing=True),
     )
     assert s.state is S.CHECKING and s.effects == (CheckBackend("cpu"),)
 
@@ -85,7 +85,7 @@ def test_other_failures_move_on_with_reason_cpu_last():
 def test_install_failure_and_launch_failure_fall_back():
     s = drive(
         PlanRequested(("cuda", "cpu")),
-        CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED),
+        CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED, bundle_missing=True),
         BundleInstallFailed("cuda", R.CUDA_BUNDLE_INSTALL_FAILED, {"step": "verifying"}),
     )
     assert s.state is S.CHECKING and s.reason is R.CUDA_BUNDLE_INSTALL_FAILED
@@ -142,7 +142,7 @@ def test_forced_backend_never_falls_back(failure, reason):
 
 
 def test_forced_backend_still_installs_its_missing_bundle():
-    s = drive(PlanRequested(("cuda",), forced=True), CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED))
+    s = drive(PlanRequested(("cuda",), forced=True), CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED, bundle_missing=True))
     assert s.state is S.INSTALLING
     s = drive(BundleInstallFailed("cuda", R.CUDA_BUNDLE_INSTALL_FAILED), state=s.state, data=s.data)
     assert s.state is S.FAILED and s.reason is R.CUDA_BUNDLE_INSTALL_FAILED

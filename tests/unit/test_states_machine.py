@@ -223,7 +223,8 @@ SAMPLES = {
                           startup_failed=ReasonCode.CUDA_STARTUP_FAILED)
           for b in ("cuda", "cpu") for p in L.ExitPhase],
         *[F.CheckPassed(b) for b in ("cuda", "cpu")],
-        *[F.CheckFailed(b, r) for b in ("cuda", "cpu") for r in (ReasonCode.BINARY_MISSING_NVIDIA_DETECTED, ReasonCode.GPU_MISSING)],
+        *[F.CheckFailed(b, r, bundle_missing=r == ReasonCode.BINARY_MISSING_NVIDIA_DETECTED)
+          for b in ("cuda", "cpu") for r in (ReasonCode.BINARY_MISSING_NVIDIA_DETECTED, ReasonCode.GPU_MISSING)],
         *[F.BundleInstalled(b) for b in ("cuda", "cpu")],
         F.BundleInstallFailed("cuda", ReasonCode.CUDA_BUNDLE_INSTALL_FAILED),
         *[F.LaunchSucceeded(b) for b in ("cuda", "cpu")], F.LaunchSucceeded("cuda", adopted=True),
