@@ -232,6 +232,9 @@ class Backend(abc.ABC):
     auto_rank: ClassVar[int] = 100
     # Accelerators get -ngl; the CPU does not.
     offloads: ClassVar[bool] = True
+    # VRAM per device that the backend's runtime takes before the engine measures "free" and
+    # fits its layers (the layer estimate counts it); 0 where unmeasured.
+    runtime_reserve_mib: ClassVar[int] = 0
 
     def reason(self, kind: ReasonKind) -> ReasonCode | None:
         """This backend's code for a fallback step, or None where it declares none."""

@@ -78,6 +78,10 @@ class CudaBackend(Backend):
         K.VRAM_FULL: R.CUDA_VRAM_FULL,
     }
     reason_codes = gpu_reason_codes(reason_family)
+    # On an H200 (CUDA 13, driver 580) NVML said 1499 MiB free and the engine saw 975 MiB after
+    # creating its context; a server that offloaded nothing still held 542 MiB
+    # (docs/gpu-verification.md).
+    runtime_reserve_mib = 524
 
     def __init__(
         self,

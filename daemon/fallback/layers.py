@@ -19,10 +19,6 @@ from daemon.models.facts import read_header
 
 MIB = 2**20
 FIT_MARGIN_MIB = 1024  # llama-server's default -fitt per device
-# VRAM a server's own runtime takes before the engine measures "free" and fits: on an H200
-# (CUDA 13, driver 580) NVML said 1499 MiB free and the engine saw 975 MiB, and a server that
-# offloaded nothing still held 542 MiB (docs/gpu-verification.md). Other runtimes: unmeasured.
-CONTEXT_RESERVE_MIB: dict[str, int] = {"cuda": 524}
 KV_BYTES_PER_ELEMENT = 2  # f16 K and V (the engine's default cache type)
 
 
@@ -36,7 +32,7 @@ class LayerEstimate:
     ctx: int
     free_vram_mib: int | None
     device: str | None
-    context_mib: int = 0  # the runtime's own VRAM, taken before the engine fits (CONTEXT_RESERVE_MIB)
+    context_mib: int = 0  # the runtime's own VRAM, taken before the engine fits (Backend.runtime_reserve_mib)
     margin_mib: int = FIT_MARGIN_MIB  # what the engine keeps free: -fitt, from extra_args or its default
     n_devices: int = 1  # the engine splits layers over all of them; each pays the reserve and margin
 

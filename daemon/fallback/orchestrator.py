@@ -36,7 +36,7 @@ from daemon.config.model import Config
 from daemon.core.errors import StokerError
 from daemon.engine.exits import missing_library
 from daemon.install.service import InstallService
-from daemon.fallback.layers import (CONTEXT_RESERVE_MIB, FIT_MARGIN_MIB, LayerEstimate, estimate, fit_margin, free_vram,
+from daemon.fallback.layers import (FIT_MARGIN_MIB, LayerEstimate, estimate, fit_margin, free_vram,
                                why_actual, why_planned)
 from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.core.paths import StokerPaths
@@ -302,7 +302,7 @@ class FallbackOrchestrator:
             free, device, n_devices = free_vram([d.to_dict() for d in detection.devices] if detection else [])
             try:
                 self.estimate = await trio.to_thread.run_sync(estimate, model, config.server.ctx_size, free, device,
-                                                              CONTEXT_RESERVE_MIB.get(backend, 0),
+                                                              self.backends[backend].runtime_reserve_mib,
                                                               fit_margin(config.server.extra_args), max(1, n_devices))
             except (OSError, ValueError, KeyError, TypeError) as err:
                 log.info("no layer estimate for %s: %s", model, err)

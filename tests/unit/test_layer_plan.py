@@ -36,7 +36,7 @@ def test_why_sentences(tmp_path):
 def test_several_gpus_share_the_layers_and_each_pays_its_reserve(tmp_path):
     """No --device is passed, so the engine splits layers over every visible GPU: their free
     VRAM adds up, and each one pays the runtime's reserve and the fit margin."""
-    from daemon.fallback.layers import CONTEXT_RESERVE_MIB
+    from daemon.backends.cuda import CudaBackend
 
     two = [{"index": 0, "name": "NVIDIA H200", "memory_free_mib": 1200},
            {"index": 1, "name": "NVIDIA H200", "memory_free_mib": 1200},
@@ -44,11 +44,11 @@ def test_several_gpus_share_the_layers_and_each_pays_its_reserve(tmp_path):
     free, label, n = free_vram(two)
     assert (free, n) == (2400, 2) and label == "2 GPUs (0: NVIDIA H200, 1: NVIDIA H200)"
     model = write_tiny_model(tmp_path / "m.gguf", n_layer=2, n_embd=128, n_head=2)
-    one = estimate(model, 4096, 1200, "0: NVIDIA H200", CONTEXT_RESERVE_MIB["cuda"])
-    both = estimate(model, 4096, free, label, CONTEXT_RESERVE_MIB["cuda"], n_devices=n)
+    one = estimate(model, 4096, 1200, "0: NVIDIA H200", CudaBackend.runtime_reserve_mib)
+    both = estimate(model, 4096, free, label, CudaBackend.runtime_reserve_mib, n_devices=n)
     assert one.fits is False  # 1.6 + 4 + 524 + 1024 > 1200
     assert both.fits is False  # 1.6 + 4 + 2 x (524 + 1024) > 2400: the reserves do not vanish
-    assert estimate(model, 4096, 3200, label, CONTEXT_RESERVE_MIB["cuda"], n_devices=2).fits is True
+    assert estimate(model, 4096, 3200, label, CudaBackend.runtime_reserve_mib, n_devices=2).fits is True
     text = why_planned("cuda", both)
     assert "2.3 GiB free VRAM on 2 GPUs (0: NVIDIA H200, 1: NVIDIA H200)" in text
     assert "+ 2 x 524 MiB CUDA runtime + 2 x 1.0 GiB margin (-fitt)" in text
@@ -57,11 +57,11 @@ def test_several_gpus_share_the_layers_and_each_pays_its_reserve(tmp_path):
 def test_the_cuda_runtime_counts_against_free_vram(tmp_path):
     """Measured on an H200: NVML said 1499 MiB free, the engine saw 975 after its CUDA context,
     kept its 1024 MiB margin and offloaded 0 of Gemma's layers. The estimate must say so too."""
-    from daemon.fallback.layers import CONTEXT_RESERVE_MIB
+    from daemon.backends.cuda import CudaBackend
 
     model = write_tiny_model(tmp_path / "m.gguf", n_layer=2, n_embd=128, n_head=2)
     assert estimate(model, 4096, 1500, "0: NVIDIA H200").fits is True  # runtime ignored
-    est = estimate(model, 4096, 1500, "0: NVIDIA H200", CONTEXT_RESERVE_MIB["cuda"])
+    est = estimate(model, 4096, 1500, "0: NVIDIA H200", CudaBackend.runtime_reserve_mib)
     assert est.fits is False and est.to_dict()["context_mib"] == 524
     text = why_planned("cuda", est)
     assert "+ 524 MiB CUDA runtime + 1.0 GiB margin (-fitt)" in text and "offloads none" in text
@@ -72,5 +72,5 @@ def test_the_cuda_runtime_counts_against_free_vram(tmp_path):
 
     assert fit_margin(["-fitt", "256"]) == 256 and fit_margin(["--fit-target", "128,512"]) == 128
     assert fit_margin([]) == fit_margin(["-fitt"]) == fit_margin(["-fitt", "x"]) == 1024
-    est = estimate(model, 4096, 1500, "0: NVIDIA H200", CONTEXT_RESERVE_MIB["cuda"], fit_margin(["-fitt", "256"]))
+    est = estimate(model, 4096, 1500, "0: NVIDIA H200", CudaBackend.runtime_reserve_mib, fit_margin(["-fitt", "256"]))
     assert est.fits is True and "+ 256 MiB margin (-fitt); all layers should fit" in why_planned("cuda", est)
