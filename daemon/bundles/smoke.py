@@ -139,17 +139,16 @@ async def _complete(proc: subprocess.Popen, log: Path, key: str, body: dict[str,
                     deadline: float) -> httpx.Response:
     """Wait for the log to name the port and /health to say 200, then ask for the completion."""
     server_log = ServerLog(log, 0)
-    while server_log.listening is None:
-        server_log.poll()
-        if server_log.listening is not None:
-            break
+    server_log.poll()
+    while (listening := server_log.listening) is None:
         if proc.poll() is not None:
             raise _engine_failed(proc, log, "smoke: start")
         if time.monotonic() > deadline:
             raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "The smoke server did not start in time.",
                               {"step": "smoke: start", "log_tail": _tail(log, 2000)})
         await trio.sleep(_POLL)
-    host, port = server_log.listening
+        server_log.poll()
+    host, port = listening
     async with EngineClient.open(f"http://{host}:{port}", key,
                                  timeout=max(5.0, deadline - time.monotonic())) as engine:
         while (await engine.health()).status_code != 200:

@@ -143,9 +143,9 @@ def install_file(
                 with ControlClient(paths.socket_path, timeout=INSTALL_TIMEOUT_S) as client:
                     progress(f"installing {zip_path} through the daemon")
                     return dict(client.call("bundle.install", path=str(zip_path), smoke=smoke)["installed"])
-            except StokerError as err:
+            except StokerError as unanswered:
                 # Starting (lock held, socket not open yet) or gone meanwhile: ask again.
-                if err.reason != ReasonCode.DAEMON_NOT_RUNNING or time.monotonic() > deadline:
+                if unanswered.reason != ReasonCode.DAEMON_NOT_RUNNING or time.monotonic() > deadline:
                     raise
             time.sleep(0.2)
 

@@ -42,7 +42,7 @@ BATCH_BYTES = 1024 * 1024
 WRITEBACK_BYTES = 16 * 1024 * 1024  # start the disk writing every 16 MiB, not all at the fsync
 
 
-def _writeback_starter() -> Callable[[int, int, int], Any] | None:
+def _writeback_starter() -> Callable[[int, int, int, int], Any] | None:
     """Linux's sync_file_range(SYNC_FILE_RANGE_WRITE): queue a range for writing and return at
     once. The final fsync then finds little left to flush, instead of the whole file (0.2 s
     for 300 MiB here). None where the call does not exist: the fsync alone still decides."""
