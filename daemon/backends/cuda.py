@@ -132,7 +132,7 @@ class CudaBackend(Backend):
 
     def _nvml_init_failed(self, name: str, text: str) -> Detection:
         pci = self._pci_present()
-        evidence = {"source": "nvml", "nvml": f"{name}: {text}", "pci_nvidia_display": pci}
+        evidence: dict[str, Any] = {"source": "nvml", "nvml": f"{name}: {text}", "pci_nvidia_display": pci}
         if name in _NO_DRIVER and not pci:
             return Detection.unavailable(
                 self.name, R.GPU_MISSING, present=False,
@@ -318,10 +318,10 @@ class CudaBackend(Backend):
                 {"toolkit": toolkit, "cuda_driver_version": cuda_driver, "driver": driver},
             )
         archs = split_archs(bundle_meta.get("cuda_archs") or bundle_meta.get("cuda_architectures"))
-        per_device = {}
+        per_device: dict[str, tuple[str, bool | None]] = {}
         for device in detection.devices:
             cc = parse_cc(device.compute_capability)
-            if cc is not None:
+            if cc is not None and device.compute_capability is not None:
                 per_device[f"{device.index}:{device.name}"] = (device.compute_capability, cc_supported(cc, archs))
         if per_device and all(ok is False for _, ok in per_device.values()):
             ccs = sorted({cc for cc, _ in per_device.values()})
@@ -436,7 +436,7 @@ def _try(call: Any) -> Any:
 
 
 def _toolkit_version(meta: Mapping[str, Any]) -> str | None:
-    build = meta.get("build") if isinstance(meta.get("build"), Mapping) else {}
+    build: Mapping[str, Any] = meta["build"] if isinstance(meta.get("build"), Mapping) else {}
     raw = meta.get("toolkit_version") or build.get("toolkit") or build.get("cuda_toolkit")
     if isinstance(raw, Mapping):
         raw = raw.get("version")
@@ -454,7 +454,7 @@ def _summary(devices: list[Device], driver: str | None, cuda: str | None) -> str
 
 def parse_smi_csv(stdout: str) -> list[Device]:
     """Parse `nvidia-smi --query-gpu=name,memory.total,memory.free,driver_version[,compute_cap]`."""
-    devices = []
+    devices: list[Device] = []
     for line in stdout.splitlines():
         fields = [f.strip() for f in line.split(",")]
         if len(fields) < 4 or not fields[0]:

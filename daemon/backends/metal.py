@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import platform
 import re
-from typing import Iterable
+from typing import Any, Iterable
 
 from daemon.backends.base import Backend, Detection, Device, ReasonKind, gpu_reason_codes
 from daemon.backends.tools import ToolRunner, run_tool
@@ -36,7 +36,7 @@ class MetalBackend(Backend):
 
     def detect(self) -> Detection:
         """Darwin on arm64 has a Metal GPU sharing unified memory; anything else has none."""
-        evidence = {"system": self._system, "arch": self._machine}
+        evidence: dict[str, Any] = {"system": self._system, "arch": self._machine}
         if self._system != "Darwin" or self._machine not in ("arm64", "aarch64"):
             return Detection.unavailable(
                 self.name, R.GPU_MISSING, present=False,

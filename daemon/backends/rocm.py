@@ -44,6 +44,8 @@ def _mib(value: Any) -> int | None:
         if m is None:
             return None
         number, unit = m.group(1), m.group(2) or "MB"
+    if number is None:
+        return None
     try:
         n = int(number)
     except (TypeError, ValueError):
@@ -63,7 +65,7 @@ def parse_amd_smi_static(text: str) -> list[Device]:
     data = json.loads(text)
     if isinstance(data, Mapping):
         data = data.get("gpu_data") or data.get("gpus") or [data]
-    devices = []
+    devices: list[Device] = []
     for entry in data:
         if not isinstance(entry, Mapping):
             continue
@@ -95,8 +97,8 @@ def parse_rocm_smi(text: str) -> list[Device]:
         info = _lower_keys(raw)
         total = info.get("vram total memory (b)")
         used = info.get("vram total used memory (b)")
-        total_mib = int(total) // _MIB if str(total or "").isdigit() else None
-        used_mib = int(used) // _MIB if str(used or "").isdigit() else None
+        total_mib = int(str(total)) // _MIB if str(total or "").isdigit() else None
+        used_mib = int(str(used)) // _MIB if str(used or "").isdigit() else None
         devices.append(
             Device(
                 index=int(m.group(1)),
@@ -112,7 +114,7 @@ def parse_rocm_smi(text: str) -> list[Device]:
 
 def read_sysfs_amdgpu(sysfs_root: Path) -> list[Device]:
     """Cards bound to amdgpu: /sys/class/drm/cardN/device/{vendor,mem_info_vram_total,...}."""
-    devices = []
+    devices: list[Device] = []
     drm = sysfs_root / "class" / "drm"
     if not drm.is_dir():
         return devices
