@@ -291,7 +291,9 @@ class Supervisor:
                     return
                 self.server = handle
                 self._server_nursery = nursery
-                self.offer(L.Spawned(handle.pid, handle.identity.create_time, str(log_path)))
+                if self.offer(L.Spawned(handle.pid, handle.identity.create_time, str(log_path))) is None:
+                    # Stopped while it was being spawned: no machine state accounts for it.
+                    nursery.start_soon(stop_server, handle, self.data.settings.stop_grace)
                 report = await handle.wait_exit()
                 self._server_nursery = None
                 nursery.cancel_scope.cancel()
