@@ -65,12 +65,17 @@ def _reason_of(detection: Detection) -> ReasonCode:
     return ReasonCode.PROBE_FAILED
 
 
+def _names(value: Iterable[str]) -> tuple[str, ...]:
+    """A named converter: mypy cannot type an attrs field through the bare `tuple` builtin."""
+    return tuple(value)
+
+
 @attrs.define(eq=False)
 class ProbeService:
     """Probe machines for every backend, with a cache and concurrent out-of-process probes."""
 
     store: Any
-    backends: tuple[str, ...] = attrs.field(converter=tuple)
+    backends: tuple[str, ...] = attrs.field(converter=_names)
     publish: Publish | None = None
     run_probe: ProbeFn = run_probe_out_of_process
     # backend -> its quick_detect: an answer that needs no driver is had in-process

@@ -118,11 +118,12 @@ def swa_report(facts: ModelFacts, kv: KVLog, swa_full: bool) -> dict[str, Any]:
     elif facts.swa and not swa_full:
         out.update(benefit=False, why=f"sliding-window model ({facts.architecture}, window {facts.sliding_window}) "
                                       f"without --swa-full: set [snapshots] swa_full = \"auto\" or true")
-    if facts.swa and kv.kv_mib is not None and kv.swa_mib and kv.swa_cells and kv.n_ctx:
+    window = facts.sliding_window
+    if facts.swa and window and kv.kv_mib is not None and kv.swa_mib and kv.swa_cells and kv.n_ctx:
         # The engine sizes the SWA cache as pad256(min(n_ctx, window * seqs + n_ubatch)) cells;
         # with --swa-full it is n_ctx cells. Per-cell cost from the log's own figures.
         seqs = (kv.n_seq_max or 1) if kv.kv_unified else 1
-        small = _pad(min(kv.n_ctx, facts.sliding_window * seqs + (kv.n_ubatch or 512)), 256)
+        small = _pad(min(kv.n_ctx, window * seqs + (kv.n_ubatch or 512)), 256)
         per_cell = kv.swa_mib / kv.swa_cells
         rest = kv.kv_mib - kv.swa_mib
         with_full, without = rest + per_cell * kv.n_ctx, rest + per_cell * small
