@@ -100,16 +100,28 @@ class Daemon:
         # rows restored below may hold (a fallback that recorded fakegpu_startup_failed).
         backends = load_backends()
         self.config_runner = MachineRunner(C.CONFIG, "config", self.store, publish=self.publish)
-        self.snapshots = SnapshotService(self.paths, SnapshotCatalog(self.store), lambda: self.config,
-                                         self.bus.publish)
-        self.probes = ProbeService(self.store, try_order(backends), publish=self.publish,
-                                   quick={name: b.quick_detect for name, b in backends.items()})
-        self.installs = InstallService(self.paths, self.store, self.publish, manifest_source=self.manifest_source,
-                                       backends=backends)
-        self.orchestrator = FallbackOrchestrator(self.paths, self.store, self.probes, self.installs, backends,
-                                                 publish=self.publish)
-        self.supervisor = Supervisor(self.paths, self.store, self.config, self.orchestrator.plan, publish=self.publish,
-                                     ready_hook=self._on_ready, before_stop=self.snapshots.before_stop)
+        self.snapshots = SnapshotService(self.paths, SnapshotCatalog(self.store), lambda: self.config, self.bus.publish)
+        self.probes = ProbeService(
+            self.store,
+            try_order(backends),
+            publish=self.publish,
+            quick={name: b.quick_detect for name, b in backends.items()},
+        )
+        self.installs = InstallService(
+            self.paths, self.store, self.publish, manifest_source=self.manifest_source, backends=backends
+        )
+        self.orchestrator = FallbackOrchestrator(
+            self.paths, self.store, self.probes, self.installs, backends, publish=self.publish
+        )
+        self.supervisor = Supervisor(
+            self.paths,
+            self.store,
+            self.config,
+            self.orchestrator.plan,
+            publish=self.publish,
+            ready_hook=self._on_ready,
+            before_stop=self.snapshots.before_stop,
+        )
 
     def manifest_source(self) -> str:
         """Where bundles are resolved: `[bundles] manifest`, else $STOKER_MANIFEST_URL."""
@@ -149,8 +161,9 @@ class Daemon:
     def probe_verdicts(self) -> Mapping[str, Mapping[str, Any]]:
         return self.probes.verdicts()
 
-    def history(self, *, machine: str | None, kind: str | None, since: float | None, until: float | None,
-                limit: int) -> Sequence[TransitionRecord]:
+    def history(
+        self, *, machine: str | None, kind: str | None, since: float | None, until: float | None, limit: int
+    ) -> Sequence[TransitionRecord]:
         return self.store.history(machine=machine, kind=kind, since=since, until=until, limit=limit)
 
     @property
@@ -229,7 +242,9 @@ class Daemon:
 
     # --- the root nursery ----------------------------------------------------------------
 
-    async def serve(self, *, autostart: bool = True, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(
+        self, *, autostart: bool = True, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._handle_signals)
             await nursery.start(self.probes.serve)

@@ -52,7 +52,11 @@ def _summary_body_reply(declared: Method) -> tuple[str, str, str]:
 
 
 def _param_row(param: Param) -> str:
-    default = "" if param.default is None else f"`{str(param.default).lower() if isinstance(param.default, bool) else param.default}`"
+    default = (
+        ""
+        if param.default is None
+        else f"`{str(param.default).lower() if isinstance(param.default, bool) else param.default}`"
+    )
     required = "yes" if param.required else "no"
     return f"| `{param.name}` | {param.describe()} | {required} | {default} | {param.doc} |"
 

@@ -34,7 +34,7 @@ def document() -> str:
         "",
         "These are Stoker's own codes. A backend plugin brings its own (`fakegpu_startup_failed`...)",
         "with the sentence for each; they are stored and shown the same way and documented by the",
-        "plugin ([backends.md](backends.md), \"A plugin's own reason codes\").",
+        'plugin ([backends.md](backends.md), "A plugin\'s own reason codes").',
         "",
     ]
     titles = [t for t, _ in GROUPS] + ["The daemon, its config, store and socket"]

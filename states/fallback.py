@@ -206,8 +206,13 @@ def _next(data: FallbackData, backend: str, reason: ReasonCode, evidence: dict[s
     data = attrs.evolve(data, skipped=skipped, reason=data.reason or reason)
     if not data.forced and data.index + 1 < len(data.candidates):
         data = attrs.evolve(data, index=data.index + 1)
-        return Step(S.CHECKING, data, (CheckBackend(data.candidates[data.index]),), reason,
-                    {"backend": backend, "next": data.candidates[data.index], **evidence})
+        return Step(
+            S.CHECKING,
+            data,
+            (CheckBackend(data.candidates[data.index]),),
+            reason,
+            {"backend": backend, "next": data.candidates[data.index], **evidence},
+        )
     summary = {
         "forced": data.forced,
         "skipped": [{"backend": s.backend, "reason": str(s.reason)} for s in skipped],
@@ -298,8 +303,12 @@ def relaunched(state: S, data: FallbackData, event: LaunchSucceeded) -> Step | N
     if event.adopted:
         return Step(S.SETTLED, data, evidence={"adopted": True})
     demotion = None if event.reason is None else Demotion(event.backend, event.reason, event.evidence)
-    evidence = {"backend": event.backend, "effective_backend": event.effective_backend or event.backend,
-                **event.evidence, "after": "respawn"}
+    evidence = {
+        "backend": event.backend,
+        "effective_backend": event.effective_backend or event.backend,
+        **event.evidence,
+        "after": "respawn",
+    }
     return Step(S.SETTLED, attrs.evolve(data, respawn_demotion=demotion), (), event.reason, evidence)
 
 

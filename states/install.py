@@ -198,15 +198,18 @@ WORKING = (S.RESOLVING, S.DOWNLOADING, S.VERIFYING, S.UNPACKING, S.VALIDATING, S
 @guarded(S.RESOLVING)
 def requested(state: S, data: InstallData, event: InstallRequested) -> Step:
     data = InstallData(backend=event.backend, variant=event.variant, attempts=data.attempts + 1)
-    return Step(S.RESOLVING, data, (Resolve(event.backend, event.variant),),
-                evidence={"attempt": data.attempts})
+    return Step(S.RESOLVING, data, (Resolve(event.backend, event.variant),), evidence={"attempt": data.attempts})
 
 
 @guarded(S.DOWNLOADING)
 def resolved(state: S, data: InstallData, event: Resolved) -> Step:
     data = attrs.evolve(data, url=event.url, sha256=event.sha256, size=event.size)
-    return Step(S.DOWNLOADING, data, (Download(event.url, event.sha256, event.size),),
-                evidence={"url": event.url, "size": event.size, **event.evidence})
+    return Step(
+        S.DOWNLOADING,
+        data,
+        (Download(event.url, event.sha256, event.size),),
+        evidence={"url": event.url, "size": event.size, **event.evidence},
+    )
 
 
 @guarded(S.VERIFYING)
@@ -214,8 +217,12 @@ def downloaded(state: S, data: InstallData, event: Downloaded) -> Step | None:
     if data.sha256 is None or data.size is None:
         return None  # nothing resolved to verify against: the archive's own digest proves nothing
     verify = VerifyArchive(event.archive, data.sha256, data.size)
-    return Step(S.VERIFYING, attrs.evolve(data, archive=event.archive), (verify,),
-                evidence={"sha256": event.sha256, "size": event.size})
+    return Step(
+        S.VERIFYING,
+        attrs.evolve(data, archive=event.archive),
+        (verify,),
+        evidence={"sha256": event.sha256, "size": event.size},
+    )
 
 
 @guarded(S.UNPACKING)
@@ -258,19 +265,16 @@ def resumed(state: S, data: InstallData, event: Resumed) -> Step | None:
     data = attrs.evolve(data, resumes=data.resumes + 1)
     evidence = {"resumed_from": state.value}
     if state is S.DOWNLOADING and data.url is not None and data.sha256 is not None and data.size is not None:
-        return Step(S.DOWNLOADING, data, (Download(data.url, data.sha256, data.size, resume=True),),
-                    evidence=evidence)
+        return Step(S.DOWNLOADING, data, (Download(data.url, data.sha256, data.size, resume=True),), evidence=evidence)
     if state in (S.RESOLVING, S.DOWNLOADING):  # a download without a complete resolution starts over
         return Step(S.RESOLVING, data, (Resolve(data.backend, data.variant),), evidence=evidence)
     if state is S.VERIFYING and data.archive is not None and data.sha256 is not None and data.size is not None:
-        return Step(S.VERIFYING, data, (VerifyArchive(data.archive, data.sha256, data.size),),
-                    evidence=evidence)
+        return Step(S.VERIFYING, data, (VerifyArchive(data.archive, data.sha256, data.size),), evidence=evidence)
     if state in (S.UNPACKING, S.VALIDATING, S.SMOKE_TESTING) and data.archive is not None:
         unpack = Unpack(data.archive)
         return Step(S.UNPACKING, attrs.evolve(data, staging=None), (CleanStaging(), unpack), evidence=evidence)
     if state is S.INSTALLED and data.staging is not None:
-        return Step(S.INSTALLED, data, (Promote(data.staging, data.backend, data.variant),),
-                    evidence=evidence)
+        return Step(S.INSTALLED, data, (Promote(data.staging, data.backend, data.variant),), evidence=evidence)
     return None
 
 
@@ -305,4 +309,3 @@ INSTALL = MachineSpec(
 def machine_id(backend: str, variant: str) -> str:
     """The store id of the install machine for one bundle: `install:<backend>-<variant>`."""
     return f"install:{backend}-{variant}"
-

@@ -70,13 +70,48 @@ from states.launch_records import (
 
 # The machine's vocabulary (states/launch_records.py) and its table, in one name space.
 __all__ = [
-    "Adopted", "AfterStop", "ArmStableTimer", "BackoffElapsed", "BackoffStarted", "ConfigChanged",
-    "CPU_BACKEND", "DownRequested", "Effect", "ExitPhase", "ExitVerdict", "FATAL_EXITS",
-    "GpuLayers", "judge_exit", "LAUNCH", "LaunchData", "LaunchPlan", "LaunchSettings",
-    "LaunchState", "LoadStarted", "MakePlan", "Notify", "PlanFailed", "PlanFailure", "PlanReady",
-    "Ready", "Reattach", "REPLAN_EXITS", "RestartRequested", "resume_effects", "ServerExited",
-    "Spawn", "Spawned", "SpawnFailed", "Stable", "StallTimeout", "StartBackoff", "StopCompleted",
-    "Terminate", "TRANSITIONS", "UpRequested", "WatchReadiness",
+    "Adopted",
+    "AfterStop",
+    "ArmStableTimer",
+    "BackoffElapsed",
+    "BackoffStarted",
+    "ConfigChanged",
+    "CPU_BACKEND",
+    "DownRequested",
+    "Effect",
+    "ExitPhase",
+    "ExitVerdict",
+    "FATAL_EXITS",
+    "GpuLayers",
+    "judge_exit",
+    "LAUNCH",
+    "LaunchData",
+    "LaunchPlan",
+    "LaunchSettings",
+    "LaunchState",
+    "LoadStarted",
+    "MakePlan",
+    "Notify",
+    "PlanFailed",
+    "PlanFailure",
+    "PlanReady",
+    "Ready",
+    "Reattach",
+    "REPLAN_EXITS",
+    "RestartRequested",
+    "resume_effects",
+    "ServerExited",
+    "Spawn",
+    "Spawned",
+    "SpawnFailed",
+    "Stable",
+    "StallTimeout",
+    "StartBackoff",
+    "StopCompleted",
+    "Terminate",
+    "TRANSITIONS",
+    "UpRequested",
+    "WatchReadiness",
 ]
 
 
@@ -128,13 +163,13 @@ def _plan(data: LaunchData, settings: LaunchSettings | None = None, *, reset: bo
     settings = _settings(data, settings)
     if reset:
         data = attrs.evolve(_fresh_count(data), reason=None, evidence={})
-    data = attrs.evolve(data, settings=settings, pid=None, create_time=None, after_stop=AfterStop.STOP,
-                        replan_for=None)
+    data = attrs.evolve(data, settings=settings, pid=None, create_time=None, after_stop=AfterStop.STOP, replan_for=None)
     return Step(S.PLANNING, data, (MakePlan(previous=data.plan),))
 
 
-def _stop(data: LaunchData, after: AfterStop, reason: ReasonCode | None = None,
-          evidence: dict[str, Any] | None = None) -> Step:
+def _stop(
+    data: LaunchData, after: AfterStop, reason: ReasonCode | None = None, evidence: dict[str, Any] | None = None
+) -> Step:
     data = attrs.evolve(data, after_stop=after)
     if reason is not None:
         data = attrs.evolve(data, reason=reason, evidence=evidence or {})
@@ -148,14 +183,19 @@ def _stop(data: LaunchData, after: AfterStop, reason: ReasonCode | None = None,
     )
 
 
-def _crash(data: LaunchData, reason: ReasonCode, evidence: dict[str, Any], verdict: ExitVerdict,
-           phase: ExitPhase, returncode: int | None) -> Step:
+def _crash(
+    data: LaunchData,
+    reason: ReasonCode,
+    evidence: dict[str, Any],
+    verdict: ExitVerdict,
+    phase: ExitPhase,
+    returncode: int | None,
+) -> Step:
     """Count a crash: fail for good (fatal, or a crash loop), or back off and come back with
     the same plan or, for REPLAN, a new one that knows what failed."""
     crashes = data.crashes + 1
     evidence = {**evidence, "crashes": crashes, "returncode": returncode}
-    data = attrs.evolve(data, crashes=crashes, pid=None, create_time=None, replan_for=None,
-                        after_stop=AfterStop.STOP)
+    data = attrs.evolve(data, crashes=crashes, pid=None, create_time=None, replan_for=None, after_stop=AfterStop.STOP)
     if verdict is ExitVerdict.FATAL:
         data = attrs.evolve(data, reason=reason, evidence=evidence)
         return Step(S.FAILED, data, (Notify("status", f"failed: {reason}"),), reason, evidence)
@@ -165,8 +205,7 @@ def _crash(data: LaunchData, reason: ReasonCode, evidence: dict[str, Any], verdi
         return Step(S.FAILED, data, (Notify("status", "failed: crash_loop"),), ReasonCode.CRASH_LOOP, loop)
     failure = PlanFailure(reason, phase, evidence) if verdict is ExitVerdict.REPLAN else None
     data = attrs.evolve(data, reason=reason, evidence=evidence, restarts=data.restarts + 1, replan_for=failure)
-    return Step(S.CRASHED, data, (StartBackoff(crashes), Notify("status", f"crashed: {reason}")),
-                reason, evidence)
+    return Step(S.CRASHED, data, (StartBackoff(crashes), Notify("status", f"crashed: {reason}")), reason, evidence)
 
 
 @guarded(S.PLANNING)
@@ -187,8 +226,9 @@ def replan_on_config(state: S, data: LaunchData, event: ConfigChanged) -> Step:
 @guarded(S.STOPPED)
 def stop_idle(state: S, data: LaunchData, event: DownRequested) -> Step:
     """Nothing runs (planning, crashed, backoff): stopped at once."""
-    data = attrs.evolve(data, pid=None, create_time=None, reason=None, evidence={},
-                        after_stop=AfterStop.STOP, replan_for=None)
+    data = attrs.evolve(
+        data, pid=None, create_time=None, reason=None, evidence={}, after_stop=AfterStop.STOP, replan_for=None
+    )
     return Step(S.STOPPED, data, (Notify("status", "stopped"),))
 
 
@@ -302,8 +342,9 @@ def relaunch(state: S, data: LaunchData, event: RestartRequested | ConfigChanged
 
 
 @guarded(S.STOPPING)
-def retarget_stop(state: S, data: LaunchData,
-                  event: DownRequested | RestartRequested | UpRequested | ConfigChanged) -> Step:
+def retarget_stop(
+    state: S, data: LaunchData, event: DownRequested | RestartRequested | UpRequested | ConfigChanged
+) -> Step:
     """Already stopping: the newest request decides where it leads.
 
     Down: stopped. Restart: a fresh start with a clean count. Up: come back up if this was
@@ -335,8 +376,14 @@ def stopped(state: S, data: LaunchData, event: StopCompleted | ServerExited | Sp
     evidence = {"returncode": returncode, **event.evidence}
     if data.after_stop is AfterStop.CRASH:
         # A stall (only ever before ready): respawned like any crash, never re-planned.
-        return _crash(data, data.reason or ReasonCode.SERVER_STALLED, {**data.evidence, **evidence},
-                      ExitVerdict.RESPAWN, ExitPhase.NEVER_READY, returncode)
+        return _crash(
+            data,
+            data.reason or ReasonCode.SERVER_STALLED,
+            {**data.evidence, **evidence},
+            ExitVerdict.RESPAWN,
+            ExitPhase.NEVER_READY,
+            returncode,
+        )
     if data.after_stop is AfterStop.RESTART:
         step_ = _plan(data, reset=False)
         return attrs.evolve(step_, evidence=evidence)
@@ -458,8 +505,11 @@ LAUNCH = MachineSpec(
     terminal={S.STOPPED, S.FAILED},
     description=(
         "One llama-server instance: plan, spawn, load, serve, stop; crash recovery with backoff. "
-        "An unasked exit is judged here: " + ", ".join(sorted(FATAL_EXITS)) + " fail at once; "
-        + ", ".join(sorted(REPLAN_EXITS)) + ", or a non-CPU plan that dies before ready, asks for a "
+        "An unasked exit is judged here: "
+        + ", ".join(sorted(FATAL_EXITS))
+        + " fail at once; "
+        + ", ".join(sorted(REPLAN_EXITS))
+        + ", or a non-CPU plan that dies before ready, asks for a "
         "new plan; any other exit respawns the same plan, until more than max_restarts crashes in a "
         "row (without Stable) make it crash_loop."
     ),

@@ -320,6 +320,4 @@ class Notify:
     text: str = ""
 
 
-Effect = (
-    MakePlan | Spawn | WatchReadiness | Terminate | StartBackoff | Reattach | ArmStableTimer | Notify
-)
+Effect = MakePlan | Spawn | WatchReadiness | Terminate | StartBackoff | Reattach | ArmStableTimer | Notify

@@ -100,8 +100,9 @@ def start(state: S, data: ProbeData, event: ProbeRequested) -> Step | None:
     if not backend:
         return None
     data = attrs.evolve(data, backend=backend, generation=data.generation + 1)
-    return Step(S.PROBING, data, (RunProbe(backend, data.generation, data.timeout),),
-                evidence={"generation": data.generation})
+    return Step(
+        S.PROBING, data, (RunProbe(backend, data.generation, data.timeout),), evidence={"generation": data.generation}
+    )
 
 
 @guarded(STAY, S.AVAILABLE, S.UNAVAILABLE)
@@ -114,15 +115,19 @@ def result(state: S, data: ProbeData, event: ProbeSucceeded | ProbeFailed) -> St
             "newest_generation": data.generation,
             "result_generation": data.result_generation,
         }
-        return Step(state, attrs.evolve(data, dropped=data.dropped + 1), (),
-                    ReasonCode.PROBE_RESULT_STALE, evidence)
+        return Step(state, attrs.evolve(data, dropped=data.dropped + 1), (), ReasonCode.PROBE_RESULT_STALE, evidence)
     if isinstance(event, ProbeSucceeded):
         target, reason = S.AVAILABLE, None
     else:
         target, reason = S.UNAVAILABLE, event.reason
     data = attrs.evolve(data, result_generation=event.generation, reason=reason, evidence=event.evidence)
-    return Step(target, data, (ArmExpiry(event.generation, data.cache_ttl),), reason,
-                {"generation": event.generation, **event.evidence})
+    return Step(
+        target,
+        data,
+        (ArmExpiry(event.generation, data.cache_ttl),),
+        reason,
+        {"generation": event.generation, **event.evidence},
+    )
 
 
 @guarded(S.IDLE)

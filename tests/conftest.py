@@ -34,8 +34,9 @@ def cpu_bundle():
     from daemon.bundles.build import build_bundle
     from daemon.core.paths import StokerPaths
 
-    result = build_bundle(StokerPaths.from_env(), backend="cpu",
-                          progress=lambda line: print(f"[cpu_bundle] {line}", file=sys.stderr))
+    result = build_bundle(
+        StokerPaths.from_env(), backend="cpu", progress=lambda line: print(f"[cpu_bundle] {line}", file=sys.stderr)
+    )
     return result.zip_path
 
 

@@ -248,7 +248,11 @@ class StokerApp(App[None]):
         try:
             reply = self.link.call("snapshot.list")
         except StokerError as err:
-            why = "This daemon has no snapshot commands yet." if err.reason == UNKNOWN_METHOD else f"{err.reason}: {err.message}"
+            why = (
+                "This daemon has no snapshot commands yet."
+                if err.reason == UNKNOWN_METHOD
+                else f"{err.reason}: {err.message}"
+            )
             self.post_message(SnapshotsLoaded(None, why))
             return
         if isinstance(reply, dict):
@@ -320,12 +324,18 @@ class StokerApp(App[None]):
         self.send("up", {}, "Starting the server.")
 
     def action_down(self) -> None:
-        self._confirm("Stop the server? Clients lose their endpoint until you start it again.", "Stop",
-                      lambda: self.send("down", {}, "The server is stopped."))
+        self._confirm(
+            "Stop the server? Clients lose their endpoint until you start it again.",
+            "Stop",
+            lambda: self.send("down", {}, "The server is stopped."),
+        )
 
     def action_restart(self) -> None:
-        self._confirm("Restart the server? Requests in flight are cut off.", "Restart",
-                      lambda: self.send("restart", {}, "Restarting the server."))
+        self._confirm(
+            "Restart the server? Requests in flight are cut off.",
+            "Restart",
+            lambda: self.send("restart", {}, "Restarting the server."),
+        )
 
     def action_backend(self) -> None:
         def chosen(name: str | None) -> None:
@@ -365,5 +375,8 @@ class StokerApp(App[None]):
         if message.action == "restore":
             self.send("snapshot.restore", {"id": ident}, f"Snapshot {ident} restored.")
         elif message.action == "rm":
-            self._confirm(f"Delete snapshot {ident}? Its file is removed.", "Delete",
-                          lambda: self.send("snapshot.rm", {"id": ident}, f"Snapshot {ident} deleted."))
+            self._confirm(
+                f"Delete snapshot {ident}? Its file is removed.",
+                "Delete",
+                lambda: self.send("snapshot.rm", {"id": ident}, f"Snapshot {ident} deleted."),
+            )

@@ -50,8 +50,9 @@ class HistoryLoaded(Message):
 class SnapshotsLoaded(Message):
     """The catalogue, or None with a reason when the daemon cannot list snapshots."""
 
-    def __init__(self, items: list[dict[str, Any]] | None, unavailable: str | None = None,
-                 listing: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, items: list[dict[str, Any]] | None, unavailable: str | None = None, listing: dict[str, Any] | None = None
+    ) -> None:
         super().__init__()
         self.items = items
         self.unavailable = unavailable

@@ -84,9 +84,7 @@ class Detection:
     evidence: Mapping[str, Any] = attrs.field(factory=dict)
 
     @classmethod
-    def available(
-        cls, backend: str, devices: Iterable[Device], message: str, **evidence: Any
-    ) -> "Detection":
+    def available(cls, backend: str, devices: Iterable[Device], message: str, **evidence: Any) -> "Detection":
         """Hardware present and its runtime usable."""
         return cls(backend, True, True, None, message, tuple(devices), evidence)
 
@@ -144,8 +142,11 @@ class BundleCheck:
         return self.reason is None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"reason": None if self.reason is None else str(self.reason), "message": self.message,
-                "evidence": dict(self.evidence)}
+        return {
+            "reason": None if self.reason is None else str(self.reason),
+            "message": self.message,
+            "evidence": dict(self.evidence),
+        }
 
 
 BUNDLE_FITS = BundleCheck(None, "the bundle fits this hardware")

@@ -26,10 +26,22 @@ TRUSTS_CPUID = ("native", "all")
 
 # macOS sysctl names -> the Linux flag names used everywhere else.
 _MAC_FLAGS = {
-    "avx1.0": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c", "bmi2": "bmi2", "bmi1": "bmi1",
-    "sse4.1": "sse4_1", "sse4.2": "sse4_2", "ssse3": "ssse3", "sse3": "sse3",
-    "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512vl": "avx512vl", "avx512dq": "avx512dq",
-    "avx512cd": "avx512cd", "avx512vnni": "avx512_vnni",
+    "avx1.0": "avx",
+    "avx2": "avx2",
+    "fma": "fma",
+    "f16c": "f16c",
+    "bmi2": "bmi2",
+    "bmi1": "bmi1",
+    "sse4.1": "sse4_1",
+    "sse4.2": "sse4_2",
+    "ssse3": "ssse3",
+    "sse3": "sse3",
+    "avx512f": "avx512f",
+    "avx512bw": "avx512bw",
+    "avx512vl": "avx512vl",
+    "avx512dq": "avx512dq",
+    "avx512cd": "avx512cd",
+    "avx512vnni": "avx512_vnni",
 }
 
 
@@ -63,9 +75,7 @@ class CpuBackend(Backend):
     offloads = False
     auto_rank = 1000  # the floor: tried last, after every accelerator
     reason_family = {K.UNAVAILABLE: R.PROBE_FAILED, K.BUNDLE_INSTALL_FAILED: R.CPU_BUNDLE_INSTALL_FAILED}
-    reason_codes = frozenset(
-        {R.CPU_ILLEGAL_INSTRUCTION, R.CPU_BUNDLE_INSTALL_FAILED, R.OUT_OF_MEMORY, R.PROBE_FAILED}
-    )
+    reason_codes = frozenset({R.CPU_ILLEGAL_INSTRUCTION, R.CPU_BUNDLE_INSTALL_FAILED, R.OUT_OF_MEMORY, R.PROBE_FAILED})
 
     def __init__(
         self,
@@ -203,7 +213,9 @@ class CpuBackend(Backend):
             return BUNDLE_FITS
         faulting = sorted(set(missing) & set(ev.get("unusable", ())))
         detail = (
-            f"advertised but faulting here: {', '.join(faulting)}" if faulting else f"not available: {', '.join(missing)}"
+            f"advertised but faulting here: {', '.join(faulting)}"
+            if faulting
+            else f"not available: {', '.join(missing)}"
         )
         return BundleCheck(
             R.CPU_ILLEGAL_INSTRUCTION,

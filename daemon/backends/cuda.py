@@ -135,17 +135,24 @@ class CudaBackend(Backend):
         evidence: dict[str, Any] = {"source": "nvml", "nvml": f"{name}: {text}", "pci_nvidia_display": pci}
         if name in _NO_DRIVER and not pci:
             return Detection.unavailable(
-                self.name, R.GPU_MISSING, present=False,
+                self.name,
+                R.GPU_MISSING,
+                present=False,
                 message="No NVIDIA GPU: the NVIDIA kernel driver is not loaded and no NVIDIA display device is on the PCI bus.",
                 **evidence,
             )
         if pci is False:
             return Detection.unavailable(
-                self.name, R.GPU_MISSING, present=False,
-                message=f"No NVIDIA GPU on the PCI bus (NVML init failed: {name}).", **evidence,
+                self.name,
+                R.GPU_MISSING,
+                present=False,
+                message=f"No NVIDIA GPU on the PCI bus (NVML init failed: {name}).",
+                **evidence,
             )
         return Detection.unavailable(
-            self.name, R.CUDA_UNAVAILABLE, present=True,
+            self.name,
+            R.CUDA_UNAVAILABLE,
+            present=True,
             message=f"NVIDIA hardware or driver is installed but NVML could not initialise ({name}: {text}); "
             "check the driver installation (a driver/library version mismatch needs a reboot).",
             **evidence,
@@ -168,15 +175,21 @@ class CudaBackend(Backend):
             count = int(nvml.nvmlDeviceGetCount())
         except Exception as e:
             return Detection.unavailable(
-                self.name, R.CUDA_UNAVAILABLE, present=True,
+                self.name,
+                R.CUDA_UNAVAILABLE,
+                present=True,
                 message=f"NVML initialised but could not count devices ({_nvml_error_name(e)}).",
-                nvml=f"{_nvml_error_name(e)}: {e}", **evidence,
+                nvml=f"{_nvml_error_name(e)}: {e}",
+                **evidence,
             )
         evidence["device_count"] = count
         if count == 0:
             return Detection.unavailable(
-                self.name, R.GPU_MISSING, present=False,
-                message="The NVIDIA driver is installed but reports no GPU.", **evidence,
+                self.name,
+                R.GPU_MISSING,
+                present=False,
+                message="The NVIDIA driver is installed but reports no GPU.",
+                **evidence,
             )
         # NVML ignores CUDA_VISIBLE_DEVICES; the engine's CUDA runtime does not.
         indices = self._visible(count, lambda i: _text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))))
@@ -211,7 +224,9 @@ class CudaBackend(Backend):
         evidence["compute_capabilities"] = sorted({d.compute_capability for d in devices if d.compute_capability})
         if not devices:
             return Detection.unavailable(
-                self.name, R.CUDA_UNAVAILABLE, present=True,
+                self.name,
+                R.CUDA_UNAVAILABLE,
+                present=True,
                 message=f"NVML sees {count} NVIDIA GPU(s) but none could be queried (fallen off the bus or in a bad state).",
                 **evidence,
             )
@@ -228,26 +243,37 @@ class CudaBackend(Backend):
             evidence["pci_nvidia_display"] = pci
             if pci:
                 return Detection.unavailable(
-                    self.name, R.CUDA_UNAVAILABLE, present=True,
+                    self.name,
+                    R.CUDA_UNAVAILABLE,
+                    present=True,
                     message="An NVIDIA GPU is on the PCI bus but neither NVML nor nvidia-smi is available: "
                     "install the NVIDIA driver.",
                     **evidence,
                 )
             return Detection.unavailable(
-                self.name, R.GPU_MISSING, present=False,
-                message="No NVIDIA GPU: NVML cannot be loaded and nvidia-smi is not installed.", **evidence,
+                self.name,
+                R.GPU_MISSING,
+                present=False,
+                message="No NVIDIA GPU: NVML cannot be loaded and nvidia-smi is not installed.",
+                **evidence,
             )
         output = result.stdout + "\n" + result.stderr
         evidence["raw"] = excerpt(output, 1000)
         if result.returncode != 0:
             if "No devices were found" in output:
                 return Detection.unavailable(
-                    self.name, R.GPU_MISSING, present=False,
-                    message="nvidia-smi reports no NVIDIA GPU.", **evidence,
+                    self.name,
+                    R.GPU_MISSING,
+                    present=False,
+                    message="nvidia-smi reports no NVIDIA GPU.",
+                    **evidence,
                 )
             return Detection.unavailable(
-                self.name, R.CUDA_UNAVAILABLE, present=True,
-                message=f"nvidia-smi failed (exit {result.returncode}): {excerpt(output, 200)}", **evidence,
+                self.name,
+                R.CUDA_UNAVAILABLE,
+                present=True,
+                message=f"nvidia-smi failed (exit {result.returncode}): {excerpt(output, 200)}",
+                **evidence,
             )
         devices = parse_smi_csv(result.stdout)
         if not devices:
@@ -286,7 +312,9 @@ class CudaBackend(Backend):
         if indices:
             return None
         return Detection.unavailable(
-            self.name, R.GPU_MISSING, present=False,
+            self.name,
+            R.GPU_MISSING,
+            present=False,
             message=f"The driver reports {count} NVIDIA GPU(s) but CUDA_VISIBLE_DEVICES={value!r} hides all of them "
             "from CUDA; unset it or name a GPU.",
             **evidence,
@@ -392,9 +420,7 @@ class CudaBackend(Backend):
                     if procs is None:
                         process_bytes = None
                     else:
-                        process_bytes += sum(
-                            int(p.usedGpuMemory or 0) for p in procs if int(p.pid) == handle.pid
-                        )
+                        process_bytes += sum(int(p.usedGpuMemory or 0) for p in procs if int(p.pid) == handle.pid)
             return Telemetry(
                 self.name,
                 tuple(readings),
@@ -445,9 +471,7 @@ def _toolkit_version(meta: Mapping[str, Any]) -> str | None:
 
 
 def _summary(devices: list[Device], driver: str | None, cuda: str | None) -> str:
-    names = ", ".join(
-        f"{d.name} ({d.memory_total_mib} MiB, cc {d.compute_capability or '?'})" for d in devices
-    )
+    names = ", ".join(f"{d.name} ({d.memory_total_mib} MiB, cc {d.compute_capability or '?'})" for d in devices)
     tail = f"driver {driver or '?'}" + (f", CUDA {cuda}" if cuda else "")
     return f"{len(devices)} NVIDIA GPU(s): {names}; {tail}"
 

@@ -39,7 +39,9 @@ class MetalBackend(Backend):
         evidence: dict[str, Any] = {"system": self._system, "arch": self._machine}
         if self._system != "Darwin" or self._machine not in ("arm64", "aarch64"):
             return Detection.unavailable(
-                self.name, R.GPU_MISSING, present=False,
+                self.name,
+                R.GPU_MISSING,
+                present=False,
                 message=f"Metal needs an Apple silicon Mac; this is {self._system} on {self._machine}.",
                 **evidence,
             )

@@ -96,16 +96,19 @@ def register_plugin_reasons(backend: Backend) -> None:
         try:
             ReasonKind(kind)
         except ValueError:
-            raise ValueError(f"{backend.name}: reason_family names {kind!r}, not one of "
-                             f"{[k.value for k in ReasonKind]}") from None
+            raise ValueError(
+                f"{backend.name}: reason_family names {kind!r}, not one of {[k.value for k in ReasonKind]}"
+            ) from None
     for code in [*family.values(), *(getattr(backend, "reason_codes", None) or ())]:
         if code in own:
             continue
         try:
             ReasonCode(code)
         except ValueError:
-            raise ValueError(f"{backend.name}: reason code {code!r} is neither Stoker's nor declared in "
-                             f"reason_messages with its sentence") from None
+            raise ValueError(
+                f"{backend.name}: reason code {code!r} is neither Stoker's nor declared in "
+                f"reason_messages with its sentence"
+            ) from None
     register_reasons(backend.name, own)
 
 
@@ -132,9 +135,7 @@ def discover_backends(entry_points: Iterable[metadata.EntryPoint] | None = None)
         try:
             backends[ep.name] = instantiate(ep.name, ep.value, ep.load())
         except Exception as e:  # a third party's bug must not stop the daemon
-            failures.append(
-                PluginFailure(ep.name, ep.value, f"{type(e).__name__}: {e}", traceback.format_exc(limit=5))
-            )
+            failures.append(PluginFailure(ep.name, ep.value, f"{type(e).__name__}: {e}", traceback.format_exc(limit=5)))
     for failure in failures:
         log.warning("backend plugin %s (%s) not loaded: %s", failure.name, failure.target, failure.error)
     return BackendRegistry(backends, tuple(failures))

@@ -204,7 +204,9 @@ class RocmBackend(Backend):
         tools_failed = any(str(v).startswith(("exit", "unparsable")) for v in evidence.values())
         if tools_failed:
             return Detection.unavailable(
-                self.name, R.ROCM_UNAVAILABLE, present=True,
+                self.name,
+                R.ROCM_UNAVAILABLE,
+                present=True,
                 message="ROCm tools are installed but failed; check the amdgpu driver and ROCm installation.",
                 **evidence,
             )
@@ -243,5 +245,8 @@ class RocmBackend(Backend):
 
 
 def _summary(devices: list[Device], source: str) -> str:
-    names = ", ".join(f"{d.name} ({d.memory_total_mib} MiB{', ' + d.compute_capability if d.compute_capability else ''})" for d in devices)
+    names = ", ".join(
+        f"{d.name} ({d.memory_total_mib} MiB{', ' + d.compute_capability if d.compute_capability else ''})"
+        for d in devices
+    )
     return f"{len(devices)} AMD GPU(s) via {source}: {names}"

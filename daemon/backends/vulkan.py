@@ -85,7 +85,9 @@ class VulkanBackend(Backend):
         result = self._run(VULKANINFO)
         if result.missing:
             return Detection.unavailable(
-                self.name, R.GPU_MISSING, present=False,
+                self.name,
+                R.GPU_MISSING,
+                present=False,
                 message="vulkaninfo is not installed, so no Vulkan GPU could be confirmed (install vulkan-tools).",
                 vulkaninfo="not installed",
             )
@@ -95,7 +97,9 @@ class VulkanBackend(Backend):
         if result.returncode != 0 and not blocks:
             # No ICD for any GPU: ERROR_INCOMPATIBLE_DRIVER / ERROR_INITIALIZATION_FAILED.
             return Detection.unavailable(
-                self.name, R.GPU_MISSING, present=False,
+                self.name,
+                R.GPU_MISSING,
+                present=False,
                 message=f"vulkaninfo found no Vulkan driver (exit {result.returncode}).",
                 **evidence,
             )
@@ -117,7 +121,9 @@ class VulkanBackend(Backend):
         )
         if not devices:
             return Detection.unavailable(
-                self.name, R.GPU_MISSING, present=False,
+                self.name,
+                R.GPU_MISSING,
+                present=False,
                 message="Vulkan only offers a software (CPU) device"
                 + (f": {', '.join(software)}" if software else "")
                 + "; that is no GPU.",

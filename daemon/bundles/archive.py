@@ -58,8 +58,14 @@ def _kind(info: zipfile.ZipInfo) -> str:
         return "dir"
     if fmt in (0, stat.S_IFREG):
         return "file"
-    return {stat.S_IFLNK: "symlink", stat.S_IFCHR: "char device", stat.S_IFBLK: "block device",
-            stat.S_IFIFO: "fifo", stat.S_IFSOCK: "socket", stat.S_IFDIR: "dir"}.get(fmt, "special file")
+    return {
+        stat.S_IFLNK: "symlink",
+        stat.S_IFCHR: "char device",
+        stat.S_IFBLK: "block device",
+        stat.S_IFIFO: "fifo",
+        stat.S_IFSOCK: "socket",
+        stat.S_IFDIR: "dir",
+    }.get(fmt, "special file")
 
 
 def scan(zf: zipfile.ZipFile, limits: ArchiveLimits) -> list[tuple[zipfile.ZipInfo, PurePosixPath, str]]:
@@ -89,8 +95,9 @@ def scan(zf: zipfile.ZipFile, limits: ArchiveLimits) -> list[tuple[zipfile.ZipIn
                 raise _unsafe("the archive expands to an absurd size", total=total)
             ratio = info.file_size / max(info.compress_size, 1)
             if info.file_size > limits.ratio_floor and ratio > limits.max_ratio:
-                raise _unsafe("an entry has an absurd compression ratio (zip bomb)",
-                              entry=info.filename, ratio=round(ratio, 1))
+                raise _unsafe(
+                    "an entry has an absurd compression ratio (zip bomb)", entry=info.filename, ratio=round(ratio, 1)
+                )
         judged.append((info, path, kind))
     # A file may not also be a directory prefix of another entry (it would be clobbered).
     files = {p.as_posix() for _, p, k in judged if k == "file"}
@@ -120,7 +127,9 @@ def _write_entry(zf: zipfile.ZipFile, info: zipfile.ZipInfo, dest: Path, limits:
                 out.write(chunk)
     except (zipfile.BadZipFile, zlib.error, EOFError) as err:
         # Corrupt content (a flipped byte) fails the zip's CRC or deflate: the digest gate.
-        raise StokerError(ReasonCode.BUNDLE_DIGEST_MISMATCH, evidence={"entry": info.filename, "error": str(err)}) from None
+        raise StokerError(
+            ReasonCode.BUNDLE_DIGEST_MISMATCH, evidence={"entry": info.filename, "error": str(err)}
+        ) from None
     os.chmod(dest, mode)
 
 

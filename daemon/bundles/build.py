@@ -58,10 +58,19 @@ class BuildResult:
     seconds: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": True, "zip": str(self.zip_path), "cache_key": self.cache_key, "cached": self.cached,
-                "log": str(self.log_path), "seconds": round(self.seconds, 1), "backend": self.meta.backend,
-                "variant": self.meta.variant, "version": self.meta.version,
-                "size": self.zip_path.stat().st_size, "sha256": sha256_file(self.zip_path)}
+        return {
+            "ok": True,
+            "zip": str(self.zip_path),
+            "cache_key": self.cache_key,
+            "cached": self.cached,
+            "log": str(self.log_path),
+            "seconds": round(self.seconds, 1),
+            "backend": self.meta.backend,
+            "variant": self.meta.variant,
+            "version": self.meta.version,
+            "size": self.zip_path.stat().st_size,
+            "sha256": sha256_file(self.zip_path),
+        }
 
     @classmethod
     def from_cache_entry(cls, entry: Path) -> "BuildResult":
@@ -70,12 +79,15 @@ class BuildResult:
 
 
 def cache_key(plan: BuildPlan, source_digest: str, spec: SourceSpec, smoke: SmokeSpec) -> str:
-    inputs = plan.cache_inputs(source_digest, {
-        "build_number": spec.build_number or 0,
-        "commit": spec.commit or "unknown",
-        "smoke": smoke.to_dict(),
-        "builder_revision": BUILDER_REVISION,
-    })
+    inputs = plan.cache_inputs(
+        source_digest,
+        {
+            "build_number": spec.build_number or 0,
+            "commit": spec.commit or "unknown",
+            "smoke": smoke.to_dict(),
+            "builder_revision": BUILDER_REVISION,
+        },
+    )
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -112,8 +124,15 @@ def _build_lock(paths: StokerPaths, progress: Progress) -> Iterator[None]:
 def _run_logged(cmd: list[str], cwd: Path, log: TextIO, progress: Progress, step: str) -> None:
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.stdout is not None
     last_pct, last_time = -1, 0.0
     tail: list[str] = []
@@ -128,8 +147,10 @@ def _run_logged(cmd: list[str], cwd: Path, log: TextIO, progress: Progress, step
                 progress(f"{step}: {pct}%  {line.split(']', 1)[-1].strip()[:80]}")
                 last_pct, last_time = pct, time.monotonic()
     if proc.wait() != 0:
-        raise StokerError(ReasonCode.BUNDLE_BUILD_FAILED, evidence={
-            "step": step, "returncode": proc.returncode, "log": log.name, "log_tail": "\n".join(tail)})
+        raise StokerError(
+            ReasonCode.BUNDLE_BUILD_FAILED,
+            evidence={"step": step, "returncode": proc.returncode, "log": log.name, "log_tail": "\n".join(tail)},
+        )
 
 
 def _elf_dynamic(path: Path) -> tuple[list[str], list[str]]:
@@ -160,8 +181,11 @@ def collect_outputs(bin_dir: Path, dest: Path) -> tuple[str, ...]:
         os.chmod(target, 0o755)
         needed, runpaths = _elf_dynamic(src)
         if any(p and p != "$ORIGIN" for p in runpaths):
-            raise StokerError(ReasonCode.BUNDLE_BUILD_FAILED, "A built binary is not relocatable (its RUNPATH is not $ORIGIN).",
-                              {"file": name, "runpath": runpaths})
+            raise StokerError(
+                ReasonCode.BUNDLE_BUILD_FAILED,
+                "A built binary is not relocatable (its RUNPATH is not $ORIGIN).",
+                {"file": name, "runpath": runpaths},
+            )
         for lib in needed:
             if (bin_dir / lib).exists():
                 queue.append(lib)
@@ -182,8 +206,15 @@ def _file_entries(root: Path) -> tuple[FileEntry, ...]:
 
 def _engine_version(server: Path, scratch: Path) -> str:
     scratch.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([str(server), "--version"], capture_output=True, text=True, errors="replace",
-                          cwd=scratch, env=engine_env(), timeout=30)
+    proc = subprocess.run(
+        [str(server), "--version"],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        cwd=scratch,
+        env=engine_env(),
+        timeout=30,
+    )
     m = _VERSION.search(proc.stderr + proc.stdout)
     return m.group(1) if m else "unknown"
 
@@ -234,8 +265,16 @@ def build_bundle(
         return _build(paths, plan, tree, smoke, key, jobs or os.cpu_count() or 1, progress, started)
 
 
-def _build(paths: StokerPaths, plan: BuildPlan, tree: SourceTree, smoke: SmokeSpec, key: str, jobs: int,
-           progress: Progress, started: float) -> BuildResult:
+def _build(
+    paths: StokerPaths,
+    plan: BuildPlan,
+    tree: SourceTree,
+    smoke: SmokeSpec,
+    key: str,
+    jobs: int,
+    progress: Progress,
+    started: float,
+) -> BuildResult:
     work = paths.cache_dir / "work" / key
     shutil.rmtree(work, ignore_errors=True)
     build_dir, stage = work / "build", work / "bundle"
@@ -243,9 +282,18 @@ def _build(paths: StokerPaths, plan: BuildPlan, tree: SourceTree, smoke: SmokeSp
     log_path = work / BUILD_LOG
     progress(f"building {plan.backend}-{plan.variant} ({key}) with {jobs} jobs; log: {log_path}")
     with open(log_path, "w", buffering=1) as log:  # line-buffered: `tail -f` shows a live build
-        configure = ["cmake", "-S", str(tree.root), "-B", str(build_dir), "-G", plan.toolchain.generator,
-                     *plan.flags, f"-DLLAMA_BUILD_NUMBER={tree.build_number}",
-                     f"-DLLAMA_BUILD_COMMIT={tree.commit}"]
+        configure = [
+            "cmake",
+            "-S",
+            str(tree.root),
+            "-B",
+            str(build_dir),
+            "-G",
+            plan.toolchain.generator,
+            *plan.flags,
+            f"-DLLAMA_BUILD_NUMBER={tree.build_number}",
+            f"-DLLAMA_BUILD_COMMIT={tree.commit}",
+        ]
         _run_logged(configure, work, log, progress, "configure")
         compile_ = ["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)]
         _run_logged(compile_, work, log, progress, "compile")
@@ -266,8 +314,13 @@ def _build(paths: StokerPaths, plan: BuildPlan, tree: SourceTree, smoke: SmokeSp
         server=SERVER_PATH,
         source=tree.pin(),
         llama={"version": llama_version, "build_number": tree.build_number, "commit": tree.commit},
-        build={"flags": list(plan.flags), **plan.toolchain.to_dict(), "cache_key": key,
-               "builder_revision": BUILDER_REVISION, "host_cpu": plan.host_cpu},
+        build={
+            "flags": list(plan.flags),
+            **plan.toolchain.to_dict(),
+            "cache_key": key,
+            "builder_revision": BUILDER_REVISION,
+            "host_cpu": plan.host_cpu,
+        },
         cuda_archs=plan.cuda_archs,
         min_driver=plan.min_driver,
         cpu_requires=plan.cpu_requires,

@@ -50,9 +50,14 @@ class InstalledBundle:
         return cls(root, meta, root / meta.server)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"root": str(self.root), "server": str(self.server), "backend": self.meta.backend,
-                "variant": self.meta.variant, "version": self.meta.version,
-                "cache_key": self.meta.build.get("cache_key")}
+        return {
+            "root": str(self.root),
+            "server": str(self.server),
+            "backend": self.meta.backend,
+            "variant": self.meta.variant,
+            "version": self.meta.version,
+            "cache_key": self.meta.build.get("cache_key"),
+        }
 
 
 def bundle_meta_of(path: Path) -> BundleMeta:
@@ -66,10 +71,14 @@ def bundle_meta_of(path: Path) -> BundleMeta:
         with zipfile.ZipFile(path) as zf:
             info = zf.getinfo(BUNDLE_JSON)
             if info.file_size > 16 << 20:
-                raise StokerError(ReasonCode.BUNDLE_UNSAFE_ARCHIVE, evidence={"entry": BUNDLE_JSON, "size": info.file_size})
+                raise StokerError(
+                    ReasonCode.BUNDLE_UNSAFE_ARCHIVE, evidence={"entry": BUNDLE_JSON, "size": info.file_size}
+                )
             return BundleMeta.from_json(zf.read(info))
     except KeyError:
-        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "The bundle has no bundle.json.", {"path": str(path)}) from None
+        raise StokerError(
+            ReasonCode.BUNDLE_VERIFY_FAILED, "The bundle has no bundle.json.", {"path": str(path)}
+        ) from None
     except (zipfile.BadZipFile, OSError) as err:
         raise StokerError(ReasonCode.BUNDLE_UNSAFE_ARCHIVE, evidence={"path": str(path), "error": str(err)}) from None
 
@@ -106,12 +115,18 @@ def promote(staged: Path, bundles_dir: Path, *, slot: str | None = None) -> Inst
     if not staged.is_dir():
         if slot is not None and (bundles_dir / slot).is_dir():
             return InstalledBundle.from_dir(bundles_dir / slot)
-        raise StokerError(ReasonCode.BUNDLE_MISSING, "Neither the staged bundle nor the slot exists.",
-                          {"staging": str(staged), "slot": None if slot is None else str(bundles_dir / slot)})
+        raise StokerError(
+            ReasonCode.BUNDLE_MISSING,
+            "Neither the staged bundle nor the slot exists.",
+            {"staging": str(staged), "slot": None if slot is None else str(bundles_dir / slot)},
+        )
     meta = BundleMeta.read(staged)
     if slot is not None and meta.slot != slot:
-        raise StokerError(ReasonCode.BUNDLE_METADATA_MISMATCH, "The staged bundle belongs to another slot.",
-                          {"staged": meta.slot, "slot": slot})
+        raise StokerError(
+            ReasonCode.BUNDLE_METADATA_MISMATCH,
+            "The staged bundle belongs to another slot.",
+            {"staged": meta.slot, "slot": slot},
+        )
     _sync_tree(staged)
     target = bundles_dir / meta.slot
     previous = bundles_dir / (meta.slot + PREVIOUS)
@@ -150,8 +165,14 @@ def install_bundle(
         else:
             unpack_bundle(source, unpacked)
         progress(f"unpacked into {unpacked}")
-        report: VerifyReport = verify_dir(unpacked, expect_backend=expect_backend, expect_version=expect_version,
-                                          expect_variant=expect_variant, smoke=smoke, progress=progress)
+        report: VerifyReport = verify_dir(
+            unpacked,
+            expect_backend=expect_backend,
+            expect_version=expect_version,
+            expect_variant=expect_variant,
+            smoke=smoke,
+            progress=progress,
+        )
         installed = promote(unpacked, bundles, slot=report.meta.slot)
         progress(f"installed {report.meta.slot} at {installed.root}")
         return installed

@@ -66,8 +66,7 @@ class SmokeSpec:
         return write_tiny_model(Path(directory) / "smoke.gguf", **dict(self.model))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": dict(self.model), "prompt": self.prompt, "n_predict": self.n_predict,
-                "threads": self.threads}
+        return {"model": dict(self.model), "prompt": self.prompt, "n_predict": self.n_predict, "threads": self.threads}
 
 
 def _tail(log: Path, limit: int = 8000) -> str:
@@ -111,32 +110,73 @@ def generate(
     scratch.mkdir(parents=True, exist_ok=True)
     log = scratch / "smoke-server.log"
     key = secrets.token_hex(16)
-    cmd = [str(server), "-m", str(model), "--host", "127.0.0.1", "--port", "0", "-c", "256", "-np", "1",
-           "-t", str(threads), "--seed", "0", "--api-key", key, "--log-colors", "off"]
-    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "top_k": 1, "seed": 0,
-            "cache_prompt": False, "return_tokens": True, "stream": False}
+    cmd = [
+        str(server),
+        "-m",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "-c",
+        "256",
+        "-np",
+        "1",
+        "-t",
+        str(threads),
+        "--seed",
+        "0",
+        "--api-key",
+        key,
+        "--log-colors",
+        "off",
+    ]
+    body = {
+        "prompt": prompt,
+        "n_predict": n_predict,
+        "temperature": 0,
+        "top_k": 1,
+        "seed": 0,
+        "cache_prompt": False,
+        "return_tokens": True,
+        "stream": False,
+    }
     deadline = time.monotonic() + timeout
     with open(log, "wb") as out:
         # A scratch cwd: the engine may look for backend libraries in its working directory.
-        proc = subprocess.Popen(cmd, cwd=scratch, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=engine_env(), start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=scratch,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=engine_env(),
+            start_new_session=True,
+        )
     try:
         resp = trio.run(functools.partial(_complete, proc, log, key, body, deadline))
         if resp.status_code != 200 or not isinstance(resp.json().get("tokens"), list):
-            raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "The smoke completion failed.",
-                              {"status": resp.status_code, "body": resp.text[:500]})
+            raise StokerError(
+                ReasonCode.BUNDLE_VERIFY_FAILED,
+                "The smoke completion failed.",
+                {"status": resp.status_code, "body": resp.text[:500]},
+            )
         return tuple(int(t) for t in resp.json()["tokens"])
     except httpx.HTTPError as err:
         if proc.poll() is not None:
             raise _engine_failed(proc, log, "smoke: completion") from None
-        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "The smoke server stopped answering.",
-                          {"error": str(err), "log_tail": _tail(log, 2000)}) from None
+        raise StokerError(
+            ReasonCode.BUNDLE_VERIFY_FAILED,
+            "The smoke server stopped answering.",
+            {"error": str(err), "log_tail": _tail(log, 2000)},
+        ) from None
     finally:
         _stop(proc)
 
 
-async def _complete(proc: subprocess.Popen, log: Path, key: str, body: dict[str, Any],
-                    deadline: float) -> httpx.Response:
+async def _complete(
+    proc: subprocess.Popen, log: Path, key: str, body: dict[str, Any], deadline: float
+) -> httpx.Response:
     """Wait for the log to name the port and /health to say 200, then ask for the completion."""
     server_log = ServerLog(log, 0)
     server_log.poll()
@@ -144,13 +184,15 @@ async def _complete(proc: subprocess.Popen, log: Path, key: str, body: dict[str,
         if proc.poll() is not None:
             raise _engine_failed(proc, log, "smoke: start")
         if time.monotonic() > deadline:
-            raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "The smoke server did not start in time.",
-                              {"step": "smoke: start", "log_tail": _tail(log, 2000)})
+            raise StokerError(
+                ReasonCode.BUNDLE_VERIFY_FAILED,
+                "The smoke server did not start in time.",
+                {"step": "smoke: start", "log_tail": _tail(log, 2000)},
+            )
         await trio.sleep(_POLL)
         server_log.poll()
     host, port = listening
-    async with EngineClient.open(f"http://{host}:{port}", key,
-                                 timeout=max(5.0, deadline - time.monotonic())) as engine:
+    async with EngineClient.open(f"http://{host}:{port}", key, timeout=max(5.0, deadline - time.monotonic())) as engine:
         while (await engine.health()).status_code != 200:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise _engine_failed(proc, log, "smoke: load")

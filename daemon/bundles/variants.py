@@ -44,9 +44,20 @@ COMMON_FLAGS = (
 )
 
 X86_SIMD = (
-    "SSE42", "AVX", "AVX_VNNI", "AVX2", "BMI2", "FMA", "F16C",
-    "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16",
-    "AMX_TILE", "AMX_INT8", "AMX_BF16",
+    "SSE42",
+    "AVX",
+    "AVX_VNNI",
+    "AVX2",
+    "BMI2",
+    "FMA",
+    "F16C",
+    "AVX512",
+    "AVX512_VBMI",
+    "AVX512_VNNI",
+    "AVX512_BF16",
+    "AMX_TILE",
+    "AMX_INT8",
+    "AMX_BF16",
 )
 
 # variant -> (GGML_NATIVE, the SIMD options turned ON, the /proc/cpuinfo flags they need)
@@ -116,8 +127,12 @@ def parse_cuda_archs(text: str | None) -> tuple[str, ...]:
 
 def cuda_system_libs(toolkit_major: int) -> tuple[str, ...]:
     """The libraries a CUDA bundle needs from the host unless it bundles them."""
-    return ("libcuda.so.1", f"libcudart.so.{toolkit_major}", f"libcublas.so.{toolkit_major}",
-            f"libcublasLt.so.{toolkit_major}")
+    return (
+        "libcuda.so.1",
+        f"libcudart.so.{toolkit_major}",
+        f"libcublas.so.{toolkit_major}",
+        f"libcublasLt.so.{toolkit_major}",
+    )
 
 
 def _cpu_flags_for(variant: str) -> tuple[str, ...]:
@@ -145,8 +160,7 @@ class Toolchain:
     nvcc: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"compiler": self.compiler, "cmake": self.cmake, "generator": self.generator,
-                "toolkit": self.toolkit}
+        return {"compiler": self.compiler, "cmake": self.cmake, "generator": self.generator, "toolkit": self.toolkit}
 
 
 def _first_line(cmd: list[str]) -> str:
@@ -171,8 +185,11 @@ def parse_nvcc_version(text: str) -> tuple[str, int]:
     """`... release 13.0, V13.0.88` -> ("cuda 13.0", 13)."""
     m = re.search(r"release (\d+)\.(\d+)", text)
     if not m:
-        raise StokerError(ReasonCode.BUNDLE_BUILD_FAILED, "Could not read the CUDA toolkit version from nvcc.",
-                          {"nvcc_version": text[-500:]})
+        raise StokerError(
+            ReasonCode.BUNDLE_BUILD_FAILED,
+            "Could not read the CUDA toolkit version from nvcc.",
+            {"nvcc_version": text[-500:]},
+        )
     return f"cuda {m.group(1)}.{m.group(2)}", int(m.group(1))
 
 
@@ -185,9 +202,11 @@ def detect_toolchain(backend: str) -> Toolchain:
         return Toolchain(compiler, cmake, generator)
     nvcc = find_nvcc()
     if nvcc is None:
-        raise StokerError(ReasonCode.BUNDLE_BUILD_FAILED,
-                          "nvcc (the CUDA toolkit) was not found; install it or set CUDACXX.",
-                          {"searched": ["$CUDACXX", "PATH", "/usr/local/cuda/bin/nvcc"]})
+        raise StokerError(
+            ReasonCode.BUNDLE_BUILD_FAILED,
+            "nvcc (the CUDA toolkit) was not found; install it or set CUDACXX.",
+            {"searched": ["$CUDACXX", "PATH", "/usr/local/cuda/bin/nvcc"]},
+        )
     out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     toolkit, major = parse_nvcc_version(out)
     return Toolchain(compiler, cmake, generator, toolkit, major, nvcc)
@@ -218,9 +237,11 @@ class BuildPlan:
     ) -> "BuildPlan":
         """The pinned plan for a backend and CPU variant (the variant also sets a CUDA build's CPU part)."""
         if backend not in BACKENDS:
-            raise StokerError(ReasonCode.BUNDLE_BUILD_FAILED,
-                              f"Stoker can build the {', '.join(BACKENDS)} backends, not {backend!r}.",
-                              {"backend": backend})
+            raise StokerError(
+                ReasonCode.BUNDLE_BUILD_FAILED,
+                f"Stoker can build the {', '.join(BACKENDS)} backends, not {backend!r}.",
+                {"backend": backend},
+            )
         variant = variant or default_cpu_variant()
         toolchain = toolchain or detect_toolchain(backend)
         flags = COMMON_FLAGS + _cpu_flags_for(variant)
@@ -240,8 +261,18 @@ class BuildPlan:
         host_cpu = None
         if variant == "native":
             host_cpu = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
-        return cls(backend, variant, host_platform(), flags, CPU_VARIANTS[variant][2], archs,
-                   min_driver, libs, toolchain, host_cpu)
+        return cls(
+            backend,
+            variant,
+            host_platform(),
+            flags,
+            CPU_VARIANTS[variant][2],
+            archs,
+            min_driver,
+            libs,
+            toolchain,
+            host_cpu,
+        )
 
     def cache_inputs(self, source_digest: str, extra: Mapping[str, Any]) -> dict[str, Any]:
         """The document whose digest is the build cache key."""

@@ -48,10 +48,17 @@ class VerifyReport:
     smoke_tokens: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": True, "root": str(self.root), "backend": self.meta.backend, "variant": self.meta.variant,
-                "version": self.meta.version, "steps": list(self.steps), "version_line": self.version_line,
-                "devices": list(self.devices),
-                "smoke_tokens": None if self.smoke_tokens is None else list(self.smoke_tokens)}
+        return {
+            "ok": True,
+            "root": str(self.root),
+            "backend": self.meta.backend,
+            "variant": self.meta.variant,
+            "version": self.meta.version,
+            "steps": list(self.steps),
+            "version_line": self.version_line,
+            "devices": list(self.devices),
+            "smoke_tokens": None if self.smoke_tokens is None else list(self.smoke_tokens),
+        }
 
 
 def check_files(root: Path, meta: BundleMeta) -> None:
@@ -63,29 +70,50 @@ def check_files(root: Path, meta: BundleMeta) -> None:
             path = Path(dirpath, name)
             rel = path.relative_to(root).as_posix()
             if path.is_symlink() or not (path.is_file() or path.is_dir()):
-                raise StokerError(ReasonCode.BUNDLE_UNSAFE_ARCHIVE, "The bundle holds a link or special file.",
-                                  {"path": rel})
+                raise StokerError(
+                    ReasonCode.BUNDLE_UNSAFE_ARCHIVE, "The bundle holds a link or special file.", {"path": rel}
+                )
             if path.is_file() and rel not in listed:
-                raise StokerError(ReasonCode.BUNDLE_DIGEST_MISMATCH, "The bundle holds a file its metadata does not list.",
-                                  {"path": rel})
+                raise StokerError(
+                    ReasonCode.BUNDLE_DIGEST_MISMATCH,
+                    "The bundle holds a file its metadata does not list.",
+                    {"path": rel},
+                )
     for entry in meta.files:
         path = root / entry.path
         if not path.is_file():
-            raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "A file listed in bundle.json is missing.",
-                              {"path": entry.path})
+            raise StokerError(
+                ReasonCode.BUNDLE_VERIFY_FAILED, "A file listed in bundle.json is missing.", {"path": entry.path}
+            )
         st = path.stat()
         actual = sha256_file(path)
         if st.st_size != entry.size or actual != entry.sha256:
-            raise StokerError(ReasonCode.BUNDLE_DIGEST_MISMATCH, evidence={
-                "path": entry.path, "expected_sha256": entry.sha256, "actual_sha256": actual,
-                "expected_size": entry.size, "actual_size": st.st_size})
+            raise StokerError(
+                ReasonCode.BUNDLE_DIGEST_MISMATCH,
+                evidence={
+                    "path": entry.path,
+                    "expected_sha256": entry.sha256,
+                    "actual_sha256": actual,
+                    "expected_size": entry.size,
+                    "actual_size": st.st_size,
+                },
+            )
         if st.st_mode & 0o777 != entry.mode:
-            raise StokerError(ReasonCode.BUNDLE_DIGEST_MISMATCH, "A bundle file's mode differs from its metadata.",
-                              {"path": entry.path, "expected": oct(entry.mode), "actual": oct(st.st_mode & 0o777)})
+            raise StokerError(
+                ReasonCode.BUNDLE_DIGEST_MISMATCH,
+                "A bundle file's mode differs from its metadata.",
+                {"path": entry.path, "expected": oct(entry.mode), "actual": oct(st.st_mode & 0o777)},
+            )
 
 
-def check_expectations(meta: BundleMeta, *, backend: str | None = None, version: str | None = None,
-                       variant: str | None = None, platform: str | None = None) -> None:
+def check_expectations(
+    meta: BundleMeta,
+    *,
+    backend: str | None = None,
+    version: str | None = None,
+    variant: str | None = None,
+    platform: str | None = None,
+) -> None:
     """The metadata says what the caller expected (a manifest entry, a --expect-* option)."""
     wanted = {"backend": backend, "version": version, "variant": variant, "platform": platform}
     got = {"backend": meta.backend, "version": meta.version, "variant": meta.variant, "platform": meta.platform}
@@ -100,26 +128,43 @@ def judging_backend(meta: BundleMeta) -> Backend:
     try:
         return load_backend(meta.backend)
     except Exception as exc:  # not registered, or a plugin that fails to load: nothing can judge it
-        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED,
-                          f"No loadable backend plugin named {meta.backend!r} can judge this bundle.",
-                          {"backend": meta.backend, "error": f"{type(exc).__name__}: {exc}"}) from None
+        raise StokerError(
+            ReasonCode.BUNDLE_VERIFY_FAILED,
+            f"No loadable backend plugin named {meta.backend!r} can judge this bundle.",
+            {"backend": meta.backend, "error": f"{type(exc).__name__}: {exc}"},
+        ) from None
 
 
 def _run_engine(server: Path, args: list[str], step: str, backend: Backend, timeout: float) -> tuple[str, str]:
     with tempfile.TemporaryDirectory(prefix="stoker-verify-") as scratch:
         try:
-            proc = subprocess.run([str(server), *args], cwd=scratch, capture_output=True, text=True,
-                                  errors="replace", timeout=timeout, stdin=subprocess.DEVNULL, env=engine_env())
+            proc = subprocess.run(
+                [str(server), *args],
+                cwd=scratch,
+                capture_output=True,
+                text=True,
+                errors="replace",
+                timeout=timeout,
+                stdin=subprocess.DEVNULL,
+                env=engine_env(),
+            )
         except subprocess.TimeoutExpired:
-            raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, f"`llama-server {' '.join(args)}` did not finish.",
-                              {"step": step, "timeout_s": timeout}) from None
+            raise StokerError(
+                ReasonCode.BUNDLE_VERIFY_FAILED,
+                f"`llama-server {' '.join(args)}` did not finish.",
+                {"step": step, "timeout_s": timeout},
+            ) from None
         except OSError as err:
-            raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "The engine binary cannot be executed.",
-                              {"step": step, "error": str(err)}) from None
+            raise StokerError(
+                ReasonCode.BUNDLE_VERIFY_FAILED,
+                "The engine binary cannot be executed.",
+                {"step": step, "error": str(err)},
+            ) from None
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-8000:]
-        reason, exit_evidence = classify_exit(proc.returncode, tail.splitlines(),
-                                              startup_failed=backend.reason(ReasonKind.STARTUP_FAILED))
+        reason, exit_evidence = classify_exit(
+            proc.returncode, tail.splitlines(), startup_failed=backend.reason(ReasonKind.STARTUP_FAILED)
+        )
         evidence = {"step": step, "engine_reason": str(reason), **exit_evidence}
         if reason == ReasonCode.CPU_ILLEGAL_INSTRUCTION:
             raise StokerError(reason, evidence=evidence)
@@ -132,13 +177,21 @@ def check_version(server: Path, meta: BundleMeta, backend: Backend, timeout: flo
     out, err = _run_engine(server, ["--version"], "version", backend, timeout)
     m = _VERSION.search(err + out)
     if not m:
-        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "`llama-server --version` printed no version line.",
-                          {"output": (err + out)[-1000:]})
+        raise StokerError(
+            ReasonCode.BUNDLE_VERIFY_FAILED,
+            "`llama-server --version` printed no version line.",
+            {"output": (err + out)[-1000:]},
+        )
     expected = (str(meta.llama.get("build_number")), str(meta.llama.get("commit")))
     if (m.group(2), m.group(3)) != expected:
-        raise StokerError(ReasonCode.BUNDLE_METADATA_MISMATCH, "The engine's build stamp differs from bundle.json.",
-                          {"expected": {"build": expected[0], "commit": expected[1]},
-                           "actual": {"build": m.group(2), "commit": m.group(3)}})
+        raise StokerError(
+            ReasonCode.BUNDLE_METADATA_MISMATCH,
+            "The engine's build stamp differs from bundle.json.",
+            {
+                "expected": {"build": expected[0], "commit": expected[1]},
+                "actual": {"build": m.group(2), "commit": m.group(3)},
+            },
+        )
     return m.group(0)
 
 
@@ -150,14 +203,18 @@ def check_devices(server: Path, meta: BundleMeta, backend: Backend, timeout: flo
     try:
         start = next(i for i, line in enumerate(lines) if line.strip() == "Available devices:") + 1
     except StopIteration:
-        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "`--list-devices` printed no device list.",
-                          {"stdout": out[-1000:], "stderr": err[-1000:]}) from None
+        raise StokerError(
+            ReasonCode.BUNDLE_VERIFY_FAILED,
+            "`--list-devices` printed no device list.",
+            {"stdout": out[-1000:], "stderr": err[-1000:]},
+        ) from None
     devices = tuple(line for line in lines[start:] if line.strip())
     if not backend.parse_list_devices("\n".join(devices)):
-        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED,
-                          f"The engine does not show the {meta.backend} backend's device signature.",
-                          {"devices": list(devices), "backend": meta.backend,
-                           "signature": backend.device_signature.pattern})
+        raise StokerError(
+            ReasonCode.BUNDLE_VERIFY_FAILED,
+            f"The engine does not show the {meta.backend} backend's device signature.",
+            {"devices": list(devices), "backend": meta.backend, "signature": backend.device_signature.pattern},
+        )
     return devices
 
 
@@ -165,39 +222,59 @@ def check_smoke(server: Path, meta: BundleMeta, timeout: float = 120.0) -> tuple
     """The token-identical gate: greedy tokens on the tiny model equal the recorded reference."""
     ref = meta.smoke
     if ref is None:
-        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "The bundle records no smoke reference to compare with.",
-                          {"backend": meta.backend})
+        raise StokerError(
+            ReasonCode.BUNDLE_VERIFY_FAILED,
+            "The bundle records no smoke reference to compare with.",
+            {"backend": meta.backend},
+        )
     model_args = {k: v for k, v in ref.model.items() if k != "sha256"}
     spec = SmokeSpec(model=model_args, prompt=ref.prompt, n_predict=ref.n_predict)
     with tempfile.TemporaryDirectory(prefix="stoker-smoke-") as scratch:
         model = spec.write_model(Path(scratch))
         if ref.model.get("sha256") and sha256_file(model) != ref.model["sha256"]:
-            raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED,
-                              "The tiny model written here differs from the one the reference was made with.",
-                              {"expected": ref.model["sha256"], "actual": sha256_file(model)})
+            raise StokerError(
+                ReasonCode.BUNDLE_VERIFY_FAILED,
+                "The tiny model written here differs from the one the reference was made with.",
+                {"expected": ref.model["sha256"], "actual": sha256_file(model)},
+            )
         # Run before judging a missing reference: a SIGILL here is the more useful answer.
         tokens = run_smoke(server, spec, Path(scratch), timeout=timeout)
     if ref.tokens is None:
-        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED,
-                          "The bundle records no smoke tokens (its build host could not run it); nothing to compare.",
-                          {"actual": list(tokens)})
+        raise StokerError(
+            ReasonCode.BUNDLE_VERIFY_FAILED,
+            "The bundle records no smoke tokens (its build host could not run it); nothing to compare.",
+            {"actual": list(tokens)},
+        )
     if tokens != ref.tokens:
-        first = next((i for i, (a, b) in enumerate(zip(tokens, ref.tokens)) if a != b), min(len(tokens), len(ref.tokens)))
-        raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, "Smoke tokens differ from the build-time reference.",
-                          {"expected": list(ref.tokens), "actual": list(tokens), "first_difference": first})
+        first = next(
+            (i for i, (a, b) in enumerate(zip(tokens, ref.tokens)) if a != b), min(len(tokens), len(ref.tokens))
+        )
+        raise StokerError(
+            ReasonCode.BUNDLE_VERIFY_FAILED,
+            "Smoke tokens differ from the build-time reference.",
+            {"expected": list(ref.tokens), "actual": list(tokens), "first_difference": first},
+        )
     return tokens
 
 
-def verify_dir(root: Path, *, expect_backend: str | None = None, expect_version: str | None = None,
-               expect_variant: str | None = None, smoke: bool = False, run_engine: bool = True,
-               progress: Progress = lambda _: None) -> VerifyReport:
+def verify_dir(
+    root: Path,
+    *,
+    expect_backend: str | None = None,
+    expect_version: str | None = None,
+    expect_variant: str | None = None,
+    smoke: bool = False,
+    run_engine: bool = True,
+    progress: Progress = lambda _: None,
+) -> VerifyReport:
     """Verify an unpacked bundle directory in place."""
     root = Path(root)
     meta = BundleMeta.read(root)
     check_files(root, meta)
     progress("files: every digest matches")
-    check_expectations(meta, backend=expect_backend, version=expect_version, variant=expect_variant,
-                       platform=host_platform())
+    check_expectations(
+        meta, backend=expect_backend, version=expect_version, variant=expect_variant, platform=host_platform()
+    )
     steps = ["files", "metadata"]
     if not run_engine:
         return VerifyReport(root, meta, tuple(steps))

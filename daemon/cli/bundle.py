@@ -25,19 +25,23 @@ def _progress(line: str) -> None:
 
 def _human_build(data: dict[str, Any]) -> str:
     how = "cached, nothing compiled" if data["cached"] else f"built in {data['seconds']} s"
-    return (f"{data['backend']}-{data['variant']} {data['version']} ({how})\n"
-            f"  zip:    {data['zip']}\n  sha256: {data['sha256']}\n  size:   {data['size']}\n"
-            f"  key:    {data['cache_key']}\n  log:    {data['log']}")
+    return (
+        f"{data['backend']}-{data['variant']} {data['version']} ({how})\n"
+        f"  zip:    {data['zip']}\n  sha256: {data['sha256']}\n  size:   {data['size']}\n"
+        f"  key:    {data['cache_key']}\n  log:    {data['log']}"
+    )
 
 
 def _human_meta(data: dict[str, Any]) -> str:
-    lines = [f"{data['backend']}-{data['variant']} {data['version']} for {data['platform']}",
-             f"  llama.cpp {data['llama'].get('version')} build {data['llama'].get('build_number')} "
-             f"commit {data['llama'].get('commit')}",
-             f"  source: {data['source'].get('spec')}",
-             f"  compiler: {data['build'].get('compiler')}; toolkit: {data['build'].get('toolkit')}",
-             f"  cpu requires: {', '.join(data['cpu_requires']) or '(baseline)'}",
-             f"  system libs: {', '.join(data['required_system_libs'])}"]
+    lines = [
+        f"{data['backend']}-{data['variant']} {data['version']} for {data['platform']}",
+        f"  llama.cpp {data['llama'].get('version')} build {data['llama'].get('build_number')} "
+        f"commit {data['llama'].get('commit')}",
+        f"  source: {data['source'].get('spec')}",
+        f"  compiler: {data['build'].get('compiler')}; toolkit: {data['build'].get('toolkit')}",
+        f"  cpu requires: {', '.join(data['cpu_requires']) or '(baseline)'}",
+        f"  system libs: {', '.join(data['required_system_libs'])}",
+    ]
     if data["cuda_archs"]:
         lines.append(f"  cuda archs: {';'.join(data['cuda_archs'])}; min driver {data['min_driver']}")
     smoke = data.get("smoke") or {}
@@ -61,8 +65,9 @@ def _human_list(data: dict[str, Any]) -> str:
     lines = ["installed:"]
     lines += [f"  {b['backend']}-{b['variant']} {b['version']}  {b['root']}" for b in data["installed"]] or ["  (none)"]
     lines.append("build cache:")
-    lines += [f"  {c['backend']}-{c['variant']} {c['version']}  {c['cache_key']}  {c['zip']}" for c in data["cache"]] \
-        or ["  (empty)"]
+    lines += [
+        f"  {c['backend']}-{c['variant']} {c['version']}  {c['cache_key']}  {c['zip']}" for c in data["cache"]
+    ] or ["  (empty)"]
     return "\n".join(lines)
 
 
@@ -78,8 +83,9 @@ def bundle_group() -> None:
 @click.option("--cuda-archs", help="CUDA architectures, e.g. 90-real or 75-virtual;86-real (default 90-real).")
 @click.option("--jobs", "-j", type=int, help="Parallel compile jobs (default: all cores).")
 @json_option
-def build_cmd(backend: str, variant: str | None, source_text: str | None, cuda_archs: str | None,
-              jobs: int | None, as_json: bool) -> None:
+def build_cmd(
+    backend: str, variant: str | None, source_text: str | None, cuda_archs: str | None, jobs: int | None, as_json: bool
+) -> None:
     """Build llama-server into a bundle zip, or return the cached one for the same inputs."""
     from daemon.bundles.build import build_bundle
     from daemon.bundles.source import SourceSpec
@@ -89,9 +95,14 @@ def build_cmd(backend: str, variant: str | None, source_text: str | None, cuda_a
         if cuda_archs and backend != "cuda":
             raise StokerError(ReasonCode.BUNDLE_BUILD_FAILED, "--cuda-archs applies only to --backend cuda.")
         result = build_bundle(
-            StokerPaths.from_env(), backend=backend, variant=variant, source=SourceSpec.parse(source_text),
-            cuda_archs=parse_cuda_archs(cuda_archs) if backend == "cuda" else None, jobs=jobs,
-            progress=_progress)
+            StokerPaths.from_env(),
+            backend=backend,
+            variant=variant,
+            source=SourceSpec.parse(source_text),
+            cuda_archs=parse_cuda_archs(cuda_archs) if backend == "cuda" else None,
+            jobs=jobs,
+            progress=_progress,
+        )
     except StokerError as err:
         fail(as_json, err)
     emit(as_json, result.to_dict(), _human_build)
@@ -118,14 +129,26 @@ def inspect_cmd(path: Path, as_json: bool) -> None:
 @click.option("--expect-variant")
 @click.option("--smoke", is_flag=True, help="Also run a greedy generation and compare it with the reference.")
 @json_option
-def verify_cmd(path: Path, expect_backend: str | None, expect_version: str | None, expect_variant: str | None,
-               smoke: bool, as_json: bool) -> None:
+def verify_cmd(
+    path: Path,
+    expect_backend: str | None,
+    expect_version: str | None,
+    expect_variant: str | None,
+    smoke: bool,
+    as_json: bool,
+) -> None:
     """Check digests, metadata, --version, --list-devices and optionally the smoke tokens."""
     from daemon.bundles.verify import verify_bundle
 
     try:
-        report = verify_bundle(path, expect_backend=expect_backend, expect_version=expect_version,
-                               expect_variant=expect_variant, smoke=smoke, progress=_progress)
+        report = verify_bundle(
+            path,
+            expect_backend=expect_backend,
+            expect_version=expect_version,
+            expect_variant=expect_variant,
+            smoke=smoke,
+            progress=_progress,
+        )
     except StokerError as err:
         fail(as_json, err)
     emit(as_json, report.to_dict(), _human_verify)
@@ -141,8 +164,16 @@ def list_cmd(as_json: bool) -> None:
     paths = StokerPaths.from_env()
     data = {
         "installed": [b.to_dict() for b in list_installed(paths)],
-        "cache": [{"cache_key": c.cache_key, "zip": str(c.zip_path), "backend": c.meta.backend,
-                   "variant": c.meta.variant, "version": c.meta.version} for c in cached_builds(paths)],
+        "cache": [
+            {
+                "cache_key": c.cache_key,
+                "zip": str(c.zip_path),
+                "backend": c.meta.backend,
+                "variant": c.meta.variant,
+                "version": c.meta.version,
+            }
+            for c in cached_builds(paths)
+        ],
     }
     emit(as_json, data, _human_list)
 
@@ -163,11 +194,13 @@ def install_cmd(path: Path, smoke: bool, as_json: bool) -> None:
         bundle = install_file(StokerPaths.from_env(), path, smoke=smoke, progress=_progress)
     except StokerError as err:
         fail(as_json, err)
-    emit(as_json, {"ok": True, **bundle},
-         lambda d: f"installed {d['backend']}-{d['variant']} {d['version']} at {d['root']}")
+    emit(
+        as_json,
+        {"ok": True, **bundle},
+        lambda d: f"installed {d['backend']}-{d['variant']} {d['version']} at {d['root']}",
+    )
 
 
 def register(cli: click.Group) -> None:
     """Add the `bundle` group to the root CLI."""
     cli.add_command(bundle_group)
-

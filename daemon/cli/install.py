@@ -57,8 +57,9 @@ def progress_line(event: dict[str, Any]) -> str:
     bar = "#" * filled + "." * (BAR_WIDTH - filled)
     eta = event.get("eta")
     tail = f"eta {eta:.0f} s" if isinstance(eta, (int, float)) else ""
-    return (f"[{bar}] {frac * 100:3.0f}%  {_size(done)} / {_size(total)}  "
-            f"{_size(event.get('rate') or 0)}/s  {tail}").rstrip()
+    return (
+        f"[{bar}] {frac * 100:3.0f}%  {_size(done)} / {_size(total)}  {_size(event.get('rate') or 0)}/s  {tail}"
+    ).rstrip()
 
 
 def _watch(stream: Any, backend: str, as_json: bool, stop: threading.Event) -> None:
@@ -68,8 +69,15 @@ def _watch(stream: Any, backend: str, as_json: bool, stop: threading.Event) -> N
         if event.get("topic") != PROGRESS_TOPIC or event.get("backend") != backend:
             continue
         if as_json:
-            click.echo(json.dumps({"progress": {k: event.get(k) for k in
-                                                ("backend", "variant", "bytes_done", "total", "rate", "eta")}}))
+            click.echo(
+                json.dumps(
+                    {
+                        "progress": {
+                            k: event.get(k) for k in ("backend", "variant", "bytes_done", "total", "rate", "eta")
+                        }
+                    }
+                )
+            )
         else:
             click.echo("\r" + progress_line(event), nl=False, err=True)
 
@@ -173,8 +181,11 @@ def _as_zip(path: Path) -> Iterator[Path]:
         for name in dirnames + filenames:
             entry = Path(dirpath, name)
             if entry.is_symlink() or not (entry.is_file() or entry.is_dir()):
-                raise StokerError(ReasonCode.BUNDLE_UNSAFE_ARCHIVE, "The bundle holds a link or special file.",
-                                  {"path": entry.relative_to(path).as_posix()})
+                raise StokerError(
+                    ReasonCode.BUNDLE_UNSAFE_ARCHIVE,
+                    "The bundle holds a link or special file.",
+                    {"path": entry.relative_to(path).as_posix()},
+                )
     with tempfile.TemporaryDirectory(prefix="stoker-bundle-") as scratch:
         yield pack_bundle(path, Path(scratch) / "bundle.zip")
 

@@ -13,6 +13,7 @@ import click
 from daemon.cli.output import emit, json_option
 from daemon.cli.service import call, format_status
 
+
 def format_probe_reply(reply: dict) -> str:
     """Each backend's verdict, reason, message, devices and evidence; where it came from."""
     from daemon.probes.report import format_probe
@@ -25,7 +26,12 @@ def format_probe_reply(reply: dict) -> str:
         if (b.get("evidence") or {}).get("probed"):
             how += ", in-process (no driver needed)"
         origin.append(f"  {b['backend']}: generation {b.get('generation')}, {how}")
-    return text + "\n\nprobe results (fresh with --fresh):\n" + "\n".join(origin) + f"\nanswered in {reply.get('elapsed_s', 0):.3f} s"
+    return (
+        text
+        + "\n\nprobe results (fresh with --fresh):\n"
+        + "\n".join(origin)
+        + f"\nanswered in {reply.get('elapsed_s', 0):.3f} s"
+    )
 
 
 @click.command()
@@ -39,8 +45,11 @@ def probe(fresh: bool, as_json: bool) -> None:
 
 def format_use(reply: dict) -> str:
     prefer = reply["prefer"]
-    head = (f"backend preference: {prefer} (forced: no fallback; a failure is reported)" if reply.get("forced")
-            else "backend preference: auto (the best backend this machine really has, CPU last)")
+    head = (
+        f"backend preference: {prefer} (forced: no fallback; a failure is reported)"
+        if reply.get("forced")
+        else "backend preference: auto (the best backend this machine really has, CPU last)"
+    )
     lines = [head, f"written to {reply['config_path']} ([backend] prefer)"]
     if reply.get("relaunch"):
         lines.append("relaunching the server")

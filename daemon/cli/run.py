@@ -109,11 +109,15 @@ def run_cmd(prompt: str, timeout: float, as_json: bool) -> None:
     except StokerError as err:
         fail(as_json, err)
     result = {"ok": True, "bundle": bundle, "status": st, "prompt": prompt, "answer": answer}
-    emit(as_json, result, lambda r: (
-        f"\n{r['answer']['content'].strip()}\n\n"
-        f"({r['answer']['tokens']} tokens in {r['answer']['seconds']} s from {st['endpoint']}; "
-        f"the daemon keeps running: `.venv/bin/stoker status`, `.venv/bin/stoker shutdown`)"
-    ))
+    emit(
+        as_json,
+        result,
+        lambda r: (
+            f"\n{r['answer']['content'].strip()}\n\n"
+            f"({r['answer']['tokens']} tokens in {r['answer']['seconds']} s from {st['endpoint']}; "
+            f"the daemon keeps running: `.venv/bin/stoker status`, `.venv/bin/stoker shutdown`)"
+        ),
+    )
 
 
 def register(cli: click.Group) -> None:

@@ -195,7 +195,10 @@ def chat(prompt: str, max_tokens: int, as_json: bool) -> None:
 
     st = call("status", as_json)
     if st.get("state") != "ready":
-        fail(as_json, StokerError(ReasonCode.ILLEGAL_TRANSITION, f"The server is {st.get('state')}, not ready; run `stoker up`."))
+        fail(
+            as_json,
+            StokerError(ReasonCode.ILLEGAL_TRANSITION, f"The server is {st.get('state')}, not ready; run `stoker up`."),
+        )
     try:
         answer = chat_once(st["endpoint"], st["api_key"], prompt, max_tokens=max_tokens)
     except StokerError as err:

@@ -23,18 +23,26 @@ def format_list(data: dict) -> str:
         benefit = "yes" if server.get("benefit") else f"no - {server.get('why')}"
         lines.append(f"server    resumes from snapshots: {benefit}")
         if server.get("swa_full_cost_mib") is not None:
-            lines.append(f"          --swa-full: KV {server['kv_mib_with_swa_full']} MiB instead of "
-                         f"{server['kv_mib_without_swa_full']} MiB (+{server['swa_full_cost_mib']} MiB)")
+            lines.append(
+                f"          --swa-full: KV {server['kv_mib_with_swa_full']} MiB instead of "
+                f"{server['kv_mib_without_swa_full']} MiB (+{server['swa_full_cost_mib']} MiB)"
+            )
     rows = data.get("snapshots") or []
-    lines.append(f"{len(rows)} snapshot(s), {_mib(data.get('total_bytes'))} of {_mib(data.get('max_bytes'))}, "
-                 f"at most {data.get('max_count')} per slot and model; {data.get('dir')}")
+    lines.append(
+        f"{len(rows)} snapshot(s), {_mib(data.get('total_bytes'))} of {_mib(data.get('max_bytes'))}, "
+        f"at most {data.get('max_count')} per slot and model; {data.get('dir')}"
+    )
     if rows:
-        lines.append(f"{'id':>5} {'slot':>4} {'tokens':>7} {'size':>10} {'cause':>8}  {'created':19}  {'backend':8} fits")
+        lines.append(
+            f"{'id':>5} {'slot':>4} {'tokens':>7} {'size':>10} {'cause':>8}  {'created':19}  {'backend':8} fits"
+        )
     for r in rows:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_at"]))
         fits = {True: "yes", False: f"no ({r.get('why_not')})", None: "-"}[r.get("fits_server")]
-        lines.append(f"{r['id']:>5} {r['slot_id']:>4} {r['n_tokens']:>7} {_mib(r['file_size']):>10} {r['cause']:>8}  "
-                     f"{created}  {r.get('backend') or '-':8} {fits}")
+        lines.append(
+            f"{r['id']:>5} {r['slot_id']:>4} {r['n_tokens']:>7} {_mib(r['file_size']):>10} {r['cause']:>8}  "
+            f"{created}  {r.get('backend') or '-':8} {fits}"
+        )
     return "\n".join(lines)
 
 
@@ -57,9 +65,17 @@ def save(slot: int | None, as_json: bool) -> None:
     """Save the server's non-empty slots now."""
     params = {} if slot is None else {"slot": slot}
     data = call("snapshot.save", as_json, timeout=120.0, **params)
-    emit(as_json, data, lambda d: "\n".join(
-        [f"saved slot {r['slot_id']} as snapshot {r['id']}: {r['n_tokens']} tokens, {_mib(r['file_size'])}"
-         for r in d["saved"]] or ["no slot holds anything to save"]))
+    emit(
+        as_json,
+        data,
+        lambda d: "\n".join(
+            [
+                f"saved slot {r['slot_id']} as snapshot {r['id']}: {r['n_tokens']} tokens, {_mib(r['file_size'])}"
+                for r in d["saved"]
+            ]
+            or ["no slot holds anything to save"]
+        ),
+    )
 
 
 @snapshot.command()
@@ -70,9 +86,14 @@ def restore(snapshot_id: int, slot: int | None, as_json: bool) -> None:
     """Restore snapshot ID into the running server (refused if it does not fit)."""
     params = {"id": snapshot_id, **({} if slot is None else {"slot": slot})}
     data = call("snapshot.restore", as_json, timeout=120.0, **params)
-    emit(as_json, data, lambda d: f"restored snapshot {d['id']} into slot {d['slot']}: "
-                                  f"{d['n_tokens']} tokens in {d.get('restore_ms')} ms"
-                                  + (f"\nnote: {d['note']}" if d.get("note") else ""))
+    emit(
+        as_json,
+        data,
+        lambda d: (
+            f"restored snapshot {d['id']} into slot {d['slot']}: "
+            f"{d['n_tokens']} tokens in {d.get('restore_ms')} ms" + (f"\nnote: {d['note']}" if d.get("note") else "")
+        ),
+    )
 
 
 @snapshot.command()

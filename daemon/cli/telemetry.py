@@ -45,31 +45,43 @@ def format_sample(sample: dict[str, Any]) -> str:
     if gpu:
         used, total = gpu.get("memory_used_mib"), gpu.get("memory_total_mib")
         vram_pct = None if not used or not total else 100 * used / total
-        lines.append(f"  gpu     [{_bar(gpu.get('utilization_percent'))}] {_num(gpu.get('utilization_percent'), '%')}"
-                     f"   mem util {_num(gpu.get('memory_utilization_percent'), '%')}")
-        lines.append(f"  vram    [{_bar(vram_pct)}] {_num(used)}/{_num(total)} MiB"
-                     f"   server {_num(gpu.get('process_vram_mib'), ' MiB')}")
-        lines.append(f"  temp    {_num(gpu.get('temperature_c'), ' C')}   power {_num(gpu.get('power_w'), ' W', '{:.1f}')}")
+        lines.append(
+            f"  gpu     [{_bar(gpu.get('utilization_percent'))}] {_num(gpu.get('utilization_percent'), '%')}"
+            f"   mem util {_num(gpu.get('memory_utilization_percent'), '%')}"
+        )
+        lines.append(
+            f"  vram    [{_bar(vram_pct)}] {_num(used)}/{_num(total)} MiB"
+            f"   server {_num(gpu.get('process_vram_mib'), ' MiB')}"
+        )
+        lines.append(
+            f"  temp    {_num(gpu.get('temperature_c'), ' C')}   power {_num(gpu.get('power_w'), ' W', '{:.1f}')}"
+        )
         if len(gpu.get("devices") or []) > 1:
             for dev in gpu["devices"]:
-                lines.append(f"    gpu{dev['index']} {dev.get('name') or ''}: {_num(dev.get('utilization_percent'), '%')}"
-                             f" {_num(dev.get('memory_used_mib'))}/{_num(dev.get('memory_total_mib'))} MiB")
+                lines.append(
+                    f"    gpu{dev['index']} {dev.get('name') or ''}: {_num(dev.get('utilization_percent'), '%')}"
+                    f" {_num(dev.get('memory_used_mib'))}/{_num(dev.get('memory_total_mib'))} MiB"
+                )
     elif sample.get("gpu_error"):
         lines.append(f"  gpu     unavailable: {sample['gpu_error']}")
     process = sample.get("process")
     if process:
         cpu = process.get("cpu_percent")
         cores = process.get("cpu_count") or 1
-        lines.append(f"  cpu     [{_bar(None if cpu is None else cpu / cores)}] {_num(cpu, '%', '{:.1f}')}"
-                     f" of {cores} core(s)   rss {_num(process.get('rss_mib'), ' MiB')}")
+        lines.append(
+            f"  cpu     [{_bar(None if cpu is None else cpu / cores)}] {_num(cpu, '%', '{:.1f}')}"
+            f" of {cores} core(s)   rss {_num(process.get('rss_mib'), ' MiB')}"
+        )
     elif sample.get("process_error"):
         lines.append(f"  cpu     unreadable: {sample['process_error']}")
     engine = sample.get("engine")
     if engine:
-        lines.append(f"  tokens  {_num(engine.get('tokens_per_s'), ' tok/s', '{:.1f}')} generating,"
-                     f" {_num(engine.get('prompt_tokens_per_s'), ' tok/s', '{:.1f}')} prompt;"
-                     f" {_num(engine.get('tokens_predicted_total'))} generated,"
-                     f" {_num(engine.get('requests_processing'))} in flight")
+        lines.append(
+            f"  tokens  {_num(engine.get('tokens_per_s'), ' tok/s', '{:.1f}')} generating,"
+            f" {_num(engine.get('prompt_tokens_per_s'), ' tok/s', '{:.1f}')} prompt;"
+            f" {_num(engine.get('tokens_predicted_total'))} generated,"
+            f" {_num(engine.get('requests_processing'))} in flight"
+        )
     elif sample.get("engine_error"):
         lines.append(f"  tokens  unavailable: {sample['engine_error']}")
     return "\n".join(lines)

@@ -8,8 +8,13 @@ from daemon.core.paths import StokerPaths
 
 
 @click.command()
-@click.option("--socket", "socket_path", default=None, type=click.Path(dir_okay=False),
-              help="The daemon's control socket (default: the usual one, or under STOKER_HOME).")
+@click.option(
+    "--socket",
+    "socket_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="The daemon's control socket (default: the usual one, or under STOKER_HOME).",
+)
 def tui(socket_path: str | None) -> None:
     """Watch and drive the daemon: backend, telemetry, history, snapshots."""
     from tui.app import StokerApp

@@ -157,9 +157,7 @@ def _loopback(value: Any) -> str:
     except ValueError:
         raise _Invalid(f"must be a loopback IP address such as 127.0.0.1 or ::1, got {value!r}") from None
     if not address.is_loopback:
-        raise _Invalid(
-            f"must be a loopback address (127.0.0.0/8 or ::1); {value} would expose the server"
-        )
+        raise _Invalid(f"must be a loopback address (127.0.0.0/8 or ::1); {value} would expose the server")
     return value
 
 
@@ -179,9 +177,7 @@ def _extra_args(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise _Invalid(f"must be a list of strings, got {_describe(value)}")
     refused = [
-        f"{arg} ({FORBIDDEN_EXTRA_ARGS[_flag_name(arg)]})"
-        for arg in value
-        if _flag_name(arg) in FORBIDDEN_EXTRA_ARGS
+        f"{arg} ({FORBIDDEN_EXTRA_ARGS[_flag_name(arg)]})" for arg in value if _flag_name(arg) in FORBIDDEN_EXTRA_ARGS
     ]
     if refused:
         raise _Invalid(f"may not set flags Stoker controls: {', '.join(refused)}")
@@ -189,8 +185,17 @@ def _extra_args(value: Any) -> tuple[str, ...]:
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def _size(value: Any) -> int:
@@ -400,11 +405,7 @@ def load_config(path: Path | str | None = None) -> Config:
 
 
 def _flatten(config: Config) -> dict[str, Any]:
-    return {
-        f"{section}.{key}": value
-        for section, values in config.to_dict().items()
-        for key, value in values.items()
-    }
+    return {f"{section}.{key}": value for section, values in config.to_dict().items() for key, value in values.items()}
 
 
 def config_diff(old: Config, new: Config) -> set[str]:
@@ -415,7 +416,4 @@ def config_diff(old: Config, new: Config) -> set[str]:
 
 def needs_relaunch(old: Config, new: Config) -> bool:
     """Whether going from `old` to `new` needs llama-server relaunched."""
-    return any(
-        key.split(".", 1)[0] in RELAUNCH_SECTIONS or key in RELAUNCH_KEYS
-        for key in config_diff(old, new)
-    )
+    return any(key.split(".", 1)[0] in RELAUNCH_SECTIONS or key in RELAUNCH_KEYS for key in config_diff(old, new))

@@ -77,7 +77,9 @@ class _FrameReader:
 class ControlClient:
     """A blocking JSON-RPC client of the daemon's control socket; thread-safe."""
 
-    def __init__(self, socket_path: os.PathLike[str] | str | None = None, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, socket_path: os.PathLike[str] | str | None = None, timeout: float | None = DEFAULT_TIMEOUT_S
+    ) -> None:
         self.socket_path = Path(socket_path) if socket_path is not None else StokerPaths.from_env().socket_path
         self.timeout = timeout
         self._lock = threading.Lock()

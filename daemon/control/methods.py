@@ -17,6 +17,7 @@ from daemon.control.protocol import SUBSCRIBE
 from daemon.core.errors import StokerError
 from states.reasons import ReasonCode
 
+
 def _by_name(*methods: Method) -> dict[str, Method]:
     table: dict[str, Method] = {}
     for declared in methods:

@@ -126,8 +126,9 @@ def build_status(daemon: ControlledDaemon) -> Status:
         message: str | None = specific  # the plan's own sentence (forced backend, ...)
     else:
         message = message_for(data.reason) if data.reason else None
-    fallbacks = tuple(Fallback(f["backend"], f["reason"], f["message"], dict(f["evidence"]))
-                      for f in fallback["fallbacks"])
+    fallbacks = tuple(
+        Fallback(f["backend"], f["reason"], f["message"], dict(f["evidence"])) for f in fallback["fallbacks"]
+    )
     layers = fallback["layers"]
     preference = fallback["preference"]
     model = plan.model_path if plan else daemon.config.server.model
@@ -149,8 +150,7 @@ def build_status(daemon: ControlledDaemon) -> Status:
         n_ctx=ready.get("n_ctx"),
         snapshots=ready.get("snapshots"),
         log_path=str(daemon.paths.logs_dir / "llama-server.log"),
-        config=ConfigStatus(str(daemon.paths.config_file), not daemon.config_problems,
-                            tuple(daemon.config_problems)),
+        config=ConfigStatus(str(daemon.paths.config_file), not daemon.config_problems, tuple(daemon.config_problems)),
         daemon=DaemonInfo(os.getpid(), daemon.started_at, str(daemon.paths.socket_path)),
         planned_backend=fallback["planned_backend"],
         preference=Preference(preference["prefer"], bool(preference["forced"]), tuple(preference["candidates"])),

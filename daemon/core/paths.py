@@ -28,9 +28,7 @@ class StokerPaths:
         STOKER_HOME each, and an engine build costs minutes); STOKER_CACHE_DIR overrides it.
         """
         env = os.environ if environ is None else environ
-        cache = Path(env["STOKER_CACHE_DIR"]) if env.get("STOKER_CACHE_DIR") else Path(
-            platformdirs.user_cache_dir(APP)
-        )
+        cache = Path(env["STOKER_CACHE_DIR"]) if env.get("STOKER_CACHE_DIR") else Path(platformdirs.user_cache_dir(APP))
         home = env.get("STOKER_HOME")
         if home:
             root = Path(home).absolute()

@@ -14,12 +14,16 @@ from daemon.engine.api import EngineClient
 from states.reasons import ReasonCode
 
 
-def chat_once(endpoint: str, api_key: str, prompt: str, *, max_tokens: int = 64, timeout: float = 300.0) -> dict[str, Any]:
+def chat_once(
+    endpoint: str, api_key: str, prompt: str, *, max_tokens: int = 64, timeout: float = 300.0
+) -> dict[str, Any]:
     """Ask one question; returns {content, tokens, seconds, model}. Blocking (the CLI's)."""
     return trio.run(functools.partial(chat, endpoint, api_key, prompt, max_tokens=max_tokens, timeout=timeout))
 
 
-async def chat(endpoint: str, api_key: str, prompt: str, *, max_tokens: int = 64, timeout: float = 300.0) -> dict[str, Any]:
+async def chat(
+    endpoint: str, api_key: str, prompt: str, *, max_tokens: int = 64, timeout: float = 300.0
+) -> dict[str, Any]:
     """`chat_once` on trio: greedy, so the same question gets the same answer."""
     body = {
         "messages": [{"role": "user", "content": prompt}],
@@ -31,7 +35,9 @@ async def chat(endpoint: str, api_key: str, prompt: str, *, max_tokens: int = 64
         async with EngineClient.open(endpoint, api_key, timeout=timeout) as engine:
             reply = await engine.chat_completion(body)
     except httpx.HTTPError as err:
-        raise StokerError(ReasonCode.SERVER_CRASHED, f"The server did not answer: {err}", {"endpoint": endpoint}) from err
+        raise StokerError(
+            ReasonCode.SERVER_CRASHED, f"The server did not answer: {err}", {"endpoint": endpoint}
+        ) from err
     if reply.status_code != 200:
         raise StokerError(
             ReasonCode.SERVER_CRASHED,

@@ -75,12 +75,18 @@ def server_argv(spec: ServerSpec, *, api_key_file: Path) -> list[str]:
     """The command line for a spec (the API key travels in a 0600 file, never in argv)."""
     argv = [
         str(spec.server_path),
-        "-m", str(spec.model_path),
-        "--host", spec.host,
-        "--port", str(spec.port),
-        "--api-key-file", str(api_key_file),
-        "-lv", "4",
-        "--log-colors", "off",
+        "-m",
+        str(spec.model_path),
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+        "--api-key-file",
+        str(api_key_file),
+        "-lv",
+        "4",
+        "--log-colors",
+        "off",
     ]
     for flag, value in (
         ("-c", spec.ctx_size),
@@ -96,8 +102,12 @@ def server_argv(spec: ServerSpec, *, api_key_file: Path) -> list[str]:
 
 
 PASS_THROUGH_ENV = (
-    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
-    "GGML_VK_VISIBLE_DEVICES", "LD_LIBRARY_PATH",
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "HIP_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "GGML_VK_VISIBLE_DEVICES",
+    "LD_LIBRARY_PATH",
 )
 
 
@@ -288,7 +298,9 @@ async def serve_server(
     return handle.exit
 
 
-def _identity_of(pid: int, argv: list[str], spec: ServerSpec, api_key: str, log_path: Path, launch_dir: Path) -> ServerIdentity:
+def _identity_of(
+    pid: int, argv: list[str], spec: ServerSpec, api_key: str, log_path: Path, launch_dir: Path
+) -> ServerIdentity:
     # Popen returns after exec (its error pipe closes on exec): exe and cmdline are the server's.
     proc = psutil.Process(pid)
     return ServerIdentity(
@@ -340,9 +352,7 @@ def _finish(handle: ServerHandle) -> None:
     handle.log.poll(final=True)
     rc = handle.process.returncode
     oom_after = _oom_kill_count()
-    oom = (
-        handle._oom_kills_at_start is not None and oom_after is not None and oom_after > handle._oom_kills_at_start
-    )
+    oom = handle._oom_kills_at_start is not None and oom_after is not None and oom_after > handle._oom_kills_at_start
     reason, evidence = classify_exit(rc, list(handle.log.tail), oom_killed=oom)
     evidence["log_path"] = str(handle.log_path)
     handle.exit = ExitReport(rc, signal_name(rc), reason, evidence, handle.stop_requested, handle.log_path)

@@ -200,9 +200,14 @@ async def wait_ready(
                     return await _ready_report(engine, handle, trio.current_time())
             idle = now - handle.log.last_progress
             if idle > stall_timeout:
-                raise StokerError(ReasonCode.SERVER_STALLED, evidence=_wait_evidence(handle, stall_timeout=stall_timeout, idle_seconds=round(idle, 3)))
+                raise StokerError(
+                    ReasonCode.SERVER_STALLED,
+                    evidence=_wait_evidence(handle, stall_timeout=stall_timeout, idle_seconds=round(idle, 3)),
+                )
             if now > deadline:
-                raise StokerError(ReasonCode.SERVER_START_TIMEOUT, evidence=_wait_evidence(handle, ready_timeout=ready_timeout))
+                raise StokerError(
+                    ReasonCode.SERVER_START_TIMEOUT, evidence=_wait_evidence(handle, ready_timeout=ready_timeout)
+                )
             wake = min(deadline, handle.log.last_progress + stall_timeout) - now
             if handle.log.model_loaded:
                 wake = min(wake, 0.05)  # loaded but /health not yet 200: poll it
@@ -212,7 +217,13 @@ async def wait_ready(
 
 def _wait_evidence(handle: StartingServer, **extra: Any) -> dict[str, Any]:
     tail = list(handle.log.tail)
-    return {**extra, "pid": handle.pid, "last_line": tail[-1] if tail else None, "log_tail": tail[-20:], "log_path": str(handle.log_path)}
+    return {
+        **extra,
+        "pid": handle.pid,
+        "last_line": tail[-1] if tail else None,
+        "log_tail": tail[-20:],
+        "log_path": str(handle.log_path),
+    }
 
 
 async def _ready_report(engine: EngineClient, handle: StartingServer, ready_clock: float) -> ReadyReport:

@@ -35,7 +35,7 @@ def cpu_variant_order(config: Config, effect: MakePlan) -> list[str]:
         bad = effect.previous.variant
         # Everything at or above the variant that faulted is out.
         if bad in order:
-            order = order[order.index(bad) + 1:] or ["compat"]
+            order = order[order.index(bad) + 1 :] or ["compat"]
     return order
 
 

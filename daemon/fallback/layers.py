@@ -51,9 +51,15 @@ def _int(value: Any) -> int | None:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def estimate(model_path: str | Path, ctx: int, free_vram_mib: int | None = None,
-             device: str | None = None, context_mib: int = 0, margin_mib: int = FIT_MARGIN_MIB,
-             n_devices: int = 1) -> LayerEstimate:
+def estimate(
+    model_path: str | Path,
+    ctx: int,
+    free_vram_mib: int | None = None,
+    device: str | None = None,
+    context_mib: int = 0,
+    margin_mib: int = FIT_MARGIN_MIB,
+    n_devices: int = 1,
+) -> LayerEstimate:
     """Read the GGUF header (not the tensors) and estimate model + KV bytes at `ctx`."""
     path = Path(model_path)
     meta = read_header(path)
@@ -69,8 +75,9 @@ def estimate(model_path: str | Path, ctx: int, free_vram_mib: int | None = None,
     kv_mib = None
     if n_layer and heads_kv and key_len and value_len:
         kv_mib = n_layer * ctx * heads_kv * (key_len + value_len) * KV_BYTES_PER_ELEMENT / MIB
-    return LayerEstimate(n_layer, path.stat().st_size / MIB, kv_mib, ctx, free_vram_mib, device, context_mib,
-                         margin_mib, n_devices)
+    return LayerEstimate(
+        n_layer, path.stat().st_size / MIB, kv_mib, ctx, free_vram_mib, device, context_mib, margin_mib, n_devices
+    )
 
 
 def fit_margin(extra_args: Iterable[str]) -> int:
@@ -114,12 +121,17 @@ def why_planned(backend: str, est: LayerEstimate | None, reason: str | None = No
     size = f"model {_mib(est.model_mib)} + KV {_mib(est.kv_mib)} at ctx {est.ctx}"
     if est.free_vram_mib is None:
         return f"-ngl auto: the engine fits layers to free VRAM; {size}"
-    verdict = {True: "all layers should fit", False: "not everything fits: the engine offloads fewer layers "
-               "(or shrinks the context, or offloads none)", None: "the engine decides"}[est.fits]
+    verdict = {
+        True: "all layers should fit",
+        False: "not everything fits: the engine offloads fewer layers (or shrinks the context, or offloads none)",
+        None: "the engine decides",
+    }[est.fits]
     times = f"{est.n_devices} x " if est.n_devices > 1 else ""
     context = f" + {times}{_mib(est.context_mib)} {backend.upper()} runtime" if est.context_mib else ""
-    return (f"-ngl auto: {_mib(est.free_vram_mib)} free VRAM on {est.device} vs {size}{context} "
-            f"+ {times}{_mib(est.margin_mib)} margin (-fitt); {verdict}")
+    return (
+        f"-ngl auto: {_mib(est.free_vram_mib)} free VRAM on {est.device} vs {size}{context} "
+        f"+ {times}{_mib(est.margin_mib)} margin (-fitt); {verdict}"
+    )
 
 
 def why_actual(backend: str, planned_why: str, ready: Mapping[str, Any]) -> str:

@@ -36,8 +36,15 @@ from daemon.config.model import Config
 from daemon.core.errors import StokerError
 from daemon.engine.exits import missing_library
 from daemon.install.service import InstallService
-from daemon.fallback.layers import (FIT_MARGIN_MIB, LayerEstimate, estimate, fit_margin, free_vram,
-                               why_actual, why_planned)
+from daemon.fallback.layers import (
+    FIT_MARGIN_MIB,
+    LayerEstimate,
+    estimate,
+    fit_margin,
+    free_vram,
+    why_actual,
+    why_planned,
+)
 from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.core.paths import StokerPaths
 from daemon.fallback.cpu_plan import cpu_bundle
@@ -50,7 +57,6 @@ from states.machine import IllegalTransition
 from states.reasons import ReasonCode, message_for
 
 log = logging.getLogger(__name__)
-
 
 
 class ServedPlan(Protocol):
@@ -75,7 +81,9 @@ class PlanRequest:
     plan: L.LaunchPlan | None = None
 
 
-def vram_full(reason: ReasonCode | None, free: Mapping[int, int], config: Config) -> tuple[ReasonCode, dict[str, Any]] | None:
+def vram_full(
+    reason: ReasonCode | None, free: Mapping[int, int], config: Config
+) -> tuple[ReasonCode, dict[str, Any]] | None:
     """(`reason`, evidence) if the engine could put no layer on any GPU, or None. `reason` is
     the backend's vram_full code (`cuda_vram_full`...); a backend that declares none is left
     to the engine.
@@ -91,10 +99,13 @@ def vram_full(reason: ReasonCode | None, free: Mapping[int, int], config: Config
     if not free or any(mib >= margin for mib in free.values()):
         return None
     listed = ", ".join(f"{index}: {mib} MiB" for index, mib in free.items())
-    return reason, {"free_vram_mib": {str(index): mib for index, mib in free.items()}, "margin_mib": margin,
-            "hint": f"free VRAM per GPU ({listed}) is below the {margin} MiB the engine keeps free (-fitt); "
-                    f"free VRAM held by other processes, or lower the margin: "
-                    f"[server] extra_args = [\"-fitt\", \"256\"]"}
+    return reason, {
+        "free_vram_mib": {str(index): mib for index, mib in free.items()},
+        "margin_mib": margin,
+        "hint": f"free VRAM per GPU ({listed}) is below the {margin} MiB the engine keeps free (-fitt); "
+        f"free VRAM held by other processes, or lower the margin: "
+        f'[server] extra_args = ["-fitt", "256"]',
+    }
 
 
 def exit_detail(evidence: Mapping[str, Any]) -> dict[str, Any]:
@@ -149,10 +160,16 @@ class FallbackOrchestrator:
 
     def __attrs_post_init__(self) -> None:
         self.runner = MachineRunner(F.FALLBACK, self.instance.machine_id(F.FALLBACK.name), self.store, self.publish)
-        self._effects = EffectDriver(F.FALLBACK, {
-            F.ProbeCandidates: self._probe_candidates, F.CheckBackend: self._check,
-            F.InstallBundle: self._install, F.UsePlan: self._use_plan, F.GiveUp: self._give_up,
-        })
+        self._effects = EffectDriver(
+            F.FALLBACK,
+            {
+                F.ProbeCandidates: self._probe_candidates,
+                F.CheckBackend: self._check,
+                F.InstallBundle: self._install,
+                F.UsePlan: self._use_plan,
+                F.GiveUp: self._give_up,
+            },
+        )
 
     @property
     def data(self) -> F.FallbackData:
@@ -183,8 +200,11 @@ class FallbackOrchestrator:
             if event is not None:
                 effects.extend(self.runner.fire(event).effects)
         if request.plan is None:
-            raise StokerError(ReasonCode.INTERNAL_ERROR, "The fallback machine stopped without a plan.",
-                              {"state": self.runner.state.value})
+            raise StokerError(
+                ReasonCode.INTERNAL_ERROR,
+                "The fallback machine stopped without a plan.",
+                {"state": self.runner.state.value},
+            )
         return request.plan
 
     def _requested(self, config: Config, effect: L.MakePlan) -> F.PlanRequested:
@@ -195,12 +215,14 @@ class FallbackOrchestrator:
         if previous is None or failure is None:
             return F.PlanRequested(candidates, forced, previous_backend=previous.backend if previous else None)
         return F.PlanRequested(
-            candidates, forced,
+            candidates,
+            forced,
             previous_backend=previous.backend,
             failure=failure.reason,
             phase=failure.phase,
-            startup_failed=family_reason(self.backends, previous.backend, ReasonKind.STARTUP_FAILED,
-                                         ReasonCode.SERVER_CRASHED),
+            startup_failed=family_reason(
+                self.backends, previous.backend, ReasonKind.STARTUP_FAILED, ReasonCode.SERVER_CRASHED
+            ),
             evidence={"variant": previous.variant, **exit_detail(failure.evidence)},
         )
 
@@ -219,9 +241,11 @@ class FallbackOrchestrator:
             # The check's own sentence: the generic one for gpu_missing says "serving on the
             # CPU", which is exactly what a forced backend does not do (seen on an H200 run).
             why = str(eff.evidence.get("message") or message_for(eff.reason)).rstrip(".")
-            message = (f"The backend {backend!r} is forced (`stoker use {backend}` or [backend] prefer) and cannot "
-                       f"run: {why}. Stoker does not fall back from a forced backend, so nothing is served; "
-                       f"`stoker use auto` lets it.")
+            message = (
+                f"The backend {backend!r} is forced (`stoker use {backend}` or [backend] prefer) and cannot "
+                f"run: {why}. Stoker does not fall back from a forced backend, so nothing is served; "
+                f"`stoker use auto` lets it."
+            )
         else:
             message = f"No backend can run here ({tried}). {message_for(eff.reason)}"
         evidence = dict(eff.evidence)
@@ -235,34 +259,50 @@ class FallbackOrchestrator:
             try:
                 bundle = await trio.to_thread.run_sync(cpu_bundle, self.paths, config, request.effect)
             except StokerError as err:
-                return F.CheckFailed(backend, err.reason, {"message": err.message, **err.evidence},
-                                     bundle_missing=err.reason == ReasonCode.BUNDLE_MISSING)
+                return F.CheckFailed(
+                    backend,
+                    err.reason,
+                    {"message": err.message, **err.evidence},
+                    bundle_missing=err.reason == ReasonCode.BUNDLE_MISSING,
+                )
             self._bundles[backend] = bundle
             return F.CheckPassed(backend, {"variant": bundle.meta.variant, "bundle": str(bundle.root)})
         plugin = self.backends.get(backend)
         if plugin is None or backend not in self.probes.backends:
-            return F.CheckFailed(backend, ReasonCode.PROBE_FAILED,
-                                 {"message": f"No backend plugin named {backend!r} is loaded.",
-                                  "loaded": sorted(self.backends)})
+            return F.CheckFailed(
+                backend,
+                ReasonCode.PROBE_FAILED,
+                {"message": f"No backend plugin named {backend!r} is loaded.", "loaded": sorted(self.backends)},
+            )
         result = await self.probes.probe(backend)
         detection = result.detection
         self._detections[backend] = detection
-        evidence = {**detection_evidence(detection), "probe_generation": result.generation,
-                    "probe_cached": result.cached}
+        evidence = {
+            **detection_evidence(detection),
+            "probe_generation": result.generation,
+            "probe_cached": result.cached,
+        }
         if not detection.usable:
             return F.CheckFailed(backend, detection.reason or plugin.unavailable_reason, evidence)
         installed = [b for b in await trio.to_thread.run_sync(list_installed, self.paths) if b.meta.backend == backend]
         if not installed:
-            reason = (plugin.reason(ReasonKind.BINARY_MISSING) or ReasonCode.BUNDLE_MISSING) if detection.present \
+            reason = (
+                (plugin.reason(ReasonKind.BINARY_MISSING) or ReasonCode.BUNDLE_MISSING)
+                if detection.present
                 else ReasonCode.BUNDLE_MISSING
-            return F.CheckFailed(backend, reason, {**evidence, "bundles_dir": str(self.paths.bundles_dir)},
-                                 bundle_missing=True)
+            )
+            return F.CheckFailed(
+                backend, reason, {**evidence, "bundles_dir": str(self.paths.bundles_dir)}, bundle_missing=True
+            )
         variant = plugin.choose_variant(detection, [b.meta.variant for b in installed]) or installed[0].meta.variant
         bundle = next(b for b in installed if b.meta.variant == variant)
         check = plugin.explain_bundle(detection, bundle.meta.to_dict())
         if not check.ok:
-            return F.CheckFailed(backend, check.reason or plugin.unavailable_reason,
-                                 {"message": check.message, "bundle": str(bundle.root), **dict(check.evidence)})
+            return F.CheckFailed(
+                backend,
+                check.reason or plugin.unavailable_reason,
+                {"message": check.message, "bundle": str(bundle.root), **dict(check.evidence)},
+            )
         probed = {d.index: d.memory_free_mib for d in detection.devices if isinstance(d.memory_free_mib, int)}
         full_reason = plugin.reason(ReasonKind.VRAM_FULL)
         if vram_full(full_reason, probed, config) is not None:
@@ -273,8 +313,9 @@ class FallbackOrchestrator:
                 return F.CheckFailed(backend, *full)
             log.info("%s: probe said %s MiB free, now %s: launching", backend, probed, now or "?")
         self._bundles[backend] = bundle
-        return F.CheckPassed(backend, {"variant": variant, "bundle": str(bundle.root),
-                                       "devices": [d.name for d in detection.devices]})
+        return F.CheckPassed(
+            backend, {"variant": variant, "bundle": str(bundle.root), "devices": [d.name for d in detection.devices]}
+        )
 
     async def _install(self, eff: F.InstallBundle, request: PlanRequest) -> object:
         backend = eff.backend
@@ -284,8 +325,9 @@ class FallbackOrchestrator:
         try:
             await self.installs.install(backend, detection=detection)
         except StokerError as err:
-            reason = family_reason(self.backends, backend, ReasonKind.BUNDLE_INSTALL_FAILED,
-                                   ReasonCode.BUNDLE_VERIFY_FAILED)
+            reason = family_reason(
+                self.backends, backend, ReasonKind.BUNDLE_INSTALL_FAILED, ReasonCode.BUNDLE_VERIFY_FAILED
+            )
             return F.BundleInstallFailed(backend, reason, {"message": err.message, **err.evidence})
         return F.BundleInstalled(backend)
 
@@ -301,9 +343,16 @@ class FallbackOrchestrator:
             detection = self._detections.get(backend)
             free, device, n_devices = free_vram([d.to_dict() for d in detection.devices] if detection else [])
             try:
-                self.estimate = await trio.to_thread.run_sync(estimate, model, config.server.ctx_size, free, device,
-                                                              self.backends[backend].runtime_reserve_mib,
-                                                              fit_margin(config.server.extra_args), max(1, n_devices))
+                self.estimate = await trio.to_thread.run_sync(
+                    estimate,
+                    model,
+                    config.server.ctx_size,
+                    free,
+                    device,
+                    self.backends[backend].runtime_reserve_mib,
+                    fit_margin(config.server.extra_args),
+                    max(1, n_devices),
+                )
             except (OSError, ValueError, KeyError, TypeError) as err:
                 log.info("no layer estimate for %s: %s", model, err)
             self.planned_why = why_planned(backend, self.estimate)
@@ -336,16 +385,21 @@ class FallbackOrchestrator:
         except IllegalTransition as err:  # a ready server from before the current request
             log.info("fallback: %s", err)
 
-    async def _judge(self, backend: str, evidence: Mapping[str, Any],
-                     plan: L.LaunchPlan | None = None) -> tuple[ReasonCode | None, dict[str, Any]]:
+    async def _judge(
+        self, backend: str, evidence: Mapping[str, Any], plan: L.LaunchPlan | None = None
+    ) -> tuple[ReasonCode | None, dict[str, Any]]:
         """None if the GPU is really in use, else why not; and the proof either way."""
         offloaded = evidence.get("offloaded_layers")
-        proof: dict[str, Any] = {"offloaded_layers": offloaded, "total_layers": evidence.get("total_layers"),
-                                 "offload_line": (evidence.get("evidence_lines") or {}).get("offloaded")}
+        proof: dict[str, Any] = {
+            "offloaded_layers": offloaded,
+            "total_layers": evidence.get("total_layers"),
+            "offload_line": (evidence.get("evidence_lines") or {}).get("offloaded"),
+        }
         if not offloaded:
             proof["hint"] = self._zero_layers_hint(plan)
-            return family_reason(self.backends, backend, ReasonKind.GPU_LAYERS_ZERO,
-                                 ReasonCode.GPU_CLAIMED_BUT_UNUSED), proof
+            return family_reason(
+                self.backends, backend, ReasonKind.GPU_LAYERS_ZERO, ReasonCode.GPU_CLAIMED_BUT_UNUSED
+            ), proof
         vram = await self._process_vram(backend, evidence.get("pid"))
         proof["process_vram_mib"] = vram
         if vram == 0:
@@ -359,22 +413,36 @@ class FallbackOrchestrator:
         if plan is not None and any(a in ("-fitt", "--fit-target") for a in plan.extra_args):
             return "the engine's fit found no room for a layer within the -fitt margin in extra_args"
         est = self.estimate
-        runtime = (f", about {est.context_mib * est.n_devices} MiB of it taken by the runtime,"
-                   if est and est.context_mib else "")
-        room = "" if est is None or est.free_vram_mib is None else (
-            f"{est.free_vram_mib} MiB free VRAM{runtime} vs model {est.model_mib:.0f} MiB + KV {est.kv_mib or 0:.0f} MiB; ")
-        return (f"{room}the engine keeps {FIT_MARGIN_MIB} MiB free (-fitt) and offloads nothing when less is left; "
-                f"free VRAM, or lower the margin: [server] extra_args = [\"-fitt\", \"256\"]")
+        runtime = (
+            f", about {est.context_mib * est.n_devices} MiB of it taken by the runtime,"
+            if est and est.context_mib
+            else ""
+        )
+        room = (
+            ""
+            if est is None or est.free_vram_mib is None
+            else (
+                f"{est.free_vram_mib} MiB free VRAM{runtime} vs model {est.model_mib:.0f} MiB + KV {est.kv_mib or 0:.0f} MiB; "
+            )
+        )
+        return (
+            f"{room}the engine keeps {FIT_MARGIN_MIB} MiB free (-fitt) and offloads nothing when less is left; "
+            f'free VRAM, or lower the margin: [server] extra_args = ["-fitt", "256"]'
+        )
 
     async def _free_vram_now(self, backend: str, indices: tuple[int, ...]) -> dict[int, int]:
         """Free VRAM per device read now (NVML in-process, as telemetry does); {} if unreadable."""
         try:
-            now = await trio.to_thread.run_sync(self.backends[backend].read_telemetry,
-                                                TelemetryRequest(devices=indices))
+            now = await trio.to_thread.run_sync(
+                self.backends[backend].read_telemetry, TelemetryRequest(devices=indices)
+            )
         except Exception:
             return {}
-        return {d.index: d.memory_total_mib - d.memory_used_mib for d in (now.devices if now else ())
-                if d.memory_total_mib is not None and d.memory_used_mib is not None}
+        return {
+            d.index: d.memory_total_mib - d.memory_used_mib
+            for d in (now.devices if now else ())
+            if d.memory_total_mib is not None and d.memory_used_mib is not None
+        }
 
     async def _process_vram(self, backend: str, pid: Any) -> int | None:
         """The server's own VRAM (MiB) where the platform reports it; None where it cannot."""
@@ -395,30 +463,49 @@ class FallbackOrchestrator:
         plan = server.plan
         ready = server.ready_evidence or {}
         fallbacks = [
-            {"backend": s.backend, "reason": str(s.reason), "message": s.evidence.get("message") or message_for(s.reason),
-             "evidence": dict(s.evidence)}
+            {
+                "backend": s.backend,
+                "reason": str(s.reason),
+                "message": s.evidence.get("message") or message_for(s.reason),
+                "evidence": dict(s.evidence),
+            }
             for s in data.skipped
         ]
         effective = plan.backend if plan else None
         if self.runner.state is F.FallbackState.SETTLED and data.chosen:
             effective = data.chosen
             if plan is not None and data.chosen != plan.backend and data.reason:
-                fallbacks.append({"backend": plan.backend, "reason": str(data.reason),
-                                  "message": message_for(data.reason), "evidence": dict(data.evidence)})
+                fallbacks.append(
+                    {
+                        "backend": plan.backend,
+                        "reason": str(data.reason),
+                        "message": message_for(data.reason),
+                        "evidence": dict(data.evidence),
+                    }
+                )
         late = data.respawn_demotion
-        if late is not None and plan is not None and late.backend == plan.backend \
-                and self.runner.state is F.FallbackState.SETTLED:
+        if (
+            late is not None
+            and plan is not None
+            and late.backend == plan.backend
+            and self.runner.state is F.FallbackState.SETTLED
+        ):
             effective = L.CPU_BACKEND
-            fallbacks.append({"backend": late.backend, "reason": str(late.reason), "message": message_for(late.reason),
-                              "evidence": {**late.evidence, "after": "respawn"}})
+            fallbacks.append(
+                {
+                    "backend": late.backend,
+                    "reason": str(late.reason),
+                    "message": message_for(late.reason),
+                    "evidence": {**late.evidence, "after": "respawn"},
+                }
+            )
         why = self.planned_why or ""
         if plan is not None and ready:
             why = why_actual(plan.backend, why, ready)
         return {
             "backend": effective,
             "planned_backend": plan.backend if plan else None,
-            "preference": {"prefer": prefer, "forced": data.forced,
-                           "candidates": list(data.candidates)},
+            "preference": {"prefer": prefer, "forced": data.forced, "candidates": list(data.candidates)},
             "fallback_state": self.runner.state.value,
             "fallback_reason": str(data.reason) if data.reason else None,
             "fallbacks": fallbacks,

@@ -149,7 +149,9 @@ class _Transfer:
         try:
             return await self.run_attempts(client, retries=retries, backoff=backoff)
         except OSError as exc:  # the local side: mkdir, open, fsync, rename
-            raise self.error(DownloadErrorKind.WRITE_FAILED, discard=False, part=str(self.part), error=str(exc)) from exc
+            raise self.error(
+                DownloadErrorKind.WRITE_FAILED, discard=False, part=str(self.part), error=str(exc)
+            ) from exc
 
     async def run_attempts(self, client: httpx.AsyncClient, *, retries: int, backoff: float) -> DownloadResult:
         self.started = trio.current_time()
@@ -240,9 +242,7 @@ class _Transfer:
             headers["If-Range"] = validator  # type: ignore[assignment]
         self.attempts += 1
         try:
-            async with client.stream(
-                "GET", self.url, headers=headers, follow_redirects=True
-            ) as response:
+            async with client.stream("GET", self.url, headers=headers, follow_redirects=True) as response:
                 self.accept(response, offset)
                 await self.stream_body(response)
         except httpx.TransportError as exc:
@@ -279,9 +279,7 @@ class _Transfer:
             self.total = int(length) if length and length.isdigit() else None
         else:
             # 4xx means this URL will not give us this file: drop the part. 5xx may pass.
-            raise self.error(
-                DownloadErrorKind.HTTP_STATUS, discard=400 <= status < 500, status=status
-            )
+            raise self.error(DownloadErrorKind.HTTP_STATUS, discard=400 <= status < 500, status=status)
         if self.total is not None and self.total > self.max_bytes:
             raise self.error(
                 DownloadErrorKind.TOO_LARGE, discard=True, status=status, max_bytes=self.max_bytes, announced=self.total

@@ -84,8 +84,11 @@ async def load_manifest(source: str) -> BundleManifest:
             async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=10.0), follow_redirects=True) as client:
                 reply = await client.get(source)
             if reply.status_code != 200:
-                raise StokerError(ReasonCode.BUNDLE_MISSING, f"The manifest at {source} answered HTTP {reply.status_code}.",
-                                  {"manifest": source, "status": reply.status_code})
+                raise StokerError(
+                    ReasonCode.BUNDLE_MISSING,
+                    f"The manifest at {source} answered HTTP {reply.status_code}.",
+                    {"manifest": source, "status": reply.status_code},
+                )
             text = reply.content[:MANIFEST_MAX_BYTES]
         else:
             path = Path(unquote(urlparse(source).path)) if source.startswith("file://") else Path(source).expanduser()
@@ -93,13 +96,17 @@ async def load_manifest(source: str) -> BundleManifest:
     except StokerError:
         raise
     except Exception as err:  # OSError, httpx errors: the manifest cannot be read
-        raise StokerError(ReasonCode.BUNDLE_MISSING, f"The bundle manifest {source} cannot be read: {err}.",
-                          {"manifest": source, "error": f"{type(err).__name__}: {err}"}) from None
+        raise StokerError(
+            ReasonCode.BUNDLE_MISSING,
+            f"The bundle manifest {source} cannot be read: {err}.",
+            {"manifest": source, "error": f"{type(err).__name__}: {err}"},
+        ) from None
     try:
         return BundleManifest.from_json(text)
     except StokerError as err:
-        raise StokerError(err.reason, f"The bundle manifest {source} is invalid: {err.message}",
-                          {"manifest": source, **err.evidence}) from None
+        raise StokerError(
+            err.reason, f"The bundle manifest {source} is invalid: {err.message}", {"manifest": source, **err.evidence}
+        ) from None
 
 
 def choose_entry(
@@ -119,8 +126,12 @@ def choose_entry(
         raise StokerError(
             ReasonCode.BUNDLE_MISSING,
             f"The manifest lists no {backend} bundle{f' ({variant})' if variant else ''} for {platform}.",
-            {"backend": backend, "variant": variant, "platform": platform,
-             "listed": [f"{e.backend}-{e.variant} {e.platform}" for e in manifest.bundles]},
+            {
+                "backend": backend,
+                "variant": variant,
+                "platform": platform,
+                "listed": [f"{e.backend}-{e.variant} {e.platform}" for e in manifest.bundles],
+            },
         )
     refused: dict[str, Any] = {}
     fitting = list(entries)
@@ -131,8 +142,11 @@ def choose_entry(
             if check.ok:
                 fitting.append(entry)
             else:
-                refused[f"{entry.variant} {entry.version}"] = {"reason": str(check.reason), "message": check.message,
-                                                               **dict(check.evidence)}
+                refused[f"{entry.variant} {entry.version}"] = {
+                    "reason": str(check.reason),
+                    "message": check.message,
+                    **dict(check.evidence),
+                }
         if fitting and variant is None:
             chosen = plugin.choose_variant(detection, [e.variant for e in fitting])
             if chosen is not None:
@@ -167,11 +181,19 @@ class InstallService:
     _effects: EffectDriver[Awaitable[object | None]] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self._effects = EffectDriver(I.INSTALL, {
-            I.Resolve: self._resolve, I.Download: self._download, I.VerifyArchive: self._verify_archive,
-            I.CleanStaging: self._clean_staging, I.Unpack: self._unpack, I.ValidateBundle: self._validate_bundle,
-            I.SmokeTest: self._smoke_test, I.Promote: self._promote_staged,
-        })
+        self._effects = EffectDriver(
+            I.INSTALL,
+            {
+                I.Resolve: self._resolve,
+                I.Download: self._download,
+                I.VerifyArchive: self._verify_archive,
+                I.CleanStaging: self._clean_staging,
+                I.Unpack: self._unpack,
+                I.ValidateBundle: self._validate_bundle,
+                I.SmokeTest: self._smoke_test,
+                I.Promote: self._promote_staged,
+            },
+        )
 
     @property
     def downloads_dir(self) -> Path:
@@ -229,8 +251,9 @@ class InstallService:
         reason = install_failed_reason(self.backends, backend)
         try:
             manifest = await load_manifest(self.manifest_source())
-            entry = choose_entry(manifest, backend, variant=variant, detection=detection,
-                                 plugin=self.backends.get(backend))
+            entry = choose_entry(
+                manifest, backend, variant=variant, detection=detection, plugin=self.backends.get(backend)
+            )
         except StokerError as err:
             # Recorded on the machine for the variant asked (or `default`), so history says why.
             runner = self.runner(backend, variant or "default")
@@ -255,12 +278,22 @@ class InstallService:
         path = Path(path).absolute()
         meta = await trio.to_thread.run_sync(bundle_meta_of, path)
         if not path.is_file():
-            raise StokerError(ReasonCode.BUNDLE_MISSING, "Only a bundle zip installs through the install service.",
-                              {"path": str(path)})
+            raise StokerError(
+                ReasonCode.BUNDLE_MISSING,
+                "Only a bundle zip installs through the install service.",
+                {"path": str(path)},
+            )
         size = path.stat().st_size
         digest = await trio.to_thread.run_sync(sha256_file, path)
-        entry = ManifestEntry(url=path.as_uri(), sha256=digest, size=size, backend=meta.backend,
-                              variant=meta.variant, version=meta.version, platform=meta.platform)
+        entry = ManifestEntry(
+            url=path.as_uri(),
+            sha256=digest,
+            size=size,
+            backend=meta.backend,
+            variant=meta.variant,
+            version=meta.version,
+            platform=meta.platform,
+        )
         self._local_smoke[I.machine_id(meta.backend, meta.variant)] = smoke
         return await self._install_entry(entry, detection)
 
@@ -274,8 +307,11 @@ class InstallService:
             if runner.state in I.WORKING:
                 # Left mid-way by a killed daemon and not resumed yet: finish that first.
                 await self._drive(runner, runner.fire(I.Resumed()).effects)
-            current = (runner.state is I.InstallState.INSTALLED and runner.data.sha256 == entry.sha256
-                       and find_installed(self.paths, entry.backend, entry.variant) is not None)
+            current = (
+                runner.state is I.InstallState.INSTALLED
+                and runner.data.sha256 == entry.sha256
+                and find_installed(self.paths, entry.backend, entry.variant) is not None
+            )
             if not current:  # the same bundle already installed and in place: nothing to do
                 step = runner.fire(I.InstallRequested(entry.backend, entry.variant))
                 await self._drive(runner, step.effects)
@@ -283,8 +319,11 @@ class InstallService:
             raise self._failure(runner)
         bundle = find_installed(self.paths, entry.backend, entry.variant)
         if bundle is None:  # promoted, then removed under us
-            raise StokerError(self._failure(runner).reason, "The bundle was installed but is no longer there.",
-                              {"slot": f"{entry.backend}-{entry.variant}"})
+            raise StokerError(
+                self._failure(runner).reason,
+                "The bundle was installed but is no longer there.",
+                {"slot": f"{entry.backend}-{entry.variant}"},
+            )
         return bundle
 
     def _failure(self, runner: MachineRunner) -> StokerError:
@@ -302,8 +341,15 @@ class InstallService:
         """Every install machine's state and reason, for status displays."""
         out = []
         for record in self.store.machines(kind=I.INSTALL.name):
-            out.append({"machine": record.id, "state": record.state, "reason": record.reason,
-                        "backend": record.data.get("backend"), "variant": record.data.get("variant")})
+            out.append(
+                {
+                    "machine": record.id,
+                    "state": record.state,
+                    "reason": record.reason,
+                    "backend": record.data.get("backend"),
+                    "variant": record.data.get("variant"),
+                }
+            )
         return out
 
     # --- effects -------------------------------------------------------------------------
@@ -331,9 +377,18 @@ class InstallService:
 
     async def _resolve(self, effect: I.Resolve, runner: MachineRunner) -> I.Resolved:
         entry = await self._entry(runner)
-        return I.Resolved(entry.url, entry.sha256, entry.size,
-                          {"version": entry.version, "platform": entry.platform, "variant": entry.variant,
-                           "min_driver": entry.min_driver, "cuda_archs": list(entry.cuda_archs)})
+        return I.Resolved(
+            entry.url,
+            entry.sha256,
+            entry.size,
+            {
+                "version": entry.version,
+                "platform": entry.platform,
+                "variant": entry.variant,
+                "min_driver": entry.min_driver,
+                "cuda_archs": list(entry.cuda_archs),
+            },
+        )
 
     def archive_path(self, runner: MachineRunner, sha256: str) -> Path:
         data: I.InstallData = runner.data
@@ -349,16 +404,31 @@ class InstallService:
         reason = install_failed_reason(self.backends, data.backend)
 
         def progress(p: DownloadProgress) -> None:
-            self._bus({"topic": PROGRESS_TOPIC, "backend": data.backend, "variant": data.variant,
-                       "bytes_done": p.bytes_done, "total": p.total, "rate": round(p.rate, 1),
-                       "eta": None if p.eta is None else round(p.eta, 2)})
+            self._bus(
+                {
+                    "topic": PROGRESS_TOPIC,
+                    "backend": data.backend,
+                    "variant": data.variant,
+                    "bytes_done": p.bytes_done,
+                    "total": p.total,
+                    "rate": round(p.rate, 1),
+                    "eta": None if p.eta is None else round(p.eta, 2),
+                }
+            )
 
         if effect.url.startswith("file://"):
             result = await trio.to_thread.run_sync(_copy_file_url, effect.url, dest, effect.sha256, effect.size, reason)
             progress(DownloadProgress(effect.size, effect.size, 0.0, 0.0))
             return I.Downloaded(str(dest), result, effect.size)
-        done = await download(effect.url, dest, expected_sha256=effect.sha256, expected_size=effect.size,
-                              max_bytes=MAX_BUNDLE_BYTES, progress=progress, failure_reason=reason)
+        done = await download(
+            effect.url,
+            dest,
+            expected_sha256=effect.sha256,
+            expected_size=effect.size,
+            max_bytes=MAX_BUNDLE_BYTES,
+            progress=progress,
+            failure_reason=reason,
+        )
         return I.Downloaded(str(done.path), done.sha256, done.size)
 
     async def _verify_archive(self, effect: I.VerifyArchive, runner: MachineRunner) -> I.Verified:
@@ -367,10 +437,16 @@ class InstallService:
         digest = await trio.to_thread.run_sync(sha256_file, path)
         if size != effect.size or digest != effect.sha256:
             path.unlink(missing_ok=True)
-            raise StokerError(ReasonCode.BUNDLE_DIGEST_MISMATCH,
-                              "The downloaded archive does not match the manifest's sha256 and size.",
-                              {"expected_sha256": effect.sha256, "actual_sha256": digest,
-                               "expected_size": effect.size, "actual_size": size})
+            raise StokerError(
+                ReasonCode.BUNDLE_DIGEST_MISMATCH,
+                "The downloaded archive does not match the manifest's sha256 and size.",
+                {
+                    "expected_sha256": effect.sha256,
+                    "actual_sha256": digest,
+                    "expected_size": effect.size,
+                    "actual_size": size,
+                },
+            )
         return I.Verified({"sha256": digest, "size": size})
 
     async def _clean_staging(self, effect: I.CleanStaging, runner: MachineRunner) -> None:
@@ -390,11 +466,21 @@ class InstallService:
 
         entry = await self._entry(runner)
         report = await trio.to_thread.run_sync(
-            lambda: verify_dir(Path(effect.staging), expect_backend=entry.backend, expect_variant=entry.variant,
-                               expect_version=entry.version, smoke=False)
+            lambda: verify_dir(
+                Path(effect.staging),
+                expect_backend=entry.backend,
+                expect_variant=entry.variant,
+                expect_version=entry.version,
+                smoke=False,
+            )
         )
-        return I.Validated({"steps": list(report.steps), "version_line": report.version_line,
-                            "devices": [d.strip() for d in report.devices or ()]})
+        return I.Validated(
+            {
+                "steps": list(report.steps),
+                "version_line": report.version_line,
+                "devices": [d.strip() for d in report.devices or ()],
+            }
+        )
 
     async def _smoke_test(self, effect: I.SmokeTest, runner: MachineRunner) -> I.SmokePassed:
         from daemon.bundles.verify import check_smoke
@@ -451,8 +537,17 @@ def _copy_file_url(url: str, dest: Path, sha256: str, size: int, reason: ReasonC
     actual_size = part.stat().st_size
     if actual_size != size or h.hexdigest() != sha256:
         part.unlink(missing_ok=True)
-        raise StokerError(reason, f"{url} does not match the manifest's sha256 and size.",
-                          {"url": url, "kind": "digest_mismatch", "expected_sha256": sha256,
-                           "actual_sha256": h.hexdigest(), "expected_size": size, "actual_size": actual_size})
+        raise StokerError(
+            reason,
+            f"{url} does not match the manifest's sha256 and size.",
+            {
+                "url": url,
+                "kind": "digest_mismatch",
+                "expected_sha256": sha256,
+                "actual_sha256": h.hexdigest(),
+                "expected_size": size,
+                "actual_size": actual_size,
+            },
+        )
     os.replace(part, dest)
     return h.hexdigest()

@@ -117,11 +117,19 @@ class Supervisor:
 
     def __attrs_post_init__(self) -> None:
         self.runner = MachineRunner(L.LAUNCH, self.instance.machine_id(L.LAUNCH.name), self.store, self.publish)
-        self._effects = EffectDriver(L.LAUNCH, {
-            L.MakePlan: self._make_plan, L.Spawn: self._spawn, L.WatchReadiness: self._watch_readiness,
-            L.Terminate: self._stop, L.StartBackoff: self._start_backoff, L.ArmStableTimer: self._arm_stable,
-            L.Reattach: self._reattach_later, L.Notify: self._notify,
-        })
+        self._effects = EffectDriver(
+            L.LAUNCH,
+            {
+                L.MakePlan: self._make_plan,
+                L.Spawn: self._spawn,
+                L.WatchReadiness: self._watch_readiness,
+                L.Terminate: self._stop,
+                L.StartBackoff: self._start_backoff,
+                L.ArmStableTimer: self._arm_stable,
+                L.Reattach: self._reattach_later,
+                L.Notify: self._notify,
+            },
+        )
 
     @property
     def identity_file(self) -> Path:

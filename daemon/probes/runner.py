@@ -116,27 +116,40 @@ async def run_probe(
         evidence["stderr"] = stderr
     if result is None:
         return _failure(
-            backend, f"The {backend} probe timed out after {timeout:g}s and was killed.",
-            probe=f"probe timed out after {timeout:g}s", timeout_s=timeout, **evidence,
+            backend,
+            f"The {backend} probe timed out after {timeout:g}s and was killed.",
+            probe=f"probe timed out after {timeout:g}s",
+            timeout_s=timeout,
+            **evidence,
         )
     if result.returncode < 0:
         name = _signal_name(-result.returncode)
         return _failure(
-            backend, f"The {backend} probe crashed with {name} (a driver or runtime fault); treating {backend} as unavailable.",
-            probe=f"probe crashed with {name}", signal=name, **evidence,
+            backend,
+            f"The {backend} probe crashed with {name} (a driver or runtime fault); treating {backend} as unavailable.",
+            probe=f"probe crashed with {name}",
+            signal=name,
+            **evidence,
         )
     try:
         detection = parse_probe_output(backend, stdout)
     except (ValueError, KeyError, TypeError) as e:
         return _failure(
-            backend, f"The {backend} probe printed an invalid detection ({type(e).__name__}).",
-            probe=f"invalid detection: {e}", stdout=excerpt(stdout, 1000), exit_status=result.returncode, **evidence,
+            backend,
+            f"The {backend} probe printed an invalid detection ({type(e).__name__}).",
+            probe=f"invalid detection: {e}",
+            stdout=excerpt(stdout, 1000),
+            exit_status=result.returncode,
+            **evidence,
         )
     if detection is None:
         return _failure(
-            backend, f"The {backend} probe exited with status {result.returncode} without a detection.",
-            probe=f"probe exited with status {result.returncode}", stdout=excerpt(stdout, 1000),
-            exit_status=result.returncode, **evidence,
+            backend,
+            f"The {backend} probe exited with status {result.returncode} without a detection.",
+            probe=f"probe exited with status {result.returncode}",
+            stdout=excerpt(stdout, 1000),
+            exit_status=result.returncode,
+            **evidence,
         )
     return detection
 

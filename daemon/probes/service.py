@@ -98,7 +98,10 @@ class ProbeService:
         runner = self._runners.get(backend)
         if runner is None:
             runner = MachineRunner(
-                P.PROBE, P.machine_id(backend), self.store, self.publish,
+                P.PROBE,
+                P.machine_id(backend),
+                self.store,
+                self.publish,
                 initial_data=P.ProbeData(backend=backend, timeout=self.timeout, cache_ttl=self.ttl),
             )
             self._runners[backend] = runner
@@ -151,9 +154,7 @@ class ProbeService:
         result = self._results[backend]
         return attrs.evolve(result, age_s=trio.current_time() - result.at)
 
-    async def probe_all(
-        self, backends: Iterable[str] | None = None, *, fresh: bool = False
-    ) -> dict[str, ProbeResult]:
+    async def probe_all(self, backends: Iterable[str] | None = None, *, fresh: bool = False) -> dict[str, ProbeResult]:
         """Several backends concurrently (each in its own subprocess), in the order asked."""
         names = list(self.backends if backends is None else backends)
         results: dict[str, ProbeResult] = {}
@@ -228,7 +229,9 @@ class ProbeService:
         except Exception as err:  # run_probe reports failures as Detections; this is a bug
             log.exception("probe %s failed", effect.backend)
             detection = Detection.unavailable(
-                effect.backend, ReasonCode.PROBE_FAILED, present=False,
+                effect.backend,
+                ReasonCode.PROBE_FAILED,
+                present=False,
                 message=f"The {effect.backend} probe failed: {type(err).__name__}: {err}",
             )
         finally:
@@ -245,8 +248,9 @@ class ProbeService:
         if runner.data.result_generation != before:  # accepted, not dropped as stale
             self._results[effect.backend] = ProbeResult(detection, effect.generation, at)
         else:
-            log.info("probe %s generation %d dropped (newest %d)", effect.backend, effect.generation,
-                     runner.data.generation)
+            log.info(
+                "probe %s generation %d dropped (newest %d)", effect.backend, effect.generation, runner.data.generation
+            )
         self._execute(effect.backend, step.effects)
 
     async def _expire_later(self, backend: str, effect: P.ArmExpiry) -> None:

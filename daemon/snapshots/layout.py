@@ -109,15 +109,26 @@ def _pad(n: int, to: int) -> int:
 
 def swa_report(facts: ModelFacts, kv: KVLog, swa_full: bool) -> dict[str, Any]:
     """Whether snapshots spare a re-prefill on this server, and the KV memory --swa-full costs."""
-    out: dict[str, Any] = {"model": facts.to_dict(), "swa_full": swa_full, "kv_mib": kv.kv_mib,
-                           "benefit": True, "why": None}
+    out: dict[str, Any] = {
+        "model": facts.to_dict(),
+        "swa_full": swa_full,
+        "kv_mib": kv.kv_mib,
+        "benefit": True,
+        "why": None,
+    }
     if facts.recurrent:
         kind = "hybrid" if facts.hybrid else "recurrent"
-        out.update(benefit=False, why=f"{kind} model ({facts.architecture}): the engine re-processes the whole "
-                                      f"prompt after a restore (upstream limitation), with or without --swa-full")
+        out.update(
+            benefit=False,
+            why=f"{kind} model ({facts.architecture}): the engine re-processes the whole "
+            f"prompt after a restore (upstream limitation), with or without --swa-full",
+        )
     elif facts.swa and not swa_full:
-        out.update(benefit=False, why=f"sliding-window model ({facts.architecture}, window {facts.sliding_window}) "
-                                      f"without --swa-full: set [snapshots] swa_full = \"auto\" or true")
+        out.update(
+            benefit=False,
+            why=f"sliding-window model ({facts.architecture}, window {facts.sliding_window}) "
+            f'without --swa-full: set [snapshots] swa_full = "auto" or true',
+        )
     window = facts.sliding_window
     if facts.swa and window and kv.kv_mib is not None and kv.swa_mib and kv.swa_cells and kv.n_ctx:
         # The engine sizes the SWA cache as pad256(min(n_ctx, window * seqs + n_ubatch)) cells;
@@ -127,13 +138,17 @@ def swa_report(facts: ModelFacts, kv: KVLog, swa_full: bool) -> dict[str, Any]:
         per_cell = kv.swa_mib / kv.swa_cells
         rest = kv.kv_mib - kv.swa_mib
         with_full, without = rest + per_cell * kv.n_ctx, rest + per_cell * small
-        out.update(kv_mib_with_swa_full=round(with_full, 2), kv_mib_without_swa_full=round(without, 2),
-                   swa_full_cost_mib=round(with_full - without, 2))
+        out.update(
+            kv_mib_with_swa_full=round(with_full, 2),
+            kv_mib_without_swa_full=round(without, 2),
+            swa_full_cost_mib=round(with_full - without, 2),
+        )
     return out
 
 
-def identity_of_server(*, model_sha256: str, engine_build: str, props: Mapping[str, Any], kv: KVLog,
-                       config_flash_attn: str, swa_full: bool) -> dict[str, Any]:
+def identity_of_server(
+    *, model_sha256: str, engine_build: str, props: Mapping[str, Any], kv: KVLog, config_flash_attn: str, swa_full: bool
+) -> dict[str, Any]:
     """The running server's identity, in the catalogue's terms."""
     settings = props.get("default_generation_settings") or {}
     return {
@@ -161,8 +176,11 @@ def _unknown_or_moot(field: str, snapshot: Mapping[str, Any], server: Mapping[st
 
 def check_identity(snapshot: Mapping[str, Any], server: Mapping[str, Any], *, snapshot_id: int) -> None:
     """Raise a reason-coded StokerError if the snapshot does not fit the server."""
-    differ = {k: {"snapshot": snapshot.get(k), "server": server.get(k)} for k in IDENTITY_FIELDS
-              if snapshot.get(k) != server.get(k) and not _unknown_or_moot(k, snapshot, server)}
+    differ = {
+        k: {"snapshot": snapshot.get(k), "server": server.get(k)}
+        for k in IDENTITY_FIELDS
+        if snapshot.get(k) != server.get(k) and not _unknown_or_moot(k, snapshot, server)
+    }
     if not differ:
         return
     if "model_sha256" in differ:

@@ -28,7 +28,14 @@ from daemon.engine.api import EngineClient, error_message
 from daemon.models.facts import ModelFacts, model_facts
 from daemon.core.digests import fsync_dir, sha256_file
 from daemon.core.paths import StokerPaths
-from daemon.snapshots.layout import KVLog, check_identity, engine_build_of, identity_of_server, last_launch_lines, swa_report
+from daemon.snapshots.layout import (
+    KVLog,
+    check_identity,
+    engine_build_of,
+    identity_of_server,
+    last_launch_lines,
+    swa_report,
+)
 from states.launch import LaunchPlan, LaunchState
 from states.reasons import ReasonCode
 from store.snapshots import SnapshotCatalog, SnapshotRecord, retention_victims
@@ -66,10 +73,12 @@ def snapshot_server_args(paths: StokerPaths, config: Config, model_path: str | P
 
 def cross_backend_note(saved_on: str | None, restored_on: str | None) -> str:
     """What a restore across backends keeps and what it does not (measured on an H200, issue 7)."""
-    return (f"saved on {saved_on}, restored on {restored_on}: the conversation resumes without re-processing, "
-            f"but the next tokens are {restored_on}'s arithmetic on {saved_on}'s cache: where two candidates "
-            f"are near-tied (common with quantized weights) greedy output can differ from what {saved_on} "
-            f"would have produced; it is no less valid than a fresh run on {restored_on}")
+    return (
+        f"saved on {saved_on}, restored on {restored_on}: the conversation resumes without re-processing, "
+        f"but the next tokens are {restored_on}'s arithmetic on {saved_on}'s cache: where two candidates "
+        f"are near-tied (common with quantized weights) greedy output can differ from what {saved_on} "
+        f"would have produced; it is no less valid than a fresh run on {restored_on}"
+    )
 
 
 class ServedPlan(Protocol):
@@ -165,8 +174,9 @@ class SnapshotService:
                     report["restored"].append(await self._restore(live, rec, slot))
                 except StokerError as err:
                     log.warning("snapshot %d not restored: %s %s", rec.id, err.reason, err.evidence)
-                    report["refused"].append({"id": rec.id, "slot": slot, "reason": str(err.reason),
-                                              "evidence": err.evidence})
+                    report["refused"].append(
+                        {"id": rec.id, "slot": slot, "reason": str(err.reason), "evidence": err.evidence}
+                    )
         self.last_report = report
         return {"snapshots": report}
 
@@ -201,18 +211,29 @@ class SnapshotService:
             with trio.move_on_after(SLOT_TIMEOUT):
                 resp = await engine.props()
         if resp is None or resp.status_code != 200:
-            raise StokerError(ReasonCode.SNAPSHOT_SERVER_NOT_READY,
-                              evidence={"props": None if resp is None else resp.status_code})
+            raise StokerError(
+                ReasonCode.SNAPSHOT_SERVER_NOT_READY, evidence={"props": None if resp is None else resp.status_code}
+            )
         props = resp.json()
         digest = await self.model_digest(Path(plan.model_path))
         build, kv, facts = await trio.to_thread.run_sync(self._read_facts, plan, supervisor.log_path)
         swa_full = kv.swa_full if facts.swa else False
         # The flash attention the server was given: the plan's (what ran), not today's config.
         flash_attn = plan.flash_attn or self.get_config().server.flash_attn
-        identity = identity_of_server(model_sha256=digest, engine_build=build, props=props, kv=kv,
-                                      config_flash_attn=flash_attn, swa_full=swa_full)
-        self.live = LiveServer(key, base_url, api_key, identity, int(props.get("total_slots") or 1),
-                               plan.backend, plan.variant, plan.model_path, swa_report(facts, kv, swa_full))
+        identity = identity_of_server(
+            model_sha256=digest, engine_build=build, props=props, kv=kv, config_flash_attn=flash_attn, swa_full=swa_full
+        )
+        self.live = LiveServer(
+            key,
+            base_url,
+            api_key,
+            identity,
+            int(props.get("total_slots") or 1),
+            plan.backend,
+            plan.variant,
+            plan.model_path,
+            swa_report(facts, kv, swa_full),
+        )
         return self.live
 
     def _read_facts(self, plan: LaunchPlan, log_path: Path) -> tuple[str, KVLog, ModelFacts]:
@@ -237,8 +258,9 @@ class SnapshotService:
 
     # --- save ---------------------------------------------------------------------------
 
-    async def save(self, supervisor: ServedPlan, cause: str, *, slot: int | None = None,
-                   timeout: float = SLOT_TIMEOUT) -> list[SnapshotRecord]:
+    async def save(
+        self, supervisor: ServedPlan, cause: str, *, slot: int | None = None, timeout: float = SLOT_TIMEOUT
+    ) -> list[SnapshotRecord]:
         """Save the non-empty slots (or one slot); newest catalogued records."""
         live = await self.inspect(supervisor)
         if slot is not None:
@@ -250,11 +272,17 @@ class SnapshotService:
                 with trio.move_on_after(timeout):
                     resp = await engine.slots()
                 if resp is None or resp.status_code != 200:
-                    raise StokerError(ReasonCode.SNAPSHOT_SAVE_FAILED, "The server did not list its slots.",
-                                      {"status": None if resp is None else resp.status_code})
+                    raise StokerError(
+                        ReasonCode.SNAPSHOT_SAVE_FAILED,
+                        "The server did not list its slots.",
+                        {"status": None if resp is None else resp.status_code},
+                    )
                 slots = resp.json()
-                todo = [(s["id"], s.get("n_prompt_tokens") or 0) for s in slots
-                        if (slot is None or s["id"] == slot) and (s.get("n_prompt_tokens") or 0) > 0]
+                todo = [
+                    (s["id"], s.get("n_prompt_tokens") or 0)
+                    for s in slots
+                    if (slot is None or s["id"] == slot) and (s.get("n_prompt_tokens") or 0) > 0
+                ]
                 saved, errors = [], []
                 for sid, _ in todo:
                     try:
@@ -269,8 +297,9 @@ class SnapshotService:
             raise errors[0]
         return saved
 
-    async def _save_slot(self, engine: EngineClient, live: LiveServer, slot: int, cause: str,
-                         timeout: float) -> SnapshotRecord:
+    async def _save_slot(
+        self, engine: EngineClient, live: LiveServer, slot: int, cause: str, timeout: float
+    ) -> SnapshotRecord:
         tmp = f"{PARTIAL_PREFIX}{secrets.token_hex(8)}.bin"
         path = self.dir / tmp
         self._inflight.add(tmp)
@@ -279,8 +308,11 @@ class SnapshotService:
             with trio.move_on_after(timeout):
                 resp = await engine.save_slot(slot, tmp)
             if resp is None:
-                raise StokerError(ReasonCode.SNAPSHOT_SAVE_FAILED, f"Saving slot {slot} took longer than {timeout:g} s.",
-                                  {"slot": slot, "timeout_s": timeout})
+                raise StokerError(
+                    ReasonCode.SNAPSHOT_SAVE_FAILED,
+                    f"Saving slot {slot} took longer than {timeout:g} s.",
+                    {"slot": slot, "timeout_s": timeout},
+                )
             if resp.status_code != 200:
                 raise self._save_error(slot, {"status": resp.status_code, "engine": error_message(resp)})
             body = resp.json()
@@ -291,12 +323,22 @@ class SnapshotService:
             final = f"slot{slot}-{int(created * 1000)}-{secrets.token_hex(4)}.bin"
             os.replace(path, self.dir / final)
             await trio.to_thread.run_sync(fsync_dir, self.dir)
-            return self.catalog.add({
-                "filename": final, "slot_id": slot, "model_path": live.model_path, "backend": live.backend,
-                "variant": live.variant, **live.identity, "n_tokens": body.get("n_saved", 0), "file_size": size,
-                "file_sha256": sha, "cause": cause, "save_ms": (body.get("timings") or {}).get("save_ms"),
-                "created_at": created,
-            })
+            return self.catalog.add(
+                {
+                    "filename": final,
+                    "slot_id": slot,
+                    "model_path": live.model_path,
+                    "backend": live.backend,
+                    "variant": live.variant,
+                    **live.identity,
+                    "n_tokens": body.get("n_saved", 0),
+                    "file_size": size,
+                    "file_sha256": sha,
+                    "cause": cause,
+                    "save_ms": (body.get("timings") or {}).get("save_ms"),
+                    "created_at": created,
+                }
+            )
         except OSError as exc:
             raise self._save_error(slot, {"error": str(exc)}) from exc
         finally:
@@ -333,9 +375,16 @@ class SnapshotService:
         check_identity(rec.identity(), live.identity, snapshot_id=rec.id)
         found = await trio.to_thread.run_sync(_file_state, self.dir / rec.filename)
         if found != (rec.file_size, rec.file_sha256):
-            raise StokerError(ReasonCode.SNAPSHOT_CORRUPT, evidence={
-                "snapshot_id": rec.id, "file": rec.filename, "expected_size": rec.file_size,
-                "found_size": found[0] if found else None, "digest_matches": bool(found and found[1] == rec.file_sha256)})
+            raise StokerError(
+                ReasonCode.SNAPSHOT_CORRUPT,
+                evidence={
+                    "snapshot_id": rec.id,
+                    "file": rec.filename,
+                    "expected_size": rec.file_size,
+                    "found_size": found[0] if found else None,
+                    "digest_matches": bool(found and found[1] == rec.file_sha256),
+                },
+            )
         async with self._lock, EngineClient.open(live.base_url, live.api_key, timeout=None) as engine:
             resp = None
             with trio.move_on_after(SLOT_TIMEOUT):
@@ -345,13 +394,24 @@ class SnapshotService:
                 # The engine clears the slot after a failed restore; erase makes sure of it.
                 with trio.move_on_after(SLOT_TIMEOUT):
                     await engine.erase_slot(slot)
-                raise StokerError(ReasonCode.SNAPSHOT_RESTORE_FAILED, evidence={
-                    "snapshot_id": rec.id, "slot": slot, "status": None if resp is None else resp.status_code,
-                    "engine": None if resp is None else error_message(resp)})
-        result = {"id": rec.id, "slot": slot, "n_tokens": body["n_restored"],
-                  "restore_ms": (body.get("timings") or {}).get("restore_ms"),
-                  "saved_on": rec.backend, "restored_on": live.backend,
-                  "cross_backend": bool(rec.backend and live.backend and rec.backend != live.backend)}
+                raise StokerError(
+                    ReasonCode.SNAPSHOT_RESTORE_FAILED,
+                    evidence={
+                        "snapshot_id": rec.id,
+                        "slot": slot,
+                        "status": None if resp is None else resp.status_code,
+                        "engine": None if resp is None else error_message(resp),
+                    },
+                )
+        result = {
+            "id": rec.id,
+            "slot": slot,
+            "n_tokens": body["n_restored"],
+            "restore_ms": (body.get("timings") or {}).get("restore_ms"),
+            "saved_on": rec.backend,
+            "restored_on": live.backend,
+            "cross_backend": bool(rec.backend and live.backend and rec.backend != live.backend),
+        }
         if result["cross_backend"]:
             result["note"] = cross_backend_note(rec.backend, live.backend)
         return result
@@ -359,7 +419,11 @@ class SnapshotService:
     # --- catalogue ----------------------------------------------------------------------
 
     def get(self, snapshot_id: Any) -> SnapshotRecord:
-        rec = self.catalog.get(snapshot_id) if isinstance(snapshot_id, int) and not isinstance(snapshot_id, bool) else None
+        rec = (
+            self.catalog.get(snapshot_id)
+            if isinstance(snapshot_id, int) and not isinstance(snapshot_id, bool)
+            else None
+        )
         if rec is None:
             raise StokerError(ReasonCode.SNAPSHOT_NOT_FOUND, evidence={"id": snapshot_id})
         return rec

@@ -185,7 +185,8 @@ def summarise_gpus(source: str, devices: list[dict[str, Any]], process_vram_mib:
         "memory_total_mib": total("memory_total_mib"),
         "process_vram_mib": process_vram_mib,
         "temperature_c": peak("temperature_c"),
-        "power_w": None if not any(d["power_w"] is not None for d in devices)
+        "power_w": None
+        if not any(d["power_w"] is not None for d in devices)
         else round(sum(d["power_w"] or 0.0 for d in devices), 1),
     }
 
@@ -284,8 +285,13 @@ EngineFetch = Callable[[str, "str | None"], Any]
 # --- the sampler ------------------------------------------------------------------------
 
 
-def activity_of(target: ServerTarget | None, gpu: dict[str, Any] | None, gpu_error: str | None,
-                process: dict[str, Any] | None, engine: dict[str, Any] | None) -> str:
+def activity_of(
+    target: ServerTarget | None,
+    gpu: dict[str, Any] | None,
+    gpu_error: str | None,
+    process: dict[str, Any] | None,
+    engine: dict[str, Any] | None,
+) -> str:
     """busy | idle | stopped | unavailable: see the module docstring."""
     if target is None:
         return "stopped"
@@ -420,7 +426,9 @@ class TelemetrySampler:
                 sample["engine"] = await self.engine_fetch(target.base_url, target.api_key)
             except Exception as err:  # an old server without --metrics, or a busy one
                 sample["engine_error"] = f"{type(err).__name__}: {err}"[:300]
-        sample["activity"] = activity_of(target, sample["gpu"], sample["gpu_error"], sample["process"], sample["engine"])
+        sample["activity"] = activity_of(
+            target, sample["gpu"], sample["gpu_error"], sample["process"], sample["engine"]
+        )
         return sample
 
     def _gpu_reader_for(self, backend: str) -> GpuReader:

@@ -49,8 +49,9 @@ async def serve_telemetry(
     def publish(sample: dict[str, Any]) -> None:
         bus.publish({"topic": TOPIC, "sample": sample, "point": history_point(sample)})
 
-    sampler = TelemetrySampler(target=target, on_sample=publish, ttl=ttl, gpu_reader_factory=gpu_reader_factory,
-                               engine_fetch=engine_fetch)
+    sampler = TelemetrySampler(
+        target=target, on_sample=publish, ttl=ttl, gpu_reader_factory=gpu_reader_factory, engine_fetch=engine_fetch
+    )
     try:
         task_status.started(sampler)
         while True:

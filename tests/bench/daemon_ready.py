@@ -57,8 +57,9 @@ def time_direct(server: Path, model: Path, ctx: int, workdir: Path) -> float:
     cwd.mkdir(exist_ok=True)
     with open(workdir / "direct.log", "ab") as log, httpx.Client(timeout=1.0, trust_env=False) as client:
         started = time.perf_counter()
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=server_env(spec),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=server_env(spec), start_new_session=True
+        )
         try:
             while True:
                 try:
@@ -169,7 +170,11 @@ def main() -> int:
         "|---|---|---|---|",
     ]
     lines += [f"| {i + 1} | {a:.3f} | {b:.3f} | {b / a:.3f} |" for i, (a, b) in enumerate(zip(direct, via_daemon))]
-    lines += ["", f"**Median ratio daemon/direct: {ratio:.3f}** (target <= 1.05: {'met' if ratio <= 1.05 else 'NOT met'}).", ""]
+    lines += [
+        "",
+        f"**Median ratio daemon/direct: {ratio:.3f}** (target <= 1.05: {'met' if ratio <= 1.05 else 'NOT met'}).",
+        "",
+    ]
     lines += [
         "### `status` round trips with a subscriber attached",
         "",
@@ -177,7 +182,9 @@ def main() -> int:
         "|---|---|---|---|---|",
     ]
     for name, values in rtts.items():
-        lines.append(f"| {name} | {len(values)} | {percentile(values, 50):.3f} | {percentile(values, 99):.3f} | {max(values):.3f} |")
+        lines.append(
+            f"| {name} | {len(values)} | {percentile(values, 50):.3f} | {percentile(values, 99):.3f} | {max(values):.3f} |"
+        )
     p99 = percentile(rtts["one connection"], 99)
     lines += ["", f"Target p99 < 5 ms on one connection: {'met' if p99 < 5 else 'NOT met'} ({p99:.3f} ms)."]
     text = "\n".join(lines)

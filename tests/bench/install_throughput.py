@@ -121,9 +121,7 @@ def time_stoker(url: str, out: Path, digest: str, size: int) -> tuple[float, flo
     """Wall and CPU seconds (this process; the server runs in another) for download()."""
     out.unlink(missing_ok=True)
     cpu0, began = cpu_seconds(resource.RUSAGE_SELF), time.perf_counter()
-    result = trio.run(
-        lambda: download(url, out, expected_sha256=digest, expected_size=size, max_bytes=size)
-    )
+    result = trio.run(lambda: download(url, out, expected_sha256=digest, expected_size=size, max_bytes=size))
     cpu1, elapsed = cpu_seconds(resource.RUSAGE_SELF), time.perf_counter() - began
     assert result.sha256 == digest and out.stat().st_size == size
     out.unlink()
@@ -226,7 +224,7 @@ def main() -> int:
         "",
         "Reading the figures:",
         "",
-        "- Every column but \"curl alone\" includes the digest; Stoker's also includes what curl does "
+        '- Every column but "curl alone" includes the digest; Stoker\'s also includes what curl does '
         "not do: fsync of the file and of its directory before the atomic rename, and starting an "
         "event loop and an HTTP client.",
         "- Stoker hashes while it receives (a worker thread hashes and writes 1 MiB batches while the "

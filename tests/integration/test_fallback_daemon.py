@@ -26,8 +26,9 @@ GPUS = ("cuda", "rocm", "vulkan", "metal")
 
 
 def stoker(d: DaemonProcess, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "daemon", *args], env=d.env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "daemon", *args], env=d.env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.engine
@@ -35,7 +36,11 @@ def test_no_gpu_serves_on_cpu_and_status_says_why(daemon, model):
     daemon.start()
     st = daemon.wait_state("ready", timeout=120)
     assert st["backend"] == "cpu" and st["planned_backend"] == "cpu"
-    assert st["preference"] == {"prefer": "auto", "forced": False, "candidates": ["cuda", "rocm", "metal", "vulkan", "cpu"]}
+    assert st["preference"] == {
+        "prefer": "auto",
+        "forced": False,
+        "candidates": ["cuda", "rocm", "metal", "vulkan", "cpu"],
+    }
     assert st["fallback_reason"] == "gpu_missing"
     why = {f["backend"]: f for f in st["fallbacks"]}
     assert set(why) == set(GPUS)
@@ -49,8 +54,9 @@ def test_no_gpu_serves_on_cpu_and_status_says_why(daemon, model):
     for gpu in GPUS:
         rows = daemon.history(machine=f"probe:{gpu}")
         assert any(r["to_state"] == "unavailable" and r["reason"] == "gpu_missing" for r in rows)
-    steps = [(r["from_state"], r["event"], r["to_state"], r["reason"])
-             for r in reversed(daemon.history(machine="fallback"))]
+    steps = [
+        (r["from_state"], r["event"], r["to_state"], r["reason"]) for r in reversed(daemon.history(machine="fallback"))
+    ]
     assert steps[0][1] == "PlanRequested"
     assert ("checking", "CheckFailed", "checking", "gpu_missing") in steps
     assert steps[-1][1:3] == ("LaunchSucceeded", "settled")
@@ -102,9 +108,24 @@ def test_install_streams_progress_lines(stoker_home, tmp_path, fault_server):
 
     url = fault_server.add("/cpu-compat.zip", data, Fault(rate=max(len(data) // 2, 1000)))
     manifest = tmp_path / "manifest.json"
-    manifest.write_text(json.dumps({"schema_version": 1, "bundles": [{
-        "url": url, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "backend": "cpu",
-        "variant": "compat", "version": "b11434", "platform": host_platform()}]}))
+    manifest.write_text(
+        json.dumps(
+            {
+                "schema_version": 1,
+                "bundles": [
+                    {
+                        "url": url,
+                        "sha256": hashlib.sha256(data).hexdigest(),
+                        "size": len(data),
+                        "backend": "cpu",
+                        "variant": "compat",
+                        "version": "b11434",
+                        "platform": host_platform(),
+                    }
+                ],
+            }
+        )
+    )
     d = DaemonProcess(stoker_home)
     # A model that does not exist: the autostart fails at once (model_missing), before any
     # install, so the daemon sits idle while `stoker install` is exercised.
@@ -148,9 +169,24 @@ def _manifest_for(tmp_path, url: str, data: bytes, variant: str) -> Path:
     import hashlib
 
     manifest = tmp_path / "manifest.json"
-    manifest.write_text(json.dumps({"schema_version": 1, "bundles": [{
-        "url": url, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "backend": "cpu",
-        "variant": variant, "version": "b11434", "platform": host_platform()}]}))
+    manifest.write_text(
+        json.dumps(
+            {
+                "schema_version": 1,
+                "bundles": [
+                    {
+                        "url": url,
+                        "sha256": hashlib.sha256(data).hexdigest(),
+                        "size": len(data),
+                        "backend": "cpu",
+                        "variant": variant,
+                        "version": "b11434",
+                        "platform": host_platform(),
+                    }
+                ],
+            }
+        )
+    )
     return manifest
 
 

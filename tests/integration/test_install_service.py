@@ -50,16 +50,36 @@ class Setup:
         self.manifest = tmp / "manifest.json"
         self.events: list[dict] = []
 
-    def publish(self, url: str, *, data: bytes | None = None, size: int | None = None,
-                backend: str = "cpu", variant: str = "avx2") -> None:
+    def publish(
+        self,
+        url: str,
+        *,
+        data: bytes | None = None,
+        size: int | None = None,
+        backend: str = "cpu",
+        variant: str = "avx2",
+    ) -> None:
         data = self.data if data is None else data
-        entry = {"url": url, "sha256": _sha(data), "size": len(data) if size is None else size,
-                 "backend": backend, "variant": variant, "version": "b11434", "platform": host_platform()}
+        entry = {
+            "url": url,
+            "sha256": _sha(data),
+            "size": len(data) if size is None else size,
+            "backend": backend,
+            "variant": variant,
+            "version": "b11434",
+            "platform": host_platform(),
+        }
         self.manifest.write_text(json.dumps({"schema_version": 1, "bundles": [entry]}))
 
     def service(self, **kwargs) -> InstallService:
-        return InstallService(self.paths, self.store, self.events.append,
-                              manifest_source=lambda: str(self.manifest), smoke=False, **kwargs)
+        return InstallService(
+            self.paths,
+            self.store,
+            self.events.append,
+            manifest_source=lambda: str(self.manifest),
+            smoke=False,
+            **kwargs,
+        )
 
     def slot_json(self) -> bytes:
         return (self.paths.bundles_dir / "cpu-avx2" / "bundle.json").read_bytes()
@@ -103,8 +123,7 @@ async def test_clean_install_publishes_progress_and_keeps_the_previous(setup):
     assert progress and progress[-1]["bytes_done"] == len(setup.data) == progress[-1]["total"]
     assert set(progress[-1]) >= {"backend", "variant", "bytes_done", "total", "rate", "eta"}
     path = [r.to_state for r in reversed(setup.store.history(machine="install:cpu-avx2"))]
-    assert path == ["resolving", "downloading", "verifying", "unpacking", "validating", "smoke_testing",
-                    "installed"]
+    assert path == ["resolving", "downloading", "verifying", "unpacking", "validating", "smoke_testing", "installed"]
 
 
 async def test_connection_cut_at_a_random_byte_resumes(setup):
@@ -202,8 +221,9 @@ async def test_daemon_killed_while_validating_redoes_from_clean_staging(setup):
             await trio.sleep_forever()
 
     with trio.move_on_after(5):
-        stuck = Stuck(setup.paths, setup.store, setup.events.append,
-                      manifest_source=lambda: str(setup.manifest), smoke=False)
+        stuck = Stuck(
+            setup.paths, setup.store, setup.events.append, manifest_source=lambda: str(setup.manifest), smoke=False
+        )
         await stuck.install("cpu", variant="avx2")
     assert setup.store.machine("install:cpu-avx2").state == "validating"
     # Half-way: the staging dir exists but the launcher still finds the previous bundle.
@@ -246,8 +266,9 @@ async def test_file_url_mirror(setup):
 async def test_real_cpu_bundle_installs_verified_and_smoke_tested(setup, cpu_bundle):
     data = Path(cpu_bundle).read_bytes()
     setup.publish(setup.server.add("/real.zip", data, Fault(cut_after=len(data) // 2)), data=data)
-    service = InstallService(setup.paths, setup.store, setup.events.append,
-                             manifest_source=lambda: str(setup.manifest), smoke=True)
+    service = InstallService(
+        setup.paths, setup.store, setup.events.append, manifest_source=lambda: str(setup.manifest), smoke=True
+    )
     with trio.fail_after(300):
         bundle = await service.install("cpu", variant="avx2")
     assert bundle.meta.backend == "cpu" and bundle.server.is_file()
@@ -276,8 +297,13 @@ def test_the_cli_installs_a_local_bundle_through_the_running_daemon(stoker_home,
     from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config
 
     def bundle_install(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "daemon", "bundle", "install", *args, "--json"], env=d.env,
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "daemon", "bundle", "install", *args, "--json"],
+            env=d.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     first = make_bundle_zip(tmp_path, "first.zip", smoke_tokens=None)
     second = make_bundle_zip(tmp_path, "second.zip", smoke_tokens=None)
@@ -294,8 +320,14 @@ def test_the_cli_installs_a_local_bundle_through_the_running_daemon(stoker_home,
             assert slot.read_bytes() == (tmp_path / f"{zip_path.name}.src" / "bin" / "libggml-fake.so").read_bytes()
         steps = [r["to_state"] for r in reversed(d.history(machine="install:cpu-avx2"))]
         assert steps.count("installed") == 3 and "validating" in steps
-        relative = subprocess.run([sys.executable, "-m", "daemon", "bundle", "install", "first.zip", "--json"],
-                                  env=d.env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        relative = subprocess.run(
+            [sys.executable, "-m", "daemon", "bundle", "install", "first.zip", "--json"],
+            env=d.env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert relative.returncode == 0, relative.stdout + relative.stderr  # the CLI sends an absolute path
     finally:
         d.stop()

@@ -32,8 +32,7 @@ def argv_of(pid: int) -> list[str]:
 
 
 def test_history_records_exactly_the_command_line_that_ran(daemon, model):
-    write_config(daemon.paths, tiny_config(model, threads=2, flash_attn="off", extra_args=["--jinja"],
-                                           snapshots=True))
+    write_config(daemon.paths, tiny_config(model, threads=2, flash_attn="off", extra_args=["--jinja"], snapshots=True))
     daemon.start()
     st = daemon.wait_state("ready", timeout=120)
     (plan,) = recorded_plans(daemon)

@@ -133,7 +133,9 @@ async def test_a_daemon_left_holding_stdout_does_not_stall_the_probe(tmp_path):
     try:
         with trio.fail_after(15):
             d = await run_probe(
-                "daemonizing", timeout=10, target="probe_backends:DaemonizingBackend",
+                "daemonizing",
+                timeout=10,
+                target="probe_backends:DaemonizingBackend",
                 env=child_env(STOKER_TEST_PIDFILE=str(pidfile)),
             )
         assert d.usable and d.message == "answered; a helper daemon lives on"
@@ -162,8 +164,12 @@ async def test_the_daemon_side_survives_bad_probes_and_keeps_probing():
 
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: probe("segv", timeout=20, target="probe_backends:SegfaultBackend", env=child_env()))
-            nursery.start_soon(lambda: probe("raising", timeout=2, target="probe_backends:RaisingBackend", env=child_env()))
+            nursery.start_soon(
+                lambda: probe("segv", timeout=20, target="probe_backends:SegfaultBackend", env=child_env())
+            )
+            nursery.start_soon(
+                lambda: probe("raising", timeout=2, target="probe_backends:RaisingBackend", env=child_env())
+            )
             nursery.start_soon(lambda: probe("cuda", timeout=30))
         after = await run_probes(["cpu", "metal"], timeout=45)
     assert results["segv"].reason == R.PROBE_FAILED and results["raising"].reason == R.PROBE_FAILED
@@ -174,6 +180,7 @@ async def test_the_daemon_side_survives_bad_probes_and_keeps_probing():
 async def test_outer_cancellation_still_cancels():
     """Shutdown is not a probe failure: cancelling the caller propagates and kills the child."""
     with trio.move_on_after(1) as scope:
-        await run_probe("hang", timeout=60, target="probe_backends:HangingBackend",
-                        env=child_env(STOKER_TEST_PIDFILE=os.devnull))
+        await run_probe(
+            "hang", timeout=60, target="probe_backends:HangingBackend", env=child_env(STOKER_TEST_PIDFILE=os.devnull)
+        )
     assert scope.cancelled_caught

@@ -47,8 +47,17 @@ class Engine:
         return self.post("/tokenize", {"content": text})["tokens"]
 
     def complete(self, tokens: list[int], n: int = 12) -> tuple[list[int], dict]:
-        out = self.post("/completion", {"prompt": tokens, "n_predict": n, "temperature": 0, "cache_prompt": True,
-                                        "return_tokens": True, "id_slot": 0})
+        out = self.post(
+            "/completion",
+            {
+                "prompt": tokens,
+                "n_predict": n,
+                "temperature": 0,
+                "cache_prompt": True,
+                "return_tokens": True,
+                "id_slot": 0,
+            },
+        )
         return out["tokens"], out["timings"]
 
     def erase(self, slot: int = 0) -> None:
@@ -99,8 +108,9 @@ def test_gate_gemma_token_identical_after_restart(stoker_home, installed_cpu_bun
 
     d = DaemonProcess(stoker_home)
     model = resolve_model("gemma3-270m", d.paths)
-    write_config(d.paths, tiny_config(model, snapshots=True, ctx_size=2048, stall_timeout_s=120.0,
-                                      ready_timeout_s=300.0))
+    write_config(
+        d.paths, tiny_config(model, snapshots=True, ctx_size=2048, stall_timeout_s=120.0, ready_timeout_s=300.0)
+    )
     d.start()
     try:
         long_prompt = " ".join(["The river carried the old boat past the mill and the quiet town."] * 50)
@@ -177,12 +187,15 @@ def test_engine_refusal_clears_the_slot_and_the_server_keeps_serving(daemon):
     import hashlib
 
     with sqlite3.connect(daemon.paths.db_file) as db:
-        db.execute("update snapshots set file_size = ?, file_sha256 = ? where id = ?",
-                   [len(bad), hashlib.sha256(bad).hexdigest(), snap["id"]])
+        db.execute(
+            "update snapshots set file_size = ?, file_sha256 = ? where id = ?",
+            [len(bad), hashlib.sha256(bad).hexdigest(), snap["id"]],
+        )
     ev = _refused(daemon, "snapshot_restore_failed", id=snap["id"])
     assert ev["status"] == 400
-    slots = httpx.get(daemon.call("status")["endpoint"] + "/slots",
-                      headers=Engine(daemon.call("status")).headers, timeout=30).json()
+    slots = httpx.get(
+        daemon.call("status")["endpoint"] + "/slots", headers=Engine(daemon.call("status")).headers, timeout=30
+    ).json()
     assert slots[0]["is_processing"] is False
 
 
@@ -305,8 +318,12 @@ def test_down_saves_and_disabled_does_not(daemon, model):
 
 def _mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def test_disk_full_during_save_keeps_the_previous_snapshot(daemon):

@@ -59,9 +59,24 @@ def plugin_site(tmp_path_factory) -> Path:
     source = tmp_path_factory.mktemp("fakegpu-source")
     shutil.copytree(PLUGIN_SOURCE, source, dirs_exist_ok=True)  # pip builds in the tree it is given
     site = tmp_path_factory.mktemp("fakegpu-site")
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-input",
-                           "--disable-pip-version-check", "--target", str(site), str(source)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-input",
+            "--disable-pip-version-check",
+            "--target",
+            str(site),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert (site / "stoker_fakegpu.py").is_file() and list(site.glob("stoker_fakegpu-*.dist-info"))
     return site
@@ -93,8 +108,9 @@ def relabel_cpu_bundle(cpu_root: Path, dest: Path, lost_flag: Path) -> BundleMet
 
 
 def stoker(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "daemon", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "daemon", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def settled(st: dict[str, Any]) -> bool:
@@ -161,7 +177,8 @@ def daemons(stoker_home, model):
 @pytest.mark.engine
 @pytest.mark.slow
 def test_a_plugin_backend_is_probed_planned_launched_shown_and_falls_back_with_its_own_codes(
-        stoker_home, installed_cpu_bundle, model, plugin_site, daemons, tmp_path):
+    stoker_home, installed_cpu_bundle, model, plugin_site, daemons, tmp_path
+):
     plain = {**os.environ, "STOKER_HOME": str(stoker_home)}
     d = DaemonProcess(stoker_home, env=with_plugin(plugin_site, DEVICE))
     env = d.env
@@ -224,8 +241,11 @@ def test_a_plugin_backend_is_probed_planned_launched_shown_and_falls_back_with_i
     lost.touch()
     first = st["pid"]
     assert stoker(env, "restart", "--json").returncode == 0
-    st = d.wait_for(lambda s: settled(s) and s["pid"] not in (None, first) and s["planned_backend"] == "cpu",
-                    timeout=180, what="the CPU after fakegpu's startup failure")
+    st = d.wait_for(
+        lambda s: settled(s) and s["pid"] not in (None, first) and s["planned_backend"] == "cpu",
+        timeout=180,
+        what="the CPU after fakegpu's startup failure",
+    )
     died = fallback_of(st, "fakegpu")
     assert died["reason"] == "fakegpu_startup_failed" and died["message"].startswith(DEVICE_LOST)
     assert died["evidence"]["exit_reason"] == "server_crashed" and died["evidence"].get("signal") == "SIGSEGV"

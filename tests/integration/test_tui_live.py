@@ -84,7 +84,9 @@ def test_keys_reach_the_daemon_and_the_screen_follows(daemon, model):
     async def scenario() -> None:
         app = StokerApp(SocketLink(daemon.paths.socket_path))
         async with app.run_test(size=(100, 30)) as pilot:
-            await until(pilot, lambda: state_of(app) == "ready" and app.loaded >= {"history", "telemetry"}, what="ready")
+            await until(
+                pilot, lambda: state_of(app) == "ready" and app.loaded >= {"history", "telemetry"}, what="ready"
+            )
             assert "ready" in card_text(app) and "cpu" in card_text(app)
             assert app.query_one(HistoryView).rows[0]["to_state"] == "ready"
 
@@ -117,8 +119,14 @@ def test_keys_reach_the_daemon_and_the_screen_follows(daemon, model):
             assert "ready" in card_text(app)
 
             # While the app watches, the daemon publishes samples of the live CPU server.
-            await until(pilot, lambda: (panel.sample or {}).get("process") is not None
-                        and (panel.sample or {}).get("pid") == status["pid"], timeout=20, what="a CPU sample")
+            await until(
+                pilot,
+                lambda: (
+                    (panel.sample or {}).get("process") is not None and (panel.sample or {}).get("pid") == status["pid"]
+                ),
+                timeout=20,
+                what="a CPU sample",
+            )
             assert panel.sample["backend"] == "cpu" and panel.sample["gpu"] is None
             assert panel.has_class("-cpu") and not panel.has_class("-gpu")
             await pilot.press("q")
@@ -138,8 +146,9 @@ def test_restart_asks_then_gives_a_new_server(daemon):
             await pilot.press("r")
             assert isinstance(app.screen, ConfirmScreen)
             await pilot.press("y")
-            await until(pilot, lambda: state_of(app) == "ready" and app.status["pid"] != first["pid"],
-                        what="a new server")
+            await until(
+                pilot, lambda: state_of(app) == "ready" and app.status["pid"] != first["pid"], what="a new server"
+            )
             await pilot.press("q")
 
     asyncio.run(scenario())
@@ -160,8 +169,12 @@ def test_not_running_screen_then_reconnects_by_itself(stoker_home, tmp_path):
             assert not app.check_action("up", ())  # no daemon actions without a daemon
 
             d.start(wait=False)
-            await until(pilot, lambda: app.connected and not isinstance(app.screen, NotRunningScreen),
-                        timeout=30, what="reconnection")
+            await until(
+                pilot,
+                lambda: app.connected and not isinstance(app.screen, NotRunningScreen),
+                timeout=30,
+                what="reconnection",
+            )
             await until(pilot, lambda: state_of(app) in ("failed", "stopped"), timeout=30, what="status")
             assert app.check_action("up", ())
 
@@ -169,8 +182,12 @@ def test_not_running_screen_then_reconnects_by_itself(stoker_home, tmp_path):
             await asyncio.to_thread(d.stop)
             await until(pilot, lambda: isinstance(app.screen, NotRunningScreen), timeout=30, what="not running again")
             d.start(wait=False)
-            await until(pilot, lambda: app.connected and not isinstance(app.screen, NotRunningScreen),
-                        timeout=30, what="second reconnection")
+            await until(
+                pilot,
+                lambda: app.connected and not isinstance(app.screen, NotRunningScreen),
+                timeout=30,
+                what="second reconnection",
+            )
             await pilot.press("q")
 
     try:
@@ -199,8 +216,9 @@ def test_cpu_telemetry_reads_the_live_server(daemon):
     assert daemon.call("telemetry")["sample"]["time"] == sample["time"]
 
     body = {"prompt": "hello", "n_predict": 16, "temperature": 0}
-    reply = httpx.post(f"{st['endpoint']}/completion", json=body,
-                       headers={"Authorization": f"Bearer {st['api_key']}"}, timeout=60)
+    reply = httpx.post(
+        f"{st['endpoint']}/completion", json=body, headers={"Authorization": f"Bearer {st['api_key']}"}, timeout=60
+    )
     assert reply.status_code == 200
     time.sleep(first["ttl_s"] + 0.2)
     later = daemon.call("telemetry")
@@ -228,18 +246,25 @@ def test_telemetry_events_and_the_cli(daemon):
     assert sample_event["point"]["rss_mib"] > 1
 
     env = {**os.environ, "STOKER_HOME": str(daemon.home)}
-    out = subprocess.run([sys.executable, "-m", "daemon", "telemetry", "--json"], env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "daemon", "telemetry", "--json"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["sample"]["backend"] == "cpu" and "history" in doc
-    human = subprocess.run([sys.executable, "-m", "daemon", "telemetry"], env=env,
-                           capture_output=True, text=True, timeout=60)
+    human = subprocess.run(
+        [sys.executable, "-m", "daemon", "telemetry"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert human.returncode == 0 and "rss" in human.stdout and "tok/s" in human.stdout
 
     # --watch --json: one sample per line, a new one about every 5 s.
-    watch = subprocess.Popen([sys.executable, "-m", "daemon", "telemetry", "--watch", "--json"], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "daemon", "telemetry", "--watch", "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     guard = threading.Timer(60, watch.kill)  # a stuck stream fails the test instead of hanging it
     guard.start()
     try:
@@ -254,7 +279,8 @@ def test_telemetry_events_and_the_cli(daemon):
 
 def test_telemetry_cli_without_a_daemon_exits_3(stoker_home):
     env = {**os.environ, "STOKER_HOME": str(stoker_home)}
-    out = subprocess.run([sys.executable, "-m", "daemon", "telemetry", "--json"], env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "daemon", "telemetry", "--json"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 3
     assert json.loads(out.stdout)["error"]["reason"] == "daemon_not_running"

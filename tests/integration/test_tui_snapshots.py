@@ -67,26 +67,42 @@ def status_cpu_fallback() -> dict[str, Any]:
 
 def status_zero_layers() -> dict[str, Any]:
     """Recorded on the H200 (docs/gpu-verification.md): another process held all but 1.5 GiB."""
-    hint = ("1499 MiB free VRAM, about 524 MiB of it taken by the runtime, vs model 241 MiB + KV 72 MiB; "
-            "the engine keeps 1024 MiB free (-fitt) and offloads nothing when less is left; free VRAM, "
-            'or lower the margin: [server] extra_args = ["-fitt", "256"]')
+    hint = (
+        "1499 MiB free VRAM, about 524 MiB of it taken by the runtime, vs model 241 MiB + KV 72 MiB; "
+        "the engine keeps 1024 MiB free (-fitt) and offloads nothing when less is left; free VRAM, "
+        'or lower the margin: [server] extra_args = ["-fitt", "256"]'
+    )
     return {
         **status_cpu_fallback(),
-        "reason": None, "message": None, "evidence": {},
-        "planned_backend": "cuda", "variant": "avx2",
+        "reason": None,
+        "message": None,
+        "evidence": {},
+        "planned_backend": "cuda",
+        "variant": "avx2",
         "model": "/home/ana/models/gemma-3-270m-q4_k_m.gguf",
         "layers": {"planned": "auto", "offloaded": 0, "total": 19},
-        "fallbacks": [{"backend": "cuda", "reason": "cuda_gpu_layers_zero",
-                       "message": "The CUDA server started but offloaded 0 layers to the GPU; serving on the CPU.",
-                       "evidence": {"offloaded_layers": 0, "total_layers": 19, "hint": hint}}],
+        "fallbacks": [
+            {
+                "backend": "cuda",
+                "reason": "cuda_gpu_layers_zero",
+                "message": "The CUDA server started but offloaded 0 layers to the GPU; serving on the CPU.",
+                "evidence": {"offloaded_layers": 0, "total_layers": 19, "hint": hint},
+            }
+        ],
     }
 
 
 def _point(i: int, util: int, used: int, proc: int, tps: float | None, cpu: float | None = None) -> dict[str, Any]:
     return {
-        "time": T0 + 5 * i, "pid": 48213, "activity": "busy" if util else "idle",
-        "gpu_utilization_percent": util, "memory_used_mib": used, "process_vram_mib": proc,
-        "cpu_percent": cpu, "rss_mib": 812.0, "tokens_per_s": tps,
+        "time": T0 + 5 * i,
+        "pid": 48213,
+        "activity": "busy" if util else "idle",
+        "gpu_utilization_percent": util,
+        "memory_used_mib": used,
+        "process_vram_mib": proc,
+        "cpu_percent": cpu,
+        "rss_mib": 812.0,
+        "tokens_per_s": tps,
     }
 
 
@@ -97,21 +113,47 @@ CPU_LOAD = [1.0, 0.5, 180.0, 196.0, 198.0, 150.0, 2.0, 0.0, 0.0, 120.0, 197.0, 1
 def telemetry_cuda() -> dict[str, Any]:
     history = [_point(i, u, 6310 if u else 6290, 5702, 118.4 if u else 0.0) for i, u in enumerate(GPU_UTIL)]
     sample = {
-        "time": T0 + 5 * len(GPU_UTIL), "ttl_s": 5.0, "state": "ready", "backend": "cuda", "pid": 48213,
+        "time": T0 + 5 * len(GPU_UTIL),
+        "ttl_s": 5.0,
+        "state": "ready",
+        "backend": "cuda",
+        "pid": 48213,
         "activity": "busy",
         "gpu": {
             "source": "nvml",
-            "devices": [{"index": 0, "name": "NVIDIA H200", "utilization_percent": 87,
-                         "memory_utilization_percent": 41, "memory_used_mib": 6310, "memory_total_mib": 143771,
-                         "temperature_c": 54, "power_w": 312.3, "process_vram_mib": 5702, "compute_processes": 1}],
-            "utilization_percent": 87, "memory_utilization_percent": 41, "memory_used_mib": 6310,
-            "memory_total_mib": 143771, "process_vram_mib": 5702, "temperature_c": 54, "power_w": 312.3,
+            "devices": [
+                {
+                    "index": 0,
+                    "name": "NVIDIA H200",
+                    "utilization_percent": 87,
+                    "memory_utilization_percent": 41,
+                    "memory_used_mib": 6310,
+                    "memory_total_mib": 143771,
+                    "temperature_c": 54,
+                    "power_w": 312.3,
+                    "process_vram_mib": 5702,
+                    "compute_processes": 1,
+                }
+            ],
+            "utilization_percent": 87,
+            "memory_utilization_percent": 41,
+            "memory_used_mib": 6310,
+            "memory_total_mib": 143771,
+            "process_vram_mib": 5702,
+            "temperature_c": 54,
+            "power_w": 312.3,
         },
         "gpu_error": None,
         "process": {"cpu_percent": 99.5, "rss_mib": 812.0, "threads": 18, "cpu_count": 16},
         "process_error": None,
-        "engine": {"tokens_per_s": 118.4, "prompt_tokens_per_s": 4210.7, "tokens_predicted_total": 48211,
-                   "prompt_tokens_total": 90312, "requests_processing": 1, "requests_deferred": 0},
+        "engine": {
+            "tokens_per_s": 118.4,
+            "prompt_tokens_per_s": 4210.7,
+            "tokens_predicted_total": 48211,
+            "prompt_tokens_total": 90312,
+            "requests_processing": 1,
+            "requests_deferred": 0,
+        },
         "engine_error": None,
     }
     return {"sample": sample, "history": history, "ttl_s": 5.0}
@@ -128,49 +170,108 @@ def telemetry_cuda_idle() -> dict[str, Any]:
 
 def telemetry_cpu() -> dict[str, Any]:
     history = [
-        {"time": T0 + 5 * i, "pid": 9120, "activity": "busy" if c > 5 else "idle", "gpu_utilization_percent": None,
-         "memory_used_mib": None, "process_vram_mib": None, "cpu_percent": c, "rss_mib": 142.0,
-         "tokens_per_s": 310.2 if c > 5 else 0.0}
+        {
+            "time": T0 + 5 * i,
+            "pid": 9120,
+            "activity": "busy" if c > 5 else "idle",
+            "gpu_utilization_percent": None,
+            "memory_used_mib": None,
+            "process_vram_mib": None,
+            "cpu_percent": c,
+            "rss_mib": 142.0,
+            "tokens_per_s": 310.2 if c > 5 else 0.0,
+        }
         for i, c in enumerate(CPU_LOAD)
     ]
     sample = {
-        "time": T0 + 5 * len(CPU_LOAD), "ttl_s": 5.0, "state": "ready", "backend": "cpu", "pid": 9120,
-        "activity": "busy", "gpu": None, "gpu_error": None,
+        "time": T0 + 5 * len(CPU_LOAD),
+        "ttl_s": 5.0,
+        "state": "ready",
+        "backend": "cpu",
+        "pid": 9120,
+        "activity": "busy",
+        "gpu": None,
+        "gpu_error": None,
         "process": {"cpu_percent": 190.0, "rss_mib": 142.3, "threads": 5, "cpu_count": 2},
         "process_error": None,
-        "engine": {"tokens_per_s": 310.2, "prompt_tokens_per_s": 1822.0, "tokens_predicted_total": 4096,
-                   "prompt_tokens_total": 2210, "requests_processing": 1, "requests_deferred": 0},
+        "engine": {
+            "tokens_per_s": 310.2,
+            "prompt_tokens_per_s": 1822.0,
+            "tokens_predicted_total": 4096,
+            "prompt_tokens_total": 2210,
+            "requests_processing": 1,
+            "requests_deferred": 0,
+        },
         "engine_error": None,
     }
     return {"sample": sample, "history": history, "ttl_s": 5.0}
 
 
-def _row(i: int, machine: str, frm: str, event: str, to: str, reason: str | None = None,
-         evidence: dict | None = None, data: dict | None = None) -> dict[str, Any]:
-    return {"id": i, "machine_id": machine, "kind": machine.split(":")[0], "from_state": frm, "event": event,
-            "event_data": data or {}, "to_state": to, "reason": reason, "evidence": evidence or {},
-            "at": T0 - 600 + 7 * i, "seq": i}
+def _row(
+    i: int,
+    machine: str,
+    frm: str,
+    event: str,
+    to: str,
+    reason: str | None = None,
+    evidence: dict | None = None,
+    data: dict | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": i,
+        "machine_id": machine,
+        "kind": machine.split(":")[0],
+        "from_state": frm,
+        "event": event,
+        "event_data": data or {},
+        "to_state": to,
+        "reason": reason,
+        "evidence": evidence or {},
+        "at": T0 - 600 + 7 * i,
+        "seq": i,
+    }
 
 
 def history() -> list[dict[str, Any]]:
     rows = [
         _row(1, "config", "unloaded", "ConfigAccepted", "valid", data={"changed": ["server.model"]}),
         _row(2, "probe:cuda", "idle", "ProbeStarted", "probing", data={"generation": 1}),
-        _row(3, "probe:cuda", "probing", "ProbeFinished", "available",
-             evidence={"devices": 1, "driver": "580.95.05", "compute_capability": "9.0"}),
-        _row(4, "install:cuda13", "requested", "Resolved", "downloading", data={"url": "https://example.invalid/b.zip"}),
+        _row(
+            3,
+            "probe:cuda",
+            "probing",
+            "ProbeFinished",
+            "available",
+            evidence={"devices": 1, "driver": "580.95.05", "compute_capability": "9.0"},
+        ),
+        _row(
+            4, "install:cuda13", "requested", "Resolved", "downloading", data={"url": "https://example.invalid/b.zip"}
+        ),
         _row(5, "install:cuda13", "downloading", "Downloaded", "verifying"),
         _row(6, "install:cuda13", "smoke_testing", "SmokePassed", "installed"),
         _row(7, "launch", "stopped", "UpRequested", "planning"),
         _row(8, "launch", "planning", "PlanReady", "starting", data={"backend": "cuda", "n_gpu_layers": 99}),
         _row(9, "launch", "starting", "Spawned", "starting", data={"pid": 48100}),
-        _row(10, "launch", "starting", "ServerExited", "crashed", reason="out_of_memory",
-             evidence={"log_line": "cudaMalloc failed: out of memory", "returncode": -6, "signal": "SIGABRT"}),
+        _row(
+            10,
+            "launch",
+            "starting",
+            "ServerExited",
+            "crashed",
+            reason="out_of_memory",
+            evidence={"log_line": "cudaMalloc failed: out of memory", "returncode": -6, "signal": "SIGABRT"},
+        ),
         _row(11, "launch", "crashed", "BackoffStarted", "backoff", data={"delay": 0.71}),
         _row(12, "launch", "backoff", "BackoffElapsed", "starting"),
         _row(13, "launch", "starting", "LoadStarted", "loading"),
-        _row(14, "launch", "loading", "Ready", "ready",
-             evidence={"offloaded_layers": 33, "total_layers": 33, "process_vram_mib": 5702}),
+        _row(
+            14,
+            "launch",
+            "loading",
+            "Ready",
+            "ready",
+            evidence={"offloaded_layers": 33, "total_layers": 33, "process_vram_mib": 5702},
+        ),
     ]
     return list(reversed(rows))  # newest first, as the daemon answers
 
@@ -178,18 +279,52 @@ def history() -> list[dict[str, Any]]:
 def snapshots() -> dict[str, Any]:
     """A `snapshot.list` reply (daemon/control/handlers/snapshots.py)."""
     rows = [
-        {"id": 3, "filename": "slot0-3.bin", "slot_id": 0, "model_path": "/m/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf",
-         "backend": "cuda", "n_tokens": 4096, "file_size": 536_870_912, "cause": "restart", "created_at": T0 - 120},
-        {"id": 2, "filename": "slot0-2.bin", "slot_id": 0, "model_path": "/m/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf",
-         "backend": "cuda", "n_tokens": 1210, "file_size": 158_597_120, "cause": "manual", "created_at": T0 - 3600},
-        {"id": 1, "filename": "slot0-1.bin", "slot_id": 0, "model_path": "/m/tiny.gguf",
-         "backend": "cpu", "n_tokens": 24, "file_size": 20_611_072, "cause": "stop", "created_at": T0 - 86400},
+        {
+            "id": 3,
+            "filename": "slot0-3.bin",
+            "slot_id": 0,
+            "model_path": "/m/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf",
+            "backend": "cuda",
+            "n_tokens": 4096,
+            "file_size": 536_870_912,
+            "cause": "restart",
+            "created_at": T0 - 120,
+        },
+        {
+            "id": 2,
+            "filename": "slot0-2.bin",
+            "slot_id": 0,
+            "model_path": "/m/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf",
+            "backend": "cuda",
+            "n_tokens": 1210,
+            "file_size": 158_597_120,
+            "cause": "manual",
+            "created_at": T0 - 3600,
+        },
+        {
+            "id": 1,
+            "filename": "slot0-1.bin",
+            "slot_id": 0,
+            "model_path": "/m/tiny.gguf",
+            "backend": "cpu",
+            "n_tokens": 24,
+            "file_size": 20_611_072,
+            "cause": "stop",
+            "created_at": T0 - 86400,
+        },
     ]
     fits = [(True, None), (True, None), (False, "snapshot_model_mismatch")]
     for row, (ok, why) in zip(rows, fits):
         row["fits_server"], row["why_not"] = ok, why
-    return {"snapshots": rows, "total_bytes": sum(r["file_size"] for r in rows), "enabled": True,
-            "max_count": 8, "max_bytes": None, "dir": "/home/ana/.local/share/stoker/snapshots", "server": None}
+    return {
+        "snapshots": rows,
+        "total_bytes": sum(r["file_size"] for r in rows),
+        "enabled": True,
+        "max_count": 8,
+        "max_bytes": None,
+        "dir": "/home/ana/.local/share/stoker/snapshots",
+        "server": None,
+    }
 
 
 class FakeStream:
@@ -210,8 +345,9 @@ class FakeStream:
 class FakeLink:
     """Answers from fixed data; `calls` records what the app asked."""
 
-    def __init__(self, answers: dict[str, Any], events: list[dict[str, Any]] | None = None,
-                 running: bool = True) -> None:
+    def __init__(
+        self, answers: dict[str, Any], events: list[dict[str, Any]] | None = None, running: bool = True
+    ) -> None:
         self.answers = answers
         self.events = events or []
         self.running = running
@@ -246,7 +382,12 @@ class FakeLink:
 
 
 def cuda_link(**overrides: Any) -> FakeLink:
-    answers = {"status": status_cuda(), "history": history(), "telemetry": telemetry_cuda(), "snapshot.list": snapshots()}
+    answers = {
+        "status": status_cuda(),
+        "history": history(),
+        "telemetry": telemetry_cuda(),
+        "snapshot.list": snapshots(),
+    }
     answers.update(overrides)
     return FakeLink(answers)
 
@@ -313,12 +454,21 @@ def test_overview_zero_layers_with_its_hint(snap_compare):
 
 
 def test_overview_install_progress(snap_compare):
-    link = cuda_link(status={**status_cuda(), "state": "stopped", "endpoint": None, "pid": None,
-                                  "uptime_s": None, "layers": {}})
+    link = cuda_link(
+        status={**status_cuda(), "state": "stopped", "endpoint": None, "pid": None, "uptime_s": None, "layers": {}}
+    )
     link.answers["telemetry"] = {"sample": {"activity": "stopped", "time": T0}, "history": [], "ttl_s": 5.0}
     link.events = [
-        {"topic": "install.progress", "backend": "cuda", "variant": "cuda13", "phase": "downloading",
-         "bytes_done": 187_695_104, "total": 563_085_312, "rate": 24_117_248.0, "eta": 15.6},
+        {
+            "topic": "install.progress",
+            "backend": "cuda",
+            "variant": "cuda13",
+            "phase": "downloading",
+            "bytes_done": 187_695_104,
+            "total": 563_085_312,
+            "rate": 24_117_248.0,
+            "eta": 15.6,
+        },
     ]
     assert snap_compare(StokerApp(link), terminal_size=(100, 30), run_before=loaded)
 
@@ -326,8 +476,9 @@ def test_overview_install_progress(snap_compare):
 @pytest.mark.parametrize("size", [(100, 30), (80, 24)])
 def test_history_with_evidence_of_the_selected_crash(snap_compare, size):
     # Rows are newest first; the fifth is the out_of_memory crash.
-    assert snap_compare(StokerApp(cuda_link()), terminal_size=size,
-                        run_before=on_tab("history", "down", "down", "down", "down"))
+    assert snap_compare(
+        StokerApp(cuda_link()), terminal_size=size, run_before=on_tab("history", "down", "down", "down", "down")
+    )
 
 
 def test_history_filtered_by_machine(snap_compare):
@@ -358,8 +509,7 @@ def test_backend_choice(snap_compare):
 
 
 def test_help(snap_compare):
-    assert snap_compare(StokerApp(cuda_link()), terminal_size=(80, 24),
-                        run_before=on_tab("overview", "question_mark"))
+    assert snap_compare(StokerApp(cuda_link()), terminal_size=(80, 24), run_before=on_tab("overview", "question_mark"))
 
 
 def test_daemon_not_running(snap_compare):
@@ -381,10 +531,21 @@ def test_a_restore_across_backends_shows_the_daemons_note():
     from tui.widgets.snapshots_view import SnapshotsView
 
     note = "saved on cuda, restored on cpu: the conversation resumes without re-processing, but ..."
-    link = cpu_link(**{"snapshot.list": snapshots(),
-                       "snapshot.restore": {"id": 3, "slot": 0, "n_tokens": 4096, "restore_ms": 9.5,
-                                            "saved_on": "cuda", "restored_on": "cpu", "cross_backend": True,
-                                            "note": note}})
+    link = cpu_link(
+        **{
+            "snapshot.list": snapshots(),
+            "snapshot.restore": {
+                "id": 3,
+                "slot": 0,
+                "n_tokens": 4096,
+                "restore_ms": 9.5,
+                "saved_on": "cuda",
+                "restored_on": "cpu",
+                "cross_backend": True,
+                "note": note,
+            },
+        }
+    )
 
     async def main() -> list[str]:
         app = StokerApp(link)

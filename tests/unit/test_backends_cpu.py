@@ -92,7 +92,10 @@ def test_memory_and_device(tmp_path):
     d = cpu(tmp_path, rec.CPUINFO_SPR_VM, tester=recorded_tester()).detect()
     (dev,) = d.devices
     assert (dev.name, dev.memory_total_mib, dev.memory_free_mib, dev.device_type) == (
-        "Intel(R) Xeon(R) Processor", 24106, 22588, "cpu",
+        "Intel(R) Xeon(R) Processor",
+        24106,
+        22588,
+        "cpu",
     )
 
 

@@ -47,7 +47,11 @@ def test_nvml_missing_falls_back_to_nvidia_smi():
     assert d.evidence["failing_library"] == "libnvidia-ml.so.1"
     (dev,) = d.devices
     assert (dev.name, dev.memory_total_mib, dev.memory_free_mib, dev.driver_version, dev.compute_capability) == (
-        "NVIDIA H200", 143771, 143150, "580.95.05", "9.0",
+        "NVIDIA H200",
+        143771,
+        143150,
+        "580.95.05",
+        "9.0",
     )
     assert d.evidence["driver"] == "580.95.05"
 
@@ -155,8 +159,13 @@ A6000 = CudaBackend(nvml=rec.FakeNvml(gpus=[rec.a6000()])).detect()
 
 
 def meta(**kw):
-    base = {"backend": "cuda", "variant": "cuda13", "cuda_archs": ["90-real"], "min_driver": "580.00",
-            "build": {"toolkit": "13.0"}}
+    base = {
+        "backend": "cuda",
+        "variant": "cuda13",
+        "cuda_archs": ["90-real"],
+        "min_driver": "580.00",
+        "build": {"toolkit": "13.0"},
+    }
     base.update(kw)
     return base
 
@@ -245,7 +254,10 @@ def test_choose_variant_by_driver_cuda_version():
 def test_list_devices_signature_matches_the_engine_line():
     (listed,) = CudaBackend().parse_list_devices(rec.LIST_DEVICES_H200)
     assert (listed.name, listed.description, listed.memory_total_mib, listed.memory_free_mib) == (
-        "CUDA0", "NVIDIA H200", 143155, 142629,
+        "CUDA0",
+        "NVIDIA H200",
+        143155,
+        142629,
     )
     assert CudaBackend().parse_list_devices(rec.LIST_DEVICES_CPU) == ()
 
@@ -263,7 +275,12 @@ def test_telemetry_reads_memory_and_the_servers_share():
     t = b.read_telemetry(TelemetryRequest(pid=4242))
     assert t.process_memory_mib == 2048
     (dev,) = t.devices
-    assert (dev.memory_used_mib, dev.memory_total_mib, dev.utilization_percent, dev.temperature_c) == (621, 143771, 37, 41)
+    assert (dev.memory_used_mib, dev.memory_total_mib, dev.utilization_percent, dev.temperature_c) == (
+        621,
+        143771,
+        37,
+        41,
+    )
     assert dev.power_w == pytest.approx(123.456)
     b.read_telemetry(TelemetryRequest())
     assert nvml.init_calls == 1  # NVML initialised once for telemetry, then reused
@@ -280,6 +297,7 @@ def test_smi_csv_parser_skips_junk():
 
 # -- CUDA_VISIBLE_DEVICES: NVML ignores it, the engine's CUDA runtime does not -----------------
 
+
 class UuidNvml(rec.FakeNvml):
     def nvmlDeviceGetUUID(self, handle):
         return handle["uuid"]
@@ -291,23 +309,28 @@ def two_gpus() -> UuidNvml:
 
 @pytest.mark.parametrize("value", ["", "-1", "7", "GPU-cccc", "nonsense"])
 def test_cuda_visible_devices_hiding_every_gpu_is_gpu_missing(value):
-    d = CudaBackend(nvml=two_gpus(), run=recorded_runner({}), sysfs_root="/nonexistent",
-                    environ={"CUDA_VISIBLE_DEVICES": value}).detect()
+    d = CudaBackend(
+        nvml=two_gpus(), run=recorded_runner({}), sysfs_root="/nonexistent", environ={"CUDA_VISIBLE_DEVICES": value}
+    ).detect()
     assert not d.usable and not d.present and d.reason == R.GPU_MISSING
     assert d.evidence["cuda_visible_devices"] == value and d.evidence["visible_indices"] == []
     assert d.evidence["device_count"] == 2 and "CUDA_VISIBLE_DEVICES" in d.message
 
 
-@pytest.mark.parametrize(("value", "names"), [
-    ("1", ["NVIDIA RTX A6000"]),
-    ("1,0", ["NVIDIA RTX A6000", "NVIDIA H200"]),
-    ("GPU-aaaa", ["NVIDIA H200"]),
-    ("0,7,1", ["NVIDIA H200"]),  # the runtime stops at the first entry that names no device
-    (" 0 , 0", ["NVIDIA H200"]),
-])
+@pytest.mark.parametrize(
+    ("value", "names"),
+    [
+        ("1", ["NVIDIA RTX A6000"]),
+        ("1,0", ["NVIDIA RTX A6000", "NVIDIA H200"]),
+        ("GPU-aaaa", ["NVIDIA H200"]),
+        ("0,7,1", ["NVIDIA H200"]),  # the runtime stops at the first entry that names no device
+        (" 0 , 0", ["NVIDIA H200"]),
+    ],
+)
 def test_cuda_visible_devices_selects_like_the_runtime(value, names):
-    d = CudaBackend(nvml=two_gpus(), run=recorded_runner({}), sysfs_root="/nonexistent",
-                    environ={"CUDA_VISIBLE_DEVICES": value}).detect()
+    d = CudaBackend(
+        nvml=two_gpus(), run=recorded_runner({}), sysfs_root="/nonexistent", environ={"CUDA_VISIBLE_DEVICES": value}
+    ).detect()
     assert d.usable and [dev.name for dev in d.devices] == names
 
 
@@ -318,6 +341,10 @@ def test_unset_cuda_visible_devices_sees_every_gpu():
 
 def test_cuda_visible_devices_applies_to_nvidia_smi_too():
     nvml = rec.FakeNvml(init_error=rec.NVMLError_LibraryNotFound)
-    d = CudaBackend(nvml=nvml, run=recorded_runner({"nvidia-smi": rec.H200_SMI}), sysfs_root="/nonexistent",
-                    environ={"CUDA_VISIBLE_DEVICES": ""}).detect()
+    d = CudaBackend(
+        nvml=nvml,
+        run=recorded_runner({"nvidia-smi": rec.H200_SMI}),
+        sysfs_root="/nonexistent",
+        environ={"CUDA_VISIBLE_DEVICES": ""},
+    ).detect()
     assert d.reason == R.GPU_MISSING and d.evidence["source"] == "nvidia-smi"

@@ -25,7 +25,11 @@ def test_unavailable_uses_the_reason_message_by_default():
 
 def test_from_dict_rejects_malformed_records():
     good = Detection.available("cuda", [H200], "ok").to_dict()
-    for broken in ({**good, "present": "yes"}, {**good, "reason": "not_a_code"}, {k: v for k, v in good.items() if k != "backend"}):
+    for broken in (
+        {**good, "present": "yes"},
+        {**good, "reason": "not_a_code"},
+        {k: v for k, v in good.items() if k != "backend"},
+    ):
         with pytest.raises((TypeError, ValueError, KeyError)):
             Detection.from_dict(broken)
 
@@ -58,14 +62,21 @@ def test_json_roundtrip(backend, present, usable, reason, devs, evidence):
 
 def test_report_shows_verdict_reason_message_and_evidence():
     cpu = Detection.available(
-        "cpu", [Device(0, "Intel(R) Xeon(R) Processor", 24106, 22588, device_type="cpu")],
+        "cpu",
+        [Device(0, "Intel(R) Xeon(R) Processor", 24106, 22588, device_type="cpu")],
         "Intel(R) Xeon(R) Processor, 2 logical CPUs",
-        advertised=["avx2", "amx_tile"], unusable=[], tests={"amx_tile": "usable"},
+        advertised=["avx2", "amx_tile"],
+        unusable=[],
+        tests={"amx_tile": "usable"},
     )
     cuda = Detection.unavailable(
-        "cuda", R.CUDA_UNAVAILABLE, present=True,
+        "cuda",
+        R.CUDA_UNAVAILABLE,
+        present=True,
         message="NVIDIA driver 535.104.05 is older than this CUDA bundle's minimum 580.00; update the driver.",
-        driver="535.104.05", min_driver="580.00", raw="line one\nline two",
+        driver="535.104.05",
+        min_driver="580.00",
+        raw="line one\nline two",
     )
     vulkan = Detection.unavailable("vulkan", R.GPU_MISSING, present=False, software_devices=["llvmpipe"])
     text = format_probe([cpu.to_dict(), cuda.to_dict(), vulkan.to_dict()])
@@ -83,7 +94,10 @@ def test_report_shows_verdict_reason_message_and_evidence():
 
 def test_report_of_a_gpu_device_and_nothing():
     d = Detection.available("cuda", [H200], "1 NVIDIA GPU(s)")
-    assert "device 0: NVIDIA H200, 143771 MiB (143150 MiB free), cc 9.0, discrete, driver 580.95.05, runtime 13.0" in format_detection(d.to_dict())
+    assert (
+        "device 0: NVIDIA H200, 143771 MiB (143150 MiB free), cc 9.0, discrete, driver 580.95.05, runtime 13.0"
+        in format_detection(d.to_dict())
+    )
     assert verdict(attrs.evolve(d, usable=False).to_dict()) == "unusable"
     assert format_probe([]) == "No backends were probed."
 
@@ -96,9 +110,15 @@ def test_long_evidence_blocks_are_cut():
 
 def test_a_client_renders_a_plugin_code_it_has_never_loaded():
     """The CLI does not load plugins: a code only the daemon registered is shown as it is."""
-    record = {"backend": "zluda", "present": True, "usable": False, "reason": "zluda_unavailable",
-              "message": "The ZLUDA runtime did not start; reinstall it.", "devices": [{"index": 0, "name": "RX 7900"}],
-              "evidence": {"probe": "probe timed out after 20s"}}
+    record = {
+        "backend": "zluda",
+        "present": True,
+        "usable": False,
+        "reason": "zluda_unavailable",
+        "message": "The ZLUDA runtime did not start; reinstall it.",
+        "devices": [{"index": 0, "name": "RX 7900"}],
+        "evidence": {"probe": "probe timed out after 20s"},
+    }
     text = format_probe([record])
     assert "zluda: unusable [zluda_unavailable]" in text and "The ZLUDA runtime did not start" in text
     assert "device 0: RX 7900" in text and "probe: probe timed out after 20s" in text

@@ -29,7 +29,10 @@ def test_rocm_from_amd_smi(tmp_path):
     assert d.usable and d.evidence["source"] == "amd-smi"
     (dev,) = d.devices
     assert (dev.name, dev.memory_total_mib, dev.compute_capability, dev.driver_version) == (
-        "AMD Instinct MI300X", 196592, "gfx942", "6.8.5",
+        "AMD Instinct MI300X",
+        196592,
+        "gfx942",
+        "6.8.5",
     )
     assert roundtrip(d) == d
 
@@ -39,7 +42,10 @@ def test_rocm_from_rocm_smi_when_amd_smi_is_missing(tmp_path):
     assert d.evidence["source"] == "rocm-smi" and d.evidence["amd-smi"] == "not installed"
     (dev,) = d.devices
     assert (dev.name, dev.memory_total_mib, dev.memory_free_mib, dev.compute_capability) == (
-        "AMD Instinct MI210", 65520, 65510, "gfx90a",
+        "AMD Instinct MI210",
+        65520,
+        65510,
+        "gfx90a",
     )
 
 
@@ -61,7 +67,10 @@ def test_rocm_sysfs_ignores_other_vendors(tmp_path):
 
 
 def test_rocm_broken_tools_and_no_sysfs_is_rocm_unavailable(tmp_path):
-    answers = {"amd-smi": ToolResult(("amd-smi",), 1, "", "ERROR: amdgpu driver not initialized"), "rocm-smi": "not json"}
+    answers = {
+        "amd-smi": ToolResult(("amd-smi",), 1, "", "ERROR: amdgpu driver not initialized"),
+        "rocm-smi": "not json",
+    }
     d = rocm(answers, tmp_path).detect()
     assert (d.present, d.usable, d.reason) == (True, False, R.ROCM_UNAVAILABLE)
     assert d.evidence["amd-smi"].startswith("exit 1") and d.evidence["rocm-smi"].startswith("unparsable")
@@ -90,7 +99,11 @@ def test_vulkan_counts_the_gpu_and_ignores_llvmpipe():
     assert d.usable
     (dev,) = d.devices
     assert (dev.index, dev.name, dev.device_type, dev.runtime_version, dev.driver_version) == (
-        0, "NVIDIA GeForce RTX 4090", "discrete", "1.3.277", "550.54.14",
+        0,
+        "NVIDIA GeForce RTX 4090",
+        "discrete",
+        "1.3.277",
+        "550.54.14",
     )
     assert d.evidence["software_devices"] == ["llvmpipe (LLVM 15.0.7, 256 bits)"]
     assert roundtrip(d) == d

@@ -126,12 +126,15 @@ def test_family_reason_falls_back_to_the_generic_code():
     assert family_reason(backends, "gone", K.STARTUP_FAILED, R.SERVER_CRASHED) is R.SERVER_CRASHED
 
 
-@pytest.mark.parametrize("cls, words", [
-    (UndeclaredCode, "'undeclared_unavailable' is neither Stoker's nor declared"),
-    (StealsBuiltin, "'cuda_startup_failed' is a built-in reason code"),
-    (StealsPlugin, "'tpux_unavailable' is already declared by the 'tpux' plugin"),
-    (BadKind, "reason_family names 'exploded'"),
-])
+@pytest.mark.parametrize(
+    "cls, words",
+    [
+        (UndeclaredCode, "'undeclared_unavailable' is neither Stoker's nor declared"),
+        (StealsBuiltin, "'cuda_startup_failed' is a built-in reason code"),
+        (StealsPlugin, "'tpux_unavailable' is already declared by the 'tpux' plugin"),
+        (BadKind, "reason_family names 'exploded'"),
+    ],
+)
 def test_a_plugin_with_unknown_or_stolen_codes_is_not_loaded(cls, words):
     discover_backends([ep("tpux", TpuBackend)])
     registry = discover_backends([ep(cls.name, cls)])

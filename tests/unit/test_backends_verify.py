@@ -27,19 +27,23 @@ LINES = {
 
 @pytest.mark.parametrize("backend", sorted(LINES))
 def test_each_builtin_bundle_is_judged_by_its_plugin(tmp_path, backend):
-    root = make_bundle_dir(tmp_path / "b", backend=backend, variant="default",
-                           script=engine_script(devices=LINES[backend]))
+    root = make_bundle_dir(
+        tmp_path / "b", backend=backend, variant="default", script=engine_script(devices=LINES[backend])
+    )
     report = verify_dir(root)
     assert report.devices == (LINES[backend],)
     assert load_backends()[backend].parse_list_devices("\n".join(report.devices))
 
 
-@pytest.mark.parametrize("backend, line", [
-    ("rocm", "  ROCm0: AMD Instinct MI300X"),  # what the old table accepted: no memory figures
-    ("metal", "  Metal: Apple M2 Max"),  # a device name ggml-metal does not print
-    ("cuda", "  (none)"),  # a CUDA bundle whose CUDA library did not load: a CPU engine
-    ("cpu", "  CUDA0: NVIDIA H200 (143155 MiB, 142629 MiB free)"),
-])
+@pytest.mark.parametrize(
+    "backend, line",
+    [
+        ("rocm", "  ROCm0: AMD Instinct MI300X"),  # what the old table accepted: no memory figures
+        ("metal", "  Metal: Apple M2 Max"),  # a device name ggml-metal does not print
+        ("cuda", "  (none)"),  # a CUDA bundle whose CUDA library did not load: a CPU engine
+        ("cpu", "  CUDA0: NVIDIA H200 (143155 MiB, 142629 MiB free)"),
+    ],
+)
 def test_a_line_the_plugin_does_not_parse_fails_verification(tmp_path, backend, line):
     root = make_bundle_dir(tmp_path / "b", backend=backend, variant="default", script=engine_script(devices=line))
     with pytest.raises(StokerError) as err:

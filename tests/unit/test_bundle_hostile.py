@@ -53,23 +53,28 @@ def flip_byte_in_member(zip_path: Path, member: str) -> None:
 
 # --- the archive itself -------------------------------------------------------------------
 
+
 def hostile_zip(tmp_path: Path, name: str, data: bytes = b"owned", mode: int = stat.S_IFREG | 0o644) -> Path:
     zip_path = make_bundle_zip(tmp_path)
     add_raw_entry(zip_path, name, data, mode=mode)
     return zip_path
 
 
-@pytest.mark.parametrize("entry, mode", [
-    ("../escaped.txt", stat.S_IFREG | 0o644),
-    ("bin/../../escaped.txt", stat.S_IFREG | 0o644),
-    ("/tmp/stoker-absolute-escape.txt", stat.S_IFREG | 0o644),
-    ("C:/escaped.txt", stat.S_IFREG | 0o644),
-    ("bin\\..\\..\\escaped.txt", stat.S_IFREG | 0o644),
-    ("bin/link", stat.S_IFLNK | 0o777),
-    ("bin/fifo", stat.S_IFIFO | 0o644),
-    ("bin/dev", stat.S_IFCHR | 0o644),
-    ("bin/LLAMA-SERVER", stat.S_IFREG | 0o755),  # collides on a case-insensitive filesystem
-], ids=["dotdot", "nested-dotdot", "absolute", "drive", "backslash", "symlink", "fifo", "chardev", "casefold-dup"])
+@pytest.mark.parametrize(
+    "entry, mode",
+    [
+        ("../escaped.txt", stat.S_IFREG | 0o644),
+        ("bin/../../escaped.txt", stat.S_IFREG | 0o644),
+        ("/tmp/stoker-absolute-escape.txt", stat.S_IFREG | 0o644),
+        ("C:/escaped.txt", stat.S_IFREG | 0o644),
+        ("bin\\..\\..\\escaped.txt", stat.S_IFREG | 0o644),
+        ("bin/link", stat.S_IFLNK | 0o777),
+        ("bin/fifo", stat.S_IFIFO | 0o644),
+        ("bin/dev", stat.S_IFCHR | 0o644),
+        ("bin/LLAMA-SERVER", stat.S_IFREG | 0o755),  # collides on a case-insensitive filesystem
+    ],
+    ids=["dotdot", "nested-dotdot", "absolute", "drive", "backslash", "symlink", "fifo", "chardev", "casefold-dup"],
+)
 def test_unsafe_entries_refuse_the_whole_archive(tmp_path, paths, entry, mode):
     data = b"/etc/passwd" if stat.S_ISLNK(mode) else b"owned"
     zip_path = hostile_zip(tmp_path, entry, data, mode)
@@ -103,8 +108,7 @@ def test_zip_bomb_is_refused_from_the_central_directory(tmp_path, paths):
 
 def test_absurd_sizes_and_counts(tmp_path):
     zip_path = make_bundle_zip(tmp_path)
-    for limits in (ArchiveLimits(max_entries=2), ArchiveLimits(max_file_size=100),
-                   ArchiveLimits(max_total_size=1000)):
+    for limits in (ArchiveLimits(max_entries=2), ArchiveLimits(max_file_size=100), ArchiveLimits(max_total_size=1000)):
         staging = tmp_path / "staging"
         refused(ReasonCode.BUNDLE_UNSAFE_ARCHIVE, unpack_bundle, zip_path, staging, limits)
         assert list(staging.iterdir()) == []  # refused before anything was written
@@ -117,6 +121,7 @@ def test_not_a_zip(tmp_path, paths):
 
 
 # --- content and metadata -----------------------------------------------------------------
+
 
 def test_flipped_byte_inside_the_zip(tmp_path, paths):
     zip_path = make_bundle_zip(tmp_path)
@@ -198,6 +203,7 @@ def test_garbage_bundle_json(tmp_path):
 
 # --- engines that crash -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("step", ["version", "devices"])
 def test_engine_dying_of_sigill_is_cpu_illegal_instruction(tmp_path, paths, step):
     zip_path = make_bundle_zip(tmp_path, script=engine_script(crash_on=step, sig="ILL"))
@@ -222,7 +228,9 @@ def test_engine_dying_of_sigsegv_is_a_verify_failure(tmp_path, step):
 
 
 def test_cpu_bundle_whose_engine_shows_a_gpu_is_refused(tmp_path):
-    src = make_bundle_dir(tmp_path / "dir", script=engine_script(devices="  CUDA0: NVIDIA H200 (143155 MiB, 142629 MiB free)"))
+    src = make_bundle_dir(
+        tmp_path / "dir", script=engine_script(devices="  CUDA0: NVIDIA H200 (143155 MiB, 142629 MiB free)")
+    )
     refused(ReasonCode.BUNDLE_VERIFY_FAILED, verify_bundle, src)
 
 
@@ -235,6 +243,7 @@ def test_cuda_signature_is_matched(tmp_path):
 
 
 # --- the good path ------------------------------------------------------------------------
+
 
 def test_good_fake_bundle_installs_and_keeps_the_previous(tmp_path, paths):
     first = make_bundle_zip(tmp_path, "first.zip")

@@ -79,7 +79,11 @@ def test_cuda_plan_flags_and_metadata():
 def test_cuda_archs_parsing():
     assert variants.parse_cuda_archs(None) == ("90-real",)
     assert variants.parse_cuda_archs("75-virtual;80-virtual, 86-real 90a-real") == (
-        "75-virtual", "80-virtual", "86-real", "90a-real")
+        "75-virtual",
+        "80-virtual",
+        "86-real",
+        "90a-real",
+    )
     for bad in ("sm_90", "90-fake", ";"):
         with pytest.raises(StokerError):
             variants.parse_cuda_archs(bad)
@@ -109,13 +113,18 @@ def test_cache_key_changes_with_every_input():
     others = {
         cache_key(BuildPlan.for_backend("cpu", "compat", toolchain=GCC), DEFAULT_SHA256, spec, smoke),
         cache_key(base, "f" * 64, spec, smoke),
-        cache_key(BuildPlan.for_backend("cpu", "avx2", toolchain=Toolchain("c++ 13", GCC.cmake, "Ninja")),
-                  DEFAULT_SHA256, spec, smoke),
+        cache_key(
+            BuildPlan.for_backend("cpu", "avx2", toolchain=Toolchain("c++ 13", GCC.cmake, "Ninja")),
+            DEFAULT_SHA256,
+            spec,
+            smoke,
+        ),
         cache_key(base, DEFAULT_SHA256, SourceSpec("pypi", spec.location, spec.sha256, 1, "x"), smoke),
         cache_key(base, DEFAULT_SHA256, spec, SmokeSpec(n_predict=3)),
         cache_key(BuildPlan.for_backend("cuda", "avx2", toolchain=NVCC), DEFAULT_SHA256, spec, smoke),
-        cache_key(BuildPlan.for_backend("cuda", "avx2", cuda_archs=("86-real",), toolchain=NVCC),
-                  DEFAULT_SHA256, spec, smoke),
+        cache_key(
+            BuildPlan.for_backend("cuda", "avx2", cuda_archs=("86-real",), toolchain=NVCC), DEFAULT_SHA256, spec, smoke
+        ),
     }
     assert key not in others and len(others) == 7
 
@@ -128,8 +137,13 @@ def test_source_specs(tmp_path):
     assert (url.kind, url.sha256, url.build_number, url.commit) == ("tarball", "c" * 64, 1, "abc")
     local = SourceSpec.parse(f"dir:{tmp_path}")
     assert local.kind == "dir" and SourceSpec.parse(str(tmp_path)) == local
-    for bad in ("https://example.invalid/x.tar.gz", "pypi:other==1.0", "pypi:bad name",
-                "/does/not/exist", "https://x.invalid/a#sha256=" + "c" * 64 + "&evil=1"):
+    for bad in (
+        "https://example.invalid/x.tar.gz",
+        "pypi:other==1.0",
+        "pypi:bad name",
+        "/does/not/exist",
+        "https://x.invalid/a#sha256=" + "c" * 64 + "&evil=1",
+    ):
         with pytest.raises(StokerError):
             SourceSpec.parse(bad)
 

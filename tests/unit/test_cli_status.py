@@ -24,8 +24,13 @@ def test_a_ready_server_shows_its_uptime():
 
 def test_a_failed_server_shows_the_reason_and_the_fallbacks():
     st = {
-        "state": "failed", "backend": None, "pid": None, "uptime_s": None,
-        "reason": "model_missing", "message": "The model file does not exist.", "evidence": {"path": "/m.gguf"},
+        "state": "failed",
+        "backend": None,
+        "pid": None,
+        "uptime_s": None,
+        "reason": "model_missing",
+        "message": "The model file does not exist.",
+        "evidence": {"path": "/m.gguf"},
         "fallbacks": [{"backend": "cuda", "reason": "gpu_missing", "message": "no GPU", "evidence": {"hint": "x"}}],
         "config": {"path": "/c.toml", "valid": False, "problems": ["server.port: not an integer"]},
     }

@@ -48,8 +48,17 @@ def test_to_dict_is_plain_data_and_covers_every_key():
     assert set(data) == {"server", "backend", "supervisor", "snapshots", "bundles"}
     assert data["server"]["extra_args"] == []
     assert set(data["server"]) == {
-        "model", "host", "port", "ctx_size", "parallel", "threads", "n_gpu_layers",
-        "flash_attn", "extra_args", "stall_timeout_s", "ready_timeout_s",
+        "model",
+        "host",
+        "port",
+        "ctx_size",
+        "parallel",
+        "threads",
+        "n_gpu_layers",
+        "flash_attn",
+        "extra_args",
+        "stall_timeout_s",
+        "ready_timeout_s",
     }
 
 
@@ -140,12 +149,25 @@ def test_every_problem_is_reported_at_once(tmp_path):
     assert err.evidence["path"] == str(path)
     keys = [problem.split(":", 1)[0] for problem in err.problems]
     assert keys == [
-        "server.model", "server.host", "server.port", "server.ctx_size", "server.parallel",
-        "server.threads", "server.n_gpu_layers", "server.flash_attn", "server.extra_args",
-        "server.stall_timeout_s", "server.ready_timeout_s",
-        "backend.prefer", "backend.cpu_variant",
-        "supervisor.max_restarts", "supervisor.stop_grace_s",
-        "snapshots.enabled", "snapshots.max_count", "snapshots.max_bytes", "snapshots.swa_full",
+        "server.model",
+        "server.host",
+        "server.port",
+        "server.ctx_size",
+        "server.parallel",
+        "server.threads",
+        "server.n_gpu_layers",
+        "server.flash_attn",
+        "server.extra_args",
+        "server.stall_timeout_s",
+        "server.ready_timeout_s",
+        "backend.prefer",
+        "backend.cpu_variant",
+        "supervisor.max_restarts",
+        "supervisor.stop_grace_s",
+        "snapshots.enabled",
+        "snapshots.max_count",
+        "snapshots.max_bytes",
+        "snapshots.swa_full",
         "supervisor.backoff_max_s",
     ]
     extra = next(p for p in err.problems if p.startswith("server.extra_args"))
@@ -266,8 +288,12 @@ async def test_reload_reports_valid_and_invalid_edits(tmp_path):
         async with trio.open_nursery() as nursery:
             await nursery.start(
                 lambda task_status: watch_config(
-                    path, rec.on_change, on_invalid=rec.on_invalid, current=current,
-                    debounce_ms=50, task_status=task_status,
+                    path,
+                    rec.on_change,
+                    on_invalid=rec.on_invalid,
+                    current=current,
+                    debounce_ms=50,
+                    task_status=task_status,
                 )
             )
             write_atomically(path, "[server]\nport = 8001\n")
@@ -294,7 +320,10 @@ async def test_unrelated_files_and_unchanged_content_are_ignored(tmp_path):
         async with trio.open_nursery() as nursery:
             await nursery.start(
                 lambda task_status: watch_config(
-                    path, rec.on_change, on_invalid=rec.on_invalid, debounce_ms=50,
+                    path,
+                    rec.on_change,
+                    on_invalid=rec.on_invalid,
+                    debounce_ms=50,
                     task_status=task_status,
                 )
             )
@@ -315,7 +344,10 @@ async def test_a_deleted_file_means_defaults_and_a_missing_dir_is_created(tmp_pa
         async with trio.open_nursery() as nursery:
             await nursery.start(
                 lambda task_status: watch_config(
-                    path, rec.on_change, on_invalid=rec.on_invalid, debounce_ms=50,
+                    path,
+                    rec.on_change,
+                    on_invalid=rec.on_invalid,
+                    debounce_ms=50,
                     task_status=task_status,
                 )
             )
@@ -335,7 +367,10 @@ async def test_a_burst_of_writes_is_debounced(tmp_path):
         async with trio.open_nursery() as nursery:
             await nursery.start(
                 lambda task_status: watch_config(
-                    path, rec.on_change, on_invalid=rec.on_invalid, debounce_ms=300,
+                    path,
+                    rec.on_change,
+                    on_invalid=rec.on_invalid,
+                    debounce_ms=300,
                     task_status=task_status,
                 )
             )
@@ -399,8 +434,12 @@ async def test_fixing_a_file_that_was_invalid_at_start_is_reported(tmp_path):
         async with trio.open_nursery() as nursery:
             await nursery.start(
                 lambda task_status: watch_config(
-                    path, rec.on_change, on_invalid=rec.on_invalid, current=Config(),
-                    debounce_ms=50, task_status=task_status,
+                    path,
+                    rec.on_change,
+                    on_invalid=rec.on_invalid,
+                    current=Config(),
+                    debounce_ms=50,
+                    task_status=task_status,
                 )
             )
             await trio.sleep(0.2)
@@ -412,8 +451,13 @@ async def test_fixing_a_file_that_was_invalid_at_start_is_reported(tmp_path):
 
 
 def test_bundles_manifest_accepts_paths_and_safe_urls_only():
-    for ok in ("", "/srv/manifest.json", "https://example.org/m.json", "file:///srv/m.json",
-               "http://127.0.0.1:8000/m.json"):
+    for ok in (
+        "",
+        "/srv/manifest.json",
+        "https://example.org/m.json",
+        "file:///srv/m.json",
+        "http://127.0.0.1:8000/m.json",
+    ):
         assert parse_config(f'[bundles]\nmanifest = "{ok}"\n').bundles.manifest == ok
     with pytest.raises(ConfigError) as err:
         parse_config('[bundles]\nmanifest = "http://example.org/m.json"\n')

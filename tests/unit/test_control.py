@@ -216,9 +216,7 @@ async def test_requests_on_one_connection_run_concurrently(server):
 async def test_in_flight_requests_per_connection_are_limited(sock_path, nursery):
     toy = Toy()
     path = await nursery.start(
-        lambda task_status: control.serve_control(
-            sock_path, toy, EventBus(), max_in_flight=3, task_status=task_status
-        )
+        lambda task_status: control.serve_control(sock_path, toy, EventBus(), max_in_flight=3, task_status=task_status)
     )
     with trio.fail_after(TIMEOUT):
         peer = await Peer.connect(path)

@@ -27,9 +27,32 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # The keys the CLI (daemon/cli/service.py), the TUI and tests/integration read from `status`.
 STATUS_KEYS = {
-    "state", "backend", "variant", "reason", "message", "evidence", "model", "endpoint", "api_key", "pid",
-    "uptime_s", "restarts", "crashes", "layers", "n_ctx", "snapshots", "log_path", "config", "daemon",
-    "planned_backend", "preference", "fallback_state", "fallback_reason", "fallbacks", "probes", "backends",
+    "state",
+    "backend",
+    "variant",
+    "reason",
+    "message",
+    "evidence",
+    "model",
+    "endpoint",
+    "api_key",
+    "pid",
+    "uptime_s",
+    "restarts",
+    "crashes",
+    "layers",
+    "n_ctx",
+    "snapshots",
+    "log_path",
+    "config",
+    "daemon",
+    "planned_backend",
+    "preference",
+    "fallback_state",
+    "fallback_reason",
+    "fallbacks",
+    "probes",
+    "backends",
 }
 
 
@@ -91,9 +114,11 @@ class FakeDaemon:
 def fallback_part(backend: str | None = "cpu", **extra: Any) -> dict[str, Any]:
     """What FallbackOrchestrator.status returns."""
     return {
-        "backend": backend, "planned_backend": backend,
+        "backend": backend,
+        "planned_backend": backend,
         "preference": {"prefer": "auto", "forced": False, "candidates": ["cuda", "cpu"]},
-        "fallback_state": "settled", "fallback_reason": None,
+        "fallback_state": "settled",
+        "fallback_reason": None,
         "fallbacks": [{"backend": "cuda", "reason": "gpu_missing", "message": "no GPU", "evidence": {"n": 0}}],
         "layers": {"planned": 0, "offloaded": None, "total": None, "why": "CPU plan", "estimate": None},
         **extra,
@@ -226,8 +251,11 @@ def test_control_never_imports_the_daemon_it_serves():
     # daemon.service sits above daemon.control: importing it back (even for types) is a cycle.
     for path in (ROOT / "daemon" / "control").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
-                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else ([a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            )
             assert not any(n == "daemon.service" or n.startswith("daemon.service.") for n in names), path
 
 

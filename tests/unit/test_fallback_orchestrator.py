@@ -54,14 +54,18 @@ class FakeInstalls:
         self.calls.append((backend, detection))
         await trio.lowlevel.checkpoint()
         if self.fail:
-            raise StokerError(R.CUDA_BUNDLE_INSTALL_FAILED, "download failed",
-                              {"cause": "download_failed", "kind": "http_status", "status": 404, "step": "downloading"})
+            raise StokerError(
+                R.CUDA_BUNDLE_INSTALL_FAILED,
+                "download failed",
+                {"cause": "download_failed", "kind": "http_status", "status": 404, "step": "downloading"},
+            )
         install_cuda_bundle(self.paths, min_driver=self.min_driver)
 
 
 def install_cuda_bundle(paths: StokerPaths, *, min_driver="580.65.06", archs=("90-real",)) -> None:
-    make_bundle_dir(paths.bundles_dir / "cuda-avx2", backend="cuda", variant="avx2",
-                    cuda_archs=archs, min_driver=min_driver)
+    make_bundle_dir(
+        paths.bundles_dir / "cuda-avx2", backend="cuda", variant="avx2", cuda_archs=archs, min_driver=min_driver
+    )
 
 
 @pytest.fixture
@@ -104,9 +108,14 @@ def died_before_ready(plan, **evidence):
 
 
 def ready_evidence(offloaded, total=3):
-    return {"pid": PID, "offloaded_layers": offloaded, "total_layers": total, "n_ctx": 2048,
-            "buffers": [{"kind": "KV", "device": "CUDA0", "mib": 16.0}],
-            "evidence_lines": {"offloaded": f"load_tensors: offloaded {offloaded}/{total} layers to GPU"}}
+    return {
+        "pid": PID,
+        "offloaded_layers": offloaded,
+        "total_layers": total,
+        "n_ctx": 2048,
+        "buffers": [{"kind": "KV", "device": "CUDA0", "mib": 16.0}],
+        "evidence_lines": {"offloaded": f"load_tensors: offloaded {offloaded}/{total} layers to GPU"},
+    }
 
 
 def transitions(orch):
@@ -115,7 +124,12 @@ def transitions(orch):
 
 def test_candidates():
     # Auto mode asks each loaded backend where it goes (auto_rank): a plugin after the GPUs, CPU last.
-    loaded = {"cpu": CpuBackend(), "vulkan": VulkanBackend(), "cuda": CudaBackend(), "rpc": SimpleNamespace(auto_rank=100)}
+    loaded = {
+        "cpu": CpuBackend(),
+        "vulkan": VulkanBackend(),
+        "cuda": CudaBackend(),
+        "rpc": SimpleNamespace(auto_rank=100),
+    }
     assert candidates_for("auto", loaded) == (("cuda", "vulkan", "rpc", "cpu"), False)
     assert candidates_for("cuda", loaded) == (("cuda",), True)
 
@@ -222,13 +236,16 @@ async def test_gpu_server_dying_before_ready_moves_on(paths, config):
 async def test_startup_failure_keeps_what_decided_it(paths, config):
     """Seen on an H200: a bundle whose libggml-cuda.so.0 was deleted dies at exec with exit 127;
     the fallback record names the line and the missing library, not only `server_crashed`."""
-    line = ("/b/cuda-avx2/bin/llama-server: error while loading shared libraries: libggml-cuda.so.0: "
-            "cannot open shared object file: No such file or directory")
+    line = (
+        "/b/cuda-avx2/bin/llama-server: error while loading shared libraries: libggml-cuda.so.0: "
+        "cannot open shared object file: No such file or directory"
+    )
     install_cuda_bundle(paths)
     async with orchestrator(paths, cuda_backend(rec.FakeNvml())) as orch:
         plan = await orch.plan(config, L.MakePlan())
-        again = await orch.plan(config, died_before_ready(plan, returncode=127, signal=None, line=line,
-                                                          log_tail=[line]))
+        again = await orch.plan(
+            config, died_before_ready(plan, returncode=127, signal=None, line=line, log_tail=[line])
+        )
         assert again.backend == "cpu"
         (skipped,) = orch.data.skipped
         assert skipped.reason == R.CUDA_STARTUP_FAILED
@@ -259,9 +276,11 @@ async def test_the_plan_is_complete_and_the_command_line_comes_from_it_alone(pat
     """Everything the engine is given is in the plan history records: the supervisor turns
     it into argv without the config (another config now changes nothing)."""
     install_cuda_bundle(paths)
-    config = attrs.evolve(config, server=attrs.evolve(config.server, threads=3, flash_attn="on",
-                                                      extra_args=("--jinja",)),
-                          snapshots=attrs.evolve(config.snapshots, swa_full=True))
+    config = attrs.evolve(
+        config,
+        server=attrs.evolve(config.server, threads=3, flash_attn="on", extra_args=("--jinja",)),
+        snapshots=attrs.evolve(config.snapshots, swa_full=True),
+    )
     async with orchestrator(paths, cuda_backend(rec.FakeNvml())) as orch:
         plan = await orch.plan(config, L.MakePlan())
     assert plan.backend == "cuda" and plan.n_gpu_layers == "auto" and plan.threads == 3
@@ -270,7 +289,12 @@ async def test_the_plan_is_complete_and_the_command_line_comes_from_it_alone(pat
     argv = server_argv(server_spec(plan), api_key_file=paths.runtime_dir / "key")
     flags = dict(zip(argv[1:-3:2], argv[2:-3:2]))  # the named flags, before the extra args
     assert {k: flags[k] for k in ("-ngl", "-t", "-fa", "-c", "--slot-save-path")} == {
-        "-ngl": "auto", "-t": "3", "-fa": "on", "-c": "2048", "--slot-save-path": str(paths.snapshots_dir)}
+        "-ngl": "auto",
+        "-t": "3",
+        "-fa": "on",
+        "-c": "2048",
+        "--slot-save-path": str(paths.snapshots_dir),
+    }
     assert argv[-3:] == ["--jinja", "--metrics", "--swa-full"]
 
 

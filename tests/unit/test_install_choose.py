@@ -16,14 +16,25 @@ PLATFORM = "linux-x86_64"
 
 
 def entry(variant, archs, min_driver="580.65.06", version="b11434"):
-    return {"url": f"https://example.invalid/cuda-{variant}.zip", "sha256": "a" * 64, "size": 10,
-            "backend": "cuda", "variant": variant, "version": version, "platform": PLATFORM,
-            "min_driver": min_driver, "cuda_archs": archs}
+    return {
+        "url": f"https://example.invalid/cuda-{variant}.zip",
+        "sha256": "a" * 64,
+        "size": 10,
+        "backend": "cuda",
+        "variant": variant,
+        "version": version,
+        "platform": PLATFORM,
+        "min_driver": min_driver,
+        "cuda_archs": archs,
+    }
 
 
 def detect(gpus, driver="580.95.05", cuda_driver=13000):
-    backend = CudaBackend(nvml=rec.FakeNvml(gpus, driver=driver, cuda_driver=cuda_driver),
-                          run=recorded_runner({}), sysfs_root="/nonexistent-sys")
+    backend = CudaBackend(
+        nvml=rec.FakeNvml(gpus, driver=driver, cuda_driver=cuda_driver),
+        run=recorded_runner({}),
+        sysfs_root="/nonexistent-sys",
+    )
     return backend, backend.detect()
 
 
@@ -53,11 +64,15 @@ def test_nothing_fits_says_why_per_entry():
 
 
 def test_no_gpu_no_entry():
-    plugin = CudaBackend(nvml=rec.FakeNvml(init_error=rec.NVMLError_LibraryNotFound), run=recorded_runner({}),
-                         sysfs_root="/nonexistent-sys")
+    plugin = CudaBackend(
+        nvml=rec.FakeNvml(init_error=rec.NVMLError_LibraryNotFound),
+        run=recorded_runner({}),
+        sysfs_root="/nonexistent-sys",
+    )
     with pytest.raises(StokerError) as err:
-        choose_entry(manifest(entry("cuda13", ["90-real"])), "cuda", detection=plugin.detect(), plugin=plugin,
-                     platform=PLATFORM)
+        choose_entry(
+            manifest(entry("cuda13", ["90-real"])), "cuda", detection=plugin.detect(), plugin=plugin, platform=PLATFORM
+        )
     assert "gpu_missing" in str(err.value.evidence["refused"])
 
 

@@ -29,7 +29,9 @@ def paths():
 def machine(paths: StokerPaths, slot: str):
     store = open_store(paths.db_file)
     try:
-        return store.machine(f"install:{slot}"), [h.to_state for h in reversed(store.history(machine=f"install:{slot}"))]
+        return store.machine(f"install:{slot}"), [
+            h.to_state for h in reversed(store.history(machine=f"install:{slot}"))
+        ]
     finally:
         store.close()
 

@@ -64,8 +64,7 @@ def test_a_second_instance_is_built_beside_the_first_without_touching_it(stoker_
 def test_each_instance_has_its_own_fallback_machine(stoker_home, store):
     paths = StokerPaths.from_env()
     one = FallbackOrchestrator(paths, store, probes=None, installs=None, backends={})
-    two = FallbackOrchestrator(paths, store, probes=None, installs=None, backends={},
-                               instance=ServerInstance("coder"))
+    two = FallbackOrchestrator(paths, store, probes=None, installs=None, backends={}, instance=ServerInstance("coder"))
     one.runner.fire(F.PlanRequested(("cpu",)))
     assert (one.runner.state, two.runner.state) == (F.FallbackState.CHECKING, F.FallbackState.IDLE)
     assert (one.runner.machine_id, two.runner.machine_id) == ("fallback", "fallback:coder")

@@ -26,8 +26,16 @@ def test_why_sentences(tmp_path):
     tight = estimate(model, 2048, 1000, "0: small")
     assert "not everything fits" in why_planned("cuda", tight)
     assert why_planned("cpu", None, "gpu_missing") == "CPU plan: nothing is offloaded (gpu_missing)"
-    after = why_actual("cuda", text, {"offloaded_layers": 3, "total_layers": 3, "n_ctx": 2048,
-                                      "buffers": [{"kind": "KV", "device": "CUDA0", "mib": 2.0}]})
+    after = why_actual(
+        "cuda",
+        text,
+        {
+            "offloaded_layers": 3,
+            "total_layers": 3,
+            "n_ctx": 2048,
+            "buffers": [{"kind": "KV", "device": "CUDA0", "mib": 2.0}],
+        },
+    )
     assert after.endswith("engine offloaded 3/3; KV CUDA0 2.0 MiB; n_ctx 2048")
     assert free_vram([{"index": 0, "name": "a", "memory_free_mib": 10}]) == (10, "0: a", 1)
     assert free_vram([{"index": 1, "name": "b", "memory_free_mib": None}]) == (None, None, 0)
@@ -38,9 +46,11 @@ def test_several_gpus_share_the_layers_and_each_pays_its_reserve(tmp_path):
     VRAM adds up, and each one pays the runtime's reserve and the fit margin."""
     from daemon.backends.cuda import CudaBackend
 
-    two = [{"index": 0, "name": "NVIDIA H200", "memory_free_mib": 1200},
-           {"index": 1, "name": "NVIDIA H200", "memory_free_mib": 1200},
-           {"index": 2, "name": "lost", "memory_free_mib": None}]
+    two = [
+        {"index": 0, "name": "NVIDIA H200", "memory_free_mib": 1200},
+        {"index": 1, "name": "NVIDIA H200", "memory_free_mib": 1200},
+        {"index": 2, "name": "lost", "memory_free_mib": None},
+    ]
     free, label, n = free_vram(two)
     assert (free, n) == (2400, 2) and label == "2 GPUs (0: NVIDIA H200, 1: NVIDIA H200)"
     model = write_tiny_model(tmp_path / "m.gguf", n_layer=2, n_embd=128, n_head=2)

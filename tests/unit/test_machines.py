@@ -34,7 +34,12 @@ def test_fire_persists_and_publishes(store):
     assert [m["topic"] for m in seen] == ["machine.launch.planning", "machine.launch.starting"]
     msg = seen[-1]
     assert {k: msg[k] for k in ("machine", "from", "to", "event", "reason", "seq")} == {
-        "machine": "launch", "from": "planning", "to": "starting", "event": "PlanReady", "reason": None, "seq": 2,
+        "machine": "launch",
+        "from": "planning",
+        "to": "starting",
+        "event": "PlanReady",
+        "reason": None,
+        "seq": 2,
     }
     assert msg["evidence"] == {"backend": "cpu", "variant": "x86-64"}
     assert isinstance(msg["at"], float)
@@ -46,7 +51,9 @@ def test_fire_persists_and_publishes(store):
 
 
 def test_resume_from_the_store(store):
-    first = MachineRunner(L.LAUNCH, "launch", store, initial_data=L.LaunchData(settings=L.LaunchSettings(max_restarts=1)))
+    first = MachineRunner(
+        L.LAUNCH, "launch", store, initial_data=L.LaunchData(settings=L.LaunchSettings(max_restarts=1))
+    )
     for event in (L.UpRequested(), L.PlanReady(PLAN), L.Spawned(77, 3.25), L.Ready({"layers": 0})):
         first.fire(event)
     again = MachineRunner(L.LAUNCH, "launch", store)
@@ -87,13 +94,28 @@ def test_machine_of_another_kind_is_refused(store):
 
 MAX_RESTARTS = 2
 LAUNCH_EVENTS = [
-    L.UpRequested(), L.DownRequested(), L.RestartRequested(), L.ConfigChanged(),
+    L.UpRequested(),
+    L.DownRequested(),
+    L.RestartRequested(),
+    L.ConfigChanged(),
     L.ConfigChanged(L.LaunchSettings(max_restarts=MAX_RESTARTS, stall_timeout=5.0)),
-    L.PlanReady(PLAN), L.PlanReady(GPU_PLAN), L.PlanFailed(ReasonCode.MODEL_MISSING, {"path": "/m.gguf"}),
-    L.Spawned(100, 1.0), L.SpawnFailed(), L.Adopted(100, 1.0), L.LoadStarted(), L.Ready({"layers": 0}),
-    L.ServerExited(-9), L.ServerExited(1, ReasonCode.MODEL_LOAD_FAILED),
-    L.ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION), L.ServerExited(1, ReasonCode.PORT_IN_USE),
-    L.StallTimeout(), L.BackoffStarted(0.5), L.BackoffElapsed(), L.Stable(), L.StopCompleted(0),
+    L.PlanReady(PLAN),
+    L.PlanReady(GPU_PLAN),
+    L.PlanFailed(ReasonCode.MODEL_MISSING, {"path": "/m.gguf"}),
+    L.Spawned(100, 1.0),
+    L.SpawnFailed(),
+    L.Adopted(100, 1.0),
+    L.LoadStarted(),
+    L.Ready({"layers": 0}),
+    L.ServerExited(-9),
+    L.ServerExited(1, ReasonCode.MODEL_LOAD_FAILED),
+    L.ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION),
+    L.ServerExited(1, ReasonCode.PORT_IN_USE),
+    L.StallTimeout(),
+    L.BackoffStarted(0.5),
+    L.BackoffElapsed(),
+    L.Stable(),
+    L.StopCompleted(0),
 ]
 FATAL = {ReasonCode.MODEL_MISSING, ReasonCode.MODEL_LOAD_FAILED, ReasonCode.SERVER_BAD_ARGUMENTS}
 CRASHING = (L.LaunchState.STARTING, L.LaunchState.LOADING, L.LaunchState.READY)
@@ -131,7 +153,10 @@ class LaunchModel(RuleBasedStateMachine):
         data = result.data
         newest = self.store.history(machine="launch", limit=1)[0]
         assert (newest.from_state, newest.event, newest.to_state) == (
-            before_state.value, type(event).__name__, result.state.value)
+            before_state.value,
+            type(event).__name__,
+            result.state.value,
+        )
         assert newest.reason == (None if result.reason is None else str(result.reason))
         # the crash counter
         if isinstance(event, L.ServerExited) and before_state in CRASHING:
@@ -154,7 +179,9 @@ class LaunchModel(RuleBasedStateMachine):
         if isinstance(event, L.Stable):
             assert data.crashes == 0
         if isinstance(event, (L.UpRequested, L.RestartRequested)) and before_state in (
-                L.LaunchState.STOPPED, L.LaunchState.FAILED):
+            L.LaunchState.STOPPED,
+            L.LaunchState.FAILED,
+        ):
             assert result.state is L.LaunchState.PLANNING and data.crashes == 0 and data.restarts == 0
         if before_state is L.LaunchState.FAILED and not isinstance(event, (L.UpRequested, L.RestartRequested)):
             assert result.state is L.LaunchState.FAILED  # sticky until the user starts it
@@ -202,8 +229,9 @@ class LaunchModel(RuleBasedStateMachine):
 
 
 TestLaunchModel = LaunchModel.TestCase
-TestLaunchModel.settings = settings(max_examples=75, stateful_step_count=40, deadline=None,
-                                    suppress_health_check=[HealthCheck.too_slow])
+TestLaunchModel.settings = settings(
+    max_examples=75, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 # --- the probe machine as a hypothesis model ---------------------------------------------
@@ -282,8 +310,9 @@ class ProbeModel(RuleBasedStateMachine):
 
 
 TestProbeModel = ProbeModel.TestCase
-TestProbeModel.settings = settings(max_examples=75, stateful_step_count=50, deadline=None,
-                                   suppress_health_check=[HealthCheck.too_slow])
+TestProbeModel.settings = settings(
+    max_examples=75, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def test_evidence_with_paths_and_enums_is_stored_as_json(store, tmp_path):
@@ -300,8 +329,9 @@ def test_evidence_with_paths_and_enums_is_stored_as_json(store, tmp_path):
 
 def test_effect_driver_runs_each_effect_through_its_handler():
     ran = []
-    driver = EffectDriver(P.PROBE, {P.RunProbe: lambda e, who: ran.append((who, e)) or "run",
-                                    P.ArmExpiry: lambda e, who: "armed"})
+    driver = EffectDriver(
+        P.PROBE, {P.RunProbe: lambda e, who: ran.append((who, e)) or "run", P.ArmExpiry: lambda e, who: "armed"}
+    )
     assert driver.run(P.RunProbe("cuda", 1, 10.0), "svc") == "run"
     assert driver.run(P.ArmExpiry(1, 30.0), "svc") == "armed"
     assert ran == [("svc", P.RunProbe("cuda", 1, 10.0))]

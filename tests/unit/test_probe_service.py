@@ -99,9 +99,7 @@ async def _scenario(requests, delays, usable, ttl=30.0):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    requests=st.lists(
-        st.tuples(st.floats(0, 50, allow_nan=False), st.booleans()), min_size=2, max_size=40
-    ),
+    requests=st.lists(st.tuples(st.floats(0, 50, allow_nan=False), st.booleans()), min_size=2, max_size=40),
     delays=st.lists(st.floats(0.001, 12, allow_nan=False), min_size=1, max_size=40),
     usable=st.lists(st.booleans(), min_size=1, max_size=8),
 )
@@ -210,15 +208,18 @@ def test_unknown_backend_is_refused():
 def test_a_quick_answer_spares_the_subprocess_and_a_broken_one_does_not_count():
     """quick_detect answers in-process when it can (metal off a Mac, no ROCm/Vulkan tools);
     None or a plugin bug sends the backend to the subprocess probe as before."""
+
     def broken():
         raise RuntimeError("plugin bug")
 
     async def main():
         store = open_store(":memory:")
         fake = FakeProbes([1.0])
-        quick = {"metal": lambda: Detection.unavailable("metal", ReasonCode.GPU_MISSING, present=False,
-                                                        message="not a Mac"),
-                 "cuda": lambda: None, "rocm": broken}
+        quick = {
+            "metal": lambda: Detection.unavailable("metal", ReasonCode.GPU_MISSING, present=False, message="not a Mac"),
+            "cuda": lambda: None,
+            "rocm": broken,
+        }
         service = ProbeService(store, ("cuda", "rocm", "metal"), run_probe=fake, quick=quick)
         async with trio.open_nursery() as nursery:
             await nursery.start(service.serve)

@@ -107,11 +107,13 @@ def test_garbage_raises_only_typed_errors(chunks):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=5),
-    max_leaves=12,
-))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+        lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=5),
+        max_leaves=12,
+    )
+)
 def test_any_json_value_decodes_or_raises_bad_request(value):
     frame = json.dumps(value).encode()
     for decode in (protocol.decode_request, protocol.decode_reply):

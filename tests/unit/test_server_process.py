@@ -52,14 +52,33 @@ def _fake_server(tmp_path, body: str):
 
 def test_argv_carries_the_settings_but_never_the_key(tmp_path):
     spec = ServerSpec(
-        server_path="/b/llama-server", model_path="/m.gguf", port=0, ctx_size=2048, parallel=2,
-        threads=4, n_gpu_layers=99, flash_attn="off", slot_save_path=tmp_path, extra_args=["--swa-full"],
+        server_path="/b/llama-server",
+        model_path="/m.gguf",
+        port=0,
+        ctx_size=2048,
+        parallel=2,
+        threads=4,
+        n_gpu_layers=99,
+        flash_attn="off",
+        slot_save_path=tmp_path,
+        extra_args=["--swa-full"],
     )
     argv = server_argv(spec, api_key_file=tmp_path / "key")
     joined = " ".join(argv)
-    for part in ("-m /m.gguf", "--host 127.0.0.1", "--port 0", "-lv 4", "--log-colors off", "-c 2048",
-                 "-np 2", "-t 4", "-ngl 99", "-fa off", f"--slot-save-path {tmp_path}",
-                 f"--api-key-file {tmp_path / 'key'}"):
+    for part in (
+        "-m /m.gguf",
+        "--host 127.0.0.1",
+        "--port 0",
+        "-lv 4",
+        "--log-colors off",
+        "-c 2048",
+        "-np 2",
+        "-t 4",
+        "-ngl 99",
+        "-fa off",
+        f"--slot-save-path {tmp_path}",
+        f"--api-key-file {tmp_path / 'key'}",
+    ):
         assert part in joined
     assert argv[-1] == "--swa-full" and "--api-key" not in argv
 
@@ -83,7 +102,9 @@ async def test_log_facts_are_parsed(tmp_path):
     assert log.offloaded == (3, 3)
     assert log.n_ctx == 512
     assert [(b.kind, b.device, b.mib) for b in log.buffers] == [
-        ("model", "CPU_Mapped", 1.52), ("model", "CUDA0", 0.58), ("KV", "CUDA0", 0.5)
+        ("model", "CPU_Mapped", 1.52),
+        ("model", "CUDA0", 0.58),
+        ("KV", "CUDA0", 0.5),
     ]
     assert log.devices == ["CUDA0 (NVIDIA H200)"]
     assert log.model_loaded and log.listening == ("127.0.0.1", 41235)
@@ -97,11 +118,14 @@ def test_engine_timestamps():
 
 
 async def test_a_stalled_load_is_server_stalled_and_stop_ends_it(tmp_path):
-    spec = _fake_server(tmp_path, """\
+    spec = _fake_server(
+        tmp_path,
+        """\
         import time
         print("llama_model_loader: loading...", flush=True)
         time.sleep(120)
-    """)
+    """,
+    )
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             handle = await start_server(nursery, spec, log_path=tmp_path / "s.log")
@@ -117,11 +141,14 @@ async def test_a_stalled_load_is_server_stalled_and_stop_ends_it(tmp_path):
 
 
 async def test_sigill_is_cpu_illegal_instruction(tmp_path):
-    spec = _fake_server(tmp_path, """\
+    spec = _fake_server(
+        tmp_path,
+        """\
         import os, signal
         print("graph_compute: warming up", flush=True)
         os.kill(os.getpid(), signal.SIGILL)
-    """)
+    """,
+    )
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             handle = await start_server(nursery, spec, log_path=tmp_path / "s.log")
@@ -133,12 +160,15 @@ async def test_sigill_is_cpu_illegal_instruction(tmp_path):
 
 
 async def test_cancelling_the_owner_kills_a_server_that_ignores_sigterm(tmp_path):
-    spec = _fake_server(tmp_path, """\
+    spec = _fake_server(
+        tmp_path,
+        """\
         import signal, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("stubborn", flush=True)
         time.sleep(120)
-    """)
+    """,
+    )
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             handle = await start_server(nursery, spec, log_path=tmp_path / "s.log", grace=0.5)
@@ -161,12 +191,15 @@ async def test_a_missing_binary_is_server_spawn_failed(tmp_path):
 
 
 async def test_a_leader_that_exits_leaves_no_survivor_in_its_group(tmp_path):
-    spec = _fake_server(tmp_path, """\
+    spec = _fake_server(
+        tmp_path,
+        """\
         import subprocess, sys
         child = subprocess.Popen(["sleep", "60"])
         print(f"child {child.pid}", flush=True)
         sys.exit(3)
-    """)
+    """,
+    )
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             handle = await start_server(nursery, spec, log_path=tmp_path / "s.log")

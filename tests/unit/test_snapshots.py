@@ -13,14 +13,36 @@ from states.reasons import ReasonCode
 from store import open_store
 from store.snapshots import SnapshotCatalog, retention_victims
 
-IDENTITY = {"model_sha256": "m" * 64, "engine_build": "b1 build 1 commit x source y", "n_ctx": 256, "n_slots": 1,
-            "flash_attn": "on", "cache_type_k": "f16", "cache_type_v": "f16", "swa_full": False, "kv_unified": False}
+IDENTITY = {
+    "model_sha256": "m" * 64,
+    "engine_build": "b1 build 1 commit x source y",
+    "n_ctx": 256,
+    "n_slots": 1,
+    "flash_attn": "on",
+    "cache_type_k": "f16",
+    "cache_type_v": "f16",
+    "swa_full": False,
+    "kv_unified": False,
+}
 
 
 def _row(slot=0, size=100, at=1.0, model="m" * 64, **extra):
-    return {"filename": f"slot{slot}-{int(at * 1000)}-ab.bin", "slot_id": slot, "model_path": "/m.gguf",
-            **IDENTITY, "model_sha256": model, "backend": "cpu", "variant": "avx2", "n_tokens": 10,
-            "file_size": size, "file_sha256": "f" * 64, "cause": "stop", "save_ms": 1.0, "created_at": at, **extra}
+    return {
+        "filename": f"slot{slot}-{int(at * 1000)}-ab.bin",
+        "slot_id": slot,
+        "model_path": "/m.gguf",
+        **IDENTITY,
+        "model_sha256": model,
+        "backend": "cpu",
+        "variant": "avx2",
+        "n_tokens": 10,
+        "file_size": size,
+        "file_sha256": "f" * 64,
+        "cause": "stop",
+        "save_ms": 1.0,
+        "created_at": at,
+        **extra,
+    }
 
 
 @pytest.fixture
@@ -63,16 +85,19 @@ def test_retention_byte_budget_removes_oldest_first(catalog):
     assert {v.id for v in retention_victims(catalog.list(), max_count=0, max_bytes=10**9)} == {r.id for r in recs}
 
 
-@pytest.mark.parametrize(("field", "value", "reason"), [
-    ("model_sha256", "x" * 64, ReasonCode.SNAPSHOT_MODEL_MISMATCH),
-    ("engine_build", "b2", ReasonCode.SNAPSHOT_ENGINE_MISMATCH),
-    ("n_ctx", 512, ReasonCode.SNAPSHOT_LAYOUT_MISMATCH),
-    ("n_slots", 2, ReasonCode.SNAPSHOT_LAYOUT_MISMATCH),
-    ("flash_attn", "off", ReasonCode.SNAPSHOT_LAYOUT_MISMATCH),
-    ("cache_type_k", "q8_0", ReasonCode.SNAPSHOT_LAYOUT_MISMATCH),
-    ("cache_type_v", "q8_0", ReasonCode.SNAPSHOT_LAYOUT_MISMATCH),
-    ("swa_full", True, ReasonCode.SNAPSHOT_LAYOUT_MISMATCH),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("model_sha256", "x" * 64, ReasonCode.SNAPSHOT_MODEL_MISMATCH),
+        ("engine_build", "b2", ReasonCode.SNAPSHOT_ENGINE_MISMATCH),
+        ("n_ctx", 512, ReasonCode.SNAPSHOT_LAYOUT_MISMATCH),
+        ("n_slots", 2, ReasonCode.SNAPSHOT_LAYOUT_MISMATCH),
+        ("flash_attn", "off", ReasonCode.SNAPSHOT_LAYOUT_MISMATCH),
+        ("cache_type_k", "q8_0", ReasonCode.SNAPSHOT_LAYOUT_MISMATCH),
+        ("cache_type_v", "q8_0", ReasonCode.SNAPSHOT_LAYOUT_MISMATCH),
+        ("swa_full", True, ReasonCode.SNAPSHOT_LAYOUT_MISMATCH),
+    ],
+)
 def test_every_identity_field_is_checked(field, value, reason):
     check_identity(IDENTITY, dict(IDENTITY), snapshot_id=1)
     with pytest.raises(StokerError) as err:
@@ -120,9 +145,17 @@ llama_context: Flash Attention enabled
 def test_kv_log_facts_and_swa_full_cost():
     kv = KVLog.parse(GEMMA_LOG.splitlines())
     assert (kv.flash_attn, kv.cache_type_k, kv.cache_type_v, kv.swa_full) == ("on", "q8_0", "q8_0", True)
-    assert (kv.kv_mib, kv.swa_mib, kv.swa_cells, kv.n_ctx, kv.n_ctx_seq, kv.n_ubatch) == (144.0, 120.0, 8192, 8192, 8192, 512)
-    facts = facts_from_header({"general.architecture": "gemma3", "gemma3.attention.sliding_window": 512,
-                               "gemma3.attention.head_count": 4})
+    assert (kv.kv_mib, kv.swa_mib, kv.swa_cells, kv.n_ctx, kv.n_ctx_seq, kv.n_ubatch) == (
+        144.0,
+        120.0,
+        8192,
+        8192,
+        8192,
+        512,
+    )
+    facts = facts_from_header(
+        {"general.architecture": "gemma3", "gemma3.attention.sliding_window": 512, "gemma3.attention.head_count": 4}
+    )
     report = swa_report(facts, kv, swa_full=True)
     # Without --swa-full the SWA cache holds pad256(512 + 512) = 1024 cells instead of 8192.
     assert report["kv_mib_with_swa_full"] == 144.0
@@ -134,8 +167,9 @@ def test_kv_log_facts_and_swa_full_cost():
 
 
 def test_recurrent_and_hybrid_models_cannot_benefit():
-    hybrid = facts_from_header({"general.architecture": "jamba", "jamba.ssm.conv_kernel": 4,
-                                "jamba.attention.head_count": 8})
+    hybrid = facts_from_header(
+        {"general.architecture": "jamba", "jamba.ssm.conv_kernel": 4, "jamba.attention.head_count": 8}
+    )
     assert hybrid.recurrent and hybrid.hybrid
     report = swa_report(hybrid, KVLog(), swa_full=True)
     assert report["benefit"] is False and report["why"].startswith("hybrid model")
@@ -168,13 +202,16 @@ def test_gguf_header_reader_skips_arrays(tmp_path, tiny_model):
     assert model_facts(tiny_model).swa is False
 
 
-@pytest.mark.parametrize(("enabled", "setting", "swa_model", "want"), [
-    (True, "auto", True, True),
-    (True, "auto", False, False),
-    (False, "auto", True, False),  # off: no memory spent on a full SWA cache
-    (False, True, False, True),  # forced
-    (True, False, True, False),
-])
+@pytest.mark.parametrize(
+    ("enabled", "setting", "swa_model", "want"),
+    [
+        (True, "auto", True, True),
+        (True, "auto", False, False),
+        (False, "auto", True, False),  # off: no memory spent on a full SWA cache
+        (False, True, False, True),  # forced
+        (True, False, True, False),
+    ],
+)
 def test_swa_full_flag(tmp_path, tiny_model, enabled, setting, swa_model, want):
     import attrs
 

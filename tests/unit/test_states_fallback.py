@@ -28,8 +28,14 @@ from states.reasons import ReasonCode as R
 
 def startup_failed(backend, reason=R.CUDA_STARTUP_FAILED, phase=ExitPhase.NEVER_READY, **evidence):
     """The launch machine's MakePlan after a `backend` server died (before ready by default)."""
-    return PlanRequested(("cuda", "cpu"), previous_backend=backend, failure=R.SERVER_CRASHED, phase=phase,
-                         startup_failed=reason, evidence=evidence)
+    return PlanRequested(
+        ("cuda", "cpu"),
+        previous_backend=backend,
+        failure=R.SERVER_CRASHED,
+        phase=phase,
+        startup_failed=reason,
+        evidence=evidence,
+    )
 
 
 def drive(*events, state=S.IDLE, data=None):
@@ -51,7 +57,10 @@ def test_preferred_backend_works():
 
 
 def test_missing_bundle_on_present_hardware_installs_rechecks_retries():
-    s = drive(PlanRequested(("cuda", "cpu")), CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED, {"gpu": "H200"}, bundle_missing=True))
+    s = drive(
+        PlanRequested(("cuda", "cpu")),
+        CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED, {"gpu": "H200"}, bundle_missing=True),
+    )
     assert s.state is S.INSTALLING and s.effects == (InstallBundle("cuda"),)
     s = drive(BundleInstalled("cuda"), state=s.state, data=s.data)
     assert s.state is S.CHECKING and s.effects == (CheckBackend("cuda"),)
@@ -111,15 +120,23 @@ def test_any_other_request_while_launching_starts_afresh(request_):
 def test_a_cpu_server_that_never_got_ready_is_planned_afresh():
     """SIGILL before ready: the CPU is not skipped (nothing is left after it); the planner steps
     its variant down from the failure it is given."""
-    s = drive(PlanRequested(("cuda", "cpu")), CheckFailed("cuda", R.GPU_MISSING), CheckPassed("cpu"),
-              PlanRequested(("cuda", "cpu"), previous_backend="cpu", failure=R.CPU_ILLEGAL_INSTRUCTION,
-                            phase=ExitPhase.NEVER_READY))
+    s = drive(
+        PlanRequested(("cuda", "cpu")),
+        CheckFailed("cuda", R.GPU_MISSING),
+        CheckPassed("cpu"),
+        PlanRequested(
+            ("cuda", "cpu"), previous_backend="cpu", failure=R.CPU_ILLEGAL_INSTRUCTION, phase=ExitPhase.NEVER_READY
+        ),
+    )
     assert s.state is S.CHECKING and s.data.index == 0 and s.data.skipped == ()
 
 
 def test_gpu_claimed_but_cpu_in_fact_settles_with_reason():
-    s = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda"),
-              LaunchSucceeded("cuda", effective_backend="cpu", reason=R.CUDA_GPU_LAYERS_ZERO))
+    s = drive(
+        PlanRequested(("cuda", "cpu")),
+        CheckPassed("cuda"),
+        LaunchSucceeded("cuda", effective_backend="cpu", reason=R.CUDA_GPU_LAYERS_ZERO),
+    )
     assert s.state is S.SETTLED and s.data.chosen == "cpu" and s.reason is R.CUDA_GPU_LAYERS_ZERO
 
 
@@ -142,16 +159,24 @@ def test_forced_backend_never_falls_back(failure, reason):
 
 
 def test_forced_backend_still_installs_its_missing_bundle():
-    s = drive(PlanRequested(("cuda",), forced=True), CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED, bundle_missing=True))
+    s = drive(
+        PlanRequested(("cuda",), forced=True),
+        CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED, bundle_missing=True),
+    )
     assert s.state is S.INSTALLING
     s = drive(BundleInstallFailed("cuda", R.CUDA_BUNDLE_INSTALL_FAILED), state=s.state, data=s.data)
     assert s.state is S.FAILED and s.reason is R.CUDA_BUNDLE_INSTALL_FAILED
 
 
 def test_all_exhausted_fails_with_last_reason_and_summary():
-    s = drive(PlanRequested(("cuda", "cpu")), CheckFailed("cuda", R.GPU_MISSING), CheckFailed("cpu", R.BUNDLE_BUILD_FAILED))
+    s = drive(
+        PlanRequested(("cuda", "cpu")), CheckFailed("cuda", R.GPU_MISSING), CheckFailed("cpu", R.BUNDLE_BUILD_FAILED)
+    )
     assert s.state is S.FAILED and s.reason is R.BUNDLE_BUILD_FAILED
-    assert s.evidence["skipped"] == [{"backend": "cuda", "reason": "gpu_missing"}, {"backend": "cpu", "reason": "bundle_build_failed"}]
+    assert s.evidence["skipped"] == [
+        {"backend": "cuda", "reason": "gpu_missing"},
+        {"backend": "cpu", "reason": "bundle_build_failed"},
+    ]
 
 
 def test_results_for_another_backend_are_illegal_and_a_new_request_starts_over():

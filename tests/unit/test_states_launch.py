@@ -115,8 +115,15 @@ def test_sigill_asks_for_a_new_plan_that_knows_why():
 
 def test_a_gpu_server_that_never_got_ready_asks_for_a_new_plan():
     evidence = {"returncode": 127, "line": "error while loading shared libraries: libggml-cuda.so.0: cannot open"}
-    s = drive(UpRequested(), PlanReady(GPU_PLAN), Spawned(7), LoadStarted(), ServerExited(127, evidence=evidence),
-              BackoffStarted(0.1), BackoffElapsed())
+    s = drive(
+        UpRequested(),
+        PlanReady(GPU_PLAN),
+        Spawned(7),
+        LoadStarted(),
+        ServerExited(127, evidence=evidence),
+        BackoffStarted(0.1),
+        BackoffElapsed(),
+    )
     assert s.state is S.PLANNING
     (effect,) = s.effects
     assert effect.previous == GPU_PLAN
@@ -205,8 +212,7 @@ def test_stable_resets_crash_counter():
 
 
 def test_restarts_count_every_restart_since_the_user_started_it():
-    s = running(ServerExited(-9), BackoffStarted(0), BackoffElapsed(), Spawned(2), Ready(), Stable(),
-                ServerExited(-9))
+    s = running(ServerExited(-9), BackoffStarted(0), BackoffElapsed(), Spawned(2), Ready(), Stable(), ServerExited(-9))
     assert s.data.restarts == 2 and s.data.crashes == 1  # Stable forgets crashes, not restarts
     s = drive(RestartRequested(), state=s.state, data=s.data)
     assert s.data.restarts == 0

@@ -65,8 +65,11 @@ class Wiring:
         failure, previous = effect.failure, effect.previous
         candidates = ("cuda",) if self.forced else CANDIDATES
         request = F.PlanRequested(
-            candidates, self.forced, previous_backend=previous.backend if previous else None,
-            failure=failure.reason if failure else None, phase=failure.phase if failure else None,
+            candidates,
+            self.forced,
+            previous_backend=previous.backend if previous else None,
+            failure=failure.reason if failure else None,
+            phase=failure.phase if failure else None,
             startup_failed=STARTUP_FAILED.get(previous.backend, R.SERVER_CRASHED) if previous else R.SERVER_CRASHED,
         )
         effects = list(self.fire_fallback(request))
@@ -129,7 +132,7 @@ def test_servers_that_fail_to_start_move_the_fallback_on(fates, forced):
             assert w.spawned[-1] == backend and data.plan.backend == backend
         if fate is Fate.SERVES:
             assert state is L.LaunchState.READY and w.fallback[0] is F.FallbackState.SETTLED
-        assert "cuda" not in w.spawned[w.spawned.index("cpu"):] if "cpu" in w.spawned else True
+        assert "cuda" not in w.spawned[w.spawned.index("cpu") :] if "cpu" in w.spawned else True
         if state is L.LaunchState.FAILED and data.reason is R.CRASH_LOOP:
             assert data.crashes == data.settings.max_restarts + 1
 

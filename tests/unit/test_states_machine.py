@@ -94,7 +94,12 @@ def test_plain_target_keeps_data():
 def test_guarded_handler_and_its_refusal():
     s = step(DOOR, Door.OPEN, DoorData(), Slam(hard=True))
     assert (s.state, s.data.slams, s.effects, s.reason, s.evidence) == (
-        Door.SHUT, 1, ("bang",), ReasonCode.SERVER_CRASHED, {"n": 1})
+        Door.SHUT,
+        1,
+        ("bang",),
+        ReasonCode.SERVER_CRASHED,
+        {"n": 1},
+    )
     with pytest.raises(IllegalTransition, match="refused by slam"):
         step(DOOR, Door.OPEN, DoorData(), Slam(hard=False))
 
@@ -131,15 +136,29 @@ def test_spec_rejects_inconsistent_tables():
 
 
 PLAN = LaunchPlan("cuda", "sm90", "/b", "/b/llama-server", "/m.gguf", n_gpu_layers=99, extra_args=("--jinja",))
-AUTO_PLAN = LaunchPlan("cuda", "sm90", "/b", "/b/llama-server", "/m.gguf", n_gpu_layers="auto", threads=4,
-                       flash_attn="auto", slot_save_path="/s", extra_args=("--metrics", "--swa-full"))
+AUTO_PLAN = LaunchPlan(
+    "cuda",
+    "sm90",
+    "/b",
+    "/b/llama-server",
+    "/m.gguf",
+    n_gpu_layers="auto",
+    threads=4,
+    flash_attn="auto",
+    slot_save_path="/s",
+    extra_args=("--metrics", "--swa-full"),
+)
 CPU_PLAN = LaunchPlan("cpu", "avx2", "/c", "/c/llama-server", "/m.gguf")
 
 
 @pytest.mark.parametrize(
     "event",
-    [UpRequested(), PlanReady(PLAN), PlanReady(AUTO_PLAN),
-     ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION, {"sig": "SIGILL"})],
+    [
+        UpRequested(),
+        PlanReady(PLAN),
+        PlanReady(AUTO_PLAN),
+        ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION, {"sig": "SIGILL"}),
+    ],
 )
 def test_event_json_round_trip(event):
     name, payload = event_to_json(event)
@@ -193,45 +212,85 @@ def test_committed_diagrams_are_current(spec):
 
 
 def test_generator_check_mode_passes():
-    done = subprocess.run([sys.executable, str(ROOT / "docs/states/generate.py"), "--check"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "docs/states/generate.py"), "--check"], capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
 
 
 # --- every table under random event sequences -------------------------------------------
 SAMPLES = {
     "launch": [
-        L.UpRequested(), L.DownRequested(), L.RestartRequested(), L.ConfigChanged(), L.PlanReady(AUTO_PLAN),
-        L.PlanReady(CPU_PLAN), L.PlanFailed(ReasonCode.MODEL_MISSING), L.Spawned(1), L.Adopted(1),
-        L.SpawnFailed(), L.LoadStarted(), L.Ready(), L.ServerExited(1), L.ServerExited(-9),
-        L.ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION), L.ServerExited(1, ReasonCode.MODEL_LOAD_FAILED),
-        L.ServerExited(1, ReasonCode.PORT_IN_USE), L.StallTimeout(), L.BackoffStarted(1.0),
-        L.BackoffElapsed(), L.Stable(), L.StopCompleted(0),
+        L.UpRequested(),
+        L.DownRequested(),
+        L.RestartRequested(),
+        L.ConfigChanged(),
+        L.PlanReady(AUTO_PLAN),
+        L.PlanReady(CPU_PLAN),
+        L.PlanFailed(ReasonCode.MODEL_MISSING),
+        L.Spawned(1),
+        L.Adopted(1),
+        L.SpawnFailed(),
+        L.LoadStarted(),
+        L.Ready(),
+        L.ServerExited(1),
+        L.ServerExited(-9),
+        L.ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION),
+        L.ServerExited(1, ReasonCode.MODEL_LOAD_FAILED),
+        L.ServerExited(1, ReasonCode.PORT_IN_USE),
+        L.StallTimeout(),
+        L.BackoffStarted(1.0),
+        L.BackoffElapsed(),
+        L.Stable(),
+        L.StopCompleted(0),
     ],
     "install": [
-        I.InstallRequested("cuda", "sm90"), I.Resolved("http://x/b.zip", "aa", 3), I.Downloaded("/a", "aa", 3),
-        I.Verified(), I.Unpacked("/s"), I.Validated(), I.SmokePassed(), I.Resumed(),
+        I.InstallRequested("cuda", "sm90"),
+        I.Resolved("http://x/b.zip", "aa", 3),
+        I.Downloaded("/a", "aa", 3),
+        I.Verified(),
+        I.Unpacked("/s"),
+        I.Validated(),
+        I.SmokePassed(),
+        I.Resumed(),
         I.InstallFailed(ReasonCode.BUNDLE_VERIFY_FAILED),
     ],
     "probe": [
-        PR.ProbeRequested("cuda"), PR.ProbeRequested(), *[PR.ProbeSucceeded(g) for g in (1, 2, 3)],
-        *[PR.ProbeFailed(g, ReasonCode.GPU_MISSING) for g in (1, 2, 3)], *[PR.Expired(g) for g in (1, 2, 3)],
+        PR.ProbeRequested("cuda"),
+        PR.ProbeRequested(),
+        *[PR.ProbeSucceeded(g) for g in (1, 2, 3)],
+        *[PR.ProbeFailed(g, ReasonCode.GPU_MISSING) for g in (1, 2, 3)],
+        *[PR.Expired(g) for g in (1, 2, 3)],
     ],
     "fallback": [
-        F.PlanRequested(("cuda", "cpu")), F.PlanRequested(("cuda",), forced=True),
-        *[F.PlanRequested(("cuda", "cpu"), previous_backend=b, failure=ReasonCode.SERVER_CRASHED, phase=p,
-                          startup_failed=ReasonCode.CUDA_STARTUP_FAILED)
-          for b in ("cuda", "cpu") for p in L.ExitPhase],
+        F.PlanRequested(("cuda", "cpu")),
+        F.PlanRequested(("cuda",), forced=True),
+        *[
+            F.PlanRequested(
+                ("cuda", "cpu"),
+                previous_backend=b,
+                failure=ReasonCode.SERVER_CRASHED,
+                phase=p,
+                startup_failed=ReasonCode.CUDA_STARTUP_FAILED,
+            )
+            for b in ("cuda", "cpu")
+            for p in L.ExitPhase
+        ],
         *[F.CheckPassed(b) for b in ("cuda", "cpu")],
-        *[F.CheckFailed(b, r, bundle_missing=r == ReasonCode.BINARY_MISSING_NVIDIA_DETECTED)
-          for b in ("cuda", "cpu") for r in (ReasonCode.BINARY_MISSING_NVIDIA_DETECTED, ReasonCode.GPU_MISSING)],
+        *[
+            F.CheckFailed(b, r, bundle_missing=r == ReasonCode.BINARY_MISSING_NVIDIA_DETECTED)
+            for b in ("cuda", "cpu")
+            for r in (ReasonCode.BINARY_MISSING_NVIDIA_DETECTED, ReasonCode.GPU_MISSING)
+        ],
         *[F.BundleInstalled(b) for b in ("cuda", "cpu")],
         F.BundleInstallFailed("cuda", ReasonCode.CUDA_BUNDLE_INSTALL_FAILED),
-        *[F.LaunchSucceeded(b) for b in ("cuda", "cpu")], F.LaunchSucceeded("cuda", adopted=True),
+        *[F.LaunchSucceeded(b) for b in ("cuda", "cpu")],
+        F.LaunchSucceeded("cuda", adopted=True),
         F.LaunchSucceeded("cuda", "cpu", ReasonCode.CUDA_GPU_LAYERS_ZERO),
     ],
     "config": [
-        C.ConfigAccepted(), C.ConfigAccepted(("server.ctx_size",), relaunch=True),
+        C.ConfigAccepted(),
+        C.ConfigAccepted(("server.ctx_size",), relaunch=True),
         C.ConfigRejected(("server.ctx_size: must be an integer",)),
     ],
 }
@@ -280,14 +339,21 @@ def launch_policy(state, data, event, result):
 def fallback_policy(state, data, event, result):
     new = result.data
     if isinstance(event, F.PlanRequested):
-        failed_start = (state is F.FallbackState.LAUNCHING and event.failure is not None
-                        and event.phase is L.ExitPhase.NEVER_READY and event.previous_backend == data.current
-                        and event.previous_backend != "cpu")
+        failed_start = (
+            state is F.FallbackState.LAUNCHING
+            and event.failure is not None
+            and event.phase is L.ExitPhase.NEVER_READY
+            and event.previous_backend == data.current
+            and event.previous_backend != "cpu"
+        )
         if failed_start:
             assert new.skipped[-1].backend == data.current and new.skipped[-1].reason is event.startup_failed
             assert len(new.skipped) == len(data.skipped) + 1
-            assert result.state is (F.FallbackState.CHECKING if data.index + 1 < len(data.candidates)
-                                    and not data.forced else F.FallbackState.FAILED)
+            assert result.state is (
+                F.FallbackState.CHECKING
+                if data.index + 1 < len(data.candidates) and not data.forced
+                else F.FallbackState.FAILED
+            )
         else:
             assert result.state is F.FallbackState.CHECKING
             assert new == F.FallbackData(candidates=event.candidates, forced=event.forced)

@@ -84,7 +84,9 @@ def test_many_concurrent_probes_newest_wins(case):
         state, data = s.state, s.data
     seen_newest = False
     for gen in order:
-        event = ProbeSucceeded(gen, {"g": gen}) if oks[gen - 1] else ProbeFailed(gen, ReasonCode.GPU_MISSING, {"g": gen})
+        event = (
+            ProbeSucceeded(gen, {"g": gen}) if oks[gen - 1] else ProbeFailed(gen, ReasonCode.GPU_MISSING, {"g": gen})
+        )
         s = step(PROBE, state, data, event)
         if gen == n:
             seen_newest = True

@@ -21,8 +21,14 @@ class Clock:
 
 def record(store, machine="launch", kind="launch", frm="stopped", to="planning", event="UpRequested", **kw):
     return store.record_step(
-        machine_id=machine, kind=kind, from_state=frm, event=event, event_data=kw.pop("event_data", {}),
-        to_state=to, data=kw.pop("data", {"crashes": 0}), **kw,
+        machine_id=machine,
+        kind=kind,
+        from_state=frm,
+        event=event,
+        event_data=kw.pop("event_data", {}),
+        to_state=to,
+        data=kw.pop("data", {"crashes": 0}),
+        **kw,
     )
 
 
@@ -133,7 +139,7 @@ def test_damaged_pages_fail_the_integrity_check(tmp_path):
     assert len(raw) > 8 * page_size
     for page in range(2, len(raw) // page_size):  # keep the header page: the file still opens
         start = page * page_size
-        raw[start + 8: start + page_size // 2] = b"\xff" * (page_size // 2 - 8)
+        raw[start + 8 : start + page_size // 2] = b"\xff" * (page_size // 2 - 8)
     path.write_bytes(bytes(raw))
     with pytest.raises(StoreError) as info:
         open_store(path)
@@ -143,17 +149,28 @@ def test_damaged_pages_fail_the_integrity_check(tmp_path):
 def test_record_step_writes_row_and_history_together(store):
     t = record(store, reason="server_crashed", evidence={"returncode": -9})
     assert isinstance(t, TransitionRecord)
-    assert (t.seq, t.from_state, t.to_state, t.reason, t.evidence) == (1, "stopped", "planning", "server_crashed", {"returncode": -9})
+    assert (t.seq, t.from_state, t.to_state, t.reason, t.evidence) == (
+        1,
+        "stopped",
+        "planning",
+        "server_crashed",
+        {"returncode": -9},
+    )
     m = store.machine("launch")
-    assert (m.state, m.reason, m.evidence, m.seq, m.updated_at) == ("planning", "server_crashed", {"returncode": -9}, 1, t.at)
+    assert (m.state, m.reason, m.evidence, m.seq, m.updated_at) == (
+        "planning",
+        "server_crashed",
+        {"returncode": -9},
+        1,
+        t.at,
+    )
     assert store.machine("nope") is None
 
 
 def test_failing_write_leaves_neither_row(store):
     record(store)
     store.db.execute(
-        "CREATE TEMP TRIGGER refuse BEFORE INSERT ON transitions "
-        "BEGIN SELECT RAISE(ABORT, 'disk says no'); END"
+        "CREATE TEMP TRIGGER refuse BEFORE INSERT ON transitions BEGIN SELECT RAISE(ABORT, 'disk says no'); END"
     )
     with pytest.raises(StoreError) as info:
         record(store, frm="planning", to="starting", event="PlanReady")
@@ -192,10 +209,19 @@ def test_history_filters_and_order(store):
 
 def test_history_row_needs_its_machine(store):
     with pytest.raises(sqlite3.IntegrityError):
-        store.db["transitions"].insert({
-            "machine_id": "ghost", "kind": "launch", "from_state": "a", "event": "E", "event_data": "{}",
-            "to_state": "b", "evidence": "{}", "at": 1.0, "seq": 1,
-        })
+        store.db["transitions"].insert(
+            {
+                "machine_id": "ghost",
+                "kind": "launch",
+                "from_state": "a",
+                "event": "E",
+                "event_data": "{}",
+                "to_state": "b",
+                "evidence": "{}",
+                "at": 1.0,
+                "seq": 1,
+            }
+        )
 
 
 def test_explicit_time_wins_over_the_clock(store):

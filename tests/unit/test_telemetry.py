@@ -63,7 +63,9 @@ class H200Nvml(rec.FakeNvml):
 def loaded_h200(**overrides):
     """The H200 with a 2 GiB server (ours) and another tenant's 10 MiB process."""
     gpu = rec.h200(
-        util=87, temp=54, power_mw=312_345,
+        util=87,
+        temp=54,
+        power_mw=312_345,
         free=(143771 - 2700) * rec.MIB,
         processes=[(SERVER_PID, 2048 * rec.MIB), (7, 10 * rec.MIB)],
     )
@@ -117,8 +119,14 @@ def cuda_target(pid=SERVER_PID):
 # process (pid 456) holding a CUDA context and a 2 GiB allocation but computing nothing.
 H200_TOTAL = 150754820096
 H200_IDLE = {"total": H200_TOTAL, "free": 150109880320, "util": 0, "temp": 32, "power_mw": 85105, "processes": []}
-H200_HOLDING = {"total": H200_TOTAL, "free": 147409993728, "util": 0, "temp": 33, "power_mw": 104200,
-                "processes": [(456, 2690646016)]}
+H200_HOLDING = {
+    "total": H200_TOTAL,
+    "free": 147409993728,
+    "util": 0,
+    "temp": 33,
+    "power_mw": 104200,
+    "processes": [(456, 2690646016)],
+}
 
 
 def test_recorded_h200_with_a_process_holding_vram_is_idle_not_unavailable():
@@ -331,8 +339,12 @@ async def test_the_service_publishes_only_while_somebody_subscribes():
         async with trio.open_nursery() as nursery:
             sampler = await nursery.start(
                 lambda task_status: serve_telemetry(
-                    lambda: cuda_target(), bus, ttl=0.05, gpu_reader_factory=lambda backend: NvmlReader(nvml),
-                    engine_fetch=lambda url, key: _idle_async(), task_status=task_status,
+                    lambda: cuda_target(),
+                    bus,
+                    ttl=0.05,
+                    gpu_reader_factory=lambda backend: NvmlReader(nvml),
+                    engine_fetch=lambda url, key: _idle_async(),
+                    task_status=task_status,
                 )
             )
             await trio.sleep(0.3)

@@ -26,9 +26,15 @@ def test_model_has_the_llama_keys_and_tensors(tmp_path, vocab):
     path = write_tiny_model(tmp_path / "m.gguf", n_layer=3, vocab=vocab)
     reader = gguf.GGUFReader(str(path))
     keys = set(reader.fields)
-    for key in ("llama.context_length", "llama.embedding_length", "llama.block_count",
-                "llama.attention.head_count", "llama.attention.layer_norm_rms_epsilon",
-                "tokenizer.ggml.model", "tokenizer.ggml.tokens"):
+    for key in (
+        "llama.context_length",
+        "llama.embedding_length",
+        "llama.block_count",
+        "llama.attention.head_count",
+        "llama.attention.layer_norm_rms_epsilon",
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.tokens",
+    ):
         assert key in keys
     if vocab == "bpe":
         assert "tokenizer.ggml.merges" in keys
@@ -48,8 +54,9 @@ def test_head_count_must_divide_width(tmp_path):
         write_tiny_model(tmp_path / "x.gguf", n_embd=100, n_head=3)
 
 
-@pytest.mark.parametrize("weights, ggml_type", [("q8_0", gguf.GGMLQuantizationType.Q8_0),
-                                                ("q4_0", gguf.GGMLQuantizationType.Q4_0)])
+@pytest.mark.parametrize(
+    "weights, ggml_type", [("q8_0", gguf.GGMLQuantizationType.Q8_0), ("q4_0", gguf.GGMLQuantizationType.Q4_0)]
+)
 def test_quantized_layer_weights(tmp_path, weights, ggml_type):
     path = write_tiny_model(tmp_path / "q.gguf", weights=weights)
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_mypy_finds_no_type_errors():
     cache = StokerPaths.from_env().cache_dir / "mypy"
-    result = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(cache)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--cache-dir", str(cache)], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "Success: no issues found" in result.stdout

@@ -15,7 +15,7 @@ def test_replaces_the_key_in_place_and_keeps_comments():
 
 
 def test_adds_the_key_or_the_section():
-    assert set_backend_prefer("[backend]\ncpu_variant = \"avx2\"\n[server]\nport = 1\n", "cpu") == (
+    assert set_backend_prefer('[backend]\ncpu_variant = "avx2"\n[server]\nport = 1\n', "cpu") == (
         '[backend]\nprefer = "cpu"\ncpu_variant = "avx2"\n[server]\nport = 1\n'
     )
     assert set_backend_prefer("[server]\nport = 1\n", "metal") == '[server]\nport = 1\n\n[backend]\nprefer = "metal"\n'

@@ -76,7 +76,9 @@ class BackendCard(Static):
             if hint:  # what to change (e.g. the fit margin when no layer fitted)
                 grid.add_row("hint", Text(str(hint)))
         if st.get("reason"):
-            grid.add_row("reason", Text(st["reason"], style="bold red" if state in ("failed", "crashed") else "bold yellow"))
+            grid.add_row(
+                "reason", Text(st["reason"], style="bold red" if state in ("failed", "crashed") else "bold yellow")
+            )
             if st.get("message"):
                 grid.add_row("", Text(st["message"]))
         model = st.get("model")
@@ -94,5 +96,7 @@ class BackendCard(Static):
         grid.add_row("uptime", uptime + ("   " + "  ".join(extra) if extra else ""))
         problems = (st.get("config") or {}).get("problems") or []
         if problems:
-            grid.add_row("config", Text(f"invalid ({len(problems)} problem(s)); running the previous one", style="yellow"))
+            grid.add_row(
+                "config", Text(f"invalid ({len(problems)} problem(s)); running the previous one", style="yellow")
+            )
         return grid

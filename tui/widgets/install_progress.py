@@ -26,8 +26,14 @@ def progress_figures(event: dict[str, Any]) -> dict[str, Any]:
     if eta is None and speed and total is not None and done is not None:
         eta = max(0.0, (total - done) / speed)
     what = "/".join(str(x) for x in (event.get("backend"), event.get("variant")) if x) or "bundle"
-    return {"what": what, "done": done, "total": total, "speed": speed, "eta": eta,
-            "phase": _first(event, "phase", "state", "step")}
+    return {
+        "what": what,
+        "done": done,
+        "total": total,
+        "speed": speed,
+        "eta": eta,
+        "phase": _first(event, "phase", "state", "step"),
+    }
 
 
 def progress_line(fig: dict[str, Any]) -> Text:

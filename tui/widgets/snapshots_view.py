@@ -52,7 +52,16 @@ class SnapshotsView(Vertical):
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        for label, width in (("id", 3), ("taken", 11), ("slot", 4), ("tokens", 6), ("size", 9), ("cause", 7), ("fits", 4), ("model", 16)):
+        for label, width in (
+            ("id", 3),
+            ("taken", 11),
+            ("slot", 4),
+            ("tokens", 6),
+            ("size", 9),
+            ("cause", 7),
+            ("fits", 4),
+            ("model", 16),
+        ):
             table.add_column(label, key=label, width=width)
 
     def load(self, items: list[dict[str, Any]], listing: dict[str, Any] | None = None) -> None:
@@ -91,7 +100,11 @@ class SnapshotsView(Vertical):
         item = self.selected()
         if item is not None and item.get("fits_server") is False:
             self.query_one("#snapshots-note", Static).update(
-                Text(f"snapshot {snapshot_id(item)} does not fit the running server: {item.get('why_not')}", style="yellow"))
+                Text(
+                    f"snapshot {snapshot_id(item)} does not fit the running server: {item.get('why_not')}",
+                    style="yellow",
+                )
+            )
         elif item is not None:
             self.query_one("#snapshots-note", Static).update(Text(self._summary, style="dim"))
 

@@ -44,8 +44,7 @@ async def probe(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str
     names = params["backends"] or list(daemon.backend_names)
     started = time.perf_counter()
     results = await daemon.probe_all(names, fresh=params["fresh"])
-    return {"backends": [r.to_dict() for r in results.values()],
-            "elapsed_s": round(time.perf_counter() - started, 4)}
+    return {"backends": [r.to_dict() for r in results.values()], "elapsed_s": round(time.perf_counter() - started, 4)}
 
 
 def set_backend_prefer(text: str, value: str) -> str:
@@ -90,8 +89,13 @@ def write_preference(path: Path, value: str) -> None:
 
 @method(
     "use",
-    Param("backend", Kind.STRING, "The preference to persist: auto tries the backends in order; a name forces it.",
-          required=True, choices=PREFERENCES),
+    Param(
+        "backend",
+        Kind.STRING,
+        "The preference to persist: auto tries the backends in order; a name forces it.",
+        required=True,
+        choices=PREFERENCES,
+    ),
     errors=(ReasonCode.CONFIG_INVALID,),
 )
 async def use(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
@@ -103,8 +107,11 @@ async def use(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, 
     """
     value = params["backend"]
     if daemon.config_problems:
-        raise StokerError(ReasonCode.CONFIG_INVALID, "The config file is invalid; fix it before `stoker use`.",
-                          {"problems": list(daemon.config_problems)})
+        raise StokerError(
+            ReasonCode.CONFIG_INVALID,
+            "The config file is invalid; fix it before `stoker use`.",
+            {"problems": list(daemon.config_problems)},
+        )
     path = daemon.paths.config_file
     try:
         write_preference(path, value)
@@ -149,8 +156,7 @@ async def install(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[s
 @method(
     "bundle.install",
     Param("path", Kind.STRING, "The bundle zip to install, an absolute path the daemon can read.", required=True),
-    Param("smoke", Kind.BOOLEAN, "Run the smoke test (where this machine can run the bundle's engine).",
-          default=False),
+    Param("smoke", Kind.BOOLEAN, "Run the smoke test (where this machine can run the bundle's engine).", default=False),
     errors=("<backend>_bundle_install_failed", ReasonCode.BUNDLE_VERIFY_FAILED, ReasonCode.BUNDLE_MISSING),
 )
 async def bundle_install(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
@@ -162,8 +168,11 @@ async def bundle_install(daemon: ControlledDaemon, params: Mapping[str, Any]) ->
     """
     path = Path(params["path"])
     if not path.is_absolute():
-        raise StokerError(ReasonCode.BAD_REQUEST, "The bundle path must be absolute (the daemon has its own cwd).",
-                          {"path": str(path)})
+        raise StokerError(
+            ReasonCode.BAD_REQUEST,
+            "The bundle path must be absolute (the daemon has its own cwd).",
+            {"path": str(path)},
+        )
     detection = None
     if params["smoke"]:  # a GPU bundle's smoke test needs its device seen
         meta = await trio.to_thread.run_sync(bundle_meta_of, path)

@@ -107,8 +107,13 @@ async def history(daemon: ControlledDaemon, params: Mapping[str, Any]) -> list[d
     Reply: [{id, machine_id, kind, from_state, event, event_data, to_state, reason,
     evidence, at, seq}].
     """
-    rows = daemon.history(machine=params["machine"], kind=params["kind"], since=params["since"],
-                          until=params["until"], limit=params["limit"])
+    rows = daemon.history(
+        machine=params["machine"],
+        kind=params["kind"],
+        since=params["since"],
+        until=params["until"],
+        limit=params["limit"],
+    )
     return [row.to_dict() for row in rows]
 
 

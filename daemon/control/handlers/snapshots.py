@@ -36,8 +36,13 @@ async def snapshot_list(daemon: ControlledDaemon, params: Mapping[str, Any]) -> 
 @method(
     "snapshot.save",
     Param("slot", Kind.INTEGER, "Only this slot. " + SLOT_DOC),
-    errors=(ReasonCode.SNAPSHOTS_DISABLED, ReasonCode.SNAPSHOT_SERVER_NOT_READY, ReasonCode.SNAPSHOT_BAD_SLOT,
-            ReasonCode.SNAPSHOT_SAVE_FAILED, ReasonCode.SNAPSHOT_DISK_FULL),
+    errors=(
+        ReasonCode.SNAPSHOTS_DISABLED,
+        ReasonCode.SNAPSHOT_SERVER_NOT_READY,
+        ReasonCode.SNAPSHOT_BAD_SLOT,
+        ReasonCode.SNAPSHOT_SAVE_FAILED,
+        ReasonCode.SNAPSHOT_DISK_FULL,
+    ),
 )
 async def snapshot_save(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
     """Save the non-empty slots (or one) now, with cause "manual".
@@ -53,9 +58,17 @@ async def snapshot_save(daemon: ControlledDaemon, params: Mapping[str, Any]) -> 
     "snapshot.restore",
     ID,
     Param("slot", Kind.INTEGER, "Restore into this slot instead of the one it was saved from. " + SLOT_DOC),
-    errors=(ReasonCode.SNAPSHOT_NOT_FOUND, ReasonCode.SNAPSHOTS_DISABLED, ReasonCode.SNAPSHOT_SERVER_NOT_READY,
-            ReasonCode.SNAPSHOT_BAD_SLOT, ReasonCode.SNAPSHOT_MODEL_MISMATCH, ReasonCode.SNAPSHOT_ENGINE_MISMATCH,
-            ReasonCode.SNAPSHOT_LAYOUT_MISMATCH, ReasonCode.SNAPSHOT_CORRUPT, ReasonCode.SNAPSHOT_RESTORE_FAILED),
+    errors=(
+        ReasonCode.SNAPSHOT_NOT_FOUND,
+        ReasonCode.SNAPSHOTS_DISABLED,
+        ReasonCode.SNAPSHOT_SERVER_NOT_READY,
+        ReasonCode.SNAPSHOT_BAD_SLOT,
+        ReasonCode.SNAPSHOT_MODEL_MISMATCH,
+        ReasonCode.SNAPSHOT_ENGINE_MISMATCH,
+        ReasonCode.SNAPSHOT_LAYOUT_MISMATCH,
+        ReasonCode.SNAPSHOT_CORRUPT,
+        ReasonCode.SNAPSHOT_RESTORE_FAILED,
+    ),
 )
 async def snapshot_restore(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
     """Restore one snapshot into a slot of the running server; refused with a reason code if it does not fit.

@@ -28,9 +28,9 @@ class FakeGpuBackend(Backend):
     reason_messages = {
         "fakegpu_unavailable": "The FakeGPU runtime does not answer; set FAKEGPU_DEVICES to NAME:MiB and probe again.",
         "fakegpu_startup_failed": "The FakeGPU server died before it was ready (the device was lost); "
-                                  "Stoker went on to the next backend.",
+        "Stoker went on to the next backend.",
         "fakegpu_gpu_layers_zero": "The FakeGPU server offloaded no layer (its engine is the CPU build), "
-                                   "so it is reported as the CPU.",
+        "so it is reported as the CPU.",
         "fakegpu_bundle_install_failed": "Installing the FakeGPU bundle failed; install it with `stoker bundle install`.",
     }
     reason_family = {
@@ -44,8 +44,9 @@ class FakeGpuBackend(Backend):
     def detect(self) -> Detection:
         spec = os.environ.get(ENV)
         if not spec:
-            return Detection.unavailable(self.name, ReasonCode.GPU_MISSING, present=False,
-                                         message=f"No FakeGPU: {ENV} is not set.")
+            return Detection.unavailable(
+                self.name, ReasonCode.GPU_MISSING, present=False, message=f"No FakeGPU: {ENV} is not set."
+            )
         name, _, mib = spec.partition(":")
         if not mib.isdigit():
             return Detection.unavailable(self.name, "fakegpu_unavailable", present=True, env=spec)
