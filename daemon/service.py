@@ -321,8 +321,7 @@ def main(paths: StokerPaths, *, log_level: str = "info") -> int:
     """`stoker daemon`: run in the foreground; the exit code says why it stopped."""
     paths.logs_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(
-        level=getattr(logging, log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=getattr(logging, log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # Per-request lines from the HTTP client would drown the daemon's own story.
     for noisy in ("httpx", "httpcore"):

@@ -174,13 +174,7 @@ def _stop(
     if reason is not None:
         data = attrs.evolve(data, reason=reason, evidence=evidence or {})
     text = {AfterStop.STOP: "stopping", AfterStop.RESTART: "restarting", AfterStop.CRASH: "stalled"}[after]
-    return Step(
-        S.STOPPING,
-        data,
-        (Terminate(data.settings.stop_grace), Notify("status", text)),
-        reason,
-        evidence or {},
-    )
+    return Step(S.STOPPING, data, (Terminate(data.settings.stop_grace), Notify("status", text)), reason, evidence or {})
 
 
 def _crash(
@@ -251,10 +245,7 @@ def new_settings_only(state: S, data: LaunchData, event: ConfigChanged) -> Step:
 def plan_ready(state: S, data: LaunchData, event: PlanReady) -> Step:
     data = attrs.evolve(data, plan=event.plan, pid=None, create_time=None, replan_for=None)
     return Step(
-        S.STARTING,
-        data,
-        (Spawn(event.plan),),
-        evidence={"backend": event.plan.backend, "variant": event.plan.variant},
+        S.STARTING, data, (Spawn(event.plan),), evidence={"backend": event.plan.backend, "variant": event.plan.variant}
     )
 
 
@@ -300,10 +291,7 @@ def ready(state: S, data: LaunchData, event: Ready) -> Step:
     data = attrs.evolve(data, reason=None, evidence={})
     text = f"ready on {data.plan.backend}" if data.plan else "ready"
     return Step(
-        S.READY,
-        data,
-        (ArmStableTimer(data.settings.stable_after), Notify("ready", text)),
-        evidence=event.evidence,
+        S.READY, data, (ArmStableTimer(data.settings.stable_after), Notify("ready", text)), evidence=event.evidence
     )
 
 
@@ -452,12 +440,7 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
         LoadStarted: load_started,
         Ready: ready,
     },
-    S.LOADING: {
-        **_RUNNING,
-        UpRequested: keep,
-        Adopted: adopted,
-        Ready: ready,
-    },
+    S.LOADING: {**_RUNNING, UpRequested: keep, Adopted: adopted, Ready: ready},
     S.READY: {
         **{k: v for k, v in _RUNNING.items() if k is not StallTimeout},
         UpRequested: keep,

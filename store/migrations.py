@@ -114,11 +114,7 @@ def m003_snapshot_kv_unified(db: Database) -> None:
     db.table("snapshots").add_column("kv_unified", int)
 
 
-MIGRATIONS: list[Migration] = [
-    m001_initial,
-    m002_snapshots,
-    m003_snapshot_kv_unified,
-]
+MIGRATIONS: list[Migration] = [m001_initial, m002_snapshots, m003_snapshot_kv_unified]
 
 
 def applied(db: Database) -> list[str]:
@@ -129,9 +125,7 @@ def applied(db: Database) -> list[str]:
 
 
 def migrate(
-    db: Database,
-    migrations: list[Migration] | None = None,
-    clock: Callable[[], float] = time.time,
+    db: Database, migrations: list[Migration] | None = None, clock: Callable[[], float] = time.time
 ) -> list[str]:
     """Run every migration not yet recorded; return the names that ran now."""
     migrations = MIGRATIONS if migrations is None else migrations
@@ -142,10 +136,7 @@ def migrate(
     done = applied(db)
     unknown = [name for name in done if name not in known]
     if unknown:
-        raise StoreError(
-            ReasonCode.STORE_SCHEMA_TOO_NEW,
-            evidence={"unknown_migrations": unknown, "known": known},
-        )
+        raise StoreError(ReasonCode.STORE_SCHEMA_TOO_NEW, evidence={"unknown_migrations": unknown, "known": known})
     ran = []
     for migration in migrations:
         name = migration.__name__

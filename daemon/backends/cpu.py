@@ -143,11 +143,7 @@ class CpuBackend(Backend):
             "logical_cpus": os.cpu_count(),
         }
         device = Device(
-            index=0,
-            name=model or self._machine,
-            memory_total_mib=total,
-            memory_free_mib=free,
-            device_type="cpu",
+            index=0, name=model or self._machine, memory_total_mib=total, memory_free_mib=free, device_type="cpu"
         )
         message = f"{device.name}, {os.cpu_count()} logical CPUs"
         if faulting:

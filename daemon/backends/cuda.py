@@ -262,11 +262,7 @@ class CudaBackend(Backend):
         if result.returncode != 0:
             if "No devices were found" in output:
                 return Detection.unavailable(
-                    self.name,
-                    R.GPU_MISSING,
-                    present=False,
-                    message="nvidia-smi reports no NVIDIA GPU.",
-                    **evidence,
+                    self.name, R.GPU_MISSING, present=False, message="nvidia-smi reports no NVIDIA GPU.", **evidence
                 )
             return Detection.unavailable(
                 self.name,
@@ -421,11 +417,7 @@ class CudaBackend(Backend):
                         process_bytes = None
                     else:
                         process_bytes += sum(int(p.usedGpuMemory or 0) for p in procs if int(p.pid) == handle.pid)
-            return Telemetry(
-                self.name,
-                tuple(readings),
-                None if process_bytes is None else process_bytes // _MIB,
-            )
+            return Telemetry(self.name, tuple(readings), None if process_bytes is None else process_bytes // _MIB)
 
 
 def visible_indices(value: str, uuids: list[str | None]) -> list[int]:

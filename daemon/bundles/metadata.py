@@ -28,11 +28,7 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 
 
 def _bad(what: str, **evidence: Any) -> StokerError:
-    return StokerError(
-        ReasonCode.BUNDLE_METADATA_MISMATCH,
-        f"Bundle metadata is malformed: {what}.",
-        evidence,
-    )
+    return StokerError(ReasonCode.BUNDLE_METADATA_MISMATCH, f"Bundle metadata is malformed: {what}.", evidence)
 
 
 def _get(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:

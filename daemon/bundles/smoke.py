@@ -96,14 +96,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def generate(
-    server: Path,
-    model: Path,
-    prompt: str,
-    n_predict: int,
-    scratch: Path,
-    *,
-    threads: int = 2,
-    timeout: float = 120.0,
+    server: Path, model: Path, prompt: str, n_predict: int, scratch: Path, *, threads: int = 2, timeout: float = 120.0
 ) -> tuple[int, ...]:
     """Start `server` on `model`, run one greedy completion, stop it; return the token ids."""
     scratch = Path(scratch)

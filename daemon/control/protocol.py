@@ -102,11 +102,7 @@ class ErrorReply:
         try:
             reason = ReasonCode(self.reason)
         except ValueError:
-            return StokerError(
-                ReasonCode.INTERNAL_ERROR,
-                self.message,
-                {**self.data, "remote_reason": self.reason},
-            )
+            return StokerError(ReasonCode.INTERNAL_ERROR, self.message, {**self.data, "remote_reason": self.reason})
         return StokerError(reason, self.message, self.data)
 
 
@@ -242,10 +238,7 @@ def _parse_json(frame: bytes, *, strict: bool = False) -> Any:
         ) from None
     except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
         raise ProtocolError(
-            ReasonCode.BAD_REQUEST,
-            "The message is not valid JSON.",
-            {"error": str(err)[:200]},
-            code=PARSE_ERROR,
+            ReasonCode.BAD_REQUEST, "The message is not valid JSON.", {"error": str(err)[:200]}, code=PARSE_ERROR
         ) from None
 
 

@@ -80,8 +80,7 @@ async def _clear_stale_socket(path: Path) -> None:
             await probe.connect(os.fspath(path))
         # Connected, or a listener too busy to accept within the timeout: either way it lives.
         raise StokerError(
-            ReasonCode.DAEMON_ALREADY_RUNNING,
-            evidence={"socket": str(path), "answered": not scope.cancelled_caught},
+            ReasonCode.DAEMON_ALREADY_RUNNING, evidence={"socket": str(path), "answered": not scope.cancelled_caught}
         )
     except (ConnectionRefusedError, FileNotFoundError):
         pass  # stale: nothing listens
@@ -288,10 +287,7 @@ class _Connection:
             self.slots.release()
 
     async def _stream_events(
-        self,
-        request: protocol.Request,
-        seq: int,
-        receive: trio.MemoryReceiveChannel[dict[str, Any]],
+        self, request: protocol.Request, seq: int, receive: trio.MemoryReceiveChannel[dict[str, Any]]
     ) -> None:
         with receive:
             # The ack names the last seq before the subscription: the stream starts after it.

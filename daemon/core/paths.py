@@ -42,12 +42,7 @@ class StokerPaths:
             # No XDG runtime dir (a container, a cron job): a per-user dir that control.py
             # creates 0700 and refuses if someone else owns it.
             runtime_dir = Path(tempfile.gettempdir()) / f"{APP}-{os.getuid()}"
-        return cls(
-            Path(platformdirs.user_config_dir(APP)),
-            Path(platformdirs.user_data_dir(APP)),
-            runtime_dir,
-            cache,
-        )
+        return cls(Path(platformdirs.user_config_dir(APP)), Path(platformdirs.user_data_dir(APP)), runtime_dir, cache)
 
     @property
     def config_file(self) -> Path:

@@ -25,11 +25,7 @@ async def chat(
     endpoint: str, api_key: str, prompt: str, *, max_tokens: int = 64, timeout: float = 300.0
 ) -> dict[str, Any]:
     """`chat_once` on trio: greedy, so the same question gets the same answer."""
-    body = {
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-    }
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
     started = time.monotonic()
     try:
         async with EngineClient.open(endpoint, api_key, timeout=timeout) as engine:

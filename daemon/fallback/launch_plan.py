@@ -31,11 +31,7 @@ METRICS = "--metrics"
 
 
 def complete_plan(
-    paths: StokerPaths,
-    config: Config,
-    bundle: InstalledBundle,
-    model_path: str | Path,
-    n_gpu_layers: GpuLayers,
+    paths: StokerPaths, config: Config, bundle: InstalledBundle, model_path: str | Path, n_gpu_layers: GpuLayers
 ) -> LaunchPlan:
     """The whole plan for `bundle` (its backend and variant) and the model. Blocking: it may
     read the model's GGUF header (for --swa-full) and creates the slot-save directory."""

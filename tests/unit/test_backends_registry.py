@@ -8,15 +8,7 @@ from importlib import metadata
 
 import pytest
 
-from daemon.backends import (
-    BUILTIN,
-    Backend,
-    Detection,
-    Device,
-    discover_backends,
-    load_backend,
-    load_backends,
-)
+from daemon.backends import BUILTIN, Backend, Detection, Device, discover_backends, load_backend, load_backends
 from daemon.backends.registry import load_target
 from states.reasons import ReasonCode as R
 

@@ -10,14 +10,7 @@ import trio
 from click.testing import CliRunner
 
 from daemon.cli import cli
-from daemon.config.model import (
-    Config,
-    ConfigError,
-    config_diff,
-    load_config,
-    needs_relaunch,
-    parse_config,
-)
+from daemon.config.model import Config, ConfigError, config_diff, load_config, needs_relaunch, parse_config
 from daemon.config.watch import watch_config
 from daemon.core.errors import StokerError
 from states.reasons import ReasonCode
@@ -320,11 +313,7 @@ async def test_unrelated_files_and_unchanged_content_are_ignored(tmp_path):
         async with trio.open_nursery() as nursery:
             await nursery.start(
                 lambda task_status: watch_config(
-                    path,
-                    rec.on_change,
-                    on_invalid=rec.on_invalid,
-                    debounce_ms=50,
-                    task_status=task_status,
+                    path, rec.on_change, on_invalid=rec.on_invalid, debounce_ms=50, task_status=task_status
                 )
             )
             (tmp_path / "other.toml").write_text("garbage [")
@@ -344,11 +333,7 @@ async def test_a_deleted_file_means_defaults_and_a_missing_dir_is_created(tmp_pa
         async with trio.open_nursery() as nursery:
             await nursery.start(
                 lambda task_status: watch_config(
-                    path,
-                    rec.on_change,
-                    on_invalid=rec.on_invalid,
-                    debounce_ms=50,
-                    task_status=task_status,
+                    path, rec.on_change, on_invalid=rec.on_invalid, debounce_ms=50, task_status=task_status
                 )
             )
             assert path.parent.is_dir()
@@ -367,11 +352,7 @@ async def test_a_burst_of_writes_is_debounced(tmp_path):
         async with trio.open_nursery() as nursery:
             await nursery.start(
                 lambda task_status: watch_config(
-                    path,
-                    rec.on_change,
-                    on_invalid=rec.on_invalid,
-                    debounce_ms=300,
-                    task_status=task_status,
+                    path, rec.on_change, on_invalid=rec.on_invalid, debounce_ms=300, task_status=task_status
                 )
             )
             for port in range(9000, 9010):

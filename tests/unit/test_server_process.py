@@ -16,13 +16,7 @@ import pytest
 import trio
 
 from daemon.core.errors import StokerError
-from daemon.engine.process import (
-    ServerSpec,
-    start_server,
-    server_argv,
-    server_env,
-    stop_server,
-)
+from daemon.engine.process import ServerSpec, start_server, server_argv, server_env, stop_server
 from daemon.engine.ready import ServerLog, engine_seconds, wait_ready
 from states.reasons import ReasonCode
 

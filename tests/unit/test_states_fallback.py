@@ -142,10 +142,7 @@ def test_gpu_claimed_but_cpu_in_fact_settles_with_reason():
 
 @pytest.mark.parametrize(
     "failure, reason",
-    [
-        (CheckFailed("cuda", R.CUDA_UNAVAILABLE), R.CUDA_UNAVAILABLE),
-        (startup_failed("cuda"), R.CUDA_STARTUP_FAILED),
-    ],
+    [(CheckFailed("cuda", R.CUDA_UNAVAILABLE), R.CUDA_UNAVAILABLE), (startup_failed("cuda"), R.CUDA_STARTUP_FAILED)],
 )
 def test_forced_backend_never_falls_back(failure, reason):
     events = [PlanRequested(("cuda",), forced=True)]

@@ -79,10 +79,7 @@ DOOR = MachineSpec(
     states=Door,
     initial=Door.OPEN,
     data_type=DoorData,
-    transitions={
-        Door.OPEN: {Slam: slam, Lock: wander},
-        Door.SHUT: {Push: Door.OPEN, Slam: slam},
-    },
+    transitions={Door.OPEN: {Slam: slam, Lock: wander}, Door.SHUT: {Push: Door.OPEN, Slam: slam}},
 )
 
 

@@ -69,9 +69,7 @@ def test_never_started_generation_and_nameless_first_request_are_illegal():
 @given(
     st.integers(min_value=1, max_value=40).flatmap(
         lambda n: st.tuples(
-            st.just(n),
-            st.permutations(range(1, n + 1)),
-            st.lists(st.booleans(), min_size=n, max_size=n),
+            st.just(n), st.permutations(range(1, n + 1)), st.lists(st.booleans(), min_size=n, max_size=n)
         )
     )
 )

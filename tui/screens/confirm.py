@@ -12,10 +12,7 @@ from textual.widgets import Button, Static
 class ConfirmScreen(ModalScreen[bool]):
     """Dismisses with True only when the user confirms (y or the button)."""
 
-    BINDINGS = [
-        Binding("y", "answer(True)", "Yes"),
-        Binding("n,escape", "answer(False)", "No"),
-    ]
+    BINDINGS = [Binding("y", "answer(True)", "Yes"), Binding("n,escape", "answer(False)", "No")]
 
     def __init__(self, question: str, confirm_label: str = "Yes") -> None:
         super().__init__()
