@@ -48,7 +48,7 @@ from daemon.launch.supervisor import Supervisor, launch_settings
 from daemon.telemetry.sampler import ServerTarget, TelemetrySampler
 from daemon.telemetry.service import serve_telemetry
 from states import config as C
-from states import launch as L
+from states import launch_records as LR
 from states.reasons import ReasonCode
 from store import StoreError, TransitionRecord, open_store
 from store.snapshots import SnapshotCatalog, SnapshotRecord
@@ -142,10 +142,10 @@ class Daemon:
         self._state_changed.set()
         self._state_changed = trio.Event()
 
-    def launch_settings(self) -> L.LaunchSettings:
+    def launch_settings(self) -> LR.LaunchSettings:
         return launch_settings(self.config)
 
-    async def wait_state(self, states: Iterable[L.LaunchState]) -> None:
+    async def wait_state(self, states: Iterable[LR.LaunchState]) -> None:
         wanted = set(states)
         while self.supervisor.state not in wanted:
             await self._state_changed.wait()
@@ -183,7 +183,7 @@ class Daemon:
         return await self.installs.install_file(path, smoke=smoke, detection=detection)
 
     def snapshot_listing(self) -> dict[str, Any]:
-        return self.snapshots.listing(ready=self.supervisor.state is L.LaunchState.READY)
+        return self.snapshots.listing(ready=self.supervisor.state is LR.LaunchState.READY)
 
     def snapshot(self, snapshot_id: int) -> SnapshotRecord:
         return self.snapshots.get(snapshot_id)
@@ -209,7 +209,7 @@ class Daemon:
         if server is None or plan is None:
             return None
         base_url, api_key = sup.endpoint()
-        ready = sup.state is L.LaunchState.READY
+        ready = sup.state is LR.LaunchState.READY
         return ServerTarget(
             backend=plan.backend,
             pid=server.pid,
@@ -231,9 +231,9 @@ class Daemon:
         self.config_runner.fire(C.ConfigAccepted(changed, relaunch))
         log.info("config reloaded: %s%s", ", ".join(changed) or "no change", " (relaunch)" if relaunch else "")
         if relaunch:
-            self.supervisor.offer(L.ConfigChanged(self.launch_settings()))
-        elif self.supervisor.state in (L.LaunchState.STOPPED, L.LaunchState.FAILED):
-            self.supervisor.offer(L.ConfigChanged(self.launch_settings()))
+            self.supervisor.offer(LR.ConfigChanged(self.launch_settings()))
+        elif self.supervisor.state in (LR.LaunchState.STOPPED, LR.LaunchState.FAILED):
+            self.supervisor.offer(LR.ConfigChanged(self.launch_settings()))
 
     def on_config_invalid(self, err: ConfigError) -> None:
         self.config_problems = list(err.problems)
@@ -263,9 +263,9 @@ class Daemon:
             )
             await nursery.start(sdnotify.serve_watchdog)
             if autostart and not self.supervisor.runner.resumed and not self.config_loaded_invalid:
-                self.supervisor.offer(L.UpRequested(self.launch_settings()))
-            elif autostart and self.supervisor.state is L.LaunchState.STOPPED and not self.config_loaded_invalid:
-                self.supervisor.offer(L.UpRequested(self.launch_settings()))
+                self.supervisor.offer(LR.UpRequested(self.launch_settings()))
+            elif autostart and self.supervisor.state is LR.LaunchState.STOPPED and not self.config_loaded_invalid:
+                self.supervisor.offer(LR.UpRequested(self.launch_settings()))
             log.info("daemon ready (pid %d, socket %s)", os.getpid(), self.paths.socket_path)
             task_status.started()
             await self._shutdown.wait()
@@ -276,8 +276,8 @@ class Daemon:
         sdnotify.stopping("stopping the server")
         self.supervisor.shutting_down = True
         with trio.move_on_after(self.config.supervisor.stop_grace_s + 15):
-            self.supervisor.offer(L.DownRequested())
-            await self.wait_state({L.LaunchState.STOPPED, L.LaunchState.FAILED})
+            self.supervisor.offer(LR.DownRequested())
+            await self.wait_state({LR.LaunchState.STOPPED, LR.LaunchState.FAILED})
 
     async def _handle_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:

@@ -14,10 +14,9 @@ machine leaves that state, and a late expiry is an illegal event that changes no
 restart or config change (-> planning), or a stall (-> counted as a crash).
 
 An unasked exit (`ServerExited`) carries facts: the exit status and the classified reason.
-This table judges it (`judge_exit`): a reason in FATAL_EXITS fails at once; a reason in
-REPLAN_EXITS, or any non-CPU plan that dies before it was ever ready, asks for a new plan
-(the fallback then records `<backend>_startup_failed` and moves on); anything else is
-respawned with the same plan after a backoff, until `max_restarts` makes it a crash loop.
+The exit policy (states/launch_exits.py, `judge_exit`) turns them into a verdict: fatal,
+re-plan or respawn; this table acts on it and counts crashes until `max_restarts` makes a
+crash loop.
 """
 
 from __future__ import annotations
@@ -28,10 +27,8 @@ from typing import Any
 
 import attrs
 
-from states.machine import STAY, Guarded, MachineSpec, Rule, Step, guarded
-from states.reasons import ReasonCode
+from states.launch_exits import FATAL_EXITS, REPLAN_EXITS, ExitVerdict, judge_exit
 from states.launch_records import (
-    CPU_BACKEND,
     Adopted,
     AfterStop,
     ArmStableTimer,
@@ -41,9 +38,7 @@ from states.launch_records import (
     DownRequested,
     Effect,
     ExitPhase,
-    GpuLayers,
     LaunchData,
-    LaunchPlan,
     LaunchSettings,
     LaunchState,
     LoadStarted,
@@ -57,8 +52,8 @@ from states.launch_records import (
     RestartRequested,
     ServerExited,
     Spawn,
-    SpawnFailed,
     Spawned,
+    SpawnFailed,
     Stable,
     StallTimeout,
     StartBackoff,
@@ -67,83 +62,10 @@ from states.launch_records import (
     UpRequested,
     WatchReadiness,
 )
-
-# The machine's vocabulary (states/launch_records.py) and its table, in one name space.
-__all__ = [
-    "Adopted",
-    "AfterStop",
-    "ArmStableTimer",
-    "BackoffElapsed",
-    "BackoffStarted",
-    "ConfigChanged",
-    "CPU_BACKEND",
-    "DownRequested",
-    "Effect",
-    "ExitPhase",
-    "ExitVerdict",
-    "FATAL_EXITS",
-    "GpuLayers",
-    "judge_exit",
-    "LAUNCH",
-    "LaunchData",
-    "LaunchPlan",
-    "LaunchSettings",
-    "LaunchState",
-    "LoadStarted",
-    "MakePlan",
-    "Notify",
-    "PlanFailed",
-    "PlanFailure",
-    "PlanReady",
-    "Ready",
-    "Reattach",
-    "REPLAN_EXITS",
-    "RestartRequested",
-    "resume_effects",
-    "ServerExited",
-    "Spawn",
-    "Spawned",
-    "SpawnFailed",
-    "Stable",
-    "StallTimeout",
-    "StartBackoff",
-    "StopCompleted",
-    "Terminate",
-    "TRANSITIONS",
-    "UpRequested",
-    "WatchReadiness",
-]
-
+from states.machine import STAY, Guarded, MachineSpec, Rule, Step, guarded
+from states.reasons import ReasonCode
 
 S = LaunchState
-
-# Exits that no retry can help: a missing or unparseable model, an option the engine
-# rejects. They fail at once with the real reason instead of looping into crash_loop.
-FATAL_EXITS = frozenset({ReasonCode.MODEL_MISSING, ReasonCode.MODEL_LOAD_FAILED, ReasonCode.SERVER_BAD_ARGUMENTS})
-# Exits that the same plan would repeat: SIGILL says the CPU variant is wrong for this CPU.
-REPLAN_EXITS = frozenset({ReasonCode.CPU_ILLEGAL_INSTRUCTION})
-
-
-class ExitVerdict(enum.StrEnum):
-    """What an unasked exit means for the next attempt."""
-
-    FATAL = "fatal"  # fail now with the exit's reason
-    REPLAN = "replan"  # back off, then ask for a new plan (MakePlan with the failure)
-    RESPAWN = "respawn"  # back off, then spawn the same plan again
-
-
-def judge_exit(reason: ReasonCode, phase: ExitPhase, plan: LaunchPlan | None) -> ExitVerdict:
-    """The policy for an unasked exit, from its facts: the reason, the phase, the plan."""
-    if reason in FATAL_EXITS:
-        return ExitVerdict.FATAL
-    if reason in REPLAN_EXITS:
-        return ExitVerdict.REPLAN
-    if phase is ExitPhase.NEVER_READY and plan is not None and not plan.on_cpu:
-        # The same accelerated plan would die the same way: plan anew, and the fallback
-        # records <backend>_startup_failed and tries the next backend.
-        return ExitVerdict.REPLAN
-    return ExitVerdict.RESPAWN
-
 
 # --- handlers ---------------------------------------------------------------------------
 

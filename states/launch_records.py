@@ -1,6 +1,7 @@
 """The launch machine's vocabulary: its states, data, plan, events and effects (pure data).
 
-The transitions that use them are in states/launch.py, which re-exports every name here.
+The transitions that use them are in states/launch.py and the exit policy in
+states/launch_exits.py; callers import these records from here.
 """
 
 from __future__ import annotations

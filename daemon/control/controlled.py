@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence
 
 from daemon.core.paths import StokerPaths
-from states import launch as L
+from states import launch_records as LR
 
 if TYPE_CHECKING:
     from daemon.backends.base import Detection
@@ -27,10 +27,10 @@ class LaunchControl(Protocol):
     """The launch machine as the handlers see it: its state and data, and events to fire."""
 
     @property
-    def state(self) -> L.LaunchState: ...
+    def state(self) -> LR.LaunchState: ...
 
     @property
-    def data(self) -> L.LaunchData: ...
+    def data(self) -> LR.LaunchData: ...
 
     @property
     def ready_evidence(self) -> Mapping[str, Any] | None:
@@ -84,10 +84,10 @@ class ControlledDaemon(Protocol):
     @property
     def supervisor(self) -> LaunchControl: ...
 
-    def launch_settings(self) -> L.LaunchSettings:
+    def launch_settings(self) -> LR.LaunchSettings:
         """The settings an UpRequested carries, from the config in use."""
 
-    async def wait_state(self, states: Iterable[L.LaunchState]) -> None:
+    async def wait_state(self, states: Iterable[LR.LaunchState]) -> None:
         """Return once the launch machine is in one of `states`."""
 
     def request_shutdown(self) -> None:

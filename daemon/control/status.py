@@ -16,11 +16,11 @@ from typing import Any, Literal, Mapping
 import attrs
 
 from daemon.control.controlled import ControlledDaemon
-from states import launch as L
+from states import launch_records as LR
 from states.reasons import message_for
 
 # States in which no server serves: no backend is in use (the last plan's stays in planned_backend).
-_NOT_SERVING = (L.LaunchState.FAILED, L.LaunchState.STOPPED)
+_NOT_SERVING = (LR.LaunchState.FAILED, LR.LaunchState.STOPPED)
 
 
 @attrs.frozen
@@ -118,7 +118,7 @@ def build_status(daemon: ControlledDaemon) -> Status:
     state = sup.state
     ready = dict(sup.ready_evidence or {})
     endpoint, api_key = sup.endpoint()
-    serving = state is L.LaunchState.READY
+    serving = state is LR.LaunchState.READY
     fallback = daemon.fallback_status()
     reason = str(data.reason) if data.reason else None
     specific = data.evidence.get("message")
@@ -156,7 +156,7 @@ def build_status(daemon: ControlledDaemon) -> Status:
         preference=Preference(preference["prefer"], bool(preference["forced"]), tuple(preference["candidates"])),
         fallback_state=fallback["fallback_state"],
         fallback_reason=fallback["fallback_reason"],
-        fallbacks=() if state is L.LaunchState.STOPPED else fallbacks,
+        fallbacks=() if state is LR.LaunchState.STOPPED else fallbacks,
         probes={name: _verdict(v) for name, v in daemon.probe_verdicts().items()},
         backends=tuple(daemon.backend_names),
     )

@@ -14,7 +14,7 @@ from daemon.bundles.installed import InstalledBundle, find_installed
 from daemon.config.model import Config
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
-from states.launch import MakePlan
+from states.launch_records import MakePlan
 from states.reasons import ReasonCode
 
 # From the fastest to the safest; `native` only when the user asks for it.

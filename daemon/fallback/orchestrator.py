@@ -52,7 +52,7 @@ from daemon.fallback.launch_plan import complete_plan
 from daemon.launch.instance import ServerInstance
 from daemon.probes.service import ProbeService
 from states import fallback as F
-from states import launch as L
+from states import launch_records as LR
 from states.machine import IllegalTransition
 from states.reasons import ReasonCode, message_for
 
@@ -64,7 +64,7 @@ class ServedPlan(Protocol):
     engine said when it became ready (the launch supervisor is one)."""
 
     @property
-    def plan(self) -> L.LaunchPlan | None: ...
+    def plan(self) -> LR.LaunchPlan | None: ...
 
     @property
     def ready_evidence(self) -> Mapping[str, Any] | None: ...
@@ -76,9 +76,9 @@ class PlanRequest:
     file, and the plan once UsePlan has made it."""
 
     config: Config
-    effect: L.MakePlan
+    effect: LR.MakePlan
     model: str
-    plan: L.LaunchPlan | None = None
+    plan: LR.LaunchPlan | None = None
 
 
 def vram_full(
@@ -177,7 +177,7 @@ class FallbackOrchestrator:
 
     # --- the supervisor's planner ---------------------------------------------------------
 
-    async def plan(self, config: Config, effect: L.MakePlan) -> L.LaunchPlan:
+    async def plan(self, config: Config, effect: LR.MakePlan) -> LR.LaunchPlan:
         """Answer MakePlan: a LaunchPlan, or StokerError (the launch machine's PlanFailed)."""
         async with self.lock:
             try:
@@ -188,7 +188,7 @@ class FallbackOrchestrator:
                 log.exception("fallback orchestrator failed")
                 raise StokerError(ReasonCode.INTERNAL_ERROR, f"Planning failed: {type(err).__name__}: {err}") from err
 
-    async def _plan(self, config: Config, effect: L.MakePlan) -> L.LaunchPlan:
+    async def _plan(self, config: Config, effect: LR.MakePlan) -> LR.LaunchPlan:
         from daemon.models.resolve import resolve_model
 
         # A missing model is nobody's backend problem: fail the plan with it at once.
@@ -207,7 +207,7 @@ class FallbackOrchestrator:
             )
         return request.plan
 
-    def _requested(self, config: Config, effect: L.MakePlan) -> F.PlanRequested:
+    def _requested(self, config: Config, effect: LR.MakePlan) -> F.PlanRequested:
         """MakePlan's facts for the fallback table: the candidates now, and the failure (if
         a crash asked for this plan) with the failed backend's own startup code."""
         candidates, forced = candidates_for(config.backend.prefer, self.backends)
@@ -255,7 +255,7 @@ class FallbackOrchestrator:
 
     async def _check(self, eff: F.CheckBackend, request: PlanRequest) -> object:
         backend, config = eff.backend, request.config
-        if backend == L.CPU_BACKEND:
+        if backend == LR.CPU_BACKEND:
             try:
                 bundle = await trio.to_thread.run_sync(cpu_bundle, self.paths, config, request.effect)
             except StokerError as err:
@@ -336,8 +336,8 @@ class FallbackOrchestrator:
         backend, config, model = eff.backend, request.config, request.model
         bundle = self._bundles[backend]
         self.estimate = None
-        layers: L.GpuLayers = 0
-        if backend == L.CPU_BACKEND:
+        layers: LR.GpuLayers = 0
+        if backend == LR.CPU_BACKEND:
             self.planned_why = why_planned(backend, None, str(self.data.reason) if self.data.reason else None)
         else:
             detection = self._detections.get(backend)
@@ -375,7 +375,7 @@ class FallbackOrchestrator:
         reason, proof = (None, {}) if plan.on_cpu else await self._judge(plan.backend, evidence, plan)
         if reason is not None:
             log.warning("the %s server is not really accelerated: %s", plan.backend, reason)
-        effective = L.CPU_BACKEND if reason is not None else plan.backend
+        effective = LR.CPU_BACKEND if reason is not None else plan.backend
         self._report(F.LaunchSucceeded(plan.backend, effective if reason else None, reason, proof))
         return {"effective_backend": effective, **({"demoted": str(reason)} if reason else {})}
 
@@ -386,7 +386,7 @@ class FallbackOrchestrator:
             log.info("fallback: %s", err)
 
     async def _judge(
-        self, backend: str, evidence: Mapping[str, Any], plan: L.LaunchPlan | None = None
+        self, backend: str, evidence: Mapping[str, Any], plan: LR.LaunchPlan | None = None
     ) -> tuple[ReasonCode | None, dict[str, Any]]:
         """None if the GPU is really in use, else why not; and the proof either way."""
         offloaded = evidence.get("offloaded_layers")
@@ -406,7 +406,7 @@ class FallbackOrchestrator:
             return ReasonCode.GPU_CLAIMED_BUT_UNUSED, proof
         return None, proof
 
-    def _zero_layers_hint(self, plan: L.LaunchPlan | None) -> str:
+    def _zero_layers_hint(self, plan: LR.LaunchPlan | None) -> str:
         """Why a GPU plan offloaded nothing, and the one setting that changes it."""
         if plan is not None and plan.n_gpu_layers == 0:
             return "n_gpu_layers = 0 in the config: nothing is offloaded by request"
@@ -490,7 +490,7 @@ class FallbackOrchestrator:
             and late.backend == plan.backend
             and self.runner.state is F.FallbackState.SETTLED
         ):
-            effective = L.CPU_BACKEND
+            effective = LR.CPU_BACKEND
             fallbacks.append(
                 {
                     "backend": late.backend,

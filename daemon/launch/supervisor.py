@@ -36,13 +36,14 @@ from daemon.engine.process import ServerHandle, ServerSpec, serve_server, stop_s
 from daemon.engine.ready import wait_ready
 from daemon.launch.instance import ServerInstance
 from states import launch as L
+from states import launch_records as LR
 from states.machine import IllegalTransition, Step
 from states.reasons import ReasonCode
 
 log = logging.getLogger(__name__)
 
 # Async: planning may probe hardware out of process, install a bundle or assemble a model.
-Planner = Callable[[Config, L.MakePlan], Awaitable[L.LaunchPlan]]
+Planner = Callable[[Config, LR.MakePlan], Awaitable[LR.LaunchPlan]]
 # A hook run once a server is ready, before the machine says so (snapshot restore goes here).
 ReadyHook = Callable[["Supervisor", Any], Any]
 # A hook run before a planned stop while the server still serves (snapshot save goes here);
@@ -50,10 +51,10 @@ ReadyHook = Callable[["Supervisor", Any], Any]
 StopHook = Callable[["Supervisor", str], Any]
 
 
-def launch_settings(config: Config) -> L.LaunchSettings:
+def launch_settings(config: Config) -> LR.LaunchSettings:
     """The launch machine's knobs from the config."""
     sup = config.supervisor
-    return L.LaunchSettings(
+    return LR.LaunchSettings(
         max_restarts=sup.max_restarts,
         stall_timeout=config.server.stall_timeout_s,
         stop_grace=sup.stop_grace_s,
@@ -61,7 +62,7 @@ def launch_settings(config: Config) -> L.LaunchSettings:
     )
 
 
-def server_spec(plan: L.LaunchPlan) -> ServerSpec:
+def server_spec(plan: LR.LaunchPlan) -> ServerSpec:
     """The engine's spawn spec for a plan: the plan's fields, nothing else (0 threads or
     context means the engine's default, so no flag)."""
     return ServerSpec(
@@ -115,14 +116,14 @@ class Supervisor:
         self._effects = EffectDriver(
             L.LAUNCH,
             {
-                L.MakePlan: self._make_plan,
-                L.Spawn: self._spawn,
-                L.WatchReadiness: self._watch_readiness,
-                L.Terminate: self._stop,
-                L.StartBackoff: self._start_backoff,
-                L.ArmStableTimer: self._arm_stable,
-                L.Reattach: self._reattach_later,
-                L.Notify: self._notify,
+                LR.MakePlan: self._make_plan,
+                LR.Spawn: self._spawn,
+                LR.WatchReadiness: self._watch_readiness,
+                LR.Terminate: self._stop,
+                LR.StartBackoff: self._start_backoff,
+                LR.ArmStableTimer: self._arm_stable,
+                LR.Reattach: self._reattach_later,
+                LR.Notify: self._notify,
             },
         )
 
@@ -135,15 +136,15 @@ class Supervisor:
         return self.instance.log_path(self.paths)
 
     @property
-    def state(self) -> L.LaunchState:
+    def state(self) -> LR.LaunchState:
         return self.runner.state  # type: ignore[return-value]
 
     @property
-    def data(self) -> L.LaunchData:
+    def data(self) -> LR.LaunchData:
         return self.runner.data
 
     @property
-    def plan(self) -> L.LaunchPlan | None:
+    def plan(self) -> LR.LaunchPlan | None:
         """The plan the server runs (or last ran)."""
         return self.data.plan
 
@@ -175,7 +176,7 @@ class Supervisor:
         before = self.state
         result = self.runner.fire(event)
         if result.state != before:
-            self._cancel_timers_not_owned_by(L.LaunchState(result.state))
+            self._cancel_timers_not_owned_by(LR.LaunchState(result.state))
         self._execute(result.effects)
         return result
 
@@ -199,25 +200,25 @@ class Supervisor:
         assert self._nursery is not None, "supervisor is not running"
         return self._nursery
 
-    def _make_plan(self, effect: L.MakePlan) -> None:
+    def _make_plan(self, effect: LR.MakePlan) -> None:
         self._tasks.start_soon(self._plan, effect)
 
-    async def _plan(self, effect: L.MakePlan) -> None:
+    async def _plan(self, effect: LR.MakePlan) -> None:
         try:
             plan = await self.planner(self.config, effect)
         except StokerError as err:
-            self.offer(L.PlanFailed(err.reason, {"message": err.message, **err.evidence}))
+            self.offer(LR.PlanFailed(err.reason, {"message": err.message, **err.evidence}))
             return
-        self.offer(L.PlanReady(plan))
+        self.offer(LR.PlanReady(plan))
 
-    def _spawn(self, effect: L.Spawn) -> None:
+    def _spawn(self, effect: LR.Spawn) -> None:
         if self._server_scope is not None:
             self._server_scope.cancel()
         scope = trio.CancelScope()
         self._server_scope = scope
         self._tasks.start_soon(self._run_server, effect.plan, scope)
 
-    def _watch_readiness(self, effect: L.WatchReadiness) -> None:
+    def _watch_readiness(self, effect: LR.WatchReadiness) -> None:
         server = self.server
         if isinstance(server, ServerHandle) and self._server_nursery is not None:
             # In the spawned server's own nursery: its exit ends the watch.
@@ -227,22 +228,22 @@ class Supervisor:
         else:
             log.error("WatchReadiness with no live server (state %s)", self.state)
 
-    def _stop(self, effect: L.Terminate) -> None:
+    def _stop(self, effect: LR.Terminate) -> None:
         self._tasks.start_soon(self._terminate, effect.grace)
 
-    def _start_backoff(self, effect: L.StartBackoff) -> None:
+    def _start_backoff(self, effect: LR.StartBackoff) -> None:
         sup = self.config.supervisor
         delay = backoff_delay(effect.attempt, sup.backoff_initial_s, sup.backoff_max_s, self.rng)
-        if self.offer(L.BackoffStarted(delay)) is not None:
-            self._start_timer(L.LaunchState.BACKOFF, delay, L.BackoffElapsed())
+        if self.offer(LR.BackoffStarted(delay)) is not None:
+            self._start_timer(LR.LaunchState.BACKOFF, delay, LR.BackoffElapsed())
 
-    def _arm_stable(self, effect: L.ArmStableTimer) -> None:
-        self._start_timer(L.LaunchState.READY, effect.after, L.Stable())
+    def _arm_stable(self, effect: LR.ArmStableTimer) -> None:
+        self._start_timer(LR.LaunchState.READY, effect.after, LR.Stable())
 
-    def _reattach_later(self, effect: L.Reattach) -> None:
+    def _reattach_later(self, effect: LR.Reattach) -> None:
         self._tasks.start_soon(self._reattach, effect)
 
-    def _notify(self, effect: L.Notify) -> None:
+    def _notify(self, effect: LR.Notify) -> None:
         if effect.kind == "ready":
             sdnotify.ready(effect.text or None)
         else:
@@ -250,7 +251,7 @@ class Supervisor:
 
     # --- timers --------------------------------------------------------------------------
 
-    def _start_timer(self, owner: L.LaunchState, delay: float, event: object) -> None:
+    def _start_timer(self, owner: LR.LaunchState, delay: float, event: object) -> None:
         old = self._timers.pop(owner.value, None)
         if old is not None:
             old.cancel()
@@ -265,14 +266,14 @@ class Supervisor:
 
         self._tasks.start_soon(timer)
 
-    def _cancel_timers_not_owned_by(self, state: L.LaunchState) -> None:
+    def _cancel_timers_not_owned_by(self, state: LR.LaunchState) -> None:
         for owner in list(self._timers):
             if owner != state.value:
                 self._timers.pop(owner).cancel()
 
     # --- one server's life ---------------------------------------------------------------
 
-    async def _run_server(self, plan: L.LaunchPlan, scope: trio.CancelScope) -> None:
+    async def _run_server(self, plan: LR.LaunchPlan, scope: trio.CancelScope) -> None:
         log_path = self.log_path
         with scope:
             async with trio.open_nursery() as nursery:
@@ -290,11 +291,11 @@ class Supervisor:
                         )
                     )
                 except StokerError as err:
-                    self.offer(L.SpawnFailed(err.reason, err.evidence))
+                    self.offer(LR.SpawnFailed(err.reason, err.evidence))
                     return
                 self.server = handle
                 self._server_nursery = nursery
-                if self.offer(L.Spawned(handle.pid, handle.identity.create_time, str(log_path))) is None:
+                if self.offer(LR.Spawned(handle.pid, handle.identity.create_time, str(log_path))) is None:
                     # Stopped while it was being spawned: no machine state accounts for it.
                     nursery.start_soon(stop_server, handle, self.data.settings.stop_grace)
                 report = await handle.wait_exit()
@@ -302,23 +303,23 @@ class Supervisor:
                 nursery.cancel_scope.cancel()
             self._forget_server(handle)
             if report.expected:
-                self.offer(L.StopCompleted(report.returncode, {"signal": report.signal}))
+                self.offer(LR.StopCompleted(report.returncode, {"signal": report.signal}))
             else:
-                self.offer(L.ServerExited(report.returncode, report.reason, report.evidence))
+                self.offer(LR.ServerExited(report.returncode, report.reason, report.evidence))
 
     async def _watch_ready(self, handle: ServerHandle, stall_timeout: float) -> None:
         # The engine's first "loaded meta data" line: the model is being read.
         while handle.log.model_path is None and handle.exit is None:
             await handle.wait_changed()
         if handle.exit is None:
-            self.offer(L.LoadStarted({"model_path": handle.log.model_path}))
+            self.offer(LR.LoadStarted({"model_path": handle.log.model_path}))
         try:
             report = await wait_ready(
                 handle, stall_timeout=stall_timeout, ready_timeout=self.config.server.ready_timeout_s
             )
         except StokerError as err:
             if err.reason in (ReasonCode.SERVER_STALLED, ReasonCode.SERVER_START_TIMEOUT):
-                self.offer(L.StallTimeout())
+                self.offer(LR.StallTimeout())
             return  # an exit is reported by _run_server
         evidence = report.to_evidence()
         await self._ready(evidence)
@@ -334,7 +335,7 @@ class Supervisor:
                 evidence = {**evidence, **extra}
         self.ready_evidence = evidence
         self.ready_at = time.time()
-        self.offer(L.Ready(evidence))
+        self.offer(LR.Ready(evidence))
 
     def _forget_server(self, server: ServerHandle | AdoptedServer) -> None:
         if self.server is server:
@@ -347,7 +348,7 @@ class Supervisor:
     async def _terminate(self, grace: float) -> None:
         server = self.server
         after = self.data.after_stop
-        if server is not None and self.before_stop is not None and after is not L.AfterStop.CRASH:
+        if server is not None and self.before_stop is not None and after is not LR.AfterStop.CRASH:
             cause = "shutdown" if self.shutting_down else after.value
             try:
                 await self.before_stop(self, cause)
@@ -359,11 +360,11 @@ class Supervisor:
         if isinstance(server, AdoptedServer):
             await server.stop(grace)
             self._forget_server(server)
-        self.offer(L.StopCompleted(None, {"adopted": server is not None}))
+        self.offer(LR.StopCompleted(None, {"adopted": server is not None}))
 
     # --- after a daemon restart ----------------------------------------------------------
 
-    async def _reattach(self, effect: L.Reattach) -> None:
+    async def _reattach(self, effect: LR.Reattach) -> None:
         ident = read_identity(self.identity_file)
         why = "no identity file"
         if ident is not None and effect.pid is not None and ident.pid != effect.pid:
@@ -372,7 +373,7 @@ class Supervisor:
             adopted = await adopt(ident)
             if adopted is not None:
                 self.server = adopted
-                self.offer(L.Adopted(ident.pid, ident.create_time, {"adopted": True, "port": ident.port}))
+                self.offer(LR.Adopted(ident.pid, ident.create_time, {"adopted": True, "port": ident.port}))
                 self._tasks.start_soon(self._watch_adopted_exit, adopted)
                 return
             why = "identity not proven (pid, start time, executable, API key or health)"
@@ -382,7 +383,7 @@ class Supervisor:
         self.identity_file.unlink(missing_ok=True)
         # No server of ours runs: an exit as far as the machine is concerned (while stopping,
         # the table takes it as the stop completed).
-        self.offer(L.ServerExited(None, ReasonCode.SERVER_CRASHED, {"adoption": why}))
+        self.offer(LR.ServerExited(None, ReasonCode.SERVER_CRASHED, {"adoption": why}))
 
     async def _watch_adopted_ready(self, server: AdoptedServer, stall_timeout: float) -> None:
         with trio.move_on_after(self.config.server.ready_timeout_s):
@@ -393,14 +394,14 @@ class Supervisor:
                         return
                     await trio.sleep(0.2)
             return
-        self.offer(L.StallTimeout())
+        self.offer(LR.StallTimeout())
 
     async def _watch_adopted_exit(self, server: AdoptedServer) -> None:
         reason, evidence = await server.wait_exit()
         if self.server is not server:
             return
         self._forget_server(server)
-        self.offer(L.ServerExited(None, reason, evidence))
+        self.offer(LR.ServerExited(None, reason, evidence))
 
     # --- for status ----------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from daemon.snapshots.layout import (
     last_launch_lines,
     swa_report,
 )
-from states.launch import LaunchPlan, LaunchState
+from states.launch_records import LaunchPlan, LaunchState
 from states.reasons import ReasonCode
 from store.snapshots import SnapshotCatalog, SnapshotRecord, retention_victims
 

@@ -19,7 +19,7 @@ from daemon.control.params import SQLITE_INT_MAX, Kind, Param, method
 from daemon.control.status import build_status
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
-from states import launch as L
+from states import launch_records as LR
 from states.machine import IllegalTransition
 from states.reasons import ReasonCode
 
@@ -58,8 +58,8 @@ STATUS_KEYS = {
 
 @attrs.define
 class FakeLaunch:
-    state: L.LaunchState = L.LaunchState.STOPPED
-    data: L.LaunchData = attrs.field(factory=L.LaunchData)
+    state: LR.LaunchState = LR.LaunchState.STOPPED
+    data: LR.LaunchData = attrs.field(factory=LR.LaunchData)
     ready_evidence: dict[str, Any] | None = None
     ready_at: float | None = None
     restarts: int = 0
@@ -69,7 +69,7 @@ class FakeLaunch:
         return ("http://127.0.0.1:8080", "key") if self.data.plan else (None, None)
 
     def fire(self, event: object) -> object:
-        if self.state is L.LaunchState.STOPPING:
+        if self.state is LR.LaunchState.STOPPING:
             raise IllegalTransition("launch", self.state, event)
         self.fired.append(event)
         return None
@@ -94,8 +94,8 @@ class FakeDaemon:
     history_asked: list[dict[str, Any]] = attrs.field(factory=list)
     shutdown: bool = False
 
-    def launch_settings(self) -> L.LaunchSettings:
-        return L.LaunchSettings()
+    def launch_settings(self) -> LR.LaunchSettings:
+        return LR.LaunchSettings()
 
     def request_shutdown(self) -> None:
         self.shutdown = True
@@ -125,8 +125,8 @@ def fallback_part(backend: str | None = "cpu", **extra: Any) -> dict[str, Any]:
     }
 
 
-def plan(backend: str = "cpu") -> L.LaunchPlan:
-    return L.LaunchPlan(backend, "x86-64", "/b", "/b/llama-server", "/m/model.gguf")
+def plan(backend: str = "cpu") -> LR.LaunchPlan:
+    return LR.LaunchPlan(backend, "x86-64", "/b", "/b/llama-server", "/m/model.gguf")
 
 
 def as_json(value: Any) -> Any:
@@ -265,8 +265,8 @@ def test_control_never_imports_the_daemon_it_serves():
 async def test_up_fires_and_a_refused_event_is_illegal_transition():
     daemon = FakeDaemon()
     await call(daemon, "up")
-    assert [type(e) for e in daemon.supervisor.fired] == [L.UpRequested]
-    daemon.supervisor.state = L.LaunchState.STOPPING
+    assert [type(e) for e in daemon.supervisor.fired] == [LR.UpRequested]
+    daemon.supervisor.state = LR.LaunchState.STOPPING
     err = await refused(daemon, "restart")
     assert (err.reason, err.evidence) == (ReasonCode.ILLEGAL_TRANSITION, {"state": "stopping"})
     assert "Cannot restart while the server is stopping" in err.message
@@ -302,7 +302,7 @@ async def test_status_json_has_the_keys_clients_read():
 async def test_status_of_a_ready_server():
     daemon = FakeDaemon()
     sup = daemon.supervisor
-    sup.state, sup.data = L.LaunchState.READY, L.LaunchData(plan=plan(), pid=4242, crashes=1)
+    sup.state, sup.data = LR.LaunchState.READY, LR.LaunchData(plan=plan(), pid=4242, crashes=1)
     sup.ready_evidence = {"n_ctx": 4096, "offloaded_layers": 0, "total_layers": 19, "snapshots": {"restored": 1}}
     sup.ready_at, sup.restarts = time.time() - 30, 2
     st = await call(daemon, "status")
@@ -315,7 +315,7 @@ async def test_status_of_a_ready_server():
 
 async def test_status_while_loading_hands_out_no_endpoint_and_no_uptime():
     daemon = FakeDaemon()
-    daemon.supervisor.state, daemon.supervisor.data = L.LaunchState.LOADING, L.LaunchData(plan=plan(), pid=7)
+    daemon.supervisor.state, daemon.supervisor.data = LR.LaunchState.LOADING, LR.LaunchData(plan=plan(), pid=7)
     st = await call(daemon, "status")
     assert (st["endpoint"], st["api_key"], st["uptime_s"], st["pid"]) == (None, None, None, 7)
 
@@ -323,13 +323,13 @@ async def test_status_while_loading_hands_out_no_endpoint_and_no_uptime():
 async def test_status_when_nothing_serves():
     daemon = FakeDaemon(fallback=fallback_part(backend="cuda"))
     reason = ReasonCode.CUDA_STARTUP_FAILED
-    daemon.supervisor.state = L.LaunchState.FAILED
-    daemon.supervisor.data = L.LaunchData(plan=plan("cuda"), reason=reason, evidence={"message": "the plan's own"})
+    daemon.supervisor.state = LR.LaunchState.FAILED
+    daemon.supervisor.data = LR.LaunchData(plan=plan("cuda"), reason=reason, evidence={"message": "the plan's own"})
     st = await call(daemon, "status")
     assert st["backend"] is None and st["planned_backend"] == "cuda"  # the last plan stays visible
     assert (st["reason"], st["message"]) == ("cuda_startup_failed", "the plan's own")
     assert len(st["fallbacks"]) == 1  # failed: what was passed over still matters
-    daemon.supervisor.state = L.LaunchState.STOPPED
+    daemon.supervisor.state = LR.LaunchState.STOPPED
     st = await call(daemon, "status")
     assert st["backend"] is None and st["fallbacks"] == []
 

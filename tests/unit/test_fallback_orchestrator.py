@@ -28,7 +28,7 @@ from daemon.launch.supervisor import server_spec
 from daemon.core.paths import StokerPaths
 from daemon.probes.service import ProbeService
 from states import fallback as F
-from states import launch as L
+from states import launch_records as LR
 from states.reasons import ReasonCode as R
 from store import open_store
 from bundlekit import make_bundle_dir
@@ -104,7 +104,7 @@ def supervisor_for(plan, ready=None):
 
 def died_before_ready(plan, **evidence):
     """The launch machine's MakePlan after `plan`'s server died before it was ever ready."""
-    return L.MakePlan(previous=plan, failure=L.PlanFailure(R.SERVER_CRASHED, L.ExitPhase.NEVER_READY, evidence))
+    return LR.MakePlan(previous=plan, failure=LR.PlanFailure(R.SERVER_CRASHED, LR.ExitPhase.NEVER_READY, evidence))
 
 
 def ready_evidence(offloaded, total=3):
@@ -138,7 +138,7 @@ async def test_missing_bundle_on_present_gpu_is_installed_then_launched(paths, c
     nvml = rec.FakeNvml([rec.h200(processes=[(PID, 900 * rec.MIB)])])
     installs = FakeInstalls(paths)
     async with orchestrator(paths, cuda_backend(nvml), installs) as orch:
-        plan = await orch.plan(config, L.MakePlan())
+        plan = await orch.plan(config, LR.MakePlan())
         assert plan.backend == "cuda" and plan.n_gpu_layers == "auto" and plan.server_path.endswith("llama-server")
         assert installs.calls and installs.calls[0][1].usable  # installed for the detected H200
         steps = transitions(orch)
@@ -158,7 +158,7 @@ async def test_missing_bundle_on_present_gpu_is_installed_then_launched(paths, c
 async def test_zero_layers_offloaded_is_reported_as_cpu(paths, config):
     install_cuda_bundle(paths)
     async with orchestrator(paths, cuda_backend(rec.FakeNvml())) as orch:
-        plan = await orch.plan(config, L.MakePlan())
+        plan = await orch.plan(config, LR.MakePlan())
         assert plan.backend == "cuda"
         await orch.on_ready(supervisor_for(plan), ready_evidence(0))
         st = orch.status(supervisor_for(plan, ready_evidence(0)))
@@ -175,7 +175,7 @@ async def test_offload_claimed_but_no_vram_held_is_reported_as_cpu(paths, config
     install_cuda_bundle(paths)
     nvml = rec.FakeNvml([rec.h200(processes=[(999, 900 * rec.MIB)])])  # someone else's VRAM only
     async with orchestrator(paths, cuda_backend(nvml)) as orch:
-        plan = await orch.plan(config, L.MakePlan())
+        plan = await orch.plan(config, LR.MakePlan())
         await orch.on_ready(supervisor_for(plan), ready_evidence(3))
         st = orch.status(supervisor_for(plan, ready_evidence(3)))
         assert st["backend"] == "cpu"
@@ -185,7 +185,7 @@ async def test_offload_claimed_but_no_vram_held_is_reported_as_cpu(paths, config
 
 async def test_install_failure_falls_back_to_cpu_with_the_reason(paths, config):
     async with orchestrator(paths, cuda_backend(rec.FakeNvml()), FakeInstalls(paths, fail=True)) as orch:
-        plan = await orch.plan(config, L.MakePlan())
+        plan = await orch.plan(config, LR.MakePlan())
         assert plan.backend == "cpu"
         await orch.on_ready(supervisor_for(plan), {"pid": PID})
         st = orch.status(supervisor_for(plan, {}))
@@ -198,7 +198,7 @@ async def test_install_failure_falls_back_to_cpu_with_the_reason(paths, config):
 
 async def test_no_gpu_serves_on_cpu_and_says_why(paths, config):
     async with orchestrator(paths, no_gpu_cuda()) as orch:
-        plan = await orch.plan(config, L.MakePlan())
+        plan = await orch.plan(config, LR.MakePlan())
         assert plan.backend == "cpu" and plan.n_gpu_layers == 0
         await orch.on_ready(supervisor_for(plan), {"pid": PID})
         st = orch.status(supervisor_for(plan, {}))
@@ -212,7 +212,7 @@ async def test_forced_cuda_without_gpu_fails_loudly(paths, config):
     forced = attrs.evolve(config, backend=BackendConfig(prefer="cuda"))
     async with orchestrator(paths, no_gpu_cuda()) as orch:
         with pytest.raises(StokerError) as err:
-            await orch.plan(forced, L.MakePlan())
+            await orch.plan(forced, LR.MakePlan())
         assert err.value.reason == "gpu_missing" and "forced" in err.value.message
         assert "serving on the CPU" not in err.value.message and "nothing is served" in err.value.message
         assert err.value.evidence["detail"] in err.value.message  # the check's own sentence says why
@@ -224,7 +224,7 @@ async def test_forced_cuda_without_gpu_fails_loudly(paths, config):
 async def test_gpu_server_dying_before_ready_moves_on(paths, config):
     install_cuda_bundle(paths)
     async with orchestrator(paths, cuda_backend(rec.FakeNvml())) as orch:
-        plan = await orch.plan(config, L.MakePlan())
+        plan = await orch.plan(config, LR.MakePlan())
         assert plan.backend == "cuda"
         again = await orch.plan(config, died_before_ready(plan))
         assert again.backend == "cpu"
@@ -242,7 +242,7 @@ async def test_startup_failure_keeps_what_decided_it(paths, config):
     )
     install_cuda_bundle(paths)
     async with orchestrator(paths, cuda_backend(rec.FakeNvml())) as orch:
-        plan = await orch.plan(config, L.MakePlan())
+        plan = await orch.plan(config, LR.MakePlan())
         again = await orch.plan(
             config, died_before_ready(plan, returncode=127, signal=None, line=line, log_tail=[line])
         )
@@ -258,7 +258,7 @@ async def test_driver_older_than_the_bundle_is_cuda_unavailable_not_installed(pa
     install_cuda_bundle(paths, min_driver="999.0")
     installs = FakeInstalls(paths)
     async with orchestrator(paths, cuda_backend(rec.FakeNvml()), installs) as orch:
-        plan = await orch.plan(config, L.MakePlan())
+        plan = await orch.plan(config, LR.MakePlan())
         assert plan.backend == "cpu" and installs.calls == []
         fb = orch.data.skipped[0]
         assert fb.reason == R.CUDA_UNAVAILABLE and fb.evidence["min_driver"] == "999.0"
@@ -267,7 +267,7 @@ async def test_driver_older_than_the_bundle_is_cuda_unavailable_not_installed(pa
 async def test_archs_that_cannot_run_on_the_gpu_are_refused(paths, config):
     install_cuda_bundle(paths, archs=("100-real",))
     async with orchestrator(paths, cuda_backend(rec.FakeNvml())) as orch:
-        plan = await orch.plan(config, L.MakePlan())
+        plan = await orch.plan(config, LR.MakePlan())
         assert plan.backend == "cpu"
         assert orch.data.skipped[0].evidence["compute_capability"] == ["9.0"]
 
@@ -282,7 +282,7 @@ async def test_the_plan_is_complete_and_the_command_line_comes_from_it_alone(pat
         snapshots=attrs.evolve(config.snapshots, swa_full=True),
     )
     async with orchestrator(paths, cuda_backend(rec.FakeNvml())) as orch:
-        plan = await orch.plan(config, L.MakePlan())
+        plan = await orch.plan(config, LR.MakePlan())
     assert plan.backend == "cuda" and plan.n_gpu_layers == "auto" and plan.threads == 3
     assert plan.flash_attn == "on" and plan.slot_save_path == str(paths.snapshots_dir)
     assert plan.extra_args == ("--jinja", "--metrics", "--swa-full")
@@ -302,7 +302,7 @@ async def test_a_server_adopted_after_a_daemon_restart_is_not_demoted(paths, con
     install_cuda_bundle(paths)
     store = open_store(":memory:")
     async with orchestrator(paths, cuda_backend(rec.FakeNvml()), store=store) as orch:
-        plan = await orch.plan(config, L.MakePlan())
+        plan = await orch.plan(config, LR.MakePlan())
     # A new daemon on the same store: the machine is still launching, the server adopted.
     async with orchestrator(paths, cuda_backend(rec.FakeNvml()), store=store) as again:
         assert again.runner.resumed and again.runner.state is F.FallbackState.LAUNCHING
@@ -313,7 +313,7 @@ async def test_a_server_adopted_after_a_daemon_restart_is_not_demoted(paths, con
 async def test_a_respawned_gpu_server_is_proven_again(paths, config):
     install_cuda_bundle(paths)
     async with orchestrator(paths, cuda_backend(rec.FakeNvml([rec.h200(processes=[(PID, 900 * rec.MIB)])]))) as orch:
-        plan = await orch.plan(config, L.MakePlan())
+        plan = await orch.plan(config, LR.MakePlan())
         await orch.on_ready(supervisor_for(plan), ready_evidence(3))
         assert orch.status(supervisor_for(plan, ready_evidence(3)))["backend"] == "cuda"
         # Crashed after ready and respawned by the supervisor (same plan): this time 0 layers.
@@ -333,7 +333,7 @@ async def test_less_free_vram_than_the_fit_margin_skips_the_gpu_launch(paths, co
     install_cuda_bundle(paths)
     nearly_full = rec.FakeNvml([rec.h200(free=699 * rec.MIB)])
     async with orchestrator(paths, cuda_backend(nearly_full)) as orch:
-        plan = await orch.plan(config, L.MakePlan())
+        plan = await orch.plan(config, LR.MakePlan())
         assert plan.backend == "cpu"
         assert ("checking", "CheckFailed", "checking", "cuda_vram_full") in transitions(orch)
         st = orch.status(supervisor_for(plan))
@@ -342,15 +342,15 @@ async def test_less_free_vram_than_the_fit_margin_skips_the_gpu_launch(paths, co
         assert fb["evidence"]["margin_mib"] == 1024 and '"-fitt", "256"' in fb["evidence"]["hint"]
         # The hint applied: a lower margin than what is free leaves it to the engine again.
         lower = attrs.evolve(config, server=attrs.evolve(config.server, extra_args=("-fitt", "256")))
-        assert (await orch.plan(lower, L.MakePlan())).backend == "cuda"
+        assert (await orch.plan(lower, LR.MakePlan())).backend == "cuda"
         # So does a fixed layer count (the engine does not fit then; it loads as told).
         fixed = attrs.evolve(config, server=attrs.evolve(config.server, n_gpu_layers=4))
-        assert (await orch.plan(fixed, L.MakePlan())).backend == "cuda"
+        assert (await orch.plan(fixed, LR.MakePlan())).backend == "cuda"
         # The probe's figure is cached for 30 s: VRAM freed since then is read now, and launched on.
-        assert (await orch.plan(config, L.MakePlan())).backend == "cpu"
+        assert (await orch.plan(config, LR.MakePlan())).backend == "cpu"
         nearly_full.gpus[0]["free"] = 100_000 * rec.MIB
         assert orch.probes.cached("cuda") is not None  # still the old verdict (699 MiB)
-        assert (await orch.plan(config, L.MakePlan())).backend == "cuda"
+        assert (await orch.plan(config, LR.MakePlan())).backend == "cuda"
     # 1.5 GiB free is not certain (the engine's runtime takes ~524 MiB first): launched and proven after.
     async with orchestrator(paths, cuda_backend(rec.FakeNvml([rec.h200(free=1499 * rec.MIB)]))) as orch:
-        assert (await orch.plan(config, L.MakePlan())).backend == "cuda"
+        assert (await orch.plan(config, LR.MakePlan())).backend == "cuda"

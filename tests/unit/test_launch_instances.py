@@ -14,7 +14,7 @@ from daemon.fallback.orchestrator import FallbackOrchestrator
 from daemon.launch.instance import ServerInstance
 from daemon.launch.supervisor import Supervisor
 from states import fallback as F
-from states import launch as L
+from states import launch_records as LR
 from states.reasons import ReasonCode
 from store import open_store
 
@@ -48,17 +48,17 @@ def test_a_second_instance_is_built_beside_the_first_without_touching_it(stoker_
     paths = StokerPaths.from_env()
     first = Supervisor(paths, store, Config(), never)
     second = Supervisor(paths, store, Config(), never, instance=ServerInstance("coder"))
-    first.runner.fire(L.UpRequested())
-    first.runner.fire(L.PlanFailed(ReasonCode.MODEL_MISSING))
-    assert (first.state, second.state) == (L.LaunchState.FAILED, L.LaunchState.STOPPED)
-    second.runner.fire(L.UpRequested())
+    first.runner.fire(LR.UpRequested())
+    first.runner.fire(LR.PlanFailed(ReasonCode.MODEL_MISSING))
+    assert (first.state, second.state) == (LR.LaunchState.FAILED, LR.LaunchState.STOPPED)
+    second.runner.fire(LR.UpRequested())
     assert [r.event for r in store.history(machine="launch")] == ["PlanFailed", "UpRequested"]
     assert [r.event for r in store.history(machine="launch:coder")] == ["UpRequested"]
     assert {r.machine_id for r in store.history(kind="launch")} == {"launch", "launch:coder"}
     # ... and each comes back as it was, from the store alone
     again = Supervisor(paths, store, Config(), never, instance=ServerInstance("coder"))
-    assert again.runner.resumed and again.state is L.LaunchState.PLANNING
-    assert Supervisor(paths, store, Config(), never).state is L.LaunchState.FAILED
+    assert again.runner.resumed and again.state is LR.LaunchState.PLANNING
+    assert Supervisor(paths, store, Config(), never).state is LR.LaunchState.FAILED
 
 
 def test_each_instance_has_its_own_fallback_machine(stoker_home, store):

@@ -8,13 +8,14 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 from daemon.core.machines import EffectDriver, MachineRunner, UnhandledEffect
 from states import launch as L
+from states import launch_records as LR
 from states import probe as P
 from states.machine import IllegalTransition, MachineDefinitionError, data_to_json, event_from_json
 from states.reasons import ReasonCode
 from store import StoreError, open_store
 
-PLAN = L.LaunchPlan("cpu", "x86-64", "/b", "/b/llama-server", "/m.gguf", port=8091)
-GPU_PLAN = L.LaunchPlan("cuda", "avx2", "/c", "/c/llama-server", "/m.gguf", port=8091, n_gpu_layers="auto")
+PLAN = LR.LaunchPlan("cpu", "x86-64", "/b", "/b/llama-server", "/m.gguf", port=8091)
+GPU_PLAN = LR.LaunchPlan("cuda", "avx2", "/c", "/c/llama-server", "/m.gguf", port=8091, n_gpu_layers="auto")
 
 
 @pytest.fixture
@@ -27,10 +28,10 @@ def store():
 def test_fire_persists_and_publishes(store):
     seen = []
     runner = MachineRunner(L.LAUNCH, "launch", store, seen.append)
-    assert runner.state is L.LaunchState.STOPPED and not runner.resumed
-    result = runner.fire(L.UpRequested())
-    assert result.effects == (L.MakePlan(),)
-    runner.fire(L.PlanReady(PLAN))
+    assert runner.state is LR.LaunchState.STOPPED and not runner.resumed
+    result = runner.fire(LR.UpRequested())
+    assert result.effects == (LR.MakePlan(),)
+    runner.fire(LR.PlanReady(PLAN))
     assert [m["topic"] for m in seen] == ["machine.launch.planning", "machine.launch.starting"]
     msg = seen[-1]
     assert {k: msg[k] for k in ("machine", "from", "to", "event", "reason", "seq")} == {
@@ -47,40 +48,40 @@ def test_fire_persists_and_publishes(store):
     assert row.state == "starting" and row.data == data_to_json(runner.data)
     history = store.history(machine="launch")
     assert [t.event for t in history] == ["PlanReady", "UpRequested"]
-    assert event_from_json(L.LAUNCH, history[0].event, history[0].event_data) == L.PlanReady(PLAN)
+    assert event_from_json(L.LAUNCH, history[0].event, history[0].event_data) == LR.PlanReady(PLAN)
 
 
 def test_resume_from_the_store(store):
     first = MachineRunner(
-        L.LAUNCH, "launch", store, initial_data=L.LaunchData(settings=L.LaunchSettings(max_restarts=1))
+        L.LAUNCH, "launch", store, initial_data=LR.LaunchData(settings=LR.LaunchSettings(max_restarts=1))
     )
-    for event in (L.UpRequested(), L.PlanReady(PLAN), L.Spawned(77, 3.25), L.Ready({"layers": 0})):
+    for event in (LR.UpRequested(), LR.PlanReady(PLAN), LR.Spawned(77, 3.25), LR.Ready({"layers": 0})):
         first.fire(event)
     again = MachineRunner(L.LAUNCH, "launch", store)
-    assert again.resumed and again.state is L.LaunchState.READY and again.data == first.data
+    assert again.resumed and again.state is LR.LaunchState.READY and again.data == first.data
     assert again.seq == 4 and again.data.settings.max_restarts == 1
-    assert L.resume_effects(again.state, again.data) == (L.Reattach(77, 3.25),)
+    assert L.resume_effects(again.state, again.data) == (LR.Reattach(77, 3.25),)
 
 
 def test_illegal_event_changes_nothing(store):
     seen = []
     runner = MachineRunner(L.LAUNCH, "launch", store, seen.append)
-    assert not runner.accepts(L.Ready())
+    assert not runner.accepts(LR.Ready())
     with pytest.raises(IllegalTransition):
-        runner.fire(L.Ready())
-    assert runner.state is L.LaunchState.STOPPED and store.machine("launch") is None and seen == []
-    assert runner.accepts(L.UpRequested())
+        runner.fire(LR.Ready())
+    assert runner.state is LR.LaunchState.STOPPED and store.machine("launch") is None and seen == []
+    assert runner.accepts(LR.UpRequested())
     assert store.count_transitions() == 0
 
 
 def test_failed_write_changes_nothing(store):
     seen = []
     runner = MachineRunner(L.LAUNCH, "launch", store, seen.append)
-    runner.fire(L.UpRequested())
+    runner.fire(LR.UpRequested())
     store.db.execute("CREATE TEMP TRIGGER refuse BEFORE INSERT ON transitions BEGIN SELECT RAISE(ABORT, 'no'); END")
     with pytest.raises(StoreError):
-        runner.fire(L.PlanReady(PLAN))
-    assert runner.state is L.LaunchState.PLANNING and runner.data.plan is None and len(seen) == 1
+        runner.fire(LR.PlanReady(PLAN))
+    assert runner.state is LR.LaunchState.PLANNING and runner.data.plan is None and len(seen) == 1
     assert store.machine("launch").state == "planning"
 
 
@@ -94,31 +95,31 @@ def test_machine_of_another_kind_is_refused(store):
 
 MAX_RESTARTS = 2
 LAUNCH_EVENTS = [
-    L.UpRequested(),
-    L.DownRequested(),
-    L.RestartRequested(),
-    L.ConfigChanged(),
-    L.ConfigChanged(L.LaunchSettings(max_restarts=MAX_RESTARTS, stall_timeout=5.0)),
-    L.PlanReady(PLAN),
-    L.PlanReady(GPU_PLAN),
-    L.PlanFailed(ReasonCode.MODEL_MISSING, {"path": "/m.gguf"}),
-    L.Spawned(100, 1.0),
-    L.SpawnFailed(),
-    L.Adopted(100, 1.0),
-    L.LoadStarted(),
-    L.Ready({"layers": 0}),
-    L.ServerExited(-9),
-    L.ServerExited(1, ReasonCode.MODEL_LOAD_FAILED),
-    L.ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION),
-    L.ServerExited(1, ReasonCode.PORT_IN_USE),
-    L.StallTimeout(),
-    L.BackoffStarted(0.5),
-    L.BackoffElapsed(),
-    L.Stable(),
-    L.StopCompleted(0),
+    LR.UpRequested(),
+    LR.DownRequested(),
+    LR.RestartRequested(),
+    LR.ConfigChanged(),
+    LR.ConfigChanged(LR.LaunchSettings(max_restarts=MAX_RESTARTS, stall_timeout=5.0)),
+    LR.PlanReady(PLAN),
+    LR.PlanReady(GPU_PLAN),
+    LR.PlanFailed(ReasonCode.MODEL_MISSING, {"path": "/m.gguf"}),
+    LR.Spawned(100, 1.0),
+    LR.SpawnFailed(),
+    LR.Adopted(100, 1.0),
+    LR.LoadStarted(),
+    LR.Ready({"layers": 0}),
+    LR.ServerExited(-9),
+    LR.ServerExited(1, ReasonCode.MODEL_LOAD_FAILED),
+    LR.ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION),
+    LR.ServerExited(1, ReasonCode.PORT_IN_USE),
+    LR.StallTimeout(),
+    LR.BackoffStarted(0.5),
+    LR.BackoffElapsed(),
+    LR.Stable(),
+    LR.StopCompleted(0),
 ]
 FATAL = {ReasonCode.MODEL_MISSING, ReasonCode.MODEL_LOAD_FAILED, ReasonCode.SERVER_BAD_ARGUMENTS}
-CRASHING = (L.LaunchState.STARTING, L.LaunchState.LOADING, L.LaunchState.READY)
+CRASHING = (LR.LaunchState.STARTING, LR.LaunchState.LOADING, LR.LaunchState.READY)
 
 
 class LaunchModel(RuleBasedStateMachine):
@@ -126,7 +127,7 @@ class LaunchModel(RuleBasedStateMachine):
         super().__init__()
         self.store = open_store(":memory:")
         self.published: list[dict] = []
-        data = L.LaunchData(settings=L.LaunchSettings(max_restarts=MAX_RESTARTS, stall_timeout=5.0))
+        data = LR.LaunchData(settings=LR.LaunchSettings(max_restarts=MAX_RESTARTS, stall_timeout=5.0))
         self.runner = MachineRunner(L.LAUNCH, "launch", self.store, self.published.append, initial_data=data)
         self.accepted = 0
 
@@ -136,7 +137,7 @@ class LaunchModel(RuleBasedStateMachine):
     @initialize(running=st.booleans())
     def maybe_start(self, running):
         if running:
-            for event in (L.UpRequested(), L.PlanReady(PLAN), L.Spawned(100)):
+            for event in (LR.UpRequested(), LR.PlanReady(PLAN), LR.Spawned(100)):
                 self.fire(event)
 
     @rule(event=st.sampled_from(LAUNCH_EVENTS))
@@ -159,32 +160,32 @@ class LaunchModel(RuleBasedStateMachine):
         )
         assert newest.reason == (None if result.reason is None else str(result.reason))
         # the crash counter
-        if isinstance(event, L.ServerExited) and before_state in CRASHING:
+        if isinstance(event, LR.ServerExited) and before_state in CRASHING:
             assert data.crashes == before_data.crashes + 1
             if event.reason in FATAL:
-                assert result.state is L.LaunchState.FAILED and result.reason is event.reason
+                assert result.state is LR.LaunchState.FAILED and result.reason is event.reason
             elif data.crashes > MAX_RESTARTS:
-                assert result.state is L.LaunchState.FAILED and result.reason is ReasonCode.CRASH_LOOP
+                assert result.state is LR.LaunchState.FAILED and result.reason is ReasonCode.CRASH_LOOP
             else:
-                assert result.state is L.LaunchState.CRASHED and result.effects[0] == L.StartBackoff(data.crashes)
+                assert result.state is LR.LaunchState.CRASHED and result.effects[0] == LR.StartBackoff(data.crashes)
                 assert data.restarts == before_data.restarts + 1
                 # a new plan after SIGILL, or after a GPU server that never got ready
-                never_ready = before_state is not L.LaunchState.READY
+                never_ready = before_state is not LR.LaunchState.READY
                 gpu = before_data.plan is not None and before_data.plan.backend != "cpu"
                 replan = event.reason is ReasonCode.CPU_ILLEGAL_INSTRUCTION or (never_ready and gpu)
                 assert (data.replan_for is not None) == replan
-        if isinstance(event, L.BackoffElapsed):
+        if isinstance(event, LR.BackoffElapsed):
             asked = before_data.replan_for is not None or before_data.plan is None
-            assert result.state is (L.LaunchState.PLANNING if asked else L.LaunchState.STARTING)
-        if isinstance(event, L.Stable):
+            assert result.state is (LR.LaunchState.PLANNING if asked else LR.LaunchState.STARTING)
+        if isinstance(event, LR.Stable):
             assert data.crashes == 0
-        if isinstance(event, (L.UpRequested, L.RestartRequested)) and before_state in (
-            L.LaunchState.STOPPED,
-            L.LaunchState.FAILED,
+        if isinstance(event, (LR.UpRequested, LR.RestartRequested)) and before_state in (
+            LR.LaunchState.STOPPED,
+            LR.LaunchState.FAILED,
         ):
-            assert result.state is L.LaunchState.PLANNING and data.crashes == 0 and data.restarts == 0
-        if before_state is L.LaunchState.FAILED and not isinstance(event, (L.UpRequested, L.RestartRequested)):
-            assert result.state is L.LaunchState.FAILED  # sticky until the user starts it
+            assert result.state is LR.LaunchState.PLANNING and data.crashes == 0 and data.restarts == 0
+        if before_state is LR.LaunchState.FAILED and not isinstance(event, (LR.UpRequested, LR.RestartRequested)):
+            assert result.state is LR.LaunchState.FAILED  # sticky until the user starts it
 
     @rule(data=st.data())
     def fire_a_legal_one(self, data):
@@ -197,18 +198,18 @@ class LaunchModel(RuleBasedStateMachine):
     @rule(back_up=st.booleans())
     def crash_and_come_back(self, back_up):
         """A whole crash cycle in one rule, so crash loops are common, not lucky."""
-        for event in (L.ServerExited(-9), L.BackoffStarted(0.1), L.BackoffElapsed(), L.Spawned(101), L.Ready()):
+        for event in (LR.ServerExited(-9), LR.BackoffStarted(0.1), LR.BackoffElapsed(), LR.Spawned(101), LR.Ready()):
             if not self.runner.accepts(event):
                 break
             self.fire(event)
-            if not back_up and isinstance(event, L.BackoffElapsed):
+            if not back_up and isinstance(event, LR.BackoffElapsed):
                 break
         if self.runner.data.reason is ReasonCode.CRASH_LOOP:
             hypothesis_event("reached crash_loop")
 
     @invariant()
     def declared_state_and_one_row_per_transition(self):
-        assert self.runner.state in set(L.LaunchState)
+        assert self.runner.state in set(LR.LaunchState)
         assert self.store.count_transitions("launch") == self.accepted == len(self.published)
         assert self.runner.seq == self.accepted
 
@@ -216,9 +217,9 @@ class LaunchModel(RuleBasedStateMachine):
     def counter_bounds(self):
         state, data = self.runner.state, self.runner.data
         assert 0 <= data.crashes <= MAX_RESTARTS + 1
-        if state in (L.LaunchState.CRASHED, L.LaunchState.BACKOFF):
+        if state in (LR.LaunchState.CRASHED, LR.LaunchState.BACKOFF):
             assert 1 <= data.crashes <= MAX_RESTARTS
-        if state is L.LaunchState.FAILED and data.reason is ReasonCode.CRASH_LOOP:
+        if state is LR.LaunchState.FAILED and data.reason is ReasonCode.CRASH_LOOP:
             assert data.crashes == MAX_RESTARTS + 1
 
     @invariant()
@@ -317,8 +318,8 @@ TestProbeModel.settings = settings(
 
 def test_evidence_with_paths_and_enums_is_stored_as_json(store, tmp_path):
     runner = MachineRunner(L.LAUNCH, "launch", store)
-    runner.fire(L.UpRequested())
-    runner.fire(L.PlanFailed(ReasonCode.MODEL_MISSING, {"path": tmp_path / "m.gguf", "tried": (1, 2)}))
+    runner.fire(LR.UpRequested())
+    runner.fire(LR.PlanFailed(ReasonCode.MODEL_MISSING, {"path": tmp_path / "m.gguf", "tried": (1, 2)}))
     row = store.history(limit=1)[0]
     assert row.evidence == {"path": str(tmp_path / "m.gguf"), "tried": [1, 2]}
     assert row.reason == "model_missing"
@@ -341,10 +342,10 @@ def test_effect_driver_refuses_a_missing_or_stray_handler_when_built():
     with pytest.raises(MachineDefinitionError, match="missing \\['ArmExpiry'\\]"):
         EffectDriver(P.PROBE, {P.RunProbe: lambda e: None})
     with pytest.raises(MachineDefinitionError, match="not declared \\['Spawn'\\]"):
-        EffectDriver(P.PROBE, {P.RunProbe: print, P.ArmExpiry: print, L.Spawn: print})
+        EffectDriver(P.PROBE, {P.RunProbe: print, P.ArmExpiry: print, LR.Spawn: print})
 
 
 def test_effect_driver_never_drops_an_unknown_effect():
     driver = EffectDriver(P.PROBE, {P.RunProbe: lambda e: None, P.ArmExpiry: lambda e: None})
     with pytest.raises(UnhandledEffect, match="Spawn"):
-        driver.run(L.Spawn(PLAN))
+        driver.run(LR.Spawn(PLAN))

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from states.launch import (
-    LAUNCH,
+from states.launch import LAUNCH, resume_effects
+from states.launch_exits import ExitVerdict, judge_exit
+from states.launch_records import (
     Adopted,
     AfterStop,
     ArmStableTimer,
@@ -14,7 +15,6 @@ from states.launch import (
     ConfigChanged,
     DownRequested,
     ExitPhase,
-    ExitVerdict,
     LaunchData,
     LaunchPlan,
     LaunchSettings,
@@ -39,8 +39,6 @@ from states.launch import (
     Terminate,
     UpRequested,
     WatchReadiness,
-    judge_exit,
-    resume_effects,
 )
 from states.machine import IllegalTransition, step
 from states.reasons import ReasonCode

@@ -17,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from states import fallback as F
 from states import launch as L
+from states import launch_records as LR
 from states.machine import step
 from states.reasons import ReasonCode as R
 
@@ -32,9 +33,9 @@ class Fate(enum.Enum):
     SERVES = "serves"
 
 
-def plan_for(backend: str) -> L.LaunchPlan:
+def plan_for(backend: str) -> LR.LaunchPlan:
     layers = 0 if backend == "cpu" else "auto"
-    return L.LaunchPlan(backend, "v", f"/{backend}", f"/{backend}/llama-server", "/m.gguf", n_gpu_layers=layers)
+    return LR.LaunchPlan(backend, "v", f"/{backend}", f"/{backend}/llama-server", "/m.gguf", n_gpu_layers=layers)
 
 
 @attrs.define
@@ -42,25 +43,25 @@ class Wiring:
     """Both machines and the glue between them; `log` is what a user could read in history."""
 
     forced: bool = False
-    launch: tuple = (L.LaunchState.STOPPED, L.LaunchData(settings=L.LaunchSettings(max_restarts=2)))
+    launch: tuple = (LR.LaunchState.STOPPED, LR.LaunchData(settings=LR.LaunchSettings(max_restarts=2)))
     fallback: tuple = (F.FallbackState.IDLE, F.FallbackData())
     spawned: list = attrs.Factory(list)
-    plan_failed: L.PlanFailed | None = None
+    plan_failed: LR.PlanFailed | None = None
 
     def fire_launch(self, event) -> None:
         result = step(L.LAUNCH, *self.launch, event)
         self.launch = (result.state, result.data)
         for effect in result.effects:
-            if isinstance(effect, L.MakePlan):
+            if isinstance(effect, LR.MakePlan):
                 self.make_plan(effect)
-            elif isinstance(effect, L.Spawn):
+            elif isinstance(effect, LR.Spawn):
                 self.spawned.append(effect.plan.backend)
-                self.fire_launch(L.Spawned(len(self.spawned)))
-            elif isinstance(effect, L.StartBackoff):
-                self.fire_launch(L.BackoffStarted(0.1))
-                self.fire_launch(L.BackoffElapsed())
+                self.fire_launch(LR.Spawned(len(self.spawned)))
+            elif isinstance(effect, LR.StartBackoff):
+                self.fire_launch(LR.BackoffStarted(0.1))
+                self.fire_launch(LR.BackoffElapsed())
 
-    def make_plan(self, effect: L.MakePlan) -> None:
+    def make_plan(self, effect: LR.MakePlan) -> None:
         """The orchestrator's part: MakePlan's facts in, the fallback's effects carried out."""
         failure, previous = effect.failure, effect.previous
         candidates = ("cuda",) if self.forced else CANDIDATES
@@ -78,9 +79,9 @@ class Wiring:
             if isinstance(eff, F.CheckBackend):
                 effects += self.fire_fallback(F.CheckPassed(eff.backend))
             elif isinstance(eff, F.UsePlan):
-                self.fire_launch(L.PlanReady(plan_for(eff.backend)))
+                self.fire_launch(LR.PlanReady(plan_for(eff.backend)))
             elif isinstance(eff, F.GiveUp):
-                self.plan_failed = L.PlanFailed(eff.reason, eff.evidence)
+                self.plan_failed = LR.PlanFailed(eff.reason, eff.evidence)
                 self.fire_launch(self.plan_failed)
 
     def fire_fallback(self, event) -> tuple:
@@ -92,22 +93,22 @@ class Wiring:
         """The server now spawned does what `fate` says."""
         state, data = self.launch
         if fate is Fate.DIES_LOADING:
-            self.fire_launch(L.ServerExited(1, R.SERVER_CRASHED, {"line": "boom"}))
+            self.fire_launch(LR.ServerExited(1, R.SERVER_CRASHED, {"line": "boom"}))
             return
-        self.fire_launch(L.Ready())
+        self.fire_launch(LR.Ready())
         if self.fallback[0] is F.FallbackState.LAUNCHING:
             self.fire_fallback(F.LaunchSucceeded(data.plan.backend))
         if fate is Fate.DIES_SERVING:
-            self.fire_launch(L.ServerExited(-11))
+            self.fire_launch(LR.ServerExited(-11))
 
 
 @settings(max_examples=200, deadline=None)
 @given(fates=st.lists(st.sampled_from(Fate), min_size=1, max_size=12), forced=st.booleans())
 def test_servers_that_fail_to_start_move_the_fallback_on(fates, forced):
     w = Wiring(forced=forced)
-    w.fire_launch(L.UpRequested())
+    w.fire_launch(LR.UpRequested())
     for fate in fates:
-        if w.launch[0] not in (L.LaunchState.STARTING, L.LaunchState.LOADING):
+        if w.launch[0] not in (LR.LaunchState.STARTING, LR.LaunchState.LOADING):
             break
         backend = w.spawned[-1]
         before = list(w.spawned)
@@ -115,31 +116,31 @@ def test_servers_that_fail_to_start_move_the_fallback_on(fates, forced):
         w.play(fate)
         state, data = w.launch
         skipped = [(s.backend, s.reason) for s in w.fallback[1].skipped]
-        looped = state is L.LaunchState.FAILED and data.reason is R.CRASH_LOOP  # no new plan after that
+        looped = state is LR.LaunchState.FAILED and data.reason is R.CRASH_LOOP  # no new plan after that
         if fate is Fate.DIES_LOADING and backend == "cuda" and first_try and not looped:
             # never got ready: cuda is out with its own code; the CPU next (or nothing, forced)
             assert skipped == [("cuda", R.CUDA_STARTUP_FAILED)]
             if forced:
-                assert state is L.LaunchState.FAILED and data.reason is R.CUDA_STARTUP_FAILED
+                assert state is LR.LaunchState.FAILED and data.reason is R.CUDA_STARTUP_FAILED
                 assert w.plan_failed.evidence["forced"] is True and len(w.spawned) == len(before)
             else:
                 assert w.spawned[-1] == "cpu" and data.plan.backend == "cpu"
         elif fate is Fate.DIES_LOADING and backend == "cuda" and not looped:
             # it had served: a respawn that fails to start is planned afresh, cuda first again
             assert skipped == [] and w.spawned[-1] == "cuda"
-        elif state is not L.LaunchState.FAILED and fate is not Fate.SERVES:
+        elif state is not LR.LaunchState.FAILED and fate is not Fate.SERVES:
             # a CPU server that died, or any that died while serving: the same plan again
             assert w.spawned[-1] == backend and data.plan.backend == backend
         if fate is Fate.SERVES:
-            assert state is L.LaunchState.READY and w.fallback[0] is F.FallbackState.SETTLED
+            assert state is LR.LaunchState.READY and w.fallback[0] is F.FallbackState.SETTLED
         assert "cuda" not in w.spawned[w.spawned.index("cpu") :] if "cpu" in w.spawned else True
-        if state is L.LaunchState.FAILED and data.reason is R.CRASH_LOOP:
+        if state is LR.LaunchState.FAILED and data.reason is R.CRASH_LOOP:
             assert data.crashes == data.settings.max_restarts + 1
 
 
 def test_a_gpu_that_never_gets_ready_ends_on_the_cpu_with_the_reason():
     w = Wiring()
-    w.fire_launch(L.UpRequested())
+    w.fire_launch(LR.UpRequested())
     assert w.spawned == ["cuda"]
     w.play(Fate.DIES_LOADING)
     assert w.spawned == ["cuda", "cpu"]

@@ -11,11 +11,12 @@ import attrs
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from states import config as C, fallback as F, install as I, launch as L, probe as PR
+from states import config as C, fallback as F, install as I, launch_records as LR, probe as PR
 from states.diagrams import SPECS, document, mermaid
 from states.fallback import FallbackData, Skipped
 from states.install import InstallData
-from states.launch import LAUNCH, LaunchData, LaunchPlan, PlanReady, ServerExited, UpRequested
+from states.launch import LAUNCH
+from states.launch_records import LaunchData, LaunchPlan, PlanReady, ServerExited, UpRequested
 from states.machine import (
     STAY,
     Guarded,
@@ -218,28 +219,28 @@ def test_generator_check_mode_passes():
 # --- every table under random event sequences -------------------------------------------
 SAMPLES = {
     "launch": [
-        L.UpRequested(),
-        L.DownRequested(),
-        L.RestartRequested(),
-        L.ConfigChanged(),
-        L.PlanReady(AUTO_PLAN),
-        L.PlanReady(CPU_PLAN),
-        L.PlanFailed(ReasonCode.MODEL_MISSING),
-        L.Spawned(1),
-        L.Adopted(1),
-        L.SpawnFailed(),
-        L.LoadStarted(),
-        L.Ready(),
-        L.ServerExited(1),
-        L.ServerExited(-9),
-        L.ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION),
-        L.ServerExited(1, ReasonCode.MODEL_LOAD_FAILED),
-        L.ServerExited(1, ReasonCode.PORT_IN_USE),
-        L.StallTimeout(),
-        L.BackoffStarted(1.0),
-        L.BackoffElapsed(),
-        L.Stable(),
-        L.StopCompleted(0),
+        LR.UpRequested(),
+        LR.DownRequested(),
+        LR.RestartRequested(),
+        LR.ConfigChanged(),
+        LR.PlanReady(AUTO_PLAN),
+        LR.PlanReady(CPU_PLAN),
+        LR.PlanFailed(ReasonCode.MODEL_MISSING),
+        LR.Spawned(1),
+        LR.Adopted(1),
+        LR.SpawnFailed(),
+        LR.LoadStarted(),
+        LR.Ready(),
+        LR.ServerExited(1),
+        LR.ServerExited(-9),
+        LR.ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION),
+        LR.ServerExited(1, ReasonCode.MODEL_LOAD_FAILED),
+        LR.ServerExited(1, ReasonCode.PORT_IN_USE),
+        LR.StallTimeout(),
+        LR.BackoffStarted(1.0),
+        LR.BackoffElapsed(),
+        LR.Stable(),
+        LR.StopCompleted(0),
     ],
     "install": [
         I.InstallRequested("cuda", "sm90"),
@@ -271,7 +272,7 @@ SAMPLES = {
                 startup_failed=ReasonCode.CUDA_STARTUP_FAILED,
             )
             for b in ("cuda", "cpu")
-            for p in L.ExitPhase
+            for p in LR.ExitPhase
         ],
         *[F.CheckPassed(b) for b in ("cuda", "cpu")],
         *[
@@ -298,38 +299,38 @@ SAMPLES = {
 # from the stated policy fails here under random sequences.
 
 FATAL = {ReasonCode.MODEL_MISSING, ReasonCode.MODEL_LOAD_FAILED, ReasonCode.SERVER_BAD_ARGUMENTS}
-RUNNING = (L.LaunchState.STARTING, L.LaunchState.LOADING, L.LaunchState.READY)
+RUNNING = (LR.LaunchState.STARTING, LR.LaunchState.LOADING, LR.LaunchState.READY)
 
 
 def launch_policy(state, data, event, result):
     new = result.data
-    if isinstance(event, L.ServerExited) and state in RUNNING:
-        phase = L.ExitPhase.AFTER_READY if state is L.LaunchState.READY else L.ExitPhase.NEVER_READY
+    if isinstance(event, LR.ServerExited) and state in RUNNING:
+        phase = LR.ExitPhase.AFTER_READY if state is LR.LaunchState.READY else LR.ExitPhase.NEVER_READY
         assert new.crashes == data.crashes + 1
         if event.reason in FATAL:
-            assert (result.state, new.reason) == (L.LaunchState.FAILED, event.reason)
+            assert (result.state, new.reason) == (LR.LaunchState.FAILED, event.reason)
         elif new.crashes > new.settings.max_restarts:
-            assert (result.state, new.reason) == (L.LaunchState.FAILED, ReasonCode.CRASH_LOOP)
+            assert (result.state, new.reason) == (LR.LaunchState.FAILED, ReasonCode.CRASH_LOOP)
         else:
-            assert result.state is L.LaunchState.CRASHED and new.restarts == data.restarts + 1
-            gpu_start = phase is L.ExitPhase.NEVER_READY and data.plan is not None and data.plan.backend != "cpu"
+            assert result.state is LR.LaunchState.CRASHED and new.restarts == data.restarts + 1
+            gpu_start = phase is LR.ExitPhase.NEVER_READY and data.plan is not None and data.plan.backend != "cpu"
             wants_plan = event.reason is ReasonCode.CPU_ILLEGAL_INSTRUCTION or gpu_start
             assert (new.replan_for is not None) == wants_plan
             if wants_plan:
                 assert (new.replan_for.reason, new.replan_for.phase) == (event.reason, phase)
-    if isinstance(event, L.SpawnFailed) and state is L.LaunchState.STARTING:
-        assert (result.state, new.reason) == (L.LaunchState.FAILED, event.reason)
-    if isinstance(event, L.BackoffElapsed):
+    if isinstance(event, LR.SpawnFailed) and state is LR.LaunchState.STARTING:
+        assert (result.state, new.reason) == (LR.LaunchState.FAILED, event.reason)
+    if isinstance(event, LR.BackoffElapsed):
         if data.replan_for is not None or data.plan is None:
-            assert result.effects == (L.MakePlan(previous=data.plan, failure=data.replan_for),)
+            assert result.effects == (LR.MakePlan(previous=data.plan, failure=data.replan_for),)
         else:
-            assert result.effects == (L.Spawn(data.plan),)
-    if isinstance(event, (L.UpRequested, L.RestartRequested, L.ConfigChanged)):
+            assert result.effects == (LR.Spawn(data.plan),)
+    if isinstance(event, (LR.UpRequested, LR.RestartRequested, LR.ConfigChanged)):
         # a start, restart or config change plans afresh: no crash's failure rides along
-        assert all(e.failure is None for e in result.effects if isinstance(e, L.MakePlan))
-    if isinstance(event, L.Spawned):
-        assert result.effects == (L.WatchReadiness(new.settings.stall_timeout),)
-    if isinstance(event, L.Stable):
+        assert all(e.failure is None for e in result.effects if isinstance(e, LR.MakePlan))
+    if isinstance(event, LR.Spawned):
+        assert result.effects == (LR.WatchReadiness(new.settings.stall_timeout),)
+    if isinstance(event, LR.Stable):
         assert new.crashes == 0 and new.restarts == data.restarts
 
 
@@ -339,7 +340,7 @@ def fallback_policy(state, data, event, result):
         failed_start = (
             state is F.FallbackState.LAUNCHING
             and event.failure is not None
-            and event.phase is L.ExitPhase.NEVER_READY
+            and event.phase is LR.ExitPhase.NEVER_READY
             and event.previous_backend == data.current
             and event.previous_backend != "cpu"
         )

@@ -22,7 +22,7 @@ from daemon.control.controlled import ControlledDaemon
 from daemon.control.status import build_status
 from daemon.control.params import Choices, Kind, Param, method
 from daemon.core.errors import StokerError
-from states import launch as L
+from states import launch_records as LR
 from states.reasons import ReasonCode
 
 # The loaded backend plugins are the only source of backend names (a third-party one included).
@@ -123,13 +123,13 @@ async def use(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, 
     changed = new != daemon.config
     before = daemon.supervisor.state
     daemon.on_config_change(new)  # relaunches a running server (a [backend] change)
-    if before is L.LaunchState.FAILED:
-        daemon.supervisor.offer(L.UpRequested(daemon.launch_settings()))
+    if before is LR.LaunchState.FAILED:
+        daemon.supervisor.offer(LR.UpRequested(daemon.launch_settings()))
     return {
         "prefer": value,
         "forced": BackendConfig(prefer=value).forced,
         "config_path": str(path),
-        "relaunch": changed and before is not L.LaunchState.STOPPED,
+        "relaunch": changed and before is not LR.LaunchState.STOPPED,
         "status": build_status(daemon),
     }
 

@@ -15,7 +15,7 @@ from daemon.control.controlled import ControlledDaemon
 from daemon.control.params import Kind, Param, method
 from daemon.control.status import Status, build_status
 from daemon.core.errors import StokerError
-from states import launch as L
+from states import launch_records as LR
 from states.machine import IllegalTransition
 from states.reasons import ReasonCode
 
@@ -58,7 +58,7 @@ async def up(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     """
     if daemon.config_problems and daemon.config_loaded_invalid:
         raise StokerError(ReasonCode.CONFIG_INVALID, evidence={"problems": list(daemon.config_problems)})
-    fire(daemon, L.UpRequested(daemon.launch_settings()))
+    fire(daemon, LR.UpRequested(daemon.launch_settings()))
     return build_status(daemon)
 
 
@@ -68,8 +68,8 @@ async def down(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
 
     Reply: the status document (as `status`) once the server has stopped.
     """
-    fire(daemon, L.DownRequested())
-    await daemon.wait_state({L.LaunchState.STOPPED, L.LaunchState.FAILED})
+    fire(daemon, LR.DownRequested())
+    await daemon.wait_state({LR.LaunchState.STOPPED, LR.LaunchState.FAILED})
     return build_status(daemon)
 
 
@@ -79,7 +79,7 @@ async def restart(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status
 
     Reply: the status document (as `status`), at once.
     """
-    fire(daemon, L.RestartRequested())
+    fire(daemon, LR.RestartRequested())
     return build_status(daemon)
 
 

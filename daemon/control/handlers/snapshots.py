@@ -7,7 +7,7 @@ from typing import Any, Mapping
 from daemon.control.controlled import ControlledDaemon
 from daemon.control.params import Kind, Param, method
 from daemon.core.errors import StokerError
-from states import launch as L
+from states import launch_records as LR
 from states.reasons import ReasonCode
 
 # A slot's upper bound is the running server's slot count, known only to it: snapshot_bad_slot.
@@ -19,7 +19,7 @@ def _ready(daemon: ControlledDaemon) -> None:
     if not daemon.config.snapshots.enabled:
         raise StokerError(ReasonCode.SNAPSHOTS_DISABLED)
     state = daemon.supervisor.state
-    if state is not L.LaunchState.READY:
+    if state is not LR.LaunchState.READY:
         raise StokerError(ReasonCode.SNAPSHOT_SERVER_NOT_READY, evidence={"state": state.value})
 
 
