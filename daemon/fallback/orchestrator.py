@@ -14,10 +14,11 @@ anything else: start afresh), and by carrying out that machine's effects:
     GiveUp(reason)    no backend left, or the forced one failed: PlanFailed(reason)
 
 Every skipped backend is a transition with its reason and evidence. After the server is
-ready, `on_ready` confirms that a GPU plan really offloaded layers (the engine's
-`offloaded N/M layers to GPU`) and, where the platform reports it (NVML per-process memory),
-that the server holds VRAM, and reports it as `LaunchSucceeded`; otherwise the launch is
-reported as CPU with `<backend>_gpu_layers_zero` or `gpu_claimed_but_unused`. One
+ready, `on_ready` has daemon/fallback/proof.py confirm that a GPU plan really offloaded layers
+(the engine's `offloaded N/M layers to GPU`) and, where the platform reports it (NVML
+per-process memory), that the server holds VRAM, and reports it as `LaunchSucceeded`;
+otherwise the launch is reported as CPU with `<backend>_gpu_layers_zero` or
+`gpu_claimed_but_unused`. One
 orchestrator per server instance, with its own fallback machine.
 """
 
@@ -29,26 +30,19 @@ from typing import Any, Awaitable, Mapping, Protocol
 import attrs
 import trio
 
-from daemon.backends.base import Backend, Detection, ReasonKind, TelemetryRequest
+from daemon.backends.base import Backend, Detection, ReasonKind
 from daemon.backends.registry import family_reason, try_order
 from daemon.bundles.installed import InstalledBundle, list_installed
 from daemon.config.model import Config
 from daemon.core.errors import StokerError
 from daemon.engine.exits import missing_library
 from daemon.install.service import InstallService
-from daemon.fallback.layers import (
-    FIT_MARGIN_MIB,
-    LayerEstimate,
-    estimate,
-    fit_margin,
-    free_vram,
-    why_actual,
-    why_planned,
-)
+from daemon.fallback.layers import LayerEstimate, estimate, fit_margin, free_vram, why_actual, why_planned
 from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.core.paths import StokerPaths
 from daemon.fallback.cpu_plan import cpu_bundle
 from daemon.fallback.launch_plan import complete_plan
+from daemon.fallback.proof import free_vram_now, judge_acceleration
 from daemon.launch.instance import ServerInstance
 from daemon.probes.service import ProbeService
 from states import fallback as F
@@ -307,7 +301,7 @@ class FallbackOrchestrator:
         full_reason = plugin.reason(ReasonKind.VRAM_FULL)
         if vram_full(full_reason, probed, config) is not None:
             # The probe's figures can be 30 s old: only a reading now may skip the launch.
-            now = await self._free_vram_now(backend, tuple(probed))
+            now = await free_vram_now(self.backends, backend, tuple(probed))
             full = vram_full(full_reason, now, config) if set(now) == set(probed) else None
             if full is not None:
                 return F.CheckFailed(backend, *full)
@@ -372,7 +366,11 @@ class FallbackOrchestrator:
             # before; nothing new to prove here, and nothing to demote on missing lines.
             self._report(F.LaunchSucceeded(plan.backend, evidence={"adopted": True}, adopted=True))
             return {}
-        reason, proof = (None, {}) if plan.on_cpu else await self._judge(plan.backend, evidence, plan)
+        reason, proof = (
+            (None, {})
+            if plan.on_cpu
+            else await judge_acceleration(self.backends, plan.backend, evidence, plan, self.estimate)
+        )
         if reason is not None:
             log.warning("the %s server is not really accelerated: %s", plan.backend, reason)
         effective = LR.CPU_BACKEND if reason is not None else plan.backend
@@ -384,76 +382,6 @@ class FallbackOrchestrator:
             self.runner.fire(event)
         except IllegalTransition as err:  # a ready server from before the current request
             log.info("fallback: %s", err)
-
-    async def _judge(
-        self, backend: str, evidence: Mapping[str, Any], plan: LR.LaunchPlan | None = None
-    ) -> tuple[ReasonCode | None, dict[str, Any]]:
-        """None if the GPU is really in use, else why not; and the proof either way."""
-        offloaded = evidence.get("offloaded_layers")
-        proof: dict[str, Any] = {
-            "offloaded_layers": offloaded,
-            "total_layers": evidence.get("total_layers"),
-            "offload_line": (evidence.get("evidence_lines") or {}).get("offloaded"),
-        }
-        if not offloaded:
-            proof["hint"] = self._zero_layers_hint(plan)
-            return family_reason(
-                self.backends, backend, ReasonKind.GPU_LAYERS_ZERO, ReasonCode.GPU_CLAIMED_BUT_UNUSED
-            ), proof
-        vram = await self._process_vram(backend, evidence.get("pid"))
-        proof["process_vram_mib"] = vram
-        if vram == 0:
-            return ReasonCode.GPU_CLAIMED_BUT_UNUSED, proof
-        return None, proof
-
-    def _zero_layers_hint(self, plan: LR.LaunchPlan | None) -> str:
-        """Why a GPU plan offloaded nothing, and the one setting that changes it."""
-        if plan is not None and plan.n_gpu_layers == 0:
-            return "n_gpu_layers = 0 in the config: nothing is offloaded by request"
-        if plan is not None and any(a in ("-fitt", "--fit-target") for a in plan.extra_args):
-            return "the engine's fit found no room for a layer within the -fitt margin in extra_args"
-        est = self.estimate
-        runtime = (
-            f", about {est.context_mib * est.n_devices} MiB of it taken by the runtime,"
-            if est and est.context_mib
-            else ""
-        )
-        room = (
-            ""
-            if est is None or est.free_vram_mib is None
-            else (
-                f"{est.free_vram_mib} MiB free VRAM{runtime} vs model {est.model_mib:.0f} MiB + KV {est.kv_mib or 0:.0f} MiB; "
-            )
-        )
-        return (
-            f"{room}the engine keeps {FIT_MARGIN_MIB} MiB free (-fitt) and offloads nothing when less is left; "
-            f'free VRAM, or lower the margin: [server] extra_args = ["-fitt", "256"]'
-        )
-
-    async def _free_vram_now(self, backend: str, indices: tuple[int, ...]) -> dict[int, int]:
-        """Free VRAM per device read now (NVML in-process, as telemetry does); {} if unreadable."""
-        try:
-            now = await trio.to_thread.run_sync(
-                self.backends[backend].read_telemetry, TelemetryRequest(devices=indices)
-            )
-        except Exception:
-            return {}
-        return {
-            d.index: d.memory_total_mib - d.memory_used_mib
-            for d in (now.devices if now else ())
-            if d.memory_total_mib is not None and d.memory_used_mib is not None
-        }
-
-    async def _process_vram(self, backend: str, pid: Any) -> int | None:
-        """The server's own VRAM (MiB) where the platform reports it; None where it cannot."""
-        plugin = self.backends.get(backend)
-        if plugin is None or not isinstance(pid, int):
-            return None
-        try:
-            telemetry = await trio.to_thread.run_sync(plugin.read_telemetry, TelemetryRequest(pid=pid))
-        except Exception:
-            return None
-        return None if telemetry is None else telemetry.process_memory_mib
 
     # --- for status ---------------------------------------------------------------------
 
