@@ -41,7 +41,8 @@ from daemon.backends.registry import try_order
 from daemon.backends.base import Detection
 from daemon.bundles.installed import InstalledBundle
 from daemon.fallback.orchestrator import FallbackOrchestrator
-from daemon.install.service import MANIFEST_ENV, InstallService
+from daemon.install.manifest import MANIFEST_ENV
+from daemon.install.service import InstallService
 from daemon.probes.service import ProbeResult, ProbeService
 from daemon.snapshots.service import SnapshotService
 from daemon.launch.supervisor import Supervisor, launch_settings

@@ -1,10 +1,10 @@
 """The install service: one install machine per backend-variant, from manifest to atomic rename.
 
-    resolve (manifest entry by detected capability) -> download (resumable, into
-    data/downloads) -> verify archive -> unpack into a hidden staging dir -> validate
-    (bundle.json against the manifest, --version, --list-devices) -> smoke (where the
-    hardware allows and a reference exists) -> promote (rename into the slot, the old slot
-    kept as `.previous`)
+    resolve (the manifest entry for the detected hardware: daemon/install/manifest.py) ->
+    download (resumable, into data/downloads) -> verify archive -> unpack into a hidden
+    staging dir -> validate (bundle.json against the manifest, --version, --list-devices) ->
+    smoke (where the hardware allows and a reference exists) -> promote (rename into the
+    slot, the old slot kept as `.previous`)
 
 The table (states/install.py) decides; this module does each step and answers with an event.
 Every failure becomes `InstallFailed(<backend>_bundle_install_failed)` whose evidence says
@@ -33,9 +33,9 @@ from daemon.backends.base import Backend, Detection, ReasonKind
 from daemon.backends.registry import family_reason, load_backends
 from daemon.bundles.archive import unpack_bundle
 from daemon.bundles.installed import InstalledBundle, bundle_meta_of, find_installed, promote
-from daemon.bundles.metadata import BundleManifest, BundleMeta, ManifestEntry
-from daemon.bundles.variants import host_platform
+from daemon.bundles.metadata import BundleMeta, ManifestEntry
 from daemon.install.download import DownloadError, DownloadProgress, download
+from daemon.install.manifest import MANIFEST_ENV, choose_entry, load_manifest
 from daemon.core.errors import StokerError
 from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.core.paths import StokerPaths
@@ -47,8 +47,6 @@ log = logging.getLogger(__name__)
 
 PROGRESS_TOPIC = "install.progress"
 MAX_BUNDLE_BYTES = 8 * 2**30  # the archive checker's own total cap
-MANIFEST_ENV = "STOKER_MANIFEST_URL"
-MANIFEST_MAX_BYTES = 4 * 2**20
 
 
 def install_failed_reason(backends: Mapping[str, Backend], backend: str) -> ReasonCode:
@@ -64,100 +62,6 @@ def _cause(err: BaseException) -> dict[str, Any]:
     if isinstance(err, StokerError):
         return {"cause": str(err.reason), "message": err.message, **err.evidence}
     return {"cause": "internal_error", "message": f"{type(err).__name__}: {err}"}
-
-
-# --- the manifest -------------------------------------------------------------------------
-
-
-async def load_manifest(source: str) -> BundleManifest:
-    """Read the manifest from a path, a file:// URL or an http(s) URL; StokerError if unusable."""
-    if not source:
-        raise StokerError(
-            ReasonCode.BUNDLE_MISSING,
-            f"No bundle manifest is configured; set `[bundles] manifest` in the config or {MANIFEST_ENV}.",
-            {"manifest": None},
-        )
-    try:
-        if source.startswith(("http://", "https://")):
-            import httpx
-
-            async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=10.0), follow_redirects=True) as client:
-                reply = await client.get(source)
-            if reply.status_code != 200:
-                raise StokerError(
-                    ReasonCode.BUNDLE_MISSING,
-                    f"The manifest at {source} answered HTTP {reply.status_code}.",
-                    {"manifest": source, "status": reply.status_code},
-                )
-            text = reply.content[:MANIFEST_MAX_BYTES]
-        else:
-            path = Path(unquote(urlparse(source).path)) if source.startswith("file://") else Path(source).expanduser()
-            text = await trio.to_thread.run_sync(lambda: path.read_bytes()[:MANIFEST_MAX_BYTES])
-    except StokerError:
-        raise
-    except Exception as err:  # OSError, httpx errors: the manifest cannot be read
-        raise StokerError(
-            ReasonCode.BUNDLE_MISSING,
-            f"The bundle manifest {source} cannot be read: {err}.",
-            {"manifest": source, "error": f"{type(err).__name__}: {err}"},
-        ) from None
-    try:
-        return BundleManifest.from_json(text)
-    except StokerError as err:
-        raise StokerError(
-            err.reason, f"The bundle manifest {source} is invalid: {err.message}", {"manifest": source, **err.evidence}
-        ) from None
-
-
-def choose_entry(
-    manifest: BundleManifest,
-    backend: str,
-    *,
-    variant: str | None = None,
-    detection: Detection | None = None,
-    plugin: Backend | None = None,
-    platform: str | None = None,
-) -> ManifestEntry:
-    """The manifest entry for this backend that fits the detected hardware (driver floor,
-    CUDA architectures vs compute capability, ...), the backend's own variant choice first."""
-    platform = platform or host_platform()
-    entries = manifest.select(backend, platform, variant)
-    if not entries:
-        raise StokerError(
-            ReasonCode.BUNDLE_MISSING,
-            f"The manifest lists no {backend} bundle{f' ({variant})' if variant else ''} for {platform}.",
-            {
-                "backend": backend,
-                "variant": variant,
-                "platform": platform,
-                "listed": [f"{e.backend}-{e.variant} {e.platform}" for e in manifest.bundles],
-            },
-        )
-    refused: dict[str, Any] = {}
-    fitting = list(entries)
-    if detection is not None and plugin is not None:
-        fitting = []
-        for entry in entries:
-            check = plugin.explain_bundle(detection, entry.to_dict())
-            if check.ok:
-                fitting.append(entry)
-            else:
-                refused[f"{entry.variant} {entry.version}"] = {
-                    "reason": str(check.reason),
-                    "message": check.message,
-                    **dict(check.evidence),
-                }
-        if fitting and variant is None:
-            chosen = plugin.choose_variant(detection, [e.variant for e in fitting])
-            if chosen is not None:
-                fitting = [e for e in fitting if e.variant == chosen]
-    if not fitting:
-        raise StokerError(
-            ReasonCode.BUNDLE_MISSING,
-            f"No {backend} bundle in the manifest fits this machine.",
-            {"backend": backend, "platform": platform, "refused": refused},
-        )
-    return fitting[0]
 
 
 # --- the service --------------------------------------------------------------------------

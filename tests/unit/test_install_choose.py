@@ -10,7 +10,8 @@ from daemon.backends.tools import recorded_runner
 from daemon.bundles.metadata import BundleManifest
 from daemon.core.errors import StokerError
 from daemon.backends import load_backends
-from daemon.install.service import choose_entry, install_failed_reason
+from daemon.install.manifest import choose_entry
+from daemon.install.service import install_failed_reason
 
 PLATFORM = "linux-x86_64"
 

@@ -1,0 +1,117 @@
+"""The bundle manifest: where published bundles are listed, and which entry fits this machine.
+
+The manifest (docs/bundles.md) is read from a path, a file:// URL or an http(s) URL, named by
+`[bundles] manifest` or STOKER_MANIFEST_URL. Of its entries for a backend and this platform,
+`choose_entry` keeps those the backend's plugin accepts for the detected hardware (driver
+floor, CUDA architectures vs compute capability, ...) and lets the plugin pick the variant.
+Every "cannot" is a StokerError (bundle_missing) whose evidence lists what was refused and why;
+the install service records it on the install machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import trio
+
+from daemon.backends.base import Backend, Detection
+from daemon.bundles.metadata import BundleManifest, ManifestEntry
+from daemon.bundles.variants import host_platform
+from daemon.core.errors import StokerError
+from states.reasons import ReasonCode
+
+MANIFEST_ENV = "STOKER_MANIFEST_URL"
+MANIFEST_MAX_BYTES = 4 * 2**20
+
+
+async def load_manifest(source: str) -> BundleManifest:
+    """Read the manifest from a path, a file:// URL or an http(s) URL; StokerError if unusable."""
+    if not source:
+        raise StokerError(
+            ReasonCode.BUNDLE_MISSING,
+            f"No bundle manifest is configured; set `[bundles] manifest` in the config or {MANIFEST_ENV}.",
+            {"manifest": None},
+        )
+    try:
+        if source.startswith(("http://", "https://")):
+            import httpx
+
+            async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=10.0), follow_redirects=True) as client:
+                reply = await client.get(source)
+            if reply.status_code != 200:
+                raise StokerError(
+                    ReasonCode.BUNDLE_MISSING,
+                    f"The manifest at {source} answered HTTP {reply.status_code}.",
+                    {"manifest": source, "status": reply.status_code},
+                )
+            text = reply.content[:MANIFEST_MAX_BYTES]
+        else:
+            path = Path(unquote(urlparse(source).path)) if source.startswith("file://") else Path(source).expanduser()
+            text = await trio.to_thread.run_sync(lambda: path.read_bytes()[:MANIFEST_MAX_BYTES])
+    except StokerError:
+        raise
+    except Exception as err:  # OSError, httpx errors: the manifest cannot be read
+        raise StokerError(
+            ReasonCode.BUNDLE_MISSING,
+            f"The bundle manifest {source} cannot be read: {err}.",
+            {"manifest": source, "error": f"{type(err).__name__}: {err}"},
+        ) from None
+    try:
+        return BundleManifest.from_json(text)
+    except StokerError as err:
+        raise StokerError(
+            err.reason, f"The bundle manifest {source} is invalid: {err.message}", {"manifest": source, **err.evidence}
+        ) from None
+
+
+def choose_entry(
+    manifest: BundleManifest,
+    backend: str,
+    *,
+    variant: str | None = None,
+    detection: Detection | None = None,
+    plugin: Backend | None = None,
+    platform: str | None = None,
+) -> ManifestEntry:
+    """The manifest entry for this backend that fits the detected hardware (driver floor,
+    CUDA architectures vs compute capability, ...), the backend's own variant choice first."""
+    platform = platform or host_platform()
+    entries = manifest.select(backend, platform, variant)
+    if not entries:
+        raise StokerError(
+            ReasonCode.BUNDLE_MISSING,
+            f"The manifest lists no {backend} bundle{f' ({variant})' if variant else ''} for {platform}.",
+            {
+                "backend": backend,
+                "variant": variant,
+                "platform": platform,
+                "listed": [f"{e.backend}-{e.variant} {e.platform}" for e in manifest.bundles],
+            },
+        )
+    refused: dict[str, Any] = {}
+    fitting = list(entries)
+    if detection is not None and plugin is not None:
+        fitting = []
+        for entry in entries:
+            check = plugin.explain_bundle(detection, entry.to_dict())
+            if check.ok:
+                fitting.append(entry)
+            else:
+                refused[f"{entry.variant} {entry.version}"] = {
+                    "reason": str(check.reason),
+                    "message": check.message,
+                    **dict(check.evidence),
+                }
+        if fitting and variant is None:
+            chosen = plugin.choose_variant(detection, [e.variant for e in fitting])
+            if chosen is not None:
+                fitting = [e for e in fitting if e.variant == chosen]
+    if not fitting:
+        raise StokerError(
+            ReasonCode.BUNDLE_MISSING,
+            f"No {backend} bundle in the manifest fits this machine.",
+            {"backend": backend, "platform": platform, "refused": refused},
+        )
+    return fitting[0]
