@@ -251,7 +251,9 @@ class Daemon:
             await nursery.start(self.probes.serve)
             await nursery.start(self.installs.serve)
             await nursery.start(self.supervisor.run)
-            self.telemetry_sampler = await nursery.start(serve_telemetry, self.telemetry_target, self.bus)
+            self.telemetry_sampler = await nursery.start(
+                serve_telemetry, self.telemetry_target, self.bus, self.orchestrator.backends
+            )
             await nursery.start(serve_control, self.paths.socket_path, partial(dispatch, self), self.bus)
             await nursery.start(
                 lambda task_status: watch_config(

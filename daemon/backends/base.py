@@ -174,12 +174,18 @@ class TelemetryRequest:
 
 @attrs.frozen
 class DeviceTelemetry:
+    """One device's reading; None wherever the platform cannot say (that figure is unknown)."""
+
     index: int
+    name: str | None = None
     memory_used_mib: int | None = None
     memory_total_mib: int | None = None
-    utilization_percent: int | None = None
+    utilization_percent: int | None = None  # compute
+    memory_utilization_percent: int | None = None  # memory controller busy
     temperature_c: int | None = None
     power_w: float | None = None
+    process_memory_mib: int | None = None  # the requested pid's VRAM on this device
+    compute_processes: int | None = None  # processes holding a compute context on it, ours included
 
 
 @attrs.frozen
@@ -189,6 +195,7 @@ class Telemetry:
     backend: str
     devices: tuple[DeviceTelemetry, ...] = ()
     process_memory_mib: int | None = None  # VRAM held by the requested pid; None = unknown
+    source: str | None = None  # what read it (nvml, sysfs, ...) where not the backend itself
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -299,8 +306,13 @@ class Backend(abc.ABC):
         return tuple(found)
 
     def read_telemetry(self, handle: TelemetryRequest) -> Telemetry | None:
-        """A cheap telemetry reading, or None where this backend cannot read one yet."""
+        """A cheap telemetry reading (blocking, fast: callers run it in a thread), or None
+        where this backend has no way to read one. Raises when it has one but the reading
+        fails (its library cannot load): the error is what a person is shown."""
         return None
+
+    def release_telemetry(self) -> None:
+        """Let go of what `read_telemetry` holds open (a driver library) until the next reading."""
 
 
 def gpu_reason_codes(family: Mapping[ReasonKind, str], *, process_vram: bool = True) -> frozenset[str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterable, Mapping
@@ -15,7 +14,6 @@ from daemon.backends.base import (
     BundleCheck,
     Detection,
     Device,
-    DeviceTelemetry,
     ReasonKind,
     Telemetry,
     TelemetryRequest,
@@ -25,6 +23,7 @@ from daemon.backends.base import (
     version_tuple,
 )
 from daemon.backends.cuda_arch import cc_supported, parse_cc, split_archs
+from daemon.backends.cuda_telemetry import NvmlTelemetry
 from daemon.backends.pci import pci_display_vendor_present
 from daemon.backends.tools import ToolResult, ToolRunner, run_tool
 from states.reasons import ReasonCode
@@ -95,8 +94,7 @@ class CudaBackend(Backend):
         self._nvml = nvml
         self._run = run
         self._sysfs_root = Path(sysfs_root)
-        self._telemetry_lock = threading.Lock()
-        self._telemetry_ready = False
+        self._telemetry = NvmlTelemetry(self.name, self._load_nvml)
 
     # -- detection ---------------------------------------------------------------------
 
@@ -379,45 +377,12 @@ class CudaBackend(Backend):
     # -- telemetry -----------------------------------------------------------------------
 
     def read_telemetry(self, handle: TelemetryRequest) -> Telemetry | None:
-        """NVML memory/utilisation/temperature/power per device, and a process's VRAM share."""
-        with self._telemetry_lock:
-            try:
-                nvml = self._load_nvml()
-                if not self._telemetry_ready:
-                    nvml.nvmlInit()  # ~100 ms once; every later reading is sub-millisecond
-                    self._telemetry_ready = True
-                count = int(nvml.nvmlDeviceGetCount())
-            except Exception:
-                return None
-            indices = handle.devices or tuple(range(count))
-            readings = []
-            process_bytes: int | None = None if handle.pid is None else 0
-            for index in indices:
-                try:
-                    dev = nvml.nvmlDeviceGetHandleByIndex(index)
-                except Exception:
-                    continue
-                mem = _try(lambda: nvml.nvmlDeviceGetMemoryInfo(dev))
-                util = _try(lambda: nvml.nvmlDeviceGetUtilizationRates(dev))
-                temp = _try(lambda: nvml.nvmlDeviceGetTemperature(dev, getattr(nvml, "NVML_TEMPERATURE_GPU", 0)))
-                power = _try(lambda: nvml.nvmlDeviceGetPowerUsage(dev))
-                readings.append(
-                    DeviceTelemetry(
-                        index=index,
-                        memory_used_mib=None if mem is None else int(mem.used) // _MIB,
-                        memory_total_mib=None if mem is None else int(mem.total) // _MIB,
-                        utilization_percent=None if util is None else int(util.gpu),
-                        temperature_c=None if temp is None else int(temp),
-                        power_w=None if power is None else power / 1000.0,
-                    )
-                )
-                if handle.pid is not None and process_bytes is not None:
-                    procs = _try(lambda: nvml.nvmlDeviceGetComputeRunningProcesses(dev))
-                    if procs is None:
-                        process_bytes = None
-                    else:
-                        process_bytes += sum(int(p.usedGpuMemory or 0) for p in procs if int(p.pid) == handle.pid)
-            return Telemetry(self.name, tuple(readings), None if process_bytes is None else process_bytes // _MIB)
+        """NVML per device (daemon/backends/cuda_telemetry.py); raises when NVML cannot load."""
+        return self._telemetry.read(handle)
+
+    def release_telemetry(self) -> None:
+        """Shut NVML down until the next reading."""
+        self._telemetry.release()
 
 
 def visible_indices(value: str, uuids: list[str | None]) -> list[int]:

@@ -1,19 +1,21 @@
-"""Live telemetry of the running server: GPU through NVML, CPU and RSS through psutil,
-throughput from the engine's own `/metrics`.
+"""Live telemetry of the running server: the accelerator through its backend plugin's
+`read_telemetry` (NVML for CUDA), CPU and RSS through psutil, throughput from the engine's
+own `/metrics`.
 
 A `TelemetrySampler` takes at most one sample per TTL (5 s), however many clients ask: the
 `telemetry` handler and the publisher (daemon.telemetry.service) share its cache. A sample is
 cheap on a GPU backend (NVML is sub-millisecond once initialised) but it is still work, so:
 
-- NVML is initialised only when the live server's plan is on a GPU backend; a CPU plan, a
-  CPU-only machine or a stopped server never loads it.
+- A plugin is asked only while the live server's backend offloads (`Backend.offloads`); a CPU
+  plan, a CPU-only machine or a stopped server never loads a GPU library, and the plugin
+  last read is told to release its library (`release_telemetry`) once no server runs.
 - Nothing is read while no server process is live (the sample just says `stopped`).
 - llama-server's `/metrics` resets its throughput window on every scrape, so exactly one
   scraper (this sampler, at most once per TTL) keeps the figure meaningful.
 
 `activity` is one of `busy`, `idle`, `stopped`, `unavailable`: a GPU server that shows no
 compute activity while it serves no request is `idle`, not `unavailable`; `unavailable`
-means the GPU could not be read at all (NVML missing or failing).
+means the GPU could not be read at all (NVML missing or failing, a plugin with no reader).
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from __future__ import annotations
 import collections
 import math
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping
 
 import attrs
 import trio
+
+from daemon.backends.base import Backend, TelemetryRequest
 
 TTL_S = 5.0
 HISTORY = 60
@@ -32,7 +36,6 @@ _MIB = 1024 * 1024
 # CPU use of an otherwise idle llama-server is ~0%; above this it is computing.
 CPU_BUSY_PERCENT = 5.0
 METRICS_TIMEOUT_S = 2.0
-GPU_BACKENDS_WITH_NVML = frozenset({"cuda"})
 
 
 @attrs.frozen
@@ -45,124 +48,29 @@ class ServerTarget:
     base_url: str | None = None
     api_key: str | None = None
 
-    @property
-    def on_gpu(self) -> bool:
-        return self.backend != "cpu"
 
-
-class GpuReader(Protocol):
-    def read(self, pid: int | None) -> dict[str, Any]:
-        """One GPU reading (blocking, fast); raises when the GPU cannot be read."""
-
-    def close(self) -> None:
-        """Release the library (NVML shutdown)."""
-
-
-# --- NVML -------------------------------------------------------------------------------
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
-def _attempt(call: Callable[[], Any]) -> Any:
-    try:
-        return call()
-    except Exception:  # NVMLError_NotSupported and friends: that one figure is unknown
-        return None
-
-
-@attrs.define(eq=False)
-class NvmlReader:
-    """Reads every NVIDIA GPU through NVML; `nvml` is the pynvml module (tests pass a fake)."""
-
-    nvml: Any = None
-    initialised: bool = False
-
-    def _library(self) -> Any:
-        if self.nvml is None:
-            import pynvml  # nvidia-ml-py: importing loads nothing, nvmlInit loads the .so
-
-            self.nvml = pynvml
-        if not self.initialised:
-            self.nvml.nvmlInit()  # ~110 ms once; later readings are sub-millisecond
-            self.initialised = True
-        return self.nvml
-
-    def read(self, pid: int | None) -> dict[str, Any]:
-        """Utilisation, memory, temperature and power per device, and `pid`'s own VRAM."""
-        nvml = self._library()
-        devices = []
-        process_bytes: int | None = None if pid is None else 0
-        for index in range(int(nvml.nvmlDeviceGetCount())):
-            handle = _attempt(lambda: nvml.nvmlDeviceGetHandleByIndex(index))
-            if handle is None:
-                continue
-            mem = _attempt(lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
-            util = _attempt(lambda: nvml.nvmlDeviceGetUtilizationRates(handle))
-            temp = _attempt(lambda: nvml.nvmlDeviceGetTemperature(handle, getattr(nvml, "NVML_TEMPERATURE_GPU", 0)))
-            power = _attempt(lambda: nvml.nvmlDeviceGetPowerUsage(handle))
-            name = _attempt(lambda: nvml.nvmlDeviceGetName(handle))
-            procs = _attempt(lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle))
-            mine = None
-            if pid is not None and procs is not None:
-                mine = sum(int(p.usedGpuMemory or 0) for p in procs if int(p.pid) == pid)
-                process_bytes = None if process_bytes is None else process_bytes + mine
-            elif pid is not None:
-                process_bytes = None
-            devices.append(
-                {
-                    "index": index,
-                    "name": None if name is None else _text(name),
-                    "utilization_percent": None if util is None else int(util.gpu),
-                    "memory_utilization_percent": None if util is None else int(util.memory),
-                    "memory_used_mib": None if mem is None else int(mem.used) // _MIB,
-                    "memory_total_mib": None if mem is None else int(mem.total) // _MIB,
-                    "temperature_c": None if temp is None else int(temp),
-                    "power_w": None if power is None else round(power / 1000.0, 1),
-                    "process_vram_mib": None if mine is None else mine // _MIB,
-                    "compute_processes": None if procs is None else len(procs),
-                }
-            )
-        return summarise_gpus("nvml", devices, None if process_bytes is None else process_bytes // _MIB)
-
-    def close(self) -> None:
-        if self.initialised and self.nvml is not None:
-            _attempt(self.nvml.nvmlShutdown)
-        self.initialised = False
-
-
-@attrs.define(eq=False)
-class PluginGpuReader:
-    """Any other GPU backend: its plugin's `read_telemetry` (ROCm, Vulkan, Metal)."""
-
-    backend: Any
-
-    def read(self, pid: int | None) -> dict[str, Any]:
-        from daemon.backends.base import TelemetryRequest
-
-        reading = self.backend.read_telemetry(TelemetryRequest(pid=pid))
-        if reading is None:
-            raise RuntimeError(f"the {self.backend.name} backend cannot read telemetry here")
-        devices = [
-            {
-                "index": d.index,
-                "name": None,
-                "utilization_percent": d.utilization_percent,
-                "memory_utilization_percent": None,
-                "memory_used_mib": d.memory_used_mib,
-                "memory_total_mib": d.memory_total_mib,
-                "temperature_c": d.temperature_c,
-                "power_w": d.power_w,
-                "process_vram_mib": None,
-                "compute_processes": None,
-            }
-            for d in reading.devices
-        ]
-        return summarise_gpus(self.backend.name, devices, reading.process_memory_mib)
-
-    def close(self) -> None:
-        pass
+def read_gpu(plugin: Backend, pid: int | None) -> dict[str, Any]:
+    """One reading through the backend plugin in use, as the sample's `gpu` section (blocking,
+    fast); raises when it cannot be read (the error is what the sample reports)."""
+    reading = plugin.read_telemetry(TelemetryRequest(pid=pid))
+    if reading is None:
+        raise RuntimeError(f"the {plugin.name} backend cannot read telemetry here")
+    devices = [
+        {
+            "index": d.index,
+            "name": d.name,
+            "utilization_percent": d.utilization_percent,
+            "memory_utilization_percent": d.memory_utilization_percent,
+            "memory_used_mib": d.memory_used_mib,
+            "memory_total_mib": d.memory_total_mib,
+            "temperature_c": d.temperature_c,
+            "power_w": None if d.power_w is None else round(d.power_w, 1),
+            "process_vram_mib": d.process_memory_mib,
+            "compute_processes": d.compute_processes,
+        }
+        for d in reading.devices
+    ]
+    return summarise_gpus(reading.source or reading.backend, devices, reading.process_memory_mib)
 
 
 def summarise_gpus(source: str, devices: list[dict[str, Any]], process_vram_mib: int | None) -> dict[str, Any]:
@@ -189,15 +97,6 @@ def summarise_gpus(source: str, devices: list[dict[str, Any]], process_vram_mib:
         if not any(d["power_w"] is not None for d in devices)
         else round(sum(d["power_w"] or 0.0 for d in devices), 1),
     }
-
-
-def default_gpu_reader(backend: str) -> GpuReader:
-    """NVML for CUDA; the backend plugin's own reader for the other GPU backends."""
-    if backend in GPU_BACKENDS_WITH_NVML:
-        return NvmlReader()
-    from daemon.backends.registry import load_backend
-
-    return PluginGpuReader(load_backend(backend))
 
 
 # --- the process and the engine ---------------------------------------------------------
@@ -288,15 +187,17 @@ EngineFetch = Callable[[str, "str | None"], Any]
 def activity_of(
     target: ServerTarget | None,
     gpu: dict[str, Any] | None,
-    gpu_error: str | None,
     process: dict[str, Any] | None,
     engine: dict[str, Any] | None,
+    *,
+    on_gpu: bool,
 ) -> str:
-    """busy | idle | stopped | unavailable: see the module docstring."""
+    """busy | idle | stopped | unavailable: see the module docstring. `on_gpu`: the target's
+    backend offloads to an accelerator (its plugin says so), whose reading `gpu` is."""
     if target is None:
         return "stopped"
     serving = bool(engine and (engine.get("requests_processing") or 0) > 0)
-    if target.on_gpu:
+    if on_gpu:
         if gpu is None:
             return "unavailable"
         return "busy" if serving or (gpu.get("utilization_percent") or 0) > 0 else "idle"
@@ -329,16 +230,17 @@ def history_point(sample: dict[str, Any]) -> dict[str, Any]:
 class TelemetrySampler:
     """One sample per TTL at most, shared by every caller; a short history for sparklines.
 
-    `target` says which server is live (None: none). `on_sample` is told of every new sample
-    (the daemon publishes it as `telemetry.sample`). `clock` is monotonic seconds.
+    `target` says which server is live (None: none). `backends` are the daemon's loaded
+    plugins: the live server's plugin reads its accelerator. `on_sample` is told of every new
+    sample (the daemon publishes it as `telemetry.sample`). `clock` is monotonic seconds.
     """
 
     target: Callable[[], ServerTarget | None]
+    backends: Mapping[str, Backend] = attrs.field(factory=dict)
     on_sample: Callable[[dict[str, Any]], None] | None = None
     ttl: float = TTL_S
     history_size: int = HISTORY
     clock: Callable[[], float] = time.monotonic
-    gpu_reader_factory: Callable[[str], GpuReader] = default_gpu_reader
     engine_fetch: Callable[..., Any] = fetch_engine_metrics
     samples_taken: int = 0
     _cached: dict[str, Any] | None = None
@@ -346,8 +248,7 @@ class TelemetrySampler:
     _cached_key: tuple[Any, ...] | None = None
     _history: collections.deque = attrs.field(init=False)
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
-    _gpu: GpuReader | None = None
-    _gpu_backend: str | None = None
+    _reading_from: Backend | None = None  # the plugin last read, until released
     _process: ProcessReader = attrs.field(factory=ProcessReader)
 
     def __attrs_post_init__(self) -> None:
@@ -360,8 +261,8 @@ class TelemetrySampler:
 
     @property
     def gpu_initialised(self) -> bool:
-        """Whether a GPU library was ever loaded (never on a CPU plan)."""
-        return self._gpu is not None
+        """Whether a plugin was asked for a reading since the last release (never on a CPU plan)."""
+        return self._reading_from is not None
 
     def fresh(self) -> bool:
         """Whether the cached sample is still within its TTL for the same server."""
@@ -407,12 +308,21 @@ class TelemetrySampler:
             self.close()  # a stopped server holds no GPU library open
             sample["activity"] = "stopped"
             return sample
-        gpu_reader = self._gpu_reader_for(target.backend) if target.on_gpu else None
+        plugin = self.backends.get(target.backend)
+        # A backend that offloads nothing (the CPU) has no accelerator to read; one that is
+        # not loaded cannot be read, and says so.
+        on_gpu = plugin is None or plugin.offloads
+        if plugin is None:
+            sample["gpu_error"] = f"LookupError: no backend plugin named {target.backend!r} is loaded"
+        reading_from = plugin if plugin is not None and plugin.offloads else None
+        if reading_from is not self._reading_from:
+            self.close()  # a server that moved off a GPU leaves that GPU's library released
+            self._reading_from = reading_from
 
         def read_local() -> None:
-            if gpu_reader is not None:
+            if reading_from is not None:
                 try:
-                    sample["gpu"] = gpu_reader.read(target.pid)
+                    sample["gpu"] = read_gpu(reading_from, target.pid)
                 except Exception as err:
                     sample["gpu_error"] = f"{type(err).__name__}: {err}"
             try:
@@ -426,17 +336,8 @@ class TelemetrySampler:
                 sample["engine"] = await self.engine_fetch(target.base_url, target.api_key)
             except Exception as err:  # an old server without --metrics, or a busy one
                 sample["engine_error"] = f"{type(err).__name__}: {err}"[:300]
-        sample["activity"] = activity_of(
-            target, sample["gpu"], sample["gpu_error"], sample["process"], sample["engine"]
-        )
+        sample["activity"] = activity_of(target, sample["gpu"], sample["process"], sample["engine"], on_gpu=on_gpu)
         return sample
-
-    def _gpu_reader_for(self, backend: str) -> GpuReader:
-        if self._gpu is None or self._gpu_backend != backend:
-            self.close()
-            self._gpu = self.gpu_reader_factory(backend)
-            self._gpu_backend = backend
-        return self._gpu
 
     def snapshot(self, sample: dict[str, Any]) -> dict[str, Any]:
         """The `telemetry` reply for `sample`: the sample and the history."""
@@ -447,13 +348,12 @@ class TelemetrySampler:
         return self.snapshot(await self.sample())
 
     def close(self) -> None:
-        """Release the GPU library, if one was loaded."""
-        if self._gpu is not None:
+        """Let the plugin last read release its library (NVML), if one was read."""
+        if self._reading_from is not None:
             try:
-                self._gpu.close()
+                self._reading_from.release_telemetry()
             finally:
-                self._gpu = None
-                self._gpu_backend = None
+                self._reading_from = None
 
 
 def _key(target: ServerTarget | None) -> tuple[Any, ...]:

@@ -14,20 +14,13 @@ The event: {"topic": "telemetry.sample", "sample": <as in the `telemetry` reply>
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import trio
 
+from daemon.backends.base import Backend
 from daemon.core.events import EventBus
-from daemon.telemetry.sampler import (
-    TTL_S,
-    GpuReader,
-    ServerTarget,
-    TelemetrySampler,
-    default_gpu_reader,
-    fetch_engine_metrics,
-    history_point,
-)
+from daemon.telemetry.sampler import TTL_S, ServerTarget, TelemetrySampler, fetch_engine_metrics, history_point
 
 log = logging.getLogger(__name__)
 
@@ -37,21 +30,20 @@ TOPIC = "telemetry.sample"
 async def serve_telemetry(
     target: Callable[[], ServerTarget | None],
     bus: EventBus,
+    backends: Mapping[str, Backend],
     *,
     ttl: float = TTL_S,
-    gpu_reader_factory: Callable[[str], GpuReader] = default_gpu_reader,
     engine_fetch: Callable[..., Any] = fetch_engine_metrics,
     task_status: trio.TaskStatus[TelemetrySampler] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Sample `target` (None: no server runs) every `ttl` while the bus has subscribers, until
-    cancelled; `task_status.started(sampler)`. NVML (or a plugin's reader) is released at the end."""
+    cancelled, reading accelerators through `backends` (the daemon's loaded plugins);
+    `task_status.started(sampler)`. The plugin last read releases its library at the end."""
 
     def publish(sample: dict[str, Any]) -> None:
         bus.publish({"topic": TOPIC, "sample": sample, "point": history_point(sample)})
 
-    sampler = TelemetrySampler(
-        target=target, on_sample=publish, ttl=ttl, gpu_reader_factory=gpu_reader_factory, engine_fetch=engine_fetch
-    )
+    sampler = TelemetrySampler(target=target, backends=backends, on_sample=publish, ttl=ttl, engine_fetch=engine_fetch)
     try:
         task_status.started(sampler)
         while True:

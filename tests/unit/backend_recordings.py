@@ -44,8 +44,9 @@ class FakeNvml:
     """Stands in for the pynvml module: the same function names, recorded answers.
 
     `init_error`: an exception class nvmlInit raises. `gpus`: dicts with name, total, free,
-    used, cc, util, temp, power_mw, processes [(pid, bytes)] or an exception class to raise
-    when the device is queried.
+    used, cc, util, memory_util, temp, power_mw, processes [(pid, bytes)] (or an exception
+    class to raise when they are listed), or an exception class to raise when the device is
+    queried.
     """
 
     NVML_TEMPERATURE_GPU = 0
@@ -98,7 +99,7 @@ class FakeNvml:
         return handle["cc"]
 
     def nvmlDeviceGetUtilizationRates(self, handle: dict[str, Any]) -> SimpleNamespace:
-        return SimpleNamespace(gpu=handle.get("util", 0), memory=0)
+        return SimpleNamespace(gpu=handle.get("util", 0), memory=handle.get("memory_util", 0))
 
     def nvmlDeviceGetTemperature(self, handle: dict[str, Any], sensor: int) -> int:
         return handle.get("temp", 30)
@@ -109,6 +110,8 @@ class FakeNvml:
         return handle["power_mw"]
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: dict[str, Any]) -> list[SimpleNamespace]:
+        if isinstance(handle.get("processes"), type):
+            raise handle["processes"]("recorded failure")
         return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in handle.get("processes", [])]
 
 
@@ -116,6 +119,20 @@ def h200(**overrides: Any) -> dict[str, Any]:
     gpu = {"name": "NVIDIA H200", "total": 143771 * MIB, "free": 143150 * MIB, "cc": (9, 0)}
     gpu.update(overrides)
     return gpu
+
+
+# Telemetry recorded on a real H200 (driver 580.159.04, CUDA 13.0) with pynvml: the idle GPU,
+# then a process (pid 456) holding a CUDA context and a 2 GiB allocation but computing nothing.
+H200_TOTAL = 150754820096
+H200_IDLE = {"total": H200_TOTAL, "free": 150109880320, "util": 0, "temp": 32, "power_mw": 85105, "processes": []}
+H200_HOLDING = {
+    "total": H200_TOTAL,
+    "free": 147409993728,
+    "util": 0,
+    "temp": 33,
+    "power_mw": 104200,
+    "processes": [(456, 2690646016)],
+}
 
 
 def a6000(**overrides: Any) -> dict[str, Any]:

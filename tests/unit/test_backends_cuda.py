@@ -269,26 +269,81 @@ def test_launch_args():
 
 
 def test_telemetry_reads_memory_and_the_servers_share():
-    gpu = rec.h200(util=37, temp=41, power_mw=123456, processes=[(4242, 2048 * rec.MIB), (7, 10 * rec.MIB)])
+    gpu = rec.h200(
+        util=37, memory_util=12, temp=41, power_mw=123456, processes=[(4242, 2048 * rec.MIB), (7, 10 * rec.MIB)]
+    )
     nvml = rec.FakeNvml(gpus=[gpu])
     b = CudaBackend(nvml=nvml)
     t = b.read_telemetry(TelemetryRequest(pid=4242))
-    assert t.process_memory_mib == 2048
+    assert t.process_memory_mib == 2048 and t.source == "nvml" and t.backend == "cuda"
     (dev,) = t.devices
-    assert (dev.memory_used_mib, dev.memory_total_mib, dev.utilization_percent, dev.temperature_c) == (
-        621,
-        143771,
-        37,
-        41,
-    )
+    assert (dev.name, dev.memory_used_mib, dev.memory_total_mib) == ("NVIDIA H200", 621, 143771)
+    assert (dev.utilization_percent, dev.memory_utilization_percent, dev.temperature_c) == (37, 12, 41)
     assert dev.power_w == pytest.approx(123.456)
+    assert dev.process_memory_mib == 2048 and dev.compute_processes == 2  # the other tenant is counted, not ours
     b.read_telemetry(TelemetryRequest())
     assert nvml.init_calls == 1  # NVML initialised once for telemetry, then reused
 
 
-def test_telemetry_without_nvml_is_none():
+def test_telemetry_of_the_recorded_h200_holding_an_idle_context():
+    nvml = rec.FakeNvml(gpus=[rec.h200(**rec.H200_HOLDING)], driver="580.159.04")
+    t = CudaBackend(nvml=nvml).read_telemetry(TelemetryRequest(pid=456))
+    (dev,) = t.devices
+    assert (dev.memory_used_mib, dev.memory_total_mib, dev.utilization_percent) == (3189, 143771, 0)
+    assert t.process_memory_mib == 2566 and dev.compute_processes == 1
+    assert (dev.temperature_c, dev.power_w) == (33, pytest.approx(104.2))
+
+
+def test_telemetry_of_the_recorded_idle_h200_without_the_process():
+    t = CudaBackend(nvml=rec.FakeNvml(gpus=[rec.h200(**rec.H200_IDLE)])).read_telemetry(TelemetryRequest(pid=456))
+    (dev,) = t.devices
+    assert dev.memory_used_mib == 615 and dev.compute_processes == 0
+    assert t.process_memory_mib == 0 and dev.process_memory_mib == 0  # read, and none of it is ours
+
+
+def test_telemetry_sums_the_servers_share_over_two_gpus():
+    gpus = [rec.h200(processes=[(4242, 2048 * rec.MIB)]), rec.a6000(processes=[(4242, 512 * rec.MIB + 1)])]
+    t = CudaBackend(nvml=rec.FakeNvml(gpus=gpus)).read_telemetry(TelemetryRequest(pid=4242))
+    assert [d.process_memory_mib for d in t.devices] == [2048, 512]
+    assert t.process_memory_mib == 2560
+    assert t.devices[1].power_w is None  # the A6000 recording has no power reading: unknown, not 0 W
+
+
+def test_telemetry_without_a_process_list_leaves_the_share_unknown():
+    gpus = [rec.h200(processes=rec.NVMLError_NotSupported)]
+    t = CudaBackend(nvml=rec.FakeNvml(gpus=gpus)).read_telemetry(TelemetryRequest(pid=4242))
+    assert t.process_memory_mib is None and t.devices[0].compute_processes is None
+    assert t.devices[0].memory_used_mib == 621  # the other figures are still read
+
+
+def test_telemetry_skips_a_device_that_fell_off_the_bus():
+    nvml = rec.FakeNvml(gpus=[rec.NVMLError_GpuIsLost, rec.h200()])
+    t = CudaBackend(nvml=nvml).read_telemetry(TelemetryRequest())
+    assert [d.index for d in t.devices] == [1]
+
+
+def test_telemetry_reads_only_the_requested_devices():
+    nvml = rec.FakeNvml(gpus=[rec.h200(), rec.a6000()])
+    t = CudaBackend(nvml=nvml).read_telemetry(TelemetryRequest(devices=(1,)))
+    assert [(d.index, d.name) for d in t.devices] == [(1, "NVIDIA RTX A6000")]
+
+
+def test_telemetry_release_shuts_nvml_down_until_the_next_reading():
+    nvml = rec.FakeNvml()
+    b = CudaBackend(nvml=nvml)
+    b.release_telemetry()
+    assert nvml.shutdown_calls == 0  # nothing was open
+    b.read_telemetry(TelemetryRequest())
+    b.release_telemetry()
+    assert (nvml.init_calls, nvml.shutdown_calls) == (1, 1)
+    b.read_telemetry(TelemetryRequest())
+    assert nvml.init_calls == 2
+
+
+def test_telemetry_without_nvml_raises_the_reason():
     b = CudaBackend(nvml=rec.FakeNvml(init_error=rec.NVMLError_LibraryNotFound))
-    assert b.read_telemetry(TelemetryRequest()) is None
+    with pytest.raises(rec.NVMLError_LibraryNotFound):
+        b.read_telemetry(TelemetryRequest())
 
 
 def test_smi_csv_parser_skips_junk():

@@ -1,25 +1,28 @@
-"""Telemetry sampler: NVML from recorded H200 answers, the 5 s cache, idle vs unavailable,
-the CPU path never touching NVML, the history ring and the telemetry service."""
+"""Telemetry sampler: GPU figures through the cuda plugin (a fake NVML with recorded H200
+answers), the 5 s cache, idle vs unavailable, the CPU path never touching NVML, the history
+ring and the telemetry service. NVML's own readings are tested in test_backends_cuda.py."""
 
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import trio
 import trio.testing
 
 import backend_recordings as rec
+from daemon.backends.cpu import CpuBackend
+from daemon.backends.cuda import CudaBackend
+from daemon.backends.vulkan import VulkanBackend
 from daemon.core.events import EventBus
 from daemon.telemetry.service import TOPIC, serve_telemetry
 from daemon.telemetry.sampler import (
     HISTORY,
-    NvmlReader,
     ServerTarget,
     TelemetrySampler,
     activity_of,
     engine_figures,
     parse_metrics,
+    read_gpu,
 )
 
 SERVER_PID = 4242
@@ -48,16 +51,15 @@ llamacpp:requests_deferred 0
 
 
 class H200Nvml(rec.FakeNvml):
-    """The recorded H200 plus memory utilisation and a call counter."""
+    """The recorded NVML answers plus a counter of device readings."""
 
-    def __init__(self, *args, memory_util: int = 0, **kwargs) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.memory_util = memory_util
         self.reads = 0
 
     def nvmlDeviceGetUtilizationRates(self, handle):
         self.reads += 1
-        return SimpleNamespace(gpu=handle.get("util", 0), memory=self.memory_util)
+        return super().nvmlDeviceGetUtilizationRates(handle)
 
 
 def loaded_h200(**overrides):
@@ -85,13 +87,13 @@ def idle_engine():
     return engine_figures(parse_metrics(RECORDED_METRICS.replace("requests_processing 1", "requests_processing 0")))
 
 
+def plugins(nvml=None):
+    """The daemon's loaded plugins as the sampler sees them: the cuda one reads `nvml`."""
+    return {"cpu": CpuBackend(), "cuda": CudaBackend(nvml=nvml), "vulkan": VulkanBackend()}
+
+
 def make_sampler(target, nvml=None, engine=None, clock=None, **kwargs):
     published = []
-    factory_calls = []
-
-    def factory(backend):
-        factory_calls.append(backend)
-        return NvmlReader(nvml)
 
     async def fetch(base_url, api_key):
         if isinstance(engine, Exception):
@@ -102,86 +104,67 @@ def make_sampler(target, nvml=None, engine=None, clock=None, **kwargs):
         target=lambda: target[0],
         on_sample=published.append,
         clock=clock or Clock(),
-        gpu_reader_factory=factory,
+        backends=plugins(nvml),
         engine_fetch=fetch,
         **kwargs,
     )
-    return sampler, published, factory_calls
+    return sampler, published
 
 
 def cuda_target(pid=SERVER_PID):
     return ServerTarget("cuda", pid, "ready", "http://127.0.0.1:1", "key")
 
 
-# --- NVML ---------------------------------------------------------------------------------
-
-# Recorded on a real H200 (driver 580.159.04, CUDA 13.0) with pynvml: the idle GPU, then a
-# process (pid 456) holding a CUDA context and a 2 GiB allocation but computing nothing.
-H200_TOTAL = 150754820096
-H200_IDLE = {"total": H200_TOTAL, "free": 150109880320, "util": 0, "temp": 32, "power_mw": 85105, "processes": []}
-H200_HOLDING = {
-    "total": H200_TOTAL,
-    "free": 147409993728,
-    "util": 0,
-    "temp": 33,
-    "power_mw": 104200,
-    "processes": [(456, 2690646016)],
-}
+# --- the GPU section, as the cuda plugin reads it ---------------------------------------
 
 
 def test_recorded_h200_with_a_process_holding_vram_is_idle_not_unavailable():
-    nvml = H200Nvml(gpus=[rec.h200(**H200_HOLDING)], driver="580.159.04")
-    gpu = NvmlReader(nvml).read(456)
+    nvml = H200Nvml(gpus=[rec.h200(**rec.H200_HOLDING)], driver="580.159.04")
+    gpu = read_gpu(CudaBackend(nvml=nvml), 456)
     assert (gpu["memory_used_mib"], gpu["memory_total_mib"]) == (3189, 143771)
     assert gpu["process_vram_mib"] == 2566 and gpu["utilization_percent"] == 0
     assert gpu["temperature_c"] == 33 and gpu["power_w"] == 104.2
     target = ServerTarget("cuda", 456, "ready")
-    assert activity_of(target, gpu, None, None, idle_engine()) == "idle"
+    assert activity_of(target, gpu, None, idle_engine(), on_gpu=True) == "idle"
 
 
-def test_recorded_idle_h200_without_our_process():
-    gpu = NvmlReader(H200Nvml(gpus=[rec.h200(**H200_IDLE)])).read(456)
-    assert gpu["memory_used_mib"] == 615 and gpu["process_vram_mib"] == 0
-    assert gpu["devices"][0]["compute_processes"] == 0 and gpu["power_w"] == 85.1
-
-
-def test_nvml_reads_the_h200_and_the_servers_own_vram():
-    nvml = H200Nvml(gpus=[loaded_h200()], memory_util=41)
-    gpu = NvmlReader(nvml).read(SERVER_PID)
+def test_the_gpu_section_shows_every_figure_nvml_reads():
+    nvml = H200Nvml(gpus=[loaded_h200(memory_util=41)])
+    gpu = read_gpu(CudaBackend(nvml=nvml), SERVER_PID)
     assert gpu["source"] == "nvml"
     (dev,) = gpu["devices"]
-    assert dev["name"] == "NVIDIA H200"
-    assert (dev["utilization_percent"], dev["memory_utilization_percent"]) == (87, 41)
-    assert (dev["memory_used_mib"], dev["memory_total_mib"]) == (2700, 143771)
-    assert (dev["temperature_c"], dev["power_w"]) == (54, 312.3)
-    assert dev["process_vram_mib"] == 2048 and dev["compute_processes"] == 2
+    assert dev == {
+        "index": 0,
+        "name": "NVIDIA H200",
+        "utilization_percent": 87,
+        "memory_utilization_percent": 41,
+        "memory_used_mib": 2700,
+        "memory_total_mib": 143771,
+        "temperature_c": 54,
+        "power_w": 312.3,  # 312345 mW, to a tenth of a watt
+        "process_vram_mib": 2048,
+        "compute_processes": 2,
+    }
     assert gpu["process_vram_mib"] == 2048  # the other tenant's 10 MiB is not ours
-    assert (gpu["utilization_percent"], gpu["memory_used_mib"], gpu["memory_total_mib"]) == (87, 2700, 143771)
+    assert (gpu["utilization_percent"], gpu["memory_utilization_percent"]) == (87, 41)
+    assert (gpu["memory_used_mib"], gpu["memory_total_mib"]) == (2700, 143771)
 
 
-def test_nvml_two_gpus_sum_memory_and_take_peak_utilisation():
+def test_two_gpus_sum_memory_and_take_peak_utilisation():
     nvml = H200Nvml(gpus=[loaded_h200(), rec.a6000(util=3, processes=[(SERVER_PID, 512 * rec.MIB)])])
-    gpu = NvmlReader(nvml).read(SERVER_PID)
+    gpu = read_gpu(CudaBackend(nvml=nvml), SERVER_PID)
     assert gpu["utilization_percent"] == 87
     assert gpu["memory_total_mib"] == 143771 + 49140
     assert gpu["process_vram_mib"] == 2048 + 512
     assert gpu["power_w"] == 312.3  # the A6000 recording has no power reading: not counted as 0 W
 
 
-def test_nvml_is_initialised_once_and_shut_down_on_close():
-    nvml = H200Nvml(gpus=[loaded_h200()])
-    reader = NvmlReader(nvml)
-    reader.read(SERVER_PID)
-    reader.read(SERVER_PID)
-    assert nvml.init_calls == 1
-    reader.close()
-    assert nvml.shutdown_calls == 1
-
-
-def test_a_device_that_fell_off_the_bus_is_skipped():
-    nvml = H200Nvml(gpus=[rec.NVMLError_GpuIsLost, loaded_h200()])
-    gpu = NvmlReader(nvml).read(SERVER_PID)
-    assert [d["index"] for d in gpu["devices"]] == [1]
+async def test_a_gpu_backend_without_a_reader_is_unavailable_with_its_name():
+    sampler, _ = make_sampler([ServerTarget("vulkan", os.getpid(), "ready", "http://127.0.0.1:1", "key")])
+    sample = await sampler.sample()
+    assert sample["activity"] == "unavailable" and sample["gpu"] is None
+    assert sample["gpu_error"] == "RuntimeError: the vulkan backend cannot read telemetry here"
+    assert sample["process"]["rss_mib"] > 1  # the CPU side is still read
 
 
 # --- the engine's /metrics ---------------------------------------------------------------
@@ -209,7 +192,7 @@ def test_missing_metrics_are_none():
 async def test_one_sample_per_ttl_however_many_callers():
     nvml = H200Nvml(gpus=[loaded_h200()])
     clock = Clock()
-    sampler, published, _ = make_sampler([cuda_target()], nvml, clock=clock)
+    sampler, published = make_sampler([cuda_target()], nvml, clock=clock)
     results = []
 
     async def ask():
@@ -231,7 +214,7 @@ async def test_one_sample_per_ttl_however_many_callers():
 async def test_a_new_server_is_sampled_at_once():
     nvml = H200Nvml(gpus=[loaded_h200()])
     target = [cuda_target()]
-    sampler, _, _ = make_sampler(target, nvml)
+    sampler, _ = make_sampler(target, nvml)
     await sampler.sample()
     target[0] = cuda_target(pid=SERVER_PID + 1)
     sample = await sampler.sample()
@@ -239,9 +222,10 @@ async def test_a_new_server_is_sampled_at_once():
 
 
 async def test_gpu_sample_is_busy_with_utilisation():
-    sampler, _, factory_calls = make_sampler([cuda_target()], H200Nvml(gpus=[loaded_h200()]))
+    nvml = H200Nvml(gpus=[loaded_h200()])
+    sampler, _ = make_sampler([cuda_target()], nvml)
     sample = await sampler.sample()
-    assert factory_calls == ["cuda"]
+    assert nvml.reads == 1 and sampler.gpu_initialised
     assert sample["activity"] == "busy"
     assert sample["gpu"]["process_vram_mib"] == 2048
     assert sample["backend"] == "cuda" and sample["state"] == "ready"
@@ -249,7 +233,7 @@ async def test_gpu_sample_is_busy_with_utilisation():
 
 async def test_quiet_gpu_and_idle_server_is_idle_not_unavailable():
     nvml = H200Nvml(gpus=[loaded_h200(util=0)])
-    sampler, _, _ = make_sampler([cuda_target()], nvml)
+    sampler, _ = make_sampler([cuda_target()], nvml)
     sample = await sampler.sample()
     assert sample["activity"] == "idle"
     assert sample["gpu"]["utilization_percent"] == 0 and sample["gpu_error"] is None
@@ -257,13 +241,13 @@ async def test_quiet_gpu_and_idle_server_is_idle_not_unavailable():
 
 async def test_serving_with_a_quiet_gpu_is_busy():
     busy = engine_figures(parse_metrics(RECORDED_METRICS))
-    sampler, _, _ = make_sampler([cuda_target()], H200Nvml(gpus=[loaded_h200(util=0)]), engine=busy)
+    sampler, _ = make_sampler([cuda_target()], H200Nvml(gpus=[loaded_h200(util=0)]), engine=busy)
     assert (await sampler.sample())["activity"] == "busy"
 
 
 async def test_nvml_that_cannot_load_is_unavailable_with_the_error():
     nvml = H200Nvml(init_error=rec.NVMLError_LibraryNotFound)
-    sampler, _, _ = make_sampler([cuda_target()], nvml)
+    sampler, _ = make_sampler([cuda_target()], nvml)
     sample = await sampler.sample()
     assert sample["activity"] == "unavailable"
     assert sample["gpu"] is None and "NVMLError_LibraryNotFound" in sample["gpu_error"]
@@ -272,12 +256,12 @@ async def test_nvml_that_cannot_load_is_unavailable_with_the_error():
 async def test_cpu_plan_never_initialises_nvml():
     nvml = H200Nvml(gpus=[loaded_h200()])
     target = [ServerTarget("cpu", os.getpid(), "ready", "http://127.0.0.1:1", "key")]
-    sampler, _, factory_calls = make_sampler(target, nvml)
+    sampler, _ = make_sampler(target, nvml)
     clock = sampler.clock
     first = await sampler.sample()
     clock.now += 10
     second = await sampler.sample()
-    assert factory_calls == [] and nvml.init_calls == 0 and not sampler.gpu_initialised
+    assert nvml.init_calls == 0 and nvml.reads == 0 and not sampler.gpu_initialised
     assert first["gpu"] is None and first["activity"] == "idle"
     assert first["process"]["rss_mib"] > 1 and first["process"]["cpu_percent"] is None  # needs two readings
     assert second["process"]["cpu_percent"] is not None
@@ -286,7 +270,7 @@ async def test_cpu_plan_never_initialises_nvml():
 
 async def test_engine_errors_are_reported_not_raised():
     target = [ServerTarget("cpu", os.getpid(), "ready", "http://127.0.0.1:1", "key")]
-    sampler, _, _ = make_sampler(target, engine=ValueError("/metrics answered HTTP 501"))
+    sampler, _ = make_sampler(target, engine=ValueError("/metrics answered HTTP 501"))
     sample = await sampler.sample()
     assert sample["engine"] is None and "501" in sample["engine_error"]
     assert sample["activity"] == "idle"
@@ -307,7 +291,7 @@ async def test_a_loading_server_is_not_scraped():
 async def test_no_server_reads_nothing_and_releases_nvml():
     nvml = H200Nvml(gpus=[loaded_h200()])
     target = [cuda_target()]
-    sampler, published, _ = make_sampler(target, nvml)
+    sampler, published = make_sampler(target, nvml)
     await sampler.sample()
     target[0] = None
     sample = await sampler.sample()
@@ -316,9 +300,20 @@ async def test_no_server_reads_nothing_and_releases_nvml():
     assert len(published) == 1 and len(sampler.history) == 1  # the stopped sample is not history
 
 
+async def test_a_server_that_fell_back_to_the_cpu_releases_nvml():
+    nvml = H200Nvml(gpus=[loaded_h200()])
+    target = [cuda_target()]
+    sampler, _ = make_sampler(target, nvml)
+    assert (await sampler.sample())["gpu"]["process_vram_mib"] == 2048
+    target[0] = ServerTarget("cpu", os.getpid(), "ready", "http://127.0.0.1:1", "key")
+    sample = await sampler.sample()
+    assert sample["gpu"] is None and sample["gpu_error"] is None and sample["activity"] == "idle"
+    assert (nvml.init_calls, nvml.shutdown_calls) == (1, 1) and not sampler.gpu_initialised
+
+
 async def test_history_is_a_ring_of_compact_points():
     nvml = H200Nvml(gpus=[loaded_h200()])
-    sampler, _, _ = make_sampler([cuda_target()], nvml)
+    sampler, _ = make_sampler([cuda_target()], nvml)
     for _ in range(HISTORY + 5):
         sampler.clock.now += 5
         await sampler.sample()
@@ -341,8 +336,8 @@ async def test_the_service_publishes_only_while_somebody_subscribes():
                 lambda task_status: serve_telemetry(
                     lambda: cuda_target(),
                     bus,
+                    plugins(nvml),
                     ttl=0.05,
-                    gpu_reader_factory=lambda backend: NvmlReader(nvml),
                     engine_fetch=lambda url, key: _idle_async(),
                     task_status=task_status,
                 )
@@ -371,7 +366,7 @@ async def _idle_async():
 
 
 def test_activity_without_a_target_is_stopped():
-    assert activity_of(None, None, None, None, None) == "stopped"
+    assert activity_of(None, None, None, None, on_gpu=False) == "stopped"
     cpu = ServerTarget("cpu", 1)
-    assert activity_of(cpu, None, None, {"cpu_percent": 90.0}, None) == "busy"
-    assert activity_of(cpu, None, None, {"cpu_percent": 0.5}, None) == "idle"
+    assert activity_of(cpu, None, {"cpu_percent": 90.0}, None, on_gpu=False) == "busy"
+    assert activity_of(cpu, None, {"cpu_percent": 0.5}, None, on_gpu=False) == "idle"
