@@ -26,14 +26,14 @@ import httpx
 import trio
 
 from daemon.core.digests import fsync_dir
-from daemon.install.download_records import (  # noqa: F401  (re-exported: the download API)
+from daemon.core.http import download_client
+from daemon.install.download_records import (
     DownloadError,
     DownloadErrorKind,
     DownloadProgress,
     DownloadResult,
     PartSidecar,
 )
-from daemon.core.http import download_client  # noqa: F401  (re-exported)
 from states.reasons import ReasonCode
 
 # Bytes handed to the writer thread at once: big enough that thread hand-offs are rare,

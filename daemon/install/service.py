@@ -28,17 +28,18 @@ from urllib.parse import unquote, urlparse
 import attrs
 import trio
 
-from daemon.core.digests import sha256_file
 from daemon.backends.base import Backend, Detection, ReasonKind
 from daemon.backends.registry import family_reason, load_backends
 from daemon.bundles.archive import unpack_bundle
 from daemon.bundles.installed import InstalledBundle, bundle_meta_of, find_installed, promote
 from daemon.bundles.metadata import BundleMeta, ManifestEntry
-from daemon.install.download import DownloadError, DownloadProgress, download
-from daemon.install.manifest import MANIFEST_ENV, choose_entry, load_manifest
+from daemon.core.digests import sha256_file
 from daemon.core.errors import StokerError
 from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.core.paths import StokerPaths
+from daemon.install.download import download
+from daemon.install.download_records import DownloadError, DownloadProgress
+from daemon.install.manifest import MANIFEST_ENV, choose_entry, load_manifest
 from states import install as I
 from states.machine import IllegalTransition
 from states.reasons import ReasonCode

@@ -12,7 +12,9 @@ import hypothesis.strategies as st
 import pytest
 import trio
 
-from daemon.install.download import DownloadError, DownloadErrorKind, DownloadProgress, download, download_client
+from daemon.core.http import download_client
+from daemon.install.download import download
+from daemon.install.download_records import DownloadError, DownloadErrorKind, DownloadProgress
 from states.reasons import ReasonCode
 from tests.httpfault import Fault, FaultServer
 
