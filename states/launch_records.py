@@ -71,8 +71,9 @@ def _evidence(value: Any) -> dict[str, Any]:
 class LaunchPlan:
     """Everything needed to spawn one llama-server, complete when planning ends: the command
     line is a function of this record alone, so what history records is what ran (paths are
-    strings: JSON-stable). `extra_args` come after the named flags: the model's own arguments
-    (a chat template), the user's extra_args, --metrics, the snapshot flags."""
+    strings: JSON-stable). `n_gpu_layers` is what was planned (status shows it); the backend
+    plugin turned it into `backend_args`. `extra_args` come after the named flags: the model's
+    own arguments (a chat template), the user's extra_args, --metrics, the snapshot flags."""
 
     backend: str
     variant: str
@@ -88,6 +89,11 @@ class LaunchPlan:
     flash_attn: str | None = None  # "on" | "off" | "auto"; None: no -fa
     slot_save_path: str | None = None  # where the engine may save KV slots; None: no saving
     extra_args: tuple[str, ...] = attrs.field(default=(), converter=_args)
+    # The backend plugin's own arguments for this plan (Backend.launch_args: -ngl, --device),
+    # asked when planning ended. A plan recorded before they were asked ran `-ngl n_gpu_layers`.
+    backend_args: tuple[str, ...] = attrs.field(
+        default=attrs.Factory(lambda plan: ("-ngl", str(plan.n_gpu_layers)), takes_self=True), converter=_args
+    )
 
     @property
     def on_cpu(self) -> bool:

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Iterable, Mapping, Protocol, runtime_checkable
 
 import attrs
 
+from states.launch_records import GpuLayers
 from states.reasons import ReasonCode, message_for
 
 
@@ -154,14 +155,23 @@ BUNDLE_FITS = BundleCheck(None, "the bundle fits this hardware")
 
 @runtime_checkable
 class LaunchPlanLike(Protocol):
-    """What `launch_args` reads from a launch plan (the launch machine owns the real class).
+    """What `launch_args` reads from a plan: how many layers to offload (a count, or "auto":
+    the engine fits them to free VRAM), and the engine devices (`CUDA0`, ...) to restrict to
+    (empty = all). The planner hands a `LaunchRequest`; tests may hand any such object."""
 
-    `gpu_layers`: None lets the engine fit layers to free VRAM (`-ngl auto`); an int is
-    passed as is. `devices`: engine device names (`CUDA0`, ...) to restrict to; empty = all.
-    """
+    @property
+    def gpu_layers(self) -> GpuLayers: ...
 
-    gpu_layers: int | None
-    devices: tuple[str, ...]
+    @property
+    def devices(self) -> tuple[str, ...]: ...
+
+
+@attrs.frozen
+class LaunchRequest:
+    """The planner's question to a backend's `launch_args` (daemon/fallback/launch_plan.py)."""
+
+    gpu_layers: GpuLayers
+    devices: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -238,7 +248,8 @@ class Backend(abc.ABC):
     # Where auto mode tries it: lowest first, ties by name. The built-in GPUs take 10-40, a
     # plugin 100 unless it says otherwise, the CPU 1000: the floor, always last.
     auto_rank: ClassVar[int] = 100
-    # Accelerators get -ngl; the CPU does not.
+    # Whether it offloads to an accelerator: the CPU does not (its launch arguments say -ngl 0,
+    # and telemetry reads no accelerator through it).
     offloads: ClassVar[bool] = True
     # VRAM per device that the backend's runtime takes before the engine measures "free" and
     # fits its layers (the layer estimate counts it); 0 where unmeasured.
@@ -279,14 +290,15 @@ class Backend(abc.ABC):
         return self.explain_bundle(detection, bundle_meta).reason
 
     def launch_args(self, plan: LaunchPlanLike) -> list[str]:
-        """The llama-server arguments this backend adds for a plan."""
+        """The llama-server arguments this backend adds for a plan: `-ngl auto` or `-ngl N`,
+        and `--device A,B` where the plan names devices; `-ngl 0` where it offloads nothing.
+        Asked once, when planning ends: the plan records the answer, and that is what runs."""
         if not self.offloads:
-            return []
-        layers = getattr(plan, "gpu_layers", None)
-        args = ["-ngl", "auto" if layers is None else str(int(layers))]
-        devices = tuple(getattr(plan, "devices", ()) or ())
-        if devices:
-            args += ["--device", ",".join(devices)]
+            return ["-ngl", "0"]
+        layers = plan.gpu_layers
+        args = ["-ngl", "auto" if layers == "auto" else str(int(layers))]
+        if plan.devices:
+            args += ["--device", ",".join(plan.devices)]
         return args
 
     def parse_list_devices(self, output: str) -> tuple[ListedDevice, ...]:

@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, Literal, Mapping
+from typing import Iterable, Mapping
 
 import attrs
 import psutil
@@ -64,7 +64,7 @@ class ServerSpec:
     ctx_size: int | None = None
     parallel: int | None = None
     threads: int | None = None
-    n_gpu_layers: int | Literal["auto"] | None = None  # a count or "auto" (the engine fits); None: no -ngl
+    backend_args: tuple[str, ...] = attrs.field(default=(), converter=_args)  # the backend plugin's: -ngl, --device
     flash_attn: str | None = None  # "on" | "off" | "auto"; None: the engine's default
     extra_args: tuple[str, ...] = attrs.field(default=(), converter=_args)
     slot_save_path: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
@@ -88,17 +88,15 @@ def server_argv(spec: ServerSpec, *, api_key_file: Path) -> list[str]:
         "--log-colors",
         "off",
     ]
-    for flag, value in (
-        ("-c", spec.ctx_size),
-        ("-np", spec.parallel),
-        ("-t", spec.threads),
-        ("-ngl", spec.n_gpu_layers),
-        ("-fa", spec.flash_attn),
-        ("--slot-save-path", spec.slot_save_path),
-    ):
-        if value is not None:
-            argv += [flag, str(value)]
+    argv += _flags(("-c", spec.ctx_size), ("-np", spec.parallel), ("-t", spec.threads))
+    argv += spec.backend_args
+    argv += _flags(("-fa", spec.flash_attn), ("--slot-save-path", spec.slot_save_path))
     return argv + list(spec.extra_args)
+
+
+def _flags(*pairs: tuple[str, object]) -> list[str]:
+    """`flag value` for each setting that is set (None: the engine's default, no flag)."""
+    return [part for flag, value in pairs if value is not None for part in (flag, str(value))]
 
 
 PASS_THROUGH_ENV = (

@@ -5,7 +5,8 @@ command line without reading the config, the model registry or the snapshot sett
 history shows is exactly what ran. Everything that shapes the command line is therefore
 settled here, once per plan:
 
-    -ngl            the count the config asks for, or "auto" (the engine fits); 0 on the CPU
+    -ngl, --device  the backend plugin's answer (`Backend.launch_args`) for the count the config
+                    asks for, or "auto" (the engine fits); the CPU's is -ngl 0
     -t, -fa         the config's threads (0: the engine decides) and flash attention
     extra args      the model's own (a chat template for a named model), then the user's
                     extra_args, then --metrics (telemetry reads tokens/s from /metrics), then
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from daemon.backends.base import Backend, LaunchRequest
 from daemon.bundles.installed import InstalledBundle
 from daemon.config.model import Config
 from daemon.core.paths import StokerPaths
@@ -31,10 +33,16 @@ METRICS = "--metrics"
 
 
 def complete_plan(
-    paths: StokerPaths, config: Config, bundle: InstalledBundle, model_path: str | Path, n_gpu_layers: GpuLayers
+    paths: StokerPaths,
+    config: Config,
+    bundle: InstalledBundle,
+    model_path: str | Path,
+    n_gpu_layers: GpuLayers,
+    plugin: Backend,
 ) -> LaunchPlan:
-    """The whole plan for `bundle` (its backend and variant) and the model. Blocking: it may
-    read the model's GGUF header (for --swa-full) and creates the slot-save directory."""
+    """The whole plan for `bundle` (its backend and variant, run by `plugin`) and the model.
+    Blocking: it may read the model's GGUF header (for --swa-full) and creates the slot-save
+    directory."""
     server = config.server
     slot_save_path, snapshot_args = snapshot_server_args(paths, config, model_path)
     return LaunchPlan(
@@ -52,4 +60,5 @@ def complete_plan(
         flash_attn=server.flash_attn,
         slot_save_path=str(slot_save_path),
         extra_args=(*model_launch_args(server.model), *server.extra_args, METRICS, *snapshot_args),
+        backend_args=plugin.launch_args(LaunchRequest(n_gpu_layers)),
     )

@@ -351,7 +351,9 @@ class FallbackOrchestrator:
                 log.info("no layer estimate for %s: %s", model, err)
             self.planned_why = why_planned(backend, self.estimate)
             layers = config.server.n_gpu_layers
-        request.plan = await trio.to_thread.run_sync(complete_plan, self.paths, config, bundle, model, layers)
+        request.plan = await trio.to_thread.run_sync(
+            complete_plan, self.paths, config, bundle, model, layers, self.backends[backend]
+        )
 
     # --- after the launch ---------------------------------------------------------------
 

@@ -73,7 +73,7 @@ def server_spec(plan: LR.LaunchPlan) -> ServerSpec:
         ctx_size=plan.ctx_size or None,
         parallel=plan.parallel,
         threads=plan.threads or None,
-        n_gpu_layers=plan.n_gpu_layers,
+        backend_args=plan.backend_args,
         flash_attn=plan.flash_attn,
         extra_args=plan.extra_args,
         slot_save_path=plan.slot_save_path,

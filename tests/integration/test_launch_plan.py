@@ -41,6 +41,7 @@ def test_history_records_exactly_the_command_line_that_ran(daemon, model):
     assert ran == server_argv(server_spec(plan), api_key_file=key_file)
     # ... and the plan holds everything the config, the snapshots and telemetry asked for
     assert (plan.backend, plan.n_gpu_layers, plan.threads, plan.flash_attn) == ("cpu", 0, 2, "off")
+    assert plan.backend_args == ("-ngl", "0")  # the CPU plugin's launch arguments
     assert plan.slot_save_path == str(daemon.paths.snapshots_dir)
     assert plan.extra_args[:2] == ("--jinja", "--metrics")
     assert ran[ran.index("-ngl") + 1] == "0" and ran[ran.index("-t") + 1] == "2"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import backend_recordings as rec
+from daemon.backends.base import LaunchRequest
 from daemon.backends.cpu import CpuBackend, parse_cpuinfo, parse_meminfo
 from daemon.backends.cpu_features import SIGILL, USABLE, X86_TESTS
 from daemon.backends.tools import recorded_runner
@@ -135,11 +136,13 @@ def test_macos_intel_features_from_sysctl():
     assert CpuBackend().choose_variant(d, ["avx2", "compat"]) == "avx2"
 
 
-def test_cpu_has_no_offload_args_and_none_signature():
+def test_cpu_offloads_nothing_and_has_the_none_signature():
     from types import SimpleNamespace
 
     b = CpuBackend()
-    assert b.launch_args(SimpleNamespace(gpu_layers=99, devices=())) == []
+    # -ngl 0 whatever the plan asks: the CPU build has no device to offload to, and says so.
+    assert b.launch_args(SimpleNamespace(gpu_layers=99, devices=("CUDA0",))) == ["-ngl", "0"]
+    assert b.launch_args(LaunchRequest("auto")) == ["-ngl", "0"]
     assert b.device_signature.match("  (none)")
     (listed,) = b.parse_list_devices(rec.LIST_DEVICES_CPU)
     assert (listed.backend, listed.name) == ("cpu", "(none)")

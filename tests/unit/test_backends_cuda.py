@@ -9,6 +9,7 @@ import pytest
 
 import backend_recordings as rec
 from daemon.backends import Detection, TelemetryRequest
+from daemon.backends.base import LaunchRequest
 from daemon.backends.cuda import SMI_QUERY, SMI_QUERY_NO_CC, CudaBackend, parse_smi_csv
 from daemon.backends.cuda_arch import CudaArch, cc_supported, parse_cc, split_archs
 from daemon.backends.tools import ToolResult, recorded_runner
@@ -264,8 +265,14 @@ def test_list_devices_signature_matches_the_engine_line():
 
 def test_launch_args():
     b = CudaBackend()
-    assert b.launch_args(SimpleNamespace(gpu_layers=None, devices=())) == ["-ngl", "auto"]
-    assert b.launch_args(SimpleNamespace(gpu_layers=99, devices=("CUDA0",))) == ["-ngl", "99", "--device", "CUDA0"]
+    assert b.launch_args(LaunchRequest("auto")) == ["-ngl", "auto"]
+    assert b.launch_args(LaunchRequest(0)) == ["-ngl", "0"]
+    assert b.launch_args(SimpleNamespace(gpu_layers=99, devices=("CUDA0", "CUDA1"))) == [
+        "-ngl",
+        "99",
+        "--device",
+        "CUDA0,CUDA1",
+    ]
 
 
 def test_telemetry_reads_memory_and_the_servers_share():

@@ -200,6 +200,7 @@ async def test_no_gpu_serves_on_cpu_and_says_why(paths, config):
     async with orchestrator(paths, no_gpu_cuda()) as orch:
         plan = await orch.plan(config, LR.MakePlan())
         assert plan.backend == "cpu" and plan.n_gpu_layers == 0
+        assert plan.backend_args == ("-ngl", "0")  # the CPU plugin's answer
         await orch.on_ready(supervisor_for(plan), {"pid": PID})
         st = orch.status(supervisor_for(plan, {}))
         assert st["backend"] == "cpu" and st["fallback_reason"] == "gpu_missing"
@@ -296,6 +297,24 @@ async def test_the_plan_is_complete_and_the_command_line_comes_from_it_alone(pat
         "--slot-save-path": str(paths.snapshots_dir),
     }
     assert argv[-3:] == ["--jinja", "--metrics", "--swa-full"]
+
+
+class TwoDeviceCuda(CudaBackend):
+    """A plugin that adds its own launch arguments: the plan asks it, and nothing else knows."""
+
+    def launch_args(self, plan):
+        return [*super().launch_args(plan), "--device", "CUDA1", "--split-mode", "none"]
+
+
+async def test_the_plan_holds_the_backend_plugins_own_launch_arguments(paths, config):
+    install_cuda_bundle(paths)
+    cuda = TwoDeviceCuda(nvml=rec.FakeNvml(), run=recorded_runner({}), sysfs_root="/nonexistent-sys")
+    async with orchestrator(paths, cuda) as orch:
+        plan = await orch.plan(config, LR.MakePlan())
+    assert plan.backend_args == ("-ngl", "auto", "--device", "CUDA1", "--split-mode", "none")
+    argv = server_argv(server_spec(plan), api_key_file=paths.runtime_dir / "key")
+    at = argv.index("-ngl")
+    assert argv[at : at + 6] == ["-ngl", "auto", "--device", "CUDA1", "--split-mode", "none"]
 
 
 async def test_a_server_adopted_after_a_daemon_restart_is_not_demoted(paths, config):

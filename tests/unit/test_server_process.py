@@ -52,7 +52,7 @@ def test_argv_carries_the_settings_but_never_the_key(tmp_path):
         ctx_size=2048,
         parallel=2,
         threads=4,
-        n_gpu_layers=99,
+        backend_args=["-ngl", "99"],
         flash_attn="off",
         slot_save_path=tmp_path,
         extra_args=["--swa-full"],

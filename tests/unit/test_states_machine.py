@@ -185,7 +185,9 @@ def test_data_missing_fields_take_defaults():
 def test_gpu_layers_have_one_spelling_and_old_rows_are_read_into_it():
     assert data_to_json(AUTO_PLAN)["n_gpu_layers"] == "auto"
     old_row = {**data_to_json(PLAN), "n_gpu_layers": -1}  # written before "auto" had one spelling
-    assert data_from_json(LAUNCH, {"plan": old_row, "replan": True}).plan.n_gpu_layers == "auto"
+    del old_row["backend_args"]  # ... and before the backend plugin was asked for its arguments
+    old_plan = data_from_json(LAUNCH, {"plan": old_row, "replan": True}).plan
+    assert old_plan.n_gpu_layers == "auto" and old_plan.backend_args == ("-ngl", "auto")  # as it was run
     with pytest.raises(ValueError):
         LaunchPlan("cuda", "sm90", "/b", "/b/llama-server", "/m.gguf", n_gpu_layers="all")
 
