@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Mapping, Union
 
 import attrs
 
-from states.reasons import ReasonCode
+from states.reasons import ReasonCode, stored_reason
 
 Handler = Callable[[Any, Any, Any], "Step | None"]
 
@@ -291,6 +291,8 @@ def from_json(hint: Any, value: Any) -> Any:
                 if f.name in value and f.init:
                     kwargs[f.alias or f.name] = from_json(hints.get(f.name, Any), value[f.name])
             return hint(**kwargs)
+        if hint is ReasonCode:
+            return stored_reason(value)  # a code whose plugin was uninstalled since is still read
         if issubclass(hint, enum.Enum):
             return hint(value)
         if issubclass(hint, PurePath):

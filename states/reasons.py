@@ -8,13 +8,19 @@ brings its own codes with their sentences: the daemon registers them when it loa
 plugin (`register_reasons`, called from daemon/backends/registry.py), and from then on
 `ReasonCode("fakegpu_startup_failed")` is a ReasonCode like any member, stored and printed as
 the same string. Iterating `ReasonCode` lists the built-in codes only (docs/reason-codes.md).
+
+A plugin can be uninstalled after its codes were stored. Reading a row back goes through
+`stored_reason`, which admits such a code (well-formed, declared by no loaded plugin) as an
+orphan whose sentence says its plugin is gone, so the daemon still starts and its history
+still reads. Nothing else admits an unknown code: `ReasonCode(value)` from the socket or the
+config still refuses one.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeGuard
 
 import attrs
 
@@ -24,8 +30,9 @@ class ReasonCode(enum.StrEnum):
 
     @classmethod
     def _missing_(cls, value: object) -> ReasonCode | None:
-        # A plugin's registered code: a pseudo-member, made once (like Flag's), never listed.
-        if not isinstance(value, str) or value not in _PLUGIN_REASONS:
+        # A plugin's registered code (or one read back from the store after its plugin was
+        # uninstalled): a pseudo-member, made once (like Flag's), never listed.
+        if not isinstance(value, str) or (value not in _PLUGIN_REASONS and value not in _ORPHANED):
             return None
         member = _PSEUDO_MEMBERS.get(value)
         if member is None:
@@ -305,7 +312,10 @@ def message_for(code: ReasonCode | str) -> str:
     """The user-facing sentence for a reason code (a plugin's: the sentence it registered)."""
     reason = ReasonCode(code)
     builtin = MESSAGES.get(reason)
-    return builtin if builtin is not None else _PLUGIN_REASONS[reason.value].message
+    if builtin is not None:
+        return builtin
+    declared = _PLUGIN_REASONS.get(reason.value)
+    return declared.message if declared is not None else orphan_message(reason.value)
 
 
 class ReasonedError(Exception):
@@ -345,6 +355,41 @@ class PluginReason:
 
 _PLUGIN_REASONS: dict[str, PluginReason] = {}
 _PSEUDO_MEMBERS: dict[str, ReasonCode] = {}
+# Codes read back from the store that no loaded plugin declares (see `stored_reason`).
+_ORPHANED: set[str] = set()
+
+
+def is_code_shaped(value: object) -> TypeGuard[str]:
+    """Whether `value` looks like a reason code: lowercase words joined by '_', not too long."""
+    return isinstance(value, str) and len(value) <= MAX_CODE_LENGTH and CODE_SHAPE.match(value) is not None
+
+
+def stored_reason(value: object) -> ReasonCode:
+    """A reason code read back from the store (machine rows, history events).
+
+    A code no loaded plugin declares was stored by a plugin since uninstalled: it is admitted
+    as an orphan (its sentence says so) when it is shaped like a code, so a daemon without the
+    plugin still starts. Anything else raises ValueError, as `ReasonCode(value)` does. Only
+    the store's reader calls this; socket and config input stay limited to registered codes.
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a valid ReasonCode")
+    try:
+        return ReasonCode(value)
+    except ValueError:
+        if not is_code_shaped(value):
+            raise
+        _ORPHANED.add(value)
+    return ReasonCode(value)
+
+
+def orphan_message(code: str) -> str:
+    """The sentence for a stored code whose backend plugin is no longer installed."""
+    return (
+        f"A reason recorded by a backend plugin that is no longer installed ({code}); its own "
+        "explanation went with the plugin. Reinstall the plugin to read it; the evidence is in "
+        "`stoker history`."
+    )
 
 
 def register_reasons(owner: str, messages: Mapping[str, str]) -> tuple[ReasonCode, ...]:
@@ -357,7 +402,7 @@ def register_reasons(owner: str, messages: Mapping[str, str]) -> tuple[ReasonCod
     """
     admitted = []
     for code, message in messages.items():
-        if not isinstance(code, str) or not CODE_SHAPE.match(code) or len(code) > MAX_CODE_LENGTH:
+        if not is_code_shaped(code):
             raise ValueError(
                 f"{owner}: {code!r} is not a reason code (lowercase words joined by '_', "
                 f"at most {MAX_CODE_LENGTH} characters)"
@@ -372,6 +417,7 @@ def register_reasons(owner: str, messages: Mapping[str, str]) -> tuple[ReasonCod
         admitted.append(PluginReason(code, owner, message.strip()))
     for reason in admitted:
         _PLUGIN_REASONS[reason.code] = reason
+        _ORPHANED.discard(reason.code)  # its plugin is back: its own sentence again
     return tuple(ReasonCode(reason.code) for reason in admitted)
 
 

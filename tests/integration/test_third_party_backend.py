@@ -9,7 +9,8 @@ verified against the plugin's --list-devices signature, it is probed out of proc
 `stoker probe`, planned and launched, shown by `status` and the TUI (backend card and backend
 choice), and it falls back to the CPU with its own reason codes and sentences:
 fakegpu_gpu_layers_zero (its CPU engine offloads nothing), fakegpu_startup_failed (its device
-is lost while loading) and fakegpu_unavailable (its runtime does not answer).
+is lost while loading) and fakegpu_unavailable (its runtime does not answer). Once the plugin is
+uninstalled, a daemon on the same STOKER_HOME still starts and reads those codes back.
 """
 
 from __future__ import annotations
@@ -265,3 +266,18 @@ def test_a_plugin_backend_is_probed_planned_launched_shown_and_falls_back_with_i
     assert "fakegpu: unusable [fakegpu_unavailable]" in stoker(d2.env, "probe").stdout
     old = [r["reason"] for r in d2.history(machine="fallback")]
     assert "fakegpu_startup_failed" in old and "fakegpu_unavailable" in old
+    d2.stop()
+
+    # The plugin uninstalled: a daemon without it still starts on the same STOKER_HOME. Its
+    # codes in the restored rows read back as a plugin's that is gone; it serves on the CPU,
+    # and `stoker status` and `stoker history` show the old rows.
+    d3 = DaemonProcess(stoker_home)
+    daemons.append(d3.start())
+    st = d3.wait_for(settled, timeout=180, what="the CPU without the plugin")
+    assert "fakegpu" not in st["backends"] and st["planned_backend"] == "cpu" and st["backend"] == "cpu"
+    shown = stoker(plain, "status")
+    assert shown.returncode == 0 and "ready" in shown.stdout, shown.stdout + shown.stderr
+    rows = json.loads(stoker(plain, "history", "--machine", "fallback", "--json").stdout)
+    assert {"fakegpu_startup_failed", "fakegpu_unavailable"} <= {r["reason"] for r in rows}
+    human = stoker(plain, "history", "--machine", "fallback")
+    assert human.returncode == 0 and "[fakegpu_startup_failed]" in human.stdout, human.stdout + human.stderr

@@ -19,9 +19,11 @@ from daemon.backends.registry import family_reason, registered_names, try_order
 from daemon.control import error_codes
 from daemon.core.errors import StokerError
 from states import fallback as F
-from states.machine import data_from_json, data_to_json
+from daemon.core.machines import MachineRunner
+from states.machine import data_from_json, data_to_json, event_from_json
 from states.reasons import ReasonCode as R
-from states.reasons import message_for, plugin_reasons
+from states.reasons import message_for, plugin_reasons, register_reasons, stored_reason
+from store import open_store
 
 GROUP = "stoker.backends"
 
@@ -149,3 +151,43 @@ def test_a_plugin_with_unknown_or_stolen_codes_is_not_loaded(cls, words):
 def test_registered_names_never_import_a_plugin():
     points = [metadata.EntryPoint(name="zluda", value="no_such_module_for_stoker:Backend", group=GROUP)]
     assert registered_names(points) == ("cpu", "cuda", "rocm", "vulkan", "metal", "zluda")
+
+
+def test_a_code_stored_by_a_plugin_since_uninstalled_still_reads_back():
+    """A daemon with the GoneGPU plugin stored its codes; the plugin was uninstalled; the next
+    daemon restores its machines from those rows at start-up and must not fail on them."""
+    gone = "gonegpu_unavailable"  # no plugin in this process declares it
+    with pytest.raises(ValueError):
+        R(gone)  # what the socket and the config get: only codes a loaded plugin declared
+    store = open_store(":memory:")
+    skipped = {"backend": "gonegpu", "reason": gone, "evidence": {"runtime": "no answer"}}
+    store.record_step(
+        machine_id="fallback",
+        kind="fallback",
+        from_state="checking",
+        event="CheckFailed",
+        event_data={"backend": "gonegpu", "reason": gone, "evidence": skipped["evidence"]},
+        to_state="checking",
+        data={"candidates": ["gonegpu", "cpu"], "index": 1, "skipped": [skipped], "reason": gone},
+        reason=gone,
+    )
+    runner = MachineRunner(F.FALLBACK, "fallback", store)  # what the daemon does at start-up
+    assert runner.state == F.FallbackState.CHECKING and runner.data.reason == gone
+    assert runner.data.skipped[0].reason == gone and str(runner.data.skipped[0].reason) == gone
+    (row,) = store.history(machine="fallback")
+    assert event_from_json(F.FALLBACK, row.event, row.event_data).reason == gone  # history reads too
+    # Its sentence went with the plugin: the one shown says so instead of raising.
+    assert message_for(gone) == (
+        "A reason recorded by a backend plugin that is no longer installed (gonegpu_unavailable); its own "
+        "explanation went with the plugin. Reinstall the plugin to read it; the evidence is in `stoker history`."
+    )
+    assert error_codes.code_for(gone) != error_codes.APPLICATION_ERROR  # a reply can carry it
+    # Only code-shaped strings are admitted, and only through the store's reader.
+    for junk in ("GoneGPU failed", "gonegpu__x", "x" * 65, 42):
+        with pytest.raises(ValueError):
+            stored_reason(junk)
+    with pytest.raises(ValueError):
+        R("gonegpu_startup_failed")  # a code nobody declared or stored is still refused
+    # The plugin reinstalled: its own sentence again.
+    register_reasons("gonegpu", {gone: "The GoneGPU runtime does not answer."})
+    assert message_for(gone) == "The GoneGPU runtime does not answer."
