@@ -14,8 +14,9 @@ Only a missing bundle on present hardware (binary_missing_*_detected, bundle_mis
 repaired in place: install once, re-check, retry. Every other failure is recorded and the
 next candidate is tried, CPU last (the daemon orders the candidates). A forced backend has
 no next candidate: its first unrepaired failure ends in `failed` with that reason. Once
-settled, a server respawned with the same plan is proven again on every ready; one that is
-no longer accelerated is kept in the data as `respawn_demotion`.
+settled, a server respawned with the same plan is proven again on every ready: one that is
+no longer accelerated is a transition to the CPU with its reason (`chosen`, `reason`; the
+proof is kept as `respawn_demotion`), one accelerated again is a transition back.
 """
 
 from __future__ import annotations
@@ -282,13 +283,20 @@ def install_failed(state: S, data: FallbackData, event: BundleInstallFailed) -> 
     return _next(data, event.backend, event.reason, event.evidence)
 
 
+def _passed_over(data: FallbackData, effective: str) -> ReasonCode | None:
+    """Why the preferred backend is not the one serving: the first candidate's skip reason
+    (None when the preferred one serves)."""
+    if effective == data.candidates[0] or not data.skipped:
+        return None
+    return data.skipped[0].reason
+
+
 @guarded(S.SETTLED)
 def launched(state: S, data: FallbackData, event: LaunchSucceeded) -> Step | None:
     if event.backend != data.current:
         return None
     effective = event.effective_backend or event.backend
-    preferred = data.candidates[0]
-    reason = event.reason or (data.reason if effective != preferred else None)
+    reason = event.reason or _passed_over(data, effective)
     evidence = {"backend": event.backend, "effective_backend": effective, **event.evidence}
     data = attrs.evolve(data, chosen=effective, reason=reason, evidence=evidence, respawn_demotion=None)
     return Step(S.SETTLED, data, (), reason, evidence)
@@ -297,19 +305,19 @@ def launched(state: S, data: FallbackData, event: LaunchSucceeded) -> Step | Non
 @guarded(STAY)
 def relaunched(state: S, data: FallbackData, event: LaunchSucceeded) -> Step | None:
     """Settled, and the same plan is ready again after a crash: proven again every time (an
-    adopted server has nothing new to prove and keeps what was found before)."""
+    adopted server has nothing new to prove and keeps what was found before). The verdict is
+    the machine's new truth: a respawn found not accelerated moves `chosen` to the CPU with
+    its reason (status's backend and fallback_reason), one accelerated again moves it back."""
     if event.backend != data.current:
         return None
     if event.adopted:
         return Step(S.SETTLED, data, evidence={"adopted": True})
+    effective = event.effective_backend or event.backend
     demotion = None if event.reason is None else Demotion(event.backend, event.reason, event.evidence)
-    evidence = {
-        "backend": event.backend,
-        "effective_backend": event.effective_backend or event.backend,
-        **event.evidence,
-        "after": "respawn",
-    }
-    return Step(S.SETTLED, attrs.evolve(data, respawn_demotion=demotion), (), event.reason, evidence)
+    reason = event.reason or _passed_over(data, effective)
+    evidence = {"backend": event.backend, "effective_backend": effective, **event.evidence, "after": "respawn"}
+    data = attrs.evolve(data, chosen=effective, reason=reason, evidence=evidence, respawn_demotion=demotion)
+    return Step(S.SETTLED, data, (), event.reason, evidence)
 
 
 # Only a request while launching can be about the candidate being launched; anywhere else

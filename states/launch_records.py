@@ -67,6 +67,11 @@ def _evidence(value: Any) -> dict[str, Any]:
     return dict(value or {})
 
 
+def _env(value: Any) -> tuple[tuple[str, str], ...]:
+    items = value.items() if isinstance(value, dict) else (value or ())
+    return tuple(sorted((str(k), str(v)) for k, v in items))
+
+
 @attrs.frozen
 class LaunchPlan:
     """Everything needed to spawn one llama-server, complete when planning ends: the command
@@ -94,6 +99,9 @@ class LaunchPlan:
     backend_args: tuple[str, ...] = attrs.field(
         default=attrs.Factory(lambda plan: ("-ngl", str(plan.n_gpu_layers)), takes_self=True), converter=_args
     )
+    # The environment the backend plugin sets for this plan's server (Backend.launch_env: the
+    # devices it may use, e.g. CUDA_VISIBLE_DEVICES), sorted; recorded, so history shows it.
+    backend_env: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_env)
 
     @property
     def on_cpu(self) -> bool:

@@ -8,7 +8,7 @@ JSON through `Detection.to_dict()` / `Detection.from_dict()`.
 Everything the core knows about a backend it asks here: its name, where auto mode tries it
 (`auto_rank`), which reason code names each fallback step's failure on it (`reason(kind)`),
 the codes it brings with their sentences (`reason_messages`), its `--list-devices` signature
-and its launch arguments. The core never spells a backend's name or assembles its codes.
+and its launch arguments and environment. The core never spells a backend's name or assembles its codes.
 """
 
 from __future__ import annotations
@@ -155,23 +155,26 @@ BUNDLE_FITS = BundleCheck(None, "the bundle fits this hardware")
 
 @runtime_checkable
 class LaunchPlanLike(Protocol):
-    """What `launch_args` reads from a plan: how many layers to offload (a count, or "auto":
-    the engine fits them to free VRAM), and the engine devices (`CUDA0`, ...) to restrict to
-    (empty = all). The planner hands a `LaunchRequest`; tests may hand any such object."""
+    """What `launch_args` and `launch_env` read from a plan: how many layers to offload (a
+    count, or "auto": the engine fits them to free VRAM), and the devices to give the server
+    (the detection's device indices; empty = all of them). The planner hands a
+    `LaunchRequest`; tests may hand any such object."""
 
     @property
     def gpu_layers(self) -> GpuLayers: ...
 
     @property
-    def devices(self) -> tuple[str, ...]: ...
+    def devices(self) -> tuple[int, ...]: ...
 
 
 @attrs.frozen
 class LaunchRequest:
-    """The planner's question to a backend's `launch_args` (daemon/fallback/launch_plan.py)."""
+    """The planner's question to a backend's `launch_args` and `launch_env`
+    (daemon/fallback/launch_plan.py). `devices`: the detected devices (their `Device.index`)
+    the server may use, when the plan keeps it off the others (empty = every one)."""
 
     gpu_layers: GpuLayers
-    devices: tuple[str, ...] = ()
+    devices: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -190,6 +193,7 @@ class DeviceTelemetry:
     name: str | None = None
     memory_used_mib: int | None = None
     memory_total_mib: int | None = None
+    memory_free_mib: int | None = None  # as the driver says (total - used where it does not)
     utilization_percent: int | None = None  # compute
     memory_utilization_percent: int | None = None  # memory controller busy
     temperature_c: int | None = None
@@ -290,16 +294,21 @@ class Backend(abc.ABC):
         return self.explain_bundle(detection, bundle_meta).reason
 
     def launch_args(self, plan: LaunchPlanLike) -> list[str]:
-        """The llama-server arguments this backend adds for a plan: `-ngl auto` or `-ngl N`,
-        and `--device A,B` where the plan names devices; `-ngl 0` where it offloads nothing.
-        Asked once, when planning ends: the plan records the answer, and that is what runs."""
+        """The llama-server arguments this backend adds for a plan: `-ngl auto` or `-ngl N`;
+        `-ngl 0` where it offloads nothing. Asked once, when planning ends: the plan records
+        the answer, and that is what runs."""
         if not self.offloads:
             return ["-ngl", "0"]
         layers = plan.gpu_layers
-        args = ["-ngl", "auto" if layers == "auto" else str(int(layers))]
-        if plan.devices:
-            args += ["--device", ",".join(plan.devices)]
-        return args
+        return ["-ngl", "auto" if layers == "auto" else str(int(layers))]
+
+    def launch_env(self, plan: LaunchPlanLike) -> dict[str, str]:
+        """Environment variables this backend sets for a plan's server: where the plan names
+        `devices`, whatever keeps the backend's runtime off the others (CUDA_VISIBLE_DEVICES
+        for CUDA: a runtime that sees a GPU takes VRAM on it even when no layer goes there).
+        Asked once, when planning ends, and recorded in the plan. None by default: a backend
+        that cannot restrict its devices leaves the engine every one."""
+        return {}
 
     def parse_list_devices(self, output: str) -> tuple[ListedDevice, ...]:
         """This backend's devices in `llama-server --list-devices` output (empty: not loaded)."""

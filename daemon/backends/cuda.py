@@ -14,6 +14,7 @@ from daemon.backends.base import (
     BundleCheck,
     Detection,
     Device,
+    LaunchPlanLike,
     ReasonKind,
     Telemetry,
     TelemetryRequest,
@@ -373,6 +374,15 @@ class CudaBackend(Backend):
             if preferred in variants:
                 return preferred
         return variants[0]
+
+    def launch_env(self, plan: LaunchPlanLike) -> dict[str, str]:
+        """CUDA_VISIBLE_DEVICES for the plan's devices, by NVML index: with
+        CUDA_DEVICE_ORDER=PCI_BUS_ID the runtime numbers GPUs as NVML does (by PCI bus), so the
+        indices name the same GPUs whatever the daemon's own CUDA_VISIBLE_DEVICES said. A GPU
+        the runtime does not see gets no CUDA context (~520 MiB on an H200)."""
+        if not plan.devices:
+            return {}
+        return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in plan.devices)}
 
     # -- telemetry -----------------------------------------------------------------------
 

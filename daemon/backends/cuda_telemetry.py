@@ -91,6 +91,7 @@ def _read_device(nvml: Any, index: int, handle: Any, pid: int | None) -> tuple[D
         name=None if name is None else _text(name),
         memory_used_mib=None if mem is None else int(mem.used) // _MIB,
         memory_total_mib=None if mem is None else int(mem.total) // _MIB,
+        memory_free_mib=None if mem is None else int(mem.free) // _MIB,
         utilization_percent=None if util is None else int(util.gpu),
         memory_utilization_percent=None if util is None else int(util.memory),
         temperature_c=None if temp is None else int(temp),

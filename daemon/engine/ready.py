@@ -41,6 +41,7 @@ _LISTENING = re.compile(r"listening on (https?)://(\[[^\]]+\]|[^:\s]+):(\d+)")
 _OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 _BUFFER = re.compile(r"(\S+)\s+(model|KV|compute|output|RS) buffer size =\s*([\d.]+) MiB")
 _DEVICE = re.compile(r"using device (\S+) \((.*?)\)")
+_DEVICE_FREE = re.compile(r" - (\d+) MiB free$")  # the free VRAM the engine saw on that device as it loaded
 _META = re.compile(r"loaded meta data with \d+ key-value pairs and \d+ tensors from (.+?) \(version")
 _N_CTX = re.compile(r"llama_context: n_ctx\s+= (\d+)")
 # The engine's own line prefix: minutes.seconds.millis.micros since it started, and a level.
@@ -62,6 +63,7 @@ class ServerLog:
     listening: tuple[str, int] | None = None
     offloaded: tuple[int, int] | None = None
     devices: list[str] = attrs.field(factory=list)
+    device_free_mib: dict[str, int] = attrs.field(factory=dict)  # "CUDA0" -> MiB, from the device lines
     buffers: list[BufferSize] = attrs.field(factory=list)
     model_path: str | None = None
     n_ctx: int | None = None
@@ -104,6 +106,8 @@ class ServerLog:
             self.buffers.append(BufferSize(m.group(2), m.group(1), float(m.group(3))))
         elif m := _DEVICE.search(line):
             self.devices.append(f"{m.group(1)} ({m.group(2)})")
+            if free := _DEVICE_FREE.search(line):
+                self.device_free_mib[m.group(1)] = int(free.group(1))
             self.evidence.setdefault("device", line)
         elif m := _META.search(line):
             self.model_path = m.group(1)
@@ -142,6 +146,7 @@ class ReadyReport:
     ready_seconds: float  # spawn to the first /health 200
     log_path: Path
     evidence_lines: dict[str, str]
+    device_free_mib: dict[str, int] = attrs.field(factory=dict)  # what the engine saw free per device
 
     def to_evidence(self) -> dict[str, Any]:
         """A JSON-ready dict for the transition history."""
@@ -255,4 +260,5 @@ async def _ready_report(engine: EngineClient, handle: StartingServer, ready_cloc
         ready_seconds=round(ready_clock - handle.started_clock, 4),
         log_path=handle.log_path,
         evidence_lines=dict(log.evidence),
+        device_free_mib=dict(log.device_free_mib),
     )

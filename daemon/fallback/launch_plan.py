@@ -5,8 +5,11 @@ command line without reading the config, the model registry or the snapshot sett
 history shows is exactly what ran. Everything that shapes the command line is therefore
 settled here, once per plan:
 
-    -ngl, --device  the backend plugin's answer (`Backend.launch_args`) for the count the config
+    -ngl            the backend plugin's answer (`Backend.launch_args`) for the count the config
                     asks for, or "auto" (the engine fits); the CPU's is -ngl 0
+    devices         the GPUs the server may use when only some can take a layer
+                    (daemon/fallback/vram.py), as the plugin spells it (`Backend.launch_env`:
+                    CUDA_VISIBLE_DEVICES), recorded as the plan's `backend_env`
     -t, -fa         the config's threads (0: the engine decides) and flash attention
     extra args      the model's own (a chat template for a named model), then the user's
                     extra_args, then --metrics (telemetry reads tokens/s from /metrics), then
@@ -39,11 +42,13 @@ def complete_plan(
     model_path: str | Path,
     n_gpu_layers: GpuLayers,
     plugin: Backend,
+    devices: tuple[int, ...] = (),
 ) -> LaunchPlan:
-    """The whole plan for `bundle` (its backend and variant, run by `plugin`) and the model.
-    Blocking: it may read the model's GGUF header (for --swa-full) and creates the slot-save
-    directory."""
+    """The whole plan for `bundle` (its backend and variant, run by `plugin`) and the model,
+    on `devices` (the detected GPUs to give the server; empty: all). Blocking: it may read the
+    model's GGUF header (for --swa-full) and creates the slot-save directory."""
     server = config.server
+    request = LaunchRequest(n_gpu_layers, devices)
     slot_save_path, snapshot_args = snapshot_server_args(paths, config, model_path)
     return LaunchPlan(
         backend=bundle.meta.backend,
@@ -60,5 +65,6 @@ def complete_plan(
         flash_attn=server.flash_attn,
         slot_save_path=str(slot_save_path),
         extra_args=(*model_launch_args(server.model), *server.extra_args, METRICS, *snapshot_args),
-        backend_args=plugin.launch_args(LaunchRequest(n_gpu_layers)),
+        backend_args=plugin.launch_args(request),
+        backend_env=plugin.launch_env(request),
     )

@@ -7,7 +7,10 @@ anything else: start afresh), and by carrying out that machine's effects:
 
     ProbeCandidates   probe every candidate at once, so each check reads the cache
     CheckBackend(b)   probe b (the 30 s cache answers most of the time) and look for its
-                      installed bundle, checked against the hardware (driver floor, archs)
+                      installed bundle, checked against the hardware (driver floor, archs);
+                      read free VRAM now (daemon/fallback/vram.py): that reading decides
+                      whether any GPU has room for a layer, which GPUs the server gets, and
+                      is the one the plan's figures quote
     InstallBundle(b)  only when the sole problem is a missing bundle on present hardware
                       (binary_missing_*_detected): install from the manifest, then re-check
     UsePlan(b)        the complete LaunchPlan for b (daemon/fallback/launch_plan.py)
@@ -37,12 +40,13 @@ from daemon.config.model import Config
 from daemon.core.errors import StokerError
 from daemon.engine.exits import missing_library
 from daemon.install.service import InstallService
-from daemon.fallback.layers import LayerEstimate, estimate, fit_margin, free_vram, why_actual, why_planned
+from daemon.fallback.layers import LayerEstimate, estimate, fit_margin, offload_kind, why_actual, why_planned
 from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.core.paths import StokerPaths
 from daemon.fallback.cpu_plan import cpu_bundle
 from daemon.fallback.launch_plan import complete_plan
-from daemon.fallback.proof import free_vram_now, judge_acceleration
+from daemon.fallback.proof import judge_acceleration
+from daemon.fallback.vram import FreeVram, devices_for_plan, read_free_vram, vram_full
 from daemon.launch.instance import ServerInstance
 from daemon.probes.service import ProbeService
 from states import fallback as F
@@ -73,38 +77,13 @@ class PlanRequest:
     effect: LR.MakePlan
     model: str
     plan: LR.LaunchPlan | None = None
+    free: dict[str, FreeVram | None] = attrs.field(factory=dict)  # each checked GPU backend's reading
 
 
-def vram_full(
-    reason: ReasonCode | None, free: Mapping[int, int], config: Config
-) -> tuple[ReasonCode, dict[str, Any]] | None:
-    """(`reason`, evidence) if the engine could put no layer on any GPU, or None. `reason` is
-    the backend's vram_full code (`cuda_vram_full`...); a backend that declares none is left
-    to the engine.
-
-    With `-ngl auto` the engine keeps the fit margin (-fitt) free on every device and offloads
-    nothing where less is free (measured on an H200: 699 MiB free, 0/19 layers after 16 s of
-    fitting, the server still holding 542 MiB). Where every device already has less free
-    than the margin, before the engine's own runtime takes its share, the outcome is certain:
-    skip the launch and say so. Anything less certain is left to the engine and proven after."""
-    if config.server.n_gpu_layers != "auto" or reason is None:
-        return None  # a fixed -ngl: the engine does not fit, it loads (or fails) as told
-    margin = fit_margin(config.server.extra_args)
-    if not free or any(mib >= margin for mib in free.values()):
-        return None
-    listed = ", ".join(f"{index}: {mib} MiB" for index, mib in free.items())
-    return reason, {
-        "free_vram_mib": {str(index): mib for index, mib in free.items()},
-        "margin_mib": margin,
-        "hint": f"free VRAM per GPU ({listed}) is below the {margin} MiB the engine keeps free (-fitt); "
-        f"free VRAM held by other processes, or lower the margin: "
-        f'[server] extra_args = ["-fitt", "256"]',
-    }
-
-
-def exit_detail(evidence: Mapping[str, Any]) -> dict[str, Any]:
+def exit_detail(backend: str, reason: ReasonCode, evidence: Mapping[str, Any]) -> dict[str, Any]:
     """What decided a GPU server's early exit, for <backend>_startup_failed: the deciding log
-    line, a library the loader could not find, the exit status and the log's last lines."""
+    line, a library the loader could not find, the exit status, the log's last lines, and a
+    sentence built from them (the code's own names every cause it may have)."""
     tail = [str(line) for line in (evidence.get("log_tail") or [])][-8:]
     detail = {k: evidence[k] for k in ("line", "returncode", "signal") if evidence.get(k) is not None}
     missing = missing_library(tail)
@@ -112,7 +91,31 @@ def exit_detail(evidence: Mapping[str, Any]) -> dict[str, Any]:
         detail["missing_library"] = missing
     if tail:
         detail["log_tail"] = tail
+    detail["message"] = startup_sentence(backend, reason, detail)
     return detail
+
+
+def startup_sentence(backend: str, reason: ReasonCode, detail: Mapping[str, Any]) -> str:
+    """The one true sentence about a server that died before it was ready."""
+    line = f" ({detail['line']})" if detail.get("line") else ""
+    if detail.get("missing_library"):
+        return (
+            f"The {backend} server could not start: the loader could not find {detail['missing_library']}{line}; "
+            f"reinstall the bundle (`stoker install {backend}`) or install the library."
+        )
+    if reason == ReasonCode.OUT_OF_MEMORY:
+        return (
+            f"The {backend} server ran out of memory before it was ready{line}; free VRAM, or lower the context "
+            f"size or n_gpu_layers."
+        )
+    how = (
+        f"was killed by signal {detail['signal']}"
+        if detail.get("signal")
+        else f"exited with status {detail['returncode']}"
+        if detail.get("returncode") is not None
+        else "exited"
+    )
+    return f"The {backend} server {how} before it was ready ({reason}){line}; see the server log and `stoker history`."
 
 
 def candidates_for(prefer: str, backends: Mapping[str, Backend]) -> tuple[tuple[str, ...], bool]:
@@ -217,7 +220,7 @@ class FallbackOrchestrator:
             startup_failed=family_reason(
                 self.backends, previous.backend, ReasonKind.STARTUP_FAILED, ReasonCode.SERVER_CRASHED
             ),
-            evidence={"variant": previous.variant, **exit_detail(failure.evidence)},
+            evidence={"variant": previous.variant, **exit_detail(previous.backend, failure.reason, failure.evidence)},
         )
 
     async def _probe_candidates(self, eff: F.ProbeCandidates, request: PlanRequest) -> None:
@@ -297,18 +300,29 @@ class FallbackOrchestrator:
                 check.reason or plugin.unavailable_reason,
                 {"message": check.message, "bundle": str(bundle.root), **dict(check.evidence)},
             )
-        probed = {d.index: d.memory_free_mib for d in detection.devices if isinstance(d.memory_free_mib, int)}
-        full_reason = plugin.reason(ReasonKind.VRAM_FULL)
-        if vram_full(full_reason, probed, config) is not None:
-            # The probe's figures can be 30 s old: only a reading now may skip the launch.
-            now = await free_vram_now(self.backends, backend, tuple(probed))
-            full = vram_full(full_reason, now, config) if set(now) == set(probed) else None
-            if full is not None:
-                return F.CheckFailed(backend, *full)
-            log.info("%s: probe said %s MiB free, now %s: launching", backend, probed, now or "?")
+        # The probe's figures can be 30 s old: the decision and the figures shown are a reading now.
+        free = await read_free_vram(plugin, detection)
+        request.free[backend] = free
+        server = config.server
+        full = vram_full(
+            backend,
+            plugin.reason(ReasonKind.VRAM_FULL),
+            free,
+            fit_margin(server.extra_args),
+            plugin.runtime_reserve_mib,
+            server.n_gpu_layers,
+        )
+        if full is not None:
+            return F.CheckFailed(backend, *full)
         self._bundles[backend] = bundle
         return F.CheckPassed(
-            backend, {"variant": variant, "bundle": str(bundle.root), "devices": [d.name for d in detection.devices]}
+            backend,
+            {
+                "variant": variant,
+                "bundle": str(bundle.root),
+                "devices": [d.name for d in detection.devices],
+                **(free.evidence() if free else {}),
+            },
         )
 
     async def _install(self, eff: F.InstallBundle, request: PlanRequest) -> object:
@@ -326,33 +340,29 @@ class FallbackOrchestrator:
         return F.BundleInstalled(backend)
 
     async def _use_plan(self, eff: F.UsePlan, request: PlanRequest) -> None:
-        """The complete plan for the backend that passed its check."""
+        """The complete plan for the backend that passed its check, on the GPUs its reading
+        found room on."""
         backend, config, model = eff.backend, request.config, request.model
-        bundle = self._bundles[backend]
+        bundle, plugin = self._bundles[backend], self.backends[backend]
         self.estimate = None
         layers: LR.GpuLayers = 0
+        devices: tuple[int, ...] = ()
         if backend == LR.CPU_BACKEND:
             self.planned_why = why_planned(backend, None, str(self.data.reason) if self.data.reason else None)
         else:
-            detection = self._detections.get(backend)
-            free, device, n_devices = free_vram([d.to_dict() for d in detection.devices] if detection else [])
+            layers = config.server.n_gpu_layers
+            free = request.free.get(backend)
+            margin = fit_margin(config.server.extra_args)
+            devices = devices_for_plan(free, margin, plugin.runtime_reserve_mib, layers)
             try:
                 self.estimate = await trio.to_thread.run_sync(
-                    estimate,
-                    model,
-                    config.server.ctx_size,
-                    free,
-                    device,
-                    self.backends[backend].runtime_reserve_mib,
-                    fit_margin(config.server.extra_args),
-                    max(1, n_devices),
+                    estimate, model, config.server.ctx_size, free, devices, plugin.runtime_reserve_mib, margin, layers
                 )
             except (OSError, ValueError, KeyError, TypeError) as err:
                 log.info("no layer estimate for %s: %s", model, err)
-            self.planned_why = why_planned(backend, self.estimate)
-            layers = config.server.n_gpu_layers
+            self.planned_why = why_planned(backend, self.estimate, layers=layers)
         request.plan = await trio.to_thread.run_sync(
-            complete_plan, self.paths, config, bundle, model, layers, self.backends[backend]
+            complete_plan, self.paths, config, bundle, model, layers, plugin, devices
         )
 
     # --- after the launch ---------------------------------------------------------------
@@ -368,6 +378,11 @@ class FallbackOrchestrator:
             # before; nothing new to prove here, and nothing to demote on missing lines.
             self._report(F.LaunchSucceeded(plan.backend, evidence={"adopted": True}, adopted=True))
             return {}
+        if self.runner.state is F.FallbackState.SETTLED and self.estimate is not None:
+            # The same plan respawned after a crash: its free-VRAM reading is as old as the plan
+            # (the GPUs may have filled since). Only the engine's figures of this launch speak.
+            self.estimate = self.estimate.without_reading()
+            self.planned_why = why_planned(plan.backend, self.estimate) + " (respawned with its plan)"
         reason, proof = (
             (None, {})
             if plan.on_cpu
@@ -387,54 +402,32 @@ class FallbackOrchestrator:
 
     # --- for status ---------------------------------------------------------------------
 
+    def effective_backend(self, plan: LR.LaunchPlan | None) -> str | None:
+        """The backend really in use by `plan`'s server: the fallback machine's verdict once it
+        has settled on that plan (the CPU after a demotion), else the plan's own."""
+        data = self.data
+        if plan is None:
+            return None
+        if self.runner.state is F.FallbackState.SETTLED and data.chosen and plan.backend == data.current:
+            return data.chosen
+        return plan.backend
+
     def status(self, server: ServedPlan, prefer: str | None = None) -> dict[str, Any]:
         """The fallback part of `status`: effective backend, fallbacks with reasons, layers."""
         data = self.data
         plan = server.plan
         ready = server.ready_evidence or {}
-        fallbacks = [
-            {
-                "backend": s.backend,
-                "reason": str(s.reason),
-                "message": s.evidence.get("message") or message_for(s.reason),
-                "evidence": dict(s.evidence),
-            }
-            for s in data.skipped
-        ]
-        effective = plan.backend if plan else None
-        if self.runner.state is F.FallbackState.SETTLED and data.chosen:
-            effective = data.chosen
-            if plan is not None and data.chosen != plan.backend and data.reason:
-                fallbacks.append(
-                    {
-                        "backend": plan.backend,
-                        "reason": str(data.reason),
-                        "message": message_for(data.reason),
-                        "evidence": dict(data.evidence),
-                    }
-                )
-        late = data.respawn_demotion
-        if (
-            late is not None
-            and plan is not None
-            and late.backend == plan.backend
-            and self.runner.state is F.FallbackState.SETTLED
-        ):
-            effective = LR.CPU_BACKEND
-            fallbacks.append(
-                {
-                    "backend": late.backend,
-                    "reason": str(late.reason),
-                    "message": message_for(late.reason),
-                    "evidence": {**late.evidence, "after": "respawn"},
-                }
-            )
+        fallbacks = [self._fallback(s.backend, s.reason, s.evidence) for s in data.skipped]
+        effective = self.effective_backend(plan)
+        if plan is not None and effective != plan.backend and data.reason:
+            fallbacks.append(self._fallback(plan.backend, data.reason, data.evidence))
         why = self.planned_why or ""
         if plan is not None and ready:
             why = why_actual(plan.backend, why, ready)
         return {
             "backend": effective,
             "planned_backend": plan.backend if plan else None,
+            "offload": None if plan is None or plan.on_cpu else offload_kind(ready),
             "preference": {"prefer": prefer, "forced": data.forced, "candidates": list(data.candidates)},
             "fallback_state": self.runner.state.value,
             "fallback_reason": str(data.reason) if data.reason else None,
@@ -446,4 +439,14 @@ class FallbackOrchestrator:
                 "why": why or None,
                 "estimate": self.estimate.to_dict() if self.estimate else None,
             },
+        }
+
+    @staticmethod
+    def _fallback(backend: str, reason: ReasonCode, evidence: Mapping[str, Any]) -> dict[str, Any]:
+        """One passed-over backend for status: its own sentence where its evidence has one."""
+        return {
+            "backend": backend,
+            "reason": str(reason),
+            "message": evidence.get("message") or message_for(reason),
+            "evidence": dict(evidence),
         }

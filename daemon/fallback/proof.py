@@ -4,9 +4,9 @@ A GPU plan that reaches ready proves nothing by itself: the engine may have fitt
 (`offloaded 0/M layers to GPU`) or the server may hold no VRAM at all. After the launch the
 orchestrator asks `judge_acceleration` for a verdict from the engine's own load lines and,
 where the platform reports it (NVML per-process memory), the server's VRAM; a failed proof
-carries a hint that names the one setting that changes it. The readings of the backend's
-telemetry live here too: the server's own VRAM after the launch, and the free VRAM read now
-that confirms a probe's "no room" before a launch is skipped.
+carries a hint built from the figures that decided it (the free VRAM the engine itself saw
+on each device, else the reading the plan was made on, never one older than the launch) and
+names the one setting that changes it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import trio
 
 from daemon.backends.base import Backend, ReasonKind, TelemetryRequest
 from daemon.backends.registry import family_reason
-from daemon.fallback.layers import FIT_MARGIN_MIB, LayerEstimate
+from daemon.fallback.layers import LayerEstimate, engine_free, fit_margin
+from daemon.fallback.vram import mib_text
 from states import launch_records as LR
 from states.reasons import ReasonCode
 
@@ -37,7 +38,7 @@ async def judge_acceleration(
         "offload_line": (evidence.get("evidence_lines") or {}).get("offloaded"),
     }
     if not offloaded:
-        proof["hint"] = zero_layers_hint(plan, estimate)
+        proof["hint"] = zero_layers_hint(plan, estimate, evidence)
         return family_reason(backends, backend, ReasonKind.GPU_LAYERS_ZERO, ReasonCode.GPU_CLAIMED_BUT_UNUSED), proof
     vram = await process_vram(backends, backend, evidence.get("pid"))
     proof["process_vram_mib"] = vram
@@ -46,41 +47,41 @@ async def judge_acceleration(
     return None, proof
 
 
-def zero_layers_hint(plan: LR.LaunchPlan | None, estimate: LayerEstimate | None) -> str:
-    """Why a GPU plan offloaded nothing, and the one setting that changes it."""
+def zero_layers_hint(
+    plan: LR.LaunchPlan | None, estimate: LayerEstimate | None, ready: Mapping[str, Any] | None = None
+) -> str:
+    """Why a GPU plan offloaded nothing, from the figures that decided it, and the one
+    setting that changes it. `estimate` must be of this launch's reading (a respawn's is
+    cleared of figures: the engine's own, in `ready`, speak for it)."""
     if plan is not None and plan.n_gpu_layers == 0:
         return "n_gpu_layers = 0 in the config: nothing is offloaded by request"
-    if plan is not None and any(a in ("-fitt", "--fit-target") for a in plan.extra_args):
-        return "the engine's fit found no room for a layer within the -fitt margin in extra_args"
-    runtime = (
-        f", about {estimate.context_mib * estimate.n_devices} MiB of it taken by the runtime,"
-        if estimate and estimate.context_mib
-        else ""
-    )
-    room = (
-        ""
-        if estimate is None or estimate.free_vram_mib is None
-        else (
-            f"{estimate.free_vram_mib} MiB free VRAM{runtime} vs model {estimate.model_mib:.0f} MiB + KV {estimate.kv_mib or 0:.0f} MiB; "
+    if plan is not None and plan.n_gpu_layers != "auto":
+        return f"-ngl {plan.n_gpu_layers} was asked and the engine offloaded none; see the server log"
+    margin = estimate.margin_mib if estimate else fit_margin(plan.extra_args if plan else ())
+    seen = engine_free(ready or {})
+    if seen:
+        figures = f"the engine saw {seen} free as it loaded (its runtime's share already taken); "
+    elif estimate is not None and estimate.free_by_device:
+        listed = ", ".join(f"{label} {mib_text(mib)}" for label, mib in estimate.free_by_device.items())
+        runtime = (
+            f", about {estimate.context_mib} MiB of it taken by the runtime on each GPU,"
+            if estimate.context_mib
+            else ""
         )
-    )
+        figures = (
+            f"free VRAM ({estimate.source}) {listed}{runtime} vs model {estimate.model_mib:.0f} MiB"
+            f" + KV {estimate.kv_mib or 0:.0f} MiB; "
+        )
+    else:
+        figures = ""
+    if plan is not None and any(a in ("-fitt", "--fit-target") for a in plan.extra_args):
+        return (
+            f"{figures}the engine's fit found no room for a layer within the -fitt margin ({margin} MiB) in extra_args"
+        )
     return (
-        f"{room}the engine keeps {FIT_MARGIN_MIB} MiB free (-fitt) and offloads nothing when less is left; "
-        f'free VRAM, or lower the margin: [server] extra_args = ["-fitt", "256"]'
+        f"{figures}the engine keeps {margin} MiB free on each device (-fitt) and offloads nothing where less "
+        f'is left; free VRAM, or lower the margin: [server] extra_args = ["-fitt", "256"]'
     )
-
-
-async def free_vram_now(backends: Mapping[str, Backend], backend: str, indices: tuple[int, ...]) -> dict[int, int]:
-    """Free VRAM per device read now (NVML in-process, as telemetry does); {} if unreadable."""
-    try:
-        now = await trio.to_thread.run_sync(backends[backend].read_telemetry, TelemetryRequest(devices=indices))
-    except Exception:
-        return {}
-    return {
-        d.index: d.memory_total_mib - d.memory_used_mib
-        for d in (now.devices if now else ())
-        if d.memory_total_mib is not None and d.memory_used_mib is not None
-    }
 
 
 async def process_vram(backends: Mapping[str, Backend], backend: str, pid: Any) -> int | None:

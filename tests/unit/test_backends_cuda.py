@@ -267,12 +267,26 @@ def test_launch_args():
     b = CudaBackend()
     assert b.launch_args(LaunchRequest("auto")) == ["-ngl", "auto"]
     assert b.launch_args(LaunchRequest(0)) == ["-ngl", "0"]
-    assert b.launch_args(SimpleNamespace(gpu_layers=99, devices=("CUDA0", "CUDA1"))) == [
-        "-ngl",
-        "99",
-        "--device",
-        "CUDA0,CUDA1",
-    ]
+    assert b.launch_args(SimpleNamespace(gpu_layers=99, devices=(0, 1))) == ["-ngl", "99"]
+
+
+def test_the_plans_devices_are_the_only_ones_cuda_sees():
+    """The GPUs a plan gives the server, by NVML index: CUDA_VISIBLE_DEVICES with the runtime
+    numbering GPUs by PCI bus as NVML does, so index 1 is NVML's GPU 1 whatever the order CUDA
+    would pick by itself. No devices named: the environment is left alone."""
+    b = CudaBackend()
+    assert b.launch_env(LaunchRequest("auto")) == {}
+    assert b.launch_env(LaunchRequest("auto", devices=(1,))) == {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": "1",
+    }
+    assert b.launch_env(LaunchRequest(8, devices=(0, 2)))["CUDA_VISIBLE_DEVICES"] == "0,2"
+
+
+def test_telemetry_reports_free_vram_as_nvml_says_it():
+    """Free VRAM is NVML's own figure, not total - used (drivers that reserve memory count it in neither)."""
+    t = CudaBackend(nvml=rec.FakeNvml([rec.h200(free=699 * rec.MIB)])).read_telemetry(TelemetryRequest())
+    assert t.devices[0].memory_free_mib == 699
 
 
 def test_telemetry_reads_memory_and_the_servers_share():

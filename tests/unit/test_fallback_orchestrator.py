@@ -167,8 +167,8 @@ async def test_zero_layers_offloaded_is_reported_as_cpu(paths, config):
         assert st["fallbacks"][0]["evidence"]["offload_line"].endswith("offloaded 0/3 layers to GPU")
         # what to do about it: the engine's fit margin, and the setting that lowers it
         hint = st["fallbacks"][0]["evidence"]["hint"]
-        assert "keeps 1024 MiB free (-fitt)" in hint and '"-fitt", "256"' in hint
-        assert "about 524 MiB of it taken by the runtime" in hint
+        assert "keeps 1024 MiB free on each device (-fitt)" in hint and '"-fitt", "256"' in hint
+        assert "free VRAM (read now) 0: NVIDIA H200 139.8 GiB, about 524 MiB of it taken by the runtime" in hint
 
 
 async def test_offload_claimed_but_no_vram_held_is_reported_as_cpu(paths, config):
@@ -358,11 +358,10 @@ async def test_less_free_vram_than_the_fit_margin_skips_the_gpu_launch(paths, co
         st = orch.status(supervisor_for(plan))
         [fb] = st["fallbacks"]
         assert fb["reason"] == "cuda_vram_full" and fb["evidence"]["free_vram_mib"] == {"0": 699}
-        assert fb["evidence"]["margin_mib"] == 1024 and '"-fitt", "256"' in fb["evidence"]["hint"]
-        # The hint applied: a lower margin than what is free leaves it to the engine again.
-        lower = attrs.evolve(config, server=attrs.evolve(config.server, extra_args=("-fitt", "256")))
-        assert (await orch.plan(lower, LR.MakePlan())).backend == "cuda"
-        # So does a fixed layer count (the engine does not fit then; it loads as told).
+        assert fb["evidence"]["margin_mib"] == 1024 and fb["evidence"]["runtime_reserve_mib"] == 524
+        # 699 MiB less the runtime's 524 leaves no room for any margin: the hint does not offer one.
+        assert "-fitt" not in fb["evidence"]["hint"] and "runtime alone takes 524 MiB" in fb["evidence"]["hint"]
+        # A fixed layer count is not fitted: the engine loads as told, so it is launched.
         fixed = attrs.evolve(config, server=attrs.evolve(config.server, n_gpu_layers=4))
         assert (await orch.plan(fixed, LR.MakePlan())).backend == "cuda"
         # The probe's figure is cached for 30 s: VRAM freed since then is read now, and launched on.
@@ -370,6 +369,196 @@ async def test_less_free_vram_than_the_fit_margin_skips_the_gpu_launch(paths, co
         nearly_full.gpus[0]["free"] = 100_000 * rec.MIB
         assert orch.probes.cached("cuda") is not None  # still the old verdict (699 MiB)
         assert (await orch.plan(config, LR.MakePlan())).backend == "cuda"
-    # 1.5 GiB free is not certain (the engine's runtime takes ~524 MiB first): launched and proven after.
+    # Measured on the H200 with 1499 MiB free: the runtime took 524, the engine saw 975 < 1024
+    # and offloaded 0/19 after 12-13 s. That is certain too; with the hint's -fitt 256 it fits.
     async with orchestrator(paths, cuda_backend(rec.FakeNvml([rec.h200(free=1499 * rec.MIB)]))) as orch:
+        plan = await orch.plan(config, LR.MakePlan())
+        assert plan.backend == "cpu"
+        [fb] = orch.status(supervisor_for(plan))["fallbacks"]
+        assert fb["reason"] == "cuda_vram_full" and '"-fitt", "256"' in fb["evidence"]["hint"]
+        assert "below 975 MiB" in fb["evidence"]["hint"]
+        lower = attrs.evolve(config, server=attrs.evolve(config.server, extra_args=("-fitt", "256")))
+        assert (await orch.plan(lower, LR.MakePlan())).backend == "cuda"
+
+
+# --- truth in every figure (issue 12: findings 7-11) ----------------------------------------
+
+
+def fallback_of(st, backend):
+    return next(f for f in st["fallbacks"] if f["backend"] == backend)
+
+
+async def test_the_vram_check_reads_nvml_when_it_decides_not_the_probe(paths, config):
+    """The probe (cached for 30 s) saw an empty H200; another process has filled it since. The
+    decision is taken on a reading made now, and says so with that reading's figures (the H200
+    run went on with the probe's word: 3 CUDA crashes, 29.6 s to the CPU server)."""
+    install_cuda_bundle(paths)
+    nvml = rec.FakeNvml([rec.h200()])
+    async with orchestrator(paths, cuda_backend(nvml)) as orch:
         assert (await orch.plan(config, LR.MakePlan())).backend == "cuda"
+        nvml.gpus[0]["free"] = 699 * rec.MIB
+        assert orch.probes.cached("cuda").detection.devices[0].memory_free_mib == 143150  # the probe's word
+        plan = await orch.plan(config, LR.MakePlan())
+        assert plan.backend == "cpu"
+        fb = fallback_of(orch.status(supervisor_for(plan)), "cuda")
+        assert fb["reason"] == "cuda_vram_full"
+        assert fb["evidence"]["free_vram_mib"] == {"0": 699} and fb["evidence"]["free_vram_source"] == "read now"
+        assert "0: NVIDIA H200 699 MiB" in fb["message"] and "143150" not in json_of(fb)
+
+
+def json_of(value) -> str:
+    import json
+
+    return json.dumps(value, default=str)
+
+
+async def test_the_layers_why_quotes_the_reading_that_decided_not_the_cached_probe(paths, config):
+    install_cuda_bundle(paths)
+    nvml = rec.FakeNvml([rec.h200(free=699 * rec.MIB)])
+    async with orchestrator(paths, cuda_backend(nvml)) as orch:
+        assert (await orch.plan(config, LR.MakePlan())).backend == "cpu"  # the probe saw 699 MiB
+        nvml.gpus[0]["free"] = 100_000 * rec.MIB  # freed since: the reading now overrides the probe
+        plan = await orch.plan(config, LR.MakePlan())
+        assert plan.backend == "cuda"
+        st = orch.status(supervisor_for(plan))
+        assert st["layers"]["estimate"]["free_vram_mib"] == 100_000
+        assert "0: NVIDIA H200 97.7 GiB" in st["layers"]["why"] and "699" not in st["layers"]["why"]
+        assert "read now" in st["layers"]["why"]
+
+
+async def test_a_fixed_layer_count_is_not_called_ngl_auto(paths, config):
+    install_cuda_bundle(paths)
+    fixed = attrs.evolve(config, server=attrs.evolve(config.server, n_gpu_layers=4))
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml())) as orch:
+        plan = await orch.plan(fixed, LR.MakePlan())
+        assert plan.backend_args == ("-ngl", "4")
+        why = orch.status(supervisor_for(plan))["layers"]["why"]
+        assert why.startswith("-ngl 4:") and "auto" not in why and "-fitt" not in why
+
+
+async def test_two_gpus_are_quoted_one_by_one_against_the_margin_each_keeps(paths, config):
+    """Not a sum over both GPUs against a margin quoted once: each GPU's free VRAM, and the
+    runtime's share and the margin on each."""
+    install_cuda_bundle(paths)
+    nvml = rec.FakeNvml([rec.h200(free=1700 * rec.MIB), rec.h200(free=1650 * rec.MIB)])
+    async with orchestrator(paths, cuda_backend(nvml)) as orch:
+        plan = await orch.plan(config, LR.MakePlan())
+        assert plan.backend == "cuda" and plan.backend_env == ()  # both can take layers: both given
+        why = orch.status(supervisor_for(plan))["layers"]["why"]
+        assert "0: NVIDIA H200 1700 MiB, 1: NVIDIA H200 1650 MiB" in why
+        assert "524 MiB CUDA runtime + 1024 MiB margin (-fitt) on each GPU" in why and "3350" not in why
+        # The engine then offloaded nothing: the hint quotes what the engine saw on each device.
+        zero = {**ready_evidence(0), "device_free_mib": {"CUDA0": 1176, "CUDA1": 1126}}
+        await orch.on_ready(supervisor_for(plan), zero)
+        hint = fallback_of(orch.status(supervisor_for(plan, zero)), "cuda")["evidence"]["hint"]
+        assert "CUDA0 1176 MiB, CUDA1 1126 MiB" in hint and "1024 MiB free on each device (-fitt)" in hint
+        assert "3350" not in hint and "2302" not in hint
+
+
+async def test_a_demoted_respawn_quotes_the_engines_figures_and_is_a_transition(paths, config):
+    """Seen on two H200s: settled on cuda with 2 x 139.8 GiB free, then another process filled
+    both GPUs, the server crashed and was respawned with the same plan and offloaded nothing.
+    `layers.why` went on claiming 279.6 GiB free; history had no row and fallback_reason was null."""
+    install_cuda_bundle(paths)
+    held = [(PID, 900 * rec.MIB)]
+    nvml = rec.FakeNvml([rec.h200(processes=held), rec.h200(processes=held)])
+    async with orchestrator(paths, cuda_backend(nvml)) as orch:
+        plan = await orch.plan(config, LR.MakePlan())
+        await orch.on_ready(supervisor_for(plan), ready_evidence(3))
+        st = orch.status(supervisor_for(plan, ready_evidence(3)))
+        assert st["backend"] == "cuda" and st["fallback_reason"] is None and "139.8 GiB" in st["layers"]["why"]
+        for gpu in nvml.gpus:
+            gpu["free"] = 1331 * rec.MIB
+        respawn = {**ready_evidence(0), "device_free_mib": {"CUDA0": 807, "CUDA1": 805}}
+        await orch.on_ready(supervisor_for(plan), respawn)
+        st = orch.status(supervisor_for(plan, respawn))
+        assert st["backend"] == "cpu" and st["fallback_reason"] == "cuda_gpu_layers_zero"
+        fb = fallback_of(st, "cuda")
+        assert fb["reason"] == "cuda_gpu_layers_zero" and fb["evidence"]["after"] == "respawn"
+        shown = st["layers"]["why"] + " " + fb["evidence"]["hint"]
+        assert "139.8" not in shown and "279" not in shown and "143150" not in json_of(st["layers"])
+        assert "CUDA0 807 MiB, CUDA1 805 MiB" in fb["evidence"]["hint"]
+        assert "engine saw CUDA0 807 MiB, CUDA1 805 MiB free" in st["layers"]["why"]
+        last = orch.store.history(machine="fallback", limit=1)[0]
+        assert (last.event, last.to_state, last.reason) == ("LaunchSucceeded", "settled", "cuda_gpu_layers_zero")
+        assert last.evidence["after"] == "respawn" and last.evidence["effective_backend"] == "cpu"
+
+
+async def test_forced_cuda_with_full_vram_says_one_true_thing(paths, config):
+    """It said both "serving on the CPU" (the code's generic sentence) and "nothing is served"."""
+    install_cuda_bundle(paths)
+    forced = attrs.evolve(config, backend=BackendConfig(prefer="cuda"))
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml([rec.h200(free=699 * rec.MIB)]))) as orch:
+        with pytest.raises(StokerError) as err:
+            await orch.plan(forced, LR.MakePlan())
+    message = err.value.message
+    assert err.value.reason == "cuda_vram_full"
+    assert "serving on the CPU" not in message and "nothing is served" in message
+    assert "0: NVIDIA H200 699 MiB" in message and "1024 MiB" in message
+
+
+async def test_a_startup_failure_says_what_its_evidence_says(paths, config):
+    """cuda_startup_failed's generic sentence blames a missing library; an out-of-memory exit
+    must say out of memory, a missing library must name it."""
+    oom = "ggml_backend_cuda_buffer_type_alloc_buffer: allocating 13824.00 MiB on device 0: cudaMalloc failed: out of memory"
+    install_cuda_bundle(paths)
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml())) as orch:
+        plan = await orch.plan(config, LR.MakePlan())
+        failure = LR.PlanFailure(R.OUT_OF_MEMORY, LR.ExitPhase.NEVER_READY, {"line": oom, "log_tail": [oom]})
+        again = await orch.plan(config, LR.MakePlan(previous=plan, failure=failure))
+        assert again.backend == "cpu"
+        fb = fallback_of(orch.status(supervisor_for(again)), "cuda")
+        assert fb["reason"] == "cuda_startup_failed" and fb["evidence"]["exit_reason"] == "out_of_memory"
+        assert "out of memory" in fb["message"] and "library" not in fb["message"]
+    lib = "llama-server: error while loading shared libraries: libcublas.so.13: cannot open shared object file"
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml())) as orch:
+        plan = await orch.plan(config, LR.MakePlan())
+        again = await orch.plan(config, died_before_ready(plan, returncode=127, line=lib, log_tail=[lib]))
+        fb = fallback_of(orch.status(supervisor_for(again)), "cuda")
+        assert "libcublas.so.13" in fb["message"] and "out of memory" not in fb["message"]
+
+
+async def test_a_partial_offload_is_called_partial(paths, config):
+    install_cuda_bundle(paths)
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml([rec.h200(processes=[(PID, 900 * rec.MIB)])]))) as orch:
+        plan = await orch.plan(config, LR.MakePlan())
+        await orch.on_ready(supervisor_for(plan), ready_evidence(15, 33))
+        st = orch.status(supervisor_for(plan, ready_evidence(15, 33)))
+        assert st["backend"] == "cuda" and st["offload"] == "partial"
+        await orch.on_ready(supervisor_for(plan), ready_evidence(33, 33))
+        assert orch.status(supervisor_for(plan, ready_evidence(33, 33)))["offload"] == "full"
+
+
+async def test_a_gpu_that_can_take_no_layer_is_not_given_to_the_server(paths, config):
+    """GPU 0 is nearly full (300 MiB free: less than the CUDA runtime's share plus the margin);
+    the engine would put no layer there but its CUDA context would still take ~520 MiB from
+    whoever filled it. The plan gives the server GPU 1 only, and records how."""
+    from daemon.engine.process import server_env
+
+    install_cuda_bundle(paths)
+    nvml = rec.FakeNvml([rec.h200(free=300 * rec.MIB), rec.h200()])
+    async with orchestrator(paths, cuda_backend(nvml)) as orch:
+        plan = await orch.plan(config, LR.MakePlan())
+        assert plan.backend == "cuda" and plan.backend_args == ("-ngl", "auto")
+        assert dict(plan.backend_env) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1"}
+        env = server_env(server_spec(plan))
+        assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        st = orch.status(supervisor_for(plan))
+        assert "1: NVIDIA H200 139.8 GiB" in st["layers"]["why"]
+        assert "left out: 0: NVIDIA H200 300 MiB" in st["layers"]["why"]
+        assert st["layers"]["estimate"]["free_vram_mib"] == 143150  # the GPU the server has
+
+
+async def test_a_forced_backend_that_died_before_ready_says_only_what_happened(paths, config):
+    oom = "cudaMalloc failed: out of memory"
+    install_cuda_bundle(paths)
+    forced = attrs.evolve(config, backend=BackendConfig(prefer="cuda"))
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml())) as orch:
+        plan = await orch.plan(forced, LR.MakePlan())
+        failure = LR.PlanFailure(R.OUT_OF_MEMORY, LR.ExitPhase.NEVER_READY, {"line": oom, "log_tail": [oom]})
+        with pytest.raises(StokerError) as err:
+            await orch.plan(forced, LR.MakePlan(previous=plan, failure=failure))
+    assert err.value.reason == "cuda_startup_failed"
+    message = err.value.message
+    assert "ran out of memory" in message and "nothing is served" in message
+    assert "next backend" not in message and "library" not in message and "serving on the CPU" not in message

@@ -192,14 +192,35 @@ def test_results_for_another_backend_are_illegal_and_a_new_request_starts_over()
 
 def test_a_respawned_server_is_proven_again_and_the_verdict_kept():
     settled = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda"), LaunchSucceeded("cuda"))
+    assert settled.data.chosen == "cuda" and settled.data.reason is None
     proof = {"offloaded_layers": 0}
     s = drive(LaunchSucceeded("cuda", "cpu", R.CUDA_GPU_LAYERS_ZERO, proof), state=settled.state, data=settled.data)
     assert s.state is S.SETTLED and s.reason is R.CUDA_GPU_LAYERS_ZERO and s.evidence["after"] == "respawn"
     assert s.data.respawn_demotion == Demotion("cuda", R.CUDA_GPU_LAYERS_ZERO, proof)
-    assert s.data.chosen == "cuda"  # what settled stays; the demotion is said beside it
+    # The demotion is the machine's new truth: what serves now, and why not the preferred one
+    # (status's backend and fallback_reason read these, nothing beside the machine).
+    assert s.data.chosen == "cpu" and s.data.reason is R.CUDA_GPU_LAYERS_ZERO
+    assert s.data.evidence["after"] == "respawn" and s.data.evidence["offloaded_layers"] == 0
     kept = drive(LaunchSucceeded("cuda", adopted=True), state=s.state, data=s.data)
-    assert kept.data.respawn_demotion == s.data.respawn_demotion  # the same process, nothing new
+    assert kept.data == s.data  # the same process, nothing new
     cleared = drive(LaunchSucceeded("cuda"), state=s.state, data=s.data)
     assert cleared.data.respawn_demotion is None
+    assert cleared.data.chosen == "cuda" and cleared.data.reason is None  # accelerated again
     with pytest.raises(IllegalTransition):
         step(FALLBACK, s.state, s.data, LaunchSucceeded("cpu"))
+
+
+def test_a_respawn_accelerated_again_keeps_why_the_preferred_one_was_passed_over():
+    """Settled on cuda after rocm was skipped: a demoted respawn says cuda_gpu_layers_zero, and
+    the next accelerated respawn goes back to rocm's reason, not to None."""
+    settled = drive(
+        PlanRequested(("rocm", "cuda", "cpu")),
+        CheckFailed("rocm", R.GPU_MISSING),
+        CheckPassed("cuda"),
+        LaunchSucceeded("cuda"),
+    )
+    assert settled.data.reason is R.GPU_MISSING
+    demoted = drive(LaunchSucceeded("cuda", "cpu", R.CUDA_GPU_LAYERS_ZERO), state=settled.state, data=settled.data)
+    assert demoted.data.reason is R.CUDA_GPU_LAYERS_ZERO and demoted.data.chosen == "cpu"
+    again = drive(LaunchSucceeded("cuda"), state=demoted.state, data=demoted.data)
+    assert again.data.reason is R.GPU_MISSING and again.data.chosen == "cuda"
