@@ -1,6 +1,6 @@
 """The daemon: one root nursery in which every service starts, in this order.
 
-    lock -> store -> config -> probes -> installs (resumes interrupted installs)
+    private dirs -> lock -> store -> config -> store keeper -> probes -> installs (resumes interrupted installs)
          -> supervisor (resumes the launch machine; its planner is the fallback
             orchestrator) -> telemetry -> control socket -> config watcher
          -> sd_notify watchdog -> autostart
@@ -11,14 +11,20 @@ that interface, and nothing in daemon.control imports this module.
 
 A second daemon on the same state directory refuses to start (an flock that the kernel
 releases even when the daemon is killed with -9). A planned shutdown stops the server first.
+
+The disk never stops the daemon: a transition the state database cannot take waits in memory
+(the store keeper writes it when space returns; `status` says `store_write_failed` meanwhile),
+and a refusal to start is one line, `error [reason]: sentence`, with the reason that stopped it.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
 import signal
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -34,8 +40,10 @@ from daemon.control.methods import dispatch
 from daemon.control.server import serve_control
 from daemon.core.errors import StokerError
 from daemon.core.events import EventBus
+from daemon.core.logfiles import DaemonLogHandler
 from daemon.core.machines import MachineRunner
 from daemon.core.paths import StokerPaths
+from daemon.core.store_keeper import serve_store_keeper
 from daemon.backends import load_backends
 from daemon.backends.registry import try_order
 from daemon.backends.base import Detection
@@ -50,17 +58,32 @@ from daemon.telemetry.sampler import ServerTarget, TelemetrySampler
 from daemon.telemetry.service import serve_telemetry
 from states import config as C
 from states import launch_records as LR
-from states.reasons import ReasonCode
-from store import StoreError, TransitionRecord, open_store
+from states.reasons import ReasonCode, ReasonedError
+from store import TransitionRecord, open_store
+from store.database import StoreHealth
 from store.snapshots import SnapshotCatalog, SnapshotRecord
 
 log = logging.getLogger("stoker")
 
 
+def data_dir_unwritable(path: Path, exc: OSError) -> StokerError:
+    """data_dir_unwritable, in the words of the error that refused it."""
+    why = exc.strerror or str(exc)
+    return StokerError(
+        ReasonCode.DATA_DIR_UNWRITABLE,
+        f"The daemon cannot write {path} ({why}); free space on that disk or fix its permissions, then start "
+        f"the daemon again.",
+        {"path": str(path), "error": f"{type(exc).__name__}: {why}"},
+    )
+
+
 def acquire_lock(path: Path) -> int:
     """Hold an exclusive flock on `path` for the daemon's life; refuse if another holds it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise data_dir_unwritable(path, exc) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -72,8 +95,11 @@ def acquire_lock(path: Path) -> int:
             f"use `stoker status`, or `stoker shutdown` to stop it.",
             {"pid": holder, "lock": str(path)},
         ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except OSError as exc:  # a full disk: the lock holds without the pid written in it
+        log.warning("cannot record the daemon's pid in %s: %s", path, exc)
     return fd
 
 
@@ -100,6 +126,7 @@ class Daemon:
         # Plugins first: loading one registers the reason codes it brings, which the machine
         # rows restored below may hold (a fallback that recorded fakegpu_startup_failed).
         backends = load_backends()
+        self.store.on_health = self._on_store_health
         self.config_runner = MachineRunner(C.CONFIG, "config", self.store, publish=self.publish)
         self.snapshots = SnapshotService(self.paths, SnapshotCatalog(self.store), lambda: self.config, self.bus.publish)
         self.probes = ProbeService(
@@ -137,6 +164,21 @@ class Daemon:
             extra = {}
         extra.update(await self.snapshots.on_ready(supervisor, {**evidence, **extra}) or {})
         return extra
+
+    def _on_store_health(self, health: StoreHealth) -> None:
+        if health.writable:
+            log.warning("the state database takes writes again: the held-back transitions are written")
+        else:
+            log.error(
+                "the state database cannot be written (%s): the daemon keeps running and writes the held-back "
+                "transitions once it can",
+                health.error,
+            )
+        self.publish({"topic": "store.writable" if health.writable else "store.write_failed", **health.to_dict()})
+
+    def store_health(self) -> StoreHealth:
+        """Whether transitions reach the state database, and what waits for it."""
+        return self.store.health()
 
     def publish(self, event: Mapping[str, Any]) -> None:
         self.bus.publish(event)
@@ -248,6 +290,7 @@ class Daemon:
     ) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._handle_signals)
+            await nursery.start(serve_store_keeper, self.store)
             await nursery.start(self.probes.serve)
             await nursery.start(self.installs.serve)
             await nursery.start(self.supervisor.run)
@@ -302,9 +345,12 @@ async def run_daemon(
     paths: StokerPaths, *, autostart: bool = True, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Run the daemon until shutdown; raises StokerError if it cannot start."""
+    try:
+        paths.make_private()
+    except OSError as exc:
+        raise data_dir_unwritable(paths.data_dir, exc) from None
     lock_fd = acquire_lock(paths.lock_file)
     try:
-        paths.logs_dir.mkdir(parents=True, exist_ok=True)
         store = open_store(paths.db_file)
         config, problems = _load_initial_config(paths)
         daemon = Daemon(paths, store, EventBus(), config)
@@ -320,21 +366,74 @@ async def run_daemon(
         os.close(lock_fd)
 
 
-def main(paths: StokerPaths, *, log_level: str = "info") -> int:
-    """`stoker daemon`: run in the foreground; the exit code says why it stopped."""
-    paths.logs_dir.mkdir(parents=True, exist_ok=True)
+def _setup_logging(paths: StokerPaths, log_level: str) -> None:
+    """logs/daemon.log, rotated as `[logs]` says, and stderr: everything on a terminal, in the
+    journal or at debug level; elsewhere (a file that `stoker run` points it to, which nothing
+    rotates) only warnings and errors, the file having the rest."""
     logging.basicConfig(
         level=getattr(logging, log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # Per-request lines from the HTTP client would drown the daemon's own story.
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    config, _problems = _load_initial_config(paths)
+    try:
+        handler = DaemonLogHandler(paths.logs_dir / "daemon.log", config.logs.rotation)
+    except OSError as exc:
+        log.warning("no daemon log file: %s", exc)
+        return
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    console_is_read = sys.stderr.isatty() or "JOURNAL_STREAM" in os.environ or log_level == "debug"
+    if not console_is_read:
+        for existing in root.handlers:
+            existing.setLevel(logging.WARNING)
+    root.addHandler(handler)
+
+
+# OSErrors that mean the disk or the directory refuses the daemon's files, not a bug.
+_DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EIO}
+
+
+def refusal_of(exc: BaseException, paths: StokerPaths) -> ReasonedError | None:
+    """The reason-coded error that stopped the daemon, found inside trio's exception groups
+    (a service that failed at start-up arrives wrapped in one per nursery); None for a bug."""
+    if isinstance(exc, ReasonedError):
+        return exc
+    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+        return data_dir_unwritable(Path(exc.filename) if exc.filename else paths.data_dir, exc)
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = refusal_of(inner, paths)
+            if found is not None:
+                return found
+    return None
+
+
+def main(paths: StokerPaths, *, log_level: str = "info") -> int:
+    """`stoker daemon`: run in the foreground; the exit code says why it stopped.
+
+    What it creates is its user's alone (umask 077: the server's snapshots and logs included).
+    A refusal prints one line, `error [reason]: sentence`, and logs it without a traceback; only
+    a bug (no reason code) logs its traceback, and prints one line saying so.
+    """
+    os.umask(0o077)
+    try:
+        paths.make_private()
+    except OSError:
+        pass  # run_daemon says why, with its reason
+    _setup_logging(paths, log_level)
     try:
         trio.run(run_daemon, paths)
-    except (StokerError, StoreError) as err:
-        log.error("%s: %s", err.reason, err.message)
-        print(f"error [{err.reason}]: {err.message}", flush=True)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except BaseException as exc:
+        err = refusal_of(exc, paths)
+        if err is None:
+            log.error("the daemon stopped on an internal error", exc_info=exc)
+            err = StokerError(ReasonCode.INTERNAL_ERROR, evidence={"error": f"{type(exc).__name__}: {exc}"})
+        else:
+            log.error("%s: %s", err.reason, err.message)
+        print(f"error [{err.reason}]: {err.message}", file=sys.stdout, flush=True)
+        return 1
     return 0

@@ -91,12 +91,15 @@ class ReasonCode(enum.StrEnum):
     SERVER_START_TIMEOUT = "server_start_timeout"
     SERVER_SPAWN_FAILED = "server_spawn_failed"
     SERVER_BAD_ARGUMENTS = "server_bad_arguments"
+    SERVER_FILES_UNWRITABLE = "server_files_unwritable"
     CRASH_LOOP = "crash_loop"
     GPU_CLAIMED_BUT_UNUSED = "gpu_claimed_but_unused"
     # The daemon, its config and its socket.
     CONFIG_INVALID = "config_invalid"
     DAEMON_ALREADY_RUNNING = "daemon_already_running"
     DAEMON_NOT_RUNNING = "daemon_not_running"
+    DATA_DIR_UNWRITABLE = "data_dir_unwritable"
+    RUNTIME_DIR_UNUSABLE = "runtime_dir_unusable"
     BAD_REQUEST = "bad_request"
     REQUEST_TOO_LARGE = "request_too_large"
     UNKNOWN_METHOD = "unknown_method"
@@ -255,11 +258,23 @@ MESSAGES: dict[ReasonCode, str] = {
         "The engine rejected its command line (an unknown option or a bad value, often in the "
         "server's extra arguments); fix the server settings in the config."
     ),
+    ReasonCode.SERVER_FILES_UNWRITABLE: (
+        "The server's log or launch files cannot be written (the disk is full or read-only); free space on that "
+        "disk or fix its permissions, then `stoker up`. The engine bundle is fine."
+    ),
     ReasonCode.CRASH_LOOP: "The server kept crashing; Stoker stopped restarting it. Fix the cause, then `stoker up`.",
     ReasonCode.GPU_CLAIMED_BUT_UNUSED: "The server claimed GPU offload but holds no GPU memory; reporting it as CPU.",
     ReasonCode.CONFIG_INVALID: "The config file is invalid; the previous config stays in force. See `stoker config check`.",
     ReasonCode.DAEMON_ALREADY_RUNNING: "Another Stoker daemon already runs for this state directory.",
     ReasonCode.DAEMON_NOT_RUNNING: "The Stoker daemon is not running; start it with `stoker daemon`.",
+    ReasonCode.DATA_DIR_UNWRITABLE: (
+        "The daemon cannot write its data directory (the disk is full or read-only, or the directory is not "
+        "yours); free space or fix its permissions, then start the daemon again."
+    ),
+    ReasonCode.RUNTIME_DIR_UNUSABLE: (
+        "The control socket's directory cannot be used (its path is too long for a Unix socket, it is not a "
+        "directory, or it is not yours); set STOKER_HOME or XDG_RUNTIME_DIR to a short directory of your own."
+    ),
     ReasonCode.BAD_REQUEST: "The request was malformed.",
     ReasonCode.REQUEST_TOO_LARGE: "The request exceeded the size limit.",
     ReasonCode.UNKNOWN_METHOD: "The daemon does not know this command.",
@@ -271,7 +286,10 @@ MESSAGES: dict[ReasonCode, str] = {
     ReasonCode.STORE_SCHEMA_TOO_NEW: (
         "The state database was written by a newer Stoker; upgrade Stoker or point STOKER_HOME elsewhere."
     ),
-    ReasonCode.STORE_WRITE_FAILED: "Writing to the state database failed; nothing was changed. Check disk space and permissions.",
+    ReasonCode.STORE_WRITE_FAILED: (
+        "The state database cannot be written (a full or read-only disk); the daemon keeps running and writes the "
+        "held-back transitions once it can. Free space on its disk or fix its permissions."
+    ),
     ReasonCode.PROBE_RESULT_STALE: "A probe result arrived after a newer probe had started; it was dropped.",
     ReasonCode.INTERNAL_ERROR: "Stoker hit an internal error; the daemon log has the traceback.",
     ReasonCode.SNAPSHOTS_DISABLED: "KV snapshots are off; set `[snapshots] enabled = true` in the config.",

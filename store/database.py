@@ -6,11 +6,19 @@ Connection settings, chosen on purpose (docs/store.md says why):
 - synchronous=NORMAL: in WAL mode a kill -9 of the daemon never loses a committed
   transition; only a power cut can drop the last few, and never corrupts the file;
 - foreign_keys=ON, so history rows always belong to a machine row.
+
+A disk that refuses a write (full, read-only, failing) never stops a machine: the transition
+waits in memory, in order, and is written when the disk takes writes again (`flush`, which
+every later write and the daemon's store keeper call); `health()` says why meanwhile. A write
+SQLite refuses for what it is (a constraint) still raises. `checkpoint()` copies the WAL into
+the main file, so that history does not live only in the -wal file until a clean close.
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import os
 import sqlite3
 import time
 from contextlib import contextmanager
@@ -27,6 +35,46 @@ from store.records import MachineRecord, TransitionRecord
 
 BUSY_TIMEOUT_MS = 5000
 MEMORY = ":memory:"
+# Unwritten transitions kept while the disk refuses writes; past this the oldest history rows
+# are dropped (counted in health), never the machines' latest rows (the newest step carries them).
+MAX_PENDING = 10_000
+# SQLite's primary result codes that say the disk or the file refuses writes now, not that the
+# write is wrong: full, I/O error, read-only, cannot open, locked by another process.
+_DISK_REFUSALS = frozenset(
+    {sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN}
+    | {sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_PROTOCOL}
+)
+
+
+def _primary_code(exc: sqlite3.Error) -> int | None:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return None if code is None else int(code) & 0xFF
+
+
+def refused_by_disk(exc: sqlite3.Error) -> bool:
+    """Whether SQLite's error says the disk refuses writes now (worth a retry when it recovers)."""
+    return _primary_code(exc) in _DISK_REFUSALS
+
+
+@attrs.frozen
+class StoreHealth:
+    """Whether transitions reach the disk; while they cannot, why, since when, how many wait."""
+
+    writable: bool
+    reason: str | None  # store_write_failed while not writable
+    error: str | None  # SQLite's words for the last refusal ("database or disk is full")
+    since: float | None  # wall clock of the first refused write
+    pending: int  # transitions kept in memory, to be written in order
+    dropped: int = 0  # history rows dropped beyond MAX_PENDING (the machines' rows are kept)
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class _PendingStep:
+    machine: dict[str, Any]
+    transition: dict[str, Any]
 
 
 def _dumps(value: Mapping[str, Any] | None) -> str:
@@ -41,12 +89,19 @@ class Store:
     db: Database
     path: str
     clock: Callable[[], float] = time.time
+    # Called with the new health when writes start failing and when they catch up.
+    on_health: Callable[[StoreHealth], None] | None = None
+    _pending: collections.deque[_PendingStep] = attrs.field(factory=collections.deque, init=False)
+    _failure: tuple[str, float] | None = attrs.field(default=None, init=False)  # (error, since)
+    _dropped: int = attrs.field(default=0, init=False)
+    _unsynced: bool = attrs.field(default=False, init=False)  # written since the last checkpoint
 
     @contextmanager
     def transaction(self) -> Iterator[Database]:
         """One atomic unit of work (nests as a savepoint), for writes by later tables."""
         with self.db.atomic():
             yield self.db
+        self._unsynced = True
 
     def record_step(
         self,
@@ -61,12 +116,20 @@ class Store:
         reason: str | None = None,
         evidence: Mapping[str, Any] | None = None,
         at: float | None = None,
+        seq: int | None = None,
     ) -> TransitionRecord:
-        """Write the machine's new row and append its history row in ONE transaction."""
+        """Write the machine's new row and append its history row in ONE transaction.
+
+        `seq` is the machine's transition number (default: one past the stored one). When the
+        disk refuses the write, the transition waits in memory behind any earlier one and the
+        record comes back with `id` None; a write refused for what it is raises StoreError.
+        """
         at = self.clock() if at is None else at
         reason = None if reason is None else str(reason)
         evidence_json = _dumps(evidence)
-        row = {
+        if seq is None:
+            seq = self._stored_seq(machine_id) + 1
+        row: dict[str, Any] = {
             "machine_id": machine_id,
             "kind": kind,
             "from_state": str(from_state),
@@ -76,6 +139,7 @@ class Store:
             "reason": reason,
             "evidence": evidence_json,
             "at": at,
+            "seq": seq,
         }
         machine = {
             "id": machine_id,
@@ -85,23 +149,123 @@ class Store:
             "reason": reason,
             "evidence": evidence_json,
             "updated_at": at,
+            "seq": seq,
         }
+        step = _PendingStep(machine, row)
+        if self._pending:
+            self.flush()  # the earlier ones first: history keeps write order
+        if not self._pending:
+            try:
+                row_id = self._write(step)
+            except sqlite3.Error as exc:
+                if not refused_by_disk(exc):
+                    raise StoreError(
+                        ReasonCode.STORE_WRITE_FAILED,
+                        evidence={"machine": machine_id, "event": event, "error": str(exc), "path": self.path},
+                    ) from exc
+                self._refused(exc)
+            else:
+                return TransitionRecord.from_row({**row, "id": row_id})
+        self._keep(step)
+        return TransitionRecord.from_row({**row, "id": None})
+
+    def _stored_seq(self, machine_id: str) -> int:
+        for step in reversed(self._pending):
+            if step.machine["id"] == machine_id:
+                return int(step.machine["seq"])
+        current = self.db.execute("select seq from machines where id = ?", [machine_id]).fetchone()
+        return int(current[0]) if current else 0
+
+    def _write(self, step: _PendingStep) -> int:
+        with self.db.atomic():
+            self.db.table("machines").upsert(step.machine, pk="id")
+            row_id = self.db.table("transitions").insert(step.transition).last_pk
+        self._unsynced = True
+        assert isinstance(row_id, int), f"transition row id {row_id!r}"
+        return row_id
+
+    def _keep(self, step: _PendingStep) -> None:
+        if len(self._pending) >= MAX_PENDING:
+            self._pending.popleft()
+            self._dropped += 1
+        self._pending.append(step)
+
+    def _refused(self, exc: sqlite3.Error) -> None:
+        first = self._failure is None
+        self._failure = (str(exc), self._failure[1] if self._failure else self.clock())
+        if first:
+            self._report()
+
+    def _report(self) -> None:
+        if self.on_health is not None:
+            self.on_health(self.health())
+
+    def flush(self) -> int:
+        """Write the transitions kept while the disk refused them, oldest first; how many were
+        written. Stops at the first refusal (they wait for the next try); reopens a connection
+        that SQLite opened read-only, since only a fresh one can write once the file can be."""
+        written = 0
+        reopened = False
+        while self._pending:
+            step = self._pending[0]
+            try:
+                self._write(step)
+            except sqlite3.Error as exc:
+                if _primary_code(exc) == sqlite3.SQLITE_READONLY and not reopened and self.path != MEMORY:
+                    reopened = True
+                    if self._reopen():
+                        continue
+                if refused_by_disk(exc):
+                    self._refused(exc)
+                    return written
+                # Refused for what it is (it can never be written): drop it, keep the rest coming.
+                self._pending.popleft()
+                self._dropped += 1
+                continue
+            self._pending.popleft()
+            written += 1
+        if self._failure is not None:
+            self._failure = None
+            self._report()
+        return written
+
+    def _reopen(self) -> bool:
         try:
-            with self.db.atomic():
-                current = self.db.execute("select seq from machines where id = ?", [machine_id]).fetchone()
-                seq = (current[0] if current else 0) + 1
-                self.db.table("machines").upsert({**machine, "seq": seq}, pk="id")
-                row["seq"] = seq
-                row_id = self.db.table("transitions").insert(row).last_pk
-        except sqlite3.Error as exc:
-            raise StoreError(
-                ReasonCode.STORE_WRITE_FAILED,
-                evidence={"machine": machine_id, "event": event, "error": str(exc), "path": self.path},
-            ) from exc
-        return TransitionRecord.from_row({**row, "id": row_id})
+            fresh = _connect(self.path, BUSY_TIMEOUT_MS)
+        except sqlite3.Error:
+            return False
+        old, self.db = self.db, fresh
+        try:
+            old.close()
+        except sqlite3.Error:
+            pass
+        return True
+
+    def health(self) -> StoreHealth:
+        """Whether writes reach the disk now, and what waits for it."""
+        if self._failure is None:
+            return StoreHealth(True, None, None, None, len(self._pending), self._dropped)
+        error, since = self._failure
+        return StoreHealth(False, ReasonCode.STORE_WRITE_FAILED.value, error, since, len(self._pending), self._dropped)
+
+    def checkpoint(self) -> bool:
+        """Copy the WAL into the main file (PASSIVE: never waits for a reader) if anything was
+        written since the last one; True if it ran. A disk that refuses it is no error: the WAL
+        keeps the rows and the next checkpoint tries again."""
+        if not self._unsynced or self.path == MEMORY:
+            return False
+        try:
+            busy, _log, _done = self.db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        except sqlite3.Error:
+            return False
+        self._unsynced = bool(busy)
+        return True
 
     def machine(self, machine_id: str) -> MachineRecord | None:
-        """The machine's current row, or None if it never moved."""
+        """The machine's current row (an unwritten one included), or None if it never moved."""
+        for step in reversed(self._pending):
+            if step.machine["id"] == machine_id:
+                return MachineRecord.from_row(step.machine)
         rows = list(self.db.query("select * from machines where id = ?", [machine_id]))
         return MachineRecord.from_row(rows[0]) if rows else None
 
@@ -111,7 +275,11 @@ class Store:
             rows = self.db.query("select * from machines order by id")
         else:
             rows = self.db.query("select * from machines where kind = ? order by id", [kind])
-        return [MachineRecord.from_row(r) for r in rows]
+        found = {r["id"]: MachineRecord.from_row(r) for r in rows}
+        for step in self._pending:
+            if kind is None or step.machine["kind"] == kind:
+                found[step.machine["id"]] = MachineRecord.from_row(step.machine)
+        return [found[k] for k in sorted(found)]
 
     def history(
         self,
@@ -121,7 +289,15 @@ class Store:
         until: float | None = None,
         limit: int | None = 100,
     ) -> list[TransitionRecord]:
-        """Transitions, newest first (by write order), filtered; `since <= at < until`."""
+        """Transitions, newest first (by write order), filtered; `since <= at < until`.
+        Unwritten ones (id None) come first: they are the newest."""
+        unwritten = [
+            TransitionRecord.from_row({**step.transition, "id": None})
+            for step in reversed(self._pending)
+            if _matches(step.transition, machine, kind, since, until)
+        ]
+        if limit is not None:
+            unwritten = unwritten[: max(int(limit), 0)]
         where, params = [], []
         for clause, value in (("machine_id = ?", machine), ("kind = ?", kind), ("at >= ?", since), ("at < ?", until)):
             if value is not None:
@@ -133,17 +309,33 @@ class Store:
         sql += " order by id desc"
         if limit is not None:
             sql += " limit ?"
-            params.append(int(limit))
-        return [TransitionRecord.from_row(r) for r in self.db.query(sql, params)]
+            params.append(max(int(limit) - len(unwritten), 0))
+        return unwritten + [TransitionRecord.from_row(r) for r in self.db.query(sql, params)]
 
     def count_transitions(self, machine: str | None = None) -> int:
-        """How many transitions are recorded (for one machine)."""
+        """How many transitions are recorded (for one machine), the unwritten included."""
+        waiting = sum(1 for step in self._pending if machine is None or step.transition["machine_id"] == machine)
         if machine is None:
-            return int(self.db.execute("select count(*) from transitions").fetchone()[0])
-        return int(self.db.execute("select count(*) from transitions where machine_id = ?", [machine]).fetchone()[0])
+            return waiting + int(self.db.execute("select count(*) from transitions").fetchone()[0])
+        written = self.db.execute("select count(*) from transitions where machine_id = ?", [machine]).fetchone()[0]
+        return waiting + int(written)
 
     def close(self) -> None:
+        """Write what waits if the disk takes it now, then close (SQLite checkpoints at close)."""
+        if self._pending:
+            self.flush()
         self.db.close()
+
+
+def _matches(
+    row: Mapping[str, Any], machine: str | None, kind: str | None, since: float | None, until: float | None
+) -> bool:
+    return (
+        (machine is None or row["machine_id"] == machine)
+        and (kind is None or row["kind"] == kind)
+        and (since is None or row["at"] >= since)
+        and (until is None or row["at"] < until)
+    )
 
 
 def _corrupt(path: str, detail: Any) -> StoreError:
@@ -155,6 +347,38 @@ def _corrupt(path: str, detail: Any) -> StoreError:
     )
 
 
+def _private(path: str) -> None:
+    """The database and its -wal/-shm files readable by their owner only (they hold every
+    transition's evidence): created 0600, an existing looser one tightened. SQLite gives the
+    -wal and -shm files the main file's mode."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
+    except OSError:
+        return  # a read-only or full disk: opening says what is wrong
+    for name in (path, path + "-wal", path + "-shm"):
+        try:
+            if os.stat(name).st_mode & 0o077:
+                os.chmod(name, 0o600)
+        except OSError:
+            pass  # absent, or on a read-only mount: nothing to tighten there
+
+
+def _connect(path: str, busy_timeout_ms: int) -> Database:
+    """A connection with the settings above (WAL is a property of the file, set once)."""
+    db = Database(memory=True) if path == MEMORY else Database(path)
+    try:
+        db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        db.execute("PRAGMA foreign_keys = ON")
+        db.execute("PRAGMA synchronous = NORMAL")
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
 def open_store(
     path: str | Path,
     *,
@@ -162,25 +386,31 @@ def open_store(
     migrations: list[Migration] | None = None,
     busy_timeout_ms: int = BUSY_TIMEOUT_MS,
 ) -> Store:
-    """Open (creating if needed), check and migrate the database; StoreError if unusable."""
+    """Open (creating if needed, 0600), check and migrate the database; StoreError if unusable:
+    store_corrupt for a damaged file, store_write_failed for a disk that refuses what must be
+    written before the daemon can start (a new database, a migration)."""
     path = str(path)
     if path != MEMORY:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        _private(path)
     db: Database | None = None
     try:
-        db = Database(memory=True) if path == MEMORY else Database(path)
-        db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-        db.execute("PRAGMA foreign_keys = ON")
+        db = _connect(path, busy_timeout_ms)
         problems = [row[0] for row in db.execute("PRAGMA quick_check").fetchall()]
         if problems != ["ok"]:
             raise _corrupt(path, problems[:10])
         if path != MEMORY:
             db.enable_wal()
-        db.execute("PRAGMA synchronous = NORMAL")
         migrate(db, MIGRATIONS if migrations is None else migrations, clock)
     except sqlite3.DatabaseError as exc:
         if db is not None:
             db.close()
+        if refused_by_disk(exc):
+            raise StoreError(
+                ReasonCode.STORE_WRITE_FAILED,
+                f"The state database {path} cannot be written ({exc}); free space on its disk or make it "
+                f"writable, then start Stoker again.",
+                evidence={"path": path, "error": str(exc)},
+            ) from exc
         raise _corrupt(path, str(exc)) from exc
     except BaseException:
         if db is not None:

@@ -46,7 +46,7 @@ class MachineRecord:
 class TransitionRecord:
     """One accepted event: from, event, to, reason and evidence, at a wall-clock time."""
 
-    id: int
+    id: int | None  # write order; None while it waits in memory for a disk that refused it
     machine_id: str
     kind: str
     from_state: str

@@ -189,6 +189,8 @@ class StokerApp(App[None]):
                 self.refresh_status()
             if topic.startswith("machine.launch."):
                 self.refresh_telemetry()
+        elif topic.startswith("store."):  # the state database refuses writes, or takes them again
+            self.refresh_status()
         elif topic == "telemetry.sample":
             self._show_sample(event.get("sample") or {}, event.get("point"))
         elif topic == "install.progress":

@@ -8,9 +8,11 @@ the server up on the configured model (Gemma 3 270M by default) and ask it one q
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -55,10 +57,12 @@ def daemon_running(paths: StokerPaths) -> bool:
 
 
 def start_daemon(paths: StokerPaths, as_json: bool) -> int:
-    """Start `stoker daemon` detached (its own session), logging to the data dir."""
-    paths.logs_dir.mkdir(parents=True, exist_ok=True)
+    """Start `stoker daemon` detached (its own session). It logs to logs/daemon.log itself (rotated);
+    its console (a refusal's one line, warnings) goes to logs/daemon-console.log, fresh each start."""
+    paths.logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     log_path = paths.logs_dir / "daemon.log"
-    with open(log_path, "ab") as log:
+    console = paths.logs_dir / "daemon-console.log"
+    with open(console, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "daemon", "daemon"],
             stdin=subprocess.DEVNULL,
@@ -70,16 +74,29 @@ def start_daemon(paths: StokerPaths, as_json: bool) -> int:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise StokerError(
-                ReasonCode.INTERNAL_ERROR,
-                f"The daemon exited with {proc.returncode} at start; see {log_path}.",
-                {"log": str(log_path)},
-            )
+            raise start_refusal(console, proc.returncode, log_path)
         if daemon_running(paths):
             say(as_json, f"daemon started (pid {proc.pid}, log {log_path})")
             return proc.pid
         time.sleep(0.1)
     raise StokerError(ReasonCode.INTERNAL_ERROR, f"The daemon did not open its socket; see {log_path}.")
+
+
+def start_refusal(console: Path, returncode: int, log_path: Path) -> StokerError:
+    """Why the daemon refused to start: its own `error [reason]: sentence` line, reason included."""
+    try:
+        lines = console.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    for line in reversed(lines):
+        match = re.match(r"^error \[([a-z0-9_]+)\]: (.*)$", line)
+        if match and match.group(1) in {str(code) for code in ReasonCode}:
+            return StokerError(match.group(1), match.group(2), {"log": str(log_path)})
+    return StokerError(
+        ReasonCode.INTERNAL_ERROR,
+        f"The daemon exited with {returncode} at start; see {log_path}.",
+        {"log": str(log_path), "console": str(console)},
+    )
 
 
 @click.command("run")

@@ -77,6 +77,10 @@ def format_status(st: dict[str, Any]) -> str:
         uptime = st.get("uptime_s")
         shown = "-" if uptime is None else f"{uptime:.0f}s"
         lines.append(f"pid       {st['pid']}   uptime {shown}   restarts {st.get('restarts', 0)}")
+    store = st.get("store") or {}
+    if store.get("writable") is False:
+        # The daemon keeps running on a full or read-only disk; say so, and what waits.
+        lines.append(click.style(f"store     {store.get('reason')}: {store.get('message')}", fg="red"))
     cfg = st.get("config") or {}
     if cfg.get("problems"):
         lines.append(click.style("config    invalid, still running the previous config:", fg="yellow"))

@@ -18,6 +18,7 @@ import attrs
 
 from daemon.backends.registry import registered_names
 from daemon.core.errors import StokerError
+from daemon.core.logfiles import DEFAULT_KEEP, DEFAULT_MAX_BYTES, LogRotation
 from daemon.core.paths import StokerPaths
 from states.reasons import ReasonCode
 
@@ -208,6 +209,13 @@ def _size(value: Any) -> int:
     raise _Invalid(f'must be a number of bytes or a size such as "2 GiB", got {_describe(value)}')
 
 
+def _log_size(value: Any) -> int:
+    size = _size(value)
+    if size < 64 * 2**10:
+        raise _Invalid(f"must be at least 64 KiB (a launch's own lines take about 16 KB), got {size} bytes")
+    return size
+
+
 def _swa_full(value: Any) -> bool | str:
     if isinstance(value, bool) or value == "auto":
         return value
@@ -285,12 +293,25 @@ class BundlesConfig:
     manifest: str = _field("", _manifest)
 
 
+@attrs.frozen
+class LogsConfig:
+    # The server log and the daemon log (logs/ in the data dir): each is rotated past max_bytes,
+    # `keep` older generations kept beside it (name.1 the newest).
+    max_bytes: int = _field(DEFAULT_MAX_BYTES, _log_size)
+    keep: int = _field(DEFAULT_KEEP, _int(0, 100))
+
+    @property
+    def rotation(self) -> LogRotation:
+        return LogRotation(self.max_bytes, self.keep)
+
+
 SECTIONS: dict[str, type] = {
     "server": ServerConfig,
     "backend": BackendConfig,
     "supervisor": SupervisorConfig,
     "snapshots": SnapshotsConfig,
     "bundles": BundlesConfig,
+    "logs": LogsConfig,
 }
 
 
@@ -303,6 +324,7 @@ class Config:
     supervisor: SupervisorConfig = attrs.field(factory=SupervisorConfig)
     snapshots: SnapshotsConfig = attrs.field(factory=SnapshotsConfig)
     bundles: BundlesConfig = attrs.field(factory=BundlesConfig)
+    logs: LogsConfig = attrs.field(factory=LogsConfig)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], base_dir: Path | None = None) -> "Config":

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from daemon.bundles.installed import InstalledBundle
     from daemon.config.model import Config
     from daemon.probes.service import ProbeResult
+    from store.database import StoreHealth
     from store.records import TransitionRecord
     from store.snapshots import SnapshotRecord
 
@@ -100,6 +101,9 @@ class ControlledDaemon(Protocol):
 
     def probe_verdicts(self) -> Mapping[str, Mapping[str, Any]]:
         """Each probed backend's last verdict."""
+
+    def store_health(self) -> StoreHealth:
+        """Whether transitions reach the state database, and how many wait in memory."""
 
     # --- history, probes, installs -------------------------------------------------------
 

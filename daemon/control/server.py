@@ -46,13 +46,13 @@ def prepare_runtime_dir(path: Path) -> None:
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise StokerError(
-            ReasonCode.INTERNAL_ERROR,
+            ReasonCode.RUNTIME_DIR_UNUSABLE,
             f"The runtime path {path} is not a directory (a symlink or a file); remove it.",
             {"path": str(path)},
         )
     if st.st_uid != os.getuid():
         raise StokerError(
-            ReasonCode.INTERNAL_ERROR,
+            ReasonCode.RUNTIME_DIR_UNUSABLE,
             f"The runtime directory {path} belongs to uid {st.st_uid}, not to you; "
             f"refusing to put the control socket there. Remove it or set STOKER_HOME.",
             {"path": str(path), "owner_uid": st.st_uid, "uid": os.getuid()},
@@ -70,7 +70,7 @@ async def _clear_stale_socket(path: Path) -> None:
         return
     if not stat.S_ISSOCK(st.st_mode):
         raise StokerError(
-            ReasonCode.INTERNAL_ERROR,
+            ReasonCode.RUNTIME_DIR_UNUSABLE,
             f"{path} exists and is not a socket; refusing to replace it.",
             {"path": str(path)},
         )
@@ -135,7 +135,7 @@ async def serve_control(
     path = Path(socket_path)
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
         raise StokerError(
-            ReasonCode.INTERNAL_ERROR,
+            ReasonCode.RUNTIME_DIR_UNUSABLE,
             f"The control socket path is longer than the {MAX_SOCKET_PATH} bytes a Unix socket "
             f"allows; set STOKER_HOME (or XDG_RUNTIME_DIR) to a shorter directory.",
             {"socket": str(path)},

@@ -72,6 +72,20 @@ class ConfigStatus:
 
 
 @attrs.frozen
+class StoreStatus:
+    """Whether transitions reach the state database. While it refuses writes (a full or read-only
+    disk) the daemon keeps running: `pending` transitions wait in memory, written in order once
+    it can; `message` says what to do."""
+
+    writable: bool
+    reason: str | None  # store_write_failed while not writable
+    message: str | None
+    error: str | None  # SQLite's words: "database or disk is full"
+    since: float | None
+    pending: int
+
+
+@attrs.frozen
 class DaemonInfo:
     pid: int
     started_at: float
@@ -100,6 +114,7 @@ class Status:
     snapshots: dict[str, Any] | None  # KV snapshots: benefit, --swa-full cost, restored/refused
     log_path: str
     config: ConfigStatus
+    store: StoreStatus
     daemon: DaemonInfo
     planned_backend: str | None
     preference: Preference
@@ -151,6 +166,7 @@ def build_status(daemon: ControlledDaemon) -> Status:
         snapshots=ready.get("snapshots"),
         log_path=str(daemon.paths.logs_dir / "llama-server.log"),
         config=ConfigStatus(str(daemon.paths.config_file), not daemon.config_problems, tuple(daemon.config_problems)),
+        store=_store_status(daemon),
         daemon=DaemonInfo(os.getpid(), daemon.started_at, str(daemon.paths.socket_path)),
         planned_backend=fallback["planned_backend"],
         preference=Preference(preference["prefer"], bool(preference["forced"]), tuple(preference["candidates"])),
@@ -160,6 +176,18 @@ def build_status(daemon: ControlledDaemon) -> Status:
         probes={name: _verdict(v) for name, v in daemon.probe_verdicts().items()},
         backends=tuple(daemon.backend_names),
     )
+
+
+def _store_status(daemon: ControlledDaemon) -> StoreStatus:
+    health = daemon.store_health()
+    if health.writable:
+        return StoreStatus(True, None, None, None, None, health.pending)
+    message = (
+        f"The state database {daemon.paths.db_file} cannot be written ({health.error}); the daemon keeps running "
+        f"and {health.pending} transition(s) wait in memory, written in order once it can. Free space on its disk "
+        f"or fix its permissions."
+    )
+    return StoreStatus(False, health.reason, message, health.error, health.since, health.pending)
 
 
 def _verdict(verdict: Mapping[str, Any]) -> ProbeVerdict:

@@ -2,8 +2,11 @@
 
 `MachineRunner.fire(event)` steps the table, writes the machine row and its history row in
 one transaction, then publishes `machine.<kind>.<state>` and returns the Step whose effects
-the caller executes. An illegal event raises IllegalTransition and a failed write raises
-StoreError; either way the runner's state, the store and subscribers are untouched.
+the caller executes. An illegal event raises IllegalTransition, and a write SQLite refuses
+for what it is raises StoreError; either way the runner's state, the store and subscribers
+are untouched. A disk that refuses the write (full, read-only) stops nothing: the store keeps
+the transition in memory, in order, until it can be written (`Store.health()` says so), and
+the machine steps on.
 Synchronous on purpose: a transition is a few hundred microseconds of SQLite, so the trio
 daemon calls it directly.
 
@@ -96,6 +99,7 @@ class MachineRunner:
             data=data_to_json(result.data),
             reason=None if result.reason is None else str(result.reason),
             evidence=to_json(result.evidence),
+            seq=self.seq + 1,
         )
         self.state, self.data, self.seq = result.state, result.data, record.seq
         if self.publish is not None:

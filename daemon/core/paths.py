@@ -1,8 +1,16 @@
-"""Where Stoker keeps its files: platformdirs by default, all under STOKER_HOME when set."""
+"""Where Stoker keeps its files: platformdirs by default, all under STOKER_HOME when set.
+
+The data, log, snapshot and runtime directories are the user's alone (0700, their files 0600):
+KV snapshots hold whole conversations as token ids, the database and the logs hold prompts'
+traces and paths. `make_private` creates them so and tightens what an older Stoker left open;
+the daemon also runs with umask 077, so what it and its server create later is private from
+the start.
+"""
 
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -11,6 +19,8 @@ import attrs
 import platformdirs
 
 APP = "stoker"
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
 
 
 @attrs.frozen
@@ -83,3 +93,39 @@ class StokerPaths:
     @property
     def source_cache_dir(self) -> Path:
         return self.cache_dir / "sources"
+
+    @property
+    def private_dirs(self) -> tuple[Path, ...]:
+        """The directories only their owner may read: data, logs, snapshots, runtime."""
+        return (self.data_dir, self.logs_dir, self.snapshots_dir, self.runtime_dir)
+
+    def make_private(self) -> list[str]:
+        """Create the private directories 0700 and tighten them and what they hold (the database,
+        logs, snapshots, identity records; the data dir's own files, not its bundles and models
+        beneath) to 0700/0600; the paths it tightened. What is not the user's own is left alone
+        (the control socket refuses a runtime dir someone else owns)."""
+        tightened: list[str] = []
+        for directory in self.private_dirs:
+            directory.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+            deep = directory != self.data_dir
+            for root, dirs, files in os.walk(directory):
+                for path, mode in [(Path(root), PRIVATE_DIR_MODE)] + [
+                    (Path(root, f), PRIVATE_FILE_MODE) for f in files
+                ]:
+                    try:
+                        if _tighten(path, mode):
+                            tightened.append(str(path))
+                    except OSError:
+                        continue  # gone meanwhile, or a read-only mount
+                if not deep:
+                    dirs.clear()
+        return tightened
+
+
+def _tighten(path: Path, mode: int) -> bool:
+    """Drop group and other bits (never adds any); True if it changed the mode."""
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid() or not stat.S_IMODE(st.st_mode) & 0o077:
+        return False
+    os.chmod(path, stat.S_IMODE(st.st_mode) & mode)
+    return True

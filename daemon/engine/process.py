@@ -28,6 +28,7 @@ import psutil
 import trio
 
 from daemon.core.errors import StokerError
+from daemon.core.logfiles import LogRotation, files_unwritable, open_server_log, trim_server_log
 from daemon.core.paths import StokerPaths
 from daemon.engine.exits import ExitReport, classify_exit, signal_name
 from daemon.engine.identity import ServerIdentity, cmdline_digest, live_exe, read_identity, write_identity
@@ -42,6 +43,8 @@ KILL_WAIT = 5.0
 _POLL_EARLY, _EARLY_FOR = 0.005, 2.0
 _POLL_LOADING = 0.02
 _POLL_SERVING = 0.25
+# How often a serving server's log is measured against its size cap.
+_TRIM_CHECK_S = 5.0
 
 
 def _args(value: Iterable[str]) -> tuple[str, ...]:
@@ -146,6 +149,8 @@ class ServerHandle:
     stop_requested: bool = False
     _oom_kills_at_start: int | None = None
     identity_path: Path | None = None
+    log_rotation: LogRotation = LogRotation()
+    log_start: int = 0  # where this launch's header line starts in the log
     _exited: trio.Event = attrs.field(factory=trio.Event)
     _changed: trio.Event = attrs.field(factory=trio.Event)
 
@@ -195,10 +200,17 @@ async def start_server(
     grace: float = DEFAULT_GRACE,
     launch_root: Path | None = None,
     identity_path: Path | None = None,
+    log_rotation: LogRotation = LogRotation(),
 ) -> ServerHandle:
     """Start a server owned by `nursery` (its task returns the ExitReport); the handle."""
     serve = functools.partial(
-        serve_server, spec, log_path=log_path, grace=grace, launch_root=launch_root, identity_path=identity_path
+        serve_server,
+        spec,
+        log_path=log_path,
+        grace=grace,
+        launch_root=launch_root,
+        identity_path=identity_path,
+        log_rotation=log_rotation,
     )
     return await nursery.start(serve)
 
@@ -210,32 +222,42 @@ async def serve_server(
     grace: float = DEFAULT_GRACE,
     launch_root: Path | None = None,
     identity_path: Path | None = None,
+    log_rotation: LogRotation = LogRotation(),
     task_status: trio.TaskStatus[ServerHandle] = trio.TASK_STATUS_IGNORED,
 ) -> ExitReport:
     """Run llama-server until it exits; `task_status.started(handle)` once it is spawned.
 
     With `identity_path`, the identity record is written there at spawn, rewritten once the
-    log names the real port, and removed at exit if it is still this server's.
+    log names the real port, and removed at exit if it is still this server's. The log is
+    rotated before the launch when over `log_rotation`'s cap, and trimmed while it serves.
+    A disk that refuses the launch files or the log is server_files_unwritable (not a spawn
+    failure: the engine is fine).
     """
     log_path = Path(log_path).absolute()
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     root = launch_root or StokerPaths.from_env().runtime_dir / "launch"
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    # Per launch: an empty cwd (ggml loads backend libraries from the cwd) and the key file.
-    launch_dir = Path(tempfile.mkdtemp(prefix="server-", dir=root))
-    workdir = launch_dir / "cwd"
-    workdir.mkdir(mode=0o700)
-    api_key = secrets.token_urlsafe(32)
-    key_file = launch_dir / "api-key"
-    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(api_key + "\n")
-    argv = server_argv(spec, api_key_file=key_file)
     try:
-        with open(log_path, "ab") as logf:
-            logf.write(f"==== stoker: launch {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {' '.join(argv)}\n".encode())
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # Per launch: an empty cwd (ggml loads backend libraries from the cwd) and the key file.
+        launch_dir = Path(tempfile.mkdtemp(prefix="server-", dir=root))
+    except OSError as exc:
+        raise files_unwritable("server launch directory", root, exc) from exc
+    what, where = "launch directory", launch_dir  # the file being written, until the spawn
+    try:
+        workdir = launch_dir / "cwd"
+        workdir.mkdir(mode=0o700)
+        api_key = secrets.token_urlsafe(32)
+        key_file = launch_dir / "api-key"
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(api_key + "\n")
+        argv = server_argv(spec, api_key_file=key_file)
+        what, where = "log", log_path
+        with open_server_log(log_path, log_rotation) as logf:
+            header = f"==== stoker: launch {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {' '.join(argv)}\n".encode()
+            logf.write(header)
             logf.flush()
             offset = logf.tell()
+            what = ""
             oom_kills = _oom_kill_count()
             process = await trio.lowlevel.open_process(
                 argv,
@@ -248,6 +270,8 @@ async def serve_server(
             )
     except OSError as exc:
         shutil.rmtree(launch_dir, ignore_errors=True)
+        if what:
+            raise files_unwritable(f"server {what}", where, exc) from exc
         raise StokerError(
             ReasonCode.SERVER_SPAWN_FAILED, evidence={"server_path": str(spec.server_path), "error": str(exc)}
         ) from exc
@@ -275,6 +299,8 @@ async def serve_server(
         identity=identity,
         oom_kills_at_start=oom_kills,
         identity_path=identity_path,
+        log_rotation=log_rotation,
+        log_start=offset - len(header),
     )
     try:
         _record_identity(handle)
@@ -317,13 +343,27 @@ def _identity_of(
 
 
 async def _follow_log(handle: ServerHandle) -> None:
+    next_trim_check = trio.current_time() + _TRIM_CHECK_S
     while True:
         if handle.log.poll():
             if handle.port and handle.identity.port != handle.port:
                 handle.identity = attrs.evolve(handle.identity, port=handle.port)
                 _record_identity(handle)
             handle._notify()
+        if trio.current_time() >= next_trim_check:
+            next_trim_check = trio.current_time() + _TRIM_CHECK_S
+            await _trim_log(handle)
         await trio.sleep(_poll_interval(handle))
+
+
+async def _trim_log(handle: ServerHandle) -> None:
+    """Keep a long-serving server's log under its cap (the facts of its launch are kept)."""
+    if handle.log.offset < handle.log_rotation.max_bytes:
+        return
+    handle.log.poll()  # read what is there before it moves to .1
+    size = await trio.to_thread.run_sync(trim_server_log, handle.log_path, handle.log_rotation, handle.log_start)
+    if size is not None:
+        handle.log.offset, handle.log_start = size, 0
 
 
 def _poll_interval(handle: ServerHandle) -> float:

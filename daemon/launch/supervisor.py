@@ -289,10 +289,11 @@ class Supervisor:
                             # Written at spawn, rewritten once the real port is known (port 0),
                             # removed at exit: what a restarted daemon proves before adopting.
                             identity_path=self.identity_file,
+                            log_rotation=self.config.logs.rotation,
                         )
                     )
                 except StokerError as err:
-                    self.offer(LR.SpawnFailed(err.reason, err.evidence))
+                    self.offer(LR.SpawnFailed(err.reason, {"message": err.message, **err.evidence}))
                     return
                 self.server = handle
                 self._server_nursery = nursery

@@ -38,3 +38,20 @@ def test_a_failed_server_shows_the_reason_and_the_fallbacks():
     assert "reason    model_missing: The model file does not exist." in text
     assert "fallback  cuda: gpu_missing - no GPU" in text and "hint: x" in text
     assert "- server.port: not an integer" in text and "pid" not in text
+
+
+def test_a_state_database_that_refuses_writes_is_said_with_what_waits():
+    st = {
+        "state": "ready",
+        "backend": "cpu",
+        "store": {
+            "writable": False,
+            "reason": "store_write_failed",
+            "message": "The state database /d/stoker.db cannot be written (database or disk is full); ...",
+            "error": "database or disk is full",
+            "pending": 3,
+        },
+    }
+    text = plain(format_status(st))
+    assert "store     store_write_failed: The state database /d/stoker.db cannot be written" in text
+    assert "store " not in plain(format_status({"state": "ready", "store": {"writable": True, "pending": 0}}))

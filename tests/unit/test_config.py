@@ -38,7 +38,7 @@ def test_default_path_is_under_stoker_home(stoker_home):
 def test_to_dict_is_plain_data_and_covers_every_key():
     data = Config().to_dict()
     json.dumps(data)
-    assert set(data) == {"server", "backend", "supervisor", "snapshots", "bundles"}
+    assert set(data) == {"server", "backend", "supervisor", "snapshots", "bundles", "logs"}
     assert data["server"]["extra_args"] == []
     assert set(data["server"]) == {
         "model",
@@ -443,3 +443,16 @@ def test_bundles_manifest_accepts_paths_and_safe_urls_only():
     with pytest.raises(ConfigError) as err:
         parse_config('[bundles]\nmanifest = "http://example.org/m.json"\n')
     assert err.value.problems[0].startswith("bundles.manifest:")
+
+
+def test_logs_are_capped_by_default_and_the_cap_is_configurable(tmp_path):
+    from daemon.core.logfiles import LogRotation
+
+    assert Config().logs.rotation == LogRotation(10 * 2**20, 3)
+    path = tmp_path / "config.toml"
+    path.write_text('[logs]\nmax_bytes = "1 MiB"\nkeep = 5\n')
+    assert load_config(path).logs.rotation == LogRotation(2**20, 5)
+    path.write_text("[logs]\nmax_bytes = 100\nkeep = -1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert [p.split(":")[0] for p in info.value.problems] == ["logs.max_bytes", "logs.keep"]

@@ -22,6 +22,7 @@ from daemon.core.paths import StokerPaths
 from states import launch_records as LR
 from states.machine import IllegalTransition
 from states.reasons import ReasonCode
+from store.database import StoreHealth
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,6 +46,7 @@ STATUS_KEYS = {
     "snapshots",
     "log_path",
     "config",
+    "store",
     "daemon",
     "planned_backend",
     "preference",
@@ -105,6 +107,12 @@ class FakeDaemon:
 
     def probe_verdicts(self) -> dict[str, dict[str, Any]]:
         return {"cpu": {"usable": True, "reason": None, "generation": 3, "devices": []}}
+
+    def store_health(self) -> StoreHealth:
+        return StoreHealth(True, None, None, None, 0)
+
+    def snapshot_status(self) -> dict[str, Any] | None:
+        return (self.supervisor.ready_evidence or {}).get("snapshots")
 
     def history(self, **query: Any) -> list[Any]:
         self.history_asked.append(query)
@@ -293,6 +301,14 @@ async def test_status_json_has_the_keys_clients_read():
     assert set(st) == STATUS_KEYS
     assert set(st["layers"]) == {"planned", "offloaded", "total", "why", "estimate"}
     assert set(st["config"]) == {"path", "valid", "problems"}
+    assert st["store"] == {
+        "writable": True,
+        "reason": None,
+        "message": None,
+        "error": None,
+        "since": None,
+        "pending": 0,
+    }
     assert set(st["daemon"]) == {"pid", "started_at", "socket"}
     assert set(st["preference"]) == {"prefer", "forced", "candidates"}
     assert st["probes"] == {"cpu": {"usable": True, "reason": None, "generation": 3}}

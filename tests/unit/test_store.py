@@ -227,3 +227,157 @@ def test_history_row_needs_its_machine(store):
 def test_explicit_time_wins_over_the_clock(store):
     t = record(store, at=42.5)
     assert t.at == 42.5 and store.machine("launch").updated_at == 42.5
+
+
+# --- a disk that refuses writes: transitions wait in memory, in order, and catch up -----------
+
+
+def _fill(store) -> None:
+    """The database may not grow by one page more: SQLite answers SQLITE_FULL, as on a full disk."""
+    pages = store.db.execute("PRAGMA page_count").fetchone()[0]
+    store.db.execute(f"PRAGMA max_page_count = {pages}")
+
+
+BIG = {"blob": "x" * 20_000}  # needs new pages, so a full database refuses it
+
+
+def test_a_full_disk_keeps_transitions_in_memory_in_order_and_catches_up(tmp_path):
+    path = tmp_path / "stoker.db"
+    s = open_store(path, clock=Clock())
+    seen = []
+    s.on_health = seen.append
+    record(s)
+    _fill(s)
+    t2 = record(s, frm="planning", to="starting", event="PlanReady", evidence=BIG)
+    t3 = record(s, machine="probe:cpu", kind="probe", frm="idle", to="probing", evidence=BIG)
+    t4 = record(s, frm="starting", to="loading", event="Spawned", evidence=BIG)
+    # Nothing raised: each transition is kept, numbered as it will be written.
+    assert (t2.id, t3.id, t4.id) == (None, None, None)
+    assert (t2.seq, t3.seq, t4.seq) == (2, 1, 3)
+    health = s.health()
+    assert not health.writable and health.reason == "store_write_failed" and health.pending == 3
+    assert "full" in health.error and health.since is not None
+    assert [h.writable for h in seen] == [False]
+    # Reads tell the whole story, the unwritten part included.
+    assert [t.to_state for t in s.history()] == ["loading", "probing", "starting", "planning"]
+    assert s.machine("launch").state == "loading" and s.machine("probe:cpu").seq == 1
+    assert s.count_transitions() == 4
+    assert s.flush() == 0 and s.health().pending == 3  # still full: nothing written, nothing lost
+    s.db.execute("PRAGMA max_page_count = 1073741823")
+    assert s.flush() == 3
+    assert s.health().writable and s.health().pending == 0 and [h.writable for h in seen] == [False, True]
+    s.close()
+    again = open_store(path)
+    rows = list(reversed(again.history()))
+    assert [(t.machine_id, t.seq, t.to_state) for t in rows] == [
+        ("launch", 1, "planning"),
+        ("launch", 2, "starting"),
+        ("probe:cpu", 1, "probing"),
+        ("launch", 3, "loading"),
+    ]
+    assert again.machine("launch").state == "loading" and again.machine("launch").seq == 3
+    again.close()
+
+
+def test_a_later_write_waits_behind_the_unwritten_ones(tmp_path):
+    s = open_store(tmp_path / "stoker.db", clock=Clock())
+    record(s)
+    _fill(s)
+    record(s, frm="planning", to="starting", event="PlanReady", evidence=BIG)
+    s.db.execute("PRAGMA max_page_count = 1073741823")
+    # Space is back: the next transition first writes the one before it (history stays in order).
+    t3 = record(s, frm="starting", to="loading", event="Spawned")
+    assert t3.id is not None and s.health().writable
+    assert [t.seq for t in reversed(s.history())] == [1, 2, 3]
+    assert [t.id for t in reversed(s.history())] == sorted(t.id for t in s.history())
+    s.close()
+
+
+def test_a_read_only_connection_is_reopened_to_catch_up(tmp_path):
+    s = open_store(tmp_path / "stoker.db", clock=Clock())
+    record(s)
+    s.db.execute("PRAGMA query_only = ON")  # like a file opened read-only: SQLITE_READONLY
+    t = record(s, frm="planning", to="starting", event="PlanReady")
+    assert t.id is None and "readonly" in s.health().error
+    assert s.flush() == 1 and s.health().writable  # a fresh connection can write
+    assert s.count_transitions() == 2
+    s.close()
+
+
+def test_a_refused_write_that_is_not_the_disk_still_raises(store):
+    # Only the disk's refusals wait for space; a write SQLite refuses for what it is raises.
+    record(store)
+    store.db.execute("CREATE TEMP TRIGGER refuse BEFORE INSERT ON transitions BEGIN SELECT RAISE(ABORT, 'no'); END")
+    with pytest.raises(StoreError):
+        record(store, frm="planning", to="starting")
+    assert store.health().writable and store.health().pending == 0
+
+
+def test_history_reaches_the_main_file_at_each_checkpoint(tmp_path):
+    """A lost -wal file loses at most what came after the last checkpoint, not every row."""
+    import shutil
+
+    path = tmp_path / "stoker.db"
+    s = open_store(path, clock=Clock())
+    for i in range(20):
+        record(s, frm=f"s{i}", to=f"s{i + 1}")
+    lost_wal = tmp_path / "copy-before.db"
+    shutil.copy(path, lost_wal)  # the main file alone, as after a lost -wal
+    assert s.checkpoint() is True
+    checkpointed = tmp_path / "copy-after.db"
+    shutil.copy(path, checkpointed)
+    assert s.checkpoint() is False  # nothing new since: no work
+    s.close()
+    assert open_store(lost_wal).count_transitions() == 0  # what the issue saw
+    assert open_store(checkpointed).count_transitions() == 20
+
+
+def test_a_machine_steps_on_while_the_disk_is_full_and_resumes_from_the_caught_up_rows(tmp_path):
+    from daemon.core.machines import MachineRunner
+    from states import launch as L
+    from states import launch_records as LR
+
+    path = tmp_path / "stoker.db"
+    s = open_store(path)
+    seen = []
+    runner = MachineRunner(L.LAUNCH, "launch", s, seen.append)
+    runner.fire(LR.UpRequested())
+    _fill(s)
+    step = runner.fire(LR.PlanFailed("model_missing", BIG))  # the issue: this raised and killed the daemon
+    assert runner.state is LR.LaunchState.FAILED and step.state is LR.LaunchState.FAILED
+    assert [m["to"] for m in seen] == ["planning", "failed"] and runner.seq == 2
+    runner.fire(LR.UpRequested())
+    assert s.health().pending == 2
+    s.db.execute("PRAGMA max_page_count = 1073741823")
+    assert s.flush() == 2
+    s.close()
+    again = MachineRunner(L.LAUNCH, "launch", open_store(path))
+    assert again.state is LR.LaunchState.PLANNING and again.seq == 3
+    assert [t.to_state for t in again.store.history()] == ["planning", "failed", "planning"]
+
+
+async def test_the_keeper_writes_held_back_rows_when_space_returns_and_checkpoints(tmp_path, autojump_clock):
+    import shutil
+
+    import trio
+
+    from daemon.core.store_keeper import CHECKPOINT_S, RETRY_S, serve_store_keeper
+
+    path = tmp_path / "stoker.db"
+    s = open_store(path, clock=Clock())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_store_keeper, s)
+        record(s)
+        _fill(s)
+        record(s, frm="planning", to="starting", event="PlanReady", evidence=BIG)
+        await trio.sleep(RETRY_S * 3)
+        assert s.health().pending == 1  # still full
+        s.db.execute("PRAGMA max_page_count = 1073741823")
+        await trio.sleep(RETRY_S + 0.1)  # no new transition needed to push it
+        assert s.health().writable and s.health().pending == 0
+        await trio.sleep(CHECKPOINT_S + 0.1)
+        main_file_only = tmp_path / "main-only.db"
+        shutil.copy(path, main_file_only)
+        nursery.cancel_scope.cancel()
+    s.close()
+    assert open_store(main_file_only).count_transitions() == 2

@@ -94,6 +94,15 @@ class BackendCard(Static):
         if st.get("restarts"):
             extra.append(f"restarts {st['restarts']}")
         grid.add_row("uptime", uptime + ("   " + "  ".join(extra) if extra else ""))
+        store = st.get("store") or {}
+        if store.get("writable") is False:  # the daemon keeps running; what waits is written later
+            grid.add_row(
+                "state db",
+                Text(
+                    f"cannot write ({store.get('error')}); {store.get('pending', 0)} transition(s) held back",
+                    style="bold red",
+                ),
+            )
         problems = (st.get("config") or {}).get("problems") or []
         if problems:
             grid.add_row(

@@ -1,0 +1,5 @@
+"""Fixtures for the fault suite: the integration suite's real daemon, engine and tiny model."""
+
+from __future__ import annotations
+
+from tests.integration.conftest import daemon, fault_server, model  # noqa: F401  (fixtures shared as they are)
