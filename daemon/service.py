@@ -253,12 +253,19 @@ class Daemon:
             return None
         base_url, api_key = sup.endpoint()
         ready = sup.state is LR.LaunchState.READY
+        # The backend really in use (status's `backend`), not the plan's: a GPU server that
+        # offloaded nothing computes on the CPU.
+        in_use = self.orchestrator.effective_backend(plan) or plan.backend
+        proven = sup.ready_evidence or {}
         return ServerTarget(
-            backend=plan.backend,
+            backend=in_use,
             pid=server.pid,
             state=sup.state.value,
             base_url=base_url if ready else None,
             api_key=api_key if ready else None,
+            planned_backend=None if in_use == plan.backend else plan.backend,
+            offloaded_layers=proven.get("offloaded_layers"),
+            total_layers=proven.get("total_layers"),
         )
 
     # --- config reload -------------------------------------------------------------------

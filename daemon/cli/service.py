@@ -54,8 +54,12 @@ def format_status(st: dict[str, Any]) -> str:
     colour = {"ready": "green", "failed": "red", "crashed": "red", "backoff": "yellow"}.get(state)
     head = click.style(state, fg=colour, bold=True) if colour else state
     backend = st.get("backend") or "-"
-    if st.get("variant"):
-        backend += f" ({st['variant']})"
+    layers = st.get("layers") or {}
+    details = [st["variant"]] if st.get("variant") else []
+    if st.get("offload") == "partial":  # the engine put only some layers on the GPU
+        details.append(f"partial: {layers.get('offloaded')}/{layers.get('total')} layers")
+    if details:
+        backend += f" ({'; '.join(details)})"
     lines.append(f"state     {head}")
     lines.append(f"backend   {backend}")
     if st.get("reason"):

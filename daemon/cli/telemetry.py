@@ -29,6 +29,19 @@ def _num(value: Any, unit: str = "", fmt: str = "{:.0f}") -> str:
     return "-" if value is None else fmt.format(value) + unit
 
 
+def backend_label(sample: dict[str, Any]) -> str:
+    """The backend really in use, as status names it: 'cpu (planned cuda: not accelerated)' for a
+    GPU server that offloaded nothing, 'cuda (partial: 15/33 layers)' for a partial offload."""
+    backend, planned = sample["backend"], sample.get("planned_backend")
+    layers = sample.get("layers") or {}
+    offloaded, total = layers.get("offloaded"), layers.get("total")
+    if planned and planned != backend:
+        return f"{backend} (planned {planned}: not accelerated)"
+    if isinstance(offloaded, int) and isinstance(total, int) and 0 < offloaded < total:
+        return f"{backend} (partial: {offloaded}/{total} layers)"
+    return str(backend)
+
+
 def format_sample(sample: dict[str, Any]) -> str:
     """A few lines for a person: activity, GPU or CPU figures, throughput."""
     when = time.strftime("%H:%M:%S", time.localtime(sample.get("time") or time.time()))
@@ -36,7 +49,7 @@ def format_sample(sample: dict[str, Any]) -> str:
     colour = {"busy": "green", "idle": "cyan", "unavailable": "red", "stopped": "yellow"}.get(activity)
     head = f"{when}  {click.style(activity, fg=colour, bold=True)}"
     if sample.get("backend"):
-        head += f"  {sample['backend']}  pid {sample.get('pid')}  ({sample.get('state')})"
+        head += f"  {backend_label(sample)}  pid {sample.get('pid')}  ({sample.get('state')})"
     lines = [head]
     if activity == "stopped":
         lines.append("  no server is running; nothing is sampled")

@@ -98,6 +98,9 @@ class Status:
 
     state: str
     backend: str | None  # the backend really in use (after a late demotion: cpu)
+    # How much of the model that backend holds: "full", "partial" (e.g. 15/33 layers, see
+    # layers), "none" (demoted: cpu), or None (a CPU plan, or not ready yet).
+    offload: str | None
     variant: str | None
     reason: str | None
     message: str | None  # the plan's own sentence where it has one, else the reason's
@@ -150,6 +153,7 @@ def build_status(daemon: ControlledDaemon) -> Status:
     return Status(
         state=state.value,
         backend=None if state in _NOT_SERVING else fallback["backend"],
+        offload=None if state in _NOT_SERVING else fallback.get("offload"),
         variant=plan.variant if plan else None,
         reason=reason,
         message=message,

@@ -96,17 +96,18 @@ def exit_detail(backend: str, reason: ReasonCode, evidence: Mapping[str, Any]) -
 
 
 def startup_sentence(backend: str, reason: ReasonCode, detail: Mapping[str, Any]) -> str:
-    """The one true sentence about a server that died before it was ready."""
-    line = f" ({detail['line']})" if detail.get("line") else ""
+    """The one true sentence about a server that died before it was ready, from its evidence:
+    a missing library, an out-of-memory exit, else how it ended and its last log line."""
     if detail.get("missing_library"):
         return (
-            f"The {backend} server could not start: the loader could not find {detail['missing_library']}{line}; "
-            f"reinstall the bundle (`stoker install {backend}`) or install the library."
+            f"The {backend} server could not start: the loader could not find {detail['missing_library']}. "
+            f"Reinstall the bundle (`stoker install {backend}`) or install that library."
         )
     if reason == ReasonCode.OUT_OF_MEMORY:
+        line = f" ({detail['line']})" if detail.get("line") else ""
         return (
-            f"The {backend} server ran out of memory before it was ready{line}; free VRAM, or lower the context "
-            f"size or n_gpu_layers."
+            f"The {backend} server ran out of memory before it was ready{line}. Free VRAM, or lower the "
+            f"context size or n_gpu_layers."
         )
     how = (
         f"was killed by signal {detail['signal']}"
@@ -115,7 +116,10 @@ def startup_sentence(backend: str, reason: ReasonCode, detail: Mapping[str, Any]
         if detail.get("returncode") is not None
         else "exited"
     )
-    return f"The {backend} server {how} before it was ready ({reason}){line}; see the server log and `stoker history`."
+    tail = detail.get("log_tail") or []
+    last = detail.get("line") or (tail[-1] if tail else None)
+    said = f"; its log: {last}" if last else ""
+    return f"The {backend} server {how} before it was ready ({reason}){said}. See the server log and `stoker history`."
 
 
 def candidates_for(prefer: str, backends: Mapping[str, Backend]) -> tuple[tuple[str, ...], bool]:

@@ -40,13 +40,24 @@ METRICS_TIMEOUT_S = 2.0
 
 @attrs.frozen
 class ServerTarget:
-    """Which server to sample: its backend, pid, and (once ready) where its HTTP API is."""
+    """Which server to sample: the backend really in use (the fallback's verdict: the CPU for a
+    GPU server that offloaded nothing), its pid, (once ready) where its HTTP API is, the plan's
+    backend where it differs (whose runtime the process loaded, and holds VRAM with), and the
+    layers the engine offloaded (15/33: a partial offload)."""
 
     backend: str
     pid: int
     state: str = "ready"
     base_url: str | None = None
     api_key: str | None = None
+    planned_backend: str | None = None  # None: the same as `backend`
+    offloaded_layers: int | None = None
+    total_layers: int | None = None
+
+    @property
+    def loaded_backend(self) -> str:
+        """The backend whose runtime the server process loaded: the plan's."""
+        return self.planned_backend or self.backend
 
 
 def read_gpu(plugin: Backend, pid: int | None) -> dict[str, Any]:
@@ -296,6 +307,10 @@ class TelemetrySampler:
             "ttl_s": self.ttl,
             "state": None if target is None else target.state,
             "backend": None if target is None else target.backend,
+            "planned_backend": None if target is None else target.loaded_backend,
+            "layers": None
+            if target is None or target.total_layers is None
+            else {"offloaded": target.offloaded_layers, "total": target.total_layers},
             "pid": None if target is None else target.pid,
             "gpu": None,
             "gpu_error": None,
@@ -308,12 +323,15 @@ class TelemetrySampler:
             self.close()  # a stopped server holds no GPU library open
             sample["activity"] = "stopped"
             return sample
-        plugin = self.backends.get(target.backend)
-        # A backend that offloads nothing (the CPU) has no accelerator to read; one that is
-        # not loaded cannot be read, and says so.
-        on_gpu = plugin is None or plugin.offloads
+        # The activity is judged on the backend really in use; the accelerator is read through
+        # the plan's backend, whose runtime the process loaded (a GPU server demoted to the CPU
+        # still holds its context there). A backend that offloads nothing (the CPU) has no
+        # accelerator to read; one that is not loaded cannot be read, and says so.
+        in_use = self.backends.get(target.backend)
+        plugin = self.backends.get(target.loaded_backend)
+        on_gpu = in_use is None or in_use.offloads
         if plugin is None:
-            sample["gpu_error"] = f"LookupError: no backend plugin named {target.backend!r} is loaded"
+            sample["gpu_error"] = f"LookupError: no backend plugin named {target.loaded_backend!r} is loaded"
         reading_from = plugin if plugin is not None and plugin.offloads else None
         if reading_from is not self._reading_from:
             self.close()  # a server that moved off a GPU leaves that GPU's library released
@@ -324,7 +342,8 @@ class TelemetrySampler:
                 try:
                     sample["gpu"] = read_gpu(reading_from, target.pid)
                 except Exception as err:
-                    sample["gpu_error"] = f"{type(err).__name__}: {err}"
+                    if on_gpu:  # unread figures of a GPU the server does not compute on are no error
+                        sample["gpu_error"] = f"{type(err).__name__}: {err}"
             try:
                 sample["process"] = self._process.read(target.pid)
             except Exception as err:  # psutil.NoSuchProcess/AccessDenied: gone or not ours
@@ -359,4 +378,4 @@ class TelemetrySampler:
 def _key(target: ServerTarget | None) -> tuple[Any, ...]:
     if target is None:
         return (None,)
-    return (target.backend, target.pid, target.state, target.base_url)
+    return (target.backend, target.planned_backend, target.pid, target.state, target.base_url, target.offloaded_layers)

@@ -1,4 +1,5 @@
-"""What history records is what ran: the plan in `PlanReady` against the real server's argv.
+"""What history records is what ran: the plan in `PlanReady` against the real server's argv
+and environment.
 
 The plan is complete when planning ends (daemon/fallback/launch_plan.py) and the supervisor
 builds the command line from it alone, so the command line rebuilt from the recorded plan
@@ -13,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from daemon.engine.process import server_argv
+from daemon.engine.process import server_argv, server_env
 from daemon.launch.supervisor import server_spec
 from states.launch import LAUNCH
 from states.machine import event_from_json
@@ -45,6 +46,12 @@ def test_history_records_exactly_the_command_line_that_ran(daemon, model):
     assert plan.slot_save_path == str(daemon.paths.snapshots_dir)
     assert plan.extra_args[:2] == ("--jinja", "--metrics")
     assert ran[ran.index("-ngl") + 1] == "0" and ran[ran.index("-t") + 1] == "2"
+    # ... and its environment: the engine's minimal one plus what the backend plugin set for
+    # the plan (the devices a GPU server may use; nothing for the CPU), as recorded.
+    assert plan.backend_env == ()
+    ran_env = psutil.Process(st["pid"]).environ()
+    expected = server_env(server_spec(plan))
+    assert {name: ran_env.get(name) for name in expected} == expected
 
 
 def test_a_respawn_runs_the_recorded_plan_again(daemon, model):

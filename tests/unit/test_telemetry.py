@@ -311,6 +311,39 @@ async def test_a_server_that_fell_back_to_the_cpu_releases_nvml():
     assert (nvml.init_calls, nvml.shutdown_calls) == (1, 1) and not sampler.gpu_initialised
 
 
+async def test_a_gpu_server_demoted_to_the_cpu_is_named_cpu_and_its_vram_still_shown():
+    """status said `cpu` (cuda_gpu_layers_zero) while telemetry said `cuda`: the sample names the
+    backend really in use, and the plan's beside it. The process still holds its CUDA context,
+    so its VRAM is read through the plan's plugin; its activity is judged as a CPU server's."""
+    nvml = H200Nvml(gpus=[loaded_h200(util=0)])
+    demoted = ServerTarget("cpu", os.getpid(), "ready", "http://127.0.0.1:1", "key", planned_backend="cuda")
+    sampler, _ = make_sampler([demoted], nvml)
+    sample = await sampler.sample()
+    assert sample["backend"] == "cpu" and sample["planned_backend"] == "cuda"
+    assert sample["gpu"]["source"] == "nvml" and sample["process"] is not None
+    assert sample["activity"] == "idle"
+    from daemon.cli.telemetry import format_sample
+
+    assert "cpu (planned cuda: not accelerated)" in format_sample(sample)
+    # Where the plan's plugin cannot read, nothing is claimed and no error is shown for a GPU
+    # the server does not compute on.
+    unreadable = H200Nvml(init_error=rec.NVMLError_LibraryNotFound)
+    sampler, _ = make_sampler([demoted], unreadable)
+    sample = await sampler.sample()
+    assert sample["gpu"] is None and sample["gpu_error"] is None and sample["activity"] == "idle"
+
+
+async def test_a_partial_offload_says_partial():
+    nvml = H200Nvml(gpus=[loaded_h200()])
+    partial = ServerTarget("cuda", SERVER_PID, "ready", "http://127.0.0.1:1", "key", None, 15, 33)
+    sampler, _ = make_sampler([partial], nvml)
+    sample = await sampler.sample()
+    assert sample["backend"] == "cuda" and sample["layers"] == {"offloaded": 15, "total": 33}
+    from daemon.cli.telemetry import format_sample
+
+    assert "cuda (partial: 15/33 layers)" in format_sample(sample)
+
+
 async def test_history_is_a_ring_of_compact_points():
     nvml = H200Nvml(gpus=[loaded_h200()])
     sampler, _ = make_sampler([cuda_target()], nvml)

@@ -37,6 +37,17 @@ def layers_text(layers: dict[str, Any] | None, backend: str | None) -> str:
     return f"{actual} offloaded (planned {planned if planned is not None else 'auto'})"
 
 
+def backend_text(st: dict[str, Any]) -> str:
+    """'cuda (avx2)', and how much of the model it holds when not all of it:
+    'cuda (avx2; partial: 15/33 layers)'."""
+    backend = st.get("backend") or "-"
+    layers = st.get("layers") or {}
+    details = [st["variant"]] if st.get("variant") else []
+    if st.get("offload") == "partial":
+        details.append(f"partial: {layers.get('offloaded')}/{layers.get('total')} layers")
+    return backend + (f" ({'; '.join(details)})" if details else "")
+
+
 def fallbacks_by_reason(fallbacks: list[dict[str, Any]]) -> dict[str, list[str]]:
     """{reason: [backend, ...]} in the order the daemon tried them (one line per reason)."""
     grouped: dict[str, list[str]] = {}
@@ -62,10 +73,7 @@ class BackendCard(Static):
         grid.add_column(ratio=1, overflow="fold")
         state = st.get("state") or "?"
         grid.add_row("state", Text(state, style=STATE_STYLE.get(state, "bold")))
-        backend = st.get("backend") or "-"
-        if st.get("variant"):
-            backend += f" ({st['variant']})"
-        line = Text(backend, style="bold")
+        line = Text(backend_text(st), style="bold")
         preference = st.get("preference") or {}
         if preference.get("forced"):
             line.append("  forced", style="bold magenta")  # never falls back: fails with the reason
