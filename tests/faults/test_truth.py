@@ -55,7 +55,12 @@ def demoted(st: dict) -> bool:
 
 @pytest.mark.engine
 def test_telemetry_names_the_backend_in_use_and_a_demoted_respawn_is_recorded(
-    stoker_home, installed_cpu_bundle, model, plugin_site, daemons, tmp_path
+    stoker_home,
+    installed_cpu_bundle,
+    model,
+    plugin_site,  # noqa: F811  (the imported fixture)
+    daemons,  # noqa: F811  (the imported fixture)
+    tmp_path,
 ):
     """Finding 6: `stoker telemetry` said cuda while status said cpu (cuda_gpu_layers_zero).
     Finding 8: a respawn demoted to the CPU is a transition in history, with fallback_reason."""
@@ -90,7 +95,12 @@ def test_telemetry_names_the_backend_in_use_and_a_demoted_respawn_is_recorded(
 
 @pytest.mark.engine
 def test_free_memory_is_read_when_the_plan_is_made_and_a_forced_backend_says_one_thing(
-    stoker_home, installed_cpu_bundle, model, plugin_site, daemons, tmp_path
+    stoker_home,
+    installed_cpu_bundle,
+    model,
+    plugin_site,  # noqa: F811  (the imported fixture)
+    daemons,  # noqa: F811  (the imported fixture)
+    tmp_path,
 ):
     """Finding 9: the probe's figures (cached up to 30 s) said there was room; another tenant
     filled the device since. The reading made at planning decides, and is what is shown.
@@ -131,7 +141,12 @@ def test_free_memory_is_read_when_the_plan_is_made_and_a_forced_backend_says_one
 
 @pytest.mark.engine
 def test_a_device_without_room_is_kept_from_the_server_and_history_says_so(
-    stoker_home, installed_cpu_bundle, model, plugin_site, daemons, tmp_path
+    stoker_home,
+    installed_cpu_bundle,
+    model,
+    plugin_site,  # noqa: F811  (the imported fixture)
+    daemons,  # noqa: F811  (the imported fixture)
+    tmp_path,
 ):
     """Finding 11: a device that can take no layer still received the server's runtime (520 MiB
     of CUDA context on an H200). The plan names the devices the server may use, as the plugin
