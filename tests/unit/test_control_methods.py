@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STATUS_KEYS = {
     "state",
     "backend",
+    "offload",
     "variant",
     "reason",
     "message",

@@ -39,7 +39,8 @@ def fire(daemon: ControlledDaemon, event: object) -> None:
 async def status(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     """The server's state and why, the backend really in use, and what was passed over.
 
-    Reply: {state, backend (in use; null unless a server serves), variant, planned_backend,
+    Reply: {state, backend (in use; null unless a server serves), offload ("full", "partial",
+    "none" or null: how much of the model that backend holds), variant, planned_backend,
     reason, message, evidence, model, endpoint, api_key (both only while ready), pid,
     uptime_s (null until ready), restarts, crashes, layers {planned ("auto" or a count),
     offloaded, total, why, estimate}, n_ctx, snapshots, log_path, preference {prefer, forced,
