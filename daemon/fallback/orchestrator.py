@@ -46,7 +46,7 @@ from daemon.core.paths import StokerPaths
 from daemon.fallback.cpu_plan import cpu_bundle
 from daemon.fallback.launch_plan import complete_plan
 from daemon.fallback.proof import judge_acceleration
-from daemon.fallback.vram import FreeVram, devices_for_plan, read_free_vram, vram_full
+from daemon.fallback.vram import FreeVram, devices_for_plan, keeps_to, read_free_vram, vram_full
 from daemon.launch.instance import ServerInstance
 from daemon.probes.service import ProbeService
 from states import fallback as F
@@ -357,7 +357,7 @@ class FallbackOrchestrator:
             layers = config.server.n_gpu_layers
             free = request.free.get(backend)
             margin = fit_margin(config.server.extra_args)
-            devices = devices_for_plan(free, margin, plugin.runtime_reserve_mib, layers)
+            devices = keeps_to(plugin, layers, devices_for_plan(free, margin, plugin.runtime_reserve_mib, layers))
             try:
                 self.estimate = await trio.to_thread.run_sync(
                     estimate, model, config.server.ctx_size, free, devices, plugin.runtime_reserve_mib, margin, layers

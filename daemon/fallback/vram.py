@@ -29,7 +29,7 @@ from typing import Any, Iterable, Mapping
 import attrs
 import trio
 
-from daemon.backends.base import Backend, Detection, TelemetryRequest
+from daemon.backends.base import Backend, Detection, LaunchRequest, TelemetryRequest
 from states.launch_records import GpuLayers
 from states.reasons import ReasonCode
 
@@ -127,6 +127,17 @@ def devices_for_plan(free: FreeVram | None, margin_mib: int, reserve_mib: int, l
         return ()
     room = layer_room(free, margin_mib, reserve_mib)
     return room if 0 < len(room) < len(free.mib) else ()
+
+
+def keeps_to(plugin: Backend, layers: GpuLayers, devices: tuple[int, ...]) -> tuple[int, ...]:
+    """`devices` if the plugin can keep its server to them (its launch environment or
+    arguments change for them), else (): a plugin that cannot leaves the engine every GPU, and
+    the plan must not claim otherwise."""
+    if not devices:
+        return ()
+    kept, every = LaunchRequest(layers, devices), LaunchRequest(layers)
+    env_differs = plugin.launch_env(kept) != plugin.launch_env(every)
+    return devices if env_differs or plugin.launch_args(kept) != plugin.launch_args(every) else ()
 
 
 def vram_full(

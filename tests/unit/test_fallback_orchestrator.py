@@ -562,3 +562,21 @@ async def test_a_forced_backend_that_died_before_ready_says_only_what_happened(p
     message = err.value.message
     assert "ran out of memory" in message and "nothing is served" in message
     assert "next backend" not in message and "library" not in message and "serving on the CPU" not in message
+
+
+class NoDeviceSelection(CudaBackend):
+    """A GPU backend that cannot keep its runtime off a device (no launch_env)."""
+
+    def launch_env(self, plan):
+        return {}
+
+
+async def test_a_plugin_that_cannot_keep_its_server_off_a_gpu_is_not_said_to(paths, config):
+    install_cuda_bundle(paths)
+    nvml = rec.FakeNvml([rec.h200(free=300 * rec.MIB), rec.h200()])
+    plugin = NoDeviceSelection(nvml=nvml, run=recorded_runner({}), sysfs_root="/nonexistent-sys")
+    async with orchestrator(paths, plugin) as orch:
+        plan = await orch.plan(config, LR.MakePlan())
+        assert plan.backend == "cuda" and plan.backend_env == ()
+        why = orch.status(supervisor_for(plan))["layers"]["why"]
+        assert "left out" not in why and "0: NVIDIA H200 300 MiB, 1: NVIDIA H200 139.8 GiB" in why
