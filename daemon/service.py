@@ -19,12 +19,10 @@ and a refusal to start is one line, `error [reason]: sentence`, with the reason 
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import os
 import signal
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -40,8 +38,7 @@ from daemon.control.methods import dispatch
 from daemon.control.server import serve_control
 from daemon.core.errors import StokerError
 from daemon.core.events import EventBus
-from daemon.core.logfiles import DaemonLogHandler
-from daemon.core.machines import MachineRunner
+from daemon.core.machines import EffectDriver, MachineRunner
 from daemon.core.paths import StokerPaths
 from daemon.core.store_keeper import serve_store_keeper
 from daemon.backends import load_backends
@@ -54,11 +51,12 @@ from daemon.install.service import InstallService
 from daemon.probes.service import ProbeResult, ProbeService
 from daemon.snapshots.service import SnapshotService
 from daemon.launch.supervisor import Supervisor, launch_settings
+from daemon.models.check import model_problem
 from daemon.telemetry.sampler import ServerTarget, TelemetrySampler
 from daemon.telemetry.service import serve_telemetry
 from states import config as C
 from states import launch_records as LR
-from states.reasons import ReasonCode, ReasonedError
+from states.reasons import ReasonCode
 from store import TransitionRecord, open_store
 from store.database import StoreHealth
 from store.snapshots import SnapshotCatalog, SnapshotRecord
@@ -115,6 +113,7 @@ class Daemon:
     orchestrator: FallbackOrchestrator = attrs.field(init=False)
     snapshots: SnapshotService = attrs.field(init=False)
     config_runner: MachineRunner = attrs.field(init=False)
+    _config_effects: EffectDriver[None] = attrs.field(init=False)
     telemetry_sampler: TelemetrySampler | None = attrs.field(init=False, default=None)  # set when served
     config_problems: list[str] = attrs.field(factory=list)
     config_loaded_invalid: bool = False  # no valid file was ever read: refuse `up`
@@ -128,6 +127,7 @@ class Daemon:
         backends = load_backends()
         self.store.on_health = self._on_store_health
         self.config_runner = MachineRunner(C.CONFIG, "config", self.store, publish=self.publish)
+        self._config_effects = EffectDriver(C.CONFIG, {C.ApplyConfig: self._apply_config})
         self.snapshots = SnapshotService(self.paths, SnapshotCatalog(self.store), lambda: self.config, self.bus.publish)
         self.probes = ProbeService(
             self.store,
@@ -270,17 +270,29 @@ class Daemon:
 
     # --- config reload -------------------------------------------------------------------
 
-    def on_config_change(self, new: Config) -> None:
+    def on_config_change(self, new: Config) -> bool:
+        """A valid file was read: check the model a relaunch would load, and let the config
+        machine decide; False when it refused (the server keeps serving on the config in force)."""
         old = self.config
         changed = sorted(config_diff(old, new))
         relaunch = needs_relaunch(old, new)
+        reason, problem = model_problem(new.server.model, self.paths) if relaunch else (None, None)
+        step = self.config_runner.fire(C.ConfigAccepted(changed, relaunch, reason, problem))
+        for effect in step.effects:
+            self._config_effects.run(effect, new)
+        if self.config is not new:
+            self.config_problems = list(self.config_runner.data.problems)
+            log.warning("config refused, keeping the previous one: %s", "; ".join(self.config_problems))
+            return False
+        log.info("config reloaded: %s%s", ", ".join(changed) or "no change", " (relaunch)" if relaunch else "")
+        return True
+
+    def _apply_config(self, effect: C.ApplyConfig, new: Config) -> None:
         self.config = new
         self.supervisor.config = new
         self.config_problems = []
         self.config_loaded_invalid = False
-        self.config_runner.fire(C.ConfigAccepted(changed, relaunch))
-        log.info("config reloaded: %s%s", ", ".join(changed) or "no change", " (relaunch)" if relaunch else "")
-        if relaunch:
+        if effect.relaunch:
             self.supervisor.offer(LR.ConfigChanged(self.launch_settings()))
         elif self.supervisor.state in (LR.LaunchState.STOPPED, LR.LaunchState.FAILED):
             self.supervisor.offer(LR.ConfigChanged(self.launch_settings()))
@@ -341,7 +353,7 @@ class Daemon:
                 self.request_shutdown()
 
 
-def _load_initial_config(paths: StokerPaths) -> tuple[Config, list[str]]:
+def load_initial_config(paths: StokerPaths) -> tuple[Config, list[str]]:
     try:
         return load_config(paths.config_file), []
     except ConfigError as err:
@@ -359,7 +371,7 @@ async def run_daemon(
     lock_fd = acquire_lock(paths.lock_file)
     try:
         store = open_store(paths.db_file)
-        config, problems = _load_initial_config(paths)
+        config, problems = load_initial_config(paths)
         daemon = Daemon(paths, store, EventBus(), config)
         if problems:
             daemon.config_problems = problems
@@ -371,76 +383,3 @@ async def run_daemon(
             store.close()
     finally:
         os.close(lock_fd)
-
-
-def _setup_logging(paths: StokerPaths, log_level: str) -> None:
-    """logs/daemon.log, rotated as `[logs]` says, and stderr: everything on a terminal, in the
-    journal or at debug level; elsewhere (a file that `stoker run` points it to, which nothing
-    rotates) only warnings and errors, the file having the rest."""
-    logging.basicConfig(
-        level=getattr(logging, log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    # Per-request lines from the HTTP client would drown the daemon's own story.
-    for noisy in ("httpx", "httpcore"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    config, _problems = _load_initial_config(paths)
-    try:
-        handler = DaemonLogHandler(paths.logs_dir / "daemon.log", config.logs.rotation)
-    except OSError as exc:
-        log.warning("no daemon log file: %s", exc)
-        return
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    console_is_read = sys.stderr.isatty() or "JOURNAL_STREAM" in os.environ or log_level == "debug"
-    if not console_is_read:
-        for existing in root.handlers:
-            existing.setLevel(logging.WARNING)
-    root.addHandler(handler)
-
-
-# OSErrors that mean the disk or the directory refuses the daemon's files, not a bug.
-_DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EIO}
-
-
-def refusal_of(exc: BaseException, paths: StokerPaths) -> ReasonedError | None:
-    """The reason-coded error that stopped the daemon, found inside trio's exception groups
-    (a service that failed at start-up arrives wrapped in one per nursery); None for a bug."""
-    if isinstance(exc, ReasonedError):
-        return exc
-    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
-        return data_dir_unwritable(Path(exc.filename) if exc.filename else paths.data_dir, exc)
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = refusal_of(inner, paths)
-            if found is not None:
-                return found
-    return None
-
-
-def main(paths: StokerPaths, *, log_level: str = "info") -> int:
-    """`stoker daemon`: run in the foreground; the exit code says why it stopped.
-
-    What it creates is its user's alone (umask 077: the server's snapshots and logs included).
-    A refusal prints one line, `error [reason]: sentence`, and logs it without a traceback; only
-    a bug (no reason code) logs its traceback, and prints one line saying so.
-    """
-    os.umask(0o077)
-    try:
-        paths.make_private()
-    except OSError:
-        pass  # run_daemon says why, with its reason
-    _setup_logging(paths, log_level)
-    try:
-        trio.run(run_daemon, paths)
-    except KeyboardInterrupt:
-        return 130
-    except BaseException as exc:
-        err = refusal_of(exc, paths)
-        if err is None:
-            log.error("the daemon stopped on an internal error", exc_info=exc)
-            err = StokerError(ReasonCode.INTERNAL_ERROR, evidence={"error": f"{type(exc).__name__}: {exc}"})
-        else:
-            log.error("%s: %s", err.reason, err.message)
-        print(f"error [{err.reason}]: {err.message}", file=sys.stdout, flush=True)
-        return 1
-    return 0

@@ -38,9 +38,9 @@ def call(method: str, as_json: bool, timeout: float = 10.0, **params: Any) -> An
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning"]))
 def daemon(log_level: str) -> None:
     """Run the service in the foreground (systemd and launchd run it like this)."""
-    from daemon.service import main as service_main
+    from daemon.cli.foreground import run_foreground
 
-    sys.exit(service_main(StokerPaths.from_env(), log_level=log_level))
+    sys.exit(run_foreground(StokerPaths.from_env(), log_level=log_level))
 
 
 def _or_dash(value: object) -> str:

@@ -16,16 +16,19 @@ from daemon.config.model import Config, ConfigError, load_config
 
 DEFAULT_DEBOUNCE_MS = 300
 
-OnChange = Callable[[Config], "Awaitable[None] | None"]
+# May answer False: the caller refused the new config (the watcher then treats the file as
+# invalid: the config in force stays, and the next save of the file is read again).
+OnChange = Callable[[Config], "Awaitable[bool | None] | bool | None"]
 OnInvalid = Callable[[ConfigError], "Awaitable[None] | None"]
 
 
-async def _call(callback: Callable[[Any], Any] | None, arg: Any) -> None:
+async def _call(callback: Callable[[Any], Any] | None, arg: Any) -> Any:
     if callback is None:
-        return
+        return None
     result = callback(arg)
     if inspect.isawaitable(result):
-        await result
+        return await result
+    return result
 
 
 async def watch_config(
@@ -40,7 +43,8 @@ async def watch_config(
     """Watch `path` until cancelled; report each edit once it settles for `debounce_ms`.
 
     A valid file that differs from the config in force (or follows an invalid one) calls
-    `on_change(new)`; an invalid one calls `on_invalid(err)` and the config in force stays.
+    `on_change(new)`, which may answer False to refuse it; an invalid one calls `on_invalid(err)`;
+    either way the config in force stays.
     `current` is the config in force at the start (default: loaded now); if the file is
     invalid at the start, that is not reported again, but fixing it calls `on_change` even
     when the fixed file equals `current` (so problems can be cleared). The directory is
@@ -76,8 +80,10 @@ async def watch_config(
                 await _call(on_invalid, err)
             return
         if new != current or invalid:
+            if await _call(on_change, new) is False:
+                invalid = True  # refused (its model cannot load): the next save is read again
+                return
             current, invalid = new, False
-            await _call(on_change, new)
 
     def is_ours(_change: Any, changed: str) -> bool:
         return Path(changed).name == path.name

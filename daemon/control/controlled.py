@@ -77,8 +77,9 @@ class ControlledDaemon(Protocol):
     def config_loaded_invalid(self) -> bool:
         """No valid config was ever read: `up` is refused until the file is fixed."""
 
-    def on_config_change(self, new: Config) -> None:
-        """Apply a config read from the file (what the watcher does), relaunching if needed."""
+    def on_config_change(self, new: Config) -> bool:
+        """Apply a config read from the file (what the watcher does), relaunching if needed; False
+        when the config machine refused it (its model cannot load: `config_problems` say why)."""
 
     # --- the launch machine --------------------------------------------------------------
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+from pathlib import Path
 
 import pytest
 import trio
@@ -456,3 +458,90 @@ def test_logs_are_capped_by_default_and_the_cap_is_configurable(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert [p.split(":")[0] for p in info.value.problems] == ["logs.max_bytes", "logs.keep"]
+
+
+# --- a reload is checked before anything is stopped (issue 12, finding 17) ---------------------
+
+
+def test_the_config_machine_refuses_a_relaunch_onto_a_model_that_cannot_load():
+    from states import config as C
+    from states.machine import step
+    from states.reasons import ReasonCode
+
+    bad = C.ConfigAccepted(("server.model",), True, ReasonCode.MODEL_LOAD_FAILED, "/m.gguf is not a GGUF file")
+    result = step(C.CONFIG, C.ConfigState.VALID, C.ConfigData(), bad)
+    assert (result.state, result.effects, result.reason) == (C.ConfigState.INVALID, (), ReasonCode.MODEL_LOAD_FAILED)
+    assert result.data.problems == ("server.model: /m.gguf is not a GGUF file",)
+    good = step(C.CONFIG, C.ConfigState.INVALID, result.data, C.ConfigAccepted(("server.model",), True))
+    assert (good.state, good.effects) == (C.ConfigState.VALID, (C.ApplyConfig(relaunch=True),))
+    # A change that relaunches nothing is applied whatever the model (it stops nothing).
+    quiet = step(C.CONFIG, C.ConfigState.VALID, C.ConfigData(), C.ConfigAccepted(("logs.keep",), False))
+    assert quiet.effects == (C.ApplyConfig(relaunch=False),)
+
+
+def test_the_model_check_says_what_is_wrong_with_the_file(tmp_path, tiny_model):
+    from daemon.core.paths import StokerPaths
+    from daemon.models.check import model_problem
+
+    paths = StokerPaths.from_env()
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(tiny_model.read_bytes()[:100])
+    (tmp_path / "dir.gguf").mkdir()
+    (tmp_path / "text.gguf").write_text("hello")
+    assert model_problem(str(tiny_model), paths) == (None, None)
+    assert model_problem("gemma3-270m", paths) == (None, None)  # a named model: its package, at plan time
+    assert model_problem(str(tmp_path / "none.gguf"), paths)[0] == "model_missing"
+    for name, words in (("cut.gguf", "header"), ("dir.gguf", "directory"), ("text.gguf", "not a GGUF file")):
+        reason, problem = model_problem(str(tmp_path / name), paths)
+        assert reason == "model_load_failed" and words in problem, (name, problem)
+
+
+async def test_a_refused_change_is_read_again_at_the_next_save(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text("[server]\nport = 8000\n")
+    seen = []
+    event = trio.Event()
+
+    def refuse_once(config: Config) -> bool:
+        nonlocal event
+        seen.append(config.server.port)
+        event.set()
+        event = trio.Event()
+        return len(seen) > 1  # the first is refused (as when its model cannot load)
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                lambda task_status: watch_config(
+                    path, refuse_once, current=load_config(path), debounce_ms=50, task_status=task_status
+                )
+            )
+            waiting = event
+            write_atomically(path, "[server]\nport = 8001\n")
+            await waiting.wait()
+            waiting = event
+            write_atomically(path, "[server]\nport = 8001\n")  # saved again, unchanged: read again
+            await waiting.wait()
+            assert seen == [8001, 8001]
+            nursery.cancel_scope.cancel()
+
+
+# --- `stoker use` edits the config file where it really is (issue 12, finding 18) --------------
+
+
+def test_use_writes_through_a_symlinked_config_file(tmp_path):
+    from daemon.config.edit import write_preference
+
+    dotfiles = tmp_path / "dotfiles"
+    dotfiles.mkdir()
+    target = dotfiles / "stoker.toml"
+    target.write_text("# mine\n[server]\nport = 8123\n")
+    os.chmod(target, 0o640)
+    link = tmp_path / "config" / "config.toml"
+    link.parent.mkdir()
+    link.symlink_to(Path("..") / "dotfiles" / "stoker.toml")
+    write_preference(link, "cpu")
+    assert link.is_symlink() and os.readlink(link) == str(Path("..") / "dotfiles" / "stoker.toml")
+    assert target.read_text() == '# mine\n[server]\nport = 8123\n\n[backend]\nprefer = "cpu"\n'
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    assert sorted(p.name for p in dotfiles.iterdir()) == ["stoker.toml"]  # no temp file left

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from daemon.config.model import ConfigError, load_config
-from daemon.control.handlers.backends import set_backend_prefer, write_preference
+from daemon.config.edit import set_backend_prefer, write_preference
 
 
 def test_replaces_the_key_in_place_and_keeps_comments():

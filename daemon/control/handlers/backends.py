@@ -1,15 +1,14 @@
 """Socket methods for backends: probe, use, install, bundle.install.
 
 `use` persists the preference in the config file itself (`[backend] prefer`, written
-atomically), so the file stays the single source of truth that `stoker config check`, an
-editor and the hot-reload watcher all see; the daemon applies the new config at once (the
-watcher then finds nothing new) and the launch machine relaunches on the new preference.
+atomically by daemon/config/edit.py, through a symlink to where the file really is), so the
+file stays the single source of truth that `stoker config check`, an editor and the
+hot-reload watcher all see; the daemon applies the new config at once (the watcher then finds
+nothing new) and the launch machine relaunches on the new preference.
 """
 
 from __future__ import annotations
 
-import os
-import re
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -17,7 +16,8 @@ from typing import Any, Mapping
 import trio
 
 from daemon.bundles.installed import bundle_meta_of
-from daemon.config.model import BackendConfig, ConfigError, load_config, parse_config
+from daemon.config.edit import write_preference
+from daemon.config.model import BackendConfig, ConfigError, load_config
 from daemon.control.controlled import ControlledDaemon
 from daemon.control.status import build_status
 from daemon.control.params import Choices, Kind, Param, method
@@ -45,46 +45,6 @@ async def probe(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str
     started = time.perf_counter()
     results = await daemon.probe_all(names, fresh=params["fresh"])
     return {"backends": [r.to_dict() for r in results.values()], "elapsed_s": round(time.perf_counter() - started, 4)}
-
-
-def set_backend_prefer(text: str, value: str) -> str:
-    """`text` (a config.toml) with `[backend] prefer = value`, everything else untouched."""
-    line = f'prefer = "{value}"'
-    lines = text.splitlines()
-    header = re.compile(r"^\s*\[\s*backend\s*\]\s*(#.*)?$")
-    any_header = re.compile(r"^\s*\[")
-    start = next((i for i, l in enumerate(lines) if header.match(l)), None)
-    if start is None:
-        body = text.rstrip("\n")
-        return (body + "\n\n" if body else "") + f"[backend]\n{line}\n"
-    end = next((i for i in range(start + 1, len(lines)) if any_header.match(lines[i])), len(lines))
-    key = re.compile(r"^\s*prefer\s*=")
-    for i in range(start + 1, end):
-        if key.match(lines[i]):
-            lines[i] = line
-            break
-    else:
-        lines.insert(start + 1, line)
-    return "\n".join(lines) + "\n"
-
-
-def write_preference(path: Path, value: str) -> None:
-    """Set `[backend] prefer` in the config file atomically (tmp, fsync, rename)."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        text = ""
-    new = set_backend_prefer(text, value)
-    parse_config(new, path.parent, path)  # never write a file the daemon would refuse
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(new)
-        f.flush()
-        os.fsync(f.fileno())
-    if path.exists():
-        os.chmod(tmp, path.stat().st_mode & 0o777)
-    os.replace(tmp, path)
 
 
 @method(
@@ -122,7 +82,13 @@ async def use(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, 
         raise StokerError(ReasonCode.CONFIG_INVALID, f"Cannot write {path}: {err}.", {"path": str(path)}) from None
     changed = new != daemon.config
     before = daemon.supervisor.state
-    daemon.on_config_change(new)  # relaunches a running server (a [backend] change)
+    if not daemon.on_config_change(new):  # relaunches a running server (a [backend] change)
+        raise StokerError(
+            ReasonCode.CONFIG_INVALID,
+            "The preference was written, but the config it makes was refused; the server keeps serving on the "
+            "previous one: " + "; ".join(daemon.config_problems),
+            {"problems": list(daemon.config_problems), "config_path": str(path)},
+        )
     if before is LR.LaunchState.FAILED:
         daemon.supervisor.offer(LR.UpRequested(daemon.launch_settings()))
     return {
