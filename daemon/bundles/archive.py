@@ -2,8 +2,8 @@
 
 Unpacking is two passes. The first reads only the central directory and refuses the whole
 archive on any entry that could write outside the staging directory or exhaust the disk:
-absolute names, `..`, links, devices, encrypted entries, duplicates, absurd sizes, counts or
-compression ratios. Only then does the second pass write, and only regular files and
+absolute names, `..`, links, devices, encrypted entries, duplicates, paths too deep or too
+long for a filesystem, absurd sizes, counts or compression ratios. Only then does the second pass write, and only regular files and
 directories, each opened with O_EXCL|O_NOFOLLOW under the staging root, counting bytes as
 they come instead of trusting the declared sizes.
 """
@@ -34,20 +34,34 @@ class ArchiveLimits:
     max_total_size: int = 8 << 30  # a multi-arch CUDA bundle with its runtime is a few GiB
     max_ratio: float = 200.0  # shared libraries deflate 3-5x; a bomb deflates 1000x
     ratio_floor: int = 1 << 20  # tiny files may compress absurdly without harm
+    # A bundle's paths are a few levels deep (bin/, lib/); 2000 nested levels crashed the
+    # installer (Path.mkdir(parents=True) recurses once per level) and no filesystem takes them.
+    max_depth: int = 32
+    max_name_bytes: int = 1024  # the whole entry path, well under PATH_MAX with the staging prefix
+    max_part_bytes: int = 255  # NAME_MAX of common filesystems
 
 
 def _unsafe(why: str, **evidence: Any) -> StokerError:
     return StokerError(ReasonCode.BUNDLE_UNSAFE_ARCHIVE, f"The bundle archive was refused: {why}.", evidence)
 
 
-def _check_name(name: str) -> PurePosixPath:
+def _check_name(name: str, limits: ArchiveLimits) -> PurePosixPath:
     if not name or "\x00" in name or "\\" in name:
         raise _unsafe("an entry name is empty or has a NUL or backslash", entry=name)
     if name.startswith("/") or (len(name) > 1 and name[1] == ":"):
         raise _unsafe("an entry has an absolute path", entry=name)
     parts = name.rstrip("/").split("/")
     if any(p in ("", ".", "..") for p in parts):
-        raise _unsafe("an entry path escapes the bundle or is not normalised", entry=name)
+        raise _unsafe("an entry path escapes the bundle or is not normalised", entry=name[:200])
+    longest = max(len(p.encode()) for p in parts)
+    if len(parts) > limits.max_depth or len(name.encode()) > limits.max_name_bytes or longest > limits.max_part_bytes:
+        raise _unsafe(
+            "an entry path is too deep or too long",
+            entry=name[:200],
+            depth=len(parts),
+            name_bytes=len(name.encode()),
+            longest_part_bytes=longest,
+        )
     return PurePosixPath(*parts)
 
 
@@ -77,7 +91,7 @@ def scan(zf: zipfile.ZipFile, limits: ArchiveLimits) -> list[tuple[zipfile.ZipIn
     total = 0
     judged = []
     for info in infos:
-        path = _check_name(info.filename)
+        path = _check_name(info.filename, limits)
         kind = _kind(info)
         if kind not in ("file", "dir"):
             raise _unsafe(f"an entry is a {kind}", entry=info.filename, kind=kind)

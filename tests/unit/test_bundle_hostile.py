@@ -284,3 +284,18 @@ def test_find_installed_prefers_a_safe_variant_and_never_native(tmp_path, paths,
     assert find_installed(paths, "cpu").meta.variant == "avx2"
     monkeypatch.setattr(installed, "cpu_flags", lambda: frozenset({"sse4_2"}))
     assert find_installed(paths, "cpu").meta.variant == "compat"
+
+
+@pytest.mark.parametrize(
+    "entry",
+    ["/".join(["d"] * 2000) + "/f", "bin/" + "x" * 300, "/".join(["deep"] * 60) + "/f"],
+    ids=["2000-levels", "long-component", "60-levels"],
+)
+def test_absurdly_deep_or_long_entry_paths_are_refused_not_a_crash(tmp_path, paths, entry):
+    """Issue 12 finding 18: a 2000-level nested entry path crashed the installer with RecursionError
+    (Path.mkdir(parents=True) recurses once per level); it is judged with the other names."""
+    zip_path = hostile_zip(tmp_path, entry)
+    before = tree_snapshot(tmp_path)
+    err = refused(ReasonCode.BUNDLE_UNSAFE_ARCHIVE, install_bundle, zip_path, paths)
+    assert "too deep or too long" in err.message
+    assert_nothing_installed(paths, tmp_path, before)

@@ -356,3 +356,16 @@ async def test_status_config_part_says_why_the_file_was_refused():
     st = build_status(daemon)
     assert not st.config.valid and st.config.problems == ("server.port: not an integer",)
     assert as_json(st)["config"]["problems"] == ["server.port: not an integer"]
+
+
+@pytest.mark.parametrize(
+    "name, param",
+    [(m.name, p.name) for m in METHODS.values() for p in m.params if p.kind in (Kind.INTEGER, Kind.NUMBER)],
+)
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 10**40])
+async def test_every_numeric_parameter_refuses_integers_sqlite_cannot_hold(name, param, value):
+    """Issue 12 finding 18: an integer past SQLite's 64 bits is bad_request, on every method (one
+    validator), never an OverflowError from the store answered as internal_error."""
+    required = {p.name: 1 for p in METHODS[name].params if p.required and p.kind is Kind.INTEGER}
+    err = await refused(FakeDaemon(), name, **{**required, param: value})
+    assert (err.reason, err.evidence["param"]) == (ReasonCode.BAD_REQUEST, param)
