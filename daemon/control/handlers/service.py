@@ -46,7 +46,9 @@ async def status(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     offloaded, total, why, estimate}, n_ctx, snapshots, log_path, preference {prefer, forced,
     candidates}, fallback_state, fallback_reason, fallbacks [{backend, reason, message,
     evidence}], probes {backend: {usable, reason, generation}}, backends [the loaded backend
-    plugins], config {path, valid, problems}, daemon {pid, started_at, socket}}.
+    plugins], config {path, valid, problems}, store {writable, reason (store_write_failed while the
+    state database refuses writes), message, error, since, pending (transitions held in memory)},
+    daemon {pid, started_at, socket}}.
     """
     return build_status(daemon)
 
