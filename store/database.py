@@ -120,15 +120,22 @@ class Store:
     ) -> TransitionRecord:
         """Write the machine's new row and append its history row in ONE transaction.
 
-        `seq` is the machine's transition number (default: one past the stored one). When the
+        The machine's transition number is one past the stored one (a waiting one included);
+        `seq`, the caller's count, stands in only when the disk cannot even be read. When the
         disk refuses the write, the transition waits in memory behind any earlier one and the
         record comes back with `id` None; a write refused for what it is raises StoreError.
         """
         at = self.clock() if at is None else at
         reason = None if reason is None else str(reason)
         evidence_json = _dumps(evidence)
-        if seq is None:
+        try:
             seq = self._stored_seq(machine_id) + 1
+        except sqlite3.Error as exc:  # a failing disk that cannot even be read
+            if seq is None or not refused_by_disk(exc):
+                raise StoreError(
+                    ReasonCode.STORE_WRITE_FAILED,
+                    evidence={"machine": machine_id, "event": event, "error": str(exc), "path": self.path},
+                ) from exc
         row: dict[str, Any] = {
             "machine_id": machine_id,
             "kind": kind,

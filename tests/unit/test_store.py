@@ -381,3 +381,11 @@ async def test_the_keeper_writes_held_back_rows_when_space_returns_and_checkpoin
         nursery.cancel_scope.cancel()
     s.close()
     assert open_store(main_file_only).count_transitions() == 2
+
+
+def test_a_transition_is_numbered_from_the_store_not_from_a_stale_count(store):
+    """The caller's count only stands in when the disk cannot be read: a second runner of the same
+    machine (or a stale count) never collides with a stored number."""
+    record(store, seq=1)
+    t = record(store, frm="planning", to="starting", seq=1)  # a stale count
+    assert t.seq == 2 and t.id is not None and store.count_transitions() == 2
