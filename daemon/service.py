@@ -225,6 +225,9 @@ class Daemon:
     async def install_file(self, path: Path, *, smoke: bool, detection: Detection | None) -> InstalledBundle:
         return await self.installs.install_file(path, smoke=smoke, detection=detection)
 
+    def snapshot_status(self) -> dict[str, Any] | None:
+        return self.snapshots.status(self.supervisor.ready_evidence)
+
     def snapshot_listing(self) -> dict[str, Any]:
         return self.snapshots.listing(ready=self.supervisor.state is LR.LaunchState.READY)
 
@@ -312,6 +315,7 @@ class Daemon:
             await nursery.start(serve_store_keeper, self.store)
             await nursery.start(self.probes.serve)
             await nursery.start(self.installs.serve)
+            await nursery.start(self.snapshots.run)
             await nursery.start(self.supervisor.run)
             self.telemetry_sampler = await nursery.start(
                 serve_telemetry, self.telemetry_target, self.bus, self.orchestrator.backends
@@ -340,7 +344,8 @@ class Daemon:
     async def _stop_server(self) -> None:
         sdnotify.stopping("stopping the server")
         self.supervisor.shutting_down = True
-        with trio.move_on_after(self.config.supervisor.stop_grace_s + 15):
+        # The saves before the stop have their own budget, which scales with the KV to save.
+        with trio.move_on_after(self.config.supervisor.stop_grace_s + self.snapshots.stop_budget_bound() + 15):
             self.supervisor.offer(LR.DownRequested())
             await self.wait_state({LR.LaunchState.STOPPED, LR.LaunchState.FAILED})
 

@@ -123,6 +123,8 @@ class ReasonCode(enum.StrEnum):
     SNAPSHOT_DISK_FULL = "snapshot_disk_full"
     SNAPSHOT_RESTORE_FAILED = "snapshot_restore_failed"
     SNAPSHOT_NO_BENEFIT = "snapshot_no_benefit"
+    SNAPSHOT_DROPPED = "snapshot_dropped"
+    SNAPSHOT_SAVE_TIMEOUT = "snapshot_save_timeout"
 
 
 MESSAGES: dict[ReasonCode, str] = {
@@ -296,7 +298,7 @@ MESSAGES: dict[ReasonCode, str] = {
     ReasonCode.SNAPSHOT_NOT_FOUND: "No snapshot has that id; `stoker snapshot list` shows the ids.",
     ReasonCode.SNAPSHOT_SERVER_NOT_READY: "The server is not ready, so no slot can be saved or restored now; try again after `stoker up`.",
     ReasonCode.SNAPSHOT_MODEL_MISMATCH: (
-        "The snapshot was taken with a different model file (its sha256 differs); it was not restored. "
+        "The snapshot was taken with a different model file (its model id differs); it was not restored. "
         "Switch back to that model to use it."
     ),
     ReasonCode.SNAPSHOT_ENGINE_MISMATCH: (
@@ -307,7 +309,7 @@ MESSAGES: dict[ReasonCode, str] = {
         "KV cache types or --swa-full); it was not restored. Restore the old settings to use it."
     ),
     ReasonCode.SNAPSHOT_CORRUPT: (
-        "The snapshot file is missing, truncated or altered (its size or sha256 differs from the catalogue); "
+        "The snapshot file is missing, truncated or altered (its size, place or digest differs from the catalogue); "
         "it was not restored. Remove it with `stoker snapshot rm ID`."
     ),
     ReasonCode.SNAPSHOT_BAD_SLOT: "That slot id does not exist on this server (ids run from 0 to parallel - 1).",
@@ -322,6 +324,15 @@ MESSAGES: dict[ReasonCode, str] = {
     ReasonCode.SNAPSHOT_NO_BENEFIT: (
         "This model cannot resume from a snapshot (a sliding-window model without --swa-full, or a hybrid/"
         "recurrent model): the engine would re-process the prompt anyway, so automatic snapshots are skipped."
+    ),
+    ReasonCode.SNAPSHOT_DROPPED: (
+        "A snapshot was given up (removed by retention, not saved because it could not be kept, or lost to a "
+        "reboot before it reached the disk); the entry says which, with its figures. Raise `[snapshots] max_count` "
+        'or `max_bytes` ("auto" scales with the model), or free disk space.'
+    ),
+    ReasonCode.SNAPSHOT_SAVE_TIMEOUT: (
+        "Saving the slots before the stop took longer than its budget, so the conversation was not saved; the "
+        'previous snapshots are intact. Raise `[snapshots] stop_budget_s` ("auto" scales with the KV to save).'
     ),
 }
 

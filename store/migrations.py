@@ -114,7 +114,33 @@ def m003_snapshot_kv_unified(db: Database) -> None:
     db.table("snapshots").add_column("kv_unified", int)
 
 
-MIGRATIONS: list[Migration] = [m001_initial, m002_snapshots, m003_snapshot_kv_unified]
+def m004_snapshot_cheap_checks(db: Database) -> None:
+    """Snapshots identified and checked without reading whole files (issue 12, findings 13-14):
+    `model_id` (the model's header and sampled blocks: daemon/models/identity.py) replaces the
+    model's sha256 for new rows; a file is checked at restore by its size, mtime, inode and a
+    digest of its head and tail (`file_sample_sha256`), its full sha256 being computed after the
+    save, in the background (NULL until then); `sealed_at` says when its data reached the disk
+    (fsync), `boot_id` which boot wrote it. `snapshot_figures`: the moving throughputs that
+    decide restore against re-prefill and the budgets (states/snapshot_policy.py)."""
+    db.table("snapshots").transform(not_null={"model_sha256": False, "file_sha256": False})
+    for column, kind in (
+        ("model_id", str),
+        ("file_mtime_ns", int),
+        ("file_inode", int),
+        ("file_sample_sha256", str),
+        ("sealed_at", float),
+        ("boot_id", str),
+    ):
+        db.table("snapshots").add_column(column, kind)
+    db.table("snapshots").create_index(["model_id", "slot_id", "created_at"])
+    db.table("snapshot_figures").create(
+        {"name": str, "value": float, "samples": int, "updated_at": float},
+        pk="name",
+        not_null={"value", "samples", "updated_at"},
+    )
+
+
+MIGRATIONS: list[Migration] = [m001_initial, m002_snapshots, m003_snapshot_kv_unified, m004_snapshot_cheap_checks]
 
 
 def applied(db: Database) -> list[str]:

@@ -1,7 +1,9 @@
-"""The snapshot catalogue: one row per complete KV slot file, and the model digest cache.
+"""The snapshot catalogue: one row per complete KV slot file, the moving figures that judge
+snapshots on this machine, and (for rows from before model ids) the model digest cache.
 
 A row is written only after its file is complete, checked and renamed into place, so the
-catalogue never names a half-written file. Files and rows leave together (`remove`).
+catalogue never names a half-written file. Files and rows leave together (`remove`). A row's
+`sealed_at` and `file_sha256` are filled in later, by the background work after a save.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import attrs
 from sqlite_utils import Database
 
 from states.reasons import ReasonCode
+from states.snapshot_policy import Figure, fold
 from store.database import Store
 from store.errors import StoreError
 
+# Which model a snapshot belongs to: `model_id` (daemon/models/identity.py); rows written
+# before it existed have only the model file's full sha256 (see `same_model`).
+MODEL_FIELDS = ("model_id", "model_sha256")
 # The fields that must match between a snapshot and a server before the engine sees the file.
-IDENTITY_FIELDS = (
-    "model_sha256",
+LAYOUT_FIELDS = (
     "engine_build",
     "n_ctx",
     "n_slots",
@@ -28,8 +33,22 @@ IDENTITY_FIELDS = (
     "swa_full",
     "kv_unified",
 )
+IDENTITY_FIELDS = MODEL_FIELDS + LAYOUT_FIELDS
 
 T = TypeVar("T")
+
+
+def same_model(snapshot: Mapping[str, Any], server: Mapping[str, Any]) -> bool:
+    """Whether a snapshot was written by the server's model: by model id; a row from before
+    model ids, by the full sha256 the daemon of that time cached for this exact file."""
+    if snapshot.get("model_id"):
+        return bool(snapshot["model_id"] == server.get("model_id"))
+    return bool(snapshot.get("model_sha256")) and snapshot.get("model_sha256") == server.get("model_sha256")
+
+
+def model_key(rec: "SnapshotRecord") -> str:
+    """The model a row belongs to, for retention's per-model count."""
+    return rec.model_id or rec.model_sha256 or ""
 
 
 @attrs.frozen
@@ -40,7 +59,7 @@ class SnapshotRecord:
     filename: str
     slot_id: int
     model_path: str | None
-    model_sha256: str
+    model_sha256: str | None  # the model file's full sha256: rows from before model ids only
     engine_build: str
     backend: str | None
     variant: str | None
@@ -52,11 +71,17 @@ class SnapshotRecord:
     swa_full: bool
     n_tokens: int
     file_size: int
-    file_sha256: str
+    file_sha256: str | None  # None until the background digest after the save finished
     cause: str
     save_ms: float | None
     created_at: float
     kv_unified: bool | None = None  # None: catalogued before it was recorded
+    model_id: str | None = None  # None: a row from before model ids (model_sha256 then)
+    file_mtime_ns: int | None = None  # the file as it was catalogued: what the restore checks
+    file_inode: int | None = None
+    file_sample_sha256: str | None = None  # sha256 of the file's size, head and tail
+    sealed_at: float | None = None  # its data reached the disk (fsync); None: not yet
+    boot_id: str | None = None  # the boot that wrote it (an unsealed file from another boot may be torn)
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> "SnapshotRecord":
@@ -103,16 +128,20 @@ class SnapshotCatalog:
         rows = list(self.store.db.query("select * from snapshots where id = ?", [snapshot_id]))
         return SnapshotRecord.from_row(rows[0]) if rows else None
 
-    def list(self, *, model_sha256: str | None = None, slot_id: int | None = None) -> list[SnapshotRecord]:
-        """Snapshots, newest first (optionally of one model and slot)."""
-        where, params = [], []
-        for clause, value in (("model_sha256 = ?", model_sha256), ("slot_id = ?", slot_id)):
-            if value is not None:
-                where.append(clause)
-                params.append(value)
-        sql = "select * from snapshots" + (" where " + " and ".join(where) if where else "")
+    def list(self, *, slot_id: int | None = None) -> list[SnapshotRecord]:
+        """Snapshots, newest first (optionally of one slot)."""
+        sql, params = "select * from snapshots", []
+        if slot_id is not None:
+            sql, params = sql + " where slot_id = ?", [slot_id]
         sql += " order by created_at desc, id desc"
         return [SnapshotRecord.from_row(r) for r in self.store.db.query(sql, params)]
+
+    def update(self, snapshot_id: int, **fields: Any) -> None:
+        """Fill in what the background work learnt (sealed_at, file_sha256, the file's place); a
+        row removed meanwhile is left alone."""
+        sets = ", ".join(f"[{name}] = ?" for name in fields)
+        params = [*fields.values(), snapshot_id]
+        self._write("snapshots", lambda db: db.execute(f"update snapshots set {sets} where id = ?", params))
 
     def remove(self, ids: Iterable[int]) -> None:
         ids = list(ids)
@@ -123,7 +152,29 @@ class SnapshotCatalog:
     def filenames(self) -> set[str]:
         return {r[0] for r in self.store.db.execute("select filename from snapshots").fetchall()}
 
-    # --- the model digest cache ----------------------------------------------------------
+    # --- moving figures ------------------------------------------------------------------
+
+    def figures(self, prefix: str = "") -> dict[str, Figure]:
+        """The moving figures whose names start with `prefix`, by name."""
+        rows = self.store.db.execute(
+            "select name, value, samples from snapshot_figures where substr(name, 1, ?) = ?", [len(prefix), prefix]
+        ).fetchall()
+        return {name: Figure(value, samples) for name, value, samples in rows}
+
+    def fold_figure(self, name: str, sample: float) -> Figure:
+        """Move the figure `name` by one sample (states.snapshot_policy.fold); the new figure."""
+
+        def write(db: Database) -> Figure:
+            row = db.execute("select value, samples from snapshot_figures where name = ?", [name]).fetchone()
+            new = fold(Figure(row[0], row[1]) if row else None, sample)
+            db.table("snapshot_figures").upsert(
+                {"name": name, "value": new.value, "samples": new.samples, "updated_at": self.store.clock()}, pk="name"
+            )
+            return new
+
+        return self._write("snapshot_figures", write)
+
+    # --- the model digest cache (rows from before model ids) -------------------------------
 
     def cached_digest(self, path: str, size: int, mtime_ns: int) -> str | None:
         """The model's sha256 if it was computed for this exact path, size and mtime."""
@@ -137,20 +188,29 @@ class SnapshotCatalog:
         self._write("model_digests", lambda db: db.table("model_digests").upsert(row, pk="path"))
 
 
-def retention_victims(records: list[SnapshotRecord], max_count: int, max_bytes: int) -> list[SnapshotRecord]:
-    """Which snapshots retention removes: beyond `max_count` newest per (slot, model), then the
-    oldest until the total fits `max_bytes`. Pure: the caller deletes files and rows."""
+def retention_plan(records: list[SnapshotRecord], max_count: int, max_bytes: int) -> list[tuple[SnapshotRecord, str]]:
+    """Which snapshots retention removes, and why: "count" beyond `max_count` newest per (slot,
+    model), then "bytes" for the oldest until the total fits `max_bytes`. Pure: the caller
+    deletes files and rows, and says what it dropped."""
     newest_first = sorted(records, key=lambda r: (r.created_at, r.id), reverse=True)
     seen: dict[tuple[int, str], int] = {}
     keep: list[SnapshotRecord] = []
-    victims: list[SnapshotRecord] = []
+    victims: list[tuple[SnapshotRecord, str]] = []
     for rec in newest_first:
-        key = (rec.slot_id, rec.model_sha256)
+        key = (rec.slot_id, model_key(rec))
         seen[key] = seen.get(key, 0) + 1
-        (keep if seen[key] <= max_count else victims).append(rec)
+        if seen[key] <= max_count:
+            keep.append(rec)
+        else:
+            victims.append((rec, "count"))
     total = sum(r.file_size for r in keep)
     while keep and total > max_bytes:
         oldest = keep.pop()
         total -= oldest.file_size
-        victims.append(oldest)
+        victims.append((oldest, "bytes"))
     return victims
+
+
+def retention_victims(records: list[SnapshotRecord], max_count: int, max_bytes: int) -> list[SnapshotRecord]:
+    """The snapshots `retention_plan` removes."""
+    return [rec for rec, _ in retention_plan(records, max_count, max_bytes)]

@@ -216,6 +216,20 @@ def _log_size(value: Any) -> int:
     return size
 
 
+def _auto_or(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """ "auto" (Stoker scales it with the model), or what `check` accepts."""
+
+    def either(value: Any) -> Any:
+        if value == "auto":
+            return "auto"
+        try:
+            return check(value)
+        except _Invalid as err:
+            raise _Invalid(f'must be "auto" or {str(err).removeprefix("must be ")}') from None
+
+    return either
+
+
 def _swa_full(value: Any) -> bool | str:
     if isinstance(value, bool) or value == "auto":
         return value
@@ -282,7 +296,11 @@ class SupervisorConfig:
 class SnapshotsConfig:
     enabled: bool = _field(True, _bool)
     max_count: int = _field(8, _int(0, 10_000))
-    max_bytes: int = _field(2 * 2**30, _size)
+    # "auto": two full-context saves of every slot, at least 2 GiB (states/snapshot_policy.py).
+    max_bytes: int | Literal["auto"] = _field("auto", _auto_or(_size))
+    # Every save before a planned stop together; "auto": twice the KV to save at the measured
+    # save speed, plus 5 s, within 20 s .. 10 min.
+    stop_budget_s: float | Literal["auto"] = _field("auto", _auto_or(_seconds(high=3600)))
     swa_full: bool | str = _field("auto", _swa_full)
 
 

@@ -127,6 +127,9 @@ class ControlledDaemon(Protocol):
 
     # --- KV slot snapshots ---------------------------------------------------------------
 
+    def snapshot_status(self) -> dict[str, Any] | None:
+        """The `snapshots` part of status: the ready server's report and the latest drops."""
+
     def snapshot_listing(self) -> dict[str, Any]:
         """Every snapshot with whether it fits the running server."""
 

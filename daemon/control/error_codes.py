@@ -73,6 +73,8 @@ ERROR_CODES: dict[ReasonCode, int] = {
     ReasonCode.SNAPSHOT_DISK_FULL: 5010,
     ReasonCode.SNAPSHOT_RESTORE_FAILED: 5011,
     ReasonCode.SNAPSHOT_NO_BENEFIT: 5012,
+    ReasonCode.SNAPSHOT_DROPPED: 5013,
+    ReasonCode.SNAPSHOT_SAVE_TIMEOUT: 5014,
     # Backends: 4xyy, x = backend (1 cuda, 2 rocm, 3 vulkan, 4 metal, 0 none), yy = what.
     ReasonCode.GPU_MISSING: 4001,
     ReasonCode.BINARY_MISSING_NVIDIA_DETECTED: 4101,

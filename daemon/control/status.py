@@ -114,7 +114,7 @@ class Status:
     crashes: int
     layers: Layers
     n_ctx: int | None
-    snapshots: dict[str, Any] | None  # KV snapshots: benefit, --swa-full cost, restored/refused
+    snapshots: dict[str, Any] | None  # KV snapshots: benefit, --swa-full cost, restored/refused, decisions, drops
     log_path: str
     config: ConfigStatus
     store: StoreStatus
@@ -167,7 +167,7 @@ def build_status(daemon: ControlledDaemon) -> Status:
         crashes=data.crashes,
         layers=Layers(layers["planned"], layers["offloaded"], layers["total"], layers["why"], layers["estimate"]),
         n_ctx=ready.get("n_ctx"),
-        snapshots=ready.get("snapshots"),
+        snapshots=daemon.snapshot_status(),
         log_path=str(daemon.paths.logs_dir / "llama-server.log"),
         config=ConfigStatus(str(daemon.paths.config_file), not daemon.config_problems, tuple(daemon.config_problems)),
         store=_store_status(daemon),

@@ -29,7 +29,7 @@ from daemon.bundles.installed import InstalledBundle
 from daemon.config.model import Config
 from daemon.core.paths import StokerPaths
 from daemon.models.resolve import model_launch_args
-from daemon.snapshots.service import snapshot_server_args
+from daemon.snapshots.layout import snapshot_server_args
 from states.launch_records import GpuLayers, LaunchPlan
 
 METRICS = "--metrics"

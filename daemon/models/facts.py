@@ -43,6 +43,10 @@ class ModelFacts:
     recurrent: bool  # has recurrent (SSM/RWKV/conv) state
     attention: bool  # has attention layers (recurrent + attention = hybrid)
     block_count: int | None
+    # One KV cell's bytes with an f16 cache: layers x KV heads x (key + value length) x 2. None
+    # where the header does not say (per-layer head counts, no attention). The server's own KV
+    # buffers (its log) are the exact figure; this one is for before a server ran.
+    kv_bytes_per_token_f16: int | None = None
 
     @property
     def swa(self) -> bool:
@@ -116,6 +120,25 @@ def read_header(path: Path) -> dict[str, Any]:
 
 
 def _read_header(path: Path) -> dict[str, Any]:
+    return read_layout(path).meta
+
+
+@attrs.frozen
+class GGUFLayout:
+    """Where things are in a GGUF file: its metadata, where the tensor data starts, and each
+    tensor's data offset (from that start), in file order."""
+
+    meta: dict[str, Any]
+    data_offset: int
+    tensor_offsets: tuple[int, ...]
+
+
+_DEFAULT_ALIGNMENT = 32
+
+
+def read_layout(path: str | Path) -> GGUFLayout:
+    """Parse the header and the tensor infos (names, shapes and types skipped over), not the data."""
+    path = Path(path)
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file")
@@ -124,16 +147,42 @@ def _read_header(path: Path) -> dict[str, Any]:
         version = head.unpack("<I")
         if version < 2:
             raise ValueError(f"GGUF version {version} is too old")
-        head.unpack("<Q")  # tensor count
+        n_tensors = head.unpack("<Q")
         n_kv = head.unpack("<Q")
         out: dict[str, Any] = {}
+        offsets: list[int] = []
         try:
             for _ in range(n_kv):
                 key = head.string()
                 out[key] = head.value(head.unpack("<I"), keep=False)
+            for _ in range(n_tensors):
+                name_length = head.unpack("<Q")
+                head.pos += name_length  # the name, skipped
+                n_dims = head.unpack("<I")
+                head.pos += 8 * n_dims + 4  # the dimensions and the type
+                offsets.append(head.unpack("<Q"))
         except (struct.error, ValueError) as err:  # a length or type that runs off the file
             raise ValueError(f"{path}: the GGUF header is truncated or corrupt ({err})") from err
-        return out
+        alignment = out.get("general.alignment")
+        if not isinstance(alignment, int) or alignment <= 0:
+            alignment = _DEFAULT_ALIGNMENT
+        data_offset = (head.pos + alignment - 1) // alignment * alignment
+        return GGUFLayout(out, data_offset, tuple(offsets))
+
+
+def _kv_bytes_per_token(meta: dict[str, Any], arch: str) -> int | None:
+    def number(key: str) -> int | None:
+        value = meta.get(f"{arch}.{key}")
+        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+    layers, heads = number("block_count"), number("attention.head_count")
+    kv_heads = number("attention.head_count_kv") or heads
+    embd = number("embedding_length")
+    head_dim = embd // heads if embd and heads else None
+    key, value = number("attention.key_length") or head_dim, number("attention.value_length") or head_dim
+    if not (layers and kv_heads and key and value):
+        return None
+    return layers * kv_heads * (key + value) * 2
 
 
 def facts_from_header(meta: dict[str, Any]) -> ModelFacts:
@@ -146,6 +195,7 @@ def facts_from_header(meta: dict[str, Any]) -> ModelFacts:
         recurrent=any(marker in k[len(arch) :] for k in own for marker in _RECURRENT_MARKERS),
         attention=f"{arch}.attention.head_count" in meta,
         block_count=meta.get(f"{arch}.block_count"),
+        kv_bytes_per_token_f16=_kv_bytes_per_token(meta, arch),
     )
 
 

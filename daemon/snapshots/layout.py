@@ -1,4 +1,5 @@
-"""The live server's KV layout, as a snapshot identity, and whether snapshots can help it.
+"""The live server's KV layout, as a snapshot identity, and whether snapshots can help it; the
+snapshot flags a launch gets (--slot-save-path, --swa-full).
 
 The engine restores any slot file whose tensor shapes happen to fit and never checks which
 model it came from (docs/snapshots.md), so Stoker compares its own record of the snapshot
@@ -8,16 +9,21 @@ with the running server before the engine sees the file. The server's effective 
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any, Mapping
 
 import attrs
 
+from daemon.config.model import Config
 from daemon.core.errors import StokerError
-from daemon.models.facts import ModelFacts
+from daemon.core.paths import StokerPaths
+from daemon.models.facts import ModelFacts, model_facts
 from states.reasons import ReasonCode
-from store.snapshots import IDENTITY_FIELDS
+from store.snapshots import LAYOUT_FIELDS, MODEL_FIELDS, same_model
+
+log = logging.getLogger(__name__)
 
 LAUNCH_MARKER = b"==== stoker: launch "
 _LOG_CHUNK = 1 << 20
@@ -147,11 +153,20 @@ def swa_report(facts: ModelFacts, kv: KVLog, swa_full: bool) -> dict[str, Any]:
 
 
 def identity_of_server(
-    *, model_sha256: str, engine_build: str, props: Mapping[str, Any], kv: KVLog, config_flash_attn: str, swa_full: bool
+    *,
+    model_id: str,
+    model_sha256: str | None,
+    engine_build: str,
+    props: Mapping[str, Any],
+    kv: KVLog,
+    config_flash_attn: str,
+    swa_full: bool,
 ) -> dict[str, Any]:
-    """The running server's identity, in the catalogue's terms."""
+    """The running server's identity, in the catalogue's terms (`model_sha256`: the full digest
+    a daemon before model ids cached for this exact file, if any; it matches rows of that time)."""
     settings = props.get("default_generation_settings") or {}
     return {
+        "model_id": model_id,
         "model_sha256": model_sha256,
         "engine_build": engine_build,
         # The KV layout's cells per slot; /props may report less (capped at the model's
@@ -178,12 +193,15 @@ def check_identity(snapshot: Mapping[str, Any], server: Mapping[str, Any], *, sn
     """Raise a reason-coded StokerError if the snapshot does not fit the server."""
     differ = {
         k: {"snapshot": snapshot.get(k), "server": server.get(k)}
-        for k in IDENTITY_FIELDS
+        for k in LAYOUT_FIELDS
         if snapshot.get(k) != server.get(k) and not _unknown_or_moot(k, snapshot, server)
     }
+    if not same_model(snapshot, server):
+        field = MODEL_FIELDS[0] if snapshot.get(MODEL_FIELDS[0]) else MODEL_FIELDS[1]
+        differ = {field: {"snapshot": snapshot.get(field), "server": server.get(field)}, **differ}
     if not differ:
         return
-    if "model_sha256" in differ:
+    if MODEL_FIELDS[0] in differ or MODEL_FIELDS[1] in differ:
         reason = ReasonCode.SNAPSHOT_MODEL_MISMATCH
     elif "engine_build" in differ:
         reason = ReasonCode.SNAPSHOT_ENGINE_MISMATCH
@@ -197,3 +215,24 @@ def engine_build_of(meta: Any) -> str:
     llama = dict(getattr(meta, "llama", {}) or {})
     source = str((getattr(meta, "source", {}) or {}).get("sha256", ""))[:16]
     return f"{llama.get('version', '?')} build {llama.get('build_number', '?')} commit {llama.get('commit', '?')} source {source}"
+
+
+def swa_full_wanted(config: Config, model_path: str | Path) -> bool:
+    """Whether llama-server should run with --swa-full (snapshots.swa_full, "auto": SWA models)."""
+    setting = config.snapshots.swa_full
+    if setting != "auto":
+        return bool(setting)
+    if not config.snapshots.enabled:
+        return False
+    try:
+        return model_facts(model_path).swa
+    except (OSError, ValueError, KeyError) as exc:  # the engine reports a bad model itself
+        log.info("no GGUF facts for %s: %s", model_path, exc)
+        return False
+
+
+def snapshot_server_args(paths: StokerPaths, config: Config, model_path: str | Path) -> tuple[Path, tuple[str, ...]]:
+    """(--slot-save-path dir, extra flags) for a launch. The dir is always given, so that
+    turning snapshots on (no relaunch) finds a server able to save."""
+    paths.snapshots_dir.mkdir(parents=True, exist_ok=True)
+    return paths.snapshots_dir, ("--swa-full",) if swa_full_wanted(config, model_path) else ()

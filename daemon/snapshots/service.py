@@ -1,74 +1,58 @@
 """KV slot snapshots: save the server's non-empty slots before it goes away, restore them when a
-compatible server is ready, on demand in between; retention; cleanup after a kill.
+compatible server is ready (or leave them to a re-prefill where that is measured to be faster),
+on demand in between; retention; cleanup after a kill.
 
 A save goes to a temporary name inside the slot-save dir, is checked (size against the
-engine's own count, sha256), renamed into place, and only then catalogued: a full disk or a
-kill leaves the previous snapshots as they were and never a half file in the catalogue.
-A restore is checked against the catalogue (identity, file size and digest, slot id) before
-the engine sees the file; if the engine still refuses it, the slot is erased and the server
-keeps serving. docs/snapshots.md has the whole story.
+engine's own count), renamed into place and catalogued with its stat facts and a digest of its
+head and tail; its fsync and full sha256 follow in the background, so a stop waits for the
+engine's write and nothing else. A restore checks the catalogue (identity, slot id) and the
+file's size, inode, mtime and sampled digest (files.py) before the engine sees it; if the
+engine still refuses it, the slot is erased and the server keeps serving. Whatever is given up
+is said (drops.py). docs/snapshots.md has the whole story.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import secrets
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import attrs
 import trio
 
 from daemon.config.model import Config
 from daemon.core.errors import StokerError
-from daemon.engine.api import EngineClient, error_message
-from daemon.models.facts import ModelFacts, model_facts
-from daemon.core.digests import fsync_dir, sha256_file
 from daemon.core.paths import StokerPaths
-from daemon.snapshots.layout import (
-    KVLog,
-    check_identity,
-    engine_build_of,
-    identity_of_server,
-    last_launch_lines,
-    swa_report,
+from daemon.engine.api import EngineClient, error_message
+from daemon.snapshots.drops import DropLog
+from daemon.snapshots.files import FileFacts, check_file, resident_fraction, sample_digest
+from daemon.snapshots.figures import (
+    LogCursor,
+    fold_prefills,
+    max_bytes_for,
+    save_figure,
+    stop_budget_for,
+    fold_sample,
+    prefill_samples,
+    restore_decision,
+    restore_name,
+    save_name,
+    throughput_mb_s,
 )
-from states.launch_records import LaunchPlan, LaunchState
+from daemon.snapshots.layout import check_identity
+from daemon.snapshots.live import LiveServer, ServedPlan, inspect_server
+from daemon.snapshots.shelf import PARTIAL_PREFIX, SnapshotShelf
+from states import snapshot_policy as policy
 from states.reasons import ReasonCode
-from store.snapshots import SnapshotCatalog, SnapshotRecord, retention_victims
-
+from store.snapshots import SnapshotCatalog, SnapshotRecord, same_model
 
 log = logging.getLogger(__name__)
 
-SLOT_TIMEOUT = 30.0  # one slot's save or restore (a busy slot makes the engine wait)
-STOP_BUDGET = 20.0  # every save before a planned stop, together
-PARTIAL_PREFIX = "partial-"
-_FINAL_NAME = re.compile(r"^slot\d+-\d+-[0-9a-f]+\.bin$")
+SLOT_TIMEOUT = 30.0  # a restore, or the least a save may take (a busy slot makes the engine wait)
 DISK_FULL_BYTES = 1 << 20  # a failed save with less free space than this is a full disk
-
-
-def swa_full_wanted(config: Config, model_path: str | Path) -> bool:
-    """Whether llama-server should run with --swa-full (snapshots.swa_full, "auto": SWA models)."""
-    setting = config.snapshots.swa_full
-    if setting != "auto":
-        return bool(setting)
-    if not config.snapshots.enabled:
-        return False
-    try:
-        return model_facts(model_path).swa
-    except (OSError, ValueError, KeyError) as exc:  # the engine reports a bad model itself
-        log.info("no GGUF facts for %s: %s", model_path, exc)
-        return False
-
-
-def snapshot_server_args(paths: StokerPaths, config: Config, model_path: str | Path) -> tuple[Path, tuple[str, ...]]:
-    """(--slot-save-path dir, extra flags) for a launch. The dir is always given, so that
-    turning snapshots on (no relaunch) finds a server able to save."""
-    paths.snapshots_dir.mkdir(parents=True, exist_ok=True)
-    return paths.snapshots_dir, ("--swa-full",) if swa_full_wanted(config, model_path) else ()
 
 
 def cross_backend_note(saved_on: str | None, restored_on: str | None) -> str:
@@ -81,53 +65,12 @@ def cross_backend_note(saved_on: str | None, restored_on: str | None) -> str:
     )
 
 
-class ServedPlan(Protocol):
-    """A server instance as the snapshot code needs it: where it answers (base URL and key),
-    its pid, the plan it runs, its log, and the launch machine's state for the evidence. The
-    launch supervisor is one; this package never imports daemon.launch."""
-
-    @property
-    def plan(self) -> LaunchPlan | None: ...
-
-    @property
-    def pid(self) -> int | None: ...
-
-    @property
-    def log_path(self) -> Path: ...
-
-    @property
-    def state(self) -> LaunchState: ...
-
-    def endpoint(self) -> tuple[str | None, str | None]: ...
-
-
-@attrs.frozen
-class LiveServer:
-    """One ready server as the snapshot code sees it."""
-
-    key: tuple[Any, ...]  # pid and base URL: a new server gets a new key
-    base_url: str
-    api_key: str | None
-    identity: dict[str, Any]
-    n_slots: int
-    backend: str | None
-    variant: str | None
-    model_path: str
-    swa: dict[str, Any]
-
-
-def _seal(path: Path) -> tuple[int, str]:
-    """fsync a finished file; its size and sha256."""
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-    return path.stat().st_size, sha256_file(path)
-
-
-def _file_state(path: Path) -> tuple[int, str] | None:
+def _free_bytes(path: Path) -> int | None:
     try:
-        return path.stat().st_size, sha256_file(path)
+        st = os.statvfs(path)
     except OSError:
         return None
+    return st.f_bavail * st.f_frsize
 
 
 @attrs.define(eq=False)
@@ -140,17 +83,28 @@ class SnapshotService:
     publish: Callable[[dict[str, Any]], Any] | None = None  # the event bus: topics snapshot.*
     live: LiveServer | None = None
     last_report: dict[str, Any] | None = None
-    _inflight: set[str] = attrs.field(factory=set)
+    drops: DropLog = attrs.field(init=False)
+    shelf: SnapshotShelf = attrs.field(init=False)
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
+    _cursor: LogCursor | None = None
+
+    def __attrs_post_init__(self) -> None:
+        self.drops = DropLog(self.publish)
+        self.shelf = SnapshotShelf(self.paths.snapshots_dir, self.catalog, self.drops, self.publish)
 
     @property
     def dir(self) -> Path:
         return self.paths.snapshots_dir
 
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The background work after saves (fsync, full digest), started in the root nursery."""
+        await self.shelf.run(task_status=task_status)
+
     # --- hooks the supervisor runs ------------------------------------------------------
 
     async def on_ready(self, supervisor: ServedPlan, evidence: dict[str, Any]) -> dict[str, Any] | None:
-        """ready_hook: inspect the server, then restore the newest compatible snapshot per slot."""
+        """ready_hook: inspect the server, then per slot restore the newest compatible snapshot,
+        or leave it to the next request's prefill where that is measured to be faster."""
         config = self.get_config().snapshots
         if not config.enabled:
             self.last_report = {"enabled": False}
@@ -158,18 +112,31 @@ class SnapshotService:
         self.cleanup_files()
         self.cleanup_rows()
         live = await self.inspect(supervisor)
-        report: dict[str, Any] = {"enabled": True, **live.swa, "restored": [], "refused": []}
+        report: dict[str, Any] = {
+            "enabled": True,
+            **live.swa,
+            "budgets": self.budgets(live),
+            "restored": [],
+            "refused": [],
+            "restore_decisions": [],
+        }
         if evidence.get("adopted"):
             report["skipped"] = "adopted server: its slots are still in memory"
         elif not live.swa["benefit"]:
             report["skipped"] = str(ReasonCode.SNAPSHOT_NO_BENEFIT)
         else:
             for slot in range(live.n_slots):
-                candidates = self.catalog.list(model_sha256=live.identity["model_sha256"], slot_id=slot)
+                candidates = [c for c in self.catalog.list(slot_id=slot) if same_model(c.identity(), live.identity)]
                 if not candidates:
                     continue
                 # The newest that fits this server; if none fits, the newest says why.
-                rec = next((c for c in candidates if c.identity() == live.identity), candidates[0])
+                rec = next((c for c in candidates if self._fits(c, live)), candidates[0])
+                if self._fits(rec, live):
+                    decision = await self.decide(live, rec, slot)
+                    report["restore_decisions"].append(decision)
+                    if decision["choice"] == "reprefill":
+                        log.info("slot %d: %s", slot, decision["why"])
+                        continue
                 try:
                     report["restored"].append(await self._restore(live, rec, slot))
                 except StokerError as err:
@@ -181,116 +148,191 @@ class SnapshotService:
         return {"snapshots": report}
 
     async def before_stop(self, supervisor: ServedPlan, cause: str) -> None:
-        """before_stop: save every non-empty slot while the server still serves."""
-        if not self.get_config().snapshots.enabled:
+        """before_stop: save every non-empty slot while the server still serves, within a budget
+        that scales with the KV to save; a save cut by it is reported, never silent."""
+        config = self.get_config().snapshots
+        if not config.enabled:
             return
-        with trio.move_on_after(STOP_BUDGET):
-            try:
+        started = trio.current_time()
+        # Listing the slots is bounded by the budget too where it is a number (a hung engine).
+        budget = SLOT_TIMEOUT if config.stop_budget_s == "auto" else config.stop_budget_s
+        phase, todo, live = "listing", [], self.live
+        try:
+            with trio.move_on_after(budget) as listing:
                 # Inspected at ready, or now if snapshots were turned on since (no relaunch).
-                if not (await self.inspect(supervisor)).swa["benefit"]:
-                    return
-                saved = await self.save(supervisor, cause, timeout=STOP_BUDGET / 2)
-            except StokerError as err:  # the server stops anyway; the previous snapshots stay
-                log.warning("no snapshot before %s: %s %s", cause, err.reason, err.evidence)
+                live = await self.inspect(supervisor)
+                if live.swa["benefit"]:
+                    todo = await self._slots_to_save(live, None)
+            if listing.cancelled_caught:
+                self._save_timeout(live, todo, budget, trio.current_time() - started, cause, phase)
                 return
-            log.info("saved %d slot snapshot(s) before %s", len(saved), cause)
+            if live is None or not live.swa["benefit"] or not todo:
+                return
+            phase, budget = "saving", self.stop_budget(live, todo)
+            with trio.move_on_after(budget - (trio.current_time() - started)) as saving:
+                saved = await self.save(supervisor, cause, timeout=budget, todo=todo)
+            if saving.cancelled_caught:
+                self._save_timeout(live, todo, budget, trio.current_time() - started, cause, phase)
+                return
+        except StokerError as err:  # the server stops anyway; the previous snapshots stay
+            log.warning("no snapshot before %s: %s %s", cause, err.reason, err.evidence)
+            if err.reason == ReasonCode.SNAPSHOT_SAVE_FAILED:  # refusals were recorded by save()
+                self.drops.record(err.reason, cause=cause, **err.evidence)
+            return
+        except trio.Cancelled:  # the daemon's own stop bound ran out first: say so, then go
+            self._save_timeout(live, todo, budget, trio.current_time() - started, cause, phase)
+            raise
+        log.info("saved %d slot snapshot(s) before %s", len(saved), cause)
 
-    # --- the live server ----------------------------------------------------------------
+    def _save_timeout(
+        self,
+        live: LiveServer | None,
+        todo: list[tuple[int, int]],
+        budget: float,
+        elapsed: float,
+        cause: str,
+        phase: str,
+    ) -> None:
+        n_tokens = sum(n for _, n in todo)
+        fig = None if live is None else save_figure(self.catalog, live.backend)
+        self.drops.record(
+            ReasonCode.SNAPSHOT_SAVE_TIMEOUT,
+            cause=cause,
+            phase=phase,  # "listing": the engine did not list its slots in time; "saving": not all were saved
+            slots=[sid for sid, _ in todo],
+            n_tokens=n_tokens,
+            expected_bytes=None if live is None else policy.snapshot_bytes(n_tokens, live.kv_bytes_per_token),
+            budget_s=round(budget, 3),
+            elapsed_s=round(elapsed, 3),
+            save_mb_s=None if fig is None else fig.to_dict(),
+            stop_budget_setting=self.get_config().snapshots.stop_budget_s,
+        )
+
+    # --- the live server and its budgets ------------------------------------------------
 
     async def inspect(self, supervisor: ServedPlan) -> LiveServer:
         """The ready server's identity (cached per server: it cannot change while it runs)."""
-        base_url, api_key = supervisor.endpoint()
-        plan = supervisor.plan
-        if base_url is None or plan is None:
-            raise StokerError(ReasonCode.SNAPSHOT_SERVER_NOT_READY, evidence={"state": supervisor.state.value})
-        key = (supervisor.pid, base_url)
+        key = (supervisor.pid, supervisor.endpoint()[0])
         if self.live is not None and self.live.key == key:
             return self.live
-        resp = None
-        async with EngineClient.open(base_url, api_key, timeout=None) as engine:
-            with trio.move_on_after(SLOT_TIMEOUT):
-                resp = await engine.props()
-        if resp is None or resp.status_code != 200:
-            raise StokerError(
-                ReasonCode.SNAPSHOT_SERVER_NOT_READY, evidence={"props": None if resp is None else resp.status_code}
-            )
-        props = resp.json()
-        digest = await self.model_digest(Path(plan.model_path))
-        build, kv, facts = await trio.to_thread.run_sync(self._read_facts, plan, supervisor.log_path)
-        swa_full = kv.swa_full if facts.swa else False
-        # The flash attention the server was given: the plan's (what ran), not today's config.
-        flash_attn = plan.flash_attn or self.get_config().server.flash_attn
-        identity = identity_of_server(
-            model_sha256=digest, engine_build=build, props=props, kv=kv, config_flash_attn=flash_attn, swa_full=swa_full
-        )
-        self.live = LiveServer(
-            key,
-            base_url,
-            api_key,
-            identity,
-            int(props.get("total_slots") or 1),
-            plan.backend,
-            plan.variant,
-            plan.model_path,
-            swa_report(facts, kv, swa_full),
-        )
+        self.live = await inspect_server(supervisor, self.catalog, self.get_config())
+        self._cursor = None
         return self.live
 
-    def _read_facts(self, plan: LaunchPlan, log_path: Path) -> tuple[str, KVLog, ModelFacts]:
-        from daemon.bundles.metadata import BundleMeta
-
+    def _fits(self, rec: SnapshotRecord, live: LiveServer) -> bool:
         try:
-            engine = engine_build_of(BundleMeta.read(Path(plan.bundle_root)))
+            check_identity(rec.identity(), live.identity, snapshot_id=rec.id)
         except StokerError:
-            engine = f"unknown engine at {plan.server_path}"
-        kv = KVLog.parse(last_launch_lines(log_path))
-        return engine, kv, model_facts(plan.model_path)
+            return False
+        return True
 
-    async def model_digest(self, path: Path) -> str:
-        """The model's sha256, computed once per (path, size, mtime) and kept in the store."""
-        st = path.stat()
-        cached = self.catalog.cached_digest(str(path), st.st_size, st.st_mtime_ns)
-        if cached:
-            return cached
-        digest = await trio.to_thread.run_sync(sha256_file, path)
-        self.catalog.remember_digest(str(path), st.st_size, st.st_mtime_ns, digest)
-        return digest
+    def max_bytes(self, live: LiveServer | None) -> int:
+        """Retention's byte budget: the setting, or "auto" scaled with the live server's KV."""
+        return max_bytes_for(self.get_config().snapshots.max_bytes, live)
+
+    def stop_budget(self, live: LiveServer, todo: list[tuple[int, int]]) -> float:
+        """Seconds the saves before a stop may take: the setting, or "auto" for this KV."""
+        return stop_budget_for(self.get_config().snapshots.stop_budget_s, self.catalog, live, sum(n for _, n in todo))
+
+    def stop_budget_bound(self) -> float:
+        """The most a stop's saves may take on the live server (every slot full): the daemon's
+        own stop waits at least this long."""
+        live = self.live
+        if live is None or not self.get_config().snapshots.enabled:
+            return policy.DEFAULT_STOP_BUDGET_S
+        return self.stop_budget(live, [(slot, live.n_ctx_seq) for slot in range(live.n_slots)])
+
+    def budgets(self, live: LiveServer) -> dict[str, Any]:
+        config = self.get_config().snapshots
+        return {
+            "kv_bytes_per_token": live.kv_bytes_per_token,
+            "max_bytes": self.max_bytes(live),
+            "max_bytes_setting": config.max_bytes,
+            "max_count": config.max_count,
+            "stop_budget_s_full": round(self.stop_budget_bound(), 1),
+            "stop_budget_setting": config.stop_budget_s,
+        }
+
+    def status(self, ready_evidence: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The `snapshots` part of status: the ready server's report (restores, decisions,
+        budgets) and the latest drops."""
+        report = dict((ready_evidence or {}).get("snapshots") or {})
+        dropped = self.drops.latest()
+        if dropped:
+            report["dropped"] = dropped
+        return report or None
+
+    # --- figures ------------------------------------------------------------------------
+
+    async def _harvest_prefills(self, live: LiveServer, log_path: Path) -> None:
+        samples, self._cursor = await trio.to_thread.run_sync(prefill_samples, log_path, self._cursor)
+        fold_prefills(self.catalog, live.backend, live.identity["model_id"], samples)
+
+    async def decide(self, live: LiveServer, rec: SnapshotRecord, slot: int) -> dict[str, Any]:
+        """Restore or re-prefill, from the figures measured here (states.snapshot_policy)."""
+        resident = await trio.to_thread.run_sync(resident_fraction, self.dir / rec.filename)
+        return {"slot": slot, "snapshot_id": rec.id, **restore_decision(self.catalog, live, rec, resident)}
 
     # --- save ---------------------------------------------------------------------------
 
+    async def _slots_to_save(self, live: LiveServer, slot: int | None) -> list[tuple[int, int]]:
+        async with EngineClient.open(live.base_url, live.api_key, timeout=None) as engine:
+            resp = None
+            with trio.move_on_after(SLOT_TIMEOUT):
+                resp = await engine.slots()
+        if resp is None or resp.status_code != 200:
+            raise StokerError(
+                ReasonCode.SNAPSHOT_SAVE_FAILED,
+                "The server did not list its slots.",
+                {"status": None if resp is None else resp.status_code},
+            )
+        return [
+            (s["id"], s.get("n_prompt_tokens") or 0)
+            for s in resp.json()
+            if (slot is None or s["id"] == slot) and (s.get("n_prompt_tokens") or 0) > 0
+        ]
+
     async def save(
-        self, supervisor: ServedPlan, cause: str, *, slot: int | None = None, timeout: float = SLOT_TIMEOUT
+        self,
+        supervisor: ServedPlan,
+        cause: str,
+        *,
+        slot: int | None = None,
+        timeout: float | None = None,
+        todo: list[tuple[int, int]] | None = None,
     ) -> list[SnapshotRecord]:
-        """Save the non-empty slots (or one slot); newest catalogued records."""
+        """Save the non-empty slots (or one slot); newest catalogued records. A save that could
+        not be kept (bigger than the retention budget, or the free disk) is not attempted."""
         live = await self.inspect(supervisor)
         if slot is not None:
             self._check_slot(live, slot)
         async with self._lock:
             self.cleanup_files()
+            if todo is None:
+                todo = await self._slots_to_save(live, slot)
+            await self._harvest_prefills(live, supervisor.log_path)
+            max_bytes = self.max_bytes(live)
+            saved, errors = [], []
             async with EngineClient.open(live.base_url, live.api_key, timeout=None) as engine:
-                resp = None
-                with trio.move_on_after(timeout):
-                    resp = await engine.slots()
-                if resp is None or resp.status_code != 200:
-                    raise StokerError(
-                        ReasonCode.SNAPSHOT_SAVE_FAILED,
-                        "The server did not list its slots.",
-                        {"status": None if resp is None else resp.status_code},
+                for sid, n_tokens in todo:
+                    expected = policy.snapshot_bytes(n_tokens, live.kv_bytes_per_token)
+                    verdict = policy.save_verdict(
+                        expected_bytes=expected, max_bytes=max_bytes, free_bytes=_free_bytes(self.dir)
                     )
-                slots = resp.json()
-                todo = [
-                    (s["id"], s.get("n_prompt_tokens") or 0)
-                    for s in slots
-                    if (slot is None or s["id"] == slot) and (s.get("n_prompt_tokens") or 0) > 0
-                ]
-                saved, errors = [], []
-                for sid, _ in todo:
+                    if verdict.why is not None:  # not paid for: it could not be kept
+                        figures = {"slot": sid, "n_tokens": n_tokens, **verdict.figures}
+                        self.drops.record(ReasonCode.SNAPSHOT_DROPPED, why=verdict.why, **figures)
+                        full = verdict.why == "no_space"
+                        reason = ReasonCode.SNAPSHOT_DISK_FULL if full else ReasonCode.SNAPSHOT_DROPPED
+                        errors.append(StokerError(reason, evidence={"why": verdict.why, **figures}))
+                        continue
+                    slot_timeout = timeout or max(SLOT_TIMEOUT, self.stop_budget(live, [(sid, n_tokens)]))
                     try:
-                        saved.append(await self._save_slot(engine, live, sid, cause, timeout))
+                        saved.append(await self._save_slot(engine, live, sid, cause, slot_timeout))
                     except StokerError as err:  # one slot's failure does not cost the others
                         log.warning("slot %d not saved: %s %s", sid, err.reason, err.evidence)
                         errors.append(err)
-            self._apply_retention()
+            self.shelf.apply_retention(self.get_config().snapshots.max_count, self.max_bytes(live))
         if saved:
             self._event("snapshot.saved", ids=[r.id for r in saved], cause=cause)
         if errors and not saved:
@@ -302,7 +344,7 @@ class SnapshotService:
     ) -> SnapshotRecord:
         tmp = f"{PARTIAL_PREFIX}{secrets.token_hex(8)}.bin"
         path = self.dir / tmp
-        self._inflight.add(tmp)
+        self.shelf.inflight.add(tmp)
         try:
             resp = None
             with trio.move_on_after(timeout):
@@ -316,16 +358,18 @@ class SnapshotService:
             if resp.status_code != 200:
                 raise self._save_error(slot, {"status": resp.status_code, "engine": error_message(resp)})
             body = resp.json()
-            size, sha = await trio.to_thread.run_sync(_seal, path)
+            size = path.stat().st_size
             if size != body.get("n_written"):
                 raise self._save_error(slot, {"n_written": body.get("n_written"), "file_size": size})
             created = time.time()
-            final = f"slot{slot}-{int(created * 1000)}-{secrets.token_hex(4)}.bin"
-            os.replace(path, self.dir / final)
-            await trio.to_thread.run_sync(fsync_dir, self.dir)
-            return self.catalog.add(
+            final = self.dir / f"slot{slot}-{int(created * 1000)}-{secrets.token_hex(4)}.bin"
+            os.replace(path, final)
+            facts = FileFacts.of(final)
+            sample = await trio.to_thread.run_sync(sample_digest, final, size)
+            save_ms = (body.get("timings") or {}).get("save_ms")
+            rec = self.catalog.add(
                 {
-                    "filename": final,
+                    "filename": final.name,
                     "slot_id": slot,
                     "model_path": live.model_path,
                     "backend": live.backend,
@@ -333,24 +377,27 @@ class SnapshotService:
                     **live.identity,
                     "n_tokens": body.get("n_saved", 0),
                     "file_size": size,
-                    "file_sha256": sha,
+                    "file_sha256": None,
+                    "file_mtime_ns": facts.mtime_ns,
+                    "file_inode": facts.inode,
+                    "file_sample_sha256": sample,
+                    "boot_id": self.shelf.boot,
                     "cause": cause,
-                    "save_ms": (body.get("timings") or {}).get("save_ms"),
+                    "save_ms": save_ms,
                     "created_at": created,
                 }
             )
         except OSError as exc:
             raise self._save_error(slot, {"error": str(exc)}) from exc
         finally:
-            self._inflight.discard(tmp)
+            self.shelf.inflight.discard(tmp)
             path.unlink(missing_ok=True)
+        fold_sample(self.catalog, save_name(live.backend), throughput_mb_s(size, save_ms))
+        await self.shelf.after_save(rec)
+        return rec
 
     def _save_error(self, slot: int, evidence: dict[str, Any]) -> StokerError:
-        try:
-            st = os.statvfs(self.dir)
-            free = st.f_bavail * st.f_frsize
-        except OSError:
-            free = None
+        free = _free_bytes(self.dir)
         full = free is not None and free < DISK_FULL_BYTES
         reason = ReasonCode.SNAPSHOT_DISK_FULL if full else ReasonCode.SNAPSHOT_SAVE_FAILED
         return StokerError(reason, evidence={"slot": slot, "free_bytes": free, "dir": str(self.dir), **evidence})
@@ -373,18 +420,13 @@ class SnapshotService:
     async def _restore(self, live: LiveServer, rec: SnapshotRecord, slot: int) -> dict[str, Any]:
         self._check_slot(live, slot)
         check_identity(rec.identity(), live.identity, snapshot_id=rec.id)
-        found = await trio.to_thread.run_sync(_file_state, self.dir / rec.filename)
-        if found != (rec.file_size, rec.file_sha256):
-            raise StokerError(
-                ReasonCode.SNAPSHOT_CORRUPT,
-                evidence={
-                    "snapshot_id": rec.id,
-                    "file": rec.filename,
-                    "expected_size": rec.file_size,
-                    "found_size": found[0] if found else None,
-                    "digest_matches": bool(found and found[1] == rec.file_sha256),
-                },
-            )
+        path = self.dir / rec.filename
+        resident = await trio.to_thread.run_sync(resident_fraction, path)
+        check = await trio.to_thread.run_sync(check_file, path, rec)
+        if not check.ok:
+            raise StokerError(ReasonCode.SNAPSHOT_CORRUPT, evidence={"checked": check.checked, **check.evidence})
+        if check.revouched is not None:  # moved or copied, and the full digest vouched for it
+            self.catalog.update(rec.id, file_mtime_ns=check.revouched.mtime_ns, file_inode=check.revouched.inode)
         async with self._lock, EngineClient.open(live.base_url, live.api_key, timeout=None) as engine:
             resp = None
             with trio.move_on_after(SLOT_TIMEOUT):
@@ -403,11 +445,17 @@ class SnapshotService:
                         "engine": None if resp is None else error_message(resp),
                     },
                 )
+        restore_ms = (body.get("timings") or {}).get("restore_ms")
+        band = policy.restore_band(resident)
+        if band is not None:
+            fold_sample(self.catalog, restore_name(live.backend, band), throughput_mb_s(rec.file_size, restore_ms))
         result = {
             "id": rec.id,
             "slot": slot,
             "n_tokens": body["n_restored"],
-            "restore_ms": (body.get("timings") or {}).get("restore_ms"),
+            "restore_ms": restore_ms,
+            "checked": check.checked,
+            "resident": None if resident is None else round(resident, 3),
             "saved_on": rec.backend,
             "restored_on": live.backend,
             "cross_backend": bool(rec.backend and live.backend and rec.backend != live.backend),
@@ -419,52 +467,20 @@ class SnapshotService:
     # --- catalogue ----------------------------------------------------------------------
 
     def get(self, snapshot_id: Any) -> SnapshotRecord:
-        rec = (
-            self.catalog.get(snapshot_id)
-            if isinstance(snapshot_id, int) and not isinstance(snapshot_id, bool)
-            else None
-        )
-        if rec is None:
-            raise StokerError(ReasonCode.SNAPSHOT_NOT_FOUND, evidence={"id": snapshot_id})
-        return rec
+        return self.shelf.get(snapshot_id)
 
     def remove(self, records: list[SnapshotRecord]) -> None:
-        """Files first, then rows: a kill in between leaves rows without files (cleaned up)."""
-        for rec in records:
-            (self.dir / rec.filename).unlink(missing_ok=True)
-        self.catalog.remove(r.id for r in records)
-        if records:
-            self._event("snapshot.removed", ids=[r.id for r in records])
+        self.shelf.remove(records)
+
+    def cleanup_files(self) -> list[str]:
+        return self.shelf.cleanup_files()
+
+    def cleanup_rows(self) -> None:
+        self.shelf.cleanup_rows()
 
     def _event(self, topic: str, **fields: Any) -> None:
         if self.publish is not None:
             self.publish({"topic": topic, **fields})
-
-    def _apply_retention(self) -> list[SnapshotRecord]:
-        config = self.get_config().snapshots
-        victims = retention_victims(self.catalog.list(), config.max_count, config.max_bytes)
-        self.remove(victims)
-        return victims
-
-    def cleanup_files(self) -> list[str]:
-        """Remove what a kill left behind: partial files and uncatalogued snapshot files."""
-        if not self.dir.is_dir():
-            return []
-        known = self.catalog.filenames()
-        removed = []
-        for entry in self.dir.iterdir():
-            name = entry.name
-            stray = name.startswith(PARTIAL_PREFIX) and name not in self._inflight
-            if stray or (_FINAL_NAME.match(name) and name not in known):
-                entry.unlink(missing_ok=True)
-                removed.append(name)
-        if removed:
-            log.info("removed leftover snapshot files: %s", removed)
-        return removed
-
-    def cleanup_rows(self) -> None:
-        """Drop rows whose file is gone (removed by hand, or a kill between unlink and delete)."""
-        self.catalog.remove(r.id for r in self.catalog.list() if not (self.dir / r.filename).is_file())
 
     def listing(self, *, ready: bool) -> dict[str, Any]:
         """Every snapshot, newest first, with whether it fits the running server."""
@@ -485,7 +501,9 @@ class SnapshotService:
             "total_bytes": sum(r["file_size"] for r in rows),
             "enabled": config.enabled,
             "max_count": config.max_count,
-            "max_bytes": config.max_bytes,
+            "max_bytes": self.max_bytes(live),
+            "max_bytes_setting": config.max_bytes,
             "dir": str(self.dir),
             "server": None if live is None else {"identity": live.identity, **live.swa},
+            "dropped": self.drops.latest(),
         }

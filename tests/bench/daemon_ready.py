@@ -1,13 +1,21 @@
 """Daemon time-to-ready against llama-server run directly, and status round trips.
 
     .venv/bin/python tests/bench/daemon_ready.py [--runs 5] [--model PATH]
+    .venv/bin/python tests/bench/daemon_ready.py --big-gib 3 --runs 5   # a generated 3 GiB F16 model
 
 1. Time-to-ready: the same engine, model and arguments, (a) spawned directly and polled on
    /health every 2 ms until 200, and (b) through the daemon, from the `up` request to the
    `machine.launch.ready` event on a subscriber. Runs alternate; the figure is the median of
-   the per-pair ratios daemon/direct (target <= 1.05).
+   the per-pair ratios daemon/direct (target <= 1.05). The daemon runs with its default
+   snapshot settings (on), and before each of its runs the model file's mtime is moved
+   (`--touch`, the default), so every daemon run is the first ready of that file as the daemon
+   sees it: whatever it learns about a model file (its identity) is paid for in the figure.
+   `--big-gib N` writes an 8B-shaped F16 model of about N GiB (tests/bench/bigmodel.py) to
+   $TMPDIR and uses it: the case where anything proportional to the model's size shows.
+   `--backend cuda` runs a CUDA bundle (built or taken from the cache) on a GPU host.
 2. `status` round trips over the socket while a subscriber is attached: p50 and p99 on one
    connection and with a new connection per request, the way the CLI does it (target p99 < 5 ms).
+   Skipped with --big-gib.
 
 Results go to docs/benchmarks.md.
 """
@@ -26,6 +34,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -35,7 +44,10 @@ from daemon.bundles.installed import install_bundle  # noqa: E402
 from daemon.control.client import ControlClient  # noqa: E402
 from daemon.models.resolve import resolve_model  # noqa: E402
 from daemon.core.paths import StokerPaths  # noqa: E402
-from daemon.engine.process import ServerSpec, server_argv, server_env  # noqa: E402
+from daemon.core.digests import sha256_file  # noqa: E402
+from daemon.models.identity import _CACHE as _IDENTITIES  # noqa: E402
+from daemon.models.identity import model_identity  # noqa: E402
+from tests.bench.bigmodel import write_big_model  # noqa: E402
 from tests.bench.report import machine, percentile, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config  # noqa: E402
 
@@ -46,20 +58,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def time_direct(server: Path, model: Path, ctx: int, workdir: Path) -> float:
-    """Spawn llama-server the way the daemon does, poll /health until 200."""
+def daemon_server(d: DaemonProcess) -> tuple[list[str], dict[str, str]]:
+    """The ready server's own argv and environment (the plan the daemon ran), so that the
+    direct arm runs exactly what the daemon runs."""
+    proc = psutil.Process(d.call("status")["pid"])
+    return proc.cmdline(), proc.environ()
+
+
+def time_direct(argv: list[str], env: dict[str, str], workdir: Path) -> float:
+    """Spawn the daemon's argv directly (own port, key and slot dir), poll /health until 200."""
     port = free_port()
     key_file = workdir / "key"
     key_file.write_text("benchkey\n")
-    spec = ServerSpec(server_path=server, model_path=model, port=port, ctx_size=ctx, parallel=1, flash_attn="auto")
-    argv = server_argv(spec, api_key_file=key_file)
+    argv = list(argv)
+    for flag, value in (("--port", str(port)), ("--api-key-file", str(key_file)), ("--slot-save-path", None)):
+        if flag in argv:
+            i = argv.index(flag)
+            if value is None:
+                del argv[i : i + 2]
+            else:
+                argv[i + 1] = value
     cwd = workdir / "cwd"
     cwd.mkdir(exist_ok=True)
     with open(workdir / "direct.log", "ab") as log, httpx.Client(timeout=1.0, trust_env=False) as client:
         started = time.perf_counter()
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=server_env(spec), start_new_session=True
-        )
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True)
         try:
             while True:
                 try:
@@ -75,8 +98,23 @@ def time_direct(server: Path, model: Path, ctx: int, workdir: Path) -> float:
             proc.wait(30)
 
 
-def time_daemon(d: DaemonProcess) -> float:
-    """From the `up` request to the ready event on a subscriber."""
+def model_identity_cache_clear() -> None:
+    _IDENTITIES.clear()
+
+
+def warm(path: Path) -> None:
+    """Read the file whole, so that it is in the page cache."""
+    with open(path, "rb", buffering=0) as fh:
+        while fh.read(16 << 20):
+            pass
+
+
+def time_daemon(d: DaemonProcess, model: Path | None = None) -> float:
+    """From the `up` request to the ready event on a subscriber; with `model`, its mtime is
+    moved first (a file the daemon has not seen in this state)."""
+    if model is not None:
+        st = model.stat()
+        os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     with ControlClient(d.paths.socket_path, timeout=120) as sub_client, d.client(timeout=120) as client:
         events = sub_client.subscribe()
         started = time.perf_counter()
@@ -126,6 +164,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--big-gib", type=float, default=None, help="write and use an 8B-shaped F16 model of N GiB")
+    ap.add_argument("--bundle", type=Path, default=None, help="an engine bundle zip (default: build the CPU one)")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--no-touch", action="store_true", help="leave the model's mtime alone (a model already seen)")
     ap.add_argument("--status-calls", type=int, default=2000)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -133,38 +175,79 @@ def main() -> int:
     home = Path(tempfile.mkdtemp(prefix="stoker-bench-"))
     env = {**os.environ, "STOKER_HOME": str(home)}
     paths = StokerPaths.from_env(env)
-    result = build_bundle(paths, backend="cpu", progress=lambda line: print(line, file=sys.stderr))
-    bundle = install_bundle(result.zip_path, paths, expect_backend="cpu")
-    model = resolve_model(args.model, paths)
-    ctx = 4096
-    print(f"engine {bundle.meta.version} ({bundle.meta.variant}), model {model.name}", file=sys.stderr)
+    if args.bundle is None:
+        zip_path = build_bundle(paths, backend="cpu", progress=lambda line: print(line, file=sys.stderr)).zip_path
+    else:
+        zip_path = args.bundle
+    bundle = install_bundle(zip_path, paths)
+    if args.big_gib:
+        model = Path(tempfile.gettempdir()) / f"stoker-bench-{args.big_gib:g}g.gguf"
+        if not model.is_file():
+            write_big_model(model, args.big_gib)
+    else:
+        model = resolve_model(args.model, paths)
+    ctx = args.ctx
+    size_gib = model.stat().st_size / 2**30
+    print(
+        f"engine {bundle.meta.version} ({bundle.meta.backend}/{bundle.meta.variant}), model {model.name}",
+        file=sys.stderr,
+    )
 
     d = DaemonProcess(home)
-    write_config(d.paths, tiny_config(model, ctx_size=ctx, stall_timeout_s=120.0, ready_timeout_s=600.0))
+    # The daemon's defaults, snapshots included (on): what a user runs.
+    write_config(
+        d.paths, tiny_config(model, snapshots=True, ctx_size=ctx, stall_timeout_s=120.0, ready_timeout_s=600.0)
+    )
     d.start()
+    rtts: dict[str, list[float]] = {}
     try:
         d.wait_state("ready", timeout=600)
+        argv, server_env = daemon_server(d)
         d.call("down")
         work = home / "direct"
         work.mkdir()
         direct, via_daemon = [], []
         for i in range(args.runs):
-            direct.append(time_direct(bundle.server, model, ctx, work))
-            via_daemon.append(time_daemon(d))
+            # Both arms start from a model in the page cache (read whole before each), and take
+            # turns going first.
+            arms = [
+                lambda: direct.append(time_direct(argv, server_env, work)),
+                lambda: via_daemon.append(time_daemon(d, None if args.no_touch else model)),
+            ]
+            for arm in arms if i % 2 == 0 else arms[::-1]:
+                warm(model)
+                arm()
             print(f"run {i + 1}: direct {direct[-1]:.3f} s, daemon {via_daemon[-1]:.3f} s", file=sys.stderr)
         ratios = [b / a for a, b in zip(direct, via_daemon)]
-        d.call("up")
-        d.wait_state("ready", timeout=600)
-        rtts = status_rtt(d, args.status_calls)
+        if not args.big_gib:
+            d.call("up")
+            d.wait_state("ready", timeout=600)
+            rtts = status_rtt(d, args.status_calls)
     finally:
         d.stop()
 
     ratio = statistics.median(ratios)
+    # What the daemon's ready path used to pay for the model's identity, against what it pays now.
+    warm(model)
+    started = time.perf_counter()
+    sha256_file(model)
+    full_s = time.perf_counter() - started
+    model_identity_cache_clear()
+    started = time.perf_counter()
+    ident = model_identity(model)
+    ident_s = time.perf_counter() - started
+    touched = "" if args.no_touch else " (the model's mtime moved before each daemon run: a file it has not seen)"
+    command = (
+        "`.venv/bin/python tests/bench/daemon_ready.py "
+        + (f"--big-gib {args.big_gib:g} " if args.big_gib else "")
+        + f"--runs {args.runs}`"
+    )
     lines = [
-        f"Machine: {machine()}. Engine {bundle.meta.version}, CPU variant {bundle.meta.variant}; "
-        f"model {model.name}, ctx {ctx}. Command: `.venv/bin/python tests/bench/daemon_ready.py --runs {args.runs}`.",
+        f"Machine: {machine()}. Engine {bundle.meta.version}, {bundle.meta.backend} variant {bundle.meta.variant}; "
+        f"model {model.name} ({size_gib:.2f} GiB), ctx {ctx}, snapshots on (the default). Command: {command}.",
         "",
-        "### Time to ready (daemon `up` -> ready event, against spawn -> first /health 200)",
+        f"### Time to ready (daemon `up` -> ready event{touched}, against the same argv spawned -> first /health 200; "
+        "the model read into the page cache before each run, the arms taking turns going first)",
         "",
         "| run | direct (s) | daemon (s) | ratio |",
         "|---|---|---|---|",
@@ -172,25 +255,37 @@ def main() -> int:
     lines += [f"| {i + 1} | {a:.3f} | {b:.3f} | {b / a:.3f} |" for i, (a, b) in enumerate(zip(direct, via_daemon))]
     lines += [
         "",
-        f"**Median ratio daemon/direct: {ratio:.3f}** (target <= 1.05: {'met' if ratio <= 1.05 else 'NOT met'}).",
+        f"**Median ratio daemon/direct: {ratio:.3f}** (target <= 1.05: {'met' if ratio <= 1.05 else 'NOT met'}); "
+        f"medians {statistics.median(direct):.3f} s direct, {statistics.median(via_daemon):.3f} s daemon.",
         "",
     ]
     lines += [
-        "### `status` round trips with a subscriber attached",
+        f"The model's identity for snapshots (daemon/models/identity.py): {ident_s * 1000:.1f} ms, reading "
+        f"{ident.bytes_read / 2**10:.0f} KiB of the {size_gib:.2f} GiB file; the sha256 of the whole file that "
+        f"the first ready used to wait for: {full_s:.2f} s (page cache warm).",
         "",
-        "| connection | calls | p50 (ms) | p99 (ms) | max (ms) |",
-        "|---|---|---|---|---|",
     ]
-    for name, values in rtts.items():
-        lines.append(
-            f"| {name} | {len(values)} | {percentile(values, 50):.3f} | {percentile(values, 99):.3f} | {max(values):.3f} |"
-        )
-    p99 = percentile(rtts["one connection"], 99)
-    lines += ["", f"Target p99 < 5 ms on one connection: {'met' if p99 < 5 else 'NOT met'} ({p99:.3f} ms)."]
+    if rtts:
+        lines += [
+            "### `status` round trips with a subscriber attached",
+            "",
+            "| connection | calls | p50 (ms) | p99 (ms) | max (ms) |",
+            "|---|---|---|---|---|",
+        ]
+        for name, values in rtts.items():
+            lines.append(
+                f"| {name} | {len(values)} | {percentile(values, 50):.3f} | {percentile(values, 99):.3f} | "
+                f"{max(values):.3f} |"
+            )
+        p99 = percentile(rtts["one connection"], 99)
+        lines += ["", f"Target p99 < 5 ms on one connection: {'met' if p99 < 5 else 'NOT met'} ({p99:.3f} ms)."]
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        write_section("Daemon time-to-ready and status round trips", text)
+        heading = "Daemon time-to-ready and status round trips"
+        if args.big_gib:
+            heading = f"Daemon time-to-ready on a multi-GB model ({bundle.meta.backend})"
+        write_section(heading, text)
     return 0
 
 

@@ -391,3 +391,113 @@ def test_daemon_killed_during_a_save_leaves_no_half_snapshot(daemon):
     rows = daemon.call("snapshot.list")["snapshots"]
     assert names == {r["filename"] for r in rows}
     assert not any(n.startswith("partial-") for n in names)
+
+
+# --- issue 12: findings 13, 14, 15 -------------------------------------------------------------
+
+
+def test_first_ready_of_a_multi_gb_model_does_not_read_it_whole(daemon, tmp_path):
+    """Finding 13: the first ready of a model file used to wait for a sha256 of all of it (12-13 s
+    for 13.5 GiB on an H200). A real model padded to 3 GiB (a hole after its tensors; the engine
+    loads with `-lm none`, so it reads its tensors and nothing else): after ready, the file is
+    still almost entirely out of the page cache, so the daemon read a few MB of it at most."""
+    from daemon.bundles.tinymodel import write_tiny_model
+    from daemon.snapshots.files import resident_fraction
+
+    big = write_tiny_model(tmp_path / "padded.gguf", seed=3)
+    with open(big, "r+b") as fh:
+        fh.truncate(3 << 30)
+    assert resident_fraction(big) < 0.01
+    write_config(daemon.paths, tiny_config(big, snapshots=True, extra_args=["-lm", "none"]))
+    daemon.start()
+    st = daemon.wait_state("ready", timeout=120)
+    assert st["snapshots"]["enabled"] and st["snapshots"]["benefit"], st["snapshots"]
+    assert resident_fraction(big) < 0.05  # hashed whole, it would be 1.0
+    rows = daemon.call("history", machine="launch", limit=20)
+    at = {r["event"]: r["at"] for r in reversed(rows)}
+    assert at["Ready"] - at["LoadStarted"] < 3.0  # a sha256 of 3 GiB alone takes longer here
+    # Snapshots of it work, identified by the model's header and samples.
+    eng = Engine(st)
+    eng.complete(eng.tokenize(PROMPT), 4)
+    (saved,) = daemon.call("snapshot.save")["saved"]
+    assert saved["model_id"].startswith("gguf-s1-") and saved["model_sha256"] is None
+    assert daemon.call("snapshot.restore", id=saved["id"])["n_tokens"] == saved["n_tokens"]
+
+
+def test_restore_or_reprefill_is_decided_from_the_figures_and_said(daemon):
+    """Finding 14: a restore checks the file's stat facts and a digest of its head and tail (not
+    all of it), measures the engine's restore speed, and each ready says per slot whether it
+    restored or left the conversation to a re-prefill, with the figures that decided."""
+    daemon.start()
+    st = daemon.wait_state("ready")
+    eng = Engine(st)
+    first = eng.tokenize(PROMPT)
+    gen, _ = eng.complete(first, 8)
+    daemon.call("restart")
+    st = relaunched(daemon, st["pid"])
+    report = st["snapshots"]
+    (decision,) = report["restore_decisions"]
+    (restored,) = report["restored"]
+    assert decision["choice"] == "restore" and decision["snapshot_id"] == restored["id"]
+    assert "no prefill figure" in decision["why"]  # prompts under 64 tokens measure no prefill
+    assert restored["checked"] == "stat+sample" and restored["resident"] is not None
+    assert report["budgets"]["kv_bytes_per_token"] > 0 and report["budgets"]["max_bytes"] >= 2 << 30
+    listed = daemon.call("snapshot.list")["snapshots"]
+    model_id = listed[0]["model_id"]
+    # The figures that would make a re-prefill clearly faster here (a GPU's prefill against a
+    # slow disk): the next server leaves the slot to the next request, and says why.
+    with sqlite3.connect(daemon.paths.db_file) as db:
+        for name, value in (
+            (f"prefill/cpu/{model_id}/le1024", 1e9),
+            ("restore/cpu/cache", 0.001),
+            ("restore/cpu/disk", 0.001),
+        ):
+            db.execute(
+                "insert or replace into snapshot_figures (name, value, samples, updated_at) values (?, ?, 5, 0)",
+                [name, value],
+            )
+    daemon.call("restart")
+    st = relaunched(daemon, st["pid"])
+    report = st["snapshots"]
+    (decision,) = report["restore_decisions"]
+    assert report["restored"] == [] and decision["choice"] == "reprefill", report
+    assert decision["why"].startswith("re-prefilling") and decision["prefill_s_est"] < decision["restore_s_est"]
+    assert decision["figures"]["prefill_tok_s"]["le1024"]["value"] == 1e9
+    # The conversation goes on: the request re-processes it (nothing was restored).
+    again, timings = Engine(st).complete(first, 8)
+    assert again == gen and timings["prompt_n"] >= len(first) - 1
+
+
+def test_retention_says_what_it_drops(daemon, model):
+    """Finding 15: retention and refusals are never silent: status, the event bus and the log."""
+    write_config(daemon.paths, tiny_config(model, snapshots={"max_count": 1}))
+    daemon.start()
+    eng = Engine(daemon.wait_state("ready"))
+    eng.complete(eng.tokenize(PROMPT), 2)
+    first = daemon.call("snapshot.save")["saved"][0]
+    eng.complete(eng.tokenize(PROMPT + MORE), 2)
+    second = daemon.call("snapshot.save")["saved"][0]
+    (dropped,) = daemon.call("status")["snapshots"]["dropped"]
+    assert (dropped["reason"], dropped["why"], dropped["snapshot_id"]) == ("snapshot_dropped", "count", first["id"])
+    assert dropped["max_count"] == 1 and dropped["file_size"] == first["file_size"]
+    assert [r["id"] for r in daemon.call("snapshot.list")["snapshots"]] == [second["id"]]
+    # A byte budget smaller than one snapshot: the save is refused before it is paid for, and said.
+    write_config(daemon.paths, tiny_config(model, snapshots={"max_count": 1, "max_bytes": 1000}))
+    deadline = time.monotonic() + 30
+    while daemon.call("snapshot.list")["max_bytes"] != 1000 and time.monotonic() < deadline:
+        time.sleep(0.1)  # the config watcher debounces
+    with pytest.raises(StokerError) as err:
+        daemon.call("snapshot.save")
+    assert err.value.reason == "snapshot_dropped" and err.value.evidence["why"] == "too_big"
+    assert err.value.evidence["expected_bytes"] > 1000 == err.value.evidence["max_bytes"]
+    refused, rotated = daemon.call("status")["snapshots"]["dropped"][-2:]
+    assert (refused["why"], refused["max_bytes"]) == ("too_big", 1000)
+    # ... and the snapshot kept so far no longer fits the new budget either: removed, and said.
+    assert (rotated["why"], rotated["snapshot_id"], rotated["total_bytes"]) == (
+        "bytes",
+        second["id"],
+        second["file_size"],
+    )
+    assert daemon.call("snapshot.list")["snapshots"] == []
+    log = daemon.output.read_text()
+    assert "snapshot_dropped" in log and "too_big" in log

@@ -27,7 +27,7 @@ def test_missing_file_gives_defaults(tmp_path):
     assert config.server.n_gpu_layers == "auto"
     assert config.backend.prefer == "auto" and not config.backend.forced
     assert config.supervisor.max_restarts == 5
-    assert config.snapshots.max_bytes == 2 * 1024**3
+    assert config.snapshots.max_bytes == "auto" and config.snapshots.stop_budget_s == "auto"
 
 
 def test_default_path_is_under_stoker_home(stoker_home):

@@ -10,11 +10,13 @@ from daemon.core.errors import StokerError
 from daemon.models.facts import facts_from_header, model_facts, read_header
 from daemon.snapshots.layout import KVLog, check_identity, swa_report
 from states.reasons import ReasonCode
+from states.snapshot_policy import Figure
 from store import open_store
 from store.snapshots import SnapshotCatalog, retention_victims
 
 IDENTITY = {
-    "model_sha256": "m" * 64,
+    "model_id": "gguf-s1-" + "m" * 64,
+    "model_sha256": None,
     "engine_build": "b1 build 1 commit x source y",
     "n_ctx": 256,
     "n_slots": 1,
@@ -26,13 +28,13 @@ IDENTITY = {
 }
 
 
-def _row(slot=0, size=100, at=1.0, model="m" * 64, **extra):
+def _row(slot=0, size=100, at=1.0, model=IDENTITY["model_id"], **extra):
     return {
         "filename": f"slot{slot}-{int(at * 1000)}-ab.bin",
         "slot_id": slot,
         "model_path": "/m.gguf",
         **IDENTITY,
-        "model_sha256": model,
+        "model_id": model,
         "backend": "cpu",
         "variant": "avx2",
         "n_tokens": 10,
@@ -88,7 +90,7 @@ def test_retention_byte_budget_removes_oldest_first(catalog):
 @pytest.mark.parametrize(
     ("field", "value", "reason"),
     [
-        ("model_sha256", "x" * 64, ReasonCode.SNAPSHOT_MODEL_MISMATCH),
+        ("model_id", "gguf-s1-" + "x" * 64, ReasonCode.SNAPSHOT_MODEL_MISMATCH),
         ("engine_build", "b2", ReasonCode.SNAPSHOT_ENGINE_MISMATCH),
         ("n_ctx", 512, ReasonCode.SNAPSHOT_LAYOUT_MISMATCH),
         ("n_slots", 2, ReasonCode.SNAPSHOT_LAYOUT_MISMATCH),
@@ -217,7 +219,7 @@ def test_swa_full_flag(tmp_path, tiny_model, enabled, setting, swa_model, want):
 
     from daemon.config.model import Config
     from daemon.core.paths import StokerPaths
-    from daemon.snapshots.service import snapshot_server_args
+    from daemon.snapshots.layout import snapshot_server_args
 
     path = tiny_model
     if swa_model:
@@ -244,3 +246,211 @@ def test_a_truncated_gguf_header_is_a_value_error(tmp_path, tiny_model):
     cut.write_bytes(tiny_model.read_bytes()[:600])
     with pytest.raises(ValueError, match="truncated or corrupt"):
         read_header(cut)
+
+
+# --- issue 12: a model's identity without reading it whole (finding 13) -------------------------
+
+
+def _model(path, *, seed=0, n_layer=2):
+    from daemon.bundles.tinymodel import write_tiny_model
+
+    return write_tiny_model(path, seed=seed, n_layer=n_layer, n_embd=256, n_head=4)
+
+
+def test_model_identity_reads_little_and_tells_weights_apart(tmp_path):
+    from daemon.models.identity import model_identity
+
+    a = _model(tmp_path / "a.gguf")
+    ident = model_identity(a)
+    assert ident.model_id.startswith("gguf-s1-") and ident.size == a.stat().st_size
+    assert ident.bytes_read < ident.size  # the header and 4 KiB samples, not the file
+    # A copy elsewhere is the same model: its snapshots follow it.
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(a.read_bytes())
+    assert model_identity(copy).model_id == ident.model_id
+    # Same shapes and header, other weights (a fine-tune): another model.
+    other = _model(tmp_path / "b.gguf", seed=1)
+    assert other.stat().st_size == a.stat().st_size
+    assert model_identity(other).model_id != ident.model_id
+    # One tensor retrained in place (its bytes around the middle), header untouched: another model.
+    from daemon.models.facts import read_layout
+
+    layout = read_layout(a)
+    data = bytearray(a.read_bytes())
+    start = layout.data_offset + sorted(layout.tensor_offsets)[-1]
+    middle = start + (len(data) - start) // 2
+    data[middle - 2048 : middle + 2048] = bytes(4096)
+    edited = tmp_path / "edited.gguf"
+    edited.write_bytes(bytes(data))
+    assert model_identity(edited).model_id != ident.model_id
+
+
+def test_model_identity_of_a_multi_gb_model_costs_milliseconds(tmp_path):
+    """The 13.5 GiB case in small: a sparse 3 GiB file with a real header; reading it whole
+    would take seconds, the identity reads a few hundred KiB."""
+    import time
+
+    from daemon.models.identity import MAX_SAMPLES, model_identity
+
+    path = _model(tmp_path / "big.gguf")
+    with open(path, "r+b") as fh:
+        fh.truncate(3 << 30)  # the tail is a hole: no disk, but a 3 GiB file
+    started = time.perf_counter()
+    ident = model_identity(path)
+    assert time.perf_counter() - started < 0.5
+    assert ident.size == 3 << 30 and ident.bytes_read < (MAX_SAMPLES + 2) * 4096 + (1 << 20)
+
+
+def test_a_row_from_before_model_ids_matches_by_the_cached_full_digest(catalog):
+    from store.snapshots import same_model
+
+    old = {**IDENTITY, "model_id": None, "model_sha256": "s" * 64}
+    assert same_model(old, {**IDENTITY, "model_sha256": "s" * 64})
+    assert not same_model(old, {**IDENTITY, "model_sha256": None})  # not cached: not proven
+    with pytest.raises(StokerError) as err:
+        check_identity(old, {**IDENTITY, "model_sha256": None}, snapshot_id=1)
+    assert err.value.reason == ReasonCode.SNAPSHOT_MODEL_MISMATCH
+    assert err.value.evidence["differs"] == {"model_sha256": {"snapshot": "s" * 64, "server": None}}
+
+
+def test_the_migration_keeps_old_rows_and_loosens_the_digests(tmp_path):
+    from store.migrations import MIGRATIONS
+
+    path = tmp_path / "old.db"
+    store = open_store(path, migrations=MIGRATIONS[:3])
+    old = SnapshotCatalog(store)
+    row = _row()
+    row.pop("model_id")
+    row["model_sha256"] = "s" * 64
+    old.store.db.table("snapshots").insert({**row, "swa_full": 0, "kv_unified": 0})
+    store.close()
+    store = open_store(path)
+    try:
+        new = SnapshotCatalog(store)
+        (rec,) = new.list()
+        assert (rec.model_sha256, rec.model_id, rec.file_sample_sha256, rec.sealed_at) == ("s" * 64, None, None, None)
+        fresh = new.add(_row(at=5.0, file_sha256=None, file_sample_sha256="x" * 64, boot_id="b"))
+        assert fresh.file_sha256 is None and fresh.model_sha256 is None
+        new.update(fresh.id, file_sha256="f" * 64, sealed_at=6.0)
+        assert (new.get(fresh.id).file_sha256, new.get(fresh.id).sealed_at) == ("f" * 64, 6.0)
+    finally:
+        store.close()
+
+
+# --- issue 12: cheap checks at restore (finding 14) ----------------------------------------------
+
+
+def _saved(tmp_path, catalog, size=300_000):
+    import os as _os
+
+    from daemon.snapshots.files import FileFacts, sample_digest
+
+    path = tmp_path / "slot0-1-ab.bin"
+    path.write_bytes(_os.urandom(size))
+    facts = FileFacts.of(path)
+    rec = catalog.add(
+        _row(
+            size=size,
+            file_sha256=None,
+            file_mtime_ns=facts.mtime_ns,
+            file_inode=facts.inode,
+            file_sample_sha256=sample_digest(path, size),
+        )
+    )
+    return path, rec
+
+
+def test_restore_check_reads_only_the_head_and_tail(tmp_path, catalog, monkeypatch):
+    from daemon.snapshots import files
+
+    path, rec = _saved(tmp_path, catalog)
+    monkeypatch.setattr(files, "sha256_file", lambda p: pytest.fail("read the whole file"))
+    check = files.check_file(path, rec)
+    assert check.ok and check.checked == "stat+sample"
+
+
+def test_restore_check_refuses_a_truncated_or_rewritten_file(tmp_path, catalog):
+    import os as _os
+
+    from daemon.snapshots.files import check_file
+
+    path, rec = _saved(tmp_path, catalog)
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF  # the engine's header / token ids, rewritten in place, mtime put back
+    path.write_bytes(bytes(data))
+    _os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    check = check_file(path, rec)
+    assert not check.ok and check.evidence["sample_digest_matches"] is False
+    with open(path, "r+b") as fh:
+        fh.truncate(1000)
+    check = check_file(path, rec)
+    assert not check.ok and check.evidence["found_size"] == 1000
+    path.unlink()
+    assert not check_file(path, rec).ok
+
+
+def test_a_moved_file_needs_the_full_digest(tmp_path, catalog):
+    from daemon.core.digests import sha256_file
+    from daemon.snapshots.files import check_file
+
+    path, rec = _saved(tmp_path, catalog)
+    moved = tmp_path / "copy.bin"
+    moved.write_bytes(path.read_bytes())  # a backup restored: another inode and mtime
+    moved.replace(path)
+    check = check_file(path, rec)
+    assert not check.ok and "no full digest" in check.evidence["why"]
+    catalog.update(rec.id, file_sha256=sha256_file(path))
+    check = check_file(path, catalog.get(rec.id))
+    assert check.ok and check.checked == "full_sha256" and check.revouched is not None
+    assert check.revouched.inode == path.stat().st_ino
+
+
+def test_a_row_from_before_the_cheap_checks_is_checked_in_full(tmp_path, catalog):
+    from daemon.core.digests import sha256_file
+    from daemon.snapshots.files import check_file
+
+    path = tmp_path / "old.bin"
+    path.write_bytes(b"x" * 5000)
+    rec = catalog.add(_row(size=5000, file_sha256=sha256_file(path)))
+    assert check_file(path, rec).checked == "full_sha256" and check_file(path, rec).ok
+
+
+def test_residency_is_a_fraction(tmp_path):
+    from daemon.snapshots.files import resident_fraction
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"y" * (1 << 20))
+    value = resident_fraction(path)
+    assert value is None or 0.0 <= value <= 1.0
+    assert resident_fraction(tmp_path / "missing") is None
+
+
+def test_prefill_figures_come_from_the_engines_own_lines(tmp_path, catalog):
+    from daemon.snapshots.figures import fold_prefills, prefill_name, prefill_samples
+    from daemon.snapshots.layout import LAUNCH_MARKER
+
+    log_path = tmp_path / "llama-server.log"
+    line = "slot print_timing: id  0 | task {t} | prompt eval time = {ms:10.2f} ms / {n:5d} tokens (x)\n"
+    old = line.format(t=1, ms=1.0, n=5000)  # a previous launch: not this server's
+    log_path.write_bytes(
+        old.encode()
+        + LAUNCH_MARKER
+        + b"1 ====\n"
+        + (line.format(t=2, ms=500.0, n=2000) + line.format(t=3, ms=2.0, n=10)).encode()
+    )
+    samples, cursor = prefill_samples(log_path, None)
+    assert samples == [(2000, 0.5), (10, 0.002)]
+    fold_prefills(catalog, "cpu", "gguf-s1-m", samples)
+    assert catalog.figures("prefill/") == {prefill_name("cpu", "gguf-s1-m", "le4096"): Figure(4000.0, 1)}
+    with open(log_path, "ab") as fh:
+        fh.write(line.format(t=4, ms=100.0, n=1000).encode())
+    assert prefill_samples(log_path, cursor)[0] == [(1000, 0.1)]  # only what came since
+
+
+def test_retention_says_why_it_drops(catalog):
+    from store.snapshots import retention_plan
+
+    recs = [catalog.add(_row(slot=0, at=float(i), size=400)) for i in range(3)]
+    plan = retention_plan(catalog.list(), max_count=2, max_bytes=500)
+    assert [(r.id, why) for r, why in plan] == [(recs[0].id, "count"), (recs[1].id, "bytes")]

@@ -42,6 +42,7 @@ async def snapshot_list(daemon: ControlledDaemon, params: Mapping[str, Any]) -> 
         ReasonCode.SNAPSHOT_BAD_SLOT,
         ReasonCode.SNAPSHOT_SAVE_FAILED,
         ReasonCode.SNAPSHOT_DISK_FULL,
+        ReasonCode.SNAPSHOT_DROPPED,
     ),
 )
 async def snapshot_save(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
