@@ -197,10 +197,16 @@ def stop_budget(setting: float | Literal["auto"], *, expected_bytes: int | None,
     was measured) plus 5 s, at least 20 s and at most 10 minutes."""
     if setting != "auto":
         return float(setting)
-    if not expected_bytes:
+    return transfer_budget(expected_bytes, save_mb_s)
+
+
+def transfer_budget(n_bytes: int | None, rate: Figure | None) -> float:
+    """Seconds to allow for moving n_bytes at a measured rate (a slow disk's 100 MB/s before
+    one was measured): twice that plus 5 s, at least 20 s and at most 10 minutes."""
+    if not n_bytes:
         return DEFAULT_STOP_BUDGET_S
-    rate = save_mb_s.value if save_mb_s is not None and save_mb_s.value > 0 else ASSUMED_SAVE_MB_S
-    need = STOP_BUDGET_BASE_S + STOP_BUDGET_SAFETY * expected_bytes / (rate * MB)
+    per_s = rate.value if rate is not None and rate.value > 0 else ASSUMED_SAVE_MB_S
+    need = STOP_BUDGET_BASE_S + STOP_BUDGET_SAFETY * n_bytes / (per_s * MB)
     return min(MAX_AUTO_STOP_BUDGET_S, max(DEFAULT_STOP_BUDGET_S, need))
 
 

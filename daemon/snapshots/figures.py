@@ -20,9 +20,9 @@ from typing import Any, Literal
 
 import attrs
 
-from daemon.core.errors import StokerError
 from daemon.snapshots.layout import LAUNCH_MARKER
 from daemon.snapshots.live import LiveServer
+from states.reasons import ReasonedError
 from states.snapshot_policy import (
     DEFAULT_MAX_BYTES,
     MB,
@@ -93,7 +93,7 @@ def fold_sample(catalog: SnapshotCatalog, name: str, sample: float | None) -> No
         return
     try:
         catalog.fold_figure(name, sample)
-    except StokerError as err:
+    except ReasonedError as err:  # store_write_failed: a full or read-only disk
         log.info("figure %s not kept: %s", name, err.evidence)
 
 

@@ -56,6 +56,15 @@ def sample_digest(path: Path, size: int) -> str:
     return digest.hexdigest()
 
 
+def free_bytes(path: Path) -> int | None:
+    """Free bytes for this user on the filesystem holding `path`; None if it cannot be read."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 @attrs.frozen
 class FileCheck:
     """A restore's verdict on a file: ok, how it was checked, and the evidence if not ok."""

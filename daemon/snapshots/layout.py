@@ -236,3 +236,13 @@ def snapshot_server_args(paths: StokerPaths, config: Config, model_path: str | P
     turning snapshots on (no relaunch) finds a server able to save."""
     paths.snapshots_dir.mkdir(parents=True, exist_ok=True)
     return paths.snapshots_dir, ("--swa-full",) if swa_full_wanted(config, model_path) else ()
+
+
+def cross_backend_note(saved_on: str | None, restored_on: str | None) -> str:
+    """What a restore across backends keeps and what it does not (measured on an H200, issue 7)."""
+    return (
+        f"saved on {saved_on}, restored on {restored_on}: the conversation resumes without re-processing, "
+        f"but the next tokens are {restored_on}'s arithmetic on {saved_on}'s cache: where two candidates "
+        f"are near-tied (common with quantized weights) greedy output can differ from what {saved_on} "
+        f"would have produced; it is no less valid than a fresh run on {restored_on}"
+    )

@@ -28,7 +28,7 @@ from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
 from daemon.engine.api import EngineClient, error_message
 from daemon.snapshots.drops import DropLog
-from daemon.snapshots.files import FileFacts, check_file, resident_fraction, sample_digest
+from daemon.snapshots.files import FileFacts, check_file, free_bytes, resident_fraction, sample_digest
 from daemon.snapshots.figures import (
     LogCursor,
     fold_prefills,
@@ -42,7 +42,7 @@ from daemon.snapshots.figures import (
     save_name,
     throughput_mb_s,
 )
-from daemon.snapshots.layout import check_identity
+from daemon.snapshots.layout import check_identity, cross_backend_note
 from daemon.snapshots.live import LiveServer, ServedPlan, inspect_server
 from daemon.snapshots.shelf import PARTIAL_PREFIX, SnapshotShelf
 from states import snapshot_policy as policy
@@ -53,24 +53,6 @@ log = logging.getLogger(__name__)
 
 SLOT_TIMEOUT = 30.0  # a restore, or the least a save may take (a busy slot makes the engine wait)
 DISK_FULL_BYTES = 1 << 20  # a failed save with less free space than this is a full disk
-
-
-def cross_backend_note(saved_on: str | None, restored_on: str | None) -> str:
-    """What a restore across backends keeps and what it does not (measured on an H200, issue 7)."""
-    return (
-        f"saved on {saved_on}, restored on {restored_on}: the conversation resumes without re-processing, "
-        f"but the next tokens are {restored_on}'s arithmetic on {saved_on}'s cache: where two candidates "
-        f"are near-tied (common with quantized weights) greedy output can differ from what {saved_on} "
-        f"would have produced; it is no less valid than a fresh run on {restored_on}"
-    )
-
-
-def _free_bytes(path: Path) -> int | None:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
 
 
 @attrs.define(eq=False)
@@ -317,7 +299,7 @@ class SnapshotService:
                 for sid, n_tokens in todo:
                     expected = policy.snapshot_bytes(n_tokens, live.kv_bytes_per_token)
                     verdict = policy.save_verdict(
-                        expected_bytes=expected, max_bytes=max_bytes, free_bytes=_free_bytes(self.dir)
+                        expected_bytes=expected, max_bytes=max_bytes, free_bytes=free_bytes(self.dir)
                     )
                     if verdict.why is not None:  # not paid for: it could not be kept
                         figures = {"slot": sid, "n_tokens": n_tokens, **verdict.figures}
@@ -397,7 +379,7 @@ class SnapshotService:
         return rec
 
     def _save_error(self, slot: int, evidence: dict[str, Any]) -> StokerError:
-        free = _free_bytes(self.dir)
+        free = free_bytes(self.dir)
         full = free is not None and free < DISK_FULL_BYTES
         reason = ReasonCode.SNAPSHOT_DISK_FULL if full else ReasonCode.SNAPSHOT_SAVE_FAILED
         return StokerError(reason, evidence={"slot": slot, "free_bytes": free, "dir": str(self.dir), **evidence})
@@ -429,7 +411,9 @@ class SnapshotService:
             self.catalog.update(rec.id, file_mtime_ns=check.revouched.mtime_ns, file_inode=check.revouched.inode)
         async with self._lock, EngineClient.open(live.base_url, live.api_key, timeout=None) as engine:
             resp = None
-            with trio.move_on_after(SLOT_TIMEOUT):
+            # A big file from a slow disk takes a while: at least 30 s, more as its size asks.
+            disk = self.catalog.figures(restore_name(live.backend, "disk")).get(restore_name(live.backend, "disk"))
+            with trio.move_on_after(max(SLOT_TIMEOUT, policy.transfer_budget(rec.file_size, disk))):
                 resp = await engine.restore_slot(slot, rec.filename)
             body = resp.json() if resp is not None and resp.status_code == 200 else {}
             if body.get("n_restored") != rec.n_tokens:

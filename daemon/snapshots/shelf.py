@@ -22,7 +22,7 @@ from daemon.core.digests import fsync_dir, sha256_file
 from daemon.core.errors import StokerError
 from daemon.snapshots.drops import DropLog
 from daemon.snapshots.files import FileFacts, boot_id, seal
-from states.reasons import ReasonCode
+from states.reasons import ReasonCode, ReasonedError
 from store.snapshots import SnapshotCatalog, SnapshotRecord, retention_plan
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class SnapshotShelf:
             await trio.to_thread.run_sync(seal, path)
             await trio.to_thread.run_sync(fsync_dir, path.parent)
             self.catalog.update(snapshot_id, sealed_at=time.time())
-        except (OSError, StokerError) as exc:  # removed meanwhile, or the store refuses: redone at next ready
+        except (OSError, ReasonedError) as exc:  # removed meanwhile, or the store refuses: redone at next ready
             log.info("snapshot %d not sealed: %s", snapshot_id, exc)
 
     async def _digest(self, snapshot_id: int, path: Path) -> None:
@@ -103,7 +103,7 @@ class SnapshotShelf:
             )
             if catalogued and FileFacts.of(path) == before and self.catalog.get(snapshot_id) is not None:
                 self.catalog.update(snapshot_id, file_sha256=digest)
-        except (OSError, StokerError) as exc:
+        except (OSError, ReasonedError) as exc:
             log.info("snapshot %d not digested: %s", snapshot_id, exc)
         finally:
             self._digesting.discard(snapshot_id)

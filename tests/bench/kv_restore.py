@@ -77,6 +77,12 @@ def text_tokens(eng: Engine, n: int) -> list[int]:
     return tokens[:n]
 
 
+def long_call(d: DaemonProcess, method: str, **params):
+    """A socket call that may take minutes (a 16 GiB snapshot on a GPU host)."""
+    with d.client(timeout=900) as client:
+        return client.call(method, **params)
+
+
 def timed(fn):
     start = time.perf_counter()
     out = fn()
@@ -103,7 +109,7 @@ def measure(d: DaemonProcess, eng: Engine, n: int, repeats: int) -> dict:
     eng.post("/slots/0?action=erase", {})
     cold_s, (tok_cold, t_cold) = timed(lambda: eng.first_token(tokens))
     assert t_cold["prompt_n"] >= n - 1, t_cold
-    saved = d.call("snapshot.save")["saved"][0]
+    save_s, saved = timed(lambda: long_call(d, "snapshot.save")["saved"][0])
     path = d.paths.snapshots_dir / saved["filename"]
     runs: dict[str, list[float]] = {
         k: []
@@ -116,6 +122,7 @@ def measure(d: DaemonProcess, eng: Engine, n: int, repeats: int) -> dict:
             "stoker_first_s",
             "read_disk_s",
             "restore_disk_s",
+            "stoker_restore_disk_s",
         )
     }
     # The warm paths are cheap: repeated, and the median taken (the machine is shared).
@@ -128,6 +135,9 @@ def measure(d: DaemonProcess, eng: Engine, n: int, repeats: int) -> dict:
         runs["restore_disk_s"].append(
             timed(lambda: eng.post("/slots/0?action=restore", {"filename": saved["filename"]}))[0]
         )
+        eng.post("/slots/0?action=erase", {})
+        evict(path)
+        runs["stoker_restore_disk_s"].append(timed(lambda: long_call(d, "snapshot.restore", id=saved["id"]))[0])
         # From the page cache (where a file saved just before a restart is).
         read_s, size = timed(lambda: read_file(path))
         runs["read_s"].append(read_s)
@@ -138,23 +148,87 @@ def measure(d: DaemonProcess, eng: Engine, n: int, repeats: int) -> dict:
         runs["restore_s"].append(restore_s)
         runs["restore_engine_ms"].append(body["timings"]["restore_ms"])
         runs["first_s"].append(first_s)
-        # Stoker's restore (identity, size and sha256 checks, then the engine), then the first token.
+        # Stoker's restore (identity, then the file's size, inode, mtime and head/tail digest, then
+        # the engine), then the first token.
         eng.post("/slots/0?action=erase", {})
-        stoker_s, _ = timed(lambda: d.call("snapshot.restore", id=saved["id"]))
+        stoker_s, _ = timed(lambda: long_call(d, "snapshot.restore", id=saved["id"]))
         stoker_first_s, (tok_stoker, t_stoker) = timed(lambda: eng.first_token(tokens))
         runs["stoker_restore_s"].append(stoker_s)
         runs["stoker_first_s"].append(stoker_first_s)
         assert tok_cold == tok_engine == tok_stoker, (tok_cold, tok_engine, tok_stoker)
         assert t_engine["prompt_n"] <= 2 and t_stoker["prompt_n"] <= 2, (t_engine, t_stoker)
     row = {k: statistics.median(v) for k, v in runs.items()}
-    row.update(tokens=n, cold_s=cold_s, size=size, save_ms=saved["save_ms"])
+    row.update(tokens=n, cold_s=cold_s, size=size, save_ms=saved["save_ms"], save_s=save_s)
     row["warm_s"] = row["restore_s"] + row["first_s"]
     row["stoker_warm_s"] = row["stoker_restore_s"] + row["stoker_first_s"]
     row["ratio"] = cold_s / row["warm_s"]
     row["stoker_ratio"] = cold_s / row["stoker_warm_s"]
     row["restore_vs_read"] = row["restore_s"] / row["read_s"]
     row["restore_vs_read_disk"] = row["restore_disk_s"] / row["read_disk_s"]
+    row["stoker_vs_engine"] = row["stoker_restore_s"] / row["restore_s"]
+    row["stoker_vs_engine_disk"] = row["stoker_restore_disk_s"] / row["restore_disk_s"]
     return row
+
+
+def decisions(d: DaemonProcess, rows: list[dict], backend: str) -> str:
+    """What Stoker's policy chooses for each conversation with the figures this daemon measured
+    (its own prefill lines and restores), from the page cache and from disk; the time of the
+    path chosen against the better of the two measured paths."""
+    import sqlite3
+
+    from daemon.snapshots.figures import prefill_name, restore_name
+    from states.snapshot_policy import Figure, RestoreInputs, decide_restore, prefill_band, prefill_rate
+
+    with sqlite3.connect(d.paths.db_file) as db:
+        figures = {name: Figure(v, n) for name, v, n in db.execute("select name, value, samples from snapshot_figures")}
+        model_id = db.execute("select model_id from snapshots order by id desc limit 1").fetchone()[0]
+    prefix = prefill_name(backend, model_id, "")
+    bands = {k[len(prefix) :]: f for k, f in figures.items() if k.startswith(prefix)}
+    out = [
+        "| prompt tokens | where | prefill figure (tok/s) | restore figure (MB/s) | choice | chosen path | better measured path | chosen / better |",
+        "|---:|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        for where, resident, restore_path in (
+            ("page cache", 1.0, r["stoker_warm_s"]),
+            ("disk", 0.0, r["stoker_restore_disk_s"] + r["stoker_first_s"]),
+        ):
+            rate = restore_name(backend, "cache" if resident else "disk")
+            inputs = RestoreInputs(
+                n_tokens=r["tokens"],
+                file_bytes=r["size"],
+                resident=resident,
+                prefill_tok_s=prefill_rate(r["tokens"], bands),
+                restore_cache_mb_s=figures.get(restore_name(backend, "cache")),
+                restore_disk_mb_s=figures.get(restore_name(backend, "disk")),
+            )
+            choice = decide_restore(inputs).choice
+            chosen = restore_path if choice == "restore" else r["cold_s"]
+            better = min(restore_path, r["cold_s"])
+            pf = inputs.prefill_tok_s
+            rf = figures.get(rate)
+            shown = "-" if pf is None else f"{pf.value:.0f} (band {prefill_band(r['tokens'])})"
+            out.append(
+                f"| {r['tokens']} | {where} | {shown} | "
+                f"{'-' if rf is None else f'{rf.value:.0f}'} | {choice} | {chosen * 1000:.1f} ms | {better * 1000:.1f} ms | "
+                f"{chosen / better:.2f} |"
+            )
+    return "\n".join(out)
+
+
+def stoker_table(rows: list[dict]) -> str:
+    out = [
+        "| prompt tokens | snapshot | engine save (save_ms) | Stoker save (socket call) | engine restore (cache) | Stoker restore (cache) | Stoker / engine | engine restore (disk) | Stoker restore (disk) | Stoker / engine |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['tokens']} | {r['size'] / 2**20:.1f} MiB | {r['save_ms']:.0f} ms | {r['save_s'] * 1000:.0f} ms | "
+            f"{r['restore_s'] * 1000:.1f} ms | {r['stoker_restore_s'] * 1000:.1f} ms | **{r['stoker_vs_engine']:.2f}** | "
+            f"{r['restore_disk_s'] * 1000:.1f} ms | {r['stoker_restore_disk_s'] * 1000:.1f} ms | "
+            f"**{r['stoker_vs_engine_disk']:.2f}** |"
+        )
+    return "\n".join(out)
 
 
 def table(rows: list[dict]) -> str:
@@ -235,6 +309,9 @@ def main() -> int:
     parser.add_argument("--ctx", type=int, default=8704)
     parser.add_argument("--repeats", type=int, default=5, help="warm-path repeats (median)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
+    parser.add_argument("--model", default="gemma3-270m", help="a model name or GGUF path")
+    parser.add_argument("--big-gib", type=float, default=None, help="write and use an 8B-shaped F16 model of N GiB")
+    parser.add_argument("--bundle", type=Path, default=None, help="an engine bundle zip (default: build the CPU one)")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     load_before = os.getloadavg()[0]
@@ -242,8 +319,15 @@ def main() -> int:
         home = Path(tmp)
         os.environ["STOKER_HOME"] = str(home)
         paths = StokerPaths.from_env()
-        install_bundle(build_bundle(paths, backend="cpu").zip_path, paths)
-        model = resolve_model("gemma3-270m", paths)
+        bundle = install_bundle(args.bundle or build_bundle(paths, backend="cpu").zip_path, paths)
+        if args.big_gib:
+            from tests.bench.bigmodel import write_big_model
+
+            model = Path(tempfile.gettempdir()) / f"stoker-bench-{args.big_gib:g}g.gguf"
+            if not model.is_file():
+                write_big_model(model, args.big_gib, ctx=max(args.ctx, 8192))
+        else:
+            model = resolve_model(args.model, paths)
         d = DaemonProcess(home)
         write_config(
             d.paths, tiny_config(model, snapshots=True, ctx_size=args.ctx, stall_timeout_s=120.0, ready_timeout_s=600.0)
@@ -252,7 +336,7 @@ def main() -> int:
         try:
             st = d.wait_state("ready", timeout=600)
             snap = st["snapshots"]
-            assert snap["swa_full"] and snap["benefit"], snap
+            assert snap["benefit"], snap
             eng = Engine(st)
             rows = []
             for n in lengths:
@@ -266,25 +350,46 @@ def main() -> int:
                 )
         finally:
             d.stop()
+        decision_table = decisions(d, rows, bundle.meta.backend)
+    backend = bundle.meta.backend
     body = (
-        f"`.venv/bin/python tests/bench/kv_restore.py` on {machine()}; Gemma 3 270M Q4_K_M, one slot, "
-        f'ctx {args.ctx}, `--swa-full` (added by Stoker: snapshots on, swa_full = "auto"); KV with '
-        f"--swa-full {snap.get('kv_mib_with_swa_full')} MiB, without {snap.get('kv_mib_without_swa_full')} MiB.\n\n"
+        f"`.venv/bin/python tests/bench/kv_restore.py {' '.join(sys.argv[1:])}` on {machine()}; engine "
+        f"{bundle.meta.version} ({backend}); {model.name}, one slot, ctx {args.ctx}"
+        + (
+            f', `--swa-full` (added by Stoker: snapshots on, swa_full = "auto"); KV with --swa-full '
+            f"{snap.get('kv_mib_with_swa_full')} MiB, without {snap.get('kv_mib_without_swa_full')} MiB"
+            if snap.get("swa_full")
+            else ""
+        )
+        + f"; {snap.get('kv_bytes_per_token')} bytes of KV per token.\n\n"
         "Per length, on one server in one run: the slot erased and the prompt prefilled cold (first token); "
         f"`stoker snapshot save`; then, {args.repeats} times (medians shown): the file read with a plain read and "
         "restored by the engine, each first from disk (this file's pages dropped with posix_fadvise) then from the "
         "page cache; the "
         "slot erased, restored by the engine and the same completion asked again (it processes one token); the "
-        "same with Stoker's restore, which first checks the snapshot's identity, size and sha256. The first "
-        "token is identical on every path. The machine is shared with other work: load average "
-        f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 cores).\n\n"
+        "same with Stoker's restore (`stoker snapshot restore`: identity, then the file's size, inode, mtime and a "
+        "digest of its head and tail, then the engine; socket round trip included), from the page cache and from "
+        "disk. The first token is identical on every path. The machine is shared with other work: load average "
+        f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.\n\n"
         + table(rows)
-        + "\n\n![KV restore](kv-restore.svg)\n"
+        + "\n\n![KV restore](kv-restore.svg)\n\n"
+        "### Stoker's save and restore against the engine's\n\n"
+        "The save's fsync and full sha256 now run after the socket call returns (in the background); a restore "
+        'reads 128 KiB of the file besides the engine\'s own read (docs/snapshots.md, "What a restore checks").\n\n'
+        + stoker_table(rows)
+        + "\n\n### Restore or re-prefill\n\n"
+        "What Stoker's policy (states/snapshot_policy.py) chooses for each conversation with the figures the daemon "
+        "measured during this run (its prefill figures from the engine's own `prompt eval time` lines, its restore "
+        "figures from its restores, by page-cache residency), and the time of the chosen path (Stoker's restore + "
+        "first token, or the cold prefill) against the better of the two measured paths.\n\n" + decision_table + "\n"
     )
     if not args.no_write:
-        write_section("KV restore", body)
-        SVG.write_text(svg(rows))
-    print(table(rows))
+        write_section(
+            "KV restore" if backend == "cpu" and not args.big_gib else f"KV restore ({backend}, {model.name})", body
+        )
+        if backend == "cpu" and not args.big_gib:
+            SVG.write_text(svg(rows))
+    print(body)
     at = {r["tokens"]: r for r in rows}
     if 4096 in at:
         print(

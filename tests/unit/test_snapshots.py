@@ -350,6 +350,7 @@ def _saved(tmp_path, catalog, size=300_000):
     facts = FileFacts.of(path)
     rec = catalog.add(
         _row(
+            filename=path.name,
             size=size,
             file_sha256=None,
             file_mtime_ns=facts.mtime_ns,
@@ -454,3 +455,59 @@ def test_retention_says_why_it_drops(catalog):
     recs = [catalog.add(_row(slot=0, at=float(i), size=400)) for i in range(3)]
     plan = retention_plan(catalog.list(), max_count=2, max_bytes=500)
     assert [(r.id, why) for r, why in plan] == [(recs[0].id, "count"), (recs[1].id, "bytes")]
+
+
+def _shelf(tmp_path, catalog, boot="this-boot"):
+    from daemon.snapshots.drops import DropLog
+    from daemon.snapshots.shelf import SnapshotShelf
+
+    events = []
+    return SnapshotShelf(tmp_path, catalog, DropLog(events.append), events.append, boot=boot), events
+
+
+async def test_after_a_save_the_file_is_sealed_and_digested_in_the_background(tmp_path, catalog):
+    import trio
+
+    from daemon.core.digests import sha256_file
+
+    path, rec = _saved(tmp_path, catalog)
+    shelf, _ = _shelf(tmp_path, catalog)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(shelf.run)
+        await shelf.after_save(rec)  # returns at once: the work is the shelf's
+        with trio.fail_after(10):
+            while catalog.get(rec.id).file_sha256 is None:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    done = catalog.get(rec.id)
+    assert done.sealed_at is not None and done.file_sha256 == sha256_file(path)
+
+
+def test_a_row_unsealed_when_the_machine_restarted_is_dropped_and_said(tmp_path, catalog):
+    path, rec = _saved(tmp_path, catalog)
+    catalog.update(rec.id, boot_id="an-earlier-boot")
+    shelf, events = _shelf(tmp_path, catalog)
+    shelf.cleanup_rows()
+    assert catalog.list() == [] and not path.exists()
+    (dropped,) = shelf.drops.latest()
+    assert (dropped["reason"], dropped["why"], dropped["snapshot_id"]) == (
+        "snapshot_dropped",
+        "unsealed_before_reboot",
+        rec.id,
+    )
+    assert {e["topic"] for e in events} == {"snapshot.removed", "snapshot.dropped"}
+    # Sealed before the restart, or written on this boot: kept.
+    path2, rec2 = _saved(tmp_path, catalog)
+    catalog.update(rec2.id, boot_id="an-earlier-boot", sealed_at=1.0)
+    shelf.cleanup_rows()
+    assert [r.id for r in catalog.list()] == [rec2.id]
+
+
+def test_a_digest_never_vouches_for_a_file_changed_after_the_save(tmp_path, catalog):
+    import trio
+
+    path, rec = _saved(tmp_path, catalog)
+    path.write_bytes(path.read_bytes()[::-1])  # rewritten before the background digest ran
+    shelf, _ = _shelf(tmp_path, catalog)
+    trio.run(shelf._digest, rec.id, path)
+    assert catalog.get(rec.id).file_sha256 is None
