@@ -28,10 +28,18 @@ def format_list(data: dict) -> str:
                 f"{server['kv_mib_without_swa_full']} MiB (+{server['swa_full_cost_mib']} MiB)"
             )
     rows = data.get("snapshots") or []
+    auto = " (auto)" if data.get("max_bytes_setting") == "auto" else ""
     lines.append(
-        f"{len(rows)} snapshot(s), {_mib(data.get('total_bytes'))} of {_mib(data.get('max_bytes'))}, "
+        f"{len(rows)} snapshot(s), {_mib(data.get('total_bytes'))} of {_mib(data.get('max_bytes'))}{auto}, "
         f"at most {data.get('max_count')} per slot and model; {data.get('dir')}"
     )
+    for drop in (data.get("dropped") or [])[-5:]:  # never silent: the latest given up, and why
+        when = time.strftime("%H:%M:%S", time.localtime(drop.get("at") or 0))
+        if drop.get("snapshot_id") is not None:
+            what = f"snapshot {drop['snapshot_id']}"
+        else:
+            what = f"slots {drop['slots']}" if "slots" in drop else f"slot {drop.get('slot')}"
+        lines.append(f"dropped   {when} {what}: {drop['reason']} {drop.get('why') or drop.get('phase') or ''}".rstrip())
     if rows:
         lines.append(
             f"{'id':>5} {'slot':>4} {'tokens':>7} {'size':>10} {'cause':>8}  {'created':19}  {'backend':8} fits"

@@ -501,3 +501,7 @@ def test_retention_says_what_it_drops(daemon, model):
     assert daemon.call("snapshot.list")["snapshots"] == []
     log = daemon.output.read_text()
     assert "snapshot_dropped" in log and "too_big" in log
+    env = {**os.environ, "STOKER_HOME": str(daemon.home)}
+    out = subprocess.run([sys.executable, "-m", "daemon", "snapshot", "list"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert f"snapshot {second['id']}: snapshot_dropped bytes" in out.stdout and "snapshot_dropped too_big" in out.stdout
