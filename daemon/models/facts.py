@@ -103,24 +103,10 @@ class _Header:
         return self.unpack(_SCALARS[GGUFValueType(vtype)])
 
 
-_HEADERS: dict[tuple[str, int, int], dict[str, Any]] = {}
-
-
 def read_header(path: Path) -> dict[str, Any]:
     """The GGUF key-value metadata, with array values left out (None); cached by path, size
     and mtime (every GPU launch plan reads it for the layer estimate)."""
-    path = Path(path)
-    st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime_ns)
-    if key not in _HEADERS:
-        if len(_HEADERS) >= 16:
-            _HEADERS.clear()
-        _HEADERS[key] = _read_header(path)
-    return dict(_HEADERS[key])
-
-
-def _read_header(path: Path) -> dict[str, Any]:
-    return read_layout(path).meta
+    return dict(read_layout(path).meta)
 
 
 @attrs.frozen
@@ -136,9 +122,24 @@ class GGUFLayout:
 _DEFAULT_ALIGNMENT = 32
 
 
+_LAYOUTS: dict[tuple[str, int, int], GGUFLayout] = {}
+
+
 def read_layout(path: str | Path) -> GGUFLayout:
-    """Parse the header and the tensor infos (names, shapes and types skipped over), not the data."""
+    """The header and the tensor infos (names, shapes and types skipped over), not the data;
+    cached by path, size and mtime (the plan, the ready hook and the model's identity ask)."""
     path = Path(path)
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    found = _LAYOUTS.get(key)
+    if found is None:
+        if len(_LAYOUTS) >= 16:
+            _LAYOUTS.clear()
+        found = _LAYOUTS[key] = _read_layout(path)
+    return found
+
+
+def _read_layout(path: Path) -> GGUFLayout:
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file")
