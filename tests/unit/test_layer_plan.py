@@ -115,6 +115,13 @@ def test_room_for_a_layer_is_the_runtimes_share_plus_the_margin():
     assert "0: NVIDIA H200 1499 MiB, 1: NVIDIA H200 1331 MiB" in full[1]["message"]
     assert "serving on the CPU" not in full[1]["message"]
     assert vram_full("cuda", R.CUDA_VRAM_FULL, gpus(1499, 1600), 1024, RESERVE, "auto") is None
+    # The hint names a margin that really leaves room (the H200 run with 699 MiB free: 175 MiB
+    # after the runtime, where the hint used to say no margin would help), and says when none does.
+    assert '["-fitt", "256"]' in full[1]["hint"]
+    small = vram_full("cuda", R.CUDA_VRAM_FULL, gpus(699), 1024, RESERVE, "auto")
+    assert small is not None and '["-fitt", "87"]' in small[1]["hint"] and "below 175 MiB" in small[1]["hint"]
+    none = vram_full("cuda", R.CUDA_VRAM_FULL, gpus(500), 1024, RESERVE, "auto")
+    assert none is not None and "-fitt" not in none[1]["hint"] and "no margin leaves room" in none[1]["hint"]
     assert vram_full("cuda", R.CUDA_VRAM_FULL, gpus(699), 1024, RESERVE, 4) is None
     assert vram_full("cuda", None, gpus(699), 1024, RESERVE, "auto") is None
 
