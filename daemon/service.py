@@ -333,7 +333,10 @@ class Daemon:
             await nursery.start(sdnotify.serve_watchdog)
             if autostart and not self.supervisor.runner.resumed and not self.config_loaded_invalid:
                 self.supervisor.offer(LR.UpRequested(self.launch_settings()))
-            elif autostart and self.supervisor.state is LR.LaunchState.STOPPED and not self.config_loaded_invalid:
+            elif (
+                autostart and self.supervisor.loaded_state is LR.LaunchState.STOPPED and not self.config_loaded_invalid
+            ):
+                # As the store had it: a down under way when the last daemon died stays down.
                 self.supervisor.offer(LR.UpRequested(self.launch_settings()))
             log.info("daemon ready (pid %d, socket %s)", os.getpid(), self.paths.socket_path)
             task_status.started()

@@ -6,12 +6,27 @@
 
 One machine per server instance (its store id is keyed by the instance's name); one runs.
 
-Timers are effects (`WatchReadiness`, `StartBackoff`, `ArmStableTimer`) whose expiry comes
-back as an event. A timer belongs to the state that armed it: the daemon cancels it when the
+Timers and watchers are effects (`WatchReadiness`, `StartBackoff`, `ArmStableTimer`,
+`WatchLiveness`) whose findings come back as events. A timer belongs to the state that armed it: the daemon cancels it when the
 machine leaves that state, and a late expiry is an illegal event that changes nothing.
 
 `stopping` remembers why it stops in `data.after_stop`: the user's down (-> stopped), a
-restart or config change (-> planning), or a stall (-> counted as a crash).
+restart or config change (-> planning), a stall or a hang (-> counted as a crash).
+
+One server at a time, whatever the order of requests: a stop asked while a spawn is under way
+(`data.spawning`) waits for its answer and then stops what was spawned, never completing
+against nothing; every way out of `stopping` is an answer about the process being gone.
+
+At daemon start, before anything else is planned or accepted, the identity file is read
+(`Reattach`, the only resume effect): a server it proves (`Adopted`) is kept when it is the
+one this machine runs and stopped otherwise; a process of ours it cannot prove
+(`OrphanFound`) is stopped; with none (`NothingToAdopt`) the machine resumes where it was.
+The file is evidence on its own: a store moved aside or a lost -wal still finds the server.
+
+After ready, a liveness watchdog (`WatchLiveness`) samples the server; states/launch_liveness.py
+judges each sample by progress, not wall time, and the table stops a server that showed no
+sign of life for `hung_after` seconds (`server_hung`, counted as a crash). While the engine
+is silent, `Stable` forgives no crash.
 
 An unasked exit (`ServerExited`) carries facts: the exit status and the classified reason.
 The exit policy (states/launch_exits.py, `judge_exit`) turns them into a verdict: fatal,
@@ -27,7 +42,20 @@ from typing import Any
 
 import attrs
 
-from states.launch_exits import FATAL_EXITS, REPLAN_EXITS, ExitVerdict, judge_exit
+from states.launch_adoption import adopted, nothing_adopted, orphan_found
+from states.launch_exits import FATAL_EXITS, REPLAN_EXITS, ExitVerdict
+from states.launch_liveness import is_hung
+from states.launch_moves import (
+    ask_plan,
+    crash_step,
+    exit_step,
+    fresh_count,
+    plan_step,
+    serving_effects,
+    settings_of,
+    stop_done_step,
+    stop_step,
+)
 from states.launch_records import (
     Adopted,
     AfterStop,
@@ -37,15 +65,16 @@ from states.launch_records import (
     ConfigChanged,
     DownRequested,
     Effect,
+    EngineAnswered,
+    EngineSilent,
     ExitPhase,
     LaunchData,
-    LaunchSettings,
     LaunchState,
     LoadStarted,
-    MakePlan,
+    NothingToAdopt,
     Notify,
+    OrphanFound,
     PlanFailed,
-    PlanFailure,
     PlanReady,
     Ready,
     Reattach,
@@ -56,7 +85,6 @@ from states.launch_records import (
     SpawnFailed,
     Stable,
     StallTimeout,
-    StartBackoff,
     StopCompleted,
     Terminate,
     UpRequested,
@@ -70,80 +98,33 @@ S = LaunchState
 # --- handlers ---------------------------------------------------------------------------
 
 
-def _settings(data: LaunchData, new: LaunchSettings | None) -> LaunchSettings:
-    return data.settings if new is None else new
-
-
-def _fresh_count(data: LaunchData) -> LaunchData:
-    """A start the user asked for: earlier crashes and restarts no longer count."""
-    return attrs.evolve(data, crashes=0, restarts=0)
-
-
-def _plan(data: LaunchData, settings: LaunchSettings | None = None, *, reset: bool) -> Step:
-    """Enter planning afresh (a start, restart or config change: no failure to avoid). A
-    user start resets the counts and clears the last reason."""
-    settings = _settings(data, settings)
-    if reset:
-        data = attrs.evolve(_fresh_count(data), reason=None, evidence={})
-    data = attrs.evolve(data, settings=settings, pid=None, create_time=None, after_stop=AfterStop.STOP, replan_for=None)
-    return Step(S.PLANNING, data, (MakePlan(previous=data.plan),))
-
-
-def _stop(
-    data: LaunchData, after: AfterStop, reason: ReasonCode | None = None, evidence: dict[str, Any] | None = None
-) -> Step:
-    data = attrs.evolve(data, after_stop=after)
-    if reason is not None:
-        data = attrs.evolve(data, reason=reason, evidence=evidence or {})
-    text = {AfterStop.STOP: "stopping", AfterStop.RESTART: "restarting", AfterStop.CRASH: "stalled"}[after]
-    return Step(S.STOPPING, data, (Terminate(data.settings.stop_grace), Notify("status", text)), reason, evidence or {})
-
-
-def _crash(
-    data: LaunchData,
-    reason: ReasonCode,
-    evidence: dict[str, Any],
-    verdict: ExitVerdict,
-    phase: ExitPhase,
-    returncode: int | None,
-) -> Step:
-    """Count a crash: fail for good (fatal, or a crash loop), or back off and come back with
-    the same plan or, for REPLAN, a new one that knows what failed."""
-    crashes = data.crashes + 1
-    evidence = {**evidence, "crashes": crashes, "returncode": returncode}
-    data = attrs.evolve(data, crashes=crashes, pid=None, create_time=None, replan_for=None, after_stop=AfterStop.STOP)
-    if verdict is ExitVerdict.FATAL:
-        data = attrs.evolve(data, reason=reason, evidence=evidence)
-        return Step(S.FAILED, data, (Notify("status", f"failed: {reason}"),), reason, evidence)
-    if crashes > data.settings.max_restarts:
-        loop = {**evidence, "last_reason": str(reason), "max_restarts": data.settings.max_restarts}
-        data = attrs.evolve(data, reason=ReasonCode.CRASH_LOOP, evidence=loop)
-        return Step(S.FAILED, data, (Notify("status", "failed: crash_loop"),), ReasonCode.CRASH_LOOP, loop)
-    failure = PlanFailure(reason, phase, evidence) if verdict is ExitVerdict.REPLAN else None
-    data = attrs.evolve(data, reason=reason, evidence=evidence, restarts=data.restarts + 1, replan_for=failure)
-    return Step(S.CRASHED, data, (StartBackoff(crashes), Notify("status", f"crashed: {reason}")), reason, evidence)
-
-
 @guarded(S.PLANNING)
 def start(state: S, data: LaunchData, event: UpRequested) -> Step:
-    return _plan(data, event.settings, reset=True)
+    return plan_step(data, event.settings, reset=True)
 
 
 @guarded(S.PLANNING)
 def restart_now(state: S, data: LaunchData, event: RestartRequested) -> Step:
-    return _plan(data, reset=True)
+    return plan_step(data, reset=True)
 
 
 @guarded(S.PLANNING)
 def replan_on_config(state: S, data: LaunchData, event: ConfigChanged) -> Step:
-    return _plan(data, event.settings, reset=False)
+    return plan_step(data, event.settings, reset=False)
 
 
 @guarded(S.STOPPED)
 def stop_idle(state: S, data: LaunchData, event: DownRequested) -> Step:
     """Nothing runs (planning, crashed, backoff): stopped at once."""
     data = attrs.evolve(
-        data, pid=None, create_time=None, reason=None, evidence={}, after_stop=AfterStop.STOP, replan_for=None
+        data,
+        pid=None,
+        create_time=None,
+        reason=None,
+        evidence={},
+        after_stop=AfterStop.STOP,
+        replan_for=None,
+        spawning=False,
     )
     return Step(S.STOPPED, data, (Notify("status", "stopped"),))
 
@@ -160,95 +141,112 @@ keep = Guarded(_keep, {STAY})
 @guarded(STAY)
 def new_settings_only(state: S, data: LaunchData, event: ConfigChanged) -> Step:
     """Not running: remember new knobs, launch nothing."""
-    return Step(state, attrs.evolve(data, settings=_settings(data, event.settings)))
+    return Step(state, attrs.evolve(data, settings=settings_of(data, event.settings)))
+
+
+def _stale(data: LaunchData, event: PlanReady | PlanFailed) -> bool:
+    """An answer to an older MakePlan than the newest (asked again while it was planned)."""
+    return event.request is not None and event.request != data.plan_requests
 
 
 @guarded(S.STARTING)
-def plan_ready(state: S, data: LaunchData, event: PlanReady) -> Step:
-    data = attrs.evolve(data, plan=event.plan, pid=None, create_time=None, replan_for=None)
+def plan_ready(state: S, data: LaunchData, event: PlanReady) -> Step | None:
+    if _stale(data, event):
+        return None
+    data = attrs.evolve(data, plan=event.plan, pid=None, create_time=None, replan_for=None, spawning=True)
     return Step(
         S.STARTING, data, (Spawn(event.plan),), evidence={"backend": event.plan.backend, "variant": event.plan.variant}
     )
 
 
 @guarded(S.FAILED)
-def plan_failed(state: S, data: LaunchData, event: PlanFailed) -> Step:
+def plan_failed(state: S, data: LaunchData, event: PlanFailed) -> Step | None:
+    if _stale(data, event):
+        return None
     data = attrs.evolve(data, reason=event.reason, evidence=event.evidence, replan_for=None)
     return Step(S.FAILED, data, (Notify("status", f"failed: {event.reason}"),), event.reason, event.evidence)
 
 
-@guarded(S.STARTING)
+@guarded(STAY)
 def spawned(state: S, data: LaunchData, event: Spawned) -> Step:
-    """The process exists: watch it until it is ready."""
-    data = attrs.evolve(data, pid=event.pid, create_time=event.create_time)
+    """The process exists: watch it until it is ready, or, if a stop came while it was being
+    spawned, stop it now."""
+    data = attrs.evolve(data, pid=event.pid, create_time=event.create_time, spawning=False)
     evidence: dict[str, Any] = {"pid": event.pid}
     if event.log_path:
         evidence["log_path"] = event.log_path
+    if state is S.STOPPING:
+        return Step(S.STOPPING, data, (Terminate(data.settings.stop_grace),), evidence=evidence)
     return Step(S.STARTING, data, (WatchReadiness(data.settings.stall_timeout),), evidence=evidence)
 
 
 @guarded(S.FAILED)
 def spawn_failed(state: S, data: LaunchData, event: SpawnFailed) -> Step:
     """No process at all: retrying the same binary cannot help."""
-    return _crash(data, event.reason, event.evidence, ExitVerdict.FATAL, ExitPhase.NEVER_READY, None)
-
-
-@guarded(STAY)
-def adopted(state: S, data: LaunchData, event: Adopted) -> Step:
-    data = attrs.evolve(data, pid=event.pid, create_time=event.create_time)
-    if state is S.READY:
-        effects: tuple[Effect, ...] = (ArmStableTimer(data.settings.stable_after), Notify("ready", "adopted"))
-    else:
-        effects = (WatchReadiness(data.settings.stall_timeout),)
-    return Step(state, data, effects, evidence={"pid": event.pid, **event.evidence})
+    return crash_step(data, event.reason, event.evidence, ExitVerdict.FATAL, ExitPhase.NEVER_READY, None)
 
 
 @guarded(S.LOADING)
 def load_started(state: S, data: LaunchData, event: LoadStarted) -> Step:
-    return Step(S.LOADING, data, evidence=event.evidence)
+    return Step(S.LOADING, attrs.evolve(data, spawning=False), evidence=event.evidence)
 
 
 @guarded(S.READY)
 def ready(state: S, data: LaunchData, event: Ready) -> Step:
-    data = attrs.evolve(data, reason=None, evidence={})
+    data = attrs.evolve(data, reason=None, evidence={}, spawning=False, silent=False)
     text = f"ready on {data.plan.backend}" if data.plan else "ready"
-    return Step(
-        S.READY, data, (ArmStableTimer(data.settings.stable_after), Notify("ready", text)), evidence=event.evidence
-    )
+    return Step(S.READY, data, serving_effects(data, text), evidence=event.evidence)
 
 
 @guarded(S.READY)
 def stable(state: S, data: LaunchData, event: Stable) -> Step:
+    """Ready long enough: earlier crashes are forgotten, unless the engine is silent now."""
+    if data.silent:
+        return Step(S.READY, data, evidence={"crashes_forgotten": 0, "engine_silent": True})
     return Step(S.READY, attrs.evolve(data, crashes=0), evidence={"crashes_forgotten": data.crashes})
+
+
+@guarded(S.READY, S.STOPPING)
+def engine_silent(state: S, data: LaunchData, event: EngineSilent) -> Step:
+    """No sign of life for `silent_for` seconds: hung past `hung_after` (stopped, a snapshot
+    attempted, counted as a crash), otherwise remembered so that Stable forgives nothing."""
+    evidence = {**event.evidence, "silent_for": event.silent_for, "hung_after": data.settings.hung_after}
+    if is_hung(event.silent_for, data.settings.hung_after):
+        return stop_step(data, AfterStop.HUNG, ReasonCode.SERVER_HUNG, evidence)
+    return Step(S.READY, attrs.evolve(data, silent=True), evidence=evidence)
+
+
+@guarded(S.READY)
+def engine_answered(state: S, data: LaunchData, event: EngineAnswered) -> Step:
+    """Signs of life again after a silence: Stable may forgive again, from now."""
+    data = attrs.evolve(data, silent=False)
+    return Step(S.READY, data, (ArmStableTimer(data.settings.stable_after),), evidence=event.evidence)
 
 
 @guarded(S.CRASHED, S.FAILED)
 def exited(state: S, data: LaunchData, event: ServerExited) -> Step:
     """An unasked exit: judged from its reason, the phase (this state) and the plan."""
-    phase = ExitPhase.AFTER_READY if state is S.READY else ExitPhase.NEVER_READY
-    verdict = judge_exit(event.reason, phase, data.plan)
-    evidence = {**event.evidence, "phase": phase.value, "verdict": verdict.value}
-    return _crash(data, event.reason, evidence, verdict, phase, event.returncode)
+    return exit_step(state, data, event)
 
 
 @guarded(S.STOPPING)
 def stall(state: S, data: LaunchData, event: StallTimeout) -> Step:
     evidence = {"stall_timeout": data.settings.stall_timeout, "state": state.value}
-    return _stop(data, AfterStop.CRASH, ReasonCode.SERVER_STALLED, evidence)
+    return stop_step(data, AfterStop.CRASH, ReasonCode.SERVER_STALLED, evidence)
 
 
 @guarded(S.STOPPING)
 def down(state: S, data: LaunchData, event: DownRequested) -> Step:
-    return _stop(data, AfterStop.STOP)
+    return stop_step(data, AfterStop.STOP)
 
 
 @guarded(S.STOPPING)
 def relaunch(state: S, data: LaunchData, event: RestartRequested | ConfigChanged) -> Step:
     if isinstance(event, ConfigChanged):
-        data = attrs.evolve(data, settings=_settings(data, event.settings))
+        data = attrs.evolve(data, settings=settings_of(data, event.settings))
     else:
-        data = _fresh_count(data)
-    return _stop(data, AfterStop.RESTART)
+        data = fresh_count(data)
+    return stop_step(data, AfterStop.RESTART)
 
 
 @guarded(S.STOPPING)
@@ -257,48 +255,34 @@ def retarget_stop(
 ) -> Step:
     """Already stopping: the newest request decides where it leads.
 
-    Down: stopped. Restart: a fresh start with a clean count. Up: come back up if this was
-    a plain stop (a stall already comes back through backoff, counted). Config change:
-    re-plan with the new config unless this was a plain stop.
+    Down: stopped (or failed, for a server found at start-up while failed). Restart: a fresh
+    start with a clean count. Up: come back up if this was going to stay down (a stall or a
+    hang already comes back through backoff, counted). Config change: re-plan with the new
+    config unless this was going to stay down.
     """
     after = data.after_stop
+    idle = after in (AfterStop.STOP, AfterStop.FAIL)  # it was going to stay down
     if isinstance(event, DownRequested):
-        after = AfterStop.STOP
+        after = AfterStop.FAIL if after is AfterStop.FAIL else AfterStop.STOP
     elif isinstance(event, RestartRequested):
         after = AfterStop.RESTART
-        data = _fresh_count(data)
+        data = fresh_count(data)
     elif isinstance(event, UpRequested):
-        if after is AfterStop.STOP:
+        if idle:
             after = AfterStop.RESTART
-            data = _fresh_count(data)
-        data = attrs.evolve(data, settings=_settings(data, event.settings))
+            data = fresh_count(data)
+        data = attrs.evolve(data, settings=settings_of(data, event.settings))
     else:  # ConfigChanged
-        if after is not AfterStop.STOP:
+        if not idle:
             after = AfterStop.RESTART
-        data = attrs.evolve(data, settings=_settings(data, event.settings))
+        data = attrs.evolve(data, settings=settings_of(data, event.settings))
     return Step(S.STOPPING, attrs.evolve(data, after_stop=after), evidence={"after_stop": after.value})
 
 
 @guarded(S.STOPPED, S.PLANNING, S.CRASHED, S.FAILED)
 def stopped(state: S, data: LaunchData, event: StopCompleted | ServerExited | SpawnFailed) -> Step:
     """The process is gone while stopping: go where `after_stop` says."""
-    returncode = None if isinstance(event, SpawnFailed) else event.returncode
-    evidence = {"returncode": returncode, **event.evidence}
-    if data.after_stop is AfterStop.CRASH:
-        # A stall (only ever before ready): respawned like any crash, never re-planned.
-        return _crash(
-            data,
-            data.reason or ReasonCode.SERVER_STALLED,
-            {**data.evidence, **evidence},
-            ExitVerdict.RESPAWN,
-            ExitPhase.NEVER_READY,
-            returncode,
-        )
-    if data.after_stop is AfterStop.RESTART:
-        step_ = _plan(data, reset=False)
-        return attrs.evolve(step_, evidence=evidence)
-    data = attrs.evolve(data, pid=None, create_time=None, reason=None, evidence={})
-    return Step(S.STOPPED, data, (Notify("status", "stopped"),), evidence=evidence)
+    return stop_done_step(data, event)
 
 
 @guarded(S.BACKOFF)
@@ -310,10 +294,11 @@ def backoff_started(state: S, data: LaunchData, event: BackoffStarted) -> Step:
 def backoff_elapsed(state: S, data: LaunchData, event: BackoffElapsed) -> Step:
     """Come back: a new plan if the crash asked for one (or there is none), else respawn."""
     if data.replan_for is not None or data.plan is None:
-        return Step(S.PLANNING, data, (MakePlan(previous=data.plan, failure=data.replan_for),))
+        data, ask = ask_plan(data, data.replan_for)
+        return Step(S.PLANNING, data, (ask,))
     return Step(
         S.STARTING,
-        attrs.evolve(data, pid=None, create_time=None),
+        attrs.evolve(data, pid=None, create_time=None, spawning=True),
         (Spawn(data.plan),),
         evidence={"attempt": data.crashes},
     )
@@ -324,8 +309,8 @@ def retry_now(state: S, data: LaunchData, event: RestartRequested | ConfigChange
     """Crashed or backing off: a user restart retries at once with a clean count; a config
     change retries at once but keeps the count, so a bad config still ends in crash_loop."""
     if isinstance(event, ConfigChanged):
-        return _plan(data, event.settings, reset=False)
-    return _plan(data, reset=True)
+        return plan_step(data, event.settings, reset=False)
+    return plan_step(data, reset=True)
 
 
 # --- the table --------------------------------------------------------------------------
@@ -338,12 +323,16 @@ _RUNNING: dict[type, Rule] = {
     StallTimeout: stall,
 }
 
+# At daemon start, before anything else: what the identity file proved (Reattach's answer).
+_STOP_FOUND: dict[type, Rule] = {Adopted: adopted.only(S.STOPPING), OrphanFound: orphan_found}
+
 TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
     S.STOPPED: {
         UpRequested: start,
         RestartRequested: restart_now,
         DownRequested: keep,
         ConfigChanged: new_settings_only,
+        **_STOP_FOUND,
     },
     S.PLANNING: {
         PlanReady: plan_ready,
@@ -352,31 +341,50 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
         DownRequested: stop_idle,
         RestartRequested: restart_now,
         ConfigChanged: replan_on_config,
+        **_STOP_FOUND,
+        NothingToAdopt: nothing_adopted.only(STAY),
     },
     S.STARTING: {
         **_RUNNING,
         UpRequested: keep,
         Spawned: spawned,
         SpawnFailed: spawn_failed,
-        Adopted: adopted,
         LoadStarted: load_started,
         Ready: ready,
+        Adopted: adopted,
+        OrphanFound: orphan_found,
+        NothingToAdopt: nothing_adopted.only(STAY, S.CRASHED, S.FAILED),
     },
-    S.LOADING: {**_RUNNING, UpRequested: keep, Adopted: adopted, Ready: ready},
+    S.LOADING: {
+        **_RUNNING,
+        UpRequested: keep,
+        Ready: ready,
+        Adopted: adopted,
+        OrphanFound: orphan_found,
+        NothingToAdopt: nothing_adopted.only(S.CRASHED, S.FAILED),
+    },
     S.READY: {
         **{k: v for k, v in _RUNNING.items() if k is not StallTimeout},
         UpRequested: keep,
-        Adopted: adopted,
         Stable: stable,
+        EngineSilent: engine_silent,
+        EngineAnswered: engine_answered,
+        Adopted: adopted,
+        OrphanFound: orphan_found,
+        NothingToAdopt: nothing_adopted.only(S.CRASHED, S.FAILED),
     },
     S.STOPPING: {
         StopCompleted: stopped,
         ServerExited: stopped,
         SpawnFailed: stopped,
+        Spawned: spawned,  # a stop that came while spawning: now there is a process to stop
         DownRequested: retarget_stop,
         UpRequested: retarget_stop,
         RestartRequested: retarget_stop,
         ConfigChanged: retarget_stop,
+        Adopted: adopted.only(STAY),
+        OrphanFound: orphan_found,
+        NothingToAdopt: nothing_adopted.only(S.STOPPED, S.PLANNING, S.CRASHED, S.FAILED),
     },
     S.CRASHED: {
         BackoffStarted: backoff_started,
@@ -384,6 +392,8 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
         DownRequested: stop_idle,
         RestartRequested: retry_now,
         ConfigChanged: retry_now,
+        **_STOP_FOUND,
+        NothingToAdopt: nothing_adopted.only(STAY),
     },
     S.BACKOFF: {
         BackoffElapsed: backoff_elapsed,
@@ -392,12 +402,15 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
         DownRequested: stop_idle,
         RestartRequested: retry_now,
         ConfigChanged: retry_now,
+        **_STOP_FOUND,
+        NothingToAdopt: nothing_adopted.only(STAY),
     },
     S.FAILED: {
         UpRequested: start,
         RestartRequested: restart_now,
         DownRequested: keep,
         ConfigChanged: new_settings_only,
+        **_STOP_FOUND,
     },
 }
 
@@ -423,17 +436,9 @@ LAUNCH = MachineSpec(
 
 
 def resume_effects(state: LaunchState, data: LaunchData) -> tuple[Effect, ...]:
-    """What the daemon must (re)do for a machine loaded from the store after a restart.
-
-    In starting/loading/ready the server may still run (Reattach); stopping re-sends the
-    stop, which must also only ever signal a proven process.
+    """What the daemon does first when it starts, whatever the store holds (a fresh machine
+    too: the store may have been moved aside): read the identity file. Its answer (Adopted,
+    OrphanFound, NothingToAdopt) is what resumes the machine, so nothing is planned, spawned
+    or stopped before the server that outlived the last daemon is accounted for.
     """
-    if state is S.PLANNING:
-        return (MakePlan(previous=data.plan, failure=data.replan_for),)
-    if state in (S.STARTING, S.LOADING, S.READY):
-        return (Reattach(data.pid, data.create_time),)
-    if state is S.STOPPING:
-        return (Reattach(data.pid, data.create_time), Terminate(data.settings.stop_grace))
-    if state in (S.CRASHED, S.BACKOFF):
-        return (StartBackoff(max(data.crashes, 1)),)
-    return ()
+    return (Reattach(data.pid, data.create_time),)

@@ -40,7 +40,9 @@ class AfterStop(enum.StrEnum):
 
     STOP = "stop"
     RESTART = "restart"
-    CRASH = "crash"
+    CRASH = "crash"  # a stall before ready: counted as a crash, respawned
+    HUNG = "hung"  # a ready server that showed no sign of life: counted as a crash, respawned
+    FAIL = "fail"  # a server found at daemon start while failed: stopped, the failure stays
 
 
 class ExitPhase(enum.StrEnum):
@@ -127,6 +129,7 @@ class LaunchSettings:
     stall_timeout: float = 120.0  # seconds without loading progress before the server is stopped
     stop_grace: float = 10.0  # seconds between TERM and KILL
     stable_after: float = 60.0  # seconds ready before the crash counter resets
+    hung_after: float = 60.0  # seconds a ready server may show no sign of life before it is hung (0: never)
 
 
 @attrs.frozen
@@ -139,6 +142,9 @@ class LaunchData:
     create_time: float | None = None  # the process's start time: part of its identity
     after_stop: AfterStop = AfterStop.STOP
     replan_for: PlanFailure | None = None  # the last crash asked for a new plan, not a respawn
+    plan_requests: int = 0  # MakePlan asked so far: a plan answers the newest request or is dropped
+    spawning: bool = False  # a Spawn is out and its answer (Spawned or SpawnFailed) not yet back
+    silent: bool = False  # ready, but the liveness watchdog sees no sign of life (Stable forgives nothing)
     reason: ReasonCode | None = None  # why the machine is where it is (None when healthy)
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
@@ -172,9 +178,11 @@ class ConfigChanged:
 
 @attrs.frozen
 class PlanReady:
-    """MakePlan succeeded: spawn this plan."""
+    """MakePlan succeeded: spawn this plan. `request` is the MakePlan it answers (None: not
+    said); an answer to an older request than the newest is refused."""
 
     plan: LaunchPlan
+    request: int | None = None
 
 
 @attrs.frozen
@@ -183,6 +191,7 @@ class PlanFailed:
 
     reason: ReasonCode
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    request: int | None = None  # the MakePlan it answers, as in PlanReady
 
 
 @attrs.frozen
@@ -196,10 +205,31 @@ class Spawned:
 
 @attrs.frozen
 class Adopted:
-    """After a daemon restart: the running server's identity was proven, keep it."""
+    """After a daemon restart: the identity file proves a live server of ours (pid, start time,
+    executable, command line, health and API key). The machine keeps it if it is the server it
+    runs, and stops it otherwise."""
 
     pid: int
     create_time: float | None = None
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+
+
+@attrs.frozen
+class OrphanFound:
+    """After a daemon restart: the identity file names a live process of ours (pid, start time
+    and executable match) that does not prove the rest (no health, or not our key): it is
+    stopped, whatever the machine was doing."""
+
+    pid: int
+    create_time: float | None = None
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+
+
+@attrs.frozen
+class NothingToAdopt:
+    """After a daemon restart: the identity file proves no live process of ours (there is none,
+    it is unreadable, or the process it names is gone): resume with no server."""
+
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
 
@@ -259,6 +289,22 @@ class Stable:
 
 
 @attrs.frozen
+class EngineSilent:
+    """The liveness watchdog saw no sign of life from the ready server for `silent_for` seconds:
+    its facts (states/launch_liveness.py judged each sample) are in the evidence."""
+
+    silent_for: float
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+
+
+@attrs.frozen
+class EngineAnswered:
+    """After EngineSilent: the watchdog sees signs of life again."""
+
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+
+
+@attrs.frozen
 class StopCompleted:
     """The process is gone after Terminate (or was never there)."""
 
@@ -277,6 +323,7 @@ class MakePlan:
 
     previous: LaunchPlan | None = None
     failure: PlanFailure | None = None
+    request: int = 0  # numbered: only the answer to the newest request is taken
 
 
 @attrs.frozen
@@ -312,12 +359,23 @@ class StartBackoff:
 
 @attrs.frozen
 class Reattach:
-    """After a daemon restart: prove the recorded server's identity (pid, start time,
-    executable, API key, health) and fire Adopted; otherwise stop it if it is ours and fire
-    ServerExited. Never signal a process whose identity is not proven."""
+    """At daemon start, before anything else runs: read the identity file (the evidence of a
+    server that outlived the last daemon, whatever the store says) and answer what it proves:
+    Adopted, OrphanFound or NothingToAdopt. `pid`/`create_time` are what the machine recorded.
+    Never signal anything here: the machine decides what to stop."""
 
     pid: int | None
     create_time: float | None
+
+
+@attrs.frozen
+class WatchLiveness:
+    """While ready: sample the server every `every` seconds (/health and /slots answered within
+    `answer_within`, the process's CPU time and state); report EngineSilent while no sample
+    shows a sign of life, EngineAnswered when one does again."""
+
+    every: float
+    answer_within: float
 
 
 @attrs.frozen
@@ -335,4 +393,6 @@ class Notify:
     text: str = ""
 
 
-Effect = MakePlan | Spawn | WatchReadiness | Terminate | StartBackoff | Reattach | ArmStableTimer | Notify
+Effect = (
+    MakePlan | Spawn | WatchReadiness | Terminate | StartBackoff | Reattach | WatchLiveness | ArmStableTimer | Notify
+)

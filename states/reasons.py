@@ -88,6 +88,7 @@ class ReasonCode(enum.StrEnum):
     PORT_IN_USE = "port_in_use"
     SERVER_CRASHED = "server_crashed"
     SERVER_STALLED = "server_stalled"
+    SERVER_HUNG = "server_hung"
     SERVER_START_TIMEOUT = "server_start_timeout"
     SERVER_SPAWN_FAILED = "server_spawn_failed"
     SERVER_BAD_ARGUMENTS = "server_bad_arguments"
@@ -248,6 +249,10 @@ MESSAGES: dict[ReasonCode, str] = {
     ReasonCode.PORT_IN_USE: "The server port is taken by another process; choose another port or free it.",
     ReasonCode.SERVER_CRASHED: "The server exited unexpectedly; Stoker restarts it with backoff.",
     ReasonCode.SERVER_STALLED: "The server stopped making progress while loading; it was stopped.",
+    ReasonCode.SERVER_HUNG: (
+        "The ready server showed no sign of life (no /health answer, no slot moving, no CPU used) for "
+        "[supervisor] hung_after_s; it was stopped and restarted, and this counts as a crash."
+    ),
     ReasonCode.SERVER_START_TIMEOUT: (
         "The server kept loading but was not ready within the ready timeout; "
         "raise it for a large model or check the server log."

@@ -290,6 +290,7 @@ class SupervisorConfig:
     max_restarts: int = _field(5, _int(0, 1000))
     stable_after_s: float = _field(30.0, _seconds(allow_zero=True))
     stop_grace_s: float = _field(10.0, _seconds(high=3600))
+    hung_after_s: float = _field(60.0, _seconds(allow_zero=True))
 
 
 @attrs.frozen

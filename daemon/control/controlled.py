@@ -53,6 +53,9 @@ class LaunchControl(Protocol):
     def offer(self, event: Any) -> object:
         """Fire a launch event where the machine takes it; ignore it where it does not."""
 
+    async def wait_stopped(self) -> None:
+        """Until the stop under way (if any) has completed: its process is gone."""
+
 
 class ControlledDaemon(Protocol):
     """Everything a socket method may read or ask of the daemon, and nothing else."""

@@ -51,6 +51,7 @@ ERROR_CODES: dict[ReasonCode, int] = {
     ReasonCode.CPU_ILLEGAL_INSTRUCTION: 2009,
     ReasonCode.SERVER_START_TIMEOUT: 2010,
     ReasonCode.SERVER_SPAWN_FAILED: 2011,
+    ReasonCode.SERVER_HUNG: 2012,
     # Engine bundles.
     ReasonCode.BUNDLE_MISSING: 3001,
     ReasonCode.BUNDLE_BUILD_FAILED: 3002,

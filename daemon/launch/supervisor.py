@@ -8,6 +8,12 @@ anything else happens. Nothing here judges what an exit means. Timers belong to 
 that armed them and are cancelled when the machine leaves it; an event that arrives too
 late for the state it was meant for is an illegal transition, logged and dropped.
 
+One server task at a time: a spawn never overlaps the end of the previous server's task, a
+server task that ends (or is cancelled) always forgets its handle, and a stop with no server
+reports at once (the machine never asks for one while a spawn is under way). At start, the
+identity file is proven before `run` reports started, so no request, plan or autostart runs
+before the server that outlived the last daemon is accounted for.
+
 The plan is complete when it arrives (daemon/fallback/launch_plan.py): `server_spec` maps it
 onto the engine's spawn spec field by field, reading neither the config, nor the models,
 nor the snapshot settings, so the command line is what history recorded.
@@ -31,10 +37,12 @@ from daemon.core.errors import StokerError
 from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.core.paths import StokerPaths
 from daemon.engine.api import EngineClient
-from daemon.engine.identity import AdoptedServer, adopt, read_identity, stop_orphan
+from daemon.engine.identity import AdoptedServer
 from daemon.engine.process import ServerHandle, ServerSpec, serve_server, stop_server
 from daemon.engine.ready import wait_ready
+from daemon.launch.adoption import prove_identity
 from daemon.launch.instance import ServerInstance
+from daemon.launch.liveness import watch_liveness
 from states import launch as L
 from states import launch_records as LR
 from states.machine import IllegalTransition, Step
@@ -59,6 +67,7 @@ def launch_settings(config: Config) -> LR.LaunchSettings:
         stall_timeout=config.server.stall_timeout_s,
         stop_grace=sup.stop_grace_s,
         stable_after=sup.stable_after_s,
+        hung_after=sup.hung_after_s,
     )
 
 
@@ -79,6 +88,16 @@ def server_spec(plan: LR.LaunchPlan) -> ServerSpec:
         slot_save_path=plan.slot_save_path,
         env=plan.backend_env,
     )
+
+
+# The before-stop hook's cause for each reason to stop (snapshot records carry it).
+_STOP_CAUSE = {
+    LR.AfterStop.STOP: "stop",
+    LR.AfterStop.RESTART: "restart",
+    LR.AfterStop.CRASH: "stall",
+    LR.AfterStop.HUNG: "hung",
+    LR.AfterStop.FAIL: "stop",
+}
 
 
 def backoff_delay(attempt: int, initial: float, cap: float, rng: random.Random) -> float:
@@ -106,14 +125,20 @@ class Supervisor:
     ready_evidence: dict[str, Any] | None = None
     ready_at: float | None = None
     runner: MachineRunner = attrs.field(init=False)
+    loaded_state: LR.LaunchState = attrs.field(init=False)  # as the store had it, before any proof
     _effects: EffectDriver[None] = attrs.field(init=False)
     _nursery: trio.Nursery | None = None
-    _server_scope: trio.CancelScope | None = None
     _server_nursery: trio.Nursery | None = None  # the spawned server's own tasks
-    _timers: dict[str, trio.CancelScope] = attrs.field(factory=dict)
+    _server_done: trio.Event | None = None  # set when the last server task has ended
+    _reattached: trio.Event = attrs.field(factory=trio.Event)  # the identity file is accounted for
+    _stops_done: int = 0  # how many times the machine has left `stopping` (the process gone)
+    _stop_done: trio.Event = attrs.field(factory=trio.Event)
+    # Timers and watchers by name, each with the state that owns it (cancelled when it is left).
+    _timers: dict[str, tuple[LR.LaunchState, trio.CancelScope]] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self.runner = MachineRunner(L.LAUNCH, self.instance.machine_id(L.LAUNCH.name), self.store, self.publish)
+        self.loaded_state = LR.LaunchState(self.runner.state)
         self._effects = EffectDriver(
             L.LAUNCH,
             {
@@ -123,6 +148,7 @@ class Supervisor:
                 LR.Terminate: self._stop,
                 LR.StartBackoff: self._start_backoff,
                 LR.ArmStableTimer: self._arm_stable,
+                LR.WatchLiveness: self._watch_liveness,
                 LR.Reattach: self._reattach_later,
                 LR.Notify: self._notify,
             },
@@ -160,13 +186,14 @@ class Supervisor:
         return self.data.restarts
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Resume the machine where the store left it, then execute effects until cancelled."""
+        """Prove what the identity file names and resume the machine from it, then execute
+        effects until cancelled. Started only once the proof has answered."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            resume = L.resume_effects(self.state, self.data) if self.runner.resumed else ()
-            if resume:
-                log.info("resuming launch machine in %s: %s", self.state, resume)
+            resume = L.resume_effects(self.state, self.data)
+            log.info("launch machine in %s%s: %s", self.state, " (resumed)" if self.runner.resumed else "", resume)
             self._execute(resume)
+            await self._reattached.wait()
             task_status.started()
             await trio.sleep_forever()
 
@@ -178,6 +205,10 @@ class Supervisor:
         result = self.runner.fire(event)
         if result.state != before:
             self._cancel_timers_not_owned_by(LR.LaunchState(result.state))
+            if before is LR.LaunchState.STOPPING:
+                self._stops_done += 1
+                self._stop_done.set()
+                self._stop_done = trio.Event()
         self._execute(result.effects)
         return result
 
@@ -188,6 +219,16 @@ class Supervisor:
         except IllegalTransition as err:
             log.info("dropped late event: %s", err)
             return None
+
+    async def wait_stopped(self) -> None:
+        """Return once the stop under way now (if any) has completed: its process is gone. The
+        machine may be on its way up again already, if a later request asked for that."""
+        if self.state is not LR.LaunchState.STOPPING:
+            await trio.lowlevel.checkpoint()
+            return
+        target = self._stops_done + 1
+        while self._stops_done < target:
+            await self._stop_done.wait()
 
     # --- effects out ---------------------------------------------------------------------
 
@@ -208,16 +249,14 @@ class Supervisor:
         try:
             plan = await self.planner(self.config, effect)
         except StokerError as err:
-            self.offer(LR.PlanFailed(err.reason, {"message": err.message, **err.evidence}))
+            self.offer(LR.PlanFailed(err.reason, {"message": err.message, **err.evidence}, request=effect.request))
             return
-        self.offer(LR.PlanReady(plan))
+        self.offer(LR.PlanReady(plan, request=effect.request))
 
     def _spawn(self, effect: LR.Spawn) -> None:
-        if self._server_scope is not None:
-            self._server_scope.cancel()
-        scope = trio.CancelScope()
-        self._server_scope = scope
-        self._tasks.start_soon(self._run_server, effect.plan, scope)
+        previous, done = self._server_done, trio.Event()
+        self._server_done = done
+        self._tasks.start_soon(self._run_server, effect.plan, previous, done)
 
     def _watch_readiness(self, effect: LR.WatchReadiness) -> None:
         server = self.server
@@ -236,10 +275,21 @@ class Supervisor:
         sup = self.config.supervisor
         delay = backoff_delay(effect.attempt, sup.backoff_initial_s, sup.backoff_max_s, self.rng)
         if self.offer(LR.BackoffStarted(delay)) is not None:
-            self._start_timer(LR.LaunchState.BACKOFF, delay, LR.BackoffElapsed())
+            self._start_timer("backoff", LR.LaunchState.BACKOFF, delay, LR.BackoffElapsed())
 
     def _arm_stable(self, effect: LR.ArmStableTimer) -> None:
-        self._start_timer(LR.LaunchState.READY, effect.after, LR.Stable())
+        self._start_timer("stable", LR.LaunchState.READY, effect.after, LR.Stable())
+
+    def _watch_liveness(self, effect: LR.WatchLiveness) -> None:
+        server = self.server
+        base_url, api_key = self.endpoint()
+        if server is None or base_url is None:
+            log.error("WatchLiveness with no live server (state %s)", self.state)
+            return
+        watch = functools.partial(
+            watch_liveness, base_url, api_key, server.pid, effect.every, effect.answer_within, self.offer
+        )
+        self._start_watch("liveness", LR.LaunchState.READY, watch)
 
     def _reattach_later(self, effect: LR.Reattach) -> None:
         self._tasks.start_soon(self._reattach, effect)
@@ -252,34 +302,56 @@ class Supervisor:
 
     # --- timers --------------------------------------------------------------------------
 
-    def _start_timer(self, owner: LR.LaunchState, delay: float, event: object) -> None:
-        old = self._timers.pop(owner.value, None)
+    def _start_timer(self, name: str, owner: LR.LaunchState, delay: float, event: object) -> None:
+        async def fire_later() -> None:
+            await trio.sleep(delay)
+            self.offer(event)
+
+        self._start_watch(name, owner, fire_later)
+
+    def _start_watch(self, name: str, owner: LR.LaunchState, work: Callable[[], Awaitable[object]]) -> None:
+        """Run `work` as `name` (replacing one of that name) until done or `owner` is left."""
+        old = self._timers.pop(name, None)
         if old is not None:
-            old.cancel()
+            old[1].cancel()
         scope = trio.CancelScope()
-        self._timers[owner.value] = scope
+        self._timers[name] = (owner, scope)
 
-        async def timer() -> None:
+        async def watch() -> None:
             with scope:
-                await trio.sleep(delay)
-                self._timers.pop(owner.value, None)
-                self.offer(event)
+                await work()
+            if name in self._timers and self._timers[name][1] is scope:
+                del self._timers[name]
 
-        self._tasks.start_soon(timer)
+        self._tasks.start_soon(watch)
 
     def _cancel_timers_not_owned_by(self, state: LR.LaunchState) -> None:
-        for owner in list(self._timers):
-            if owner != state.value:
-                self._timers.pop(owner).cancel()
+        for name, (owner, scope) in list(self._timers.items()):
+            if owner != state:
+                del self._timers[name]
+                scope.cancel()
 
     # --- one server's life ---------------------------------------------------------------
 
-    async def _run_server(self, plan: LR.LaunchPlan, scope: trio.CancelScope) -> None:
+    async def _run_server(self, plan: LR.LaunchPlan, previous: trio.Event | None, done: trio.Event) -> None:
+        try:
+            if previous is not None and not previous.is_set():
+                # The machine spawns only once the last server is gone; never two at once.
+                log.error("spawn asked while the previous server task is still running: ending it first")
+                if isinstance(self.server, ServerHandle):
+                    await stop_server(self.server, self.data.settings.stop_grace)
+                await previous.wait()
+            await self._serve(plan)
+        finally:
+            done.set()
+
+    async def _serve(self, plan: LR.LaunchPlan) -> None:
         log_path = self.log_path
-        with scope:
+        handle: ServerHandle | None = None
+        try:
             async with trio.open_nursery() as nursery:
                 try:
-                    handle: ServerHandle = await nursery.start(
+                    handle = await nursery.start(
                         functools.partial(
                             serve_server,
                             server_spec(plan),
@@ -295,19 +367,25 @@ class Supervisor:
                 except StokerError as err:
                     self.offer(LR.SpawnFailed(err.reason, {"message": err.message, **err.evidence}))
                     return
+                assert handle is not None
                 self.server = handle
                 self._server_nursery = nursery
                 if self.offer(LR.Spawned(handle.pid, handle.identity.create_time, str(log_path))) is None:
-                    # Stopped while it was being spawned: no machine state accounts for it.
+                    # The table accounts for every spawn (a stop while spawning stops it); if
+                    # none did, the server must not run unaccounted for.
                     nursery.start_soon(stop_server, handle, self.data.settings.stop_grace)
                 report = await handle.wait_exit()
-                self._server_nursery = None
                 nursery.cancel_scope.cancel()
-            self._forget_server(handle)
-            if report.expected:
-                self.offer(LR.StopCompleted(report.returncode, {"signal": report.signal}))
-            else:
-                self.offer(LR.ServerExited(report.returncode, report.reason, report.evidence))
+        finally:
+            # Also when cancelled: a server task that ended leaves no handle to wait on.
+            if handle is not None:
+                if self.server is handle:
+                    self._server_nursery = None
+                self._forget_server(handle)
+        if report.expected:
+            self.offer(LR.StopCompleted(report.returncode, {"signal": report.signal}))
+        else:
+            self.offer(LR.ServerExited(report.returncode, report.reason, report.evidence))
 
     async def _watch_ready(self, handle: ServerHandle, stall_timeout: float) -> None:
         # The engine's first "loaded meta data" line: the model is being read.
@@ -351,41 +429,42 @@ class Supervisor:
         server = self.server
         after = self.data.after_stop
         if server is not None and self.before_stop is not None and after is not LR.AfterStop.CRASH:
-            cause = "shutdown" if self.shutting_down else after.value
-            try:
-                await self.before_stop(self, cause)
-            except Exception:  # saving state must never keep a server from stopping
-                log.exception("before-stop hook failed")
+            cause = "shutdown" if self.shutting_down else _STOP_CAUSE[after]
+            # A hung engine answers nothing: its snapshot attempt gets the grace period, no more.
+            budget = grace if after is LR.AfterStop.HUNG else float("inf")
+            with trio.move_on_after(budget) as attempt:
+                try:
+                    await self.before_stop(self, cause)
+                except Exception:  # saving state must never keep a server from stopping
+                    log.exception("before-stop hook failed")
+            if attempt.cancelled_caught:
+                log.warning("no snapshot before %s: the server did not answer within %.1f s", cause, budget)
         if isinstance(server, ServerHandle):
             await stop_server(server, grace)  # _run_server reports StopCompleted
             return
         if isinstance(server, AdoptedServer):
             await server.stop(grace)
-            self._forget_server(server)
-        self.offer(LR.StopCompleted(None, {"adopted": server is not None}))
+            if self.server is server:  # else its exit watcher already reported it
+                self._forget_server(server)
+                self.offer(LR.StopCompleted(None, {"adopted": True}))
+            return
+        # No server: the machine asks for a stop only once a spawn has answered, so nothing runs.
+        self.offer(LR.StopCompleted(None, {"server": None}))
 
     # --- after a daemon restart ----------------------------------------------------------
 
     async def _reattach(self, effect: LR.Reattach) -> None:
-        ident = read_identity(self.identity_file)
-        why = "no identity file"
-        if ident is not None and effect.pid is not None and ident.pid != effect.pid:
-            why = f"identity file names pid {ident.pid}, the machine {effect.pid}"
-        elif ident is not None:
-            adopted = await adopt(ident)
-            if adopted is not None:
-                self.server = adopted
-                self.offer(LR.Adopted(ident.pid, ident.create_time, {"adopted": True, "port": ident.port}))
-                self._tasks.start_soon(self._watch_adopted_exit, adopted)
-                return
-            why = "identity not proven (pid, start time, executable, API key or health)"
-            # Only a process proven to be ours (pid + start time + executable) is signalled.
-            stopped = await stop_orphan(ident, self.data.settings.stop_grace)
-            why += "; orphan stopped" if stopped else "; no process of ours to stop"
-        self.identity_file.unlink(missing_ok=True)
-        # No server of ours runs: an exit as far as the machine is concerned (while stopping,
-        # the table takes it as the stop completed).
-        self.offer(LR.ServerExited(None, ReasonCode.SERVER_CRASHED, {"adoption": why}))
+        try:
+            event, server = await prove_identity(self.identity_file, effect.pid)
+            if server is not None:
+                self.server = server
+                self._tasks.start_soon(self._watch_adopted_exit, server)
+            if self.runner.accepts(event):
+                self.fire(event)
+            else:  # stopped or failed, and no server of ours: nothing to resume
+                log.info("no server to adopt: %s", event)
+        finally:
+            self._reattached.set()
 
     async def _watch_adopted_ready(self, server: AdoptedServer, stall_timeout: float) -> None:
         with trio.move_on_after(self.config.server.ready_timeout_s):

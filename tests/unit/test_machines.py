@@ -30,7 +30,7 @@ def test_fire_persists_and_publishes(store):
     runner = MachineRunner(L.LAUNCH, "launch", store, seen.append)
     assert runner.state is LR.LaunchState.STOPPED and not runner.resumed
     result = runner.fire(LR.UpRequested())
-    assert result.effects == (LR.MakePlan(),)
+    assert result.effects == (LR.MakePlan(request=1),)
     runner.fire(LR.PlanReady(PLAN))
     assert [m["topic"] for m in seen] == ["machine.launch.planning", "machine.launch.starting"]
     msg = seen[-1]
@@ -106,6 +106,12 @@ LAUNCH_EVENTS = [
     LR.Spawned(100, 1.0),
     LR.SpawnFailed(),
     LR.Adopted(100, 1.0),
+    LR.Adopted(101, 2.0),
+    LR.OrphanFound(100, 1.0),
+    LR.NothingToAdopt(),
+    LR.EngineSilent(1.0),
+    LR.EngineSilent(100.0),
+    LR.EngineAnswered(),
     LR.LoadStarted(),
     LR.Ready({"layers": 0}),
     LR.ServerExited(-9),
@@ -184,8 +190,21 @@ class LaunchModel(RuleBasedStateMachine):
             LR.LaunchState.FAILED,
         ):
             assert result.state is LR.LaunchState.PLANNING and data.crashes == 0 and data.restarts == 0
+        found = (LR.Adopted, LR.OrphanFound)
         if before_state is LR.LaunchState.FAILED and not isinstance(event, (LR.UpRequested, LR.RestartRequested)):
-            assert result.state is LR.LaunchState.FAILED  # sticky until the user starts it
+            if isinstance(event, found):  # a server found at daemon start is stopped first
+                assert result.state is LR.LaunchState.STOPPING and data.after_stop is LR.AfterStop.FAIL
+            else:
+                assert result.state is LR.LaunchState.FAILED  # sticky until the user starts it
+        # one server at a time: a stop signals only once a spawn has answered, and always then
+        if result.state is LR.LaunchState.STOPPING and before_state is not LR.LaunchState.STOPPING:
+            asks = any(isinstance(e, LR.Terminate) for e in result.effects)
+            assert asks == (not data.spawning)
+        if isinstance(event, LR.Spawned) and before_state is LR.LaunchState.STOPPING:
+            assert result.effects == (LR.Terminate(data.settings.stop_grace),)
+        if isinstance(event, LR.EngineSilent) and before_state is LR.LaunchState.READY:
+            hung = event.silent_for >= data.settings.hung_after > 0
+            assert (result.reason is ReasonCode.SERVER_HUNG) == hung
 
     @rule(data=st.data())
     def fire_a_legal_one(self, data):
@@ -212,6 +231,14 @@ class LaunchModel(RuleBasedStateMachine):
         assert self.runner.state in set(LR.LaunchState)
         assert self.store.count_transitions("launch") == self.accepted == len(self.published)
         assert self.runner.seq == self.accepted
+
+    @invariant()
+    def flags_belong_to_their_states(self):
+        state, data = self.runner.state, self.runner.data
+        if data.spawning:
+            assert state in (LR.LaunchState.STARTING, LR.LaunchState.STOPPING)
+        if data.silent:
+            assert state is LR.LaunchState.READY
 
     @invariant()
     def counter_bounds(self):

@@ -18,10 +18,14 @@ from states.launch_records import (
     LaunchData,
     LaunchPlan,
     LaunchSettings,
+    EngineAnswered,
+    EngineSilent,
     LaunchState as S,
     LoadStarted,
     MakePlan,
+    NothingToAdopt,
     Notify,
+    OrphanFound,
     PlanFailed,
     PlanFailure,
     PlanReady,
@@ -38,6 +42,7 @@ from states.launch_records import (
     StopCompleted,
     Terminate,
     UpRequested,
+    WatchLiveness,
     WatchReadiness,
 )
 from states.machine import IllegalTransition, step
@@ -62,7 +67,7 @@ def running(*more, settings=LaunchSettings(), plan=PLAN):
 
 def test_happy_path_and_effects():
     s = drive(UpRequested())
-    assert s.state is S.PLANNING and s.effects == (MakePlan(),)
+    assert s.state is S.PLANNING and s.effects == (MakePlan(request=1),)
     s = drive(UpRequested(), PlanReady(PLAN))
     assert s.state is S.STARTING
     assert s.effects == (Spawn(PLAN),)
@@ -72,7 +77,7 @@ def test_happy_path_and_effects():
     assert s.effects == (WatchReadiness(120.0),)  # the process exists: watch it
     s = running()
     assert s.state is S.READY
-    assert s.effects == (ArmStableTimer(60.0), Notify("ready", "ready on cpu"))
+    assert s.effects == (ArmStableTimer(60.0), WatchLiveness(5.0, 5.0), Notify("ready", "ready on cpu"))
     assert s.evidence == {"layers": 0}
     s = running(DownRequested())
     assert s.state is S.STOPPING and s.effects[0] == Terminate(10.0)
@@ -232,6 +237,10 @@ def test_restarts_count_every_restart_since_the_user_started_it():
 )
 def test_stop_works_from_every_transient_state(prefix):
     s = drive(*prefix, DownRequested())
+    if s.state is S.STOPPING and s.data.spawning:
+        # A spawn is under way: nothing to signal until it answers, then what it spawned.
+        assert not any(isinstance(e, Terminate) for e in s.effects)
+        s = drive(Spawned(3), state=s.state, data=s.data)
     if s.state is S.STOPPING:
         assert isinstance(s.effects[0], Terminate)
         s = drive(StopCompleted(0), state=s.state, data=s.data)
@@ -256,10 +265,10 @@ def test_restart_and_config_change_relaunch():
     s = running(RestartRequested())
     assert s.state is S.STOPPING and s.data.after_stop is AfterStop.RESTART
     s = drive(StopCompleted(0), state=s.state, data=s.data)
-    assert s.state is S.PLANNING and s.effects == (MakePlan(previous=PLAN),)
+    assert s.state is S.PLANNING and s.effects == (MakePlan(previous=PLAN, request=2),)
     # a config change after a crash that asked for a new plan is a fresh plan, not a retry
     s = running(ServerExited(-4, ReasonCode.CPU_ILLEGAL_INSTRUCTION), ConfigChanged())
-    assert s.state is S.PLANNING and s.effects == (MakePlan(previous=PLAN),)
+    assert s.state is S.PLANNING and s.effects == (MakePlan(previous=PLAN, request=2),)
     new = LaunchSettings(stall_timeout=5.0)
     s = running(ConfigChanged(new), ServerExited(0))  # exit while stopping = stop completed
     assert s.state is S.PLANNING and s.data.settings == new
@@ -270,6 +279,23 @@ def test_up_while_stopping_comes_back():
     assert s.state is S.PLANNING
     s = running(RestartRequested(), DownRequested(), StopCompleted(0))
     assert s.state is S.STOPPED
+
+
+def test_only_the_newest_plan_request_is_answered():
+    """A restart or config change while a plan is made asks again; the older answer (made
+    from the older config) is refused, the newest is spawned."""
+    new = LaunchSettings(stall_timeout=5.0)
+    s = drive(UpRequested(), ConfigChanged(new), RestartRequested())
+    assert s.state is S.PLANNING and s.effects == (MakePlan(request=3),) and s.data.plan_requests == 3
+    for old in (
+        PlanReady(PLAN, request=1),
+        PlanReady(PLAN, request=2),
+        PlanFailed(ReasonCode.MODEL_MISSING, request=2),
+    ):
+        with pytest.raises(IllegalTransition):
+            step(LAUNCH, s.state, s.data, old)
+    s = drive(PlanReady(GPU_PLAN, request=3), state=s.state, data=s.data)
+    assert s.state is S.STARTING and s.effects == (Spawn(GPU_PLAN),)
 
 
 def test_plan_failed_is_failed_with_its_reason():
@@ -306,18 +332,167 @@ def test_adopt_after_daemon_restart():
 
 
 def test_resume_effects_per_state():
+    """At daemon start the identity file is read first, in every state; its answer resumes."""
     data = LaunchData(plan=PLAN, crashes=2, pid=9)
-    assert resume_effects(S.PLANNING, data) == (MakePlan(previous=PLAN),)
+    for state in S:
+        assert resume_effects(state, data) == (Reattach(9, None),)
+    assert resume_effects(S.STOPPED, LaunchData()) == (Reattach(None, None),)  # a fresh store too
+    nothing = NothingToAdopt({"adoption": "no identity file"})
+    assert drive(nothing, state=S.PLANNING, data=data).effects == (MakePlan(previous=PLAN, request=1),)
     failure = PlanFailure(ReasonCode.CPU_ILLEGAL_INSTRUCTION, ExitPhase.NEVER_READY, {"signal": "SIGILL"})
     replanning = LaunchData(plan=PLAN, crashes=1, replan_for=failure)
-    assert resume_effects(S.PLANNING, replanning) == (MakePlan(previous=PLAN, failure=failure),)
-    assert resume_effects(S.CRASHED, data) == (StartBackoff(2),)
-    assert resume_effects(S.BACKOFF, data) == (StartBackoff(2),)
-    assert resume_effects(S.STOPPING, data) == (Reattach(9, None), Terminate(10.0))
-    assert resume_effects(S.STOPPED, data) == ()
-    assert resume_effects(S.FAILED, data) == ()
+    again = drive(nothing, state=S.PLANNING, data=replanning).effects
+    assert again == (MakePlan(previous=PLAN, failure=failure, request=1),)
+    assert drive(nothing, state=S.CRASHED, data=data).effects == (StartBackoff(2),)
+    assert drive(nothing, state=S.BACKOFF, data=data).effects == (StartBackoff(2),)
+    assert drive(nothing, state=S.STOPPING, data=data).state is S.STOPPED
+    for state in (S.STOPPED, S.FAILED):  # nothing to resume, nothing recorded
+        with pytest.raises(IllegalTransition):
+            step(LAUNCH, state, data, nothing)
+    gone = drive(nothing, state=S.READY, data=data)  # the server it ran is gone: its exit
+    assert gone.state is S.CRASHED and gone.reason is ReasonCode.SERVER_CRASHED
+    spawning = LaunchData(plan=PLAN, spawning=True)  # died mid-spawn: nothing ran, spawn again
+    again = drive(nothing, state=S.STARTING, data=spawning)
+    assert again.state is S.STARTING and again.effects == (Spawn(PLAN),) and again.data.crashes == 0
     # backoff re-armed after a restart is accepted where it was left
     assert step(LAUNCH, S.BACKOFF, data, BackoffStarted(1.0)).state is S.BACKOFF
+
+
+# --- finding 1: killed while stopping; finding 3: the identity file is evidence on its own ---
+
+
+def test_resume_while_stopping_proves_the_server_before_it_stops_it():
+    """Restart recorded, daemon killed before its TERM: the stop waits for the proof, then
+    stops what was proven, and only then plans."""
+    s = running(RestartRequested())
+    assert resume_effects(s.state, s.data) == (Reattach(42, 1.5),)  # no Terminate racing it
+    s = drive(Adopted(42, 1.5, {"port": 8099}), state=s.state, data=s.data)
+    assert s.state is S.STOPPING and s.effects[0] == Terminate(10.0) and s.data.pid == 42
+    assert s.evidence["kept"] is False and s.evidence["after_stop"] == "restart"
+    s = drive(StopCompleted(-15), state=s.state, data=s.data)
+    assert s.state is S.PLANNING and s.effects == (MakePlan(previous=PLAN, request=2),)
+    # after a down, the same, then stopped
+    s = running(DownRequested(), Adopted(42, 1.5), StopCompleted(-15))
+    assert s.state is S.STOPPED
+
+
+@pytest.mark.parametrize(
+    "prefix,after",
+    [
+        ((), "stop"),  # a fresh machine: the store was moved aside
+        ((UpRequested(),), "restart"),  # planning
+        ((UpRequested(), PlanReady(PLAN), Spawned(3), ServerExited(1)), "restart"),  # crashed
+        ((UpRequested(), PlanReady(PLAN), Spawned(3), ServerExited(1), BackoffStarted(1.0)), "restart"),
+        ((UpRequested(), PlanReady(PLAN), Spawned(3), Ready()), "restart"),  # ready, but another pid
+    ],
+)
+def test_a_server_the_machine_does_not_run_is_stopped_before_anything_else(prefix, after):
+    s = drive(*prefix) if prefix else None
+    state, data = (s.state, s.data) if s else (S.STOPPED, LaunchData())
+    for found in (Adopted(77, 9.0, {"port": 1}), OrphanFound(77, 9.0, {"health": "timeout"})):
+        s = drive(found, state=state, data=data)
+        assert s.state is S.STOPPING and s.effects[0] == Terminate(10.0)
+        assert (s.data.pid, s.data.create_time, s.data.after_stop.value) == (77, 9.0, after)
+        done = drive(StopCompleted(-15), state=s.state, data=s.data)
+        assert done.state is (S.STOPPED if after == "stop" else S.PLANNING)
+    # The daemon's autostart after a fresh store: up while that stop runs comes back up.
+    s = drive(Adopted(77, 9.0), UpRequested(), StopCompleted(-15))
+    assert s.state is S.PLANNING
+
+
+def test_a_server_found_while_failed_is_stopped_and_the_failure_stays():
+    failed = drive(UpRequested(), PlanFailed(ReasonCode.MODEL_MISSING, {"path": "/nope"}))
+    s = drive(Adopted(77, 9.0), state=failed.state, data=failed.data)
+    assert s.state is S.STOPPING and s.data.after_stop is AfterStop.FAIL
+    s = drive(StopCompleted(-15), state=s.state, data=s.data)
+    assert s.state is S.FAILED and s.data.reason is ReasonCode.MODEL_MISSING and s.data.pid is None
+    s = drive(Adopted(77, 9.0), DownRequested(), StopCompleted(-15), state=failed.state, data=failed.data)
+    assert s.state is S.FAILED
+    s = drive(Adopted(77, 9.0), UpRequested(), StopCompleted(-15), state=failed.state, data=failed.data)
+    assert s.state is S.PLANNING
+
+
+def test_the_running_server_is_kept_and_an_unproven_one_is_stopped():
+    s = running()
+    kept = drive(Adopted(42, 1.5), state=s.state, data=s.data)
+    assert kept.state is S.READY and kept.evidence["kept"] is True
+    unproven = drive(OrphanFound(42, 1.5), state=s.state, data=s.data)
+    assert unproven.state is S.STOPPING and unproven.data.after_stop is AfterStop.RESTART
+    # the spawn under way when the daemon died: its server is the machine's
+    spawning = drive(UpRequested(), PlanReady(PLAN))
+    s = drive(Adopted(5, 2.0), state=spawning.state, data=spawning.data)
+    assert s.state is S.STARTING and s.effects == (WatchReadiness(120.0),) and not s.data.spawning
+
+
+# --- finding 2: a stop while a spawn is under way ------------------------------------------
+
+
+def test_a_stop_while_spawning_waits_for_the_spawn_and_stops_what_it_spawned():
+    s = drive(UpRequested(), PlanReady(PLAN), DownRequested())
+    assert s.state is S.STOPPING and s.data.spawning
+    assert not any(isinstance(e, Terminate) for e in s.effects)  # nothing to signal yet
+    s = drive(Spawned(7, 2.0), state=s.state, data=s.data)
+    assert s.state is S.STOPPING and s.effects == (Terminate(10.0),) and s.data.pid == 7
+    assert drive(StopCompleted(-15), state=s.state, data=s.data).state is S.STOPPED
+    # a restart, twice, while spawning: still one stop of what was spawned, then a plan
+    s = drive(UpRequested(), PlanReady(PLAN), RestartRequested(), RestartRequested(), Spawned(7), StopCompleted(0))
+    assert s.state is S.PLANNING and s.effects == (MakePlan(previous=PLAN, request=2),)
+    # nothing was spawned after all
+    s = drive(UpRequested(), PlanReady(PLAN), DownRequested(), SpawnFailed())
+    assert s.state is S.STOPPED and not s.data.spawning
+    # the respawn after a backoff is a spawn under way too
+    s = running(ServerExited(-9), BackoffStarted(0.1), BackoffElapsed(), DownRequested())
+    assert s.data.spawning and not any(isinstance(e, Terminate) for e in s.effects)
+
+
+# --- finding 5: a hung engine ----------------------------------------------------------------
+
+
+def test_a_silent_engine_is_hung_after_hung_after_and_counted_as_a_crash():
+    settings = LaunchSettings(hung_after=12.0)
+    s = running(settings=settings)
+    assert WatchLiveness(3.0, 3.0) in s.effects
+    s = drive(EngineSilent(3.0, {"health": "timeout"}), state=s.state, data=s.data)
+    assert s.state is S.READY and s.data.silent and s.effects == ()
+    s = drive(EngineSilent(12.5, {"health": "timeout", "process": "stopped"}), state=s.state, data=s.data)
+    assert s.state is S.STOPPING and s.reason is ReasonCode.SERVER_HUNG
+    assert s.data.after_stop is AfterStop.HUNG and s.effects[0] == Terminate(10.0)
+    assert s.evidence["silent_for"] == 12.5 and s.evidence["process"] == "stopped"
+    s = drive(StopCompleted(-9), state=s.state, data=s.data)
+    assert s.state is S.CRASHED and s.reason is ReasonCode.SERVER_HUNG and s.data.crashes == 1
+    assert s.effects[0] == StartBackoff(1) and s.evidence["phase"] == "after_ready"
+    s = drive(BackoffStarted(0.1), BackoffElapsed(), state=s.state, data=s.data)
+    assert s.state is S.STARTING and s.effects == (Spawn(PLAN),)  # the same plan: it worked
+
+
+def test_stable_forgives_nothing_while_the_engine_is_silent():
+    s = running(ServerExited(-9), BackoffStarted(0.1), BackoffElapsed(), Spawned(43), Ready())
+    assert s.data.crashes == 1
+    s = drive(EngineSilent(5.0), Stable(), state=s.state, data=s.data)
+    assert s.data.crashes == 1 and s.evidence["engine_silent"] is True
+    s = drive(EngineAnswered({"health": "ok"}), state=s.state, data=s.data)
+    assert s.effects == (ArmStableTimer(60.0),) and not s.data.silent
+    assert drive(Stable(), state=s.state, data=s.data).data.crashes == 0
+
+
+def test_an_engine_that_hangs_at_every_start_ends_in_crash_loop():
+    """Stable comes while it is already silent: it forgives nothing, so the hangs add up."""
+    settings = LaunchSettings(hung_after=10.0, max_restarts=2)
+    s = running(settings=settings)
+    for n in range(3):
+        s = drive(EngineSilent(3.0), Stable(), EngineSilent(11.0), StopCompleted(-9), state=s.state, data=s.data)
+        if s.state is S.FAILED:
+            break
+        s = drive(BackoffStarted(0.1), BackoffElapsed(), Spawned(50 + n), Ready(), state=s.state, data=s.data)
+    assert s.state is S.FAILED and s.reason is ReasonCode.CRASH_LOOP
+    assert s.evidence["last_reason"] == "server_hung"
+
+
+def test_no_watchdog_when_hung_after_is_zero():
+    s = running(settings=LaunchSettings(hung_after=0.0))
+    assert not any(isinstance(e, WatchLiveness) for e in s.effects)
+    s = drive(EngineSilent(10_000.0), state=s.state, data=s.data)
+    assert s.state is S.READY
 
 
 def test_every_state_is_reachable_and_has_a_row():

@@ -230,6 +230,10 @@ SAMPLES = {
         LR.PlanFailed(ReasonCode.MODEL_MISSING),
         LR.Spawned(1),
         LR.Adopted(1),
+        LR.OrphanFound(1),
+        LR.NothingToAdopt(),
+        LR.EngineSilent(1.0),
+        LR.EngineAnswered(),
         LR.SpawnFailed(),
         LR.LoadStarted(),
         LR.Ready(),
@@ -324,16 +328,22 @@ def launch_policy(state, data, event, result):
         assert (result.state, new.reason) == (LR.LaunchState.FAILED, event.reason)
     if isinstance(event, LR.BackoffElapsed):
         if data.replan_for is not None or data.plan is None:
-            assert result.effects == (LR.MakePlan(previous=data.plan, failure=data.replan_for),)
+            asked = LR.MakePlan(previous=data.plan, failure=data.replan_for, request=data.plan_requests + 1)
+            assert result.effects == (asked,)
         else:
             assert result.effects == (LR.Spawn(data.plan),)
     if isinstance(event, (LR.UpRequested, LR.RestartRequested, LR.ConfigChanged)):
         # a start, restart or config change plans afresh: no crash's failure rides along
         assert all(e.failure is None for e in result.effects if isinstance(e, LR.MakePlan))
     if isinstance(event, LR.Spawned):
-        assert result.effects == (LR.WatchReadiness(new.settings.stall_timeout),)
+        # watched until ready; or, when a stop came while it was being spawned, stopped now
+        stopping = state is LR.LaunchState.STOPPING
+        assert result.effects == (
+            (LR.Terminate(new.settings.stop_grace),) if stopping else (LR.WatchReadiness(new.settings.stall_timeout),)
+        )
     if isinstance(event, LR.Stable):
-        assert new.crashes == 0 and new.restarts == data.restarts
+        # crashes are forgotten, unless the liveness watchdog finds the engine silent
+        assert new.crashes == (data.crashes if data.silent else 0) and new.restarts == data.restarts
 
 
 def fallback_policy(state, data, event, result):

@@ -69,10 +69,11 @@ async def up(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
 async def down(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     """Stop the server (TERM, the grace period, then KILL); the daemon keeps running.
 
-    Reply: the status document (as `status`) once the server has stopped.
+    Reply: the status document (as `status`) once the server has stopped (a later up or
+    restart from another client may already be bringing the next one up).
     """
     fire(daemon, LR.DownRequested())
-    await daemon.wait_state({LR.LaunchState.STOPPED, LR.LaunchState.FAILED})
+    await daemon.supervisor.wait_stopped()
     return build_status(daemon)
 
 
