@@ -195,7 +195,6 @@ async def _supervisor_with_requests_while_spawning(installed_cpu_bundle, model, 
     next of `requests`; return (history, launches at the first `stopped`, launches at the end)."""
     from daemon.config.model import load_config
     from daemon.core.paths import StokerPaths
-    from daemon.launch.supervisor import Supervisor
     from states import launch_records as LR
     from store import open_store
     from tests.integration.daemon_harness import tiny_config, write_config
@@ -215,6 +214,17 @@ async def _supervisor_with_requests_while_spawning(installed_cpu_bundle, model, 
     store = open_store(paths.db_file)
     pending = list(requests)
     stopped_at: list[int] = []
+    with trio.fail_after(120):
+        history = await _run_requests(paths, store, config, planner, pending, stopped_at)
+    store.close()
+    log_path = paths.logs_dir / "llama-server.log"
+    return history, stopped_at[0], _launches(log_path)
+
+
+async def _run_requests(paths, store, config, planner, pending, stopped_at):
+    from daemon.launch.supervisor import Supervisor
+    from states import launch_records as LR
+
     async with trio.open_nursery() as nursery:
 
         def publish(message):
@@ -232,9 +242,7 @@ async def _supervisor_with_requests_while_spawning(installed_cpu_bundle, model, 
         await trio.sleep(1.0)  # anything spawned after `stopped` shows now
         assert sup.state is LR.LaunchState.STOPPED and sup.server is None
         nursery.cancel_scope.cancel()
-    history = [(r.from_state, r.event, r.to_state) for r in reversed(store.history(machine="launch", limit=100))]
-    store.close()
-    return history, stopped_at[0], _launches(sup.log_path)
+    return [(r.from_state, r.event, r.to_state) for r in reversed(store.history(machine="launch", limit=100))]
 
 
 async def _fire(sup, event) -> None:
