@@ -17,6 +17,7 @@ Stages of `verify` (each one PASS, FAIL or SKIP with its evidence in results.jso
                zero layers, a forced cuda preference: each ends where the design says
   vram         another process holds all but 700 / 1500 MiB: the engine's fit, Stoker's reason
                and hint; then the hint applied (-fitt 256) on the same GPU
+  devices      two GPUs, one held full: the server gets only the other (CUDA_VISIBLE_DEVICES)
   snapshot     a KV snapshot saved on CUDA restored on the CPU after a fallback; tokens
                compared with the uninterrupted CUDA run
   figures      Gemma 3 270M: tok/s and time-to-ready daemon vs direct, CUDA vs CPU; NVML
@@ -989,6 +990,68 @@ def vram_nearly_full(homes: Homes, model: Path, keep_mib: int, extra_args: list[
         holder.wait(30)
 
 
+def st_devices(homes: Homes, model: Path) -> dict[str, Any]:
+    """Issue 12 finding 11, on two GPUs: GPU 0 held full by another process, GPU 1 free. The
+    plan gives the server only GPU 1 (the plugin's CUDA_VISIBLE_DEVICES, recorded in the plan),
+    so the server's CUDA context lands on GPU 1 alone and GPU 0 loses nothing more."""
+    import psutil
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+    finally:
+        pynvml.nvmlShutdown()
+    if count < 2:
+        return {"status": "SKIP", "why": f"{count} GPU on this machine; the stage needs two"}
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time, torch\n"
+            "free, _ = torch.cuda.mem_get_info(0)\n"
+            "x = torch.empty(free - 700 * 2**20, dtype=torch.uint8, device='cuda:0')\n"
+            "print('held', x.numel() // 2**20, 'MiB on GPU 0; free now', torch.cuda.mem_get_info(0)[0] // 2**20, 'MiB', flush=True)\n"
+            "time.sleep(3600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
+    )
+    try:
+        line = holder.stdout.readline().strip() if holder.stdout else ""
+        if not line.startswith("held"):
+            return {"status": "SKIP", "why": f"could not hold VRAM: {line or holder.wait(30)}"}
+
+        def kept_off_gpu0(status: dict[str, Any], sc: Scenario) -> dict[str, bool]:
+            pid = status.get("pid")
+            nvml = nvml_process_vram(pid)
+            per = {d["index"]: [p for p in d["processes"] if p[0] == pid] for d in nvml.get("per_device", [])}
+            env = safe(lambda: psutil.Process(pid).environ()) if pid else {}
+            sc.evidence.update(
+                {
+                    "holder": line,
+                    "nvml_by_gpu": nvml,
+                    "server_env_cuda": {k: v for k, v in (env or {}).items() if k.startswith("CUDA_")},
+                    "layers": status.get("layers"),
+                }
+            )
+            return {
+                "ready on cuda": status["state"] == "ready" and status.get("backend") == "cuda",
+                "every layer offloaded": bool((status.get("layers") or {}).get("total"))
+                and (status.get("layers") or {}).get("offloaded") == (status.get("layers") or {}).get("total"),
+                "server given GPU 1 only (CUDA_VISIBLE_DEVICES=1)": (env or {}).get("CUDA_VISIBLE_DEVICES") == "1",
+                "no server context on GPU 0 (NVML)": not per.get(0),
+                "server holds VRAM on GPU 1 (NVML)": bool(per.get(1)),
+            }
+
+        return failure_case(homes, model, "devices-one-full", expect=kept_off_gpu0)
+    finally:
+        holder.kill()
+        holder.wait(30)
+
+
 def compact_probs(entries: list[dict[str, Any]] | None) -> list[Any] | None:
     if not entries:
         return None
@@ -1541,6 +1604,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if want("vram"):
         # Gemma when it was carried; else the tiny model, which meets the same fit margin.
         stage("vram", lambda: st_vram(homes, GEMMA if GEMMA.exists() else tiny))
+    if want("devices"):
+        stage("devices", lambda: st_devices(homes, tiny))
     if want("snapshot"):
         stage("snapshot_tiny", lambda: st_snapshot(homes, tiny, "tiny", 16, 256))
         if GEMMA.exists():
