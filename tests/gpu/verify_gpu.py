@@ -913,6 +913,17 @@ def st_failures(homes: Homes, cuda_zip: Path, model: Path) -> dict[str, Any]:
 
 def st_vram(homes: Homes, model: Path) -> dict[str, Any]:
     """Out of VRAM, caused for real: another process holds nearly all of the GPU."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+    finally:
+        pynvml.nvmlShutdown()
+    if count > 1:
+        # The holder fills GPU 0 only: with another GPU free the server rightly goes there
+        # (seen on two H200s), which is the `devices` stage's case, not this one.
+        return {"status": "SKIP", "why": f"{count} GPUs: the devices stage covers a full GPU beside a free one"}
     cases = {
         "free_700": safe(vram_nearly_full, homes, model, 700),
         "free_1500": safe(vram_nearly_full, homes, model, 1500),
