@@ -109,6 +109,7 @@ class ReasonCode(enum.StrEnum):
     STORE_CORRUPT = "store_corrupt"
     STORE_SCHEMA_TOO_NEW = "store_schema_too_new"
     STORE_WRITE_FAILED = "store_write_failed"
+    KEY_NOT_FOUND = "key_not_found"
     PROBE_RESULT_STALE = "probe_result_stale"
     INTERNAL_ERROR = "internal_error"
     # KV slot snapshots.
@@ -301,6 +302,7 @@ MESSAGES: dict[ReasonCode, str] = {
     ReasonCode.INTERNAL_ERROR: "Stoker hit an internal error; the daemon log has the traceback.",
     ReasonCode.SNAPSHOTS_DISABLED: "KV snapshots are off; set `[snapshots] enabled = true` in the config.",
     ReasonCode.SNAPSHOT_NOT_FOUND: "No snapshot has that id; `stoker snapshot list` shows the ids.",
+    ReasonCode.KEY_NOT_FOUND: "No API key has that id or prefix (or the prefix names several); `stoker key list` shows them.",
     ReasonCode.SNAPSHOT_SERVER_NOT_READY: "The server is not ready, so no slot can be saved or restored now; try again after `stoker up`.",
     ReasonCode.SNAPSHOT_MODEL_MISMATCH: (
         "The snapshot was taken with a different model file (its model id differs); it was not restored. "

@@ -140,7 +140,34 @@ def m004_snapshot_cheap_checks(db: Database) -> None:
     )
 
 
-MIGRATIONS: list[Migration] = [m001_initial, m002_snapshots, m003_snapshot_kv_unified, m004_snapshot_cheap_checks]
+def m005_user_keys(db: Database) -> None:
+    """The user's API keys for the front door (store/keys.py): the sha256 of each key, never
+    the key; a short non-secret prefix to show it and find its row; when it was made, last
+    used (at most once a minute) and revoked (NULL while it works)."""
+    db.table("user_keys").create(
+        {
+            "id": int,
+            "name": str,
+            "prefix": str,  # the first 8 characters after `sk-stoker-`
+            "key_sha256": str,  # hex
+            "created_at": float,
+            "last_used_at": float,
+            "revoked_at": float,
+        },
+        pk="id",
+        not_null={"prefix", "key_sha256", "created_at"},
+    )
+    db.table("user_keys").create_index(["key_sha256"], unique=True)
+    db.table("user_keys").create_index(["prefix"])
+
+
+MIGRATIONS: list[Migration] = [
+    m001_initial,
+    m002_snapshots,
+    m003_snapshot_kv_unified,
+    m004_snapshot_cheap_checks,
+    m005_user_keys,
+]
 
 
 def applied(db: Database) -> list[str]:
