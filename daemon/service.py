@@ -59,6 +59,8 @@ from states import launch_records as LR
 from states.reasons import ReasonCode
 from store import TransitionRecord, open_store
 from store.database import StoreHealth
+from store.errors import StoreError
+from store.keys import KeyStore
 from store.snapshots import SnapshotCatalog, SnapshotRecord
 
 log = logging.getLogger("stoker")
@@ -112,6 +114,7 @@ class Daemon:
     installs: InstallService = attrs.field(init=False)
     orchestrator: FallbackOrchestrator = attrs.field(init=False)
     snapshots: SnapshotService = attrs.field(init=False)
+    keys: KeyStore = attrs.field(init=False)  # the user's API keys; the front door checks with keys.check
     config_runner: MachineRunner = attrs.field(init=False)
     _config_effects: EffectDriver[None] = attrs.field(init=False)
     telemetry_sampler: TelemetrySampler | None = attrs.field(init=False, default=None)  # set when served
@@ -129,6 +132,7 @@ class Daemon:
         self.config_runner = MachineRunner(C.CONFIG, "config", self.store, publish=self.publish)
         self._config_effects = EffectDriver(C.CONFIG, {C.ApplyConfig: self._apply_config})
         self.snapshots = SnapshotService(self.paths, SnapshotCatalog(self.store), lambda: self.config, self.bus.publish)
+        self.keys = KeyStore(self.store)
         self.probes = ProbeService(
             self.store,
             try_order(backends),
@@ -242,6 +246,19 @@ class Daemon:
 
     def remove_snapshot(self, record: SnapshotRecord) -> None:
         self.snapshots.remove([record])
+
+    def create_key(self, name: str | None) -> dict[str, Any]:
+        created = self.keys.create(name)
+        return {**created.record.to_public(), "key": created.key}
+
+    def list_keys(self) -> list[dict[str, Any]]:
+        return [record.to_public() for record in self.keys.list()]
+
+    def revoke_key(self, ident: str) -> dict[str, Any]:
+        try:
+            return self.keys.revoke(ident).to_public()
+        except StoreError as err:
+            raise StokerError(err.reason, err.message, err.evidence) from None
 
     async def telemetry(self) -> dict[str, Any]:
         if self.telemetry_sampler is None:

@@ -298,11 +298,11 @@ MESSAGES: dict[ReasonCode, str] = {
         "The state database cannot be written (a full or read-only disk); the daemon keeps running and writes the "
         "held-back transitions once it can. Free space on its disk or fix its permissions."
     ),
+    ReasonCode.KEY_NOT_FOUND: "No API key has that id or prefix (or the prefix names several); `stoker key list` shows them.",
     ReasonCode.PROBE_RESULT_STALE: "A probe result arrived after a newer probe had started; it was dropped.",
     ReasonCode.INTERNAL_ERROR: "Stoker hit an internal error; the daemon log has the traceback.",
     ReasonCode.SNAPSHOTS_DISABLED: "KV snapshots are off; set `[snapshots] enabled = true` in the config.",
     ReasonCode.SNAPSHOT_NOT_FOUND: "No snapshot has that id; `stoker snapshot list` shows the ids.",
-    ReasonCode.KEY_NOT_FOUND: "No API key has that id or prefix (or the prefix names several); `stoker key list` shows them.",
     ReasonCode.SNAPSHOT_SERVER_NOT_READY: "The server is not ready, so no slot can be saved or restored now; try again after `stoker up`.",
     ReasonCode.SNAPSHOT_MODEL_MISMATCH: (
         "The snapshot was taken with a different model file (its model id differs); it was not restored. "

@@ -14,7 +14,18 @@ def cli() -> None:
 
 
 # Each module exposes `register(group)`; listed here so the command set is visible in one place.
-COMMAND_MODULES = ("bundle", "service", "run", "probe", "install", "snapshot", "telemetry", "tui_cmd", "config_cmd")
+COMMAND_MODULES = (
+    "bundle",
+    "service",
+    "run",
+    "probe",
+    "install",
+    "snapshot",
+    "telemetry",
+    "tui_cmd",
+    "config_cmd",
+    "key",
+)
 
 
 def _register() -> None:

@@ -150,3 +150,14 @@ class ControlledDaemon(Protocol):
 
     async def telemetry(self) -> dict[str, Any]:
         """The telemetry service's reading: the (cached) sample and the short history."""
+
+    # --- the user's API keys (store/keys.py) ---------------------------------------------
+
+    def create_key(self, name: str | None) -> dict[str, Any]:
+        """A new key's public fields and, this once, the key itself (`key`)."""
+
+    def list_keys(self) -> list[dict[str, Any]]:
+        """Every key's public fields (never the key nor its hash)."""
+
+    def revoke_key(self, ident: str) -> dict[str, Any]:
+        """Revoke a key by id or prefix; StokerError(key_not_found) if none (or several) match."""
