@@ -2,7 +2,7 @@
 
     private dirs -> lock -> store -> config -> store keeper -> probes -> installs (resumes interrupted installs)
          -> supervisor (resumes the launch machine; its planner is the fallback
-            orchestrator) -> telemetry -> control socket -> config watcher
+            orchestrator) -> telemetry -> control socket -> front door -> config watcher
          -> sd_notify watchdog -> autostart
 
 The control socket's handlers reach the daemon only through `ControlledDaemon`
@@ -46,6 +46,7 @@ from daemon.backends.registry import try_order
 from daemon.backends.base import Detection
 from daemon.bundles.installed import InstalledBundle
 from daemon.fallback.orchestrator import FallbackOrchestrator
+from daemon.frontdoor import serve_frontdoor
 from daemon.install.manifest import MANIFEST_ENV
 from daemon.install.service import InstallService
 from daemon.probes.service import ProbeResult, ProbeService
@@ -338,6 +339,8 @@ class Daemon:
                 serve_telemetry, self.telemetry_target, self.bus, self.orchestrator.backends
             )
             await nursery.start(serve_control, self.paths.socket_path, partial(dispatch, self), self.bus)
+            # The front door (docs/frontdoor.md): user API keys plug in as its `authorize` hook.
+            await nursery.start(serve_frontdoor, self)
             await nursery.start(
                 lambda task_status: watch_config(
                     self.paths.config_file,

@@ -127,6 +127,10 @@ class ReasonCode(enum.StrEnum):
     SNAPSHOT_NO_BENEFIT = "snapshot_no_benefit"
     SNAPSHOT_DROPPED = "snapshot_dropped"
     SNAPSHOT_SAVE_TIMEOUT = "snapshot_save_timeout"
+    # The front door (daemon/frontdoor/): why a held request was answered 503.
+    FRONTDOOR_HOLD_TIMEOUT = "frontdoor_hold_timeout"
+    FRONTDOOR_QUEUE_FULL = "frontdoor_queue_full"
+    FRONTDOOR_SERVER_DOWN = "frontdoor_server_down"
 
 
 MESSAGES: dict[ReasonCode, str] = {
@@ -340,6 +344,18 @@ MESSAGES: dict[ReasonCode, str] = {
     ReasonCode.SNAPSHOT_SAVE_TIMEOUT: (
         "Saving the slots before the stop took longer than its budget, so the conversation was not saved; the "
         'previous snapshots are intact. Raise `[snapshots] stop_budget_s` ("auto" scales with the KV to save).'
+    ),
+    ReasonCode.FRONTDOOR_HOLD_TIMEOUT: (
+        "The server did not become ready within `[frontdoor] hold_timeout_s` while the request was held; retry "
+        "after the Retry-After seconds (`stoker status` says what the server is doing)."
+    ),
+    ReasonCode.FRONTDOOR_QUEUE_FULL: (
+        "`[frontdoor] max_queue` requests already wait for the server to become ready; retry after the "
+        "Retry-After seconds."
+    ),
+    ReasonCode.FRONTDOOR_SERVER_DOWN: (
+        "The server is stopped or failed, so the request cannot be held until it is ready; `stoker up` starts it "
+        "(`stoker status` says why it stopped)."
     ),
 }
 

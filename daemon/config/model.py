@@ -324,6 +324,30 @@ class LogsConfig:
         return LogRotation(self.max_bytes, self.keep)
 
 
+# The front door's fixed default address (docs/frontdoor.md): beside Ollama's 11434 and clear of
+# LM Studio (1234), Jan (1337) and llama-server's own 8080.
+FRONTDOOR_PORT = 11436
+
+
+def _frontdoor_host(value: Any) -> str:
+    # Loopback only until user API keys guard the front door (issue 13 item 2).
+    try:
+        return _loopback(value)
+    except _Invalid as err:
+        raise _Invalid(f"{err}; the front door binds loopback only until user API keys are required") from None
+
+
+@attrs.frozen
+class FrontdoorConfig:
+    # The stable OpenAI-compatible address clients use; requests are held while the server
+    # (re)starts, at most `max_queue` of them for at most `hold_timeout_s` each.
+    enabled: bool = _field(True, _bool)
+    host: str = _field("127.0.0.1", _frontdoor_host)
+    port: int = _field(FRONTDOOR_PORT, _int(1, 65535))
+    hold_timeout_s: float = _field(120.0, _seconds(high=3600))
+    max_queue: int = _field(256, _int(0, 100_000))
+
+
 SECTIONS: dict[str, type] = {
     "server": ServerConfig,
     "backend": BackendConfig,
@@ -331,6 +355,7 @@ SECTIONS: dict[str, type] = {
     "snapshots": SnapshotsConfig,
     "bundles": BundlesConfig,
     "logs": LogsConfig,
+    "frontdoor": FrontdoorConfig,
 }
 
 
@@ -344,6 +369,7 @@ class Config:
     snapshots: SnapshotsConfig = attrs.field(factory=SnapshotsConfig)
     bundles: BundlesConfig = attrs.field(factory=BundlesConfig)
     logs: LogsConfig = attrs.field(factory=LogsConfig)
+    frontdoor: FrontdoorConfig = attrs.field(factory=FrontdoorConfig)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], base_dir: Path | None = None) -> "Config":

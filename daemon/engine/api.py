@@ -102,6 +102,22 @@ class EngineClient:
         """POST /v1/chat/completions: the OpenAI-compatible chat API."""
         return await self._http.post("/v1/chat/completions", json=body, headers=self._auth)
 
+    @contextlib.asynccontextmanager
+    async def forward(
+        self, method: str, path: str, *, content: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> AsyncIterator[httpx.Response]:
+        """Send a client's request on to the engine with the per-launch key, the response's body
+        left unread: the caller streams it (`aiter_raw`) as it arrives, never buffered. The path
+        is absolute on `base_url`, so one shared client serves every launch (the front door)."""
+        request = self._http.build_request(
+            method, f"{self.base_url}{path}", content=content, headers={**(headers or {}), **self._auth}
+        )
+        response = await self._http.send(request, stream=True)
+        try:
+            yield response
+        finally:
+            await response.aclose()
+
 
 def error_message(reply: httpx.Response, limit: int = 300) -> str:
     """The engine's own words for a refused request (`{"error": {"message": ...}}`), else the body."""

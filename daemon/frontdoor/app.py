@@ -1,0 +1,168 @@
+"""The front door's HTTP API: OpenAI's routes, forwarded to the engine as they arrive.
+
+Each request is checked (JSON object, a `model` the server serves), held until the server is
+ready (daemon/frontdoor/hold.py), then sent to the engine with its per-launch key; the engine's
+answer is relayed chunk by chunk as it arrives (SSE included), never buffered. A request whose
+engine connection fails before the engine answered is sent once more, to the next ready server.
+Errors use OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import logging
+from typing import Any, AsyncIterator
+
+import httpx
+import trio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from daemon.engine.api import EngineClient
+from daemon.frontdoor.hold import READY, Hold, Refused
+from daemon.frontdoor.served import Authorize, FrontDoorDaemon, model_names
+
+log = logging.getLogger("stoker.frontdoor")
+
+# The OpenAI routes forwarded with their JSON body.
+POST_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# After the engine's connection failed, how long to wait for the supervisor to notice (the
+# state leaves ready) before holding for the next ready server.
+NOTICE_S = 2.0
+
+
+def openai_error(
+    status: int, message: str, kind: str, code: str | None, headers: dict[str, str] | None = None
+) -> Response:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def refused(exc: Refused) -> Response:
+    return openai_error(
+        503, str(exc), "server_error", exc.reason.value, headers={"Retry-After": str(exc.retry_after_s)}
+    )
+
+
+def presented_key(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip() or None
+    return request.headers.get("x-api-key") or None
+
+
+def is_loopback(request: Request) -> bool:
+    try:
+        return request.client is not None and ipaddress.ip_address(request.client.host).is_loopback
+    except ValueError:
+        return False
+
+
+class EngineStream(StreamingResponse):
+    """A streaming response that closes the engine's response however the client leaves."""
+
+    def __init__(self, content: AsyncIterator[bytes], closer: contextlib.AsyncExitStack, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._closer = closer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._closer.aclose()
+
+
+async def relay(response: httpx.Response, sse: bool) -> AsyncIterator[bytes]:
+    """The engine's body, chunk by chunk as it arrives; a cut SSE stream ends with an error event."""
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    except httpx.TransportError as exc:
+        if not sse:
+            raise  # the client's connection is aborted: a truncated JSON body never looks complete
+        log.warning("the engine's stream was cut midway: %s", exc)
+        error = {"message": f"the engine's stream was cut midway ({exc})", "type": "server_error"}
+        yield (
+            b"data: " + json.dumps({"error": {**error, "param": None, "code": "engine_stream_cut"}}).encode() + b"\n\n"
+        )
+
+
+class FrontDoor:
+    """The routes, bound to the daemon, one shared loopback HTTP client and the key check."""
+
+    def __init__(self, daemon: FrontDoorDaemon, http: httpx.AsyncClient, authorize: Authorize) -> None:
+        self.daemon = daemon
+        self.http = http
+        self.authorize = authorize
+        self.hold = Hold(daemon)
+
+    def app(self) -> Starlette:
+        routes = [Route(path, self.post, methods=["POST"]) for path in POST_ROUTES]
+        routes.append(Route("/v1/models", self.models, methods=["GET"]))
+        return Starlette(routes=routes)
+
+    def _unauthorized(self, request: Request) -> Response | None:
+        if self.authorize(presented_key(request), is_loopback(request)):
+            return None
+        return openai_error(401, "A valid API key is required.", "invalid_request_error", "invalid_api_key")
+
+    async def models(self, request: Request) -> Response:
+        return self._unauthorized(request) or await self.forward("GET", "/v1/models", None, sse=False)
+
+    async def post(self, request: Request) -> Response:
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
+        content = await request.body()
+        try:
+            body = json.loads(content)
+        except ValueError as exc:
+            return openai_error(400, f"The request body is not valid JSON: {exc}", "invalid_request_error", None)
+        if not isinstance(body, dict):
+            return openai_error(400, "The request body must be a JSON object.", "invalid_request_error", None)
+        model = body.get("model")
+        if model is not None and model not in (names := model_names(self.daemon)):
+            served = sorted(n for n in names if "/" not in n)
+            return openai_error(
+                404,
+                f"The model {model!r} does not exist here; this server serves {', '.join(served)}.",
+                "invalid_request_error",
+                "model_not_found",
+            )
+        return await self.forward("POST", request.url.path, content, sse=bool(body.get("stream")))
+
+    async def forward(self, method: str, path: str, content: bytes | None, *, sse: bool) -> Response:
+        """Hold until ready, send, relay; one more try if the connection failed before any answer."""
+        headers = {"Content-Type": "application/json"} if content is not None else {}
+        for attempt in (1, 2):
+            try:
+                base_url, api_key = await self.hold.until_ready()
+            except Refused as exc:
+                return refused(exc)
+            stack = contextlib.AsyncExitStack()
+            try:
+                engine = EngineClient(base_url, api_key, self.http)
+                response = await stack.enter_async_context(
+                    engine.forward(method, path, content=content, headers=headers)
+                )
+            except httpx.TransportError as exc:
+                await stack.aclose()
+                log.warning("the engine's connection failed before it answered (try %d): %s", attempt, exc)
+                with trio.move_on_after(NOTICE_S):
+                    await self.daemon.wait_state(set(type(READY)) - {READY})
+                continue
+            kept = {k: v for k, v in response.headers.items() if k.lower() in ("content-type", "cache-control")}
+            return EngineStream(
+                relay(response, sse and response.status_code == 200),
+                stack,
+                status_code=response.status_code,
+                headers=kept,
+            )
+        return openai_error(
+            502, "The engine's connection failed twice before it answered.", "server_error", "engine_unreachable"
+        )

@@ -1,0 +1,71 @@
+"""Hold, don't fail: a request that arrives while the server (re)starts waits until it is ready.
+
+At most `[frontdoor] max_queue` requests wait at once, each at most `hold_timeout_s`; past
+either bound, or when the server is stopped or failed (nothing will make it ready unasked),
+`Refused` carries the reason code the front door answers 503 with, and a Retry-After.
+"""
+
+from __future__ import annotations
+
+import attrs
+import trio
+
+from daemon.frontdoor.served import FrontDoorDaemon
+from states import launch_records as LR
+from states.reasons import ReasonCode, message_for
+
+READY = LR.LaunchState.READY
+# A stopped or failed server becomes ready only when someone asks (`stoker up`): no holding.
+DOWN = frozenset({LR.LaunchState.STOPPED, LR.LaunchState.FAILED})
+# Seconds a refused client is told to wait before trying again.
+RETRY_AFTER_S = {
+    ReasonCode.FRONTDOOR_HOLD_TIMEOUT: 5,
+    ReasonCode.FRONTDOOR_QUEUE_FULL: 2,
+    ReasonCode.FRONTDOOR_SERVER_DOWN: 30,
+}
+
+
+class Refused(Exception):
+    """The request cannot be held any longer: 503 with `reason` and `retry_after_s`."""
+
+    def __init__(self, reason: ReasonCode, detail: str) -> None:
+        super().__init__(f"{message_for(reason)} ({detail})")
+        self.reason = reason
+        self.retry_after_s = RETRY_AFTER_S[reason]
+
+
+@attrs.define(eq=False)
+class Hold:
+    """The bounded waiting room in front of the engine."""
+
+    daemon: FrontDoorDaemon
+    waiting: int = 0
+    held_total: int = 0  # requests that had to wait at all (for the metrics still to come)
+
+    async def until_ready(self) -> tuple[str, str | None]:
+        """The engine's base URL and key once the server is ready; raises `Refused`."""
+        state = self.daemon.supervisor.state
+        if state is not READY:
+            settings = self.daemon.config.frontdoor
+            if state in DOWN:
+                raise Refused(ReasonCode.FRONTDOOR_SERVER_DOWN, f"server {state.value}")
+            if self.waiting >= settings.max_queue:
+                raise Refused(ReasonCode.FRONTDOOR_QUEUE_FULL, f"{self.waiting} waiting")
+            self.waiting += 1
+            self.held_total += 1
+            try:
+                with trio.move_on_after(settings.hold_timeout_s):
+                    await self.daemon.wait_state({READY, *DOWN})
+            finally:
+                self.waiting -= 1
+            state = self.daemon.supervisor.state
+            if state in DOWN:
+                raise Refused(ReasonCode.FRONTDOOR_SERVER_DOWN, f"server {state.value}")
+            if state is not READY:
+                raise Refused(
+                    ReasonCode.FRONTDOOR_HOLD_TIMEOUT, f"server {state.value} after {settings.hold_timeout_s:g} s"
+                )
+        base_url, api_key = self.daemon.supervisor.endpoint()
+        if base_url is None:  # ready always has a plan; kept honest rather than asserted
+            raise Refused(ReasonCode.FRONTDOOR_SERVER_DOWN, "no endpoint")
+        return base_url, api_key

@@ -1,0 +1,66 @@
+"""What the front door may see of the daemon: the narrow interface it types against.
+
+Like daemon/control/controlled.py for the socket handlers: `daemon.service` sits above this
+package, so the root nursery's `Daemon` satisfies these protocols structurally and nothing here
+imports it. The front door needs the default instance's state, its engine's base URL and
+per-launch key, the model it serves, and a way to wait for a state.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
+
+from states import launch_records as LR
+
+if TYPE_CHECKING:
+    from daemon.config.model import Config
+
+
+class ServedInstance(Protocol):
+    """The launch machine of the instance the front door forwards to."""
+
+    @property
+    def state(self) -> LR.LaunchState: ...
+
+    @property
+    def data(self) -> LR.LaunchData: ...
+
+    def endpoint(self) -> tuple[str | None, str | None]:
+        """The engine's base URL and per-launch API key (None, None without a plan)."""
+
+
+class FrontDoorDaemon(Protocol):
+    """Everything the front door reads of the daemon, and nothing else."""
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def supervisor(self) -> ServedInstance: ...
+
+    async def wait_state(self, states: Iterable[LR.LaunchState]) -> None:
+        """Return once the launch machine is in one of `states`."""
+
+
+# The hook user API keys plug into (issue 13 item 2): called with the key a client presented
+# (`Authorization: Bearer K` or `x-api-key: K`; None when it sent none) and whether the client
+# is on loopback; False answers 401 in the API's error shape.
+Authorize = Callable[[str | None, bool], bool]
+
+
+def allow_loopback(presented_key: str | None, loopback: bool) -> bool:
+    """No user keys configured: every loopback client may call (the config binds loopback only)."""
+    return loopback
+
+
+def model_names(daemon: FrontDoorDaemon) -> frozenset[str]:
+    """The names a request's `model` may carry: "default", the configured model (as written,
+    its file name and stem), and the path the engine was launched with (what its /v1/models says)."""
+    names = {"default", daemon.config.server.model}
+    plan = daemon.supervisor.data.plan
+    if plan is not None:
+        names.add(plan.model_path)
+    for name in list(names):
+        names.update({Path(name).name, Path(name).stem})
+    return frozenset(names)

@@ -1,0 +1,65 @@
+"""`serve_frontdoor`: Hypercorn's trio worker serving the front door inside the root nursery.
+
+It binds `[frontdoor] host:port` (loopback by default, 127.0.0.1:11436). A port another
+program holds does not stop the daemon: the front door logs why and stays off, the rest of the
+daemon serves on. The engine is reached through one loopback httpx client for the daemon's life.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import cast
+
+import httpx
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
+from hypercorn.typing import ASGIFramework
+
+from daemon.core.http import loopback_client
+from daemon.frontdoor.app import FrontDoor
+from daemon.frontdoor.served import Authorize, FrontDoorDaemon, allow_loopback
+
+log = logging.getLogger("stoker.frontdoor")
+
+# A silent engine socket: connecting is instant on loopback; between two chunks of an answer the
+# engine may think for a long while (a non-streaming completion sends nothing until done).
+ENGINE_TIMEOUT = httpx.Timeout(connect=5.0, read=900.0, write=60.0, pool=None)
+
+
+def hypercorn_config(host: str, port: int) -> HypercornConfig:
+    config = HypercornConfig()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = log
+    return config
+
+
+async def serve_frontdoor(
+    daemon: FrontDoorDaemon,
+    *,
+    authorize: Authorize = allow_loopback,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until cancelled; `started` with the bound URLs (empty when off or the bind failed)."""
+    settings = daemon.config.frontdoor
+    if not settings.enabled:
+        task_status.started([])
+        return
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with loopback_client(timeout=ENGINE_TIMEOUT, limits=limits) as http, trio.open_nursery() as nursery:
+        app = cast(ASGIFramework, FrontDoor(daemon, http, authorize).app())  # Starlette is an ASGI 3 app
+        try:
+            binds = await nursery.start(partial(serve, app, hypercorn_config(settings.host, settings.port)))
+        except OSError as exc:
+            log.error(
+                "the front door cannot listen on %s:%d (%s); it stays off, the daemon serves on",
+                settings.host,
+                settings.port,
+                exc.strerror or exc,
+            )
+            task_status.started([])
+            return
+        log.info("front door on %s", ", ".join(binds))
+        task_status.started(binds)
