@@ -8,6 +8,7 @@ server restarts: held, then answered by the new server, never failed.
 from __future__ import annotations
 
 import socket
+import time
 
 import httpx
 import pytest
@@ -89,3 +90,33 @@ def test_requests_are_held_across_start_and_restart(daemon, model):
     assert reply.choices
     after = daemon.wait_state("ready")
     assert after["pid"] != first["pid"], "the request was answered by the relaunched server"
+
+
+def refusal(client, messages) -> "openai.APIStatusError":
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model="default", messages=messages, max_tokens=2)
+    assert refused.value.status_code == 503 and int(refused.value.response.headers["retry-after"]) > 0
+    return refused.value
+
+
+def test_past_its_bounds_a_held_request_gets_503_with_the_reason(daemon, model):
+    base = start(daemon, model, max_queue=0)
+    client = sdk(base)
+    messages = [{"role": "user", "content": "hi"}]
+    assert daemon.call("status")["state"] != "ready"
+    assert refusal(client, messages).code == "frontdoor_queue_full"  # no room to wait at all
+    daemon.wait_state("ready")
+    assert client.chat.completions.create(model="default", messages=messages, max_tokens=2).choices
+
+    # The limits are read live: a reload gives a queue, and a hold shorter than any restart.
+    port = base.split(":")[2].split("/")[0]
+    text = tiny_config(model) + f"[frontdoor]\nport = {port}\nmax_queue = 4\nhold_timeout_s = 0.01\n"
+    write_config(daemon.paths, text)
+    deadline = time.monotonic() + 30
+    while "config reloaded: frontdoor.hold_timeout_s" not in daemon.log_text():
+        assert time.monotonic() < deadline, "the config change was never applied"
+        time.sleep(0.05)
+    assert daemon.call("status")["state"] == "ready"  # no relaunch for [frontdoor]
+    daemon.call("restart")
+    assert refusal(client, messages).code == "frontdoor_hold_timeout"
+    daemon.wait_state("ready")
