@@ -4,11 +4,13 @@ database never holds it, revoke stops it, and the state files stay private (0600
 from __future__ import annotations
 
 import json
+import socket
 import stat
 import subprocess
 import sys
 
 from store import open_store
+from tests.integration.daemon_harness import tiny_config, write_config
 from store.keys import KeyStore
 
 
@@ -23,7 +25,15 @@ def db_bytes(daemon) -> bytes:
     return b"".join(p.read_bytes() for p in db.parent.glob(db.name + "*") if p.is_file())
 
 
-def test_keys_through_the_cli_are_shown_once_stored_hashed_and_revocable(daemon):
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_keys_through_the_cli_are_shown_once_stored_hashed_and_revocable(daemon, model):
+    # A port of its own for the front door: the default one may be held by another daemon here.
+    write_config(daemon.paths, tiny_config(model) + f"[frontdoor]\nport = {free_port()}\n")
     daemon.start()
 
     shown = stoker(daemon, "key", "create", "--name", "webui")
