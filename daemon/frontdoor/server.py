@@ -14,7 +14,8 @@ from typing import cast
 import httpx
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve
+from hypercorn.app_wrappers import ASGIWrapper
+from hypercorn.trio.run import worker_serve
 from hypercorn.typing import ASGIFramework
 
 from daemon.core.http import loopback_client
@@ -50,8 +51,13 @@ async def serve_frontdoor(
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with loopback_client(timeout=ENGINE_TIMEOUT, limits=limits) as http, trio.open_nursery() as nursery:
         app = cast(ASGIFramework, FrontDoor(daemon, http, authorize).app())  # Starlette is an ASGI 3 app
+        config = hypercorn_config(settings.host, settings.port)
         try:
-            binds = await nursery.start(partial(serve, app, hypercorn_config(settings.host, settings.port)))
+            # Bound here, not inside Hypercorn's nurseries: a taken port must be one plain
+            # OSError that leaves the daemon serving, not an exception group that stops it.
+            sockets = config.create_sockets()
+            for sock in sockets.insecure_sockets:
+                sock.listen(config.backlog)
         except OSError as exc:
             log.error(
                 "the front door cannot listen on %s:%d (%s); it stays off, the daemon serves on",
@@ -61,5 +67,6 @@ async def serve_frontdoor(
             )
             task_status.started([])
             return
+        binds = await nursery.start(partial(worker_serve, ASGIWrapper(app), config, sockets=sockets))
         log.info("front door on %s", ", ".join(binds))
         task_status.started(binds)

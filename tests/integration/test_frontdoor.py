@@ -135,3 +135,14 @@ def test_a_request_sent_as_the_server_is_killed_is_answered_by_the_next(daemon, 
         # failed: never a failure the client sees.
         assert client.chat.completions.create(model="default", messages=messages, max_tokens=2).choices
         assert daemon.call("status")["pid"] != first["pid"], "answered by the relaunched server"
+
+
+def test_a_taken_port_leaves_the_daemon_serving(daemon, model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        write_config(daemon.paths, tiny_config(model) + f"[frontdoor]\nport = {port}\n")
+        daemon.start()
+        daemon.wait_state("ready")
+        assert f"the front door cannot listen on 127.0.0.1:{port}" in daemon.log_text()
