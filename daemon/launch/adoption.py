@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from daemon.engine.identity import AdoptedServer, adopt, matching_process, read_identity
+from daemon.engine.orphans import stop_unrecorded
 from states import launch_records as LR
 
 Proof = LR.Adopted | LR.OrphanFound | LR.NothingToAdopt
@@ -35,3 +36,11 @@ async def prove_identity(identity_file: Path, recorded_pid: int | None) -> tuple
         return LR.OrphanFound(ident.pid, ident.create_time, {"adoption": why, **facts}), AdoptedServer(ident)
     identity_file.unlink(missing_ok=True)
     return LR.NothingToAdopt({"adoption": f"the recorded process {ident.pid} is gone", **facts}), None
+
+
+async def sweep_unrecorded(launch_root: Path, held: AdoptedServer | None, grace: float) -> list[int]:
+    """At daemon start, before any spawn: stop the servers no identity file names (a daemon
+    killed between a spawn and its record), found by their launch directory; the held
+    server's own directory is kept. The pids stopped."""
+    kept = held.identity.launch_dir if held is not None else None
+    return await stop_unrecorded(launch_root, Path(kept) if kept else None, grace)

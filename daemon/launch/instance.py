@@ -48,3 +48,8 @@ class ServerInstance:
     def log_path(self, paths: StokerPaths) -> Path:
         """The server's own log (stdout and stderr), appended to across launches."""
         return paths.logs_dir / ("llama-server.log" if self.is_default else f"llama-server-{self.name}.log")
+
+    def launch_root(self, paths: StokerPaths) -> Path:
+        """Where this instance's launch directories are made: its own, so that the start-up
+        sweep of unrecorded launches (daemon/engine/orphans.py) never touches another's."""
+        return paths.runtime_dir / ("launch" if self.is_default else f"launch-{self.name}")

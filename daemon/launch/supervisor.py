@@ -40,7 +40,7 @@ from daemon.engine.api import EngineClient
 from daemon.engine.identity import AdoptedServer
 from daemon.engine.process import ServerHandle, ServerSpec, serve_server, stop_server
 from daemon.engine.ready import wait_ready
-from daemon.launch.adoption import prove_identity
+from daemon.launch.adoption import prove_identity, sweep_unrecorded
 from daemon.launch.instance import ServerInstance
 from daemon.launch.liveness import watch_liveness
 from states import launch as L
@@ -357,7 +357,7 @@ class Supervisor:
                             server_spec(plan),
                             log_path=log_path,
                             grace=self.data.settings.stop_grace,
-                            launch_root=self.paths.runtime_dir / "launch",
+                            launch_root=self.instance.launch_root(self.paths),
                             # Written at spawn, rewritten once the real port is known (port 0),
                             # removed at exit: what a restarted daemon proves before adopting.
                             identity_path=self.identity_file,
@@ -456,6 +456,7 @@ class Supervisor:
     async def _reattach(self, effect: LR.Reattach) -> None:
         try:
             event, server = await prove_identity(self.identity_file, effect.pid)
+            await sweep_unrecorded(self.instance.launch_root(self.paths), server, self.data.settings.stop_grace)
             if server is not None:
                 self.server = server
                 self._tasks.start_soon(self._watch_adopted_exit, server)

@@ -178,6 +178,26 @@ def test_a_lost_store_does_not_duplicate_the_server(daemon, model, lost):
     assert_exactly_what_status_reports(daemon, model)
 
 
+def test_a_server_whose_identity_was_never_written_is_stopped(daemon, model):
+    """A daemon killed between spawning llama-server and writing its identity file (the chaos
+    test caught a second server living beside the one status reported) leaves a server no
+    identity file names. Its launch directory names it: the next daemon stops it before its
+    own spawn, so one server runs, the one status reports."""
+    daemon.start()
+    daemon.wait_state("ready")
+    daemon.kill9()
+    ident = json.loads((daemon.paths.runtime_dir / "server.json").read_text())
+    # What the window leaves: the server and its launch dir, no record of it.
+    (daemon.paths.runtime_dir / "server.json").unlink()
+    assert os.path.isdir(ident["launch_dir"]) and alive(ident["pid"])
+    daemon.start()
+    st = daemon.wait_for(lambda s: s["state"] == "ready" and s["endpoint"], 60, "ready")
+    assert not alive(ident["pid"]), "the unrecorded server still runs"
+    assert not os.path.exists(ident["launch_dir"])
+    assert server_pids(model) == [st["pid"]]
+    assert_exactly_what_status_reports(daemon, model)
+
+
 # --- finding 2, at the moment it happens: a request while a spawn is being prepared ---------
 # The daemon's own supervisor and the real engine, in-process, so that a request can be made
 # exactly between PlanReady and Spawned (from a socket client it lands there only sometimes).

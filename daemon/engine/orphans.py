@@ -1,0 +1,94 @@
+"""Servers whose identity was never recorded: found by their launch directory, and stopped.
+
+A daemon killed with -9 between spawning llama-server and writing its identity file (or
+whose record a later launch overwrote) leaves a server that no identity file names. Its
+launch directory is still there: `serve_server` creates it (mkdtemp, 0700, in the runtime
+dir) before the spawn and removes it only after the server is gone, and the server's own
+command line names the key file inside it (`--api-key-file <launch dir>/api-key`). That path
+is a token only Stoker made, so a process whose argv carries it is ours: the chaos test
+found one such server living beside the one `status` reported.
+
+`stop_unrecorded` runs once at daemon start, after the identity file has been proven and
+before anything is spawned: every launch directory but the adopted server's is stale, and
+whatever runs from it is stopped (TERM to its process group, grace, KILL) and the directory
+removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import psutil
+import trio
+
+log = logging.getLogger(__name__)
+
+KEY_FILE = "api-key"  # the file `serve_server` writes in each launch dir
+_POLL = 0.05
+_KILL_WAIT = 5.0
+
+
+def launched_from(launch_dir: Path) -> list[psutil.Process]:
+    """Live processes of this user whose command line names `launch_dir`'s key file."""
+    token = str(launch_dir / KEY_FILE)
+    found = []
+    for proc in psutil.process_iter(["cmdline", "uids"]):
+        try:
+            uids = proc.info["uids"]
+            if token in (proc.info["cmdline"] or ()) and (uids is None or uids.real == os.getuid()):
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+async def stop_unrecorded(launch_root: Path, keep: Path | None, grace: float) -> list[int]:
+    """Stop every server launched from a directory under `launch_root` other than `keep`,
+    remove those directories, and return the pids that were stopped."""
+    try:
+        stale = [d for d in launch_root.iterdir() if d.is_dir() and d.name.startswith("server-")]
+    except OSError:
+        return []
+    keep_path = keep.resolve() if keep is not None else None
+    stopped: list[int] = []
+    for launch_dir in stale:
+        if keep_path is not None and launch_dir.resolve() == keep_path:
+            continue
+        procs = await trio.to_thread.run_sync(launched_from, launch_dir)
+        for proc in procs:
+            log.warning("stopping server pid %d: launched from %s, recorded nowhere", proc.pid, launch_dir)
+            await _stop(proc, grace)
+            stopped.append(proc.pid)
+        if not await trio.to_thread.run_sync(launched_from, launch_dir):
+            shutil.rmtree(launch_dir, ignore_errors=True)
+    return stopped
+
+
+async def _stop(proc: psutil.Process, grace: float) -> None:
+    """TERM then KILL, to its process group when it leads one (the engine's own children too)."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, _KILL_WAIT)):
+        if not _alive(proc):
+            return
+        try:
+            if os.getpgid(proc.pid) == proc.pid:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
+        except (ProcessLookupError, psutil.Error):
+            return
+        with trio.move_on_after(wait):
+            while _alive(proc):
+                await trio.sleep(_POLL)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    """Running and not a zombie; the same process (psutil checks its start time)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
