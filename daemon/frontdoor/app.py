@@ -1,10 +1,11 @@
-"""The front door's HTTP API: OpenAI's routes, forwarded to the engine as they arrive.
+"""The front door's HTTP API: OpenAI's routes and Anthropic's /v1/messages, relayed as they arrive.
 
 Each request is checked (JSON object, a `model` the server serves), held until the server is
 ready (daemon/frontdoor/hold.py), then sent to the engine with its per-launch key; the engine's
 answer is relayed chunk by chunk as it arrives (SSE included), never buffered. A request whose
 engine connection fails before the engine answered is sent once more, to the next ready server.
-Errors use OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+Errors use the called API's shape: OpenAI's `{"error": {"message", "type", "param", "code"}}`,
+or Anthropic's `{"type": "error", "error": {"type", "message"}}` on /v1/messages.
 """
 
 from __future__ import annotations
@@ -29,23 +30,34 @@ from daemon.frontdoor.served import Authorize, FrontDoorDaemon, model_names
 
 log = logging.getLogger("stoker.frontdoor")
 
-# The OpenAI routes forwarded with their JSON body.
-POST_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# The routes forwarded with their JSON body (OpenAI's, and Anthropic's /v1/messages).
+POST_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages")
 # After the engine's connection failed, how long to wait for the supervisor to notice (the
 # state leaves ready) before holding for the next ready server.
 NOTICE_S = 2.0
 
 
-def openai_error(
-    status: int, message: str, kind: str, code: str | None, headers: dict[str, str] | None = None
+# Anthropic's error `type` for each status the front door answers itself.
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def api_error(
+    path: str, status: int, message: str, kind: str, code: str | None, headers: dict[str, str] | None = None
 ) -> Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    """An error in the shape of the API the client called: OpenAI's, or Anthropic's on /v1/messages
+    (which carries the reason code too, as `code`)."""
+    if path == ANTHROPIC_PATH:
+        kind = ANTHROPIC_TYPES.get(status, "overloaded_error" if status == 503 else "api_error")
+        body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": message, "code": code}}
+    else:
+        body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def refused(exc: Refused) -> Response:
-    return openai_error(
-        503, str(exc), "server_error", exc.reason.value, headers={"Retry-After": str(exc.retry_after_s)}
+def refused(path: str, exc: Refused) -> Response:
+    return api_error(
+        path, 503, str(exc), "server_error", exc.reason.value, headers={"Retry-After": str(exc.retry_after_s)}
     )
 
 
@@ -110,7 +122,9 @@ class FrontDoor:
     def _unauthorized(self, request: Request) -> Response | None:
         if self.authorize(presented_key(request), is_loopback(request)):
             return None
-        return openai_error(401, "A valid API key is required.", "invalid_request_error", "invalid_api_key")
+        return api_error(
+            request.url.path, 401, "A valid API key is required.", "invalid_request_error", "invalid_api_key"
+        )
 
     async def models(self, request: Request) -> Response:
         return self._unauthorized(request) or await self.forward("GET", "/v1/models", None, sse=False)
@@ -122,13 +136,18 @@ class FrontDoor:
         try:
             body = json.loads(content)
         except ValueError as exc:
-            return openai_error(400, f"The request body is not valid JSON: {exc}", "invalid_request_error", None)
+            return api_error(
+                request.url.path, 400, f"The request body is not valid JSON: {exc}", "invalid_request_error", None
+            )
         if not isinstance(body, dict):
-            return openai_error(400, "The request body must be a JSON object.", "invalid_request_error", None)
+            return api_error(
+                request.url.path, 400, "The request body must be a JSON object.", "invalid_request_error", None
+            )
         model = body.get("model")
         if model is not None and model not in (names := model_names(self.daemon)):
             served = sorted(n for n in names if "/" not in n)
-            return openai_error(
+            return api_error(
+                request.url.path,
                 404,
                 f"The model {model!r} does not exist here; this server serves {', '.join(served)}.",
                 "invalid_request_error",
@@ -143,7 +162,7 @@ class FrontDoor:
             try:
                 base_url, api_key = await self.hold.until_ready()
             except Refused as exc:
-                return refused(exc)
+                return refused(path, exc)
             stack = contextlib.AsyncExitStack()
             try:
                 engine = EngineClient(base_url, api_key, self.http)
@@ -163,6 +182,6 @@ class FrontDoor:
                 status_code=response.status_code,
                 headers=kept,
             )
-        return openai_error(
-            502, "The engine's connection failed twice before it answered.", "server_error", "engine_unreachable"
+        return api_error(
+            path, 502, "The engine's connection failed twice before it answered.", "server_error", "engine_unreachable"
         )

@@ -146,3 +146,23 @@ def test_a_taken_port_leaves_the_daemon_serving(daemon, model):
         daemon.start()
         daemon.wait_state("ready")
         assert f"the front door cannot listen on 127.0.0.1:{port}" in daemon.log_text()
+
+
+def test_anthropic_sdk_messages_stream_and_errors(daemon, model):
+    anthropic = pytest.importorskip("anthropic")
+    base = start(daemon, model).removesuffix("/v1")
+    daemon.wait_state("ready")
+    client = anthropic.Anthropic(
+        base_url=base, api_key="none", max_retries=0, http_client=anthropic.DefaultHttpxClient(trust_env=False)
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    reply = client.messages.create(model="default", max_tokens=4, messages=messages)
+    assert reply.content is not None and reply.usage.output_tokens >= 1
+
+    with client.messages.stream(model="default", max_tokens=4, messages=messages) as stream:
+        events = [event.type for event in stream]
+    assert events[0] == "message_start" and events[-1] == "message_stop", events
+
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.create(model="no-such-model", max_tokens=2, messages=messages)
+    assert missing.value.status_code == 404 and missing.value.body["error"]["type"] == "not_found_error"
