@@ -20,6 +20,7 @@ and a refusal to start is one line, `error [reason]: sentence`, with the reason 
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import signal
@@ -46,7 +47,7 @@ from daemon.backends.registry import try_order
 from daemon.backends.base import Detection
 from daemon.bundles.installed import InstalledBundle
 from daemon.fallback.orchestrator import FallbackOrchestrator
-from daemon.frontdoor import serve_frontdoor
+from daemon.frontdoor.server import serve_frontdoor
 from daemon.install.manifest import MANIFEST_ENV
 from daemon.install.service import InstallService
 from daemon.probes.service import ProbeResult, ProbeService
@@ -252,6 +253,13 @@ class Daemon:
         created = self.keys.create(name)
         return {**created.record.to_public(), "key": created.key}
 
+    def authorize(self, presented_key: str | None, loopback: bool) -> bool:
+        """The front door's key check: a valid user key always passes; without one, a loopback
+        client passes unless [frontdoor] require_keys."""
+        if presented_key is not None and self.keys.check(presented_key) is not None:
+            return True
+        return loopback and not self.config.frontdoor.require_keys
+
     def list_keys(self) -> list[dict[str, Any]]:
         return [record.to_public() for record in self.keys.list()]
 
@@ -339,8 +347,8 @@ class Daemon:
                 serve_telemetry, self.telemetry_target, self.bus, self.orchestrator.backends
             )
             await nursery.start(serve_control, self.paths.socket_path, partial(dispatch, self), self.bus)
-            # The front door (docs/frontdoor.md): user API keys plug in as its `authorize` hook.
-            await nursery.start(serve_frontdoor, self)
+            # The front door (docs/frontdoor.md), user API keys checked through `authorize`.
+            await nursery.start(functools.partial(serve_frontdoor, self, authorize=self.authorize))
             await nursery.start(
                 lambda task_status: watch_config(
                     self.paths.config_file,

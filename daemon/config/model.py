@@ -346,6 +346,9 @@ class FrontdoorConfig:
     port: int = _field(FRONTDOOR_PORT, _int(1, 65535))
     hold_timeout_s: float = _field(120.0, _seconds(high=3600))
     max_queue: int = _field(256, _int(0, 100_000))
+    # With keys required, every request needs a valid user key (`stoker key create`); without,
+    # loopback clients may call with none (a valid key always passes).
+    require_keys: bool = _field(False, _bool)
 
 
 SECTIONS: dict[str, type] = {

@@ -166,3 +166,22 @@ def test_anthropic_sdk_messages_stream_and_errors(daemon, model):
     with pytest.raises(anthropic.NotFoundError) as missing:
         client.messages.create(model="no-such-model", max_tokens=2, messages=messages)
     assert missing.value.status_code == 404 and missing.value.body["error"]["type"] == "not_found_error"
+
+
+def test_user_keys_guard_the_front_door_when_required(daemon, model):
+    """[frontdoor] require_keys: no key, a wrong key and a revoked key get 401 in the API's
+    own shape; a key from `stoker key create` passes, through the official SDK."""
+    base = start(daemon, model, require_keys="true")
+    daemon.wait_state("ready")
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.AuthenticationError) as refused:
+        sdk(base).chat.completions.create(model="default", messages=messages, max_tokens=2)
+    assert refused.value.status_code == 401
+    created = daemon.call("key.create", name="test")
+    keyed = openai.OpenAI(
+        base_url=base, api_key=created["key"], max_retries=0, http_client=openai.DefaultHttpxClient(trust_env=False)
+    )
+    assert keyed.chat.completions.create(model="default", messages=messages, max_tokens=2).choices
+    daemon.call("key.revoke", id=created["prefix"])
+    with pytest.raises(openai.AuthenticationError):
+        keyed.chat.completions.create(model="default", messages=messages, max_tokens=2)
