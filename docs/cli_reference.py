@@ -42,14 +42,9 @@ def document() -> str:
 
 
 def main(argv: list[str]) -> int:
-    text = document()
-    if "--check" in argv:
-        if (PAGE.read_text() if PAGE.exists() else "") != text:
-            print(f"{PAGE} is stale: run python docs/cli_reference.py", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(text)
-    return 0
+    from page_check import write_or_check  # docs/ is sys.path[0] when run as a script
+
+    return write_or_check(PAGE, document(), argv, "docs/cli_reference.py")
 
 
 if __name__ == "__main__":

@@ -49,15 +49,9 @@ def document() -> str:
 
 
 def main(argv: list[str]) -> int:
-    text = document()
-    if "--check" in argv:
-        current = PAGE.read_text() if PAGE.exists() else ""
-        if current != text:
-            print(f"{PAGE} is stale: run python docs/reason_codes.py", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(text)
-    return 0
+    from page_check import write_or_check  # docs/ is sys.path[0] when run as a script
+
+    return write_or_check(PAGE, document(), argv, "docs/reason_codes.py")
 
 
 if __name__ == "__main__":
