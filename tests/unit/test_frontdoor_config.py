@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.config.model import FRONTDOOR_PORT, ConfigError, parse_config
+from daemon.config.frontdoor import FRONTDOOR_PORT
+from daemon.config.model import ConfigError, parse_config
 
 
 def test_default_address_is_fixed_on_loopback():
