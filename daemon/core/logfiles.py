@@ -36,6 +36,9 @@ DEFAULT_KEEP = 3
 # the engine states the model, devices and KV layout (about 16 KB at -lv 4), at most this much.
 LAUNCH_PREAMBLE_BYTES = 1 << 20
 FILE_MODE = 0o600
+# The line a trim writes after the launch's opening lines: readers that follow the log
+# (daemon/core/logtail.py) know from it where the lines written after the trim begin.
+TRIM_NOTE_PREFIX = "==== stoker: log trimmed at "
 
 
 @attrs.frozen
@@ -115,9 +118,7 @@ def trim_server_log(path: Path, rotation: LogRotation, launch_offset: int) -> in
         cut = preamble.rfind(b"\n") + 1  # whole lines only
         with open_private_append(path) as out:
             out.truncate(0)
-            note = (
-                f"==== stoker: log trimmed at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}; earlier lines in {path.name}.1\n"
-            )
+            note = f"{TRIM_NOTE_PREFIX}{time.strftime('%Y-%m-%dT%H:%M:%S%z')}; earlier lines in {path.name}.1\n"
             out.write(preamble[:cut] + note.encode())
             return out.tell()
     except OSError:

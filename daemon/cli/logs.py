@@ -1,0 +1,170 @@
+"""`stoker logs [-f] [-n N] [--daemon | --server [NAME] | --all] [--json]`: read the logs.
+
+Like `journalctl`: the daemon's own log by default, `--server` for the engine's (llama-server's
+stdout and stderr, `llama-server-NAME.log` for an instance other than the default), `--all` for
+both. The files are read where the daemon writes them (`logs/` in the data directory), so it
+works whether the daemon runs or not. `-f` follows them like `tail -F`: across the daemon log's
+rotation, the server log's trim, and a file removed and created again (daemon/core/logtail.py),
+until Ctrl-C.
+
+With several logs every line is prefixed with the log's name (`daemon | `, `server | `), as
+`docker compose logs` does: the server's lines carry no time stamp, so they cannot be sorted
+into the daemon's by time. `--json` prints one document; with `-f`, one JSON object a line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import click
+
+from daemon.cli.output import fail, json_option
+from daemon.core.errors import StokerError
+from daemon.core.logtail import LogFollower, Seen, last_lines
+from daemon.core.paths import StokerPaths
+from daemon.launch.instance import DEFAULT_INSTANCE, ServerInstance
+from states.reasons import ReasonCode
+
+DAEMON_LOG = "daemon.log"
+POLL_S = 0.2  # how often -f looks for new lines
+
+
+@attrs.frozen
+class Source:
+    """One log to read: its name as printed (`daemon`, `server`, `server:NAME`) and its file."""
+
+    name: str
+    path: Path
+
+
+def daemon_source(paths: StokerPaths) -> Source:
+    return Source("daemon", paths.logs_dir / DAEMON_LOG)
+
+
+def server_source(paths: StokerPaths, instance: str) -> Source:
+    try:
+        server = ServerInstance(instance)
+    except ValueError as exc:
+        raise StokerError(ReasonCode.BAD_REQUEST, f"--server: {exc}.") from None
+    return Source("server" if server.is_default else f"server:{server.name}", server.log_path(paths))
+
+
+def every_server(paths: StokerPaths) -> list[Source]:
+    """The default server's log and every other instance's found beside it."""
+    found = [server_source(paths, DEFAULT_INSTANCE)]
+    for path in sorted(paths.logs_dir.glob("llama-server-*.log")):
+        name = path.name[len("llama-server-") : -len(".log")]
+        try:
+            found.append(server_source(paths, name))
+        except StokerError:
+            continue  # not a name an instance can have: not ours
+    return found
+
+
+def choose(paths: StokerPaths, daemon: bool, server: str | None, everything: bool) -> list[Source]:
+    """The logs asked for: the daemon's unless only --server is given; --all, every log."""
+    if everything:
+        servers = [server_source(paths, server)] if server else every_server(paths)
+        return [daemon_source(paths), *servers]
+    sources = [daemon_source(paths)] if daemon or server is None else []
+    if server is not None:
+        sources.append(server_source(paths, server))
+    return sources
+
+
+def _line(source: Source, text: str, prefixed: bool) -> str:
+    return f"{source.name} | {text}" if prefixed else text
+
+
+def show_last(sources: list[Source], n: int, as_json: bool) -> None:
+    """The last `n` lines of each log, or one JSON document with them."""
+    prefixed = len(sources) > 1
+    if as_json:
+        logs = [
+            {"log": s.name, "path": str(s.path), "exists": s.path.exists(), "lines": last_lines(s.path, n)}
+            for s in sources
+        ]
+        click.echo(json.dumps({"logs": logs}, indent=2))
+        return
+    for source in sources:
+        if not source.path.exists():
+            click.secho(f"no {source.name} log yet: {source.path} does not exist", fg="yellow", err=True)
+            continue
+        for text in last_lines(source.path, n):
+            click.echo(_line(source, text, prefixed))
+
+
+def _emit_json_line(source: Source, item: Seen) -> None:
+    record: dict[str, Any] = {"log": source.name, ("notice" if item.notice else "line"): item.text}
+    click.echo(json.dumps(record))
+
+
+def follow(sources: list[Source], n: int, as_json: bool) -> None:
+    """The last `n` lines of each log, then every line written to them, until Ctrl-C."""
+    prefixed = len(sources) > 1
+    # Opened at their ends before the last lines are read: a line written in between is printed
+    # once, by the follower (and, rarely, by last_lines too) rather than missed.
+    followers = [(source, LogFollower.from_end(source.path)) for source in sources]
+    for source in sources:
+        for text in last_lines(source.path, n):
+            if as_json:
+                _emit_json_line(source, Seen(text))
+            else:
+                click.echo(_line(source, text, prefixed))
+    while True:
+        for source, follower in followers:
+            for item in follower.poll():
+                if as_json:
+                    _emit_json_line(source, item)
+                elif item.notice:
+                    click.secho(f"==> {item.text}", fg="cyan", err=True)
+                else:
+                    click.echo(_line(source, item.text, prefixed))
+        time.sleep(POLL_S)
+
+
+@click.command("logs")
+@click.option("-n", "--lines", "n", default=20, show_default=True, type=click.IntRange(min=0), help="Lines to show.")
+@click.option(
+    "-f", "--follow", "following", is_flag=True, help="Keep printing lines as they are written (Ctrl-C stops)."
+)
+@click.option("--daemon", "daemon_log", is_flag=True, help="The daemon's own log (the default).")
+@click.option(
+    "--server",
+    "server",
+    is_flag=False,
+    flag_value=DEFAULT_INSTANCE,
+    default=None,
+    metavar="[NAME]",
+    help="The engine's log (llama-server's output); NAME: another instance's.",
+)
+@click.option("--all", "everything", is_flag=True, help="The daemon's log and every server's, each line prefixed.")
+@json_option
+def logs(n: int, following: bool, daemon_log: bool, server: str | None, everything: bool, as_json: bool) -> None:
+    """Print the last lines of the daemon's log (or the engine's), and follow them with -f."""
+    paths = StokerPaths.from_env()
+    try:
+        sources = choose(paths, daemon_log, server, everything)
+    except StokerError as err:
+        fail(as_json, err)
+    try:
+        if following:
+            follow(sources, n, as_json)
+        else:
+            show_last(sources, n, as_json)
+    except KeyboardInterrupt:
+        return  # Ctrl-C is how -f ends: exit 0, no traceback
+    except BrokenPipeError:
+        # The reader left (`stoker logs -f | head`): stop without a traceback, and keep Python's
+        # own flush at exit from raising again on the closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(logs)
