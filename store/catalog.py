@@ -1,0 +1,115 @@
+"""The model catalog: every model pulled or added, with the facts that were verified and read.
+
+A row is written by the pull machine's `Commit` (daemon/models/pull.py), after the file's
+sha256 was checked against its source and its GGUF header read, and the file renamed into
+place; so the catalog never names a half-downloaded file. `put` is an upsert: `Commit` is
+re-sent when a pull is resumed and must be idempotent.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+import attrs
+
+from states.reasons import ReasonCode
+from store.database import Store
+from store.errors import StoreError
+
+
+@attrs.frozen
+class ModelRecord:
+    """A cataloged model: its name, where it came from, the file, and its header's facts."""
+
+    name: str
+    spec: str
+    source: str  # hf | pypi | local
+    origin: str | None
+    revision: str | None
+    path: str
+    size: int
+    sha256: str
+    owned: bool  # Stoker downloaded it (rm deletes the file) or it is a user's own file
+    architecture: str | None
+    parameters: int | None
+    quantization: str | None
+    context_length: int | None
+    chat_template: bool | None
+    facts: dict[str, Any] = attrs.field(factory=dict, hash=False)
+    pulled_at: float = 0.0
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> "ModelRecord":
+        facts = row.get("facts") or "{}"
+        template = row.get("chat_template")
+        return cls(
+            name=row["name"],
+            spec=row["spec"],
+            source=row["source"],
+            origin=row.get("origin"),
+            revision=row.get("revision"),
+            path=row["path"],
+            size=int(row["size"]),
+            sha256=row["sha256"],
+            owned=bool(row["owned"]),
+            architecture=row.get("architecture"),
+            parameters=row.get("parameters"),
+            quantization=row.get("quantization"),
+            context_length=row.get("context_length"),
+            chat_template=None if template is None else bool(template),
+            facts=json.loads(facts) if isinstance(facts, str) else dict(facts),
+            pulled_at=float(row["pulled_at"]),
+        )
+
+    def to_row(self) -> dict[str, Any]:
+        row = attrs.asdict(self)
+        row["owned"] = int(self.owned)
+        row["chat_template"] = None if self.chat_template is None else int(self.chat_template)
+        row["facts"] = json.dumps(self.facts, sort_keys=True, default=str)
+        return row
+
+    def to_public(self) -> dict[str, Any]:
+        """What `model.list` and `stoker models --json` show."""
+        return attrs.asdict(self)
+
+
+@attrs.define(eq=False)
+class ModelCatalog:
+    """The `models` table: put (upsert), get, list, remove."""
+
+    store: Store
+
+    def put(self, record: ModelRecord) -> ModelRecord:
+        """Write (or rewrite) `record`'s row."""
+        with self.store.transaction() as db:
+            db.table("models").upsert(record.to_row(), pk="name")
+        return record
+
+    def find(self, name: str) -> ModelRecord | None:
+        """The model named `name`, or None."""
+        rows = list(self.store.db.query("select * from models where name = ?", (name,)))
+        return ModelRecord.from_row(rows[0]) if rows else None
+
+    def get(self, name: str) -> ModelRecord:
+        """The model named `name`; model_not_in_catalog when there is none."""
+        found = self.find(name)
+        if found is None:
+            raise StoreError(ReasonCode.MODEL_NOT_IN_CATALOG, evidence={"name": name, "known": self.names()})
+        return found
+
+    def names(self) -> list[str]:
+        return [row["name"] for row in self.store.db.query("select name from models order by name")]
+
+    def list(self) -> list[ModelRecord]:
+        """Every cataloged model, by name."""
+        return [ModelRecord.from_row(row) for row in self.store.db.query("select * from models order by name")]
+
+    def by_path(self, path: str) -> list[ModelRecord]:
+        """The models whose file is `path` (a local file may be added under several names)."""
+        return [ModelRecord.from_row(r) for r in self.store.db.query("select * from models where path = ?", (path,))]
+
+    def remove(self, name: str) -> None:
+        """Drop the row (the file is the caller's business)."""
+        with self.store.transaction() as db:
+            db.execute("delete from models where name = ?", (name,))
