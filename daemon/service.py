@@ -215,6 +215,10 @@ class Daemon:
     ) -> Sequence[TransitionRecord]:
         return self.store.history(machine=machine, kind=kind, since=since, until=until, limit=limit)
 
+    def transitions_after(self, after_id: int, kinds: Sequence[str]) -> Sequence[TransitionRecord]:
+        """History rows past `after_id`, in write order: the front door's /metrics counters."""
+        return self.store.transitions_after(after_id, kinds)
+
     @property
     def backend_names(self) -> Sequence[str]:
         return tuple(self.probes.backends)

@@ -23,7 +23,7 @@ import sqlite3
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import attrs
 from sqlite_utils import Database
@@ -318,6 +318,18 @@ class Store:
             sql += " limit ?"
             params.append(max(int(limit) - len(unwritten), 0))
         return unwritten + [TransitionRecord.from_row(r) for r in self.db.query(sql, params)]
+
+    def transitions_after(self, after_id: int, kinds: Sequence[str]) -> list[TransitionRecord]:
+        """Written transitions of these machine kinds with an id above `after_id`, in write order:
+        for a reader that keeps its place (the front door's counters read only what is new).
+        Transitions still waiting for the disk have no id yet; they come once written."""
+        if not kinds:
+            return []
+        marks = ", ".join("?" for _ in kinds)
+        rows = self.db.query(
+            f"select * from transitions where id > ? and kind in ({marks}) order by id", [int(after_id), *kinds]
+        )
+        return [TransitionRecord.from_row(r) for r in rows]
 
     def count_transitions(self, machine: str | None = None) -> int:
         """How many transitions are recorded (for one machine), the unwritten included."""

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator
 import httpx
 import trio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -26,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from daemon.engine.api import EngineClient
 from daemon.frontdoor.hold import READY, Hold, Refused
+from daemon.frontdoor.metrics import CONTENT_TYPE, FrontDoorMetrics, RequestWatch
 from daemon.frontdoor.served import Authorize, FrontDoorDaemon, model_names
 
 log = logging.getLogger("stoker.frontdoor")
@@ -113,11 +115,13 @@ class FrontDoor:
         self.http = http
         self.authorize = authorize
         self.hold = Hold(daemon)
+        self.metrics = FrontDoorMetrics(daemon, self.hold, (*POST_ROUTES, "/v1/models"), POST_ROUTES)
 
     def app(self) -> Starlette:
         routes = [Route(path, self.post, methods=["POST"]) for path in POST_ROUTES]
         routes.append(Route("/v1/models", self.models, methods=["GET"]))
-        return Starlette(routes=routes)
+        routes.append(Route("/metrics", self.metrics_page, methods=["GET"]))
+        return Starlette(routes=routes, middleware=[Middleware(RequestWatch, figures=self.metrics.requests)])
 
     def _unauthorized(self, request: Request) -> Response | None:
         if self.authorize(presented_key(request), is_loopback(request)):
@@ -125,6 +129,11 @@ class FrontDoor:
         return api_error(
             request.url.path, 401, "A valid API key is required.", "invalid_request_error", "invalid_api_key"
         )
+
+    async def metrics_page(self, request: Request) -> Response:
+        """Prometheus' text format (docs/frontdoor.md, "Metrics"); the same access rule as the API."""
+        denied = self._unauthorized(request)
+        return denied or Response(self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
 
     async def models(self, request: Request) -> Response:
         return self._unauthorized(request) or await self.forward("GET", "/v1/models", None, sse=False)

@@ -40,7 +40,7 @@ class Hold:
 
     daemon: FrontDoorDaemon
     waiting: int = 0
-    held_total: int = 0  # requests that had to wait at all (for the metrics still to come)
+    held_total: int = 0  # requests that had to wait at all (/metrics: stoker_requests_held_total)
 
     async def until_ready(self) -> tuple[str, str | None]:
         """The engine's base URL and key once the server is ready; raises `Refused`."""

@@ -3,18 +3,21 @@
 Like daemon/control/controlled.py for the socket handlers: `daemon.service` sits above this
 package, so the root nursery's `Daemon` satisfies these protocols structurally and nothing here
 imports it. The front door needs the default instance's state, its engine's base URL and
-per-launch key, the model it serves, and a way to wait for a state.
+per-launch key, the model it serves, a way to wait for a state, and for /metrics the live
+server's backend and layers and the history's new rows.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 
 from states import launch_records as LR
 
 if TYPE_CHECKING:
     from daemon.config.model import Config
+    from daemon.telemetry.sampler import ServerTarget
+    from store.records import TransitionRecord
 
 
 class ServedInstance(Protocol):
@@ -41,6 +44,14 @@ class FrontDoorDaemon(Protocol):
 
     async def wait_state(self, states: Iterable[LR.LaunchState]) -> None:
         """Return once the launch machine is in one of `states`."""
+
+    def telemetry_target(self) -> ServerTarget | None:
+        """The live server (for /metrics): the backend really in use, the planned one, the
+        layers the engine offloaded; None when no server process runs."""
+
+    def transitions_after(self, after_id: int, kinds: Sequence[str]) -> Sequence[TransitionRecord]:
+        """Written history rows of these machine kinds past `after_id`, in write order (for
+        /metrics' counters that survive a daemon restart)."""
 
 
 # The hook user API keys plug into (issue 13 item 2): called with the key a client presented

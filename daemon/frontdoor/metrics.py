@@ -1,0 +1,367 @@
+"""`/metrics`: what only Stoker knows, and the front door's request figures, for Prometheus.
+
+One `CollectorRegistry` per front door (never prometheus_client's global one: a process may
+hold several daemons in tests). Three sources, each named in docs/frontdoor.md, "Metrics":
+- the daemon's live state, read at scrape time (`StokerCollector`): the launch machine's
+  state, the backend planned and the one really in use (the fallback machine's verdict from
+  the proof after ready, never the config), the layers the engine said it offloaded, the
+  waiting room;
+- counters that must survive a daemon restart, read from the store's history at scrape time
+  (daemon/frontdoor/tallies.py): fallbacks, restarts, crashes, crash loops, install outcomes;
+- request figures kept in memory by an ASGI middleware (`RequestWatch`): requests by route
+  and status, time to first byte and total duration, tokens and tokens/s from the engine's
+  own `timings`/`usage` in the answer's last bytes, responses cut midway by reason.
+
+The data path pays O(1) per chunk: a clock read for the first byte and keeping a reference to
+the last three chunks. The answer's tail is parsed once, after its last byte was sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+import attrs
+import httpx
+import trio
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from daemon.frontdoor.tallies import KINDS, HistoryTally
+from states import launch_records as LR
+
+if TYPE_CHECKING:
+    from daemon.frontdoor.hold import Hold
+    from daemon.frontdoor.served import FrontDoorDaemon
+
+log = logging.getLogger("stoker.frontdoor")
+
+# The classic text format (version 0.0.4): every Prometheus, and every scraper that speaks it.
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+NONE = "none"  # backend_info's in_use while no server serves; a request's code when none was sent
+# Seconds: a token from a warm tiny model is ~1 ms; a held request or a long answer is minutes.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+# How much of an answer's end is read for the engine's figures: its last event or JSON fields.
+TAIL = 8192
+# What the relay writes as the last event of an SSE stream the engine cut (daemon/frontdoor/app.py).
+STREAM_CUT_EVENT = b'"code": "engine_stream_cut"'
+_NUMBER = re.compile(rb"\s*(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)")
+
+
+# --- the engine's own figures in an answer ------------------------------------------------
+
+
+@attrs.frozen
+class EngineFigures:
+    """What the engine said about the generation it just finished (None: it did not say)."""
+
+    generated: int | None = None  # tokens generated (timings.predicted_n, else usage's count)
+    per_second: float | None = None  # timings.predicted_per_second
+    seconds: float | None = None  # timings.predicted_ms / 1000
+
+
+def _last_number(tail: bytes, key: bytes) -> float | None:
+    """The number after the last `"key":` in `tail` (a key inside a JSON string is escaped: `\\"key\\"`)."""
+    at = tail.rfind(b'"' + key + b'":')
+    if at < 0:
+        return None
+    found = _NUMBER.match(tail, at + len(key) + 3)
+    return float(found.group(1)) if found else None
+
+
+def engine_figures(tail: bytes) -> EngineFigures:
+    """The engine's figures from an answer's last bytes: llama-server ends a completion (its
+    JSON, or its last SSE event) with `timings` (predicted_n, predicted_ms,
+    predicted_per_second); `usage` (completion_tokens, Anthropic's output_tokens) counts
+    tokens where `timings` is absent. With several choices, the last one's figures."""
+    generated = _last_number(tail, b"predicted_n")
+    for key in (b"completion_tokens", b"output_tokens"):
+        if generated is None:
+            generated = _last_number(tail, key)
+    ms = _last_number(tail, b"predicted_ms")
+    return EngineFigures(
+        generated=None if generated is None else int(generated),
+        per_second=_last_number(tail, b"predicted_per_second"),
+        seconds=None if ms is None else ms / 1000.0,
+    )
+
+
+# --- request figures (in memory) ----------------------------------------------------------
+
+
+class Exchange:
+    """One request as the middleware saw it go by: its status, when its first body byte left,
+    whether its body was complete, and its last three chunks (references, never copies)."""
+
+    __slots__ = ("route", "started", "status", "first_byte", "complete", "c1", "c2", "c3")
+
+    def __init__(self, route: str) -> None:
+        self.route = route
+        self.started = time.perf_counter()
+        self.status: int | None = None
+        self.first_byte: float | None = None
+        self.complete = False
+        self.c1 = self.c2 = self.c3 = b""
+
+    def saw(self, message: Message) -> None:
+        """One ASGI message on its way to the client: O(1)."""
+        kind = message["type"]
+        if kind == "http.response.body":
+            body = message.get("body", b"")
+            if body:
+                if self.first_byte is None:
+                    self.first_byte = time.perf_counter()
+                self.c1, self.c2, self.c3 = self.c2, self.c3, body
+            if not message.get("more_body", False):
+                self.complete = True
+        elif kind == "http.response.start":
+            self.status = int(message["status"])
+
+    def tail(self) -> bytes:
+        return b"".join((bytes(self.c1[-TAIL:]), bytes(self.c2[-TAIL:]), bytes(self.c3[-TAIL:])))[-TAIL:]
+
+
+def cut_reason(exc: BaseException | None) -> str:
+    """Why a response whose body never completed stopped: the engine's side or the client's."""
+    if isinstance(exc, httpx.TransportError):
+        return "engine_cut"
+    if exc is None or isinstance(exc, (OSError, ClientDisconnect, trio.Cancelled)):
+        return "client_gone"
+    return "error"
+
+
+class RequestFigures:
+    """The request instruments, on the front door's own registry."""
+
+    def __init__(self, registry: CollectorRegistry, routes: Sequence[str], generating: Sequence[str]) -> None:
+        self.routes = frozenset(routes)
+        self.generating = frozenset(generating)
+        self.requests = Counter(
+            "stoker_requests",
+            "Requests answered by the front door, by route and HTTP status.",
+            ["route", "code"],
+            registry=registry,
+        )
+        self.first_byte = Histogram(
+            "stoker_request_first_byte_seconds",
+            "Time from a request's arrival to the first byte of its answer (holding included).",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "stoker_request_duration_seconds",
+            "Time from a request's arrival to the end of its answer (holding included).",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "stoker_generated_tokens", "Tokens generated, as the engine counted them.", ["route"], registry=registry
+        )
+        self.generation_seconds = Counter(
+            "stoker_generation_seconds",
+            "Time the engine spent generating, as it measured it.",
+            ["route"],
+            registry=registry,
+        )
+        self.rate = Histogram(
+            "stoker_generation_tokens_per_second",
+            "Tokens per second of each answer, as the engine measured it.",
+            ["route"],
+            buckets=RATE_BUCKETS,
+            registry=registry,
+        )
+        self.cut = Counter(
+            "stoker_responses_cut",
+            "Answers cut midway (headers sent, body incomplete), by route and reason.",
+            ["route", "reason"],
+            registry=registry,
+        )
+
+    def route_of(self, path: str) -> str | None:
+        """The route label of a path; None for /metrics itself (a scrape is not a request)."""
+        if path == "/metrics":
+            return None
+        return path if path in self.routes else "other"
+
+    def finish(self, exchange: Exchange, exc: BaseException | None) -> None:
+        """Record a request once its answer ended (or failed): after its last byte was sent."""
+        route, status = exchange.route, exchange.status
+        end = time.perf_counter()
+        self.requests.labels(route, NONE if status is None else str(status)).inc()
+        self.duration.labels(route).observe(end - exchange.started)
+        if exchange.first_byte is not None:
+            self.first_byte.labels(route).observe(exchange.first_byte - exchange.started)
+        if status is None:
+            return
+        if not exchange.complete:
+            self.cut.labels(route, cut_reason(exc)).inc()
+            return
+        if status != 200 or route not in self.generating:
+            return
+        tail = exchange.tail()
+        if STREAM_CUT_EVENT in tail:
+            self.cut.labels(route, "engine_stream_cut").inc()
+        figures = engine_figures(tail)
+        if figures.generated is not None:
+            self.tokens.labels(route).inc(figures.generated)
+        if figures.seconds is not None:
+            self.generation_seconds.labels(route).inc(figures.seconds)
+        if figures.per_second is not None:
+            self.rate.labels(route).observe(figures.per_second)
+
+
+class RequestWatch:
+    """ASGI middleware: every API request is timed and counted as its answer goes by."""
+
+    def __init__(self, app: ASGIApp, figures: RequestFigures) -> None:
+        self.app = app
+        self.figures = figures
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = self.figures.route_of(scope["path"]) if scope["type"] == "http" else None
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        exchange = Exchange(route)
+
+        async def watched(message: Message) -> None:
+            exchange.saw(message)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except BaseException as exc:
+            self.figures.finish(exchange, exc)
+            raise
+        self.figures.finish(exchange, None)
+
+
+# --- the daemon's state, read at scrape time ----------------------------------------------
+
+
+class StokerCollector(Collector):
+    """Gauges of the daemon's live state and counters from its history, read at each scrape."""
+
+    def __init__(self, daemon: FrontDoorDaemon, hold: Hold) -> None:
+        self.daemon = daemon
+        self.hold = hold
+        self.tally = HistoryTally()
+
+    def collect(self) -> Iterable[Metric]:
+        yield from self.live()
+        yield from self.history()
+
+    def live(self) -> Iterable[Metric]:
+        state = self.daemon.supervisor.state
+        ready = state is LR.LaunchState.READY
+        states = GaugeMetricFamily(
+            "stoker_server_state", "The server's state: 1 for the state it is in.", labels=["state"]
+        )
+        for each in LR.LaunchState:
+            states.add_metric([each.value], 1.0 if each is state else 0.0)
+        yield states
+        target = self.daemon.telemetry_target()
+        in_use = target.backend if ready and target is not None else None
+        info = GaugeMetricFamily(
+            "stoker_backend_info",
+            "The backend the plan chose and the one really in use (proven after ready; none while not serving).",
+            labels=["planned", "in_use"],
+        )
+        if target is not None:
+            info.add_metric([target.planned_backend or target.backend, in_use or NONE], 1.0)
+        yield info
+        accelerated = in_use is not None and in_use != LR.CPU_BACKEND
+        yield GaugeMetricFamily(
+            "stoker_accelerated",
+            "1 while the server serves on an accelerator it really uses.",
+            value=float(accelerated),
+        )
+        offloaded = target.offloaded_layers if target is not None and in_use is not None else None
+        if offloaded is None and in_use == LR.CPU_BACKEND:
+            offloaded = 0  # a CPU engine prints no offload line: nothing is offloaded
+        total = target.total_layers if target is not None and in_use is not None else None
+        if offloaded is not None:
+            yield GaugeMetricFamily(
+                "stoker_offloaded_layers", "Layers the engine said it offloaded to the accelerator.", value=offloaded
+            )
+        if total is not None:
+            yield GaugeMetricFamily(
+                "stoker_model_layers", "The model's layers, as the engine counted them.", value=total
+            )
+        if offloaded is not None and total is not None:
+            yield GaugeMetricFamily(
+                "stoker_offload_partial",
+                "1 when some but not all layers are offloaded (the rest computes on the CPU).",
+                value=float(0 < offloaded < total),
+            )
+        yield GaugeMetricFamily(
+            "stoker_queue_depth", "Requests waiting for the server to be ready.", value=self.hold.waiting
+        )
+        yield GaugeMetricFamily(
+            "stoker_queue_limit",
+            "How many requests may wait at once ([frontdoor] max_queue).",
+            value=self.daemon.config.frontdoor.max_queue,
+        )
+        yield CounterMetricFamily(
+            "stoker_requests_held", "Requests that had to wait for the server to be ready.", value=self.hold.held_total
+        )
+
+    def history(self) -> Iterable[Metric]:
+        tally = self.tally
+        try:
+            tally.read(self.daemon.transitions_after(tally.after_id, KINDS))
+        except Exception as exc:  # a failing disk: serve the counts read so far, not an error
+            log.warning("metrics: the state database's history cannot be read now (%s)", exc)
+        fallbacks = CounterMetricFamily(
+            "stoker_fallbacks", "Backends passed over or left, by from, to and reason.", labels=["from", "to", "reason"]
+        )
+        for (source, target, reason), count in sorted(tally.fallbacks.items()):
+            fallbacks.add_metric([source, target, reason], count)
+        yield fallbacks
+        restarts = CounterMetricFamily(
+            "stoker_server_restarts", "Server relaunches, by cause: crash, requested, config.", labels=["cause"]
+        )
+        for cause in ("crash", "requested", "config"):
+            restarts.add_metric([cause], tally.restarts[cause])
+        yield restarts
+        crashes = CounterMetricFamily(
+            "stoker_server_crashes", "Server exits counted as crashes, by reason.", labels=["reason"]
+        )
+        for reason, count in sorted(tally.crashes.items()):
+            crashes.add_metric([reason], count)
+        yield crashes
+        yield CounterMetricFamily(
+            "stoker_crash_loops",
+            "Times the server was given up on after too many crashes in a row.",
+            value=tally.crash_loops,
+        )
+        installs = CounterMetricFamily(
+            "stoker_installs",
+            "Engine bundle installs that ended, by backend, result and reason.",
+            labels=["backend", "result", "reason"],
+        )
+        for (backend, result, reason), count in sorted(tally.installs.items()):
+            installs.add_metric([backend, result, reason], count)
+        yield installs
+
+
+class FrontDoorMetrics:
+    """The front door's registry: the collector of the daemon's state and the request figures."""
+
+    def __init__(self, daemon: FrontDoorDaemon, hold: Hold, routes: Sequence[str], generating: Sequence[str]) -> None:
+        self.registry = CollectorRegistry()
+        self.collector = StokerCollector(daemon, hold)
+        self.registry.register(self.collector)
+        self.requests = RequestFigures(self.registry, routes, generating)
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of everything, read now."""
+        return generate_latest(self.registry)

@@ -1,0 +1,115 @@
+"""/metrics on the front door, against a real daemon and llama-server, driven by the `openai` SDK.
+
+A chat and a streamed chat are counted with their status, timed (first byte, duration) and
+their tokens read from the engine's own figures; the backend in use is the CPU (proven, not
+configured), nothing is accelerated, the server is ready. Restarts, crashes and fallbacks are
+read from the store's history: a daemon restarted on the same home still reports them, while
+the request figures (kept in memory) start again. With keys required, /metrics wants one too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.test_frontdoor import sdk, start
+
+pytestmark = [pytest.mark.engine]
+
+openai = pytest.importorskip("openai")
+CHAT = "/v1/chat/completions"
+
+
+def scrape(base: str, key: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(base.removesuffix("/v1") + "/metrics", headers=headers, trust_env=False, timeout=10)
+
+
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(found: dict, name: str, **labels: str) -> float | None:
+    return found.get((name, frozenset(labels.items())))
+
+
+def total(found: dict, name: str) -> float:
+    return sum(v for (n, _), v in found.items() if n == name)
+
+
+def new_server(daemon, old_pid: int) -> dict:
+    return daemon.wait_for(lambda s: s["state"] == "ready" and s["pid"] != old_pid, 120, "a new ready server")
+
+
+def test_metrics_count_requests_and_keep_history_across_a_daemon_restart(daemon, model):
+    base = start(daemon, model)
+    first = daemon.wait_state("ready")
+    client = sdk(base)
+    messages = [{"role": "user", "content": "hi"}]
+    reply = client.chat.completions.create(model="default", messages=messages, max_tokens=4)
+    chunks = list(client.chat.completions.create(model="default", messages=messages, max_tokens=3, stream=True))
+    assert reply.usage is not None and len(chunks) >= 2
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=messages, max_tokens=2)
+
+    page = scrape(base)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain; version=0.0.4")
+    found = samples(page.text)
+    assert value(found, "stoker_requests_total", route=CHAT, code="200") == 2
+    assert value(found, "stoker_requests_total", route=CHAT, code="404") == 1
+    assert value(found, "stoker_request_first_byte_seconds_count", route=CHAT) == 3
+    assert value(found, "stoker_request_duration_seconds_count", route=CHAT) == 3
+    assert 0 < value(found, "stoker_request_first_byte_seconds_sum", route=CHAT) < 60
+    # The engine's own count: the non-streamed answer's usage, plus the streamed one's timings.
+    generated = value(found, "stoker_generated_tokens_total", route=CHAT)
+    assert generated == reply.usage.completion_tokens + 3, generated
+    assert value(found, "stoker_generation_tokens_per_second_count", route=CHAT) == 2
+    assert value(found, "stoker_generation_seconds_total", route=CHAT) > 0
+    # What only Stoker knows: the plan and the proof agree on the CPU; nothing is accelerated.
+    assert value(found, "stoker_server_state", state="ready") == 1
+    assert total(found, "stoker_server_state") == 1
+    assert value(found, "stoker_backend_info", planned="cpu", in_use="cpu") == 1
+    assert value(found, "stoker_accelerated") == 0 and value(found, "stoker_offloaded_layers") == 0
+    assert value(found, "stoker_queue_depth") == 0
+    # auto on a machine without a GPU: each GPU backend passed over, as status lists them.
+    status = daemon.call("status")
+    counted: dict[str, set[str]] = {}
+    for (name, labels), _ in found.items():
+        if name == "stoker_fallbacks_total":
+            counted.setdefault(dict(labels)["from"], set()).add(dict(labels)["reason"])
+    assert counted == {f["backend"]: {f["reason"]} for f in status["fallbacks"]}
+    fallbacks_before = total(found, "stoker_fallbacks_total")
+    assert fallbacks_before == len(status["fallbacks"]) > 0
+
+    daemon.call("restart")  # a restart asked for
+    second = new_server(daemon, first["pid"])
+    os.kill(second["pid"], signal.SIGKILL)  # and a crash, respawned
+    third = new_server(daemon, second["pid"])
+    found = samples(scrape(base).text)
+    assert value(found, "stoker_server_restarts_total", cause="requested") == 1
+    assert value(found, "stoker_server_restarts_total", cause="crash") == 1
+    assert total(found, "stoker_server_crashes_total") == 1 and value(found, "stoker_crash_loops_total") == 0
+    before = {k: v for k, v in found.items() if k[0] in ("stoker_server_restarts_total", "stoker_server_crashes_total")}
+    fallbacks_before = total(found, "stoker_fallbacks_total")
+
+    # A new daemon on the same home (keys required this time): the history's counters are kept.
+    daemon.stop()
+    base = start(daemon, model, require_keys="true")
+    daemon.wait_for(lambda s: s["state"] == "ready" and s["pid"] != third["pid"], 120, "the new daemon's server")
+    assert scrape(base).status_code == 401
+    key = daemon.call("key.create", name="prometheus")["key"]
+    page = scrape(base, key)
+    assert page.status_code == 200
+    found = samples(page.text)
+    assert {k: v for k, v in found.items() if k in before} == before
+    assert total(found, "stoker_fallbacks_total") >= fallbacks_before  # the new start planned again
+    assert value(found, "stoker_requests_total", route=CHAT, code="200") is None  # request figures are per daemon
+    assert value(found, "stoker_backend_info", planned="cpu", in_use="cpu") == 1

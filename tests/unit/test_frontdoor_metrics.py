@@ -1,0 +1,363 @@
+"""/metrics: the collector of the daemon's state, the counters read from history, the request figures.
+
+History is written by the real machines (MachineRunner over an in-memory store), so the
+counters read what the daemon really records; the exposition is parsed back with
+prometheus_client's own parser, as Prometheus would read it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import attrs
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon.config.model import Config
+from daemon.core.machines import MachineRunner
+from daemon.frontdoor.app import relay
+from daemon.frontdoor.hold import Hold
+from daemon.frontdoor.metrics import Exchange, FrontDoorMetrics, RequestWatch, engine_figures
+from daemon.frontdoor.tallies import KINDS, HistoryTally
+from daemon.telemetry.sampler import ServerTarget
+from states import fallback as F
+from states import install as I
+from states import launch as L
+from states import launch_records as LR
+from states.reasons import ReasonCode
+from store import open_store
+
+PLAN = LR.LaunchPlan("cpu", "x86-64", "/b", "/b/llama-server", "/m.gguf", port=8091)
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages", "/v1/models")
+POST = ROUTES[:4]
+
+# What llama-server (b11434) answered the tiny model, byte for byte.
+CHAT_JSON = (
+    b'{"choices":[{"finish_reason":"length","index":0,"message":{"role":"assistant","content":"notime greenV"}}],'
+    b'"created":1796047891,"model":"tiny.gguf","system_fingerprint":"b11434-b11434","object":"chat.completion",'
+    b'"usage":{"completion_tokens":5,"prompt_tokens":53,"total_tokens":58,"prompt_tokens_details":{"cached_tokens":0}},'
+    b'"id":"chatcmpl-nzxW9qMOEwC9tzpiCqjvYsGvotFTaZth","timings":{"cache_n":0,"prompt_n":53,"prompt_ms":1.171,'
+    b'"prompt_per_token_ms":0.02209433962264151,"prompt_per_second":45260.461144321096,"predicted_n":5,'
+    b'"predicted_ms":0.585,"predicted_per_token_ms":0.14625,"predicted_per_second":6837.606837606838}}'
+)
+SSE_LAST = (
+    b'data: {"choices":[{"finish_reason":"length","index":0,"delta":{}}],"created":1796047892,'
+    b'"id":"chatcmpl-KyH1EjNEa5x524GC2kOAi7Sx3kRcVbrb","model":"tiny.gguf","system_fingerprint":"b11434-b11434",'
+    b'"object":"chat.completion.chunk","timings":{"cache_n":52,"prompt_n":1,"prompt_ms":0.293,'
+    b'"prompt_per_token_ms":0.293,"prompt_per_second":3412.969283276451,"predicted_n":3,"predicted_ms":0.323,'
+    b'"predicted_per_token_ms":0.1615,"predicted_per_second":6191.950464396285}}\n\n'
+)
+ANTHROPIC_TAIL = (
+    b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"max_tokens","stop_sequence":null},'
+    b'"usage":{"output_tokens":3}}\n\nevent: message_stop\ndata: {"type":"message_stop"}\n\n'
+)
+
+
+def families(text: str) -> dict[str, Any]:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def value(text: str, name: str, **labels: str) -> float | None:
+    """The sample `name` with exactly these labels in an exposition, None if absent."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return None
+
+
+# --- the engine's figures ---------------------------------------------------------------------
+
+
+def test_the_engine_figures_come_from_the_answers_last_bytes():
+    plain = engine_figures(CHAT_JSON)
+    assert (plain.generated, plain.per_second, plain.seconds) == (5, pytest.approx(6837.6068), pytest.approx(0.000585))
+    streamed = engine_figures(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n' + SSE_LAST + b"data: [DONE]\n\n")
+    assert (streamed.generated, streamed.per_second) == (3, pytest.approx(6191.95))
+    # Anthropic's stream counts tokens in `usage` and says nothing of speed.
+    anthropic = engine_figures(ANTHROPIC_TAIL)
+    assert (anthropic.generated, anthropic.per_second, anthropic.seconds) == (3, None, None)
+    # A model that writes the key in its answer is not read: inside a JSON string it is escaped.
+    said = engine_figures(b'data: {"choices":[{"delta":{"content":"\\"predicted_n\\": 999"}}]}\n\n')
+    assert said.generated is None
+    assert engine_figures(b"") == engine_figures(b'{"object":"list","data":[{"embedding":[0.1,0.2]}]}')
+
+
+# --- counters from history --------------------------------------------------------------------
+
+
+@pytest.fixture
+def store():
+    s = open_store(":memory:")
+    yield s
+    s.close()
+
+
+def record_history(store) -> None:
+    """A daemon's life as its machines record it: fallbacks, restarts, crashes, a crash loop, installs."""
+    fallback = MachineRunner(F.FALLBACK, "fallback", store)
+    # auto on a machine without a GPU: cuda passed over for the CPU.
+    fallback.fire(F.PlanRequested(("cuda", "cpu")))
+    fallback.fire(F.CheckFailed("cuda", ReasonCode.GPU_MISSING))
+    fallback.fire(F.CheckPassed("cpu"))
+    fallback.fire(F.LaunchSucceeded("cpu"))
+    # a GPU plan whose server offloaded nothing: the proof demotes it to the CPU.
+    fallback.fire(F.PlanRequested(("cuda", "cpu")))
+    fallback.fire(F.CheckPassed("cuda"))
+    fallback.fire(F.LaunchSucceeded("cuda", "cpu", ReasonCode.CUDA_GPU_LAYERS_ZERO, {"offloaded_layers": 0}))
+    # a forced backend that cannot run: nowhere left.
+    fallback.fire(F.PlanRequested(("cuda",), forced=True))
+    fallback.fire(F.CheckFailed("cuda", ReasonCode.GPU_MISSING))
+
+    launch = MachineRunner(L.LAUNCH, "launch", store)
+    ready = (LR.PlanReady(PLAN), LR.Spawned(11), LR.Ready({}))
+    for event in (LR.UpRequested(LR.LaunchSettings(max_restarts=1)), *ready):
+        launch.fire(event)
+    for event in (LR.RestartRequested(), LR.StopCompleted(0), *ready):  # stoker restart
+        launch.fire(event)
+    for event in (LR.ConfigChanged(), LR.StopCompleted(0), *ready):  # a config change relaunches
+        launch.fire(event)
+    launch.fire(LR.ServerExited(-9, ReasonCode.SERVER_CRASHED))  # crash 1: respawned
+    for event in (LR.BackoffStarted(0.1), LR.BackoffElapsed(), LR.Spawned(12)):
+        launch.fire(event)
+    launch.fire(LR.ServerExited(-11, ReasonCode.SERVER_CRASHED))  # crash 2 > max_restarts 1: crash loop
+    assert launch.state is LR.LaunchState.FAILED and launch.data.reason is ReasonCode.CRASH_LOOP
+
+    failed = MachineRunner(I.INSTALL, I.machine_id("cuda", "cu12"), store)
+    failed.fire(I.InstallRequested("cuda", "cu12"))
+    failed.fire(I.InstallFailed(ReasonCode.BUNDLE_DIGEST_MISMATCH))
+    done = MachineRunner(I.INSTALL, I.machine_id("cpu", "x86-64"), store)
+    for event in (
+        I.InstallRequested("cpu", "x86-64"),
+        I.Resolved("https://b/cpu.zip", "ab" * 32, 10),
+        I.Downloaded("/a.zip", "ab" * 32, 10),
+        I.Verified(),
+        I.Unpacked("/staging"),
+        I.Validated(),
+        I.SmokePassed(),
+    ):
+        done.fire(event)
+
+
+def test_history_counts_fallbacks_restarts_crashes_and_installs(store):
+    record_history(store)
+    tally = HistoryTally()
+    tally.read(store.transitions_after(0, KINDS))
+    assert tally.fallbacks == {
+        ("cuda", "cpu", "gpu_missing"): 1,
+        ("cuda", "cpu", "cuda_gpu_layers_zero"): 1,
+        ("cuda", "none", "gpu_missing"): 1,
+    }
+    assert tally.restarts == {"requested": 1, "config": 1, "crash": 1}
+    assert tally.crashes == {"server_crashed": 2} and tally.crash_loops == 1
+    assert tally.installs == {("cuda", "failed", "bundle_digest_mismatch"): 1, ("cpu", "installed", ""): 1}
+
+    # A restarted daemon reads the same counts from the same history; reading on takes only the new rows.
+    again = HistoryTally()
+    again.read(store.transitions_after(0, KINDS))
+    assert (again.fallbacks, again.restarts, again.crashes, again.installs) == (
+        tally.fallbacks,
+        tally.restarts,
+        tally.crashes,
+        tally.installs,
+    )
+    launch = MachineRunner(L.LAUNCH, "launch", store)
+    for event in (LR.UpRequested(), LR.PlanReady(PLAN), LR.Spawned(13), LR.Ready({})):
+        launch.fire(event)
+    launch.fire(LR.ServerExited(-9, ReasonCode.SERVER_CRASHED))
+    new = store.transitions_after(again.after_id, KINDS)
+    assert len(new) == 5
+    again.read(new)
+    assert again.restarts["crash"] == 2 and again.crashes["server_crashed"] == 3
+    again.read(store.transitions_after(0, KINDS))  # rows already read are never counted twice
+    assert again.restarts["crash"] == 2
+
+
+# --- the collector ----------------------------------------------------------------------------
+
+
+@attrs.define
+class Instance:
+    state: LR.LaunchState = LR.LaunchState.READY
+    data: LR.LaunchData = LR.LaunchData(plan=PLAN)
+
+    def endpoint(self) -> tuple[str | None, str | None]:
+        return "http://127.0.0.1:1", "k"
+
+
+@attrs.define
+class Daemon:
+    """What the front door reads of the daemon (FrontDoorDaemon), over a real store."""
+
+    store: Any
+    target: ServerTarget | None
+    supervisor: Instance = attrs.field(factory=Instance)
+    config: Config = attrs.field(factory=Config)
+
+    async def wait_state(self, states: Any) -> None:
+        raise AssertionError("not waited on here")
+
+    def telemetry_target(self) -> ServerTarget | None:
+        return self.target
+
+    def transitions_after(self, after_id: int, kinds: Sequence[str]) -> Sequence[Any]:
+        return self.store.transitions_after(after_id, kinds)
+
+
+def metrics_for(daemon: Daemon) -> FrontDoorMetrics:
+    return FrontDoorMetrics(daemon, Hold(daemon), ROUTES, POST)
+
+
+def test_a_gpu_plan_served_on_the_cpu_says_both(store):
+    record_history(store)
+    daemon = Daemon(store, ServerTarget("cpu", 11, planned_backend="cuda", offloaded_layers=0, total_layers=33))
+    text = metrics_for(daemon).exposition().decode()
+    assert value(text, "stoker_server_state", state="ready") == 1
+    assert value(text, "stoker_server_state", state="loading") == 0
+    assert value(text, "stoker_backend_info", planned="cuda", in_use="cpu") == 1
+    assert value(text, "stoker_accelerated") == 0
+    assert value(text, "stoker_offloaded_layers") == 0 and value(text, "stoker_model_layers") == 33
+    assert value(text, "stoker_offload_partial") == 0
+    assert value(text, "stoker_queue_depth") == 0 and value(text, "stoker_queue_limit") == 256
+    assert value(text, "stoker_requests_held_total") == 0
+    assert value(text, "stoker_fallbacks_total", **{"from": "cuda", "to": "cpu", "reason": "cuda_gpu_layers_zero"}) == 1
+    assert value(text, "stoker_fallbacks_total", **{"from": "cuda", "to": "none", "reason": "gpu_missing"}) == 1
+    assert value(text, "stoker_server_restarts_total", cause="crash") == 1
+    assert value(text, "stoker_server_restarts_total", cause="requested") == 1
+    assert value(text, "stoker_server_restarts_total", cause="config") == 1
+    assert value(text, "stoker_server_crashes_total", reason="server_crashed") == 2
+    assert value(text, "stoker_crash_loops_total") == 1
+    assert value(text, "stoker_installs_total", backend="cuda", result="failed", reason="bundle_digest_mismatch") == 1
+    assert value(text, "stoker_installs_total", backend="cpu", result="installed", reason="") == 1
+    kinds = {name: f.type for name, f in families(text).items()}
+    assert kinds["stoker_server_state"] == "gauge" and kinds["stoker_fallbacks"] == "counter"
+
+
+def test_a_partial_offload_is_accelerated_and_partial(store):
+    daemon = Daemon(store, ServerTarget("cuda", 11, offloaded_layers=15, total_layers=33))
+    text = metrics_for(daemon).exposition().decode()
+    assert value(text, "stoker_backend_info", planned="cuda", in_use="cuda") == 1
+    assert value(text, "stoker_accelerated") == 1
+    assert (value(text, "stoker_offloaded_layers"), value(text, "stoker_offload_partial")) == (15, 1)
+    assert value(text, "stoker_crash_loops_total") == 0  # present, at zero, from an empty history
+
+
+def test_nothing_is_in_use_while_the_server_loads(store):
+    daemon = Daemon(store, ServerTarget("cuda", 11, state="loading"), Instance(state=LR.LaunchState.LOADING))
+    text = metrics_for(daemon).exposition().decode()
+    assert value(text, "stoker_server_state", state="loading") == 1
+    assert value(text, "stoker_backend_info", planned="cuda", in_use="none") == 1
+    assert value(text, "stoker_accelerated") == 0
+    assert value(text, "stoker_offloaded_layers") is None  # not said yet
+    stopped = Daemon(store, None, Instance(state=LR.LaunchState.STOPPED, data=LR.LaunchData()))
+    text = metrics_for(stopped).exposition().decode()
+    assert "stoker_backend_info{" not in text and value(text, "stoker_server_state", state="stopped") == 1
+
+
+def test_two_front_doors_have_registries_of_their_own(store):
+    first = metrics_for(Daemon(store, None))
+    second = metrics_for(Daemon(store, None))  # the global registry would refuse the same names twice
+    first.requests.requests.labels("/v1/models", "200").inc()
+    assert value(second.exposition().decode(), "stoker_requests_total", route="/v1/models", code="200") is None
+
+
+# --- the request figures ----------------------------------------------------------------------
+
+
+async def exchange(
+    metrics: FrontDoorMetrics, path: str, app: Any, *, client_gone_after: int | None = None
+) -> list[dict[str, Any]]:
+    """Run `app` behind RequestWatch for one request to `path`; the messages the client got."""
+    got: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        if client_gone_after is not None and len(got) >= client_gone_after:
+            raise OSError("the client went away")
+        got.append(message)
+
+    scope = {"type": "http", "path": path, "method": "POST", "headers": []}
+    await RequestWatch(app, metrics.requests)(scope, receive, send)
+    return got
+
+
+def streaming_app(*chunks: bytes, fail: Exception | None = None) -> Any:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for chunk in chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if fail is not None:
+            raise fail
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return app
+
+
+async def test_a_streamed_answer_is_counted_timed_and_its_tokens_read(store):
+    metrics = metrics_for(Daemon(store, None))
+    route = "/v1/chat/completions"
+    await exchange(metrics, route, streaming_app(b'data: {"choices":[]}\n\n', SSE_LAST, b"data: [DONE]\n\n"))
+    await exchange(metrics, route, streaming_app(CHAT_JSON[:100], CHAT_JSON[100:]))
+    text = metrics.exposition().decode()
+    assert value(text, "stoker_requests_total", route=route, code="200") == 2
+    assert value(text, "stoker_request_first_byte_seconds_count", route=route) == 2
+    assert value(text, "stoker_request_duration_seconds_count", route=route) == 2
+    assert value(text, "stoker_generated_tokens_total", route=route) == 3 + 5
+    assert value(text, "stoker_generation_seconds_total", route=route) == pytest.approx((0.323 + 0.585) / 1000)
+    assert value(text, "stoker_generation_tokens_per_second_count", route=route) == 2
+    assert value(text, "stoker_generation_tokens_per_second_bucket", route=route, le="5000.0") == 0
+    assert value(text, "stoker_generation_tokens_per_second_bucket", route=route, le="10000.0") == 2
+    assert "stoker_responses_cut_total{" not in text
+
+
+async def test_a_scrape_is_not_a_request_and_an_unknown_path_is_other(store):
+    metrics = metrics_for(Daemon(store, None))
+    await exchange(metrics, "/metrics", streaming_app(b"x"))
+    await exchange(metrics, "/v2/secret/42", streaming_app(b"x"))
+    text = metrics.exposition().decode()
+    assert value(text, "stoker_requests_total", route="other", code="200") == 1
+    assert value(text, "stoker_requests_total", route="/metrics", code="200") is None
+
+
+class CutStream(httpx.AsyncByteStream):
+    """An engine's body that breaks after its first chunk."""
+
+    async def __aiter__(self):
+        yield b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+        raise httpx.ReadError("peer closed connection")
+
+
+async def test_answers_cut_midway_are_counted_by_reason(store):
+    metrics = metrics_for(Daemon(store, None))
+    route = "/v1/chat/completions"
+
+    async def relayed(scope: Any, receive: Any, send: Any) -> None:
+        # The front door's own relay: a cut SSE stream ends with its error event.
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        async for chunk in relay(httpx.Response(200, stream=CutStream()), sse=True):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    got = await exchange(metrics, route, relayed)
+    assert b"engine_stream_cut" in got[-2]["body"]
+    with pytest.raises(httpx.ReadError):  # a plain body cut by the engine: the connection is aborted
+        await exchange(metrics, route, streaming_app(b'{"choices":', fail=httpx.ReadError("cut")))
+    with pytest.raises(OSError):
+        await exchange(metrics, route, streaming_app(b"data: a\n\n", b"data: b\n\n"), client_gone_after=2)
+    text = metrics.exposition().decode()
+    assert value(text, "stoker_responses_cut_total", route=route, reason="engine_stream_cut") == 1
+    assert value(text, "stoker_responses_cut_total", route=route, reason="engine_cut") == 1
+    assert value(text, "stoker_responses_cut_total", route=route, reason="client_gone") == 1
+    assert value(text, "stoker_requests_total", route=route, code="200") == 3
+
+
+def test_the_per_chunk_work_keeps_references_not_copies():
+    seen = Exchange("/v1/completions")
+    big = b"x" * 1_000_000
+    for chunk in (b"a", big, b"b" * 10, CHAT_JSON):
+        seen.saw({"type": "http.response.body", "body": chunk, "more_body": True})
+    assert seen.c1 is big and seen.c3 is CHAT_JSON
+    assert len(seen.tail()) <= 8192 and seen.tail().endswith(CHAT_JSON)
