@@ -54,6 +54,7 @@ from daemon.probes.service import ProbeResult, ProbeService
 from daemon.snapshots.service import SnapshotService
 from daemon.launch.supervisor import Supervisor, launch_settings
 from daemon.models.check import model_problem
+from daemon.models.pull import PullOptions, PullService, pull_options
 from daemon.telemetry.sampler import ServerTarget, TelemetrySampler
 from daemon.telemetry.service import serve_telemetry
 from states import config as C
@@ -117,6 +118,7 @@ class Daemon:
     orchestrator: FallbackOrchestrator = attrs.field(init=False)
     snapshots: SnapshotService = attrs.field(init=False)
     keys: KeyStore = attrs.field(init=False)  # the user's API keys; the front door checks with keys.check
+    pulls: PullService = attrs.field(init=False)  # model pulls and the catalog (daemon/models/pull.py)
     config_runner: MachineRunner = attrs.field(init=False)
     _config_effects: EffectDriver[None] = attrs.field(init=False)
     telemetry_sampler: TelemetrySampler | None = attrs.field(init=False, default=None)  # set when served
@@ -135,6 +137,7 @@ class Daemon:
         self._config_effects = EffectDriver(C.CONFIG, {C.ApplyConfig: self._apply_config})
         self.snapshots = SnapshotService(self.paths, SnapshotCatalog(self.store), lambda: self.config, self.bus.publish)
         self.keys = KeyStore(self.store)
+        self.pulls = PullService(self.paths, self.store, self.publish, in_use=self.serves_model)
         self.probes = ProbeService(
             self.store,
             try_order(backends),
@@ -273,6 +276,34 @@ class Daemon:
         except StoreError as err:
             raise StokerError(err.reason, err.message, err.evidence) from None
 
+    async def pull_model(
+        self,
+        spec: str,
+        *,
+        name: str | None,
+        hf_endpoint: str | None,
+        hf_token: str | None,
+        index_url: str | None,
+    ) -> dict[str, Any]:
+        options: PullOptions = pull_options(hf_endpoint=hf_endpoint, hf_token=hf_token, index_url=index_url)
+        return (await self.pulls.pull(spec, name=name, options=options)).to_public()
+
+    def list_models(self) -> dict[str, Any]:
+        return {
+            "models": [record.to_public() for record in self.pulls.models()],
+            "pulls": self.pulls.statistics(),
+        }
+
+    async def remove_model(self, name: str) -> dict[str, Any]:
+        return await self.pulls.remove(name)
+
+    def serves_model(self, path: str) -> bool:
+        """Whether the server (starting, ready or restarting) runs on the model file `path`."""
+        plan = self.supervisor.data.plan
+        if plan is None or self.supervisor.state in (LR.LaunchState.STOPPED, LR.LaunchState.FAILED):
+            return False
+        return os.path.realpath(plan.model_path) == os.path.realpath(path)
+
     async def telemetry(self) -> dict[str, Any]:
         if self.telemetry_sampler is None:
             raise RuntimeError("the telemetry service is not running")
@@ -345,6 +376,7 @@ class Daemon:
             await nursery.start(serve_store_keeper, self.store)
             await nursery.start(self.probes.serve)
             await nursery.start(self.installs.serve)
+            await nursery.start(self.pulls.serve)  # resumes a pull a killed daemon left mid-way
             await nursery.start(self.snapshots.run)
             await nursery.start(self.supervisor.run)
             self.telemetry_sampler = await nursery.start(

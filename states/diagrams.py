@@ -13,8 +13,9 @@ from states.install import INSTALL
 from states.launch import LAUNCH
 from states.machine import Guarded, MachineSpec
 from states.probe import PROBE
+from states.pull import PULL
 
-SPECS: tuple[MachineSpec, ...] = (LAUNCH, INSTALL, PROBE, FALLBACK, CONFIG)
+SPECS: tuple[MachineSpec, ...] = (LAUNCH, INSTALL, PROBE, FALLBACK, CONFIG, PULL)
 
 
 def mermaid(spec: MachineSpec) -> str:

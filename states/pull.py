@@ -76,6 +76,7 @@ class PullData:
     path: str | None = None  # where the model lives once cataloged
     owned: bool = True  # Stoker's own copy (rm deletes it), or a local file of the user's (never deleted)
     facts: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    resolution: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)  # what the source said
     attempts: int = 0
     resumes: int = 0
     reason: ReasonCode | None = None
@@ -227,6 +228,7 @@ def resolved(state: S, data: PullData, event: Resolved) -> Step | None:
         path=event.path,
         owned=event.owned,
         part=event.part,
+        resolution=event.evidence,
     )
     evidence = {"origin": event.origin, "size": event.size, "sha256": event.sha256, **event.evidence}
     if not event.pieces:
@@ -274,8 +276,9 @@ def fetched(state: S, data: PullData, event: Fetched) -> Step:
 def header_read(state: S, data: PullData, event: HeaderRead) -> Step | None:
     if data.path is None:
         return None
+    commit = Commit(data.part, data.path)
     data = attrs.evolve(data, facts=event.facts, reason=None, evidence={})
-    return Step(S.CATALOGED, data, (Commit(data.part, data.path),), evidence=event.facts)
+    return Step(S.CATALOGED, data, (commit,), evidence=event.facts)
 
 
 @guarded(S.FAILED)

@@ -76,7 +76,7 @@ class ModelRecord:
 
 @attrs.define(eq=False)
 class ModelCatalog:
-    """The `models` table: put (upsert), get, list, remove."""
+    """The `models` table: put (upsert), find/get, all, by_path, remove."""
 
     store: Store
 
@@ -101,7 +101,7 @@ class ModelCatalog:
     def names(self) -> list[str]:
         return [row["name"] for row in self.store.db.query("select name from models order by name")]
 
-    def list(self) -> list[ModelRecord]:
+    def all(self) -> list[ModelRecord]:
         """Every cataloged model, by name."""
         return [ModelRecord.from_row(row) for row in self.store.db.query("select * from models order by name")]
 

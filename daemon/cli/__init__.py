@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "tui_cmd",
     "config_cmd",
     "key",
+    "models",
     "logs",
 )
 

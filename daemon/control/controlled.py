@@ -161,3 +161,22 @@ class ControlledDaemon(Protocol):
 
     def revoke_key(self, ident: str) -> dict[str, Any]:
         """Revoke a key by id or prefix; StokerError(key_not_found) if none (or several) match."""
+
+    # --- the model catalog and pulls (daemon/models/pull.py) -----------------------------
+
+    async def pull_model(
+        self,
+        spec: str,
+        *,
+        name: str | None,
+        hf_endpoint: str | None,
+        hf_token: str | None,
+        index_url: str | None,
+    ) -> dict[str, Any]:
+        """Pull `spec` into the catalog; the cataloged model's public fields."""
+
+    def list_models(self) -> dict[str, Any]:
+        """{models: the catalog, pulls: every pull machine's state and reason}."""
+
+    async def remove_model(self, name: str) -> dict[str, Any]:
+        """Remove a model (refused while the running server serves it)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from daemon.control.controlled import ControlledDaemon
-from daemon.control.handlers import backends, keys, service, snapshots, telemetry
+from daemon.control.handlers import backends, keys, models, service, snapshots, telemetry
 from daemon.control.params import Method
 from daemon.control.protocol import SUBSCRIBE
 from daemon.core.errors import StokerError
@@ -47,6 +47,9 @@ METHODS: Mapping[str, Method] = _by_name(
     keys.key_create,
     keys.key_list,
     keys.key_revoke,
+    models.pull,
+    models.model_list,
+    models.model_rm,
 )
 
 

@@ -21,7 +21,7 @@ import threading
 import time
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, cast
 from urllib.parse import unquote, urlparse
 
 import attrs
@@ -167,7 +167,8 @@ def fetch_pieces(
     mode = "r+b" if part.exists() else "w+b"
     digests = _Digests()
     piece_digests: list[str] = []
-    with open(part, mode) as fh:
+    with open(part, mode) as opened:
+        fh = cast(BinaryIO, opened)
         fh.truncate(existing)
         start = 0
         for piece in pieces:

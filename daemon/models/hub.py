@@ -9,9 +9,9 @@ the bytes a resumed download continues are the same bytes.
 
 Downloading uses huggingface_hub's own `file_download.http_get` (its headers, retries and error
 classes) into Stoker's partial file, with `resume_size` set to what is already there (an HTTP
-Range request). Not `hf_hub_download`: since huggingface_hub 1.x it writes each download to a
-process-unique temporary file and deletes it on any failure (huggingface_hub PR #4228), so a
-download killed with the process starts from zero again; a 15 GB model must not.
+Range request). Not `hf_hub_download`: the installed huggingface_hub (2.4) writes each download
+to a process-unique temporary file and deletes it on any failure (its PR #4228), so a download
+killed with the process starts from zero again; a 15 GB model must not.
 
 HF_ENDPOINT and HF_TOKEN: the CLI passes its own (the daemon may have been started with
 another environment); without them huggingface_hub's defaults apply (the daemon's HF_ENDPOINT
@@ -127,7 +127,7 @@ def resolve(spec: PullSpec, options: HubOptions) -> HubFile:
                     f"{spec.repo} has no file {spec.filename}.",
                     {"spec": spec.text, "files": sorted(f for f in siblings if f.endswith(".gguf"))[:50]},
                 )
-            filename, quant, defaulted, available = spec.filename, None, False, ()
+            filename, quant, defaulted, available = spec.filename, None, False, tuple[str, ...]()
         else:
             choice = choose_file(siblings, spec.quant)
             filename, quant, defaulted, available = choice.filename, choice.quant, choice.defaulted, choice.available
@@ -165,7 +165,7 @@ def download(url: str, out: BinaryIO, *, offset: int, size: int, options: HubOpt
     `http_get` with `resume_size`, so the request carries `Range: bytes=offset-` (blocking)."""
     headers = build_hf_headers(token=options.token)
     try:
-        http_get(url, out, resume_size=offset, headers=headers, expected_size=size, tqdm_class=silent_tqdm)  # type: ignore[arg-type]
+        http_get(url, out, resume_size=offset, headers=headers, expected_size=size, tqdm_class=silent_tqdm)
     except (HfHubHTTPError, httpx2.TransportError, OfflineModeIsEnabled) as err:
         raise classify(err, spec=url, endpoint=options.endpoint, token_given=bool(options.token)) from None
     except OSError as err:

