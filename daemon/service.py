@@ -277,22 +277,13 @@ class Daemon:
             raise StokerError(err.reason, err.message, err.evidence) from None
 
     async def pull_model(
-        self,
-        spec: str,
-        *,
-        name: str | None,
-        hf_endpoint: str | None,
-        hf_token: str | None,
-        index_url: str | None,
+        self, spec: str, *, name: str | None, hf_endpoint: str | None, hf_token: str | None, index_url: str | None
     ) -> dict[str, Any]:
         options: PullOptions = pull_options(hf_endpoint=hf_endpoint, hf_token=hf_token, index_url=index_url)
         return (await self.pulls.pull(spec, name=name, options=options)).to_public()
 
     def list_models(self) -> dict[str, Any]:
-        return {
-            "models": [record.to_public() for record in self.pulls.models()],
-            "pulls": self.pulls.statistics(),
-        }
+        return {"models": [record.to_public() for record in self.pulls.models()], "pulls": self.pulls.statistics()}
 
     async def remove_model(self, name: str) -> dict[str, Any]:
         return await self.pulls.remove(name)

@@ -165,13 +165,7 @@ class ControlledDaemon(Protocol):
     # --- the model catalog and pulls (daemon/models/pull.py) -----------------------------
 
     async def pull_model(
-        self,
-        spec: str,
-        *,
-        name: str | None,
-        hf_endpoint: str | None,
-        hf_token: str | None,
-        index_url: str | None,
+        self, spec: str, *, name: str | None, hf_endpoint: str | None, hf_token: str | None, index_url: str | None
     ) -> dict[str, Any]:
         """Pull `spec` into the catalog; the cataloged model's public fields."""
 
