@@ -122,6 +122,8 @@ class Daemon:
     config_runner: MachineRunner = attrs.field(init=False)
     _config_effects: EffectDriver[None] = attrs.field(init=False)
     telemetry_sampler: TelemetrySampler | None = attrs.field(init=False, default=None)  # set when served
+    # The front door's bound URLs once it started ([] when off or its port was taken); None before.
+    frontdoor_binds: list[str] | None = attrs.field(init=False, default=None)
     config_problems: list[str] = attrs.field(factory=list)
     config_loaded_invalid: bool = False  # no valid file was ever read: refuse `up`
     started_at: float = attrs.field(factory=time.time)
@@ -375,7 +377,9 @@ class Daemon:
             )
             await nursery.start(serve_control, self.paths.socket_path, partial(dispatch, self), self.bus)
             # The front door (docs/frontdoor.md), user API keys checked through `authorize`.
-            await nursery.start(functools.partial(serve_frontdoor, self, authorize=self.authorize))
+            self.frontdoor_binds = await nursery.start(
+                functools.partial(serve_frontdoor, self, authorize=self.authorize)
+            )
             await nursery.start(
                 lambda task_status: watch_config(
                     self.paths.config_file,

@@ -110,6 +110,14 @@ class ReasonCode(enum.StrEnum):
     STORE_SCHEMA_TOO_NEW = "store_schema_too_new"
     STORE_WRITE_FAILED = "store_write_failed"
     KEY_NOT_FOUND = "key_not_found"
+    # What a client of the front door meets beyond the holding's 503s (the front door answers
+    # these codes in its error bodies; `stoker chat` and `stoker run` show them).
+    FRONTDOOR_UNAVAILABLE = "frontdoor_unavailable"
+    INVALID_API_KEY = "invalid_api_key"
+    MODEL_NOT_FOUND = "model_not_found"
+    ENGINE_UNREACHABLE = "engine_unreachable"
+    ENGINE_STREAM_CUT = "engine_stream_cut"
+    ENGINE_REFUSED_REQUEST = "engine_refused_request"
     PROBE_RESULT_STALE = "probe_result_stale"
     INTERNAL_ERROR = "internal_error"
     # KV slot snapshots.
@@ -315,6 +323,30 @@ MESSAGES: dict[ReasonCode, str] = {
         "held-back transitions once it can. Free space on its disk or fix its permissions."
     ),
     ReasonCode.KEY_NOT_FOUND: "No API key has that id or prefix (or the prefix names several); `stoker key list` shows them.",
+    ReasonCode.FRONTDOOR_UNAVAILABLE: (
+        "The front door is not listening: `[frontdoor] enabled = false`, or its port was held by another program "
+        "when the daemon started (`stoker logs | grep 'front door'`). `stoker chat` and `stoker run` talk to the "
+        "server only through it; fix the config and restart the daemon."
+    ),
+    ReasonCode.INVALID_API_KEY: (
+        "The front door requires a valid user API key and none (or a wrong or revoked one) was presented; create "
+        "one with `stoker key create` and send it as `Authorization: Bearer KEY` (`stoker chat --key`)."
+    ),
+    ReasonCode.MODEL_NOT_FOUND: (
+        'The request names a model this server does not serve; use "default" or the name `GET /v1/models` lists.'
+    ),
+    ReasonCode.ENGINE_UNREACHABLE: (
+        "The front door could not get an answer from the engine (its connection failed twice, or no answer came "
+        "in time); `stoker status` says what the server is doing."
+    ),
+    ReasonCode.ENGINE_STREAM_CUT: (
+        "The answer was cut midway (the server was stopped or died while it streamed); send the request again: "
+        "the front door holds it until the server is back."
+    ),
+    ReasonCode.ENGINE_REFUSED_REQUEST: (
+        "The engine answered the request with an error of its own (a prompt longer than the context, a parameter "
+        "it does not take); its message says which."
+    ),
     ReasonCode.PROBE_RESULT_STALE: "A probe result arrived after a newer probe had started; it was dropped.",
     ReasonCode.INTERNAL_ERROR: "Stoker hit an internal error; the daemon log has the traceback.",
     ReasonCode.SNAPSHOTS_DISABLED: "KV snapshots are off; set `[snapshots] enabled = true` in the config.",

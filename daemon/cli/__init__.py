@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "key",
     "models",
     "logs",
+    "chat",
 )
 
 

@@ -3,7 +3,10 @@
 Make sure a CPU engine bundle is installed (built from the pinned source, or taken from the
 build cache, and installed through the install service: the running daemon's, else the same
 service in this process), make sure the daemon runs (started in the background if not), bring
-the server up on the configured model (Gemma 3 270M by default) and ask it one question.
+the server up on the configured model (Gemma 3 270M by default) and ask it one question through
+the front door, the address every client uses (docs/frontdoor.md), the answer streamed as it
+comes. Where the front door is off or not listening, it says so (frontdoor_unavailable) rather
+than asking the engine's own port behind the user's back.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from daemon.cli.output import emit, fail, json_option
 from daemon.cli.service import call, format_status, wait_for_settled
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
+from daemon.frontdoor.client import API_KEY_ENV
 from states.reasons import ReasonCode
 
 DEFAULT_PROMPT = "In one sentence, what is a GPU?"
@@ -102,12 +106,21 @@ def start_refusal(console: Path, returncode: int, log_path: Path) -> StokerError
 @click.command("run")
 @click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
 @click.option("--timeout", default=900.0, show_default=True, help="Seconds to wait for the server.")
+@click.option(
+    "--key",
+    envvar=API_KEY_ENV,
+    show_envvar=True,
+    default=None,
+    help="A user API key (`stoker key create`), where [frontdoor] require_keys is set.",
+)
 @json_option
-def run_cmd(prompt: str, timeout: float, as_json: bool) -> None:
+def run_cmd(prompt: str, timeout: float, key: str | None, as_json: bool) -> None:
     """Install the engine if needed, start the daemon and the server, answer one chat request."""
-    from daemon.engine.chat import chat_once
+    from daemon.cli.chat import footer, frontdoor_url
+    from daemon.frontdoor.client import FrontDoorClient
 
     paths = StokerPaths.from_env()
+    streamed = False
     try:
         bundle = ensure_cpu_bundle(paths, as_json)
         if not daemon_running(paths):
@@ -121,19 +134,30 @@ def run_cmd(prompt: str, timeout: float, as_json: bool) -> None:
             fail(as_json, StokerError(st.get("reason") or ReasonCode.INTERNAL_ERROR, evidence=st.get("evidence")))
         if not as_json:
             click.echo(format_status(st))
-        say(as_json, f"asking: {prompt}")
-        answer = chat_once(st["endpoint"], st["api_key"], prompt, max_tokens=80)
+        url = frontdoor_url(st)
+        say(as_json, f"asking, through the front door {url}: {prompt}")
+        if not as_json:
+            click.echo("")
+        with FrontDoorClient(url, key, timeout=timeout) as client:
+            answer = client.chat(
+                [{"role": "user", "content": prompt}],
+                max_tokens=80,
+                temperature=0,  # greedy: the same question gets the same answer
+                on_text=None if as_json else (lambda piece: click.echo(piece, nl=False)),
+            )
+            streamed = not as_json
     except StokerError as err:
+        if streamed:
+            click.echo("")
         fail(as_json, err)
-    result = {"ok": True, "bundle": bundle, "status": st, "prompt": prompt, "answer": answer}
-    emit(
-        as_json,
-        result,
-        lambda r: (
-            f"\n{r['answer']['content'].strip()}\n\n"
-            f"({r['answer']['tokens']} tokens in {r['answer']['seconds']} s from {st['endpoint']}; "
-            f"the daemon keeps running: `.venv/bin/stoker status`, `.venv/bin/stoker shutdown`)"
-        ),
+    if as_json:
+        emit(True, {"ok": True, "bundle": bundle, "status": st, "prompt": prompt, "answer": answer.to_dict()})
+        return
+    click.echo("\n")
+    click.echo(
+        f"{footer(answer)}\n"
+        "the daemon keeps running: `.venv/bin/stoker chat` to talk on, `.venv/bin/stoker status`, "
+        "`.venv/bin/stoker shutdown`"
     )
 
 

@@ -1,4 +1,4 @@
-"""Service commands: daemon, status, up, down, restart, shutdown, history, chat."""
+"""Service commands: daemon, status, up, down, restart, shutdown, history (`stoker chat` is chat.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import click
 from daemon.cli.output import emit, fail, json_option
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
-from states.reasons import ReasonCode, message_for
+from states.reasons import message_for
 
 if TYPE_CHECKING:
     from daemon.control.client import ControlClient
@@ -68,6 +68,10 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"          {key}: {value}")
     lines.append(f"model     {st.get('model') or '-'}")
     lines.append(f"endpoint  {st.get('endpoint') or '-'}")
+    frontdoor = st.get("frontdoor")
+    if isinstance(frontdoor, dict):  # where clients connect: the address that does not change
+        shown = frontdoor.get("url") or ("off" if not frontdoor.get("enabled") else "not listening (`stoker logs`)")
+        lines.append(f"frontdoor {shown}")
     layers = st.get("layers") or {}
     if st.get("backend") == "cpu" and layers.get("offloaded") is None:
         lines.append(f"layers    none offloaded (CPU){': ' + layers['why'] if layers.get('why') else ''}")
@@ -193,27 +197,6 @@ def history(machine: str | None, limit: int, since: float | None, as_json: bool)
     emit(as_json, rows, format_history)
 
 
-@click.command()
-@click.argument("prompt")
-@click.option("--max-tokens", default=64, show_default=True)
-@json_option
-def chat(prompt: str, max_tokens: int, as_json: bool) -> None:
-    """Send one chat message to the running server and print the answer."""
-    from daemon.engine.chat import chat_once
-
-    st = call("status", as_json)
-    if st.get("state") != "ready":
-        fail(
-            as_json,
-            StokerError(ReasonCode.ILLEGAL_TRANSITION, f"The server is {st.get('state')}, not ready; run `stoker up`."),
-        )
-    try:
-        answer = chat_once(st["endpoint"], st["api_key"], prompt, max_tokens=max_tokens)
-    except StokerError as err:
-        fail(as_json, err)
-    emit(as_json, answer, lambda a: a["content"])
-
-
 def register(cli: click.Group) -> None:
-    for command in (daemon, status, up, down, restart, shutdown, history, chat):
+    for command in (daemon, status, up, down, restart, shutdown, history):
         cli.add_command(command)

@@ -117,6 +117,10 @@ class ControlledDaemon(Protocol):
         """Recorded transitions, newest first."""
 
     @property
+    def frontdoor_binds(self) -> Sequence[str] | None:
+        """The front door's bound URLs ([] when off or its port was taken; None before it started)."""
+
+    @property
     def backend_names(self) -> Sequence[str]:
         """The loaded backend plugins, in the registry's order."""
 

@@ -86,6 +86,36 @@ class StoreStatus:
 
 
 @attrs.frozen
+class FrontDoorStatus:
+    """Where clients reach the server: the front door (docs/frontdoor.md), its OpenAI base URL."""
+
+    url: str | None  # http://host:port/v1 while it listens; null when off or its port was taken
+    enabled: bool  # `[frontdoor] enabled`; it, host and port take effect at the daemon's start
+    address: str  # host:port, as the config says
+    require_keys: bool
+
+
+def frontdoor_url(bind: str) -> str:
+    """The /v1 base URL a client on this machine uses for a bound URL (a wildcard bind is
+    reached through loopback)."""
+    for wildcard, loopback in (("//0.0.0.0:", "//127.0.0.1:"), ("//[::]:", "//[::1]:")):
+        bind = bind.replace(wildcard, loopback)
+    return bind.rstrip("/") + "/v1"
+
+
+def _frontdoor(daemon: ControlledDaemon) -> FrontDoorStatus:
+    settings = daemon.config.frontdoor
+    binds = daemon.frontdoor_binds
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    return FrontDoorStatus(
+        url=frontdoor_url(binds[0]) if binds else None,
+        enabled=settings.enabled,
+        address=f"{host}:{settings.port}",
+        require_keys=settings.require_keys,
+    )
+
+
+@attrs.frozen
 class DaemonInfo:
     pid: int
     started_at: float
@@ -106,7 +136,7 @@ class Status:
     message: str | None  # the plan's own sentence where it has one, else the reason's
     evidence: dict[str, Any]
     model: str | None
-    endpoint: str | None  # only while ready: a loading server's port is not yet an API
+    endpoint: str | None  # only while ready: a loading server's port is not yet an API (clients: frontdoor.url)
     api_key: str | None
     pid: int | None
     uptime_s: float | None  # None until ready (and after an adoption until it is proven)
@@ -119,6 +149,7 @@ class Status:
     config: ConfigStatus
     store: StoreStatus
     daemon: DaemonInfo
+    frontdoor: FrontDoorStatus
     planned_backend: str | None
     preference: Preference
     fallback_state: str
@@ -172,6 +203,7 @@ def build_status(daemon: ControlledDaemon) -> Status:
         config=ConfigStatus(str(daemon.paths.config_file), not daemon.config_problems, tuple(daemon.config_problems)),
         store=_store_status(daemon),
         daemon=DaemonInfo(os.getpid(), daemon.started_at, str(daemon.paths.socket_path)),
+        frontdoor=_frontdoor(daemon),
         planned_backend=fallback["planned_backend"],
         preference=Preference(preference["prefer"], bool(preference["forced"]), tuple(preference["candidates"])),
         fallback_state=fallback["fallback_state"],

@@ -55,3 +55,13 @@ def test_a_state_database_that_refuses_writes_is_said_with_what_waits():
     text = plain(format_status(st))
     assert "store     store_write_failed: The state database /d/stoker.db cannot be written" in text
     assert "store " not in plain(format_status({"state": "ready", "store": {"writable": True, "pending": 0}}))
+
+
+def test_status_shows_the_front_door_clients_use_or_why_there_is_none():
+    st = {"state": "ready", "endpoint": "http://127.0.0.1:40123"}
+    listening = {"url": "http://127.0.0.1:11436/v1", "enabled": True, "address": "127.0.0.1:11436"}
+    assert "frontdoor http://127.0.0.1:11436/v1" in plain(format_status({**st, "frontdoor": listening}))
+    off = {**listening, "url": None, "enabled": False}
+    assert "frontdoor off" in plain(format_status({**st, "frontdoor": off}))
+    taken = {**listening, "url": None}
+    assert "frontdoor not listening" in plain(format_status({**st, "frontdoor": taken}))

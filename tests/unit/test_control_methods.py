@@ -56,6 +56,7 @@ STATUS_KEYS = {
     "fallbacks",
     "probes",
     "backends",
+    "frontdoor",
 }
 
 
@@ -93,6 +94,7 @@ class FakeDaemon:
     config_loaded_invalid: bool = False
     supervisor: FakeLaunch = attrs.field(factory=FakeLaunch)
     backend_names: tuple[str, ...] = ("cpu", "cuda", "acme")
+    frontdoor_binds: list[str] | None = attrs.field(factory=lambda: ["http://127.0.0.1:11436"])
     fallback: dict[str, Any] = attrs.field(factory=lambda: fallback_part())
     history_asked: list[dict[str, Any]] = attrs.field(factory=list)
     shutdown: bool = False
@@ -349,6 +351,21 @@ async def test_status_when_nothing_serves():
     daemon.supervisor.state = LR.LaunchState.STOPPED
     st = await call(daemon, "status")
     assert st["backend"] is None and st["fallbacks"] == []
+
+
+async def test_status_says_where_clients_reach_the_front_door():
+    st = await call(FakeDaemon(), "status")
+    assert st["frontdoor"] == {
+        "url": "http://127.0.0.1:11436/v1",
+        "enabled": True,
+        "address": "127.0.0.1:11436",
+        "require_keys": False,
+    }
+    # A wildcard bind is reached through loopback; a port another program held leaves no URL.
+    st = await call(FakeDaemon(frontdoor_binds=["http://0.0.0.0:8000"]), "status")
+    assert st["frontdoor"]["url"] == "http://127.0.0.1:8000/v1"
+    st = await call(FakeDaemon(frontdoor_binds=[]), "status")
+    assert st["frontdoor"]["url"] is None and st["frontdoor"]["enabled"] is True
 
 
 async def test_status_config_part_says_why_the_file_was_refused():

@@ -48,7 +48,8 @@ async def status(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     evidence}], probes {backend: {usable, reason, generation}}, backends [the loaded backend
     plugins], config {path, valid, problems}, store {writable, reason (store_write_failed while the
     state database refuses writes), message, error, since, pending (transitions held in memory)},
-    daemon {pid, started_at, socket}}.
+    daemon {pid, started_at, socket}, frontdoor {url (the OpenAI base URL clients use, .../v1;
+    null when the front door is off or its port was taken), enabled, address, require_keys}}.
     """
     return build_status(daemon)
 
