@@ -220,9 +220,9 @@ class Daemon:
     ) -> Sequence[TransitionRecord]:
         return self.store.history(machine=machine, kind=kind, since=since, until=until, limit=limit)
 
-    def transitions_after(self, after_id: int, kinds: Sequence[str]) -> Sequence[TransitionRecord]:
+    def transitions_after(self, after_id: int, kinds: Sequence[str], limit: int) -> Sequence[TransitionRecord]:
         """History rows past `after_id`, in write order: the front door's /metrics counters."""
-        return self.store.transitions_after(after_id, kinds)
+        return self.store.transitions_after(after_id, kinds, limit)
 
     @property
     def backend_names(self) -> Sequence[str]:

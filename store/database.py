@@ -319,15 +319,18 @@ class Store:
             params.append(max(int(limit) - len(unwritten), 0))
         return unwritten + [TransitionRecord.from_row(r) for r in self.db.query(sql, params)]
 
-    def transitions_after(self, after_id: int, kinds: Sequence[str]) -> list[TransitionRecord]:
-        """Written transitions of these machine kinds with an id above `after_id`, in write order:
-        for a reader that keeps its place (the front door's counters read only what is new).
-        Transitions still waiting for the disk have no id yet; they come once written."""
+    def transitions_after(self, after_id: int, kinds: Sequence[str], limit: int) -> list[TransitionRecord]:
+        """Up to `limit` written transitions of these machine kinds with an id above `after_id`,
+        in write order: for a reader that keeps its place (the front door's counters read only
+        what is new, in batches). Transitions still waiting for the disk have no id yet; they
+        come once written."""
         if not kinds:
             return []
         marks = ", ".join("?" for _ in kinds)
+        # `+kind`: walk the id range (what is new), not the (kind, at) index (all of a kind).
         rows = self.db.query(
-            f"select * from transitions where id > ? and kind in ({marks}) order by id", [int(after_id), *kinds]
+            f"select * from transitions where id > ? and +kind in ({marks}) order by id limit ?",
+            [int(after_id), *kinds, max(int(limit), 0)],
         )
         return [TransitionRecord.from_row(r) for r in rows]
 

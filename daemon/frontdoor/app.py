@@ -133,7 +133,7 @@ class FrontDoor:
     async def metrics_page(self, request: Request) -> Response:
         """Prometheus' text format (docs/frontdoor.md, "Metrics"); the same access rule as the API."""
         denied = self._unauthorized(request)
-        return denied or Response(self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
+        return denied or Response(await self.metrics.scrape(), headers={"Content-Type": CONTENT_TYPE})
 
     async def models(self, request: Request) -> Response:
         return self._unauthorized(request) or await self.forward("GET", "/v1/models", None, sse=False)

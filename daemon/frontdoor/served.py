@@ -49,9 +49,9 @@ class FrontDoorDaemon(Protocol):
         """The live server (for /metrics): the backend really in use, the planned one, the
         layers the engine offloaded; None when no server process runs."""
 
-    def transitions_after(self, after_id: int, kinds: Sequence[str]) -> Sequence[TransitionRecord]:
-        """Written history rows of these machine kinds past `after_id`, in write order (for
-        /metrics' counters that survive a daemon restart)."""
+    def transitions_after(self, after_id: int, kinds: Sequence[str], limit: int) -> Sequence[TransitionRecord]:
+        """Up to `limit` written history rows of these machine kinds past `after_id`, in write
+        order (for /metrics' counters that survive a daemon restart)."""
 
 
 # The hook user API keys plug into (issue 13 item 2): called with the key a client presented

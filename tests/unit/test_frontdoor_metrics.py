@@ -12,13 +12,14 @@ from typing import Any, Sequence
 import attrs
 import httpx
 import pytest
+import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.config.model import Config
 from daemon.core.machines import MachineRunner
 from daemon.frontdoor.app import relay
 from daemon.frontdoor.hold import Hold
-from daemon.frontdoor.metrics import Exchange, FrontDoorMetrics, RequestWatch, engine_figures
+from daemon.frontdoor.metrics import HISTORY_BATCH, Exchange, FrontDoorMetrics, RequestWatch, engine_figures
 from daemon.frontdoor.tallies import KINDS, HistoryTally
 from daemon.telemetry.sampler import ServerTarget
 from states import fallback as F
@@ -143,7 +144,7 @@ def record_history(store) -> None:
 def test_history_counts_fallbacks_restarts_crashes_and_installs(store):
     record_history(store)
     tally = HistoryTally()
-    tally.read(store.transitions_after(0, KINDS))
+    tally.read(store.transitions_after(0, KINDS, 10_000))
     assert tally.fallbacks == {
         ("cuda", "cpu", "gpu_missing"): 1,
         ("cuda", "cpu", "cuda_gpu_layers_zero"): 1,
@@ -155,7 +156,7 @@ def test_history_counts_fallbacks_restarts_crashes_and_installs(store):
 
     # A restarted daemon reads the same counts from the same history; reading on takes only the new rows.
     again = HistoryTally()
-    again.read(store.transitions_after(0, KINDS))
+    again.read(store.transitions_after(0, KINDS, 10_000))
     assert (again.fallbacks, again.restarts, again.crashes, again.installs) == (
         tally.fallbacks,
         tally.restarts,
@@ -166,11 +167,11 @@ def test_history_counts_fallbacks_restarts_crashes_and_installs(store):
     for event in (LR.UpRequested(), LR.PlanReady(PLAN), LR.Spawned(13), LR.Ready({})):
         launch.fire(event)
     launch.fire(LR.ServerExited(-9, ReasonCode.SERVER_CRASHED))
-    new = store.transitions_after(again.after_id, KINDS)
+    new = store.transitions_after(again.after_id, KINDS, 10_000)
     assert len(new) == 5
     again.read(new)
     assert again.restarts["crash"] == 2 and again.crashes["server_crashed"] == 3
-    again.read(store.transitions_after(0, KINDS))  # rows already read are never counted twice
+    again.read(store.transitions_after(0, KINDS, 10_000))  # rows already read are never counted twice
     assert again.restarts["crash"] == 2
 
 
@@ -194,6 +195,7 @@ class Daemon:
     target: ServerTarget | None
     supervisor: Instance = attrs.field(factory=Instance)
     config: Config = attrs.field(factory=Config)
+    batches: list[int] = attrs.field(factory=list)  # the history rows each read returned
 
     async def wait_state(self, states: Any) -> None:
         raise AssertionError("not waited on here")
@@ -201,18 +203,20 @@ class Daemon:
     def telemetry_target(self) -> ServerTarget | None:
         return self.target
 
-    def transitions_after(self, after_id: int, kinds: Sequence[str]) -> Sequence[Any]:
-        return self.store.transitions_after(after_id, kinds)
+    def transitions_after(self, after_id: int, kinds: Sequence[str], limit: int) -> Sequence[Any]:
+        rows = self.store.transitions_after(after_id, kinds, limit)
+        self.batches.append(len(rows))
+        return rows
 
 
 def metrics_for(daemon: Daemon) -> FrontDoorMetrics:
     return FrontDoorMetrics(daemon, Hold(daemon), ROUTES, POST)
 
 
-def test_a_gpu_plan_served_on_the_cpu_says_both(store):
+async def test_a_gpu_plan_served_on_the_cpu_says_both(store):
     record_history(store)
     daemon = Daemon(store, ServerTarget("cpu", 11, planned_backend="cuda", offloaded_layers=0, total_layers=33))
-    text = metrics_for(daemon).exposition().decode()
+    text = (await metrics_for(daemon).scrape()).decode()
     assert value(text, "stoker_server_state", state="ready") == 1
     assert value(text, "stoker_server_state", state="loading") == 0
     assert value(text, "stoker_backend_info", planned="cuda", in_use="cpu") == 1
@@ -234,32 +238,59 @@ def test_a_gpu_plan_served_on_the_cpu_says_both(store):
     assert kinds["stoker_server_state"] == "gauge" and kinds["stoker_fallbacks"] == "counter"
 
 
-def test_a_partial_offload_is_accelerated_and_partial(store):
+async def test_a_partial_offload_is_accelerated_and_partial(store):
     daemon = Daemon(store, ServerTarget("cuda", 11, offloaded_layers=15, total_layers=33))
-    text = metrics_for(daemon).exposition().decode()
+    text = (await metrics_for(daemon).scrape()).decode()
     assert value(text, "stoker_backend_info", planned="cuda", in_use="cuda") == 1
     assert value(text, "stoker_accelerated") == 1
     assert (value(text, "stoker_offloaded_layers"), value(text, "stoker_offload_partial")) == (15, 1)
     assert value(text, "stoker_crash_loops_total") == 0  # present, at zero, from an empty history
 
 
-def test_nothing_is_in_use_while_the_server_loads(store):
+async def test_nothing_is_in_use_while_the_server_loads(store):
     daemon = Daemon(store, ServerTarget("cuda", 11, state="loading"), Instance(state=LR.LaunchState.LOADING))
-    text = metrics_for(daemon).exposition().decode()
+    text = (await metrics_for(daemon).scrape()).decode()
     assert value(text, "stoker_server_state", state="loading") == 1
     assert value(text, "stoker_backend_info", planned="cuda", in_use="none") == 1
     assert value(text, "stoker_accelerated") == 0
     assert value(text, "stoker_offloaded_layers") is None  # not said yet
     stopped = Daemon(store, None, Instance(state=LR.LaunchState.STOPPED, data=LR.LaunchData()))
-    text = metrics_for(stopped).exposition().decode()
+    text = (await metrics_for(stopped).scrape()).decode()
     assert "stoker_backend_info{" not in text and value(text, "stoker_server_state", state="stopped") == 1
 
 
-def test_two_front_doors_have_registries_of_their_own(store):
+async def test_two_front_doors_have_registries_of_their_own(store):
     first = metrics_for(Daemon(store, None))
     second = metrics_for(Daemon(store, None))  # the global registry would refuse the same names twice
     first.requests.requests.labels("/v1/models", "200").inc()
-    assert value(second.exposition().decode(), "stoker_requests_total", route="/v1/models", code="200") is None
+    assert value((await second.scrape()).decode(), "stoker_requests_total", route="/v1/models", code="200") is None
+
+
+async def test_a_long_history_is_read_in_batches_that_let_the_streams_run(store):
+    launch = MachineRunner(L.LAUNCH, "launch", store)
+    for event in (LR.UpRequested(LR.LaunchSettings(max_restarts=10_000)), LR.PlanReady(PLAN), LR.Spawned(1)):
+        launch.fire(event)
+    for pid in range(2, 152):  # 150 crashes, each respawned: 3 + 750 rows
+        launch.fire(LR.Ready({}))
+        launch.fire(LR.ServerExited(-9, ReasonCode.SERVER_CRASHED))
+        for event in (LR.BackoffStarted(0.1), LR.BackoffElapsed(), LR.Spawned(pid)):
+            launch.fire(event)
+    daemon = Daemon(store, None)
+    others = []
+
+    async def relaying() -> None:
+        others.append("ran")
+
+    metrics = metrics_for(daemon)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relaying)
+        text = (await metrics.scrape()).decode()
+        assert others, "the first scrape held the event loop through the whole history"
+    assert value(text, "stoker_server_restarts_total", cause="crash") == 150
+    assert sum(daemon.batches) == 753 and max(daemon.batches) == HISTORY_BATCH
+    daemon.batches.clear()
+    assert value((await metrics.scrape()).decode(), "stoker_server_restarts_total", cause="crash") == 150
+    assert daemon.batches == [0]  # later scrapes read only what is new: nothing
 
 
 # --- the request figures ----------------------------------------------------------------------
@@ -301,7 +332,7 @@ async def test_a_streamed_answer_is_counted_timed_and_its_tokens_read(store):
     route = "/v1/chat/completions"
     await exchange(metrics, route, streaming_app(b'data: {"choices":[]}\n\n', SSE_LAST, b"data: [DONE]\n\n"))
     await exchange(metrics, route, streaming_app(CHAT_JSON[:100], CHAT_JSON[100:]))
-    text = metrics.exposition().decode()
+    text = (await metrics.scrape()).decode()
     assert value(text, "stoker_requests_total", route=route, code="200") == 2
     assert value(text, "stoker_request_first_byte_seconds_count", route=route) == 2
     assert value(text, "stoker_request_duration_seconds_count", route=route) == 2
@@ -313,13 +344,22 @@ async def test_a_streamed_answer_is_counted_timed_and_its_tokens_read(store):
     assert "stoker_responses_cut_total{" not in text
 
 
-async def test_a_scrape_is_not_a_request_and_an_unknown_path_is_other(store):
+async def test_a_scrape_is_not_a_request_an_unknown_path_is_other_and_an_error_no_first_token(store):
     metrics = metrics_for(Daemon(store, None))
     await exchange(metrics, "/metrics", streaming_app(b"x"))
     await exchange(metrics, "/v2/secret/42", streaming_app(b"x"))
-    text = metrics.exposition().decode()
+
+    async def refused(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 503, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"error": {"code": "frontdoor_hold_timeout"}}'})
+
+    await exchange(metrics, "/v1/completions", refused)
+    text = (await metrics.scrape()).decode()
     assert value(text, "stoker_requests_total", route="other", code="200") == 1
     assert value(text, "stoker_requests_total", route="/metrics", code="200") is None
+    assert value(text, "stoker_requests_total", route="/v1/completions", code="503") == 1
+    assert value(text, "stoker_request_duration_seconds_count", route="/v1/completions") == 1
+    assert value(text, "stoker_request_first_byte_seconds_count", route="/v1/completions") is None
 
 
 class CutStream(httpx.AsyncByteStream):
@@ -347,7 +387,7 @@ async def test_answers_cut_midway_are_counted_by_reason(store):
         await exchange(metrics, route, streaming_app(b'{"choices":', fail=httpx.ReadError("cut")))
     with pytest.raises(OSError):
         await exchange(metrics, route, streaming_app(b"data: a\n\n", b"data: b\n\n"), client_gone_after=2)
-    text = metrics.exposition().decode()
+    text = (await metrics.scrape()).decode()
     assert value(text, "stoker_responses_cut_total", route=route, reason="engine_stream_cut") == 1
     assert value(text, "stoker_responses_cut_total", route=route, reason="engine_cut") == 1
     assert value(text, "stoker_responses_cut_total", route=route, reason="client_gone") == 1
