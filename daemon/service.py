@@ -441,6 +441,9 @@ async def run_daemon(
         config, problems = load_initial_config(paths)
         daemon = Daemon(paths, store, EventBus(), config)
         if problems:
+            log.warning(
+                "config refused at start, the server is not started (fix it, then `stoker up`): %s", "; ".join(problems)
+            )
             daemon.config_problems = problems
             daemon.config_loaded_invalid = True
             daemon.config_runner.fire(C.ConfigRejected(problems))

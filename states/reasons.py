@@ -139,6 +139,10 @@ class ReasonCode(enum.StrEnum):
     FRONTDOOR_HOLD_TIMEOUT = "frontdoor_hold_timeout"
     FRONTDOOR_QUEUE_FULL = "frontdoor_queue_full"
     FRONTDOOR_SERVER_DOWN = "frontdoor_server_down"
+    # ... and why a request was refused before it was held: it broke a `[frontdoor]` limit.
+    FRONTDOOR_BODY_TOO_LARGE = "frontdoor_body_too_large"
+    FRONTDOOR_HEADERS_TOO_LARGE = "frontdoor_headers_too_large"
+    FRONTDOOR_SLOW_CLIENT = "frontdoor_slow_client"
     # Pulling models (daemon/models/pull.py) and the catalog.
     PULL_BAD_SPEC = "pull_bad_spec"
     PULL_SOURCE_UNREACHABLE = "pull_source_unreachable"
@@ -400,6 +404,18 @@ MESSAGES: dict[ReasonCode, str] = {
     ReasonCode.FRONTDOOR_SERVER_DOWN: (
         "The server is stopped or failed, so the request cannot be held until it is ready; `stoker up` starts it "
         "(`stoker status` says why it stopped)."
+    ),
+    ReasonCode.FRONTDOOR_BODY_TOO_LARGE: (
+        "The request body is larger than `[frontdoor] max_body_bytes`, so it was refused without being read; send "
+        "less (fewer or smaller images), or raise the limit."
+    ),
+    ReasonCode.FRONTDOOR_HEADERS_TOO_LARGE: (
+        "The request line and headers are larger than `[frontdoor] max_header_bytes`; send fewer or shorter "
+        "headers, or raise the limit."
+    ),
+    ReasonCode.FRONTDOOR_SLOW_CLIENT: (
+        "The request body did not arrive within `[frontdoor] slow_client_timeout_s` of its headers, so the "
+        "connection was closed; send the body at once, or raise the limit for a slow link."
     ),
     ReasonCode.PULL_BAD_SPEC: (
         "The model to pull is not understood: give ORG/REPO[:QUANT] or ORG/REPO/FILE.gguf (Hugging Face), "

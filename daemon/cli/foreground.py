@@ -17,6 +17,7 @@ import trio
 
 from daemon.core.errors import StokerError
 from daemon.core.logfiles import DaemonLogHandler
+from daemon.core.openfiles import raise_open_files_limit
 from daemon.core.paths import StokerPaths
 from daemon.service import data_dir_unwritable, load_initial_config, log, run_daemon
 from states.reasons import ReasonCode, ReasonedError
@@ -79,6 +80,7 @@ def run_foreground(paths: StokerPaths, *, log_level: str = "info") -> int:
     except OSError:
         pass  # run_daemon says why, with its reason
     _setup_logging(paths, log_level)
+    raise_open_files_limit()  # many front door clients, and `stoker status` still answered
     try:
         trio.run(run_daemon, paths)
     except KeyboardInterrupt:

@@ -1,27 +1,47 @@
-"""`[frontdoor]`: the front door's address, its holding bounds and whether keys are required.
+"""`[frontdoor]`: the front door's address, its holding bounds, its limits on what a client may
+send, and whether keys are required.
 
 Documented in docs/config.md and docs/frontdoor.md; the front door itself is daemon/frontdoor/.
+A non-loopback `host` (a LAN address, 0.0.0.0, ::) is refused unless `require_keys = true`
+(`lan_bind_problems`, checked across keys when the config is read or reloaded).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import ipaddress
+from typing import Any, Callable
 
 import attrs
 
-from daemon.config.checks import Invalid, boolean, integer, loopback_ip, seconds, setting
+from daemon.config.checks import Invalid, boolean, byte_size, describe, integer, seconds, setting
 
 # The front door's fixed default address (docs/frontdoor.md): beside Ollama's 11434 and clear of
 # LM Studio (1234), Jan (1337) and llama-server's own 8080.
 FRONTDOOR_PORT = 11436
 
+KIB, MIB, GIB = 2**10, 2**20, 2**30
 
-def _frontdoor_host(value: Any) -> str:
-    # Loopback only until user API keys guard the front door (issue 13 item 2).
+
+def _host(value: Any) -> str:
+    """An IP address: loopback, or (with keys required, see `lan_bind_problems`) any other."""
+    hint = "an IP address such as 127.0.0.1 (this machine only), a LAN address, or 0.0.0.0 / :: (every interface)"
+    if not isinstance(value, str):
+        raise Invalid(f"must be {hint}, got {describe(value)}")
     try:
-        return loopback_ip(value)
-    except Invalid as err:
-        raise Invalid(f"{err}; the front door binds loopback only until user API keys are required") from None
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise Invalid(f"must be {hint}, got {value!r}") from None
+    return value
+
+
+def _bytes_between(low: int, high: int) -> Callable[[Any], int]:
+    def check(value: Any) -> int:
+        size = byte_size(value)
+        if not low <= size <= high:
+            raise Invalid(f"must be between {low} and {high} bytes, got {size}")
+        return size
+
+    return check
 
 
 @attrs.frozen
@@ -29,10 +49,36 @@ class FrontdoorConfig:
     # The stable OpenAI-compatible address clients use; requests are held while the server
     # (re)starts, at most `max_queue` of them for at most `hold_timeout_s` each.
     enabled: bool = setting(True, boolean)
-    host: str = setting("127.0.0.1", _frontdoor_host)
+    host: str = setting("127.0.0.1", _host)
     port: int = setting(FRONTDOOR_PORT, integer(1, 65535))
     hold_timeout_s: float = setting(120.0, seconds(high=3600))
     max_queue: int = setting(256, integer(0, 100_000))
     # With keys required, every request needs a valid user key (`stoker key create`); without,
     # loopback clients may call with none (a valid key always passes).
     require_keys: bool = setting(False, boolean)
+    # What one client may send. The body allows base64 images in a multimodal chat (a 10 MB
+    # photo is ~13.4 MB of base64); headers are a request line and a few short fields.
+    max_body_bytes: int = setting(32 * MIB, _bytes_between(KIB, GIB))
+    max_header_bytes: int = setting(16 * KIB, _bytes_between(KIB, MIB))
+    # A connection with no request under way (kept alive between requests, or whose request line
+    # and headers have not all arrived) is closed after idle_timeout_s: longer than the 5 s
+    # httpx keeps an idle connection, so a client never reuses one the server is closing.
+    idle_timeout_s: float = setting(30.0, seconds(high=3600))
+    # A request's body must have arrived in full this long after its headers did (32 MiB at
+    # about 0.5 MB/s); a slower client gets 408 and its connection is closed.
+    slow_client_timeout_s: float = setting(60.0, seconds(high=3600))
+
+    @property
+    def loopback_only(self) -> bool:
+        return ipaddress.ip_address(self.host).is_loopback
+
+
+def lan_bind_problems(frontdoor: FrontdoorConfig) -> list[str]:
+    """A front door other machines can reach must require keys: the problem, naming both fixes."""
+    if frontdoor.loopback_only or frontdoor.require_keys:
+        return []
+    return [
+        f"frontdoor.host: {frontdoor.host} is reachable from other machines, so it needs "
+        f"require_keys = true in [frontdoor] (every client then sends a key made with `stoker key create`); "
+        f'or bind host = "127.0.0.1" to serve this machine only'
+    ]

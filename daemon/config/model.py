@@ -27,7 +27,7 @@ from daemon.config.checks import (
     seconds,
     setting,
 )
-from daemon.config.frontdoor import FrontdoorConfig
+from daemon.config.frontdoor import FrontdoorConfig, lan_bind_problems
 from daemon.core.errors import StokerError
 from daemon.core.logfiles import DEFAULT_KEEP, DEFAULT_MAX_BYTES, LogRotation
 from daemon.core.paths import StokerPaths
@@ -309,6 +309,8 @@ def _build_section(name: str, section_cls: type, table: Mapping[str, Any], probl
 
 
 def _check_across(sections: Mapping[str, Any], problems: list[str]) -> None:
+    if (frontdoor := sections.get("frontdoor")) is not None:
+        problems.extend(lan_bind_problems(frontdoor))
     supervisor = sections.get("supervisor")
     if supervisor is not None and supervisor.backoff_max_s < supervisor.backoff_initial_s:
         problems.append(

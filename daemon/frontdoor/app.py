@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from daemon.engine.api import EngineClient
 from daemon.frontdoor.hold import READY, Hold, Refused
+from daemon.frontdoor.limits import LimitExceeded, check_head, read_body
 from daemon.frontdoor.metrics import CONTENT_TYPE, FrontDoorMetrics, RequestWatch
 from daemon.frontdoor.served import Authorize, FrontDoorDaemon, model_names
 
@@ -40,7 +41,14 @@ NOTICE_S = 2.0
 
 
 # Anthropic's error `type` for each status the front door answers itself.
-ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    408: "invalid_request_error",
+    413: "request_too_large",
+    431: "invalid_request_error",
+}
 ANTHROPIC_PATH = "/v1/messages"
 
 
@@ -61,6 +69,11 @@ def refused(path: str, exc: Refused) -> Response:
     return api_error(
         path, 503, str(exc), "server_error", exc.reason.value, headers={"Retry-After": str(exc.retry_after_s)}
     )
+
+
+def over_limit(path: str, exc: LimitExceeded) -> Response:
+    # The rest of the request is not read: the connection cannot carry another one.
+    return api_error(path, exc.status, str(exc), "invalid_request_error", exc.reason.value, {"Connection": "close"})
 
 
 def presented_key(request: Request) -> str | None:
@@ -124,6 +137,10 @@ class FrontDoor:
         return Starlette(routes=routes, middleware=[Middleware(RequestWatch, figures=self.metrics.requests)])
 
     def _unauthorized(self, request: Request) -> Response | None:
+        try:
+            check_head(request, self.daemon.config.frontdoor)
+        except LimitExceeded as exc:
+            return over_limit(request.url.path, exc)
         if self.authorize(presented_key(request), is_loopback(request)):
             return None
         return api_error(
@@ -141,7 +158,10 @@ class FrontDoor:
     async def post(self, request: Request) -> Response:
         if (denied := self._unauthorized(request)) is not None:
             return denied
-        content = await request.body()
+        try:
+            content = await read_body(request, self.daemon.config.frontdoor)
+        except LimitExceeded as exc:
+            return over_limit(request.url.path, exc)
         try:
             body = json.loads(content)
         except ValueError as exc:

@@ -20,6 +20,7 @@ from hypercorn.typing import ASGIFramework
 
 from daemon.core.http import loopback_client
 from daemon.frontdoor.app import FrontDoor
+from daemon.frontdoor.limits import LimitedHypercornConfig
 from daemon.frontdoor.served import Authorize, FrontDoorDaemon, allow_loopback
 
 log = logging.getLogger("stoker.frontdoor")
@@ -29,9 +30,15 @@ log = logging.getLogger("stoker.frontdoor")
 ENGINE_TIMEOUT = httpx.Timeout(connect=5.0, read=900.0, write=60.0, pool=None)
 
 
-def hypercorn_config(host: str, port: int) -> HypercornConfig:
-    config = HypercornConfig()
+# Connections that may wait to be accepted: 1000 clients connecting at once are not dropped
+# (the kernel caps it at net.core.somaxconn).
+BACKLOG = 1024
+
+
+def hypercorn_config(daemon: FrontDoorDaemon, host: str, port: int) -> HypercornConfig:
+    config = LimitedHypercornConfig(daemon)  # [frontdoor]'s limits, read live
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.backlog = BACKLOG
     config.accesslog = None
     config.errorlog = log
     return config
@@ -51,7 +58,7 @@ async def serve_frontdoor(
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with loopback_client(timeout=ENGINE_TIMEOUT, limits=limits) as http, trio.open_nursery() as nursery:
         app = cast(ASGIFramework, FrontDoor(daemon, http, authorize).app())  # Starlette is an ASGI 3 app
-        config = hypercorn_config(settings.host, settings.port)
+        config = hypercorn_config(daemon, settings.host, settings.port)
         try:
             # Bound here, not inside Hypercorn's nurseries: a taken port must be one plain
             # OSError that leaves the daemon serving, not an exception group that stops it.

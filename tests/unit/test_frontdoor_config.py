@@ -1,4 +1,4 @@
-"""`[frontdoor]`: a fixed documented default address, and loopback only until keys are wired."""
+"""`[frontdoor]`: a fixed documented default address, a LAN bind only with keys, and its limits."""
 
 from __future__ import annotations
 
@@ -12,14 +12,38 @@ def test_default_address_is_fixed_on_loopback():
     frontdoor = parse_config("").frontdoor
     assert (frontdoor.enabled, frontdoor.host, frontdoor.port) == (True, "127.0.0.1", 11436)
     assert FRONTDOOR_PORT == 11436  # documented in docs/frontdoor.md: changing it breaks configured clients
+    assert not frontdoor.require_keys
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.10", "::"])
-def test_a_lan_bind_is_refused_with_its_reason(host):
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.10", "::", "fd00::1"])
+def test_a_lan_bind_without_keys_is_refused_naming_the_fix(host):
     with pytest.raises(ConfigError) as err:
         parse_config(f'[frontdoor]\nhost = "{host}"\n')
     (problem,) = err.value.problems
-    assert problem.startswith("frontdoor.host:") and "user API keys" in problem
+    assert problem.startswith(f"frontdoor.host: {host} is reachable from other machines"), problem
+    assert "require_keys = true" in problem and 'host = "127.0.0.1"' in problem  # both ways out
+    with pytest.raises(ConfigError):
+        parse_config(f'[frontdoor]\nhost = "{host}"\nrequire_keys = false\n')
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.10", "::"])
+def test_a_lan_bind_with_keys_required_is_accepted(host):
+    frontdoor = parse_config(f'[frontdoor]\nhost = "{host}"\nrequire_keys = true\n').frontdoor
+    assert (frontdoor.host, frontdoor.require_keys, frontdoor.loopback_only) == (host, True, False)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1"])
+def test_any_loopback_address_needs_no_keys(host):
+    assert parse_config(f'[frontdoor]\nhost = "{host}"\n').frontdoor.loopback_only
+
+
+@pytest.mark.parametrize("host", ["localhost", "", "example.com", 1])
+def test_a_host_that_is_not_an_ip_address_is_refused(host):
+    value = f'"{host}"' if isinstance(host, str) else host
+    with pytest.raises(ConfigError) as err:
+        parse_config(f"[frontdoor]\nhost = {value}\n")
+    (problem,) = err.value.problems
+    assert problem.startswith("frontdoor.host: must be an IP address"), problem
 
 
 def test_limits_are_validated():
@@ -28,3 +52,28 @@ def test_limits_are_validated():
     assert len(err.value.problems) == 3
     ok = parse_config("[frontdoor]\nhold_timeout_s = 5\nmax_queue = 0\nport = 8099\n").frontdoor
     assert (ok.hold_timeout_s, ok.max_queue, ok.port) == (5.0, 0, 8099)
+
+
+def test_client_limits_have_defaults_that_fit_a_multimodal_chat():
+    frontdoor = parse_config("").frontdoor
+    assert frontdoor.max_body_bytes == 32 * 2**20  # base64 images in a chat fit
+    assert frontdoor.max_header_bytes == 16 * 2**10
+    assert (frontdoor.idle_timeout_s, frontdoor.slow_client_timeout_s) == (30.0, 60.0)
+
+
+def test_client_limits_take_sizes_and_are_bounded():
+    text = '[frontdoor]\nmax_body_bytes = "1 MiB"\nmax_header_bytes = 8192\nidle_timeout_s = 2\nslow_client_timeout_s = 0.5\n'
+    frontdoor = parse_config(text).frontdoor
+    assert (frontdoor.max_body_bytes, frontdoor.max_header_bytes) == (2**20, 8192)
+    assert (frontdoor.idle_timeout_s, frontdoor.slow_client_timeout_s) == (2.0, 0.5)
+    bad = (
+        '[frontdoor]\nmax_body_bytes = 0\nmax_header_bytes = "2 MiB"\nidle_timeout_s = 0\nslow_client_timeout_s = -1\n'
+    )
+    with pytest.raises(ConfigError) as err:
+        parse_config(bad)
+    assert sorted(p.split(":")[0] for p in err.value.problems) == [
+        "frontdoor.idle_timeout_s",
+        "frontdoor.max_body_bytes",
+        "frontdoor.max_header_bytes",
+        "frontdoor.slow_client_timeout_s",
+    ]
