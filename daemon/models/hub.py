@@ -29,6 +29,7 @@ from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
+    HFValidationError,
     HfHubHTTPError,
     OfflineModeIsEnabled,
     RepositoryNotFoundError,
@@ -79,6 +80,10 @@ def classify(err: BaseException, *, spec: str, endpoint: str | None, token_given
     status = getattr(getattr(err, "response", None), "status_code", None)
     evidence: dict[str, Any] = {"spec": spec, "endpoint": where, "status": status, "error": f"{type(err).__name__}"}
     hint = "the token in HF_TOKEN was refused" if token_given else "no token was sent: set HF_TOKEN"
+    if isinstance(err, HFValidationError):
+        return StokerError(
+            ReasonCode.PULL_BAD_SPEC, f"{spec} is not a Hub repository name: {_first_line(err)}", evidence
+        )
     if isinstance(err, GatedRepoError) or status in (401, 403) and not isinstance(err, RepositoryNotFoundError):
         return StokerError(
             ReasonCode.PULL_UNAUTHORIZED,

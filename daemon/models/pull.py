@@ -223,7 +223,8 @@ class PullService:
                 event = P.PullFailed(err.reason, {"message": err.message, **err.evidence})
             except PullCancelled:
                 return  # stopped on purpose: the machine stays where it was, to be resumed
-            except OSError as err:
+            except Exception as err:  # an unforeseen error becomes a reason, never a machine stuck mid-way
+                log.exception("%s: %s failed", runner.machine_id, type(effect).__name__)
                 event = P.PullFailed(
                     ReasonCode.PULL_FAILED, {"message": f"{type(err).__name__}: {err}", "effect": type(effect).__name__}
                 )

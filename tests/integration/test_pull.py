@@ -120,6 +120,7 @@ async def test_a_gated_repo_needs_hf_token_and_the_token_is_sent(service, fake_h
         (f"{HF_REPO}:Q2_K", ReasonCode.PULL_NO_FILE_FOR_QUANT),
         (f"{HF_REPO}/missing.gguf", ReasonCode.PULL_NOT_FOUND),
         ("stoker-test/not-gguf", ReasonCode.PULL_NOT_GGUF),
+        ("stoker-test/a--b", ReasonCode.PULL_BAD_SPEC),  # huggingface_hub's own name check
     ],
 )
 async def test_failures_carry_their_reason(service, fake_hub, spec, reason):
