@@ -104,13 +104,25 @@ class EngineClient:
 
     @contextlib.asynccontextmanager
     async def forward(
-        self, method: str, path: str, *, content: bytes | None = None, headers: dict[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        *,
+        content: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        streamed: bool = False,
     ) -> AsyncIterator[httpx.Response]:
         """Send a client's request on to the engine with the per-launch key, the response's body
         left unread: the caller streams it (`aiter_raw`) as it arrives, never buffered. The path
-        is absolute on `base_url`, so one shared client serves every launch (the front door)."""
+        is absolute on `base_url`, so one shared client serves every launch (the front door).
+
+        `streamed`: the client asked for a streamed (SSE) answer. llama-server closes its
+        connection after every streamed answer though its headers say keep-alive; such a
+        connection put back in the pool would carry the next request into a closed socket, a
+        failure that looks like a dead engine. `Connection: close` keeps it out of the pool."""
+        extra = {"Connection": "close"} if streamed else {}
         request = self._http.build_request(
-            method, f"{self.base_url}{path}", content=content, headers={**(headers or {}), **self._auth}
+            method, f"{self.base_url}{path}", content=content, headers={**(headers or {}), **extra, **self._auth}
         )
         response = await self._http.send(request, stream=True)
         try:

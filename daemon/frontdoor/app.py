@@ -196,7 +196,7 @@ class FrontDoor:
             try:
                 engine = EngineClient(base_url, api_key, self.http)
                 response = await stack.enter_async_context(
-                    engine.forward(method, path, content=content, headers=headers)
+                    engine.forward(method, path, content=content, headers=headers, streamed=sse)
                 )
             except httpx.TransportError as exc:
                 await stack.aclose()
