@@ -47,6 +47,7 @@ from daemon.backends.registry import try_order
 from daemon.backends.base import Detection
 from daemon.bundles.installed import InstalledBundle
 from daemon.fallback.orchestrator import FallbackOrchestrator
+from daemon.frontdoor.hold import Hold
 from daemon.frontdoor.server import serve_frontdoor
 from daemon.install.manifest import MANIFEST_ENV
 from daemon.install.service import InstallService
@@ -118,6 +119,7 @@ class Daemon:
     orchestrator: FallbackOrchestrator = attrs.field(init=False)
     snapshots: SnapshotService = attrs.field(init=False)
     keys: KeyStore = attrs.field(init=False)  # the user's API keys; the front door checks with keys.check
+    frontdoor_hold: Hold = attrs.field(init=False)  # requests held or in flight at the front door
     pulls: PullService = attrs.field(init=False)  # model pulls and the catalog (daemon/models/pull.py)
     config_runner: MachineRunner = attrs.field(init=False)
     _config_effects: EffectDriver[None] = attrs.field(init=False)
@@ -152,6 +154,7 @@ class Daemon:
         self.orchestrator = FallbackOrchestrator(
             self.paths, self.store, self.probes, self.installs, backends, publish=self.publish
         )
+        self.frontdoor_hold = Hold(self)  # the front door's waiting room; a planned stop drains it first
         self.supervisor = Supervisor(
             self.paths,
             self.store,
@@ -160,6 +163,7 @@ class Daemon:
             publish=self.publish,
             ready_hook=self._on_ready,
             before_stop=self.snapshots.before_stop,
+            drain=self.frontdoor_hold.wait_drained,
         )
 
     def manifest_source(self) -> str:
@@ -378,7 +382,7 @@ class Daemon:
             await nursery.start(serve_control, self.paths.socket_path, partial(dispatch, self), self.bus)
             # The front door (docs/frontdoor.md), user API keys checked through `authorize`.
             self.frontdoor_binds = await nursery.start(
-                functools.partial(serve_frontdoor, self, authorize=self.authorize)
+                functools.partial(serve_frontdoor, self, authorize=self.authorize, hold=self.frontdoor_hold)
             )
             await nursery.start(
                 lambda task_status: watch_config(
@@ -406,8 +410,10 @@ class Daemon:
     async def _stop_server(self) -> None:
         sdnotify.stopping("stopping the server")
         self.supervisor.shutting_down = True
-        # The saves before the stop have their own budget, which scales with the KV to save.
-        with trio.move_on_after(self.config.supervisor.stop_grace_s + self.snapshots.stop_budget_bound() + 15):
+        # The saves before the stop have their own budget, which scales with the KV to save; the
+        # front door's requests in flight are drained first.
+        drain = self.launch_settings().drain_timeout
+        with trio.move_on_after(self.config.supervisor.stop_grace_s + self.snapshots.stop_budget_bound() + drain + 15):
             self.supervisor.offer(LR.DownRequested())
             await self.wait_state({LR.LaunchState.STOPPED, LR.LaunchState.FAILED})
 

@@ -235,9 +235,14 @@ def stall(state: S, data: LaunchData, event: StallTimeout) -> Step:
     return stop_step(data, AfterStop.CRASH, ReasonCode.SERVER_STALLED, evidence)
 
 
+# The planned stops (down, restart, config change) of a ready server drain it first: the
+# requests in flight through the front door finish, new ones are held meanwhile. A server not
+# yet ready has none; a stall or a hang is no planned stop.
+
+
 @guarded(S.STOPPING)
 def down(state: S, data: LaunchData, event: DownRequested) -> Step:
-    return stop_step(data, AfterStop.STOP)
+    return stop_step(data, AfterStop.STOP, drain=state is S.READY)
 
 
 @guarded(S.STOPPING)
@@ -246,7 +251,7 @@ def relaunch(state: S, data: LaunchData, event: RestartRequested | ConfigChanged
         data = attrs.evolve(data, settings=settings_of(data, event.settings))
     else:
         data = fresh_count(data)
-    return stop_step(data, AfterStop.RESTART)
+    return stop_step(data, AfterStop.RESTART, drain=state is S.READY)
 
 
 @guarded(S.STOPPING)

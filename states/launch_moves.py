@@ -86,10 +86,16 @@ def plan_step(data: LaunchData, settings: LaunchSettings | None = None, *, reset
 
 
 def stop_step(
-    data: LaunchData, after: AfterStop, reason: ReasonCode | None = None, evidence: dict[str, Any] | None = None
+    data: LaunchData,
+    after: AfterStop,
+    reason: ReasonCode | None = None,
+    evidence: dict[str, Any] | None = None,
+    *,
+    drain: bool = False,
 ) -> Step:
     """Enter stopping. While a spawn is under way there is nothing to signal yet: the stop
-    waits for its answer (Spawned: then Terminate; SpawnFailed: nothing ran)."""
+    waits for its answer (Spawned: then Terminate; SpawnFailed: nothing ran). `drain`: a
+    planned stop of a ready server, whose requests in flight may finish first (bounded)."""
     data = attrs.evolve(data, after_stop=after, silent=False)
     if reason is not None:
         data = attrs.evolve(data, reason=reason, evidence=evidence or {})
@@ -98,7 +104,8 @@ def stop_step(
     if data.spawning:
         evidence["waiting_for"] = "spawn"
     else:
-        effects = (Terminate(data.settings.stop_grace), *effects)
+        wait = data.settings.drain_timeout if drain else 0.0
+        effects = (Terminate(data.settings.stop_grace, wait), *effects)
     return Step(S.STOPPING, data, effects, reason, evidence)
 
 

@@ -130,6 +130,10 @@ class LaunchSettings:
     stop_grace: float = 10.0  # seconds between TERM and KILL
     stable_after: float = 60.0  # seconds ready before the crash counter resets
     hung_after: float = 60.0  # seconds a ready server may show no sign of life before it is hung (0: never)
+    # Seconds a planned stop of a ready server (down, restart, config relaunch) lets the requests
+    # in flight through the front door finish before TERM: llama-server given TERM mid-request
+    # hangs until the KILL after stop_grace, and the streams under it are cut.
+    drain_timeout: float = 30.0
 
 
 @attrs.frozen
@@ -344,9 +348,11 @@ class WatchReadiness:
 
 @attrs.frozen
 class Terminate:
-    """TERM to the process group, `grace` seconds, then KILL; answer StopCompleted."""
+    """First up to `drain` seconds for the front door's requests in flight to finish (0: none),
+    then TERM to the process group, `grace` seconds, then KILL; answer StopCompleted."""
 
     grace: float
+    drain: float = 0.0
 
 
 @attrs.frozen

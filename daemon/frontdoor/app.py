@@ -123,11 +123,13 @@ async def relay(response: httpx.Response, sse: bool) -> AsyncIterator[bytes]:
 class FrontDoor:
     """The routes, bound to the daemon, one shared loopback HTTP client and the key check."""
 
-    def __init__(self, daemon: FrontDoorDaemon, http: httpx.AsyncClient, authorize: Authorize) -> None:
+    def __init__(
+        self, daemon: FrontDoorDaemon, http: httpx.AsyncClient, authorize: Authorize, hold: Hold | None = None
+    ) -> None:
         self.daemon = daemon
         self.http = http
         self.authorize = authorize
-        self.hold = Hold(daemon)
+        self.hold = hold or Hold(daemon)  # the daemon's own, whose drain its supervisor waits for
         self.metrics = FrontDoorMetrics(daemon, self.hold, (*POST_ROUTES, "/v1/models"), POST_ROUTES)
 
     def app(self) -> Starlette:
@@ -193,6 +195,7 @@ class FrontDoor:
             except Refused as exc:
                 return refused(path, exc)
             stack = contextlib.AsyncExitStack()
+            stack.callback(self.hold.sent())  # in flight until its answer is over (or failed)
             try:
                 engine = EngineClient(base_url, api_key, self.http)
                 response = await stack.enter_async_context(

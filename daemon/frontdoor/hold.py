@@ -3,9 +3,13 @@
 At most `[frontdoor] max_queue` requests wait at once, each at most `hold_timeout_s`; past
 either bound, or when the server is stopped or failed (nothing will make it ready unasked),
 `Refused` carries the reason code the front door answers 503 with, and a Retry-After.
+It also counts the requests in flight to the engine: before a planned stop of a ready server
+the supervisor waits (bounded) until their answers are over (`wait_drained`).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import attrs
 import trio
@@ -41,6 +45,32 @@ class Hold:
     daemon: FrontDoorDaemon
     waiting: int = 0
     held_total: int = 0  # requests that had to wait at all (/metrics: stoker_requests_held_total)
+
+    in_flight: int = 0  # requests sent to the engine whose answer is not over (a planned stop drains them)
+    _drained: trio.Event = attrs.field(factory=trio.Event)
+
+    def sent(self) -> Callable[[], None]:
+        """Count a request sent to the engine; call what this returns once its answer is over."""
+        self.in_flight += 1
+        done = False
+
+        def over() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.in_flight -= 1
+                if self.in_flight == 0:
+                    self._drained.set()
+                    self._drained = trio.Event()
+
+        return over
+
+    async def wait_drained(self) -> None:
+        """Return once no request is in flight to the engine (the supervisor's drain before a
+        planned stop; requests arriving meanwhile are held, so the count only falls)."""
+        while self.in_flight:
+            await self._drained.wait()
+        await trio.lowlevel.checkpoint()
 
     async def until_ready(self) -> tuple[str, str | None]:
         """The engine's base URL and key once the server is ready; raises `Refused`."""

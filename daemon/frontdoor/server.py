@@ -20,6 +20,7 @@ from hypercorn.typing import ASGIFramework
 
 from daemon.core.http import loopback_client
 from daemon.frontdoor.app import FrontDoor
+from daemon.frontdoor.hold import Hold
 from daemon.frontdoor.limits import LimitedHypercornConfig
 from daemon.frontdoor.served import Authorize, FrontDoorDaemon, allow_loopback
 
@@ -48,16 +49,18 @@ async def serve_frontdoor(
     daemon: FrontDoorDaemon,
     *,
     authorize: Authorize = allow_loopback,
+    hold: Hold | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until cancelled; `started` with the bound URLs (empty when off or the bind failed)."""
+    """Serve until cancelled; `started` with the bound URLs (empty when off or the bind failed).
+    `hold`: the daemon's waiting room, whose requests in flight a planned stop drains."""
     settings = daemon.config.frontdoor
     if not settings.enabled:
         task_status.started([])
         return
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with loopback_client(timeout=ENGINE_TIMEOUT, limits=limits) as http, trio.open_nursery() as nursery:
-        app = cast(ASGIFramework, FrontDoor(daemon, http, authorize).app())  # Starlette is an ASGI 3 app
+        app = cast(ASGIFramework, FrontDoor(daemon, http, authorize, hold).app())  # Starlette is an ASGI 3 app
         config = hypercorn_config(daemon, settings.host, settings.port)
         try:
             # Bound here, not inside Hypercorn's nurseries: a taken port must be one plain

@@ -119,6 +119,7 @@ class Supervisor:
     publish: Publish | None = None
     ready_hook: ReadyHook | None = None
     before_stop: StopHook | None = None
+    drain: Callable[[], Awaitable[object]] = trio.lowlevel.checkpoint  # returns once no request is in flight
     shutting_down: bool = False  # set by the daemon: the stop cause is "shutdown"
     rng: random.Random = attrs.field(factory=random.Random)
     server: ServerHandle | AdoptedServer | None = None
@@ -269,7 +270,7 @@ class Supervisor:
             log.error("WatchReadiness with no live server (state %s)", self.state)
 
     def _stop(self, effect: LR.Terminate) -> None:
-        self._tasks.start_soon(self._terminate, effect.grace)
+        self._tasks.start_soon(self._terminate, effect.grace, effect.drain)
 
     def _start_backoff(self, effect: LR.StartBackoff) -> None:
         sup = self.config.supervisor
@@ -425,9 +426,11 @@ class Supervisor:
             if isinstance(server, AdoptedServer):  # a spawned server's record goes with it
                 self.identity_file.unlink(missing_ok=True)
 
-    async def _terminate(self, grace: float) -> None:
+    async def _terminate(self, grace: float, drain: float = 0.0) -> None:
         server = self.server
         after = self.data.after_stop
+        with trio.move_on_after(drain):  # a planned stop: the front door's requests in flight finish first
+            await self.drain()
         if server is not None and self.before_stop is not None and after is not LR.AfterStop.CRASH:
             cause = "shutdown" if self.shutting_down else _STOP_CAUSE[after]
             # A hung engine answers nothing: its snapshot attempt gets the grace period, no more.

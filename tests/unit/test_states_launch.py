@@ -80,7 +80,7 @@ def test_happy_path_and_effects():
     assert s.effects == (ArmStableTimer(60.0), WatchLiveness(5.0, 5.0), Notify("ready", "ready on cpu"))
     assert s.evidence == {"layers": 0}
     s = running(DownRequested())
-    assert s.state is S.STOPPING and s.effects[0] == Terminate(10.0)
+    assert s.state is S.STOPPING and s.effects[0] == Terminate(10.0, 30.0)  # drained first
     s = running(DownRequested(), StopCompleted(0))
     assert s.state is S.STOPPED and s.data.pid is None
 
@@ -510,3 +510,26 @@ def test_requests_while_stopping_after_a_stall():
     assert config.state is S.PLANNING
     plain = drive(UpRequested(), PlanReady(PLAN), DownRequested(), ConfigChanged(), StopCompleted(0))
     assert plain.state is S.STOPPED
+
+
+# --- issue 13: a planned stop lets the front door's requests in flight finish ---------------
+
+
+@pytest.mark.parametrize("request_", [DownRequested(), RestartRequested(), ConfigChanged()])
+def test_a_planned_stop_of_a_ready_server_drains_it_before_the_term(request_):
+    """llama-server given TERM with a request in flight hangs until the KILL after stop_grace,
+    cutting the stream; a planned stop of a ready server waits for the requests in flight."""
+    settings = LaunchSettings(stop_grace=3.0, drain_timeout=20.0)
+    s = running(request_, settings=settings)
+    assert s.state is S.STOPPING and s.effects[0] == Terminate(3.0, drain=20.0)
+    # Not ready yet: nothing was sent to it, nothing to wait for.
+    s = drive(UpRequested(settings), PlanReady(PLAN), Spawned(42, 1.5), LoadStarted(), request_)
+    assert s.state is S.STOPPING and s.effects[0] == Terminate(3.0, drain=0.0)
+
+
+def test_a_hung_or_found_server_is_stopped_without_draining():
+    settings = LaunchSettings(stop_grace=3.0, hung_after=12.0, drain_timeout=20.0)
+    s = running(EngineSilent(12.5, {"health": "timeout"}), settings=settings)
+    assert s.data.after_stop is AfterStop.HUNG and s.effects[0] == Terminate(3.0, drain=0.0)
+    s = drive(UpRequested(settings), OrphanFound(77, 9.0, {"health": "timeout"}))
+    assert s.state is S.STOPPING and s.effects[0] == Terminate(3.0, drain=0.0)
