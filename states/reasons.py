@@ -340,8 +340,8 @@ MESSAGES: dict[ReasonCode, str] = {
         'The request names a model this server does not serve; use "default" or the name `GET /v1/models` lists.'
     ),
     ReasonCode.ENGINE_UNREACHABLE: (
-        "The front door could not get an answer from the engine (its connection failed twice, or no answer came "
-        "in time); `stoker status` says what the server is doing."
+        "The front door could not get an answer from the engine (lost before it answered, twice for a request that "
+        "may have caused it, or no answer came in time); `stoker status` says what the server is doing."
     ),
     ReasonCode.ENGINE_STREAM_CUT: (
         "The answer was cut midway (the server was stopped or died while it streamed); send the request again: "

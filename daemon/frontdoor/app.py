@@ -3,7 +3,8 @@
 Each request is checked (JSON object, a `model` the server serves), held until the server is
 ready (daemon/frontdoor/hold.py), then sent to the engine with its per-launch key; the engine's
 answer is relayed chunk by chunk as it arrives (SSE included), never buffered. A request whose
-engine connection fails before the engine answered is sent once more, to the next ready server.
+engine is lost before the first byte of its answer is sent again to the next ready server, as
+states/frontdoor_policy.py decides (each time, when the request cannot have caused the loss).
 Errors use the called API's shape: OpenAI's `{"error": {"message", "type", "param", "code"}}`,
 or Anthropic's `{"type": "error", "error": {"type", "message"}}` on /v1/messages.
 """
@@ -26,18 +27,16 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from daemon.engine.api import EngineClient
-from daemon.frontdoor.hold import READY, Hold, Refused
+from daemon.frontdoor.hold import Hold, Refused
 from daemon.frontdoor.limits import LimitExceeded, check_head, read_body
 from daemon.frontdoor.metrics import CONTENT_TYPE, FrontDoorMetrics, RequestWatch
 from daemon.frontdoor.served import Authorize, FrontDoorDaemon, model_names
+from states.frontdoor_policy import innocent, send_again
 
 log = logging.getLogger("stoker.frontdoor")
 
 # The routes forwarded with their JSON body (OpenAI's, and Anthropic's /v1/messages).
 POST_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages")
-# After the engine's connection failed, how long to wait for the supervisor to notice (the
-# state leaves ready) before holding for the next ready server.
-NOTICE_S = 2.0
 
 
 # Anthropic's error `type` for each status the front door answers itself.
@@ -105,10 +104,15 @@ class EngineStream(StreamingResponse):
                 await self._closer.aclose()
 
 
-async def relay(response: httpx.Response, sse: bool) -> AsyncIterator[bytes]:
-    """The engine's body, chunk by chunk as it arrives; a cut SSE stream ends with an error event."""
+async def relay(
+    response: httpx.Response, sse: bool, first: bytes = b"", chunks: AsyncIterator[bytes] | None = None
+) -> AsyncIterator[bytes]:
+    """The engine's body, chunk by chunk as it arrives (`first`, already read, then the rest of
+    `chunks`); a cut SSE stream ends with an error event."""
     try:
-        async for chunk in response.aiter_raw():
+        if first:
+            yield first
+        async for chunk in chunks if chunks is not None else response.aiter_raw():
             yield chunk
     except httpx.TransportError as exc:
         if not sse:
@@ -187,13 +191,16 @@ class FrontDoor:
         return await self.forward("POST", request.url.path, content, sse=bool(body.get("stream")))
 
     async def forward(self, method: str, path: str, content: bytes | None, *, sse: bool) -> Response:
-        """Hold until ready, send, relay; one more try if the connection failed before any answer."""
+        """Hold until ready, send, relay. An engine lost before the first byte of its answer:
+        sent again to the next ready server when states/frontdoor_policy.py says so."""
         headers = {"Content-Type": "application/json"} if content is not None else {}
-        for attempt in (1, 2):
+        sends = suspect = 0
+        while True:
             try:
                 base_url, api_key = await self.hold.until_ready()
             except Refused as exc:
                 return refused(path, exc)
+            sends += 1
             stack = contextlib.AsyncExitStack()
             stack.callback(self.hold.sent())  # in flight until its answer is over (or failed)
             try:
@@ -201,19 +208,40 @@ class FrontDoor:
                 response = await stack.enter_async_context(
                     engine.forward(method, path, content=content, headers=headers, streamed=sse)
                 )
+                # Nothing reaches the client before the answer's first bytes (a stream's first whole
+                # event): an answer the engine began and lost before them is still no answer.
+                chunks = response.aiter_raw()
+                first = await anext(chunks, b"")
+                while sse and first and b"\n\n" not in first and (more := await anext(chunks, b"")):
+                    first += more
             except httpx.TransportError as exc:
                 await stack.aclose()
-                log.warning("the engine's connection failed before it answered (try %d): %s", attempt, exc)
-                with trio.move_on_after(NOTICE_S):
-                    await self.daemon.wait_state(set(type(READY)) - {READY})
-                continue
+                reached = not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+                loss = await self.hold.notice_loss(base_url, reached)
+                suspect += not innocent(loss)
+                again = send_again(loss, sends, suspect)
+                log.warning(
+                    "the engine was lost before it answered (send %d; server %s, %s, signal %s): %s; %s",
+                    sends,
+                    "gone" if loss.gone else "still serving",
+                    loss.state.value,
+                    loss.signal,
+                    exc,
+                    "sending it again" if again else "giving up",
+                )
+                if again:
+                    continue
+                return api_error(
+                    path,
+                    502,
+                    f"The engine was lost {sends} times before it answered ({exc}).",
+                    "server_error",
+                    "engine_unreachable",
+                )
             kept = {k: v for k, v in response.headers.items() if k.lower() in ("content-type", "cache-control")}
             return EngineStream(
-                relay(response, sse and response.status_code == 200),
+                relay(response, sse and response.status_code == 200, first, chunks),
                 stack,
                 status_code=response.status_code,
                 headers=kept,
             )
-        return api_error(
-            path, 502, "The engine's connection failed twice before it answered.", "server_error", "engine_unreachable"
-        )

@@ -16,11 +16,12 @@ import trio
 
 from daemon.frontdoor.served import FrontDoorDaemon
 from states import launch_records as LR
+from states.frontdoor_policy import DOWN, READY, EngineLoss, waits
 from states.reasons import ReasonCode, message_for
 
-READY = LR.LaunchState.READY
-# A stopped or failed server becomes ready only when someone asks (`stoker up`): no holding.
-DOWN = frozenset({LR.LaunchState.STOPPED, LR.LaunchState.FAILED})
+# After the engine's connection failed, how long to wait for the supervisor to notice (the
+# state leaves ready) before judging the loss (states/frontdoor_policy.py) without it.
+NOTICE_S = 2.0
 # Seconds a refused client is told to wait before trying again.
 RETRY_AFTER_S = {
     ReasonCode.FRONTDOOR_HOLD_TIMEOUT: 5,
@@ -45,7 +46,6 @@ class Hold:
     daemon: FrontDoorDaemon
     waiting: int = 0
     held_total: int = 0  # requests that had to wait at all (/metrics: stoker_requests_held_total)
-
     in_flight: int = 0  # requests sent to the engine whose answer is not over (a planned stop drains them)
     _drained: trio.Event = attrs.field(factory=trio.Event)
 
@@ -77,7 +77,7 @@ class Hold:
         state = self.daemon.supervisor.state
         if state is not READY:
             settings = self.daemon.config.frontdoor
-            if state in DOWN:
+            if not waits(state):
                 raise Refused(ReasonCode.FRONTDOOR_SERVER_DOWN, f"server {state.value}")
             if self.waiting >= settings.max_queue:
                 raise Refused(ReasonCode.FRONTDOOR_QUEUE_FULL, f"{self.waiting} waiting")
@@ -99,3 +99,21 @@ class Hold:
         if base_url is None:  # ready always has a plan; kept honest rather than asserted
             raise Refused(ReasonCode.FRONTDOOR_SERVER_DOWN, "no endpoint")
         return base_url, api_key
+
+    async def notice_loss(self, base_url: str, reached: bool) -> EngineLoss:
+        """The facts of an engine lost under a request before any byte of its answer: wait (at
+        most NOTICE_S) for the supervisor to notice the server it was sent to is gone, then
+        read what the launch machine recorded (why it stops, the signal that ended it)."""
+        supervisor = self.daemon.supervisor
+
+        def gone() -> bool:
+            return supervisor.state is not READY or supervisor.endpoint()[0] != base_url
+
+        if not gone():
+            with trio.move_on_after(NOTICE_S):
+                await self.daemon.wait_state(set(LR.LaunchState) - {READY})
+        data = supervisor.data
+        signal = data.evidence.get("signal")
+        return EngineLoss(
+            reached, gone(), supervisor.state, data.after_stop, signal if isinstance(signal, str) else None
+        )

@@ -238,6 +238,26 @@ def test_killed_engine(daemon, model):
     check_promise("a) kill -9 x4", under_load(base, disturb))
 
 
+def test_killed_again_before_the_held_requests_are_answered(daemon, model):
+    """Killed 60 ms after each relaunch: requests held through one kill and sent to the next
+    server die with it too. They were retried only once: 6 of 46 got 502 engine_unreachable
+    while the daemon relaunched within a second each time. An engine killed from outside
+    (SIGKILL) cannot have been killed by the request: such a request is sent again."""
+    kills = 6
+    config = tiny_config(model).replace("max_restarts = 3", f"max_restarts = {kills + 2}")
+    base = start_with_frontdoor(daemon, config)
+    pid = daemon.wait_state("ready")["pid"]
+
+    def disturb(load: Load) -> None:
+        nonlocal pid
+        for _ in range(kills):
+            time.sleep(0.06)
+            os.kill(pid, signal.SIGKILL)
+            pid = next_server(daemon, pid)["pid"]
+
+    check_promise("a2) kill -9 x6, 60 ms after each ready", under_load(base, disturb))
+
+
 # --- b) a hot reload that changes the context ----------------------------------------------------
 
 
@@ -388,3 +408,36 @@ def test_a_planned_restart_lets_the_stream_in_flight_finish(daemon, long_model):
     assert stop["evidence"].get("signal") != "SIGKILL", stop  # an idle server exits on TERM
     reply = sdk(base).chat.completions.create(model="default", messages=MESSAGES, max_tokens=4)
     assert reply.choices and daemon.call("status")["pid"] == after["pid"]
+
+
+def test_a_request_whose_engine_crashes_under_it_twice_is_not_sent_a_third_time(daemon, long_model):
+    """The other side of sending again: an engine that crashed by itself (SIGSEGV here) may have
+    been crashed by the request, which is then sent once more only; the daemon serves on."""
+    base = start_with_frontdoor(daemon, tiny_config(long_model, ctx_size=4096))
+    pid = daemon.wait_state("ready")["pid"]
+    answer: list[object] = []
+
+    def ask() -> None:
+        try:
+            answer.append(
+                sdk(base).chat.completions.create(
+                    model="default", messages=MESSAGES, max_tokens=800, extra_body={"ignore_eos": True}
+                )
+            )
+        except openai.APIError as exc:
+            answer.append(exc)
+
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    for _ in range(2):
+        time.sleep(0.5)  # the answer is being generated (seconds long)
+        assert not answer, answer
+        os.kill(pid, signal.SIGSEGV)
+        pid = next_server(daemon, pid)["pid"]
+    asking.join(CLIENT_TIMEOUT_S)
+    (refused,) = answer
+    assert isinstance(refused, openai.APIStatusError), refused
+    assert refused.status_code == 502 and refused.code == "engine_unreachable", refused
+    assert "lost 2 times" in str(refused)
+    reply = sdk(base).chat.completions.create(model="default", messages=MESSAGES, max_tokens=4)
+    assert reply.choices and daemon.call("status")["pid"] == pid  # the daemon serves on

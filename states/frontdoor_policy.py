@@ -1,0 +1,82 @@
+"""The front door's decisions (pure): which launch states a request waits through, and whether a
+request whose engine was lost before any byte of its answer reached the client is sent again.
+
+Not a machine: each request asks these two questions with the facts of the moment, like
+snapshot_policy.py. daemon/frontdoor/hold.py gathers the facts and acts on the answers.
+
+Waiting: every launch state but ready comes back to ready by itself (planning, starting,
+loading, a restart's or a config change's stop, a crash's backoff, a GPU plan that failed
+and falls back to the next backend), except stopped and failed: only someone's `stoker up`
+makes those ready, so a request is refused at once (503 frontdoor_server_down).
+
+Sending again: the engine was lost under a request that had no answer yet (its connection
+failed, or closed before the first byte). If the request cannot have caused it (it never
+reached an engine; Stoker stopped that server on purpose; something outside killed it with
+SIGKILL: a user, the kernel's OOM killer, the supervisor's own KILL), it is sent to the next
+ready server, each time such a loss happens. If it may have caused it (the engine crashed by
+itself, hung, or is still serving as if nothing happened), it is sent once more only: a
+request that crashes the engine must not crash it in a loop. The launch machine's crash loop
+bounds the rest: once it gives up, the held request is refused like any other.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from states.launch_records import AfterStop, LaunchState
+
+S = LaunchState
+READY = S.READY
+# A stopped or failed server becomes ready only when someone asks (`stoker up`): no holding.
+DOWN = frozenset({S.STOPPED, S.FAILED})
+# Everything else comes back to ready by itself: a request waits through it.
+WILL_BE_READY = frozenset(S) - DOWN - {READY}
+
+# How an engine ended when nothing the request did can have ended it.
+PLANNED_STOPS = frozenset({AfterStop.STOP, AfterStop.RESTART})
+KILLED_FROM_OUTSIDE = frozenset({"SIGKILL"})
+# Sends after a loss the request may have caused.
+SUSPECT_RESENDS = 1
+# However innocent, a request is sent at most this many times (each to a newly ready server).
+MAX_SENDS = 10
+
+
+def waits(state: LaunchState) -> bool:
+    """A request that arrives in `state` waits for ready (else it is sent, or refused when down)."""
+    return state in WILL_BE_READY
+
+
+@attrs.frozen
+class EngineLoss:
+    """What the front door knows once the engine was lost before any byte of the answer.
+
+    `reached`: the connection was made (the engine may have read the request). `gone`: the
+    server it was sent to is no longer the one served (the launch machine noticed). `state`,
+    `after_stop` and `signal`: the launch machine's state and why it stops, and the signal
+    that ended the server if it crashed, as the launch machine recorded them when noticed.
+    """
+
+    reached: bool
+    gone: bool
+    state: LaunchState
+    after_stop: AfterStop = AfterStop.STOP
+    signal: str | None = None
+
+
+def innocent(loss: EngineLoss) -> bool:
+    """The request cannot have caused the loss."""
+    if not loss.gone:
+        return False  # the server serves on: nothing says it was lost from outside
+    if not loss.reached:
+        return True  # no engine ever read it
+    if loss.state is S.STOPPING:
+        return loss.after_stop in PLANNED_STOPS  # stopped on purpose; a hang may be the request's doing
+    return loss.signal in KILLED_FROM_OUTSIDE
+
+
+def send_again(loss: EngineLoss, sends: int, suspect_losses: int) -> bool:
+    """After `sends` sends and `suspect_losses` losses the request may have caused (this one
+    counted): whether to send it once more, to the next ready server."""
+    if sends >= MAX_SENDS:
+        return False
+    return innocent(loss) or suspect_losses <= SUSPECT_RESENDS
