@@ -392,7 +392,7 @@ def test_a_planned_restart_lets_the_stream_in_flight_finish(daemon, long_model):
     base = start_with_frontdoor(daemon, tiny_config(long_model, ctx_size=4096))
     first = daemon.wait_state("ready")
     stream = sdk(base).chat.completions.create(
-        model="default", messages=MESSAGES, max_tokens=800, stream=True, extra_body={"ignore_eos": True}
+        model="default", messages=MESSAGES, max_tokens=300, stream=True, extra_body={"ignore_eos": True}
     )
     chunks = iter(stream)
     assert next(chunks).choices  # the stream has started
