@@ -152,7 +152,7 @@ class Daemon:
             self.paths, self.store, self.publish, manifest_source=self.manifest_source, backends=backends
         )
         self.orchestrator = FallbackOrchestrator(
-            self.paths, self.store, self.probes, self.installs, backends, publish=self.publish
+            self.paths, self.store, self.probes, self.installs, backends, publish=self.publish, pulls=self.pulls
         )
         self.frontdoor_hold = Hold(self)  # the front door's waiting room; a planned stop drains it first
         self.supervisor = Supervisor(
@@ -337,7 +337,7 @@ class Daemon:
         old = self.config
         changed = sorted(config_diff(old, new))
         relaunch = needs_relaunch(old, new)
-        reason, problem = model_problem(new.server.model, self.paths) if relaunch else (None, None)
+        reason, problem = model_problem(new.server.model, self.pulls.catalog) if relaunch else (None, None)
         step = self.config_runner.fire(C.ConfigAccepted(changed, relaunch, reason, problem))
         for effect in step.effects:
             self._config_effects.run(effect, new)

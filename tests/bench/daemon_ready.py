@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from daemon.bundles.build import build_bundle  # noqa: E402
 from daemon.bundles.installed import install_bundle  # noqa: E402
 from daemon.control.client import ControlClient  # noqa: E402
-from daemon.models.resolve import resolve_model  # noqa: E402
+from tests.model_files import model_file  # noqa: E402
 from daemon.core.paths import StokerPaths  # noqa: E402
 from daemon.core.digests import sha256_file  # noqa: E402
 from daemon.models.identity import _CACHE as _IDENTITIES  # noqa: E402
@@ -236,7 +236,7 @@ def main() -> int:
         if not model.is_file():
             write_big_model(model, args.big_gib)
     else:
-        model = resolve_model(args.model, paths)
+        model = model_file(args.model, paths)
     ctx = args.ctx
     size_gib = model.stat().st_size / 2**30
     print(

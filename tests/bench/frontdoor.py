@@ -48,7 +48,8 @@ from daemon.bundles.build import build_bundle  # noqa: E402
 from daemon.bundles.installed import install_bundle  # noqa: E402
 from daemon.bundles.tinymodel import write_tiny_model  # noqa: E402
 from daemon.core.paths import StokerPaths  # noqa: E402
-from daemon.models.resolve import DEFAULT_MODEL, resolve_model  # noqa: E402
+from daemon.models.known import WELL_KNOWN  # noqa: E402
+from tests.model_files import GEMMA, model_file  # noqa: E402
 from tests.bench.rawchat import Conn, Stream, chat_body  # noqa: E402
 from tests.bench.report import machine, percentile, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, write_config  # noqa: E402
@@ -191,8 +192,11 @@ def prepare_model(spec: str, paths: StokerPaths, work: Path) -> tuple[str, Path]
         path = write_tiny_model(work / "tiny.gguf", n_ctx=4096)
         return str(path), path
     if spec == "gemma":
-        return DEFAULT_MODEL, resolve_model(DEFAULT_MODEL, paths)
-    path = resolve_model(spec, paths)
+        # The file of the installed package (offline), served as the daemon serves `gemma3-270m`
+        # (with its chat template: see main's extra_args).
+        path = model_file(GEMMA, paths)
+        return str(path), path
+    path = model_file(spec, paths)
     return str(path), path
 
 
@@ -368,6 +372,8 @@ def main() -> int:
         # The daemon's defaults (supervisor, snapshots) but for the model, its slots and the port:
         # a planned restart takes what a user's would.
         config = f"[server]\nmodel = {json.dumps(spec)}\nctx_size = {parallel * args.slot_ctx}\nparallel = {parallel}\n"
+        if args.model == "gemma":
+            config += f"extra_args = {json.dumps(list(WELL_KNOWN[GEMMA].launch_args))}\n"
         write_config(d.paths, config + f"[frontdoor]\nport = {port}\n")
         d.start()
         try:

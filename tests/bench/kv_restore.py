@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from daemon.bundles.build import build_bundle  # noqa: E402
 from daemon.bundles.installed import install_bundle  # noqa: E402
-from daemon.models.resolve import resolve_model  # noqa: E402
+from tests.model_files import model_file  # noqa: E402
 from daemon.core.paths import StokerPaths  # noqa: E402
 from tests.bench.report import machine, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config  # noqa: E402
@@ -327,7 +327,7 @@ def main() -> int:
             if not model.is_file():
                 write_big_model(model, args.big_gib, ctx=max(args.ctx, 8192))
         else:
-            model = resolve_model(args.model, paths)
+            model = model_file(args.model, paths)
         d = DaemonProcess(home)
         write_config(
             d.paths, tiny_config(model, snapshots=True, ctx_size=args.ctx, stall_timeout_s=120.0, ready_timeout_s=600.0)

@@ -315,6 +315,7 @@ def make_wheel(
 class FakeIndex:
     wheels: list[Path] = attrs.field(factory=list)
     log: list[str] = attrs.field(factory=list)
+    file_delay_s: float = 0.0  # each wheel is sent this late: a pull that lasts long enough to watch
     _server: _Server | None = None
 
     @property
@@ -351,6 +352,7 @@ class FakeIndex:
                 wheel = next((w for w in index.wheels if match and w.name == match.group(1)), None)
                 if wheel is None:
                     return self._send(404, b"not found", "text/plain")
+                time.sleep(index.file_delay_s)
                 self._send(200, wheel.read_bytes(), "application/octet-stream")
 
             def _send(self, status: int, body: bytes, kind: str) -> None:

@@ -104,10 +104,10 @@ def test_gate_tiny_model_token_identical_after_restart(daemon):
 def test_gate_gemma_token_identical_after_restart(stoker_home, installed_cpu_bundle):
     """Gemma 3 is a sliding-window model: the conversation is longer than its 512-token window,
     and Stoker must have added --swa-full for the restore to spare the prefill."""
-    from daemon.models.resolve import resolve_model
+    from tests.model_files import model_file
 
     d = DaemonProcess(stoker_home)
-    model = resolve_model("gemma3-270m", d.paths)
+    model = model_file("gemma3-270m", d.paths)
     write_config(
         d.paths, tiny_config(model, snapshots=True, ctx_size=2048, stall_timeout_s=120.0, ready_timeout_s=300.0)
     )

