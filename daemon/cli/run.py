@@ -159,7 +159,7 @@ def start_refusal(console: Path, returncode: int, log_path: Path) -> StokerError
 )
 @json_option
 def run_cmd(prompt: str, timeout: float, key: str | None, as_json: bool) -> None:
-    """Install the engine if needed, start the daemon and the server, answer one chat request."""
+    """Install the engine and pull the model if needed, start the daemon and the server, answer one chat request."""
     from daemon.cli.chat import footer, frontdoor_url
     from daemon.frontdoor.client import FrontDoorClient
 
