@@ -105,6 +105,24 @@ async def test_log_facts_are_parsed(tmp_path):
     assert not log.poll()  # nothing new
 
 
+async def test_log_facts_among_serving_lines_and_split_reads(tmp_path):
+    path = tmp_path / "server.log"
+    serving = "0.00.351.883 I slot get_availabl: id  3 | task -1 |  - skipping, slot is empty\n" * 500
+    text = serving + RECORDED_LOAD.replace("\n", "\r\n") + serving + "srv  log: caf\u00e9 done\n"
+    raw = text.encode()
+    cut = raw.index("\u00e9".encode()) + 1  # a read that ends inside a two-byte character
+    path.write_bytes(raw[:cut])
+    log = ServerLog(path, 0)
+    assert log.poll()
+    assert log.offloaded == (3, 3) and log.n_ctx == 512 and log.listening == ("127.0.0.1", 41235)
+    assert log.tail[-1].endswith("skipping, slot is empty")  # no CR kept, the unfinished line not yet
+    path.write_bytes(raw)
+    assert log.poll()
+    assert log.tail[-1] == "srv  log: caf\u00e9 done" and len(log.tail) == 400
+    assert log.lines_read == 1000 + RECORDED_LOAD.count("\n") + 1
+    assert len(log.buffers) == 3 and log.devices == ["CUDA0 (NVIDIA H200)"]
+
+
 def test_engine_timestamps():
     assert engine_seconds("0.07.699.316 I srv  llama_server: model loaded") == 7.699316
     assert engine_seconds("2.03.000.001 I x") == 123.000001
