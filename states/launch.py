@@ -4,7 +4,10 @@
     crashed -> backoff -> starting (or planning when the crash asks for a new plan)
     failed (crash loop, a plan that cannot be made, or a fatal exit) until UpRequested
 
-One machine per server instance (its store id is keyed by the instance's name); one runs.
+One machine per server instance (its store id is keyed by the instance's name): one per
+configured model. `data.down_cause` remembers who stopped a stopped server (the user, an
+eviction, the daemon's shutdown): states/placement.py reads it to decide whether a request may
+load the model again.
 
 Timers and watchers are effects (`WatchReadiness`, `StartBackoff`, `ArmStableTimer`,
 `WatchLiveness`) whose findings come back as events. A timer belongs to the state that armed it: the daemon cancels it when the
@@ -63,6 +66,7 @@ from states.launch_records import (
     BackoffElapsed,
     BackoffStarted,
     ConfigChanged,
+    DownCause,
     DownRequested,
     Effect,
     EngineAnswered,
@@ -125,8 +129,27 @@ def stop_idle(state: S, data: LaunchData, event: DownRequested) -> Step:
         after_stop=AfterStop.STOP,
         replan_for=None,
         spawning=False,
+        down_cause=down_cause(data, event),
     )
-    return Step(S.STOPPED, data, (Notify("status", "stopped"),))
+    return Step(S.STOPPED, data, (Notify("status", "stopped"),), evidence=down_evidence(event))
+
+
+def down_cause(data: LaunchData, event: DownRequested) -> DownCause:
+    """Who keeps it stopped now: the user's down always; the daemon's own (an eviction, its
+    shutdown) never overrides a stop the user asked for."""
+    if event.cause is DownCause.USER or data.down_cause is None:
+        return event.cause
+    return data.down_cause
+
+
+def down_evidence(event: DownRequested) -> dict[str, Any]:
+    return {"cause": event.cause.value, **event.evidence}
+
+
+@guarded(STAY)
+def down_again(state: S, data: LaunchData, event: DownRequested) -> Step:
+    """Already stopped (or failed): nothing runs; only who keeps it down may change."""
+    return Step(state, attrs.evolve(data, down_cause=down_cause(data, event)), evidence=down_evidence(event))
 
 
 def _keep(state: S, data: LaunchData, event: object) -> Step:
@@ -240,9 +263,15 @@ def stall(state: S, data: LaunchData, event: StallTimeout) -> Step:
 # yet ready has none; a stall or a hang is no planned stop.
 
 
+# The reason a stop records in history, by who asked for it (None: the user's or the daemon's own).
+_DOWN_REASON = {DownCause.EVICTED: ReasonCode.PLACEMENT_EVICTED}
+
+
 @guarded(S.STOPPING)
 def down(state: S, data: LaunchData, event: DownRequested) -> Step:
-    return stop_step(data, AfterStop.STOP, drain=state is S.READY)
+    data = attrs.evolve(data, down_cause=down_cause(data, event))
+    reason = _DOWN_REASON.get(event.cause)
+    return stop_step(data, AfterStop.STOP, reason, down_evidence(event), drain=state is S.READY)
 
 
 @guarded(S.STOPPING)
@@ -269,6 +298,7 @@ def retarget_stop(
     idle = after in (AfterStop.STOP, AfterStop.FAIL)  # it was going to stay down
     if isinstance(event, DownRequested):
         after = AfterStop.FAIL if after is AfterStop.FAIL else AfterStop.STOP
+        data = attrs.evolve(data, down_cause=down_cause(data, event))
     elif isinstance(event, RestartRequested):
         after = AfterStop.RESTART
         data = fresh_count(data)
@@ -335,7 +365,7 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
     S.STOPPED: {
         UpRequested: start,
         RestartRequested: restart_now,
-        DownRequested: keep,
+        DownRequested: down_again,
         ConfigChanged: new_settings_only,
         **_STOP_FOUND,
     },
@@ -413,7 +443,7 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
     S.FAILED: {
         UpRequested: start,
         RestartRequested: restart_now,
-        DownRequested: keep,
+        DownRequested: down_again,
         ConfigChanged: new_settings_only,
         **_STOP_FOUND,
     },

@@ -80,6 +80,7 @@ def plan_step(data: LaunchData, settings: LaunchSettings | None = None, *, reset
         replan_for=None,
         spawning=False,
         silent=False,
+        down_cause=None,
     )
     data, ask = ask_plan(data)
     return Step(S.PLANNING, data, (ask,))

@@ -45,6 +45,15 @@ class AfterStop(enum.StrEnum):
     FAIL = "fail"  # a server found at daemon start while failed: stopped, the failure stays
 
 
+class DownCause(enum.StrEnum):
+    """Who stopped a server that stays stopped, which says whether a request may load it again."""
+
+    USER = "user"  # `stoker down`: it stays down until `stoker up` (a request is refused)
+    EVICTED = "evicted"  # unloaded to make room for another model ([placement] max_loaded): loads on demand
+    SHUTDOWN = "shutdown"  # the daemon stopped: loads on demand once it runs again
+    REMOVED = "removed"  # its [models] section left the config
+
+
 class ExitPhase(enum.StrEnum):
     """When a server died: before the machine ever saw it ready, or while it served."""
 
@@ -151,6 +160,7 @@ class LaunchData:
     silent: bool = False  # ready, but the liveness watchdog sees no sign of life (Stable forgives nothing)
     reason: ReasonCode | None = None  # why the machine is where it is (None when healthy)
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    down_cause: DownCause | None = None  # who stopped it, while a stop asked for lasts (None: never, or up since)
 
 
 # --- events -----------------------------------------------------------------------------
@@ -165,7 +175,12 @@ class UpRequested:
 
 @attrs.frozen
 class DownRequested:
-    """The user wants the server stopped."""
+    """The server is to stop and stay stopped: the user's `down` (`cause` user), or the daemon's
+    (evicted for another model, its shutdown, its [models] section removed); `evidence` says
+    what decided it (an eviction: the model it made room for, max_loaded, the idle time)."""
+
+    cause: DownCause = attrs.field(default=DownCause.USER, converter=DownCause)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
 
 @attrs.frozen

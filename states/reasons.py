@@ -139,6 +139,9 @@ class ReasonCode(enum.StrEnum):
     FRONTDOOR_HOLD_TIMEOUT = "frontdoor_hold_timeout"
     FRONTDOOR_QUEUE_FULL = "frontdoor_queue_full"
     FRONTDOOR_SERVER_DOWN = "frontdoor_server_down"
+    # Several models ([placement] max_loaded): a load with no room, and an unload to make room.
+    PLACEMENT_NO_ROOM = "placement_no_room"
+    PLACEMENT_EVICTED = "placement_evicted"
     # ... and why a request was refused before it was held: it broke a `[frontdoor]` limit.
     FRONTDOOR_BODY_TOO_LARGE = "frontdoor_body_too_large"
     FRONTDOOR_HEADERS_TOO_LARGE = "frontdoor_headers_too_large"
@@ -404,6 +407,15 @@ MESSAGES: dict[ReasonCode, str] = {
     ReasonCode.FRONTDOOR_SERVER_DOWN: (
         "The server is stopped or failed, so the request cannot be held until it is ready; `stoker up` starts it "
         "(`stoker status` says why it stopped)."
+    ),
+    ReasonCode.PLACEMENT_NO_ROOM: (
+        "The model is not loaded and `[placement] max_loaded` models are, each pinned or answering requests, so "
+        "none could be unloaded for it in time; retry after the Retry-After seconds, raise max_loaded, or unpin "
+        "one (`stoker status` lists what is loaded)."
+    ),
+    ReasonCode.PLACEMENT_EVICTED: (
+        "The model was unloaded to make room for another (`[placement] max_loaded`), after its requests in flight "
+        "finished; the next request that names it loads it again."
     ),
     ReasonCode.FRONTDOOR_BODY_TOO_LARGE: (
         "The request body is larger than `[frontdoor] max_body_bytes`, so it was refused without being read; send "
