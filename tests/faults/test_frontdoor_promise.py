@@ -95,7 +95,7 @@ class Load:
         with self.lock:
             return sum(o.result == "ok" for o in self.outcomes)
 
-    def wait_answers(self, count: int, timeout: float = 60.0) -> None:
+    def wait_answers(self, count: int, timeout: float = 120.0) -> None:
         """Return once `count` more requests have succeeded (the load really runs)."""
         target = self.succeeded() + count
         deadline = time.monotonic() + timeout
