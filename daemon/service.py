@@ -1,16 +1,19 @@
 """The daemon: one root nursery in which every service starts, in this order.
 
     private dirs -> lock -> store -> config -> store keeper -> probes -> installs (resumes interrupted installs)
-         -> supervisor (resumes the launch machine; its planner is the fallback
-            orchestrator) -> telemetry -> control socket -> front door -> config watcher
-         -> sd_notify watchdog -> autostart
+         -> pulls -> snapshots -> the fleet (one supervisor per configured model, each resuming its
+            launch machine; its planner is its own fallback orchestrator) -> telemetry
+         -> control socket -> front door -> config watcher -> sd_notify watchdog -> autostart
+            (the pinned models and the default; the others load when a request names them)
 
 The control socket's handlers reach the daemon only through `ControlledDaemon`
 (daemon/control/controlled.py); the methods below under "what the socket methods use" are
 that interface, and nothing in daemon.control imports this module.
 
 A second daemon on the same state directory refuses to start (an flock that the kernel
-releases even when the daemon is killed with -9). A planned shutdown stops the server first.
+releases even when the daemon is killed with -9). A planned shutdown stops every server first.
+`Daemon.supervisor` is the default model's (what `status`'s top-level fields, telemetry and
+/metrics describe); everything per model goes through `Daemon.fleet` (daemon/fleet/).
 
 The disk never stops the daemon: a transition the state database cannot take waits in memory
 (the store keeper writes it when space returns; `status` says `store_write_failed` meanwhile),
@@ -33,7 +36,7 @@ import attrs
 import trio
 
 from daemon.core import sdnotify
-from daemon.config.model import Config, ConfigError, config_diff, load_config, needs_relaunch
+from daemon.config.model import Config, ConfigError, config_diff, load_config
 from daemon.config.watch import watch_config
 from daemon.control.methods import dispatch
 from daemon.control.server import serve_control
@@ -47,13 +50,16 @@ from daemon.backends.registry import try_order
 from daemon.backends.base import Detection
 from daemon.bundles.installed import InstalledBundle
 from daemon.fallback.orchestrator import FallbackOrchestrator
+from daemon.fleet.fleet import Fleet
+from daemon.fleet.member import Member, Services
+from daemon.fleet.usage import Pulse
 from daemon.frontdoor.hold import Hold
 from daemon.frontdoor.server import serve_frontdoor
 from daemon.install.manifest import MANIFEST_ENV
 from daemon.install.service import InstallService
 from daemon.probes.service import ProbeResult, ProbeService
 from daemon.snapshots.service import SnapshotService
-from daemon.launch.supervisor import Supervisor, launch_settings
+from daemon.launch.supervisor import Supervisor
 from daemon.models.check import model_problem
 from daemon.models.pull import PullOptions, PullService, pull_options
 from daemon.telemetry.sampler import ServerTarget, TelemetrySampler
@@ -113,10 +119,9 @@ class Daemon:
     store: Any
     bus: EventBus
     config: Config
-    supervisor: Supervisor = attrs.field(init=False)
+    fleet: Fleet = attrs.field(init=False)  # every configured model's supervisor and orchestrator
     probes: ProbeService = attrs.field(init=False)
     installs: InstallService = attrs.field(init=False)
-    orchestrator: FallbackOrchestrator = attrs.field(init=False)
     snapshots: SnapshotService = attrs.field(init=False)
     keys: KeyStore = attrs.field(init=False)  # the user's API keys; the front door checks with keys.check
     frontdoor_hold: Hold = attrs.field(init=False)  # requests held or in flight at the front door
@@ -130,7 +135,7 @@ class Daemon:
     config_loaded_invalid: bool = False  # no valid file was ever read: refuse `up`
     started_at: float = attrs.field(factory=time.time)
     _shutdown: trio.Event = attrs.field(factory=trio.Event)
-    _state_changed: trio.Event = attrs.field(factory=trio.Event)
+    pulse: Pulse = attrs.field(factory=Pulse)  # fired at every transition (and every request's end)
 
     def __attrs_post_init__(self) -> None:
         # Plugins first: loading one registers the reason codes it brings, which the machine
@@ -151,34 +156,33 @@ class Daemon:
         self.installs = InstallService(
             self.paths, self.store, self.publish, manifest_source=self.manifest_source, backends=backends
         )
-        self.orchestrator = FallbackOrchestrator(
-            self.paths, self.store, self.probes, self.installs, backends, publish=self.publish, pulls=self.pulls
-        )
-        self.frontdoor_hold = Hold(self)  # the front door's waiting room; a planned stop drains it first
-        self.supervisor = Supervisor(
+        self.frontdoor_hold = Hold(self)  # the front door's waiting room (each model's requests in its member)
+        services = Services(
             self.paths,
             self.store,
-            self.config,
-            self.orchestrator.plan,
-            publish=self.publish,
-            ready_hook=self._on_ready,
-            before_stop=self.snapshots.before_stop,
-            drain=self.frontdoor_hold.wait_drained,
+            self.probes,
+            self.installs,
+            backends,
+            self.pulls,
+            self.snapshots,
+            self.publish,
+            self.pulse,
         )
+        self.fleet = Fleet(services, self.config, may_start=lambda: not self.config_loaded_invalid)
+
+    @property
+    def supervisor(self) -> Supervisor:
+        """The default model's supervisor: what the top-level status, telemetry and /metrics describe."""
+        return self.fleet.default.supervisor
+
+    @property
+    def orchestrator(self) -> FallbackOrchestrator:
+        """The default model's fallback orchestrator."""
+        return self.fleet.default.orchestrator
 
     def manifest_source(self) -> str:
         """Where bundles are resolved: `[bundles] manifest`, else $STOKER_MANIFEST_URL."""
         return self.config.bundles.manifest or os.environ.get(MANIFEST_ENV, "")
-
-    async def _on_ready(self, supervisor: Supervisor, evidence: dict[str, Any]) -> dict[str, Any]:
-        # First prove the backend is really in use (or demote it), then restore snapshots.
-        try:
-            extra = dict(await self.orchestrator.on_ready(supervisor, evidence) or {})
-        except Exception:  # never keep a serving server from ready, nor skip the restore
-            log.exception("verifying the backend in use failed")
-            extra = {}
-        extra.update(await self.snapshots.on_ready(supervisor, {**evidence, **extra}) or {})
-        return extra
 
     def _on_store_health(self, health: StoreHealth) -> None:
         if health.writable:
@@ -197,24 +201,23 @@ class Daemon:
 
     def publish(self, event: Mapping[str, Any]) -> None:
         self.bus.publish(event)
-        self._state_changed.set()
-        self._state_changed = trio.Event()
+        self.pulse.fire()
 
     def launch_settings(self) -> LR.LaunchSettings:
-        return launch_settings(self.config)
+        return self.fleet.default.settings()
 
     async def wait_state(self, states: Iterable[LR.LaunchState]) -> None:
-        wanted = set(states)
-        while self.supervisor.state not in wanted:
-            await self._state_changed.wait()
+        """Until the default model's launch machine is in one of `states`."""
+        await self.fleet.default.wait_state(states)
 
     def request_shutdown(self) -> None:
         self._shutdown.set()
 
     # --- what the socket methods use (daemon.control.controlled.ControlledDaemon) --------
 
-    def fallback_status(self) -> Mapping[str, Any]:
-        return self.orchestrator.status(self.supervisor, self.config.backend.prefer)
+    def fallback_status(self, member: Member | None = None) -> Mapping[str, Any]:
+        member = member or self.fleet.default
+        return member.orchestrator.status(member.supervisor, member.served.config.backend.prefer)
 
     def probe_verdicts(self) -> Mapping[str, Mapping[str, Any]]:
         return self.probes.verdicts()
@@ -244,11 +247,12 @@ class Daemon:
     async def install_file(self, path: Path, *, smoke: bool, detection: Detection | None) -> InstalledBundle:
         return await self.installs.install_file(path, smoke=smoke, detection=detection)
 
-    def snapshot_status(self) -> dict[str, Any] | None:
-        return self.snapshots.status(self.supervisor.ready_evidence)
+    def snapshot_status(self, member: Member | None = None) -> dict[str, Any] | None:
+        return self.snapshots.status((member or self.fleet.default).supervisor.ready_evidence)
 
     def snapshot_listing(self) -> dict[str, Any]:
-        return self.snapshots.listing(ready=self.supervisor.state is LR.LaunchState.READY)
+        ready = self.supervisor.state is LR.LaunchState.READY
+        return self.snapshots.listing(self.supervisor if ready else None)
 
     def snapshot(self, snapshot_id: int) -> SnapshotRecord:
         return self.snapshots.get(snapshot_id)
@@ -295,11 +299,12 @@ class Daemon:
         return await self.pulls.remove(name)
 
     def serves_model(self, path: str) -> bool:
-        """Whether the server (starting, ready or restarting) runs on the model file `path`."""
-        plan = self.supervisor.data.plan
-        if plan is None or self.supervisor.state in (LR.LaunchState.STOPPED, LR.LaunchState.FAILED):
-            return False
-        return os.path.realpath(plan.model_path) == os.path.realpath(path)
+        """Whether a server (starting, ready or restarting) runs on the model file `path`."""
+        wanted = os.path.realpath(path)
+        return any(
+            m.data.plan is not None and m.occupies and os.path.realpath(m.data.plan.model_path) == wanted
+            for m in self.fleet.members.values()
+        )
 
     async def telemetry(self) -> dict[str, Any]:
         if self.telemetry_sampler is None:
@@ -336,9 +341,15 @@ class Daemon:
         machine decide; False when it refused (the server keeps serving on the config in force)."""
         old = self.config
         changed = sorted(config_diff(old, new))
-        relaunch = needs_relaunch(old, new)
-        reason, problem = model_problem(new.server.model, self.pulls.catalog) if relaunch else (None, None)
-        step = self.config_runner.fire(C.ConfigAccepted(changed, relaunch, reason, problem))
+        relaunching = self.fleet.relaunches(new)
+        reason, problem, key = None, None, "server.model"
+        for served in relaunching:  # the first model that cannot load refuses the whole file
+            reason, problem = model_problem(served.spec, self.pulls.catalog)
+            key = f"models.{served.name}.model" if new.models else "server.model"
+            if reason is not None:
+                break
+        relaunch = bool(relaunching)
+        step = self.config_runner.fire(C.ConfigAccepted(changed, relaunch, reason, problem, key))
         for effect in step.effects:
             self._config_effects.run(effect, new)
         if self.config is not new:
@@ -350,13 +361,9 @@ class Daemon:
 
     def _apply_config(self, effect: C.ApplyConfig, new: Config) -> None:
         self.config = new
-        self.supervisor.config = new
         self.config_problems = []
         self.config_loaded_invalid = False
-        if effect.relaunch:
-            self.supervisor.offer(LR.ConfigChanged(self.launch_settings()))
-        elif self.supervisor.state in (LR.LaunchState.STOPPED, LR.LaunchState.FAILED):
-            self.supervisor.offer(LR.ConfigChanged(self.launch_settings()))
+        self.fleet.apply(new)  # each model relaunched where its own config changed (effect.relaunch: any)
 
     def on_config_invalid(self, err: ConfigError) -> None:
         self.config_problems = list(err.problems)
@@ -375,9 +382,9 @@ class Daemon:
             await nursery.start(self.installs.serve)
             await nursery.start(self.pulls.serve)  # resumes a pull a killed daemon left mid-way
             await nursery.start(self.snapshots.run)
-            await nursery.start(self.supervisor.run)
+            await nursery.start(self.fleet.serve)  # every model's supervisor, its identity file proven
             self.telemetry_sampler = await nursery.start(
-                serve_telemetry, self.telemetry_target, self.bus, self.orchestrator.backends
+                serve_telemetry, self.telemetry_target, self.bus, self.fleet.services.backends
             )
             await nursery.start(serve_control, self.paths.socket_path, partial(dispatch, self), self.bus)
             # The front door (docs/frontdoor.md), user API keys checked through `authorize`.
@@ -394,13 +401,10 @@ class Daemon:
                 )
             )
             await nursery.start(sdnotify.serve_watchdog)
-            if autostart and not self.supervisor.runner.resumed and not self.config_loaded_invalid:
-                self.supervisor.offer(LR.UpRequested(self.launch_settings()))
-            elif (
-                autostart and self.supervisor.loaded_state is LR.LaunchState.STOPPED and not self.config_loaded_invalid
-            ):
-                # As the store had it: a down under way when the last daemon died stays down.
-                self.supervisor.offer(LR.UpRequested(self.launch_settings()))
+            if autostart and not self.config_loaded_invalid:
+                # The pinned models and the default, unless the store had them running (adopted)
+                # or failed; the others load when a request names them.
+                self.fleet.autostart()
             log.info("daemon ready (pid %d, socket %s)", os.getpid(), self.paths.socket_path)
             task_status.started()
             await self._shutdown.wait()
@@ -408,14 +412,12 @@ class Daemon:
             nursery.cancel_scope.cancel()
 
     async def _stop_server(self) -> None:
-        sdnotify.stopping("stopping the server")
-        self.supervisor.shutting_down = True
+        sdnotify.stopping("stopping the servers")
         # The saves before the stop have their own budget, which scales with the KV to save; the
-        # front door's requests in flight are drained first.
+        # front door's requests in flight are drained first. Every server stops at once.
         drain = self.launch_settings().drain_timeout
         with trio.move_on_after(self.config.supervisor.stop_grace_s + self.snapshots.stop_budget_bound() + drain + 15):
-            self.supervisor.offer(LR.DownRequested())
-            await self.wait_state({LR.LaunchState.STOPPED, LR.LaunchState.FAILED})
+            await self.fleet.stop_all()
 
     async def _handle_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:

@@ -46,6 +46,7 @@ class ConfigAccepted:
     relaunch: bool = False
     model_reason: ReasonCode | None = attrs.field(default=None, converter=attrs.converters.optional(ReasonCode))
     model_problem: str | None = None
+    model_key: str = "server.model"  # the key that names that model ([models.NAME] model for another)
 
 
 @attrs.frozen
@@ -68,7 +69,7 @@ def accepted(state: ConfigState, data: ConfigData, event: ConfigAccepted) -> Ste
     changed = {"changed": list(event.changed), "relaunch": event.relaunch}
     if event.relaunch and event.model_reason is not None:
         # Relaunching would stop a healthy server for a model that cannot load: keep serving.
-        problems = (f"server.model: {event.model_problem or event.model_reason}",)
+        problems = (f"{event.model_key}: {event.model_problem or event.model_reason}",)
         return Step(
             ConfigState.INVALID, ConfigData(problems), (), event.model_reason, {**changed, "problems": list(problems)}
         )

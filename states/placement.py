@@ -32,9 +32,9 @@ def occupies(state: LaunchState) -> bool:
 
 def loads_on_demand(state: LaunchState, down_cause: DownCause | None) -> bool:
     """Whether a request that names a stopped model loads it (and is held meanwhile): yes unless
-    the user stopped it (`stoker down`) or its section was removed. A failed model stays failed
-    until `stoker up`, as a single server always has."""
-    return state is S.STOPPED and down_cause not in (DownCause.USER, DownCause.REMOVED)
+    the user stopped it (`stoker down`). A failed model stays failed until `stoker up`, as a
+    single server always has."""
+    return state is S.STOPPED and down_cause is not DownCause.USER
 
 
 def capacity(max_loaded: int, pinned: int) -> int:

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from daemon.backends.base import Detection
     from daemon.bundles.installed import InstalledBundle
     from daemon.config.model import Config
+    from daemon.fleet.fleet import Fleet
+    from daemon.fleet.member import Member
     from daemon.probes.service import ProbeResult
     from store.database import StoreHealth
     from store.records import TransitionRecord
@@ -87,21 +89,28 @@ class ControlledDaemon(Protocol):
     # --- the launch machine --------------------------------------------------------------
 
     @property
-    def supervisor(self) -> LaunchControl: ...
+    def supervisor(self) -> LaunchControl:
+        """The default model's launch machine."""
+
+    @property
+    def fleet(self) -> Fleet:
+        """Every configured model (daemon/fleet/): `member(name)` finds one, `load` starts one
+        within [placement] max_loaded."""
 
     def launch_settings(self) -> LR.LaunchSettings:
-        """The settings an UpRequested carries, from the config in use."""
+        """The settings the default model's UpRequested carries, from the config in use."""
 
     async def wait_state(self, states: Iterable[LR.LaunchState]) -> None:
-        """Return once the launch machine is in one of `states`."""
+        """Return once the default model's launch machine is in one of `states`."""
 
     def request_shutdown(self) -> None:
         """Stop the server, then the daemon (after this request's reply has gone out)."""
 
     # --- what `status` is built from -----------------------------------------------------
 
-    def fallback_status(self) -> Mapping[str, Any]:
-        """The fallback orchestrator's part: effective backend, fallbacks, preference, layers."""
+    def fallback_status(self, member: Member | None = None) -> Mapping[str, Any]:
+        """A model's fallback orchestrator's part (default: the default model's): effective
+        backend, fallbacks, preference, layers."""
 
     def probe_verdicts(self) -> Mapping[str, Mapping[str, Any]]:
         """Each probed backend's last verdict."""
@@ -134,8 +143,8 @@ class ControlledDaemon(Protocol):
 
     # --- KV slot snapshots ---------------------------------------------------------------
 
-    def snapshot_status(self) -> dict[str, Any] | None:
-        """The `snapshots` part of status: the ready server's report and the latest drops."""
+    def snapshot_status(self, member: Member | None = None) -> dict[str, Any] | None:
+        """The `snapshots` part of status: a model's ready server's report and the latest drops."""
 
     def snapshot_listing(self) -> dict[str, Any]:
         """Every snapshot with whether it fits the running server."""

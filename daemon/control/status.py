@@ -2,6 +2,8 @@
 
 `build_status` reads the launch machine, the fallback orchestrator's part, the probe verdicts
 and the config through the narrow `ControlledDaemon` interface and returns a frozen `Status`.
+Its top-level fields describe one model (the default, or the one asked for), as they described
+the only one before several could run; `models` lists every configured model.
 The control reply turns it into JSON (daemon.control.protocol encodes attrs records field by
 field), so the field names below are the JSON keys the CLI, the TUI and scripts read: rename
 one and every client breaks. docs/protocol-methods.md lists the `status` reply.
@@ -11,13 +13,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 import attrs
 
 from daemon.control.controlled import ControlledDaemon
 from states import launch_records as LR
 from states.reasons import message_for
+
+if TYPE_CHECKING:
+    from daemon.fleet.member import Member
 
 # States in which no server serves: no backend is in use (the last plan's stays in planned_backend).
 _NOT_SERVING = (LR.LaunchState.FAILED, LR.LaunchState.STOPPED)
@@ -116,6 +121,31 @@ def _frontdoor(daemon: ControlledDaemon) -> FrontDoorStatus:
 
 
 @attrs.frozen
+class ModelStatus:
+    """One configured model at a glance (`stoker status` lists every one)."""
+
+    name: str
+    model: str  # as the config names it: a catalog name or a path
+    path: str | None  # the file its server runs (or last ran)
+    default: bool
+    pinned: bool
+    state: str
+    loads_on_demand: bool  # stopped, and a request that names it loads it
+    down_cause: str | None  # who stopped it: user, evicted, shutdown, removed (null: never, or up since)
+    backend: str | None  # the backend really in use (null unless it serves)
+    planned_backend: str | None
+    reason: str | None
+    message: str | None
+    layers: Layers
+    pid: int | None
+    restarts: int
+    in_flight: int  # requests sent to its engine, answer not over
+    waiting: int  # requests held for it
+    idle_s: float | None  # seconds since its last request (or since ready); null unless ready
+    idle_ttl_s: float  # [models.NAME] idle_ttl_s (0: never unloaded for idleness)
+
+
+@attrs.frozen
 class DaemonInfo:
     pid: int
     started_at: float
@@ -157,37 +187,76 @@ class Status:
     fallbacks: tuple[Fallback, ...]
     probes: dict[str, ProbeVerdict]
     backends: tuple[str, ...]  # the loaded backend plugins: what a preference may name besides auto
+    name: str  # the model the fields above describe (its NAME; "default" without [models])
+    models: tuple[ModelStatus, ...]  # every configured model, in config order
+    max_loaded: int  # how many models may be loaded at once ([placement] max_loaded, resolved)
 
 
-def build_status(daemon: ControlledDaemon) -> Status:
-    """The status document now: the launch machine, the fallbacks, the layers' why, the probes."""
-    sup = daemon.supervisor
+def _message(data: LR.LaunchData) -> str | None:
+    """The machine's own sentence where its evidence has one (forced backend, ...), else the reason's."""
+    specific = data.evidence.get("message")
+    if data.reason and isinstance(specific, str) and specific:
+        return specific
+    return message_for(data.reason) if data.reason else None
+
+
+def _layers(layers: Mapping[str, Any]) -> Layers:
+    return Layers(layers["planned"], layers["offloaded"], layers["total"], layers["why"], layers["estimate"])
+
+
+def model_status(daemon: ControlledDaemon, member: Member) -> ModelStatus:
+    """One model's line: state, the backend really in use, why, layers, use and idle time."""
+    data, state = member.data, member.state
+    fallback = daemon.fallback_status(member)
+    serving = state not in _NOT_SERVING
+    return ModelStatus(
+        name=member.name,
+        model=member.served.spec,
+        path=data.plan.model_path if data.plan else None,
+        default=member.served.default,
+        pinned=member.served.pinned,
+        state=state.value,
+        loads_on_demand=member.loads_on_demand,
+        down_cause=data.down_cause.value if data.down_cause else None,
+        backend=fallback["backend"] if serving else None,
+        planned_backend=fallback["planned_backend"],
+        reason=str(data.reason) if data.reason else None,
+        message=_message(data),
+        layers=_layers(fallback["layers"]),
+        pid=data.pid,
+        restarts=data.restarts,
+        in_flight=member.usage.in_flight,
+        waiting=member.usage.waiting,
+        idle_s=round(member.idle_s(), 1) if state is LR.LaunchState.READY else None,
+        idle_ttl_s=member.served.idle_ttl_s,
+    )
+
+
+def build_status(daemon: ControlledDaemon, member: Member | None = None) -> Status:
+    """The status document now: `member`'s (default: the default model's) launch machine, its
+    fallbacks and layers' why, the probes, and a line per configured model."""
+    member = member or daemon.fleet.default
+    sup = member.supervisor
     data = sup.data
     plan = data.plan
     state = sup.state
     ready = dict(sup.ready_evidence or {})
     endpoint, api_key = sup.endpoint()
     serving = state is LR.LaunchState.READY
-    fallback = daemon.fallback_status()
+    fallback = daemon.fallback_status(member)
     reason = str(data.reason) if data.reason else None
-    specific = data.evidence.get("message")
-    if reason and isinstance(specific, str) and specific:
-        message: str | None = specific  # the plan's own sentence (forced backend, ...)
-    else:
-        message = message_for(data.reason) if data.reason else None
     fallbacks = tuple(
         Fallback(f["backend"], f["reason"], f["message"], dict(f["evidence"])) for f in fallback["fallbacks"]
     )
-    layers = fallback["layers"]
     preference = fallback["preference"]
-    model = plan.model_path if plan else daemon.config.server.model
+    model = plan.model_path if plan else member.served.spec
     return Status(
         state=state.value,
         backend=None if state in _NOT_SERVING else fallback["backend"],
         offload=None if state in _NOT_SERVING else fallback.get("offload"),
         variant=plan.variant if plan else None,
         reason=reason,
-        message=message,
+        message=_message(data),
         evidence=dict(data.evidence),
         model=None if model is None else os.fspath(model),
         endpoint=endpoint if serving else None,
@@ -196,10 +265,10 @@ def build_status(daemon: ControlledDaemon) -> Status:
         uptime_s=round(time.time() - sup.ready_at, 1) if sup.ready_at else None,
         restarts=sup.restarts,
         crashes=data.crashes,
-        layers=Layers(layers["planned"], layers["offloaded"], layers["total"], layers["why"], layers["estimate"]),
+        layers=_layers(fallback["layers"]),
         n_ctx=ready.get("n_ctx"),
-        snapshots=daemon.snapshot_status(),
-        log_path=str(daemon.paths.logs_dir / "llama-server.log"),
+        snapshots=daemon.snapshot_status(member),
+        log_path=str(member.supervisor.log_path),
         config=ConfigStatus(str(daemon.paths.config_file), not daemon.config_problems, tuple(daemon.config_problems)),
         store=_store_status(daemon),
         daemon=DaemonInfo(os.getpid(), daemon.started_at, str(daemon.paths.socket_path)),
@@ -211,6 +280,9 @@ def build_status(daemon: ControlledDaemon) -> Status:
         fallbacks=() if state is LR.LaunchState.STOPPED else fallbacks,
         probes={name: _verdict(v) for name, v in daemon.probe_verdicts().items()},
         backends=tuple(daemon.backend_names),
+        name=member.name,
+        models=tuple(model_status(daemon, m) for m in daemon.fleet.serving()),
+        max_loaded=daemon.fleet.max_loaded(),
     )
 
 

@@ -1,7 +1,8 @@
 """The front door's HTTP API: OpenAI's routes and Anthropic's /v1/messages, relayed as they arrive.
 
-Each request is checked (JSON object, a `model` the server serves), held until the server is
-ready (daemon/frontdoor/hold.py), then sent to the engine with its per-launch key; the engine's
+Each request is checked (JSON object, a `model` a configured model answers to: routing.py), held
+until that model's server is ready, loaded on demand if it is not (daemon/frontdoor/hold.py),
+then sent to its engine with its per-launch key; the engine's
 answer is relayed chunk by chunk as it arrives (SSE included), never buffered. A request whose
 engine is lost before the first byte of its answer is sent again to the next ready server, as
 states/frontdoor_policy.py decides (each time, when the request cannot have caused the loss).
@@ -27,10 +28,12 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from daemon.engine.api import EngineClient
+from daemon.fleet.member import Member
 from daemon.frontdoor.hold import Hold, Refused
 from daemon.frontdoor.limits import LimitExceeded, check_head, read_body
 from daemon.frontdoor.metrics import CONTENT_TYPE, FrontDoorMetrics, RequestWatch
-from daemon.frontdoor.served import Authorize, FrontDoorDaemon, model_names
+from daemon.frontdoor.routing import models_page, route, unknown_model
+from daemon.frontdoor.served import Authorize, FrontDoorDaemon
 from states.frontdoor_policy import innocent, send_again
 
 log = logging.getLogger("stoker.frontdoor")
@@ -159,7 +162,8 @@ class FrontDoor:
         return denied or Response(await self.metrics.scrape(), headers={"Content-Type": CONTENT_TYPE})
 
     async def models(self, request: Request) -> Response:
-        return self._unauthorized(request) or await self.forward("GET", "/v1/models", None, sse=False)
+        # Every configured model, loaded or not (daemon/frontdoor/routing.py), not one engine's list.
+        return self._unauthorized(request) or JSONResponse(models_page(self.daemon.fleet))
 
     async def post(self, request: Request) -> Response:
         if (denied := self._unauthorized(request)) is not None:
@@ -178,31 +182,30 @@ class FrontDoor:
             return api_error(
                 request.url.path, 400, "The request body must be a JSON object.", "invalid_request_error", None
             )
-        model = body.get("model")
-        if model is not None and model not in (names := model_names(self.daemon)):
-            served = sorted(n for n in names if "/" not in n)
+        member = route(self.daemon.fleet, model := body.get("model"))  # which model answers it
+        if member is None:
             return api_error(
                 request.url.path,
                 404,
-                f"The model {model!r} does not exist here; this server serves {', '.join(served)}.",
+                unknown_model(self.daemon.fleet, model),
                 "invalid_request_error",
                 "model_not_found",
             )
-        return await self.forward("POST", request.url.path, content, sse=bool(body.get("stream")))
+        return await self.forward(member, "POST", request.url.path, content, sse=bool(body.get("stream")))
 
-    async def forward(self, method: str, path: str, content: bytes | None, *, sse: bool) -> Response:
+    async def forward(self, member: Member, method: str, path: str, content: bytes | None, *, sse: bool) -> Response:
         """Hold until ready, send, relay. An engine lost before the first byte of its answer:
         sent again to the next ready server when states/frontdoor_policy.py says so."""
         headers = {"Content-Type": "application/json"} if content is not None else {}
         sends = suspect = 0
         while True:
             try:
-                base_url, api_key = await self.hold.until_ready()
+                base_url, api_key = await self.hold.until_ready(member)  # loaded first if it is not
             except Refused as exc:
                 return refused(path, exc)
             sends += 1
             stack = contextlib.AsyncExitStack()
-            stack.callback(self.hold.sent())  # in flight until its answer is over (or failed)
+            stack.callback(self.hold.sent(member))  # in flight until its answer is over (or failed)
             try:
                 engine = EngineClient(base_url, api_key, self.http)
                 response = await stack.enter_async_context(
@@ -217,7 +220,7 @@ class FrontDoor:
             except httpx.TransportError as exc:
                 await stack.aclose()
                 reached = not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
-                loss = await self.hold.notice_loss(base_url, reached)
+                loss = await self.hold.notice_loss(member, base_url, reached)
                 suspect += not innocent(loss)
                 again = send_again(loss, sends, suspect)
                 log.warning(

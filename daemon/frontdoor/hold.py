@@ -1,23 +1,33 @@
-"""Hold, don't fail: a request that arrives while the server (re)starts waits until it is ready.
+"""Hold, don't fail: a request that arrives while its model's server (re)starts, or is not
+loaded yet, waits until it is ready.
 
-At most `[frontdoor] max_queue` requests wait at once, each at most `hold_timeout_s`; past
-either bound, or when the server is stopped or failed (nothing will make it ready unasked),
-`Refused` carries the reason code the front door answers 503 with, and a Retry-After.
-It also counts the requests in flight to the engine: before a planned stop of a ready server
-the supervisor waits (bounded) until their answers are over (`wait_drained`).
+Per model: a request waits for the model it names (daemon/fleet/: its member), and only for
+that one. A model that is configured but not loaded (never loaded, unloaded to make room, or
+stopped with the daemon) is loaded on demand (`Fleet.load`, which may first unload the least
+recently used idle model, states/placement.py) while the request is held, within the same
+bounds as a restart. At most `[frontdoor] max_queue` requests wait at once (all models
+together), each at most `hold_timeout_s`; past either bound, when the model is stopped by the
+user or failed (nothing will make it ready unasked), or when no place could be made for it in
+time, `Refused` carries the reason code the front door answers 503 with, and a Retry-After.
+Each model counts its own requests in flight (`Usage`): a planned stop of its server drains
+those, and only those (`wait_drained`).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import attrs
 import trio
 
+from daemon.core.errors import StokerError
 from daemon.frontdoor.served import FrontDoorDaemon
 from states import launch_records as LR
 from states.frontdoor_policy import DOWN, READY, EngineLoss, waits
 from states.reasons import ReasonCode, message_for
+
+if TYPE_CHECKING:
+    from daemon.fleet.member import Member
 
 # After the engine's connection failed, how long to wait for the supervisor to notice (the
 # state leaves ready) before judging the loss (states/frontdoor_policy.py) without it.
@@ -27,6 +37,7 @@ RETRY_AFTER_S = {
     ReasonCode.FRONTDOOR_HOLD_TIMEOUT: 5,
     ReasonCode.FRONTDOOR_QUEUE_FULL: 2,
     ReasonCode.FRONTDOOR_SERVER_DOWN: 30,
+    ReasonCode.PLACEMENT_NO_ROOM: 5,
 }
 
 
@@ -41,79 +52,78 @@ class Refused(Exception):
 
 @attrs.define(eq=False)
 class Hold:
-    """The bounded waiting room in front of the engine."""
+    """The bounded waiting room in front of the engines."""
 
     daemon: FrontDoorDaemon
-    waiting: int = 0
+    waiting: int = 0  # requests held now, every model together ([frontdoor] max_queue bounds it)
     held_total: int = 0  # requests that had to wait at all (/metrics: stoker_requests_held_total)
-    in_flight: int = 0  # requests sent to the engine whose answer is not over (a planned stop drains them)
-    _drained: trio.Event = attrs.field(factory=trio.Event)
 
-    def sent(self) -> Callable[[], None]:
-        """Count a request sent to the engine; call what this returns once its answer is over."""
-        self.in_flight += 1
-        done = False
+    def sent(self, member: Member) -> Callable[[], None]:
+        """Count a request sent to `member`'s engine; call what this returns once its answer is over."""
+        return member.usage.sent()
 
-        def over() -> None:
-            nonlocal done
-            if not done:
-                done = True
-                self.in_flight -= 1
-                if self.in_flight == 0:
-                    self._drained.set()
-                    self._drained = trio.Event()
-
-        return over
-
-    async def wait_drained(self) -> None:
-        """Return once no request is in flight to the engine (the supervisor's drain before a
-        planned stop; requests arriving meanwhile are held, so the count only falls)."""
-        while self.in_flight:
-            await self._drained.wait()
-        await trio.lowlevel.checkpoint()
-
-    async def until_ready(self) -> tuple[str, str | None]:
-        """The engine's base URL and key once the server is ready; raises `Refused`."""
-        state = self.daemon.supervisor.state
-        if state is not READY:
-            settings = self.daemon.config.frontdoor
-            if not waits(state):
-                raise Refused(ReasonCode.FRONTDOOR_SERVER_DOWN, f"server {state.value}")
-            if self.waiting >= settings.max_queue:
-                raise Refused(ReasonCode.FRONTDOOR_QUEUE_FULL, f"{self.waiting} waiting")
-            self.waiting += 1
-            self.held_total += 1
-            try:
-                with trio.move_on_after(settings.hold_timeout_s):
-                    await self.daemon.wait_state({READY, *DOWN})
-            finally:
-                self.waiting -= 1
-            state = self.daemon.supervisor.state
-            if state in DOWN:
-                raise Refused(ReasonCode.FRONTDOOR_SERVER_DOWN, f"server {state.value}")
-            if state is not READY:
-                raise Refused(
-                    ReasonCode.FRONTDOOR_HOLD_TIMEOUT, f"server {state.value} after {settings.hold_timeout_s:g} s"
-                )
-        base_url, api_key = self.daemon.supervisor.endpoint()
+    async def until_ready(self, member: Member) -> tuple[str, str | None]:
+        """`member`'s engine base URL and key once it is ready (loaded first if it is not);
+        raises `Refused`."""
+        if member.state is not READY:
+            await self._hold(member)
+        base_url, api_key = member.endpoint()
         if base_url is None:  # ready always has a plan; kept honest rather than asserted
-            raise Refused(ReasonCode.FRONTDOOR_SERVER_DOWN, "no endpoint")
+            raise Refused(ReasonCode.FRONTDOOR_SERVER_DOWN, f"{member.name}: no endpoint")
         return base_url, api_key
 
-    async def notice_loss(self, base_url: str, reached: bool) -> EngineLoss:
+    async def _hold(self, member: Member) -> None:
+        settings = self.daemon.config.frontdoor
+        state = member.state
+        if not waits(state) and not member.loads_on_demand:
+            raise Refused(ReasonCode.FRONTDOOR_SERVER_DOWN, f"{member.name} {state.value}")
+        if self.waiting >= settings.max_queue:
+            raise Refused(ReasonCode.FRONTDOOR_QUEUE_FULL, f"{self.waiting} waiting")
+        self.waiting += 1
+        self.held_total += 1
+        placing = False
+        try:
+            with member.usage.held(), trio.move_on_after(settings.hold_timeout_s):
+                while member.state is not READY:
+                    if member.loads_on_demand:  # not loaded: load it, making room first
+                        placing = True
+                        await self.daemon.fleet.load(member, wait=True)
+                        placing = False
+                        if member.state in DOWN:
+                            break
+                    elif not waits(member.state):
+                        break
+                    await member.wait_state({READY, *DOWN})
+        except StokerError as err:  # no valid config was ever read: nothing may start
+            raise Refused(ReasonCode.FRONTDOOR_SERVER_DOWN, f"{member.name}: {err.reason}") from None
+        finally:
+            self.waiting -= 1
+        state = member.state
+        if state is READY:
+            return
+        if placing:
+            raise Refused(
+                ReasonCode.PLACEMENT_NO_ROOM,
+                f"{member.name} not loaded after {settings.hold_timeout_s:g} s: "
+                f"{self.daemon.fleet.max_loaded()} models loaded, none idle",
+            )
+        if state in DOWN:
+            raise Refused(ReasonCode.FRONTDOOR_SERVER_DOWN, f"{member.name} {state.value}")
+        raise Refused(
+            ReasonCode.FRONTDOOR_HOLD_TIMEOUT, f"{member.name} {state.value} after {settings.hold_timeout_s:g} s"
+        )
+
+    async def notice_loss(self, member: Member, base_url: str, reached: bool) -> EngineLoss:
         """The facts of an engine lost under a request before any byte of its answer: wait (at
-        most NOTICE_S) for the supervisor to notice the server it was sent to is gone, then
-        read what the launch machine recorded (why it stops, the signal that ended it)."""
-        supervisor = self.daemon.supervisor
+        most NOTICE_S) for `member`'s supervisor to notice the server it was sent to is gone,
+        then read what its launch machine recorded (why it stops, the signal that ended it)."""
 
         def gone() -> bool:
-            return supervisor.state is not READY or supervisor.endpoint()[0] != base_url
+            return member.state is not READY or member.endpoint()[0] != base_url
 
         if not gone():
             with trio.move_on_after(NOTICE_S):
-                await self.daemon.wait_state(set(LR.LaunchState) - {READY})
-        data = supervisor.data
+                await member.wait_state(set(LR.LaunchState) - {READY})
+        data = member.data
         signal = data.evidence.get("signal")
-        return EngineLoss(
-            reached, gone(), supervisor.state, data.after_stop, signal if isinstance(signal, str) else None
-        )
+        return EngineLoss(reached, gone(), member.state, data.after_stop, signal if isinstance(signal, str) else None)

@@ -2,20 +2,21 @@
 
 Like daemon/control/controlled.py for the socket handlers: `daemon.service` sits above this
 package, so the root nursery's `Daemon` satisfies these protocols structurally and nothing here
-imports it. The front door needs the default instance's state, its engine's base URL and
-per-launch key, the model it serves, a way to wait for a state, and for /metrics the live
-server's backend and layers and the history's new rows.
+imports it. The front door needs the fleet (daemon/fleet/: each model found by the names a
+request may use, its state, its engine's base URL and per-launch key, a way to wait for a state
+and to load it on demand), and for /metrics the default instance's state, the live server's
+backend and layers and the history's new rows.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 
 from states import launch_records as LR
 
 if TYPE_CHECKING:
     from daemon.config.model import Config
+    from daemon.fleet.fleet import Fleet
     from daemon.telemetry.sampler import ServerTarget
     from store.records import TransitionRecord
 
@@ -40,10 +41,15 @@ class FrontDoorDaemon(Protocol):
     def config(self) -> Config: ...
 
     @property
-    def supervisor(self) -> ServedInstance: ...
+    def supervisor(self) -> ServedInstance:
+        """The default model's launch machine (/metrics describes it)."""
+
+    @property
+    def fleet(self) -> Fleet:
+        """Every configured model: routing, state, on-demand loads (daemon/fleet/fleet.py)."""
 
     async def wait_state(self, states: Iterable[LR.LaunchState]) -> None:
-        """Return once the launch machine is in one of `states`."""
+        """Return once the default model's launch machine is in one of `states`."""
 
     def telemetry_target(self) -> ServerTarget | None:
         """The live server (for /metrics): the backend really in use, the planned one, the
@@ -63,15 +69,3 @@ Authorize = Callable[[str | None, bool], bool]
 def allow_loopback(presented_key: str | None, loopback: bool) -> bool:
     """No user keys configured: every loopback client may call (the config binds loopback only)."""
     return loopback
-
-
-def model_names(daemon: FrontDoorDaemon) -> frozenset[str]:
-    """The names a request's `model` may carry: "default", the configured model (as written,
-    its file name and stem), and the path the engine was launched with (what its /v1/models says)."""
-    names = {"default", daemon.config.server.model}
-    plan = daemon.supervisor.data.plan
-    if plan is not None:
-        names.add(plan.model_path)
-    for name in list(names):
-        names.update({Path(name).name, Path(name).stem})
-    return frozenset(names)

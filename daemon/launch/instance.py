@@ -30,6 +30,17 @@ class ServerInstance:
     def is_default(self) -> bool:
         return self.name == DEFAULT_INSTANCE
 
+    @classmethod
+    def of_machine(cls, kind: str, machine_id: str) -> ServerInstance | None:
+        """The instance whose machine of `kind` has the store id `machine_id` (None: not one)."""
+        if machine_id == kind:
+            return cls()
+        prefix, _, name = machine_id.partition(":")
+        try:
+            return cls(name) if prefix == kind and name else None
+        except ValueError:
+            return None
+
     def machine_id(self, kind: str) -> str:
         """The store id of this instance's machine of `kind` (`launch`, `fallback`)."""
         return kind if self.is_default else f"{kind}:{self.name}"

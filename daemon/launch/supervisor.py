@@ -8,15 +8,15 @@ anything else happens. Nothing here judges what an exit means. Timers belong to 
 that armed them and are cancelled when the machine leaves it; an event that arrives too
 late for the state it was meant for is an illegal transition, logged and dropped.
 
-One server task at a time: a spawn never overlaps the end of the previous server's task, a
-server task that ends (or is cancelled) always forgets its handle, and a stop with no server
-reports at once (the machine never asks for one while a spawn is under way). At start, the
-identity file is proven before `run` reports started, so no request, plan or autostart runs
-before the server that outlived the last daemon is accounted for.
+One server task at a time: a spawn never overlaps the end of the previous server's task, a server
+task that ends (or is cancelled) always forgets its handle, and a stop with no server reports at
+once (the machine never asks for one while a spawn is under way). At start, the identity file is
+proven before `run` reports started, so no request, plan or autostart runs before the server
+that outlived the last daemon is accounted for.
 
-The plan is complete when it arrives (daemon/fallback/launch_plan.py): `server_spec` maps it
-onto the engine's spawn spec field by field, reading neither the config, nor the models,
-nor the snapshot settings, so the command line is what history recorded.
+The plan is complete when it arrives (daemon/fallback/launch_plan.py): `server_spec` maps it onto
+the engine's spawn spec field by field, reading neither the config, the models nor the snapshot
+settings, so the command line is what history recorded.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ Planner = Callable[[Config, LR.MakePlan], Awaitable[LR.LaunchPlan]]
 # A hook run once a server is ready, before the machine says so (snapshot restore goes here).
 ReadyHook = Callable[["Supervisor", Any], Any]
 # A hook run before a planned stop while the server still serves (snapshot save goes here);
-# its second argument is the cause: "stop", "restart" or "shutdown".
+# its second argument is the cause: "stop", "restart", "evicted" (for another model) or "shutdown".
 StopHook = Callable[["Supervisor", str], Any]
 
 
@@ -119,7 +119,7 @@ class Supervisor:
     publish: Publish | None = None
     ready_hook: ReadyHook | None = None
     before_stop: StopHook | None = None
-    drain: Callable[[], Awaitable[object]] = trio.lowlevel.checkpoint  # returns once no request is in flight
+    drain: Callable[[], Awaitable[object]] = trio.lowlevel.checkpoint  # once none of its requests is in flight
     shutting_down: bool = False  # set by the daemon: the stop cause is "shutdown"
     rng: random.Random = attrs.field(factory=random.Random)
     server: ServerHandle | AdoptedServer | None = None
@@ -372,8 +372,7 @@ class Supervisor:
                 self.server = handle
                 self._server_nursery = nursery
                 if self.offer(LR.Spawned(handle.pid, handle.identity.create_time, str(log_path))) is None:
-                    # The table accounts for every spawn (a stop while spawning stops it); if
-                    # none did, the server must not run unaccounted for.
+                    # The table accounts for every spawn (a stop while spawning stops it); else it must not run.
                     nursery.start_soon(stop_server, handle, self.data.settings.stop_grace)
                 report = await handle.wait_exit()
                 nursery.cancel_scope.cancel()
@@ -432,7 +431,8 @@ class Supervisor:
         with trio.move_on_after(drain):  # a planned stop: the front door's requests in flight finish first
             await self.drain()
         if server is not None and self.before_stop is not None and after is not LR.AfterStop.CRASH:
-            cause = "shutdown" if self.shutting_down else _STOP_CAUSE[after]
+            evicted = after is LR.AfterStop.STOP and self.data.down_cause is LR.DownCause.EVICTED
+            cause = "shutdown" if self.shutting_down else "evicted" if evicted else _STOP_CAUSE[after]
             # A hung engine answers nothing: its snapshot attempt gets the grace period, no more.
             budget = grace if after is LR.AfterStop.HUNG else float("inf")
             with trio.move_on_after(budget) as attempt:

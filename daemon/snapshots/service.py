@@ -57,18 +57,19 @@ DISK_FULL_BYTES = 1 << 20  # a failed save with less free space than this is a f
 
 @attrs.define(eq=False)
 class SnapshotService:
-    """Saves, restores, lists and removes KV slot snapshots for the supervisor's server."""
+    """Saves, restores, lists and removes KV slot snapshots for each instance's server (keyed by model identity)."""
 
     paths: StokerPaths
     catalog: SnapshotCatalog
     get_config: Callable[[], Config]
     publish: Callable[[dict[str, Any]], Any] | None = None  # the event bus: topics snapshot.*
-    live: LiveServer | None = None
+    # Each instance's ready server, by its log (one per instance): several models run at once.
+    _live: dict[Path, LiveServer] = attrs.field(factory=dict)
     last_report: dict[str, Any] | None = None
     drops: DropLog = attrs.field(init=False)
     shelf: SnapshotShelf = attrs.field(init=False)
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
-    _cursor: LogCursor | None = None
+    _cursors: dict[Path, LogCursor | None] = attrs.field(factory=dict)  # where each server log's harvest stopped
 
     def __attrs_post_init__(self) -> None:
         self.drops = DropLog(self.publish)
@@ -138,7 +139,7 @@ class SnapshotService:
         started = trio.current_time()
         # Listing the slots is bounded by the budget too where it is a number (a hung engine).
         budget = SLOT_TIMEOUT if config.stop_budget_s == "auto" else config.stop_budget_s
-        phase, todo, live = "listing", [], self.live
+        phase, todo, live = "listing", [], self._live.get(supervisor.log_path)
         try:
             with trio.move_on_after(budget) as listing:
                 # Inspected at ready, or now if snapshots were turned on since (no relaunch).
@@ -195,11 +196,12 @@ class SnapshotService:
     async def inspect(self, supervisor: ServedPlan) -> LiveServer:
         """The ready server's identity (cached per server: it cannot change while it runs)."""
         key = (supervisor.pid, supervisor.endpoint()[0])
-        if self.live is not None and self.live.key == key:
-            return self.live
-        self.live = await inspect_server(supervisor, self.catalog, self.get_config())
-        self._cursor = None
-        return self.live
+        live = self._live.get(supervisor.log_path)
+        if live is not None and live.key == key:
+            return live
+        live = self._live[supervisor.log_path] = await inspect_server(supervisor, self.catalog, self.get_config())
+        self._cursors[supervisor.log_path] = None
+        return live
 
     def _fits(self, rec: SnapshotRecord, live: LiveServer) -> bool:
         try:
@@ -217,9 +219,11 @@ class SnapshotService:
         return stop_budget_for(self.get_config().snapshots.stop_budget_s, self.catalog, live, sum(n for _, n in todo))
 
     def stop_budget_bound(self) -> float:
-        """The most a stop's saves may take on the live server (every slot full): the daemon's
-        own stop waits at least this long."""
-        live = self.live
+        """The most a stop's saves may take on any live server (every slot full): the daemon's
+        own stop waits at least this long (its servers stop at once, each saving its own)."""
+        return max((self._full_budget(live) for live in self._live.values()), default=self._full_budget(None))
+
+    def _full_budget(self, live: LiveServer | None) -> float:
         if live is None or not self.get_config().snapshots.enabled:
             return policy.DEFAULT_STOP_BUDGET_S
         return self.stop_budget(live, [(slot, live.n_ctx_seq) for slot in range(live.n_slots)])
@@ -231,7 +235,7 @@ class SnapshotService:
             "max_bytes": self.max_bytes(live),
             "max_bytes_setting": config.max_bytes,
             "max_count": config.max_count,
-            "stop_budget_s_full": round(self.stop_budget_bound(), 1),
+            "stop_budget_s_full": round(self._full_budget(live), 1),
             "stop_budget_setting": config.stop_budget_s,
         }
 
@@ -247,7 +251,9 @@ class SnapshotService:
     # --- figures ------------------------------------------------------------------------
 
     async def _harvest_prefills(self, live: LiveServer, log_path: Path) -> None:
-        samples, self._cursor = await trio.to_thread.run_sync(prefill_samples, log_path, self._cursor)
+        samples, self._cursors[log_path] = await trio.to_thread.run_sync(
+            prefill_samples, log_path, self._cursors.get(log_path)
+        )
         fold_prefills(self.catalog, live.backend, live.identity["model_id"], samples)
 
     async def decide(self, live: LiveServer, rec: SnapshotRecord, slot: int) -> dict[str, Any]:
@@ -466,10 +472,10 @@ class SnapshotService:
         if self.publish is not None:
             self.publish({"topic": topic, **fields})
 
-    def listing(self, *, ready: bool) -> dict[str, Any]:
-        """Every snapshot, newest first, with whether it fits the running server."""
+    def listing(self, server: ServedPlan | None) -> dict[str, Any]:
+        """Every snapshot, newest first, with whether it fits `server` (a ready one; None: no fit said)."""
         config = self.get_config().snapshots
-        live = self.live if ready else None
+        live = None if server is None else self._live.get(server.log_path)
         rows = []
         for rec in self.catalog.list():
             row = rec.to_dict()

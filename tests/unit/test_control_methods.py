@@ -13,14 +13,17 @@ import attrs
 import pytest
 
 from daemon.config.model import Config
+from daemon.config.served import ServedModel
 from daemon.control import protocol
 from daemon.control.methods import METHODS, dispatch
 from daemon.control.params import SQLITE_INT_MAX, Kind, Param, method
 from daemon.control.status import build_status
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
+from daemon.fleet.usage import Usage
 from states import launch_records as LR
 from states.machine import IllegalTransition
+from states.placement import loads_on_demand
 from states.reasons import ReasonCode
 from store.database import StoreHealth
 
@@ -57,6 +60,9 @@ STATUS_KEYS = {
     "probes",
     "backends",
     "frontdoor",
+    "name",
+    "models",
+    "max_loaded",
 }
 
 
@@ -82,6 +88,69 @@ class FakeLaunch:
         self.fired.append(event)
         return None
 
+    @property
+    def log_path(self) -> Path:
+        return Path("/tmp/stoker-fake/logs/llama-server.log")
+
+    async def wait_stopped(self) -> None:
+        return None
+
+
+@attrs.define
+class FakeMember:
+    """A configured model as the handlers see it (daemon/fleet/member.py)."""
+
+    supervisor: FakeLaunch
+    served: ServedModel = ServedModel("default", Config(), default=True)
+    usage: Usage = attrs.field(factory=Usage)
+
+    @property
+    def name(self) -> str:
+        return self.served.name
+
+    @property
+    def state(self) -> LR.LaunchState:
+        return self.supervisor.state
+
+    @property
+    def data(self) -> LR.LaunchData:
+        return self.supervisor.data
+
+    @property
+    def loads_on_demand(self) -> bool:
+        return loads_on_demand(self.state, self.data.down_cause)
+
+    def idle_s(self) -> float:
+        return 0.0
+
+
+@attrs.define
+class FakeFleet:
+    """The fleet of one model: the default."""
+
+    members: list[FakeMember]
+    loads: list[str] = attrs.field(factory=list)
+
+    @property
+    def default(self) -> FakeMember:
+        return self.members[0]
+
+    def serving(self) -> list[FakeMember]:
+        return self.members
+
+    def member(self, name: str | None) -> FakeMember:
+        found = next((m for m in self.members if name in (None, m.name, "default")), None)
+        if found is None:
+            raise StokerError(ReasonCode.MODEL_NOT_FOUND, evidence={"model": name})
+        return found
+
+    def max_loaded(self) -> int:
+        return 2
+
+    async def load(self, member: FakeMember, *, wait: bool) -> None:
+        self.loads.append(member.name)
+        member.supervisor.fire(LR.UpRequested())
+
 
 @attrs.define
 class FakeDaemon:
@@ -93,11 +162,15 @@ class FakeDaemon:
     config_problems: list[str] = attrs.field(factory=list)
     config_loaded_invalid: bool = False
     supervisor: FakeLaunch = attrs.field(factory=FakeLaunch)
+    fleet: FakeFleet = attrs.field(init=False)
     backend_names: tuple[str, ...] = ("cpu", "cuda", "acme")
     frontdoor_binds: list[str] | None = attrs.field(factory=lambda: ["http://127.0.0.1:11436"])
     fallback: dict[str, Any] = attrs.field(factory=lambda: fallback_part())
     history_asked: list[dict[str, Any]] = attrs.field(factory=list)
     shutdown: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        self.fleet = FakeFleet([FakeMember(self.supervisor)])
 
     def launch_settings(self) -> LR.LaunchSettings:
         return LR.LaunchSettings()
@@ -105,7 +178,7 @@ class FakeDaemon:
     def request_shutdown(self) -> None:
         self.shutdown = True
 
-    def fallback_status(self) -> dict[str, Any]:
+    def fallback_status(self, member: Any = None) -> dict[str, Any]:
         return self.fallback
 
     def probe_verdicts(self) -> dict[str, dict[str, Any]]:
@@ -114,7 +187,7 @@ class FakeDaemon:
     def store_health(self) -> StoreHealth:
         return StoreHealth(True, None, None, None, 0)
 
-    def snapshot_status(self) -> dict[str, Any] | None:
+    def snapshot_status(self, member: Any = None) -> dict[str, Any] | None:
         return (self.supervisor.ready_evidence or {}).get("snapshots")
 
     def history(self, **query: Any) -> list[Any]:
@@ -279,8 +352,8 @@ async def test_up_fires_and_a_refused_event_is_illegal_transition():
     assert [type(e) for e in daemon.supervisor.fired] == [LR.UpRequested]
     daemon.supervisor.state = LR.LaunchState.STOPPING
     err = await refused(daemon, "restart")
-    assert (err.reason, err.evidence) == (ReasonCode.ILLEGAL_TRANSITION, {"state": "stopping"})
-    assert "Cannot restart while the server is stopping" in err.message
+    assert (err.reason, err.evidence) == (ReasonCode.ILLEGAL_TRANSITION, {"state": "stopping", "model": "default"})
+    assert "Cannot restart default while its server is stopping" in err.message
 
 
 async def test_up_is_refused_while_no_valid_config_was_ever_read():

@@ -73,7 +73,7 @@ def test_the_users_down_keeps_it_down_and_the_daemons_own_stops_never_override_i
         (S.STOPPED, DownCause.EVICTED, True),
         (S.STOPPED, DownCause.SHUTDOWN, True),
         (S.STOPPED, DownCause.USER, False),
-        (S.STOPPED, DownCause.REMOVED, False),
+        (S.STOPPED, DownCause.REMOVED, True),  # a section removed, then configured again
         (S.FAILED, None, False),  # stays failed until `stoker up`
         (S.READY, None, False),  # nothing to load
     ],

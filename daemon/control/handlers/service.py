@@ -15,29 +15,42 @@ from daemon.control.controlled import ControlledDaemon
 from daemon.control.params import Kind, Param, method
 from daemon.control.status import Status, build_status
 from daemon.core.errors import StokerError
+from daemon.fleet.member import Member
 from states import launch_records as LR
 from states.machine import IllegalTransition
+from states.placement import UNLOADED
 from states.reasons import ReasonCode
 
 HISTORY_LIMIT = 10_000
+MODEL = Param(
+    "model",
+    Kind.STRING,
+    "The configured model (its [models.NAME], or any name a request may use for it); default: the default model.",
+)
 
 
-def fire(daemon: ControlledDaemon, event: object) -> None:
-    """Fire a user's launch event; a refusal is illegal_transition naming the state."""
+def fire(member: Member, event: object) -> None:
+    """Fire a user's launch event on `member`; a refusal is illegal_transition naming the state."""
     try:
-        daemon.supervisor.fire(event)
+        member.supervisor.fire(event)
     except IllegalTransition as err:
         verb = type(event).__name__.removesuffix("Requested").lower()
         raise StokerError(
             ReasonCode.ILLEGAL_TRANSITION,
-            f"Cannot {verb} while the server is {err.state.value}.",
-            {"state": err.state.value},
+            f"Cannot {verb} {member.name} while its server is {err.state.value}.",
+            {"state": err.state.value, "model": member.name},
         ) from err
 
 
-@method("status")
+def _start_allowed(daemon: ControlledDaemon) -> None:
+    if daemon.config_problems and daemon.config_loaded_invalid:
+        raise StokerError(ReasonCode.CONFIG_INVALID, evidence={"problems": list(daemon.config_problems)})
+
+
+@method("status", MODEL, errors=(ReasonCode.MODEL_NOT_FOUND,))
 async def status(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
-    """The server's state and why, the backend really in use, and what was passed over.
+    """A model's state and why (the default model's, or `model`'s), the backend really in use,
+    and what was passed over; `models` lists every configured model.
 
     Reply: {state, backend (in use; null unless a server serves), offload ("full", "partial",
     "none" or null: how much of the model that backend holds), variant, planned_backend,
@@ -49,48 +62,75 @@ async def status(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     plugins], config {path, valid, problems}, store {writable, reason (store_write_failed while the
     state database refuses writes), message, error, since, pending (transitions held in memory)},
     daemon {pid, started_at, socket}, frontdoor {url (the OpenAI base URL clients use, .../v1;
-    null when the front door is off or its port was taken), enabled, address, require_keys}}.
+    null when the front door is off or its port was taken), enabled, address, require_keys},
+    name (the model the fields above describe), max_loaded, models [{name, model (as configured),
+    path, default, pinned, state, loads_on_demand, down_cause (user, evicted, shutdown, removed or
+    null), backend (in use), planned_backend, reason, message, layers, pid, restarts, in_flight,
+    waiting, idle_s (null unless ready), idle_ttl_s}]}.
     """
-    return build_status(daemon)
+    return build_status(daemon, daemon.fleet.member(params["model"]))
 
 
-@method("up", errors=(ReasonCode.CONFIG_INVALID, ReasonCode.ILLEGAL_TRANSITION))
+@method(
+    "up",
+    MODEL,
+    errors=(
+        ReasonCode.CONFIG_INVALID,
+        ReasonCode.ILLEGAL_TRANSITION,
+        ReasonCode.MODEL_NOT_FOUND,
+        ReasonCode.PLACEMENT_NO_ROOM,
+    ),
+)
 async def up(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
-    """Start the server; a no-op while it is starting or running.
+    """Start a model's server (the default model's, or `model`'s); a no-op while it is starting or
+    running. With [placement] max_loaded models loaded, the least recently used idle one is
+    stopped first (drained, snapshots saved); placement_no_room when every loaded one is pinned or busy.
 
-    Reply: the status document (as `status`), at once; poll `status` or subscribe to wait for ready.
+    Reply: the status document (as `status`, for that model) once it is starting; poll `status` or
+    subscribe to wait for ready.
     """
-    if daemon.config_problems and daemon.config_loaded_invalid:
-        raise StokerError(ReasonCode.CONFIG_INVALID, evidence={"problems": list(daemon.config_problems)})
-    fire(daemon, LR.UpRequested(daemon.launch_settings()))
-    return build_status(daemon)
+    _start_allowed(daemon)
+    member = daemon.fleet.member(params["model"])
+    await daemon.fleet.load(member, wait=False)
+    return build_status(daemon, member)
 
 
-@method("down", errors=(ReasonCode.ILLEGAL_TRANSITION,))
+@method("down", MODEL, errors=(ReasonCode.ILLEGAL_TRANSITION, ReasonCode.MODEL_NOT_FOUND))
 async def down(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
-    """Stop the server (TERM, the grace period, then KILL); the daemon keeps running.
+    """Stop a model's server (the default model's, or `model`'s: TERM, the grace period, then
+    KILL); the daemon and the other models keep running. It stays down until `up`: the front
+    door answers its requests 503 frontdoor_server_down meanwhile.
 
-    Reply: the status document (as `status`) once the server has stopped (a later up or
-    restart from another client may already be bringing the next one up).
+    Reply: the status document (as `status`, for that model) once the server has stopped (a later
+    up or restart from another client may already be bringing the next one up).
     """
-    fire(daemon, LR.DownRequested())
-    await daemon.supervisor.wait_stopped()
-    return build_status(daemon)
+    member = daemon.fleet.member(params["model"])
+    fire(member, LR.DownRequested())
+    await member.supervisor.wait_stopped()
+    return build_status(daemon, member)
 
 
-@method("restart", errors=(ReasonCode.ILLEGAL_TRANSITION,))
+@method(
+    "restart", MODEL, errors=(ReasonCode.ILLEGAL_TRANSITION, ReasonCode.MODEL_NOT_FOUND, ReasonCode.PLACEMENT_NO_ROOM)
+)
 async def restart(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
-    """Stop the server if it runs, then plan and start it again.
+    """Stop a model's server if it runs (the default model's, or `model`'s), then plan and start
+    it again; a model not loaded is loaded as `up` does (making room first).
 
-    Reply: the status document (as `status`), at once.
+    Reply: the status document (as `status`, for that model), at once.
     """
-    fire(daemon, LR.RestartRequested())
-    return build_status(daemon)
+    member = daemon.fleet.member(params["model"])
+    if member.state in UNLOADED:
+        _start_allowed(daemon)
+        await daemon.fleet.load(member, wait=False)
+    else:
+        fire(member, LR.RestartRequested())
+    return build_status(daemon, member)
 
 
 @method("shutdown")
 async def shutdown(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
-    """Stop the server, then the daemon; the reply is sent before the daemon goes.
+    """Stop every server, then the daemon; the reply is sent before the daemon goes.
 
     Reply: {"stopping": true}.
     """

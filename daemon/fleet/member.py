@@ -1,0 +1,177 @@
+"""One configured model and everything that serves it: its server instance, launch supervisor,
+fallback orchestrator and use at the front door.
+
+Each member has its own launch and fallback machines (`launch:<NAME>`, `fallback:<NAME>`; the
+`default` instance of a config without [models] keeps `launch` and `fallback`), history and
+reason codes, so one model can run on a GPU while another has fallen back to the CPU. They
+share the daemon's probes, installs, pulls, snapshots and event bus (`Services`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import attrs
+import trio
+
+from daemon.backends.base import Backend
+from daemon.config.served import ServedModel
+from daemon.core.machines import Publish
+from daemon.core.paths import StokerPaths
+from daemon.fallback.orchestrator import FallbackOrchestrator
+from daemon.fleet.usage import Pulse, Usage
+from daemon.install.service import InstallService
+from daemon.launch.instance import ServerInstance
+from daemon.launch.supervisor import Supervisor, launch_settings
+from daemon.models.pull import PullService
+from daemon.probes.service import ProbeService
+from daemon.snapshots.service import SnapshotService
+from states import launch_records as LR
+from states.placement import Resident, loads_on_demand, occupies
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class Services:
+    """What every member shares: the daemon's stores, services and event bus."""
+
+    paths: StokerPaths
+    store: Any
+    probes: ProbeService
+    installs: InstallService
+    backends: Mapping[str, Backend]
+    pulls: PullService
+    snapshots: SnapshotService
+    publish: Publish
+    pulse: Pulse
+
+
+@attrs.define(eq=False)
+class Member:
+    """A configured model: its instance's supervisor and orchestrator, and its use."""
+
+    served: ServedModel
+    supervisor: Supervisor
+    orchestrator: FallbackOrchestrator
+    usage: Usage
+    pulse: Pulse
+    retiring: bool = False  # its section left the config (or it was found unconfigured): stopping for good
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)  # its supervisor's task
+
+    @property
+    def name(self) -> str:
+        return self.served.name
+
+    @property
+    def instance(self) -> ServerInstance:
+        return self.supervisor.instance
+
+    @property
+    def state(self) -> LR.LaunchState:
+        return self.supervisor.state
+
+    @property
+    def data(self) -> LR.LaunchData:
+        return self.supervisor.data
+
+    def endpoint(self) -> tuple[str | None, str | None]:
+        """The engine's base URL and per-launch key (None, None without a server)."""
+        return self.supervisor.endpoint()
+
+    def settings(self) -> LR.LaunchSettings:
+        """The launch machine's knobs from this model's config."""
+        return launch_settings(self.served.config)
+
+    @property
+    def occupies(self) -> bool:
+        """Loaded, or on its way up or down: it takes one of max_loaded's places."""
+        return occupies(self.state)
+
+    @property
+    def loads_on_demand(self) -> bool:
+        """Stopped, and a request naming it loads it (states/placement.py)."""
+        return not self.retiring and loads_on_demand(self.state, self.data.down_cause)
+
+    def idle_s(self, now: float | None = None) -> float:
+        """Seconds since its last request (or since ready); 0 while a request is in flight."""
+        return self.usage.idle_s(time.time() if now is None else now, self.supervisor.ready_at)
+
+    def resident(self, now: float) -> Resident:
+        """Its facts for a placement decision."""
+        return Resident(
+            self.name,
+            self.state,
+            pinned=self.served.pinned,
+            in_flight=self.usage.in_flight,
+            waiting=self.usage.waiting,
+            idle_s=self.idle_s(now),
+        )
+
+    def names(self) -> frozenset[str]:
+        """What a request's `model` may say to reach it: its NAME, "default" for the default
+        model, the model as configured (with its file name and stem), and the path its engine
+        was launched with (the id the engine's own /v1/models reports), with its name and stem."""
+        names = {self.name, self.served.spec}
+        if self.served.default:
+            names.add("default")
+        plan = self.data.plan
+        if plan is not None:
+            names.add(plan.model_path)
+        for name in list(names - {self.name, "default"}):
+            names.update({Path(name).name, Path(name).stem})
+        return frozenset(names)
+
+    async def wait_state(self, states: Iterable[LR.LaunchState]) -> None:
+        """Return once its launch machine is in one of `states`."""
+        wanted = set(states)
+        while self.state not in wanted:
+            await self.pulse.wait()
+
+    def effective_backend(self) -> str | None:
+        """The backend really in use (status's `backend`): the CPU after a late demotion."""
+        return self.orchestrator.effective_backend(self.data.plan)
+
+
+def build_member(served: ServedModel, services: Services) -> Member:
+    """A member for `served`: its instance's orchestrator and supervisor wired to the shared
+    services, its supervisor's drain its own requests in flight."""
+    instance = ServerInstance(served.name)
+    usage = Usage(on_change=services.pulse.fire)
+    orchestrator = FallbackOrchestrator(
+        services.paths,
+        services.store,
+        services.probes,
+        services.installs,
+        services.backends,
+        publish=services.publish,
+        instance=instance,
+        pulls=services.pulls,
+    )
+    snapshots = services.snapshots
+
+    async def on_ready(supervisor: Supervisor, evidence: dict[str, Any]) -> dict[str, Any]:
+        # First prove the backend is really in use (or demote it), then restore snapshots.
+        try:
+            extra = dict(await orchestrator.on_ready(supervisor, evidence) or {})
+        except Exception:  # never keep a serving server from ready, nor skip the restore
+            log.exception("verifying the backend in use failed")
+            extra = {}
+        extra.update(await snapshots.on_ready(supervisor, {**evidence, **extra}) or {})
+        return extra
+
+    supervisor = Supervisor(
+        services.paths,
+        services.store,
+        served.config,
+        orchestrator.plan,
+        instance=instance,
+        publish=services.publish,
+        ready_hook=on_ready,
+        before_stop=snapshots.before_stop,
+        drain=usage.wait_drained,
+    )
+    return Member(served, supervisor, orchestrator, usage, services.pulse)
