@@ -97,24 +97,74 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"fallback  {fb.get('backend')}: {fb.get('reason')} - {fb.get('message', '')}")
         if (fb.get("evidence") or {}).get("hint"):
             lines.append(f"          hint: {fb['evidence']['hint']}")
+    models = st.get("models") or []
+    if len(models) > 1 or any(m.get("name") != "default" for m in models):
+        lines.extend(format_models(models, st.get("max_loaded"), st.get("name")))
     return "\n".join(lines)
 
 
+def _seconds(value: object) -> str:
+    return "-" if not isinstance(value, (int, float)) else f"{value:.0f}s"
+
+
+def format_models(models: list[dict[str, Any]], max_loaded: object, shown: object) -> list[str]:
+    """Every configured model on one line: state, the backend really in use, why, layers, idle
+    seconds against its TTL, pinned and default; `>` marks the one described above."""
+    rows = [("", "MODEL", "STATE", "BACKEND", "LAYERS", "IDLE/TTL", "WHY", "")]
+    for m in models:
+        layers = m.get("layers") or {}
+        offloaded, total = layers.get("offloaded"), layers.get("total")
+        ttl = m.get("idle_ttl_s")
+        flags = [f for f, on in (("default", m.get("default")), ("pinned", m.get("pinned"))) if on]
+        if m.get("in_flight"):
+            flags.append(f"{m['in_flight']} in flight")
+        why = m.get("reason") or m.get("down_cause") or ("loads on demand" if m.get("loads_on_demand") else "-")
+        rows.append(
+            (
+                ">" if m.get("name") == shown else " ",
+                str(m.get("name")),
+                str(m.get("state")),
+                m.get("backend") or "-",
+                "-" if offloaded is None and total is None else f"{_or_dash(offloaded)}/{_or_dash(total)}",
+                f"{_seconds(m.get('idle_s'))}/{_seconds(ttl) if ttl else 'never'}",
+                str(why),
+                ", ".join(flags),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    out = [f"models    at most {max_loaded} loaded at once"]
+    out += ["  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
+    return out
+
+
+MODEL = click.argument("model", required=False)
+
+
+def _named(model: str | None) -> dict[str, str]:
+    """The `model` parameter, only when one is named (a daemon from before several models knows none)."""
+    return {} if model is None else {"model": model}
+
+
 @click.command()
+@MODEL
 @json_option
-def status(as_json: bool) -> None:
-    """State, backend, reason and message, model, endpoint, layers."""
-    st = call("status", as_json)
+def status(model: str | None, as_json: bool) -> None:
+    """State, backend, reason and message, model, endpoint, layers; then every configured model.
+
+    The details are the default model's, or MODEL's (its [models.NAME]); `--json` has them at the
+    top level and every model in `models`.
+    """
+    st = call("status", as_json, **_named(model))
     emit(as_json, st, format_status)
     if st.get("state") == "failed":
         sys.exit(1)
 
 
-def wait_for_settled(as_json: bool, timeout: float) -> dict:
-    """Poll status until the server is ready or has settled in failure."""
+def wait_for_settled(as_json: bool, timeout: float, model: str | None = None) -> dict:
+    """Poll status until the model's server is ready or has settled in failure."""
     deadline = time.monotonic() + timeout
     while True:
-        st = call("status", as_json)
+        st = call("status", as_json, **_named(model))
         if st.get("state") in READY_STATES:
             return st
         if st.get("state") in SETTLED_FAILURES:
@@ -130,45 +180,56 @@ def _finish(as_json: bool, st: dict, want: str) -> None:
         sys.exit(1)
 
 
+# `up` and `restart` may first stop the least recently used model to make room: drained (its
+# answers finish, up to 30 s), its snapshots saved, then TERM.
+START_CALL_TIMEOUT = 120.0
+
+
 @click.command()
+@MODEL
 @click.option("--wait/--no-wait", default=True, help="Wait until the server is ready (default).")
 @click.option("--timeout", default=900.0, show_default=True, help="Seconds to wait for ready.")
 @json_option
-def up(wait: bool, timeout: float, as_json: bool) -> None:
-    """Start the server."""
-    _start(as_json, call("up", as_json), wait, timeout)
+def up(model: str | None, wait: bool, timeout: float, as_json: bool) -> None:
+    """Start the default model's server, or MODEL's (making room first when max_loaded are loaded)."""
+    _start(as_json, call("up", as_json, timeout=START_CALL_TIMEOUT, **_named(model)), wait, timeout, model)
 
 
-def _start(as_json: bool, st: dict, wait: bool, timeout: float) -> None:
+def _start(as_json: bool, st: dict, wait: bool, timeout: float, model: str | None = None) -> None:
     """After up/restart: wait until ready (exit 1 if it settles otherwise), or print at once."""
     if wait:
-        st = wait_for_settled(as_json, timeout)
+        st = wait_for_settled(as_json, timeout, model)
         _finish(as_json, st, "ready")
     else:
         emit(as_json, st, format_status)
 
 
 @click.command()
+@MODEL
 @json_option
-def down(as_json: bool) -> None:
-    """Stop the server (the daemon keeps running)."""
-    st = call("down", as_json, timeout=120.0)
+def down(model: str | None, as_json: bool) -> None:
+    """Stop the default model's server, or MODEL's (the daemon and the other models keep running).
+
+    It stays down until `stoker up [MODEL]`: requests for it are answered 503 meanwhile.
+    """
+    st = call("down", as_json, timeout=120.0, **_named(model))
     _finish(as_json, st, "stopped")
 
 
 @click.command()
+@MODEL
 @click.option("--wait/--no-wait", default=True)
 @click.option("--timeout", default=900.0, show_default=True)
 @json_option
-def restart(wait: bool, timeout: float, as_json: bool) -> None:
-    """Restart the server."""
-    _start(as_json, call("restart", as_json, timeout=120.0), wait, timeout)
+def restart(model: str | None, wait: bool, timeout: float, as_json: bool) -> None:
+    """Restart the default model's server, or MODEL's."""
+    _start(as_json, call("restart", as_json, timeout=START_CALL_TIMEOUT, **_named(model)), wait, timeout, model)
 
 
 @click.command()
 @json_option
 def shutdown(as_json: bool) -> None:
-    """Stop the server and the daemon."""
+    """Stop every server and the daemon."""
     result = call("shutdown", as_json, timeout=120.0)
     emit(as_json, result, lambda r: "daemon stopping")
 

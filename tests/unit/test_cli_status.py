@@ -65,3 +65,52 @@ def test_status_shows_the_front_door_clients_use_or_why_there_is_none():
     assert "frontdoor off" in plain(format_status({**st, "frontdoor": off}))
     taken = {**listening, "url": None}
     assert "frontdoor not listening" in plain(format_status({**st, "frontdoor": taken}))
+
+
+def _model(name: str, state: str, **extra: object) -> dict:
+    base = {
+        "name": name,
+        "state": state,
+        "backend": None,
+        "reason": None,
+        "down_cause": None,
+        "loads_on_demand": False,
+        "layers": {"offloaded": None, "total": None},
+        "idle_s": None,
+        "idle_ttl_s": 0.0,
+        "default": False,
+        "pinned": False,
+        "in_flight": 0,
+    }
+    return {**base, **extra}
+
+
+def test_every_configured_model_is_listed_with_its_state_backend_why_layers_and_idle_time():
+    models = [
+        _model("chat", "ready", backend="cuda", layers={"offloaded": 33, "total": 33}, idle_s=12.4, default=True),
+        _model("code", "ready", backend="cpu", layers={"offloaded": 0, "total": 3}, idle_s=0, in_flight=2, pinned=True),
+        _model("old", "stopped", down_cause="evicted", loads_on_demand=True, idle_ttl_s=600.0),
+        _model("bad", "failed", reason="model_missing"),
+        _model("new", "stopped", loads_on_demand=True),
+    ]
+    st = {"state": "ready", "backend": "cuda", "name": "chat", "models": models, "max_loaded": 2}
+    lines = plain(format_status(st)).splitlines()
+    start = lines.index("models    at most 2 loaded at once")
+    table = lines[start + 1 :]
+    assert table[0].split() == ["MODEL", "STATE", "BACKEND", "LAYERS", "IDLE/TTL", "WHY"]
+    assert table[1].split() == [">", "chat", "ready", "cuda", "33/33", "12s/never", "-", "default"]
+    assert table[2].split() == ["code", "ready", "cpu", "0/3", "0s/never", "-", "pinned,", "2", "in", "flight"]
+    assert table[3].split() == ["old", "stopped", "-", "-", "-/600s", "evicted"]
+    assert table[4].split() == ["bad", "failed", "-", "-", "-/never", "model_missing"]
+    assert table[5].split() == ["new", "stopped", "-", "-", "-/never", "loads", "on", "demand"]
+
+
+def test_one_unnamed_model_keeps_the_status_as_it_was():
+    st = {
+        "state": "ready",
+        "backend": "cpu",
+        "name": "default",
+        "models": [_model("default", "ready")],
+        "max_loaded": 2,
+    }
+    assert "models" not in plain(format_status(st))
