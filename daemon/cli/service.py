@@ -140,7 +140,7 @@ def format_models(models: list[dict[str, Any]], max_loaded: object, shown: objec
 MODEL = click.argument("model", required=False)
 
 
-def _named(model: str | None) -> dict[str, str]:
+def _named(model: str | None) -> dict[str, Any]:
     """The `model` parameter, only when one is named (a daemon from before several models knows none)."""
     return {} if model is None else {"model": model}
 
