@@ -5,7 +5,8 @@ restore, erase), telemetry (`/metrics`), the smoke completion (`/completion`) an
 (`/v1/chat/completions`) all go through `EngineClient`: the endpoints' paths and bodies are
 written here once, and the per-launch key's `Authorization: Bearer` header is built here and
 nowhere else. It sits on `core.http.loopback_client`, so no proxy from the environment ever
-sees a request or the key, and no CA bundle is loaded for plain loopback HTTP.
+sees a request or the key, and no CA bundle is loaded for plain loopback HTTP; the front door's
+forward path (`forward`) goes over the leaner `EngineWire` (daemon/engine/wire.py) instead.
 
 Endpoints answer the engine's `httpx.Response`: what a status means is the caller's to say
 (a 503 while the model loads, the 401 that proves a key is required, a slot the engine
@@ -22,6 +23,7 @@ import attrs
 import httpx
 
 from daemon.core.http import loopback_client
+from daemon.engine.wire import EngineAnswer, EngineWire
 
 # httpx's per-request guard when the caller names none: a loopback engine that says nothing
 # for this long is not going to (a caller waiting on a slow slot passes None and a scope).
@@ -35,10 +37,13 @@ class EngineClient:
     base_url: str
     api_key: str | None
     _http: httpx.AsyncClient
+    wire: EngineWire | None = None  # the forward path's connections (the front door's, shared)
     _auth: dict[str, str] = attrs.field(init=False)
+    _auth_header: list[tuple[bytes, bytes]] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self._auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._auth_header = [(b"authorization", f"Bearer {self.api_key}".encode())] if self.api_key else []
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -111,24 +116,26 @@ class EngineClient:
         content: bytes | None = None,
         headers: dict[str, str] | None = None,
         streamed: bool = False,
-    ) -> AsyncIterator[httpx.Response]:
-        """Send a client's request on to the engine with the per-launch key, the response's body
+    ) -> AsyncIterator[EngineAnswer]:
+        """Send a client's request on to the engine with the per-launch key, the answer's body
         left unread: the caller streams it (`aiter_raw`) as it arrives, never buffered. The path
-        is absolute on `base_url`, so one shared client serves every launch (the front door).
+        is absolute on `base_url`, so one shared `wire` serves every launch (the front door).
 
-        `streamed`: the client asked for a streamed (SSE) answer. llama-server closes its
-        connection after every streamed answer though its headers say keep-alive; such a
-        connection put back in the pool would carry the next request into a closed socket, a
-        failure that looks like a dead engine. `Connection: close` keeps it out of the pool."""
-        extra = {"Connection": "close"} if streamed else {}
-        request = self._http.build_request(
-            method, f"{self.base_url}{path}", content=content, headers={**(headers or {}), **extra, **self._auth}
-        )
-        response = await self._http.send(request, stream=True)
+        The forward path is the front door's data path, so it goes over `EngineWire` (h11 on a
+        trio socket: daemon/engine/wire.py) rather than httpx; its failures are httpx's
+        exceptions all the same. `streamed`: the client asked for a streamed (SSE) answer.
+        llama-server closes its connection after every streamed answer though its headers say
+        keep-alive; such a connection kept for the next request would carry it into a closed
+        socket, a failure that looks like a dead engine: it goes with `Connection: close`."""
+        # Without the front door's shared wire (a one-off caller), nothing is kept for later.
+        wire = self.wire if self.wire is not None else EngineWire()
+        sent = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in (headers or {}).items()]
+        sent += self._auth_header
+        answer = await wire.send(self.base_url, method, path, sent, content, keep=not streamed and wire is self.wire)
         try:
-            yield response
+            yield answer
         finally:
-            await response.aclose()
+            await answer.aclose()
 
 
 def error_message(reply: httpx.Response, limit: int = 300) -> str:

@@ -28,6 +28,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from daemon.engine.api import EngineClient
+from daemon.engine.wire import EngineAnswer, EngineWire
 from daemon.fleet.member import Member
 from daemon.frontdoor.hold import Hold, Refused
 from daemon.frontdoor.limits import LimitExceeded, check_head, read_body
@@ -108,7 +109,7 @@ class EngineStream(StreamingResponse):
 
 
 async def relay(
-    response: httpx.Response, sse: bool, first: bytes = b"", chunks: AsyncIterator[bytes] | None = None
+    response: httpx.Response | EngineAnswer, sse: bool, first: bytes = b"", chunks: AsyncIterator[bytes] | None = None
 ) -> AsyncIterator[bytes]:
     """The engine's body, chunk by chunk as it arrives (`first`, already read, then the rest of
     `chunks`); a cut SSE stream ends with an error event."""
@@ -131,10 +132,16 @@ class FrontDoor:
     """The routes, bound to the daemon, one shared loopback HTTP client and the key check."""
 
     def __init__(
-        self, daemon: FrontDoorDaemon, http: httpx.AsyncClient, authorize: Authorize, hold: Hold | None = None
+        self,
+        daemon: FrontDoorDaemon,
+        http: httpx.AsyncClient,
+        authorize: Authorize,
+        hold: Hold | None = None,
+        wire: EngineWire | None = None,
     ) -> None:
         self.daemon = daemon
         self.http = http
+        self.wire = wire or EngineWire()  # the forward path's engine connections (daemon/engine/wire.py)
         self.authorize = authorize
         self.hold = hold or Hold(daemon)  # the daemon's own, whose drain its supervisor waits for
         self.metrics = FrontDoorMetrics(daemon, self.hold, (*POST_ROUTES, "/v1/models"), POST_ROUTES)
@@ -207,7 +214,7 @@ class FrontDoor:
             stack = contextlib.AsyncExitStack()
             stack.callback(self.hold.sent(member))  # in flight until its answer is over (or failed)
             try:
-                engine = EngineClient(base_url, api_key, self.http)
+                engine = EngineClient(base_url, api_key, self.http, wire=self.wire)
                 response = await stack.enter_async_context(
                     engine.forward(method, path, content=content, headers=headers, streamed=sse)
                 )

@@ -2,7 +2,8 @@
 
 It binds `[frontdoor] host:port` (loopback by default, 127.0.0.1:11436). A port another
 program holds does not stop the daemon: the front door logs why and stays off, the rest of the
-daemon serves on. The engine is reached through one loopback httpx client for the daemon's life.
+daemon serves on. The engine is reached through one `EngineWire` (its keep-alive pool) for the
+daemon's life.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import logging
 from functools import partial
 from typing import cast
 
-import httpx
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.app_wrappers import ASGIWrapper
@@ -19,6 +19,7 @@ from hypercorn.trio.run import worker_serve
 from hypercorn.typing import ASGIFramework
 
 from daemon.core.http import loopback_client
+from daemon.engine.wire import EngineWire, WireTimeouts
 from daemon.frontdoor.app import FrontDoor
 from daemon.frontdoor.hold import Hold
 from daemon.frontdoor.limits import LimitedHypercornConfig
@@ -28,7 +29,7 @@ log = logging.getLogger("stoker.frontdoor")
 
 # A silent engine socket: connecting is instant on loopback; between two chunks of an answer the
 # engine may think for a long while (a non-streaming completion sends nothing until done).
-ENGINE_TIMEOUT = httpx.Timeout(connect=5.0, read=900.0, write=60.0, pool=None)
+ENGINE_TIMEOUT = WireTimeouts(connect=5.0, read=900.0, write=60.0)
 
 
 # Connections that may wait to be accepted: 1000 clients connecting at once are not dropped
@@ -58,9 +59,9 @@ async def serve_frontdoor(
     if not settings.enabled:
         task_status.started([])
         return
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with loopback_client(timeout=ENGINE_TIMEOUT, limits=limits) as http, trio.open_nursery() as nursery:
-        app = cast(ASGIFramework, FrontDoor(daemon, http, authorize, hold).app())  # Starlette is an ASGI 3 app
+    # The forward path's engine connections: one pool for the front door's life, closed with it.
+    async with loopback_client() as http, EngineWire(ENGINE_TIMEOUT) as wire, trio.open_nursery() as nursery:
+        app = cast(ASGIFramework, FrontDoor(daemon, http, authorize, hold, wire).app())  # Starlette is an ASGI 3 app
         config = hypercorn_config(daemon, settings.host, settings.port)
         try:
             # Bound here, not inside Hypercorn's nurseries: a taken port must be one plain

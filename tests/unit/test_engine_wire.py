@@ -1,0 +1,126 @@
+"""The front door's engine connections (daemon/engine/wire.py), against a small loopback server
+that speaks raw HTTP/1.1 bytes the way llama-server does: what a client of the front door would
+notice is whether each request gets its answer, whole, and what kind of failure it gets when
+the engine is not there, cuts an answer, or says nothing."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Awaitable, Callable
+
+import httpx
+import pytest
+import trio
+
+from daemon.engine.api import EngineClient
+from daemon.engine.wire import EngineWire, WireTimeouts
+
+SSE = b"data: {}\n\n"
+
+
+async def read_request(stream: trio.SocketStream, buffered: bytearray) -> bytes | None:
+    """One request's head and body (Content-Length framed), or None at EOF."""
+    while b"\r\n\r\n" not in buffered:
+        data = await stream.receive_some(65536)
+        if not data:
+            return None
+        buffered += data
+    end = buffered.index(b"\r\n\r\n") + 4
+    head = bytes(buffered[:end])
+    length = next(
+        (int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0
+    )
+    while len(buffered) < end + length:
+        buffered += await stream.receive_some(65536)
+    request = bytes(buffered[: end + length])
+    del buffered[: end + length]
+    return request
+
+
+Handler = Callable[[trio.SocketStream, bytes], Awaitable[bool]]  # False: close the connection
+
+
+async def serve(nursery: trio.Nursery, handler: Handler, seen: list[bytes]) -> str:
+    async def connection(stream: trio.SocketStream) -> None:
+        buffered = bytearray()
+        async with stream:
+            while (request := await read_request(stream, buffered)) is not None:
+                seen.append(request)
+                if not await handler(stream, request):
+                    return
+
+    listeners = await nursery.start(partial(trio.serve_tcp, connection, 0, host="127.0.0.1"))
+    return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+
+
+async def llama_like(stream: trio.SocketStream, request: bytes) -> bool:
+    """A JSON answer kept alive; a streamed one (SSE, chunked) closed after it, as llama-server does."""
+    if b'"stream": true' in request:
+        await stream.send_all(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+            b"Keep-Alive: timeout=5, max=100\r\n\r\n" + b"".join(b"%x\r\n%s\r\n" % (len(SSE), SSE) for _ in range(3))
+        )
+        await stream.send_all(b"0\r\n\r\n")
+        return False
+    await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+    return True
+
+
+async def ask(client: EngineClient, body: bytes, streamed: bool) -> tuple[int, bytes]:
+    async with client.forward("POST", "/v1/chat/completions", content=body, streamed=streamed) as answer:
+        return answer.status_code, b"".join([chunk async for chunk in answer.aiter_raw()])
+
+
+async def test_answers_come_whole_streamed_ones_alone_on_their_connection(nursery):
+    seen: list[bytes] = []
+    url = await serve(nursery, llama_like, seen)
+    async with EngineWire() as wire:
+        client = EngineClient(url, "k", httpx.AsyncClient(), wire=wire)
+        for _ in range(3):
+            assert await ask(client, b'{"stream": false}', False) == (200, b"{}")
+            assert await ask(client, b'{"stream": true}', True) == (200, SSE * 3)
+    assert len(seen) == 6
+    assert all(b"authorization: Bearer k" in r and r.endswith(b"}") for r in seen)  # head and body, the key
+    assert [b"connection: close" in r for r in seen] == [False, True] * 3
+
+
+async def test_a_kept_connection_the_engine_closed_is_not_used_again(nursery):
+    async def one_answer_per_connection(stream: trio.SocketStream, request: bytes) -> bool:
+        await llama_like(stream, request)
+        return False  # closes though its answer said nothing of it
+
+    url = await serve(nursery, one_answer_per_connection, [])
+    async with EngineWire() as wire:
+        client = EngineClient(url, None, httpx.AsyncClient(), wire=wire)
+        for _ in range(5):
+            assert await ask(client, b"{}", False) == (200, b"{}")
+            await trio.sleep(0.01)  # the engine's FIN has arrived before the next request
+
+
+async def test_failures_are_the_transport_errors_the_front_door_handles(nursery):
+    async def cut(stream: trio.SocketStream, request: bytes) -> bool:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(SSE), SSE))
+        return False  # closed midway
+
+    async def silent(stream: trio.SocketStream, request: bytes) -> bool:
+        await trio.sleep_forever()
+        return False
+
+    with trio.socket.socket() as unused:
+        await unused.bind(("127.0.0.1", 0))
+        refused = f"http://127.0.0.1:{unused.getsockname()[1]}"  # bound, not listening
+        async with EngineWire() as wire:
+            with pytest.raises(httpx.ConnectError):
+                await ask(EngineClient(refused, None, httpx.AsyncClient(), wire=wire), b"{}", True)
+    cut_url = await serve(nursery, cut, [])
+    silent_url = await serve(nursery, silent, [])
+    async with EngineWire(WireTimeouts(read=0.5)) as wire:
+        async with EngineClient(cut_url, None, httpx.AsyncClient(), wire=wire).forward(
+            "POST", "/x", content=b"{}"
+        ) as answer:
+            chunks = answer.aiter_raw()
+            assert await anext(chunks) == SSE  # what came before the cut is handed on
+            with pytest.raises(httpx.RemoteProtocolError):
+                await anext(chunks)
+        with trio.fail_after(5), pytest.raises(httpx.ReadTimeout):
+            await ask(EngineClient(silent_url, None, httpx.AsyncClient(), wire=wire), b"{}", True)
