@@ -43,6 +43,12 @@ class ServedModel:
         return self.default or self.pinned
 
     @property
+    def engine_alias(self) -> str | None:
+        """The model id its engine is told to report (`--alias`): its NAME with [models], so the
+        answers carry the name the client routed by; None without (the engine's file path, as before)."""
+        return self.name if self.config.models else None
+
+    @property
     def public_id(self) -> str:
         """The id /v1/models lists it under: its NAME; without [models] the model's own name (its
         catalog name, or its file's name), the one the user wrote."""

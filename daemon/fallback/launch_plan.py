@@ -11,9 +11,11 @@ settled here, once per plan:
                     (daemon/fallback/vram.py), as the plugin spells it (`Backend.launch_env`:
                     CUDA_VISIBLE_DEVICES), recorded as the plan's `backend_env`
     -t, -fa         the config's threads (0: the engine decides) and flash attention
-    extra args      the model's own (a chat template a well-known model needs), then the user's
-                    extra_args, then --metrics (telemetry reads tokens/s from /metrics), then
-                    the snapshot flags (--swa-full where the KV cache must hold full SWA)
+    extra args      the model's own (a chat template a well-known model needs), then --alias
+                    NAME for a [models.NAME] model (the engine then answers with the name the
+                    client routed by), then the user's extra_args, then --metrics (telemetry
+                    reads tokens/s from /metrics), then the snapshot flags (--swa-full where the
+                    KV cache must hold full SWA)
     --slot-save-path  always, so that turning snapshots on needs no relaunch
 
 A respawn after a crash runs the same plan; a config change that touches any of these
@@ -43,10 +45,12 @@ def complete_plan(
     plugin: Backend,
     devices: tuple[int, ...] = (),
     model_args: tuple[str, ...] = (),
+    alias: str | None = None,
 ) -> LaunchPlan:
     """The whole plan for `bundle` (its backend and variant, run by `plugin`) and the model,
     on `devices` (the detected GPUs to give the server; empty: all), with the model's own
-    arguments (`model_args`: a well-known model's chat template, daemon/models/known.py).
+    arguments (`model_args`: a well-known model's chat template, daemon/models/known.py) and the
+    name the engine reports as its model (`alias`; None: its file path, as without [models]).
     Blocking: it may read the model's GGUF header (for --swa-full) and creates the slot-save
     directory."""
     server = config.server
@@ -66,7 +70,7 @@ def complete_plan(
         n_gpu_layers=n_gpu_layers,
         flash_attn=server.flash_attn,
         slot_save_path=str(slot_save_path),
-        extra_args=(*model_args, *server.extra_args, METRICS, *snapshot_args),
+        extra_args=(*model_args, *(("--alias", alias) if alias else ()), *server.extra_args, METRICS, *snapshot_args),
         backend_args=plugin.launch_args(request),
         backend_env=plugin.launch_env(request),
     )

@@ -154,6 +154,7 @@ class FallbackOrchestrator:
     backends: Mapping[str, Backend]
     publish: Publish | None = None
     instance: ServerInstance = ServerInstance()
+    alias: str | None = None  # the model id its engine reports ([models.NAME]: NAME); None: the file path
     # The daemon's pull service (the catalog, and the pulls a well-known model needs); a private one by default.
     pulls: PullService = attrs.field(
         default=attrs.Factory(lambda self: PullService(self.paths, self.store, self.publish), takes_self=True)
@@ -373,7 +374,7 @@ class FallbackOrchestrator:
                 log.info("no layer estimate for %s: %s", model, err)
             self.planned_why = why_planned(backend, self.estimate, layers=layers)
         request.plan = await trio.to_thread.run_sync(
-            complete_plan, self.paths, config, bundle, model, layers, plugin, devices, request.model_args
+            complete_plan, self.paths, config, bundle, model, layers, plugin, devices, request.model_args, self.alias
         )
 
     # --- after the launch ---------------------------------------------------------------

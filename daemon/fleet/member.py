@@ -149,6 +149,7 @@ def build_member(served: ServedModel, services: Services) -> Member:
         services.backends,
         publish=services.publish,
         instance=instance,
+        alias=served.engine_alias,
         pulls=services.pulls,
     )
     snapshots = services.snapshots

@@ -112,3 +112,10 @@ def test_instance_config_keeps_what_the_section_leaves_out():
     section = config.models[1]
     assert instance_config(config, section).supervisor == config.supervisor
     assert instance_config(config, section).snapshots == config.snapshots
+
+
+def test_the_engine_reports_the_models_name_only_with_models_sections():
+    (single,) = served_models(parse_config('[server]\nmodel = "/m/a.gguf"\n'))
+    assert single.engine_alias is None  # the engine's id stays its file path, as before [models]
+    chat, code = served_models(parse_config(TWO))
+    assert (chat.engine_alias, code.engine_alias) == ("chat", "code")  # --alias: answers carry the routed name
