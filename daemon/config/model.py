@@ -376,9 +376,9 @@ def _flatten(config: Config) -> dict[str, Any]:
 
 
 def config_diff(old: Config, new: Config) -> set[str]:
-    """The "section.key" names whose values differ."""
+    """The "section.key" names whose values differ (a [models.NAME] added or removed: "models.NAME")."""
     before, after = _flatten(old), _flatten(new)
-    return {key for key in before if before[key] != after[key]}
+    return {key for key in before.keys() | after.keys() if before.get(key) != after.get(key)}
 
 
 def needs_relaunch(old: Config, new: Config) -> bool:

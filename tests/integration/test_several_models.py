@@ -299,3 +299,32 @@ def test_a_pinned_model_is_never_unloaded_and_the_request_gets_placement_no_room
     assert greedy(client, "alpha")[1] == "alpha"
     done = stoker(daemon.env, "up", "beta", "--json")  # `up` does not wait: it says why at once
     assert done.returncode != 0 and "placement_no_room" in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+def test_models_added_and_removed_while_the_daemon_runs(daemon, model, other_model, no_server_left):
+    port = free_port()
+    frontdoor = f"[frontdoor]\nport = {port}\n"
+    write_config(daemon.paths, tiny_config(model) + frontdoor)  # no [models]: one model, "default"
+    daemon.start()
+    daemon.wait_state("ready")
+    client = sdk(f"http://127.0.0.1:{port}/v1")
+    assert [m["name"] for m in daemon.call("status")["models"]] == ["default"]
+    # Two sections appear: "default" is no longer configured (its server stops), alpha and beta are.
+    sections = f'[models.alpha]\nmodel = "{model}"\n[models.beta]\nmodel = "{other_model}"\n'
+    write_config(daemon.paths, tiny_config(model) + sections + frontdoor)
+    st = daemon.wait_for(lambda s: [m["name"] for m in s["models"]] == ["alpha", "beta"], 60, "alpha and beta")
+    st = wait_model(daemon, "alpha", "ready")  # the new default starts with the daemon's config
+    assert st["name"] == "alpha"
+    assert greedy(client, "beta")[1] == "beta"
+    history = daemon.history(machine="launch", limit=50)
+    assert any(r["event"] == "DownRequested" and r["event_data"]["cause"] == "removed" for r in history), history
+    # beta's section goes: its server is stopped (drained like any planned stop) and it is no longer served.
+    write_config(daemon.paths, tiny_config(model) + f'[models.alpha]\nmodel = "{model}"\n' + frontdoor)
+    daemon.wait_for(lambda s: [m["name"] for m in s["models"]] == ["alpha"], 60, "alpha alone")
+    deadline = time.monotonic() + 30
+    while servers_for(other_model) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not servers_for(other_model)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="beta", prompt=PROMPT, max_tokens=2)
+    assert greedy(client, "alpha")[1] == "alpha"

@@ -119,3 +119,9 @@ def test_the_engine_reports_the_models_name_only_with_models_sections():
     assert single.engine_alias is None  # the engine's id stays its file path, as before [models]
     chat, code = served_models(parse_config(TWO))
     assert (chat.engine_alias, code.engine_alias) == ("chat", "code")  # --alias: answers carry the routed name
+
+
+def test_a_section_added_or_removed_is_a_change():
+    old = parse_config('[models.a]\nmodel = "x"\n')
+    new = parse_config('[models.a]\nmodel = "x"\n[models.b]\nmodel = "y"\n')
+    assert config_diff(old, new) == {"models.b"} and config_diff(new, old) == {"models.b"}
