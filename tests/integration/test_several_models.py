@@ -328,3 +328,32 @@ def test_models_added_and_removed_while_the_daemon_runs(daemon, model, other_mod
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="beta", prompt=PROMPT, max_tokens=2)
     assert greedy(client, "alpha")[1] == "alpha"
+
+
+def test_a_killed_daemon_adopts_every_models_server_and_stops_one_no_longer_configured(
+    daemon, model, other_model, no_server_left
+):
+    base = two_models(daemon, model, other_model, max_loaded=2)
+    wait_model(daemon, "alpha", "ready")
+    client = sdk(base)
+    greedy(client, "beta")
+    pids = {name: m["pid"] for name, m in models_of(daemon).items()}
+    daemon.kill9()
+    daemon.start()  # the same config: both servers are proven and kept, beta's too (not autostarted)
+    wait_model(daemon, "beta", "ready")
+    wait_model(daemon, "alpha", "ready")
+    assert {name: m["pid"] for name, m in models_of(daemon).items()} == pids
+    assert greedy(client, "beta")[1] == "beta"
+    daemon.kill9()
+    # beta's section is gone when the daemon comes back: its server, still running, is stopped.
+    text = daemon.paths.config_file.read_text()
+    write_config(daemon.paths, text.replace(f'[models.beta]\nmodel = "{other_model}"\n', ""))
+    daemon.start()
+    wait_model(daemon, "alpha", "ready")
+    assert [m["name"] for m in daemon.call("status")["models"]] == ["alpha"]
+    deadline = time.monotonic() + 30
+    while servers_for(other_model) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not servers_for(other_model)
+    assert models_of(daemon)["alpha"]["pid"] == pids["alpha"]
+    assert daemon.history(machine="launch:beta", limit=5)[0]["to_state"] == "stopped"
