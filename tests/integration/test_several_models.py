@@ -161,7 +161,9 @@ def test_max_loaded_one_unloads_the_idle_model_and_says_why(daemon, model, other
     client = sdk(base)
     alpha_text = greedy(client, "alpha")[0]
 
+    started = time.monotonic()
     beta_text = greedy(client, "beta")[0]  # alpha is idle: unloaded first, then beta loads
+    print(f"swap alpha -> beta answered after {time.monotonic() - started:.2f} s")
     models = models_of(daemon)
     assert models["beta"]["state"] == "ready"
     assert models["alpha"]["state"] == "stopped" and models["alpha"]["down_cause"] == "evicted"
