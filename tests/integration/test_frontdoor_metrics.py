@@ -54,8 +54,12 @@ def test_metrics_count_requests_and_keep_history_across_a_daemon_restart(daemon,
     first = daemon.wait_state("ready")
     client = sdk(base)
     messages = [{"role": "user", "content": "hi"}]
-    reply = client.chat.completions.create(model="default", messages=messages, max_tokens=4)
-    chunks = list(client.chat.completions.create(model="default", messages=messages, max_tokens=3, stream=True))
+    # ignore_eos: the random tiny model may say its end-of-text at once; the counts must not hang on it.
+    whole = {"ignore_eos": True}
+    reply = client.chat.completions.create(model="default", messages=messages, max_tokens=4, extra_body=whole)
+    chunks = list(
+        client.chat.completions.create(model="default", messages=messages, max_tokens=3, stream=True, extra_body=whole)
+    )
     assert reply.usage is not None and len(chunks) >= 2
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=messages, max_tokens=2)
