@@ -264,7 +264,7 @@ def stall(state: S, data: LaunchData, event: StallTimeout) -> Step:
 
 
 # The reason a stop records in history, by who asked for it (None: the user's or the daemon's own).
-_DOWN_REASON = {DownCause.EVICTED: ReasonCode.PLACEMENT_EVICTED}
+_DOWN_REASON = {DownCause.EVICTED: ReasonCode.PLACEMENT_EVICTED, DownCause.IDLE: ReasonCode.IDLE_UNLOADED}
 
 
 @guarded(S.STOPPING)

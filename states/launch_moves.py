@@ -17,6 +17,7 @@ from states.launch_liveness import liveness_cadence
 from states.launch_records import (
     AfterStop,
     ArmStableTimer,
+    DownCause,
     Effect,
     ExitPhase,
     LaunchData,
@@ -46,6 +47,26 @@ _STOP_TEXT = {
     AfterStop.HUNG: "hung",
     AfterStop.FAIL: "stopping",
 }
+# What a stop is for, as the snapshot hook before it records it (each snapshot's `cause`).
+_STOP_CAUSE = {
+    AfterStop.STOP: "stop",
+    AfterStop.RESTART: "restart",
+    AfterStop.CRASH: "stall",
+    AfterStop.HUNG: "hung",
+    AfterStop.FAIL: "stop",
+}
+# A stop for good that the daemon asked for itself says why: to make room, or idle past its TTL.
+_DAEMON_STOPS = frozenset({DownCause.EVICTED, DownCause.IDLE})
+
+
+def stop_cause(data: LaunchData, shutting_down: bool) -> str:
+    """The cause a stop's snapshots carry: "shutdown" (the daemon stops), "evicted" or "idle"
+    (the daemon unloads the model), else where the stop leads: stop, restart, stall, hung."""
+    if shutting_down:
+        return "shutdown"
+    if data.after_stop is AfterStop.STOP and data.down_cause in _DAEMON_STOPS:
+        return str(data.down_cause)
+    return _STOP_CAUSE[data.after_stop]
 
 
 def settings_of(data: LaunchData, new: LaunchSettings | None) -> LaunchSettings:

@@ -50,6 +50,7 @@ class DownCause(enum.StrEnum):
 
     USER = "user"  # `stoker down`: it stays down until `stoker up` (a request is refused)
     EVICTED = "evicted"  # unloaded to make room for another model ([placement] max_loaded): loads on demand
+    IDLE = "idle"  # unloaded after its idle TTL ([models.NAME] idle_ttl_s): loads on demand
     SHUTDOWN = "shutdown"  # the daemon stopped: loads on demand once it runs again
     REMOVED = "removed"  # its [models] section left the config
 
@@ -176,8 +177,9 @@ class UpRequested:
 @attrs.frozen
 class DownRequested:
     """The server is to stop and stay stopped: the user's `down` (`cause` user), or the daemon's
-    (evicted for another model, its shutdown, its [models] section removed); `evidence` says
-    what decided it (an eviction: the model it made room for, max_loaded, the idle time)."""
+    (evicted for another model, idle past its TTL, its shutdown, its [models] section removed);
+    `evidence` says what decided it (an eviction: the model it made room for, max_loaded, the
+    idle time; an idle unload: the idle time and the TTL)."""
 
     cause: DownCause = attrs.field(default=DownCause.USER, converter=DownCause)
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)

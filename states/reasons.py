@@ -142,6 +142,7 @@ class ReasonCode(enum.StrEnum):
     # Several models ([placement] max_loaded): a load with no room, and an unload to make room.
     PLACEMENT_NO_ROOM = "placement_no_room"
     PLACEMENT_EVICTED = "placement_evicted"
+    IDLE_UNLOADED = "idle_unloaded"
     # ... and why a request was refused before it was held: it broke a `[frontdoor]` limit.
     FRONTDOOR_BODY_TOO_LARGE = "frontdoor_body_too_large"
     FRONTDOOR_HEADERS_TOO_LARGE = "frontdoor_headers_too_large"
@@ -416,6 +417,11 @@ MESSAGES: dict[ReasonCode, str] = {
     ReasonCode.PLACEMENT_EVICTED: (
         "The model was unloaded to make room for another (`[placement] max_loaded`), after its requests in flight "
         "finished; the next request that names it loads it again."
+    ),
+    ReasonCode.IDLE_UNLOADED: (
+        "The model was unloaded because no request used it for its `[models.NAME] idle_ttl_s`; its conversations "
+        "were saved first, and the next request that names it loads it again and restores them before it is "
+        "answered."
     ),
     ReasonCode.FRONTDOOR_BODY_TOO_LARGE: (
         "The request body is larger than `[frontdoor] max_body_bytes`, so it was refused without being read; send "

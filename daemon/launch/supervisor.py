@@ -45,6 +45,7 @@ from daemon.launch.instance import ServerInstance
 from daemon.launch.liveness import watch_liveness
 from states import launch as L
 from states import launch_records as LR
+from states.launch_moves import stop_cause
 from states.machine import IllegalTransition, Step
 from states.reasons import ReasonCode
 
@@ -55,7 +56,8 @@ Planner = Callable[[Config, LR.MakePlan], Awaitable[LR.LaunchPlan]]
 # A hook run once a server is ready, before the machine says so (snapshot restore goes here).
 ReadyHook = Callable[["Supervisor", Any], Any]
 # A hook run before a planned stop while the server still serves (snapshot save goes here);
-# its second argument is the cause: "stop", "restart", "evicted" (for another model) or "shutdown".
+# its second argument is the cause (states/launch_moves.py stop_cause): "stop", "restart",
+# "evicted" (for another model), "idle" (past its TTL) or "shutdown".
 StopHook = Callable[["Supervisor", str], Any]
 
 
@@ -88,16 +90,6 @@ def server_spec(plan: LR.LaunchPlan) -> ServerSpec:
         slot_save_path=plan.slot_save_path,
         env=plan.backend_env,
     )
-
-
-# The before-stop hook's cause for each reason to stop (snapshot records carry it).
-_STOP_CAUSE = {
-    LR.AfterStop.STOP: "stop",
-    LR.AfterStop.RESTART: "restart",
-    LR.AfterStop.CRASH: "stall",
-    LR.AfterStop.HUNG: "hung",
-    LR.AfterStop.FAIL: "stop",
-}
 
 
 def backoff_delay(attempt: int, initial: float, cap: float, rng: random.Random) -> float:
@@ -431,8 +423,7 @@ class Supervisor:
         with trio.move_on_after(drain):  # a planned stop: the front door's requests in flight finish first
             await self.drain()
         if server is not None and self.before_stop is not None and after is not LR.AfterStop.CRASH:
-            evicted = after is LR.AfterStop.STOP and self.data.down_cause is LR.DownCause.EVICTED
-            cause = "shutdown" if self.shutting_down else "evicted" if evicted else _STOP_CAUSE[after]
+            cause = stop_cause(self.data, self.shutting_down)
             # A hung engine answers nothing: its snapshot attempt gets the grace period, no more.
             budget = grace if after is LR.AfterStop.HUNG else float("inf")
             with trio.move_on_after(budget) as attempt:

@@ -1,0 +1,127 @@
+"""Idle unload (states/idle_unload.py) and the launch table's stop with cause idle: pure, no daemon."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from states.idle_unload import IdleFacts, due_in, review
+from states.launch import LAUNCH
+from states.launch_moves import stop_cause
+from states.launch_records import (
+    DownCause,
+    DownRequested,
+    LaunchData,
+    LaunchPlan,
+    LaunchState as S,
+    PlanReady,
+    Ready,
+    Spawned,
+    StopCompleted,
+    Terminate,
+    UpRequested,
+)
+from states.machine import step
+from states.placement import loads_on_demand
+from states.reasons import ReasonCode
+
+PLAN = LaunchPlan("cpu", "x86-64-v3", "/b", "/b/llama-server", "/m.gguf", port=8099)
+NOW = 1_000_000.0
+
+
+def facts(**kw) -> IdleFacts:
+    return IdleFacts(**{"name": "m", "state": S.READY, "idle_ttl_s": 60.0, "last_used": NOW - 10, **kw})
+
+
+def test_due_when_its_ttl_has_passed_since_its_last_use():
+    assert due_in(facts(), NOW) == 50.0  # 10 s idle of 60
+    assert due_in(facts(last_used=NOW - 60), NOW) == 0.0
+    assert due_in(facts(last_used=NOW - 3600), NOW) == 0.0  # long past: due now, never negative
+
+
+@pytest.mark.parametrize(
+    "why, kw",
+    [
+        ("no ttl", {"idle_ttl_s": 0.0}),
+        ("pinned", {"pinned": True}),
+        ("in flight", {"in_flight": 1}),
+        ("held for it", {"waiting": 1}),
+        ("never used nor ready", {"last_used": None}),
+        *[(f"{state.value}", {"state": state}) for state in S if state is not S.READY],
+    ],
+)
+def test_never_due_as_things_stand(why, kw):
+    assert due_in(facts(**{"last_used": NOW - 3600, **kw}), NOW) is None, why
+
+
+def test_review_unloads_the_due_and_sleeps_until_the_next():
+    models = [
+        facts(name="old", last_used=NOW - 100),  # due
+        facts(name="soon", last_used=NOW - 45),  # in 15 s
+        facts(name="later", last_used=NOW - 5, idle_ttl_s=30),  # in 25 s
+        facts(name="busy", last_used=NOW - 100, in_flight=2),
+        facts(name="pinned", last_used=NOW - 100, pinned=True),
+    ]
+    verdict = review(models, NOW)
+    assert [(u.name, u.evidence) for u in verdict.due] == [("old", {"idle_s": 100.0, "idle_ttl_s": 60.0})]
+    assert verdict.next_in == 15.0
+    assert review([facts(state=S.STOPPED)], NOW).next_in is None  # nothing to wait for: sleep until a change
+
+
+@given(
+    ttl=st.floats(0, 1e6),
+    used_ago=st.floats(-10, 1e7),
+    pinned=st.booleans(),
+    in_flight=st.integers(0, 3),
+    waiting=st.integers(0, 3),
+    state=st.sampled_from(list(S)),
+)
+def test_never_unloads_a_model_in_use_pinned_or_not_ready_nor_before_its_ttl(
+    ttl, used_ago, pinned, in_flight, waiting, state
+):
+    model = IdleFacts("m", state, ttl, pinned, in_flight, waiting, NOW - used_ago)
+    verdict = review([model], NOW)
+    if verdict.due:
+        assert state is S.READY and not pinned and in_flight == waiting == 0 and ttl > 0
+        assert used_ago >= ttl
+    elif verdict.next_in is not None:
+        assert 0 < verdict.next_in <= ttl  # it sleeps until the TTL has passed, never longer
+
+
+def ready_data() -> LaunchData:
+    data, state = LaunchData(), S.STOPPED
+    for event in (UpRequested(), PlanReady(PLAN, request=1), Spawned(11), Ready()):
+        result = step(LAUNCH, state, data, event)
+        state, data = result.state, result.data
+    assert state is S.READY
+    return data
+
+
+def test_an_idle_unload_is_a_drained_planned_stop_saved_as_idle_and_loaded_on_demand():
+    idle = DownRequested(DownCause.IDLE, {"idle_s": 61.2, "idle_ttl_s": 60.0})
+    result = step(LAUNCH, S.READY, ready_data(), idle)
+    assert result.state is S.STOPPING and result.reason is ReasonCode.IDLE_UNLOADED
+    assert result.evidence == {"cause": "idle", "idle_s": 61.2, "idle_ttl_s": 60.0}  # its history says why
+    (terminate,) = [e for e in result.effects if isinstance(e, Terminate)]
+    assert terminate.drain == result.data.settings.drain_timeout > 0  # its requests in flight finish first
+    assert stop_cause(result.data, shutting_down=False) == "idle"  # the snapshots saved before TERM say so
+    assert stop_cause(result.data, shutting_down=True) == "shutdown"
+    done = step(LAUNCH, result.state, result.data, StopCompleted(0))
+    assert done.state is S.STOPPED and done.data.down_cause is DownCause.IDLE
+    assert loads_on_demand(done.state, done.data.down_cause)  # the next request loads it again
+    # The user's down afterwards keeps it down; an idle unload never overrides the user's.
+    assert step(LAUNCH, S.STOPPED, done.data, DownRequested()).data.down_cause is DownCause.USER
+    user = LaunchData(down_cause=DownCause.USER)
+    assert step(LAUNCH, S.STOPPED, user, DownRequested(DownCause.IDLE)).data.down_cause is DownCause.USER
+    assert step(LAUNCH, S.STOPPED, done.data, UpRequested()).data.down_cause is None
+
+
+def test_the_other_stops_keep_their_snapshot_causes():
+    data = ready_data()
+    for event, cause in (
+        (DownRequested(), "stop"),
+        (DownRequested(DownCause.EVICTED), "evicted"),
+        (DownRequested(DownCause.REMOVED), "stop"),
+    ):
+        assert stop_cause(step(LAUNCH, S.READY, data, event).data, shutting_down=False) == cause
