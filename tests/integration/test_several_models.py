@@ -358,4 +358,7 @@ def test_a_killed_daemon_adopts_every_models_server_and_stops_one_no_longer_conf
         time.sleep(0.1)
     assert not servers_for(other_model)
     assert models_of(daemon)["alpha"]["pid"] == pids["alpha"]
+    # The process is gone a moment before the machine records it.
+    while daemon.history(machine="launch:beta", limit=1)[0]["to_state"] != "stopped" and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert daemon.history(machine="launch:beta", limit=5)[0]["to_state"] == "stopped"
