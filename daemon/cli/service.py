@@ -108,8 +108,9 @@ def _seconds(value: object) -> str:
 
 
 def format_models(models: list[dict[str, Any]], max_loaded: object, shown: object) -> list[str]:
-    """Every configured model on one line: state, the backend really in use, why, layers, idle
-    seconds against its TTL, pinned and default; `>` marks the one described above."""
+    """Every configured model on one line: state, the backend really in use, why (a model unloaded
+    for idleness: the slots saved to restore), layers, idle seconds against its
+    TTL, pinned and default, and the countdown to its idle unload; `>` marks the one described above."""
     rows = [("", "MODEL", "STATE", "BACKEND", "LAYERS", "IDLE/TTL", "WHY", "")]
     for m in models:
         layers = m.get("layers") or {}
@@ -119,6 +120,11 @@ def format_models(models: list[dict[str, Any]], max_loaded: object, shown: objec
         if m.get("in_flight"):
             flags.append(f"{m['in_flight']} in flight")
         why = m.get("reason") or m.get("down_cause") or ("loads on demand" if m.get("loads_on_demand") else "-")
+        if m.get("state") == "stopped" and m.get("down_cause") == "idle":
+            saved = m.get("slots_saved")
+            why = "unloaded (idle)" + ("" if saved is None else f", {saved} slots saved")
+        elif m.get("idle_unload_in_s") is not None:
+            flags.append(f"unloads in {_seconds(m['idle_unload_in_s'])}")
         rows.append(
             (
                 ">" if m.get("name") == shown else " ",

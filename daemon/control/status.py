@@ -19,6 +19,7 @@ import attrs
 
 from daemon.control.controlled import ControlledDaemon
 from states import launch_records as LR
+from states.idle_unload import due_in
 from states.reasons import message_for
 
 if TYPE_CHECKING:
@@ -143,6 +144,10 @@ class ModelStatus:
     waiting: int  # requests held for it
     idle_s: float | None  # seconds since its last request (or since ready); null unless ready
     idle_ttl_s: float  # [models.NAME] idle_ttl_s (0: never unloaded for idleness)
+    # Seconds until it is unloaded for idleness (null: no TTL, pinned, not ready, in use).
+    idle_unload_in_s: float | None
+    # Slots its last stop saved, restored at its next load (null: no stop since the daemon started, snapshots off).
+    slots_saved: int | None
 
 
 @attrs.frozen
@@ -209,6 +214,7 @@ def model_status(daemon: ControlledDaemon, member: Member) -> ModelStatus:
     data, state = member.data, member.state
     fallback = daemon.fallback_status(member)
     serving = state not in _NOT_SERVING
+    unload_in = due_in(member.idle_facts(), time.time())
     return ModelStatus(
         name=member.name,
         model=member.served.spec,
@@ -229,6 +235,8 @@ def model_status(daemon: ControlledDaemon, member: Member) -> ModelStatus:
         waiting=member.usage.waiting,
         idle_s=round(member.idle_s(), 1) if state is LR.LaunchState.READY else None,
         idle_ttl_s=member.served.idle_ttl_s,
+        idle_unload_in_s=None if unload_in is None else round(unload_in, 1),
+        slots_saved=member.slots_saved,
     )
 
 

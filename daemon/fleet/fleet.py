@@ -13,6 +13,7 @@ Each member's supervisor runs in the fleet's nursery under its own cancel scope,
 added to the config starts without a daemon restart, and one removed is stopped (drained like
 any planned stop) and then forgotten. A server of an instance the config no longer names (a
 daemon killed before its config lost that section) is adopted at start and stopped the same way.
+Beside the supervisors runs the idle unload (daemon/fleet/idle.py: `[models.NAME] idle_ttl_s`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from daemon.config.model import Config, needs_relaunch
 from daemon.config.placement import max_loaded_for
 from daemon.config.served import ServedModel, served_models
 from daemon.core.errors import StokerError
+from daemon.fleet.idle import serve_idle_unloads
 from daemon.fleet.member import Member, Services, build_member
 from daemon.launch.instance import ServerInstance
 from states import launch_records as LR
@@ -173,6 +175,7 @@ class Fleet:
             for member in list(self.members.values()):
                 if member.retiring:
                     nursery.start_soon(self._retire, member)
+            await nursery.start(serve_idle_unloads, self.serving, self.services.pulse)
             task_status.started()
             await trio.sleep_forever()
 

@@ -30,6 +30,7 @@ from daemon.models.pull import PullService
 from daemon.probes.service import ProbeService
 from daemon.snapshots.service import SnapshotService
 from states import launch_records as LR
+from states.idle_unload import IdleFacts
 from states.placement import Resident, loads_on_demand, occupies
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class Member:
     usage: Usage
     pulse: Pulse
     retiring: bool = False  # its section left the config (or it was found unconfigured): stopping for good
+    slots_saved: int | None = None  # slots its last stop saved (None: no stop since the daemon started, snapshots off)
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)  # its supervisor's task
 
     @property
@@ -109,6 +111,20 @@ class Member:
             in_flight=self.usage.in_flight,
             waiting=self.usage.waiting,
             idle_s=self.idle_s(now),
+        )
+
+    def idle_facts(self) -> IdleFacts:
+        """Its facts for the idle unload (states/idle_unload.py): last used is its last request's
+        end, or its ready if that is later."""
+        used = [t for t in (self.usage.last_used, self.supervisor.ready_at) if t is not None]
+        return IdleFacts(
+            self.name,
+            self.state,
+            self.served.idle_ttl_s,
+            pinned=self.served.pinned,
+            in_flight=self.usage.in_flight,
+            waiting=self.usage.waiting,
+            last_used=max(used, default=None),
         )
 
     def names(self) -> frozenset[str]:
@@ -164,6 +180,20 @@ def build_member(served: ServedModel, services: Services) -> Member:
         extra.update(await snapshots.on_ready(supervisor, {**evidence, **extra}) or {})
         return extra
 
+    async def before_stop(supervisor: Supervisor, cause: str) -> None:
+        # Save the slots, then count what this stop saved (status: "unloaded (idle), N slots saved").
+        since = time.time()
+        try:
+            await snapshots.before_stop(supervisor, cause)
+        finally:
+            path = supervisor.plan.model_path if supervisor.plan else None
+            saved = [
+                r
+                for r in snapshots.catalog.list()
+                if r.created_at >= since and (r.model_path, r.cause) == (path, cause)
+            ]
+            member.slots_saved = len(saved) if snapshots.get_config().snapshots.enabled else None
+
     supervisor = Supervisor(
         services.paths,
         services.store,
@@ -172,7 +202,8 @@ def build_member(served: ServedModel, services: Services) -> Member:
         instance=instance,
         publish=services.publish,
         ready_hook=on_ready,
-        before_stop=snapshots.before_stop,
+        before_stop=before_stop,
         drain=usage.wait_drained,
     )
-    return Member(served, supervisor, orchestrator, usage, services.pulse)
+    member = Member(served, supervisor, orchestrator, usage, services.pulse)
+    return member

@@ -114,3 +114,16 @@ def test_one_unnamed_model_keeps_the_status_as_it_was():
         "max_loaded": 2,
     }
     assert "models" not in plain(format_status(st))
+
+
+def test_an_idle_model_shows_its_countdown_and_once_unloaded_the_slots_it_keeps():
+    models = [
+        _model("chat", "ready", idle_s=3.2, idle_ttl_s=10.0, idle_unload_in_s=6.8, default=True),
+        _model("gone", "stopped", down_cause="idle", loads_on_demand=True, idle_ttl_s=10.0, slots_saved=2),
+        _model("off", "stopped", down_cause="idle", loads_on_demand=True, idle_ttl_s=10.0, slots_saved=None),
+    ]
+    st = {"state": "ready", "name": "chat", "models": models, "max_loaded": 2}
+    table = plain(format_status(st)).splitlines()[-3:]
+    assert table[0].split() == [">", "chat", "ready", "-", "-", "3s/10s", "-", "default,", "unloads", "in", "7s"]
+    assert "unloaded (idle), 2 slots saved" in " ".join(table[1].split())
+    assert " ".join(table[2].split()).endswith("unloaded (idle)")  # snapshots off: nothing said saved

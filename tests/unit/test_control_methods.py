@@ -22,6 +22,7 @@ from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
 from daemon.fleet.usage import Usage
 from states import launch_records as LR
+from states.idle_unload import IdleFacts
 from states.machine import IllegalTransition
 from states.placement import loads_on_demand
 from states.reasons import ReasonCode
@@ -122,6 +123,11 @@ class FakeMember:
 
     def idle_s(self) -> float:
         return 0.0
+
+    slots_saved: int | None = None
+
+    def idle_facts(self) -> IdleFacts:
+        return IdleFacts(self.name, self.state, self.served.idle_ttl_s)
 
 
 @attrs.define

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+
+import attrs
 import pytest
+import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from daemon.fleet.idle import serve_idle_unloads
+from daemon.fleet.usage import Pulse
 from states.idle_unload import IdleFacts, due_in, review
 from states.launch import LAUNCH
 from states.launch_moves import stop_cause
@@ -71,7 +77,7 @@ def test_review_unloads_the_due_and_sleeps_until_the_next():
 
 @given(
     ttl=st.floats(0, 1e6),
-    used_ago=st.floats(-10, 1e7),
+    used_ago=st.floats(0, 1e7),
     pinned=st.booleans(),
     in_flight=st.integers(0, 3),
     waiting=st.integers(0, 3),
@@ -86,7 +92,7 @@ def test_never_unloads_a_model_in_use_pinned_or_not_ready_nor_before_its_ttl(
         assert state is S.READY and not pinned and in_flight == waiting == 0 and ttl > 0
         assert used_ago >= ttl
     elif verdict.next_in is not None:
-        assert 0 < verdict.next_in <= ttl  # it sleeps until the TTL has passed, never longer
+        assert 0 < verdict.next_in <= ttl + 1e-6  # it sleeps until the TTL has passed, never longer
 
 
 def ready_data() -> LaunchData:
@@ -125,3 +131,54 @@ def test_the_other_stops_keep_their_snapshot_causes():
         (DownRequested(DownCause.REMOVED), "stop"),
     ):
         assert stop_cause(step(LAUNCH, S.READY, data, event).data, shutting_down=False) == cause
+
+
+# --- the fleet's task (daemon/fleet/idle.py): it sleeps until the next due time, woken by changes
+
+
+@attrs.define
+class FakeMember:
+    """A member as the task sees it; its supervisor is itself: an offered stop leaves ready."""
+
+    name: str
+    ttl: float
+    last_used: float = 0.0
+    in_flight: int = 0
+    state: S = S.READY
+    offered: list = attrs.field(factory=list)
+
+    @property
+    def supervisor(self) -> "FakeMember":
+        return self
+
+    def offer(self, event) -> None:
+        self.offered.append((trio.current_time(), event))
+        self.state = S.STOPPING
+
+    def idle_facts(self) -> IdleFacts:
+        return IdleFacts(self.name, self.state, self.ttl, in_flight=self.in_flight, last_used=self.last_used)
+
+
+async def test_the_task_unloads_at_the_due_time_rearmed_by_use_and_never_polls(autojump_clock):
+    a, b = FakeMember("a", ttl=10), FakeMember("b", ttl=25)
+    pulse, asked = Pulse(), []
+
+    def now() -> float:
+        asked.append(trio.current_time())
+        return trio.current_time()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(functools.partial(serve_idle_unloads, lambda: [a, b], pulse, now=now))
+        await trio.sleep(4)
+        a.in_flight = 1  # a request starts at 4 s (no pulse: the task finds it at a's due time, 10 s)
+        await trio.sleep(8)
+        a.in_flight, a.last_used = 0, trio.current_time()  # ... and ends at 12 s: the pulse re-arms a
+        pulse.fire()
+        await trio.sleep(100)
+        nursery.cancel_scope.cancel()
+    ((at_a, down_a),), ((at_b, down_b),) = a.offered, b.offered
+    assert (at_a, down_a.cause, down_a.evidence) == (22.0, DownCause.IDLE, {"idle_s": 10.0, "idle_ttl_s": 10})
+    assert (at_b, down_b.cause) == (25.0, DownCause.IDLE)
+    # Woken at start, at a's first due time (in use: kept), at the pulse, at a's and b's due
+    # times; never in between, nor after (nothing left to wait for).
+    assert asked == [0.0, 10.0, 12.0, 22.0, 25.0], asked

@@ -64,9 +64,12 @@ async def status(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     daemon {pid, started_at, socket}, frontdoor {url (the OpenAI base URL clients use, .../v1;
     null when the front door is off or its port was taken), enabled, address, require_keys},
     name (the model the fields above describe), max_loaded, models [{name, model (as configured),
-    path, default, pinned, state, loads_on_demand, down_cause (user, evicted, shutdown, removed or
-    null), backend (in use), planned_backend, reason, message, layers, pid, restarts, in_flight,
-    waiting, idle_s (null unless ready), idle_ttl_s}]}.
+    path, default, pinned, state, loads_on_demand, down_cause (user, evicted, idle, shutdown, removed
+    or null), backend (in use), planned_backend, reason, message, layers, pid, restarts, in_flight,
+    waiting, idle_s (null unless ready), idle_ttl_s, idle_unload_in_s (seconds until its idle
+    unload; null when none is due: no TTL, pinned, not ready, in use), slots_saved (slots its last
+    stop saved, restored at its next load; null when it has not stopped since the daemon started,
+    or snapshots are off)}]}.
     """
     return build_status(daemon, daemon.fleet.member(params["model"]))
 

@@ -1,0 +1,200 @@
+"""Idle unloads that keep the conversation (issue 14 items 3 and 4): a real daemon, real
+llama-servers on tiny models, requests through the front door.
+
+A model with `idle_ttl_s = 2` is unloaded 2 s after its last request ended (a drained planned
+stop with cause idle, its slots saved first), never while a request is in flight, never when
+pinned; its history says idle and `stoker status` counts down, then says "unloaded (idle), N
+slots saved". The next request loads it again and is held; the slots are restored before it is
+answered, so the conversation's continuation is token-identical to the one the model gave
+before it left, and the engine reports the whole conversation as cached (timings.cache_n) with
+only the new tokens read (timings.prompt_n).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from daemon.bundles.tinymodel import write_tiny_model
+from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
+from tests.integration.test_frontdoor import free_port
+
+pytestmark = [pytest.mark.engine]
+
+TTL = 2.0
+PROMPT = "hello world, this conversation goes on for a while"  # ~50 tokens of ctx 256
+MORE = " and then some more"
+
+
+@pytest.fixture
+def other_model(tmp_path) -> Path:
+    """A second tiny model (other weights, the same vocabulary)."""
+    return write_tiny_model(tmp_path / "other" / "other.gguf", seed=7)
+
+
+@pytest.fixture
+def no_server_left(daemon, other_model):
+    yield
+    daemon.stop()
+    leftovers = servers_for(other_model)
+    for proc in leftovers:
+        proc.kill()
+    assert not leftovers, f"servers left behind: {[p.pid for p in leftovers]}"
+
+
+def start(daemon: DaemonProcess, sections: str, first: Path, **server: object) -> str:
+    """Start `daemon` with snapshots on, `sections` ([models.*]) and a front door; its base URL."""
+    port = free_port()
+    text = (
+        tiny_config(first, snapshots=True, **server)
+        + "[placement]\nmax_loaded = 2\n"
+        + sections
+        + f"[frontdoor]\nport = {port}\nhold_timeout_s = 120\n"
+    )
+    write_config(daemon.paths, text)
+    daemon.start()
+    return f"http://127.0.0.1:{port}"
+
+
+def models_of(daemon: DaemonProcess) -> dict[str, dict]:
+    return {m["name"]: m for m in daemon.call("status")["models"]}
+
+
+def wait_model(daemon: DaemonProcess, name: str, state: str, timeout: float = 60.0) -> dict:
+    daemon.wait_for(lambda s: any(m["name"] == name and m["state"] == state for m in s["models"]), timeout)
+    return models_of(daemon)[name]
+
+
+def tokenize(daemon: DaemonProcess, name: str, text: str) -> list[int]:
+    """`text`'s tokens, asked of `name`'s own engine (not a use of the model: never through the front door)."""
+    st = daemon.call("status", model=name)
+    reply = httpx.post(
+        f"{st['endpoint']}/tokenize",
+        json={"content": text},
+        headers={"Authorization": f"Bearer {st['api_key']}"},
+        trust_env=False,
+        timeout=60,
+    )
+    return reply.json()["tokens"]
+
+
+def turn(base: str, model: str, prompt: list[int], n: int = 12) -> tuple[list[int], dict]:
+    """One greedy turn through the front door: the tokens it generated, and the engine's timings."""
+    reply = httpx.post(
+        f"{base}/v1/completions",
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0,
+            "seed": 1,
+            "return_tokens": True,
+            "verbose": True,  # llama-server's own answer beside OpenAI's: the generated token ids
+        },
+        trust_env=False,
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    tokens = body["__verbose"]["tokens"]
+    assert len(tokens) == n, body
+    return tokens, body["timings"]
+
+
+def held_total(base: str) -> float:
+    text = httpx.get(f"{base}/metrics", trust_env=False, timeout=30).text
+    line = next(ln for ln in text.splitlines() if ln.startswith("stoker_requests_held_total "))
+    return float(line.split()[1])
+
+
+def test_an_idle_model_is_unloaded_and_its_conversation_comes_back_token_identical(
+    daemon, model, other_model, no_server_left
+):
+    # alpha: pinned (never unloaded for idleness, whatever its TTL); beta loads on demand.
+    base = start(
+        daemon,
+        f'[models.alpha]\nmodel = "{other_model}"\ndefault = true\npinned = true\nidle_ttl_s = {TTL}\n'
+        f'[models.beta]\nmodel = "{model}"\nidle_ttl_s = {TTL}\n',
+        other_model,
+    )
+    wait_model(daemon, "alpha", "ready")
+    first = tokenize(daemon, "alpha", PROMPT)  # the same vocabulary as beta's
+
+    # A conversation with beta (loaded on demand for it), and the continuation it gives while loaded.
+    gen, _ = turn(base, "beta", first)
+    second = first + gen + tokenize(daemon, "alpha", MORE)
+    reference, _ = turn(base, "beta", second)
+    again, _ = turn(base, "beta", first)  # the slot holds the first turn again, as the user left it
+    assert again == gen
+    last_answer = time.time()
+
+    # While it waits, status counts down to the unload.
+    beta = models_of(daemon)["beta"]
+    assert beta["state"] == "ready" and 0 < beta["idle_unload_in_s"] <= TTL, beta
+    beta = wait_model(daemon, "beta", "stopped", timeout=30)
+    unloaded_after = time.time() - last_answer
+    assert unloaded_after >= TTL - 0.1, unloaded_after  # not before its TTL
+    assert beta["down_cause"] == "idle" and beta["loads_on_demand"] and beta["slots_saved"] == 1, beta
+    assert not servers_for(model)
+    history = daemon.history(machine="launch:beta", limit=50)
+    (idle,) = [r for r in history if r["reason"] == "idle_unloaded"]
+    assert idle["to_state"] == "stopping" and idle["event_data"]["cause"] == "idle"
+    assert idle["evidence"]["idle_ttl_s"] == TTL and idle["evidence"]["idle_s"] >= TTL - 0.1
+    (saved,) = [s for s in daemon.call("snapshot.list")["snapshots"] if s["cause"] == "idle"]
+    assert saved["n_tokens"] >= len(first) + len(gen) - 1
+    done = subprocess.run(
+        [sys.executable, "-m", "daemon", "status"], env=daemon.env, capture_output=True, text=True, timeout=60
+    )
+    assert "unloaded (idle), 1 slots saved" in " ".join(done.stdout.split()), done.stdout
+
+    # alpha is pinned: idle far past its TTL, still loaded.
+    alpha = models_of(daemon)["alpha"]
+    assert alpha["state"] == "ready" and alpha["idle_s"] > TTL and alpha["idle_unload_in_s"] is None, alpha
+
+    # The user comes back: the request loads beta again (held), the slot is restored before it
+    # is answered, and the continuation is the one beta gave while it stayed loaded.
+    held = held_total(base)
+    after, timings = turn(base, "beta", second)
+    assert held_total(base) == held + 1
+    assert after == reference
+    assert timings["cache_n"] >= len(first) + len(gen) - 1, timings  # the conversation was not read again
+    assert timings["prompt_n"] <= len(second) - len(first), timings
+    st = daemon.call("status", model="beta")
+    (restored,) = st["snapshots"]["restored"]
+    assert restored["id"] == saved["id"] and restored["slot"] == 0
+    print(f"unloaded {unloaded_after:.2f} s after the last answer; reload answered with cache_n {timings['cache_n']}")
+
+
+def test_never_unloaded_while_a_request_is_in_flight(daemon, model, other_model, no_server_left):
+    base = start(daemon, f'[models.solo]\nmodel = "{model}"\ndefault = true\nidle_ttl_s = {TTL}\n', model)
+    wait_model(daemon, "solo", "ready")
+    first = tokenize(daemon, "solo", PROMPT)
+    turn(base, "solo", first)
+    pid = models_of(daemon)["solo"]["pid"]
+    # The engine stops answering (SIGSTOP) with a request in flight: for 2 TTLs, that request is
+    # all there is; the model must stay loaded.
+    os.kill(pid, signal.SIGSTOP)
+    outcome: dict[str, object] = {}
+    asker = threading.Thread(target=lambda: outcome.update(answer=turn(base, "solo", first)))
+    try:
+        asker.start()
+        daemon.wait_for(lambda s: s["models"][0]["in_flight"] == 1, 30, "the request in flight")
+        time.sleep(2 * TTL)
+        solo = models_of(daemon)["solo"]
+        assert solo["state"] == "ready" and solo["pid"] == pid and solo["in_flight"] == 1, solo
+        assert solo["idle_unload_in_s"] is None  # no countdown while in use
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    asker.join(60)
+    assert "answer" in outcome
+    ended = time.time()
+    solo = wait_model(daemon, "solo", "stopped", timeout=30)  # then idle: unloaded TTL after that answer
+    assert time.time() - ended >= TTL - 0.2 and solo["down_cause"] == "idle"
