@@ -11,7 +11,7 @@ import attrs
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from states import config as C, fallback as F, install as I, launch_records as LR, probe as PR
+from states import config as C, fallback as F, install as I, launch_records as LR, probe as PR, pull as P
 from states.diagrams import SPECS, document, mermaid
 from states.fallback import FallbackData, Skipped
 from states.install import InstallData
@@ -291,6 +291,23 @@ SAMPLES = {
         *[F.LaunchSucceeded(b) for b in ("cuda", "cpu")],
         F.LaunchSucceeded("cuda", adopted=True),
         F.LaunchSucceeded("cuda", "cpu", ReasonCode.CUDA_GPU_LAYERS_ZERO),
+    ],
+    "pull": [
+        P.PullRequested("org/repo:q4_k_m", "repo"),
+        P.PullRequested("./m.gguf", "m"),
+        P.Resolved("hf", "org/repo@c/m.gguf", "/models/m.gguf", 3, "aa", "c", (P.Piece("http://x/m", 3, "aa"),), "/p"),
+        P.Resolved("hf", "org/repo@c/m.gguf", "/models/m.gguf", 3, None, "c", (P.Piece("http://x/m", 3),), "/p"),
+        P.Resolved("local", "/m.gguf", "/m.gguf", 3, "aa", owned=False),
+        P.Fetched("/p", 3, "aa", ("aa",)),
+        P.Fetched("/p", 3, "bb", ("bb",)),  # the bytes do not match the source's sha256
+        P.Fetched("/p", 2, "aa", ("aa",)),  # nor its size
+        P.HeaderRead({"architecture": "llama"}),
+        P.PullFailed(ReasonCode.PULL_NOT_FOUND),
+        P.PullFailed(ReasonCode.PULL_SOURCE_UNREACHABLE),
+        P.PullFailed(ReasonCode.PULL_DISK_FULL),
+        P.RemoveRequested(),
+        P.RemoveRequested(in_use=True),
+        P.Resumed(),
     ],
     "config": [
         C.ConfigAccepted(),
