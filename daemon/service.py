@@ -223,9 +223,16 @@ class Daemon:
         return self.probes.verdicts()
 
     def history(
-        self, *, machine: str | None, kind: str | None, since: float | None, until: float | None, limit: int
+        self,
+        *,
+        machine: str | None,
+        kind: str | None,
+        since: float | None,
+        until: float | None,
+        limit: int,
+        machines: Sequence[str] | None = None,
     ) -> Sequence[TransitionRecord]:
-        return self.store.history(machine=machine, kind=kind, since=since, until=until, limit=limit)
+        return self.store.history(machine=machine, kind=kind, since=since, until=until, limit=limit, machines=machines)
 
     def transitions_after(self, after_id: int, kinds: Sequence[str], limit: int) -> Sequence[TransitionRecord]:
         """History rows past `after_id`, in write order: the front door's /metrics counters."""
@@ -293,7 +300,16 @@ class Daemon:
         return (await self.pulls.pull(spec, name=name, options=options)).to_public()
 
     def list_models(self) -> dict[str, Any]:
-        return {"models": [record.to_public() for record in self.pulls.models()], "pulls": self.pulls.statistics()}
+        members = self.fleet.serving()
+        models = [
+            record.to_public()
+            | {"served_by": [{"name": m.name, "state": m.state.value} for m in members if m.serves(record)]}
+            for record in self.pulls.models()
+        ]
+        return {"models": models, "pulls": self.pulls.statistics()}
+
+    def pulls_under_way(self) -> Sequence[Mapping[str, Any]]:
+        return self.pulls.under_way()
 
     async def remove_model(self, name: str) -> dict[str, Any]:
         return await self.pulls.remove(name)
@@ -312,27 +328,9 @@ class Daemon:
         return await self.telemetry_sampler.reading()
 
     def telemetry_target(self) -> ServerTarget | None:
-        """The live server for the telemetry service to sample, or None when none runs."""
-        sup = self.supervisor
-        server, plan = sup.server, sup.data.plan
-        if server is None or plan is None:
-            return None
-        base_url, api_key = sup.endpoint()
-        ready = sup.state is LR.LaunchState.READY
-        # The backend really in use (status's `backend`), not the plan's: a GPU server that
-        # offloaded nothing computes on the CPU.
-        in_use = self.orchestrator.effective_backend(plan) or plan.backend
-        proven = sup.ready_evidence or {}
-        return ServerTarget(
-            backend=in_use,
-            pid=server.pid,
-            state=sup.state.value,
-            base_url=base_url if ready else None,
-            api_key=api_key if ready else None,
-            planned_backend=None if in_use == plan.backend else plan.backend,
-            offloaded_layers=proven.get("offloaded_layers"),
-            total_layers=proven.get("total_layers"),
-        )
+        """The live server for the telemetry service to sample (the default model's), or None
+        when none runs."""
+        return self.fleet.default.server_target()
 
     # --- config reload -------------------------------------------------------------------
 

@@ -295,13 +295,15 @@ class Store:
         since: float | None = None,
         until: float | None = None,
         limit: int | None = 100,
+        machines: Sequence[str] | None = None,
     ) -> list[TransitionRecord]:
-        """Transitions, newest first (by write order), filtered; `since <= at < until`.
-        Unwritten ones (id None) come first: they are the newest."""
+        """Transitions, newest first (by write order), filtered; `since <= at < until`;
+        `machines`: only these machine ids. Unwritten ones (id None) come first: they are the newest."""
         unwritten = [
             TransitionRecord.from_row({**step.transition, "id": None})
             for step in reversed(self._pending)
             if _matches(step.transition, machine, kind, since, until)
+            and (machines is None or step.transition["machine_id"] in machines)
         ]
         if limit is not None:
             unwritten = unwritten[: max(int(limit), 0)]
@@ -310,6 +312,9 @@ class Store:
             if value is not None:
                 where.append(clause)
                 params.append(value)
+        if machines is not None:
+            where.append(f"machine_id in ({', '.join('?' for _ in machines) or 'null'})")
+            params.extend(machines)
         sql = "select * from transitions"
         if where:
             sql += " where " + " and ".join(where)

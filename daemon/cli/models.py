@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable
 import click
 import trio
 
-from daemon.cli.output import emit, fail, json_option
+from daemon.cli.output import emit, fail, json_option, progress_line
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
 from states.reasons import ReasonCode
@@ -53,8 +53,6 @@ def _count(n: int | None) -> str:
 
 def show_progress(event: dict[str, Any], as_json: bool) -> None:
     """One progress event: a JSON line, or the progress bar redrawn on stderr."""
-    from daemon.cli.install import progress_line
-
     if as_json:
         keys = ("name", "phase", "bytes_done", "total", "rate", "eta")
         click.echo(json.dumps({"progress": {k: event.get(k) for k in keys}}))
@@ -81,21 +79,34 @@ def format_model(m: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def served_text(m: dict[str, Any]) -> str:
+    """Which configured models serve a catalog entry, with their state: `chat ready, code stopped`;
+    `-` for none; `?` when no daemon said (the catalog was read without one)."""
+    if "served_by" not in m:
+        return "?"
+    return ", ".join(f"{s['name']} {s['state']}" for s in m["served_by"]) or "-"
+
+
 def format_catalog(data: dict[str, Any]) -> str:
-    """`stoker models`: one line per model, then the pulls that did not finish."""
+    """`stoker models`: one line per model (and the configured models that serve it), then the
+    pulls that did not finish."""
     models = data.get("models") or []
     lines = []
     if not models:
         lines.append("no models in the catalog; `stoker pull ORG/REPO[:QUANT]` adds one")
     else:
-        lines.append(f"{'name':40} {'source':6} {'size':>10}  {'arch':10} {'params':>7} {'quant':8} {'ctx':>7}  chat")
+        lines.append(
+            f"{'name':40} {'source':6} {'size':>10}  {'arch':10} {'params':>7} {'quant':8} {'ctx':>7}  chat  served by"
+        )
         for m in models:
             template = {True: "yes", False: "no", None: "?"}[m.get("chat_template")]
             lines.append(
                 f"{m['name']:40} {m['source']:6} {_size(m['size']):>10}  {m.get('architecture') or '?':10} "
                 f"{_count(m.get('parameters')):>7} {m.get('quantization') or '?':8} {m.get('context_length') or '?':>7}"
-                f"  {template}"
+                f"  {template:4}  {served_text(m)}"
             )
+        if any("served_by" not in m for m in models):
+            lines.append("(served by ?: no daemon runs, so no configured model serves anything now)")
     unfinished = [p for p in data.get("pulls") or [] if p.get("state") not in ("cataloged", "removed")]
     for p in unfinished:
         why = f" [{p['reason']}]" if p.get("reason") else ""

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from daemon.cli.output import emit, fail, json_option
+from daemon.cli.output import emit, fail, json_option, progress_line
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
 from states.reasons import message_for
@@ -100,7 +100,38 @@ def format_status(st: dict[str, Any]) -> str:
     models = st.get("models") or []
     if len(models) > 1 or any(m.get("name") != "default" for m in models):
         lines.extend(format_models(models, st.get("max_loaded"), st.get("name")))
+    lines.extend(format_pulls(st.get("pulls") or []))
     return "\n".join(lines)
+
+
+def format_pulls(pulls: list[dict[str, Any]]) -> list[str]:
+    """The pulls under way, one line each: its state, then its last progress as `stoker pull` draws it."""
+    width = max((len(str(p.get("name"))) for p in pulls), default=0)
+    out = []
+    for p in pulls:
+        line = f"pull      {str(p.get('name')):<{width}}  {p.get('state')}"
+        if p.get("bytes_done") is not None:
+            line += f" ({p.get('phase')})  " + progress_line(p)
+        out.append(line)
+    return out
+
+
+def _mib(value: object) -> str:
+    if not isinstance(value, (int, float)):
+        return "?"
+    return f"{value / 1024:.1f} GiB" if value >= 1024 else f"{value:.0f} MiB"
+
+
+def memory_text(memory: dict[str, Any] | None) -> str:
+    """What a model's server holds: `ram 812 MiB`, `+ vram 5.6 GiB` on an accelerator (the proof's
+    reading at ready), `+ vram ?` where it could not be read; `-` without a process."""
+    memory = memory or {}
+    if memory.get("rss_mib") is None:
+        return "-"
+    text = f"ram {_mib(memory['rss_mib'])}"
+    if memory.get("on_accelerator"):
+        text += f" + vram {_mib(memory.get('vram_mib'))}"
+    return text
 
 
 def _seconds(value: object) -> str:
@@ -111,7 +142,7 @@ def format_models(models: list[dict[str, Any]], max_loaded: object, shown: objec
     """Every configured model on one line: state, the backend really in use, why (a model unloaded
     for idleness: the slots saved to restore), layers, idle seconds against its
     TTL, pinned and default, and the countdown to its idle unload; `>` marks the one described above."""
-    rows = [("", "MODEL", "STATE", "BACKEND", "LAYERS", "IDLE/TTL", "WHY", "")]
+    rows = [("", "MODEL", "STATE", "BACKEND", "LAYERS", "MEMORY", "IDLE/TTL", "WHY", "")]
     for m in models:
         layers = m.get("layers") or {}
         offloaded, total = layers.get("offloaded"), layers.get("total")
@@ -132,6 +163,7 @@ def format_models(models: list[dict[str, Any]], max_loaded: object, shown: objec
                 str(m.get("state")),
                 m.get("backend") or "-",
                 "-" if offloaded is None and total is None else f"{_or_dash(offloaded)}/{_or_dash(total)}",
+                memory_text(m.get("memory")),
                 f"{_seconds(m.get('idle_s'))}/{_seconds(ttl) if ttl else 'never'}",
                 str(why),
                 ", ".join(flags),
@@ -255,12 +287,15 @@ def format_history(rows: list[dict]) -> str:
 
 @click.command()
 @click.option("--machine", "machine", default=None, help="Only this machine (e.g. launch, install:cuda).")
+@click.option(
+    "--model", "model", default=None, help="Only this model's launch and fallback machines (its [models.NAME])."
+)
 @click.option("--limit", default=50, show_default=True)
 @click.option("--since", default=None, type=float, help="Only transitions after this unix time.")
 @json_option
-def history(machine: str | None, limit: int, since: float | None, as_json: bool) -> None:
+def history(machine: str | None, model: str | None, limit: int, since: float | None, as_json: bool) -> None:
     """Transitions of every machine, newest first."""
-    rows = call("history", as_json, machine=machine, limit=limit, since=since)
+    rows = call("history", as_json, machine=machine, limit=limit, since=since, **_named(model))
     emit(as_json, rows, format_history)
 
 

@@ -121,9 +121,16 @@ class ControlledDaemon(Protocol):
     # --- history, probes, installs -------------------------------------------------------
 
     def history(
-        self, *, machine: str | None, kind: str | None, since: float | None, until: float | None, limit: int
+        self,
+        *,
+        machine: str | None,
+        kind: str | None,
+        since: float | None,
+        until: float | None,
+        limit: int,
+        machines: Sequence[str] | None = None,
     ) -> Sequence[TransitionRecord]:
-        """Recorded transitions, newest first."""
+        """Recorded transitions, newest first (`machines`: only these machine ids)."""
 
     @property
     def frontdoor_binds(self) -> Sequence[str] | None:
@@ -183,7 +190,12 @@ class ControlledDaemon(Protocol):
         """Pull `spec` into the catalog; the cataloged model's public fields."""
 
     def list_models(self) -> dict[str, Any]:
-        """{models: the catalog, pulls: every pull machine's state and reason}."""
+        """{models: the catalog (each with the configured models that serve it), pulls: every
+        pull machine's state and reason}."""
+
+    def pulls_under_way(self) -> Sequence[Mapping[str, Any]]:
+        """The pulls now working, with their last progress (name, spec, state, phase,
+        bytes_done, total, rate, eta)."""
 
     async def remove_model(self, name: str) -> dict[str, Any]:
         """Remove a model (refused while the running server serves it)."""

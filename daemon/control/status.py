@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping
 import attrs
 
 from daemon.control.controlled import ControlledDaemon
+from daemon.telemetry.sampler import process_rss_mib
 from states import launch_records as LR
 from states.idle_unload import due_in
 from states.reasons import message_for
@@ -122,6 +123,35 @@ def _frontdoor(daemon: ControlledDaemon) -> FrontDoorStatus:
 
 
 @attrs.frozen
+class ModelMemory:
+    """What a model's server holds, as far as the daemon reads it. `partial`: it serves on an
+    accelerator whose VRAM could not be read, so RSS alone is not all it holds."""
+
+    rss_mib: (
+        float | None
+    )  # the server process's resident memory now (its mapped model pages included); null: no process
+    # Its own VRAM as the proof of acceleration read it when it became ready (per process, through
+    # its backend plugin); null: not on an accelerator, or not readable there. Live figures: `telemetry`.
+    vram_mib: float | None
+    on_accelerator: bool  # the backend really in use offloads (not the CPU)
+    partial: bool
+
+
+@attrs.frozen
+class PullProgress:
+    """A pull under way (a `pull.progress` event's figures; null before its first)."""
+
+    name: str
+    spec: str | None
+    state: str  # the pull machine's: resolving, downloading, inspecting
+    phase: str | None  # downloading, hashing
+    bytes_done: int | None
+    total: int | None
+    rate: float | None  # bytes per second
+    eta: float | None  # seconds
+
+
+@attrs.frozen
 class ModelStatus:
     """One configured model at a glance (`stoker status` lists every one)."""
 
@@ -148,6 +178,8 @@ class ModelStatus:
     idle_unload_in_s: float | None
     # Slots its last stop saved, restored at its next load (null: no stop since the daemon started, snapshots off).
     slots_saved: int | None
+    machines: tuple[str, ...]  # its launch and fallback machines' ids (`stoker history --model NAME` reads them)
+    memory: ModelMemory
 
 
 @attrs.frozen
@@ -195,6 +227,7 @@ class Status:
     name: str  # the model the fields above describe (its NAME; "default" without [models])
     models: tuple[ModelStatus, ...]  # every configured model, in config order
     max_loaded: int  # how many models may be loaded at once ([placement] max_loaded, resolved)
+    pulls: tuple[PullProgress, ...]  # pulls under way, with their last progress
 
 
 def _message(data: LR.LaunchData) -> str | None:
@@ -209,12 +242,43 @@ def _layers(layers: Mapping[str, Any]) -> Layers:
     return Layers(layers["planned"], layers["offloaded"], layers["total"], layers["why"], layers["estimate"])
 
 
+def _memory(member: Member, backend: str | None) -> ModelMemory:
+    """RSS read now from the live process; VRAM as the proof read it at ready."""
+    pid = member.data.pid if member.state not in _NOT_SERVING else None
+    on_accelerator = backend is not None and backend != LR.CPU_BACKEND
+    vram = (member.supervisor.ready_evidence or {}).get("process_vram_mib") if on_accelerator else None
+    vram_mib = float(vram) if isinstance(vram, (int, float)) else None
+    return ModelMemory(
+        rss_mib=None if pid is None else process_rss_mib(pid),
+        vram_mib=vram_mib,
+        on_accelerator=on_accelerator,
+        partial=on_accelerator and vram_mib is None,
+    )
+
+
+def _pulls(daemon: ControlledDaemon) -> tuple[PullProgress, ...]:
+    return tuple(
+        PullProgress(
+            name=str(p["name"]),
+            spec=p.get("spec"),
+            state=str(p["state"]),
+            phase=p.get("phase"),
+            bytes_done=p.get("bytes_done"),
+            total=p.get("total"),
+            rate=p.get("rate"),
+            eta=p.get("eta"),
+        )
+        for p in daemon.pulls_under_way()
+    )
+
+
 def model_status(daemon: ControlledDaemon, member: Member) -> ModelStatus:
     """One model's line: state, the backend really in use, why, layers, use and idle time."""
     data, state = member.data, member.state
     fallback = daemon.fallback_status(member)
     serving = state not in _NOT_SERVING
     unload_in = due_in(member.idle_facts(), time.time())
+    backend = fallback["backend"] if serving else None
     return ModelStatus(
         name=member.name,
         model=member.served.spec,
@@ -224,7 +288,7 @@ def model_status(daemon: ControlledDaemon, member: Member) -> ModelStatus:
         state=state.value,
         loads_on_demand=member.loads_on_demand,
         down_cause=data.down_cause.value if data.down_cause else None,
-        backend=fallback["backend"] if serving else None,
+        backend=backend,
         planned_backend=fallback["planned_backend"],
         reason=str(data.reason) if data.reason else None,
         message=_message(data),
@@ -237,6 +301,8 @@ def model_status(daemon: ControlledDaemon, member: Member) -> ModelStatus:
         idle_ttl_s=member.served.idle_ttl_s,
         idle_unload_in_s=None if unload_in is None else round(unload_in, 1),
         slots_saved=member.slots_saved,
+        machines=member.machines,
+        memory=_memory(member, backend),
     )
 
 
@@ -291,6 +357,7 @@ def build_status(daemon: ControlledDaemon, member: Member | None = None) -> Stat
         name=member.name,
         models=tuple(model_status(daemon, m) for m in daemon.fleet.serving()),
         max_loaded=daemon.fleet.max_loaded(),
+        pulls=_pulls(daemon),
     )
 
 

@@ -10,6 +10,7 @@ share the daemon's probes, installs, pulls, snapshots and event bus (`Services`)
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -29,8 +30,13 @@ from daemon.launch.supervisor import Supervisor, launch_settings
 from daemon.models.pull import PullService
 from daemon.probes.service import ProbeService
 from daemon.snapshots.service import SnapshotService
+from daemon.telemetry.sampler import ServerTarget
+from store.catalog import ModelRecord
+from states import fallback as F
+from states import launch as L
 from states import launch_records as LR
 from states.idle_unload import IdleFacts
+from states.model_lookup import ModelForm, model_form
 from states.placement import Resident, loads_on_demand, occupies
 
 log = logging.getLogger(__name__)
@@ -83,6 +89,34 @@ class Member:
     def endpoint(self) -> tuple[str | None, str | None]:
         """The engine's base URL and per-launch key (None, None without a server)."""
         return self.supervisor.endpoint()
+
+    @property
+    def machines(self) -> tuple[str, ...]:
+        """Its launch and fallback machines' store ids (its history)."""
+        return (self.instance.machine_id(L.LAUNCH.name), self.instance.machine_id(F.FALLBACK.name))
+
+    def server_target(self) -> ServerTarget | None:
+        """Its live server as telemetry and /metrics read it: the backend really in use (a GPU
+        server that offloaded nothing computes on the CPU), the planned one, the layers the
+        engine offloaded; None when no server process runs."""
+        sup = self.supervisor
+        server, plan = sup.server, sup.data.plan
+        if server is None or plan is None:
+            return None
+        base_url, api_key = sup.endpoint()
+        ready = sup.state is LR.LaunchState.READY
+        in_use = self.orchestrator.effective_backend(plan) or plan.backend
+        proven = sup.ready_evidence or {}
+        return ServerTarget(
+            backend=in_use,
+            pid=server.pid,
+            state=sup.state.value,
+            base_url=base_url if ready else None,
+            api_key=api_key if ready else None,
+            planned_backend=None if in_use == plan.backend else plan.backend,
+            offloaded_layers=proven.get("offloaded_layers"),
+            total_layers=proven.get("total_layers"),
+        )
 
     def settings(self) -> LR.LaunchSettings:
         """The launch machine's knobs from this model's config."""
@@ -140,6 +174,16 @@ class Member:
         for name in list(names - {self.name, "default"}):
             names.update({Path(name).name, Path(name).stem})
         return frozenset(names)
+
+    def serves(self, record: ModelRecord) -> bool:
+        """Whether it serves that catalog model: configured by its catalog name, or configured
+        with (or last launched on) the same file."""
+        spec = self.served.spec
+        if model_form(spec) is ModelForm.NAME:
+            return spec == record.name
+        files = [os.path.expanduser(spec)] + ([self.data.plan.model_path] if self.data.plan else [])
+        wanted = os.path.realpath(record.path)
+        return any(os.path.realpath(f) == wanted for f in files)
 
     async def wait_state(self, states: Iterable[LR.LaunchState]) -> None:
         """Return once its launch machine is in one of `states`."""

@@ -73,6 +73,7 @@ class PullService:
     _runners: dict[str, MachineRunner] = attrs.field(factory=dict, init=False)
     _locks: dict[str, trio.Lock] = attrs.field(factory=dict, init=False)
     _options: dict[str, PullOptions] = attrs.field(factory=dict, init=False)
+    _progress_of: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)  # name -> its last progress
     _effects: EffectDriver[Awaitable[object | None]] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -210,6 +211,19 @@ class PullService:
             for r in self.store.machines(kind=P.PULL.name)
         ]
 
+    def under_way(self) -> list[dict[str, Any]]:
+        """The pulls now resolving, downloading or inspecting, each with its last progress event's
+        figures (phase, bytes_done, total, rate, eta), for status."""
+        working = {str(r.data.get("name")): r for r in self.store.machines(kind=P.PULL.name) if r.state in P.WORKING}
+        for name in set(self._progress_of) - set(working):
+            del self._progress_of[name]  # finished: its figures are history now
+        figures = ("phase", "bytes_done", "total", "rate", "eta")
+        return [
+            {"name": name, "spec": r.data.get("spec"), "state": r.state}
+            | {k: self._progress_of.get(name, {}).get(k) for k in figures}
+            for name, r in sorted(working.items())
+        ]
+
     # --- effects -------------------------------------------------------------------------
 
     async def _drive(self, runner: MachineRunner, effects: tuple[Any, ...]) -> None:
@@ -247,11 +261,17 @@ class PullService:
             event.update(rate=round(rate, 1), eta=None if eta is None else round(eta, 2))
             if self.publish is not None:
                 try:
-                    trio.from_thread.run_sync(self.publish, event)
+                    trio.from_thread.run_sync(self._delivered, event)
                 except trio.RunFinishedError:
                     pass
 
         return report
+
+    def _delivered(self, event: dict[str, Any]) -> None:
+        """In the daemon's thread: keep a pull's last progress (status shows it), publish it."""
+        self._progress_of[str(event["name"])] = event
+        if self.publish is not None:
+            self.publish(event)
 
     async def _in_thread(self, fn: Callable[[threading.Event], Any]) -> Any:
         cancelled = threading.Event()

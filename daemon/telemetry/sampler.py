@@ -141,6 +141,17 @@ class ProcessReader:
         }
 
 
+def process_rss_mib(pid: int) -> float | None:
+    """A process's resident memory now, in MiB (psutil; for llama-server it includes the pages of
+    its memory-mapped model that are resident); None when it is gone or not readable."""
+    import psutil
+
+    try:
+        return round(psutil.Process(pid).memory_info().rss / _MIB, 1)
+    except (psutil.Error, OSError):
+        return None
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {name without the `llamacpp:` prefix: value} (labels ignored)."""
     values: dict[str, float] = {}

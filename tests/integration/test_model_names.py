@@ -84,6 +84,14 @@ def test_the_daemon_pulls_a_well_known_name_on_its_first_plan_and_serves_it(
     try:
         d.start()
         d.wait_state("planning", timeout=30)
+        # `stoker status` lists the pull under way (its figures once a progress event came).
+        during = d.wait_for(lambda s: bool(s["pulls"]), 10, "the pull in status")
+        (pull,) = during["pulls"]
+        assert pull["name"] == "smollm2-135m-instruct" and pull["state"] in ("resolving", "downloading", "inspecting")
+        shown = subprocess.run(
+            [sys.executable, "-m", "daemon", "status"], env=d.env, capture_output=True, text=True, timeout=60
+        )
+        assert "pull      smollm2-135m-instruct  " in shown.stdout, shown.stdout
 
         # Asked while the pull runs: held by the front door, then answered by the pulled model.
         def ask() -> None:
@@ -97,6 +105,7 @@ def test_the_daemon_pulls_a_well_known_name_on_its_first_plan_and_serves_it(
         asking.start()
         st = d.wait_state("ready", timeout=120)
         asking.join(60)
+        assert d.call("status")["pulls"] == []  # cataloged: no longer under way
         pulled = next(m for m in d.call("model.list")["models"] if m["name"] == "smollm2-135m-instruct")
         history = d.history(limit=500)
     finally:

@@ -97,12 +97,12 @@ def test_every_configured_model_is_listed_with_its_state_backend_why_layers_and_
     lines = plain(format_status(st)).splitlines()
     start = lines.index("models    at most 2 loaded at once")
     table = lines[start + 1 :]
-    assert table[0].split() == ["MODEL", "STATE", "BACKEND", "LAYERS", "IDLE/TTL", "WHY"]
-    assert table[1].split() == [">", "chat", "ready", "cuda", "33/33", "12s/never", "-", "default"]
-    assert table[2].split() == ["code", "ready", "cpu", "0/3", "0s/never", "-", "pinned,", "2", "in", "flight"]
-    assert table[3].split() == ["old", "stopped", "-", "-", "-/600s", "evicted"]
-    assert table[4].split() == ["bad", "failed", "-", "-", "-/never", "model_missing"]
-    assert table[5].split() == ["new", "stopped", "-", "-", "-/never", "loads", "on", "demand"]
+    assert table[0].split() == ["MODEL", "STATE", "BACKEND", "LAYERS", "MEMORY", "IDLE/TTL", "WHY"]
+    assert table[1].split() == [">", "chat", "ready", "cuda", "33/33", "-", "12s/never", "-", "default"]
+    assert table[2].split() == ["code", "ready", "cpu", "0/3", "-", "0s/never", "-", "pinned,", "2", "in", "flight"]
+    assert table[3].split() == ["old", "stopped", "-", "-", "-", "-/600s", "evicted"]
+    assert table[4].split() == ["bad", "failed", "-", "-", "-", "-/never", "model_missing"]
+    assert table[5].split() == ["new", "stopped", "-", "-", "-", "-/never", "loads", "on", "demand"]
 
 
 def test_one_unnamed_model_keeps_the_status_as_it_was():
@@ -124,6 +124,62 @@ def test_an_idle_model_shows_its_countdown_and_once_unloaded_the_slots_it_keeps(
     ]
     st = {"state": "ready", "name": "chat", "models": models, "max_loaded": 2}
     table = plain(format_status(st)).splitlines()[-3:]
-    assert table[0].split() == [">", "chat", "ready", "-", "-", "3s/10s", "-", "default,", "unloads", "in", "7s"]
+    assert table[0].split() == [">", "chat", "ready", "-", "-", "-", "3s/10s", "-", "default,", "unloads", "in", "7s"]
     assert "unloaded (idle), 2 slots saved" in " ".join(table[1].split())
     assert " ".join(table[2].split()).endswith("unloaded (idle)")  # snapshots off: nothing said saved
+
+
+def test_each_model_shows_the_memory_its_server_holds_and_says_what_is_not_known():
+    def memory(rss, vram=None, accelerator=False):
+        return {
+            "rss_mib": rss,
+            "vram_mib": vram,
+            "on_accelerator": accelerator,
+            "partial": accelerator and vram is None,
+        }
+
+    models = [
+        _model("cpu", "ready", backend="cpu", memory=memory(142.3)),
+        _model("gpu", "ready", backend="cuda", memory=memory(812.0, 5702.0, True)),
+        _model("dark", "ready", backend="vulkan", memory=memory(640.0, None, True)),
+        _model("off", "stopped", memory=memory(None)),
+    ]
+    table = plain(format_status({"state": "ready", "name": "cpu", "models": models, "max_loaded": 4})).splitlines()
+    rows = {line.split()[1] if line.startswith("  >") else line.split()[0]: line for line in table[-4:]}
+    assert "ram 142 MiB " in rows["cpu"] and "vram" not in rows["cpu"]
+    assert "ram 812 MiB + vram 5.6 GiB" in rows["gpu"]
+    assert "ram 640 MiB + vram ?" in rows["dark"]  # on an accelerator, its VRAM not read: said, not hidden
+    assert rows["off"].split()[4] == "-"
+
+
+def test_pulls_under_way_are_listed_with_their_progress():
+    st = {
+        "state": "planning",
+        "pulls": [
+            {"name": "qwen", "state": "downloading", "phase": "downloading"}
+            | {"bytes_done": 3 * 2**20, "total": 12 * 2**20, "rate": 2**20, "eta": 9.0},
+            {"name": "smollm2", "state": "resolving"} | dict.fromkeys(("phase", "bytes_done", "total", "rate", "eta")),
+        ],
+    }
+    lines = [line for line in plain(format_status(st)).splitlines() if line.startswith("pull ")]
+    assert lines[0].startswith("pull      qwen     downloading (downloading)  [#######")
+    assert "25%  3.0 MiB / 12.0 MiB  1.0 MiB/s  eta 9 s" in lines[0]
+    assert lines[1] == "pull      smollm2  resolving"
+    assert "pull " not in plain(format_status({"state": "ready", "pulls": []}))
+
+
+def test_the_catalog_says_which_configured_models_serve_each_entry():
+    from daemon.cli.models import format_catalog
+
+    row = {"name": "smollm2", "source": "pypi", "size": 98 * 2**20, "chat_template": True}
+    data = {
+        "models": [
+            {**row, "served_by": [{"name": "chat", "state": "ready"}, {"name": "batch", "state": "stopped"}]},
+            {**row, "name": "qwen", "served_by": []},
+        ]
+    }
+    lines = format_catalog(data).splitlines()
+    assert lines[0].split()[-3:] == ["chat", "served", "by"]
+    assert lines[1].endswith("yes   chat ready, batch stopped") and lines[2].endswith("yes   -")
+    without_daemon = format_catalog({"models": [row]}).splitlines()
+    assert without_daemon[1].endswith("?") and "no daemon runs" in without_daemon[2]

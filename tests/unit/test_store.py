@@ -207,6 +207,27 @@ def test_history_filters_and_order(store):
     assert [m.id for m in store.machines(kind="probe")] == ["probe:cuda"]
 
 
+def test_history_of_several_machines_at_once(tmp_path):
+    """A model's history is its launch and fallback machines together (`stoker history --model`),
+    written or still waiting for the disk."""
+    s = open_store(tmp_path / "stoker.db", clock=Clock())
+    record(s, machine="launch:chat")
+    record(s, machine="fallback:chat", kind="fallback", frm="idle", to="checking", event="PlanRequested")
+    record(s, machine="launch:code")
+    record(s, machine="launch")
+    _fill(s)
+    record(s, machine="launch:chat", frm="planning", to="starting", event="PlanReady", evidence=BIG)
+    rows = s.history(machines=("launch:chat", "fallback:chat"))
+    assert [(t.machine_id, t.to_state) for t in rows] == [
+        ("launch:chat", "starting"),  # unwritten: the newest, first
+        ("fallback:chat", "checking"),
+        ("launch:chat", "planning"),
+    ]
+    assert len(s.history(machines=("launch:chat", "fallback:chat"), limit=2)) == 2
+    assert s.history(machines=()) == [] and len(s.history(machines=("launch",))) == 1
+    s.close()
+
+
 def test_history_row_needs_its_machine(store):
     with pytest.raises(sqlite3.IntegrityError):
         store.db["transitions"].insert(

@@ -16,6 +16,9 @@ from daemon.control.params import Kind, Param, method
 from daemon.control.status import Status, build_status
 from daemon.core.errors import StokerError
 from daemon.fleet.member import Member
+from daemon.launch.instance import ServerInstance
+from states import fallback as F
+from states import launch as L
 from states import launch_records as LR
 from states.machine import IllegalTransition
 from states.placement import UNLOADED
@@ -148,6 +151,13 @@ async def shutdown(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[
     Param("since", Kind.NUMBER, "Only transitions at or after this Unix time."),
     Param("until", Kind.NUMBER, "Only transitions before this Unix time."),
     Param("limit", Kind.INTEGER, "At most this many rows.", default=100, low=1, high=HISTORY_LIMIT),
+    Param(
+        "model",
+        Kind.STRING,
+        "Only this model's launch and fallback machines (a configured model by any name a request may use, or "
+        "the NAME of one configured before).",
+    ),
+    errors=(ReasonCode.MODEL_NOT_FOUND,),
 )
 async def history(daemon: ControlledDaemon, params: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Recorded transitions of every state machine, newest first.
@@ -161,8 +171,26 @@ async def history(daemon: ControlledDaemon, params: Mapping[str, Any]) -> list[d
         since=params["since"],
         until=params["until"],
         limit=params["limit"],
+        machines=None if params["model"] is None else model_machines(daemon, params["model"]),
     )
     return [row.to_dict() for row in rows]
+
+
+def model_machines(daemon: ControlledDaemon, model: str) -> tuple[str, ...]:
+    """A model's launch and fallback machine ids: a configured one's, else those its NAME had
+    (a model removed from the config keeps its history)."""
+    try:
+        return daemon.fleet.member(model).machines
+    except StokerError:
+        try:
+            instance = ServerInstance(model)
+        except ValueError:
+            raise StokerError(
+                ReasonCode.MODEL_NOT_FOUND,
+                f"{model!r} names no configured model and is no model name.",
+                {"model": model, "models": [m.name for m in daemon.fleet.serving()]},
+            ) from None
+        return tuple(instance.machine_id(kind) for kind in (L.LAUNCH.name, F.FALLBACK.name))
 
 
 @method("ping")
