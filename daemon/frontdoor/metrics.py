@@ -2,10 +2,10 @@
 
 One `CollectorRegistry` per front door (never prometheus_client's global one: a process may
 hold several daemons in tests). Three sources, each named in docs/frontdoor.md, "Metrics":
-- the daemon's live state, read at scrape time (`StokerCollector`): the launch machine's
-  state, the backend planned and the one really in use (the fallback machine's verdict from
-  the proof after ready, never the config), the layers the engine said it offloaded, the
-  waiting room;
+- the daemon's live state, read at scrape time (`StokerCollector`), per configured model
+  (label `model`): its launch machine's state, the backend planned and the one really in use
+  (the fallback machine's verdict from the proof after ready, never the config), the layers
+  the engine said it offloaded, its requests held and in flight;
 - counters that must survive a daemon restart, read from the store's history at scrape time
   (daemon/frontdoor/tallies.py): fallbacks, restarts, crashes, crash loops, install outcomes;
 - request figures kept in memory by an ASGI middleware (`RequestWatch`): requests by route
@@ -262,58 +262,64 @@ class StokerCollector(Collector):
         yield from self.history()
 
     def live(self) -> Iterable[Metric]:
-        state = self.daemon.supervisor.state
-        ready = state is LR.LaunchState.READY
+        """One series per configured model (label `model`: its NAME, `default` without [models])."""
         states = GaugeMetricFamily(
-            "stoker_server_state", "The server's state: 1 for the state it is in.", labels=["state"]
+            "stoker_server_state", "A model's server state: 1 for the state it is in.", labels=["model", "state"]
         )
-        for each in LR.LaunchState:
-            states.add_metric([each.value], 1.0 if each is state else 0.0)
-        yield states
-        target = self.daemon.telemetry_target()
-        in_use = target.backend if ready and target is not None else None
         info = GaugeMetricFamily(
             "stoker_backend_info",
-            "The backend the plan chose and the one really in use (proven after ready; none while not serving).",
-            labels=["planned", "in_use"],
+            "The backend a model's plan chose and the one really in use (proven after ready; none while not serving).",
+            labels=["model", "planned", "in_use"],
         )
-        if target is not None:
-            info.add_metric([target.planned_backend or target.backend, in_use or NONE], 1.0)
-        yield info
-        accelerated = in_use is not None and in_use != LR.CPU_BACKEND
-        yield GaugeMetricFamily(
-            "stoker_accelerated",
-            "1 while the server serves on an accelerator it really uses.",
-            value=float(accelerated),
+        accelerated = GaugeMetricFamily(
+            "stoker_accelerated", "1 while the model serves on an accelerator it really uses.", labels=["model"]
         )
-        offloaded = target.offloaded_layers if target is not None and in_use is not None else None
-        if offloaded is None and in_use == LR.CPU_BACKEND:
-            offloaded = 0  # a CPU engine prints no offload line: nothing is offloaded
-        total = target.total_layers if target is not None and in_use is not None else None
-        if offloaded is not None:
-            yield GaugeMetricFamily(
-                "stoker_offloaded_layers", "Layers the engine said it offloaded to the accelerator.", value=offloaded
-            )
-        if total is not None:
-            yield GaugeMetricFamily(
-                "stoker_model_layers", "The model's layers, as the engine counted them.", value=total
-            )
-        if offloaded is not None and total is not None:
-            yield GaugeMetricFamily(
-                "stoker_offload_partial",
-                "1 when some but not all layers are offloaded (the rest computes on the CPU).",
-                value=float(0 < offloaded < total),
-            )
-        yield GaugeMetricFamily(
-            "stoker_queue_depth", "Requests waiting for the server to be ready.", value=self.hold.waiting
+        offloaded_layers = GaugeMetricFamily(
+            "stoker_offloaded_layers", "Layers the engine said it offloaded to the accelerator.", labels=["model"]
         )
+        model_layers = GaugeMetricFamily(
+            "stoker_model_layers", "The model's layers, as the engine counted them.", labels=["model"]
+        )
+        partial = GaugeMetricFamily(
+            "stoker_offload_partial",
+            "1 when some but not all layers are offloaded (the rest computes on the CPU).",
+            labels=["model"],
+        )
+        depth = GaugeMetricFamily("stoker_queue_depth", "Requests waiting for the model to be ready.", labels=["model"])
+        in_flight = GaugeMetricFamily(
+            "stoker_requests_in_flight", "Requests sent to the model's engine, answer not over.", labels=["model"]
+        )
+        held = CounterMetricFamily(
+            "stoker_requests_held", "Requests that had to wait for the model to be ready.", labels=["model"]
+        )
+        for member in self.daemon.fleet.serving():
+            name, state = member.name, member.state
+            for each in LR.LaunchState:
+                states.add_metric([name, each.value], 1.0 if each is state else 0.0)
+            target = member.server_target()
+            in_use = target.backend if state is LR.LaunchState.READY and target is not None else None
+            if target is not None:
+                info.add_metric([name, target.planned_backend or target.backend, in_use or NONE], 1.0)
+            accelerated.add_metric([name], float(in_use is not None and in_use != LR.CPU_BACKEND))
+            offloaded = target.offloaded_layers if target is not None and in_use is not None else None
+            if offloaded is None and in_use == LR.CPU_BACKEND:
+                offloaded = 0  # a CPU engine prints no offload line: nothing is offloaded
+            total = target.total_layers if target is not None and in_use is not None else None
+            if offloaded is not None:
+                offloaded_layers.add_metric([name], offloaded)
+            if total is not None:
+                model_layers.add_metric([name], total)
+            if offloaded is not None and total is not None:
+                partial.add_metric([name], float(0 < offloaded < total))
+            usage = member.usage
+            depth.add_metric([name], usage.waiting)
+            in_flight.add_metric([name], usage.in_flight)
+            held.add_metric([name], usage.held_total)
+        yield from (states, info, accelerated, offloaded_layers, model_layers, partial, depth, in_flight, held)
         yield GaugeMetricFamily(
             "stoker_queue_limit",
-            "How many requests may wait at once ([frontdoor] max_queue).",
+            "How many requests may wait at once, every model together ([frontdoor] max_queue).",
             value=self.daemon.config.frontdoor.max_queue,
-        )
-        yield CounterMetricFamily(
-            "stoker_requests_held", "Requests that had to wait for the server to be ready.", value=self.hold.held_total
         )
 
     async def catch_up(self) -> None:
@@ -333,30 +339,43 @@ class StokerCollector(Collector):
             await trio.sleep(0)
 
     def history(self) -> Iterable[Metric]:
+        """Counters from history, by model where the machine id says which (launch:<NAME>,
+        fallback:<NAME>; `launch`/`fallback`: the model `default`)."""
         tally = self.tally
         fallbacks = CounterMetricFamily(
-            "stoker_fallbacks", "Backends passed over or left, by from, to and reason.", labels=["from", "to", "reason"]
+            "stoker_fallbacks",
+            "Backends passed over or left, by model, from, to and reason.",
+            labels=["model", "from", "to", "reason"],
         )
-        for (source, target, reason), count in sorted(tally.fallbacks.items()):
-            fallbacks.add_metric([source, target, reason], count)
+        for key, count in sorted(tally.fallbacks.items()):
+            fallbacks.add_metric(list(key), count)
         yield fallbacks
+        # Configured models show their restart causes and crash loops from zero.
+        configured = {m.name for m in self.daemon.fleet.serving()}
+        models = sorted(configured | set(tally.crash_loops) | {model for model, _ in tally.restarts})
         restarts = CounterMetricFamily(
-            "stoker_server_restarts", "Server relaunches, by cause: crash, requested, config.", labels=["cause"]
+            "stoker_server_restarts",
+            "Server relaunches, by model and cause: crash, requested, config.",
+            labels=["model", "cause"],
         )
-        for cause in ("crash", "requested", "config"):
-            restarts.add_metric([cause], tally.restarts[cause])
+        for model in models:
+            for cause in ("crash", "requested", "config"):
+                restarts.add_metric([model, cause], tally.restarts[(model, cause)])
         yield restarts
         crashes = CounterMetricFamily(
-            "stoker_server_crashes", "Server exits counted as crashes, by reason.", labels=["reason"]
+            "stoker_server_crashes", "Server exits counted as crashes, by model and reason.", labels=["model", "reason"]
         )
-        for reason, count in sorted(tally.crashes.items()):
-            crashes.add_metric([reason], count)
+        for (model, reason), count in sorted(tally.crashes.items()):
+            crashes.add_metric([model, reason], count)
         yield crashes
-        yield CounterMetricFamily(
+        loops = CounterMetricFamily(
             "stoker_crash_loops",
-            "Times the server was given up on after too many crashes in a row.",
-            value=tally.crash_loops,
+            "Times a model's server was given up on after too many crashes in a row.",
+            labels=["model"],
         )
+        for model in models:
+            loops.add_metric([model], tally.crash_loops[model])
+        yield loops
         installs = CounterMetricFamily(
             "stoker_installs",
             "Engine bundle installs that ended, by backend, result and reason.",

@@ -6,6 +6,8 @@ restarts, and counts what the CLI's own installs wrote too. `HistoryTally` keeps
 (the last transition id it read), so each scrape reads only what was written since: the whole
 history once, at the first scrape of a daemon's life, then a few rows.
 
+Each count but the installs' is kept by model: the model whose launch or fallback machine
+recorded it (`launch:<NAME>`; the instance `default`'s are `launch` and `fallback`).
 What each transition means is read from the machines' own vocabulary (states/):
 - a fallback: the fallback machine passed over a backend (`checking` with the next candidate
   in its evidence), settled on another backend than the planned one (a GPU server that
@@ -26,6 +28,7 @@ from typing import Iterable
 
 import attrs
 
+from daemon.launch.instance import ServerInstance
 from states import fallback as F
 from states import install as I
 from states import launch_records as LR
@@ -40,15 +43,21 @@ RUNNING = frozenset({LR.LaunchState.STARTING, LR.LaunchState.LOADING, LR.LaunchS
 RESTART_CAUSES = {LR.RestartRequested.__name__: "requested", LR.ConfigChanged.__name__: "config"}
 
 
+def model_of(record: TransitionRecord) -> str:
+    """The model whose launch or fallback machine wrote `record` (its instance's NAME)."""
+    instance = ServerInstance.of_machine(record.kind, record.machine_id)
+    return instance.name if instance is not None else record.machine_id
+
+
 @attrs.define(eq=False)
 class HistoryTally:
     """Running counts over the history read so far, and where reading stopped."""
 
     after_id: int = 0
-    fallbacks: Counter[tuple[str, str, str]] = attrs.field(factory=Counter)  # (from, to, reason)
-    restarts: Counter[str] = attrs.field(factory=Counter)  # cause
-    crashes: Counter[str] = attrs.field(factory=Counter)  # reason
-    crash_loops: int = 0
+    fallbacks: Counter[tuple[str, str, str, str]] = attrs.field(factory=Counter)  # (model, from, to, reason)
+    restarts: Counter[tuple[str, str]] = attrs.field(factory=Counter)  # (model, cause)
+    crashes: Counter[tuple[str, str]] = attrs.field(factory=Counter)  # (model, reason)
+    crash_loops: Counter[str] = attrs.field(factory=Counter)  # model
     installs: Counter[tuple[str, str, str]] = attrs.field(factory=Counter)  # (backend, result, reason)
     _install_backends: dict[str, str] = attrs.field(factory=dict)  # install machine id -> backend
 
@@ -66,33 +75,35 @@ class HistoryTally:
                 self._install(record)
 
     def _fallback(self, r: TransitionRecord) -> None:
+        model = model_of(r)
         reason = r.reason or ""
         evidence = r.evidence
         if r.to_state == F.FallbackState.CHECKING and "next" in evidence and "backend" in evidence:
-            self.fallbacks[(str(evidence["backend"]), str(evidence["next"]), reason)] += 1
+            self.fallbacks[(model, str(evidence["backend"]), str(evidence["next"]), reason)] += 1
         elif r.to_state == F.FallbackState.SETTLED and r.event == F.LaunchSucceeded.__name__:
             planned, effective = evidence.get("backend"), evidence.get("effective_backend")
             if planned and effective and planned != effective:
-                self.fallbacks[(str(planned), str(effective), reason)] += 1
+                self.fallbacks[(model, str(planned), str(effective), reason)] += 1
         elif r.to_state == F.FallbackState.FAILED and r.from_state != F.FallbackState.FAILED:
             skipped = evidence.get("skipped") or []
             last = skipped[-1].get("backend") if skipped and isinstance(skipped[-1], dict) else None
             if last:
-                self.fallbacks[(str(last), NONE, reason)] += 1
+                self.fallbacks[(model, str(last), NONE, reason)] += 1
 
     def _launch(self, r: TransitionRecord) -> None:
+        model = model_of(r)
         if r.to_state == LR.LaunchState.CRASHED:
-            self.restarts["crash"] += 1
-            self.crashes[r.reason or ""] += 1
+            self.restarts[(model, "crash")] += 1
+            self.crashes[(model, r.reason or "")] += 1
         elif r.to_state == LR.LaunchState.FAILED and "crashes" in r.evidence:
             # A counted exit that ends the server: fatal at once, or one crash too many.
             if r.reason == ReasonCode.CRASH_LOOP:
-                self.crash_loops += 1
-                self.crashes[str(r.evidence.get("last_reason") or r.reason)] += 1
+                self.crash_loops[model] += 1
+                self.crashes[(model, str(r.evidence.get("last_reason") or r.reason))] += 1
             else:
-                self.crashes[r.reason or ""] += 1
+                self.crashes[(model, r.reason or "")] += 1
         elif r.event in RESTART_CAUSES and r.from_state in RUNNING and r.to_state == LR.LaunchState.STOPPING:
-            self.restarts[RESTART_CAUSES[r.event]] += 1
+            self.restarts[(model, RESTART_CAUSES[r.event])] += 1
 
     def _install(self, r: TransitionRecord) -> None:
         if r.event == I.InstallRequested.__name__ and r.event_data.get("backend"):

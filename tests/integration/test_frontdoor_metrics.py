@@ -80,11 +80,13 @@ def test_metrics_count_requests_and_keep_history_across_a_daemon_restart(daemon,
     assert value(found, "stoker_generation_tokens_per_second_count", route=CHAT) == 2
     assert value(found, "stoker_generation_seconds_total", route=CHAT) > 0
     # What only Stoker knows: the plan and the proof agree on the CPU; nothing is accelerated.
-    assert value(found, "stoker_server_state", state="ready") == 1
+    # One model, no [models]: its label is `default`.
+    m = {"model": "default"}
+    assert value(found, "stoker_server_state", state="ready", **m) == 1
     assert total(found, "stoker_server_state") == 1
-    assert value(found, "stoker_backend_info", planned="cpu", in_use="cpu") == 1
-    assert value(found, "stoker_accelerated") == 0 and value(found, "stoker_offloaded_layers") == 0
-    assert value(found, "stoker_queue_depth") == 0
+    assert value(found, "stoker_backend_info", planned="cpu", in_use="cpu", **m) == 1
+    assert value(found, "stoker_accelerated", **m) == 0 and value(found, "stoker_offloaded_layers", **m) == 0
+    assert value(found, "stoker_queue_depth", **m) == 0 and value(found, "stoker_requests_in_flight", **m) == 0
     # auto on a machine without a GPU: each GPU backend passed over, as status lists them.
     status = daemon.call("status")
     counted: dict[str, set[str]] = {}
@@ -100,9 +102,9 @@ def test_metrics_count_requests_and_keep_history_across_a_daemon_restart(daemon,
     os.kill(second["pid"], signal.SIGKILL)  # and a crash, respawned
     third = new_server(daemon, second["pid"])
     found = samples(scrape(base).text)
-    assert value(found, "stoker_server_restarts_total", cause="requested") == 1
-    assert value(found, "stoker_server_restarts_total", cause="crash") == 1
-    assert total(found, "stoker_server_crashes_total") == 1 and value(found, "stoker_crash_loops_total") == 0
+    assert value(found, "stoker_server_restarts_total", cause="requested", **m) == 1
+    assert value(found, "stoker_server_restarts_total", cause="crash", **m) == 1
+    assert total(found, "stoker_server_crashes_total") == 1 and value(found, "stoker_crash_loops_total", **m) == 0
     before = {k: v for k, v in found.items() if k[0] in ("stoker_server_restarts_total", "stoker_server_crashes_total")}
     fallbacks_before = total(found, "stoker_fallbacks_total")
 
@@ -118,4 +120,57 @@ def test_metrics_count_requests_and_keep_history_across_a_daemon_restart(daemon,
     assert {k: v for k, v in found.items() if k in before} == before
     assert total(found, "stoker_fallbacks_total") >= fallbacks_before  # the new start planned again
     assert value(found, "stoker_requests_total", route=CHAT, code="200") is None  # request figures are per daemon
-    assert value(found, "stoker_backend_info", planned="cpu", in_use="cpu") == 1
+    assert value(found, "stoker_backend_info", planned="cpu", in_use="cpu", **m) == 1
+
+
+@pytest.fixture
+def other_model(tmp_path):
+    """A second tiny model (other weights)."""
+    from daemon.bundles.tinymodel import write_tiny_model
+
+    return write_tiny_model(tmp_path / "other" / "other.gguf", seed=7)
+
+
+def test_two_models_each_have_their_own_series(daemon, model, other_model):
+    """alpha (the default, started with the daemon) and beta (loaded on demand while its request
+    is held): each its own state, backend, layers, held and in-flight requests, and restarts by
+    the model whose launch machine recorded them."""
+    from tests.integration.daemon_harness import servers_for
+    from tests.integration.test_several_models import two_models, wait_model
+
+    try:
+        base = two_models(daemon, model, other_model, max_loaded=2)
+        wait_model(daemon, "alpha", "ready")
+        found = samples(scrape(base).text)
+        a, b = {"model": "alpha"}, {"model": "beta"}
+        assert value(found, "stoker_server_state", state="ready", **a) == 1
+        assert value(found, "stoker_server_state", state="stopped", **b) == 1  # not loaded yet
+        assert value(found, "stoker_backend_info", planned="cpu", in_use="cpu", **a) == 1
+        assert not any(n == "stoker_backend_info" and dict(labels)["model"] == "beta" for n, labels in found)
+        assert value(found, "stoker_server_restarts_total", cause="requested", **b) == 0  # configured: from zero
+
+        client = sdk(base)
+        client.completions.create(model="beta", prompt="The", max_tokens=2)  # held while beta loads
+        daemon.call("restart", model="alpha")
+        alpha = wait_model(daemon, "alpha", "ready")
+        found = samples(scrape(base).text)
+        for labels in (a, b):
+            assert value(found, "stoker_server_state", state="ready", **labels) == 1
+            assert value(found, "stoker_backend_info", planned="cpu", in_use="cpu", **labels) == 1
+            assert value(found, "stoker_accelerated", **labels) == 0
+            assert value(found, "stoker_offloaded_layers", **labels) == 0
+            assert value(found, "stoker_requests_in_flight", **labels) == 0
+        assert (
+            value(found, "stoker_requests_held_total", **b) == 1
+            and value(found, "stoker_requests_held_total", **a) == 0
+        )
+        assert value(found, "stoker_server_restarts_total", cause="requested", **a) == 1
+        assert value(found, "stoker_server_restarts_total", cause="requested", **b) == 0
+        assert total(found, "stoker_server_state") == 2  # one state each
+        assert {m["name"]: m["state"] for m in alpha["models"]} == {"alpha": "ready", "beta": "ready"}
+    finally:
+        daemon.stop()
+        leftovers = servers_for(other_model)
+        for proc in leftovers:
+            proc.kill()
+        assert not leftovers

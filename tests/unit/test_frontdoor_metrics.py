@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.config.model import Config
 from daemon.core.machines import MachineRunner
+from daemon.fleet.usage import Usage
 from daemon.frontdoor.app import relay
 from daemon.frontdoor.hold import Hold
 from daemon.frontdoor.metrics import HISTORY_BATCH, Exchange, FrontDoorMetrics, RequestWatch, engine_figures
@@ -146,12 +147,12 @@ def test_history_counts_fallbacks_restarts_crashes_and_installs(store):
     tally = HistoryTally()
     tally.read(store.transitions_after(0, KINDS, 10_000))
     assert tally.fallbacks == {
-        ("cuda", "cpu", "gpu_missing"): 1,
-        ("cuda", "cpu", "cuda_gpu_layers_zero"): 1,
-        ("cuda", "none", "gpu_missing"): 1,
+        ("default", "cuda", "cpu", "gpu_missing"): 1,
+        ("default", "cuda", "cpu", "cuda_gpu_layers_zero"): 1,
+        ("default", "cuda", "none", "gpu_missing"): 1,
     }
-    assert tally.restarts == {"requested": 1, "config": 1, "crash": 1}
-    assert tally.crashes == {"server_crashed": 2} and tally.crash_loops == 1
+    assert tally.restarts == {("default", "requested"): 1, ("default", "config"): 1, ("default", "crash"): 1}
+    assert tally.crashes == {("default", "server_crashed"): 2} and tally.crash_loops == {"default": 1}
     assert tally.installs == {("cuda", "failed", "bundle_digest_mismatch"): 1, ("cpu", "installed", ""): 1}
 
     # A restarted daemon reads the same counts from the same history; reading on takes only the new rows.
@@ -170,9 +171,9 @@ def test_history_counts_fallbacks_restarts_crashes_and_installs(store):
     new = store.transitions_after(again.after_id, KINDS, 10_000)
     assert len(new) == 5
     again.read(new)
-    assert again.restarts["crash"] == 2 and again.crashes["server_crashed"] == 3
+    assert again.restarts[("default", "crash")] == 2 and again.crashes[("default", "server_crashed")] == 3
     again.read(store.transitions_after(0, KINDS, 10_000))  # rows already read are never counted twice
-    assert again.restarts["crash"] == 2
+    assert again.restarts[("default", "crash")] == 2
 
 
 # --- the collector ----------------------------------------------------------------------------
@@ -188,20 +189,48 @@ class Instance:
 
 
 @attrs.define
+class Member:
+    """A configured model as /metrics reads it (daemon/fleet/member.py)."""
+
+    name: str
+    supervisor: Instance
+    target: ServerTarget | None
+    usage: Usage = attrs.field(factory=Usage)
+
+    @property
+    def state(self) -> LR.LaunchState:
+        return self.supervisor.state
+
+    def server_target(self) -> ServerTarget | None:
+        return self.target
+
+
+@attrs.define
+class Fleet:
+    members: list[Member]
+
+    def serving(self) -> list[Member]:
+        return self.members
+
+
+@attrs.define
 class Daemon:
-    """What the front door reads of the daemon (FrontDoorDaemon), over a real store."""
+    """What the front door reads of the daemon (FrontDoorDaemon), over a real store: the model
+    `default` serving `target`, and `others`."""
 
     store: Any
     target: ServerTarget | None
     supervisor: Instance = attrs.field(factory=Instance)
     config: Config = attrs.field(factory=Config)
     batches: list[int] = attrs.field(factory=list)  # the history rows each read returned
+    others: list[Member] = attrs.field(factory=list)
+
+    @property
+    def fleet(self) -> Fleet:
+        return Fleet([Member("default", self.supervisor, self.target), *self.others])
 
     async def wait_state(self, states: Any) -> None:
         raise AssertionError("not waited on here")
-
-    def telemetry_target(self) -> ServerTarget | None:
-        return self.target
 
     def transitions_after(self, after_id: int, kinds: Sequence[str], limit: int) -> Sequence[Any]:
         rows = self.store.transitions_after(after_id, kinds, limit)
@@ -217,21 +246,23 @@ async def test_a_gpu_plan_served_on_the_cpu_says_both(store):
     record_history(store)
     daemon = Daemon(store, ServerTarget("cpu", 11, planned_backend="cuda", offloaded_layers=0, total_layers=33))
     text = (await metrics_for(daemon).scrape()).decode()
-    assert value(text, "stoker_server_state", state="ready") == 1
-    assert value(text, "stoker_server_state", state="loading") == 0
-    assert value(text, "stoker_backend_info", planned="cuda", in_use="cpu") == 1
-    assert value(text, "stoker_accelerated") == 0
-    assert value(text, "stoker_offloaded_layers") == 0 and value(text, "stoker_model_layers") == 33
-    assert value(text, "stoker_offload_partial") == 0
-    assert value(text, "stoker_queue_depth") == 0 and value(text, "stoker_queue_limit") == 256
-    assert value(text, "stoker_requests_held_total") == 0
-    assert value(text, "stoker_fallbacks_total", **{"from": "cuda", "to": "cpu", "reason": "cuda_gpu_layers_zero"}) == 1
-    assert value(text, "stoker_fallbacks_total", **{"from": "cuda", "to": "none", "reason": "gpu_missing"}) == 1
-    assert value(text, "stoker_server_restarts_total", cause="crash") == 1
-    assert value(text, "stoker_server_restarts_total", cause="requested") == 1
-    assert value(text, "stoker_server_restarts_total", cause="config") == 1
-    assert value(text, "stoker_server_crashes_total", reason="server_crashed") == 2
-    assert value(text, "stoker_crash_loops_total") == 1
+    m = {"model": "default"}
+    assert value(text, "stoker_server_state", state="ready", **m) == 1
+    assert value(text, "stoker_server_state", state="loading", **m) == 0
+    assert value(text, "stoker_backend_info", planned="cuda", in_use="cpu", **m) == 1
+    assert value(text, "stoker_accelerated", **m) == 0
+    assert value(text, "stoker_offloaded_layers", **m) == 0 and value(text, "stoker_model_layers", **m) == 33
+    assert value(text, "stoker_offload_partial", **m) == 0
+    assert value(text, "stoker_queue_depth", **m) == 0 and value(text, "stoker_queue_limit") == 256
+    assert value(text, "stoker_requests_held_total", **m) == 0 and value(text, "stoker_requests_in_flight", **m) == 0
+    zero = {"from": "cuda", "to": "cpu", "reason": "cuda_gpu_layers_zero"}
+    assert value(text, "stoker_fallbacks_total", **zero, **m) == 1
+    assert value(text, "stoker_fallbacks_total", **{"from": "cuda", "to": "none", "reason": "gpu_missing"}, **m) == 1
+    assert value(text, "stoker_server_restarts_total", cause="crash", **m) == 1
+    assert value(text, "stoker_server_restarts_total", cause="requested", **m) == 1
+    assert value(text, "stoker_server_restarts_total", cause="config", **m) == 1
+    assert value(text, "stoker_server_crashes_total", reason="server_crashed", **m) == 2
+    assert value(text, "stoker_crash_loops_total", **m) == 1
     assert value(text, "stoker_installs_total", backend="cuda", result="failed", reason="bundle_digest_mismatch") == 1
     assert value(text, "stoker_installs_total", backend="cpu", result="installed", reason="") == 1
     kinds = {name: f.type for name, f in families(text).items()}
@@ -241,22 +272,81 @@ async def test_a_gpu_plan_served_on_the_cpu_says_both(store):
 async def test_a_partial_offload_is_accelerated_and_partial(store):
     daemon = Daemon(store, ServerTarget("cuda", 11, offloaded_layers=15, total_layers=33))
     text = (await metrics_for(daemon).scrape()).decode()
-    assert value(text, "stoker_backend_info", planned="cuda", in_use="cuda") == 1
-    assert value(text, "stoker_accelerated") == 1
-    assert (value(text, "stoker_offloaded_layers"), value(text, "stoker_offload_partial")) == (15, 1)
-    assert value(text, "stoker_crash_loops_total") == 0  # present, at zero, from an empty history
+    m = {"model": "default"}
+    assert value(text, "stoker_backend_info", planned="cuda", in_use="cuda", **m) == 1
+    assert value(text, "stoker_accelerated", **m) == 1
+    assert (value(text, "stoker_offloaded_layers", **m), value(text, "stoker_offload_partial", **m)) == (15, 1)
+    assert value(text, "stoker_crash_loops_total", **m) == 0  # present, at zero, from an empty history
+    assert value(text, "stoker_server_restarts_total", cause="crash", **m) == 0
 
 
 async def test_nothing_is_in_use_while_the_server_loads(store):
     daemon = Daemon(store, ServerTarget("cuda", 11, state="loading"), Instance(state=LR.LaunchState.LOADING))
     text = (await metrics_for(daemon).scrape()).decode()
-    assert value(text, "stoker_server_state", state="loading") == 1
-    assert value(text, "stoker_backend_info", planned="cuda", in_use="none") == 1
-    assert value(text, "stoker_accelerated") == 0
-    assert value(text, "stoker_offloaded_layers") is None  # not said yet
+    m = {"model": "default"}
+    assert value(text, "stoker_server_state", state="loading", **m) == 1
+    assert value(text, "stoker_backend_info", planned="cuda", in_use="none", **m) == 1
+    assert value(text, "stoker_accelerated", **m) == 0
+    assert value(text, "stoker_offloaded_layers", **m) is None  # not said yet
     stopped = Daemon(store, None, Instance(state=LR.LaunchState.STOPPED, data=LR.LaunchData()))
     text = (await metrics_for(stopped).scrape()).decode()
-    assert "stoker_backend_info{" not in text and value(text, "stoker_server_state", state="stopped") == 1
+    assert "stoker_backend_info{" not in text and value(text, "stoker_server_state", state="stopped", **m) == 1
+
+
+async def test_every_model_has_its_own_series_and_its_own_history(store):
+    """Two models: alpha on a partial CUDA offload with a request in flight and one held, beta a
+    GPU plan demoted to the CPU that crashed once; a model configured before (gamma) keeps its
+    history's counts. The default model's machines (`launch`, `fallback`) are model `default`."""
+    record_history(store)  # the default instance's: launch, fallback
+    beta_launch = MachineRunner(L.LAUNCH, "launch:beta", store)
+    for event in (LR.UpRequested(), LR.PlanReady(PLAN), LR.Spawned(21), LR.Ready({})):
+        beta_launch.fire(event)
+    beta_launch.fire(LR.ServerExited(-9, ReasonCode.SERVER_CRASHED))
+    beta_fallback = MachineRunner(F.FALLBACK, "fallback:beta", store)
+    beta_fallback.fire(F.PlanRequested(("cuda", "cpu")))
+    beta_fallback.fire(F.CheckPassed("cuda"))
+    beta_fallback.fire(F.LaunchSucceeded("cuda", "cpu", ReasonCode.CUDA_GPU_LAYERS_ZERO, {"offloaded_layers": 0}))
+    gamma = MachineRunner(L.LAUNCH, "launch:gamma", store)
+    for event in (LR.UpRequested(), LR.PlanReady(PLAN), LR.Spawned(31), LR.Ready({}), LR.RestartRequested()):
+        gamma.fire(event)
+
+    alpha = Member("alpha", Instance(), ServerTarget("cuda", 11, offloaded_layers=15, total_layers=33))
+    alpha.usage.sent()
+    with alpha.usage.held():
+        beta = Member("beta", Instance(), ServerTarget("cpu", 21, planned_backend="cuda", total_layers=19))
+        daemon = Daemon(store, None, Instance(state=LR.LaunchState.STOPPED, data=LR.LaunchData()), others=[alpha, beta])
+        text = (await metrics_for(daemon).scrape()).decode()
+
+    a, b = {"model": "alpha"}, {"model": "beta"}
+    assert (
+        value(text, "stoker_server_state", state="ready", **a)
+        == value(text, "stoker_server_state", state="ready", **b)
+        == 1
+    )
+    assert value(text, "stoker_server_state", state="stopped", model="default") == 1
+    assert value(text, "stoker_backend_info", planned="cuda", in_use="cuda", **a) == 1
+    assert value(text, "stoker_backend_info", planned="cuda", in_use="cpu", **b) == 1
+    assert (value(text, "stoker_accelerated", **a), value(text, "stoker_accelerated", **b)) == (1, 0)
+    assert (value(text, "stoker_offloaded_layers", **a), value(text, "stoker_model_layers", **a)) == (15, 33)
+    assert (value(text, "stoker_offloaded_layers", **b), value(text, "stoker_model_layers", **b)) == (0, 19)
+    assert (value(text, "stoker_offload_partial", **a), value(text, "stoker_offload_partial", **b)) == (1, 0)
+    assert (value(text, "stoker_queue_depth", **a), value(text, "stoker_requests_in_flight", **a)) == (1, 1)
+    assert (value(text, "stoker_requests_held_total", **a), value(text, "stoker_requests_held_total", **b)) == (1, 0)
+    assert (value(text, "stoker_queue_depth", **b), value(text, "stoker_requests_in_flight", **b)) == (0, 0)
+    # History, by the model whose machine wrote it.
+    assert value(text, "stoker_server_crashes_total", reason="server_crashed", **b) == 1
+    assert value(text, "stoker_server_crashes_total", reason="server_crashed", model="default") == 2
+    assert value(text, "stoker_server_restarts_total", cause="crash", **b) == 1
+    assert value(text, "stoker_server_restarts_total", cause="requested", model="gamma") == 1
+    assert value(text, "stoker_server_restarts_total", cause="crash", **a) == 0  # configured: from zero
+    assert value(text, "stoker_crash_loops_total", **a) == 0 and value(text, "stoker_crash_loops_total", **b) == 0
+    zero = {"from": "cuda", "to": "cpu", "reason": "cuda_gpu_layers_zero"}
+    assert (
+        value(text, "stoker_fallbacks_total", **zero, **b)
+        == value(text, "stoker_fallbacks_total", **zero, model="default")
+        == 1
+    )
+    assert value(text, "stoker_fallbacks_total", **zero, **a) is None
 
 
 async def test_two_front_doors_have_registries_of_their_own(store):
@@ -286,10 +376,11 @@ async def test_a_long_history_is_read_in_batches_that_let_the_streams_run(store)
         nursery.start_soon(relaying)
         text = (await metrics.scrape()).decode()
         assert others, "the first scrape held the event loop through the whole history"
-    assert value(text, "stoker_server_restarts_total", cause="crash") == 150
+    m = {"model": "default"}
+    assert value(text, "stoker_server_restarts_total", cause="crash", **m) == 150
     assert sum(daemon.batches) == 753 and max(daemon.batches) == HISTORY_BATCH
     daemon.batches.clear()
-    assert value((await metrics.scrape()).decode(), "stoker_server_restarts_total", cause="crash") == 150
+    assert value((await metrics.scrape()).decode(), "stoker_server_restarts_total", cause="crash", **m) == 150
     assert daemon.batches == [0]  # later scrapes read only what is new: nothing
 
 
