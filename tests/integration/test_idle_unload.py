@@ -7,7 +7,8 @@ pinned; its history says idle and `stoker status` counts down, then says "unload
 slots saved". The next request loads it again and is held; the slots are restored before it is
 answered, so the conversation's continuation is token-identical to the one the model gave
 before it left, and the engine reports the whole conversation as cached (timings.cache_n) with
-only the new tokens read (timings.prompt_n).
+only the new tokens read (timings.prompt_n). A restore refused at the reload (the context size
+changed meanwhile) still answers, by reading the conversation again.
 """
 
 from __future__ import annotations
@@ -109,12 +110,6 @@ def turn(base: str, model: str, prompt: list[int], n: int = 12) -> tuple[list[in
     return tokens, body["timings"]
 
 
-def held_total(base: str) -> float:
-    text = httpx.get(f"{base}/metrics", trust_env=False, timeout=30).text
-    line = next(ln for ln in text.splitlines() if ln.startswith("stoker_requests_held_total "))
-    return float(line.split()[1])
-
-
 def test_an_idle_model_is_unloaded_and_its_conversation_comes_back_token_identical(
     daemon, model, other_model, no_server_left
 ):
@@ -161,9 +156,13 @@ def test_an_idle_model_is_unloaded_and_its_conversation_comes_back_token_identic
 
     # The user comes back: the request loads beta again (held), the slot is restored before it
     # is answered, and the continuation is the one beta gave while it stayed loaded.
-    held = held_total(base)
+    assert models_of(daemon)["beta"]["state"] == "stopped"
+    sent = time.time()
     after, timings = turn(base, "beta", second)
-    assert held_total(base) == held + 1
+    answered = time.time()
+    # It was held: beta was loaded for it, between its send and its answer.
+    (ready,) = [r for r in daemon.history(machine="launch:beta", limit=20) if r["event"] == "Ready" and r["at"] >= sent]
+    assert ready["at"] <= answered
     assert after == reference
     assert timings["cache_n"] >= len(first) + len(gen) - 1, timings  # the conversation was not read again
     assert timings["prompt_n"] <= len(second) - len(first), timings
@@ -198,3 +197,35 @@ def test_never_unloaded_while_a_request_is_in_flight(daemon, model, other_model,
     ended = time.time()
     solo = wait_model(daemon, "solo", "stopped", timeout=30)  # then idle: unloaded TTL after that answer
     assert time.time() - ended >= TTL - 0.2 and solo["down_cause"] == "idle"
+
+
+def test_a_restore_refused_after_the_unload_still_answers_by_reading_the_conversation_again(
+    daemon, model, other_model, no_server_left
+):
+    sections = f'[models.solo]\nmodel = "{model}"\ndefault = true\nidle_ttl_s = {TTL}\n'
+    base = start(daemon, sections, model)
+    wait_model(daemon, "solo", "ready")
+    first, more = tokenize(daemon, "solo", PROMPT), tokenize(daemon, "solo", MORE)
+    gen, _ = turn(base, "solo", first)
+    solo = wait_model(daemon, "solo", "stopped", timeout=30)
+    assert solo["down_cause"] == "idle" and solo["slots_saved"] == 1
+    # While it is unloaded, its context size changes: the saved slot no longer fits the next server.
+    write_config(
+        daemon.paths,
+        daemon.paths.config_file.read_text().replace(
+            sections, sections.replace("idle_ttl_s", "ctx_size = 512\nidle_ttl_s")
+        ),
+    )
+    daemon.wait_for(
+        lambda s: any(r["event"] == "ConfigChanged" for r in daemon.history(machine="launch:solo", limit=5)),
+        30,
+        "the new config",
+    )
+    second = first + gen + more
+    after, timings = turn(base, "solo", second)  # held, loaded with ctx 512, answered all the same
+    assert len(after) == 12
+    assert timings["cache_n"] == 0 and timings["prompt_n"] == len(second), timings  # read again, whole
+    st = daemon.call("status", model="solo")
+    assert st["n_ctx"] == 512 and st["snapshots"]["restored"] == []
+    (refused,) = st["snapshots"]["refused"]
+    assert refused["reason"] == "snapshot_layout_mismatch" and "n_ctx" in refused["evidence"]["differs"]
