@@ -229,3 +229,26 @@ def test_a_restore_refused_after_the_unload_still_answers_by_reading_the_convers
     assert st["n_ctx"] == 512 and st["snapshots"]["restored"] == []
     (refused,) = st["snapshots"]["refused"]
     assert refused["reason"] == "snapshot_layout_mismatch" and "n_ctx" in refused["evidence"]["differs"]
+
+
+def test_two_conversations_in_two_slots_each_come_back_to_its_own_slot(daemon, model, other_model, no_server_left):
+    """With two slots, no id_slot: after the reload each continuation lands in the slot that holds
+    its conversation (the engine picks the slot sharing the longest prefix with the prompt)."""
+    base = start(daemon, f'[models.duo]\nmodel = "{model}"\ndefault = true\nidle_ttl_s = {TTL}\nparallel = 2\n', model)
+    wait_model(daemon, "duo", "ready")
+    talks = [tokenize(daemon, "duo", text) for text in (PROMPT, "a different talk about quiet amber lanterns")]
+    more = tokenize(daemon, "duo", MORE)
+    answers = [turn(base, "duo", talk)[0] for talk in talks]
+    nexts = [talk + answer + more for talk, answer in zip(talks, answers)]
+    references = [turn(base, "duo", nxt)[0] for nxt in nexts]
+    for talk in talks:  # each slot as its user left it
+        turn(base, "duo", talk)
+    duo = wait_model(daemon, "duo", "stopped", timeout=30)
+    assert duo["down_cause"] == "idle" and duo["slots_saved"] == 2, duo
+    # Asked in the other order than they were left: each still finds its own slot.
+    for i in (1, 0):
+        after, timings = turn(base, "duo", nexts[i])
+        assert after == references[i]
+        assert timings["cache_n"] >= len(talks[i]) + len(answers[i]) - 1, (i, timings)
+    restored = daemon.call("status", model="duo")["snapshots"]["restored"]
+    assert sorted(r["slot"] for r in restored) == [0, 1]
