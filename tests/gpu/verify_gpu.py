@@ -20,6 +20,9 @@ Stages of `verify` (each one PASS, FAIL or SKIP with its evidence in results.jso
   devices      two GPUs, one held full: the server gets only the other (CUDA_VISIBLE_DEVICES)
   snapshot     a KV snapshot saved on CUDA restored on the CPU after a fallback; tokens
                compared with the uninterrupted CUDA run
+  frontdoor    two models through the front door, one on CUDA and one forced on the CPU: names,
+               /metrics per model against status and NVML, kill -9 under streaming clients
+               (tests/gpu/frontdoor_stage.py)
   figures      Gemma 3 270M: tok/s and time-to-ready daemon vs direct, CUDA vs CPU; NVML
                sampling cost vs nvidia-smi
 
@@ -1622,6 +1625,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if GEMMA.exists():
             stage("snapshot_gemma", lambda: st_snapshot(homes, GEMMA, "gemma", 32, 2048))
             stage("snapshot_gemma_cuda_to_cuda", lambda: st_snapshot(homes, GEMMA, "gemma-control", 32, 2048, "cuda"))
+    if want("frontdoor"):
+        from tests.gpu.frontdoor_stage import st_frontdoor
+
+        stage("frontdoor", lambda: st_frontdoor(homes, tiny, Scenario, nvml_process_vram))
     if want("figures"):
         if GEMMA.exists():
             stage("figures", lambda: st_figures(homes, GEMMA, args.runs))
