@@ -25,6 +25,7 @@ from tui.messages import (
     DaemonEvent,
     Disconnected,
     HistoryLoaded,
+    ModelHistoryLoaded,
     SnapshotsLoaded,
     StatusLoaded,
     TelemetryLoaded,
@@ -36,6 +37,8 @@ from tui.screens.not_running import NotRunningScreen
 from tui.widgets.backend_card import BackendCard
 from tui.widgets.history_view import HistoryView, row_from_event
 from tui.widgets.install_progress import InstallProgress
+from tui.widgets.models_view import ModelsView
+from tui.widgets.pull_progress import PullProgress
 from tui.widgets.snapshots_view import SnapshotsView, snapshot_id
 from tui.widgets.telemetry_panel import TelemetryPanel
 
@@ -52,7 +55,7 @@ def topic_of(event: dict[str, Any]) -> str:
 
 
 class StokerApp(App[None]):
-    """The dashboard: backend card, telemetry, history, install progress, snapshots."""
+    """The dashboard: backend card, telemetry, history, install progress, snapshots, every model."""
 
     CSS_PATH = "app.tcss"
     TITLE = "Stoker"
@@ -69,6 +72,7 @@ class StokerApp(App[None]):
         Binding("1", "show_tab('overview')", "Overview", show=False),
         Binding("2", "show_tab('history')", "History", show=False),
         Binding("3", "show_tab('snapshots')", "Snapshots", show=False),
+        Binding("4", "show_tab('models')", "Models", show=False),
     ]
 
     def __init__(self, link: DaemonLink, *, retry_s: float = 1.0, poll_s: float = 2.0) -> None:
@@ -98,6 +102,8 @@ class StokerApp(App[None]):
                 yield HistoryView(id="history-view")
             with TabPane("Snapshots", id="snapshots"):
                 yield SnapshotsView(id="snapshots-view")
+            with TabPane("Models", id="models"):
+                yield ModelsView(id="models-view")
         yield Footer()
 
     DAEMON_ACTIONS = frozenset({"probe", "up", "down", "restart", "backend", "snapshot"})
@@ -185,6 +191,9 @@ class StokerApp(App[None]):
             row = row_from_event(event)
             if row is not None:
                 self.query_one(HistoryView).add(row)
+                self.query_one(ModelsView).add_history(row)
+            if topic.startswith("machine.pull.") and str(event.get("machine", "")).startswith("pull:"):
+                self.query_one(PullProgress).transition(str(event["machine"]).removeprefix("pull:"), event.get("to"))
             if topic.startswith("machine.launch.") or topic.startswith("machine.config."):
                 self.refresh_status()
             if topic.startswith("machine.launch."):
@@ -195,6 +204,8 @@ class StokerApp(App[None]):
             self._show_sample(event.get("sample") or {}, event.get("point"))
         elif topic == "install.progress":
             self.query_one(InstallProgress).update_from(event)
+        elif topic == "pull.progress":
+            self.query_one(PullProgress).progress(event)
         elif topic.startswith("snapshot."):
             self.refresh_snapshots()
         elif topic == "dropped":
@@ -206,6 +217,7 @@ class StokerApp(App[None]):
             self.telemetry_history = (self.telemetry_history + [point])[-TELEMETRY_POINTS:]
             panel.history = self.telemetry_history
         panel.sample = sample
+        self.query_one(ModelsView).show_sample(sample)
 
     def _poll(self) -> None:
         if self.connected:
@@ -234,6 +246,18 @@ class StokerApp(App[None]):
             self.post_message(HistoryLoaded(self.link.call("history", limit=HISTORY_LIMIT)))
         except StokerError:
             pass
+
+    @work(thread=True, exclusive=True, group="model-history", exit_on_error=False)
+    def load_model_history(self, name: str, merge: bool = False) -> None:
+        """One model's history: its launch and fallback machines, asked of the daemon by model."""
+        try:
+            rows = self.link.call("history", model=name, limit=HISTORY_LIMIT)
+        except StokerError:
+            # A daemon that predates `history --model`: the rows this view already has.
+            machines = self.query_one(HistoryView).models.get(name, ())
+            rows = [r for r in self.query_one(HistoryView).rows if r.get("machine_id") in machines]
+        if not get_current_worker().is_cancelled:
+            self.post_message(ModelHistoryLoaded(name, list(rows), merge))
 
     @work(thread=True, exclusive=True, group="telemetry", exit_on_error=False)
     def refresh_telemetry(self) -> None:
@@ -267,7 +291,13 @@ class StokerApp(App[None]):
         self.loaded.add("status")
         self.query_one(BackendCard).status = message.status
         st = message.status
-        self.sub_title = f"{st.get('state')} on {st.get('backend') or '-'}"
+        models = st.get("models") or []
+        several = len(models) > 1 or any(m.get("name") != "default" for m in models)
+        # With several models the card and the subtitle are the default model's: say which.
+        self.sub_title = f"{st.get('name')}: " * several + f"{st.get('state')} on {st.get('backend') or '-'}"
+        self.query_one(BackendCard).border_title = f"Backend: {st.get('name')}" if several else "Backend"
+        self.query_one(ModelsView).show_status(st)
+        self.query_one(HistoryView).set_models({str(m.get("name")): tuple(m.get("machines") or ()) for m in models})
 
     def on_history_loaded(self, message: HistoryLoaded) -> None:
         self.loaded.add("history")
@@ -280,6 +310,24 @@ class StokerApp(App[None]):
             self.telemetry_history = list(message.history)[-TELEMETRY_POINTS:]
             panel.history = self.telemetry_history
         panel.sample = message.sample
+        self.query_one(ModelsView).show_sample(message.sample)
+
+    def on_model_history_loaded(self, message: ModelHistoryLoaded) -> None:
+        if message.merge:
+            self.query_one(HistoryView).merge(message.rows)
+        else:
+            self.query_one(ModelsView).show_history(message.name, message.rows)
+
+    @on(ModelsView.Highlighted)
+    def model_highlighted(self, message: ModelsView.Highlighted) -> None:
+        self.load_model_history(message.name)
+
+    @on(ModelsView.HistoryRequested)
+    def model_history_requested(self, message: ModelsView.HistoryRequested) -> None:
+        """Enter on a model: the History tab, filtered to it, with all of its history."""
+        self.action_show_tab("history")
+        self.query_one(HistoryView).show_model(message.name)
+        self.load_model_history(message.name, merge=True)
 
     def on_snapshots_loaded(self, message: SnapshotsLoaded) -> None:
         self.loaded.add("snapshots")
@@ -322,21 +370,33 @@ class StokerApp(App[None]):
     def action_probe(self) -> None:
         self.send("probe", {"fresh": True}, "Probed every backend again.")
 
+    def _target(self) -> tuple[dict[str, Any], str]:
+        """What u/d/r act on: the model highlighted in the Models tab (its `model` parameter and
+        its name in words), else the default model's server."""
+        if self.query_one(TabbedContent).active == "models":
+            name = self.query_one(ModelsView).selected
+            if name is not None:
+                return {"model": name}, f"{name}'s server"
+        return {}, "the server"
+
     def action_up(self) -> None:
-        self.send("up", {}, "Starting the server.")
+        params, what = self._target()
+        self.send("up", params, f"Starting {what}.")
 
     def action_down(self) -> None:
+        params, what = self._target()
         self._confirm(
-            "Stop the server? Clients lose their endpoint until you start it again.",
+            f"Stop {what}? Clients lose their endpoint until you start it again.",
             "Stop",
-            lambda: self.send("down", {}, "The server is stopped."),
+            lambda: self.send("down", params, f"{what[0].upper()}{what[1:]} is stopped."),
         )
 
     def action_restart(self) -> None:
+        params, what = self._target()
         self._confirm(
-            "Restart the server? Requests in flight are cut off.",
+            f"Restart {what}? Requests in flight are cut off.",
             "Restart",
-            lambda: self.send("restart", {}, "Restarting the server."),
+            lambda: self.send("restart", params, f"Restarting {what}."),
         )
 
     def action_backend(self) -> None:
@@ -362,7 +422,7 @@ class StokerApp(App[None]):
     @on(TabbedContent.TabActivated)
     def focus_pane(self, event: TabbedContent.TabActivated) -> None:
         """The table of a tab takes the keyboard (arrows move its cursor)."""
-        tables = {"history": "#history-table", "snapshots": "#snapshots-table"}
+        tables = {"history": "#history-table", "snapshots": "#snapshots-table", "models": "#models-table"}
         target = tables.get(event.pane.id or "")
         if target:
             self.query_one(target).focus()

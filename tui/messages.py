@@ -57,3 +57,14 @@ class SnapshotsLoaded(Message):
         self.items = items
         self.unavailable = unavailable
         self.listing = listing or {}
+
+
+class ModelHistoryLoaded(Message):
+    """One model's history (its launch and fallback machines), newest first; `merge`: for the
+    History tab (rows to add) rather than the models view."""
+
+    def __init__(self, name: str, rows: list[dict[str, Any]], merge: bool = False) -> None:
+        super().__init__()
+        self.name = name
+        self.rows = rows
+        self.merge = merge

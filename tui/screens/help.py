@@ -14,9 +14,11 @@ KEYS = (
     ("u", "start the server"),
     ("d", "stop the server (asks first)"),
     ("r", "restart the server (asks first)"),
+    ("u d r", "on the models tab: the highlighted model's"),
     ("b", "choose the backend: auto, cpu, cuda, ..."),
     ("s", "save a KV snapshot of the server's slots"),
-    ("1 2 3", "overview, history, snapshots"),
+    ("1 2 3 4", "overview, history, snapshots, models"),
+    ("enter", "on a model: all of its history"),
     ("?", "this help"),
     ("q", "quit (the daemon keeps running)"),
 )

@@ -1,4 +1,5 @@
-"""History: every machine's transitions, newest first, filterable, with evidence on selection."""
+"""History: every machine's transitions, newest first, filterable by machine or by model (its
+launch and fallback machines), with evidence on selection."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from textual.widgets import DataTable, Label, Select, Static
 from tui import quantities as q
 
 ALL = "*"
+MODEL = "model="  # a filter value naming a model rather than a machine
 MAX_ROWS = 500
 EVIDENCE_CHARS = 160  # per value; the whole record is in `stoker history --json`
 
@@ -68,6 +70,7 @@ class HistoryView(Vertical):
         self.rows: list[dict[str, Any]] = []
         self._keys: set[str] = set()
         self._machine = ALL
+        self.models: dict[str, tuple[str, ...]] = {}  # model NAME -> its machines (from status)
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="history-bar"):
@@ -99,21 +102,55 @@ class HistoryView(Vertical):
         self.rows.insert(0, row)
         del self.rows[MAX_ROWS:]
         self._refresh_machines()
-        if self._machine in (ALL, row.get("machine_id")):
+        if self._shows(row):
             self._fill()
+
+    def merge(self, rows: list[dict[str, Any]]) -> None:
+        """Rows asked for on purpose (one model's, older than the latest): kept in time order."""
+        new = [r for r in rows if row_key(r) not in self._keys]
+        if not new:
+            return
+        self._keys.update(row_key(r) for r in new)
+        self.rows = sorted(self.rows + new, key=lambda r: (r.get("at") or 0, r.get("id") or 0), reverse=True)
+        self._refresh_machines()
+        self._fill()
+
+    def set_models(self, models: dict[str, tuple[str, ...]]) -> None:
+        """The configured models and their machines: each becomes a filter."""
+        if models != self.models:
+            self.models = dict(models)
+            self._refresh_machines()
+
+    def show_model(self, name: str) -> None:
+        """Filter to model `name`'s machines."""
+        self._machine = MODEL + name
+        self._refresh_machines()
+        self._fill()
+
+    def _shows(self, row: dict[str, Any]) -> bool:
+        if self._machine == ALL:
+            return True
+        if self._machine.startswith(MODEL):
+            return row.get("machine_id") in self.models.get(self._machine.removeprefix(MODEL), ())
+        return row.get("machine_id") == self._machine
 
     def _refresh_machines(self) -> None:
         select = self.query_one("#history-filter", Select)
         machines = sorted({str(r.get("machine_id")) for r in self.rows})
-        options = [("all machines", ALL)] + [(m, m) for m in machines]
-        if [value for _, value in options] != getattr(self, "_options", None):
-            self._options = [value for _, value in options]
-            with select.prevent(Select.Changed):
+        # Each configured model is a filter too: its launch and fallback machines.
+        models = [(f"model {n}", MODEL + n) for n in self.models]
+        options = [("all machines", ALL)] + models + [(m, m) for m in machines]
+        with select.prevent(Select.Changed):
+            if [value for _, value in options] != getattr(self, "_options", None):
+                self._options = [value for _, value in options]
                 select.set_options(options)
-                select.value = self._machine if self._machine in self._options else ALL
+            if self._machine not in self._options:
+                self._machine = ALL
+            if select.value != self._machine:
+                select.value = self._machine
 
     def _visible(self) -> list[dict[str, Any]]:
-        return [r for r in self.rows if self._machine == ALL or r.get("machine_id") == self._machine]
+        return [r for r in self.rows if self._shows(r)]
 
     def _fill(self) -> None:
         table = self.query_one(DataTable)
