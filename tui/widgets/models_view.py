@@ -127,9 +127,10 @@ def describe_model(model: dict[str, Any], sample: dict[str, Any] | None) -> Tabl
             head.append(f"  {flag}", style="cyan")
     grid.add_row("model", head)
     if model.get("reason"):
-        reason = Text(str(model["reason"]), style="bold red" if state in ("failed", "crashed") else "bold yellow")
+        reason = Text()
+        reason.append(str(model["reason"]), style="bold red" if state in ("failed", "crashed") else "bold yellow")
         if model.get("message"):
-            reason.append(f": {model['message']}", style="")
+            reason.append(f": {model['message']}")
         grid.add_row("reason", reason)
     backend, planned = model.get("backend"), model.get("planned_backend")
     if backend:
