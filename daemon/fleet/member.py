@@ -179,9 +179,11 @@ class Member:
         """Whether it serves that catalog model: configured by its catalog name, or configured
         with (or last launched on) the same file."""
         spec = self.served.spec
-        if model_form(spec) is ModelForm.NAME:
-            return spec == record.name
-        files = [os.path.expanduser(spec)] + ([self.data.plan.model_path] if self.data.plan else [])
+        if model_form(spec) is ModelForm.NAME and spec == record.name:
+            return True
+        files = [self.data.plan.model_path] if self.data.plan else []
+        if model_form(spec) is ModelForm.PATH:
+            files.append(os.path.expanduser(spec))
         wanted = os.path.realpath(record.path)
         return any(os.path.realpath(f) == wanted for f in files)
 

@@ -146,7 +146,9 @@ def test_each_model_answers_by_name_and_one_is_loaded_on_demand(daemon, model, o
     assert greedy(client, other_model.name)[0] == beta_text and greedy(client, "other")[0] == beta_text
     assert {m["name"]: m["state"] for m in cli_status(daemon)["models"]} == {"alpha": "ready", "beta": "ready"}
     metrics = httpx.get(base.removesuffix("/v1") + "/metrics", trust_env=False).text
-    assert "stoker_requests_held_total 1.0" in metrics  # beta's request, and only it, was held
+    # beta's request, and only it, was held
+    assert 'stoker_requests_held_total{model="beta"} 1.0' in metrics
+    assert 'stoker_requests_held_total{model="alpha"} 0.0' in metrics
     print(f"beta loaded on demand: answered after {held_s:.2f} s")
 
     with pytest.raises(openai.NotFoundError) as missing:
