@@ -30,7 +30,10 @@ def member(name: str, spec: str, plan_path: str | None = None) -> Member:
     supervisor: Any = Supervisor(ServerInstance(name), LR.LaunchData(plan=plan))
     config = Config()
     served = ServedModel(name, attrs.evolve(config, server=attrs.evolve(config.server, model=spec)))
-    return Member(served, supervisor, orchestrator=None, usage=Usage(), pulse=Pulse())  # type: ignore[arg-type]
+    # Only what these answers read; any other service a member holds is not asked here.
+    others = {f.name: None for f in attrs.fields(Member) if f.default is attrs.NOTHING}
+    others.update(served=served, supervisor=supervisor, usage=Usage(), pulse=Pulse())
+    return Member(**others)
 
 
 def record(name: str, path: Path) -> ModelRecord:
