@@ -257,18 +257,19 @@ class Daemon:
     def snapshot_status(self, member: Member | None = None) -> dict[str, Any] | None:
         return self.snapshots.status((member or self.fleet.default).supervisor.ready_evidence)
 
-    def snapshot_listing(self) -> dict[str, Any]:
-        ready = self.supervisor.state is LR.LaunchState.READY
-        return self.snapshots.listing(self.supervisor if ready else None)
+    def snapshot_listing(self, instance: str) -> dict[str, Any]:
+        member = self.fleet.members.get(instance)
+        ready = member is not None and member.state is LR.LaunchState.READY
+        return self.snapshots.listing(instance, member.supervisor if member is not None and ready else None)
 
-    def snapshot(self, snapshot_id: int) -> SnapshotRecord:
-        return self.snapshots.get(snapshot_id)
+    def snapshot(self, snapshot_id: int, instance: str) -> SnapshotRecord:
+        return self.snapshots.get(snapshot_id, instance)
 
-    async def save_snapshots(self, slot: int | None) -> Sequence[SnapshotRecord]:
-        return await self.snapshots.save(self.supervisor, "manual", slot=slot)
+    async def save_snapshots(self, member: Member, slot: int | None) -> Sequence[SnapshotRecord]:
+        return await self.snapshots.save(member.supervisor, "manual", slot=slot)
 
-    async def restore_snapshot(self, snapshot_id: int, slot: int | None) -> dict[str, Any]:
-        return await self.snapshots.restore(self.supervisor, snapshot_id, slot)
+    async def restore_snapshot(self, member: Member, snapshot_id: int, slot: int | None) -> dict[str, Any]:
+        return await self.snapshots.restore(member.supervisor, snapshot_id, slot)
 
     def remove_snapshot(self, record: SnapshotRecord) -> None:
         self.snapshots.remove([record])

@@ -124,6 +124,7 @@ class ReasonCode(enum.StrEnum):
     SNAPSHOTS_DISABLED = "snapshots_disabled"
     SNAPSHOT_NOT_FOUND = "snapshot_not_found"
     SNAPSHOT_SERVER_NOT_READY = "snapshot_server_not_ready"
+    SNAPSHOT_INSTANCE_MISMATCH = "snapshot_instance_mismatch"
     SNAPSHOT_MODEL_MISMATCH = "snapshot_model_mismatch"
     SNAPSHOT_ENGINE_MISMATCH = "snapshot_engine_mismatch"
     SNAPSHOT_LAYOUT_MISMATCH = "snapshot_layout_mismatch"
@@ -360,6 +361,11 @@ MESSAGES: dict[ReasonCode, str] = {
     ReasonCode.SNAPSHOTS_DISABLED: "KV snapshots are off; set `[snapshots] enabled = true` in the config.",
     ReasonCode.SNAPSHOT_NOT_FOUND: "No snapshot has that id; `stoker snapshot list` shows the ids.",
     ReasonCode.SNAPSHOT_SERVER_NOT_READY: "The server is not ready, so no slot can be saved or restored now; try again after `stoker up`.",
+    ReasonCode.SNAPSHOT_INSTANCE_MISMATCH: (
+        "The snapshot holds a conversation of another configured model ([models.NAME]); a conversation never "
+        "moves between models, even two serving the same file. Name its model with `--model` "
+        "(`stoker snapshot list --model NAME` lists each model's), or let that model's next load restore it."
+    ),
     ReasonCode.SNAPSHOT_MODEL_MISMATCH: (
         "The snapshot was taken with a different model file (its model id differs); it was not restored. "
         "Switch back to that model to use it."

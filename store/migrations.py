@@ -7,6 +7,8 @@ a function `mNNN_what(db)` to MIGRATIONS; never edit or reorder one that has shi
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from typing import Callable
 
@@ -192,6 +194,63 @@ def m006_model_catalog(db: Database) -> None:
     db.table("models").create_index(["path"])
 
 
+def m007_snapshot_instance(db: Database) -> None:
+    """Snapshots belong to one server instance (issue 14: several `[models.NAME]` may serve the same
+    file, and a conversation must never move from one to another): `instance`, the NAME
+    (`default` without [models]). A row written before goes to the instance its launch history
+    names (`snapshot_owners`), else to `default`."""
+    db.table("snapshots").add_column("instance", str, not_null_default="default")
+    for snapshot_id, owner in snapshot_owners(db).items():
+        db.execute("update snapshots set instance = ? where id = ?", [owner, snapshot_id])
+    db.table("snapshots").create_index(["instance", "slot_id", "created_at"])
+
+
+def _instance_of(machine_id: str) -> str:
+    """The instance whose launch machine has this id (daemon/launch/instance.py's naming)."""
+    return "default" if machine_id == "launch" else machine_id.partition(":")[2]
+
+
+def snapshot_owners(db: Database) -> dict[int, str]:
+    """Which instance wrote each snapshot row, from the launch machines' history: the one whose
+    server of that model file was ready (a manual save) or stopping (every other cause: the saves
+    before a stop) when the row was written. Rows no instance, or several, can be said to own are
+    left out (they stay with `default`)."""
+    if db.execute("select 1 from snapshots limit 1").fetchone() is None:
+        return {}
+    spans: list[tuple[str, float, float, str, str | None]] = []  # instance, from, until, state, model
+    entered: dict[str, tuple[float, str, str | None]] = {}
+    model: dict[str, str | None] = {}
+    rows = db.execute(
+        "select machine_id, event, event_data, to_state, at from transitions where kind = 'launch' "
+        "order by machine_id, seq"
+    )
+    for machine_id, event, event_data, to_state, at in rows:
+        if event == "PlanReady":
+            model[machine_id] = (json.loads(event_data).get("plan") or {}).get("model_path")
+        if machine_id in entered:
+            since, state, path = entered.pop(machine_id)
+            spans.append((_instance_of(machine_id), since, at, state, path))
+        if to_state in ("ready", "stopping"):
+            entered[machine_id] = (at, to_state, model.get(machine_id))
+    spans += [(_instance_of(m), since, math.inf, state, path) for m, (since, state, path) in entered.items()]
+    owners: dict[int, str] = {}
+    for snapshot_id, model_path, cause, created_at in db.execute(
+        "select id, model_path, cause, created_at from snapshots"
+    ):
+        serving = {
+            (name, state)
+            for name, since, until, state, path in spans
+            if since <= created_at <= until and (model_path is None or path == model_path)
+        }
+        names = {name for name, _ in serving}
+        if len(names) > 1:  # several servers of that file at once: the one in the state that cause saves in
+            wanted = "ready" if cause == "manual" else "stopping"
+            names = {name for name, state in serving if state == wanted}
+        if len(names) == 1:
+            owners[snapshot_id] = names.pop()
+    return owners
+
+
 MIGRATIONS: list[Migration] = [
     m001_initial,
     m002_snapshots,
@@ -199,6 +258,7 @@ MIGRATIONS: list[Migration] = [
     m004_snapshot_cheap_checks,
     m005_user_keys,
     m006_model_catalog,
+    m007_snapshot_instance,
 ]
 
 

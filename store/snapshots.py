@@ -19,6 +19,10 @@ from states.snapshot_policy import Figure, fold
 from store.database import Store
 from store.errors import StoreError
 
+# Which server instance a snapshot belongs to (a [models.NAME]; "default" without [models]): a
+# conversation never moves between instances, even two serving the same file (migration m007).
+INSTANCE_FIELD = "instance"
+DEFAULT_INSTANCE = "default"
 # Which model a snapshot belongs to: `model_id` (daemon/models/identity.py); rows written
 # before it existed have only the model file's full sha256 (see `same_model`).
 MODEL_FIELDS = ("model_id", "model_sha256")
@@ -33,7 +37,7 @@ LAYOUT_FIELDS = (
     "swa_full",
     "kv_unified",
 )
-IDENTITY_FIELDS = MODEL_FIELDS + LAYOUT_FIELDS
+IDENTITY_FIELDS = (INSTANCE_FIELD,) + MODEL_FIELDS + LAYOUT_FIELDS
 
 T = TypeVar("T")
 
@@ -46,9 +50,9 @@ def same_model(snapshot: Mapping[str, Any], server: Mapping[str, Any]) -> bool:
     return bool(snapshot.get("model_sha256")) and snapshot.get("model_sha256") == server.get("model_sha256")
 
 
-def model_key(rec: "SnapshotRecord") -> str:
-    """The model a row belongs to, for retention's per-model count."""
-    return rec.model_id or rec.model_sha256 or ""
+def model_key(rec: "SnapshotRecord") -> tuple[str, str]:
+    """The instance and model a row belongs to, for retention's per-model count."""
+    return rec.instance, rec.model_id or rec.model_sha256 or ""
 
 
 @attrs.frozen
@@ -82,6 +86,7 @@ class SnapshotRecord:
     file_sample_sha256: str | None = None  # sha256 of the file's size, head and tail
     sealed_at: float | None = None  # its data reached the disk (fsync); None: not yet
     boot_id: str | None = None  # the boot that wrote it (an unsealed file from another boot may be torn)
+    instance: str = DEFAULT_INSTANCE  # the server instance whose conversation it holds
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> "SnapshotRecord":
@@ -128,13 +133,22 @@ class SnapshotCatalog:
         rows = list(self.store.db.query("select * from snapshots where id = ?", [snapshot_id]))
         return SnapshotRecord.from_row(rows[0]) if rows else None
 
-    def list(self, *, slot_id: int | None = None) -> list[SnapshotRecord]:
-        """Snapshots, newest first (optionally of one slot)."""
-        sql, params = "select * from snapshots", []
-        if slot_id is not None:
-            sql, params = sql + " where slot_id = ?", [slot_id]
+    def list(self, *, slot_id: int | None = None, instance: str | None = None) -> list[SnapshotRecord]:
+        """Snapshots, newest first (optionally of one slot, of one instance)."""
+        where = [(f"[{k}] = ?", v) for k, v in (("slot_id", slot_id), (INSTANCE_FIELD, instance)) if v is not None]
+        sql = "select * from snapshots" + (" where " + " and ".join(c for c, _ in where) if where else "")
         sql += " order by created_at desc, id desc"
-        return [SnapshotRecord.from_row(r) for r in self.store.db.query(sql, params)]
+        return [SnapshotRecord.from_row(r) for r in self.store.db.query(sql, [v for _, v in where])]
+
+    def slots_saved(self, instance: str) -> int:
+        """How many slots a load of `instance` like its last one restores: the distinct slots of its
+        snapshots of the model and layout its newest snapshot has (what its last stop saved, with
+        any older slot the restore takes too). Read from the rows: a daemon restart keeps it."""
+        records = self.list(instance=instance)
+        if not records:
+            return 0
+        newest = records[0].identity()
+        return len({r.slot_id for r in records if r.identity() == newest})
 
     def update(self, snapshot_id: int, **fields: Any) -> None:
         """Fill in what the background work learnt (sealed_at, file_sha256, the file's place); a
@@ -190,10 +204,11 @@ class SnapshotCatalog:
 
 def retention_plan(records: list[SnapshotRecord], max_count: int, max_bytes: int) -> list[tuple[SnapshotRecord, str]]:
     """Which snapshots retention removes, and why: "count" beyond `max_count` newest per (slot,
-    model), then "bytes" for the oldest until the total fits `max_bytes`. Pure: the caller
-    deletes files and rows, and says what it dropped."""
+    instance, model), then "bytes" for the oldest until the total fits `max_bytes` (one budget for
+    the snapshots dir, every instance's together). Pure: the caller deletes files and rows, and
+    says what it dropped."""
     newest_first = sorted(records, key=lambda r: (r.created_at, r.id), reverse=True)
-    seen: dict[tuple[int, str], int] = {}
+    seen: dict[tuple[int, tuple[str, str]], int] = {}
     keep: list[SnapshotRecord] = []
     victims: list[tuple[SnapshotRecord, str]] = []
     for rec in newest_first:

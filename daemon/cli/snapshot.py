@@ -1,13 +1,28 @@
-"""`stoker snapshot list | save | restore ID | rm ID`: KV slot snapshots."""
+"""`stoker snapshot list | save | restore ID | rm ID [--model NAME]`: KV slot snapshots, each
+model's own (the default model's without --model)."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import click
 
 from daemon.cli.output import emit, json_option
 from daemon.cli.service import call
+
+model_option = click.option(
+    "--model",
+    "model",
+    default=None,
+    metavar="NAME",
+    help="The model whose snapshots these are (its [models.NAME]); default: the default model.",
+)
+
+
+def _model(model: str | None) -> dict[str, Any]:
+    # dict[str, Any]: a dict[str, str] spread could fill call's timeout, says mypy
+    return {} if model is None else {"model": model}
 
 
 def _mib(n: int | None) -> str:
@@ -30,8 +45,9 @@ def format_list(data: dict) -> str:
     rows = data.get("snapshots") or []
     auto = " (auto)" if data.get("max_bytes_setting") == "auto" else ""
     lines.append(
-        f"{len(rows)} snapshot(s), {_mib(data.get('total_bytes'))} of {_mib(data.get('max_bytes'))}{auto}, "
-        f"at most {data.get('max_count')} per slot and model; {data.get('dir')}"
+        f"{len(rows)} snapshot(s) of model {data.get('model')}, {_mib(data.get('total_bytes'))}; every model's "
+        f"{_mib(data.get('all_bytes'))} of {_mib(data.get('max_bytes'))}{auto}, at most {data.get('max_count')} "
+        f"per slot and model; {data.get('dir')}"
     )
     for drop in (data.get("dropped") or [])[-5:]:  # never silent: the latest given up, and why
         when = time.strftime("%H:%M:%S", time.localtime(drop.get("at") or 0))
@@ -60,18 +76,20 @@ def snapshot() -> None:
 
 
 @snapshot.command("list")
+@model_option
 @json_option
-def list_(as_json: bool) -> None:
-    """Every snapshot, newest first, and whether it fits the running server."""
-    emit(as_json, call("snapshot.list", as_json), format_list)
+def list_(model: str | None, as_json: bool) -> None:
+    """A model's snapshots, newest first, and whether each fits its running server."""
+    emit(as_json, call("snapshot.list", as_json, **_model(model)), format_list)
 
 
 @snapshot.command()
 @click.option("--slot", type=int, default=None, help="Save only this slot.")
+@model_option
 @json_option
-def save(slot: int | None, as_json: bool) -> None:
-    """Save the server's non-empty slots now."""
-    params = {} if slot is None else {"slot": slot}
+def save(slot: int | None, model: str | None, as_json: bool) -> None:
+    """Save a model's non-empty slots now."""
+    params = {**({} if slot is None else {"slot": slot}), **_model(model)}
     data = call("snapshot.save", as_json, timeout=120.0, **params)
     emit(
         as_json,
@@ -89,10 +107,12 @@ def save(slot: int | None, as_json: bool) -> None:
 @snapshot.command()
 @click.argument("snapshot_id", type=int)
 @click.option("--slot", type=int, default=None, help="Restore into this slot instead of the one it came from.")
+@model_option
 @json_option
-def restore(snapshot_id: int, slot: int | None, as_json: bool) -> None:
-    """Restore snapshot ID into the running server (refused if it does not fit)."""
-    params = {"id": snapshot_id, **({} if slot is None else {"slot": slot})}
+def restore(snapshot_id: int, slot: int | None, model: str | None, as_json: bool) -> None:
+    """Restore snapshot ID into its model's running server (refused if it does not fit, or if
+    another model saved it: a conversation never moves between models)."""
+    params = {"id": snapshot_id, **({} if slot is None else {"slot": slot}), **_model(model)}
     data = call("snapshot.restore", as_json, timeout=120.0, **params)
     emit(
         as_json,
@@ -106,10 +126,12 @@ def restore(snapshot_id: int, slot: int | None, as_json: bool) -> None:
 
 @snapshot.command()
 @click.argument("snapshot_id", type=int)
+@model_option
 @json_option
-def rm(snapshot_id: int, as_json: bool) -> None:
-    """Remove snapshot ID (its file and its catalogue row)."""
-    emit(as_json, call("snapshot.rm", as_json, id=snapshot_id), lambda d: f"removed snapshot {d['removed']}")
+def rm(snapshot_id: int, model: str | None, as_json: bool) -> None:
+    """Remove a model's snapshot ID (its file and its catalogue row)."""
+    data = call("snapshot.rm", as_json, id=snapshot_id, **_model(model))
+    emit(as_json, data, lambda d: f"removed snapshot {d['removed']}")
 
 
 def register(cli: click.Group) -> None:

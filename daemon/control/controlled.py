@@ -153,16 +153,18 @@ class ControlledDaemon(Protocol):
     def snapshot_status(self, member: Member | None = None) -> dict[str, Any] | None:
         """The `snapshots` part of status: a model's ready server's report and the latest drops."""
 
-    def snapshot_listing(self) -> dict[str, Any]:
-        """Every snapshot with whether it fits the running server."""
+    def snapshot_listing(self, instance: str) -> dict[str, Any]:
+        """The snapshots of one instance (a model's NAME) with whether each fits its ready server."""
 
-    def snapshot(self, snapshot_id: int) -> SnapshotRecord:
-        """One catalogued snapshot; StokerError(snapshot_not_found) if there is none."""
+    def snapshot(self, snapshot_id: int, instance: str) -> SnapshotRecord:
+        """One of `instance`'s snapshots; StokerError(snapshot_not_found) if there is none,
+        (snapshot_instance_mismatch) if another instance saved it."""
 
-    async def save_snapshots(self, slot: int | None) -> Sequence[SnapshotRecord]:
-        """Save the non-empty slots (or one) of the running server now."""
+    async def save_snapshots(self, member: Member, slot: int | None) -> Sequence[SnapshotRecord]:
+        """Save the non-empty slots (or one) of `member`'s ready server now."""
 
-    async def restore_snapshot(self, snapshot_id: int, slot: int | None) -> dict[str, Any]: ...
+    async def restore_snapshot(self, member: Member, snapshot_id: int, slot: int | None) -> dict[str, Any]:
+        """Restore one of `member`'s snapshots into its ready server."""
 
     def remove_snapshot(self, record: SnapshotRecord) -> None: ...
 

@@ -76,6 +76,7 @@ ERROR_CODES: dict[ReasonCode, int] = {
     ReasonCode.SNAPSHOT_NO_BENEFIT: 5012,
     ReasonCode.SNAPSHOT_DROPPED: 5013,
     ReasonCode.SNAPSHOT_SAVE_TIMEOUT: 5014,
+    ReasonCode.SNAPSHOT_INSTANCE_MISMATCH: 5015,
     # Backends: 4xyy, x = backend (1 cuda, 2 rocm, 3 vulkan, 4 metal, 0 none), yy = what.
     ReasonCode.GPU_MISSING: 4001,
     ReasonCode.BINARY_MISSING_NVIDIA_DETECTED: 4101,

@@ -176,7 +176,7 @@ class ModelStatus:
     idle_ttl_s: float  # [models.NAME] idle_ttl_s (0: never unloaded for idleness)
     # Seconds until it is unloaded for idleness (null: no TTL, pinned, not ready, in use).
     idle_unload_in_s: float | None
-    # Slots its last stop saved, restored at its next load (null: no stop since the daemon started, snapshots off).
+    # Slots its last stop saved, restored at its next load: from its own snapshot rows (null: snapshots off).
     slots_saved: int | None
     machines: tuple[str, ...]  # its launch and fallback machines' ids (`stoker history --model NAME` reads them)
     memory: ModelMemory

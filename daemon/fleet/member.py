@@ -66,8 +66,8 @@ class Member:
     orchestrator: FallbackOrchestrator
     usage: Usage
     pulse: Pulse
+    snapshots: SnapshotService
     retiring: bool = False  # its section left the config (or it was found unconfigured): stopping for good
-    slots_saved: int | None = None  # slots its last stop saved (None: no stop since the daemon started, snapshots off)
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)  # its supervisor's task
 
     @property
@@ -77,6 +77,12 @@ class Member:
     @property
     def instance(self) -> ServerInstance:
         return self.supervisor.instance
+
+    @property
+    def slots_saved(self) -> int | None:
+        """The slots its next load restores: what its last stop saved, read from its own snapshot
+        rows (so a daemon restart keeps it; another instance's never count); None: snapshots off."""
+        return self.snapshots.slots_saved(self.name)
 
     @property
     def state(self) -> LR.LaunchState:
@@ -226,20 +232,6 @@ def build_member(served: ServedModel, services: Services) -> Member:
         extra.update(await snapshots.on_ready(supervisor, {**evidence, **extra}) or {})
         return extra
 
-    async def before_stop(supervisor: Supervisor, cause: str) -> None:
-        # Save the slots, then count what this stop saved (status: "unloaded (idle), N slots saved").
-        since = time.time()
-        try:
-            await snapshots.before_stop(supervisor, cause)
-        finally:
-            path = supervisor.plan.model_path if supervisor.plan else None
-            saved = [
-                r
-                for r in snapshots.catalog.list()
-                if r.created_at >= since and (r.model_path, r.cause) == (path, cause)
-            ]
-            member.slots_saved = len(saved) if snapshots.get_config().snapshots.enabled else None
-
     supervisor = Supervisor(
         services.paths,
         services.store,
@@ -248,8 +240,7 @@ def build_member(served: ServedModel, services: Services) -> Member:
         instance=instance,
         publish=services.publish,
         ready_hook=on_ready,
-        before_stop=before_stop,
+        before_stop=snapshots.before_stop,
         drain=usage.wait_drained,
     )
-    member = Member(served, supervisor, orchestrator, usage, services.pulse)
-    return member
+    return Member(served, supervisor, orchestrator, usage, services.pulse, snapshots)

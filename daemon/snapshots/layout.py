@@ -21,7 +21,7 @@ from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
 from daemon.models.facts import ModelFacts, model_facts
 from states.reasons import ReasonCode
-from store.snapshots import LAYOUT_FIELDS, MODEL_FIELDS, same_model
+from store.snapshots import INSTANCE_FIELD, LAYOUT_FIELDS, MODEL_FIELDS, same_model
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,7 @@ def swa_report(facts: ModelFacts, kv: KVLog, swa_full: bool) -> dict[str, Any]:
 
 def identity_of_server(
     *,
+    instance: str,
     model_id: str,
     model_sha256: str | None,
     engine_build: str,
@@ -166,6 +167,7 @@ def identity_of_server(
     a daemon before model ids cached for this exact file, if any; it matches rows of that time)."""
     settings = props.get("default_generation_settings") or {}
     return {
+        INSTANCE_FIELD: instance,
         "model_id": model_id,
         "model_sha256": model_sha256,
         "engine_build": engine_build,
@@ -189,8 +191,24 @@ def _unknown_or_moot(field: str, snapshot: Mapping[str, Any], server: Mapping[st
     return snapshot.get(field) is None or server.get(field) is None or (server.get("n_slots") or 1) <= 1
 
 
+def check_instance(snapshot_id: int, saved_by: str | None, model: str | None) -> None:
+    """StokerError(snapshot_instance_mismatch) unless the snapshot was saved by the instance `model`:
+    a conversation belongs to the configured model that held it, never to another, even one
+    serving the same file with the same layout (docs/snapshots.md, "Identity")."""
+    if saved_by != model:
+        raise StokerError(
+            ReasonCode.SNAPSHOT_INSTANCE_MISMATCH,
+            f"Snapshot {snapshot_id} holds a conversation of model {saved_by}, not of {model}; a conversation "
+            f"never moves between models. `stoker snapshot list --model {saved_by}` lists it, and {saved_by}'s "
+            "next load restores it.",
+            {"snapshot_id": snapshot_id, "saved_by": saved_by, "model": model},
+        )
+
+
 def check_identity(snapshot: Mapping[str, Any], server: Mapping[str, Any], *, snapshot_id: int) -> None:
-    """Raise a reason-coded StokerError if the snapshot does not fit the server."""
+    """Raise a reason-coded StokerError if the snapshot does not fit the server: another
+    instance's first, then another model, engine or layout."""
+    check_instance(snapshot_id, snapshot.get(INSTANCE_FIELD), server.get(INSTANCE_FIELD))
     differ = {
         k: {"snapshot": snapshot.get(k), "server": server.get(k)}
         for k in LAYOUT_FIELDS

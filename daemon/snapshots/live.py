@@ -23,15 +23,25 @@ from daemon.snapshots.layout import KVLog, engine_build_of, identity_of_server, 
 from states import snapshot_policy as policy
 from states.launch_records import LaunchPlan, LaunchState
 from states.reasons import ReasonCode
-from store.snapshots import SnapshotCatalog
+from store.snapshots import INSTANCE_FIELD, SnapshotCatalog
 
 PROPS_TIMEOUT = 30.0
 
 
+class Instance(Protocol):
+    """A server instance's name: the snapshots it saves are its own (daemon.launch.instance)."""
+
+    @property
+    def name(self) -> str: ...
+
+
 class ServedPlan(Protocol):
-    """A server instance as the snapshot code needs it: where it answers (base URL and key),
-    its pid, the plan it runs, its log, and the launch machine's state for the evidence. The
-    launch supervisor is one; this package never imports daemon.launch."""
+    """A server instance as the snapshot code needs it: which instance it is, where it answers
+    (base URL and key), its pid, the plan it runs, its log, and the launch machine's state for
+    the evidence. The launch supervisor is one; this package never imports daemon.launch."""
+
+    @property
+    def instance(self) -> Instance: ...
 
     @property
     def plan(self) -> LaunchPlan | None: ...
@@ -55,7 +65,7 @@ class LiveServer:
     key: tuple[Any, ...]  # pid and base URL: a new server gets a new key
     base_url: str
     api_key: str | None
-    identity: dict[str, Any]
+    identity: dict[str, Any]  # the instance's name, its model's identity and its KV layout
     n_slots: int
     backend: str | None
     variant: str | None
@@ -63,6 +73,11 @@ class LiveServer:
     swa: dict[str, Any]
     kv_bytes_per_token: int | None = None  # one KV cell, from the server's own KV buffers
     n_ctx_seq: int = 0  # cells per slot
+
+    @property
+    def instance(self) -> str:
+        """The instance it serves: the only one whose snapshots it is offered."""
+        return str(self.identity[INSTANCE_FIELD])
 
 
 def _read_facts(plan: LaunchPlan, log_path: Path) -> tuple[str, KVLog, ModelFacts, str]:
@@ -100,6 +115,7 @@ async def inspect_server(supervisor: ServedPlan, catalog: SnapshotCatalog, confi
     # The flash attention the server was given: the plan's (what ran), not today's config.
     flash_attn = plan.flash_attn or config.server.flash_attn
     identity = identity_of_server(
+        instance=supervisor.instance.name,
         model_id=model_id,
         model_sha256=legacy_sha256,
         engine_build=build,

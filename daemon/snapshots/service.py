@@ -42,7 +42,8 @@ from daemon.snapshots.figures import (
     save_name,
     throughput_mb_s,
 )
-from daemon.snapshots.layout import check_identity, cross_backend_note
+from daemon.snapshots.layout import check_identity, check_instance, cross_backend_note
+from daemon.snapshots.listing import listing_of
 from daemon.snapshots.live import LiveServer, ServedPlan, inspect_server
 from daemon.snapshots.shelf import PARTIAL_PREFIX, SnapshotShelf
 from states import snapshot_policy as policy
@@ -92,8 +93,8 @@ class SnapshotService:
         if not config.enabled:
             self.last_report = {"enabled": False}
             return {"snapshots": self.last_report}
-        self.cleanup_files()
-        self.cleanup_rows()
+        self.shelf.cleanup_files()
+        self.shelf.cleanup_rows()
         live = await self.inspect(supervisor)
         report: dict[str, Any] = {
             "enabled": True,
@@ -109,7 +110,9 @@ class SnapshotService:
             report["skipped"] = str(ReasonCode.SNAPSHOT_NO_BENEFIT)
         else:
             for slot in range(live.n_slots):
-                candidates = [c for c in self.catalog.list(slot_id=slot) if same_model(c.identity(), live.identity)]
+                # This instance's own, never another's (even one serving the same file): same_model too.
+                mine = self.catalog.list(slot_id=slot, instance=live.instance)
+                candidates = [c for c in mine if same_model(c.identity(), live.identity)]
                 if not candidates:
                     continue
                 # The newest that fits this server; if none fits, the newest says why.
@@ -295,7 +298,7 @@ class SnapshotService:
         if slot is not None:
             self._check_slot(live, slot)
         async with self._lock:
-            self.cleanup_files()
+            self.shelf.cleanup_files()
             if todo is None:
                 todo = await self._slots_to_save(live, slot)
             await self._harvest_prefills(live, supervisor.log_path)
@@ -393,8 +396,8 @@ class SnapshotService:
     # --- restore ------------------------------------------------------------------------
 
     async def restore(self, supervisor: ServedPlan, snapshot_id: int, slot: int | None = None) -> dict[str, Any]:
-        """Restore one catalogued snapshot into its slot (or `slot`); the engine's figures."""
-        rec = self.get(snapshot_id)
+        """Restore one of this instance's snapshots into its slot (or `slot`); the engine's figures."""
+        rec = self.get(snapshot_id, supervisor.instance.name)
         live = await self.inspect(supervisor)
         result = await self._restore(live, rec, rec.slot_id if slot is None else slot)
         self._event("snapshot.restored", **result)
@@ -456,44 +459,29 @@ class SnapshotService:
 
     # --- catalogue ----------------------------------------------------------------------
 
-    def get(self, snapshot_id: Any) -> SnapshotRecord:
-        return self.shelf.get(snapshot_id)
+    def get(self, snapshot_id: Any, instance: str | None = None) -> SnapshotRecord:
+        """A catalogued snapshot (saved by `instance` where one is named: else snapshot_instance_mismatch)."""
+        rec = self.shelf.get(snapshot_id)
+        if instance is not None:
+            check_instance(rec.id, rec.instance, instance)
+        return rec
 
     def remove(self, records: list[SnapshotRecord]) -> None:
         self.shelf.remove(records)
 
-    def cleanup_files(self) -> list[str]:
-        return self.shelf.cleanup_files()
-
-    def cleanup_rows(self) -> None:
-        self.shelf.cleanup_rows()
+    def slots_saved(self, instance: str) -> int | None:
+        """The slots `instance`'s next load restores, from its rows (None: snapshots are off)."""
+        return self.catalog.slots_saved(instance) if self.get_config().snapshots.enabled else None
 
     def _event(self, topic: str, **fields: Any) -> None:
         if self.publish is not None:
             self.publish({"topic": topic, **fields})
 
-    def listing(self, server: ServedPlan | None) -> dict[str, Any]:
-        """Every snapshot, newest first, with whether it fits `server` (a ready one; None: no fit said)."""
-        config = self.get_config().snapshots
+    def listing(self, instance: str, server: ServedPlan | None) -> dict[str, Any]:
+        """`instance`'s snapshots, newest first, with whether each fits `server` (its ready one; None: no fit said)."""
         live = None if server is None else self._live.get(server.log_path)
-        rows = []
-        for rec in self.catalog.list():
-            row = rec.to_dict()
-            if live is not None:
-                try:
-                    check_identity(rec.identity(), live.identity, snapshot_id=rec.id)
-                    row["fits_server"], row["why_not"] = True, None
-                except StokerError as err:
-                    row["fits_server"], row["why_not"] = False, str(err.reason)
-            rows.append(row)
-        return {
-            "snapshots": rows,
-            "total_bytes": sum(r["file_size"] for r in rows),
-            "enabled": config.enabled,
-            "max_count": config.max_count,
-            "max_bytes": self.max_bytes(live),
-            "max_bytes_setting": config.max_bytes,
-            "dir": str(self.dir),
-            "server": None if live is None else {"identity": live.identity, **live.swa},
-            "dropped": self.drops.latest(),
-        }
+        records, config = self.catalog.list(), self.get_config().snapshots
+        drops = self.drops.latest()
+        return listing_of(
+            instance, records, live, config, max_bytes=self.max_bytes(live), snapshots_dir=self.dir, dropped=drops
+        )

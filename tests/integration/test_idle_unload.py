@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from daemon.bundles.tinymodel import write_tiny_model
+from daemon.core.errors import StokerError
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 from tests.integration.test_frontdoor import free_port
 
@@ -51,12 +52,12 @@ def no_server_left(daemon, other_model):
     assert not leftovers, f"servers left behind: {[p.pid for p in leftovers]}"
 
 
-def start(daemon: DaemonProcess, sections: str, first: Path, **server: object) -> str:
+def start(daemon: DaemonProcess, sections: str, first: Path, max_loaded: int = 2, **server: object) -> str:
     """Start `daemon` with snapshots on, `sections` ([models.*]) and a front door; its base URL."""
     port = free_port()
     text = (
         tiny_config(first, snapshots=True, **server)
-        + "[placement]\nmax_loaded = 2\n"
+        + f"[placement]\nmax_loaded = {max_loaded}\n"
         + sections
         + f"[frontdoor]\nport = {port}\nhold_timeout_s = 120\n"
     )
@@ -143,7 +144,7 @@ def test_an_idle_model_is_unloaded_and_its_conversation_comes_back_token_identic
     (idle,) = [r for r in history if r["reason"] == "idle_unloaded"]
     assert idle["to_state"] == "stopping" and idle["event_data"]["cause"] == "idle"
     assert idle["evidence"]["idle_ttl_s"] == TTL and idle["evidence"]["idle_s"] >= TTL - 0.1
-    (saved,) = [s for s in daemon.call("snapshot.list")["snapshots"] if s["cause"] == "idle"]
+    (saved,) = [s for s in daemon.call("snapshot.list", model="beta")["snapshots"] if s["cause"] == "idle"]
     assert saved["n_tokens"] >= len(first) + len(gen) - 1
     done = subprocess.run(
         [sys.executable, "-m", "daemon", "status"], env=daemon.env, capture_output=True, text=True, timeout=60
@@ -252,3 +253,74 @@ def test_two_conversations_in_two_slots_each_come_back_to_its_own_slot(daemon, m
         assert timings["cache_n"] >= len(talks[i]) + len(answers[i]) - 1, (i, timings)
     restored = daemon.call("status", model="duo")["snapshots"]["restored"]
     assert sorted(r["slot"] for r in restored) == [0, 1]
+
+
+def test_two_sections_on_one_file_never_restore_each_others_conversation(daemon, model, other_model, no_server_left):
+    """[models.a] and [models.b] serve the same file with the same layout: a conversation held by
+    a comes back to a only; b's reload restores nothing of it (it re-reads a prompt it never saw),
+    and after a daemon restart status still says how many slots each one's last stop saved."""
+    base = start(
+        daemon,
+        f'[models.c]\nmodel = "{other_model}"\ndefault = true\npinned = true\n'
+        f'[models.a]\nmodel = "{model}"\nidle_ttl_s = {TTL}\n'
+        f'[models.b]\nmodel = "{model}"\nidle_ttl_s = {TTL}\n',
+        other_model,
+        max_loaded=3,
+    )
+    wait_model(daemon, "c", "ready")
+    first, more = tokenize(daemon, "c", PROMPT), tokenize(daemon, "c", MORE)  # one vocabulary for all three
+
+    # A conversation with a; b is loaded beside it and talks to nobody.
+    gen, _ = turn(base, "a", first)
+    second = first + gen + more
+    reference, _ = turn(base, "a", second)
+    assert turn(base, "a", first)[0] == gen  # a's slot holds the first turn again, as its user left it
+    daemon.call("up", model="b")
+    wait_model(daemon, "b", "ready")
+    wait_model(daemon, "a", "stopped", timeout=30)
+    wait_model(daemon, "b", "stopped", timeout=30)
+    models = models_of(daemon)
+    assert (models["a"]["down_cause"], models["b"]["down_cause"]) == ("idle", "idle"), models
+    assert (models["a"]["slots_saved"], models["b"]["slots_saved"]) == (1, 0), models
+
+    # b is asked a's continuation: b never saw it, so b reads it whole; nothing of a's is restored.
+    _, timings = turn(base, "b", second)
+    assert timings["cache_n"] == 0 and timings["prompt_n"] == len(second), timings
+    assert daemon.call("status", model="b")["snapshots"]["restored"] == []
+    # a gets its own conversation back: the continuation it gave while loaded, only the new tokens read.
+    after, timings = turn(base, "a", second)
+    assert after == reference
+    assert timings["cache_n"] >= len(first) + len(gen) - 1, timings
+    (restored,) = daemon.call("status", model="a")["snapshots"]["restored"]
+
+    # Each model lists its own snapshots; an explicit restore into the other is refused.
+    assert [s["id"] for s in daemon.call("snapshot.list", model="a")["snapshots"]] == [restored["id"]]
+    assert daemon.call("snapshot.list", model="b")["snapshots"] == []
+    with pytest.raises(StokerError) as refused:
+        daemon.call("snapshot.restore", id=restored["id"], model="b")
+    assert refused.value.reason == "snapshot_instance_mismatch", refused.value
+    assert refused.value.evidence["saved_by"] == "a" and refused.value.evidence["model"] == "b"
+
+    # Both unload again, each saving its own slot; the daemon restarts; status still knows.
+    gen_b, _ = turn(base, "b", second)
+    wait_model(daemon, "a", "stopped", timeout=30)
+    wait_model(daemon, "b", "stopped", timeout=30)
+    daemon.stop()
+    daemon.start()
+    wait_model(daemon, "c", "ready")
+    models = models_of(daemon)
+    for name in ("a", "b"):
+        assert models[name]["state"] == "stopped" and models[name]["down_cause"] == "idle", models[name]
+        assert models[name]["slots_saved"] == 1, models[name]
+    shown = subprocess.run(
+        [sys.executable, "-m", "daemon", "status"], env=daemon.env, capture_output=True, text=True, timeout=60
+    ).stdout
+    lines = [" ".join(line.split()) for line in shown.splitlines()]
+    for name in ("a", "b"):
+        assert any(line.startswith(f"{name} stopped") and "unloaded (idle), 1 slots saved" in line for line in lines), (
+            shown
+        )
+
+    # After the restart b's own conversation comes back to b.
+    _, timings = turn(base, "b", second + gen_b + more)
+    assert timings["cache_n"] >= len(second) + len(gen_b) - 1, timings

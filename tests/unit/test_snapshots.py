@@ -15,6 +15,7 @@ from store import open_store
 from store.snapshots import SnapshotCatalog, retention_victims
 
 IDENTITY = {
+    "instance": "default",
     "model_id": "gguf-s1-" + "m" * 64,
     "model_sha256": None,
     "engine_build": "b1 build 1 commit x source y",
@@ -321,6 +322,7 @@ def test_the_migration_keeps_old_rows_and_loosens_the_digests(tmp_path):
     old = SnapshotCatalog(store)
     row = _row()
     row.pop("model_id")
+    row.pop("instance")  # m007 adds it
     row["model_sha256"] = "s" * 64
     old.store.db.table("snapshots").insert({**row, "swa_full": 0, "kv_unified": 0})
     store.close()

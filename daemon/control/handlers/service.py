@@ -71,8 +71,8 @@ async def status(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     or null), backend (in use), planned_backend, reason, message, layers, pid, restarts, in_flight,
     waiting, idle_s (null unless ready), idle_ttl_s, idle_unload_in_s (seconds until its idle
     unload; null when none is due: no TTL, pinned, not ready, in use), slots_saved (slots its last
-    stop saved, restored at its next load; null when it has not stopped since the daemon started,
-    or snapshots are off)}]}.
+    stop saved, restored at its next load: read from its own snapshots, so a daemon restart keeps
+    it; null when snapshots are off)}]}.
     """
     return build_status(daemon, daemon.fleet.member(params["model"]))
 

@@ -1,4 +1,8 @@
-"""Socket methods for KV slot snapshots: snapshot.list, snapshot.save, snapshot.restore, snapshot.rm."""
+"""Socket methods for KV slot snapshots: snapshot.list, snapshot.save, snapshot.restore, snapshot.rm.
+
+Each acts on one model's snapshots (its server instance's: `model`, default the default model):
+a snapshot belongs to the model that saved it, never to another, even one serving the same file.
+"""
 
 from __future__ import annotations
 
@@ -7,36 +11,61 @@ from typing import Any, Mapping
 from daemon.control.controlled import ControlledDaemon
 from daemon.control.params import Kind, Param, method
 from daemon.core.errors import StokerError
+from daemon.fleet.member import Member
+from daemon.launch.instance import ServerInstance
 from states import launch_records as LR
 from states.reasons import ReasonCode
 
 # A slot's upper bound is the running server's slot count, known only to it: snapshot_bad_slot.
 SLOT_DOC = "The server's slot (0 to its --parallel minus 1; else snapshot_bad_slot)."
 ID = Param("id", Kind.INTEGER, "The snapshot's id, as snapshot.list shows it.", required=True)
+MODEL = Param(
+    "model",
+    Kind.STRING,
+    "The configured model whose snapshots these are (its [models.NAME], or any name a request may use for it); "
+    "default: the default model.",
+)
+# list and rm also reach the snapshots a model removed from the config left behind.
+PAST_MODEL = Param("model", Kind.STRING, MODEL.doc + " Also the NAME of a model configured before.")
 
 
-def _ready(daemon: ControlledDaemon) -> None:
+def _ready(daemon: ControlledDaemon, member: Member) -> None:
     if not daemon.config.snapshots.enabled:
         raise StokerError(ReasonCode.SNAPSHOTS_DISABLED)
-    state = daemon.supervisor.state
+    state = member.state
     if state is not LR.LaunchState.READY:
-        raise StokerError(ReasonCode.SNAPSHOT_SERVER_NOT_READY, evidence={"state": state.value})
+        raise StokerError(ReasonCode.SNAPSHOT_SERVER_NOT_READY, evidence={"state": state.value, "model": member.name})
 
 
-@method("snapshot.list")
+def _instance(daemon: ControlledDaemon, model: str | None) -> str:
+    """The instance `model` names: a configured model by any of its names, else the NAME of one
+    configured before (its snapshots stay until retention or rm)."""
+    found = daemon.fleet.lookup(model)
+    if found is not None:
+        return found.name
+    try:
+        return ServerInstance(str(model)).name
+    except ValueError:
+        return daemon.fleet.member(model).name  # model_not_found, naming the configured models
+
+
+@method("snapshot.list", PAST_MODEL, errors=(ReasonCode.MODEL_NOT_FOUND,))
 async def snapshot_list(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
-    """Every catalogued snapshot, newest first, with whether it fits the running server.
+    """One model's catalogued snapshots, newest first, with whether each fits its running server.
 
-    Reply: {snapshots: [record + fits_server, why_not], total_bytes, enabled, max_count,
-    max_bytes, dir, server}.
+    Reply: {model, snapshots: [record (with instance) + fits_server, why_not], total_bytes (this
+    model's), all_bytes (every model's: what max_bytes counts), enabled, max_count, max_bytes,
+    max_bytes_setting, dir, server, dropped}.
     """
-    return daemon.snapshot_listing()
+    return daemon.snapshot_listing(_instance(daemon, params["model"]))
 
 
 @method(
     "snapshot.save",
     Param("slot", Kind.INTEGER, "Only this slot. " + SLOT_DOC),
+    MODEL,
     errors=(
+        ReasonCode.MODEL_NOT_FOUND,
         ReasonCode.SNAPSHOTS_DISABLED,
         ReasonCode.SNAPSHOT_SERVER_NOT_READY,
         ReasonCode.SNAPSHOT_BAD_SLOT,
@@ -46,12 +75,13 @@ async def snapshot_list(daemon: ControlledDaemon, params: Mapping[str, Any]) -> 
     ),
 )
 async def snapshot_save(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
-    """Save the non-empty slots (or one) now, with cause "manual".
+    """Save a model's non-empty slots (or one) now, with cause "manual".
 
     Reply: {saved: [record]}.
     """
-    _ready(daemon)
-    saved = await daemon.save_snapshots(params["slot"])
+    member = daemon.fleet.member(params["model"])
+    _ready(daemon, member)
+    saved = await daemon.save_snapshots(member, params["slot"])
     return {"saved": [r.to_dict() for r in saved]}
 
 
@@ -59,8 +89,11 @@ async def snapshot_save(daemon: ControlledDaemon, params: Mapping[str, Any]) -> 
     "snapshot.restore",
     ID,
     Param("slot", Kind.INTEGER, "Restore into this slot instead of the one it was saved from. " + SLOT_DOC),
+    MODEL,
     errors=(
+        ReasonCode.MODEL_NOT_FOUND,
         ReasonCode.SNAPSHOT_NOT_FOUND,
+        ReasonCode.SNAPSHOT_INSTANCE_MISMATCH,
         ReasonCode.SNAPSHOTS_DISABLED,
         ReasonCode.SNAPSHOT_SERVER_NOT_READY,
         ReasonCode.SNAPSHOT_BAD_SLOT,
@@ -72,21 +105,29 @@ async def snapshot_save(daemon: ControlledDaemon, params: Mapping[str, Any]) -> 
     ),
 )
 async def snapshot_restore(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
-    """Restore one snapshot into a slot of the running server; refused with a reason code if it does not fit.
+    """Restore one of a model's snapshots into a slot of its running server; refused with a reason
+    code if it does not fit, or if another model saved it (snapshot_instance_mismatch: a
+    conversation never moves between models, even two serving the same file).
 
     Reply: {id, slot, n_tokens, restore_ms, saved_on, restored_on, cross_backend, note?
     (a restore across backends says what it keeps)}.
     """
-    daemon.snapshot(params["id"])  # not_found before not_ready: the id is checked first
-    _ready(daemon)
-    return await daemon.restore_snapshot(params["id"], params["slot"])
+    member = daemon.fleet.member(params["model"])
+    daemon.snapshot(params["id"], member.name)  # not_found and whose before not_ready: the id is checked first
+    _ready(daemon, member)
+    return await daemon.restore_snapshot(member, params["id"], params["slot"])
 
 
-@method("snapshot.rm", ID, errors=(ReasonCode.SNAPSHOT_NOT_FOUND,))
+@method(
+    "snapshot.rm",
+    ID,
+    PAST_MODEL,
+    errors=(ReasonCode.MODEL_NOT_FOUND, ReasonCode.SNAPSHOT_NOT_FOUND, ReasonCode.SNAPSHOT_INSTANCE_MISMATCH),
+)
 async def snapshot_rm(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
-    """Remove one snapshot: its file and its row go together.
+    """Remove one of a model's snapshots: its file and its row go together.
 
     Reply: {removed: id}.
     """
-    daemon.remove_snapshot(daemon.snapshot(params["id"]))
+    daemon.remove_snapshot(daemon.snapshot(params["id"], _instance(daemon, params["model"])))
     return {"removed": params["id"]}
