@@ -8,6 +8,10 @@ engine is lost before the first byte of its answer is sent again to the next rea
 states/frontdoor_policy.py decides (each time, when the request cannot have caused the loss).
 Errors use the called API's shape: OpenAI's `{"error": {"message", "type", "param", "code"}}`,
 or Anthropic's `{"type": "error", "error": {"type", "message"}}` on /v1/messages.
+
+The HTTP server under these routes is daemon/frontdoor/http11.py (h11 on trio sockets); the
+engine is reached through `EngineClient.forward` over daemon/engine/wire.py. Both are lean on
+purpose: each SSE event is one read from the engine and one write to the client.
 """
 
 from __future__ import annotations
@@ -18,21 +22,17 @@ import json
 import logging
 from typing import Any, AsyncIterator
 
+import attrs
 import httpx
 import trio
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from daemon.engine.api import EngineClient
 from daemon.engine.wire import EngineAnswer, EngineWire
 from daemon.fleet.member import Member
 from daemon.frontdoor.hold import Hold, Refused
+from daemon.frontdoor.http11 import Request
 from daemon.frontdoor.limits import LimitExceeded, check_head, read_body
-from daemon.frontdoor.metrics import CONTENT_TYPE, FrontDoorMetrics, RequestWatch
+from daemon.frontdoor.metrics import CONTENT_TYPE, FrontDoorMetrics
 from daemon.frontdoor.routing import models_page, route, unknown_model
 from daemon.frontdoor.served import Authorize, FrontDoorDaemon
 from states.frontdoor_policy import innocent, send_again
@@ -41,6 +41,29 @@ log = logging.getLogger("stoker.frontdoor")
 
 # The routes forwarded with their JSON body (OpenAI's, and Anthropic's /v1/messages).
 POST_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages")
+GET_ROUTES = ("/v1/models", "/metrics")
+# The engine's headers a relayed answer keeps (its framing is the front door's own).
+KEPT_HEADERS = ("content-type", "cache-control")
+JSON = (b"content-type", b"application/json")
+
+
+@attrs.frozen
+class Answer:
+    """A whole answer the front door gives itself (an error, the model list, /metrics)."""
+
+    status: int
+    body: bytes
+    headers: tuple[tuple[bytes, bytes], ...] = (JSON,)
+
+    async def give(self, request: Request) -> None:
+        await request.respond(self.status, list(self.headers), self.body)
+
+
+def json_answer(content: Any, status: int = 200, headers: dict[str, str] | None = None) -> Answer:
+    """JSON as Starlette's JSONResponse wrote it (compact, UTF-8)."""
+    body = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    extra = tuple((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items())
+    return Answer(status, body, (JSON, *extra))
 
 
 # Anthropic's error `type` for each status the front door answers itself.
@@ -57,7 +80,7 @@ ANTHROPIC_PATH = "/v1/messages"
 
 def api_error(
     path: str, status: int, message: str, kind: str, code: str | None, headers: dict[str, str] | None = None
-) -> Response:
+) -> Answer:
     """An error in the shape of the API the client called: OpenAI's, or Anthropic's on /v1/messages
     (which carries the reason code too, as `code`)."""
     if path == ANTHROPIC_PATH:
@@ -65,67 +88,62 @@ def api_error(
         body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": message, "code": code}}
     else:
         body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return json_answer(body, status, headers)
 
 
-def refused(path: str, exc: Refused) -> Response:
+def refused(path: str, exc: Refused) -> Answer:
     return api_error(
         path, 503, str(exc), "server_error", exc.reason.value, headers={"Retry-After": str(exc.retry_after_s)}
     )
 
 
-def over_limit(path: str, exc: LimitExceeded) -> Response:
+def over_limit(path: str, exc: LimitExceeded) -> Answer:
     # The rest of the request is not read: the connection cannot carry another one.
     return api_error(path, exc.status, str(exc), "invalid_request_error", exc.reason.value, {"Connection": "close"})
 
 
 def presented_key(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
+    auth = (request.header(b"authorization") or b"").decode("latin-1")
     if auth.lower().startswith("bearer "):
         return auth[7:].strip() or None
-    return request.headers.get("x-api-key") or None
+    return (request.header(b"x-api-key") or b"").decode("latin-1") or None
 
 
 def is_loopback(request: Request) -> bool:
     try:
-        return request.client is not None and ipaddress.ip_address(request.client.host).is_loopback
+        return request.client is not None and ipaddress.ip_address(request.client[0]).is_loopback
     except ValueError:
         return False
 
 
-class EngineStream(StreamingResponse):
-    """A streaming response that closes the engine's response however the client leaves."""
-
-    def __init__(self, content: AsyncIterator[bytes], closer: contextlib.AsyncExitStack, **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._closer = closer
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with trio.CancelScope(shield=True):
-                await self._closer.aclose()
+def stream_cut_event(exc: Exception) -> bytes:
+    """The SSE event a stream the engine cut midway ends with."""
+    error = {"message": f"the engine's stream was cut midway ({exc})", "type": "server_error"}
+    return b"data: " + json.dumps({"error": {**error, "param": None, "code": "engine_stream_cut"}}).encode() + b"\n\n"
 
 
 async def relay(
-    response: httpx.Response | EngineAnswer, sse: bool, first: bytes = b"", chunks: AsyncIterator[bytes] | None = None
-) -> AsyncIterator[bytes]:
-    """The engine's body, chunk by chunk as it arrives (`first`, already read, then the rest of
-    `chunks`); a cut SSE stream ends with an error event."""
+    request: Request, response: EngineAnswer, sse: bool, first: bytes, chunks: AsyncIterator[bytes]
+) -> None:
+    """The engine's answer to the client as it arrives: its status and content type, `first`
+    (already read), then each piece the rest of `chunks` brings, one write each; a cut SSE
+    stream ends with an error event, any other cut body aborts the client's connection (raised:
+    a truncated JSON body never looks complete)."""
+    kept = [
+        (k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items() if k.lower() in KEPT_HEADERS
+    ]
+    await request.start(response.status_code, kept)
+    send = request.send
     try:
-        if first:
-            yield first
-        async for chunk in chunks if chunks is not None else response.aiter_raw():
-            yield chunk
+        await send(first)
+        async for chunk in chunks:
+            await send(chunk)
     except httpx.TransportError as exc:
         if not sse:
-            raise  # the client's connection is aborted: a truncated JSON body never looks complete
+            raise
         log.warning("the engine's stream was cut midway: %s", exc)
-        error = {"message": f"the engine's stream was cut midway ({exc})", "type": "server_error"}
-        yield (
-            b"data: " + json.dumps({"error": {**error, "param": None, "code": "engine_stream_cut"}}).encode() + b"\n\n"
-        )
+        await send(stream_cut_event(exc))
+    await request.end()
 
 
 class FrontDoor:
@@ -146,61 +164,70 @@ class FrontDoor:
         self.hold = hold or Hold(daemon)  # the daemon's own, whose drain its supervisor waits for
         self.metrics = FrontDoorMetrics(daemon, self.hold, (*POST_ROUTES, "/v1/models"), POST_ROUTES)
 
-    def app(self) -> Starlette:
-        routes = [Route(path, self.post, methods=["POST"]) for path in POST_ROUTES]
-        routes.append(Route("/v1/models", self.models, methods=["GET"]))
-        routes.append(Route("/metrics", self.metrics_page, methods=["GET"]))
-        return Starlette(routes=routes, middleware=[Middleware(RequestWatch, figures=self.metrics.requests)])
+    async def handle(self, request: Request) -> None:
+        """Route one request (daemon/frontdoor/http11.py calls this for each)."""
+        path, method = request.path, request.method
+        if path in POST_ROUTES and method == "POST":
+            answer = await self.post(request)
+        elif path == "/v1/models" and method == "GET":
+            answer = self.models(request)
+        elif path == "/metrics" and method == "GET":
+            answer = await self.metrics_page(request)
+        elif path in POST_ROUTES or path in GET_ROUTES:
+            allowed = "POST" if path in POST_ROUTES else "GET"
+            answer = api_error(path, 405, f"{path} takes {allowed}.", "invalid_request_error", None, {"Allow": allowed})
+        else:
+            answer = api_error(path, 404, f"No route {path} here.", "invalid_request_error", None)
+        if answer is not None:
+            await answer.give(request)
 
-    def _unauthorized(self, request: Request) -> Response | None:
+    def _unauthorized(self, request: Request) -> Answer | None:
         try:
             check_head(request, self.daemon.config.frontdoor)
         except LimitExceeded as exc:
-            return over_limit(request.url.path, exc)
+            return over_limit(request.path, exc)
         if self.authorize(presented_key(request), is_loopback(request)):
             return None
-        return api_error(
-            request.url.path, 401, "A valid API key is required.", "invalid_request_error", "invalid_api_key"
-        )
+        return api_error(request.path, 401, "A valid API key is required.", "invalid_request_error", "invalid_api_key")
 
-    async def metrics_page(self, request: Request) -> Response:
+    async def metrics_page(self, request: Request) -> Answer:
         """Prometheus' text format (docs/frontdoor.md, "Metrics"); the same access rule as the API."""
         denied = self._unauthorized(request)
-        return denied or Response(await self.metrics.scrape(), headers={"Content-Type": CONTENT_TYPE})
+        return denied or Answer(200, await self.metrics.scrape(), ((b"content-type", CONTENT_TYPE.encode()),))
 
-    async def models(self, request: Request) -> Response:
+    def models(self, request: Request) -> Answer:
         # Every configured model, loaded or not (daemon/frontdoor/routing.py), not one engine's list.
-        return self._unauthorized(request) or JSONResponse(models_page(self.daemon.fleet))
+        return self._unauthorized(request) or json_answer(models_page(self.daemon.fleet))
 
-    async def post(self, request: Request) -> Response:
+    async def post(self, request: Request) -> Answer | None:
+        """Check and forward one API request; None once the answer was given (relayed)."""
         if (denied := self._unauthorized(request)) is not None:
             return denied
         try:
             content = await read_body(request, self.daemon.config.frontdoor)
         except LimitExceeded as exc:
-            return over_limit(request.url.path, exc)
+            return over_limit(request.path, exc)
         try:
             body = json.loads(content)
         except ValueError as exc:
             return api_error(
-                request.url.path, 400, f"The request body is not valid JSON: {exc}", "invalid_request_error", None
+                request.path, 400, f"The request body is not valid JSON: {exc}", "invalid_request_error", None
             )
         if not isinstance(body, dict):
             return api_error(
-                request.url.path, 400, "The request body must be a JSON object.", "invalid_request_error", None
+                request.path, 400, "The request body must be a JSON object.", "invalid_request_error", None
             )
         member = route(self.daemon.fleet, model := body.get("model"))  # which model answers it
         if member is None:
             return api_error(
-                request.url.path,
-                404,
-                unknown_model(self.daemon.fleet, model),
-                "invalid_request_error",
-                "model_not_found",
+                request.path, 404, unknown_model(self.daemon.fleet, model), "invalid_request_error", "model_not_found"
             )
-        return await self.forward(member, "POST", request.url.path, content, sse=bool(body.get("stream")))
+        async with request.watching():  # a client that leaves cancels the wait, or closes the engine's answer
+            return await self.forward(request, member, "POST", request.path, content, sse=bool(body.get("stream")))
 
-    async def forward(self, member: Member, method: str, path: str, content: bytes | None, *, sse: bool) -> Response:
+    async def forward(
+        self, request: Request, member: Member, method: str, path: str, content: bytes | None, *, sse: bool
+    ) -> Answer | None:
         """Hold until ready, send, relay. An engine lost before the first byte of its answer:
         sent again to the next ready server when states/frontdoor_policy.py says so."""
         headers = {"Content-Type": "application/json"} if content is not None else {}
@@ -224,8 +251,11 @@ class FrontDoor:
                 first = await anext(chunks, b"")
                 while sse and first and b"\n\n" not in first and (more := await anext(chunks, b"")):
                     first += more
-            except httpx.TransportError as exc:
-                await stack.aclose()
+            except BaseException as exc:
+                with trio.CancelScope(shield=True):
+                    await stack.aclose()  # cancelled (the client left): the engine's connection closed, it stops
+                if not isinstance(exc, httpx.TransportError):
+                    raise
                 reached = not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
                 loss = await self.hold.notice_loss(member, base_url, reached)
                 suspect += not innocent(loss)
@@ -248,10 +278,9 @@ class FrontDoor:
                     "server_error",
                     "engine_unreachable",
                 )
-            kept = {k: v for k, v in response.headers.items() if k.lower() in ("content-type", "cache-control")}
-            return EngineStream(
-                relay(response, sse and response.status_code == 200, first, chunks),
-                stack,
-                status_code=response.status_code,
-                headers=kept,
-            )
+            try:
+                await relay(request, response, sse and response.status_code == 200, first, chunks)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await stack.aclose()  # the engine's connection pooled, or closed if the answer was cut
+            return None

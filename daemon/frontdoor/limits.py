@@ -3,9 +3,10 @@
 Two places enforce them, both reading the config in force (a reload applies to the next
 connection or request, no restart):
 
-- Hypercorn (`LimitedHypercornConfig`): a connection with no request under way, kept alive or
-  still sending its request line and headers, is closed after `idle_timeout_s`; h11 buffers at
-  most `max_header_bytes` of an incomplete head (past it: a bare 431 and the connection closed).
+- The HTTP server (daemon/frontdoor/http11.py): a connection with no request under way, kept
+  alive or still sending its request line and headers, is closed after `idle_timeout_s`; h11
+  buffers at most `max_header_bytes` of an incomplete head (past it: a bare 431 and the
+  connection closed).
 - The app (`check_head`, `read_body`): the head exactly against `max_header_bytes` (h11 lets a
   whole head that arrived in one read through), and the body: a `Content-Length` over
   `max_body_bytes` is refused before any of it is read, a chunked body is counted as it is read
@@ -13,18 +14,16 @@ connection or request, no restart):
   `slow_client_timeout_s` after the headers is refused as too slow. The refusals are
   `LimitExceeded`, answered in the API's error shape with `Connection: close`.
 
-Hypercorn's own `read_timeout` is left off: it bounds every read of the connection, so it would
-also cut a client waiting silently for a long non-streamed answer.
+No timeout bounds a read once a request is whole: it would also cut a client waiting silently
+for a long non-streamed answer.
 """
 
 from __future__ import annotations
 
 import trio
-from hypercorn.config import Config as HypercornConfig
-from starlette.requests import Request
 
 from daemon.config.frontdoor import FrontdoorConfig
-from daemon.frontdoor.served import FrontDoorDaemon
+from daemon.frontdoor.http11 import Request
 from states.reasons import ReasonCode, message_for
 
 # HTTP/1.1's framing around each header (": " and CRLF) and the request line's ("  HTTP/1.1\r\n").
@@ -41,34 +40,10 @@ class LimitExceeded(Exception):
         self.reason = reason
 
 
-class LimitedHypercornConfig(HypercornConfig):
-    """Hypercorn's settings with the idle timeout and the head buffer read from the daemon's
-    config in force: Hypercorn reads them at each connection and each idle period."""
-
-    def __init__(self, daemon: FrontDoorDaemon) -> None:
-        super().__init__()
-        self._daemon = daemon
-
-    @property
-    def keep_alive_timeout(self) -> float:  # type: ignore[override]  # read-only: set in [frontdoor]
-        return self._daemon.config.frontdoor.idle_timeout_s
-
-    @property
-    def h11_max_incomplete_size(self) -> int:  # type: ignore[override]  # read-only: set in [frontdoor]
-        return self._daemon.config.frontdoor.max_header_bytes
-
-    @property
-    def h2_max_header_list_size(self) -> int:  # type: ignore[override]  # read-only: set in [frontdoor]
-        return self._daemon.config.frontdoor.max_header_bytes
-
-
 def head_bytes(request: Request) -> int:
     """The request line and headers as the client sent them, give or take the version's spelling."""
-    scope = request.scope
-    line = len(scope["method"]) + len(scope.get("raw_path") or b"") + REQUEST_LINE_FRAMING
-    if scope.get("query_string") and b"?" not in (scope.get("raw_path") or b""):
-        line += 1 + len(scope["query_string"])
-    return line + sum(len(name) + len(value) + HEADER_FRAMING for name, value in scope["headers"])
+    line = len(request.method) + len(request.target) + REQUEST_LINE_FRAMING
+    return line + sum(len(name) + len(value) + HEADER_FRAMING for name, value in request.headers)
 
 
 def check_head(request: Request, limits: FrontdoorConfig) -> None:
@@ -84,7 +59,7 @@ async def read_body(request: Request, limits: FrontdoorConfig) -> bytes:
     """The whole body, never reading past `max_body_bytes`; raises `LimitExceeded` (413, or 408
     for a body still arriving `slow_client_timeout_s` after the headers)."""
     limit = limits.max_body_bytes
-    declared = request.headers.get("content-length")
+    declared = (request.header(b"content-length") or b"").decode("latin-1") or None
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise LimitExceeded(
             413, ReasonCode.FRONTDOOR_BODY_TOO_LARGE, f"Content-Length {declared} bytes; the limit is {limit}"
@@ -92,7 +67,7 @@ async def read_body(request: Request, limits: FrontdoorConfig) -> bytes:
     chunks: list[bytes] = []
     received = 0
     with trio.move_on_after(limits.slow_client_timeout_s):
-        async for chunk in request.stream():
+        while chunk := await request.receive():
             received += len(chunk)
             if received > limit:
                 raise LimitExceeded(

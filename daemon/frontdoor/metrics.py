@@ -8,9 +8,10 @@ hold several daemons in tests). Three sources, each named in docs/frontdoor.md, 
   the engine said it offloaded, its requests held and in flight;
 - counters that must survive a daemon restart, read from the store's history at scrape time
   (daemon/frontdoor/tallies.py): fallbacks, restarts, crashes, crash loops, install outcomes;
-- request figures kept in memory by an ASGI middleware (`RequestWatch`): requests by route
-  and status, time to first byte and total duration, tokens and tokens/s from the engine's
-  own `timings`/`usage` in the answer's last bytes, responses cut midway by reason.
+- request figures kept in memory as the answers go by (`Exchange`, fed by the HTTP server,
+  daemon/frontdoor/http11.py): requests by route and status, time to first byte and total
+  duration, tokens and tokens/s from the engine's own `timings`/`usage` in the answer's last
+  bytes, responses cut midway by reason.
 
 The data path pays O(1) per chunk: a clock read for the first byte and keeping a reference to
 the last three chunks. The answer's tail is parsed once, after its last byte was sent.
@@ -29,8 +30,6 @@ import trio
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from starlette.requests import ClientDisconnect
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from daemon.frontdoor.tallies import KINDS, HistoryTally
 from states import launch_records as LR
@@ -98,7 +97,7 @@ def engine_figures(tail: bytes) -> EngineFigures:
 
 
 class Exchange:
-    """One request as the middleware saw it go by: its status, when its first body byte left,
+    """One request as the server saw it go by: its status, when its first body byte left,
     whether its body was complete, and its last three chunks (references, never copies)."""
 
     __slots__ = ("route", "started", "status", "first_byte", "complete", "c1", "c2", "c3")
@@ -111,19 +110,20 @@ class Exchange:
         self.complete = False
         self.c1 = self.c2 = self.c3 = b""
 
-    def saw(self, message: Message) -> None:
-        """One ASGI message on its way to the client: O(1)."""
-        kind = message["type"]
-        if kind == "http.response.body":
-            body = message.get("body", b"")
-            if body:
-                if self.first_byte is None:
-                    self.first_byte = time.perf_counter()
-                self.c1, self.c2, self.c3 = self.c2, self.c3, body
-            if not message.get("more_body", False):
-                self.complete = True
-        elif kind == "http.response.start":
-            self.status = int(message["status"])
+    def status_sent(self, status: int) -> None:
+        """The answer's head is on its way."""
+        self.status = status
+
+    def body_sent(self, body: bytes) -> None:
+        """One piece of the body on its way to the client: O(1)."""
+        if body:
+            if self.first_byte is None:
+                self.first_byte = time.perf_counter()
+            self.c1, self.c2, self.c3 = self.c2, self.c3, body
+
+    def body_complete(self) -> None:
+        """The body is whole."""
+        self.complete = True
 
     def tail(self) -> bytes:
         return b"".join((bytes(self.c1[-TAIL:]), bytes(self.c2[-TAIL:]), bytes(self.c3[-TAIL:])))[-TAIL:]
@@ -133,7 +133,7 @@ def cut_reason(exc: BaseException | None) -> str:
     """Why a response whose body never completed stopped: the engine's side or the client's."""
     if isinstance(exc, httpx.TransportError):
         return "engine_cut"
-    if exc is None or isinstance(exc, (OSError, ClientDisconnect, trio.Cancelled)):
+    if exc is None or isinstance(exc, (OSError, trio.Cancelled)):
         return "client_gone"
     return "error"
 
@@ -218,32 +218,6 @@ class RequestFigures:
             self.generation_seconds.labels(route).inc(figures.seconds)
         if figures.per_second is not None:
             self.rate.labels(route).observe(figures.per_second)
-
-
-class RequestWatch:
-    """ASGI middleware: every API request is timed and counted as its answer goes by."""
-
-    def __init__(self, app: ASGIApp, figures: RequestFigures) -> None:
-        self.app = app
-        self.figures = figures
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self.figures.route_of(scope["path"]) if scope["type"] == "http" else None
-        if route is None:
-            await self.app(scope, receive, send)
-            return
-        exchange = Exchange(route)
-
-        async def watched(message: Message) -> None:
-            exchange.saw(message)
-            await send(message)
-
-        try:
-            await self.app(scope, receive, watched)
-        except BaseException as exc:
-            self.figures.finish(exchange, exc)
-            raise
-        self.figures.finish(exchange, None)
 
 
 # --- the daemon's state, read at scrape time ----------------------------------------------

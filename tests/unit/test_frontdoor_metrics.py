@@ -7,7 +7,7 @@ prometheus_client's own parser, as Prometheus would read it.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import attrs
 import httpx
@@ -20,7 +20,8 @@ from daemon.core.machines import MachineRunner
 from daemon.fleet.usage import Usage
 from daemon.frontdoor.app import relay
 from daemon.frontdoor.hold import Hold
-from daemon.frontdoor.metrics import HISTORY_BATCH, Exchange, FrontDoorMetrics, RequestWatch, engine_figures
+from daemon.frontdoor.http11 import Request, open_listeners, serve_http
+from daemon.frontdoor.metrics import HISTORY_BATCH, Exchange, FrontDoorMetrics, engine_figures
 from daemon.frontdoor.tallies import KINDS, HistoryTally
 from daemon.telemetry.sampler import ServerTarget
 from states import fallback as F
@@ -387,42 +388,50 @@ async def test_a_long_history_is_read_in_batches_that_let_the_streams_run(store)
 # --- the request figures ----------------------------------------------------------------------
 
 
-async def exchange(
-    metrics: FrontDoorMetrics, path: str, app: Any, *, client_gone_after: int | None = None
-) -> list[dict[str, Any]]:
-    """Run `app` behind RequestWatch for one request to `path`; the messages the client got."""
-    got: list[dict[str, Any]] = []
+Handler = Callable[[Request], Awaitable[None]]
 
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
 
-    async def send(message: dict[str, Any]) -> None:
-        if client_gone_after is not None and len(got) >= client_gone_after:
-            raise OSError("the client went away")
-        got.append(message)
-
-    scope = {"type": "http", "path": path, "method": "POST", "headers": []}
-    await RequestWatch(app, metrics.requests)(scope, receive, send)
+async def exchange(metrics: FrontDoorMetrics, path: str, handler: Handler, *, leave_after: int | None = None) -> bytes:
+    """One request to `path`, answered by `handler` on the front door's HTTP server over a real
+    loopback socket; what the client got. `leave_after`: the client closes its connection once
+    it has read that many bytes."""
+    daemon = Daemon(None, None)
+    async with trio.open_nursery() as nursery:
+        listeners = await open_listeners("127.0.0.1", 0)
+        await nursery.start(serve_http, listeners, daemon, metrics.requests, handler)
+        port = listeners[0].socket.getsockname()[1]
+        got = b""
+        async with await trio.open_tcp_stream("127.0.0.1", port) as client:
+            await client.send_all(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode())
+            with trio.fail_after(10):
+                while (leave_after is None or len(got) < leave_after) and not got.endswith(b"0\r\n\r\n"):
+                    if not (data := await client.receive_some(65536)):
+                        break  # the server closed it: a cut answer
+                    got += data
+        await trio.sleep(0.05)  # the server notices a client that left
+        nursery.cancel_scope.cancel()
     return got
 
 
-def streaming_app(*chunks: bytes, fail: Exception | None = None) -> Any:
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": []})
+def streaming(*chunks: bytes, fail: Exception | None = None, pause: float = 0.0) -> Handler:
+    async def handler(request: Request) -> None:
+        await request.start(200, [])
         for chunk in chunks:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await request.send(chunk)
+            await trio.sleep(pause)
         if fail is not None:
             raise fail
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await request.end()
 
-    return app
+    return handler
 
 
 async def test_a_streamed_answer_is_counted_timed_and_its_tokens_read(store):
     metrics = metrics_for(Daemon(store, None))
     route = "/v1/chat/completions"
-    await exchange(metrics, route, streaming_app(b'data: {"choices":[]}\n\n', SSE_LAST, b"data: [DONE]\n\n"))
-    await exchange(metrics, route, streaming_app(CHAT_JSON[:100], CHAT_JSON[100:]))
+    got = await exchange(metrics, route, streaming(b'data: {"choices":[]}\n\n', SSE_LAST, b"data: [DONE]\n\n"))
+    assert SSE_LAST in got and got.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    await exchange(metrics, route, streaming(CHAT_JSON[:100], CHAT_JSON[100:]))
     text = (await metrics.scrape()).decode()
     assert value(text, "stoker_requests_total", route=route, code="200") == 2
     assert value(text, "stoker_request_first_byte_seconds_count", route=route) == 2
@@ -437,12 +446,11 @@ async def test_a_streamed_answer_is_counted_timed_and_its_tokens_read(store):
 
 async def test_a_scrape_is_not_a_request_an_unknown_path_is_other_and_an_error_no_first_token(store):
     metrics = metrics_for(Daemon(store, None))
-    await exchange(metrics, "/metrics", streaming_app(b"x"))
-    await exchange(metrics, "/v2/secret/42", streaming_app(b"x"))
+    await exchange(metrics, "/metrics", streaming(b"x"))
+    await exchange(metrics, "/v2/secret/42", streaming(b"x"))
 
-    async def refused(scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 503, "headers": []})
-        await send({"type": "http.response.body", "body": b'{"error": {"code": "frontdoor_hold_timeout"}}'})
+    async def refused(request: Request) -> None:
+        await request.respond(503, [], b'{"error": {"code": "frontdoor_hold_timeout"}}')
 
     await exchange(metrics, "/v1/completions", refused)
     text = (await metrics.scrape()).decode()
@@ -453,31 +461,34 @@ async def test_a_scrape_is_not_a_request_an_unknown_path_is_other_and_an_error_n
     assert value(text, "stoker_request_first_byte_seconds_count", route="/v1/completions") is None
 
 
-class CutStream(httpx.AsyncByteStream):
-    """An engine's body that breaks after its first chunk."""
+@attrs.frozen
+class EngineHead:
+    """An engine answer's status and headers (what `relay` reads of it besides its chunks)."""
 
-    async def __aiter__(self):
-        yield b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
-        raise httpx.ReadError("peer closed connection")
+    status_code: int = 200
+    headers: dict[str, str] = attrs.field(factory=lambda: {"content-type": "text/event-stream"})
 
 
 async def test_answers_cut_midway_are_counted_by_reason(store):
     metrics = metrics_for(Daemon(store, None))
     route = "/v1/chat/completions"
 
-    async def relayed(scope: Any, receive: Any, send: Any) -> None:
+    async def cut_by_the_engine() -> AsyncIterator[bytes]:
+        yield b'data: {"choices":[{"delta":{"content":"b"}}]}\n\n'
+        raise httpx.ReadError("peer closed connection")
+
+    async def relayed(request: Request) -> None:
         # The front door's own relay: a cut SSE stream ends with its error event.
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        async for chunk in relay(httpx.Response(200, stream=CutStream()), sse=True):
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await relay(
+            request, EngineHead(), True, b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', cut_by_the_engine()
+        )
 
     got = await exchange(metrics, route, relayed)
-    assert b"engine_stream_cut" in got[-2]["body"]
-    with pytest.raises(httpx.ReadError):  # a plain body cut by the engine: the connection is aborted
-        await exchange(metrics, route, streaming_app(b'{"choices":', fail=httpx.ReadError("cut")))
-    with pytest.raises(OSError):
-        await exchange(metrics, route, streaming_app(b"data: a\n\n", b"data: b\n\n"), client_gone_after=2)
+    assert b"engine_stream_cut" in got and got.endswith(b"\r\n0\r\n\r\n")  # then the stream ends well
+    # A plain body cut by the engine: the connection is aborted before the body's end.
+    cut = await exchange(metrics, route, streaming(b'{"choices":', fail=httpx.ReadError("cut")))
+    assert b'{"choices":' in cut and not cut.endswith(b"0\r\n\r\n")
+    await exchange(metrics, route, streaming(*[b"data: a\n\n"] * 50, pause=0.02), leave_after=1)
     text = (await metrics.scrape()).decode()
     assert value(text, "stoker_responses_cut_total", route=route, reason="engine_stream_cut") == 1
     assert value(text, "stoker_responses_cut_total", route=route, reason="engine_cut") == 1
@@ -489,6 +500,6 @@ def test_the_per_chunk_work_keeps_references_not_copies():
     seen = Exchange("/v1/completions")
     big = b"x" * 1_000_000
     for chunk in (b"a", big, b"b" * 10, CHAT_JSON):
-        seen.saw({"type": "http.response.body", "body": chunk, "more_body": True})
+        seen.body_sent(chunk)
     assert seen.c1 is big and seen.c3 is CHAT_JSON
     assert len(seen.tail()) <= 8192 and seen.tail().endswith(CHAT_JSON)

@@ -1,0 +1,85 @@
+"""A client that leaves before its answer is over frees the engine: the front door closes the
+engine's connection under it at once, and llama-server stops generating a streamed answer nobody
+will read (else its slot stays busy for the rest of the answer, seconds to minutes, while other
+requests wait). A streamed answer is noticed at its next write; a plain one, whose engine says
+nothing until it is done, by watching the client's connection. (llama-server b11434 finishes a
+non-streamed generation whose connection closed: only its connection is ours to close.)"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import psutil
+import pytest
+
+from daemon.bundles.tinymodel import write_tiny_model
+from tests.integration.daemon_harness import tiny_config, write_config
+
+pytestmark = [pytest.mark.engine]
+
+
+def busy_slots(endpoint: str, key: str) -> list[int]:
+    slots = httpx.get(f"{endpoint}/slots", headers={"Authorization": f"Bearer {key}"}, trust_env=False).json()
+    return [s["id"] for s in slots if s.get("is_processing")]
+
+
+def engine_connections(daemon_pid: int, endpoint: str) -> set[int]:
+    """The daemon's open connections to the engine, by local port (the telemetry sampler's too)."""
+    port = int(endpoint.rsplit(":", 1)[1])
+    return {c.laddr.port for c in psutil.Process(daemon_pid).net_connections("tcp") if c.raddr and c.raddr.port == port}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "plain"])
+def test_a_client_that_leaves_stops_the_engine(daemon, tmp_path, stream):
+    model = write_tiny_model(tmp_path / "long.gguf", n_layer=4, n_embd=512, n_head=8, n_ctx=4096)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    write_config(daemon.paths, tiny_config(model, ctx_size=4096) + f"[frontdoor]\nport = {port}\n")
+    daemon.start()
+    st = daemon.wait_state("ready")
+    assert daemon.proc is not None
+    before = engine_connections(daemon.proc.pid, st["endpoint"])
+    body = json.dumps(
+        {
+            "model": "default",
+            "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 3500,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+    ).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+        client.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        if stream:
+            got = b""
+            while got.count(b"data: ") < 3:  # the answer is streaming
+                got += client.recv(65536)
+        deadline = time.monotonic() + 10
+        while not busy_slots(st["endpoint"], st["api_key"]):  # the engine is generating
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        forwarded = engine_connections(daemon.proc.pid, st["endpoint"]) - before
+        assert len(forwarded) == 1, forwarded  # the front door's, carrying this request
+    left = time.monotonic()
+    while forwarded & engine_connections(daemon.proc.pid, st["endpoint"]):
+        assert time.monotonic() - left < 1.0, "the engine's connection outlived the client that left"
+        time.sleep(0.02)
+    closed_s = time.monotonic() - left
+    if stream:  # llama-server notices a closed connection while it streams, and stops
+        while busy_slots(st["endpoint"], st["api_key"]):
+            assert time.monotonic() - left < 3.0, "the engine kept generating for a client that left"
+            time.sleep(0.05)
+    print(f"the engine's connection closed {closed_s:.2f} s after the client left")
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", trust_env=False).text
+    route = "/v1/chat/completions"
+    if stream:
+        assert f'stoker_responses_cut_total{{reason="client_gone",route="{route}"}} 1.0' in metrics, metrics
+    else:  # gone before any answer began: counted with no status
+        assert f'stoker_requests_total{{code="none",route="{route}"}} 1.0' in metrics, metrics
