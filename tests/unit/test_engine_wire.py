@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from daemon.engine.api import EngineClient
-from daemon.engine.wire import EngineWire, WireTimeouts
+from daemon.engine.wire import Dechunker, EngineWire, WireTimeouts
 
 SSE = b"data: {}\n\n"
 
@@ -124,3 +124,18 @@ async def test_failures_are_the_transport_errors_the_front_door_handles(nursery)
                 await anext(chunks)
         with trio.fail_after(5), pytest.raises(httpx.ReadTimeout):
             await ask(EngineClient(silent_url, None, httpx.AsyncClient(), wire=wire), b"{}", True)
+
+
+def test_chunked_bodies_decode_however_the_reads_split_them():
+    events = [b'data: {"a": %d}\n\n' % i for i in range(12)]
+    coded = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\nX-Trailer: t\r\n\r\n"
+    for size in (1, 2, 3, 7, 64, len(coded)):
+        chunks, body = Dechunker(), b""
+        for at in range(0, len(coded), size):
+            assert not chunks.done
+            body += chunks.feed(coded[at : at + size])
+        assert chunks.done and body == b"".join(events), size
+    with pytest.raises(httpx.RemoteProtocolError):
+        Dechunker().feed(b"zz\r\nxx\r\n")
+    with pytest.raises(httpx.RemoteProtocolError):
+        Dechunker().feed(b"2\r\nxxyy")  # data longer than its size said
