@@ -198,12 +198,22 @@ class Connection:
                     self.figures.finish(exchange, failure)
             if request.gone or failure is not None or conn.our_state is not h11.DONE:
                 return  # cut midway (the client sees an incomplete body), or the client left
-            if conn.their_state is not h11.DONE:
+            if conn.their_state is not h11.DONE and not self._request_ended():
                 return  # the body was not read whole: the connection cannot carry another request
             try:
                 conn.start_next_cycle()
             except h11.LocalProtocolError:
                 return  # Connection: close, on either side
+
+    def _request_ended(self) -> bool:
+        """A request whose body the handler did not read (a GET's, empty): its end is taken from
+        what was already received, so the connection carries the client's next request."""
+        conn = self.h11
+        while conn.their_state is h11.SEND_BODY:
+            event = conn.next_event()
+            if event is h11.NEED_DATA or type(event) is h11.Data:
+                return False  # a body is still arriving, or was sent and not read
+        return conn.their_state is h11.DONE
 
     async def _next_request(self) -> h11.Request | None:
         conn = self.h11

@@ -402,7 +402,9 @@ async def exchange(metrics: FrontDoorMetrics, path: str, handler: Handler, *, le
         port = listeners[0].socket.getsockname()[1]
         got = b""
         async with await trio.open_tcp_stream("127.0.0.1", port) as client:
-            await client.send_all(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode())
+            await client.send_all(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode()
+            )
             with trio.fail_after(10):
                 while (leave_after is None or len(got) < leave_after) and not got.endswith(b"0\r\n\r\n"):
                     if not (data := await client.receive_some(65536)):

@@ -1,0 +1,111 @@
+"""The front door's HTTP/1.1 server (daemon/frontdoor/http11.py) over real loopback sockets, with
+a small handler: keep-alive across requests with and without a body, a client's next request
+sent before the answer to its last one is over, `Expect: 100-continue`, and what a client gets
+for a malformed request or a head that never ends."""
+
+from __future__ import annotations
+
+import socket
+from typing import AsyncIterator
+
+import pytest
+import trio
+
+from daemon.config.model import Config
+from daemon.frontdoor.http11 import Request, open_listeners, serve_http
+from daemon.frontdoor.metrics import FrontDoorMetrics
+from tests.unit.test_frontdoor_metrics import Daemon, metrics_for
+
+
+async def echo(request: Request) -> None:
+    """Answers with the method, path and body it got (a GET's is not read, as the front door's
+    own GET routes do not); /slow streams three pieces."""
+    body = b""
+    while request.method == "POST" and (piece := await request.receive()):
+        body += piece
+    if request.path == "/slow":
+        await request.start(200, [(b"content-type", b"text/event-stream")])
+        for i in range(3):
+            await request.send(b"data: %d\n\n" % i)
+            await trio.sleep(0.01)
+        await request.end()
+        return
+    await request.respond(200, [], f"{request.method} {request.path} {len(body)}".encode())
+
+
+@pytest.fixture
+async def server(nursery) -> AsyncIterator[int]:
+    daemon = Daemon(None, None, config=Config())
+    metrics: FrontDoorMetrics = metrics_for(daemon)
+    listeners = await open_listeners("127.0.0.1", 0)
+    await nursery.start(serve_http, listeners, daemon, metrics.requests, echo)
+    yield listeners[0].socket.getsockname()[1]
+
+
+async def read_answer(stream: trio.SocketStream, buffered: bytearray) -> bytes:
+    """One answer (Content-Length or chunked) off the stream, head included."""
+    while b"\r\n\r\n" not in buffered:
+        buffered += await stream.receive_some(65536)
+    end = buffered.index(b"\r\n\r\n") + 4
+    head = bytes(buffered[:end]).lower()
+    if b"content-length:" in head:
+        total = end + int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+    else:
+        while b"\r\n0\r\n\r\n" not in buffered[end - 2 :]:
+            buffered += await stream.receive_some(65536)
+        total = buffered.index(b"\r\n0\r\n\r\n", end - 2) + 7
+    while len(buffered) < total:
+        buffered += await stream.receive_some(65536)
+    answer = bytes(buffered[:total])
+    del buffered[:total]
+    return answer
+
+
+async def test_one_connection_carries_requests_with_and_without_a_body(server):
+    with trio.fail_after(10):
+        async with await trio.open_tcp_stream("127.0.0.1", server) as client:
+            buffered = bytearray()
+            for request, expected in (
+                (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /v1/models 0"),
+                (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /v1/models 0"),
+                (b"POST /v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc", b"POST /v1/x 3"),
+                (b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", b"data: 2\n\n"),
+                (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /v1/models 0"),
+            ):
+                await client.send_all(request)
+                answer = await read_answer(client, buffered)
+                assert answer.startswith(b"HTTP/1.1 200 ") and expected in answer, answer
+
+
+async def test_a_request_sent_before_the_last_answer_is_over_is_answered(server):
+    with trio.fail_after(10):
+        async with await trio.open_tcp_stream("127.0.0.1", server) as client:
+            buffered = bytearray()
+            await client.send_all(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+            await trio.sleep(0.005)  # the stream has begun
+            await client.send_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert b"data: 2" in await read_answer(client, buffered)
+            assert b"GET /v1/models 0" in await read_answer(client, buffered)
+
+
+async def test_expect_100_continue_is_answered_before_the_body(server):
+    with trio.fail_after(10):
+        async with await trio.open_tcp_stream("127.0.0.1", server) as client:
+            await client.send_all(
+                b"POST /v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n"
+            )
+            got = await client.receive_some(65536)
+            assert got.startswith(b"HTTP/1.1 100 "), got
+            await client.send_all(b"hi")
+            assert b"POST /v1/x 2" in await read_answer(client, bytearray())
+
+
+async def test_a_malformed_request_gets_400_and_a_head_that_never_ends_431(server):
+    with trio.fail_after(10):
+        async with await trio.open_tcp_stream("127.0.0.1", server) as client:
+            await client.send_all(b"NOT HTTP AT ALL\r\n\r\n")
+            assert (await client.receive_some(65536)).startswith(b"HTTP/1.1 400 ")
+        with socket.create_connection(("127.0.0.1", server)) as raw:  # past max_header_bytes (16 KiB)
+            raw.sendall(b"GET / HTTP/1.1\r\n" + b"X-Fat: " + b"y" * 20000)
+            raw.settimeout(5)
+            assert (await trio.to_thread.run_sync(raw.recv, 65536)).startswith(b"HTTP/1.1 431 ")
