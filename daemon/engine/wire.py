@@ -1,6 +1,7 @@
 """HTTP/1.1 to a loopback engine, lean: the front door's forward path (`EngineClient.forward`).
 
-h11 (the parser under httpcore and Hypercorn) over a trio socket, without httpx's layers: the
+h11 (the parser under httpcore and Hypercorn) over a `RelaySocket` (daemon/core/relay_socket.py:
+a non-blocking socket driven with trio's I/O waits), without httpx's layers: the
 request's head and body leave in one `send_all` (httpcore sends them in two), the answer's body
 is handed on as it is received (what one read brought, its chunks joined), and the connection
 is made without a nursery. Measured against httpx on the 2-core test machine (a streamed answer
@@ -19,6 +20,7 @@ already speaks for an engine that is not there.
 from __future__ import annotations
 
 import ipaddress
+import socket
 import time
 from typing import AsyncIterator
 from urllib.parse import urlsplit
@@ -27,6 +29,8 @@ import attrs
 import h11
 import httpx
 import trio
+
+from daemon.core.relay_socket import RelaySocket
 
 # One read: an SSE event is ~250 bytes, a non-streamed answer a few KiB; a read takes what is there.
 READ_BYTES = 64 * 1024
@@ -56,13 +60,13 @@ class _Address:
 
 @attrs.define(eq=False)
 class _Connection:
-    stream: trio.SocketStream
+    stream: RelaySocket
     h11: h11.Connection
     idle_since: float = 0.0
 
     def reusable(self, now: float) -> bool:
         """Still the engine's, and not about to be closed by it (`KEEPALIVE_S`)."""
-        return now - self.idle_since < KEEPALIVE_S and not self.stream.socket.is_readable()
+        return now - self.idle_since < KEEPALIVE_S and not self.stream.is_readable()
 
 
 class Dechunker:
@@ -264,15 +268,10 @@ class EngineWire:
         with trio.move_on_after(self.timeouts.connect) as scope:
             try:
                 if address.family is not None:  # an IP literal: no resolver, no happy-eyeballs nursery
-                    sock = trio.socket.socket(address.family)
-                    try:
-                        await sock.connect((host, port))
-                    except BaseException:
-                        sock.close()
-                        raise
-                    stream = trio.SocketStream(sock)
+                    stream = await RelaySocket.connect(address.family, (host, port))
                 else:
-                    stream = await trio.open_tcp_stream(host, port)
+                    family, _, _, _, sockaddr = (await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
+                    stream = await RelaySocket.connect(family, (str(sockaddr[0]), int(sockaddr[1])))
             except OSError as exc:
                 raise httpx.ConnectError(f"cannot connect to the engine at {host}:{port}: {exc}") from exc
             return _Connection(stream, h11.Connection(h11.CLIENT))
@@ -286,20 +285,20 @@ class EngineWire:
             conn = idle.pop()
             if conn.reusable(now):
                 return conn
-            conn.stream.socket.close()  # the engine closed it, or is about to
+            conn.stream.close()  # the engine closed it, or is about to
         return None
 
     def put(self, address: _Address, conn: _Connection) -> None:
         idle = self._idle.setdefault(address, [])
         if len(idle) >= POOL_SIZE:
-            conn.stream.socket.close()
+            conn.stream.close()
             return
         conn.idle_since = time.monotonic()
         idle.append(conn)
 
     async def close(self, conn: _Connection) -> None:
-        with trio.CancelScope(shield=True):
-            await conn.stream.aclose()
+        conn.stream.close()
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def __aenter__(self) -> EngineWire:
         return self
@@ -308,7 +307,7 @@ class EngineWire:
         """Close every idle connection (the front door is going away)."""
         for idle in self._idle.values():
             for conn in idle:
-                conn.stream.socket.close()
+                conn.stream.close()
         self._idle.clear()
 
 
@@ -318,4 +317,4 @@ def _ip_family(host: str) -> int | None:
         ip = ipaddress.ip_address(host)
     except ValueError:
         return None
-    return trio.socket.AF_INET6 if ip.version == 6 else trio.socket.AF_INET
+    return socket.AF_INET6 if ip.version == 6 else socket.AF_INET

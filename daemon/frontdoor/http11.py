@@ -30,6 +30,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import h11
 import trio
 
+from daemon.core.relay_socket import RelaySocket, accept_errors_to_retry
 from daemon.frontdoor.metrics import Exchange, RequestFigures
 from daemon.frontdoor.served import FrontDoorDaemon
 
@@ -137,17 +138,13 @@ Handler = Callable[[Request], Awaitable[None]]
 class Connection:
     """One client connection: requests read one after the other, each answered before the next."""
 
-    def __init__(self, stream: trio.SocketStream, daemon: FrontDoorDaemon, figures: RequestFigures) -> None:
+    def __init__(self, stream: RelaySocket, daemon: FrontDoorDaemon, figures: RequestFigures) -> None:
         self.stream = stream
         self.daemon = daemon
         self.figures = figures
         limits = daemon.config.frontdoor
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
-        try:
-            peer = stream.socket.getpeername()
-            self.client: tuple[str, int] | None = (str(peer[0]), int(peer[1]))
-        except OSError:
-            self.client = None
+        self.client = stream.peer()
 
     async def send_all(self, data: bytes) -> None:
         try:
@@ -262,37 +259,65 @@ class Connection:
             await self.send_all(data + self.h11.send(h11.EndOfMessage()))
 
 
-async def open_listeners(host: str, port: int) -> list[trio.SocketListener]:
+async def open_listeners(host: str, port: int) -> list[socket.socket]:
     """Bind `host:port` and listen (raises OSError for a taken port or a foreign address)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = trio.socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        await sock.bind((host, port))
+        sock.setblocking(False)
+        sock.bind((host, port))
         sock.listen(BACKLOG)
     except BaseException:
         sock.close()
         raise
-    return [trio.SocketListener(sock)]
+    await trio.lowlevel.checkpoint()
+    return [sock]
 
 
-def bound_url(listener: trio.SocketListener) -> str:
-    host, port = listener.socket.getsockname()[:2]
+def bound_url(listener: socket.socket) -> str:
+    host, port = listener.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 async def serve_http(
-    listeners: list[trio.SocketListener],
+    listeners: list[socket.socket],
     daemon: FrontDoorDaemon,
     figures: RequestFigures,
     handler: Handler,
     *,
-    task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve every connection accepted on `listeners` until cancelled."""
+    """Serve every connection accepted on `listeners` until cancelled (then the listeners are closed)."""
 
-    async def connection(stream: trio.SocketStream) -> None:
-        async with stream:
+    async def connection(sock: socket.socket) -> None:
+        stream = RelaySocket(sock)
+        try:
             await Connection(stream, daemon, figures).serve(handler)
+        finally:
+            stream.close()
 
-    await trio.serve_listeners(connection, listeners, task_status=task_status)
+    async def accept(listener: socket.socket, connections: trio.Nursery) -> None:
+        while True:
+            await trio.lowlevel.wait_readable(listener)
+            try:
+                sock, _ = listener.accept()
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                if not accept_errors_to_retry(exc):
+                    raise
+                log.warning("the front door cannot accept a connection now (%s); trying again", exc.strerror or exc)
+                await trio.sleep(0.1)  # out of file descriptors or memory: the clients wait in the backlog
+                continue
+            connections.start_soon(connection, sock)
+
+    try:
+        async with trio.open_nursery() as connections:
+            for listener in listeners:
+                connections.start_soon(accept, listener, connections)
+            task_status.started()
+    finally:
+        for listener in listeners:
+            trio.lowlevel.notify_closing(listener)
+            listener.close()

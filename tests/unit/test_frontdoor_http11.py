@@ -39,7 +39,7 @@ async def server(nursery) -> AsyncIterator[int]:
     metrics: FrontDoorMetrics = metrics_for(daemon)
     listeners = await open_listeners("127.0.0.1", 0)
     await nursery.start(serve_http, listeners, daemon, metrics.requests, echo)
-    yield listeners[0].socket.getsockname()[1]
+    yield listeners[0].getsockname()[1]
 
 
 async def read_answer(stream: trio.SocketStream, buffered: bytearray) -> bytes:

@@ -399,7 +399,7 @@ async def exchange(metrics: FrontDoorMetrics, path: str, handler: Handler, *, le
     async with trio.open_nursery() as nursery:
         listeners = await open_listeners("127.0.0.1", 0)
         await nursery.start(serve_http, listeners, daemon, metrics.requests, handler)
-        port = listeners[0].socket.getsockname()[1]
+        port = listeners[0].getsockname()[1]
         got = b""
         async with await trio.open_tcp_stream("127.0.0.1", port) as client:
             await client.send_all(
