@@ -40,6 +40,6 @@ def write_section(heading: str, body: str, doc: Path = BENCHMARKS_DOC) -> None:
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0-100) by linear interpolation."""
     ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
+    if len(ordered) < 2:  # none (a busy machine finished no request in a window): nan, not a crash
+        return ordered[0] if ordered else float("nan")
     return statistics.quantiles(ordered, n=100, method="inclusive")[max(0, min(98, round(q) - 1))]
