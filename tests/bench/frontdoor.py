@@ -57,7 +57,7 @@ from tests.integration.daemon_harness import DaemonProcess, write_config  # noqa
 PATHS = ("direct", "front door")
 T = TypeVar("T")
 # What the daemon logs when an engine connection failed before the engine answered (a retry).
-RETRY_LINE = "the engine's connection failed before it answered"
+RETRY_LINE = "the engine was lost before it answered"
 TTFT_ADDED_MS = 1.0
 ONE_STREAM = 0.99
 CONCURRENT = 0.97

@@ -18,7 +18,7 @@ from tests.integration.test_frontdoor import start
 
 pytestmark = [pytest.mark.engine]
 
-RETRY_LINE = "the engine's connection failed before it answered"
+RETRY_LINE = "the engine was lost before it answered"
 
 
 def test_back_to_back_streams_never_stall(daemon, model):
