@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from daemon.bundles.tinymodel import write_tiny_model
-from tests.integration.daemon_harness import tiny_config, write_config
+from tests.integration.daemon_harness import servers_for, tiny_config, write_config
 
 pytestmark = [pytest.mark.engine]
 
@@ -83,3 +83,12 @@ def test_a_client_that_leaves_stops_the_engine(daemon, tmp_path, stream):
         assert f'stoker_responses_cut_total{{reason="client_gone",route="{route}"}} 1.0' in metrics, metrics
     else:  # gone before any answer began: counted with no status
         assert f'stoker_requests_total{{code="none",route="{route}"}} 1.0' in metrics, metrics
+    # Nothing counts the request as in flight any more: the daemon stops at once, its server with it
+    # (a request left counted made the stop wait out the drain, the harness killed the daemon, and
+    # the engine was left running).
+    began = time.monotonic()
+    daemon.stop()
+    leftovers = servers_for(model)
+    for proc in leftovers:
+        proc.kill()
+    assert not leftovers and time.monotonic() - began < 20, (leftovers, time.monotonic() - began)
