@@ -44,3 +44,20 @@ def daemon(stoker_home, installed_cpu_bundle, model):
     for proc in leftovers:
         proc.kill()
     assert not leftovers, f"servers left behind: {[p.pid for p in leftovers]}"
+
+
+# --- the pull tests' models (tests/integration/test_pull.py, tests/faults/test_pulls.py) ---
+
+
+@pytest.fixture(scope="module")
+def tiny_bytes(tiny_model) -> bytes:
+    return Path(tiny_model).read_bytes()
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory) -> Path:
+    """A ~22 MB GGUF: more than huggingface_hub's 10 MiB download chunk, so a pull killed
+    half-way has bytes on disk to resume from."""
+    from daemon.bundles.tinymodel import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("big") / "big.gguf", n_embd=512, n_head=4)

@@ -370,3 +370,6 @@ class FakeIndex:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+
+
+HF_REPO = "stoker-test/tiny-GGUF"  # the repository the pull tests' fake hubs serve

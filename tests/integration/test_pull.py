@@ -20,23 +20,7 @@ from daemon.models import pypi as Y
 from daemon.models.pull import PullOptions, PullService
 from states.reasons import ReasonCode
 from store import open_store
-from tests.integration.model_sources import FakeHub, FakeIndex, HubRepo, make_wheel, sha256
-
-HF_REPO = "stoker-test/tiny-GGUF"
-
-
-@pytest.fixture(scope="module")
-def tiny_bytes(tiny_model) -> bytes:
-    return Path(tiny_model).read_bytes()
-
-
-@pytest.fixture(scope="module")
-def big_model(tmp_path_factory) -> Path:
-    """A ~22 MB GGUF: more than huggingface_hub's 10 MiB download chunk, so a pull killed
-    half-way has bytes on disk to resume from."""
-    from daemon.bundles.tinymodel import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("big") / "big.gguf", n_embd=512, n_head=4)
+from tests.integration.model_sources import HF_REPO, FakeHub, FakeIndex, HubRepo, make_wheel, sha256
 
 
 @pytest.fixture
