@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -150,3 +151,18 @@ def servers_for(model: Path) -> list[psutil.Process]:
         if cmd and cmd[0].endswith("llama-server") and str(model) in cmd:
             found.append(proc)
     return found
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_with_frontdoor(daemon: "DaemonProcess", model: Path, **frontdoor: Any) -> str:
+    """Start `daemon` with its front door on a free port; the front door's /v1 URL."""
+    port = free_port()
+    lines = [f"port = {port}", *(f"{key} = {value}" for key, value in frontdoor.items())]
+    write_config(daemon.paths, tiny_config(model) + "[frontdoor]\n" + "\n".join(lines) + "\n")
+    daemon.start()
+    return f"http://127.0.0.1:{port}/v1"

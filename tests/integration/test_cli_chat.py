@@ -13,7 +13,6 @@ import json
 import os
 import pty
 import select
-import socket
 import subprocess
 import sys
 import time
@@ -21,24 +20,15 @@ import time
 import psutil
 import pytest
 
-from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config
+from tests.integration.daemon_harness import (
+    DaemonProcess,
+    free_port,
+    start_with_frontdoor as start,
+    tiny_config,
+    write_config,
+)
 
 pytestmark = [pytest.mark.engine]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def start(daemon: DaemonProcess, model, **frontdoor) -> str:
-    """Start `daemon` with its front door on a free port; the front door's /v1 URL."""
-    port = free_port()
-    lines = [f"port = {port}", *(f"{key} = {value}" for key, value in frontdoor.items())]
-    write_config(daemon.paths, tiny_config(model) + "[frontdoor]\n" + "\n".join(lines) + "\n")
-    daemon.start()
-    return f"http://127.0.0.1:{port}/v1"
 
 
 def stoker(daemon: DaemonProcess, *args: str, stdin: str = "", env: dict | None = None, timeout: float = 120):
