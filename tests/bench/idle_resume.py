@@ -51,7 +51,7 @@ from daemon.bundles.installed import install_bundle  # noqa: E402
 from daemon.core.paths import StokerPaths  # noqa: E402
 from tests.bench.report import machine, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config  # noqa: E402
-from tests.integration.test_frontdoor import free_port  # noqa: E402
+from tests.integration.daemon_harness import free_port  # noqa: E402
 from tests.model_files import GEMMA, model_file  # noqa: E402
 
 NAME = "chat"

@@ -37,7 +37,7 @@ import pytest
 
 from daemon.bundles.tinymodel import write_tiny_model
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config
-from tests.integration.test_frontdoor import free_port
+from tests.integration.daemon_harness import free_port
 from tests.integration.test_third_party_backend import (  # noqa: F401  (plugin_site, daemons: fixtures)
     daemons,
     plugin_site,

@@ -27,7 +27,7 @@ import pytest
 from daemon.bundles.tinymodel import write_tiny_model
 from daemon.core.errors import StokerError
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
-from tests.integration.test_frontdoor import free_port
+from tests.integration.daemon_harness import free_port
 
 pytestmark = [pytest.mark.engine]
 
