@@ -38,10 +38,14 @@ from states.reasons import ReasonCode
 Progress = Callable[[str], None]
 
 # Bump when packaging changes what a bundle contains: old cache entries then stop matching.
-BUILDER_REVISION = 1
+BUILDER_REVISION = 2  # 2: llama-fit-params and rpc-server packaged beside llama-server
 BUNDLE_ZIP = "bundle.zip"
 BUILD_LOG = "build.log"
 SERVER_PATH = "bin/llama-server"
+# role -> (cmake target = the binary's name in bin/, the source directory that defines it):
+# packaged beside llama-server when the source tree has them (older trees lack fit-params).
+TOOL_TARGETS = {"fit_params": ("llama-fit-params", "tools/fit-params"), "rpc_server": ("ggml-rpc-server", "tools/rpc")}
+_RPC_PROTO = re.compile(r"#define\s+RPC_PROTO_(MAJOR|MINOR|PATCH)_VERSION\s+(\d+)")
 _PROGRESS = re.compile(r"^\[\s*(\d+)(?:%\]|/(\d+)\])")
 _NEEDED = re.compile(r"\(NEEDED\)\s+Shared library: \[(.+?)\]")
 _RUNPATH = re.compile(r"\((?:RUNPATH|RPATH)\)\s+Library r(?:un)?path: \[(.*?)\]")
@@ -160,15 +164,15 @@ def _elf_dynamic(path: Path) -> tuple[list[str], list[str]]:
     return _NEEDED.findall(out), _RUNPATH.findall(out)
 
 
-def collect_outputs(bin_dir: Path, dest: Path) -> tuple[str, ...]:
-    """Copy llama-server and the libraries it needs from the build into `dest/bin`.
+def collect_outputs(bin_dir: Path, dest: Path, programs: tuple[str, ...] = ("llama-server",)) -> tuple[str, ...]:
+    """Copy the programs and the libraries they need from the build into `dest/bin`.
 
     Libraries are copied under the names the loader asks for (their sonames), as regular
     files: bundles hold no symlinks. Returns the NEEDED libraries left to the host.
     """
     (dest / "bin").mkdir(parents=True, exist_ok=True)
     system: set[str] = set()
-    queue = ["llama-server"]
+    queue = list(programs)
     done: set[str] = set()
     while queue:
         name = queue.pop()
@@ -202,6 +206,26 @@ def _file_entries(root: Path) -> tuple[FileEntry, ...]:
             continue
         entries.append(FileEntry(rel, path.stat().st_size, path.stat().st_mode & 0o777, sha256_file(path)))
     return tuple(entries)
+
+
+def source_tools(source_root: Path) -> dict[str, str]:
+    """role -> cmake target of the engine's tools this source tree can build."""
+    return {
+        role: target
+        for role, (target, where) in TOOL_TARGETS.items()
+        if (source_root / where / "CMakeLists.txt").is_file()
+    }
+
+
+def rpc_protocol(source_root: Path) -> str | None:
+    """ggml-rpc's protocol version as the source declares it ("7.0.0"), or None if it does not."""
+    header = source_root / "ggml" / "include" / "ggml-rpc.h"
+    if not header.is_file():
+        return None
+    parts = dict(_RPC_PROTO.findall(header.read_text(errors="replace")))
+    if set(parts) != {"MAJOR", "MINOR", "PATCH"}:
+        return None
+    return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}"
 
 
 def _engine_version(server: Path, scratch: Path) -> str:
@@ -295,9 +319,11 @@ def _build(
             f"-DLLAMA_BUILD_COMMIT={tree.commit}",
         ]
         _run_logged(configure, work, log, progress, "configure")
-        compile_ = ["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)]
+        tools = source_tools(tree.root)
+        targets = ["llama-server", *tools.values()]
+        compile_ = ["cmake", "--build", str(build_dir), "--target", *targets, "-j", str(jobs)]
         _run_logged(compile_, work, log, progress, "compile")
-    system_libs = collect_outputs(build_dir / "bin", stage)
+    system_libs = collect_outputs(build_dir / "bin", stage, tuple(targets))
     license_file = tree.root / "LICENSE"
     if license_file.is_file():
         shutil.copyfile(license_file, stage / "LICENSE.llama.cpp")
@@ -327,6 +353,8 @@ def _build(
         required_system_libs=tuple(sorted(set(system_libs) | set(plan.declared_system_libs))),
         files=_file_entries(stage),
         smoke=reference,
+        tools={role: f"bin/{target}" for role, target in tools.items()},
+        rpc_protocol=rpc_protocol(tree.root),
     )
     (stage / BUNDLE_JSON).write_text(meta.to_json())
     # The finished entry appears whole or not at all.

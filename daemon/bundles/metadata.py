@@ -144,6 +144,11 @@ class BundleMeta:
     required_system_libs: tuple[str, ...]
     files: tuple[FileEntry, ...]
     smoke: SmokeReference | None
+    # The engine's other programs inside the bundle, by role: "fit_params" (llama-fit-params,
+    # the engine's own memory fitter) and "rpc_server" (ggml's rpc-server, for workers).
+    # Absent from bundles built before they were packaged.
+    tools: Mapping[str, str] = attrs.field(factory=dict)
+    rpc_protocol: str | None = None  # ggml-rpc's RPC_PROTO version, "7.0.0"; head and workers must agree
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "BundleMeta":
@@ -161,6 +166,10 @@ class BundleMeta:
         source = dict(_get(data, "source", dict))
         _sha(source)
         smoke = _get(data, "smoke", dict, optional=True)
+        tools = dict(_get(data, "tools", dict, optional=True) or {})
+        for role, path in tools.items():
+            if not isinstance(path, str) or _safe_relpath(path) not in paths:
+                raise _bad("a tool is not among the listed files", tool=role, path=path)
         return cls(
             schema_version=schema,
             backend=_name(data, "backend"),
@@ -177,6 +186,8 @@ class BundleMeta:
             required_system_libs=_strs(data, "required_system_libs"),
             files=files,
             smoke=None if smoke is None else SmokeReference.from_dict(smoke),
+            tools=tools,
+            rpc_protocol=_get(data, "rpc_protocol", str, optional=True),
         )
 
     @classmethod
@@ -213,6 +224,8 @@ class BundleMeta:
             "required_system_libs": list(self.required_system_libs),
             "files": [f.to_dict() for f in self.files],
             "smoke": None if self.smoke is None else self.smoke.to_dict(),
+            "tools": dict(self.tools),
+            "rpc_protocol": self.rpc_protocol,
         }
 
     def to_json(self) -> str:

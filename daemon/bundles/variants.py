@@ -37,6 +37,7 @@ COMMON_FLAGS = (
     "-DGGML_BACKEND_DL=OFF",  # DL backends also load from the cwd and fail silently
     "-DGGML_CCACHE=OFF",  # a shared compiler cache is an input the cache key cannot see
     "-DGGML_OPENMP_FETCH=OFF",
+    "-DGGML_RPC=ON",  # ggml-rpc-server for `stoker worker`, and `--rpc` on the head
     "-DFETCHCONTENT_FULLY_DISCONNECTED=ON",  # nothing is downloaded while building
     "-DCMAKE_INSTALL_RPATH=$ORIGIN",
     "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",

@@ -26,7 +26,9 @@ if [ "$1" = "--build" ]; then
   mkdir -p "$2/bin"
   echo "[1/2] Building CXX object a.o"
   echo "[2/2] Linking CXX executable bin/llama-server"
-  cp "$FAKE_SERVER" "$2/bin/llama-server"; chmod 755 "$2/bin/llama-server"; exit 0
+  cp "$FAKE_SERVER" "$2/bin/llama-server"; chmod 755 "$2/bin/llama-server"
+  for t in "$@"; do case "$t" in llama-fit-params|ggml-rpc-server) cp "$FAKE_SERVER" "$2/bin/$t";; esac; done
+  exit 0
 fi
 exit 1
 """
@@ -84,6 +86,24 @@ def test_build_then_cached_without_running_cmake(fake_toolchain):
     assert len(calls(log)) == 2  # cmake was not run again
     assert lines and "cached build" in lines[0]
     assert [c.cache_key for c in cached_builds(paths)] == [first.cache_key]
+
+
+def test_the_engine_tools_the_source_defines_are_packaged_with_the_rpc_protocol(fake_toolchain):
+    plan, spec, log = fake_toolchain
+    src = Path(spec.location)
+    for where in ("tools/fit-params", "tools/rpc"):
+        (src / where).mkdir(parents=True)
+        (src / where / "CMakeLists.txt").write_text("# target\n")
+    (src / "ggml" / "include").mkdir(parents=True)
+    (src / "ggml" / "include" / "ggml-rpc.h").write_text(
+        "#define RPC_PROTO_MAJOR_VERSION    7\n#define RPC_PROTO_MINOR_VERSION 1\n#define RPC_PROTO_PATCH_VERSION 2\n"
+    )
+    meta = build_bundle(StokerPaths.from_env(), plan=plan, source=spec).meta
+    _, compile_ = calls(log)
+    assert "--target llama-server llama-fit-params ggml-rpc-server" in compile_
+    assert dict(meta.tools) == {"fit_params": "bin/llama-fit-params", "rpc_server": "bin/ggml-rpc-server"}
+    assert meta.rpc_protocol == "7.1.2"
+    assert {"bin/llama-fit-params", "bin/ggml-rpc-server"} <= {f.path for f in meta.files}
 
 
 def test_changed_source_is_a_new_build(fake_toolchain, tmp_path):
