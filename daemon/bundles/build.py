@@ -164,27 +164,37 @@ def _elf_dynamic(path: Path) -> tuple[list[str], list[str]]:
     return _NEEDED.findall(out), _RUNPATH.findall(out)
 
 
-def collect_outputs(bin_dir: Path, dest: Path, programs: tuple[str, ...] = ("llama-server",)) -> tuple[str, ...]:
+def collect_outputs(
+    bin_dir: Path,
+    dest: Path,
+    programs: tuple[str, ...] = ("llama-server",),
+    bundled: tuple[str, ...] = (),
+    bundled_dirs: tuple[str, ...] = (),
+) -> tuple[str, ...]:
     """Copy the programs and the libraries they need from the build into `dest/bin`.
 
     Libraries are copied under the names the loader asks for (their sonames), as regular
-    files: bundles hold no symlinks. Returns the NEEDED libraries left to the host.
+    files: bundles hold no symlinks. A NEEDED library whose soname starts with one of
+    `bundled` is copied from `bundled_dirs` (the CUDA runtime from the toolkit) with its own
+    closure; a `bundled` library that cannot be found fails the build rather than ship a bundle
+    that needs the toolkit. Returns the NEEDED libraries left to the host.
     """
     (dest / "bin").mkdir(parents=True, exist_ok=True)
     system: set[str] = set()
-    queue = list(programs)
+    queue = [(name, bin_dir / name, True) for name in programs]
     done: set[str] = set()
     while queue:
-        name = queue.pop()
+        name, path, ours = queue.pop()
         if name in done:
             continue
         done.add(name)
-        src = (bin_dir / name).resolve()
+        src = path.resolve()
         target = dest / "bin" / name
         shutil.copyfile(src, target)
         os.chmod(target, 0o755)
         needed, runpaths = _elf_dynamic(src)
-        if any(p and p != "$ORIGIN" for p in runpaths):
+        # The vendor's libraries find each other by soname once loaded through ours.
+        if ours and any(p and p != "$ORIGIN" for p in runpaths):
             raise StokerError(
                 ReasonCode.BUNDLE_BUILD_FAILED,
                 "A built binary is not relocatable (its RUNPATH is not $ORIGIN).",
@@ -192,7 +202,16 @@ def collect_outputs(bin_dir: Path, dest: Path, programs: tuple[str, ...] = ("lla
             )
         for lib in needed:
             if (bin_dir / lib).exists():
-                queue.append(lib)
+                queue.append((lib, bin_dir / lib, True))
+            elif lib.startswith(bundled):
+                found = next((Path(d) / lib for d in bundled_dirs if (Path(d) / lib).exists()), None)
+                if found is None:
+                    raise StokerError(
+                        ReasonCode.BUNDLE_BUILD_FAILED,
+                        f"{lib} is to be carried in the bundle but is not in the toolkit's library folders.",
+                        {"library": lib, "searched": list(bundled_dirs), "needed_by": name},
+                    )
+                queue.append((lib, found, False))
             else:
                 system.add(lib)
     return tuple(sorted(system))
@@ -323,11 +342,14 @@ def _build(
         targets = ["llama-server", *tools.values()]
         compile_ = ["cmake", "--build", str(build_dir), "--target", *targets, "-j", str(jobs)]
         _run_logged(compile_, work, log, progress, "compile")
-    system_libs = collect_outputs(build_dir / "bin", stage, tuple(targets))
-    license_file = tree.root / "LICENSE"
-    if license_file.is_file():
-        shutil.copyfile(license_file, stage / "LICENSE.llama.cpp")
-        os.chmod(stage / "LICENSE.llama.cpp", 0o644)
+    system_libs = collect_outputs(build_dir / "bin", stage, tuple(targets), plan.bundled_libs, plan.bundled_lib_dirs)
+    licenses = [(tree.root / "LICENSE", "LICENSE.llama.cpp")]
+    # The CUDA runtime is redistributed under NVIDIA's EULA (its Attachment A lists cudart and cuBLAS).
+    licenses += [(Path(d).parent / "EULA.txt", "LICENSE.cuda-runtime.txt") for d in plan.bundled_lib_dirs[:1]]
+    for license_file, name in licenses:
+        if license_file.is_file():
+            shutil.copyfile(license_file, stage / name)
+            os.chmod(stage / name, 0o644)
     server = stage / SERVER_PATH
     llama_version = _engine_version(server, work / "smoke")
     reference = _record_smoke(server, smoke, work / "smoke", progress)

@@ -21,7 +21,7 @@ import attrs
 from daemon.core.errors import StokerError
 from states.reasons import ReasonCode
 
-BACKENDS = ("cpu", "cuda")
+BACKENDS = ("cpu", "cuda", "vulkan")
 
 # Everything that makes the build hermetic and relocatable, for every backend.
 COMMON_FLAGS = (
@@ -72,7 +72,22 @@ SAFE_CPU_VARIANTS = ("avx2", "compat")  # in fallback order: fastest first
 # The Linux driver each CUDA major needs (NVIDIA's CUDA compatibility table, minor-version
 # compatibility floor): recorded so a too-old driver is named before launch.
 CUDA_MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
-DEFAULT_CUDA_ARCHS = ("90-real",)
+# CUDA code in families, each a bundle the manifest offers by compute capability (one bundle
+# with all of them would be ~7x the CUDA library of one architecture: docs/bundles.md). Real
+# code (SASS) for the cards users have; PTX (virtual) at the end for GPUs newer than the list.
+# CUDA 13 builds for Turing (7.5) and newer only.
+CUDA_FAMILIES: Mapping[str, tuple[str, ...]] = {
+    "turing-ampere": ("75-real", "80-real", "86-real"),  # T4, RTX 20xx, A100, RTX 30xx, A10/A40
+    "ada-hopper": ("89-real", "90-real"),  # RTX 40xx, L4, L40S, H100, H200
+    "blackwell": ("100-real", "120-real", "120-virtual"),  # B200, RTX 50xx; PTX for what comes next
+}
+CUDA_FAMILIES_ALL = tuple(a for family in CUDA_FAMILIES.values() for a in family)
+DEFAULT_CUDA_ARCHS = CUDA_FAMILIES_ALL
+# The CUDA runtime libraries a CUDA bundle carries (NVIDIA's redistributable set), so that the
+# host needs only the driver's libcuda.so.1.
+CUDA_BUNDLED_LIBS = ("libcudart.so", "libcublas.so", "libcublasLt.so")
+# A Vulkan bundle needs the Khronos loader from the host; the driver behind it is the host's.
+VULKAN_SYSTEM_LIBS = ("libvulkan.so.1",)
 _ARCH = re.compile(r"^\d{2,3}[af]?(-real|-virtual)?$")
 
 
@@ -112,28 +127,36 @@ def variant_fits(cpu_requires: tuple[str, ...], flags: frozenset[str]) -> bool:
 
 
 def parse_cuda_archs(text: str | None) -> tuple[str, ...]:
-    """`90-real` or a list (`75-virtual;80-virtual,90-real`) -> a validated tuple."""
+    """`90-real`, a list (`75-virtual;80-virtual,90-real`), a family name or `all` -> a validated tuple."""
     if not text:
         return DEFAULT_CUDA_ARCHS
+    if text.strip() == "all":
+        return CUDA_FAMILIES_ALL
+    if text.strip() in CUDA_FAMILIES:
+        return CUDA_FAMILIES[text.strip()]
     archs = tuple(a.strip() for a in re.split(r"[;,\s]+", text) if a.strip())
     bad = [a for a in archs if not _ARCH.match(a)]
     if not archs or bad:
         raise StokerError(
             ReasonCode.BUNDLE_BUILD_FAILED,
-            "Bad --cuda-archs: use compute capabilities such as 90-real or 75-virtual;86-real.",
-            {"cuda_archs": text, "invalid": bad},
+            "Bad --cuda-archs: use compute capabilities such as 90-real or 75-virtual;86-real, or a family.",
+            {"cuda_archs": text, "invalid": bad, "families": sorted(CUDA_FAMILIES)},
         )
     return archs
 
 
 def cuda_system_libs(toolkit_major: int) -> tuple[str, ...]:
-    """The libraries a CUDA bundle needs from the host unless it bundles them."""
-    return (
-        "libcuda.so.1",
-        f"libcudart.so.{toolkit_major}",
-        f"libcublas.so.{toolkit_major}",
-        f"libcublasLt.so.{toolkit_major}",
-    )
+    """The libraries a CUDA bundle needs from the host: the driver's alone (the runtime is bundled)."""
+    return ("libcuda.so.1",)
+
+
+def cuda_lib_dirs(nvcc: str | None) -> tuple[str, ...]:
+    """Where the toolkit next to `nvcc` keeps its runtime libraries."""
+    if not nvcc:
+        return ()
+    root = Path(nvcc).resolve().parent.parent
+    dirs = [root / "lib64", root / "targets" / f"{platform.machine()}-linux" / "lib", root / "lib"]
+    return tuple(str(d) for d in dirs if d.is_dir())
 
 
 def _cpu_flags_for(variant: str) -> tuple[str, ...]:
@@ -194,11 +217,56 @@ def parse_nvcc_version(text: str) -> tuple[str, int]:
     return f"cuda {m.group(1)}.{m.group(2)}", int(m.group(1))
 
 
+def _vulkan_include_dirs(environ: Mapping[str, str]) -> tuple[Path, ...]:
+    sdk = environ.get("VULKAN_SDK")
+    return tuple(Path(d) for d in (f"{sdk}/include" if sdk else None, "/usr/include", "/usr/local/include") if d)
+
+
+def find_glslc(environ: Mapping[str, str] | None = None) -> str | None:
+    """glslc where cmake's FindVulkan looks for it: $VULKAN_SDK/bin, then PATH."""
+    env = os.environ if environ is None else environ
+    sdk = env.get("VULKAN_SDK")
+    for candidate in (f"{sdk}/bin/glslc" if sdk else None, shutil.which("glslc")):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return None
+
+
+def vulkan_toolkit(environ: Mapping[str, str] | None = None) -> str:
+    """`vulkan 1.3.239, shaderc 2023.2-1`: the Vulkan headers' version and glslc's, both cache-key
+    inputs (the headers decide which device features ggml-vulkan compiles in, glslc the SPIR-V).
+    bundle_build_failed naming the Debian packages when either, or the SPIR-V headers, is missing."""
+    env = os.environ if environ is None else environ
+    includes = _vulkan_include_dirs(env)
+    core = next((d / "vulkan" / "vulkan_core.h" for d in includes if (d / "vulkan" / "vulkan_core.h").is_file()), None)
+    spirv = any((d / "spirv" / "unified1" / "spirv.hpp").is_file() for d in includes)
+    glslc = find_glslc(env)
+    missing = [
+        what
+        for what, ok in (("libvulkan-dev (vulkan/vulkan_core.h)", core), ("glslc", glslc), ("spirv-headers", spirv))
+        if not ok
+    ]
+    if missing or core is None or glslc is None:
+        raise StokerError(
+            ReasonCode.BUNDLE_BUILD_FAILED,
+            f"The Vulkan build needs {', '.join(missing)}: on Debian/Ubuntu `apt-get install libvulkan-dev glslc "
+            "spirv-headers` (or set VULKAN_SDK to a LunarG SDK).",
+            {"missing": missing, "searched": [str(d) for d in includes]},
+        )
+    header = re.search(r"VK_HEADER_VERSION_COMPLETE\s+VK_MAKE_API_VERSION\(\s*0,\s*(\d+),\s*(\d+),", core.read_text())
+    patch = re.search(r"#define\s+VK_HEADER_VERSION\s+(\d+)", core.read_text())
+    headers = f"{header.group(1)}.{header.group(2)}.{patch.group(1)}" if header and patch else "unknown"
+    shaderc = _first_line([glslc, "--version"]).replace("shaderc ", "").strip()
+    return f"vulkan {headers}, shaderc {shaderc}"
+
+
 def detect_toolchain(backend: str) -> Toolchain:
-    """Probe the compiler, cmake and (for CUDA) nvcc on this host."""
+    """Probe the compiler, cmake and (for CUDA) nvcc or (for Vulkan) its headers and glslc on this host."""
     generator = "Ninja" if shutil.which("ninja") else "Unix Makefiles"
     compiler = _first_line([os.environ.get("CXX", "c++"), "--version"])
     cmake = _first_line(["cmake", "--version"])
+    if backend == "vulkan":
+        return Toolchain(compiler, cmake, generator, vulkan_toolkit())
     if backend != "cuda":
         return Toolchain(compiler, cmake, generator)
     nvcc = find_nvcc()
@@ -227,6 +295,10 @@ class BuildPlan:
     declared_system_libs: tuple[str, ...]
     toolchain: Toolchain
     host_cpu: str | None = None  # digest of the build host's cpu flags, for native only
+    # Libraries (soname prefixes) copied into the bundle from `bundled_lib_dirs` rather than
+    # left to the host: the CUDA runtime.
+    bundled_libs: tuple[str, ...] = ()
+    bundled_lib_dirs: tuple[str, ...] = ()
 
     @classmethod
     def for_backend(
@@ -247,6 +319,8 @@ class BuildPlan:
         toolchain = toolchain or detect_toolchain(backend)
         flags = COMMON_FLAGS + _cpu_flags_for(variant)
         archs: tuple[str, ...] = ()
+        bundled: tuple[str, ...] = ()
+        bundled_dirs: tuple[str, ...] = ()
         min_driver = None
         libs: tuple[str, ...] = ()
         if backend == "cuda":
@@ -259,6 +333,12 @@ class BuildPlan:
                 flags += (f"-DCMAKE_CUDA_COMPILER={toolchain.nvcc}",)
             min_driver = CUDA_MIN_DRIVER.get(major)
             libs = cuda_system_libs(major)
+            bundled, bundled_dirs = CUDA_BUNDLED_LIBS, cuda_lib_dirs(toolchain.nvcc)
+        elif backend == "vulkan":
+            # Only the Vulkan loader comes from the host; it finds the host's driver (ICD) itself.
+            # GGML_CUDA stays off whatever the build host has: no CUDA coupling.
+            flags += ("-DGGML_VULKAN=ON",)
+            libs = VULKAN_SYSTEM_LIBS
         host_cpu = None
         if variant == "native":
             host_cpu = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
@@ -273,6 +353,8 @@ class BuildPlan:
             libs,
             toolchain,
             host_cpu,
+            bundled,
+            bundled_dirs,
         )
 
     def cache_inputs(self, source_digest: str, extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -286,5 +368,6 @@ class BuildPlan:
             "cuda_archs": list(self.cuda_archs),
             "toolchain": self.toolchain.to_dict(),
             "host_cpu": self.host_cpu,
+            **({"bundled_libs": list(self.bundled_libs)} if self.bundled_libs else {}),
             **extra,
         }

@@ -77,10 +77,13 @@ def bundle_group() -> None:
 
 
 @bundle_group.command("build")
-@click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--backend", type=click.Choice(["cpu", "cuda", "vulkan"]), default="cpu", show_default=True)
 @click.option("--variant", help="CPU variant: avx2, compat or native (default: the safe one for this CPU).")
 @click.option("--source", "source_text", help="pypi:NAME==VER[#sha256=..], URL#sha256=.., or a directory.")
-@click.option("--cuda-archs", help="CUDA architectures, e.g. 90-real or 75-virtual;86-real (default 90-real).")
+@click.option(
+    "--cuda-archs",
+    help="CUDA architectures (90-real, 75-virtual;86-real) or a family: turing-ampere, ada-hopper, blackwell, all (default all).",
+)
 @click.option("--jobs", "-j", type=int, help="Parallel compile jobs (default: all cores).")
 @json_option
 def build_cmd(

@@ -19,17 +19,9 @@ if compgen -G "$WHEELS/*.whl" >/dev/null && [ ! -f "$SITE/.stoker-wheels" ]; the
     touch "$SITE/.stoker-wheels"
 fi
 mkdir -p "$SITE"
-# A CUDA bundle declares the toolkit's libcudart/libcublas instead of shipping them: make sure
-# the loader finds them (said out loud, since it is part of what was verified).
-if ! ldconfig -p 2>/dev/null | grep -q 'libcublas\.so'; then
-    for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-        if compgen -G "$dir/libcublas.so*" >/dev/null; then
-            export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-            echo "run.sh: libcublas is not in the ld.so cache; LD_LIBRARY_PATH=$LD_LIBRARY_PATH" >&2
-            break
-        fi
-    done
-fi
+# A CUDA bundle carries its runtime (libcudart, libcublas, libcublasLt): everything runs with
+# the toolkit's libraries hidden from the loader, as on a user's machine with only the driver.
+unset LD_LIBRARY_PATH
 # Stoker runs from this checkout, not installed: register its backend entry points beside the
 # wheels so that daemon/backends/registry.py finds the built-ins.
 "$PY" - "$SITE" "$ROOT/pyproject.toml" <<'EOF'

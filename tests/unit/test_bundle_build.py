@@ -136,3 +136,21 @@ def test_collect_outputs_copies_the_closure_and_names_system_libs(tmp_path):
     system = collect_outputs(bindir, tmp_path / "stage")
     assert "libc.so.6" in system
     assert (tmp_path / "stage" / "bin" / "llama-server").stat().st_mode & 0o777 == 0o755
+
+
+def test_collect_outputs_carries_the_vendor_libraries_it_is_told_to(tmp_path):
+    # As a CUDA bundle carries libcudart/libcublas from the toolkit: here libc from the system's
+    # library folder stands in for the vendor's (a real ELF closure, read with readelf).
+    true = shutil.which("true")
+    bindir = tmp_path / "build" / "bin"
+    bindir.mkdir(parents=True)
+    shutil.copy(true, bindir / "llama-server")
+    libdir = next(
+        d for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64") if Path(d, "libc.so.6").exists()
+    )
+    system = collect_outputs(bindir, tmp_path / "stage", bundled=("libc.so",), bundled_dirs=(str(tmp_path), libdir))
+    assert (tmp_path / "stage" / "bin" / "libc.so.6").is_file()
+    assert "libc.so.6" not in system
+    with pytest.raises(StokerError) as err:
+        collect_outputs(bindir, tmp_path / "stage2", bundled=("libc.so",), bundled_dirs=(str(tmp_path),))
+    assert err.value.reason == ReasonCode.BUNDLE_BUILD_FAILED and err.value.evidence["library"] == "libc.so.6"

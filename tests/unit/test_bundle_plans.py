@@ -71,13 +71,22 @@ def test_cuda_plan_flags_and_metadata():
     assert flag(plan, "GGML_CUDA_NCCL") == "OFF"  # else libnccl.so.2 follows the build host into the bundle
     assert flag(plan, "GGML_AMX_TILE") == "OFF"  # the CUDA bundle's CPU part is a safe variant too
     assert plan.min_driver == "580.65.06"
-    assert plan.declared_system_libs == ("libcuda.so.1", "libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13")
+    # The runtime travels in the bundle: the host needs only the driver.
+    assert plan.declared_system_libs == ("libcuda.so.1",)
+    assert plan.bundled_libs == ("libcudart.so", "libcublas.so", "libcublasLt.so")
     default = BuildPlan.for_backend("cuda", "avx2", toolchain=NVCC)
-    assert default.cuda_archs == ("90-real",)
+    # Turing to Blackwell in real code, and PTX for what comes after.
+    assert default.cuda_archs[0] == "75-real" and default.cuda_archs[-1] == "120-virtual"
+    assert {"86-real", "89-real", "90-real"} <= set(default.cuda_archs)
 
 
 def test_cuda_archs_parsing():
-    assert variants.parse_cuda_archs(None) == ("90-real",)
+    assert variants.parse_cuda_archs(None) == variants.CUDA_FAMILIES_ALL
+    assert variants.parse_cuda_archs("all") == variants.CUDA_FAMILIES_ALL
+    assert variants.parse_cuda_archs("ada-hopper") == ("89-real", "90-real")
+    # Every family together is the whole default list, each architecture once.
+    families = [a for f in variants.CUDA_FAMILIES.values() for a in f]
+    assert sorted(families) == sorted(set(variants.CUDA_FAMILIES_ALL))
     assert variants.parse_cuda_archs("75-virtual;80-virtual, 86-real 90a-real") == (
         "75-virtual",
         "80-virtual",
