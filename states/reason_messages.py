@@ -80,6 +80,11 @@ MESSAGE_TEXT: dict[str, str] = {
         "go on it: the Vulkan server was not started; serving on the CPU. Free VRAM, or lower the "
         "margin (see the hint)."
     ),
+    "vulkan_software_device": (
+        "The Vulkan engine is running on a software rasteriser (Mesa's llvmpipe/lavapipe), that is on the CPU "
+        "through Vulkan: nothing is accelerated, so it is reported as the CPU. It runs only because "
+        "STOKER_VULKAN_ALLOW_SOFTWARE=1 asked for it (tests, CI); unset it to serve with the CPU engine."
+    ),
     "binary_missing_metal_detected": (
         "An Apple GPU is present but no matching engine bundle is installed; Stoker installs it on "
         "demand (`stoker install`)."

@@ -65,6 +65,7 @@ class ReasonCode(enum.StrEnum):
     VULKAN_STARTUP_FAILED = "vulkan_startup_failed"
     VULKAN_BUNDLE_INSTALL_FAILED = "vulkan_bundle_install_failed"
     VULKAN_VRAM_FULL = "vulkan_vram_full"
+    VULKAN_SOFTWARE_DEVICE = "vulkan_software_device"
     BINARY_MISSING_METAL_DETECTED = "binary_missing_metal_detected"
     METAL_UNAVAILABLE = "metal_unavailable"
     METAL_GPU_LAYERS_ZERO = "metal_gpu_layers_zero"

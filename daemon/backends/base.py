@@ -42,6 +42,7 @@ class ReasonKind(enum.StrEnum):
     GPU_LAYERS_ZERO = "gpu_layers_zero"  # ready, but no layer offloaded: reported as the CPU
     BUNDLE_INSTALL_FAILED = "bundle_install_failed"  # its bundle could not be installed
     VRAM_FULL = "vram_full"  # every device below the engine's fit margin: its server is not started
+    SOFTWARE_DEVICE = "software_device"  # ready, but on a software device (a CPU rasteriser): reported as the CPU
 
 
 @attrs.frozen
@@ -325,6 +326,12 @@ class Backend(abc.ABC):
             free = int(groups[3]) if len(groups) > 3 and groups[3] is not None else None
             found.append(ListedDevice(self.name, groups[0], groups[1], total, free))
         return tuple(found)
+
+    def software_devices(self, engine_devices: Iterable[str]) -> tuple[str, ...]:
+        """Those of the devices the engine said it loaded on (its `using device NAME (DESC)`
+        lines, as `NAME (DESC)`) that are software on the CPU (a Vulkan rasteriser such as
+        llvmpipe), where this backend can tell: a launch on them is not accelerated. None by default."""
+        return ()
 
     def read_telemetry(self, handle: TelemetryRequest) -> Telemetry | None:
         """A cheap telemetry reading (blocking, fast: callers run it in a thread), or None

@@ -96,9 +96,18 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def generate(
-    server: Path, model: Path, prompt: str, n_predict: int, scratch: Path, *, threads: int = 2, timeout: float = 120.0
+    server: Path,
+    model: Path,
+    prompt: str,
+    n_predict: int,
+    scratch: Path,
+    *,
+    threads: int = 2,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[int, ...]:
-    """Start `server` on `model`, run one greedy completion, stop it; return the token ids."""
+    """Start `server` on `model`, run one greedy completion, stop it; return the token ids.
+    `env`: added to the engine's (the devices a backend's runtime may use)."""
     scratch = Path(scratch)
     scratch.mkdir(parents=True, exist_ok=True)
     log = scratch / "smoke-server.log"
@@ -143,7 +152,7 @@ def generate(
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=engine_env(),
+            env=engine_env(env),
             start_new_session=True,
         )
     try:
@@ -193,7 +202,9 @@ async def _complete(
         return await engine.completion(body)
 
 
-def run_smoke(server: Path, spec: SmokeSpec, scratch: Path, *, timeout: float = 120.0) -> tuple[int, ...]:
+def run_smoke(
+    server: Path, spec: SmokeSpec, scratch: Path, *, timeout: float = 120.0, env: Mapping[str, str] | None = None
+) -> tuple[int, ...]:
     """Write the tiny model into `scratch` and return the greedy tokens `server` generates."""
     model = spec.write_model(scratch)
-    return generate(server, model, spec.prompt, spec.n_predict, scratch, threads=spec.threads, timeout=timeout)
+    return generate(server, model, spec.prompt, spec.n_predict, scratch, threads=spec.threads, timeout=timeout, env=env)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import attrs
 
-from daemon.backends.base import Backend, ReasonKind
+from daemon.backends.base import Backend, LaunchRequest, ReasonKind
 from daemon.backends.registry import load_backend
 from daemon.core.digests import sha256_file
 from daemon.bundles.archive import ArchiveLimits, unpack_bundle
@@ -135,6 +135,13 @@ def judging_backend(meta: BundleMeta) -> Backend:
         ) from None
 
 
+def devices_env(backend: Backend) -> dict[str, str]:
+    """The environment a plan on every device gives the backend's server (Backend.launch_env):
+    verification runs the engine on the devices a launch would use (a Vulkan software device,
+    for one, only where the plugin names it)."""
+    return backend.launch_env(LaunchRequest("auto"))
+
+
 def _run_engine(server: Path, args: list[str], step: str, backend: Backend, timeout: float) -> tuple[str, str]:
     with tempfile.TemporaryDirectory(prefix="stoker-verify-") as scratch:
         try:
@@ -146,7 +153,7 @@ def _run_engine(server: Path, args: list[str], step: str, backend: Backend, time
                 errors="replace",
                 timeout=timeout,
                 stdin=subprocess.DEVNULL,
-                env=engine_env(),
+                env=engine_env(devices_env(backend)),
             )
         except subprocess.TimeoutExpired:
             raise StokerError(
@@ -238,7 +245,8 @@ def check_smoke(server: Path, meta: BundleMeta, timeout: float = 120.0) -> tuple
                 {"expected": ref.model["sha256"], "actual": sha256_file(model)},
             )
         # Run before judging a missing reference: a SIGILL here is the more useful answer.
-        tokens = run_smoke(server, spec, Path(scratch), timeout=timeout)
+        env = devices_env(judging_backend(meta))
+        tokens = run_smoke(server, spec, Path(scratch), timeout=timeout, env=env)
     if ref.tokens is None:
         raise StokerError(
             ReasonCode.BUNDLE_VERIFY_FAILED,

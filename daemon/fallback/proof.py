@@ -40,6 +40,16 @@ async def judge_acceleration(
     if not offloaded:
         proof["hint"] = zero_layers_hint(plan, estimate, evidence)
         return family_reason(backends, backend, ReasonKind.GPU_LAYERS_ZERO, ReasonCode.GPU_CLAIMED_BUT_UNUSED), proof
+    plugin = backends.get(backend)
+    software = plugin.software_devices(evidence.get("devices") or ()) if plugin is not None else ()
+    if software:
+        # The engine's own `using device` line names a rasteriser: its layers are on the CPU.
+        proof["software_devices"] = list(software)
+        proof["message"] = (
+            f"The {backend} server offloaded {offloaded}/{proof['total_layers']} layers to {', '.join(software)}, "
+            "a software rasteriser running on the CPU: nothing is accelerated, so it is reported as the CPU."
+        )
+        return family_reason(backends, backend, ReasonKind.SOFTWARE_DEVICE, ReasonCode.GPU_CLAIMED_BUT_UNUSED), proof
     vram = await process_vram(backends, backend, evidence.get("pid"))
     proof["process_vram_mib"] = vram
     if vram == 0:

@@ -42,7 +42,7 @@ def test_missing_file_and_bad_options(tmp_path):
     assert res.exit_code == 1 and json.loads(res.stdout)["error"]["reason"] == "bundle_missing"
     res = run("build", "--backend", "cpu", "--cuda-archs", "90-real", "--json")
     assert res.exit_code == 1 and json.loads(res.stdout)["error"]["reason"] == "bundle_build_failed"
-    assert run("build", "--backend", "vulkan").exit_code == 2
+    assert run("build", "--backend", "rocm").exit_code == 2
 
 
 def test_install_then_list(tmp_path):
