@@ -154,7 +154,12 @@ class Daemon:
             quick={name: b.quick_detect for name, b in backends.items()},
         )
         self.installs = InstallService(
-            self.paths, self.store, self.publish, manifest_source=self.manifest_source, backends=backends
+            self.paths,
+            self.store,
+            self.publish,
+            manifest_source=self.manifest_source,
+            trusted_keys=lambda: self.config.bundles.trusted_keys,
+            backends=backends,
         )
         self.frontdoor_hold = Hold(self)  # the front door's waiting room (each model's requests in its member)
         services = Services(

@@ -11,7 +11,7 @@ PAGE = Path(__file__).resolve().parent / "reason-codes.md"
 
 GROUPS = (
     ("GPU backends", ("binary_missing_", "gpu_missing", "cuda_", "rocm_", "vulkan_", "metal_", "gpu_claimed")),
-    ("Engine bundles", ("bundle_", "source_", "cpu_bundle", "cpu_illegal")),
+    ("Engine bundles", ("bundle_", "source_", "cpu_bundle", "cpu_illegal", "manifest_")),
     ("The server process", ("model_", "out_of_memory", "port_in_use", "server_", "crash_loop")),
 )
 

@@ -126,6 +126,27 @@ MESSAGE_TEXT: dict[str, str] = {
     "bundle_unsafe_archive": "The bundle archive is unsafe (path escape, link, special file or absurd size) and was refused.",
     "bundle_verify_failed": "The bundle's engine did not pass verification (version, devices or smoke test).",
     "source_digest_mismatch": "The engine source does not match its pinned sha256; refusing to build from it.",
+    "manifest_untrusted": (
+        "The bundle manifest is not signed by a key in `[bundles] trusted_keys` (unsigned, signed by another key, "
+        "or an http(s) manifest with no trusted keys configured), so nothing was installed from it; the installed "
+        "engine is untouched. Add the mirror's public key (`ed25519:...`, what `stoker bundle keygen` printed) to "
+        "trusted_keys, or use the mirror that key signs."
+    ),
+    "manifest_signature_invalid": (
+        "The bundle manifest's signature does not verify (the manifest was altered after signing, or the envelope "
+        "is malformed), so nothing was installed from it; the installed engine is untouched. The mirror is "
+        "damaged or tampered with: tell its publisher, or use another mirror."
+    ),
+    "manifest_expired": (
+        "The bundle manifest's signature has expired, so it was refused: a mirror that stopped publishing, or one "
+        "replaying an old manifest to hold back updates (a freeze). The installed engine is untouched; the "
+        "publisher must re-sign it (`stoker bundle publish`), or check this machine's clock."
+    ),
+    "manifest_rollback": (
+        "The bundle manifest is older than one this daemon already accepted from the same key and channel (a "
+        "lower version, or the same version with other contents): a replayed manifest, refused so that no "
+        "older engine comes back. The installed engine is untouched; use an up-to-date mirror."
+    ),
     "model_missing": "The model file does not exist; fix `model` in the config.",
     "model_load_failed": "The engine could not load the model (corrupt or unsupported file); see the server log.",
     "out_of_memory": "The engine ran out of memory; lower the context size or the offloaded layers.",

@@ -84,6 +84,11 @@ class ReasonCode(enum.StrEnum):
     BUNDLE_UNSAFE_ARCHIVE = "bundle_unsafe_archive"
     BUNDLE_VERIFY_FAILED = "bundle_verify_failed"
     SOURCE_DIGEST_MISMATCH = "source_digest_mismatch"
+    # A mirror's manifest that was refused (daemon/install/trust.py, docs/mirror.md).
+    MANIFEST_UNTRUSTED = "manifest_untrusted"
+    MANIFEST_SIGNATURE_INVALID = "manifest_signature_invalid"
+    MANIFEST_EXPIRED = "manifest_expired"
+    MANIFEST_ROLLBACK = "manifest_rollback"
     # The server process.
     MODEL_MISSING = "model_missing"
     MODEL_LOAD_FAILED = "model_load_failed"

@@ -251,6 +251,25 @@ def snapshot_owners(db: Database) -> dict[int, str]:
     return owners
 
 
+def m008_manifest_versions(db: Database) -> None:
+    """The newest signed bundle manifest accepted per signing key and channel (store/manifests.py):
+    what refuses a replayed older one (manifest_rollback). The version, the payload's sha256 (the
+    same version with other contents is refused too), where it came from, when it expires."""
+    db.table("manifest_versions").create(
+        {
+            "key_id": str,  # 16 hex digits of the public key's sha256 (daemon/core/signing.py)
+            "channel": str,
+            "version": int,
+            "payload_sha256": str,
+            "source": str,  # the manifest's URL or path, as configured
+            "expires": str,  # RFC 3339 UTC, as signed
+            "accepted_at": float,
+        },
+        pk=("key_id", "channel"),
+        not_null={"version", "payload_sha256", "source", "accepted_at"},
+    )
+
+
 MIGRATIONS: list[Migration] = [
     m001_initial,
     m002_snapshots,
@@ -259,6 +278,7 @@ MIGRATIONS: list[Migration] = [
     m005_user_keys,
     m006_model_catalog,
     m007_snapshot_instance,
+    m008_manifest_versions,
 ]
 
 

@@ -9,10 +9,12 @@ Parsing is strict: a malformed document is a `bundle_metadata_mismatch`, never a
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import urljoin
 
 import attrs
 
@@ -254,10 +256,16 @@ class ManifestEntry:
     platform: str
     min_driver: str | None = None
     cuda_archs: tuple[str, ...] = ()
+    # How the manifest that lists it was trusted (daemon/install/trust.py): key, version, channel,
+    # expiry. Not part of the entry: what the install's history records about where it came from.
+    origin: Mapping[str, Any] = attrs.field(factory=dict, eq=False, hash=False)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ManifestEntry":
+    def from_dict(cls, data: Mapping[str, Any], base: str | None = None) -> "ManifestEntry":
+        """Parse one entry; a relative `url` is resolved against `base`, the manifest's own URL."""
         url = _get(data, "url", str)
+        if base is not None and not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", url):
+            url = urljoin(base, url)  # a mirror lists its zips beside the manifest
         # Plain http only on loopback: a local mirror (and the tests' fault server).
         if not re.match(r"^(https://|file://|http://(127\.0\.0\.1|localhost|\[::1\])[:/])", url):
             raise _bad("a manifest URL must be https:// or file:// (http:// only on loopback)", url=url)
@@ -293,37 +301,76 @@ class ManifestEntry:
         return out
 
 
+def _timestamp(data: Mapping[str, Any], key: str) -> str | None:
+    """An RFC 3339 UTC time, `2026-01-31T12:00:00Z`, or None when absent."""
+    value = _get(data, key, str, optional=True)
+    if value is not None:
+        try:
+            parse_timestamp(value)
+        except ValueError:
+            raise _bad(f"{key!r} is not an RFC 3339 UTC time like 2026-01-31T12:00:00Z", value=value) from None
+    return value
+
+
+def parse_timestamp(text: str) -> float:
+    """Unix seconds of an RFC 3339 UTC time (`...Z` or `+00:00`); ValueError otherwise."""
+    when = datetime.datetime.fromisoformat(text)
+    if when.utcoffset() != datetime.timedelta(0):
+        raise ValueError(f"{text} is not in UTC")
+    return when.timestamp()
+
+
+def format_timestamp(at: float) -> str:
+    """The RFC 3339 UTC form of unix seconds, to the second: `2026-01-31T12:00:00Z`."""
+    return datetime.datetime.fromtimestamp(int(at), datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 @attrs.frozen
 class BundleManifest:
-    """The list of published bundles that the downloader resolves against."""
+    """The list of published bundles that the downloader resolves against.
+
+    A mirror's signed manifest (docs/mirror.md) also carries `version` (a monotonic integer per
+    signing key and channel), `expires` (RFC 3339 UTC) and `channel`; daemon/install/trust.py
+    requires them of every signed manifest. A local unsigned manifest may leave them out."""
 
     schema_version: int
     bundles: tuple[ManifestEntry, ...]
+    version: int | None = None
+    expires: str | None = None
+    channel: str | None = None
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "BundleManifest":
+    def from_dict(cls, data: Mapping[str, Any], base: str | None = None) -> "BundleManifest":
+        """Parse a decoded manifest; relative entry URLs resolve against `base` (its URL)."""
         schema = _get(data, "schema_version", int)
         if schema != MANIFEST_SCHEMA_VERSION:
             raise _bad("unsupported manifest schema version", schema_version=schema)
-        bundles = tuple(ManifestEntry.from_dict(b) for b in _get(data, "bundles", list))
+        bundles = tuple(ManifestEntry.from_dict(b, base) for b in _get(data, "bundles", list))
         seen = set()
         for b in bundles:
             key = (b.backend, b.variant, b.platform, b.version)
             if key in seen:
                 raise _bad("the manifest lists the same bundle twice", bundle=list(key))
             seen.add(key)
-        return cls(schema, bundles)
+        version = _get(data, "version", int, optional=True)
+        if version is not None and version < 1:
+            raise _bad("a manifest version is a positive integer", version=version)
+        channel = None if data.get("channel") is None else _name(data, "channel")
+        return cls(schema, bundles, version, _timestamp(data, "expires"), channel)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "BundleManifest":
+    def from_json(cls, text: str | bytes, base: str | None = None) -> "BundleManifest":
         try:
             data = json.loads(text)
         except (ValueError, UnicodeDecodeError) as err:
             raise _bad("the manifest is not valid JSON", error=str(err)) from None
-        return cls.from_dict(data)
+        return cls.from_dict(data, base)
 
     def to_json(self) -> str:
-        doc = {"schema_version": self.schema_version, "bundles": [b.to_dict() for b in self.bundles]}
+        doc: dict[str, Any] = {"schema_version": self.schema_version, "bundles": [b.to_dict() for b in self.bundles]}
+        for key in ("version", "expires", "channel"):
+            if getattr(self, key) is not None:
+                doc[key] = getattr(self, key)
         return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
     def select(

@@ -1,6 +1,7 @@
-"""`stoker bundle build|inspect|verify|list|install`: engine bundles from the command line.
+"""`stoker bundle build|inspect|verify|list|install|keygen|publish`: engine bundles from the command line.
 
-Build, inspect, verify and list work without the daemon, in the data and cache directories.
+Build, inspect, verify and list work without the daemon, in the data and cache directories;
+keygen and publish make a signed static mirror (daemon/bundles/mirror.py, docs/mirror.md).
 Install goes through the install service like every install: the running daemon's, else this
 process's (daemon.cli.install.install_file).
 """
@@ -73,7 +74,7 @@ def _human_list(data: dict[str, Any]) -> str:
 
 @click.group("bundle")
 def bundle_group() -> None:
-    """Build, inspect, verify, list and install engine bundles."""
+    """Build, inspect, verify, list, install and publish engine bundles."""
 
 
 @bundle_group.command("build")
@@ -202,6 +203,97 @@ def install_cmd(path: Path, smoke: bool, as_json: bool) -> None:
         {"ok": True, **bundle},
         lambda d: f"installed {d['backend']}-{d['variant']} {d['version']} at {d['root']}",
     )
+
+
+@bundle_group.command("keygen")
+@click.argument("keyfile", type=click.Path(path_type=Path))
+@json_option
+def keygen_cmd(keyfile: Path, as_json: bool) -> None:
+    """Make an ed25519 key pair for signing a mirror's manifest.
+
+    The private key goes to KEYFILE (PKCS#8 PEM, 0600; never over an existing file), the public
+    key to KEYFILE.pub and stdout, in the one-line form `[bundles] trusted_keys` takes."""
+    from daemon.core.signing import generate_key
+
+    try:
+        key = generate_key(keyfile)
+    except FileExistsError:
+        fail(as_json, StokerError(ReasonCode.BAD_REQUEST, f"{keyfile} exists; keygen never overwrites a key.", {}))
+    except OSError as err:
+        fail(as_json, StokerError(ReasonCode.BAD_REQUEST, f"Cannot write {keyfile}: {err}.", {}))
+    pub = keyfile.with_name(keyfile.name + ".pub")
+    pub.write_text(key.public_text + "\n")
+    data = {
+        "private_key": str(keyfile),
+        "public_key": key.public_text,
+        "public_key_file": str(pub),
+        "key_id": key.keyid,
+    }
+    emit(
+        as_json,
+        data,
+        lambda d: (
+            f"{d['public_key']}\n  key id {d['key_id']}; private key {d['private_key']} (keep it secret); "
+            f'trust it with [bundles] trusted_keys = ["{d["public_key"]}"]'
+        ),
+    )
+
+
+def _human_publish(data: dict[str, Any]) -> str:
+    lines = [
+        f"published {data['manifest']} version {data['version']} ({data['channel']}), expires {data['expires']}",
+        f"  signed by {data['key_id']}: {data['public_key']}",
+    ]
+    lines += [
+        f"  {e['backend']}-{e['variant']} {e['version']} {e['platform']}  {e['size']:>10}  {e['url']}"
+        for e in data["entries"]
+    ]
+    return "\n".join(lines)
+
+
+@bundle_group.command("publish")
+@click.argument("directory", type=click.Path(path_type=Path, file_okay=False))
+@click.option("--bundle", "bundles", multiple=True, type=click.Path(path_type=Path), help="A bundle zip (repeatable).")
+@click.option("--from-cache", is_flag=True, help="Every bundle in the build cache (the newest of each kind).")
+@click.option("--key", "keyfile", required=True, type=click.Path(path_type=Path), help="The private key (keygen).")
+@click.option("--version", "version", type=int, help="The manifest's version (default: one past the mirror's).")
+@click.option("--expires", "expires_days", type=float, default=30.0, show_default=True, help="Days until it expires.")
+@click.option("--channel", help="The manifest's channel (default: the mirror's, else stable).")
+@json_option
+def publish_cmd(
+    directory: Path,
+    bundles: tuple[Path, ...],
+    from_cache: bool,
+    keyfile: Path,
+    version: int | None,
+    expires_days: float,
+    channel: str | None,
+    as_json: bool,
+) -> None:
+    """Write a static mirror in DIRECTORY: the bundle zips and a signed manifest (docs/mirror.md).
+
+    Serve DIRECTORY with any web server; daemons point `[bundles] manifest` at its manifest.json
+    and trust the key's public half. Entries already in the mirror stay; the version goes up."""
+    from daemon.bundles.build import cached_builds
+    from daemon.bundles.mirror import newest_cached_zips, publish_mirror
+    from daemon.core.signing import SignatureError, load_private_key
+
+    try:
+        zips = list(bundles)
+        if from_cache:
+            zips += newest_cached_zips(cached_builds(StokerPaths.from_env()))
+        if not zips:
+            raise StokerError(ReasonCode.BUNDLE_MISSING, "Nothing to publish: give --bundle ZIP or --from-cache.", {})
+        try:
+            key = load_private_key(keyfile)
+        except (OSError, SignatureError) as err:
+            raise StokerError(ReasonCode.BAD_REQUEST, f"Cannot use the key {keyfile}: {err}.", {}) from None
+        result = publish_mirror(
+            directory, zips, key, version=version, expires_days=expires_days, channel=channel, progress=_progress
+        )
+    except StokerError as err:
+        fail(as_json, err)
+    emit(as_json, result.to_dict(), _human_publish)
 
 
 def register(cli: click.Group) -> None:

@@ -155,6 +155,19 @@ def _manifest(value: Any) -> str:
     return value
 
 
+def _trusted_keys(value: Any) -> tuple[str, ...]:
+    from daemon.core.signing import SignatureError, parse_public_key
+
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise Invalid(f'must be a list of public keys like "ed25519:BASE64", got {describe(value)}')
+    for item in value:
+        try:
+            parse_public_key(item)
+        except SignatureError as err:
+            raise Invalid(f"{item[:60]!r}: {err}") from None
+    return tuple(dict.fromkeys(value))
+
+
 # --- the sections -------------------------------------------------------------------------
 
 
@@ -216,6 +229,9 @@ class BundlesConfig:
     # The published-bundles manifest (docs/bundles.md): a path or URL; "" means the
     # STOKER_MANIFEST_URL environment variable, or none (on-demand installs then fail).
     manifest: str = setting("", _manifest)
+    # The public keys a manifest must be signed by (docs/mirror.md): `ed25519:BASE64`, what
+    # `stoker bundle keygen` prints. None: only a local manifest is read, unchecked.
+    trusted_keys: tuple[str, ...] = setting((), _trusted_keys)
 
 
 @attrs.frozen

@@ -61,6 +61,10 @@ ERROR_CODES: dict[ReasonCode, int] = {
     ReasonCode.BUNDLE_VERIFY_FAILED: 3006,
     ReasonCode.SOURCE_DIGEST_MISMATCH: 3007,
     ReasonCode.CPU_BUNDLE_INSTALL_FAILED: 3008,
+    ReasonCode.MANIFEST_UNTRUSTED: 3009,
+    ReasonCode.MANIFEST_SIGNATURE_INVALID: 3010,
+    ReasonCode.MANIFEST_EXPIRED: 3011,
+    ReasonCode.MANIFEST_ROLLBACK: 3012,
     # KV-cache slot snapshots.
     ReasonCode.SNAPSHOTS_DISABLED: 5001,
     ReasonCode.SNAPSHOT_NOT_FOUND: 5002,

@@ -1,7 +1,10 @@
 """The bundle manifest: where published bundles are listed, and which entry fits this machine.
 
-The manifest (docs/bundles.md) is read from a path, a file:// URL or an http(s) URL, named by
-`[bundles] manifest` or STOKER_MANIFEST_URL. Of its entries for a backend and this platform,
+The manifest (docs/bundles.md, docs/mirror.md) is read from a path, a file:// URL or an http(s)
+URL, named by `[bundles] manifest` or STOKER_MANIFEST_URL, and believed only as the trust policy
+says (daemon/install/trust.py: signed by a configured key, not expired, never older than the
+last one accepted; a local one may be unsigned while no key is configured). Of its entries for a
+backend and this platform,
 `choose_entry` keeps those the backend's plugin accepts for the detected hardware (driver
 floor, CUDA architectures vs compute capability, ...) and lets the plugin pick the variant.
 Every "cannot" is a StokerError (bundle_missing) whose evidence lists what was refused and why;
@@ -14,20 +17,24 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+import attrs
 import trio
 
 from daemon.backends.base import Backend, Detection
 from daemon.bundles.metadata import BundleManifest, ManifestEntry
 from daemon.bundles.variants import host_platform
 from daemon.core.errors import StokerError
+from daemon.install.trust import ManifestTrust
 from states.reasons import ReasonCode
 
 MANIFEST_ENV = "STOKER_MANIFEST_URL"
 MANIFEST_MAX_BYTES = 4 * 2**20
 
 
-async def load_manifest(source: str) -> BundleManifest:
-    """Read the manifest from a path, a file:// URL or an http(s) URL; StokerError if unusable."""
+async def load_manifest(source: str, trust: ManifestTrust | None = None) -> BundleManifest:
+    """Read the manifest from a path, a file:// URL or an http(s) URL and admit it through `trust`
+    (None: no key configured, nothing remembered); StokerError if unusable or not believed. Each
+    entry's `origin` says how it was trusted."""
     if not source:
         raise StokerError(
             ReasonCode.BUNDLE_MISSING,
@@ -58,12 +65,17 @@ async def load_manifest(source: str) -> BundleManifest:
             f"The bundle manifest {source} cannot be read: {err}.",
             {"manifest": source, "error": f"{type(err).__name__}: {err}"},
         ) from None
+    trust = trust if trust is not None else ManifestTrust()
     try:
-        return BundleManifest.from_json(text)
+        admitted = trust.admit(source, text)
     except StokerError as err:
+        if err.reason != ReasonCode.BUNDLE_METADATA_MISMATCH:
+            raise  # a refusal of trust says what it is itself
         raise StokerError(
             err.reason, f"The bundle manifest {source} is invalid: {err.message}", {"manifest": source, **err.evidence}
         ) from None
+    manifest = admitted.manifest
+    return attrs.evolve(manifest, bundles=tuple(attrs.evolve(b, origin=admitted.provenance) for b in manifest.bundles))
 
 
 def choose_entry(

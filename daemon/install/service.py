@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 from urllib.parse import unquote, urlparse
 
 import attrs
@@ -38,8 +38,9 @@ from daemon.core.errors import StokerError
 from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.core.paths import StokerPaths
 from daemon.install.download import download
-from daemon.install.download_records import DownloadError, DownloadProgress
+from daemon.install.download_records import DownloadError, DownloadErrorKind, DownloadProgress
 from daemon.install.manifest import MANIFEST_ENV, choose_entry, load_manifest
+from daemon.install.trust import ManifestTrust
 from states import install as I
 from states.machine import IllegalTransition
 from states.reasons import ReasonCode
@@ -59,7 +60,11 @@ def install_failed_reason(backends: Mapping[str, Backend], backend: str) -> Reas
 def _cause(err: BaseException) -> dict[str, Any]:
     """The evidence of a failed step: the precise reason code, its sentence and evidence."""
     if isinstance(err, DownloadError):
-        return {"cause": "download_failed", "message": err.message, **err.evidence}
+        # Bytes other than the manifest's (a size or a sha256 that differs) are the bundle's
+        # digest failing; everything else (status, connection, disk) is the download's.
+        digest = err.kind in (DownloadErrorKind.DIGEST_MISMATCH, DownloadErrorKind.SIZE_MISMATCH)
+        cause = ReasonCode.BUNDLE_DIGEST_MISMATCH if digest else "download_failed"
+        return {"cause": str(cause), "message": err.message, **err.evidence}
     if isinstance(err, StokerError):
         return {"cause": str(err.reason), "message": err.message, **err.evidence}
     return {"cause": "internal_error", "message": f"{type(err).__name__}: {err}"}
@@ -76,6 +81,7 @@ class InstallService:
     store: Any
     publish: Publish | None = None
     manifest_source: Callable[[], str] = lambda: os.environ.get(MANIFEST_ENV, "")
+    trusted_keys: Callable[[], Sequence[str]] = lambda: ()  # [bundles] trusted_keys (docs/mirror.md)
     backends: Mapping[str, Backend] = attrs.field(factory=load_backends)  # every registered one by default
     smoke: bool = True
     _runners: dict[str, MachineRunner] = attrs.field(factory=dict, init=False)
@@ -103,6 +109,11 @@ class InstallService:
     @property
     def downloads_dir(self) -> Path:
         return self.paths.data_dir / "downloads"
+
+    @property
+    def trust(self) -> ManifestTrust:
+        """The manifest trust policy now: the configured keys, the store's accepted versions."""
+        return ManifestTrust(tuple(self.trusted_keys()), self.store)
 
     def staging_root(self, backend: str, variant: str) -> Path:
         return self.paths.bundles_dir / f".install-{backend}-{variant}"
@@ -155,7 +166,7 @@ class InstallService:
         backend's `*_bundle_install_failed` (and the cause in the evidence) if it cannot."""
         reason = install_failed_reason(self.backends, backend)
         try:
-            manifest = await load_manifest(self.manifest_source())
+            manifest = await load_manifest(self.manifest_source(), self.trust)
             entry = choose_entry(
                 manifest, backend, variant=variant, detection=detection, plugin=self.backends.get(backend)
             )
@@ -275,7 +286,7 @@ class InstallService:
         entry = self._entries.get(runner.machine_id)
         if entry is None:  # resumed after a restart: find it again in the manifest
             data: I.InstallData = runner.data
-            manifest = await load_manifest(self.manifest_source())
+            manifest = await load_manifest(self.manifest_source(), self.trust)
             entry = choose_entry(manifest, data.backend, variant=data.variant)
             self._entries[runner.machine_id] = entry
         return entry
@@ -292,6 +303,7 @@ class InstallService:
                 "variant": entry.variant,
                 "min_driver": entry.min_driver,
                 "cuda_archs": list(entry.cuda_archs),
+                **({"manifest": dict(entry.origin)} if entry.origin else {}),
             },
         )
 
@@ -443,7 +455,7 @@ def _copy_file_url(url: str, dest: Path, sha256: str, size: int, reason: ReasonC
     if actual_size != size or h.hexdigest() != sha256:
         part.unlink(missing_ok=True)
         raise StokerError(
-            reason,
+            ReasonCode.BUNDLE_DIGEST_MISMATCH,
             f"{url} does not match the manifest's sha256 and size.",
             {
                 "url": url,

@@ -141,7 +141,8 @@ async def test_wrong_digest_fails_with_evidence(setup):
     err = await _install_fails(setup.service())
     assert err.reason == "cpu_bundle_install_failed"
     ev = err.evidence
-    assert ev["cause"] == "download_failed" and ev["kind"] == "digest_mismatch" and ev["step"] == "downloading"
+    # The bytes are not the manifest's: the bundle's digest failing, whatever the transport said.
+    assert ev["cause"] == "bundle_digest_mismatch" and ev["kind"] == "digest_mismatch" and ev["step"] == "downloading"
     assert ev["expected_sha256"] == _sha(setup.data) != ev["actual_sha256"]
     setup.assert_previous_intact()
     assert setup.store.machine("install:cpu-avx2").reason == "cpu_bundle_install_failed"
@@ -151,7 +152,7 @@ async def test_wrong_size_fails(setup):
     setup.publish(setup.server.add("/cpu.zip", setup.data), size=len(setup.data) + 10)
     err = await _install_fails(setup.service())
     assert err.reason == "cpu_bundle_install_failed" and err.evidence["kind"] == "size_mismatch"
-    assert err.evidence["expected_size"] == len(setup.data) + 10
+    assert err.evidence["cause"] == "bundle_digest_mismatch" and err.evidence["expected_size"] == len(setup.data) + 10
     setup.assert_previous_intact()
 
 
