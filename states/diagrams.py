@@ -8,6 +8,7 @@ from __future__ import annotations
 import attrs
 
 from states.config import CONFIG
+from states.engine_update import ENGINE_UPDATE
 from states.fallback import FALLBACK
 from states.install import INSTALL
 from states.launch import LAUNCH
@@ -15,7 +16,7 @@ from states.machine import Guarded, MachineSpec
 from states.probe import PROBE
 from states.pull import PULL
 
-SPECS: tuple[MachineSpec, ...] = (LAUNCH, INSTALL, PROBE, FALLBACK, CONFIG, PULL)
+SPECS: tuple[MachineSpec, ...] = (LAUNCH, INSTALL, PROBE, FALLBACK, CONFIG, PULL, ENGINE_UPDATE)
 
 
 def mermaid(spec: MachineSpec) -> str:

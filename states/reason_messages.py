@@ -126,6 +126,23 @@ MESSAGE_TEXT: dict[str, str] = {
     "bundle_unsafe_archive": "The bundle archive is unsafe (path escape, link, special file or absurd size) and was refused.",
     "bundle_verify_failed": "The bundle's engine did not pass verification (version, devices or smoke test).",
     "source_digest_mismatch": "The engine source does not match its pinned sha256; refusing to build from it.",
+    "engine_update_rejected": (
+        "The engine update was refused before the switch: the installed engine is untouched and still serves. The "
+        "evidence's `gate` says which check failed (fetch, verify, smoke, tokens) and why."
+    ),
+    "engine_update_rolled_back": (
+        "The new engine was installed but failed its gate after the switch (`gate` start: a server did not get "
+        "ready on it; layers: it offloaded no layers where the old one did), so Stoker put the previous engine "
+        "back and restarted what ran on it. The rejected bundle is not offered again automatically."
+    ),
+    "engine_rollback_unavailable": (
+        "No previous engine is kept for this slot, so there is nothing to roll back to; the installed engine "
+        "keeps serving."
+    ),
+    "engine_rollback_failed": (
+        "The previous engine could not be put back (it is no longer where it was kept); the slot keeps what it "
+        "holds. Reinstall with `stoker install BACKEND`."
+    ),
     "manifest_untrusted": (
         "The bundle manifest is not signed by a key in `[bundles] trusted_keys` (unsigned, signed by another key, "
         "or an http(s) manifest with no trusted keys configured), so nothing was installed from it; the installed "

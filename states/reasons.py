@@ -89,6 +89,11 @@ class ReasonCode(enum.StrEnum):
     MANIFEST_SIGNATURE_INVALID = "manifest_signature_invalid"
     MANIFEST_EXPIRED = "manifest_expired"
     MANIFEST_ROLLBACK = "manifest_rollback"
+    # Engine updates (states/engine_update.py, docs/bundles.md "Updates").
+    ENGINE_UPDATE_REJECTED = "engine_update_rejected"
+    ENGINE_UPDATE_ROLLED_BACK = "engine_update_rolled_back"
+    ENGINE_ROLLBACK_UNAVAILABLE = "engine_rollback_unavailable"
+    ENGINE_ROLLBACK_FAILED = "engine_rollback_failed"
     # The server process.
     MODEL_MISSING = "model_missing"
     MODEL_LOAD_FAILED = "model_load_failed"

@@ -1,0 +1,171 @@
+"""The engine update machine's table (states/engine_update.py): the gates, the way back, resumes."""
+
+from __future__ import annotations
+
+import pytest
+
+from states import engine_update as U
+from states import engine_update_records as R
+from states.machine import IllegalTransition, step
+from states.reasons import ReasonCode
+
+S = R.UpdateState
+OLD = R.BundleFacts("b11434", "a" * 64)
+NEW = R.BundleFacts("b11434.1", "b" * 64)
+CANDIDATE = R.Candidate("b11434.1", "c" * 64, "https://mirror.example/cpu.zip", "c" * 64, 1000)
+TOKENS = (1, 2, 3, 4)
+
+
+def run(state, data, *events):
+    result = None
+    for event in events:
+        result = step(U.ENGINE_UPDATE, state, data, event)
+        state, data = result.state, result.data
+    return result
+
+
+def to_switching(servers=(R.ServerBaseline("default", None, None),), backend="cpu"):
+    return run(
+        S.IDLE,
+        R.UpdateData(),
+        R.UpdateRequested(backend, "avx2"),
+        R.Resolved(OLD, CANDIDATE),
+        R.Staged(NEW, "/data/bundles/.update-cpu-avx2/bundle", TOKENS),
+        R.TokensCompared(TOKENS),
+        R.Switched(servers),
+    )
+
+
+def test_a_good_update_switches_restarts_and_sticks():
+    restarting = to_switching()
+    assert restarting.state is S.RESTARTING
+    assert R.RestartServers(("default",)) in restarting.effects
+    done = step(
+        U.ENGINE_UPDATE,
+        restarting.state,
+        restarting.data,
+        R.ServersRestarted((R.ServerVerdict("default", "ready", "cpu"),)),
+    )
+    assert done.state is S.UPDATED and done.reason is None and done.effects == ()
+
+
+def test_gates_before_the_switch_reject_and_leave_the_slot_alone():
+    resolving = run(S.IDLE, R.UpdateData(), R.UpdateRequested("cpu", "avx2"))
+    assert resolving.effects == (R.Resolve("cpu", "avx2", None, None),)
+    staging = step(U.ENGINE_UPDATE, resolving.state, resolving.data, R.Resolved(OLD, CANDIDATE))
+    assert staging.state is S.STAGING and isinstance(staging.effects[-1], R.Stage)
+    smoke = step(U.ENGINE_UPDATE, staging.state, staging.data, R.GateFailed("smoke", {"cause": "bundle_verify_failed"}))
+    assert smoke.state is S.REJECTED and smoke.reason is ReasonCode.ENGINE_UPDATE_REJECTED
+    assert smoke.evidence["gate"] == "smoke" and smoke.effects == (R.CleanStaging(),)
+    assert not any(isinstance(e, (R.Switch, R.RollBack)) for e in smoke.effects)
+
+
+def test_tokens_that_differ_are_refused_and_not_offered_again_automatically():
+    comparing = run(
+        S.IDLE,
+        R.UpdateData(),
+        R.UpdateRequested("cpu", "avx2"),
+        R.Resolved(OLD, CANDIDATE),
+        R.Staged(NEW, "/staging", TOKENS),
+    )
+    rejected = step(U.ENGINE_UPDATE, comparing.state, comparing.data, R.TokensCompared((1, 2, 9, 9)))
+    assert rejected.state is S.REJECTED
+    assert rejected.evidence["gate"] == "tokens" and rejected.evidence["first_difference"] == 2
+    assert CANDIDATE.ref in rejected.data.rejected
+    again = run(
+        rejected.state, rejected.data, R.UpdateRequested("cpu", "avx2", automatic=True), R.Resolved(OLD, CANDIDATE)
+    )
+    assert again.state is S.CURRENT and "rejected here before" in again.evidence["message"]
+    by_user = run(rejected.state, rejected.data, R.UpdateRequested("cpu", "avx2"), R.Resolved(OLD, CANDIDATE))
+    assert by_user.state is S.STAGING  # a user asking again gets it staged and gated again
+
+
+def test_nothing_newer_is_current_and_a_named_zip_needs_only_to_differ():
+    older = R.Candidate("b11400", "d" * 64, "https://m/x.zip", "d" * 64, 10)
+    current = run(S.IDLE, R.UpdateData(), R.UpdateRequested("cpu", "avx2"), R.Resolved(OLD, older))
+    assert current.state is S.CURRENT and current.effects == ()
+    named = R.Candidate("b11400", "e" * 64, "file:///tmp/x.zip")
+    staged = run(S.IDLE, R.UpdateData(), R.UpdateRequested("cpu", "avx2", bundle="/tmp/x.zip"), R.Resolved(OLD, named))
+    assert staged.state is S.STAGING
+    same = R.Candidate("b11434", OLD.digest, "file:///tmp/y.zip")
+    again = run(S.IDLE, R.UpdateData(), R.UpdateRequested("cpu", "avx2", bundle="/tmp/y.zip"), R.Resolved(OLD, same))
+    assert again.state is S.CURRENT
+
+
+def test_a_server_that_dies_on_the_new_engine_rolls_back_and_discards_it():
+    restarting = to_switching()
+    verdict = R.ServerVerdict("default", "exited", "cpu", reason="server_crashed", evidence={"returncode": 134})
+    back = step(U.ENGINE_UPDATE, restarting.state, restarting.data, R.ServersRestarted((verdict,)))
+    assert back.state is S.ROLLING_BACK
+    assert back.effects == (R.RollBack("cpu-avx2", OLD.digest, NEW.digest),)
+    assert back.evidence["gate"] == "start" and back.evidence["server_reason"] == "server_crashed"
+    done = step(U.ENGINE_UPDATE, back.state, back.data, R.RolledBack({"restored": "b11434"}))
+    assert done.state is S.ROLLED_BACK and done.reason is ReasonCode.ENGINE_UPDATE_ROLLED_BACK
+    assert done.effects == (R.Relaunch(("default",)),)
+    assert done.evidence["gate"] == "start" and CANDIDATE.ref in done.data.rejected
+
+
+def test_no_layers_where_the_old_engine_offloaded_some_rolls_back():
+    restarting = to_switching((R.ServerBaseline("big", 33, 33),), backend="cuda")
+    verdict = R.ServerVerdict("big", "ready", "cuda", offloaded_layers=0, total_layers=33)
+    back = step(U.ENGINE_UPDATE, restarting.state, restarting.data, R.ServersRestarted((verdict,)))
+    assert back.state is S.ROLLING_BACK and back.evidence["gate"] == "layers"
+    assert back.evidence["offloaded_before"] == 33 and back.evidence["offloaded_now"] == 0
+    fell_back = R.ServerVerdict("big", "ready", "cpu")  # its GPU plan died and the CPU took over
+    start = step(U.ENGINE_UPDATE, restarting.state, restarting.data, R.ServersRestarted((fell_back,)))
+    assert start.state is S.ROLLING_BACK and start.evidence["gate"] == "start"
+    cpu_only = to_switching((R.ServerBaseline("small", None, None),))
+    ok = step(U.ENGINE_UPDATE, cpu_only.state, cpu_only.data, R.ServersRestarted((R.ServerVerdict("small", "ready"),)))
+    assert ok.state is S.UPDATED
+
+
+def test_no_server_on_the_slot_updates_without_the_start_gates():
+    done = to_switching(servers=())
+    assert done.state is S.UPDATED and done.evidence["gates_not_run"] == ["start", "layers"]
+
+
+def test_rollback_by_hand_swaps_and_refuses_with_nothing_kept():
+    refused = step(U.ENGINE_UPDATE, S.IDLE, R.UpdateData(), R.RollbackRequested("cpu", "avx2", OLD, None))
+    assert refused.state is S.IDLE and refused.reason is ReasonCode.ENGINE_ROLLBACK_UNAVAILABLE
+    back = step(U.ENGINE_UPDATE, S.UPDATED, R.UpdateData(), R.RollbackRequested("cpu", "avx2", NEW, OLD, ("m",)))
+    assert back.effects == (R.RollBack("cpu-avx2", OLD.digest, None),)  # the replaced engine is kept
+    done = step(U.ENGINE_UPDATE, back.state, back.data, R.RolledBack({}))
+    assert done.state is S.ROLLED_BACK and done.reason is None and done.effects == (R.Relaunch(("m",)),)
+
+
+@pytest.mark.parametrize(
+    "state, expected",
+    [
+        (S.RESOLVING, R.Resolve),
+        (S.STAGING, R.Stage),
+        (S.COMPARING, R.Stage),
+        (S.SWITCHING, R.Switch),
+        (S.RESTARTING, R.RestartServers),
+        (S.ROLLING_BACK, R.RollBack),
+    ],
+)
+def test_every_working_state_resumes_with_its_step(state, expected):
+    data = R.UpdateData(
+        backend="cpu",
+        variant="avx2",
+        installed=OLD,
+        candidate=CANDIDATE,
+        staged=NEW,
+        staging="/staging",
+        servers=(R.ServerBaseline("default"),),
+    )
+    resumed = step(U.ENGINE_UPDATE, state, data, R.Resumed())
+    assert isinstance(resumed.effects[-1], expected)
+    assert resumed.data.resumes == 1
+
+
+def test_events_out_of_turn_change_nothing():
+    with pytest.raises(IllegalTransition):
+        step(U.ENGINE_UPDATE, S.IDLE, R.UpdateData(), R.Switched(()))
+    with pytest.raises(IllegalTransition):
+        step(U.ENGINE_UPDATE, S.RESTARTING, R.UpdateData(), R.UpdateRequested("cpu", "avx2"))
+
+
+def test_version_order_is_natural():
+    assert U.version_key("b11434") < U.version_key("b11500") < U.version_key("b100000")
+    assert U.version_key("b11434") < U.version_key("b11434.1") < U.version_key("b11434.2")
