@@ -41,6 +41,8 @@ async def load_manifest(source: str, trust: ManifestTrust | None = None) -> Bund
             f"No bundle manifest is configured; set `[bundles] manifest` in the config or {MANIFEST_ENV}.",
             {"manifest": None},
         )
+    trust = trust if trust is not None else ManifestTrust()
+    trust.may_fetch(source)
     try:
         if source.startswith(("http://", "https://")):
             import httpx
@@ -65,7 +67,6 @@ async def load_manifest(source: str, trust: ManifestTrust | None = None) -> Bund
             f"The bundle manifest {source} cannot be read: {err}.",
             {"manifest": source, "error": f"{type(err).__name__}: {err}"},
         ) from None
-    trust = trust if trust is not None else ManifestTrust()
     try:
         admitted = trust.admit(source, text)
     except StokerError as err:

@@ -74,6 +74,16 @@ class ManifestTrust:
     store: Any = None  # store.Store
     clock: Callable[[], float] = time.time
 
+    def may_fetch(self, source: str) -> None:
+        """Refuse, before a byte is fetched, a network manifest that no configured key could check."""
+        if not self.keys and is_remote(source):
+            raise StokerError(
+                ReasonCode.MANIFEST_UNTRUSTED,
+                f"The manifest at {source} comes over the network and no `[bundles] trusted_keys` is configured "
+                "to check it, so it was not fetched. Add the mirror's public key to trusted_keys.",
+                {"manifest": source, "signed": None, "trusted_keys": []},
+            )
+
     def admit(self, source: str, raw: bytes) -> Admitted:
         """The manifest in `raw` (read from `source`) if it may be believed; else StokerError."""
         base = manifest_base(source)
@@ -84,13 +94,7 @@ class ManifestTrust:
         signed = Envelope.looks_like(document)
         evidence: dict[str, Any] = {"manifest": source, "signed": signed}
         if not self.keys:
-            if is_remote(source):
-                raise StokerError(
-                    ReasonCode.MANIFEST_UNTRUSTED,
-                    f"The manifest at {source} comes over the network and no `[bundles] trusted_keys` is configured "
-                    "to check it, so it was not used. Add the mirror's public key to trusted_keys.",
-                    {**evidence, "trusted_keys": []},
-                )
+            self.may_fetch(source)
             payload = self._envelope(document, evidence).payload if signed else raw
             manifest = BundleManifest.from_json(payload, base)
             return Admitted(manifest, {**evidence, "trust": "local manifest, no trusted_keys configured: not checked"})
