@@ -31,7 +31,7 @@ from daemon.core.errors import StokerError
 from daemon.core.logfiles import LogRotation, files_unwritable, open_server_log, trim_server_log
 from daemon.core.paths import StokerPaths
 from daemon.engine.exits import ExitReport, classify_exit, signal_name
-from daemon.engine.identity import ServerIdentity, cmdline_digest, live_exe, read_identity, write_identity
+from daemon.engine.identity import ServerIdentity, cmdline_digest, exe_file, live_exe, read_identity, write_identity
 from daemon.engine.ready import ServerLog
 from states.reasons import ReasonCode
 
@@ -109,6 +109,10 @@ PASS_THROUGH_ENV = (
     "ROCR_VISIBLE_DEVICES",
     "GGML_VK_VISIBLE_DEVICES",
     "LD_LIBRARY_PATH",
+    # The Vulkan loader's choice of driver (an ICD outside the default folders).
+    "VK_DRIVER_FILES",
+    "VK_ICD_FILENAMES",
+    "VK_ADD_DRIVER_FILES",
 )
 
 
@@ -339,6 +343,7 @@ def _identity_of(
         log_path=str(log_path),
         started_at=time.time(),
         launch_dir=str(launch_dir),
+        exe_file=exe_file(pid),
     )
 
 

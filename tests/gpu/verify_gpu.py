@@ -210,7 +210,7 @@ def cmd_setup(_: argparse.Namespace) -> int:
     WORK.mkdir(parents=True, exist_ok=True)
     for sdist in sorted((CARRY / "src").glob("*.tar.gz")):
         digest = sha256_of(sdist)
-        for cache in (CACHE_CUDA, CACHE_CPU):
+        for cache in (CACHE_CUDA, CACHE_CPU, WORK / "cache-vulkan"):
             target = cache / "sources" / "downloads" / f"{digest}.tar.gz"
             if not target.exists():
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -293,13 +293,19 @@ def cmd_build(args: argparse.Namespace) -> int:
     jobs = {
         "cuda": ["bundle", "build", "--backend", "cuda", "--cuda-archs", CUDA_ARCHS, "--json"],
         "cpu": ["bundle", "build", "--backend", "cpu", "--json"],
+        "vulkan": ["bundle", "build", "--backend", "vulkan", "--json"],
     }
-    caches = {"cuda": CACHE_CUDA, "cpu": CACHE_CPU}
+    caches = {"cuda": CACHE_CUDA, "cpu": CACHE_CPU, "vulkan": WORK / "cache-vulkan"}
     results: dict[str, Any] = {}
 
     def build(kind: str) -> None:
         started = time.monotonic()
-        env = base_env(STOKER_CACHE_DIR=str(caches[kind]), STOKER_HOME=str(WORK / f"home-build-{kind}"))
+        extra: dict[str, str] = {}
+        if kind == "vulkan":  # the same env as the vulkan stage, so that it finds this build cached
+            from tests.gpu.engines_stage import vulkan_env
+
+            extra = vulkan_env(WORK, CARRY)
+        env = base_env(STOKER_CACHE_DIR=str(caches[kind]), STOKER_HOME=str(WORK / f"home-build-{kind}"), **extra)
         with open(WORK / f"build-{kind}.progress.log", "w") as progress:
             proc = subprocess.run(
                 [sys.executable, "-m", "daemon", *jobs[kind]],
@@ -1636,6 +1642,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
         from tests.gpu.frontdoor_stage import st_frontdoor
 
         stage("frontdoor", lambda: st_frontdoor(homes, tiny, Scenario, nvml_process_vram))
+    if "vulkan" in only:  # builds a bundle: only when asked for by name
+        from tests.gpu.engines_stage import st_vulkan
+
+        stage(
+            "vulkan",
+            lambda: st_vulkan(
+                homes,
+                tiny,
+                work=WORK,
+                carry=CARRY,
+                stoker=stoker,
+                base_env=base_env,
+                scenario=Scenario,
+                config_text=config_text,
+                nvml=nvml_process_vram,
+                grep=grep,
+            ),
+        )
     if want("figures"):
         if GEMMA.exists():
             stage("figures", lambda: st_figures(homes, GEMMA, args.runs))

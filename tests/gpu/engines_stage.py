@@ -1,0 +1,122 @@
+"""GPU stages for issue 15: the Vulkan bundle on NVIDIA's Vulkan driver.
+
+Called from tests/gpu/verify_gpu.py (`verify --only vulkan`). The Vulkan build needs Debian's
+headers, glslc and SPIR-V headers, and the engine needs the Vulkan loader: the machine has
+neither, so .gpu/debs carries them (libvulkan1, libvulkan-dev, glslc, libshaderc1,
+spirv-headers). `vulkan_env()` unpacks them under WORK/vk (never over /) and returns the
+environment the builder and the engine need; the loader is found through LD_LIBRARY_PATH
+and NVIDIA's driver through its ICD file.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+ICD_CANDIDATES = (
+    "/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json",
+    "/usr/share/vulkan/icd.d/nvidia_icd.json",
+    "/etc/vulkan/icd.d/nvidia_icd.json",
+)
+
+
+def vulkan_env(work: Path, carry: Path) -> dict[str, str]:
+    """Unpack the carried Debian packages under WORK/vk; the env for building and running."""
+    prefix = work / "vk"
+    usr = prefix / "usr"
+    if not (usr / "bin" / "glslc").exists():
+        for deb in sorted((carry / "debs").glob("*.deb")):
+            subprocess.run(["dpkg", "-x", str(deb), str(prefix)], check=True)
+        lib = usr / "lib" / "x86_64-linux-gnu"
+        # FindVulkan looks in $VULKAN_SDK/lib; Debian keeps the loader under lib/<triplet>.
+        for name in ("libvulkan.so", "libvulkan.so.1"):
+            if (lib / name).exists() and not (usr / "lib" / name).exists():
+                (usr / "lib" / name).symlink_to(lib / name)
+    env = {
+        "VULKAN_SDK": str(usr),
+        "CMAKE_PREFIX_PATH": str(usr),
+        "PATH": f"{usr / 'bin'}:{os.environ.get('PATH', os.defpath)}",
+        # glslc needs libshaderc; the engine needs the loader (libvulkan.so.1).
+        "LD_LIBRARY_PATH": str(usr / "lib" / "x86_64-linux-gnu"),
+    }
+    icd = next((p for p in ICD_CANDIDATES if Path(p).is_file()), None)
+    if icd is None:
+        found = glob.glob("/usr/**/nvidia_icd*.json", recursive=True)
+        icd = found[0] if found else None
+    if icd:
+        env["VK_DRIVER_FILES"] = icd
+        env["VK_ICD_FILENAMES"] = icd
+    return env
+
+
+def st_vulkan(
+    homes: Any,
+    model: Path,
+    *,
+    work: Path,
+    carry: Path,
+    stoker: Callable[..., tuple[int, Any, str]],
+    base_env: Callable[..., dict[str, str]],
+    scenario: Any,
+    config_text: Callable[..., str],
+    nvml: Callable[[int | None], dict[str, Any]],
+    grep: Callable[..., list[str]],
+) -> dict[str, Any]:
+    """Build the Vulkan bundle here, verify it on the H200 through NVIDIA's Vulkan driver, then
+    serve the tiny model with `prefer = "vulkan"`: tokens vs the CPU's, layers offloaded, NVML."""
+    from daemon.bundles.installed import install_bundle
+    from daemon.core.paths import StokerPaths
+
+    ev: dict[str, Any] = {}
+    vk = vulkan_env(work, carry)
+    ev["vulkan_env"] = {k: v for k, v in vk.items() if k != "PATH"}
+    env = base_env(STOKER_CACHE_DIR=str(work / "cache-vulkan"), STOKER_HOME=str(work / "home-build-vulkan"), **vk)
+    started = time.monotonic()
+    rc, doc, err = stoker("bundle", "build", "--backend", "vulkan", "--json", env=env, timeout=560)
+    ev["build"] = {"rc": rc, "wall_s": round(time.monotonic() - started, 1), "doc": doc, "stderr_tail": err[-1500:]}
+    if rc != 0 or not isinstance(doc, dict) or not doc.get("zip"):
+        return {"status": "FAIL", "checks": {"vulkan bundle built": False}, **ev}
+    zip_path = Path(doc["zip"])
+    rc, verify, err = stoker(
+        "bundle", "verify", str(zip_path), "--expect-backend", "vulkan", "--smoke", "--json", env=env, timeout=300
+    )
+    ev["verify"] = {"rc": rc, "doc": verify, "stderr_tail": err[-1500:]}
+    tokens = (verify or {}).get("smoke_tokens") if isinstance(verify, dict) else None
+    cpu_ref = list(homes.cpu.meta.smoke.tokens or []) if homes.cpu.meta.smoke else []
+    devices = (verify or {}).get("devices") or [] if isinstance(verify, dict) else []
+
+    # Serve through the daemon: a home with the CPU and the Vulkan bundles, vulkan preferred.
+    home = homes.fresh("vulkan", cpu=True, cuda=False)
+    install_bundle(zip_path, StokerPaths.from_env({"STOKER_HOME": str(home)}), expect_backend="vulkan")
+    sc = scenario("vulkan", home, env={k: v for k, v in vk.items() if k != "PATH"})
+    sc.write_config(config_text(model, prefer="vulkan"))
+    status: dict[str, Any] = {}
+    try:
+        status = sc.run(timeout=300)
+        ev["offload_lines"] = grep(sc.server_log(), "offloaded", "Vulkan0", "using device")
+        ev["nvml"] = nvml(status.get("pid"))
+        ev["status_human"] = subprocess.run(
+            [sys.executable, "-m", "daemon", "status"], env=sc.daemon.env, cwd=ROOT, capture_output=True, text=True
+        ).stdout
+    finally:
+        sc.finish()
+    ev.update(sc.evidence)
+    layers = status.get("layers") or {}
+    checks = {
+        "vulkan bundle built": True,
+        "verify --smoke ok": ev["verify"]["rc"] == 0,
+        "Vulkan0 is the NVIDIA GPU": any("Vulkan0" in d and "NVIDIA" in d for d in devices),
+        "vulkan tokens == cpu reference": bool(tokens) and tokens == cpu_ref,
+        "ready on vulkan": status.get("state") == "ready" and status.get("backend") == "vulkan",
+        "all layers offloaded": bool(layers.get("offloaded")) and layers.get("offloaded") == layers.get("total"),
+        "server holds VRAM (NVML)": (ev["nvml"].get("process_vram_mib") or 0) > 0,
+    }
+    ev["tokens"] = {"vulkan": tokens, "cpu_reference": cpu_ref}
+    bad = [k for k, v in checks.items() if not v]
+    return {"status": "PASS" if not bad else "FAIL", "checks": checks, **ev}
