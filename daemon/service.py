@@ -55,6 +55,7 @@ from daemon.fleet.member import Member, Services
 from daemon.fleet.usage import Pulse
 from daemon.frontdoor.hold import Hold
 from daemon.frontdoor.server import serve_frontdoor
+from daemon.frontdoor.served import Caller
 from daemon.install.manifest import MANIFEST_ENV
 from daemon.install.service import InstallService
 from daemon.probes.service import ProbeResult, ProbeService
@@ -283,12 +284,12 @@ class Daemon:
         created = self.keys.create(name)
         return {**created.record.to_public(), "key": created.key}
 
-    def authorize(self, presented_key: str | None, loopback: bool) -> bool:
-        """The front door's key check: a valid user key always passes; without one, a loopback
-        client passes unless [frontdoor] require_keys."""
-        if presented_key is not None and self.keys.check(presented_key) is not None:
-            return True
-        return loopback and not self.config.frontdoor.require_keys
+    def authorize(self, presented_key: str | None, loopback: bool) -> Caller | None:
+        """The front door's key check: a valid user key always passes (as its name, for the
+        access log); without one, a loopback client passes unless [frontdoor] require_keys."""
+        if presented_key is not None and (record := self.keys.check(presented_key)) is not None:
+            return Caller(record.name or f"#{record.id}")
+        return Caller() if loopback and not self.config.frontdoor.require_keys else None
 
     def list_keys(self) -> list[dict[str, Any]]:
         return [record.to_public() for record in self.keys.list()]

@@ -1,6 +1,7 @@
-"""`stoker logs [-f] [-n N] [--daemon | --server [NAME] | --all] [--json]`: read the logs.
+"""`stoker logs [-f] [-n N] [--daemon | --access | --server [NAME] | --all] [--json]`: read the logs.
 
-Like `journalctl`: the daemon's own log by default, `--server` for the engine's (llama-server's
+Like `journalctl`: the daemon's own log by default, `--access` for only its front door access
+lines (one per request: daemon/frontdoor/access.py), `--server` for the engine's (llama-server's
 stdout and stderr, `llama-server-NAME.log` for an instance other than the default), `--all` for
 both. The files are read where the daemon writes them (`logs/` in the data directory), so it
 works whether the daemon runs or not. `-f` follows them like `tail -F`: across the daemon log's
@@ -29,23 +30,36 @@ from daemon.core.errors import StokerError
 from daemon.core.logtail import LogFollower, Seen, last_lines
 from daemon.core.paths import StokerPaths
 from daemon.config.served import DEFAULT_INSTANCE
+from daemon.frontdoor.access import ACCESS_LOGGER
 from daemon.launch.instance import ServerInstance
 from states.reasons import ReasonCode
 
 DAEMON_LOG = "daemon.log"
 POLL_S = 0.2  # how often -f looks for new lines
+# What marks an access line in the daemon's log: its logger's name, as the log's format writes it.
+ACCESS_MARK = f" {ACCESS_LOGGER}: "
 
 
 @attrs.frozen
 class Source:
-    """One log to read: its name as printed (`daemon`, `server`, `server:NAME`) and its file."""
+    """One log to read: its name as printed (`daemon`, `access`, `server`, `server:NAME`), its
+    file, and the mark its lines carry when only some of the file's lines are this log's."""
 
     name: str
     path: Path
+    mark: str | None = None
+
+    def keeps(self, text: str) -> bool:
+        return self.mark is None or self.mark in text
 
 
 def daemon_source(paths: StokerPaths) -> Source:
     return Source("daemon", paths.logs_dir / DAEMON_LOG)
+
+
+def access_source(paths: StokerPaths) -> Source:
+    """The front door's access lines, which the daemon writes into its own log."""
+    return Source("access", paths.logs_dir / DAEMON_LOG, ACCESS_MARK)
 
 
 def server_source(paths: StokerPaths, instance: str) -> Source:
@@ -68,12 +82,16 @@ def every_server(paths: StokerPaths) -> list[Source]:
     return found
 
 
-def choose(paths: StokerPaths, daemon: bool, server: str | None, everything: bool) -> list[Source]:
-    """The logs asked for: the daemon's unless only --server is given; --all, every log."""
+def choose(
+    paths: StokerPaths, daemon: bool, server: str | None, everything: bool, access: bool = False
+) -> list[Source]:
+    """The logs asked for: the daemon's unless only --server or --access is given; --all, every
+    log; --access, the daemon's access lines (in place of the whole daemon log)."""
+    first = access_source(paths) if access else daemon_source(paths)
     if everything:
         servers = [server_source(paths, server)] if server else every_server(paths)
-        return [daemon_source(paths), *servers]
-    sources = [daemon_source(paths)] if daemon or server is None else []
+        return [first, *servers]
+    sources = [first] if daemon or access or server is None else []
     if server is not None:
         sources.append(server_source(paths, server))
     return sources
@@ -83,13 +101,26 @@ def _line(source: Source, text: str, prefixed: bool) -> str:
     return f"{source.name} | {text}" if prefixed else text
 
 
+def last_of(source: Source, n: int) -> list[str]:
+    """The source's last `n` lines: for a marked source, reading further back (into the rotated
+    generations too) until `n` of its lines are found or the log has no more."""
+    if source.mark is None:
+        return last_lines(source.path, n)
+    window = max(n, 1) * 8
+    while True:
+        lines = last_lines(source.path, window)
+        kept = [text for text in lines if source.keeps(text)]
+        if len(kept) >= n or len(lines) < window:
+            return kept[-n:] if n else []
+        window *= 4
+
+
 def show_last(sources: list[Source], n: int, as_json: bool) -> None:
     """The last `n` lines of each log, or one JSON document with them."""
     prefixed = len(sources) > 1
     if as_json:
         logs = [
-            {"log": s.name, "path": str(s.path), "exists": s.path.exists(), "lines": last_lines(s.path, n)}
-            for s in sources
+            {"log": s.name, "path": str(s.path), "exists": s.path.exists(), "lines": last_of(s, n)} for s in sources
         ]
         click.echo(json.dumps({"logs": logs}, indent=2))
         return
@@ -97,7 +128,7 @@ def show_last(sources: list[Source], n: int, as_json: bool) -> None:
         if not source.path.exists():
             click.secho(f"no {source.name} log yet: {source.path} does not exist", fg="yellow", err=True)
             continue
-        for text in last_lines(source.path, n):
+        for text in last_of(source, n):
             click.echo(_line(source, text, prefixed))
 
 
@@ -113,7 +144,7 @@ def follow(sources: list[Source], n: int, as_json: bool) -> None:
     # once, by the follower (and, rarely, by last_lines too) rather than missed.
     followers = [(source, LogFollower.from_end(source.path)) for source in sources]
     for source in sources:
-        for text in last_lines(source.path, n):
+        for text in last_of(source, n):
             if as_json:
                 _emit_json_line(source, Seen(text))
             else:
@@ -121,6 +152,8 @@ def follow(sources: list[Source], n: int, as_json: bool) -> None:
     while True:
         for source, follower in followers:
             for item in follower.poll():
+                if not item.notice and not source.keeps(item.text):
+                    continue
                 if as_json:
                     _emit_json_line(source, item)
                 elif item.notice:
@@ -137,6 +170,9 @@ def follow(sources: list[Source], n: int, as_json: bool) -> None:
 )
 @click.option("--daemon", "daemon_log", is_flag=True, help="The daemon's own log (the default).")
 @click.option(
+    "--access", "access", is_flag=True, help="Only the front door's access lines (one per request) of the daemon's log."
+)
+@click.option(
     "--server",
     "server",
     is_flag=False,
@@ -147,11 +183,13 @@ def follow(sources: list[Source], n: int, as_json: bool) -> None:
 )
 @click.option("--all", "everything", is_flag=True, help="The daemon's log and every server's, each line prefixed.")
 @json_option
-def logs(n: int, following: bool, daemon_log: bool, server: str | None, everything: bool, as_json: bool) -> None:
+def logs(
+    n: int, following: bool, daemon_log: bool, access: bool, server: str | None, everything: bool, as_json: bool
+) -> None:
     """Print the last lines of the daemon's log (or the engine's), and follow them with -f."""
     paths = StokerPaths.from_env()
     try:
-        sources = choose(paths, daemon_log, server, everything)
+        sources = choose(paths, daemon_log, server, everything, access)
     except StokerError as err:
         fail(as_json, err)
     try:

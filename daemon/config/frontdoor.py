@@ -67,6 +67,10 @@ class FrontdoorConfig:
     # A request's body must have arrived in full this long after its headers did (32 MiB at
     # about 0.5 MB/s); a slower client gets 408 and its connection is closed.
     slow_client_timeout_s: float = setting(60.0, seconds(high=3600))
+    # A planned stop of a ready server (stoker restart/down, a relaunching config change, an
+    # idle unload, an eviction, the daemon's shutdown) lets the requests in flight through the
+    # front door finish first, for at most this long; 0 stops at once (the streams are cut).
+    drain_timeout_s: float = setting(30.0, seconds(allow_zero=True, high=3600))
 
     @property
     def loopback_only(self) -> bool:

@@ -48,6 +48,10 @@ class ServerIdentity:
     log_path: str
     started_at: float
     launch_dir: str | None = None
+    # The executable's file identity (`dev:ino`, `exe_file`): it proves the binary after its
+    # bundle's directory was renamed under it (an engine update moves the slot to `.previous`
+    # while the server runs), where the path no longer does. None: recorded before, or no /proc.
+    exe_file: str | None = None
 
     def to_json(self) -> str:
         """The record as JSON (what `write_identity` stores)."""
@@ -77,6 +81,16 @@ def live_exe(proc: psutil.Process) -> str | None:
     except (psutil.Error, OSError):
         return None
     return exe.removesuffix(" (deleted)") if exe else None
+
+
+def exe_file(pid: int) -> str | None:
+    """The running executable's file identity, `dev:ino` (through /proc/PID/exe, which names
+    the file the process runs whatever became of its path); None where /proc cannot say."""
+    try:
+        st = os.stat(f"/proc/{pid}/exe")
+    except OSError:
+        return None
+    return f"{st.st_dev}:{st.st_ino}"
 
 
 def write_identity(path: Path, ident: ServerIdentity) -> None:
@@ -113,8 +127,8 @@ def matching_process(ident: ServerIdentity) -> psutil.Process | None:
             return None
     except (psutil.Error, OSError):
         return None
-    if live_exe(proc) != ident.exe:
-        return None
+    if live_exe(proc) != ident.exe and (ident.exe_file is None or exe_file(ident.pid) != ident.exe_file):
+        return None  # another executable (the same file moved with its bundle's directory still proves it)
     return proc
 
 

@@ -186,7 +186,8 @@ class FrontDoor:
             check_head(request, self.daemon.config.frontdoor)
         except LimitExceeded as exc:
             return over_limit(request.path, exc)
-        if self.authorize(presented_key(request), is_loopback(request)):
+        request.caller = self.authorize(presented_key(request), is_loopback(request))
+        if request.caller is not None:
             return None
         return api_error(request.path, 401, "A valid API key is required.", "invalid_request_error", "invalid_api_key")
 
@@ -217,11 +218,13 @@ class FrontDoor:
             return api_error(
                 request.path, 400, "The request body must be a JSON object.", "invalid_request_error", None
             )
-        member = route(self.daemon.fleet, model := body.get("model"))  # which model answers it
+        request.model = model = body.get("model")
+        member = route(self.daemon.fleet, model)  # which model answers it
         if member is None:
             return api_error(
                 request.path, 404, unknown_model(self.daemon.fleet, model), "invalid_request_error", "model_not_found"
             )
+        request.instance = member.name
         async with request.watching():  # a client that leaves cancels the wait, or closes the engine's answer
             return await self.forward(request, member, "POST", request.path, content, sse=bool(body.get("stream")))
 

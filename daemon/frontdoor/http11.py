@@ -31,8 +31,9 @@ import h11
 import trio
 
 from daemon.core.relay_socket import RelaySocket, accept_errors_to_retry
+from daemon.frontdoor.access import log_access
 from daemon.frontdoor.metrics import Exchange, RequestFigures
-from daemon.frontdoor.served import FrontDoorDaemon
+from daemon.frontdoor.served import Caller, FrontDoorDaemon
 
 log = logging.getLogger("stoker.frontdoor")
 
@@ -52,7 +53,21 @@ class ClientGone(Exception):
 class Request:
     """One request on a connection: its head, its body to read, and its answer to give."""
 
-    __slots__ = ("method", "path", "target", "headers", "client", "exchange", "_conn", "_started", "gone")
+    __slots__ = (
+        "method",
+        "path",
+        "target",
+        "headers",
+        "client",
+        "exchange",
+        "caller",
+        "model",
+        "instance",
+        "_conn",
+        "_started",
+        "_chunked",
+        "gone",
+    )
 
     def __init__(self, conn: Connection, event: h11.Request) -> None:
         self._conn = conn
@@ -63,7 +78,13 @@ class Request:
         self.headers: list[tuple[bytes, bytes]] = list(event.headers)
         self.client = conn.client
         self.exchange: Exchange | None = None
+        # For the access log (daemon/frontdoor/access.py), as the app learns them: who passed
+        # the key check, the model the body asked for, the configured model that answered.
+        self.caller: Caller | None = None
+        self.model: object = None
+        self.instance: str | None = None
         self._started = False
+        self._chunked = True
         self.gone = False
 
     def header(self, name: bytes) -> bytes | None:
@@ -96,23 +117,26 @@ class Request:
         await self._conn.send_all(data)
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        """The head of an answer whose body follows in pieces (`send`, then `end`)."""
+        """The head of an answer whose body follows in pieces (`send`, then `end`): chunked to an
+        HTTP/1.1 client; to an HTTP/1.0 one, which knows no chunks, the body as it is, ended by
+        closing the connection (h11 drops the Transfer-Encoding and closes after the answer)."""
         self._started = True
         if self.exchange is not None:
             self.exchange.status_sent(status)
-        head = self._conn.h11.send(
-            h11.Response(status_code=status, headers=[*headers, (b"transfer-encoding", b"chunked")])
-        )
+        conn = self._conn.h11
+        version = conn.their_http_version
+        self._chunked = version is not None and version >= b"1.1"
+        head = conn.send(h11.Response(status_code=status, headers=[*headers, (b"transfer-encoding", b"chunked")]))
         await self._conn.send_all(head)
 
     async def send(self, data: bytes) -> None:
-        """One piece of the body, as one chunk in one write. The framing is written here rather
-        than by h11 (whose chunked writer keeps no state between pieces), which saves a call
-        layer per SSE event."""
+        """One piece of the body, in one write (as one chunk, but to an HTTP/1.0 client). The
+        framing is written here rather than by h11 (whose chunked writer keeps no state between
+        pieces), which saves a call layer per SSE event."""
         if data:
             if self.exchange is not None:
                 self.exchange.body_sent(data)
-            await self._conn.send_all(b"%x\r\n%b\r\n" % (len(data), data))
+            await self._conn.send_all(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
 
     async def end(self) -> None:
         """The body is whole."""
@@ -192,7 +216,7 @@ class Connection:
                     raise
             finally:
                 if exchange is not None:
-                    self.figures.finish(exchange, failure)
+                    log_access(request, exchange, self.figures.finish(exchange, failure))
             if request.gone or failure is not None or conn.our_state is not h11.DONE:
                 return  # cut midway (the client sees an incomplete body), or the client left
             if conn.their_state is not h11.DONE and not self._request_ended():

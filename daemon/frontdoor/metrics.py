@@ -63,6 +63,7 @@ class EngineFigures:
     """What the engine said about the generation it just finished (None: it did not say)."""
 
     generated: int | None = None  # tokens generated (timings.predicted_n, else usage's count)
+    prompt: int | None = None  # the prompt's tokens (usage's count, else timings' prompt_n + cache_n)
     per_second: float | None = None  # timings.predicted_per_second
     seconds: float | None = None  # timings.predicted_ms / 1000
 
@@ -80,14 +81,23 @@ def engine_figures(tail: bytes) -> EngineFigures:
     """The engine's figures from an answer's last bytes: llama-server ends a completion (its
     JSON, or its last SSE event) with `timings` (predicted_n, predicted_ms,
     predicted_per_second); `usage` (completion_tokens, Anthropic's output_tokens) counts
-    tokens where `timings` is absent. With several choices, the last one's figures."""
+    tokens where `timings` is absent; the prompt's tokens are usage's (prompt_tokens, Anthropic's
+    input_tokens), else timings' prompt_n and cache_n (evaluated, and found in the cache).
+    With several choices, the last one's figures."""
     generated = _last_number(tail, b"predicted_n")
     for key in (b"completion_tokens", b"output_tokens"):
         if generated is None:
             generated = _last_number(tail, key)
+    # The prompt's tokens: usage's count, else timings' (those evaluated plus those the cache had).
+    prompt = _last_number(tail, b"prompt_tokens")
+    if prompt is None:
+        prompt = _last_number(tail, b"input_tokens")
+    if prompt is None and (evaluated := _last_number(tail, b"prompt_n")) is not None:
+        prompt = evaluated + (_last_number(tail, b"cache_n") or 0)
     ms = _last_number(tail, b"predicted_ms")
     return EngineFigures(
         generated=None if generated is None else int(generated),
+        prompt=None if prompt is None else int(prompt),
         per_second=_last_number(tail, b"predicted_per_second"),
         seconds=None if ms is None else ms / 1000.0,
     )
@@ -100,14 +110,16 @@ class Exchange:
     """One request as the server saw it go by: its status, when its first body byte left,
     whether its body was complete, and its last three chunks (references, never copies)."""
 
-    __slots__ = ("route", "started", "status", "first_byte", "complete", "c1", "c2", "c3")
+    __slots__ = ("route", "started", "ended", "status", "first_byte", "complete", "cut", "c1", "c2", "c3")
 
     def __init__(self, route: str) -> None:
         self.route = route
         self.started = time.perf_counter()
+        self.ended = self.started  # set when the request is recorded (`RequestFigures.finish`)
         self.status: int | None = None
         self.first_byte: float | None = None
         self.complete = False
+        self.cut: str | None = None  # why a started body did not end whole (`cut_reason`)
         self.c1 = self.c2 = self.c3 = b""
 
     def status_sent(self, status: int) -> None:
@@ -193,21 +205,23 @@ class RequestFigures:
             return None
         return path if path in self.routes else "other"
 
-    def finish(self, exchange: Exchange, exc: BaseException | None) -> None:
-        """Record a request once its answer ended (or failed): after its last byte was sent."""
+    def finish(self, exchange: Exchange, exc: BaseException | None) -> EngineFigures | None:
+        """Record a request once its answer ended (or failed): after its last byte was sent. The
+        engine's figures read from a whole generating answer (for the access log), else None."""
         route, status = exchange.route, exchange.status
-        end = time.perf_counter()
+        end = exchange.ended = time.perf_counter()
         self.requests.labels(route, NONE if status is None else str(status)).inc()
         self.duration.labels(route).observe(end - exchange.started)
         if status is None:
-            return
+            return None
         if exchange.first_byte is not None and status < 400:  # the first token, not an error's JSON
             self.first_byte.labels(route).observe(exchange.first_byte - exchange.started)
         if not exchange.complete:
-            self.cut.labels(route, cut_reason(exc)).inc()
-            return
+            exchange.cut = cut_reason(exc)
+            self.cut.labels(route, exchange.cut).inc()
+            return None
         if status != 200 or route not in self.generating:
-            return
+            return None
         tail = exchange.tail()
         if STREAM_CUT_EVENT in tail:
             self.cut.labels(route, "engine_stream_cut").inc()
@@ -218,6 +232,7 @@ class RequestFigures:
             self.generation_seconds.labels(route).inc(figures.seconds)
         if figures.per_second is not None:
             self.rate.labels(route).observe(figures.per_second)
+        return figures
 
 
 # --- the daemon's state, read at scrape time ----------------------------------------------

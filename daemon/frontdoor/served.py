@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 
+import attrs
+
 from states import launch_records as LR
 
 if TYPE_CHECKING:
@@ -38,12 +40,21 @@ class FrontDoorDaemon(Protocol):
         order (for /metrics' counters that survive a daemon restart)."""
 
 
+@attrs.frozen
+class Caller:
+    """Who a request passed the key check as: the name of the user key it presented (its name
+    in `stoker key list`, or `#ID` for a key made without one), never the key; None: no valid key
+    (a loopback client that may call without one)."""
+
+    key_name: str | None = None
+
+
 # The hook user API keys plug into (issue 13 item 2): called with the key a client presented
 # (`Authorization: Bearer K` or `x-api-key: K`; None when it sent none) and whether the client
-# is on loopback; False answers 401 in the API's error shape.
-Authorize = Callable[[str | None, bool], bool]
+# is on loopback; None answers 401 in the API's error shape.
+Authorize = Callable[[str | None, bool], Caller | None]
 
 
-def allow_loopback(presented_key: str | None, loopback: bool) -> bool:
+def allow_loopback(presented_key: str | None, loopback: bool) -> Caller | None:
     """No user keys configured: every loopback client may call (the config binds loopback only)."""
-    return loopback
+    return Caller() if loopback else None

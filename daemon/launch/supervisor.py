@@ -70,6 +70,7 @@ def launch_settings(config: Config) -> LR.LaunchSettings:
         stop_grace=sup.stop_grace_s,
         stable_after=sup.stable_after_s,
         hung_after=sup.hung_after_s,
+        drain_timeout=config.frontdoor.drain_timeout_s,
     )
 
 
@@ -262,7 +263,10 @@ class Supervisor:
             log.error("WatchReadiness with no live server (state %s)", self.state)
 
     def _stop(self, effect: LR.Terminate) -> None:
-        self._tasks.start_soon(self._terminate, effect.grace, effect.drain)
+        # The machine decides whether the stop drains; how long, as the config in force says now
+        # (a reload of [frontdoor] drain_timeout_s alone reaches the machine at its next start).
+        drain = effect.drain and self.config.frontdoor.drain_timeout_s
+        self._tasks.start_soon(self._terminate, effect.grace, drain)
 
     def _start_backoff(self, effect: LR.StartBackoff) -> None:
         sup = self.config.supervisor

@@ -194,10 +194,17 @@ def check_promise(name: str, outcomes: list[Outcome], *, planned: bool = False) 
     return figures
 
 
-def start_with_frontdoor(daemon: DaemonProcess, config: str) -> str:
-    """Write `config` with the front door on a free port and a generous hold; start; its /v1 URL."""
+def frontdoor_section(port: int, **extra: object) -> str:
+    """`[frontdoor]` on `port` with a generous hold, and `extra` keys."""
+    keys = {"port": port, "hold_timeout_s": HOLD_TIMEOUT_S, **extra}
+    return "[frontdoor]\n" + "".join(f"{key} = {value}\n" for key, value in keys.items())
+
+
+def start_with_frontdoor(daemon: DaemonProcess, config: str, **frontdoor: object) -> str:
+    """Write `config` with the front door on a free port and a generous hold (and `frontdoor`'s
+    keys); start; its /v1 URL."""
     port = free_port()
-    write_config(daemon.paths, config + f"[frontdoor]\nport = {port}\nhold_timeout_s = {HOLD_TIMEOUT_S}\n")
+    write_config(daemon.paths, config + frontdoor_section(port, **frontdoor))
     daemon.start()
     return f"http://127.0.0.1:{port}/v1"
 
@@ -388,8 +395,10 @@ def test_a_planned_restart_lets_the_stream_in_flight_finish(daemon, long_model):
     """`stoker restart` stopped the server under a stream: llama-server, given TERM with a
     request in flight, hangs until the KILL after stop_grace (3 s here, 10 s by default); the
     stream was cut and the requests held meanwhile waited that long. A planned stop now waits
-    for the front door's requests in flight (bounded), then stops an idle server."""
-    base = start_with_frontdoor(daemon, tiny_config(long_model, ctx_size=4096))
+    for the front door's requests in flight (bounded by [frontdoor] drain_timeout_s), then stops
+    an idle server. The bound here is the client's own patience: the 300-token stream outlasted
+    the default 30 s on a heavily loaded machine, and was cut by the bound, not by a bug."""
+    base = start_with_frontdoor(daemon, tiny_config(long_model, ctx_size=4096), drain_timeout_s=CLIENT_TIMEOUT_S)
     first = daemon.wait_state("ready")
     stream = sdk(base).chat.completions.create(
         model="default", messages=MESSAGES, max_tokens=300, stream=True, extra_body={"ignore_eos": True}
@@ -441,3 +450,38 @@ def test_a_request_whose_engine_crashes_under_it_twice_is_not_sent_a_third_time(
     assert "lost 2 times" in str(refused)
     reply = sdk(base).chat.completions.create(model="default", messages=MESSAGES, max_tokens=4)
     assert reply.choices and daemon.call("status")["pid"] == pid  # the daemon serves on
+
+
+def test_the_drain_bound_is_the_configs_and_a_reload_changes_it(daemon, long_model):
+    """[frontdoor] drain_timeout_s bounds how long a planned stop waits for a stream in flight,
+    and a reload that changes only it applies to the next stop without relaunching the server:
+    from 600 s to 1 s here, so `stoker restart` under a long stream cuts it (TERM after 1 s, the
+    KILL after stop_grace 3 s; the stream ends with the engine_stream_cut event) instead of
+    letting it finish."""
+    config = tiny_config(long_model, ctx_size=4096)
+    port = free_port()
+    write_config(daemon.paths, config + frontdoor_section(port, drain_timeout_s=600))
+    daemon.start()
+    base = f"http://127.0.0.1:{port}/v1"
+    first = daemon.wait_state("ready")
+    reloads = len(daemon.history(machine="config", limit=1000))
+    write_config(daemon.paths, config + frontdoor_section(port, drain_timeout_s=1))
+    deadline = time.monotonic() + 30
+    while len(history := daemon.history(machine="config", limit=1000)) == reloads:
+        assert time.monotonic() < deadline, "the config was never reloaded"
+        time.sleep(0.1)
+    assert history[0]["to_state"] == "valid", history[0]
+    assert daemon.call("status")["pid"] == first["pid"]  # no relaunch for a front-door key
+    stream = sdk(base).chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=4000, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = iter(stream)
+    assert next(chunks).choices  # the stream has started
+    began = time.monotonic()
+    daemon.call("restart")
+    with pytest.raises(openai.APIError) as cut:
+        for _ in chunks:
+            pass
+    assert "engine_stream_cut" in str(cut.value.body or cut.value), cut.value
+    assert time.monotonic() - began < 1 + 3 + 10, "the stop waited past the reloaded bound"
+    next_server(daemon, first["pid"])

@@ -77,3 +77,19 @@ def test_client_limits_take_sizes_and_are_bounded():
         "frontdoor.max_header_bytes",
         "frontdoor.slow_client_timeout_s",
     ]
+
+
+def test_the_drain_bound_is_configured_and_checked():
+    """How long a planned stop lets the front door's requests in flight finish: 30 s unless
+    [frontdoor] drain_timeout_s says otherwise (0: stop at once); the launch machine gets it."""
+    from daemon.launch.supervisor import launch_settings
+
+    assert parse_config("").frontdoor.drain_timeout_s == 30.0
+    config = parse_config("[frontdoor]\ndrain_timeout_s = 300\n")
+    assert config.frontdoor.drain_timeout_s == 300.0 and launch_settings(config).drain_timeout == 300.0
+    assert parse_config("[frontdoor]\ndrain_timeout_s = 0\n").frontdoor.drain_timeout_s == 0.0
+    for bad in ("-1", "3601", '"long"'):
+        with pytest.raises(ConfigError) as err:
+            parse_config(f"[frontdoor]\ndrain_timeout_s = {bad}\n")
+        (problem,) = err.value.problems
+        assert problem.startswith("frontdoor.drain_timeout_s: must be"), problem
