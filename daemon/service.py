@@ -2,7 +2,8 @@
 
     private dirs -> lock -> store -> config -> store keeper -> probes -> installs (resumes interrupted installs)
          -> pulls -> snapshots -> the fleet (one supervisor per configured model, each resuming its
-            launch machine; its planner is its own fallback orchestrator) -> telemetry
+            launch machine; its planner is its own fallback orchestrator) -> engine updates (resumes
+            one left mid-way; the opt-in automatic check) -> telemetry
          -> control socket -> front door -> config watcher -> sd_notify watchdog -> autostart
             (the pinned models and the default; the others load when a request names them)
 
@@ -50,6 +51,7 @@ from daemon.backends.registry import try_order
 from daemon.backends.base import Detection
 from daemon.bundles.installed import InstalledBundle
 from daemon.fallback.orchestrator import FallbackOrchestrator
+from daemon.fleet.engine_servers import FleetEngineServers
 from daemon.fleet.fleet import Fleet
 from daemon.fleet.member import Member, Services
 from daemon.fleet.usage import Pulse
@@ -58,6 +60,7 @@ from daemon.frontdoor.server import serve_frontdoor
 from daemon.frontdoor.served import Caller
 from daemon.install.manifest import MANIFEST_ENV
 from daemon.install.service import InstallService
+from daemon.install.update import EngineUpdateService
 from daemon.probes.service import ProbeResult, ProbeService
 from daemon.snapshots.service import SnapshotService
 from daemon.launch.supervisor import Supervisor
@@ -123,6 +126,7 @@ class Daemon:
     fleet: Fleet = attrs.field(init=False)  # every configured model's supervisor and orchestrator
     probes: ProbeService = attrs.field(init=False)
     installs: InstallService = attrs.field(init=False)
+    engine_updates: EngineUpdateService = attrs.field(init=False)  # `stoker engine update|rollback`
     snapshots: SnapshotService = attrs.field(init=False)
     keys: KeyStore = attrs.field(init=False)  # the user's API keys; the front door checks with keys.check
     frontdoor_hold: Hold = attrs.field(init=False)  # requests held or in flight at the front door
@@ -175,6 +179,15 @@ class Daemon:
             self.pulse,
         )
         self.fleet = Fleet(services, self.config, may_start=lambda: not self.config_loaded_invalid)
+        self.engine_updates = EngineUpdateService(
+            self.paths,
+            self.store,
+            self.installs,
+            self.publish,
+            settings=lambda: self.config.engine,
+            ready_timeout=lambda: self.config.server.ready_timeout_s,
+            servers=FleetEngineServers(lambda: self.fleet, self.store),
+        )
 
     @property
     def supervisor(self) -> Supervisor:
@@ -388,6 +401,7 @@ class Daemon:
             await nursery.start(self.pulls.serve)  # resumes a pull a killed daemon left mid-way
             await nursery.start(self.snapshots.run)
             await nursery.start(self.fleet.serve)  # every model's supervisor, its identity file proven
+            await nursery.start(self.engine_updates.serve)  # resumes an engine update left mid-way
             self.telemetry_sampler = await nursery.start(
                 serve_telemetry, self.telemetry_target, self.bus, self.fleet.services.backends
             )

@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "run",
     "probe",
     "install",
+    "engine",
     "snapshot",
     "telemetry",
     "tui_cmd",

@@ -62,6 +62,10 @@ def format_status(st: dict[str, Any]) -> str:
         backend += f" ({'; '.join(details)})"
     lines.append(f"state     {head}")
     lines.append(f"backend   {backend}")
+    engine = st.get("engine") or {}
+    if engine.get("version"):  # the slot's engine, and whether a rollback has one to go back to
+        kept = f"previous {engine['previous']} kept" if engine.get("previous") else "no previous kept"
+        lines.append(f"version   {engine['version']} ({engine.get('slot')}; {kept})")
     if st.get("reason"):
         lines.append(f"reason    {st['reason']}: {st.get('message') or message_for(st['reason'])}")
     for key, value in (st.get("evidence") or {}).items():

@@ -26,6 +26,7 @@ from daemon.config.checks import (
     seconds,
     setting,
 )
+from daemon.config.engine import EngineConfig
 from daemon.config.frontdoor import FrontdoorConfig, lan_bind_problems
 from daemon.config.placement import (
     DEFAULT_MODEL,
@@ -255,6 +256,7 @@ SECTIONS: dict[str, type] = {
     "logs": LogsConfig,
     "frontdoor": FrontdoorConfig,
     "placement": PlacementConfig,
+    "engine": EngineConfig,
 }
 
 
@@ -270,6 +272,7 @@ class Config:
     logs: LogsConfig = attrs.field(factory=LogsConfig)
     frontdoor: FrontdoorConfig = attrs.field(factory=FrontdoorConfig)
     placement: PlacementConfig = attrs.field(factory=PlacementConfig)
+    engine: EngineConfig = attrs.field(factory=EngineConfig)  # engine updates (daemon/config/engine.py)
     models: tuple[ModelConfig, ...] = ()  # [models.NAME] in file order (daemon/config/placement.py)
 
     @classmethod

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from daemon.config.model import Config
     from daemon.fleet.fleet import Fleet
     from daemon.fleet.member import Member
+    from daemon.install.update import EngineUpdateService
     from daemon.probes.service import ProbeResult
     from store.database import StoreHealth
     from store.records import TransitionRecord
@@ -147,6 +148,10 @@ class ControlledDaemon(Protocol):
     async def install(self, backend: str, *, variant: str | None, detection: Detection) -> InstalledBundle: ...
 
     async def install_file(self, path: Path, *, smoke: bool, detection: Detection | None) -> InstalledBundle: ...
+
+    @property
+    def engine_updates(self) -> EngineUpdateService:
+        """Engine updates and rollbacks, one machine per bundle slot (daemon/install/update.py)."""
 
     # --- KV slot snapshots ---------------------------------------------------------------
 

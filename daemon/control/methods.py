@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from daemon.control.controlled import ControlledDaemon
-from daemon.control.handlers import backends, keys, models, service, snapshots, telemetry
+from daemon.control.handlers import backends, engine, keys, models, service, snapshots, telemetry
 from daemon.control.params import Method
 from daemon.control.protocol import SUBSCRIBE
 from daemon.core.errors import StokerError
@@ -39,6 +39,9 @@ METHODS: Mapping[str, Method] = _by_name(
     backends.use,
     backends.install,
     backends.bundle_install,
+    engine.engine_update,
+    engine.engine_rollback,
+    engine.engine_status,
     snapshots.snapshot_list,
     snapshots.snapshot_save,
     snapshots.snapshot_restore,

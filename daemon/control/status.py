@@ -228,6 +228,9 @@ class Status:
     models: tuple[ModelStatus, ...]  # every configured model, in config order
     max_loaded: int  # how many models may be loaded at once ([placement] max_loaded, resolved)
     pulls: tuple[PullProgress, ...]  # pulls under way, with their last progress
+    # The engine of the slot this model's plan runs on: {slot, version, previous (the version kept
+    # for a rollback; null: none), update_state, update_reason} (daemon/install/update.py).
+    engine: dict[str, Any] | None = None
 
 
 def _message(data: LR.LaunchData) -> str | None:
@@ -358,6 +361,7 @@ def build_status(daemon: ControlledDaemon, member: Member | None = None) -> Stat
         models=tuple(model_status(daemon, m) for m in daemon.fleet.serving()),
         max_loaded=daemon.fleet.max_loaded(),
         pulls=_pulls(daemon),
+        engine=None if plan is None else daemon.engine_updates.slot_status(plan.backend, plan.variant),
     )
 
 

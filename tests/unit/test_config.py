@@ -49,6 +49,7 @@ def test_to_dict_is_plain_data_and_covers_every_key():
         "logs",
         "frontdoor",
         "placement",
+        "engine",
         "models",
     }
     assert data["server"]["extra_args"] == []

@@ -1,0 +1,388 @@
+"""The engine update service: one update machine per bundle slot (states/engine_update.py), its
+effects carried out here, and the opt-in automatic check.
+
+    resolve  what the slot holds (bundle.json's digest) and the candidate: a zip the user named,
+             or the channel's manifest entry for the slot, read and trusted as installs read it
+             (daemon/install/manifest.py with the install service's trust policy)
+    stage    download (resumable, into the downloads dir) into `bundles/.update-<slot>/`,
+             unpack safely, verify (digests, metadata, --version, --list-devices) and run the
+             bundle's own smoke gate: the same steps and functions as an install
+    compare  the slot's (old) engine on the staged bundle's smoke model, here
+    switch   `promote`, the one way into a slot: the old bundle becomes `<slot>.previous`
+    restart  the servers that ran on the old engine (daemon/fleet/engine_servers.py judges each)
+    rollback `.previous` back into the slot through `bundles/.rollback-<slot>/` and `promote`:
+             at every instant the slot or its `.previous` holds a launchable bundle
+             (find_installed serves `.previous` while the slot is missing)
+
+The table decides what every outcome means; this module reports facts (the blocking steps are
+daemon/install/update_steps.py). The install machine is
+not used for the update because it promotes at its end and the token gate must come first;
+what it would do before its promote is done here with the same functions.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Protocol
+from urllib.parse import unquote, urlparse
+
+import attrs
+import trio
+
+from daemon.bundles.installed import PREVIOUS, bundle_meta_of, promote
+from daemon.config.engine import EngineConfig
+from daemon.core.errors import StokerError
+from daemon.core.machines import EffectDriver, MachineRunner, Publish
+from daemon.core.paths import StokerPaths
+from daemon.install.download import download
+from daemon.install.download_records import DownloadError
+from daemon.install.manifest import choose_entry, load_manifest
+from daemon.install.service import MAX_BUNDLE_BYTES, InstallService
+from daemon.install.update_steps import (
+    bundle_digest,
+    bundle_facts,
+    cause_of,
+    installed_facts,
+    installed_slots,
+    old_tokens,
+    put_back,
+    stage_and_verify,
+)
+from states import engine_update as U
+from states import engine_update_records as UR
+from states.machine import IllegalTransition, Step
+from states.reasons import ReasonCode, message_for
+
+log = logging.getLogger(__name__)
+
+
+class EngineServers(Protocol):
+    """The servers of the fleet as an update sees them (daemon/fleet/engine_servers.py)."""
+
+    def on_slot(self, backend: str, variant: str) -> tuple[UR.ServerBaseline, ...]:
+        """The servers running on this slot's engine, each with its last good launch's layers."""
+
+    async def restart_and_judge(self, name: str, timeout: float) -> UR.ServerVerdict:
+        """Restart one server and report what its new launch did (ready, exited, timeout)."""
+
+    def relaunch(self, name: str) -> None:
+        """Restart one server on what its slot holds now; nothing is waited for."""
+
+
+@attrs.define(eq=False)
+class EngineUpdateService:
+    """Update machines keyed by slot; `update()` and `rollback()` drive one to rest."""
+
+    paths: StokerPaths
+    store: Any
+    installs: InstallService
+    publish: Publish | None = None
+    settings: Callable[[], EngineConfig] = EngineConfig
+    ready_timeout: Callable[[], float] = lambda: 600.0
+    servers: EngineServers | None = None  # the fleet's, set once it exists
+    _runners: dict[str, MachineRunner] = attrs.field(factory=dict, init=False)
+    _locks: dict[str, trio.Lock] = attrs.field(factory=dict, init=False)
+    _effects: EffectDriver[Awaitable[object | None]] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._effects = EffectDriver(
+            U.ENGINE_UPDATE,
+            {
+                UR.Resolve: self._resolve,
+                UR.CleanStaging: self._clean_staging,
+                UR.Stage: self._stage,
+                UR.CompareTokens: self._compare_tokens,
+                UR.Switch: self._switch,
+                UR.RestartServers: self._restart_servers,
+                UR.RollBack: self._roll_back,
+                UR.Relaunch: self._relaunch,
+            },
+        )
+
+    def runner(self, backend: str, variant: str) -> MachineRunner:
+        mid = U.machine_id(backend, variant)
+        if mid not in self._runners:
+            self._runners[mid] = MachineRunner(U.ENGINE_UPDATE, mid, self.store, self.publish)
+            self._locks[mid] = trio.Lock()
+        return self._runners[mid]
+
+    def staging_root(self, slot: str) -> Path:
+        return self.paths.bundles_dir / f".update-{slot}"
+
+    def rollback_root(self, slot: str) -> Path:
+        return self.paths.bundles_dir / f".rollback-{slot}"
+
+    # --- entry points ----------------------------------------------------------------------
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Resume every update a killed daemon left mid-way, then run the automatic check."""
+        task_status.started()
+        await self.resume_all()
+        while True:
+            settings = self.settings()
+            await trio.sleep(settings.check_interval_s)
+            if self.settings().auto_update:
+                await self.check_all()
+
+    async def resume_all(self) -> list[str]:
+        """Drive every machine a previous daemon left mid-way to rest."""
+        resumed = []
+        for record in self.store.machines(kind=U.ENGINE_UPDATE.name):
+            if UR.UpdateState(record.state) not in U.WORKING:
+                continue
+            backend, variant = record.data.get("backend"), record.data.get("variant")
+            runner = self.runner(backend, variant)
+            async with self._locks[runner.machine_id]:
+                if runner.state in U.WORKING:
+                    log.info("resuming %s from %s", runner.machine_id, runner.state)
+                    await self._drive(runner, runner.fire(UR.Resumed()).effects)
+            resumed.append(runner.machine_id)
+        return resumed
+
+    async def check_all(self) -> None:
+        """The automatic check: each installed slot against its channel's manifest."""
+        settings = self.settings()
+        if not settings.manifest_for(None, self.installs.manifest_source()):
+            log.info("engine auto-update: no manifest for channel %r; nothing checked", settings.channel)
+            return
+        slots = await trio.to_thread.run_sync(installed_slots, self.paths)
+        for backend, variant in sorted(slots):
+            try:
+                await self.update(backend, variant, automatic=True)
+            except StokerError as err:
+                log.warning("engine auto-update of %s-%s: %s %s", backend, variant, err.reason, err.message)
+
+    async def update(
+        self,
+        backend: str,
+        variant: str,
+        *,
+        channel: str | None = None,
+        bundle: Path | None = None,
+        automatic: bool = False,
+    ) -> dict[str, Any]:
+        """Drive the slot's update to rest; the outcome, or StokerError when it was refused,
+        rolled back or could not roll back."""
+        runner = self.runner(backend, variant)
+        async with self._locks[runner.machine_id]:
+            if runner.state in U.WORKING:  # left mid-way by a killed daemon, not resumed yet
+                await self._drive(runner, runner.fire(UR.Resumed()).effects)
+            request = UR.UpdateRequested(backend, variant, channel, None if bundle is None else str(bundle), automatic)
+            await self._drive(runner, runner.fire(request).effects)
+            return self._outcome(runner)
+
+    async def rollback(self, backend: str, variant: str) -> dict[str, Any]:
+        """Put the slot's `.previous` engine back by hand and restart what runs on the slot."""
+        runner = self.runner(backend, variant)
+        slot = f"{backend}-{variant}"
+        async with self._locks[runner.machine_id]:
+            if runner.state in U.WORKING:
+                await self._drive(runner, runner.fire(UR.Resumed()).effects)
+            current = await trio.to_thread.run_sync(bundle_facts, self.paths.bundles_dir / slot)
+            previous = await trio.to_thread.run_sync(bundle_facts, self.paths.bundles_dir / (slot + PREVIOUS))
+            names = tuple(s.name for s in self.servers.on_slot(backend, variant)) if self.servers else ()
+            step = runner.fire(UR.RollbackRequested(backend, variant, current, previous, names))
+            if step.reason is not None:  # refused where it stands (nothing kept)
+                raise StokerError(step.reason, step.evidence.get("message") or message_for(step.reason), step.evidence)
+            await self._drive(runner, step.effects)
+            return self._outcome(runner)
+
+    def _outcome(self, runner: MachineRunner) -> dict[str, Any]:
+        data: UR.UpdateData = runner.data
+        state = UR.UpdateState(runner.state)
+        outcome = {
+            "slot": data.slot,
+            "state": state.value,
+            "installed": None if data.installed is None else data.installed.version,
+            "candidate": None if data.candidate is None else data.candidate.version,
+            "gate": None if data.gate is None else data.gate.value,
+            "verdicts": [attrs.asdict(v) for v in data.verdicts],
+            "by_hand": data.by_hand,
+            "engine": self.slot_status(data.backend, data.variant),
+            "history": self.steps(runner.machine_id),
+        }
+        if state in (UR.UpdateState.REJECTED, UR.UpdateState.FAILED) or (
+            state is UR.UpdateState.ROLLED_BACK and not data.by_hand
+        ):
+            reason = data.reason or ReasonCode.ENGINE_UPDATE_REJECTED
+            gate = data.evidence.get("gate")
+            detail = data.evidence.get("message")
+            text = f"{message_for(reason)}" + (f" Gate: {gate}." if gate else "") + (f" {detail}" if detail else "")
+            raise StokerError(reason, text, {**data.evidence, "outcome": outcome})
+        if state is UR.UpdateState.CURRENT:
+            last = self.store.history(machine=runner.machine_id, limit=1)
+            outcome["message"] = last[0].evidence.get("message") if last else None
+        return outcome
+
+    def steps(self, machine_id: str, limit: int = 12) -> list[dict[str, Any]]:
+        """The machine's last transitions, oldest first: what `stoker engine update` prints."""
+        rows = self.store.history(machine=machine_id, limit=limit)
+        return [
+            {"from": r.from_state, "event": r.event, "to": r.to_state, "reason": r.reason, "at": r.at}
+            for r in reversed(rows)
+        ]
+
+    def slot_status(self, backend: str, variant: str) -> dict[str, Any]:
+        """The slot's engine version, whether a previous one is kept, and its last update."""
+        slot = f"{backend}-{variant}"
+        current = bundle_facts(self.paths.bundles_dir / slot)
+        previous = bundle_facts(self.paths.bundles_dir / (slot + PREVIOUS))
+        record = self.store.machine(U.machine_id(backend, variant))
+        return {
+            "slot": slot,
+            "version": None if current is None else current.version,
+            "previous": None if previous is None else previous.version,
+            "update_state": None if record is None else record.state,
+            "update_reason": None if record is None else record.reason,
+        }
+
+    # --- the machine's effects ---------------------------------------------------------------
+
+    async def _drive(self, runner: MachineRunner, effects: tuple[Any, ...]) -> None:
+        queue = list(effects)
+        while queue:
+            effect = queue.pop(0)
+            try:
+                event = await self._effects.run(effect, runner)
+            except Exception as err:  # a step that broke: the machine hears it as that step's failure
+                log.exception("%s: %s failed", runner.machine_id, type(effect).__name__)
+                event = _failure_of(effect, err)
+            if event is None:
+                continue
+            try:
+                step: Step = runner.fire(event)
+            except IllegalTransition as err:
+                log.warning("%s: %s", runner.machine_id, err)
+                continue
+            queue.extend(step.effects)
+
+    async def _resolve(self, effect: UR.Resolve, runner: MachineRunner) -> UR.Resolved | UR.GateFailed:
+        slot = f"{effect.backend}-{effect.variant}"
+        installed = await trio.to_thread.run_sync(installed_facts, self.paths, effect.backend, effect.variant)
+        try:
+            if effect.bundle is not None:
+                path = Path(effect.bundle)
+                meta = await trio.to_thread.run_sync(bundle_meta_of, path)
+                if meta.slot != slot:
+                    raise StokerError(
+                        ReasonCode.BUNDLE_METADATA_MISMATCH,
+                        f"The bundle is for {meta.slot}, not {slot}.",
+                        {"bundle": meta.slot, "slot": slot},
+                    )
+                digest = await trio.to_thread.run_sync(bundle_digest, path)
+                return UR.Resolved(installed, UR.Candidate(meta.version, digest or "", path.absolute().as_uri()))
+            source = self.settings().manifest_for(effect.channel, self.installs.manifest_source())
+            if source is None:
+                raise StokerError(
+                    ReasonCode.BUNDLE_MISSING,
+                    f"The channel {effect.channel!r} is not configured; add it to [engine.channels].",
+                    {"channel": effect.channel, "channels": sorted(self.settings().channels)},
+                )
+            manifest = await load_manifest(source, self.installs.trust)
+            entry = choose_entry(manifest, effect.backend, variant=effect.variant)
+            candidate = UR.Candidate(entry.version, entry.sha256, entry.url, entry.sha256, entry.size, entry.origin)
+            return UR.Resolved(installed, candidate)
+        except StokerError as err:
+            return UR.GateFailed(UR.Gate.FETCH, {"channel": effect.channel, "bundle": effect.bundle, **cause_of(err)})
+
+    async def _clean_staging(self, effect: UR.CleanStaging, runner: MachineRunner) -> None:
+        root = self.staging_root(runner.data.slot)
+        await trio.to_thread.run_sync(lambda: shutil.rmtree(root, ignore_errors=True))
+
+    def _archive(self, slot: str, candidate: UR.Candidate) -> Path:
+        return self.installs.downloads_dir / f"update-{slot}-{(candidate.sha256 or candidate.ref)[:16]}.zip"
+
+    async def _stage(self, effect: UR.Stage, runner: MachineRunner) -> UR.Staged | UR.GateFailed:
+        slot = f"{effect.backend}-{effect.variant}"
+        candidate = effect.candidate
+        if candidate.url.startswith("file://") and candidate.sha256 is None:
+            archive = Path(unquote(urlparse(candidate.url).path))  # the zip the user named
+        else:
+            try:
+                if candidate.sha256 is None:
+                    raise StokerError(ReasonCode.BUNDLE_METADATA_MISMATCH, "The candidate has no sha256.")
+                archive = self._archive(slot, candidate)
+                done = await download(
+                    candidate.url,
+                    archive,
+                    expected_sha256=candidate.sha256,
+                    expected_size=candidate.size,
+                    max_bytes=MAX_BUNDLE_BYTES,
+                )
+                archive = done.path
+            except (StokerError, DownloadError) as err:
+                return UR.GateFailed(UR.Gate.FETCH, {"url": candidate.url, **cause_of(err)})
+        staging = self.staging_root(slot) / "bundle"
+        return await trio.to_thread.run_sync(stage_and_verify, archive, staging, effect, candidate)
+
+    async def _compare_tokens(
+        self, effect: UR.CompareTokens, runner: MachineRunner
+    ) -> UR.TokensCompared | UR.GateFailed:
+        data: UR.UpdateData = runner.data
+        return await trio.to_thread.run_sync(old_tokens, self.paths, data.backend, data.variant, Path(effect.staging))
+
+    async def _switch(self, effect: UR.Switch, runner: MachineRunner) -> UR.Switched | UR.GateFailed:
+        data: UR.UpdateData = runner.data
+        bundles = self.paths.bundles_dir
+        try:
+            await trio.to_thread.run_sync(lambda: promote(Path(effect.staging), bundles, slot=effect.slot))
+        except (StokerError, OSError) as err:
+            return UR.GateFailed(UR.Gate.SWITCH, cause_of(err))
+        now = await trio.to_thread.run_sync(bundle_digest, bundles / effect.slot)
+        if now != effect.digest:
+            return UR.GateFailed(UR.Gate.SWITCH, {"message": "the slot does not hold the staged bundle", "digest": now})
+        if data.candidate is not None and data.candidate.sha256 is not None:
+            self._archive(effect.slot, data.candidate).unlink(missing_ok=True)  # switched: the zip has done its job
+        servers = self.servers.on_slot(data.backend, data.variant) if self.servers else ()
+        previous = data.installed.version if data.installed else None
+        return UR.Switched(servers, {"slot": effect.slot, "previous_kept": previous})
+
+    async def _restart_servers(self, effect: UR.RestartServers, runner: MachineRunner) -> UR.ServersRestarted:
+        data: UR.UpdateData = runner.data
+        verdicts: dict[str, UR.ServerVerdict] = {}
+        servers = self.servers
+        if servers is None:
+            return UR.ServersRestarted(())
+        timeout = self.ready_timeout()
+
+        async def one(name: str, cancel: trio.CancelScope) -> None:
+            verdict = await servers.restart_and_judge(name, timeout)
+            verdicts[name] = verdict
+            if U.judge_servers(data, (verdict,)) is not None:
+                cancel.cancel()  # the table rolls back on this one: the others need not be waited for
+
+        async with trio.open_nursery() as nursery:
+            for name in effect.names:
+                nursery.start_soon(one, name, nursery.cancel_scope)
+        return UR.ServersRestarted(
+            tuple(verdicts.get(n) or UR.ServerVerdict(n, UR.Outcome.SKIPPED) for n in effect.names)
+        )
+
+    async def _roll_back(self, effect: UR.RollBack, runner: MachineRunner) -> UR.RolledBack | UR.RollbackFailed:
+        return await trio.to_thread.run_sync(put_back, self.paths.bundles_dir, effect)
+
+    async def _relaunch(self, effect: UR.Relaunch, runner: MachineRunner) -> None:
+        if self.servers is not None:
+            for name in effect.names:
+                self.servers.relaunch(name)
+
+
+def _failure_of(effect: object, err: BaseException) -> object | None:
+    """The event a step that raised stands for (its gate failing), so no machine is left mid-way."""
+    gates = {
+        UR.Resolve: UR.Gate.FETCH,
+        UR.Stage: UR.Gate.VERIFY,
+        UR.CompareTokens: UR.Gate.TOKENS,
+        UR.Switch: UR.Gate.SWITCH,
+    }
+    if type(effect) in gates:
+        return UR.GateFailed(gates[type(effect)], cause_of(err))
+    if isinstance(effect, UR.RollBack):
+        return UR.RollbackFailed(cause_of(err))
+    if isinstance(effect, UR.RestartServers):
+        return UR.ServersRestarted(
+            tuple(UR.ServerVerdict(n, UR.Outcome.TIMEOUT, evidence=cause_of(err)) for n in effect.names)
+        )
+    return None

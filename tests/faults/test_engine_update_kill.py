@@ -1,0 +1,135 @@
+"""An engine update survives a daemon killed at any step (issue 15 item 5): the slot or its
+`.previous` always holds a launchable engine, a server keeps serving, and the restarted daemon
+takes the update to its end from where history says it was.
+
+Killed with SIGKILL while the update machine is in `staging`, `comparing` or `restarting` (each
+lasts long enough to be seen); a kill in the middle of the switch (between promote's two renames,
+a window of milliseconds) is made exactly: the machine row at `switching` and the bundles dir as
+that instant leaves it (the slot renamed to `.previous`, the staged tree not yet moved in).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from daemon.bundles.archive import unpack_bundle
+from daemon.bundles.installed import PREVIOUS, find_installed
+from daemon.core.errors import StokerError
+from daemon.core.machines import MachineRunner
+from daemon.install.update_steps import bundle_digest
+from states import engine_update as U
+from states import engine_update_records as R
+from store import open_store
+from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
+from tests.integration.engine_repack import repack
+
+pytestmark = pytest.mark.engine
+
+RESTING = {s.value for s in U.RESTING}
+
+
+def wait_update(daemon: DaemonProcess, slot: str, states: set[str], timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    last: dict = {}
+    while time.monotonic() < deadline:
+        try:
+            last = daemon.call("engine.status")
+        except StokerError:
+            last = {}
+        if last.get("update_state") in states:
+            return last
+        time.sleep(0.05)
+    raise AssertionError(f"the update never reached {states}: {last}\n{daemon.log_text()[-3000:]}")
+
+
+def start(daemon: DaemonProcess, model: Path) -> dict:
+    write_config(daemon.paths, tiny_config(model, snapshots=True))
+    daemon.start()
+    return daemon.wait_state("ready")
+
+
+@pytest.mark.parametrize("killed_in", ["staging", "comparing", "restarting"])
+def test_a_daemon_killed_mid_update_finishes_it_after_restart(daemon, model, cpu_bundle, tmp_path, killed_in):
+    st = start(daemon, model)
+    slot, old = f"cpu-{st['variant']}", st["engine"]["version"]
+    good = repack(cpu_bundle, tmp_path / "good.zip", version=f"{old}.1")
+    machine = f"engine_update:{slot}"
+
+    def ask() -> None:
+        try:
+            with daemon.client(timeout=300) as client:
+                client.call("engine.update", bundle=str(good))
+        except StokerError:
+            pass  # the daemon dies under it
+
+    asker = threading.Thread(target=ask, daemon=True)
+    asker.start()
+    deadline = time.monotonic() + 120
+    while not any(r["to_state"] == killed_in for r in daemon.history(machine=machine, limit=20)):
+        assert time.monotonic() < deadline, daemon.history(machine=machine, limit=20)
+        time.sleep(0.01)
+    daemon.kill9()
+    asker.join(10)
+
+    # Killed: the slot (or, mid-promote, its .previous) holds an engine, old or new, never neither.
+    left = find_installed(daemon.paths, "cpu", st["variant"])
+    assert left is not None and left.meta.version in (old, f"{old}.1")
+
+    daemon.start()
+    done = wait_update(daemon, slot, RESTING)
+    assert done["update_state"] == "updated", done
+    assert done["version"] == f"{old}.1" and done["previous"] == old
+    history = daemon.history(machine=machine, limit=40)
+    (resumed,) = [r for r in history if r["event"] == "Resumed"]
+    assert resumed["evidence"]["resumed_from"] == killed_in
+    st = daemon.wait_state("ready", timeout=120)
+    assert st["engine"]["version"] == f"{old}.1"
+    assert len(servers_for(model)) == 1
+    assert not (daemon.paths.bundles_dir / f".update-{slot}").exists()
+
+
+def test_a_kill_between_the_switch_renames_serves_the_old_engine_then_completes(
+    daemon, model, installed_cpu_bundle, cpu_bundle, tmp_path
+):
+    variant = installed_cpu_bundle.meta.variant
+    slot, old = f"cpu-{variant}", installed_cpu_bundle.meta.version
+    bundles = daemon.paths.bundles_dir
+    good = repack(cpu_bundle, tmp_path / "good.zip", version=f"{old}.1")
+    staging = bundles / f".update-{slot}" / "bundle"
+    unpack_bundle(good, staging)
+    old_digest, new_digest = bundle_digest(bundles / slot), bundle_digest(staging)
+    assert old_digest and new_digest
+
+    # The update machine as the killed daemon left it: tokens compared, the Switch under way.
+    store = open_store(daemon.paths.db_file)
+    runner = MachineRunner(U.ENGINE_UPDATE, U.machine_id("cpu", variant), store)
+    tokens = (1, 2, 3)
+    for event in (
+        R.UpdateRequested("cpu", variant, bundle=str(good)),
+        R.Resolved(R.BundleFacts(old, old_digest), R.Candidate(f"{old}.1", new_digest, good.as_uri())),
+        R.Staged(R.BundleFacts(f"{old}.1", new_digest), str(staging), tokens),
+        R.TokensCompared(tokens),
+    ):
+        runner.fire(event)
+    assert runner.state is R.UpdateState.SWITCHING
+    store.close()
+    # ...and promote's first rename done, its second not: no slot, the old engine as `.previous`.
+    (bundles / slot).rename(bundles / (slot + PREVIOUS))
+    serving = find_installed(daemon.paths, "cpu", variant)
+    assert serving is not None and serving.meta.version == old  # never neither
+
+    write_config(daemon.paths, tiny_config(model, snapshots=True))
+    daemon.start()
+    done = wait_update(daemon, slot, RESTING)
+    assert done["update_state"] == "updated" and done["version"] == f"{old}.1" and done["previous"] == old, done
+    assert bundle_digest(bundles / slot) == new_digest and bundle_digest(bundles / (slot + PREVIOUS)) == old_digest
+    st = daemon.wait_for(
+        lambda s: s["state"] == "ready" and (s.get("engine") or {}).get("version") == f"{old}.1",
+        timeout=120,
+        what="the new engine serving",
+    )
+    assert st["pid"] and len(servers_for(model)) == 1
