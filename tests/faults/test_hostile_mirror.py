@@ -251,6 +251,11 @@ def stoker(d: DaemonProcess, *args: str, timeout: float = 180) -> subprocess.Com
     )
 
 
+def _result(out: subprocess.CompletedProcess) -> dict[str, Any]:
+    """`stoker install --json`'s result: the document after its one-line progress events."""
+    return json.loads("\n".join(line for line in out.stdout.splitlines() if not line.startswith('{"progress"')))
+
+
 def _complete(status: dict[str, Any]) -> int:
     reply = httpx.post(
         f"{status['endpoint']}/completion",
@@ -328,9 +333,9 @@ def test_a_hostile_mirror_never_disturbs_the_serving_daemon(daemon, model, cpu_b
         out = stoker(daemon, "install", "cpu", "--variant", meta.variant, "--json")
         rows = daemon.history(machine=machine, limit=1000)
         new_rows = rows[: len(rows) - seen]
-        assert code in causes(new_rows), (name, out.stdout, new_rows)
+        assert code in causes(new_rows), (name, out.returncode, out.stdout, out.stderr[-2000:], new_rows)
         if out.returncode != 0:  # refused (a chain of sources may also fall back to this machine's cache)
-            assert json.loads(out.stdout)["error"]["reason"] == "cpu_bundle_install_failed"
+            assert _result(out)["error"]["reason"] == "cpu_bundle_install_failed"
         assert slot.read_bytes() == slot_json, name
         st = daemon.call("status")
         assert st["state"] == "ready" and st["pid"] == pid, (name, st)
@@ -341,7 +346,7 @@ def test_a_hostile_mirror_never_disturbs_the_serving_daemon(daemon, model, cpu_b
     data = cpu_bundle.read_bytes()
     fault_server.add(mirror.bundle_path(), data[: len(data) // 2], Fault(chunked=True))
     out = stoker(daemon, "install", "cpu", "--variant", meta.variant, "--json")
-    assert out.returncode == 1 and json.loads(out.stdout)["error"]["evidence"]["cause"] == "bundle_digest_mismatch"
+    assert out.returncode == 1 and _result(out)["error"]["evidence"]["cause"] == "bundle_digest_mismatch"
     assert slot.read_bytes() == slot_json
     st = daemon.call("status")
     assert st["state"] == "ready" and st["pid"] == pid and _complete(st) == 4
