@@ -44,6 +44,7 @@ from daemon.install.update_steps import (
     bundle_digest,
     bundle_facts,
     cause_of,
+    check_archive,
     installed_facts,
     installed_slots,
     old_tokens,
@@ -304,14 +305,18 @@ class EngineUpdateService:
                 if candidate.sha256 is None:
                     raise StokerError(ReasonCode.BUNDLE_METADATA_MISMATCH, "The candidate has no sha256.")
                 archive = self._archive(slot, candidate)
-                done = await download(
-                    candidate.url,
-                    archive,
-                    expected_sha256=candidate.sha256,
-                    expected_size=candidate.size,
-                    max_bytes=MAX_BUNDLE_BYTES,
-                )
-                archive = done.path
+                if candidate.url.startswith("file://"):  # a local mirror: its zip is read where it is
+                    archive = Path(unquote(urlparse(candidate.url).path))
+                    await trio.to_thread.run_sync(check_archive, archive, candidate.sha256, candidate.size)
+                else:
+                    done = await download(
+                        candidate.url,
+                        archive,
+                        expected_sha256=candidate.sha256,
+                        expected_size=candidate.size,
+                        max_bytes=MAX_BUNDLE_BYTES,
+                    )
+                    archive = done.path
             except (StokerError, DownloadError) as err:
                 return UR.GateFailed(UR.Gate.FETCH, {"url": candidate.url, **cause_of(err)})
         staging = self.staging_root(slot) / "bundle"

@@ -211,3 +211,38 @@ def test_rollback_with_nothing_kept_says_so(serving, daemon):
         engine_call(daemon, "engine.rollback")
     assert refused.value.reason == "engine_rollback_unavailable"
     assert daemon.call("status")["pid"] == serving["pid"]
+
+
+def test_the_automatic_check_updates_from_the_manifest_by_itself(daemon, model, cpu_bundle, tmp_path):
+    import hashlib
+    import json
+
+    from daemon.bundles.installed import bundle_meta_of
+
+    meta = bundle_meta_of(cpu_bundle)
+    new_version = f"{meta.version}.4"
+    good = repack(cpu_bundle, tmp_path / "good.zip", version=new_version)
+    entry = {
+        "url": good.as_uri(),
+        "sha256": hashlib.sha256(good.read_bytes()).hexdigest(),
+        "size": good.stat().st_size,
+        "backend": "cpu",
+        "variant": meta.variant,
+        "version": new_version,
+        "platform": meta.platform,
+    }
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"schema_version": 1, "bundles": [entry]}))
+    engine = f'[bundles]\nmanifest = "{manifest}"\n[engine]\nauto_update = true\ncheck_interval_s = 1\n'
+    write_config(daemon.paths, tiny_config(model) + engine)
+    daemon.start()
+    st = daemon.wait_for(
+        lambda s: s["state"] == "ready" and (s.get("engine") or {}).get("version") == new_version,
+        timeout=180,
+        what="the automatic update",
+    )
+    assert st["engine"]["previous"] == meta.version
+    slot = f"cpu-{meta.variant}"
+    asked = [s for s in update_steps(daemon, slot) if s["event"] == "UpdateRequested"]
+    assert asked and asked[0]["event_data"]["automatic"] is True
+    assert any(s["to_state"] == "updated" for s in update_steps(daemon, slot))

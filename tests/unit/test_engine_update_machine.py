@@ -169,3 +169,17 @@ def test_events_out_of_turn_change_nothing():
 def test_version_order_is_natural():
     assert U.version_key("b11434") < U.version_key("b11500") < U.version_key("b100000")
     assert U.version_key("b11434") < U.version_key("b11434.1") < U.version_key("b11434.2")
+
+
+def test_engine_config_names_each_channels_manifest_and_refuses_bad_ones():
+    from daemon.config.model import Config, ConfigError
+
+    config = Config.from_mapping({"engine": {"channels": {"beta": "https://mirror.example/beta.json"}}})
+    assert not config.engine.auto_update and config.engine.check_interval_s == 86400
+    assert config.engine.manifest_for(None, "/srv/stable.json") == "/srv/stable.json"
+    assert config.engine.manifest_for("beta", "/srv/stable.json") == "https://mirror.example/beta.json"
+    assert config.engine.manifest_for("nightly", "/srv/stable.json") is None
+    with pytest.raises(ConfigError) as bad:
+        Config.from_mapping({"engine": {"channels": {"beta": "http://mirror.example/x.json"}, "channel": "Beta!"}})
+    problems = " ".join(bad.value.evidence["problems"])
+    assert "engine.channels" in problems and "engine.channel" in problems
