@@ -84,6 +84,44 @@ def _env(value: Any) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((str(k), str(v)) for k, v in items))
 
 
+def _mib_map(value: Any) -> dict[str, float]:
+    return {str(k): float(v) for k, v in dict(value or {}).items()}
+
+
+def _parts(value: Any) -> dict[str, dict[str, float]]:
+    return {str(k): _mib_map(v) for k, v in dict(value or {}).items()}
+
+
+# Which estimate answered a plan's memory figures (states/placement.py decides with them): the
+# engine's own fitter (the bundle's llama-fit-params, run with the plan's arguments), or Stoker's
+# (the file size plus the KV cache from the GGUF header) where the fitter is absent or failed.
+FITTER = "llama-fit-params"
+STOKER_ESTIMATE = "stoker"
+
+
+@attrs.frozen
+class MemoryEstimate:
+    """What a plan's server is projected to hold, in MiB, and which estimate said so. `host_mib`
+    is RAM (the model's part kept on the host, its KV cache and compute buffers there);
+    `devices` the accelerators' (VRAM) by the engine's device name; `parts` each one's model,
+    context and compute figures as the estimate gave them. `partial`: the figures leave out
+    something the server will hold (Stoker's own estimate has no compute buffers). `detail`:
+    the arguments the fitter fitted (a GPU plan with -ngl auto), or why it did not answer."""
+
+    source: str
+    host_mib: float
+    devices: dict[str, float] = attrs.field(factory=dict, converter=_mib_map, hash=False)
+    parts: dict[str, dict[str, float]] = attrs.field(factory=dict, converter=_parts, hash=False)
+    partial: bool = False
+    detail: str | None = None
+    seconds: float | None = None  # how long the estimate took
+
+    @property
+    def vram_mib(self) -> float:
+        """Summed over the accelerators."""
+        return float(sum(self.devices.values()))
+
+
 @attrs.frozen
 class LaunchPlan:
     """Everything needed to spawn one llama-server, complete when planning ends: the command
@@ -114,6 +152,10 @@ class LaunchPlan:
     # The environment the backend plugin sets for this plan's server (Backend.launch_env: the
     # devices it may use, e.g. CUDA_VISIBLE_DEVICES), sorted; recorded, so history shows it.
     backend_env: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_env)
+
+    # What its server is projected to hold (the estimate placement decided with); not part of
+    # what runs, so two plans with the same command line are equal whatever it says.
+    memory: MemoryEstimate | None = attrs.field(default=None, eq=False)
 
     @property
     def on_cpu(self) -> bool:

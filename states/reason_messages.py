@@ -303,13 +303,15 @@ MESSAGE_TEXT: dict[str, str] = {
         "(`stoker status` says why it stopped)."
     ),
     "placement_no_room": (
-        "The model is not loaded and `[placement] max_loaded` models are, each pinned or answering requests, so "
-        "none could be unloaded for it in time; retry after the Retry-After seconds, raise max_loaded, or unpin "
-        "one (`stoker status` lists what is loaded)."
+        "The model is not loaded and there is no room for it: `[placement] max_loaded` models are loaded, or its "
+        "server's memory (the engine's fitter's projection, else Stoker's estimate) does not fit the RAM available "
+        "or the `[placement]` memory caps beside them, and those that could be unloaded are pinned or answering "
+        "requests; retry after the Retry-After seconds, raise the limit, or stop or unpin a model (`stoker status` "
+        "lists what is loaded and what each holds)."
     ),
     "placement_evicted": (
-        "The model was unloaded to make room for another (`[placement] max_loaded`), after its requests in flight "
-        "finished; the next request that names it loads it again."
+        "The model was unloaded to make room for another (`[placement] max_loaded`, or the memory the other's "
+        "server needs), after its requests in flight finished; the next request that names it loads it again."
     ),
     "idle_unloaded": (
         "The model was unloaded because no request used it for its `[models.NAME] idle_ttl_s`; its conversations "

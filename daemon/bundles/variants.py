@@ -38,6 +38,9 @@ COMMON_FLAGS = (
     "-DGGML_CCACHE=OFF",  # a shared compiler cache is an input the cache key cannot see
     "-DGGML_OPENMP_FETCH=OFF",
     "-DGGML_RPC=ON",  # ggml-rpc-server for `stoker worker`, and `--rpc` on the head
+    # ggml-rpc links libibverbs whenever the build host has it (the H200 image does): every
+    # bundle would then need rdma-core on the user's machine. RPC runs over TCP.
+    "-DGGML_RPC_RDMA=OFF",
     "-DFETCHCONTENT_FULLY_DISCONNECTED=ON",  # nothing is downloaded while building
     "-DCMAKE_INSTALL_RPATH=$ORIGIN",
     "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",

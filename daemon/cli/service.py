@@ -103,7 +103,7 @@ def format_status(st: dict[str, Any]) -> str:
             lines.append(f"          hint: {fb['evidence']['hint']}")
     models = st.get("models") or []
     if len(models) > 1 or any(m.get("name") != "default" for m in models):
-        lines.extend(format_models(models, st.get("max_loaded"), st.get("name")))
+        lines.extend(format_models(models, st.get("max_loaded"), st.get("name"), st.get("memory_caps")))
     lines.extend(format_pulls(st.get("pulls") or []))
     return "\n".join(lines)
 
@@ -138,15 +138,30 @@ def memory_text(memory: dict[str, Any] | None) -> str:
     return text
 
 
+def estimate_text(memory: dict[str, Any] | None) -> str:
+    """Which estimate answered its plan, and its figures: `fit 27 MiB`, `fit 1 MiB + vram 5.6 GiB`,
+    `stoker 24 MiB (partial)`; `-` without a plan."""
+    estimate = (memory or {}).get("estimate")
+    if not estimate:
+        return "-"
+    source = "fit" if estimate.get("source") == "llama-fit-params" else str(estimate.get("source"))
+    text = f"{source} {_mib(estimate.get('ram_mib'))}"
+    if estimate.get("vram_mib"):
+        text += f" + vram {_mib(estimate['vram_mib'])}"
+    return text + (" (partial)" if estimate.get("partial") else "")
+
+
 def _seconds(value: object) -> str:
     return "-" if not isinstance(value, (int, float)) else f"{value:.0f}s"
 
 
-def format_models(models: list[dict[str, Any]], max_loaded: object, shown: object) -> list[str]:
+def format_models(
+    models: list[dict[str, Any]], max_loaded: object, shown: object, caps: dict[str, Any] | None = None
+) -> list[str]:
     """Every configured model on one line: state, the backend really in use, why (a model unloaded
     for idleness: the slots saved to restore), layers, idle seconds against its
     TTL, pinned and default, and the countdown to its idle unload; `>` marks the one described above."""
-    rows = [("", "MODEL", "STATE", "BACKEND", "LAYERS", "MEMORY", "IDLE/TTL", "WHY", "")]
+    rows = [("", "MODEL", "STATE", "BACKEND", "LAYERS", "MEMORY", "ESTIMATE", "IDLE/TTL", "WHY", "")]
     for m in models:
         layers = m.get("layers") or {}
         offloaded, total = layers.get("offloaded"), layers.get("total")
@@ -168,13 +183,23 @@ def format_models(models: list[dict[str, Any]], max_loaded: object, shown: objec
                 m.get("backend") or "-",
                 "-" if offloaded is None and total is None else f"{_or_dash(offloaded)}/{_or_dash(total)}",
                 memory_text(m.get("memory")),
+                estimate_text(m.get("memory")),
                 f"{_seconds(m.get('idle_s'))}/{_seconds(ttl) if ttl else 'never'}",
                 str(why),
                 ", ".join(flags),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    out = [f"models    at most {max_loaded} loaded at once"]
+    limits = caps or {}
+    capped = [
+        f"{kind} {_mib(limits[key])}"
+        for kind, key in (("ram", "max_ram_mib"), ("vram", "max_vram_mib"))
+        if limits.get(key)
+    ]
+    out = [
+        f"models    at most {max_loaded} loaded at once"
+        + (f", holding at most {' and '.join(capped)}" if capped else "")
+    ]
     out += ["  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
     return out
 

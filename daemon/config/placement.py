@@ -7,8 +7,9 @@ settings are `[server]` and `[backend]` overlaid with the section (daemon/config
 `default = true` marks the one a request without a known `model` (or "default") goes to;
 `pinned = true` ones start with the daemon and are never unloaded to make room; the default
 starts with the daemon too; the others load when a request names them. `[placement]
-max_loaded` caps how many run at once: loading one more first unloads the least recently used
-idle unpinned one (states/placement.py decides).
+max_loaded` caps how many run at once, `max_ram_mib` / `max_vram_mib` the memory they hold
+together: loading one more first unloads the least recently used idle unpinned one(s)
+(states/placement.py decides).
 
 Documented in docs/config.md and docs/models.md ("Several models").
 """
@@ -89,6 +90,12 @@ class ModelConfig:
 class PlacementConfig:
     # How many models may be loaded at once; "auto": 1 below 8 GiB of RAM, else 2 (max_loaded_for).
     max_loaded: int | Literal["auto"] = setting("auto", auto_or(integer(1, 64)))
+    # MiB the loaded models' servers may hold together, in RAM and in VRAM (summed over the GPUs),
+    # by the reading that decides (the plan's estimate: llama-fit-params or Stoker's; the engine's
+    # buffers once loaded); 0: no cap. Loading one more first unloads the least recently used idle
+    # unpinned models until it fits, as max_loaded does (states/placement.py, place_memory).
+    max_ram_mib: int = setting(0, integer(0, 1 << 30))
+    max_vram_mib: int = setting(0, integer(0, 1 << 30))
 
 
 def max_loaded_for(setting_value: int | Literal["auto"], total_ram: int | None) -> int:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping
 import attrs
 
 from daemon.control.controlled import ControlledDaemon
+from daemon.fallback.memory import estimate_json
 from daemon.telemetry.sampler import process_rss_mib
 from states import launch_records as LR
 from states.idle_unload import due_in
@@ -135,6 +136,14 @@ class ModelMemory:
     vram_mib: float | None
     on_accelerator: bool  # the backend really in use offloads (not the CPU)
     partial: bool
+    # Its plan's memory estimate, which answered ("source": "llama-fit-params", or "stoker" where
+    # the bundle has no fitter or it failed: "detail" says why) with its figures: ram_mib, vram_mib,
+    # devices, parts (model/context/compute per device and Host), partial; null: no plan yet.
+    estimate: dict[str, Any] | None = None
+    # What placement counts for it now ([placement] max_ram_mib / max_vram_mib): ram_mib, vram_mib,
+    # "reading" ("engine": the buffers its server reported as it loaded; else the estimate's
+    # source), partial.
+    placed: dict[str, Any] | None = None
 
 
 @attrs.frozen
@@ -227,6 +236,7 @@ class Status:
     name: str  # the model the fields above describe (its NAME; "default" without [models])
     models: tuple[ModelStatus, ...]  # every configured model, in config order
     max_loaded: int  # how many models may be loaded at once ([placement] max_loaded, resolved)
+    memory_caps: dict[str, int]  # [placement] max_ram_mib, max_vram_mib (0: no cap)
     pulls: tuple[PullProgress, ...]  # pulls under way, with their last progress
     # The engine of the slot this model's plan runs on: {slot, version, previous (the version kept
     # for a rollback; null: none), update_state, update_reason} (daemon/install/update.py).
@@ -251,11 +261,14 @@ def _memory(member: Member, backend: str | None) -> ModelMemory:
     on_accelerator = backend is not None and backend != LR.CPU_BACKEND
     vram = (member.supervisor.ready_evidence or {}).get("process_vram_mib") if on_accelerator else None
     vram_mib = float(vram) if isinstance(vram, (int, float)) else None
+    plan = member.data.plan
     return ModelMemory(
         rss_mib=None if pid is None else process_rss_mib(pid),
         vram_mib=vram_mib,
         on_accelerator=on_accelerator,
         partial=on_accelerator and vram_mib is None,
+        estimate=estimate_json(plan.memory) if plan is not None else None,
+        placed=member.footprint().to_json() if member.occupies else None,
     )
 
 
@@ -360,6 +373,10 @@ def build_status(daemon: ControlledDaemon, member: Member | None = None) -> Stat
         name=member.name,
         models=tuple(model_status(daemon, m) for m in daemon.fleet.serving()),
         max_loaded=daemon.fleet.max_loaded(),
+        memory_caps={
+            "max_ram_mib": daemon.config.placement.max_ram_mib,
+            "max_vram_mib": daemon.config.placement.max_vram_mib,
+        },
         pulls=_pulls(daemon),
         engine=None if plan is None else daemon.engine_updates.slot_status(plan.backend, plan.variant),
     )

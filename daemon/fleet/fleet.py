@@ -32,6 +32,7 @@ from daemon.config.served import ServedModel, served_models
 from daemon.core.errors import StokerError
 from daemon.fleet.idle import serve_idle_unloads
 from daemon.fleet.member import Member, Services, build_member
+from daemon.fleet.room import RoomMaker
 from daemon.launch.instance import ServerInstance
 from states import launch_records as LR
 from states.placement import UNLOADED, Verdict, capacity, place
@@ -60,12 +61,17 @@ class Fleet:
     members: dict[str, Member] = attrs.field(factory=dict)
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
     _nursery: trio.Nursery | None = None
+    room: RoomMaker = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
+        self.room = RoomMaker(self.serving, lambda: self.config.placement, self._lock, self.services.pulse)
         for served in served_models(self.config):
-            self.members[served.name] = build_member(served, self.services)
+            self.members[served.name] = self._build(served)
         for member in self._leftovers():
             self.members[member.name] = member
+
+    def _build(self, served: ServedModel) -> Member:
+        return build_member(served, self.services, self.room.make_room)
 
     # --- lookup ----------------------------------------------------------------------------
 
@@ -116,31 +122,41 @@ class Fleet:
         to free (the caller bounds it); else placement_no_room when none can be made now."""
         if not self.may_start():
             raise StokerError(ReasonCode.CONFIG_INVALID, "No valid config was read yet; fix the file first.")
-        async with self._lock:
-            while True:
-                if member.state not in UNLOADED:  # already loaded, or on its way (a stop turns back)
-                    member.supervisor.offer(LR.UpRequested(member.settings()))
+        while True:
+            # The lock is not held while waiting: a plan being placed by memory (room.py) takes it too.
+            async with self._lock:
+                if self._try_load(member, wait):
                     return
-                now = time.time()
-                placement = place(member.name, [m.resident(now) for m in self.serving()], self.max_loaded())
-                if placement.verdict is Verdict.LOAD:
-                    member.supervisor.fire(LR.UpRequested(member.settings()))
-                    return
-                if placement.verdict is Verdict.EVICT:
-                    victim = self.members[str(placement.victim)]
-                    log.info("unloading %s to make room for %s: %s", victim.name, member.name, placement.evidence)
-                    victim.supervisor.fire(LR.DownRequested(LR.DownCause.EVICTED, placement.evidence))
-                    continue
-                if placement.verdict is Verdict.NO_ROOM and not wait:
-                    loaded = ", ".join(f"{r['name']} ({r['state']})" for r in placement.evidence["loaded"])
-                    raise StokerError(
-                        ReasonCode.PLACEMENT_NO_ROOM,
-                        f"{member.name} cannot be loaded: {placement.evidence['max_loaded']} models are loaded "
-                        f"({loaded}), each pinned or answering requests. Stop one (`stoker down MODEL`) or raise "
-                        f"[placement] max_loaded.",
-                        placement.evidence,
-                    )
-                await self.services.pulse.wait()  # a model stopped, a request ended
+                changed = self.services.pulse.armed()
+            await changed.wait()  # a model stopped, a request ended
+
+    def _try_load(self, member: Member, wait: bool) -> bool:
+        """One placement under the lock: True once `member` is started (or on its way); False to
+        wait for a change; StokerError(placement_no_room) when it must not wait."""
+        while True:
+            if member.state not in UNLOADED:  # already loaded, or on its way (a stop turns back)
+                member.supervisor.offer(LR.UpRequested(member.settings()))
+                return True
+            now = time.time()
+            placement = place(member.name, [m.resident(now) for m in self.serving()], self.max_loaded())
+            if placement.verdict is Verdict.LOAD:
+                member.supervisor.fire(LR.UpRequested(member.settings()))
+                return True
+            if placement.verdict is Verdict.EVICT:
+                victim = self.members[str(placement.victim)]
+                log.info("unloading %s to make room for %s: %s", victim.name, member.name, placement.evidence)
+                victim.supervisor.fire(LR.DownRequested(LR.DownCause.EVICTED, placement.evidence))
+                continue
+            if placement.verdict is Verdict.NO_ROOM and not wait:
+                loaded = ", ".join(f"{r['name']} ({r['state']})" for r in placement.evidence["loaded"])
+                raise StokerError(
+                    ReasonCode.PLACEMENT_NO_ROOM,
+                    f"{member.name} cannot be loaded: {placement.evidence['max_loaded']} models are loaded "
+                    f"({loaded}), each pinned or answering requests. Stop one (`stoker down MODEL`) or raise "
+                    f"[placement] max_loaded.",
+                    placement.evidence,
+                )
+            return False
 
     async def _autostart(self, members: list[Member]) -> None:
         for member in members:
@@ -209,7 +225,7 @@ class Fleet:
             running = record.state not in {s.value for s in UNLOADED}
             if not running and not instance.identity_file(self.services.paths).exists():
                 continue
-            member = build_member(ServedModel(instance.name, self.config), self.services)
+            member = self._build(ServedModel(instance.name, self.config))
             member.retiring = True
             found.append(member)
         return found
@@ -234,7 +250,7 @@ class Fleet:
         for served in wanted:
             member = self.members.get(served.name)
             if member is None:
-                member = build_member(served, self.services)
+                member = self._build(served)
                 self.members[served.name] = member
                 self._tasks.start_soon(self._add, member)
                 continue

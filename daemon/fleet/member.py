@@ -13,15 +13,17 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 import attrs
 import trio
 
 from daemon.backends.base import Backend
+from daemon.config.model import Config
 from daemon.config.served import ServedModel
 from daemon.core.machines import Publish
 from daemon.core.paths import StokerPaths
+from daemon.fallback.memory import with_memory
 from daemon.fallback.orchestrator import FallbackOrchestrator
 from daemon.fleet.usage import Pulse, Usage
 from daemon.install.service import InstallService
@@ -37,7 +39,7 @@ from states import launch as L
 from states import launch_records as LR
 from states.idle_unload import IdleFacts
 from states.model_lookup import ModelForm, model_form
-from states.placement import Resident, loads_on_demand, occupies
+from states.placement import Footprint, Resident, loads_on_demand, occupies
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +138,7 @@ class Member:
     @property
     def loads_on_demand(self) -> bool:
         """Stopped, and a request naming it loads it (states/placement.py)."""
-        return not self.retiring and loads_on_demand(self.state, self.data.down_cause)
+        return not self.retiring and loads_on_demand(self.state, self.data.down_cause, self.data.reason)
 
     def idle_s(self, now: float | None = None) -> float:
         """Seconds since its last request (or since ready); 0 while a request is in flight."""
@@ -152,6 +154,23 @@ class Member:
             waiting=self.usage.waiting,
             idle_s=self.idle_s(now),
         )
+
+    def footprint(self) -> Footprint:
+        """What its server holds by the reading that decides: the buffers the engine reported as it
+        loaded once it is ready (RAM: the host's, VRAM: the devices'), else its plan's estimate;
+        nothing without a plan."""
+        plan, ready = self.data.plan, self.supervisor.ready_evidence
+        if plan is None:
+            return Footprint()
+        buffers = (ready or {}).get("buffers") if self.state is LR.LaunchState.READY else None
+        if buffers:
+            ram = sum(b["mib"] for b in buffers if on_host(str(b["device"])))
+            vram = sum(b["mib"] for b in buffers if not on_host(str(b["device"])))
+            return Footprint(round(ram, 1), round(vram, 1), "engine")
+        memory = plan.memory
+        if memory is None:
+            return Footprint(reading="none", partial=True)
+        return Footprint(memory.host_mib, memory.vram_mib, memory.source, memory.partial)
 
     def idle_facts(self) -> IdleFacts:
         """Its facts for the idle unload (states/idle_unload.py): last used is its last request's
@@ -204,9 +223,20 @@ class Member:
         return self.orchestrator.effective_backend(self.data.plan)
 
 
-def build_member(served: ServedModel, services: Services) -> Member:
+def on_host(device: str) -> bool:
+    """Whether an engine buffer's device is host memory: "CPU", "CPU_Mapped", "CPU_REPACK", and
+    the accelerators' pinned host buffers ("CUDA_Host"); anything else is a device's."""
+    return device.startswith("CPU") or device.endswith("_Host")
+
+
+# Room for a member's planned server (daemon/fleet/room.py): the plan back once it fits.
+MakeRoom = Callable[[Member, LR.LaunchPlan], Awaitable[LR.LaunchPlan]]
+
+
+def build_member(served: ServedModel, services: Services, make_room: MakeRoom | None = None) -> Member:
     """A member for `served`: its instance's orchestrator and supervisor wired to the shared
-    services, its supervisor's drain its own requests in flight."""
+    services, its supervisor's drain its own requests in flight; each plan goes through
+    `make_room` (memory-aware placement) before the launch machine gets it."""
     instance = ServerInstance(served.name)
     usage = Usage(on_change=services.pulse.fire)
     orchestrator = FallbackOrchestrator(
@@ -232,15 +262,20 @@ def build_member(served: ServedModel, services: Services) -> Member:
         extra.update(await snapshots.on_ready(supervisor, {**evidence, **extra}) or {})
         return extra
 
+    async def plan(config: Config, effect: LR.MakePlan) -> LR.LaunchPlan:
+        planned = await with_memory(await orchestrator.plan(config, effect))
+        return planned if make_room is None else await make_room(member, planned)
+
     supervisor = Supervisor(
         services.paths,
         services.store,
         served.config,
-        orchestrator.plan,
+        plan,
         instance=instance,
         publish=services.publish,
         ready_hook=on_ready,
         before_stop=snapshots.before_stop,
         drain=usage.wait_drained,
     )
-    return Member(served, supervisor, orchestrator, usage, services.pulse, snapshots)
+    member = Member(served, supervisor, orchestrator, usage, services.pulse, snapshots)
+    return member

@@ -30,6 +30,11 @@ class Pulse:
     async def wait(self) -> None:
         await self._event.wait()
 
+    def armed(self) -> trio.Event:
+        """The event the next change sets: taken before a lock is released, waited on after, so
+        that a change in between is not missed."""
+        return self._event
+
 
 def _nothing() -> None:
     return None

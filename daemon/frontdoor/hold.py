@@ -94,6 +94,8 @@ class Hold:
                     elif not waits(member.state):
                         break
                     await member.wait_state({READY, *DOWN})
+                    if member.state is LR.LaunchState.FAILED:  # this load failed (no room): not again
+                        break
         except StokerError as err:  # no valid config was ever read: nothing may start
             raise Refused(ReasonCode.FRONTDOOR_SERVER_DOWN, f"{member.name}: {err.reason}") from None
         finally:
@@ -107,6 +109,8 @@ class Hold:
                 f"{member.name} not loaded after {settings.hold_timeout_s:g} s: "
                 f"{self.daemon.fleet.max_loaded()} models loaded, none idle",
             )
+        if state is LR.LaunchState.FAILED and member.data.reason == ReasonCode.PLACEMENT_NO_ROOM:
+            raise Refused(ReasonCode.PLACEMENT_NO_ROOM, str(member.data.evidence.get("message") or member.name))
         if state in DOWN:
             raise Refused(ReasonCode.FRONTDOOR_SERVER_DOWN, f"{member.name} {state.value}")
         raise Refused(

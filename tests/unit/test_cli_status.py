@@ -97,12 +97,12 @@ def test_every_configured_model_is_listed_with_its_state_backend_why_layers_and_
     lines = plain(format_status(st)).splitlines()
     start = lines.index("models    at most 2 loaded at once")
     table = lines[start + 1 :]
-    assert table[0].split() == ["MODEL", "STATE", "BACKEND", "LAYERS", "MEMORY", "IDLE/TTL", "WHY"]
-    assert table[1].split() == [">", "chat", "ready", "cuda", "33/33", "-", "12s/never", "-", "default"]
-    assert table[2].split() == ["code", "ready", "cpu", "0/3", "-", "0s/never", "-", "pinned,", "2", "in", "flight"]
-    assert table[3].split() == ["old", "stopped", "-", "-", "-", "-/600s", "evicted"]
-    assert table[4].split() == ["bad", "failed", "-", "-", "-", "-/never", "model_missing"]
-    assert table[5].split() == ["new", "stopped", "-", "-", "-", "-/never", "loads", "on", "demand"]
+    assert table[0].split() == ["MODEL", "STATE", "BACKEND", "LAYERS", "MEMORY", "ESTIMATE", "IDLE/TTL", "WHY"]
+    assert table[1].split() == [">", "chat", "ready", "cuda", "33/33", "-", "-", "12s/never", "-", "default"]
+    assert table[2].split() == ["code", "ready", "cpu", "0/3", "-", "-", "0s/never", "-", "pinned,", "2", "in", "flight"]
+    assert table[3].split() == ["old", "stopped", "-", "-", "-", "-", "-/600s", "evicted"]
+    assert table[4].split() == ["bad", "failed", "-", "-", "-", "-", "-/never", "model_missing"]
+    assert table[5].split() == ["new", "stopped", "-", "-", "-", "-", "-/never", "loads", "on", "demand"]
 
 
 def test_one_unnamed_model_keeps_the_status_as_it_was():
@@ -124,7 +124,7 @@ def test_an_idle_model_shows_its_countdown_and_once_unloaded_the_slots_it_keeps(
     ]
     st = {"state": "ready", "name": "chat", "models": models, "max_loaded": 2}
     table = plain(format_status(st)).splitlines()[-3:]
-    assert table[0].split() == [">", "chat", "ready", "-", "-", "-", "3s/10s", "-", "default,", "unloads", "in", "7s"]
+    assert table[0].split() == [">", "chat", "ready", "-", "-", "-", "-", "3s/10s", "-", "default,", "unloads", "in", "7s"]
     assert "unloaded (idle), 2 slots saved" in " ".join(table[1].split())
     assert " ".join(table[2].split()).endswith("unloaded (idle)")  # snapshots off: nothing said saved
 
@@ -183,3 +183,20 @@ def test_the_catalog_says_which_configured_models_serve_each_entry():
     assert lines[1].endswith("yes   chat ready, batch stopped") and lines[2].endswith("yes   -")
     without_daemon = format_catalog({"models": [row]}).splitlines()
     assert without_daemon[1].endswith("?") and "no daemon runs" in without_daemon[2]
+
+
+def test_each_model_says_which_estimate_answered_its_plan_and_the_caps_are_shown():
+    fitted = {"source": "llama-fit-params", "ram_mib": 288.0, "vram_mib": 0.0, "partial": False}
+    on_gpu = {"source": "llama-fit-params", "ram_mib": 2.0, "vram_mib": 5734.0, "partial": False}
+    guessed = {"source": "stoker", "ram_mib": 23.5, "vram_mib": 0.0, "partial": True, "detail": "no fitter"}
+    models = [
+        _model("chat", "ready", memory={"rss_mib": 300.0, "estimate": fitted}, default=True),
+        _model("code", "ready", memory={"rss_mib": 40.0, "estimate": on_gpu}),
+        _model("old", "ready", memory={"rss_mib": 25.0, "estimate": guessed}),
+    ]
+    caps = {"max_ram_mib": 2048, "max_vram_mib": 0}
+    st = {"state": "ready", "name": "chat", "models": models, "max_loaded": 2, "memory_caps": caps}
+    lines = plain(format_status(st)).splitlines()
+    assert "models    at most 2 loaded at once, holding at most ram 2.0 GiB" in lines
+    text = "\n".join(lines)
+    assert "fit 288 MiB " in text and "fit 2 MiB + vram 5.6 GiB" in text and "stoker 24 MiB (partial)" in text

@@ -1,0 +1,153 @@
+"""A plan's memory, estimated when planning ends: the engine's fitter first, Stoker's own after.
+
+The complete plan (daemon/fallback/launch_plan.py) is handed to the bundle's llama-fit-params
+(daemon/engine/fit.py) with the same model, context, slots' context, GPU layers, devices and
+memory-shaping arguments the server will get, in the server's environment; its projection
+(host and each device: model, context, compute) is recorded in the plan as `memory`, with
+`source` "llama-fit-params". Where the bundle has no fitter (built before BUILDER_REVISION 2) or
+it fails (exit status, timeout, output not read), Stoker estimates: the model file's size plus
+the KV cache at that context from the GGUF header (`kv_bytes_per_token_f16`), `source`
+"stoker", `partial` (it has no compute buffers), and `detail` says why the fitter did not
+answer. states/placement.py then decides with those figures whether the server fits.
+
+The context: the plan's `-c` when it sets one (the KV cells of every slot together, as the
+server divides them); with `-c 0` the server sizes the KV for the trained context of each slot
+(`llama_params_fit`, non-unified KV), so the fitter (which has no `-np`) gets `-c` = trained
+context x slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from daemon.bundles.installed import InstalledBundle
+from daemon.engine.fit import FitFailed, memory_args, project
+from daemon.engine.process import ServerSpec, server_env
+from daemon.models.facts import model_facts, read_header
+from states.launch_records import FITTER, STOKER_ESTIMATE, LaunchPlan, MemoryEstimate
+
+log = logging.getLogger(__name__)
+
+MIB = 2**20
+FIT_TOOL = "fit_params"  # the bundle.json `tools` role of llama-fit-params
+
+
+def _trained_context(model_path: str) -> int | None:
+    meta = read_header(Path(model_path))
+    arch = str(meta.get("general.architecture") or "")
+    value = meta.get(f"{arch}.context_length")
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
+def kv_context(plan: LaunchPlan) -> int | None:
+    """The KV cells the server allocates for all its slots together (None: not known)."""
+    if plan.ctx_size:
+        return plan.ctx_size
+    trained = _trained_context(plan.model_path)
+    return None if trained is None else trained * max(1, plan.parallel)
+
+
+def fitter_args(plan: LaunchPlan, ctx: int | None) -> list[str]:
+    """The plan's arguments the fitter gets: context, flash attention, the backend's (-ngl,
+    devices, RPC) and the memory-shaping ones among the model's and the user's."""
+    args = ["-c", str(ctx)] if ctx else []
+    if plan.flash_attn:
+        args += ["-fa", plan.flash_attn]
+    return args + memory_args(plan.backend_args) + memory_args(plan.extra_args)
+
+
+def fitter_of(bundle: InstalledBundle) -> Path | None:
+    """The bundle's llama-fit-params, or None when its bundle.json names none."""
+    tool = bundle.meta.tools.get(FIT_TOOL)
+    return bundle.root / tool if tool else None
+
+
+def stoker_estimate(plan: LaunchPlan, detail: str | None) -> MemoryEstimate:
+    """Stoker's own figures: the file's size and the f16 KV cache at the plan's context; on a
+    GPU plan the layers' share of both on the GPU (all of it for -ngl auto: the engine may
+    place fewer), the rest on the host. No compute buffers: partial."""
+    started = time.monotonic()
+    size = Path(plan.model_path).stat().st_size / MIB
+    facts = model_facts(plan.model_path)
+    ctx = kv_context(plan) or 0
+    kv = (facts.kv_bytes_per_token_f16 or 0) * ctx / MIB
+    share = 0.0
+    if not plan.on_cpu:
+        layers, total = plan.n_gpu_layers, (facts.block_count or 0) + 1
+        share = 1.0 if layers == "auto" or not total else min(1.0, layers / total)
+    parts: dict[str, dict[str, float]] = {"Host": {"model": size * (1 - share), "context": kv * (1 - share)}}
+    devices: dict[str, float] = {}
+    if share:
+        parts[plan.backend] = {"model": size * share, "context": kv * share}
+        devices[plan.backend] = (size + kv) * share
+    why = [detail] if detail else []
+    if not facts.kv_bytes_per_token_f16:
+        why.append("the GGUF header does not give the KV geometry: no KV cache counted")
+    return MemoryEstimate(
+        STOKER_ESTIMATE,
+        host_mib=round((size + kv) * (1 - share), 1),
+        devices={k: round(v, 1) for k, v in devices.items()},
+        parts={k: {n: round(x, 1) for n, x in p.items()} for k, p in parts.items()},
+        partial=True,
+        detail="; ".join(why) or None,
+        seconds=round(time.monotonic() - started, 3),
+    )
+
+
+def estimate_memory(plan: LaunchPlan, bundle: InstalledBundle) -> MemoryEstimate:
+    """The plan's memory: the fitter's projection, else Stoker's estimate saying why. Blocking
+    (runs a program, reads the header): call it in a thread."""
+    tool = fitter_of(bundle)
+    if tool is None:
+        detail = f"the {bundle.meta.backend} bundle {bundle.meta.version} has no llama-fit-params"
+    else:
+        env = server_env(ServerSpec(plan.server_path, plan.model_path, env=dict(plan.backend_env)))
+        fit_first = not plan.on_cpu and plan.n_gpu_layers == "auto"
+        try:
+            found = project(tool, plan.model_path, fitter_args(plan, kv_context(plan)), env, fit_first=fit_first)
+        except (FitFailed, OSError, ValueError) as err:
+            detail = f"llama-fit-params did not answer: {err}"
+            log.warning("%s; Stoker estimates %s's memory itself", detail, plan.model_path)
+        else:
+            return MemoryEstimate(
+                FITTER,
+                host_mib=found.host_mib,
+                devices=found.devices,
+                parts=found.parts,
+                detail=" ".join(found.fitted_args) or None,
+                seconds=found.seconds,
+            )
+    return stoker_estimate(plan, detail)
+
+
+async def with_memory(plan: LaunchPlan) -> LaunchPlan:
+    """`plan` with its `memory` estimated (in a thread); unchanged when even Stoker's estimate
+    cannot be made (no estimate is no reason to refuse a launch)."""
+    try:
+        bundle = await trio.to_thread.run_sync(InstalledBundle.from_dir, Path(plan.bundle_root))
+        return attrs.evolve(plan, memory=await trio.to_thread.run_sync(estimate_memory, plan, bundle))
+    except Exception:
+        log.exception("estimating the memory of %s failed", plan.model_path)
+        return plan
+
+
+def estimate_json(memory: MemoryEstimate | None) -> dict[str, Any] | None:
+    """A plan's memory estimate for status: which estimate answered and its figures."""
+    if memory is None:
+        return None
+    return {
+        "source": memory.source,
+        "ram_mib": memory.host_mib,
+        "vram_mib": memory.vram_mib,
+        "devices": dict(memory.devices),
+        "parts": {k: dict(v) for k, v in memory.parts.items()},
+        "partial": memory.partial,
+        "detail": memory.detail,
+        "seconds": memory.seconds,
+    }
