@@ -15,8 +15,9 @@ from states.launch import LAUNCH
 from states.machine import Guarded, MachineSpec
 from states.probe import PROBE
 from states.pull import PULL
+from states.worker import WORKER
 
-SPECS: tuple[MachineSpec, ...] = (LAUNCH, INSTALL, PROBE, FALLBACK, CONFIG, PULL, ENGINE_UPDATE)
+SPECS: tuple[MachineSpec, ...] = (LAUNCH, INSTALL, PROBE, FALLBACK, CONFIG, PULL, WORKER, ENGINE_UPDATE)
 
 
 def mermaid(spec: MachineSpec) -> str:

@@ -223,10 +223,17 @@ def _next(data: FallbackData, backend: str, reason: ReasonCode, evidence: dict[s
     return Step(S.FAILED, data, (GiveUp(reason, summary),), reason, summary)
 
 
+# An RPC worker's failure is the worker's, never the local backend's: the new plan checks the
+# workers again (states/rpc_placement.py) on the same backend.
+_WORKER_FAILURES = frozenset({ReasonCode.RPC_WORKER_LOST, ReasonCode.RPC_VERSION_MISMATCH})
+
+
 def _startup_failed(data: FallbackData, event: PlanRequested) -> bool:
-    """The candidate being launched got a server that died before it was ever ready."""
+    """The candidate being launched got a server that died before it was ever ready (not
+    because an RPC worker failed it)."""
     return (
         event.failure is not None
+        and event.failure not in _WORKER_FAILURES
         and event.phase is ExitPhase.NEVER_READY
         and event.previous_backend == data.current
         and event.previous_backend != CPU_BACKEND

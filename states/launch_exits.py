@@ -18,8 +18,12 @@ from states.reasons import ReasonCode
 # Exits that no retry can help: a missing or unparseable model, an option the engine
 # rejects. They fail at once with the real reason instead of looping into crash_loop.
 FATAL_EXITS = frozenset({ReasonCode.MODEL_MISSING, ReasonCode.MODEL_LOAD_FAILED, ReasonCode.SERVER_BAD_ARGUMENTS})
-# Exits that the same plan would repeat: SIGILL says the CPU variant is wrong for this CPU.
-REPLAN_EXITS = frozenset({ReasonCode.CPU_ILLEGAL_INSTRUCTION})
+# Exits that the same plan would repeat: SIGILL says the CPU variant is wrong for this CPU; a
+# lost RPC worker is named in the plan's --rpc (the new plan checks every worker again and goes
+# on without the ones that are gone: states/rpc_placement.py).
+REPLAN_EXITS = frozenset(
+    {ReasonCode.CPU_ILLEGAL_INSTRUCTION, ReasonCode.RPC_WORKER_LOST, ReasonCode.RPC_VERSION_MISMATCH}
+)
 
 
 class ExitVerdict(enum.StrEnum):

@@ -12,6 +12,7 @@ from typing import Any, Literal, Union
 import attrs
 
 from states.reasons import ReasonCode
+from states.rpc_placement import RpcPlacement
 
 # The backend every fallback ends on, the one the engine always has. The machines treat it
 # apart: a CPU server that dies before ready is respawned (there is nowhere to fall back to),
@@ -152,6 +153,9 @@ class LaunchPlan:
     # The environment the backend plugin sets for this plan's server (Backend.launch_env: the
     # devices it may use, e.g. CUDA_VISIBLE_DEVICES), sorted; recorded, so history shows it.
     backend_env: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_env)
+    # The RPC workers this plan places layers on (states/rpc_placement.py), those it left out and
+    # why; its `--rpc`/`--tensor-split` are in backend_args. None: no [[workers]] configured.
+    rpc: RpcPlacement | None = None
 
     # What its server is projected to hold (the estimate placement decided with); not part of
     # what runs, so two plans with the same command line are equal whatever it says.

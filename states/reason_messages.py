@@ -368,4 +368,17 @@ MESSAGE_TEXT: dict[str, str] = {
         "The running server is serving this model, so it was not removed; `stoker down` (or switch the server "
         "to another model) first."
     ),
+    "rpc_worker_unreachable": (
+        "An RPC worker in [[workers]] did not answer the engine's RPC handshake (refused, timed out, or not an RPC "
+        "server); the plan goes on without it. Start `stoker worker` on that host and check the address and any "
+        "firewall or tunnel between."
+    ),
+    "rpc_version_mismatch": (
+        "An RPC worker speaks another RPC protocol version than this engine bundle; pairing them would fail "
+        "mid-load, so the plan goes on without it. Install the same engine build on the worker and the head."
+    ),
+    "rpc_worker_lost": (
+        "An RPC worker stopped answering while the server used it; the server was re-planned without it (on the "
+        "other workers, the local GPUs or the CPU). Bring the worker back and `stoker restart` to use it again."
+    ),
 }

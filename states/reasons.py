@@ -173,6 +173,10 @@ class ReasonCode(enum.StrEnum):
     PULL_FAILED = "pull_failed"
     MODEL_NOT_IN_CATALOG = "model_not_in_catalog"
     MODEL_IN_USE = "model_in_use"
+    # RPC workers (docs/scale-out.md).
+    RPC_WORKER_UNREACHABLE = "rpc_worker_unreachable"
+    RPC_VERSION_MISMATCH = "rpc_version_mismatch"
+    RPC_WORKER_LOST = "rpc_worker_lost"
 
 
 MESSAGES: dict[ReasonCode, str] = {ReasonCode(code): text for code, text in MESSAGE_TEXT.items()}

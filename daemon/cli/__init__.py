@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "models",
     "logs",
     "chat",
+    "worker",
 )
 
 

@@ -28,6 +28,7 @@ from daemon.config.checks import (
 )
 from daemon.config.engine import EngineConfig
 from daemon.config.frontdoor import FrontdoorConfig, lan_bind_problems
+from daemon.config.workers import WorkerConfig, WorkerEndpoint, parse_workers, worker_bind_problems, workers_to_dict
 from daemon.config.placement import (
     DEFAULT_MODEL,
     ModelConfig,
@@ -84,7 +85,7 @@ FORBIDDEN_EXTRA_ARGS: dict[str, str] = {
 
 # Changes to these keys take effect only when llama-server is relaunched: besides [server]
 # and [backend], swa_full is a llama-server flag (--swa-full).
-RELAUNCH_SECTIONS = frozenset({"server", "backend"})
+RELAUNCH_SECTIONS = frozenset({"server", "backend", "workers"})
 RELAUNCH_KEYS = frozenset({"snapshots.swa_full"})
 
 
@@ -257,6 +258,7 @@ SECTIONS: dict[str, type] = {
     "frontdoor": FrontdoorConfig,
     "placement": PlacementConfig,
     "engine": EngineConfig,
+    "worker": WorkerConfig,
 }
 
 
@@ -274,6 +276,8 @@ class Config:
     placement: PlacementConfig = attrs.field(factory=PlacementConfig)
     engine: EngineConfig = attrs.field(factory=EngineConfig)  # engine updates (daemon/config/engine.py)
     models: tuple[ModelConfig, ...] = ()  # [models.NAME] in file order (daemon/config/placement.py)
+    worker: WorkerConfig = attrs.field(factory=WorkerConfig)  # this host as an RPC worker (daemon/config/workers.py)
+    workers: tuple[WorkerEndpoint, ...] = ()  # [[workers]]: the RPC workers the head places layers on
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], base_dir: Path | None = None) -> "Config":
@@ -284,8 +288,10 @@ class Config:
         problems: list[str] = []
         sections: dict[str, Any] = {}
         for name, table in data.items():
+            if name == "workers":
+                continue  # [[workers]]: an array of tables, parsed below
             if name not in SECTIONS and name != "models":
-                problems.append(f"{name}: unknown section (known: {', '.join(SECTIONS)}, models)")
+                problems.append(f"{name}: unknown section (known: {', '.join(SECTIONS)}, models, workers)")
             elif not isinstance(table, dict):
                 problems.append(f"{name}: must be a table ([{name}]), got {describe(table)}")
         for name, section_cls in SECTIONS.items():
@@ -294,12 +300,13 @@ class Config:
                 continue
             sections[name] = _build_section(name, section_cls, table, problems)
         models = parse_models(data.get("models", {}), problems)
+        workers = parse_workers(data.get("workers"), problems)
         _check_across(sections, problems)
         if "placement" in sections and "server" in sections:
             problems.extend(models_problems(models, sections["placement"], sections["server"].port))
         if problems:
             raise ConfigError(problems)
-        config = cls(**sections, models=models)
+        config = cls(**sections, models=models, workers=workers)
         return _resolve_model(config, base_dir)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -313,6 +320,7 @@ class Config:
                 for name in SECTIONS
             },
             "models": dict(models_to_dict(self.models)),
+            "workers": workers_to_dict(self.workers),
         }
 
 
@@ -334,6 +342,8 @@ def _build_section(name: str, section_cls: type, table: Mapping[str, Any], probl
 def _check_across(sections: Mapping[str, Any], problems: list[str]) -> None:
     if (frontdoor := sections.get("frontdoor")) is not None:
         problems.extend(lan_bind_problems(frontdoor))
+    if (worker := sections.get("worker")) is not None:
+        problems.extend(worker_bind_problems(worker))
     supervisor = sections.get("supervisor")
     if supervisor is not None and supervisor.backoff_max_s < supervisor.backoff_initial_s:
         problems.append(

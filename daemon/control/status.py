@@ -189,6 +189,7 @@ class ModelStatus:
     slots_saved: int | None
     machines: tuple[str, ...]  # its launch and fallback machines' ids (`stoker history --model NAME` reads them)
     memory: ModelMemory
+    workers: dict[str, Any] | None = None  # where the layers are over RPC workers (None: no [[workers]])
 
 
 @attrs.frozen
@@ -238,6 +239,9 @@ class Status:
     max_loaded: int  # how many models may be loaded at once ([placement] max_loaded, resolved)
     memory_caps: dict[str, int]  # [placement] max_ram_mib, max_vram_mib (0: no cap)
     pulls: tuple[PullProgress, ...]  # pulls under way, with their last progress
+    # The plan's RPC workers: used (address, devices, free MiB), left out (reason, evidence), the
+    # tensor split, and after load the model MiB each holds by the engine's own lines (confirmed).
+    workers: dict[str, Any] | None = None
     # The engine of the slot this model's plan runs on: {slot, version, previous (the version kept
     # for a rollback; null: none), update_state, update_reason} (daemon/install/update.py).
     engine: dict[str, Any] | None = None
@@ -319,6 +323,7 @@ def model_status(daemon: ControlledDaemon, member: Member) -> ModelStatus:
         slots_saved=member.slots_saved,
         machines=member.machines,
         memory=_memory(member, backend),
+        workers=fallback.get("workers"),
     )
 
 
@@ -378,6 +383,7 @@ def build_status(daemon: ControlledDaemon, member: Member | None = None) -> Stat
             "max_vram_mib": daemon.config.placement.max_vram_mib,
         },
         pulls=_pulls(daemon),
+        workers=fallback.get("workers"),
         engine=None if plan is None else daemon.engine_updates.slot_status(plan.backend, plan.variant),
     )
 

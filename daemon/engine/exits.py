@@ -51,6 +51,13 @@ def _status_one(returncode: int | None) -> bool:
 # a missing shared library, and a file that exists but is not a model is model_load_failed.
 LOG_RULES: tuple[LogRule, ...] = (
     LogRule(re.compile(r"couldn't bind HTTP server socket|address already in use", re.I), ReasonCode.PORT_IN_USE),
+    # ggml-rpc on the head (ggml-rpc.cpp): a worker that answered HELLO with another protocol
+    # version, then one that could not be reached or stopped answering mid-run (its abort).
+    LogRule(re.compile(r"RPC server version mismatch"), ReasonCode.RPC_VERSION_MISMATCH),
+    LogRule(
+        re.compile(r"Remote RPC server crashed|Failed to connect to \S+:\d+|RPC handshake failed for"),
+        ReasonCode.RPC_WORKER_LOST,
+    ),
     LogRule(
         re.compile(r"out of memory|cudaMalloc failed|unable to allocate \w+ buffer|std::bad_alloc", re.I),
         ReasonCode.OUT_OF_MEMORY,
@@ -71,6 +78,12 @@ LOG_RULES: tuple[LogRule, ...] = (
     LogRule(
         re.compile(r"error loading model|exiting due to model loading error|failed to load model", re.I),
         ReasonCode.MODEL_LOAD_FAILED,
+    ),
+    # ggml-rpc-server (tools/rpc/rpc-server.cpp): a bind that failed, a device it does not have.
+    LogRule(re.compile(r"Failed to create server socket"), ReasonCode.PORT_IN_USE),
+    LogRule(
+        re.compile(r"^error: unknown (?:device|argument): |^No devices found$|^Invalid parameters$"),
+        ReasonCode.SERVER_BAD_ARGUMENTS,
     ),
     # The argument parser refusing its command line (common/arg.cpp): a config problem.
     LogRule(

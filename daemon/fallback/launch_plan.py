@@ -17,6 +17,9 @@ settled here, once per plan:
                     reads tokens/s from /metrics), then the snapshot flags (--swa-full where the
                     KV cache must hold full SWA)
     --slot-save-path  always, so that turning snapshots on needs no relaunch
+    --rpc, -ts      the RPC workers the placement uses and the split over their devices and the
+                    local GPUs (daemon/fallback/workers.py, decided by states/rpc_placement.py),
+                    with -ngl all (or the configured count): recorded as the plan's `rpc`
 
 A respawn after a crash runs the same plan; a config change that touches any of these
 re-plans (config.needs_relaunch), so the plan never goes stale while it is in use.
@@ -30,8 +33,10 @@ from daemon.backends.base import Backend, LaunchRequest
 from daemon.bundles.installed import InstalledBundle
 from daemon.config.model import Config
 from daemon.core.paths import StokerPaths
+from daemon.fallback.workers import with_worker_layers
 from daemon.snapshots.layout import snapshot_server_args
 from states.launch_records import GpuLayers, LaunchPlan
+from states.rpc_placement import RpcPlacement
 
 METRICS = "--metrics"
 
@@ -46,11 +51,13 @@ def complete_plan(
     devices: tuple[int, ...] = (),
     model_args: tuple[str, ...] = (),
     alias: str | None = None,
+    rpc: RpcPlacement | None = None,
 ) -> LaunchPlan:
     """The whole plan for `bundle` (its backend and variant, run by `plugin`) and the model,
     on `devices` (the detected GPUs to give the server; empty: all), with the model's own
     arguments (`model_args`: a well-known model's chat template, daemon/models/known.py) and the
-    name the engine reports as its model (`alias`; None: its file path, as without [models]).
+    name the engine reports as its model (`alias`; None: its file path, as without [models]),
+    over the RPC workers of `rpc` (None: none configured).
     Blocking: it may read the model's GGUF header (for --swa-full) and creates the slot-save
     directory."""
     server = config.server
@@ -67,10 +74,13 @@ def complete_plan(
         ctx_size=server.ctx_size,
         parallel=server.parallel,
         threads=server.threads,
-        n_gpu_layers=n_gpu_layers,
+        n_gpu_layers=server.n_gpu_layers if rpc is not None and rpc.used else n_gpu_layers,
         flash_attn=server.flash_attn,
         slot_save_path=str(slot_save_path),
         extra_args=(*model_args, *(("--alias", alias) if alias else ()), *server.extra_args, METRICS, *snapshot_args),
-        backend_args=plugin.launch_args(request),
+        # With RPC workers the layers go to devices whatever the local backend: the config's count
+        # (a CPU plan's own is 0), "auto" as -ngl all (daemon/fallback/workers.py says why).
+        backend_args=with_worker_layers(plugin.launch_args(request), rpc, server.n_gpu_layers),
         backend_env=plugin.launch_env(request),
+        rpc=rpc,
     )

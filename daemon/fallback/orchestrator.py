@@ -47,6 +47,7 @@ from daemon.fallback.cpu_plan import cpu_bundle
 from daemon.fallback.launch_plan import complete_plan
 from daemon.fallback.proof import judge_acceleration
 from daemon.fallback.vram import FreeVram, devices_for_plan, keeps_to, read_free_vram, vram_full
+from daemon.fallback.workers import confirm_placement, plan_workers
 from daemon.launch.instance import ServerInstance
 from daemon.models.pull import PullService
 from daemon.models.resolve import locate_model
@@ -373,9 +374,9 @@ class FallbackOrchestrator:
             except (OSError, ValueError, KeyError, TypeError) as err:
                 log.info("no layer estimate for %s: %s", model, err)
             self.planned_why = why_planned(backend, self.estimate, layers=layers)
-        request.plan = await trio.to_thread.run_sync(
-            complete_plan, self.paths, config, bundle, model, layers, plugin, devices, request.model_args, self.alias
-        )
+        rpc = await plan_workers(config, bundle.meta.rpc_protocol, request.effect, request.free.get(backend), devices)
+        args = (self.paths, config, bundle, model, layers, plugin, devices, request.model_args, self.alias, rpc)
+        request.plan = await trio.to_thread.run_sync(complete_plan, *args)
 
     # --- after the launch ---------------------------------------------------------------
 
@@ -444,6 +445,7 @@ class FallbackOrchestrator:
             "fallback_state": self.runner.state.value,
             "fallback_reason": str(data.reason) if data.reason else None,
             "fallbacks": fallbacks,
+            "workers": confirm_placement(plan, server.ready_evidence),
             "layers": {
                 "planned": plan.n_gpu_layers if plan is not None else None,
                 "offloaded": ready.get("offloaded_layers"),

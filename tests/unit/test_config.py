@@ -51,6 +51,8 @@ def test_to_dict_is_plain_data_and_covers_every_key():
         "placement",
         "engine",
         "models",
+        "worker",
+        "workers",
     }
     assert data["server"]["extra_args"] == []
     assert set(data["server"]) == {

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from states import config as C, fallback as F, install as I, launch_records as LR, probe as PR, pull as P
+from states import worker as WK
 from states.diagrams import SPECS, document, mermaid
 from states.fallback import FallbackData, Skipped
 from states.install import InstallData
@@ -313,6 +314,20 @@ SAMPLES = {
         C.ConfigAccepted(),
         C.ConfigAccepted(("server.ctx_size",), relaunch=True),
         C.ConfigRejected(("server.ctx_size: must be an integer",)),
+    ],
+    "worker": [
+        WK.StartRequested("127.0.0.1:50052", "7.0.0", WK.WorkerSettings(max_restarts=2)),
+        WK.Spawned(10, 1.0),
+        WK.Answered("7.0.0", ({"index": 0, "free_mib": 1, "total_mib": 2},)),
+        WK.Answered("6.0.0"),
+        WK.Exited(-9, ReasonCode.SERVER_CRASHED),
+        WK.Exited(0, ReasonCode.SERVER_BAD_ARGUMENTS),
+        WK.SpawnFailed(),
+        WK.BackoffElapsed(),
+        WK.Stable(),
+        WK.StopRequested(),
+        WK.StopCompleted(0),
+        WK.Adopted("127.0.0.1:50052", "7.0.0", 11, 2.0),
     ],
 }
 

@@ -37,6 +37,27 @@ def layers_text(layers: dict[str, Any] | None, backend: str | None) -> str:
     return f"{actual} offloaded (planned {planned if planned is not None else 'auto'})"
 
 
+def workers_lines(workers: dict[str, Any] | None) -> list[tuple[str, str, str]]:
+    """(label, text, style) per RPC worker: used ones with the model MiB the engine's lines put
+    there (or the free MiB planned on, before load), left-out ones with their reason."""
+    if not workers:
+        return []
+    held = workers.get("workers_model_mib") or {}
+    lines = []
+    for used in workers.get("used") or []:
+        address = used.get("address")
+        devices = ", ".join(used.get("devices") or [])
+        mib = held.get(address)
+        where = f"{mib:g} MiB of the model" if mib else f"planned on {sum(used.get('free_mib') or [])} MiB free"
+        lines.append(("worker", f"{address} ({devices}): {where}", "green" if mib else ""))
+    for out in workers.get("left_out") or []:
+        lines.append(("worker", f"{out.get('address')}: left out, {out.get('reason')}", "yellow"))
+    confirmed = workers.get("confirmed")
+    if workers.get("used") and confirmed is False:
+        lines.append(("", f"not every worker holds layers: {', '.join(workers.get('missing') or [])}", "bold yellow"))
+    return lines
+
+
 def backend_text(st: dict[str, Any]) -> str:
     """'cuda (avx2)', and how much of the model it holds when not all of it:
     'cuda (avx2; partial: 15/33 layers)'."""
@@ -92,7 +113,14 @@ class BackendCard(Static):
         model = st.get("model")
         grid.add_row("model", os.path.basename(model) if model else "-")
         grid.add_row("endpoint", st.get("endpoint") or "-")
-        grid.add_row("layers", layers_text(st.get("layers"), st.get("backend")))
+        workers = st.get("workers") or {}
+        if workers.get("used"):  # layers on RPC devices, whatever the local backend
+            layers = st.get("layers") or {}
+            grid.add_row("layers", f"{layers.get('offloaded', '?')}/{layers.get('total', '?')} on devices (RPC first)")
+        else:
+            grid.add_row("layers", layers_text(st.get("layers"), st.get("backend")))
+        for label, text, style in workers_lines(st.get("workers")):
+            grid.add_row(label, Text(text, style=style))
         if st.get("n_ctx"):
             grid.add_row("context", f"{st['n_ctx']} tokens")
         uptime = q.duration(st.get("uptime_s")) if st.get("uptime_s") is not None else "-"
