@@ -273,6 +273,9 @@ class Daemon:
     async def install_file(self, path: Path, *, smoke: bool, detection: Detection | None) -> InstalledBundle:
         return await self.installs.install_file(path, smoke=smoke, detection=detection)
 
+    def install_statistics(self) -> Sequence[Mapping[str, Any]]:
+        return self.installs.statistics()
+
     def snapshot_status(self, member: Member | None = None) -> dict[str, Any] | None:
         return self.snapshots.status((member or self.fleet.default).supervisor.ready_evidence)
 

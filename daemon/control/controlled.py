@@ -149,6 +149,9 @@ class ControlledDaemon(Protocol):
 
     async def install_file(self, path: Path, *, smoke: bool, detection: Detection | None) -> InstalledBundle: ...
 
+    def install_statistics(self) -> Sequence[Mapping[str, Any]]:
+        """Every install machine: state, reason, the source of its bundle, sources tried, a build's progress."""
+
     @property
     def engine_updates(self) -> EngineUpdateService:
         """Engine updates and rollbacks, one machine per bundle slot (daemon/install/update.py)."""

@@ -55,6 +55,7 @@ ERROR_CODES: dict[ReasonCode, int] = {
     # Engine bundles.
     ReasonCode.BUNDLE_MISSING: 3001,
     ReasonCode.BUNDLE_BUILD_FAILED: 3002,
+    ReasonCode.BUILD_TOOLCHAIN_MISSING: 3020,  # the install chain's local build (daemon/install/sources.py)
     ReasonCode.BUNDLE_DIGEST_MISMATCH: 3003,
     ReasonCode.BUNDLE_METADATA_MISMATCH: 3004,
     ReasonCode.BUNDLE_UNSAFE_ARCHIVE: 3005,

@@ -147,6 +147,37 @@ class ModelMemory:
 
 
 @attrs.frozen
+class InstallStatus:
+    """An engine bundle's install machine: where its bundle came from (or is being looked for),
+    every source tried for its last request, and a local build's progress while it runs."""
+
+    machine: str  # install:<backend>-<variant>
+    backend: str | None
+    variant: str | None
+    state: str  # resolving, searching_cache, checking_toolchain, building, ..., installed, failed
+    reason: str | None
+    source: str | None  # "mirror <manifest URL>", "build-cache", "local-build", "file <path>"
+    origin: str | None  # where in that source: the manifest's URL, the cache entry, the file
+    tried: tuple[dict[str, Any], ...]  # {source, origin, outcome, reason, message, step, seconds}
+    progress: dict[str, Any] | None  # while building: {phase, source, line, step, percent}
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> "InstallStatus":
+        """From the install service's `statistics()` row."""
+        return cls(
+            str(row["machine"]),
+            row.get("backend"),
+            row.get("variant"),
+            str(row["state"]),
+            row.get("reason"),
+            row.get("source"),
+            row.get("origin"),
+            tuple(row.get("tried") or ()),
+            row.get("progress"),
+        )
+
+
+@attrs.frozen
 class PullProgress:
     """A pull under way (a `pull.progress` event's figures; null before its first)."""
 
@@ -239,6 +270,7 @@ class Status:
     max_loaded: int  # how many models may be loaded at once ([placement] max_loaded, resolved)
     memory_caps: dict[str, int]  # [placement] max_ram_mib, max_vram_mib (0: no cap)
     pulls: tuple[PullProgress, ...]  # pulls under way, with their last progress
+    installs: tuple[InstallStatus, ...] = ()  # every engine bundle's install: its source, a build's progress
     # The plan's RPC workers: used (address, devices, free MiB), left out (reason, evidence), the
     # tensor split, and after load the model MiB each holds by the engine's own lines (confirmed).
     workers: dict[str, Any] | None = None
@@ -383,6 +415,7 @@ def build_status(daemon: ControlledDaemon, member: Member | None = None) -> Stat
             "max_vram_mib": daemon.config.placement.max_vram_mib,
         },
         pulls=_pulls(daemon),
+        installs=tuple(InstallStatus.from_row(row) for row in daemon.install_statistics()),
         workers=fallback.get("workers"),
         engine=None if plan is None else daemon.engine_updates.slot_status(plan.backend, plan.variant),
     )

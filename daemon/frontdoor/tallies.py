@@ -111,7 +111,7 @@ class HistoryTally:
             return
         if r.event == I.SmokePassed.__name__ and r.to_state == I.InstallState.INSTALLED:
             result = "installed"
-        elif r.event == I.InstallFailed.__name__ and r.to_state == I.InstallState.FAILED:
+        elif r.to_state == I.InstallState.FAILED:  # a step failed, or no source had a bundle
             result = "failed"
         else:
             return

@@ -1,23 +1,23 @@
-"""The install service: one install machine per backend-variant, from manifest to atomic rename.
+"""The install service: one install machine per backend-variant, from a source to atomic rename.
 
-    resolve (the manifest entry for the detected hardware: daemon/install/manifest.py) ->
-    download (resumable, into data/downloads) -> verify archive -> unpack into a hidden
-    staging dir -> validate (bundle.json against the manifest, --version, --list-devices) ->
-    smoke (where the hardware allows and a reference exists) -> promote (rename into the
-    slot, the old slot kept as `.previous`)
+    a source (states/install.py tries them in order: a file named by the user; the manifest's
+    entry for the detected hardware, daemon/install/manifest.py; the local build cache; a local
+    build from the pinned source, daemon/install/sources.py) -> download or copy (resumable,
+    into data/downloads) -> verify archive -> unpack into a hidden staging dir -> validate
+    (bundle.json, --version, --list-devices) -> smoke (where the hardware allows and a reference
+    exists) -> promote (rename into the slot, the old slot kept as `.previous`)
 
-The table (states/install.py) decides; this module does each step and answers with an event.
+The table decides, which source included; this module does each step and answers with an event
+(a source with nothing to offer: `SourceUnavailable`, with the facts).
 Every failure becomes `InstallFailed(<backend>_bundle_install_failed)` whose evidence says
 what broke (`cause`: the precise reason code, the download error `kind`, HTTP `status`,
 expected and actual digests). Staging lives under `bundles/.install-<slot>/`: names with a
 dot are never launchable, so nothing half-installed is ever launched; the slot changes only
 in Promote's rename. A daemon killed mid-way resumes (`resume_all`): a download continues
-from its part file with Range/If-Range, later steps redo from a clean staging directory.
-"""
+from its part file with Range/If-Range, later steps redo from a clean staging directory."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -31,7 +31,7 @@ import trio
 from daemon.backends.base import Backend, Detection, ReasonKind
 from daemon.backends.registry import family_reason, load_backends
 from daemon.bundles.archive import unpack_bundle
-from daemon.bundles.installed import InstalledBundle, bundle_meta_of, find_installed, promote
+from daemon.bundles.installed import InstalledBundle, find_installed, promote
 from daemon.bundles.metadata import BundleMeta, ManifestEntry
 from daemon.core.digests import sha256_file
 from daemon.core.errors import StokerError
@@ -40,14 +40,26 @@ from daemon.core.paths import StokerPaths
 from daemon.install.download import download
 from daemon.install.download_records import DownloadError, DownloadErrorKind, DownloadProgress
 from daemon.install.manifest import MANIFEST_ENV, choose_entry, load_manifest
+from daemon.install.sources import (
+    failure_sentence,
+    copy_file_url,
+    build_attempt,
+    cache_attempt,
+    entry_for_zip,
+    install_row,
+    toolchain_attempt,
+    variant_to_make,
+)
 from daemon.install.trust import ManifestTrust
 from states import install as I
-from states.machine import IllegalTransition
-from states.reasons import ReasonCode
+from states.install_sources import CHAIN, Source
+from states.reasons import ReasonCode, stored_reason
 
 log = logging.getLogger(__name__)
 
 PROGRESS_TOPIC = "install.progress"
+SOURCE_STARTS = (I.Resolve, I.FindCachedBuild, I.CheckToolchain)  # each source's first effect
+ATTEMPT_ENDS = (I.SourceUnavailable, I.InstallFailed, I.SmokePassed)  # events that end a source's try
 MAX_BUNDLE_BYTES = 8 * 2**30  # the archive checker's own total cap
 
 
@@ -84,11 +96,15 @@ class InstallService:
     trusted_keys: Callable[[], Sequence[str]] = lambda: ()  # [bundles] trusted_keys (docs/mirror.md)
     backends: Mapping[str, Backend] = attrs.field(factory=load_backends)  # every registered one by default
     smoke: bool = True
+    sources: tuple[Source, ...] = CHAIN  # where `install` may look, in the table's order
     _runners: dict[str, MachineRunner] = attrs.field(factory=dict, init=False)
     _locks: dict[str, trio.Lock] = attrs.field(factory=dict, init=False)
     _entries: dict[str, ManifestEntry] = attrs.field(factory=dict, init=False)
     _detections: dict[str, Detection] = attrs.field(factory=dict, init=False)
     _local_smoke: dict[str, bool] = attrs.field(factory=dict, init=False)  # machine id -> smoke asked
+    _refusals: dict[str, StokerError] = attrs.field(factory=dict, init=False)  # why the mirror has none
+    _started: dict[str, float] = attrs.field(factory=dict, init=False)  # the attempt's trio clock at its start
+    _progress: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)  # a build's last figures
     _effects: EffectDriver[Awaitable[object | None]] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -96,6 +112,9 @@ class InstallService:
             I.INSTALL,
             {
                 I.Resolve: self._resolve,
+                I.FindCachedBuild: self._find_cached,
+                I.CheckToolchain: self._check_toolchain,
+                I.BuildBundle: self._build,
                 I.Download: self._download,
                 I.VerifyArchive: self._verify_archive,
                 I.CleanStaging: self._clean_staging,
@@ -126,6 +145,9 @@ class InstallService:
             self._runners[mid] = runner
             self._locks[mid] = trio.Lock()
         return runner
+
+    def _reason(self, backend: str) -> ReasonCode:
+        return install_failed_reason(self.backends, backend)
 
     def _bus(self, event: dict[str, Any]) -> None:
         if self.publish is not None:
@@ -162,26 +184,25 @@ class InstallService:
     async def install(
         self, backend: str, *, variant: str | None = None, detection: Detection | None = None
     ) -> InstalledBundle:
-        """Install the bundle for `backend` that fits `detection`; StokerError with the
-        backend's `*_bundle_install_failed` (and the cause in the evidence) if it cannot."""
-        reason = install_failed_reason(self.backends, backend)
-        try:
-            manifest = await load_manifest(self.manifest_source(), self.trust)
-            entry = choose_entry(
-                manifest, backend, variant=variant, detection=detection, plugin=self.backends.get(backend)
-            )
-        except StokerError as err:
-            # Recorded on the machine for the variant asked (or `default`), so history says why.
-            runner = self.runner(backend, variant or "default")
-            async with self._locks[runner.machine_id]:
-                try:
-                    runner.fire(I.InstallRequested(backend, variant or "default"))
-                    runner.fire(I.InstallFailed(reason, _cause(err)))
-                except IllegalTransition:  # that machine is mid-way (resuming): say why anyway
-                    raise StokerError(reason, err.message, _cause(err)) from None
-            raise self._failure(runner) from None
-        self._local_smoke.pop(I.machine_id(backend, entry.variant), None)
-        return await self._install_entry(entry, detection)
+        """Install the bundle for `backend` that fits `detection` from the first source that
+        has one (the mirror, the build cache, a local build); StokerError with the backend's
+        `*_bundle_install_failed` (each source's attempt in the evidence) if none can."""
+        entry, refusal = None, None
+        if Source.MIRROR in self.sources:
+            try:
+                manifest = await load_manifest(self.manifest_source(), self.trust)
+                entry = choose_entry(
+                    manifest, backend, variant=variant, detection=detection, plugin=self.backends.get(backend)
+                )
+            except StokerError as err:  # reported as the mirror's attempt, then the next source
+                refusal = err
+        slot_variant = variant or (
+            entry.variant
+            if entry
+            else await variant_to_make(self.paths, backend, self.backends.get(backend), detection)
+        )
+        self._local_smoke.pop(I.machine_id(backend, slot_variant), None)
+        return await self._install(backend, slot_variant, self.sources, detection, entry, refusal)
 
     async def install_file(
         self, path: Path, *, smoke: bool = False, detection: Detection | None = None
@@ -191,82 +212,67 @@ class InstallService:
         backend, variant, version and platform its bundle.json states). What `bundle.install`,
         `stoker bundle install` and `stoker run` use. The smoke test runs only when asked
         (`stoker bundle install --smoke`, `stoker run`), as it did for a local install."""
-        path = Path(path).absolute()
-        meta = await trio.to_thread.run_sync(bundle_meta_of, path)
-        if not path.is_file():
-            raise StokerError(
-                ReasonCode.BUNDLE_MISSING,
-                "Only a bundle zip installs through the install service.",
-                {"path": str(path)},
-            )
-        size = path.stat().st_size
-        digest = await trio.to_thread.run_sync(sha256_file, path)
-        entry = ManifestEntry(
-            url=path.as_uri(),
-            sha256=digest,
-            size=size,
-            backend=meta.backend,
-            variant=meta.variant,
-            version=meta.version,
-            platform=meta.platform,
-        )
-        self._local_smoke[I.machine_id(meta.backend, meta.variant)] = smoke
-        return await self._install_entry(entry, detection)
+        entry = await trio.to_thread.run_sync(entry_for_zip, Path(path).absolute())
+        self._local_smoke[I.machine_id(entry.backend, entry.variant)] = smoke
+        return await self._install(entry.backend, entry.variant, (Source.FILE,), detection, entry)
 
-    async def _install_entry(self, entry: ManifestEntry, detection: Detection | None) -> InstalledBundle:
-        """Drive the machine of the entry's slot to installed (unless that very bundle already is)."""
-        runner = self.runner(entry.backend, entry.variant)
-        async with self._locks[runner.machine_id]:
-            self._entries[runner.machine_id] = entry
-            if detection is not None:
-                self._detections[runner.machine_id] = detection
+    async def _install(
+        self,
+        backend: str,
+        variant: str,
+        sources: tuple[Source, ...],
+        detection: Detection | None,
+        entry: ManifestEntry | None = None,
+        refusal: StokerError | None = None,
+    ) -> InstalledBundle:
+        """Drive the slot's machine through its sources to installed (unless `entry`, that very
+        bundle, already is)."""
+        runner = self.runner(backend, variant)
+        mid = runner.machine_id
+        async with self._locks[mid]:
             if runner.state in I.WORKING:
                 # Left mid-way by a killed daemon and not resumed yet: finish that first.
                 await self._drive(runner, runner.fire(I.Resumed()).effects)
+            self._entries.pop(mid, None)
+            self._refusals.pop(mid, None)
+            if entry is not None:
+                self._entries[mid] = entry
+            if refusal is not None:
+                self._refusals[mid] = refusal
+            if detection is not None:
+                self._detections[mid] = detection
             current = (
-                runner.state is I.InstallState.INSTALLED
+                entry is not None
+                and runner.state is I.InstallState.INSTALLED
                 and runner.data.sha256 == entry.sha256
-                and find_installed(self.paths, entry.backend, entry.variant) is not None
+                and find_installed(self.paths, backend, variant) is not None
             )
             if not current:  # the same bundle already installed and in place: nothing to do
-                step = runner.fire(I.InstallRequested(entry.backend, entry.variant))
+                step = runner.fire(I.InstallRequested(backend, variant, sources))
                 await self._drive(runner, step.effects)
+            self._progress.pop(mid, None)
         if runner.state is not I.InstallState.INSTALLED:
             raise self._failure(runner)
-        bundle = find_installed(self.paths, entry.backend, entry.variant)
+        bundle = find_installed(self.paths, backend, variant)
         if bundle is None:  # promoted, then removed under us
             raise StokerError(
                 self._failure(runner).reason,
                 "The bundle was installed but is no longer there.",
-                {"slot": f"{entry.backend}-{entry.variant}"},
+                {"slot": f"{backend}-{variant}"},
             )
         return bundle
 
     def _failure(self, runner: MachineRunner) -> StokerError:
         data: I.InstallData = runner.data
-        evidence = dict(data.evidence)
-        cause = evidence.get("message") or "see the evidence"
-        return StokerError(
-            data.reason or install_failed_reason(self.backends, data.backend),
-            f"Installing the {data.backend} bundle ({data.variant}) failed at {evidence.get('step', '?')}: "
-            f"{cause} The previous state is intact; retry with `stoker install {data.backend}`.",
-            evidence,
-        )
+        reason = data.reason or install_failed_reason(self.backends, data.backend)
+        return StokerError(reason, failure_sentence(data.backend, data.variant, data.evidence), dict(data.evidence))
 
     def statistics(self) -> list[dict[str, Any]]:
-        """Every install machine's state and reason, for status displays."""
-        out = []
-        for record in self.store.machines(kind=I.INSTALL.name):
-            out.append(
-                {
-                    "machine": record.id,
-                    "state": record.state,
-                    "reason": record.reason,
-                    "backend": record.data.get("backend"),
-                    "variant": record.data.get("variant"),
-                }
-            )
-        return out
+        """Every install machine's state, reason, the source its bundle came from (or the one
+        being tried: `mirror <manifest>`, `build-cache`, ...) and, while it builds, its progress."""
+        return [
+            install_row(record, self._progress.get(record.id)) for record in self.store.machines(kind=I.INSTALL.name)
+        ]
 
     # --- effects -------------------------------------------------------------------------
 
@@ -274,11 +280,17 @@ class InstallService:
         queue = list(effects)
         while queue:
             effect = queue.pop(0)
+            if isinstance(effect, SOURCE_STARTS):  # a source's attempt begins: its clock starts
+                self._started[runner.machine_id] = trio.current_time()
             try:
                 event = await self._effects.run(effect, runner)
             except Exception as err:  # every failure of a step is the machine's InstallFailed
                 log.info("%s: %s failed: %s", runner.machine_id, type(effect).__name__, err)
                 event = I.InstallFailed(install_failed_reason(self.backends, runner.data.backend), _cause(err))
+            if isinstance(event, ATTEMPT_ENDS) and event.seconds is None:
+                started = self._started.get(runner.machine_id)
+                if started is not None:
+                    event = attrs.evolve(event, seconds=round(trio.current_time() - started, 3))
             if event is not None:
                 queue.extend(runner.fire(event).effects)
 
@@ -291,8 +303,23 @@ class InstallService:
             self._entries[runner.machine_id] = entry
         return entry
 
-    async def _resolve(self, effect: I.Resolve, runner: MachineRunner) -> I.Resolved:
-        entry = await self._entry(runner)
+    async def _resolve(self, effect: I.Resolve, runner: MachineRunner) -> I.Resolved | I.SourceUnavailable:
+        mid = runner.machine_id
+        reason = install_failed_reason(self.backends, effect.backend)
+        if effect.source is Source.FILE and mid not in self._entries:
+            raise StokerError(
+                ReasonCode.BUNDLE_MISSING,
+                "A local bundle's install was interrupted by a daemon restart; install the file again.",
+            )
+        try:
+            refusal = self._refusals.pop(mid, None)
+            if refusal is not None:  # the manifest is missing, unreadable, refused, or lists none that fits
+                raise refusal
+            entry = await self._entry(runner)  # after a restart: the manifest read again
+        except StokerError as err:
+            manifest = self.manifest_source() or None
+            return I.SourceUnavailable(reason, {**_cause(err), "manifest": manifest}, cause=stored_reason(err.reason))
+        origin = self.manifest_source() if effect.source is Source.MIRROR else unquote(urlparse(entry.url).path)
         return I.Resolved(
             entry.url,
             entry.sha256,
@@ -305,7 +332,29 @@ class InstallService:
                 "cuda_archs": list(entry.cuda_archs),
                 **({"manifest": dict(entry.origin)} if entry.origin else {}),
             },
+            origin=origin,
         )
+
+    async def _find_cached(self, effect: I.FindCachedBuild, runner: MachineRunner) -> object:
+        plugin, detection = self.backends.get(effect.backend), self._detections.get(runner.machine_id)
+        event, entry = await cache_attempt(self.paths, effect, plugin, detection, self._reason(effect.backend))
+        if entry is not None:
+            self._entries[runner.machine_id] = entry
+        return event
+
+    async def _check_toolchain(self, effect: I.CheckToolchain, runner: MachineRunner) -> object:
+        return await toolchain_attempt(effect, self._reason(effect.backend))
+
+    async def _build(self, effect: I.BuildBundle, runner: MachineRunner) -> I.Resolved:
+        """Build in a child process; its progress on the bus and in status (`statistics`)."""
+        mid = runner.machine_id
+
+        def progress(figures: dict[str, Any]) -> None:
+            self._progress[mid] = figures
+            self._bus({"topic": PROGRESS_TOPIC, "backend": effect.backend, "variant": effect.variant, **figures})
+
+        event, self._entries[mid] = await build_attempt(effect, progress)
+        return event
 
     def archive_path(self, runner: MachineRunner, sha256: str) -> Path:
         data: I.InstallData = runner.data
@@ -334,7 +383,7 @@ class InstallService:
             )
 
         if effect.url.startswith("file://"):
-            result = await trio.to_thread.run_sync(_copy_file_url, effect.url, dest, effect.sha256, effect.size, reason)
+            result = await trio.to_thread.run_sync(copy_file_url, effect.url, dest, effect.sha256, effect.size, reason)
             progress(DownloadProgress(effect.size, effect.size, 0.0, 0.0))
             return I.Downloaded(str(dest), result, effect.size)
         done = await download(
@@ -381,13 +430,17 @@ class InstallService:
     async def _validate_bundle(self, effect: I.ValidateBundle, runner: MachineRunner) -> I.Validated:
         from daemon.bundles.verify import verify_dir
 
-        entry = await self._entry(runner)
+        data: I.InstallData = runner.data
+        # A mirror's entry states the version; a cached or local build is checked against what
+        # its own source resolved (the archive's sha256), and its backend and variant here.
+        local = data.source not in (None, Source.MIRROR) and runner.machine_id not in self._entries
+        version = None if local else (await self._entry(runner)).version
         report = await trio.to_thread.run_sync(
             lambda: verify_dir(
                 Path(effect.staging),
-                expect_backend=entry.backend,
-                expect_variant=entry.variant,
-                expect_version=entry.version,
+                expect_backend=effect.backend,
+                expect_variant=effect.variant,
+                expect_version=version,
                 smoke=False,
             )
         )
@@ -433,38 +486,3 @@ class InstallService:
         data: I.InstallData = runner.data
         if data.archive:
             Path(data.archive).unlink(missing_ok=True)  # installed: the zip has done its job
-
-
-def _copy_file_url(url: str, dest: Path, sha256: str, size: int, reason: ReasonCode) -> str:
-    """A file:// mirror: copy into the downloads dir through a part file, checking as it goes."""
-    source = Path(unquote(urlparse(url).path))
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    part = dest.with_suffix(dest.suffix + ".part")
-    h = hashlib.sha256()
-    try:
-        with open(source, "rb") as src, open(part, "wb") as out:
-            while chunk := src.read(1 << 20):
-                h.update(chunk)
-                out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-    except OSError as err:
-        part.unlink(missing_ok=True)
-        raise StokerError(reason, f"Copying {url} failed: {err}.", {"url": url, "error": str(err)}) from None
-    actual_size = part.stat().st_size
-    if actual_size != size or h.hexdigest() != sha256:
-        part.unlink(missing_ok=True)
-        raise StokerError(
-            ReasonCode.BUNDLE_DIGEST_MISMATCH,
-            f"{url} does not match the manifest's sha256 and size.",
-            {
-                "url": url,
-                "kind": "digest_mismatch",
-                "expected_sha256": sha256,
-                "actual_sha256": h.hexdigest(),
-                "expected_size": size,
-                "actual_size": actual_size,
-            },
-        )
-    os.replace(part, dest)
-    return h.hexdigest()

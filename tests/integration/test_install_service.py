@@ -12,18 +12,21 @@ import hashlib
 import json
 import random
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
 import trio
 
+from daemon.bundles.archive import pack_bundle
 from daemon.bundles.installed import find_installed, install_bundle
 from daemon.bundles.variants import host_platform
 from daemon.core.errors import StokerError
 from daemon.install.service import PROGRESS_TOPIC, InstallService
 from daemon.core.paths import StokerPaths
 from states import install as I
-from tests.bundlekit import make_bundle_zip
+from states.install_sources import Source
+from tests.bundlekit import make_bundle_dir, make_bundle_zip
 from tests.httpfault import Fault
 
 
@@ -238,9 +241,64 @@ async def test_daemon_killed_while_validating_redoes_from_clean_staging(setup):
 
 
 async def test_no_manifest_fails_with_the_reason(setup):
-    service = InstallService(setup.paths, setup.store, setup.events.append, manifest_source=lambda: "", smoke=False)
+    service = InstallService(
+        setup.paths, setup.store, setup.events.append, manifest_source=lambda: "", smoke=False, sources=(Source.MIRROR,)
+    )
     err = await _install_fails(service)
     assert err.reason == "cpu_bundle_install_failed" and err.evidence["cause"] == "bundle_missing"
+    setup.assert_previous_intact()
+
+
+def _cache_entry(cache: Path, key: str, zip_path: Path) -> Path:
+    """A build cache entry as the builder leaves it: builds/<key>/{bundle.zip, bundle.json}."""
+    entry = cache / "builds" / key
+    entry.mkdir(parents=True)
+    shutil.copy(zip_path, entry / "bundle.zip")
+    with zipfile.ZipFile(zip_path) as zf:
+        (entry / "bundle.json").write_bytes(zf.read("bundle.json"))
+    return entry
+
+
+async def test_without_a_manifest_a_fitting_cached_build_is_installed(setup, monkeypatch):
+    cache = setup.tmp / "cache"
+    _cache_entry(cache, "k-compat", make_bundle_zip(setup.tmp, "compat.zip", variant="compat"))
+    entry = _cache_entry(cache, "k-avx2", setup.new_zip)
+    monkeypatch.setenv("STOKER_CACHE_DIR", str(cache))
+    service = InstallService(
+        StokerPaths.from_env(), setup.store, setup.events.append, manifest_source=lambda: "", smoke=False
+    )
+    with trio.fail_after(60):
+        bundle = await service.install("cpu", variant="avx2")
+    assert bundle.root == setup.paths.bundles_dir / "cpu-avx2"
+    setup.assert_new_installed()
+    row = next(r for r in service.statistics() if r["machine"] == "install:cpu-avx2")
+    assert row["source"] == "build-cache" and row["origin"] == str(entry)
+    assert [(t["source"], t["outcome"]) for t in row["tried"]] == [
+        ("mirror", "unavailable"),
+        ("build-cache", "installed"),
+    ]
+    assert (entry / "bundle.zip").is_file()  # the cache keeps its entry: the install copied it
+
+
+async def test_a_cached_build_that_fails_its_check_is_left_for_a_local_build(setup, monkeypatch):
+    src = make_bundle_dir(setup.tmp / "tampered.src")
+    (src / "bin" / "libggml-fake.so").write_bytes(b"not what bundle.json says")
+    cache = setup.tmp / "cache"
+    _cache_entry(cache, "k-tampered", pack_bundle(src, setup.tmp / "tampered.zip"))
+    monkeypatch.setenv("STOKER_CACHE_DIR", str(cache))
+    monkeypatch.setenv("PATH", str(setup.tmp / "no-tools"))  # no compiler, no cmake
+    service = InstallService(
+        StokerPaths.from_env(), setup.store, setup.events.append, manifest_source=lambda: "", smoke=False
+    )
+    err = await _install_fails(service)
+    assert err.reason == "cpu_bundle_install_failed" and err.evidence["cause"] == "build_toolchain_missing"
+    assert [(t["source"], t["outcome"], t["reason"], t["step"]) for t in err.evidence["tried"]] == [
+        ("mirror", "unavailable", "bundle_missing", "resolving"),
+        ("build-cache", "failed", "bundle_digest_mismatch", "validating"),
+        ("local-build", "unavailable", "build_toolchain_missing", "checking_toolchain"),
+    ]
+    assert "mirror: No bundle manifest is configured" in err.message and "build-cache: " in err.message
+    assert "local-build: The build tool 'c++' is missing or broken" in err.message
     setup.assert_previous_intact()
 
 

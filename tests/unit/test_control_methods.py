@@ -65,6 +65,7 @@ STATUS_KEYS = {
     "models",
     "max_loaded",
     "pulls",
+    "installs",
 }
 
 
@@ -179,6 +180,7 @@ class FakeDaemon:
     fallback: dict[str, Any] = attrs.field(factory=lambda: fallback_part())
     history_asked: list[dict[str, Any]] = attrs.field(factory=list)
     pulls: list[dict[str, Any]] = attrs.field(factory=list)
+    installs: list[dict[str, Any]] = attrs.field(factory=list)
     shutdown: bool = False
 
     def __attrs_post_init__(self) -> None:
@@ -208,6 +210,9 @@ class FakeDaemon:
 
     def pulls_under_way(self) -> list[dict[str, Any]]:
         return self.pulls
+
+    def install_statistics(self) -> list[dict[str, Any]]:
+        return self.installs
 
 
 def fallback_part(backend: str | None = "cpu", **extra: Any) -> dict[str, Any]:
@@ -469,6 +474,26 @@ async def test_status_lists_the_pulls_under_way_with_their_progress():
         | dict.fromkeys(("phase", "bytes_done", "total", "rate", "eta")),
     ]
     assert (await call(daemon, "status"))["pulls"] == daemon.pulls
+
+
+async def test_status_says_where_each_engine_came_from_and_how_a_build_is_going():
+    daemon = FakeDaemon()
+    assert (await call(daemon, "status"))["installs"] == []
+    tried = {"source": "mirror", "origin": None, "outcome": "unavailable", "reason": "bundle_missing"}
+    daemon.installs = [
+        {"machine": "install:cpu-avx2", "backend": "cpu", "variant": "avx2", "state": "installed", "reason": None}
+        | {"source": "build-cache", "origin": "/c/builds/k", "tried": [tried], "progress": None},
+        {"machine": "install:cuda-avx2", "backend": "cuda", "variant": "avx2", "state": "building", "reason": None}
+        | {"source": "local-build", "origin": None, "tried": [tried], "progress": {"step": "compile", "percent": 45}},
+    ]
+    st = await call(daemon, "status")
+    assert st["installs"] == daemon.installs
+    from daemon.cli.service import format_installs
+
+    assert format_installs(st["installs"]) == [
+        "engine    cpu-avx2: installed from build-cache",
+        "engine    cuda-avx2: building (local-build) compile 45%",
+    ]
 
 
 async def test_status_while_loading_hands_out_no_endpoint_and_no_uptime():

@@ -15,8 +15,13 @@ from states.install import (
     InstallState as S,
     Promote,
     Resolve,
+    BuildBundle,
+    CheckToolchain,
+    FindCachedBuild,
     Resolved,
     Resumed,
+    SourceUnavailable,
+    ToolchainReady,
     SmokePassed,
     SmokeTest,
     Unpack,
@@ -27,6 +32,7 @@ from states.install import (
     VerifyArchive,
     machine_id,
 )
+from states.install_sources import Source
 from states.machine import IllegalTransition, step
 from states.reasons import ReasonCode
 
@@ -73,7 +79,9 @@ def test_happy_path_asks_for_each_step():
 def test_failure_at_any_step_records_reason_and_cleans(n):
     s = drive(*HAPPY[:n], InstallFailed(ReasonCode.BUNDLE_DIGEST_MISMATCH, {"got": "00"}))
     assert s.state is S.FAILED and s.reason is ReasonCode.BUNDLE_DIGEST_MISMATCH
-    assert s.evidence == {"got": "00", "step": STATES_ALONG[n - 1].value}
+    tried = {"source": "mirror", "outcome": "failed", "step": STATES_ALONG[n - 1].value, "reason": None}
+    assert s.evidence["got"] == "00" and s.evidence["step"] == STATES_ALONG[n - 1].value
+    assert [{k: t[k] for k in tried} for t in s.evidence["tried"]] == [tried]  # a mirror's bundle: no next source
     assert s.effects == (CleanStaging(),)
     retry = drive(InstallRequested("cuda", "sm90"), state=s.state, data=s.data)
     assert retry.state is S.RESOLVING and retry.data.attempts == 2 and retry.data.reason is None
@@ -120,3 +128,119 @@ def test_resume_of_a_download_without_its_digest_resolves_again():
     unresolved = InstallData(backend="cuda", variant="sm90", url="http://127.0.0.1:1/b.zip")
     s = drive(Resumed(), state=S.DOWNLOADING, data=unresolved)
     assert s.state is S.RESOLVING and s.effects == (Resolve("cuda", "sm90"),)
+
+
+# --- the sources, in order -----------------------------------------------------------------
+
+R = ReasonCode.CPU_BUNDLE_INSTALL_FAILED
+
+
+def unavailable(cause, seconds=0.5):
+    return SourceUnavailable(R, {"cause": cause, "message": f"{cause} here"}, seconds)
+
+
+def test_a_source_with_nothing_hands_the_install_to_the_next_one_in_order():
+    s = drive(InstallRequested("cpu", "avx2"))
+    assert (s.state, s.effects) == (S.RESOLVING, (Resolve("cpu", "avx2", Source.MIRROR),))
+    s = drive(InstallRequested("cpu", "avx2"), unavailable("bundle_missing"))
+    assert s.state is S.SEARCHING_CACHE and s.reason is None
+    assert s.effects == (CleanStaging(), FindCachedBuild("cpu", "avx2"))
+    assert s.evidence["next_source"] == "build-cache" and s.evidence["cause"] == "bundle_missing"
+    s = drive(InstallRequested("cpu", "avx2"), unavailable("bundle_missing"), unavailable("bundle_missing"))
+    assert (s.state, s.effects[-1]) == (S.CHECKING_TOOLCHAIN, CheckToolchain("cpu", "avx2"))
+    s = drive(
+        InstallRequested("cpu", "avx2"),
+        unavailable("bundle_missing"),
+        unavailable("bundle_missing"),
+        ToolchainReady({"toolchain": {"cmake": "cmake version 3.25"}}),
+    )
+    assert (s.state, s.effects) == (S.BUILDING, (BuildBundle("cpu", "avx2"),))
+    s = drive(
+        InstallRequested("cpu", "avx2"),
+        unavailable("bundle_missing"),
+        unavailable("bundle_missing"),
+        ToolchainReady(),
+        Resolved("file:///cache/k/bundle.zip", "ab" * 32, 1000, {"cache_key": "k"}, origin="k"),
+        Downloaded("/dl/b.zip", "ab" * 32, 1000),
+        Verified(),
+        Unpacked("/staging/b"),
+        Validated(),
+        SmokePassed({"smoke": "passed"}, seconds=42.0),
+    )
+    assert s.state is S.INSTALLED and s.data.source is Source.LOCAL_BUILD and s.data.origin == "k"
+    assert [(t["source"], t["outcome"], t["reason"]) for t in s.data.tried] == [
+        ("mirror", "unavailable", "bundle_missing"),
+        ("build-cache", "unavailable", "bundle_missing"),
+        ("local-build", "installed", None),
+    ]
+    assert s.evidence["source"] == "local-build" and s.evidence["seconds"] == 42.0
+
+
+def test_no_source_left_fails_with_the_backends_reason_and_every_attempt():
+    s = drive(
+        InstallRequested("cpu", "avx2"),
+        unavailable("bundle_missing", 0.01),
+        unavailable("bundle_missing", 0.2),
+        unavailable("build_toolchain_missing", 0.3),
+    )
+    assert s.state is S.FAILED and s.reason is R and s.effects == (CleanStaging(),)
+    assert s.evidence["cause"] == "build_toolchain_missing" and s.evidence["source"] == "local-build"
+    assert [(t["source"], t["reason"], t["seconds"]) for t in s.evidence["tried"]] == [
+        ("mirror", "bundle_missing", 0.01),
+        ("build-cache", "bundle_missing", 0.2),
+        ("local-build", "build_toolchain_missing", 0.3),
+    ]
+    retry = drive(InstallRequested("cpu", "avx2"), state=s.state, data=s.data)
+    assert retry.state is S.RESOLVING and retry.data.tried == () and retry.data.attempts == 2
+
+
+def test_a_mirror_bundle_that_fails_ends_the_install_but_a_cached_one_leaves_it_to_a_build():
+    mirror = drive(*HAPPY[:3], InstallFailed(R, {"cause": "bundle_digest_mismatch"}))
+    assert mirror.state is S.FAILED  # a configured mirror's bad bundle is shown, not papered over
+    cached = drive(
+        InstallRequested("cpu", "avx2"),
+        unavailable("bundle_missing"),
+        Resolved("file:///cache/k/bundle.zip", "ab" * 32, 1000),
+        Downloaded("/dl/b.zip", "ab" * 32, 1000),
+        Verified(),
+        Unpacked("/staging/b"),
+        InstallFailed(R, {"cause": "bundle_verify_failed"}),
+    )
+    assert cached.state is S.CHECKING_TOOLCHAIN and cached.data.staging is None and cached.data.url is None
+    assert cached.effects == (CleanStaging(), CheckToolchain("cpu", "avx2"))
+    assert cached.data.tried[-1]["outcome"] == "failed" and cached.data.tried[-1]["step"] == "validating"
+
+
+def test_a_file_is_its_own_only_source_and_the_order_is_the_tables():
+    s = drive(InstallRequested("cpu", "avx2", (Source.FILE,)), unavailable("bundle_missing"))
+    assert s.state is S.FAILED
+    backwards = drive(InstallRequested("cpu", "avx2", (Source.LOCAL_BUILD, Source.BUILD_CACHE)))
+    assert backwards.state is S.SEARCHING_CACHE and backwards.data.sources == (Source.BUILD_CACHE, Source.LOCAL_BUILD)
+    with pytest.raises(IllegalTransition):
+        drive(InstallRequested("cpu", "avx2", ()))
+
+
+@pytest.mark.parametrize("events", [1, 2, 3])
+def test_a_restart_mid_source_starts_that_source_over(events):
+    along = [
+        InstallRequested("cpu", "avx2"),
+        unavailable("bundle_missing"),
+        unavailable("bundle_missing"),
+        ToolchainReady(),
+    ]
+    s = drive(*along[: events + 1], Resumed())
+    expected = {1: FindCachedBuild("cpu", "avx2"), 2: CheckToolchain("cpu", "avx2"), 3: CheckToolchain("cpu", "avx2")}
+    assert s.effects == (expected[events],) and s.data.resumes == 1
+
+
+@pytest.mark.parametrize(
+    "cause",
+    [ReasonCode.MANIFEST_UNTRUSTED, ReasonCode.MANIFEST_SIGNATURE_INVALID, ReasonCode.MANIFEST_EXPIRED]
+    + [ReasonCode.MANIFEST_ROLLBACK, ReasonCode.BUNDLE_METADATA_MISMATCH],
+)
+def test_a_refused_mirror_ends_the_install_where_one_with_nothing_hands_it_on(cause):
+    refused = drive(InstallRequested("cpu", "avx2"), SourceUnavailable(R, {"cause": str(cause)}, 0.1, cause))
+    assert refused.state is S.FAILED and refused.reason is R and refused.evidence["cause"] == cause
+    assert [(t["source"], t["outcome"]) for t in refused.evidence["tried"]] == [("mirror", "refused")]
+    unreachable = SourceUnavailable(R, {"cause": "bundle_missing"}, 0.1, ReasonCode.BUNDLE_MISSING)
+    assert drive(InstallRequested("cpu", "avx2"), unreachable).state is S.SEARCHING_CACHE

@@ -251,7 +251,11 @@ SAMPLES = {
     ],
     "install": [
         I.InstallRequested("cuda", "sm90"),
+        I.InstallRequested("cuda", "sm90", ("file",)),
         I.Resolved("http://x/b.zip", "aa", 3),
+        I.SourceUnavailable(ReasonCode.CUDA_BUNDLE_INSTALL_FAILED, {"cause": "bundle_missing"}),
+        I.SourceUnavailable(ReasonCode.CUDA_BUNDLE_INSTALL_FAILED, cause=ReasonCode.MANIFEST_EXPIRED),
+        I.ToolchainReady(),
         I.Downloaded("/a", "aa", 3),
         I.Verified(),
         I.Unpacked("/s"),

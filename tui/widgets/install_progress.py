@@ -33,6 +33,8 @@ def progress_figures(event: dict[str, Any]) -> dict[str, Any]:
         "speed": speed,
         "eta": eta,
         "phase": _first(event, "phase", "state", "step"),
+        "percent": event.get("percent"),  # a local build's (no bytes to count)
+        "line": event.get("line"),
     }
 
 
@@ -42,6 +44,11 @@ def progress_line(fig: dict[str, Any]) -> Text:
     text = Text(f"{fig['what']}  ", style="bold")
     if fig.get("phase"):
         text.append(f"{fig['phase']}  ", style="cyan")
+    if fig.get("done") is None and (fig.get("percent") is not None or fig.get("line")):
+        percent = "" if fig.get("percent") is None else f"{fig['percent']}%  "
+        text.append(percent)
+        text.append(str(fig.get("line") or "")[:80], style="dim")
+        return text
     text.append(f"{q.size(fig['done'])} / {q.size(fig['total'])}")
     text.append(f"  {q.rate(fig['speed'])}  ETA {q.duration(fig['eta'])}", style="dim")
     return text
@@ -57,7 +64,9 @@ class InstallEntry(Vertical):
     def show(self, fig: dict[str, Any]) -> None:
         self.query_one(".install-line", Static).update(progress_line(fig))
         bar = self.query_one(ProgressBar)
-        if fig["total"]:
+        if fig.get("percent") is not None and fig["done"] is None:
+            bar.update(total=100, progress=fig["percent"])
+        elif fig["total"]:
             bar.update(total=fig["total"], progress=fig["done"] or 0)
         else:
             bar.update(total=None)
