@@ -91,6 +91,11 @@ DEFAULT_CUDA_ARCHS = CUDA_FAMILIES_ALL
 CUDA_BUNDLED_LIBS = ("libcudart.so", "libcublas.so", "libcublasLt.so")
 # A Vulkan bundle needs the Khronos loader from the host; the driver behind it is the host's.
 VULKAN_SYSTEM_LIBS = ("libvulkan.so.1",)
+# Vulkan headers other than the system's: an include directory holding vulkan/vulkan_core.h.
+VULKAN_HEADERS_ENV = "STOKER_VULKAN_HEADERS"
+# What the pinned engine's ggml-vulkan.cpp uses without a guard (b11434: the validation layer's
+# settings in ggml_vk_instance_init); headers without it fail to compile 20 minutes in.
+VULKAN_NEEDS = ("VK_EXT_layer_settings",)
 _ARCH = re.compile(r"^\d{2,3}[af]?(-real|-virtual)?$")
 
 
@@ -185,6 +190,7 @@ class Toolchain:
     toolkit: str | None = None  # "cuda 13.0" for CUDA builds
     toolkit_major: int | None = None
     nvcc: str | None = None
+    vulkan_include: str | None = None  # Vulkan headers other than the system's ($STOKER_VULKAN_HEADERS)
 
     def to_dict(self) -> dict[str, Any]:
         return {"compiler": self.compiler, "cmake": self.cmake, "generator": self.generator, "toolkit": self.toolkit}
@@ -222,7 +228,8 @@ def parse_nvcc_version(text: str) -> tuple[str, int]:
 
 def _vulkan_include_dirs(environ: Mapping[str, str]) -> tuple[Path, ...]:
     sdk = environ.get("VULKAN_SDK")
-    return tuple(Path(d) for d in (f"{sdk}/include" if sdk else None, "/usr/include", "/usr/local/include") if d)
+    dirs = (environ.get(VULKAN_HEADERS_ENV), f"{sdk}/include" if sdk else None, "/usr/include", "/usr/local/include")
+    return tuple(Path(d) for d in dirs if d)
 
 
 def find_glslc(environ: Mapping[str, str] | None = None) -> str | None:
@@ -235,10 +242,13 @@ def find_glslc(environ: Mapping[str, str] | None = None) -> str | None:
     return None
 
 
-def vulkan_toolkit(environ: Mapping[str, str] | None = None) -> str:
-    """`vulkan 1.3.239, shaderc 2023.2-1`: the Vulkan headers' version and glslc's, both cache-key
-    inputs (the headers decide which device features ggml-vulkan compiles in, glslc the SPIR-V).
-    bundle_build_failed naming the Debian packages when either, or the SPIR-V headers, is missing."""
+def vulkan_toolkit(environ: Mapping[str, str] | None = None) -> tuple[str, str | None]:
+    """(`vulkan 1.4.309, shaderc 2023.2-1`, the include dir to give cmake or None for the
+    system's): the Vulkan headers' version and glslc's are cache-key inputs (the headers decide
+    which device features ggml-vulkan compiles in, glslc the SPIR-V). The first headers found
+    are used: $STOKER_VULKAN_HEADERS, $VULKAN_SDK/include, /usr/include, /usr/local/include.
+    bundle_build_failed naming the packages when the headers, glslc or the SPIR-V headers are
+    missing, or when the headers lack what the pinned engine uses (VULKAN_NEEDS)."""
     env = os.environ if environ is None else environ
     includes = _vulkan_include_dirs(env)
     core = next((d / "vulkan" / "vulkan_core.h" for d in includes if (d / "vulkan" / "vulkan_core.h").is_file()), None)
@@ -256,11 +266,23 @@ def vulkan_toolkit(environ: Mapping[str, str] | None = None) -> str:
             "spirv-headers` (or set VULKAN_SDK to a LunarG SDK).",
             {"missing": missing, "searched": [str(d) for d in includes]},
         )
-    header = re.search(r"VK_HEADER_VERSION_COMPLETE\s+VK_MAKE_API_VERSION\(\s*0,\s*(\d+),\s*(\d+),", core.read_text())
-    patch = re.search(r"#define\s+VK_HEADER_VERSION\s+(\d+)", core.read_text())
+    text = core.read_text(errors="replace")
+    header = re.search(r"VK_HEADER_VERSION_COMPLETE\s+VK_MAKE_API_VERSION\(\s*0,\s*(\d+),\s*(\d+),", text)
+    patch = re.search(r"#define\s+VK_HEADER_VERSION\s+(\d+)", text)
     headers = f"{header.group(1)}.{header.group(2)}.{patch.group(1)}" if header and patch else "unknown"
+    lacking = [name for name in VULKAN_NEEDS if f"#define {name} 1" not in text]
+    if lacking:
+        raise StokerError(
+            ReasonCode.BUNDLE_BUILD_FAILED,
+            f"The Vulkan headers in {core.parent.parent} ({headers}) lack {', '.join(lacking)}, which the engine's "
+            f"Vulkan backend uses: newer headers are needed (Debian 12's libvulkan-dev is 1.3.239; Debian 13's "
+            f"1.4.309 works). Point {VULKAN_HEADERS_ENV} at an include directory that has them (`./dev test` "
+            "unpacks Debian 13's libvulkan-dev there on Debian 12) or set VULKAN_SDK to a LunarG SDK.",
+            {"headers": str(core), "version": headers, "lacking": lacking},
+        )
     shaderc = _first_line([glslc, "--version"]).replace("shaderc ", "").strip()
-    return f"vulkan {headers}, shaderc {shaderc}"
+    system = str(core.parent.parent) in ("/usr/include", "/usr/local/include")
+    return f"vulkan {headers}, shaderc {shaderc}", None if system else str(core.parent.parent)
 
 
 def detect_toolchain(backend: str) -> Toolchain:
@@ -269,7 +291,8 @@ def detect_toolchain(backend: str) -> Toolchain:
     compiler = _first_line([os.environ.get("CXX", "c++"), "--version"])
     cmake = _first_line(["cmake", "--version"])
     if backend == "vulkan":
-        return Toolchain(compiler, cmake, generator, vulkan_toolkit())
+        toolkit, include = vulkan_toolkit()
+        return Toolchain(compiler, cmake, generator, toolkit, vulkan_include=include)
     if backend != "cuda":
         return Toolchain(compiler, cmake, generator)
     nvcc = find_nvcc()
@@ -341,6 +364,8 @@ class BuildPlan:
             # Only the Vulkan loader comes from the host; it finds the host's driver (ICD) itself.
             # GGML_CUDA stays off whatever the build host has: no CUDA coupling.
             flags += ("-DGGML_VULKAN=ON",)
+            if toolchain.vulkan_include:
+                flags += (f"-DVulkan_INCLUDE_DIR={toolchain.vulkan_include}",)
             libs = VULKAN_SYSTEM_LIBS
         host_cpu = None
         if variant == "native":

@@ -123,3 +123,35 @@ def test_missing_vulkan_build_tools_are_named(tmp_path, monkeypatch):
     assert err.value.reason == R.BUNDLE_BUILD_FAILED
     assert "apt-get install libvulkan-dev glslc spirv-headers" in err.value.message
     assert len(err.value.evidence["missing"]) == 3
+
+
+def _vulkan_tree(root, *, layer_settings: bool):
+    (root / "vulkan").mkdir(parents=True)
+    (root / "spirv" / "unified1").mkdir(parents=True)
+    (root / "spirv" / "unified1" / "spirv.hpp").write_text("")
+    define = "#define VK_EXT_layer_settings 1\n" if layer_settings else ""
+    (root / "vulkan" / "vulkan_core.h").write_text(
+        "#define VK_HEADER_VERSION 309\n"
+        "#define VK_HEADER_VERSION_COMPLETE VK_MAKE_API_VERSION(0, 1, 4, VK_HEADER_VERSION)\n" + define
+    )
+    glslc = root / "bin" / "glslc"
+    glslc.parent.mkdir()
+    glslc.write_text("#!/bin/sh\necho 'shaderc 2023.2-1'\n")
+    glslc.chmod(0o755)
+    return root
+
+
+def test_headers_too_old_for_the_engine_are_named_and_newer_ones_are_given_to_cmake(tmp_path, monkeypatch):
+    old = _vulkan_tree(tmp_path / "old", layer_settings=False)
+    monkeypatch.setattr(variants, "_vulkan_include_dirs", lambda environ: (old,))
+    monkeypatch.setenv("PATH", str(old / "bin"))
+    with pytest.raises(StokerError) as err:
+        variants.vulkan_toolkit({})
+    assert err.value.evidence["lacking"] == ["VK_EXT_layer_settings"]
+    assert variants.VULKAN_HEADERS_ENV in err.value.message and "1.4.309" in err.value.message
+    new = _vulkan_tree(tmp_path / "new", layer_settings=True)
+    monkeypatch.setattr(variants, "_vulkan_include_dirs", lambda environ: (new, old))
+    assert variants.vulkan_toolkit({}) == ("vulkan 1.4.309, shaderc 2023.2-1", str(new))
+    tools = Toolchain(*TOOLS.to_dict().values(), vulkan_include=str(new))
+    plan = BuildPlan.for_backend("vulkan", "avx2", toolchain=tools)
+    assert plan.flags[-1] == f"-DVulkan_INCLUDE_DIR={new}"  # a cache-key input too
