@@ -10,6 +10,15 @@ the KV cache at that context from the GGUF header (`kv_bytes_per_token_f16`), `s
 "stoker", `partial` (it has no compute buffers), and `detail` says why the fitter did not
 answer. states/placement.py then decides with those figures whether the server fits.
 
+One correction: llama-fit-params reserves the compute buffers for the logits of a whole
+micro-batch (its `n_outputs_max` is n_batch: 512 outputs at the default -ub), while llama-server
+reserves them for its slots only (`server_output_limits`: one output per slot without a draft
+model). With a large vocabulary that is most of the figure: Gemma 3 270M (262k tokens) projects
+524 MiB of compute on the CPU where its server reports 26 MiB. Stoker takes
+(512 - slots) x vocabulary x 4 bytes off the largest compute figure (the device that computes the
+output layer), and `detail` says so; measured after that, Gemma 3 270M: 307 MiB projected against
+347 MiB of buffers its server reported, SmolLM2-135M 192 against 201 (uncorrected: 820 and 288).
+
 The context: the plan's `-c` when it sets one (the KV cells of every slot together, as the
 server divides them); with `-c 0` the server sizes the KV for the trained context of each slot
 (`llama_params_fit`, non-unified KV), so the fitter (which has no `-np`) gets `-c` = trained
@@ -29,7 +38,7 @@ import trio
 from daemon.bundles.installed import InstalledBundle
 from daemon.engine.fit import FitFailed, memory_args, project
 from daemon.engine.process import ServerSpec, server_env
-from daemon.models.facts import model_facts, read_header
+from daemon.models.facts import model_facts, read_header, vocab_size
 from states.launch_records import FITTER, STOKER_ESTIMATE, LaunchPlan, MemoryEstimate
 
 log = logging.getLogger(__name__)
@@ -60,6 +69,30 @@ def fitter_args(plan: LaunchPlan, ctx: int | None) -> list[str]:
     if plan.flash_attn:
         args += ["-fa", plan.flash_attn]
     return args + memory_args(plan.backend_args) + memory_args(plan.extra_args)
+
+
+def _arg(args: tuple[str, ...], names: tuple[str, ...], default: int) -> int:
+    value = default
+    for i, item in enumerate(args):
+        name, _, inline = item.partition("=")
+        if name in names:
+            raw = inline or (args[i + 1] if i + 1 < len(args) else "")
+            value = int(raw) if raw.isdigit() else value
+    return value
+
+
+def server_outputs_correction(plan: LaunchPlan, parts: dict[str, dict[str, float]]) -> tuple[str, float] | None:
+    """(device, MiB) to take off the fitter's compute figure: the logits it reserves for a whole
+    micro-batch beyond the server's one per slot; None when there is nothing to take off."""
+    n_vocab = vocab_size(plan.model_path)
+    if not n_vocab or not parts:
+        return None
+    batch = _arg(plan.extra_args, ("-b", "--batch-size"), 2048)
+    ubatch = min(batch, _arg(plan.extra_args, ("-ub", "--ubatch-size"), 512))
+    extra = (ubatch - min(batch, max(1, plan.parallel))) * n_vocab * 4 / MIB
+    device = max(parts, key=lambda name: parts[name].get("compute", 0.0))
+    taken = min(extra, parts[device].get("compute", 0.0))
+    return (device, round(taken, 1)) if taken >= 1 else None
 
 
 def fitter_of(bundle: InstalledBundle) -> Path | None:
@@ -115,12 +148,24 @@ def estimate_memory(plan: LaunchPlan, bundle: InstalledBundle) -> MemoryEstimate
             detail = f"llama-fit-params did not answer: {err}"
             log.warning("%s; Stoker estimates %s's memory itself", detail, plan.model_path)
         else:
+            parts = found.parts
+            said = [f"fitted: {' '.join(found.fitted_args)}"] if found.fitted_args else []
+            correction = server_outputs_correction(plan, parts)
+            if correction is not None:
+                device, taken = correction
+                parts[device]["compute"] = round(parts[device]["compute"] - taken, 1)
+                said.append(
+                    f"{taken:g} MiB taken off {device}'s compute: the logits of one output per slot, as llama-server "
+                    f"reserves them, not of a whole micro-batch"
+                )
+            host = sum(parts.get("Host", {}).values())
+            devices = {name: sum(p.values()) for name, p in parts.items() if name != "Host"}
             return MemoryEstimate(
                 FITTER,
-                host_mib=found.host_mib,
-                devices=found.devices,
-                parts=found.parts,
-                detail=" ".join(found.fitted_args) or None,
+                host_mib=round(host, 1),
+                devices={k: round(v, 1) for k, v in devices.items()},
+                parts=parts,
+                detail="; ".join(said) or None,
                 seconds=found.seconds,
             )
     return stoker_estimate(plan, detail)

@@ -118,6 +118,8 @@ class GGUFLayout:
     data_offset: int
     tensor_offsets: tuple[int, ...]
     n_params: int = 0  # elements over every tensor: the parameter count the catalog shows
+    # Each array's element count by key (the arrays themselves are skipped: None in `meta`).
+    array_lengths: dict[str, int] = attrs.field(factory=dict, hash=False)
 
 
 _DEFAULT_ALIGNMENT = 32
@@ -154,10 +156,14 @@ def _read_layout(path: Path) -> GGUFLayout:
         out: dict[str, Any] = {}
         offsets: list[int] = []
         n_params = 0
+        lengths: dict[str, int] = {}
         try:
             for _ in range(n_kv):
                 key = head.string()
-                out[key] = head.value(head.unpack("<I"), keep=False)
+                vtype = head.unpack("<I")
+                if vtype == GGUFValueType.ARRAY:
+                    lengths[key] = struct.unpack_from("<Q", buf, head.pos + 4)[0]
+                out[key] = head.value(vtype, keep=False)
             for _ in range(n_tensors):
                 name_length = head.unpack("<Q")
                 head.pos += name_length  # the name, skipped
@@ -174,7 +180,12 @@ def _read_layout(path: Path) -> GGUFLayout:
         if not isinstance(alignment, int) or alignment <= 0:
             alignment = _DEFAULT_ALIGNMENT
         data_offset = (head.pos + alignment - 1) // alignment * alignment
-        return GGUFLayout(out, data_offset, tuple(offsets), n_params)
+        return GGUFLayout(out, data_offset, tuple(offsets), n_params, lengths)
+
+
+def vocab_size(path: str | Path) -> int | None:
+    """The tokens in the model's vocabulary (the length of tokenizer.ggml.tokens); None: not said."""
+    return read_layout(path).array_lengths.get("tokenizer.ggml.tokens")
 
 
 def _kv_bytes_per_token(meta: dict[str, Any], arch: str) -> int | None:

@@ -73,3 +73,24 @@ def test_only_the_memory_shaping_arguments_it_accepts_are_passed():
         "/x",
     ]
     assert memory_args(plan_args) == ["--swa-full", "-ctk", "q8_0", "--fit-target=2048", "-ngl", "auto"]
+
+
+def test_the_logits_of_a_whole_micro_batch_are_taken_off_the_largest_compute(monkeypatch, tmp_path):
+    from daemon.bundles.tinymodel import write_tiny_model
+    from daemon.fallback import memory
+    from daemon.models.facts import vocab_size
+    from states.launch_records import LaunchPlan
+
+    model = write_tiny_model(tmp_path / "tiny.gguf")
+    import gguf
+
+    assert vocab_size(model) == len(gguf.GGUFReader(model).fields["tokenizer.ggml.tokens"].data)  # read by gguf
+    plan = LaunchPlan("cpu", "avx2", "/b", "/b/llama-server", str(model), parallel=2)
+    monkeypatch.setattr(memory, "vocab_size", lambda path: 262144)  # Gemma 3's vocabulary
+    parts = {"Host": {"model": 222.0, "context": 27.0, "compute": 524.0}}
+    # (512 outputs reserved by the fitter - 2 slots) x 262144 tokens x 4 bytes = 510 MiB.
+    assert memory.server_outputs_correction(plan, parts) == ("Host", 510.0)
+    ub = LaunchPlan("cpu", "avx2", "/b", "/b/llama-server", str(model), parallel=1, extra_args=("-ub", "128"))
+    assert memory.server_outputs_correction(ub, parts) == ("Host", 127.0)
+    gpu = {"CUDA0": {"model": 200.0, "context": 27.0, "compute": 520.0}, "Host": {"compute": 2.0}}
+    assert memory.server_outputs_correction(plan, gpu) == ("CUDA0", 510.0)
