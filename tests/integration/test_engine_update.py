@@ -78,8 +78,8 @@ def conversation(st: dict) -> tuple[list[int], list[int]]:
     return second, reference
 
 
-def update_steps(daemon: DaemonProcess, slot: str) -> list[dict]:
-    return list(reversed(daemon.history(machine=f"engine_update:{slot}", limit=50)))
+def update_steps(daemon: DaemonProcess, slot: str, limit: int = 50) -> list[dict]:
+    return list(reversed(daemon.history(machine=f"engine_update:{slot}", limit=limit)))
 
 
 def test_an_engine_that_dies_when_serving_is_rolled_back_and_the_conversation_kept(
@@ -243,6 +243,7 @@ def test_the_automatic_check_updates_from_the_manifest_by_itself(daemon, model, 
     )
     assert st["engine"]["previous"] == meta.version
     slot = f"cpu-{meta.variant}"
-    asked = [s for s in update_steps(daemon, slot) if s["event"] == "UpdateRequested"]
-    assert asked and asked[0]["event_data"]["automatic"] is True
-    assert any(s["to_state"] == "updated" for s in update_steps(daemon, slot))
+    steps = update_steps(daemon, slot, limit=5000)  # the check goes on every second: "current" since
+    asked = [s for s in steps if s["event"] == "UpdateRequested"]
+    assert asked and all(s["event_data"]["automatic"] is True for s in asked)
+    assert [s["to_state"] for s in steps].count("updated") == 1
