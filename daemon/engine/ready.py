@@ -37,6 +37,25 @@ class BufferSize:
     mib: float
 
 
+def on_device(buffer: BufferSize) -> bool:
+    """A buffer in a device's memory (CUDA0, Vulkan0, RPC0[host:port]), not the host's (CPU,
+    CPU_Mapped, CPU_REPACK, CUDA_Host: pinned host memory)."""
+    return not buffer.device.startswith("CPU") and not buffer.device.endswith("_Host")
+
+
+def device_offload(claimed: tuple[int, int] | None, buffers: list[BufferSize]) -> tuple[int, int] | None:
+    """The engine's `offloaded N/M layers to GPU`, believed only where a device holds model weights.
+
+    llama.cpp prints that line whenever it *could* offload: with the RPC backend built in
+    (`llama_supports_rpc()`), a CPU-only engine with no `--rpc` says `offloaded 3/3 layers to GPU`
+    while every buffer is CPU_Mapped. Without a model buffer on a device nothing is offloaded, and
+    the figure is absent (None), as from an engine without any GPU backend.
+    """
+    if claimed is None or not any(b.kind == "model" and on_device(b) for b in buffers):
+        return None
+    return claimed
+
+
 _LISTENING = re.compile(r"listening on (https?)://(\[[^\]]+\]|[^:\s]+):(\d+)")
 _OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 _BUFFER = re.compile(r"(\S+)\s+(model|KV|compute|output|RS) buffer size =\s*([\d.]+) MiB")
@@ -266,6 +285,7 @@ async def _ready_report(engine: EngineClient, handle: StartingServer, ready_cloc
         pass
     log = handle.log
     assert handle.port is not None
+    offload = device_offload(log.offloaded, log.buffers)
     return ReadyReport(
         pid=handle.pid,
         host=handle.host,
@@ -275,8 +295,8 @@ async def _ready_report(engine: EngineClient, handle: StartingServer, ready_cloc
         n_ctx=log.n_ctx,
         slot_n_ctx=(props.get("default_generation_settings") or {}).get("n_ctx"),
         total_slots=props.get("total_slots"),
-        offloaded_layers=log.offloaded[0] if log.offloaded else None,
-        total_layers=log.offloaded[1] if log.offloaded else None,
+        offloaded_layers=offload[0] if offload else None,
+        total_layers=offload[1] if offload else None,
         devices=tuple(log.devices),
         buffers=tuple(log.buffers),
         build_info=props.get("build_info"),

@@ -234,3 +234,33 @@ def test_env_passes_gpu_selection_and_loader_path(monkeypatch):
     env = server_env(ServerSpec(server_path="/s", model_path="/m"))
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["LD_LIBRARY_PATH"] == "/usr/local/cuda/lib64"
     assert "SOME_SECRET" not in env
+
+
+async def test_an_offload_claim_without_weights_on_a_device_is_not_believed(tmp_path):
+    # b11434 with the RPC backend built in, CPU only, no --rpc (recorded on this machine): the
+    # engine says it offloaded every layer while every weight is in host memory.
+    from daemon.engine.ready import device_offload
+
+    path = tmp_path / "server.log"
+    path.write_text(
+        "0.00.009.077 I load_tensors: offloaded 3/3 layers to GPU\n"
+        "0.00.009.078 I load_tensors:   CPU_Mapped model buffer size =     1.57 MiB\n"
+    )
+    log = ServerLog(path, 0)
+    log.poll()
+    assert log.offloaded == (3, 3)  # what the engine said
+    assert device_offload(log.offloaded, log.buffers) is None  # what is true: nothing offloaded
+    cuda = tmp_path / "cuda.log"
+    cuda.write_text(RECORDED_LOAD)
+    log = ServerLog(cuda, 0)
+    log.poll()
+    assert device_offload(log.offloaded, log.buffers) == (3, 3)  # CUDA0 holds weights: believed
+    rpc = tmp_path / "rpc.log"
+    rpc.write_text(
+        "0.00.100.000 I load_tensors: offloaded 3/3 layers to GPU\n"
+        "0.00.100.001 I load_tensors:   CPU_Mapped model buffer size =     0.20 MiB\n"
+        "0.00.100.002 I load_tensors: RPC0[127.0.0.1:50052] model buffer size =     0.70 MiB\n"
+    )
+    log = ServerLog(rpc, 0)
+    log.poll()
+    assert device_offload(log.offloaded, log.buffers) == (3, 3)  # a worker's device holds them
