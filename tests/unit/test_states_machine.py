@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from states import config as C, fallback as F, install as I, launch_records as LR, probe as PR, pull as P
-from states import worker as WK
+from states import engine_update_records as EU, worker as WK
 from states.diagrams import SPECS, document, mermaid
 from states.fallback import FallbackData, Skipped
 from states.install import InstallData
@@ -318,6 +318,24 @@ SAMPLES = {
         C.ConfigAccepted(),
         C.ConfigAccepted(("server.ctx_size",), relaunch=True),
         C.ConfigRejected(("server.ctx_size: must be an integer",)),
+    ],
+    "engine_update": [
+        EU.UpdateRequested("cpu", "avx2"),
+        EU.UpdateRequested("cpu", "avx2", bundle="/b.zip"),
+        EU.Resolved(EU.BundleFacts("b1", "a" * 64), EU.Candidate("b2", "ref2", "file:///b2.zip")),
+        EU.Resolved(None, EU.Candidate("b1", "ref1", "file:///b1.zip")),
+        EU.Staged(EU.BundleFacts("b2", "b" * 64), "/s", (1, 2, 3)),
+        EU.GateFailed(EU.Gate.SMOKE),
+        EU.GateFailed(EU.Gate.FETCH),
+        EU.TokensCompared((1, 2, 3)),
+        EU.TokensCompared((1, 2, 4)),
+        EU.Switched((EU.ServerBaseline("default", 3, 3),)),
+        EU.ServersRestarted((EU.ServerVerdict("default", EU.Outcome.READY, "cpu", 3, 3),)),
+        EU.ServersRestarted((EU.ServerVerdict("default", EU.Outcome.EXITED),)),
+        EU.RollbackRequested("cpu", "avx2", EU.BundleFacts("b2", "b" * 64), EU.BundleFacts("b1", "a" * 64)),
+        EU.RolledBack(),
+        EU.RollbackFailed(),
+        EU.Resumed(),
     ],
     "worker": [
         WK.StartRequested("127.0.0.1:50052", "7.0.0", WK.WorkerSettings(max_restarts=2)),
