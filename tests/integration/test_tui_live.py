@@ -214,7 +214,7 @@ def test_the_models_view_follows_two_real_models(daemon, model, other_model):
     the History tab filtered to it."""
     from tests.integration.test_frontdoor import sdk
     from tests.integration.test_several_models import two_models, wait_model
-    from tui.widgets.models_view import ModelsView
+    from tui.widgets.models_view import ModelsView, estimate_line
 
     def states(view: ModelsView) -> dict[str, str]:
         return {m["name"]: m["state"] for m in view.models}
@@ -231,6 +231,10 @@ def test_the_models_view_follows_two_real_models(daemon, model, other_model):
                 app.action_show_tab("models")
                 alpha = view.models[0]
                 assert alpha["backend"] == "cpu" and alpha["memory"]["rss_mib"] > 1  # the live process's own RSS
+                # Which estimate answered its plan (the bundle's fitter), and what placement counts now.
+                estimate = str(estimate_line(alpha))
+                assert estimate.startswith(f"llama-fit-params: ram {alpha['memory']['estimate']['ram_mib']:.0f} MiB")
+                assert "(engine's buffers)" in estimate
                 assert view.selected == "alpha"
                 await until(pilot, lambda: any(r["machine_id"] == "launch:alpha" for r in view.history_rows))
 

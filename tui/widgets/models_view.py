@@ -144,6 +144,9 @@ def describe_model(model: dict[str, Any], sample: dict[str, Any] | None) -> Tabl
     if layers.get("offloaded") is not None or layers.get("total") is not None:
         grid.add_row("layers", f"{layers_cell(model)} offloaded")
     grid.add_row("memory", memory_line(model, sample))
+    estimate = estimate_line(model)
+    if estimate is not None:
+        grid.add_row("estimate", estimate)
     grid.add_row("idle", idle_line(model))
     requests = [
         f"{model[k]} {word}" for k, word in (("in_flight", "in flight"), ("waiting", "waiting")) if model.get(k)
@@ -168,6 +171,31 @@ def memory_line(model: dict[str, Any], sample: dict[str, Any] | None) -> Text:
         text.append(" (read at ready)", style="dim")
     elif source == "unknown":
         text.append(", vram unknown: partial", style="yellow")
+    return text
+
+
+def estimate_line(model: dict[str, Any]) -> Text | None:
+    """Which estimate answered its plan, its figures, and what placement counts for it now
+    (`memory.estimate`, `memory.placed`); None without a plan."""
+    memory = model.get("memory") or {}
+    estimate, placed = memory.get("estimate"), memory.get("placed")
+    if not estimate:
+        return None
+    text = Text(f"{estimate.get('source')}: ram {q.mib(estimate.get('ram_mib'))}")
+    if estimate.get("vram_mib"):
+        text.append(f", vram {q.mib(estimate['vram_mib'])}")
+    host = (estimate.get("parts") or {}).get("Host") or {}
+    if host:
+        text.append(" (" + ", ".join(f"{q.mib(v)} {k}" for k, v in host.items()) + ")", style="dim")
+    if estimate.get("partial"):
+        text.append(" partial", style="yellow")
+    if estimate.get("detail"):
+        text.append(f"; {estimate['detail']}", style="dim")
+    if placed and placed.get("reading") == "engine":
+        text.append(f"; counted {q.mib(placed.get('ram_mib'))}", style="dim")
+        if placed.get("vram_mib"):
+            text.append(f" + {q.mib(placed['vram_mib'])}", style="dim")
+        text.append(" (engine's buffers)", style="dim")
     return text
 
 

@@ -1,0 +1,64 @@
+"""The engine's memory fitter failing: a launch is never refused or held up for it.
+
+The bundle's llama-fit-params (daemon/engine/fit.py) is replaced by a program that fails the ways
+a real one can: exits with an error, prints nothing the daemon reads, or never answers. The
+plan then carries Stoker's own estimate (source "stoker", partial), saying why the fitter did not
+answer, and the model serves as it would have; a fitter that hangs is abandoned at its time bound
+and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from daemon.engine.fit import FitFailed, project
+from tests.integration.test_several_models import models_of
+
+pytestmark = [pytest.mark.engine]
+
+
+def replace_fitter(bundle_root: Path, script: str) -> Path:
+    tool = bundle_root / "bin" / "llama-fit-params"
+    tool.unlink()
+    tool.write_text("#!/bin/sh\n" + script)
+    tool.chmod(0o755)
+    return tool
+
+
+@pytest.mark.parametrize(
+    "script, said",
+    [
+        ('echo "error: invalid argument: --frobnicate" >&2\nexit 1\n', "exited with status 1: error: invalid argument"),
+        ('echo "llama_fit_params: printing estimated memory ..."\n', "no projection in its output"),
+    ],
+)
+def test_a_failing_fitter_leaves_stokers_estimate_and_the_model_serves(
+    daemon, installed_cpu_bundle, model, script, said
+):
+    replace_fitter(installed_cpu_bundle.root, script)
+    daemon.start()
+    daemon.wait_state("ready")
+    (row,) = models_of(daemon).values()
+    estimate = row["memory"]["estimate"]
+    assert estimate["source"] == "stoker" and estimate["partial"]
+    assert "llama-fit-params did not answer" in estimate["detail"] and said in estimate["detail"]
+    assert estimate["ram_mib"] >= model.stat().st_size / 2**20  # at least the file
+    assert "Stoker estimates" in daemon.log_text()  # the daemon's log says so too
+
+
+def test_a_fitter_that_never_answers_is_abandoned_at_its_bound(tmp_path, model):
+    tool = tmp_path / "llama-fit-params"
+    tool.write_text(f"#!/bin/sh\necho $$ > {tmp_path}/pid\nexec sleep 60\n")
+    tool.chmod(0o755)
+    started = time.monotonic()
+    with pytest.raises(FitFailed, match="ran past 1 s"):
+        project(tool, model, ["-c", "256"], {"PATH": os.defpath}, timeout=1.0)
+    assert time.monotonic() - started < 5
+    pid = int((tmp_path / "pid").read_text())
+    time.sleep(0.2)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
