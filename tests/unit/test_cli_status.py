@@ -99,7 +99,20 @@ def test_every_configured_model_is_listed_with_its_state_backend_why_layers_and_
     table = lines[start + 1 :]
     assert table[0].split() == ["MODEL", "STATE", "BACKEND", "LAYERS", "MEMORY", "ESTIMATE", "IDLE/TTL", "WHY"]
     assert table[1].split() == [">", "chat", "ready", "cuda", "33/33", "-", "-", "12s/never", "-", "default"]
-    assert table[2].split() == ["code", "ready", "cpu", "0/3", "-", "-", "0s/never", "-", "pinned,", "2", "in", "flight"]
+    assert table[2].split() == [
+        "code",
+        "ready",
+        "cpu",
+        "0/3",
+        "-",
+        "-",
+        "0s/never",
+        "-",
+        "pinned,",
+        "2",
+        "in",
+        "flight",
+    ]
     assert table[3].split() == ["old", "stopped", "-", "-", "-", "-", "-/600s", "evicted"]
     assert table[4].split() == ["bad", "failed", "-", "-", "-", "-", "-/never", "model_missing"]
     assert table[5].split() == ["new", "stopped", "-", "-", "-", "-", "-/never", "loads", "on", "demand"]
@@ -124,7 +137,21 @@ def test_an_idle_model_shows_its_countdown_and_once_unloaded_the_slots_it_keeps(
     ]
     st = {"state": "ready", "name": "chat", "models": models, "max_loaded": 2}
     table = plain(format_status(st)).splitlines()[-3:]
-    assert table[0].split() == [">", "chat", "ready", "-", "-", "-", "-", "3s/10s", "-", "default,", "unloads", "in", "7s"]
+    assert table[0].split() == [
+        ">",
+        "chat",
+        "ready",
+        "-",
+        "-",
+        "-",
+        "-",
+        "3s/10s",
+        "-",
+        "default,",
+        "unloads",
+        "in",
+        "7s",
+    ]
     assert "unloaded (idle), 2 slots saved" in " ".join(table[1].split())
     assert " ".join(table[2].split()).endswith("unloaded (idle)")  # snapshots off: nothing said saved
 
