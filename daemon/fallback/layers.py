@@ -165,6 +165,13 @@ def why_planned(backend: str, est: LayerEstimate | None, reason: str | None = No
     return text
 
 
+def why_with_workers(why: str, workers: int) -> str:
+    """A plan whose layers go to RPC workers: the local backend's sentence would say a CPU head
+    offloads nothing, while every layer is on the workers' devices."""
+    head = why.replace("CPU plan: nothing is offloaded", "CPU head: nothing on this machine's devices")
+    return f"{head}; layers on {workers} RPC worker{'s' if workers != 1 else ''}, split by their free memory"
+
+
 def why_actual(backend: str, planned_why: str, ready: Mapping[str, Any]) -> str:
     """After ready: the engine's own figures (offloaded N/M, the free VRAM it saw on each
     device, KV and model buffers per device)."""

@@ -38,16 +38,24 @@ from daemon.backends.registry import family_reason, try_order
 from daemon.bundles.installed import InstalledBundle, list_installed
 from daemon.config.model import Config
 from daemon.core.errors import StokerError
-from daemon.engine.exits import missing_library
-from daemon.install.service import InstallService
-from daemon.fallback.layers import LayerEstimate, estimate, fit_margin, offload_kind, why_actual, why_planned
 from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.core.paths import StokerPaths
+from daemon.engine.exits import missing_library
 from daemon.fallback.cpu_plan import cpu_bundle
 from daemon.fallback.launch_plan import complete_plan
+from daemon.fallback.layers import (
+    LayerEstimate,
+    estimate,
+    fit_margin,
+    offload_kind,
+    why_actual,
+    why_planned,
+    why_with_workers,
+)
 from daemon.fallback.proof import judge_acceleration
 from daemon.fallback.vram import FreeVram, devices_for_plan, keeps_to, read_free_vram, vram_full
 from daemon.fallback.workers import confirm_placement, plan_workers
+from daemon.install.service import InstallService
 from daemon.launch.instance import ServerInstance
 from daemon.models.pull import PullService
 from daemon.models.resolve import locate_model
@@ -375,6 +383,8 @@ class FallbackOrchestrator:
                 log.info("no layer estimate for %s: %s", model, err)
             self.planned_why = why_planned(backend, self.estimate, layers=layers)
         rpc = await plan_workers(config, bundle.meta.rpc_protocol, request.effect, request.free.get(backend), devices)
+        if rpc is not None and rpc.used:
+            self.planned_why = why_with_workers(self.planned_why, len(rpc.used))
         args = (self.paths, config, bundle, model, layers, plugin, devices, request.model_args, self.alias, rpc)
         request.plan = await trio.to_thread.run_sync(complete_plan, *args)
 

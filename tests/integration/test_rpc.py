@@ -40,6 +40,10 @@ def test_a_model_split_over_two_workers_generates_the_tokens_of_a_local_run(daem
     # Each worker holds part of the model, by the engine's own `RPCn[host:port] model buffer size` lines.
     assert all(placement["workers_model_mib"][w.address] > 0 for w in workers), placement
     assert len(placement["tensor_split"]) == 2
+    # The layers' sentence names where they are, not "a CPU plan offloads nothing".
+    assert (
+        "layers on 2 RPC workers" in status["layers"]["why"] and "nothing is offloaded" not in status["layers"]["why"]
+    )
 
     assert complete(status) == local
 
