@@ -55,9 +55,7 @@ def main(cuda_zip: Path, cpu_zip: Path, out_json: Path) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = write_tiny_model(work / "tiny.gguf")
     ev: dict[str, Any] = {}
-    workers = [
-        WorkerProcess(work / f"worker{i}", cuda_zip, extra=WORKER_EXTRA.format(i=i)) for i in (0, 1)
-    ]
+    workers = [WorkerProcess(work / f"worker{i}", cuda_zip, extra=WORKER_EXTRA.format(i=i)) for i in (0, 1)]
     head_home = work / "head"
     install_bundle(cpu_zip, StokerPaths.from_env({"STOKER_HOME": str(head_home)}))
     head = DaemonProcess(head_home)
