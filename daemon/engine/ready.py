@@ -59,7 +59,9 @@ def device_offload(claimed: tuple[int, int] | None, buffers: list[BufferSize]) -
 _LISTENING = re.compile(r"listening on (https?)://(\[[^\]]+\]|[^:\s]+):(\d+)")
 _OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 _BUFFER = re.compile(r"(\S+)\s+(model|KV|compute|output|RS) buffer size =\s*([\d.]+) MiB")
-_DEVICE = re.compile(r"using device (\S+) \((.*?)\)")
+# `using device NAME (DESCRIPTION) (ID) - N MiB free`: the description may hold parentheses of
+# its own (Vulkan's `llvmpipe (LLVM 15.0.6, 256 bits)`), the id never does.
+_DEVICE = re.compile(r"using device (\S+) \((.*)\) \([^()]*\) - \d+ MiB free|using device (\S+) \((.*?)\)")
 _DEVICE_FREE = re.compile(r" - (\d+) MiB free$")  # the free VRAM the engine saw on that device as it loaded
 _META = re.compile(r"loaded meta data with \d+ key-value pairs and \d+ tensors from (.+?) \(version")
 _N_CTX = re.compile(r"llama_context: n_ctx\s+= (\d+)")
@@ -149,9 +151,10 @@ class ServerLog:
         elif m := _BUFFER.search(line):
             self.buffers.append(BufferSize(m.group(2), m.group(1), float(m.group(3))))
         elif m := _DEVICE.search(line):
-            self.devices.append(f"{m.group(1)} ({m.group(2)})")
+            name, description = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+            self.devices.append(f"{name} ({description})")
             if free := _DEVICE_FREE.search(line):
-                self.device_free_mib[m.group(1)] = int(free.group(1))
+                self.device_free_mib[name] = int(free.group(1))
             self.evidence.setdefault("device", line)
         elif m := _META.search(line):
             self.model_path = m.group(1)

@@ -155,3 +155,20 @@ def test_headers_too_old_for_the_engine_are_named_and_newer_ones_are_given_to_cm
     tools = Toolchain(*TOOLS.to_dict().values(), vulkan_include=str(new))
     plan = BuildPlan.for_backend("vulkan", "avx2", toolchain=tools)
     assert plan.flags[-1] == f"-DVulkan_INCLUDE_DIR={new}"  # a cache-key input too
+
+
+async def test_the_engines_device_line_keeps_a_description_with_parentheses(tmp_path):
+    """llama-server prints `using device NAME (DESC) (ID) - N MiB free`; llvmpipe's DESC has its
+    own parentheses, and the proof's message quotes what is kept."""
+    from daemon.engine.ready import ServerLog
+
+    path = tmp_path / "server.log"
+    path.write_text(
+        "0.00.135.387 I llama_prepare_model_devices: using device Vulkan0 (llvmpipe (LLVM 15.0.6, 256 bits)) "
+        "(unknown id) - 2048 MiB free\n"
+        "0.00.135.400 I llama_prepare_model_devices: using device CUDA0 (NVIDIA H200) (0000:00:00.0) - 142629 MiB free\n"
+    )
+    log = ServerLog(path, 0)
+    log.poll()
+    assert log.devices == ["Vulkan0 (llvmpipe (LLVM 15.0.6, 256 bits))", "CUDA0 (NVIDIA H200)"]
+    assert log.device_free_mib == {"Vulkan0": 2048, "CUDA0": 142629}
