@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,7 +24,7 @@ import attrs
 import httpx
 import trio
 
-from daemon.core.digests import fsync_dir
+from daemon.core.digests import fsync_dir, start_writeback
 from daemon.core.http import download_client
 from daemon.install.download_records import (
     DownloadError,
@@ -42,26 +41,6 @@ BATCH_BYTES = 1024 * 1024
 WRITEBACK_BYTES = 16 * 1024 * 1024  # start the disk writing every 16 MiB, not all at the fsync
 
 
-def _writeback_starter() -> Callable[[int, int, int, int], Any] | None:
-    """Linux's sync_file_range(SYNC_FILE_RANGE_WRITE): queue a range for writing and return at
-    once. The final fsync then finds little left to flush, instead of the whole file (0.2 s
-    for 300 MiB here). None where the call does not exist: the fsync alone still decides."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_START_WRITEBACK = _writeback_starter()
-_SYNC_FILE_RANGE_WRITE = 2
 PROGRESS_INTERVAL = 0.1
 MAX_RESTARTS = 3
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
@@ -387,9 +366,9 @@ class _Transfer:
             while rest:
                 rest = rest[os.write(self.fd, rest) :]
         before, self.written = self.written, self.written + size
-        if _START_WRITEBACK is not None and self.written // WRITEBACK_BYTES != before // WRITEBACK_BYTES:
+        if self.written // WRITEBACK_BYTES != before // WRITEBACK_BYTES:
             start = (before // WRITEBACK_BYTES) * WRITEBACK_BYTES  # whole 16 MiB windows, once each
-            _START_WRITEBACK(self.fd, start, self.written - start, _SYNC_FILE_RANGE_WRITE)  # a hint: errors ignored
+            start_writeback(self.fd, start, self.written - start)
 
     # The end.
 

