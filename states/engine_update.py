@@ -70,6 +70,8 @@ from states.engine_update_records import (
     UpdateRequested,
     UpdateState,
 )
+from states.install_slot import Rejection
+from states.launch_records import LaunchState
 from states.machine import STAY, MachineSpec, Rule, Step, guarded
 from states.reasons import ReasonCode
 
@@ -91,9 +93,40 @@ def update_verdict(data: UpdateData, installed: BundleFacts | None, candidate: C
         return None
     if installed is not None and version_key(candidate.version) <= version_key(installed.version):
         return f"nothing newer than {installed.version} in the manifest (it offers {candidate.version})"
-    if data.automatic and candidate.ref in data.rejected:
+    if data.automatic and rejection_of(data, candidate.ref, candidate.sha256) is not None:
         return f"{candidate.version} was rejected here before; only `stoker engine update` offers it again"
     return None
+
+
+def rejection_of(data: UpdateData, *ids: str | None) -> Rejection | None:
+    """This slot's record of refusing the bundle known by any of `ids` (zip sha256, digest)."""
+    return next((r for r in data.rejections if r.names(*ids)), None)
+
+
+def automatic_check(data: UpdateData, installed: BundleFacts | None, candidate: Candidate) -> str | None:
+    """Whether the automatic check starts an update (None) or finds nothing to do (why, a
+    sentence). A check that starts nothing writes no history: the status says when it last ran."""
+    if installed is None:
+        return "no engine is installed in this slot"
+    return update_verdict(attrs.evolve(data, automatic=True, bundle=None), installed, candidate)
+
+
+def restart_wanted(launch_state: str) -> bool:
+    """Whether an update restarts a server (after its switch, on resume, after a rollback): one
+    that runs or is on its way, never one that is stopped (by the user, idle, evicted, a daemon
+    restart): it starts on the slot's engine when it is next asked for (verdict `stopped`)."""
+    return launch_state != LaunchState.STOPPED.value
+
+
+def _rejected(data: UpdateData, gate: Gate, reason: ReasonCode) -> tuple[Rejection, ...]:
+    """`data.rejections` with the candidate added, known by every identity the update has seen."""
+    candidate = data.candidate
+    if candidate is None or gate is Gate.FETCH:
+        return data.rejections
+    refs = (candidate.ref, candidate.sha256, data.staged.digest if data.staged else None)
+    known = tuple(dict.fromkeys(r for r in refs if r))
+    kept = tuple(r for r in data.rejections if not r.names(*known))
+    return (*kept, Rejection(candidate.version, reason.value, gate.value, known))
 
 
 def judge_servers(data: UpdateData, verdicts: tuple[ServerVerdict, ...]) -> tuple[Gate, dict[str, Any]] | None:
@@ -137,7 +170,7 @@ def requested(state: S, data: UpdateData, event: UpdateRequested) -> Step:
         channel=event.channel,
         bundle=event.bundle,
         automatic=event.automatic,
-        rejected=data.rejected if data.slot == f"{event.backend}-{event.variant}" else (),
+        rejections=data.rejections if data.slot == f"{event.backend}-{event.variant}" else (),
         attempts=data.attempts + 1,
     )
     resolve = Resolve(event.backend, event.variant, event.channel, event.bundle)
@@ -190,9 +223,10 @@ def gate_failed(state: S, data: UpdateData, event: GateFailed) -> Step:
 def _reject(data: UpdateData, gate: Gate, evidence: dict[str, Any]) -> Step:
     """Refused before the switch: the slot is untouched; the candidate is remembered."""
     evidence = {"gate": gate.value, **evidence}
-    ref = data.candidate.ref if data.candidate is not None and gate is not Gate.FETCH else None
-    rejected = data.rejected + ((ref,) if ref and ref not in data.rejected else ())
-    data = attrs.evolve(data, gate=gate, rejected=rejected, reason=ReasonCode.ENGINE_UPDATE_REJECTED, evidence=evidence)
+    rejections = _rejected(data, gate, ReasonCode.ENGINE_UPDATE_REJECTED)
+    data = attrs.evolve(
+        data, gate=gate, rejections=rejections, reason=ReasonCode.ENGINE_UPDATE_REJECTED, evidence=evidence
+    )
     return Step(S.REJECTED, data, (CleanStaging(),), ReasonCode.ENGINE_UPDATE_REJECTED, evidence)
 
 
@@ -234,11 +268,10 @@ def _updated(data: UpdateData, evidence: dict[str, Any]) -> Step:
 def _roll_back(data: UpdateData, gate: Gate, evidence: dict[str, Any], names: tuple[str, ...]) -> Step | None:
     if data.installed is None:
         return None
-    ref = data.candidate.ref if data.candidate is not None else None
-    rejected = data.rejected + ((ref,) if ref and ref not in data.rejected else ())
+    rejections = _rejected(data, gate, ReasonCode.ENGINE_UPDATE_ROLLED_BACK)
     restore = data.installed
     evidence = {"gate": gate.value, "restoring": restore.version, **evidence}
-    data = attrs.evolve(data, gate=gate, rejected=rejected, by_hand=False, evidence=evidence)
+    data = attrs.evolve(data, gate=gate, rejections=rejections, by_hand=False, evidence=evidence)
     discard = data.staged.digest if data.staged is not None else None
     back = RollBack(data.slot, restore.digest, discard)
     return Step(S.ROLLING_BACK, data, (back,), evidence=evidence)
@@ -257,6 +290,7 @@ def rollback_requested(state: S, data: UpdateData, event: RollbackRequested) -> 
     base = data if data.slot == slot else UpdateData(backend=event.backend, variant=event.variant)
     data = attrs.evolve(
         base,
+        rejections=_rolled_back_by_hand(base, event.current, event.previous),
         installed=event.previous,
         staged=event.current,
         servers=tuple(ServerBaseline(n) for n in event.servers),
@@ -272,6 +306,20 @@ def rollback_requested(state: S, data: UpdateData, event: RollbackRequested) -> 
         "to": event.previous.version,
     }
     return Step(S.ROLLING_BACK, data, (RollBack(slot, event.previous.digest, None),), evidence=evidence)
+
+
+def _rolled_back_by_hand(data: UpdateData, current: BundleFacts | None, back: BundleFacts) -> tuple[Rejection, ...]:
+    """A user's rollback rejects the engine it leaves (no automatic check nor install brings it
+    back) and lifts any rejection of the one it returns to (the user chose it)."""
+    kept = tuple(r for r in data.rejections if not r.names(back.digest))
+    if current is None:
+        return kept
+    refs: tuple[str | None, ...] = (current.digest,)
+    if data.candidate is not None and data.staged is not None and data.staged.digest == current.digest:
+        refs += (data.candidate.ref, data.candidate.sha256)
+    known = tuple(dict.fromkeys(r for r in refs if r))
+    reason = ReasonCode.ENGINE_UPDATE_ROLLED_BACK.value
+    return (*(r for r in kept if not r.names(*known)), Rejection(current.version, reason, None, known))
 
 
 @guarded(S.ROLLED_BACK)

@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 
+from states.install_slot import Rejection
 from states.reasons import ReasonCode
 
 
@@ -113,6 +114,10 @@ def _verdicts(items: Any) -> tuple[ServerVerdict, ...]:
     return tuple(items)
 
 
+def _rejections(items: Any) -> tuple[Rejection, ...]:
+    return tuple(items)
+
+
 @attrs.frozen
 class UpdateData:
     backend: str = ""
@@ -127,7 +132,9 @@ class UpdateData:
     new_tokens: tuple[int, ...] | None = attrs.field(default=None, converter=_tokens)
     servers: tuple[ServerBaseline, ...] = ()  # what ran on the old engine: restarted on the new
     verdicts: tuple[ServerVerdict, ...] = attrs.field(default=(), converter=_verdicts)
-    rejected: tuple[str, ...] = ()  # candidate refs refused or rolled back here (never offered again automatically)
+    # bundles refused or rolled back here: never offered again automatically, never installed again
+    # unless named (states/install_slot.py); each with every identity known of it (zip, digest)
+    rejections: tuple[Rejection, ...] = attrs.field(default=(), converter=_rejections)
     gate: Gate | None = None  # the gate that failed
     by_hand: bool = False  # the rollback under way (or last done) was asked by a user
     attempts: int = 0

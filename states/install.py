@@ -1,7 +1,7 @@
 """The install machine: one bundle (backend + variant) from request to installed.
 
     requested -> a source -> downloading -> verifying -> unpacking -> validating
-              -> smoke_testing -> installed | failed(reason)
+              -> smoke_testing -> promoting -> installed | failed(reason)
 
     sources, in this order (SOURCE_ORDER), each attempt recorded in `tried`: file (a zip the user
     named, alone) and mirror (the manifest) resolve; build-cache searches the local build cache;
@@ -16,11 +16,16 @@ scratch (an older build, a half-written entry), so a local build may still repla
 configured mirror whose bundle fails its digest, archive or smoke check is a publishing bug or
 an attack the user must see; the previous bundle stays and the failure says why.
 
+What a source offers is judged against the slot first (states/install_slot.py): a bundle the slot
+already holds is not fetched again, and one an engine update rejected or rolled back on this slot
+is never installed unless the user named it (a file). The machine's record is the slot's
+(`holds`, `previous`): its own promote (`Promoted`, once the rename is done: `installed` follows
+the fact), an engine update's switch and a rollback (`SlotChanged`) all land in it.
+
 Resuming after a daemon kill (`Resumed`): a source's search (a build too) starts over, a
 download continues with HTTP Range from the partial file, verifying re-checks the archive,
-later steps start again from a clean staging directory. The bundle becomes visible to the
-launcher only through `Promote`'s atomic rename (re-sent on resume: idempotent), so nothing
-half-installed is ever launched. Download and build progress go to the event bus, not history.
+later steps start again from a clean staging directory, promoting re-sends `Promote`
+(idempotent: a rename already done is found done). Download and build progress go to the bus.
 """
 
 from __future__ import annotations
@@ -41,6 +46,20 @@ from states.install_sources import (
     sources_of,
     tries_of,
 )
+from states.install_effects import (
+    Resolve,
+    FindCachedBuild,
+    CheckToolchain,
+    BuildBundle,
+    Download,
+    VerifyArchive,
+    CleanStaging,
+    Unpack,
+    ValidateBundle,
+    SmokeTest,
+    Promote,
+)
+from states.install_slot import Offer, Rejection, SlotBundle, SlotWriter, offer_verdict, rejection_sentence
 from states.machine import STAY, Guarded, MachineSpec, Rule, Step, guarded
 from states.reasons import ReasonCode
 
@@ -56,6 +75,7 @@ class InstallState(enum.StrEnum):
     UNPACKING = "unpacking"
     VALIDATING = "validating"
     SMOKE_TESTING = "smoke_testing"
+    PROMOTING = "promoting"
     INSTALLED = "installed"
     FAILED = "failed"
 
@@ -82,6 +102,8 @@ class InstallData:
     origin: str | None = None  # where in it: the manifest's URL, the cache entry, the file
     # one record per source tried for this request: {source, outcome, reason, cause, message, seconds}
     tried: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=tries_of, hash=False)
+    holds: SlotBundle | None = None  # what the slot holds, once installed (or switched, rolled back)
+    previous: SlotBundle | None = None  # what its `.previous` holds
 
 
 # --- events -----------------------------------------------------------------------------
@@ -100,13 +122,20 @@ class InstallRequested:
 @attrs.frozen
 class Resolved:
     """The source names the bundle: its `url` (file:// for a cached or a local build), sha256,
-    size, and `origin`, where in the source (the manifest's URL, the cache entry)."""
+    size, and `origin`, where in the source (the manifest's URL, the cache entry); with what the
+    slot holds `now`, the bundle's `digest` where its bundle.json is readable before download, and
+    an engine update's `rejection` of it on this slot (then `reason`, the backend's
+    bundle_install_failed code, is what the install fails with if no later source has one)."""
 
     url: str
     sha256: str
     size: int
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
     origin: str | None = None
+    now: SlotBundle | None = None
+    digest: str | None = None
+    rejection: Rejection | None = None
+    reason: ReasonCode | None = None
 
 
 @attrs.frozen
@@ -163,7 +192,24 @@ class SmokePassed:
     """The staged engine passed `--version`, `--list-devices` and the smoke test."""
 
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+
+
+@attrs.frozen
+class Promoted:
+    """The staged bundle was renamed into the slot: what the slot and its `.previous` hold now."""
+
+    slot: SlotBundle
+    previous: SlotBundle | None = None
     seconds: float | None = None  # the successful source's attempt, from its first step
+
+
+@attrs.frozen
+class SlotChanged:
+    """An engine update switched the slot, or a rollback put `.previous` back (`slot.by` says
+    which): what the slot and its `.previous` hold now."""
+
+    slot: SlotBundle
+    previous: SlotBundle | None = None
 
 
 @attrs.frozen
@@ -180,106 +226,9 @@ class Resumed:
     """The daemon restarted and found this machine mid-way."""
 
 
-# --- effects ----------------------------------------------------------------------------
-
-
-@attrs.frozen
-class Resolve:
-    """Find the bundle for backend + variant in the manifest (or the file named); answer
-    Resolved, or SourceUnavailable when the manifest is missing, refused or lists none that fits."""
-
-    backend: str
-    variant: str
-    source: Source = Source.MIRROR
-
-
-@attrs.frozen
-class FindCachedBuild:
-    """Look in the local build cache for a finished build that fits this backend, variant,
-    platform and machine; answer Resolved (a hit) or SourceUnavailable (a miss, with what
-    was there and why it did not fit)."""
-
-    backend: str
-    variant: str
-
-
-@attrs.frozen
-class CheckToolchain:
-    """Ask the build plan whether this machine can build the backend (the compiler, cmake, a
-    generator, the backend's own compiler); answer ToolchainReady or SourceUnavailable."""
-
-    backend: str
-    variant: str
-
-
-@attrs.frozen
-class BuildBundle:
-    """Build the bundle from the pinned source (off the daemon's event loop, progress on the
-    bus, killed with the daemon); answer Resolved with the built zip."""
-
-    backend: str
-    variant: str
-
-
-@attrs.frozen
-class Download:
-    """Fetch `url`; `resume` continues the partial file with Range/If-Range."""
-
-    url: str
-    sha256: str
-    size: int
-    resume: bool = False
-
-
-@attrs.frozen
-class VerifyArchive:
-    """Check the archive's sha256 and size; answer Verified."""
-
-    archive: str
-    sha256: str
-    size: int
-
-
-@attrs.frozen
-class CleanStaging:
-    """Remove the staging directory (never the installed bundle)."""
-
-
-@attrs.frozen
-class Unpack:
-    """Unpack the archive safely into a fresh staging directory; answer Unpacked."""
-
-    archive: str
-
-
-@attrs.frozen
-class ValidateBundle:
-    """Check the staged bundle.json against the manifest; answer Validated."""
-
-    staging: str
-    backend: str
-    variant: str
-
-
-@attrs.frozen
-class SmokeTest:
-    """Run the staged engine's verification; answer SmokePassed."""
-
-    staging: str
-
-
-@attrs.frozen
-class Promote:
-    """Atomically rename staging into place, keeping the previous good bundle."""
-
-    staging: str
-    backend: str
-    variant: str
-
-
 S = InstallState
 FINDING = (S.RESOLVING, S.SEARCHING_CACHE, S.CHECKING_TOOLCHAIN, S.BUILDING)  # a source finds its bundle
-WORKING = (*FINDING, S.DOWNLOADING, S.VERIFYING, S.UNPACKING, S.VALIDATING, S.SMOKE_TESTING)
+WORKING = (*FINDING, S.DOWNLOADING, S.VERIFYING, S.UNPACKING, S.VALIDATING, S.SMOKE_TESTING, S.PROMOTING)
 STARTS = (S.RESOLVING, S.SEARCHING_CACHE, S.CHECKING_TOOLCHAIN)  # where each source begins
 
 
@@ -310,7 +259,7 @@ def _source_over(
     if data.source is not None:
         evidence["source"] = data.source.value
     following = next_source(data.sources, data.source)
-    moves_on = outcome == "unavailable" or data.source in RETRY_NEXT_ON_FAILURE
+    moves_on = outcome in ("unavailable", "rejected") or data.source in RETRY_NEXT_ON_FAILURE
     if following is not None and moves_on:
         target, effects = _start(following, data)
         evidence = {**evidence, "next_source": following.value, "seconds": seconds}
@@ -325,7 +274,14 @@ def requested(state: S, data: InstallData, event: InstallRequested) -> Step | No
     sources = tuple(s for s in SOURCE_ORDER if s in event.sources)
     if not sources:
         return None
-    data = InstallData(backend=event.backend, variant=event.variant, attempts=data.attempts + 1, sources=sources)
+    data = InstallData(
+        backend=event.backend,
+        variant=event.variant,
+        attempts=data.attempts + 1,
+        sources=sources,
+        holds=data.holds,  # the slot's record outlives requests
+        previous=data.previous,
+    )
     target, effects = _start(sources[0], data)
     evidence = {"attempt": data.attempts, "sources": [s.value for s in sources]}
     return Step(target, _on(data, sources[0]), effects, evidence=evidence)
@@ -339,9 +295,26 @@ def _fetch(data: InstallData, url: str, sha256: str, size: int, origin: str | No
     return Step(S.DOWNLOADING, data, (Download(url, sha256, size),), evidence=evidence)
 
 
-@guarded(S.DOWNLOADING)
+@guarded(S.DOWNLOADING, S.INSTALLED, S.FAILED, *STARTS)
 def resolved(state: S, data: InstallData, event: Resolved) -> Step:
-    return _fetch(data, event.url, event.sha256, event.size, event.origin, event.evidence)
+    named = data.source is Source.FILE
+    verdict = offer_verdict(event.now, data.holds, event.sha256, event.digest, event.rejection, named)
+    if verdict is Offer.INSTALL:
+        return _fetch(data, event.url, event.sha256, event.size, event.origin, event.evidence)
+    facts = {"offered": event.evidence.get("version"), "sha256": event.sha256, "digest": event.digest}
+    if event.rejection is not None and verdict is not Offer.CURRENT:
+        rejected = {"version": event.rejection.version, "reason": event.rejection.reason, "gate": event.rejection.gate}
+        facts.update(rejected=rejected, cause=event.rejection.reason)
+        facts["message"] = rejection_sentence(event.rejection, event.now)
+    if verdict is Offer.REJECTED:
+        return _source_over(state, data, event.reason or ReasonCode.BUNDLE_VERIFY_FAILED, facts, None, "rejected")
+    assert event.now is not None
+    holds = event.now.known_as(data.holds, data.previous)
+    if verdict is Offer.CURRENT:
+        facts["message"] = f"The slot already holds this bundle ({holds.version}): nothing to fetch."
+    attempt = attempt_record(state.value, data.source, event.origin, verdict.value, facts, None)
+    data = attrs.evolve(data, holds=holds, tried=data.tried + (attempt,), reason=None, evidence={})
+    return Step(S.INSTALLED, data, evidence={"outcome": verdict.value, "version": holds.version, **facts})
 
 
 @guarded(*STARTS, S.FAILED)
@@ -388,17 +361,36 @@ def validated(state: S, data: InstallData, event: Validated) -> Step | None:
     return Step(S.SMOKE_TESTING, data, (SmokeTest(data.staging),), evidence=event.evidence)
 
 
-@guarded(S.INSTALLED)
+@guarded(S.PROMOTING)
 def smoke_passed(state: S, data: InstallData, event: SmokePassed) -> Step | None:
     if data.staging is None:
         return None
     promote = Promote(data.staging, data.backend, data.variant)
-    data = attrs.evolve(
-        data,
-        tried=data.tried + (attempt_record(state.value, data.source, data.origin, "installed", {}, event.seconds),),
-    )
-    evidence = {**event.evidence, **{k: v for k, v in data.tried[-1].items() if k in ("source", "origin", "seconds")}}
-    return Step(S.INSTALLED, attrs.evolve(data, reason=None, evidence={}), (promote,), evidence=evidence)
+    source = None if data.source is None else data.source.value
+    evidence = {**event.evidence, "source": source, "origin": data.origin}
+    return Step(S.PROMOTING, attrs.evolve(data, reason=None, evidence={}), (promote,), evidence=evidence)
+
+
+@guarded(S.INSTALLED)
+def promoted(state: S, data: InstallData, event: Promoted) -> Step:
+    """The rename is done: the record says what the slot holds, then `installed` is true."""
+    source = None if data.source is None else data.source.value
+    mine = attrs.evolve(event.slot, sha256=data.sha256, source=source, origin=data.origin, by=SlotWriter.INSTALL)
+    previous = None if event.previous is None else event.previous.known_as(data.holds, data.previous)
+    attempt = attempt_record(S.PROMOTING.value, data.source, data.origin, "installed", {}, event.seconds)
+    data = attrs.evolve(data, holds=mine, previous=previous, staging=None, tried=data.tried + (attempt,))
+    evidence = {"version": mine.version, "digest": mine.digest, "source": source, "origin": data.origin}
+    return Step(S.INSTALLED, data, evidence={**evidence, "seconds": event.seconds})
+
+
+@guarded(S.INSTALLED)
+def slot_changed(state: S, data: InstallData, event: SlotChanged) -> Step:
+    """An engine update or a rollback changed the slot: the record follows it."""
+    holds = event.slot.known_as(data.holds, data.previous)
+    previous = None if event.previous is None else event.previous.known_as(data.holds, data.previous)
+    data = attrs.evolve(data, holds=holds, previous=previous, reason=None, evidence={})
+    by = None if holds.by is None else holds.by.value
+    return Step(S.INSTALLED, data, evidence={"by": by, "version": holds.version, "digest": holds.digest})
 
 
 @guarded(S.FAILED, *STARTS)
@@ -421,8 +413,8 @@ def resumed(state: S, data: InstallData, event: Resumed) -> Step | None:
     if state in (S.UNPACKING, S.VALIDATING, S.SMOKE_TESTING) and data.archive is not None:
         unpack = Unpack(data.archive)
         return Step(S.UNPACKING, attrs.evolve(data, staging=None), (CleanStaging(), unpack), evidence=evidence)
-    if state is S.INSTALLED and data.staging is not None:
-        return Step(S.INSTALLED, data, (Promote(data.staging, data.backend, data.variant),), evidence=evidence)
+    if state in (S.PROMOTING, S.INSTALLED) and data.staging is not None:  # INSTALLED: a row from before promoting
+        return Step(state, data, (Promote(data.staging, data.backend, data.variant),), evidence=evidence)
     return None
 
 
@@ -435,7 +427,7 @@ def _finding(success: type, handler: Guarded, *resume_targets: Any) -> dict[type
 
 
 TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
-    S.REQUESTED: {InstallRequested: requested},
+    S.REQUESTED: {InstallRequested: requested, SlotChanged: slot_changed},
     S.RESOLVING: _finding(Resolved, resolved, STAY),
     S.SEARCHING_CACHE: _finding(Resolved, resolved, STAY),
     S.CHECKING_TOOLCHAIN: _finding(ToolchainReady, toolchain_ready, STAY),
@@ -445,8 +437,9 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
     S.UNPACKING: _row(Unpacked, unpacked, STAY),
     S.VALIDATING: _row(Validated, validated, S.UNPACKING),
     S.SMOKE_TESTING: _row(SmokePassed, smoke_passed, S.UNPACKING),
-    S.INSTALLED: {InstallRequested: requested, Resumed: resumed.only(STAY)},
-    S.FAILED: {InstallRequested: requested},
+    S.PROMOTING: _row(Promoted, promoted, STAY),
+    S.INSTALLED: {InstallRequested: requested, Resumed: resumed.only(STAY), SlotChanged: slot_changed},
+    S.FAILED: {InstallRequested: requested, SlotChanged: slot_changed},
 }
 
 INSTALL = MachineSpec(
@@ -458,7 +451,8 @@ INSTALL = MachineSpec(
     terminal={S.INSTALLED, S.FAILED},
     description=(
         "One engine bundle from the first source that has it (a file, the mirror, the build cache, a local "
-        "build): resolve, download, verify, unpack, validate, smoke-test, promote."
+        "build): resolve, download, verify, unpack, validate, smoke-test, promote; the slot's record, which "
+        "engine updates and rollbacks change too."
     ),
     effect_types=(
         Resolve,

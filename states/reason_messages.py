@@ -147,6 +147,10 @@ MESSAGE_TEXT: dict[str, str] = {
         "The previous engine could not be put back (it is no longer where it was kept); the slot keeps what it "
         "holds. Reinstall with `stoker install BACKEND`."
     ),
+    "engine_slot_busy": (
+        "Another install or engine update is writing this engine slot now (the evidence names it): one runs on a "
+        "slot at a time. Nothing was changed; try again when it is done."
+    ),
     "manifest_untrusted": (
         "The bundle manifest is not signed by a key in `[bundles] trusted_keys` (unsigned, signed by another key, "
         "or an http(s) manifest with no trusted keys configured), so nothing was installed from it; the installed "
@@ -384,5 +388,20 @@ MESSAGE_TEXT: dict[str, str] = {
     "rpc_worker_lost": (
         "An RPC worker stopped answering while the server used it; the server was re-planned without it (on the "
         "other workers, the local GPUs or the CPU). Bring the worker back and `stoker restart` to use it again."
+    ),
+    "remote_endpoint_unreachable": (
+        "The model's external endpoint (`[models.NAME] endpoint`) could not be reached: the connection was refused, "
+        "the name did not resolve, it timed out, or it broke before an answer came. Stoker runs no server for this "
+        "model; check the endpoint (`stoker status` shows its last check and error) and retry."
+    ),
+    "remote_key_rejected": (
+        "The model's external endpoint refused the key Stoker sent it (HTTP 401 or 403): the upstream key is wrong, "
+        "not your front door key. Put the endpoint's key in the daemon's environment variable that `[models.NAME] "
+        "api_key_env` names, and restart the daemon."
+    ),
+    "remote_key_missing": (
+        "`[models.NAME] api_key_env` names an environment variable the daemon does not have, so nothing was sent to "
+        "the endpoint. Set it where the daemon starts (its shell, or `Environment=` in its systemd unit) and restart "
+        "the daemon."
     ),
 }

@@ -95,6 +95,7 @@ class ReasonCode(enum.StrEnum):
     ENGINE_UPDATE_ROLLED_BACK = "engine_update_rolled_back"
     ENGINE_ROLLBACK_UNAVAILABLE = "engine_rollback_unavailable"
     ENGINE_ROLLBACK_FAILED = "engine_rollback_failed"
+    ENGINE_SLOT_BUSY = "engine_slot_busy"
     # The server process.
     MODEL_MISSING = "model_missing"
     MODEL_LOAD_FAILED = "model_load_failed"
@@ -178,6 +179,10 @@ class ReasonCode(enum.StrEnum):
     RPC_WORKER_UNREACHABLE = "rpc_worker_unreachable"
     RPC_VERSION_MISMATCH = "rpc_version_mismatch"
     RPC_WORKER_LOST = "rpc_worker_lost"
+    # Remote models: [models.NAME] served by an external endpoint (daemon/fleet/remote.py).
+    REMOTE_ENDPOINT_UNREACHABLE = "remote_endpoint_unreachable"
+    REMOTE_KEY_REJECTED = "remote_key_rejected"
+    REMOTE_KEY_MISSING = "remote_key_missing"
 
 
 MESSAGES: dict[ReasonCode, str] = {ReasonCode(code): text for code, text in MESSAGE_TEXT.items()}

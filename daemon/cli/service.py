@@ -106,9 +106,33 @@ def format_status(st: dict[str, Any]) -> str:
     models = st.get("models") or []
     if len(models) > 1 or any(m.get("name") != "default" for m in models):
         lines.extend(format_models(models, st.get("max_loaded"), st.get("name"), st.get("memory_caps")))
+    lines.extend(format_remotes(st.get("remotes") or []))
     lines.extend(format_pulls(st.get("pulls") or []))
     lines.extend(format_installs(st.get("installs") or []))
     return "\n".join(lines)
+
+
+def format_remotes(remotes: list[dict[str, Any]]) -> list[str]:
+    """Each model served by an external endpoint: where, whether it answers (the latest of its
+    check and its last request), the check's latency, its key's variable (never the key)."""
+    out = []
+    for r in remotes:
+        check = r.get("check") or {}
+        answers = {True: "reachable", False: "unreachable", None: "not checked yet"}[r.get("reachable")]
+        line = f"remote    {r.get('name')}{'*' if r.get('default') else ''} -> {r.get('endpoint')}"
+        line += f" ({r.get('remote_model')}): {answers}"
+        if check.get("latency_ms") is not None:
+            line += f", check {check['latency_ms']:.0f} ms"
+        if r.get("api_key_env"):
+            line += f", key ${r['api_key_env']} {'set' if r.get('key_set') else 'NOT SET'}"
+        line += ", accelerated: unknown"
+        readings = [x for x in (r.get("check"), r.get("last_request")) if x]
+        latest: dict[str, Any] = max(readings, key=lambda x: x.get("at") or 0, default={})
+        if r.get("reason") or latest.get("error"):
+            reason = f" [{r['reason']}]" if r.get("reason") else ""
+            line = click.style(f"{line}{reason} {latest.get('error') or ''}".rstrip(), fg="yellow")
+        out.append(line)
+    return out
 
 
 def format_installs(installs: list[dict[str, Any]]) -> list[str]:

@@ -39,6 +39,7 @@ from daemon.config.placement import (
     models_to_dict,
     parse_models,
 )
+from daemon.config.remote import RemoteModelConfig, remote_problems, split_remotes
 from daemon.core.errors import StokerError
 from daemon.core.logfiles import DEFAULT_KEEP, DEFAULT_MAX_BYTES, LogRotation
 from daemon.core.paths import StokerPaths
@@ -278,6 +279,8 @@ class Config:
     models: tuple[ModelConfig, ...] = ()  # [models.NAME] in file order (daemon/config/placement.py)
     worker: WorkerConfig = attrs.field(factory=WorkerConfig)  # this host as an RPC worker (daemon/config/workers.py)
     workers: tuple[WorkerEndpoint, ...] = ()  # [[workers]]: the RPC workers the head places layers on
+    # [models.NAME] sections with an `endpoint`: served by an external engine (daemon/config/remote.py)
+    remotes: tuple[RemoteModelConfig, ...] = ()
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], base_dir: Path | None = None) -> "Config":
@@ -299,14 +302,16 @@ class Config:
             if not isinstance(table, dict):
                 continue
             sections[name] = _build_section(name, section_cls, table, problems)
-        models = parse_models(data.get("models", {}), problems)
+        local_models, remotes = split_remotes(data.get("models", {}), problems)
+        models = parse_models(local_models, problems)
+        problems.extend(remote_problems(remotes, [m.name for m in models if m.default]))
         workers = parse_workers(data.get("workers"), problems)
         _check_across(sections, problems)
         if "placement" in sections and "server" in sections:
             problems.extend(models_problems(models, sections["placement"], sections["server"].port))
         if problems:
             raise ConfigError(problems)
-        config = cls(**sections, models=models, workers=workers)
+        config = cls(**sections, models=models, workers=workers, remotes=remotes)
         return _resolve_model(config, base_dir)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -319,7 +324,7 @@ class Config:
                 }
                 for name in SECTIONS
             },
-            "models": dict(models_to_dict(self.models)),
+            "models": {**models_to_dict(self.models), **{r.name: r.to_dict() for r in self.remotes}},
             "workers": workers_to_dict(self.workers),
         }
 

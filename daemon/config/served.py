@@ -71,10 +71,12 @@ def instance_config(config: Config, section: ModelConfig) -> Config:
 
 
 def served_models(config: Config) -> tuple[ServedModel, ...]:
-    """Every model the config serves, the default one marked."""
+    """Every model the config serves with a server of its own, the default one marked (none
+    when a remote section, served by its endpoint, is the default: daemon/config/remote.py)."""
+    remote_default = any(r.default for r in config.remotes)
     if not config.models:
-        return (ServedModel(DEFAULT_INSTANCE, config, default=True),)
-    chosen = default_model(config.models)
+        return (ServedModel(DEFAULT_INSTANCE, config, default=not remote_default),)
+    chosen = None if remote_default else default_model(config.models)
     return tuple(
         ServedModel(
             section.name,

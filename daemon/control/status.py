@@ -19,6 +19,7 @@ import attrs
 
 from daemon.control.controlled import ControlledDaemon
 from daemon.fallback.memory import estimate_json
+from daemon.fleet.remote import RemoteStatus
 from daemon.telemetry.sampler import process_rss_mib
 from states import launch_records as LR
 from states.idle_unload import due_in
@@ -277,6 +278,9 @@ class Status:
     # The engine of the slot this model's plan runs on: {slot, version, previous (the version kept
     # for a rollback; null: none), update_state, update_reason} (daemon/install/update.py).
     engine: dict[str, Any] | None = None
+    # Models served by an external endpoint ([models.NAME] endpoint): no server of Stoker's; the
+    # endpoint's last check and last request, its key's variable (set or not, never its value).
+    remotes: tuple[RemoteStatus, ...] = ()
 
 
 def _message(data: LR.LaunchData) -> str | None:
@@ -418,6 +422,7 @@ def build_status(daemon: ControlledDaemon, member: Member | None = None) -> Stat
         installs=tuple(InstallStatus.from_row(row) for row in daemon.install_statistics()),
         workers=fallback.get("workers"),
         engine=None if plan is None else daemon.engine_updates.slot_status(plan.backend, plan.variant),
+        remotes=tuple(r.status() for r in daemon.fleet.remotes.serving()),
     )
 
 

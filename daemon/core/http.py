@@ -114,6 +114,11 @@ def _wide_read_transport() -> httpx.AsyncHTTPTransport | None:
     return transport
 
 
+def tls_context() -> ssl.SSLContext:
+    """The process's verifying TLS context (certifi's CA bundle), made once."""
+    return _tls_context()
+
+
 @functools.cache
 def _tls_context() -> ssl.SSLContext:
     """One verifying TLS context per process: loading the CA bundle costs ~0.1 s each time."""

@@ -1,4 +1,4 @@
-"""HTTP/1.1 to a loopback engine, lean: the front door's forward path (`EngineClient.forward`).
+"""HTTP/1.1 to an engine, lean: the front door's forward path (`EngineClient.forward`).
 
 h11 (the parser under httpcore and Hypercorn) over a `RelaySocket` (daemon/core/relay_socket.py:
 a non-blocking socket driven with trio's I/O waits), without httpx's layers: the
@@ -15,12 +15,17 @@ keep-alive pool per engine address, dropped after `KEEPALIVE_S` idle or when the
 (`ConnectError`, `ConnectTimeout`, `ReadError`, `ReadTimeout`, `WriteError`, `WriteTimeout`,
 `RemoteProtocolError`, all `httpx.TransportError`), the vocabulary the rest of the daemon
 already speaks for an engine that is not there.
+
+The engines Stoker runs are on loopback, in plain HTTP. A remote model's endpoint
+(daemon/config/remote.py) may be https://: its connections are TLS (`TlsSocket`, trio's
+SSLStream with the same four calls as `RelaySocket`), verified against certifi's CA bundle.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
+import ssl
 import time
 from typing import AsyncIterator
 from urllib.parse import urlsplit
@@ -30,6 +35,7 @@ import h11
 import httpx
 import trio
 
+from daemon.core.http import tls_context
 from daemon.core.relay_socket import RelaySocket
 
 # One read: an SSE event is ~250 bytes, a non-streamed answer a few KiB; a read takes what is there.
@@ -56,11 +62,58 @@ class _Address:
     port: int
     host_header: bytes
     family: int | None  # an IP literal's socket family; None: a name
+    tls: bool = False  # https: a TLS connection, the host's certificate verified
+
+
+class TlsSocket:
+    """A TLS connection to a remote endpoint, with the calls the wire makes of a `RelaySocket`."""
+
+    def __init__(self, raw: socket.socket, tcp: trio.SocketStream, tls: trio.SSLStream[trio.SocketStream]) -> None:
+        self._raw = raw  # the stdlib socket under trio's: peeked at, never read
+        self._tcp = tcp
+        self._tls = tls
+
+    @classmethod
+    async def connect(cls, host: str, port: int, context: ssl.SSLContext) -> TlsSocket:
+        """Connect and shake hands; raises OSError (a refused connection, a certificate refused)."""
+        family, _, _, _, sockaddr = (await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
+        raw = socket.socket(family, socket.SOCK_STREAM)
+        sock = trio.socket.from_stdlib_socket(raw)
+        try:
+            await sock.connect(sockaddr)
+            tcp = trio.SocketStream(sock)
+            tls = trio.SSLStream(tcp, context, server_hostname=host, https_compatible=True)
+            await tls.do_handshake()
+        except trio.BrokenResourceError as exc:
+            sock.close()
+            raise OSError(f"TLS handshake failed: {exc.__cause__ or exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        return cls(raw, tcp, tls)
+
+    async def send_all(self, data: bytes) -> None:
+        await self._tls.send_all(data)
+
+    async def receive_some(self, max_bytes: int) -> bytes:
+        return bytes(await self._tls.receive_some(max_bytes))
+
+    def is_readable(self) -> bool:
+        """Anything waiting on the socket (EOF, a close_notify, a late TLS record): not reused."""
+        try:
+            return self._raw.recv(1, socket.MSG_PEEK) is not None
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def close(self) -> None:
+        self._tcp.socket.close()
 
 
 @attrs.define(eq=False)
 class _Connection:
-    stream: RelaySocket
+    stream: RelaySocket | TlsSocket
     h11: h11.Connection
     idle_since: float = 0.0
 
@@ -192,6 +245,7 @@ class EngineWire:
     """Connections to loopback engines, their pool and their timeouts: one per front door."""
 
     timeouts: WireTimeouts = attrs.field(factory=WireTimeouts)
+    tls: ssl.SSLContext | None = None  # https endpoints' context (None: certifi's CA bundle, made on first use)
     _idle: dict[_Address, list[_Connection]] = attrs.field(factory=dict)
     _addresses: dict[str, _Address] = attrs.field(factory=dict)
 
@@ -200,8 +254,11 @@ class EngineWire:
         known = self._addresses.get(base_url)
         if known is None:
             parts = urlsplit(base_url)
-            host, port = parts.hostname or "127.0.0.1", parts.port or 80
-            known = self._addresses[base_url] = _Address(host, port, parts.netloc.encode("ascii"), _ip_family(host))
+            tls = parts.scheme == "https"
+            host, port = parts.hostname or "127.0.0.1", parts.port or (443 if tls else 80)
+            known = self._addresses[base_url] = _Address(
+                host, port, parts.netloc.encode("ascii"), _ip_family(host), tls
+            )
         return known
 
     async def send(
@@ -267,7 +324,11 @@ class EngineWire:
         host, port = address.host, address.port
         with trio.move_on_after(self.timeouts.connect) as scope:
             try:
-                if address.family is not None:  # an IP literal: no resolver, no happy-eyeballs nursery
+                stream: RelaySocket | TlsSocket
+                if address.tls:
+                    self.tls = self.tls or tls_context()
+                    stream = await TlsSocket.connect(host, port, self.tls)
+                elif address.family is not None:  # an IP literal: no resolver, no happy-eyeballs nursery
                     stream = await RelaySocket.connect(address.family, (host, port))
                 else:
                     family, _, _, _, sockaddr = (await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]

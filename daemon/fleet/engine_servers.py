@@ -6,7 +6,9 @@ A member runs on a slot when its launch machine is starting, loading or ready wi
 backend and variant. Its last good launch record is its ready server's evidence, or the newest
 Ready in its launch history (a server on its way up). A restart's verdict is read from its launch
 machine as it moves: ready again (after the restart was asked), crashed / backing off / failed,
-stopped by someone else, or none of these within the wait. Facts only: the update machine judges
+stopped by someone else, or none of these within the wait. A server that is stopped when its
+restart comes (a user's `stoker down` meanwhile, an idle unload, a daemon restarted mid-update)
+is left stopped (`restart_wanted`), with the verdict `stopped`. Facts only: the update machine judges
 them (states/engine_update.py `judge_servers`).
 """
 
@@ -20,6 +22,7 @@ import trio
 
 from daemon.fleet.fleet import Fleet
 from daemon.fleet.member import Member
+from states import engine_update as U
 from states import engine_update_records as UR
 from states import launch as L
 from states import launch_records as LR
@@ -62,6 +65,11 @@ class FleetEngineServers:
         member = self.fleet().lookup(name)
         if member is None or member.name != name:
             return UR.ServerVerdict(name, UR.Outcome.STOPPED, evidence={"message": "no longer configured"})
+        if not U.restart_wanted(member.state.value):  # stopped meanwhile (by the user...): left stopped
+            cause = member.data.down_cause
+            return UR.ServerVerdict(
+                name, UR.Outcome.STOPPED, evidence={"down_cause": None if cause is None else cause.value}
+            )
         asked = time.time()
         member.supervisor.offer(LR.RestartRequested())
         with trio.move_on_after(timeout):
@@ -90,7 +98,7 @@ class FleetEngineServers:
 
     def relaunch(self, name: str) -> None:
         member = self.fleet().lookup(name)
-        if member is not None and member.name == name:
+        if member is not None and member.name == name and U.restart_wanted(member.state.value):
             member.supervisor.offer(LR.RestartRequested())
 
 

@@ -32,6 +32,7 @@ from daemon.config.served import ServedModel, served_models
 from daemon.core.errors import StokerError
 from daemon.fleet.idle import serve_idle_unloads
 from daemon.fleet.member import Member, Services, build_member
+from daemon.fleet.remote import Remotes
 from daemon.fleet.room import RoomMaker
 from daemon.launch.instance import ServerInstance
 from states import launch_records as LR
@@ -62,9 +63,12 @@ class Fleet:
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
     _nursery: trio.Nursery | None = None
     room: RoomMaker = attrs.field(init=False)
+    # [models.NAME] served by an external endpoint: no member, nothing placed (daemon/fleet/remote.py)
+    remotes: Remotes = attrs.field(factory=Remotes)
 
     def __attrs_post_init__(self) -> None:
         self.room = RoomMaker(self.serving, lambda: self.config.placement, self._lock, self.services.pulse)
+        self.remotes.apply(self.config)
         for served in served_models(self.config):
             self.members[served.name] = self._build(served)
         for member in self._leftovers():
@@ -101,6 +105,13 @@ class Fleet:
     def member(self, model: str | None) -> Member:
         """`lookup`, or StokerError(model_not_found) naming the configured models."""
         found = self.lookup(model)
+        if found is None and (remote := self.remotes.get(model)) is not None:
+            raise StokerError(
+                ReasonCode.MODEL_NOT_FOUND,
+                f"{model} is served by its endpoint {remote.config.endpoint}: Stoker runs no server for it, so there "
+                f"is none to start, stop or restart (`stoker status` shows the endpoint's reachability).",
+                {"model": model, "endpoint": remote.config.endpoint},
+            )
         if found is None:
             names = [m.name for m in self.serving()]
             raise StokerError(
@@ -192,6 +203,7 @@ class Fleet:
                 if member.retiring:
                     nursery.start_soon(self._retire, member)
             await nursery.start(serve_idle_unloads, self.serving, self.services.pulse)
+            await nursery.start(self.remotes.serve)
             task_status.started()
             await trio.sleep_forever()
 
@@ -246,6 +258,7 @@ class Fleet:
         """Put `new` in force: each member gets its model's config (relaunched where it changed
         what its server runs), new sections get members, removed ones are retired."""
         self.config = new
+        self.remotes.apply(new)
         wanted = served_models(new)
         for served in wanted:
             member = self.members.get(served.name)

@@ -12,6 +12,11 @@ or Anthropic's `{"type": "error", "error": {"type", "message"}}` on /v1/messages
 The HTTP server under these routes is daemon/frontdoor/http11.py (h11 on trio sockets); the
 engine is reached through `EngineClient.forward` over daemon/engine/wire.py. Both are lean on
 purpose: each SSE event is one read from the engine and one write to the client.
+
+A remote model (`[models.NAME] endpoint`, daemon/fleet/remote.py) is forwarded to its endpoint the
+same way, with the key from the daemon's environment and `model` rewritten to the name the
+endpoint serves; nothing is held (no server of Stoker's loads), and a failure is answered as
+states/remote_endpoint.py judges it (503 or 502 with a reason code, never the endpoint's 401).
 """
 
 from __future__ import annotations
@@ -29,22 +34,28 @@ import trio
 from daemon.engine.api import EngineClient
 from daemon.engine.wire import EngineAnswer, EngineWire
 from daemon.fleet.member import Member
+from daemon.fleet.remote import RemoteModel, contact_of, said
 from daemon.frontdoor.hold import Hold, Refused
 from daemon.frontdoor.http11 import Request
 from daemon.frontdoor.limits import LimitExceeded, check_head, read_body
 from daemon.frontdoor.metrics import CONTENT_TYPE, FrontDoorMetrics
 from daemon.frontdoor.routing import models_page, route, unknown_model
 from daemon.frontdoor.served import Authorize, FrontDoorDaemon
+from states.reasons import ReasonCode, message_for
 from states.frontdoor_policy import innocent, send_again
+from states.remote_endpoint import Contact, Verdict, judge
 
 log = logging.getLogger("stoker.frontdoor")
 
+REMOTE_HEADERS = {"Content-Type": "application/json"}
 # The routes forwarded with their JSON body (OpenAI's, and Anthropic's /v1/messages).
 POST_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages")
 GET_ROUTES = ("/v1/models", "/metrics")
 # The engine's headers a relayed answer keeps (its framing is the front door's own).
 KEPT_HEADERS = ("content-type", "cache-control")
 JSON = (b"content-type", b"application/json")
+# How much of a remote endpoint's refusal (its 401) is read for its words.
+REFUSAL_BYTES = 16 * 1024
 
 
 @attrs.frozen
@@ -226,7 +237,76 @@ class FrontDoor:
             )
         request.instance = member.name
         async with request.watching():  # a client that leaves cancels the wait, or closes the engine's answer
+            if isinstance(member, RemoteModel):
+                return await self.forward_remote(request, member, body, sse=bool(body.get("stream")))
             return await self.forward(request, member, "POST", request.path, content, sse=bool(body.get("stream")))
+
+    async def forward_remote(
+        self, request: Request, remote: RemoteModel, body: dict[str, Any], *, sse: bool
+    ) -> Answer | None:
+        """Send a remote model's request to its endpoint and relay the answer as it arrives; sent
+        once (the endpoint is a cluster of its own: Stoker holds nothing for it)."""
+        path, config = request.path, remote.config
+        if remote.key_missing:
+            detail = f"${config.api_key_env} is not set in the daemon's environment"
+            return self._remote_refused(request, remote, judge(Contact.KEY_MISSING), detail)
+        stack = contextlib.AsyncExitStack()
+        stack.callback(remote.usage.sent())  # in flight until its answer is over (or failed)
+        try:
+            engine = EngineClient(config.endpoint, remote.key(), self.http, wire=self.wire)
+            response = await stack.enter_async_context(
+                engine.forward(
+                    "POST", remote.target(path), content=remote.body(body), headers=REMOTE_HEADERS, streamed=sse
+                )
+            )
+            verdict = judge(Contact.ANSWERED, response.status_code)
+            if not verdict.relayed:  # its 401: the key Stoker sent, never passed on as the client's
+                refusal = b""
+                async for piece in response.aiter_raw():
+                    refusal += piece
+                    if len(refusal) > REFUSAL_BYTES:
+                        break
+                with trio.CancelScope(shield=True):
+                    await stack.aclose()
+                return self._remote_refused(request, remote, verdict, said(refusal), response.status_code)
+            chunks = response.aiter_raw()
+            first = await anext(chunks, b"")
+            while sse and first and b"\n\n" not in first and (more := await anext(chunks, b"")):
+                first += more
+        except BaseException as exc:
+            with trio.CancelScope(shield=True):
+                await stack.aclose()  # cancelled (the client left): the endpoint's connection closed
+            if not isinstance(exc, httpx.TransportError):
+                raise
+            log.warning("remote model %s: %s did not answer: %s", remote.name, config.endpoint, remote.words(str(exc)))
+            return self._remote_refused(request, remote, judge(contact_of(exc)), remote.words(str(exc)))
+        remote.last_request = remote.reading(verdict, status=response.status_code)
+        try:
+            await relay(request, response, sse and response.status_code == 200, first, chunks)
+        finally:
+            with trio.CancelScope(shield=True):
+                await stack.aclose()  # the connection pooled, or closed if the answer was cut
+        return None
+
+    def _remote_refused(
+        self, request: Request, remote: RemoteModel, verdict: Verdict, detail: str, status: int | None = None
+    ) -> Answer:
+        """The front door's answer in place of the endpoint's, recorded as the model's last request."""
+        remote.last_request = remote.reading(verdict, status=status, error=remote.words(detail))
+        assert verdict.status is not None and verdict.reason is not None
+        config = remote.config
+        if verdict.reason is ReasonCode.REMOTE_KEY_REJECTED:
+            sent = f"the key in ${config.api_key_env}" if config.api_key_env else "no key (api_key_env is not set)"
+            message = (
+                f"The endpoint of {remote.name} ({config.endpoint}) refused {sent} with HTTP {status}: {detail}. "
+                f"The upstream key is wrong, not your front door key."
+            )
+        else:
+            message = f"{remote.name} at {config.endpoint}: {detail}. {message_for(verdict.reason)}"
+        retry = {"Retry-After": str(verdict.retry_after_s)} if verdict.retry_after_s is not None else None
+        return api_error(
+            request.path, verdict.status, remote.masked(message), "server_error", verdict.reason.value, retry
+        )
 
     async def forward(
         self, request: Request, member: Member, method: str, path: str, content: bytes | None, *, sse: bool

@@ -304,12 +304,40 @@ class StokerCollector(Collector):
             depth.add_metric([name], usage.waiting)
             in_flight.add_metric([name], usage.in_flight)
             held.add_metric([name], usage.held_total)
+        remote_series = self.remotes(info, in_flight)
         yield from (states, info, accelerated, offloaded_layers, model_layers, partial, depth, in_flight, held)
+        yield from remote_series
         yield GaugeMetricFamily(
             "stoker_queue_limit",
             "How many requests may wait at once, every model together ([frontdoor] max_queue).",
             value=self.daemon.config.frontdoor.max_queue,
         )
+
+    def remotes(self, info: GaugeMetricFamily, in_flight: GaugeMetricFamily) -> tuple[Metric, ...]:
+        """The remote models (`[models.NAME] endpoint`): backend "remote", their requests in
+        flight, their endpoint and its last check. No `stoker_accelerated` sample: Stoker runs
+        nothing there, so it cannot prove acceleration (`accelerated="unknown"` says so)."""
+        remote_info = GaugeMetricFamily(
+            "stoker_remote_info",
+            "1 per model served by an external endpoint; accelerated is unknown: Stoker runs nothing there to prove it.",
+            labels=["model", "endpoint", "accelerated"],
+        )
+        up = GaugeMetricFamily(
+            "stoker_remote_up", "1 when the endpoint answered its last check (GET /models) with 2xx.", labels=["model"]
+        )
+        latency = GaugeMetricFamily(
+            "stoker_remote_check_seconds", "How long the endpoint took to answer its last check.", labels=["model"]
+        )
+        for remote in self.daemon.fleet.remotes.serving():
+            name, check = remote.name, remote.check
+            info.add_metric([name, "remote", "remote"], 1.0)
+            in_flight.add_metric([name], remote.usage.in_flight)
+            remote_info.add_metric([name, remote.config.endpoint, "unknown"], 1.0)
+            if check is not None and check.reachable is not None:
+                up.add_metric([name], float(check.reachable and check.error is None))
+            if check is not None and check.latency_ms is not None:
+                latency.add_metric([name], check.latency_ms / 1000.0)
+        return remote_info, up, latency
 
     async def catch_up(self) -> None:
         """Count the history written since the last scrape, a batch at a time: the first scrape

@@ -5,7 +5,8 @@ default model; any other name a model answers to (its file name or stem, the mod
 names it, the id its engine's own /v1/models reports) reaches it too (daemon/fleet/member.py,
 `Member.names`). A name no model answers to gets 404 listing what is served. `/v1/models` lists
 every configured model, loaded or not, in OpenAI's shape, each with a `stoker` object saying its
-state.
+state. A remote model (`[models.NAME] endpoint`, daemon/fleet/remote.py) is routed the same way:
+by its NAME, as the default when it is marked so, or by the name its endpoint serves it under.
 """
 
 from __future__ import annotations
@@ -18,18 +19,28 @@ from states import launch_records as LR
 if TYPE_CHECKING:
     from daemon.fleet.fleet import Fleet
     from daemon.fleet.member import Member
+    from daemon.fleet.remote import RemoteModel
 
 
-def route(fleet: Fleet, model: Any) -> Member | None:
-    """The member that answers a request whose body says `model` (None: not served)."""
+def route(fleet: Fleet, model: Any) -> Member | RemoteModel | None:
+    """The member (or remote model) that answers a request whose body says `model` (None: not
+    served). A NAME first, local or remote; then the default; then any other name."""
     if model is not None and not isinstance(model, str):
         return None
-    return fleet.lookup(model)
+    remotes = fleet.remotes
+    if model is not None:
+        exact = next((m for m in fleet.serving() if m.name == model), None) or remotes.get(model)
+        if exact is not None:
+            return exact
+    if model in (None, "default") and (remote := remotes.default()) is not None:
+        return remote
+    found = fleet.lookup(model)
+    return found if found is not None or model is None else remotes.named(model)
 
 
 def unknown_model(fleet: Fleet, model: Any) -> str:
     """The 404's sentence: the model asked for, and what is served."""
-    served = ", ".join(m.served.public_id for m in fleet.serving())
+    served = ", ".join([m.served.public_id for m in fleet.serving()] + [r.name for r in fleet.remotes.serving()])
     return f"The model {model!r} does not exist here; this server serves {served}."
 
 
@@ -57,7 +68,31 @@ def model_entry(member: Member, created: int) -> dict[str, Any]:
     }
 
 
+def remote_entry(remote: RemoteModel, created: int) -> dict[str, Any]:
+    """A remote model as OpenAI lists it: served by its endpoint, whose last reading says if it answers."""
+    status = remote.status()
+    return {
+        "id": remote.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "stoker",
+        "stoker": {
+            "name": remote.name,
+            "remote": True,
+            "endpoint": status.endpoint,
+            "remote_model": status.remote_model,
+            "reachable": status.reachable,
+            "reason": status.reason,
+            "default": status.default,
+            "backend": status.backend,
+            "accelerated": status.accelerated,
+            "aliases": sorted(remote.names() - {remote.name}),
+        },
+    }
+
+
 def models_page(fleet: Fleet, started_at: float | None = None) -> dict[str, Any]:
-    """GET /v1/models: every configured model, loaded or not."""
+    """GET /v1/models: every configured model, loaded or not, then the remote ones."""
     created = int(started_at if started_at is not None else time.time())
-    return {"object": "list", "data": [model_entry(m, created) for m in fleet.serving()]}
+    data = [model_entry(m, created) for m in fleet.serving()]
+    return {"object": "list", "data": data + [remote_entry(r, created) for r in fleet.remotes.serving()]}

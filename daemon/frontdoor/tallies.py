@@ -17,7 +17,7 @@ What each transition means is read from the machines' own vocabulary (states/):
   or stopped moving and is respawned after a backoff (`crashed`: cause "crash");
 - a crash: every exit the launch machine counted (`crashed`, or `failed` at once for a fatal
   one, or as a crash loop), by its reason (a crash loop's last crash by that crash's reason);
-- an install outcome: the install machine reached `installed` (its smoke test passed) or
+- an install outcome: the install machine reached `installed` (promoted into its slot) or
   `failed`, by backend and reason.
 """
 
@@ -109,7 +109,8 @@ class HistoryTally:
         if r.event == I.InstallRequested.__name__ and r.event_data.get("backend"):
             self._install_backends[r.machine_id] = str(r.event_data["backend"])
             return
-        if r.event == I.SmokePassed.__name__ and r.to_state == I.InstallState.INSTALLED:
+        promoted = r.event == I.Promoted.__name__  # (SmokePassed: rows from before `promoting` was a state)
+        if (promoted or r.event == I.SmokePassed.__name__) and r.to_state == I.InstallState.INSTALLED:
             result = "installed"
         elif r.to_state == I.InstallState.FAILED:  # a step failed, or no source had a bundle
             result = "failed"

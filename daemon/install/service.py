@@ -36,7 +36,9 @@ from daemon.bundles.metadata import BundleMeta, ManifestEntry
 from daemon.core.digests import sha256_file
 from daemon.core.errors import StokerError
 from daemon.core.machines import EffectDriver, MachineRunner, Publish
+from states.machine import IllegalTransition
 from daemon.core.paths import StokerPaths
+from daemon.install.checks import check_archive_file, smoke_skip, smoke_staged, validate_staged
 from daemon.install.download import download
 from daemon.install.download_records import DownloadError, DownloadErrorKind, DownloadProgress
 from daemon.install.manifest import MANIFEST_ENV, choose_entry, load_manifest
@@ -50,16 +52,20 @@ from daemon.install.sources import (
     toolchain_attempt,
     variant_to_make,
 )
+from daemon.install.slots import SlotWriters, rejection_for, serving, slot_pair
 from daemon.install.trust import ManifestTrust
+from daemon.install.update_steps import bundle_digest
 from states import install as I
+from states import install_effects as IE
+from states.install_slot import SlotBundle, SlotWriter
 from states.install_sources import CHAIN, Source
 from states.reasons import ReasonCode, stored_reason
 
 log = logging.getLogger(__name__)
 
 PROGRESS_TOPIC = "install.progress"
-SOURCE_STARTS = (I.Resolve, I.FindCachedBuild, I.CheckToolchain)  # each source's first effect
-ATTEMPT_ENDS = (I.SourceUnavailable, I.InstallFailed, I.SmokePassed)  # events that end a source's try
+SOURCE_STARTS = (IE.Resolve, IE.FindCachedBuild, IE.CheckToolchain)  # each source's first effect
+ATTEMPT_ENDS = (I.SourceUnavailable, I.InstallFailed, I.Promoted)  # events that end a source's try
 MAX_BUNDLE_BYTES = 8 * 2**30  # the archive checker's own total cap
 
 
@@ -106,22 +112,24 @@ class InstallService:
     _started: dict[str, float] = attrs.field(factory=dict, init=False)  # the attempt's trio clock at its start
     _progress: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)  # a build's last figures
     _effects: EffectDriver[Awaitable[object | None]] = attrs.field(init=False)
+    slots: SlotWriters = attrs.field(init=False)  # one writer per slot, shared with engine updates
 
     def __attrs_post_init__(self) -> None:
+        self.slots = SlotWriters(self.store)
         self._effects = EffectDriver(
             I.INSTALL,
             {
-                I.Resolve: self._resolve,
-                I.FindCachedBuild: self._find_cached,
-                I.CheckToolchain: self._check_toolchain,
-                I.BuildBundle: self._build,
-                I.Download: self._download,
-                I.VerifyArchive: self._verify_archive,
-                I.CleanStaging: self._clean_staging,
-                I.Unpack: self._unpack,
-                I.ValidateBundle: self._validate_bundle,
-                I.SmokeTest: self._smoke_test,
-                I.Promote: self._promote_staged,
+                IE.Resolve: self._resolve,
+                IE.FindCachedBuild: self._find_cached,
+                IE.CheckToolchain: self._check_toolchain,
+                IE.BuildBundle: self._build,
+                IE.Download: self._download,
+                IE.VerifyArchive: self._verify_archive,
+                IE.CleanStaging: self._clean_staging,
+                IE.Unpack: self._unpack,
+                IE.ValidateBundle: self._validate_bundle,
+                IE.SmokeTest: self._smoke_test,
+                IE.Promote: self._promote_staged,
             },
         )
 
@@ -172,12 +180,13 @@ class InstallService:
                 runner = self.runner(backend, variant)
                 async with self._locks[runner.machine_id]:
                     try:
-                        step = runner.fire(I.Resumed())
+                        with self.slots.claim(f"{backend}-{variant}", runner.machine_id):
+                            step = runner.fire(I.Resumed())
+                            log.info("resuming %s from %s", runner.machine_id, record.state)
+                            await self._drive(runner, step.effects)
                     except Exception as err:
                         log.warning("cannot resume %s: %s", runner.machine_id, err)
                         continue
-                    log.info("resuming %s from %s", runner.machine_id, record.state)
-                    await self._drive(runner, step.effects)
                 resumed.append(runner.machine_id)
         return resumed
 
@@ -225,32 +234,13 @@ class InstallService:
         entry: ManifestEntry | None = None,
         refusal: StokerError | None = None,
     ) -> InstalledBundle:
-        """Drive the slot's machine through its sources to installed (unless `entry`, that very
-        bundle, already is)."""
+        """Drive the slot's machine through its sources to installed: the first acceptable offer,
+        or what the slot holds already (the table judges each offer against the slot)."""
         runner = self.runner(backend, variant)
         mid = runner.machine_id
         async with self._locks[mid]:
-            if runner.state in I.WORKING:
-                # Left mid-way by a killed daemon and not resumed yet: finish that first.
-                await self._drive(runner, runner.fire(I.Resumed()).effects)
-            self._entries.pop(mid, None)
-            self._refusals.pop(mid, None)
-            if entry is not None:
-                self._entries[mid] = entry
-            if refusal is not None:
-                self._refusals[mid] = refusal
-            if detection is not None:
-                self._detections[mid] = detection
-            current = (
-                entry is not None
-                and runner.state is I.InstallState.INSTALLED
-                and runner.data.sha256 == entry.sha256
-                and find_installed(self.paths, backend, variant) is not None
-            )
-            if not current:  # the same bundle already installed and in place: nothing to do
-                step = runner.fire(I.InstallRequested(backend, variant, sources))
-                await self._drive(runner, step.effects)
-            self._progress.pop(mid, None)
+            with self.slots.claim(f"{backend}-{variant}", mid):
+                await self._install_claimed(runner, backend, variant, sources, detection, entry, refusal)
         if runner.state is not I.InstallState.INSTALLED:
             raise self._failure(runner)
         bundle = find_installed(self.paths, backend, variant)
@@ -261,6 +251,48 @@ class InstallService:
                 {"slot": f"{backend}-{variant}"},
             )
         return bundle
+
+    async def _install_claimed(
+        self,
+        runner: MachineRunner,
+        backend: str,
+        variant: str,
+        sources: tuple[Source, ...],
+        detection: Detection | None,
+        entry: ManifestEntry | None,
+        refusal: StokerError | None,
+    ) -> None:
+        mid = runner.machine_id
+        if runner.state in I.WORKING:
+            # Left mid-way by a killed daemon and not resumed yet: finish that first.
+            await self._drive(runner, runner.fire(I.Resumed()).effects)
+        self._entries.pop(mid, None)
+        self._refusals.pop(mid, None)
+        if entry is not None:
+            self._entries[mid] = entry
+        if refusal is not None:
+            self._refusals[mid] = refusal
+        if detection is not None:
+            self._detections[mid] = detection
+        try:
+            await self._drive(runner, runner.fire(I.InstallRequested(backend, variant, sources)).effects)
+        finally:
+            self._progress.pop(mid, None)
+
+    def slot_changed(self, backend: str, variant: str, by: SlotWriter, known: SlotBundle | None = None) -> None:
+        """An engine update switched the slot or a rollback put its `.previous` back (the caller
+        holds the slot's claim): the install machine's record follows what the slot now holds.
+        `known`: what the writer knows of the new bundle (its zip's sha256, source, origin)."""
+        runner = self.runner(backend, variant)
+        now, previous = slot_pair(self.paths, f"{backend}-{variant}")
+        if now is None:
+            log.warning("%s: the slot holds no bundle after %s", runner.machine_id, by.value)
+            return
+        now = attrs.evolve(now, by=by).known_as(known)
+        try:
+            runner.fire(I.SlotChanged(now, previous))
+        except IllegalTransition as err:  # an install left mid-way by a killed daemon: it resumes first
+            log.warning("%s: %s", runner.machine_id, err)
 
     def _failure(self, runner: MachineRunner) -> StokerError:
         data: I.InstallData = runner.data
@@ -287,12 +319,28 @@ class InstallService:
             except Exception as err:  # every failure of a step is the machine's InstallFailed
                 log.info("%s: %s failed: %s", runner.machine_id, type(effect).__name__, err)
                 event = I.InstallFailed(install_failed_reason(self.backends, runner.data.backend), _cause(err))
+            if isinstance(event, I.Resolved):
+                event = await self._judged(runner, event)
             if isinstance(event, ATTEMPT_ENDS) and event.seconds is None:
                 started = self._started.get(runner.machine_id)
                 if started is not None:
                     event = attrs.evolve(event, seconds=round(trio.current_time() - started, 3))
             if event is not None:
                 queue.extend(runner.fire(event).effects)
+
+    async def _judged(self, runner: MachineRunner, event: I.Resolved) -> I.Resolved:
+        """An offer with the facts the table judges it by: what the slot serves now, the bundle's
+        digest where its zip is here to read, an engine update's rejection of it."""
+        data: I.InstallData = runner.data
+        local = Path(unquote(urlparse(event.url).path)) if event.url.startswith("file://") else None
+        digest = None if local is None else await trio.to_thread.run_sync(bundle_digest, local)
+        return attrs.evolve(
+            event,
+            now=await trio.to_thread.run_sync(serving, self.paths, data.backend, data.variant),
+            digest=digest,
+            rejection=rejection_for(self.store, data.backend, data.variant, event.sha256, digest),
+            reason=self._reason(data.backend),
+        )
 
     async def _entry(self, runner: MachineRunner) -> ManifestEntry:
         entry = self._entries.get(runner.machine_id)
@@ -303,7 +351,7 @@ class InstallService:
             self._entries[runner.machine_id] = entry
         return entry
 
-    async def _resolve(self, effect: I.Resolve, runner: MachineRunner) -> I.Resolved | I.SourceUnavailable:
+    async def _resolve(self, effect: IE.Resolve, runner: MachineRunner) -> I.Resolved | I.SourceUnavailable:
         mid = runner.machine_id
         reason = install_failed_reason(self.backends, effect.backend)
         if effect.source is Source.FILE and mid not in self._entries:
@@ -335,17 +383,17 @@ class InstallService:
             origin=origin,
         )
 
-    async def _find_cached(self, effect: I.FindCachedBuild, runner: MachineRunner) -> object:
+    async def _find_cached(self, effect: IE.FindCachedBuild, runner: MachineRunner) -> object:
         plugin, detection = self.backends.get(effect.backend), self._detections.get(runner.machine_id)
         event, entry = await cache_attempt(self.paths, effect, plugin, detection, self._reason(effect.backend))
         if entry is not None:
             self._entries[runner.machine_id] = entry
         return event
 
-    async def _check_toolchain(self, effect: I.CheckToolchain, runner: MachineRunner) -> object:
+    async def _check_toolchain(self, effect: IE.CheckToolchain, runner: MachineRunner) -> object:
         return await toolchain_attempt(effect, self._reason(effect.backend))
 
-    async def _build(self, effect: I.BuildBundle, runner: MachineRunner) -> I.Resolved:
+    async def _build(self, effect: IE.BuildBundle, runner: MachineRunner) -> I.Resolved:
         """Build in a child process; its progress on the bus and in status (`statistics`)."""
         mid = runner.machine_id
 
@@ -360,7 +408,7 @@ class InstallService:
         data: I.InstallData = runner.data
         return self.downloads_dir / f"{data.backend}-{data.variant}-{sha256[:16]}.zip"
 
-    async def _download(self, effect: I.Download, runner: MachineRunner) -> I.Downloaded:
+    async def _download(self, effect: IE.Download, runner: MachineRunner) -> I.Downloaded:
         dest = self.archive_path(runner, effect.sha256)
         data: I.InstallData = runner.data
         if dest.exists() and dest.stat().st_size == effect.size:
@@ -397,88 +445,48 @@ class InstallService:
         )
         return I.Downloaded(str(done.path), done.sha256, done.size)
 
-    async def _verify_archive(self, effect: I.VerifyArchive, runner: MachineRunner) -> I.Verified:
-        path = Path(effect.archive)
-        size = path.stat().st_size
-        digest = await trio.to_thread.run_sync(sha256_file, path)
-        if size != effect.size or digest != effect.sha256:
-            path.unlink(missing_ok=True)
-            raise StokerError(
-                ReasonCode.BUNDLE_DIGEST_MISMATCH,
-                "The downloaded archive does not match the manifest's sha256 and size.",
-                {
-                    "expected_sha256": effect.sha256,
-                    "actual_sha256": digest,
-                    "expected_size": effect.size,
-                    "actual_size": size,
-                },
-            )
-        return I.Verified({"sha256": digest, "size": size})
-
-    async def _clean_staging(self, effect: I.CleanStaging, runner: MachineRunner) -> None:
+    async def _clean_staging(self, effect: IE.CleanStaging, runner: MachineRunner) -> None:
         data: I.InstallData = runner.data
         await trio.to_thread.run_sync(
             lambda: shutil.rmtree(self.staging_root(data.backend, data.variant), ignore_errors=True)
         )
 
-    async def _unpack(self, effect: I.Unpack, runner: MachineRunner) -> I.Unpacked:
+    async def _unpack(self, effect: IE.Unpack, runner: MachineRunner) -> I.Unpacked:
         data: I.InstallData = runner.data
         staging = self.staging_root(data.backend, data.variant) / "bundle"
         await trio.to_thread.run_sync(unpack_bundle, Path(effect.archive), staging)
         return I.Unpacked(str(staging))
 
-    async def _validate_bundle(self, effect: I.ValidateBundle, runner: MachineRunner) -> I.Validated:
-        from daemon.bundles.verify import verify_dir
+    async def _verify_archive(self, effect: IE.VerifyArchive, runner: MachineRunner) -> I.Verified:
+        figures = await trio.to_thread.run_sync(check_archive_file, Path(effect.archive), effect.sha256, effect.size)
+        return I.Verified(figures)
 
+    async def _validate_bundle(self, effect: IE.ValidateBundle, runner: MachineRunner) -> I.Validated:
         data: I.InstallData = runner.data
         # A mirror's entry states the version; a cached or local build is checked against what
         # its own source resolved (the archive's sha256), and its backend and variant here.
         local = data.source not in (None, Source.MIRROR) and runner.machine_id not in self._entries
         version = None if local else (await self._entry(runner)).version
-        report = await trio.to_thread.run_sync(
-            lambda: verify_dir(
-                Path(effect.staging),
-                expect_backend=effect.backend,
-                expect_variant=effect.variant,
-                expect_version=version,
-                smoke=False,
-            )
-        )
-        return I.Validated(
-            {
-                "steps": list(report.steps),
-                "version_line": report.version_line,
-                "devices": [d.strip() for d in report.devices or ()],
-            }
-        )
+        staging = Path(effect.staging)
+        report = await trio.to_thread.run_sync(validate_staged, staging, effect.backend, effect.variant, version)
+        return I.Validated(report)
 
-    async def _smoke_test(self, effect: I.SmokeTest, runner: MachineRunner) -> I.SmokePassed:
-        from daemon.bundles.verify import check_smoke
-
+    async def _smoke_test(self, effect: IE.SmokeTest, runner: MachineRunner) -> I.SmokePassed:
         meta = BundleMeta.read(Path(effect.staging))
-        why_not = self._smoke_skip(runner, meta)
+        mid = runner.machine_id
+        why_not = smoke_skip(self.smoke, self._local_smoke.get(mid), meta, self._detections.get(mid))
         if why_not:
             return I.SmokePassed({"smoke": f"skipped: {why_not}"})
-        tokens = await trio.to_thread.run_sync(check_smoke, Path(effect.staging) / meta.server, meta)
-        return I.SmokePassed({"smoke": "passed", "tokens": len(tokens)})
+        return I.SmokePassed(await trio.to_thread.run_sync(smoke_staged, Path(effect.staging), meta))
 
-    def _smoke_skip(self, runner: MachineRunner, meta: BundleMeta) -> str | None:
-        if not self.smoke:
-            return "smoke tests are off for this service"
-        if self._local_smoke.get(runner.machine_id) is False:
-            return "not asked for this local bundle (stoker bundle install --smoke asks)"
-        if meta.smoke is None or meta.smoke.tokens is None:
-            return "the bundle records no smoke reference"
-        if meta.backend != "cpu":
-            detection = self._detections.get(runner.machine_id)
-            if detection is None or not detection.usable:
-                return f"no usable {meta.backend} device was detected to run it on"
-        return None
-
-    async def _promote_staged(self, effect: I.Promote, runner: MachineRunner) -> None:
+    async def _promote_staged(self, effect: IE.Promote, runner: MachineRunner) -> I.Promoted:
         await trio.to_thread.run_sync(self._promote, runner, effect)
+        now, previous = await trio.to_thread.run_sync(slot_pair, self.paths, f"{effect.backend}-{effect.variant}")
+        if now is None:
+            raise StokerError(ReasonCode.BUNDLE_MISSING, "The slot holds no bundle after the promote.")
+        return I.Promoted(now, previous)
 
-    def _promote(self, runner: MachineRunner, effect: I.Promote) -> None:
+    def _promote(self, runner: MachineRunner, effect: IE.Promote) -> None:
         # The one promote (bundles.installed), as `install_bundle` uses it: idempotent on resume.
         staging = Path(effect.staging)
         promote(staging, self.paths.bundles_dir, slot=f"{effect.backend}-{effect.variant}")

@@ -47,6 +47,7 @@ from daemon.core.digests import sha256_file
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
 from states import install as I
+from states import install_effects as IE
 from states.install_sources import Source
 from states.reasons import ReasonCode
 
@@ -405,7 +406,7 @@ async def variant_to_make(paths: StokerPaths, backend: str, plugin: Backend | No
 
 async def cache_attempt(
     paths: StokerPaths,
-    effect: I.FindCachedBuild,
+    effect: IE.FindCachedBuild,
     plugin: Backend | None,
     detection: Detection | None,
     reason: ReasonCode,
@@ -419,14 +420,14 @@ async def cache_attempt(
     return I.Resolved(entry.url, entry.sha256, entry.size, found.evidence, origin=str(found.hit.zip_path.parent)), entry
 
 
-async def toolchain_attempt(effect: I.CheckToolchain, reason: ReasonCode) -> I.ToolchainReady | I.SourceUnavailable:
+async def toolchain_attempt(effect: IE.CheckToolchain, reason: ReasonCode) -> I.ToolchainReady | I.SourceUnavailable:
     report = await trio.to_thread.run_sync(check_toolchain, effect.backend, effect.variant)
     if report.ready:
         return I.ToolchainReady(report.evidence)
     return I.SourceUnavailable(reason, report.evidence, cause=ReasonCode(report.evidence["cause"]))
 
 
-async def build_attempt(effect: I.BuildBundle, progress: BuildProgress) -> tuple[I.Resolved, ManifestEntry]:
+async def build_attempt(effect: IE.BuildBundle, progress: BuildProgress) -> tuple[I.Resolved, ManifestEntry]:
     """Build from the pinned source; progress figures {phase, source, line, step, percent}."""
 
     def figures(fig: dict[str, Any]) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Protocol
 from urllib.parse import unquote, urlparse
@@ -53,6 +54,7 @@ from daemon.install.update_steps import (
 )
 from states import engine_update as U
 from states import engine_update_records as UR
+from states.install_slot import SlotBundle, SlotWriter
 from states.machine import IllegalTransition, Step
 from states.reasons import ReasonCode, message_for
 
@@ -85,6 +87,7 @@ class EngineUpdateService:
     servers: EngineServers | None = None  # the fleet's, set once it exists
     _runners: dict[str, MachineRunner] = attrs.field(factory=dict, init=False)
     _locks: dict[str, trio.Lock] = attrs.field(factory=dict, init=False)
+    _checks: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)  # slot -> the last automatic check
     _effects: EffectDriver[Awaitable[object | None]] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -138,7 +141,8 @@ class EngineUpdateService:
             async with self._locks[runner.machine_id]:
                 if runner.state in U.WORKING:
                     log.info("resuming %s from %s", runner.machine_id, runner.state)
-                    await self._drive(runner, runner.fire(UR.Resumed()).effects)
+                    with self.installs.slots.claim(runner.data.slot, runner.machine_id):
+                        await self._drive(runner, runner.fire(UR.Resumed()).effects)
             resumed.append(runner.machine_id)
         return resumed
 
@@ -150,10 +154,50 @@ class EngineUpdateService:
             return
         slots = await trio.to_thread.run_sync(installed_slots, self.paths)
         for backend, variant in sorted(slots):
-            try:
-                await self.update(backend, variant, automatic=True)
-            except StokerError as err:
-                log.warning("engine auto-update of %s-%s: %s %s", backend, variant, err.reason, err.message)
+            await self.check(backend, variant)
+
+    async def check(self, backend: str, variant: str) -> dict[str, Any]:
+        """One slot's automatic check. It starts an update only when the table says the channel
+        offers one (states/engine_update.py `automatic_check`); a check that starts nothing (nothing
+        newer, a candidate rejected here before, a manifest that cannot be read, the slot busy)
+        writes no history: `status` shows it as the slot's `last_check`, and the log says a
+        result once, when it changes."""
+        slot, at = f"{backend}-{variant}", time.time()
+        runner = self.runner(backend, variant)
+        try:
+            installed, candidate = await self._offer(backend, variant, None, None)
+            why_not = U.automatic_check(runner.data, installed, candidate)
+            if why_not is not None:
+                return self._checked(slot, at, "current", why_not, None, installed, candidate)
+            done = await self.update(backend, variant, automatic=True)
+            return self._checked(slot, at, str(done["state"]), None, None, installed, candidate)
+        except StokerError as err:
+            return self._checked(slot, at, "failed", err.message, str(err.reason))
+
+    def _checked(
+        self,
+        slot: str,
+        at: float,
+        result: str,
+        message: str | None,
+        reason: str | None,
+        installed: UR.BundleFacts | None = None,
+        candidate: UR.Candidate | None = None,
+    ) -> dict[str, Any]:
+        last = {
+            "at": at,
+            "result": result,
+            "reason": reason,
+            "message": message,
+            "installed": None if installed is None else installed.version,
+            "offered": None if candidate is None else candidate.version,
+        }
+        before = self._checks.get(slot) or {}
+        if (before.get("result"), before.get("reason"), before.get("offered")) != (result, reason, last["offered"]):
+            level = logging.WARNING if result == "failed" else logging.INFO
+            log.log(level, "engine auto-update of %s: %s %s", slot, reason or result, message or "")
+        self._checks[slot] = last
+        return last
 
     async def update(
         self,
@@ -168,10 +212,13 @@ class EngineUpdateService:
         rolled back or could not roll back."""
         runner = self.runner(backend, variant)
         async with self._locks[runner.machine_id]:
-            if runner.state in U.WORKING:  # left mid-way by a killed daemon, not resumed yet
-                await self._drive(runner, runner.fire(UR.Resumed()).effects)
-            request = UR.UpdateRequested(backend, variant, channel, None if bundle is None else str(bundle), automatic)
-            await self._drive(runner, runner.fire(request).effects)
+            with self.installs.slots.claim(f"{backend}-{variant}", runner.machine_id):
+                if runner.state in U.WORKING:  # left mid-way by a killed daemon, not resumed yet
+                    await self._drive(runner, runner.fire(UR.Resumed()).effects)
+                request = UR.UpdateRequested(
+                    backend, variant, channel, None if bundle is None else str(bundle), automatic
+                )
+                await self._drive(runner, runner.fire(request).effects)
             return self._outcome(runner)
 
     async def rollback(self, backend: str, variant: str) -> dict[str, Any]:
@@ -179,16 +226,21 @@ class EngineUpdateService:
         runner = self.runner(backend, variant)
         slot = f"{backend}-{variant}"
         async with self._locks[runner.machine_id]:
-            if runner.state in U.WORKING:
-                await self._drive(runner, runner.fire(UR.Resumed()).effects)
-            current = await trio.to_thread.run_sync(bundle_facts, self.paths.bundles_dir / slot)
-            previous = await trio.to_thread.run_sync(bundle_facts, self.paths.bundles_dir / (slot + PREVIOUS))
-            names = tuple(s.name for s in self.servers.on_slot(backend, variant)) if self.servers else ()
-            step = runner.fire(UR.RollbackRequested(backend, variant, current, previous, names))
-            if step.reason is not None:  # refused where it stands (nothing kept)
-                raise StokerError(step.reason, step.evidence.get("message") or message_for(step.reason), step.evidence)
-            await self._drive(runner, step.effects)
+            with self.installs.slots.claim(slot, runner.machine_id):
+                await self._roll_back_claimed(runner, backend, variant)
             return self._outcome(runner)
+
+    async def _roll_back_claimed(self, runner: MachineRunner, backend: str, variant: str) -> None:
+        slot = f"{backend}-{variant}"
+        if runner.state in U.WORKING:
+            await self._drive(runner, runner.fire(UR.Resumed()).effects)
+        current = await trio.to_thread.run_sync(bundle_facts, self.paths.bundles_dir / slot)
+        previous = await trio.to_thread.run_sync(bundle_facts, self.paths.bundles_dir / (slot + PREVIOUS))
+        names = tuple(s.name for s in self.servers.on_slot(backend, variant)) if self.servers else ()
+        step = runner.fire(UR.RollbackRequested(backend, variant, current, previous, names))
+        if step.reason is not None:  # refused where it stands (nothing kept)
+            raise StokerError(step.reason, step.evidence.get("message") or message_for(step.reason), step.evidence)
+        await self._drive(runner, step.effects)
 
     def _outcome(self, runner: MachineRunner) -> dict[str, Any]:
         data: UR.UpdateData = runner.data
@@ -237,6 +289,7 @@ class EngineUpdateService:
             "previous": None if previous is None else previous.version,
             "update_state": None if record is None else record.state,
             "update_reason": None if record is None else record.reason,
+            "last_check": self._checks.get(slot),
         }
 
     # --- the machine's effects ---------------------------------------------------------------
@@ -260,33 +313,40 @@ class EngineUpdateService:
             queue.extend(step.effects)
 
     async def _resolve(self, effect: UR.Resolve, runner: MachineRunner) -> UR.Resolved | UR.GateFailed:
-        slot = f"{effect.backend}-{effect.variant}"
-        installed = await trio.to_thread.run_sync(installed_facts, self.paths, effect.backend, effect.variant)
         try:
-            if effect.bundle is not None:
-                path = Path(effect.bundle)
-                meta = await trio.to_thread.run_sync(bundle_meta_of, path)
-                if meta.slot != slot:
-                    raise StokerError(
-                        ReasonCode.BUNDLE_METADATA_MISMATCH,
-                        f"The bundle is for {meta.slot}, not {slot}.",
-                        {"bundle": meta.slot, "slot": slot},
-                    )
-                digest = await trio.to_thread.run_sync(bundle_digest, path)
-                return UR.Resolved(installed, UR.Candidate(meta.version, digest or "", path.absolute().as_uri()))
-            source = self.settings().manifest_for(effect.channel, self.installs.manifest_source())
-            if source is None:
-                raise StokerError(
-                    ReasonCode.BUNDLE_MISSING,
-                    f"The channel {effect.channel!r} is not configured; add it to [engine.channels].",
-                    {"channel": effect.channel, "channels": sorted(self.settings().channels)},
-                )
-            manifest = await load_manifest(source, self.installs.trust)
-            entry = choose_entry(manifest, effect.backend, variant=effect.variant)
-            candidate = UR.Candidate(entry.version, entry.sha256, entry.url, entry.sha256, entry.size, entry.origin)
-            return UR.Resolved(installed, candidate)
+            installed, candidate = await self._offer(effect.backend, effect.variant, effect.channel, effect.bundle)
         except StokerError as err:
             return UR.GateFailed(UR.Gate.FETCH, {"channel": effect.channel, "bundle": effect.bundle, **cause_of(err)})
+        return UR.Resolved(installed, candidate)
+
+    async def _offer(
+        self, backend: str, variant: str, channel: str | None, bundle: str | None
+    ) -> tuple[UR.BundleFacts | None, UR.Candidate]:
+        """What the slot holds and what is offered (the named zip, or the channel's manifest
+        entry for the slot); StokerError when nothing can be offered."""
+        slot = f"{backend}-{variant}"
+        installed = await trio.to_thread.run_sync(installed_facts, self.paths, backend, variant)
+        if bundle is not None:
+            path = Path(bundle)
+            meta = await trio.to_thread.run_sync(bundle_meta_of, path)
+            if meta.slot != slot:
+                raise StokerError(
+                    ReasonCode.BUNDLE_METADATA_MISMATCH,
+                    f"The bundle is for {meta.slot}, not {slot}.",
+                    {"bundle": meta.slot, "slot": slot},
+                )
+            digest = await trio.to_thread.run_sync(bundle_digest, path)
+            return installed, UR.Candidate(meta.version, digest or "", path.absolute().as_uri())
+        source = self.settings().manifest_for(channel, self.installs.manifest_source())
+        if source is None:
+            raise StokerError(
+                ReasonCode.BUNDLE_MISSING,
+                f"The channel {channel!r} is not configured; add it to [engine.channels].",
+                {"channel": channel, "channels": sorted(self.settings().channels)},
+            )
+        manifest = await load_manifest(source, self.installs.trust)
+        entry = choose_entry(manifest, backend, variant=variant)
+        return installed, UR.Candidate(entry.version, entry.sha256, entry.url, entry.sha256, entry.size, entry.origin)
 
     async def _clean_staging(self, effect: UR.CleanStaging, runner: MachineRunner) -> None:
         root = self.staging_root(runner.data.slot)
@@ -340,6 +400,7 @@ class EngineUpdateService:
             return UR.GateFailed(UR.Gate.SWITCH, {"message": "the slot does not hold the staged bundle", "digest": now})
         if data.candidate is not None and data.candidate.sha256 is not None:
             self._archive(effect.slot, data.candidate).unlink(missing_ok=True)  # switched: the zip has done its job
+        self.installs.slot_changed(data.backend, data.variant, SlotWriter.ENGINE_UPDATE, self._known(data, now))
         servers = self.servers.on_slot(data.backend, data.variant) if self.servers else ()
         previous = data.installed.version if data.installed else None
         return UR.Switched(servers, {"slot": effect.slot, "previous_kept": previous})
@@ -366,7 +427,20 @@ class EngineUpdateService:
         )
 
     async def _roll_back(self, effect: UR.RollBack, runner: MachineRunner) -> UR.RolledBack | UR.RollbackFailed:
-        return await trio.to_thread.run_sync(put_back, self.paths.bundles_dir, effect)
+        done = await trio.to_thread.run_sync(put_back, self.paths.bundles_dir, effect)
+        if isinstance(done, UR.RolledBack):  # the install machine's record follows the slot first
+            data: UR.UpdateData = runner.data
+            self.installs.slot_changed(data.backend, data.variant, SlotWriter.ENGINE_ROLLBACK)
+        return done
+
+    @staticmethod
+    def _known(data: UR.UpdateData, digest: str | None) -> SlotBundle | None:
+        """What the update knows of the bundle it switched in: its zip, where it came from."""
+        candidate, staged = data.candidate, data.staged
+        if candidate is None or staged is None or digest is None:
+            return None
+        source, origin = ("file", data.bundle) if data.bundle else ("mirror", candidate.url)
+        return SlotBundle(digest, staged.version, candidate.sha256, source, origin)
 
     async def _relaunch(self, effect: UR.Relaunch, runner: MachineRunner) -> None:
         if self.servers is not None:

@@ -126,7 +126,16 @@ async def test_clean_install_publishes_progress_and_keeps_the_previous(setup):
     assert progress and progress[-1]["bytes_done"] == len(setup.data) == progress[-1]["total"]
     assert set(progress[-1]) >= {"backend", "variant", "bytes_done", "total", "rate", "eta"}
     path = [r.to_state for r in reversed(setup.store.history(machine="install:cpu-avx2"))]
-    assert path == ["resolving", "downloading", "verifying", "unpacking", "validating", "smoke_testing", "installed"]
+    assert path == [
+        "resolving",
+        "downloading",
+        "verifying",
+        "unpacking",
+        "validating",
+        "smoke_testing",
+        "promoting",
+        "installed",
+    ]
 
 
 async def test_connection_cut_at_a_random_byte_resumes(setup):
@@ -390,3 +399,140 @@ def test_the_cli_installs_a_local_bundle_through_the_running_daemon(stoker_home,
         assert relative.returncode == 0, relative.stdout + relative.stderr  # the CLI sends an absolute path
     finally:
         d.stop()
+
+
+# --- the slot's record and its one writer (issue 15: installs and updates, one story) ------------
+
+
+async def test_installed_is_reported_only_once_the_slot_holds_the_bundle(setup):
+    """Status and subscribers hear `installed` when the new bundle is in its slot, not before
+    (the transition used to be written first, then the promote run)."""
+    setup.publish(setup.server.add("/cpu.zip", setup.data))
+    seen: list[bytes] = []
+
+    def watch(event: dict) -> None:
+        if event.get("topic") == "machine.install.installed":
+            seen.append(setup.slot_json())
+
+    service = InstallService(setup.paths, setup.store, watch, manifest_source=lambda: str(setup.manifest), smoke=False)
+    with trio.fail_after(60):
+        await service.install("cpu", variant="avx2")
+    assert seen and all(json_bytes != setup.previous_json for json_bytes in seen)
+    setup.assert_new_installed()
+
+
+async def test_a_kill_between_the_promote_and_its_record_resumes_to_the_right_slot(setup):
+    setup.publish(setup.server.add("/cpu.zip", setup.data))
+
+    class KilledAfterRename(InstallService):
+        async def _promote_staged(self, effect, runner):
+            await trio.to_thread.run_sync(self._promote, runner, effect)
+            await trio.sleep_forever()  # the daemon dies before the transition is written
+
+    killed = KilledAfterRename(
+        setup.paths, setup.store, setup.events.append, manifest_source=lambda: str(setup.manifest), smoke=False
+    )
+    with trio.move_on_after(10):
+        await killed.install("cpu", variant="avx2")
+    assert setup.store.machine("install:cpu-avx2").state == "promoting"  # never `installed` before the fact
+    with trio.fail_after(60):
+        await setup.service().resume_all()
+    setup.assert_new_installed()  # the old bundle is the `.previous`, not the new one promoted twice
+    data = setup.store.machine("install:cpu-avx2").data
+    assert data["holds"]["digest"] == hashlib.sha256(setup.slot_json()).hexdigest()
+    assert data["previous"]["digest"] == hashlib.sha256(setup.previous_json).hexdigest()
+
+
+def _rolled_back_on(store, slot_variant: str, rejected_zip: Path, old_json: bytes) -> None:
+    """The slot's engine update machine as a real rollback leaves it: `rejected_zip` (from a
+    manifest) switched in, its server died, the old engine put back."""
+    from daemon.core.machines import MachineRunner
+    from states import engine_update as U
+    from states import engine_update_records as R
+
+    with zipfile.ZipFile(rejected_zip) as zf:
+        new_digest = _sha(zf.read("bundle.json"))
+    sha = _sha(rejected_zip.read_bytes())
+    old, new = R.BundleFacts("b11434", _sha(old_json)), R.BundleFacts("b11434", new_digest)
+    runner = MachineRunner(U.ENGINE_UPDATE, U.machine_id("cpu", slot_variant), store)
+    for event in (
+        R.UpdateRequested("cpu", slot_variant),
+        R.Resolved(old, R.Candidate("b11500", sha, "http://mirror/cpu.zip", sha, rejected_zip.stat().st_size)),
+        R.Staged(new, "/staging", (1, 2, 3)),
+        R.TokensCompared((1, 2, 3)),
+        R.Switched((R.ServerBaseline("default"),)),
+        R.ServersRestarted((R.ServerVerdict("default", "exited", "cpu", reason="server_crashed"),)),
+        R.RolledBack({"restored": "b11434"}),
+    ):
+        runner.fire(event)
+    assert runner.state is R.UpdateState.ROLLED_BACK
+
+
+async def test_a_bundle_an_update_rolled_back_never_comes_back_through_install(setup):
+    """After an automatic rollback, `stoker install cpu` with a manifest still listing the rolled
+    back bundle keeps the slot (nothing fetched); with an empty slot the mirror has nothing
+    acceptable; only the bundle named by hand installs it again."""
+    _rolled_back_on(setup.store, "avx2", setup.new_zip, setup.previous_json)
+    setup.publish(setup.server.add("/cpu.zip", setup.data))
+    with trio.fail_after(60):
+        bundle = await setup.service().install("cpu", variant="avx2")
+    assert (bundle.root / "bundle.json").read_bytes() == setup.previous_json
+    assert setup.server.requests("/cpu.zip") == []  # never fetched
+    setup.assert_previous_intact()
+    last = setup.store.history(machine="install:cpu-avx2", limit=1)[0]
+    assert last.to_state == "installed" and last.evidence["outcome"] == "kept"
+    assert last.evidence["rejected"] == {"version": "b11500", "reason": "engine_update_rolled_back", "gate": "start"}
+
+    shutil.rmtree(setup.paths.bundles_dir / "cpu-avx2")  # an empty slot: the fallback needs an engine
+    mirror_only = setup.service(sources=(Source.MIRROR,))
+    err = await _install_fails(mirror_only)
+    assert [(t["source"], t["outcome"], t["reason"]) for t in err.evidence["tried"]] == [
+        ("mirror", "rejected", "engine_update_rolled_back")
+    ]
+    assert find_installed(setup.paths, "cpu", "avx2") is None and setup.server.requests("/cpu.zip") == []
+
+    with trio.fail_after(60):
+        named = await setup.service().install_file(setup.new_zip)  # the user names it: installed
+    assert (named.root / "bundle.json").read_bytes() == zipfile.ZipFile(setup.new_zip).read("bundle.json")
+
+
+async def test_an_install_and_an_update_of_one_slot_never_write_it_at_once(setup):
+    from daemon.install.update import EngineUpdateService
+
+    setup.publish(setup.server.add("/cpu.zip", setup.data))
+    entered = trio.Event()
+
+    class Slow(InstallService):
+        async def _validate_bundle(self, effect, runner):
+            entered.set()
+            await trio.sleep(1.0)
+            return await super()._validate_bundle(effect, runner)
+
+    installs = Slow(
+        setup.paths, setup.store, setup.events.append, manifest_source=lambda: str(setup.manifest), smoke=False
+    )
+    updates = EngineUpdateService(setup.paths, setup.store, installs)
+    refused: list[StokerError] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: installs.install("cpu", variant="avx2"))
+            await entered.wait()
+            for attempt in (
+                lambda: updates.update("cpu", "avx2", bundle=setup.new_zip),
+                lambda: updates.rollback("cpu", "avx2"),
+            ):
+                with pytest.raises(StokerError) as busy:
+                    await attempt()
+                refused.append(busy.value)
+    assert [e.reason for e in refused] == ["engine_slot_busy", "engine_slot_busy"]
+    assert refused[0].evidence["writer"] == "install:cpu-avx2" and "stoker status" in refused[0].message
+    assert setup.store.machine("engine_update:cpu-avx2") is None  # refused before its machine moved
+    setup.assert_new_installed()
+    # An update a killed daemon left mid-way holds the slot until it is resumed.
+    from daemon.core.machines import MachineRunner
+    from states import engine_update as U
+    from states import engine_update_records as R
+
+    MachineRunner(U.ENGINE_UPDATE, U.machine_id("cpu", "avx2"), setup.store).fire(R.UpdateRequested("cpu", "avx2"))
+    err = await _install_fails(setup.service())
+    assert err.reason == "engine_slot_busy" and err.evidence["writer"] == "engine_update:cpu-avx2"

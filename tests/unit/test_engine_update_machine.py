@@ -71,7 +71,8 @@ def test_tokens_that_differ_are_refused_and_not_offered_again_automatically():
     rejected = step(U.ENGINE_UPDATE, comparing.state, comparing.data, R.TokensCompared((1, 2, 9, 9)))
     assert rejected.state is S.REJECTED
     assert rejected.evidence["gate"] == "tokens" and rejected.evidence["first_difference"] == 2
-    assert CANDIDATE.ref in rejected.data.rejected
+    assert U.rejection_of(rejected.data, CANDIDATE.sha256).gate == "tokens"
+    assert U.rejection_of(rejected.data, NEW.digest).version == "b11434.1"  # known by its digest too
     again = run(
         rejected.state, rejected.data, R.UpdateRequested("cpu", "avx2", automatic=True), R.Resolved(OLD, CANDIDATE)
     )
@@ -102,7 +103,10 @@ def test_a_server_that_dies_on_the_new_engine_rolls_back_and_discards_it():
     done = step(U.ENGINE_UPDATE, back.state, back.data, R.RolledBack({"restored": "b11434"}))
     assert done.state is S.ROLLED_BACK and done.reason is ReasonCode.ENGINE_UPDATE_ROLLED_BACK
     assert done.effects == (R.Relaunch(("default",)),)
-    assert done.evidence["gate"] == "start" and CANDIDATE.ref in done.data.rejected
+    assert done.evidence["gate"] == "start"
+    rejection = U.rejection_of(done.data, CANDIDATE.ref)
+    assert rejection is not None and rejection.reason == "engine_update_rolled_back"
+    assert rejection.refs == (CANDIDATE.ref, NEW.digest)
 
 
 def test_no_layers_where_the_old_engine_offloaded_some_rolls_back():
@@ -183,3 +187,29 @@ def test_engine_config_names_each_channels_manifest_and_refuses_bad_ones():
         Config.from_mapping({"engine": {"channels": {"beta": "http://mirror.example/x.json"}, "channel": "Beta!"}})
     problems = " ".join(bad.value.evidence["problems"])
     assert "engine.channels" in problems and "engine.channel" in problems
+
+
+def test_a_rollback_by_hand_rejects_the_engine_it_leaves_and_lifts_the_one_it_returns_to():
+    restarting = to_switching()
+    updated = run(restarting.state, restarting.data, R.ServersRestarted((R.ServerVerdict("default", "ready", "cpu"),)))
+    back = run(updated.state, updated.data, R.RollbackRequested("cpu", "avx2", NEW, OLD, ()), R.RolledBack())
+    assert back.state is S.ROLLED_BACK and back.reason is None
+    left = U.rejection_of(back.data, CANDIDATE.sha256)
+    assert left is not None and left.version == NEW.version and NEW.digest in left.refs
+    # The automatic check does not bring it back; the install does not either (states/install_slot.py).
+    assert "rejected here before" in U.automatic_check(back.data, OLD, CANDIDATE)
+    forth = run(back.state, back.data, R.RollbackRequested("cpu", "avx2", OLD, NEW, ()), R.RolledBack())
+    assert U.rejection_of(forth.data, CANDIDATE.sha256, NEW.digest) is None  # the user chose it again
+    assert U.rejection_of(forth.data, OLD.digest) is not None
+
+
+def test_the_automatic_check_starts_an_update_only_for_something_newer():
+    data = R.UpdateData(backend="cpu", variant="avx2")
+    assert U.automatic_check(data, OLD, CANDIDATE) is None
+    assert "nothing newer" in U.automatic_check(data, OLD, R.Candidate("b11434", "f" * 64, "https://m/o.zip"))
+    assert U.automatic_check(data, None, CANDIDATE) is not None
+
+
+def test_an_update_never_starts_a_stopped_server():
+    assert U.restart_wanted("ready") and U.restart_wanted("crashed") and U.restart_wanted("planning")
+    assert not U.restart_wanted("stopped")

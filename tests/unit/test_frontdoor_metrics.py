@@ -22,10 +22,12 @@ from daemon.frontdoor.app import relay
 from daemon.frontdoor.hold import Hold
 from daemon.frontdoor.http11 import Request, open_listeners, serve_http
 from daemon.frontdoor.metrics import HISTORY_BATCH, Exchange, FrontDoorMetrics, engine_figures
+from daemon.fleet.remote import Remotes
 from daemon.frontdoor.tallies import KINDS, HistoryTally
 from daemon.telemetry.sampler import ServerTarget
 from states import fallback as F
 from states import install as I
+from states.install_slot import SlotBundle
 from states import launch as L
 from states import launch_records as LR
 from states.reasons import ReasonCode
@@ -139,6 +141,7 @@ def record_history(store) -> None:
         I.Unpacked("/staging"),
         I.Validated(),
         I.SmokePassed(),
+        I.Promoted(SlotBundle("cd" * 32, "b1")),
     ):
         done.fire(event)
 
@@ -209,6 +212,7 @@ class Member:
 @attrs.define
 class Fleet:
     members: list[Member]
+    remotes: Remotes = attrs.field(factory=Remotes)  # none: the remote models' series are test_remote_endpoint's
 
     def serving(self) -> list[Member]:
         return self.members

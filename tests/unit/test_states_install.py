@@ -2,36 +2,42 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from states.install import (
     INSTALL,
-    CleanStaging,
-    Download,
     Downloaded,
     InstallData,
     InstallFailed,
     InstallRequested,
     InstallState as S,
-    Promote,
-    Resolve,
-    BuildBundle,
-    CheckToolchain,
-    FindCachedBuild,
+    Promoted,
     Resolved,
     Resumed,
+    SlotChanged,
+    SmokePassed,
     SourceUnavailable,
     ToolchainReady,
-    SmokePassed,
-    SmokeTest,
-    Unpack,
     Unpacked,
     Validated,
-    ValidateBundle,
     Verified,
-    VerifyArchive,
     machine_id,
 )
+from states.install_effects import (
+    BuildBundle,
+    CheckToolchain,
+    CleanStaging,
+    Download,
+    FindCachedBuild,
+    Promote,
+    Resolve,
+    SmokeTest,
+    Unpack,
+    ValidateBundle,
+    VerifyArchive,
+)
+from states.install_slot import Offer, Rejection, SlotBundle, SlotWriter, offer_verdict, writer_conflict
 from states.install_sources import Source
 from states.machine import IllegalTransition, step
 from states.reasons import ReasonCode
@@ -44,8 +50,18 @@ HAPPY = [
     Unpacked("/staging/b"),
     Validated({"version": "b11434"}),
     SmokePassed({"tokens": 8}),
+    Promoted(SlotBundle("cd" * 32, "b11434"), SlotBundle("ef" * 32, "b11000")),
 ]
-STATES_ALONG = [S.RESOLVING, S.DOWNLOADING, S.VERIFYING, S.UNPACKING, S.VALIDATING, S.SMOKE_TESTING, S.INSTALLED]
+STATES_ALONG = [
+    S.RESOLVING,
+    S.DOWNLOADING,
+    S.VERIFYING,
+    S.UNPACKING,
+    S.VALIDATING,
+    S.SMOKE_TESTING,
+    S.PROMOTING,
+    S.INSTALLED,
+]
 
 
 def drive(*events, state=S.REQUESTED, data=None):
@@ -71,11 +87,12 @@ def test_happy_path_asks_for_each_step():
         (ValidateBundle("/staging/b", "cuda", "sm90"),),
         (SmokeTest("/staging/b"),),
         (Promote("/staging/b", "cuda", "sm90"),),
+        (),
     ]
     assert machine_id("cuda", "sm90") == "install:cuda-sm90"
 
 
-@pytest.mark.parametrize("n", range(1, 7))
+@pytest.mark.parametrize("n", range(1, 8))
 def test_failure_at_any_step_records_reason_and_cleans(n):
     s = drive(*HAPPY[:n], InstallFailed(ReasonCode.BUNDLE_DIGEST_MISMATCH, {"got": "00"}))
     assert s.state is S.FAILED and s.reason is ReasonCode.BUNDLE_DIGEST_MISMATCH
@@ -105,7 +122,7 @@ def test_resume_after_unpack_starts_from_clean_staging(n):
 def test_resume_in_resolving_verifying_and_installed():
     assert drive(*HAPPY[:1], Resumed()).effects == (Resolve("cuda", "sm90"),)
     assert drive(*HAPPY[:3], Resumed()).effects == (VerifyArchive("/dl/b.zip.part", "ab" * 32, 1000),)
-    assert drive(*HAPPY, Resumed()).effects == (Promote("/staging/b", "cuda", "sm90"),)
+    assert drive(*HAPPY[:7], Resumed()).effects == (Promote("/staging/b", "cuda", "sm90"),)
 
 
 def test_out_of_order_events_are_illegal():
@@ -165,7 +182,8 @@ def test_a_source_with_nothing_hands_the_install_to_the_next_one_in_order():
         Verified(),
         Unpacked("/staging/b"),
         Validated(),
-        SmokePassed({"smoke": "passed"}, seconds=42.0),
+        SmokePassed({"smoke": "passed"}),
+        Promoted(SlotBundle("cd" * 32, "b1"), seconds=42.0),
     )
     assert s.state is S.INSTALLED and s.data.source is Source.LOCAL_BUILD and s.data.origin == "k"
     assert [(t["source"], t["outcome"], t["reason"]) for t in s.data.tried] == [
@@ -244,3 +262,81 @@ def test_a_refused_mirror_ends_the_install_where_one_with_nothing_hands_it_on(ca
     assert [(t["source"], t["outcome"]) for t in refused.evidence["tried"]] == [("mirror", "refused")]
     unreachable = SourceUnavailable(R, {"cause": "bundle_missing"}, 0.1, ReasonCode.BUNDLE_MISSING)
     assert drive(InstallRequested("cpu", "avx2"), unreachable).state is S.SEARCHING_CACHE
+
+
+# --- the slot's record: installed follows the promote; offers judged against the slot ----------
+
+OLD, NEW = SlotBundle("ef" * 32, "b11000"), SlotBundle("cd" * 32, "b11434")
+
+
+def test_installed_is_recorded_only_once_the_promote_is_done_and_a_kill_between_resumes_it():
+    promoting = drive(*HAPPY[:7])
+    assert promoting.state is S.PROMOTING and promoting.effects == (Promote("/staging/b", "cuda", "sm90"),)
+    again = drive(Resumed(), state=promoting.state, data=promoting.data)  # killed before Promoted
+    assert again.state is S.PROMOTING and again.effects == promoting.effects
+    done = drive(Promoted(NEW, OLD), state=again.state, data=again.data)
+    assert done.state is S.INSTALLED and done.data.staging is None
+    assert done.data.holds == SlotBundle(NEW.digest, "b11434", "ab" * 32, "mirror", None, SlotWriter.INSTALL)
+    assert done.data.previous == OLD
+
+
+def installed_with(holds, previous=None):
+    return drive(*HAPPY).data.__class__(backend="cpu", variant="avx2", holds=holds, previous=previous)
+
+
+def test_an_offer_the_slot_already_holds_fetches_nothing():
+    data = installed_with(attrs.evolve(NEW, sha256="ab" * 32, source="mirror"))
+    asked = drive(InstallRequested("cpu", "avx2"), state=S.INSTALLED, data=data)
+    same_zip = drive(Resolved("http://m/b.zip", "ab" * 32, 10, now=NEW), state=asked.state, data=asked.data)
+    assert same_zip.state is S.INSTALLED and same_zip.effects == () and same_zip.evidence["outcome"] == "current"
+    assert same_zip.data.holds.sha256 == "ab" * 32 and same_zip.data.tried[-1]["outcome"] == "current"
+    # The record names that zip but the slot holds another bundle now: the record is not believed.
+    moved = drive(Resolved("http://m/b.zip", "ab" * 32, 10, now=OLD), state=asked.state, data=asked.data)
+    assert moved.state is S.DOWNLOADING
+
+
+def test_a_rejected_bundle_never_comes_back_unless_named():
+    rolled = Rejection("b11500", "engine_update_rolled_back", "start", ("99" * 32,))
+    data = installed_with(OLD)
+    asked = drive(InstallRequested("cpu", "avx2"), state=S.INSTALLED, data=data)
+    offer = Resolved("http://m/b.zip", "99" * 32, 10, {"version": "b11500"}, now=OLD, rejection=rolled, reason=R)
+    kept = drive(offer, state=asked.state, data=asked.data)
+    assert kept.state is S.INSTALLED and kept.effects == () and kept.data.holds.digest == OLD.digest
+    assert kept.evidence["outcome"] == "kept" and kept.evidence["rejected"]["gate"] == "start"
+    assert "b11500 was rolled back" in kept.evidence["message"] and "keeps b11000" in kept.evidence["message"]
+    # An empty slot (the fallback needs an engine): the mirror has nothing acceptable, the next source is asked.
+    empty = drive(InstallRequested("cpu", "avx2"), attrs.evolve(offer, now=None))
+    assert empty.state is S.SEARCHING_CACHE and empty.data.tried[-1]["outcome"] == "rejected"
+    assert empty.data.tried[-1]["reason"] == "engine_update_rolled_back"
+    # Named by the user: installed.
+    named = drive(InstallRequested("cpu", "avx2", (Source.FILE,)), attrs.evolve(offer, url="file:///b.zip"))
+    assert named.state is S.DOWNLOADING
+
+
+def test_an_update_or_a_rollback_moves_the_record_with_the_slot():
+    data = installed_with(attrs.evolve(OLD, sha256="aa" * 32, source="mirror"))
+    update = SlotBundle(NEW.digest, NEW.version, "bb" * 32, "mirror", "http://m/n.zip", SlotWriter.ENGINE_UPDATE)
+    switched = drive(SlotChanged(update, OLD), state=S.INSTALLED, data=data)
+    assert switched.state is S.INSTALLED and switched.data.holds == update
+    assert switched.data.previous.sha256 == "aa" * 32  # what the record knew of the old bundle stays with it
+    back = drive(
+        SlotChanged(attrs.evolve(OLD, by=SlotWriter.ENGINE_ROLLBACK), None), state=S.INSTALLED, data=switched.data
+    )
+    assert back.data.holds.sha256 == "aa" * 32 and back.data.holds.by is SlotWriter.ENGINE_ROLLBACK
+    assert back.data.previous is None and back.evidence["by"] == "engine_rollback"
+    fresh = drive(SlotChanged(update, None))  # a slot no install machine had a row for
+    assert fresh.state is S.INSTALLED and fresh.data.holds == update
+    with pytest.raises(IllegalTransition):  # never under an install at work
+        drive(SlotChanged(update), state=S.DOWNLOADING, data=data)
+
+
+def test_offer_verdicts_and_one_writer_per_slot():
+    assert offer_verdict(None, None, "aa", None, None, False) is Offer.INSTALL
+    assert offer_verdict(NEW, None, "aa", NEW.digest, None, False) is Offer.CURRENT
+    assert offer_verdict(NEW, None, "aa", None, None, False) is Offer.INSTALL  # nothing says it is the same
+    assert writer_conflict("cpu-avx2", "install:cpu-avx2", None, None) is None
+    assert writer_conflict("cpu-avx2", "install:cpu-avx2", "install:cpu-avx2", None) is None
+    busy = writer_conflict("cpu-avx2", "install:cpu-avx2", "engine_update:cpu-avx2", None)
+    assert busy is not None and busy["writer"] == "engine_update:cpu-avx2"
+    left = writer_conflict("cpu-avx2", "engine_update:cpu-avx2", None, "install:cpu-avx2")
+    assert left is not None and left["writer"] == "install:cpu-avx2"

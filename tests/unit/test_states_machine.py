@@ -16,6 +16,7 @@ from states import engine_update_records as EU, worker as WK
 from states.diagrams import SPECS, document, mermaid
 from states.fallback import FallbackData, Skipped
 from states.install import InstallData
+from states.install_slot import Rejection, SlotBundle, SlotWriter
 from states.launch import LAUNCH
 from states.launch_records import LaunchData, LaunchPlan, PlanReady, ServerExited, UpRequested
 from states.machine import (
@@ -220,6 +221,8 @@ def test_generator_check_mode_passes():
 
 
 # --- every table under random event sequences -------------------------------------------
+SLOT_B0, SLOT_B1 = SlotBundle("0" * 64, "b0"), SlotBundle("1" * 64, "b1", "aa")
+
 SAMPLES = {
     "launch": [
         LR.UpRequested(),
@@ -261,6 +264,11 @@ SAMPLES = {
         I.Unpacked("/s"),
         I.Validated(),
         I.SmokePassed(),
+        I.Promoted(SLOT_B1, SLOT_B0),
+        I.SlotChanged(attrs.evolve(SLOT_B0, by=SlotWriter.ENGINE_ROLLBACK), SLOT_B1),
+        I.Resolved("file:///b1.zip", "aa", 3, now=SLOT_B1, digest=SLOT_B1.digest),
+        I.Resolved("http://x/b2.zip", "bb", 3, now=SLOT_B1, rejection=Rejection("b2", "engine_update_rolled_back")),
+        I.Resolved("http://x/b2.zip", "bb", 3, rejection=Rejection("b2", "engine_update_rejected", "tokens", ("bb",))),
         I.Resumed(),
         I.InstallFailed(ReasonCode.BUNDLE_VERIFY_FAILED),
     ],

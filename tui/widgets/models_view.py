@@ -21,6 +21,7 @@ from tui import quantities as q
 from tui.widgets.backend_card import STATE_STYLE
 from tui.widgets.history_view import row_key
 from tui.widgets.pull_progress import PullProgress
+from tui.widgets.remote_models import describe_remote, remote_row
 
 HISTORY_ROWS = 50
 
@@ -263,11 +264,13 @@ class ModelsView(Vertical):
     def show_status(self, status: dict[str, Any]) -> None:
         """Every configured model from a `status` reply (an older daemon's has none: its one model)."""
         models = list(status.get("models") or [])
-        self.models = models
+        remotes = [remote_row(r) for r in status.get("remotes") or []]  # served by an endpoint: no server here
+        self.models = models + remotes
         loaded = sum(1 for m in models if m.get("state") not in ("stopped", "failed"))
         note = (
             f"{len(models)} model(s), {loaded} loaded; at most {status.get('max_loaded', '?')} at once"
-            "   enter: a model's whole history"
+            + (f"; {len(remotes)} remote" if remotes else "")
+            + "   enter: a model's whole history"
         )
         if not models:
             note = "this daemon lists no models (it predates several models)"
@@ -333,7 +336,7 @@ class ModelsView(Vertical):
         if model is None:
             detail.update(Text("no model", style="dim"))
             return
-        detail.update(describe_model(model, self.sample))
+        detail.update(describe_remote(model["remote"]) if model.get("remote") else describe_model(model, self.sample))
 
     def _fill_history(self) -> None:
         table = self.query_one("#model-history", DataTable)

@@ -104,7 +104,7 @@ async def use(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, 
     "install",
     Param("backend", Kind.STRING, "The backend whose engine bundle to install.", required=True, choices=BACKENDS),
     Param("variant", Kind.STRING, "This variant of the bundle (default: the one that fits the probed machine)."),
-    errors=("<backend>_bundle_install_failed", ReasonCode.BUNDLE_VERIFY_FAILED),
+    errors=("<backend>_bundle_install_failed", ReasonCode.BUNDLE_VERIFY_FAILED, ReasonCode.ENGINE_SLOT_BUSY),
 )
 async def install(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
     """Probe the backend, resolve the fitting bundle from the manifest, download, verify and install it.
@@ -123,7 +123,12 @@ async def install(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[s
     "bundle.install",
     Param("path", Kind.STRING, "The bundle zip to install, an absolute path the daemon can read.", required=True),
     Param("smoke", Kind.BOOLEAN, "Run the smoke test (where this machine can run the bundle's engine).", default=False),
-    errors=("<backend>_bundle_install_failed", ReasonCode.BUNDLE_VERIFY_FAILED, ReasonCode.BUNDLE_MISSING),
+    errors=(
+        "<backend>_bundle_install_failed",
+        ReasonCode.BUNDLE_VERIFY_FAILED,
+        ReasonCode.BUNDLE_MISSING,
+        ReasonCode.ENGINE_SLOT_BUSY,
+    ),
 )
 async def bundle_install(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
     """Install a local bundle zip through the install machine, as a manifest bundle is installed.

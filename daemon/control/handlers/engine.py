@@ -60,6 +60,7 @@ async def _slot(daemon: ControlledDaemon, backend: str | None, variant: str | No
         ReasonCode.ENGINE_UPDATE_REJECTED,
         ReasonCode.ENGINE_UPDATE_ROLLED_BACK,
         ReasonCode.ENGINE_ROLLBACK_FAILED,
+        ReasonCode.ENGINE_SLOT_BUSY,
         ReasonCode.BUNDLE_MISSING,
         ReasonCode.BAD_REQUEST,
     ),
@@ -92,7 +93,12 @@ async def engine_update(daemon: ControlledDaemon, params: Mapping[str, Any]) -> 
     "engine.rollback",
     BACKEND,
     VARIANT,
-    errors=(ReasonCode.ENGINE_ROLLBACK_UNAVAILABLE, ReasonCode.ENGINE_ROLLBACK_FAILED, ReasonCode.BAD_REQUEST),
+    errors=(
+        ReasonCode.ENGINE_ROLLBACK_UNAVAILABLE,
+        ReasonCode.ENGINE_ROLLBACK_FAILED,
+        ReasonCode.ENGINE_SLOT_BUSY,
+        ReasonCode.BAD_REQUEST,
+    ),
 )
 async def engine_rollback(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
     """Put the engine kept as the slot's previous back and restart what runs on it; the replaced

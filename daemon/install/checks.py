@@ -1,0 +1,62 @@
+"""The install's checks of one bundle (blocking; the install service runs them in a thread and
+answers its machine with their facts): the archive against what its source resolved, the staged
+bundle against what it must be, and its smoke test, or why it is skipped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from daemon.backends.base import Detection
+from daemon.bundles.metadata import BundleMeta
+from daemon.core.digests import sha256_file
+from daemon.core.errors import StokerError
+from states.reasons import ReasonCode
+
+
+def check_archive_file(path: Path, sha256: str, size: int) -> dict[str, Any]:
+    """The downloaded (or copied) archive is the resolved one: its figures, else
+    bundle_digest_mismatch (the archive removed)."""
+    actual_size = path.stat().st_size
+    digest = sha256_file(path)
+    if actual_size != size or digest != sha256:
+        path.unlink(missing_ok=True)
+        raise StokerError(
+            ReasonCode.BUNDLE_DIGEST_MISMATCH,
+            "The downloaded archive does not match the manifest's sha256 and size.",
+            {"expected_sha256": sha256, "actual_sha256": digest, "expected_size": size, "actual_size": actual_size},
+        )
+    return {"sha256": digest, "size": actual_size}
+
+
+def validate_staged(staging: Path, backend: str, variant: str, version: str | None) -> dict[str, Any]:
+    """The staged bundle's files, metadata, `--version` and `--list-devices` (no smoke yet)."""
+    from daemon.bundles.verify import verify_dir
+
+    report = verify_dir(staging, expect_backend=backend, expect_variant=variant, expect_version=version, smoke=False)
+    return {
+        "steps": list(report.steps),
+        "version_line": report.version_line,
+        "devices": [d.strip() for d in report.devices or ()],
+    }
+
+
+def smoke_skip(enabled: bool, asked: bool | None, meta: BundleMeta, detection: Detection | None) -> str | None:
+    """Why the smoke test does not run for this bundle here (None: it runs)."""
+    if not enabled:
+        return "smoke tests are off for this service"
+    if asked is False:
+        return "not asked for this local bundle (stoker bundle install --smoke asks)"
+    if meta.smoke is None or meta.smoke.tokens is None:
+        return "the bundle records no smoke reference"
+    if meta.backend != "cpu" and (detection is None or not detection.usable):
+        return f"no usable {meta.backend} device was detected to run it on"
+    return None
+
+
+def smoke_staged(staging: Path, meta: BundleMeta) -> dict[str, Any]:
+    """Run the staged engine's smoke test (tokens equal to its recorded reference)."""
+    from daemon.bundles.verify import check_smoke
+
+    tokens = check_smoke(staging / meta.server, meta)
+    return {"smoke": "passed", "tokens": len(tokens)}
