@@ -164,6 +164,28 @@ def test_a_remote_model_answers_streams_is_listed_and_shown_as_remote(daemon, mo
 STOKER = [sys.executable, "-m", "daemon"]
 
 
+def test_a_remote_model_added_by_a_config_reload_answers_without_a_restart(daemon, model, endpoint):
+    port = free_port()
+    daemon.env["BIG_KEY"] = endpoint.key
+    write_config(daemon.paths, remote_config(model, port, ""))
+    daemon.start()
+    daemon.wait_state("ready")
+    pid = daemon.call("status")["pid"]
+    client = sdk(f"http://127.0.0.1:{port}/v1")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="big", prompt="The", max_tokens=2)
+    sections = f'[models.big]\nendpoint = "{endpoint.url}"\napi_key_env = "BIG_KEY"\ncheck_interval_s = 1\n'
+    write_config(daemon.paths, remote_config(model, port, sections))
+    daemon.wait_for(lambda s: "big" in remotes_of(s), 30, "big added by the reload")
+    assert client.completions.create(model="big", prompt="The", max_tokens=2).model == UPSTREAM_NAME
+    st = daemon.call("status")
+    assert st["pid"] == pid and st["restarts"] == 0  # the local model's server was not relaunched for it
+    write_config(daemon.paths, remote_config(model, port, ""))  # and removed again
+    daemon.wait_for(lambda s: "big" not in remotes_of(s), 30, "big removed by the reload")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="big", prompt="The", max_tokens=2)
+
+
 class Recorder(http.server.BaseHTTPRequestHandler):
     """A loopback stand-in that records each request (path, headers, body) and answers like an
     OpenAI endpoint; a streamed chat is sent as three events `GAP_S` apart."""
