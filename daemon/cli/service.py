@@ -142,6 +142,9 @@ def format_installs(installs: list[dict[str, Any]]) -> list[str]:
         done = i.get("state") == "installed"
         line = f"engine    {i.get('backend')}-{i.get('variant')}: {i.get('state')}"
         line += f" from {i.get('source')}" if done else f" ({i.get('source') or '-'})"
+        if done and i.get("version"):  # what the slot holds, whoever put it there
+            by = i.get("by")
+            line += f" ({i['version']}" + (f", by {str(by).replace('_', ' ')})" if by not in (None, "install") else ")")
         progress = i.get("progress") or {}
         if i.get("state") == "building" and progress.get("percent") is not None:
             line += f" {progress.get('step')} {progress['percent']}%"

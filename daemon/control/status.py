@@ -161,6 +161,9 @@ class InstallStatus:
     origin: str | None  # where in that source: the manifest's URL, the cache entry, the file
     tried: tuple[dict[str, Any], ...]  # {source, origin, outcome, reason, message, step, seconds}
     progress: dict[str, Any] | None  # while building: {phase, source, line, step, percent}
+    version: str | None = None  # what the slot holds, by its record (install, update and rollback alike)
+    by: str | None = None  # who put it there: install, engine_update, engine_rollback
+    previous: str | None = None  # what its `.previous` holds
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> "InstallStatus":
@@ -175,6 +178,9 @@ class InstallStatus:
             row.get("origin"),
             tuple(row.get("tried") or ()),
             row.get("progress"),
+            row.get("version"),
+            row.get("by"),
+            row.get("previous"),
         )
 
 

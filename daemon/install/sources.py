@@ -160,18 +160,26 @@ def source_label(source: str | None, origin: str | None) -> str | None:
 
 def install_row(record: Any, progress: dict[str, Any] | None) -> dict[str, Any]:
     """One install machine for status: state, reason, the source of its bundle (or the one
-    being tried), every source tried for its last request, a build's last progress."""
+    being tried), every source tried for its last request, a build's last progress; once the slot
+    holds a bundle, the record of it (version, who put it there: install, engine_update,
+    engine_rollback; what `.previous` holds), whoever wrote it last."""
     data = record.data or {}
+    holds, previous = data.get("holds") or {}, data.get("previous") or {}
+    resting = record.state == "installed" and holds
+    source, origin = (holds.get("source"), holds.get("origin")) if resting else (data.get("source"), data.get("origin"))
     return {
         "machine": record.id,
         "state": record.state,
         "reason": record.reason,
         "backend": data.get("backend"),
         "variant": data.get("variant"),
-        "source": source_label(data.get("source"), data.get("origin")),
-        "origin": data.get("origin"),
+        "source": source_label(source, origin),
+        "origin": origin,
         "tried": list(data.get("tried") or ()),
         "progress": progress,
+        "version": holds.get("version"),
+        "by": holds.get("by"),
+        "previous": previous.get("version"),
     }
 
 

@@ -133,3 +133,66 @@ def test_a_kill_between_the_switch_renames_serves_the_old_engine_then_completes(
         what="the new engine serving",
     )
     assert st["pid"] and len(servers_for(model)) == 1
+
+
+def test_a_daemon_restarted_in_the_restart_step_leaves_a_model_the_user_stopped_stopped(
+    daemon, model, installed_cpu_bundle, cpu_bundle, tmp_path
+):
+    """The update switched the slot and was restarting alpha and beta when the daemon died; meanwhile
+    the user had stopped beta (`stoker down beta`). The resumed update restarts alpha on the new
+    engine and leaves beta stopped (verdict `stopped`): it loads on the new engine when asked."""
+    from daemon.bundles.installed import promote
+    from daemon.bundles.tinymodel import write_tiny_model
+
+    beta_model = write_tiny_model(tmp_path / "beta" / "beta.gguf", seed=7)
+    variant = installed_cpu_bundle.meta.variant
+    slot, old = f"cpu-{variant}", installed_cpu_bundle.meta.version
+    bundles = daemon.paths.bundles_dir
+    sections = f'[models.alpha]\nmodel = "{model}"\ndefault = true\n[models.beta]\nmodel = "{beta_model}"\n'
+    write_config(daemon.paths, tiny_config(model) + sections)
+    daemon.start()
+    daemon.wait_state("ready")
+    daemon.call("up", model="beta")
+    daemon.wait_for(lambda s: _model(s, "beta")["state"] == "ready", what="beta ready")
+    daemon.call("down", model="beta")
+    assert _model(daemon.call("status"), "beta")["down_cause"] == "user"
+    daemon.kill9()
+
+    # The update as the killed daemon left it: switched to the new engine, restarting both.
+    good = repack(cpu_bundle, tmp_path / "good.zip", version=f"{old}.1")
+    staging = bundles / f".update-{slot}" / "bundle"
+    unpack_bundle(good, staging)
+    old_digest, new_digest = bundle_digest(bundles / slot), bundle_digest(staging)
+    store = open_store(daemon.paths.db_file)
+    runner = MachineRunner(U.ENGINE_UPDATE, U.machine_id("cpu", variant), store)
+    tokens = (1, 2, 3)
+    for event in (
+        R.UpdateRequested("cpu", variant, bundle=str(good)),
+        R.Resolved(R.BundleFacts(old, old_digest), R.Candidate(f"{old}.1", new_digest, good.as_uri())),
+        R.Staged(R.BundleFacts(f"{old}.1", new_digest), str(staging), tokens),
+        R.TokensCompared(tokens),
+    ):
+        runner.fire(event)
+    promote(staging, bundles, slot=slot)
+    runner.fire(R.Switched((R.ServerBaseline("alpha", None, None), R.ServerBaseline("beta", None, None))))
+    assert runner.state is R.UpdateState.RESTARTING
+    store.close()
+
+    daemon.start()
+    done = wait_update(daemon, slot, RESTING)
+    assert done["update_state"] == "updated" and done["version"] == f"{old}.1", done
+    rows = daemon.history(machine=f"engine_update:{slot}", limit=5)
+    (restarted,) = [r for r in rows if r["event"] == "ServersRestarted"]
+    assert {v["name"]: v["outcome"] for v in restarted["event_data"]["verdicts"]} == {
+        "alpha": "ready",
+        "beta": "stopped",
+    }
+    time.sleep(2.0)  # a start of beta would have begun by now
+    beta = _model(daemon.call("status"), "beta")
+    assert beta["state"] == "stopped" and beta["down_cause"] == "user", beta
+    assert servers_for(beta_model) == [] and len(servers_for(model)) == 1
+    assert "RestartRequested" not in [r["event"] for r in daemon.history(machine="launch:beta", limit=5)]
+
+
+def _model(status: dict, name: str) -> dict:
+    return next(m for m in status["models"] if m["name"] == name)
