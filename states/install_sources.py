@@ -1,9 +1,10 @@
 """The install machine's sources: where an engine bundle may come from, in which order, and
 what one try of a source leaves in the history.
 
-A source with nothing to offer hands the install to the next one; a refused mirror (REFUSALS)
-and a bundle a source offered that then failed a step end the install, except for the sources
-in RETRY_NEXT_ON_FAILURE.
+A source with nothing to offer hands the install to the next one (so does one whose offer an
+engine update rejected on this slot while the slot is empty: states/install_slot.py); a refused
+mirror (REFUSALS) and a bundle a source offered that then failed a step end the install, except
+for the sources in RETRY_NEXT_ON_FAILURE.
 The table in states/install.py applies this; docs/bundles.md ("Where the engine comes from")
 says why.
 """

@@ -154,7 +154,10 @@ class EngineUpdateService:
             return
         slots = await trio.to_thread.run_sync(installed_slots, self.paths)
         for backend, variant in sorted(slots):
-            await self.check(backend, variant)
+            try:
+                await self.check(backend, variant)
+            except Exception:  # a broken check must not end the daemon's checks
+                log.exception("engine auto-update of %s-%s failed", backend, variant)
 
     async def check(self, backend: str, variant: str) -> dict[str, Any]:
         """One slot's automatic check. It starts an update only when the table says the channel

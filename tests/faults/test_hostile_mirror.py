@@ -341,10 +341,15 @@ def test_a_hostile_mirror_never_disturbs_the_serving_daemon(daemon, model, cpu_b
         assert st["state"] == "ready" and st["pid"] == pid, (name, st)
         assert _complete(st) == 4
 
-    # Bytes that are not the signed ones: a bundle URL serving a shorter body.
-    mirror.publish([])
-    data = cpu_bundle.read_bytes()
-    fault_server.add(mirror.bundle_path(), data[: len(data) // 2], Fault(chunked=True))
+    # Bytes that are not the signed ones: a newer release's URL serving a shorter body (the release
+    # the slot already holds would be `current`: nothing fetched).
+    from tests.integration.engine_repack import repack
+
+    newer = repack(cpu_bundle, tmp_path / "newer.zip", version=f"{meta.version}.9")
+    release = Mirror(tmp_path / "mirror-newer", fault_server, key)
+    release.publish([newer], version=50)
+    data = newer.read_bytes()
+    fault_server.add(release.bundle_path(), data[: len(data) // 2], Fault(chunked=True))
     out = stoker(daemon, "install", "cpu", "--variant", meta.variant, "--json")
     assert out.returncode == 1 and _result(out)["error"]["evidence"]["cause"] == "bundle_digest_mismatch"
     assert slot.read_bytes() == slot_json

@@ -122,9 +122,10 @@ def test_fresh_home_without_a_manifest_is_served_from_the_build_cache(stoker_hom
         ]
         assert history[1][3]["message"].startswith("No bundle manifest is configured")
         assert history[2][3]["cache_key"] == entry.name
-        last = history[-1]
-        assert last[:3] == ("smoke_testing", "SmokePassed", "installed")
-        assert last[3]["source"] == "build-cache" and last[3]["smoke"] == "passed" and last[3]["seconds"] > 0
+        smoke, last = history[-2], history[-1]
+        assert smoke[:3] == ("smoke_testing", "SmokePassed", "promoting") and smoke[3]["smoke"] == "passed"
+        assert last[:3] == ("promoting", "Promoted", "installed")  # installed once the slot holds it
+        assert last[3]["source"] == "build-cache" and last[3]["seconds"] > 0
         assert f"cpu-{row['variant']}: installed from build-cache" in stoker_status(d)
     finally:
         d.stop()

@@ -9,6 +9,8 @@ daemon serves the tiny model with snapshots on; the conversation it holds must s
 
 from __future__ import annotations
 
+import hashlib
+import json
 import subprocess
 import sys
 import time
@@ -17,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from daemon.bundles.installed import bundle_meta_of
 from daemon.core.errors import StokerError
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 from tests.integration.engine_repack import CRASH_WHEN_SERVING, biased_generation, repack, smoke_tokens
@@ -93,6 +96,7 @@ def test_an_engine_that_dies_when_serving_is_rolled_back_and_the_conversation_ke
         "previous": None,
         "update_state": None,
         "update_reason": None,
+        "last_check": None,
     }
     prompt, reference = conversation(serving)
     broken = repack(cpu_bundle, tmp_path / "broken.zip", version=f"{old_version}.1", wrapper=CRASH_WHEN_SERVING)
@@ -133,6 +137,32 @@ def test_an_engine_that_dies_when_serving_is_rolled_back_and_the_conversation_ke
     assert steps[-1]["reason"] == "engine_update_rolled_back" and steps[-1]["evidence"]["gate"] == "start"
     launch = daemon.history(machine="launch", limit=60)
     assert any(r["to_state"] == "crashed" for r in launch), [r["to_state"] for r in launch]
+    (record,) = [i for i in st["installs"] if i["machine"] == f"install:{slot}"]
+    assert (record["version"], record["by"], record["previous"]) == (old_version, "engine_rollback", None), record
+
+    # A manifest that still lists the rolled-back release: `stoker install cpu` keeps the slot.
+    entry = {
+        "url": broken.as_uri(),
+        "sha256": hashlib.sha256(broken.read_bytes()).hexdigest(),
+        "size": broken.stat().st_size,
+        "backend": "cpu",
+        "variant": serving["variant"],
+        "version": f"{old_version}.1",
+        "platform": bundle_meta_of(broken).platform,
+    }
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"schema_version": 1, "bundles": [entry]}))
+    write_config(daemon.paths, tiny_config(model, snapshots=True) + f'[bundles]\nmanifest = "{manifest}"\n')
+    deadline = time.monotonic() + 30
+    while "config reloaded: bundles.manifest" not in daemon.log_text():
+        assert time.monotonic() < deadline, daemon.log_text()[-2000:]
+        time.sleep(0.1)
+    installed = engine_call(daemon, "install", backend="cpu")["installed"]
+    assert installed["version"] == old_version
+    (last,) = daemon.history(machine=f"install:{slot}", limit=1)
+    assert last["to_state"] == "installed" and last["evidence"]["outcome"] == "kept", last
+    assert last["evidence"]["rejected"]["reason"] == "engine_update_rolled_back"
+    assert daemon.call("status")["pid"] == st["pid"]  # nothing was restarted
     print(
         f"rolled back in {took:.1f} s: " + ", ".join(f"{s['to_state']} +{s['at'] - steps[0]['at']:.1f}s" for s in steps)
     )
@@ -203,6 +233,8 @@ def test_a_good_update_sticks_and_rollback_by_hand_goes_back(serving, daemon, mo
     assert st["engine"]["previous"] == new_version  # kept: a second rollback undoes the first
     last = update_steps(daemon, slot)[-1]
     assert last["to_state"] == "rolled_back" and last["reason"] is None and last["evidence"]["by_hand"]
+    (record,) = [i for i in st["installs"] if i["machine"] == f"install:{slot}"]
+    assert (record["version"], record["by"], record["previous"]) == (old_version, "engine_rollback", new_version)
     assert servers_for(model)
 
 
@@ -214,11 +246,6 @@ def test_rollback_with_nothing_kept_says_so(serving, daemon):
 
 
 def test_the_automatic_check_updates_from_the_manifest_by_itself(daemon, model, cpu_bundle, tmp_path):
-    import hashlib
-    import json
-
-    from daemon.bundles.installed import bundle_meta_of
-
     meta = bundle_meta_of(cpu_bundle)
     new_version = f"{meta.version}.4"
     good = repack(cpu_bundle, tmp_path / "good.zip", version=new_version)
@@ -247,3 +274,19 @@ def test_the_automatic_check_updates_from_the_manifest_by_itself(daemon, model, 
     asked = [s for s in steps if s["event"] == "UpdateRequested"]
     assert asked and all(s["event_data"]["automatic"] is True for s in asked)
     assert [s["to_state"] for s in steps].count("updated") == 1
+    # The check goes on every second and finds nothing newer: no history row (two per check before),
+    # and status says when it last ran and what it found.
+    since = time.time()
+    st = daemon.wait_for(
+        lambda s: ((s.get("engine") or {}).get("last_check") or {}).get("at", 0) > since + 2,
+        timeout=30,
+        what="two more checks",
+    )
+    last = st["engine"]["last_check"]
+    assert last["result"] == "current" and last["installed"] == last["offered"] == new_version, last
+    after = update_steps(daemon, slot, limit=5000)
+    assert after == steps and after[-1]["to_state"] == "updated", [s["to_state"] for s in after[len(steps) :]]
+    installs = {i["machine"]: i for i in st["installs"]}
+    record = installs.get(f"install:{slot}")
+    assert record is not None and record["version"] == new_version and record["by"] == "engine_update", record
+    assert record["previous"] == meta.version

@@ -536,3 +536,30 @@ async def test_an_install_and_an_update_of_one_slot_never_write_it_at_once(setup
     MachineRunner(U.ENGINE_UPDATE, U.machine_id("cpu", "avx2"), setup.store).fire(R.UpdateRequested("cpu", "avx2"))
     err = await _install_fails(setup.service())
     assert err.reason == "engine_slot_busy" and err.evidence["writer"] == "engine_update:cpu-avx2"
+
+
+async def test_an_automatic_check_that_finds_nothing_writes_no_history(setup):
+    """The automatic engine check runs every check_interval_s: a check that starts no update (the
+    manifest offers what is installed; the manifest cannot be read) writes no history row, and status
+    shows when it last ran and what it found."""
+    from daemon.config.engine import EngineConfig
+    from daemon.install.update import EngineUpdateService
+
+    setup.publish(setup.server.add("/cpu.zip", setup.data))  # the same version as the installed one
+    updates = EngineUpdateService(setup.paths, setup.store, setup.service(), settings=lambda: EngineConfig())
+    with trio.fail_after(30):
+        for _ in range(3):
+            last = await updates.check("cpu", "avx2")
+    assert setup.store.history(machine="engine_update:cpu-avx2") == []
+    assert last["result"] == "current" and last["offered"] == "b11434" and last["installed"] == "b11434"
+    assert "nothing newer" in last["message"]
+    assert updates.slot_status("cpu", "avx2")["last_check"] == last
+    setup.manifest.write_text("{not json")
+    with trio.fail_after(30):
+        broken = await updates.check("cpu", "avx2")
+    assert (
+        broken["result"] == "failed"
+        and broken["reason"]
+        and setup.store.history(machine="engine_update:cpu-avx2") == []
+    )
+    setup.assert_previous_intact()
