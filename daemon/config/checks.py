@@ -61,6 +61,21 @@ def boolean(value: Any) -> bool:
     return value
 
 
+def ip_address(hint: str) -> Callable[[Any], str]:
+    """Any IP address (`hint` says which the setting expects); a host name is refused."""
+
+    def check(value: Any) -> str:
+        if not isinstance(value, str):
+            raise Invalid(f"must be {hint}, got {describe(value)}")
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise Invalid(f"must be {hint}, got {value!r}") from None
+        return value
+
+    return check
+
+
 def loopback_ip(value: Any) -> str:
     if not isinstance(value, str):
         raise Invalid(f"must be a loopback IP address such as 127.0.0.1, got {describe(value)}")

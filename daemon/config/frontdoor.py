@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import attrs
 
-from daemon.config.checks import Invalid, boolean, byte_size, describe, integer, seconds, setting
+from daemon.config.checks import Invalid, boolean, byte_size, integer, ip_address, seconds, setting
 
 # The front door's fixed default address (docs/frontdoor.md): beside Ollama's 11434 and clear of
 # LM Studio (1234), Jan (1337) and llama-server's own 8080.
@@ -22,16 +22,10 @@ FRONTDOOR_PORT = 11436
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 
 
-def _host(value: Any) -> str:
-    """An IP address: loopback, or (with keys required, see `lan_bind_problems`) any other."""
-    hint = "an IP address such as 127.0.0.1 (this machine only), a LAN address, or 0.0.0.0 / :: (every interface)"
-    if not isinstance(value, str):
-        raise Invalid(f"must be {hint}, got {describe(value)}")
-    try:
-        ipaddress.ip_address(value)
-    except ValueError:
-        raise Invalid(f"must be {hint}, got {value!r}") from None
-    return value
+# An IP address: loopback, or (with keys required, see `lan_bind_problems`) any other.
+_host = ip_address(
+    "an IP address such as 127.0.0.1 (this machine only), a LAN address, or 0.0.0.0 / :: (every interface)"
+)
 
 
 def _bytes_between(low: int, high: int) -> Callable[[Any], int]:

@@ -14,21 +14,11 @@ from typing import Any, Mapping
 
 import attrs
 
-from daemon.config.checks import Invalid, boolean, describe, integer, setting
+from daemon.config.checks import Invalid, boolean, describe, integer, ip_address, setting
 
 RPC_PORT = 50052  # ggml-rpc-server's own default
 _DEVICE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
-
-
-def _host(value: Any) -> str:
-    hint = "an IP address: 127.0.0.1 (this machine only), or a private LAN or tunnel address"
-    if not isinstance(value, str):
-        raise Invalid(f"must be {hint}, got {describe(value)}")
-    try:
-        ipaddress.ip_address(value)
-    except ValueError:
-        raise Invalid(f"must be {hint}, got {value!r}") from None
-    return value
+_host = ip_address("an IP address: 127.0.0.1 (this machine only), or a private LAN or tunnel address")
 
 
 def _devices(value: Any) -> tuple[str, ...]:
