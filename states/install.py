@@ -59,7 +59,7 @@ from states.install_effects import (
     SmokeTest,
     Promote,
 )
-from states.install_slot import Offer, Rejection, SlotBundle, SlotWriter, offer_verdict, rejection_sentence
+from states.install_slot import Offer, Rejection, SlotBundle, SlotWriter, offer_facts, offer_verdict
 from states.machine import STAY, Guarded, MachineSpec, Rule, Step, guarded
 from states.reasons import ReasonCode
 
@@ -182,9 +182,14 @@ class Unpacked:
 
 @attrs.frozen
 class Validated:
-    """The staged bundle's metadata matches the manifest and the platform."""
+    """The staged bundle's metadata matches the manifest and the platform; its `digest`, what the
+    slot holds `now` and an engine update's `rejection` of it (as for Resolved)."""
 
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    now: SlotBundle | None = None
+    digest: str | None = None
+    rejection: Rejection | None = None
+    reason: ReasonCode | None = None
 
 
 @attrs.frozen
@@ -302,19 +307,23 @@ def resolved(state: S, data: InstallData, event: Resolved) -> Step:
     if verdict is Offer.INSTALL:
         return _fetch(data, event.url, event.sha256, event.size, event.origin, event.evidence)
     facts = {"offered": event.evidence.get("version"), "sha256": event.sha256, "digest": event.digest}
-    if event.rejection is not None and verdict is not Offer.CURRENT:
-        rejected = {"version": event.rejection.version, "reason": event.rejection.reason, "gate": event.rejection.gate}
-        facts.update(rejected=rejected, cause=event.rejection.reason)
-        facts["message"] = rejection_sentence(event.rejection, event.now)
+    return _judged(state, attrs.evolve(data, origin=event.origin), verdict, event, facts)
+
+
+def _judged(state: S, data: InstallData, verdict: Offer, event: Resolved | Validated, facts: dict[str, Any]) -> Step:
+    """An offer the slot does not take (current, kept) or that this source may not give (rejected)."""
+    facts.update(offer_facts(verdict, event.rejection, event.now))
     if verdict is Offer.REJECTED:
         return _source_over(state, data, event.reason or ReasonCode.BUNDLE_VERIFY_FAILED, facts, None, "rejected")
     assert event.now is not None
     holds = event.now.known_as(data.holds, data.previous)
-    if verdict is Offer.CURRENT:
-        facts["message"] = f"The slot already holds this bundle ({holds.version}): nothing to fetch."
-    attempt = attempt_record(state.value, data.source, event.origin, verdict.value, facts, None)
-    data = attrs.evolve(data, holds=holds, tried=data.tried + (attempt,), reason=None, evidence={})
-    return Step(S.INSTALLED, data, evidence={"outcome": verdict.value, "version": holds.version, **facts})
+    if verdict is Offer.CURRENT and holds.sha256 is None and data.sha256 is not None:
+        holds = attrs.evolve(holds, sha256=data.sha256)  # learnt: the zip this bundle came in
+    attempt = attempt_record(state.value, data.source, data.origin, verdict.value, facts, None)
+    data = attrs.evolve(data, holds=holds, tried=data.tried + (attempt,), reason=None, evidence={}, staging=None)
+    evidence = {"outcome": verdict.value, "version": holds.version, **facts}
+    effects = (CleanStaging(data.archive),) if state is S.VALIDATING else ()
+    return Step(S.INSTALLED, data, effects, evidence=evidence)
 
 
 @guarded(*STARTS, S.FAILED)
@@ -354,10 +363,14 @@ def unpacked(state: S, data: InstallData, event: Unpacked) -> Step:
     return Step(S.VALIDATING, data, (ValidateBundle(event.staging, data.backend, data.variant),))
 
 
-@guarded(S.SMOKE_TESTING)
+@guarded(S.SMOKE_TESTING, S.INSTALLED, S.FAILED, *STARTS)
 def validated(state: S, data: InstallData, event: Validated) -> Step | None:
     if data.staging is None:
         return None
+    # The staged bundle's digest is known now (a download's was not before): judged again.
+    verdict = offer_verdict(event.now, data.holds, None, event.digest, event.rejection, data.source is Source.FILE)
+    if verdict is not Offer.INSTALL:
+        return _judged(state, data, verdict, event, {"digest": event.digest, **event.evidence})
     return Step(S.SMOKE_TESTING, data, (SmokeTest(data.staging),), evidence=event.evidence)
 
 

@@ -67,7 +67,10 @@ class VerifyArchive:
 
 @attrs.frozen
 class CleanStaging:
-    """Remove the staging directory (never the installed bundle)."""
+    """Remove the staging directory (never the installed bundle), and the downloaded `archive`
+    when named (a bundle judged not to install once unpacked)."""
+
+    archive: str | None = None
 
 
 @attrs.frozen

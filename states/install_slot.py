@@ -111,6 +111,17 @@ def offer_verdict(
     return Offer.INSTALL
 
 
+def offer_facts(verdict: Offer, rejection: Rejection | None, now: SlotBundle | None) -> dict[str, Any]:
+    """What history and the CLI say of an offer not installed: the rejection, and why."""
+    if verdict is Offer.CURRENT:
+        held = "" if now is None else f" ({now.version})"
+        return {"message": f"The slot already holds this bundle{held}: nothing to install."}
+    if rejection is None:
+        return {}
+    rejected = {"version": rejection.version, "reason": rejection.reason, "gate": rejection.gate}
+    return {"rejected": rejected, "cause": rejection.reason, "message": rejection_sentence(rejection, now)}
+
+
 def rejection_sentence(rejection: Rejection, kept: SlotBundle | None) -> str:
     """Why an offered bundle is not installed, for history and the CLI."""
     how = "rolled back" if rejection.reason == "engine_update_rolled_back" else "rejected"

@@ -446,10 +446,10 @@ class InstallService:
         return I.Downloaded(str(done.path), done.sha256, done.size)
 
     async def _clean_staging(self, effect: IE.CleanStaging, runner: MachineRunner) -> None:
-        data: I.InstallData = runner.data
-        await trio.to_thread.run_sync(
-            lambda: shutil.rmtree(self.staging_root(data.backend, data.variant), ignore_errors=True)
-        )
+        root = self.staging_root(runner.data.backend, runner.data.variant)
+        await trio.to_thread.run_sync(lambda: shutil.rmtree(root, ignore_errors=True))
+        if effect.archive:  # judged not to install once unpacked: the zip has done its job
+            Path(effect.archive).unlink(missing_ok=True)
 
     async def _unpack(self, effect: IE.Unpack, runner: MachineRunner) -> I.Unpacked:
         data: I.InstallData = runner.data
@@ -469,7 +469,10 @@ class InstallService:
         version = None if local else (await self._entry(runner)).version
         staging = Path(effect.staging)
         report = await trio.to_thread.run_sync(validate_staged, staging, effect.backend, effect.variant, version)
-        return I.Validated(report)
+        digest = await trio.to_thread.run_sync(bundle_digest, staging)
+        now = await trio.to_thread.run_sync(serving, self.paths, data.backend, data.variant)
+        rejection = rejection_for(self.store, data.backend, data.variant, digest)
+        return I.Validated(report, now, digest, rejection, self._reason(data.backend))
 
     async def _smoke_test(self, effect: IE.SmokeTest, runner: MachineRunner) -> I.SmokePassed:
         meta = BundleMeta.read(Path(effect.staging))

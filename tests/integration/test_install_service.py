@@ -443,9 +443,10 @@ async def test_a_kill_between_the_promote_and_its_record_resumes_to_the_right_sl
     assert data["previous"]["digest"] == hashlib.sha256(setup.previous_json).hexdigest()
 
 
-def _rolled_back_on(store, slot_variant: str, rejected_zip: Path, old_json: bytes) -> None:
+def _rolled_back_on(store, slot_variant: str, rejected_zip: Path, old_json: bytes, named: bool = False) -> None:
     """The slot's engine update machine as a real rollback leaves it: `rejected_zip` (from a
-    manifest) switched in, its server died, the old engine put back."""
+    manifest; or `named` to `stoker engine update --bundle`, known by its digest alone) switched
+    in, its server died, the old engine put back."""
     from daemon.core.machines import MachineRunner
     from states import engine_update as U
     from states import engine_update_records as R
@@ -456,8 +457,13 @@ def _rolled_back_on(store, slot_variant: str, rejected_zip: Path, old_json: byte
     old, new = R.BundleFacts("b11434", _sha(old_json)), R.BundleFacts("b11434", new_digest)
     runner = MachineRunner(U.ENGINE_UPDATE, U.machine_id("cpu", slot_variant), store)
     for event in (
-        R.UpdateRequested("cpu", slot_variant),
-        R.Resolved(old, R.Candidate("b11500", sha, "http://mirror/cpu.zip", sha, rejected_zip.stat().st_size)),
+        R.UpdateRequested("cpu", slot_variant, bundle=str(rejected_zip) if named else None),
+        R.Resolved(
+            old,
+            R.Candidate("b11500", new_digest, rejected_zip.as_uri())
+            if named
+            else R.Candidate("b11500", sha, "http://mirror/cpu.zip", sha, rejected_zip.stat().st_size),
+        ),
         R.Staged(new, "/staging", (1, 2, 3)),
         R.TokensCompared((1, 2, 3)),
         R.Switched((R.ServerBaseline("default"),)),
@@ -563,3 +569,19 @@ async def test_an_automatic_check_that_finds_nothing_writes_no_history(setup):
         and setup.store.history(machine="engine_update:cpu-avx2") == []
     )
     setup.assert_previous_intact()
+
+
+async def test_a_rejected_bundle_known_only_by_its_digest_is_caught_once_downloaded(setup):
+    """A zip the user named to `stoker engine update` was rolled back: the update knows it by its
+    bundle.json digest only. A remote mirror listing the same bundle (its zip's sha256 unknown to
+    the update) is downloaded, then judged once unpacked: the slot keeps its bundle."""
+    _rolled_back_on(setup.store, "avx2", setup.new_zip, setup.previous_json, named=True)
+    setup.publish(setup.server.add("/cpu.zip", setup.data))
+    with trio.fail_after(60):
+        bundle = await setup.service().install("cpu", variant="avx2")
+    assert (bundle.root / "bundle.json").read_bytes() == setup.previous_json
+    assert len(setup.server.requests("/cpu.zip")) == 1  # fetched, then refused by its digest
+    setup.assert_previous_intact()
+    last = setup.store.history(machine="install:cpu-avx2", limit=1)[0]
+    assert (last.from_state, last.to_state, last.evidence["outcome"]) == ("validating", "installed", "kept")
+    assert list((setup.paths.data_dir / "downloads").iterdir()) == []  # nor its zip kept

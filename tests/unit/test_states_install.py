@@ -340,3 +340,22 @@ def test_offer_verdicts_and_one_writer_per_slot():
     assert busy is not None and busy["writer"] == "engine_update:cpu-avx2"
     left = writer_conflict("cpu-avx2", "engine_update:cpu-avx2", None, "install:cpu-avx2")
     assert left is not None and left["writer"] == "install:cpu-avx2"
+
+
+def test_a_downloaded_bundle_is_judged_again_once_its_digest_is_known():
+    """A remote mirror's zip says nothing of its bundle before download: a bundle rejected by its
+    digest alone (a zip the user named to `engine update`) is caught once unpacked."""
+    rejected = Rejection("b11500", "engine_update_rolled_back", "start", (NEW.digest,))
+    data = installed_with(OLD)
+    validating = drive(*HAPPY[:5], state=S.REQUESTED, data=data)
+    assert validating.state is S.VALIDATING and validating.data.holds == OLD
+    kept = drive(Validated({}, OLD, NEW.digest, rejected, R), state=validating.state, data=validating.data)
+    assert kept.state is S.INSTALLED and kept.effects == (CleanStaging("/dl/b.zip.part"),) and kept.data.holds == OLD
+    assert kept.evidence["outcome"] == "kept" and kept.data.staging is None
+    same = drive(Validated({}, NEW, NEW.digest), state=validating.state, data=validating.data)
+    assert same.state is S.INSTALLED and same.evidence["outcome"] == "current"
+    assert same.data.holds.sha256 == "ab" * 32  # learnt: the zip it came in
+    empty = drive(Validated({}, None, NEW.digest, rejected, R), state=validating.state, data=validating.data)
+    assert empty.state is S.SEARCHING_CACHE and empty.data.tried[-1]["outcome"] == "rejected"
+    fine = drive(Validated({}, OLD, NEW.digest), state=validating.state, data=validating.data)
+    assert fine.state is S.SMOKE_TESTING

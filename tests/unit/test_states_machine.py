@@ -269,6 +269,8 @@ SAMPLES = {
         I.Resolved("file:///b1.zip", "aa", 3, now=SLOT_B1, digest=SLOT_B1.digest),
         I.Resolved("http://x/b2.zip", "bb", 3, now=SLOT_B1, rejection=Rejection("b2", "engine_update_rolled_back")),
         I.Resolved("http://x/b2.zip", "bb", 3, rejection=Rejection("b2", "engine_update_rejected", "tokens", ("bb",))),
+        I.Validated(now=SLOT_B1, digest=SLOT_B1.digest),
+        I.Validated(digest="bb", rejection=Rejection("b2", "engine_update_rejected", "tokens", ("bb",))),
         I.Resumed(),
         I.InstallFailed(ReasonCode.BUNDLE_VERIFY_FAILED),
     ],
