@@ -25,8 +25,9 @@ Generated from the commands by `python docs/cli_reference.py`; never edit by han
 def _walk(command: click.Command, ctx: click.Context):
     yield ctx
     if isinstance(command, click.Group):
-        for name in sorted(command.commands):
-            sub = command.commands[name]
+        for name in command.list_commands(ctx):  # the root loads each command's module here
+            sub = command.get_command(ctx, name)
+            assert sub is not None, name
             # A child context inherits the root's settings (-h/--help), as at the command line.
             yield from _walk(sub, click.Context(sub, info_name=name, parent=ctx))
 

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from daemon.cli.worker import status_lines
 from daemon.cli.output import emit, fail, json_option, progress_line
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
@@ -85,6 +84,8 @@ def format_status(st: dict[str, Any]) -> str:
             f"layers    {_or_dash(layers.get('offloaded'))}/{_or_dash(layers.get('total'))} offloaded"
             f" (planned {_or_dash(layers.get('planned'))}){' - ' + layers['why'] if layers.get('why') else ''}"
         )
+    from daemon.cli.worker import status_lines  # here: `stoker worker`'s module is heavy to import
+
     lines.extend(status_lines(st.get("workers")))
     if st.get("pid"):
         # uptime_s is null until the server is ready (loading, or adopted and not yet proven).
