@@ -117,15 +117,24 @@ def read_identity(path: Path) -> ServerIdentity | None:
         return None
 
 
-def matching_process(ident: ServerIdentity) -> psutil.Process | None:
-    """The live process that has the record's pid, start time and executable, else None."""
+def live_process(pid: int, create_time: float) -> psutil.Process | None:
+    """The process `pid` if it started at `create_time` (the pid not reused since) and has not
+    ended (a zombie has); else None."""
     try:
-        proc = psutil.Process(ident.pid)
-        if abs(proc.create_time() - ident.create_time) > _CREATE_TIME_TOLERANCE:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - create_time) > _CREATE_TIME_TOLERANCE:
             return None
         if proc.status() == psutil.STATUS_ZOMBIE:
             return None
     except (psutil.Error, OSError):
+        return None
+    return proc
+
+
+def matching_process(ident: ServerIdentity) -> psutil.Process | None:
+    """The live process that has the record's pid, start time and executable, else None."""
+    proc = live_process(ident.pid, ident.create_time)
+    if proc is None:
         return None
     if live_exe(proc) != ident.exe and (ident.exe_file is None or exe_file(ident.pid) != ident.exe_file):
         return None  # another executable (the same file moved with its bundle's directory still proves it)

@@ -13,7 +13,6 @@ the devices at once.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -34,13 +33,13 @@ from daemon.config.workers import WorkerConfig
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
 from daemon.engine.exits import classify_exit
+from daemon.engine.identity import cmdline_digest, live_process
 from daemon.engine.process import PASS_THROUGH_ENV
 from states.reasons import ReasonCode
 
 RPC_TOOL = "rpc_server"
 _DEVICE_LINE = re.compile(r"^\s+(\S+): (.*) \((\d+) MiB, (\d+) MiB free\)\s*$")
 _VERSION_LINE = re.compile(r"Starting RPC server v(\d+\.\d+\.\d+)")
-_CREATE_TIME_TOLERANCE = 0.01
 
 
 def choose_bundle(paths: StokerPaths, worker: WorkerConfig, backend_order: Sequence[str]) -> InstalledBundle:
@@ -113,19 +112,13 @@ class WorkerIdentity:
             return None
 
 
-def cmdline_digest(argv: Sequence[str]) -> str:
-    return hashlib.sha256("\0".join(argv).encode()).hexdigest()
-
-
 def proven_process(ident: WorkerIdentity, argv: Sequence[str]) -> psutil.Process | None:
     """The live process the record names if pid, start time, executable and command line (the
     one this config would run) all match; else None: nothing is adopted or signalled."""
+    proc = live_process(ident.pid, ident.create_time)
+    if proc is None:
+        return None
     try:
-        proc = psutil.Process(ident.pid)
-        if abs(proc.create_time() - ident.create_time) > _CREATE_TIME_TOLERANCE:
-            return None
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None
         exe = (proc.exe() or "").removesuffix(" (deleted)")
         cmdline = proc.cmdline()
     except (psutil.Error, OSError):
