@@ -23,7 +23,6 @@ and a refusal to start is one line, `error [reason]: sentence`, with the reason 
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import logging
 import os
@@ -45,6 +44,7 @@ from daemon.core.errors import StokerError
 from daemon.core.events import EventBus
 from daemon.core.machines import EffectDriver, MachineRunner
 from daemon.core.paths import StokerPaths
+from daemon.core.pidlock import LockHeld, take_pid_lock, write_pid
 from daemon.core.store_keeper import serve_store_keeper
 from daemon.backends import load_backends
 from daemon.backends.registry import try_order
@@ -94,24 +94,18 @@ def data_dir_unwritable(path: Path, exc: OSError) -> StokerError:
 def acquire_lock(path: Path) -> int:
     """Hold an exclusive flock on `path` for the daemon's life; refuse if another holds it."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = take_pid_lock(path)
+    except LockHeld as held:
+        raise StokerError(
+            ReasonCode.DAEMON_ALREADY_RUNNING,
+            f"Another Stoker daemon (pid {held.holder or '?'}) already runs for {path.parent}; "
+            f"use `stoker status`, or `stoker shutdown` to stop it.",
+            {"pid": held.holder, "lock": str(path)},
+        ) from None
     except OSError as exc:
         raise data_dir_unwritable(path, exc) from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 64).decode(errors="replace").strip()
-        os.close(fd)
-        raise StokerError(
-            ReasonCode.DAEMON_ALREADY_RUNNING,
-            f"Another Stoker daemon (pid {holder or '?'}) already runs for {path.parent}; "
-            f"use `stoker status`, or `stoker shutdown` to stop it.",
-            {"pid": holder, "lock": str(path)},
-        ) from None
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        write_pid(fd)
     except OSError as exc:  # a full disk: the lock holds without the pid written in it
         log.warning("cannot record the daemon's pid in %s: %s", path, exc)
     return fd

@@ -11,7 +11,6 @@ docs/scale-out.md.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import sys
@@ -30,6 +29,7 @@ from daemon.config.workers import worker_bind_problems
 from daemon.core.errors import StokerError
 from daemon.core.machines import MachineRunner
 from daemon.core.paths import StokerPaths
+from daemon.core.pidlock import LockHeld, take_pid_lock, write_pid
 from daemon.workers.rpc_wire import read_workers
 from daemon.workers.server import choose_bundle
 from daemon.workers.service import MACHINE_ID, WorkerService
@@ -54,20 +54,15 @@ def worker(ctx: click.Context) -> None:
 def hold_worker_lock(path: Path) -> int:
     """One `stoker worker` per data directory: an flock held for its life (the kernel drops it
     with the process)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 64).decode(errors="replace").strip()
-        os.close(fd)
+        fd = take_pid_lock(path)
+    except LockHeld as held:
         raise StokerError(
             ReasonCode.DAEMON_ALREADY_RUNNING,
-            f"Another `stoker worker` (pid {holder or '?'}) already runs for {path.parent}.",
-            {"pid": holder, "lock": str(path)},
+            f"Another `stoker worker` (pid {held.holder or '?'}) already runs for {path.parent}.",
+            {"pid": held.holder, "lock": str(path)},
         ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    write_pid(fd)
     return fd
 
 
