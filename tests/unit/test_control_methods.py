@@ -66,6 +66,10 @@ STATUS_KEYS = {
     "max_loaded",
     "pulls",
     "installs",
+    "engine",
+    "workers",
+    "memory_caps",
+    "remotes",
 }
 
 
@@ -127,6 +131,7 @@ class FakeMember:
         return 0.0
 
     slots_saved: int | None = None
+    occupies: bool = False  # counts against the memory caps (daemon/fleet/room.py): not here
 
     def idle_facts(self) -> IdleFacts:
         return IdleFacts(self.name, self.state, self.served.idle_ttl_s)
@@ -136,12 +141,28 @@ class FakeMember:
         return ("launch", "fallback") if self.name == "default" else (f"launch:{self.name}", f"fallback:{self.name}")
 
 
+class FakeEngineUpdates:
+    """The engine update service (daemon/install/update.py): one engine in its slot, none kept."""
+
+    def slot_status(self, backend: str, variant: str) -> dict[str, Any]:
+        slot = f"{backend}-{variant}"
+        return {"slot": slot, "version": "b11434", "previous": None, "update_state": None, "update_reason": None}
+
+
+class FakeRemotes:
+    """No model served by an external endpoint (daemon/fleet/remote.py)."""
+
+    def serving(self) -> tuple[()]:
+        return ()
+
+
 @attrs.define
 class FakeFleet:
     """The fleet of one model: the default."""
 
     members: list[FakeMember]
     loads: list[str] = attrs.field(factory=list)
+    remotes: "FakeRemotes" = attrs.field(factory=lambda: FakeRemotes())
 
     @property
     def default(self) -> FakeMember:
@@ -197,6 +218,10 @@ class FakeDaemon:
 
     def probe_verdicts(self) -> dict[str, dict[str, Any]]:
         return {"cpu": {"usable": True, "reason": None, "generation": 3, "devices": []}}
+
+    @property
+    def engine_updates(self) -> "FakeEngineUpdates":
+        return FakeEngineUpdates()
 
     def store_health(self) -> StoreHealth:
         return StoreHealth(True, None, None, None, 0)
