@@ -133,6 +133,16 @@ def stream_cut_event(exc: Exception) -> bytes:
     return b"data: " + json.dumps({"error": {**error, "param": None, "code": "engine_stream_cut"}}).encode() + b"\n\n"
 
 
+async def first_bytes(response: EngineAnswer, sse: bool) -> tuple[bytes, AsyncIterator[bytes]]:
+    """The answer's first bytes (a stream's first whole event, or all it sent before it ended)
+    and the iterator of the rest: nothing reaches the client before them."""
+    chunks = response.aiter_raw()
+    first = await anext(chunks, b"")
+    while sse and first and b"\n\n" not in first and (more := await anext(chunks, b"")):
+        first += more
+    return first, chunks
+
+
 async def relay(
     request: Request, response: EngineAnswer, sse: bool, first: bytes, chunks: AsyncIterator[bytes]
 ) -> None:
@@ -269,10 +279,7 @@ class FrontDoor:
                 with trio.CancelScope(shield=True):
                     await stack.aclose()
                 return self._remote_refused(request, remote, verdict, said(refusal), response.status_code)
-            chunks = response.aiter_raw()
-            first = await anext(chunks, b"")
-            while sse and first and b"\n\n" not in first and (more := await anext(chunks, b"")):
-                first += more
+            first, chunks = await first_bytes(response, sse)
         except BaseException as exc:
             with trio.CancelScope(shield=True):
                 await stack.aclose()  # cancelled (the client left): the endpoint's connection closed
@@ -328,12 +335,8 @@ class FrontDoor:
                 response = await stack.enter_async_context(
                     engine.forward(method, path, content=content, headers=headers, streamed=sse)
                 )
-                # Nothing reaches the client before the answer's first bytes (a stream's first whole
-                # event): an answer the engine began and lost before them is still no answer.
-                chunks = response.aiter_raw()
-                first = await anext(chunks, b"")
-                while sse and first and b"\n\n" not in first and (more := await anext(chunks, b"")):
-                    first += more
+                # An answer the engine began and lost before its first bytes is still no answer.
+                first, chunks = await first_bytes(response, sse)
             except BaseException as exc:
                 with trio.CancelScope(shield=True):
                     await stack.aclose()  # cancelled (the client left): the engine's connection closed, it stops
