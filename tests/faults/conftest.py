@@ -2,4 +2,4 @@
 
 from __future__ import annotations
 
-from tests.integration.conftest import big_model, daemon, fault_server, model, tiny_bytes  # noqa: F401  (fixtures shared as they are)
+from tests.integration.conftest import big_model, daemon, fault_server, model, tiny_bytes, two_workers  # noqa: F401  (fixtures shared as they are)

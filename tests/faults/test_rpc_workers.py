@@ -11,22 +11,9 @@ import sys
 import threading
 
 import psutil
-import pytest
 
 from tests.integration.daemon_harness import tiny_config, write_config
 from tests.integration.rpc_workers import WorkerProcess, complete, workers_config
-
-
-@pytest.fixture
-def two_workers(tmp_path, cpu_bundle):
-    started = [WorkerProcess(tmp_path / f"worker{i}", cpu_bundle).start() for i in (1, 2)]
-    try:
-        for w in started:
-            w.wait_serving()
-        yield started
-    finally:
-        for w in started:
-            w.stop()
 
 
 def _placed_on(addresses: list[str]):

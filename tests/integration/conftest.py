@@ -46,6 +46,21 @@ def daemon(stoker_home, installed_cpu_bundle, model):
     assert not leftovers, f"servers left behind: {[p.pid for p in leftovers]}"
 
 
+@pytest.fixture
+def two_workers(tmp_path, cpu_bundle):
+    """Two real RPC workers (`stoker worker` on loopback, each its own home), serving; stopped after."""
+    from tests.integration.rpc_workers import WorkerProcess
+
+    started = [WorkerProcess(tmp_path / f"worker{i}", cpu_bundle).start() for i in (1, 2)]
+    try:
+        for w in started:
+            w.wait_serving()
+        yield started
+    finally:
+        for w in started:
+            w.stop()
+
+
 # --- the pull tests' models (tests/integration/test_pull.py, tests/faults/test_pulls.py) ---
 
 
