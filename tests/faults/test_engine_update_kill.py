@@ -10,6 +10,7 @@ that instant leaves it (the slot renamed to `.previous`, the staged tree not yet
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -50,6 +51,35 @@ def start(daemon: DaemonProcess, model: Path) -> dict:
     write_config(daemon.paths, tiny_config(model, snapshots=True))
     daemon.start()
     return daemon.wait_state("ready")
+
+
+@contextlib.contextmanager
+def update_at_switching(daemon: DaemonProcess, cpu_bundle: Path, tmp_path: Path, variant: str, old: str):
+    """The update machine as a daemon killed at the switch leaves it: the candidate (`old`.1)
+    staged, its tokens compared, the Switch under way. Yields the machine's runner (the store
+    closed after), the staged tree and the old and new engines' digests."""
+    slot = f"cpu-{variant}"
+    bundles = daemon.paths.bundles_dir
+    good = repack(cpu_bundle, tmp_path / "good.zip", version=f"{old}.1")
+    staging = bundles / f".update-{slot}" / "bundle"
+    unpack_bundle(good, staging)
+    old_digest, new_digest = bundle_digest(bundles / slot), bundle_digest(staging)
+    assert old_digest and new_digest
+    store = open_store(daemon.paths.db_file)
+    try:
+        runner = MachineRunner(U.ENGINE_UPDATE, U.machine_id("cpu", variant), store)
+        tokens = (1, 2, 3)
+        for event in (
+            R.UpdateRequested("cpu", variant, bundle=str(good)),
+            R.Resolved(R.BundleFacts(old, old_digest), R.Candidate(f"{old}.1", new_digest, good.as_uri())),
+            R.Staged(R.BundleFacts(f"{old}.1", new_digest), str(staging), tokens),
+            R.TokensCompared(tokens),
+        ):
+            runner.fire(event)
+        assert runner.state is R.UpdateState.SWITCHING
+        yield runner, staging, old_digest, new_digest
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("killed_in", ["staging", "comparing", "restarting"])
@@ -98,27 +128,10 @@ def test_a_kill_between_the_switch_renames_serves_the_old_engine_then_completes(
     variant = installed_cpu_bundle.meta.variant
     slot, old = f"cpu-{variant}", installed_cpu_bundle.meta.version
     bundles = daemon.paths.bundles_dir
-    good = repack(cpu_bundle, tmp_path / "good.zip", version=f"{old}.1")
-    staging = bundles / f".update-{slot}" / "bundle"
-    unpack_bundle(good, staging)
-    old_digest, new_digest = bundle_digest(bundles / slot), bundle_digest(staging)
-    assert old_digest and new_digest
-
     # The update machine as the killed daemon left it: tokens compared, the Switch under way.
-    store = open_store(daemon.paths.db_file)
-    runner = MachineRunner(U.ENGINE_UPDATE, U.machine_id("cpu", variant), store)
-    tokens = (1, 2, 3)
-    for event in (
-        R.UpdateRequested("cpu", variant, bundle=str(good)),
-        R.Resolved(R.BundleFacts(old, old_digest), R.Candidate(f"{old}.1", new_digest, good.as_uri())),
-        R.Staged(R.BundleFacts(f"{old}.1", new_digest), str(staging), tokens),
-        R.TokensCompared(tokens),
-    ):
-        runner.fire(event)
-    assert runner.state is R.UpdateState.SWITCHING
-    store.close()
-    # ...and promote's first rename done, its second not: no slot, the old engine as `.previous`.
-    (bundles / slot).rename(bundles / (slot + PREVIOUS))
+    with update_at_switching(daemon, cpu_bundle, tmp_path, variant, old) as (_, _, old_digest, new_digest):
+        # ...and promote's first rename done, its second not: no slot, the old engine as `.previous`.
+        (bundles / slot).rename(bundles / (slot + PREVIOUS))
     serving = find_installed(daemon.paths, "cpu", variant)
     assert serving is not None and serving.meta.version == old  # never neither
 
@@ -159,24 +172,10 @@ def test_a_daemon_restarted_in_the_restart_step_leaves_a_model_the_user_stopped_
     daemon.kill9()
 
     # The update as the killed daemon left it: switched to the new engine, restarting both.
-    good = repack(cpu_bundle, tmp_path / "good.zip", version=f"{old}.1")
-    staging = bundles / f".update-{slot}" / "bundle"
-    unpack_bundle(good, staging)
-    old_digest, new_digest = bundle_digest(bundles / slot), bundle_digest(staging)
-    store = open_store(daemon.paths.db_file)
-    runner = MachineRunner(U.ENGINE_UPDATE, U.machine_id("cpu", variant), store)
-    tokens = (1, 2, 3)
-    for event in (
-        R.UpdateRequested("cpu", variant, bundle=str(good)),
-        R.Resolved(R.BundleFacts(old, old_digest), R.Candidate(f"{old}.1", new_digest, good.as_uri())),
-        R.Staged(R.BundleFacts(f"{old}.1", new_digest), str(staging), tokens),
-        R.TokensCompared(tokens),
-    ):
-        runner.fire(event)
-    promote(staging, bundles, slot=slot)
-    runner.fire(R.Switched((R.ServerBaseline("alpha", None, None), R.ServerBaseline("beta", None, None))))
-    assert runner.state is R.UpdateState.RESTARTING
-    store.close()
+    with update_at_switching(daemon, cpu_bundle, tmp_path, variant, old) as (runner, staging, _, _):
+        promote(staging, bundles, slot=slot)
+        runner.fire(R.Switched((R.ServerBaseline("alpha", None, None), R.ServerBaseline("beta", None, None))))
+        assert runner.state is R.UpdateState.RESTARTING
 
     daemon.start()
     done = wait_update(daemon, slot, RESTING)
