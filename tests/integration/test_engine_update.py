@@ -264,7 +264,11 @@ def test_the_automatic_check_updates_from_the_manifest_by_itself(daemon, model, 
     write_config(daemon.paths, tiny_config(model) + engine)
     daemon.start()
     st = daemon.wait_for(
-        lambda s: s["state"] == "ready" and (s.get("engine") or {}).get("version") == new_version,
+        lambda s: (
+            s["state"] == "ready"
+            and (s.get("engine") or {}).get("version") == new_version
+            and s["engine"]["update_state"] == "updated"
+        ),  # the slot switches before the gates end
         timeout=180,
         what="the automatic update",
     )
