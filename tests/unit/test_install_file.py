@@ -44,7 +44,8 @@ def test_without_a_daemon_the_install_machine_runs_here(tmp_path, paths):
     assert find_installed(paths, "cpu", "avx2") is not None
     record, states = machine(paths, "cpu-avx2")
     assert record.state == "installed"
-    assert states[-3:] == ["validating", "smoke_testing", "installed"]  # the daemon's steps, recorded
+    # The daemon's steps, recorded; installed only once the slot holds it (promoting first).
+    assert states[-4:] == ["validating", "smoke_testing", "promoting", "installed"]
     assert any("no daemon runs" in line for line in lines)
     os.close(acquire_lock(paths.lock_file))  # released: a daemon may start now
     assert sorted(p.name for p in paths.bundles_dir.iterdir()) == ["cpu-avx2"]  # no staging left
