@@ -11,6 +11,7 @@ from daemon.backends.base import Detection
 from daemon.bundles.metadata import BundleMeta
 from daemon.core.digests import sha256_file
 from daemon.core.errors import StokerError
+from states.launch_records import CPU_BACKEND
 from states.reasons import ReasonCode
 
 
@@ -49,7 +50,7 @@ def smoke_skip(enabled: bool, asked: bool | None, meta: BundleMeta, detection: D
         return "not asked for this local bundle (stoker bundle install --smoke asks)"
     if meta.smoke is None or meta.smoke.tokens is None:
         return "the bundle records no smoke reference"
-    if meta.backend != "cpu" and (detection is None or not detection.usable):
+    if meta.backend != CPU_BACKEND and (detection is None or not detection.usable):
         return f"no usable {meta.backend} device was detected to run it on"
     return None
 
