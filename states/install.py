@@ -31,10 +31,26 @@ later steps start again from a clean staging directory, promoting re-sends `Prom
 from __future__ import annotations
 
 import enum
+import typing
 from typing import Any
 
 import attrs
 
+from states.install_effects import (
+    BuildBundle,
+    CheckToolchain,
+    CleanStaging,
+    Download,
+    Effect,
+    FindCachedBuild,
+    Promote,
+    Resolve,
+    SmokeTest,
+    Unpack,
+    ValidateBundle,
+    VerifyArchive,
+)
+from states.install_slot import Offer, Rejection, SlotBundle, SlotWriter, offer_facts, offer_verdict
 from states.install_sources import (
     CHAIN,
     REFUSALS,
@@ -46,20 +62,6 @@ from states.install_sources import (
     sources_of,
     tries_of,
 )
-from states.install_effects import (
-    Resolve,
-    FindCachedBuild,
-    CheckToolchain,
-    BuildBundle,
-    Download,
-    VerifyArchive,
-    CleanStaging,
-    Unpack,
-    ValidateBundle,
-    SmokeTest,
-    Promote,
-)
-from states.install_slot import Offer, Rejection, SlotBundle, SlotWriter, offer_facts, offer_verdict
 from states.machine import STAY, Guarded, MachineSpec, Rule, Step, guarded
 from states.reasons import ReasonCode
 
@@ -467,19 +469,7 @@ INSTALL = MachineSpec(
         "build): resolve, download, verify, unpack, validate, smoke-test, promote; the slot's record, which "
         "engine updates and rollbacks change too."
     ),
-    effect_types=(
-        Resolve,
-        FindCachedBuild,
-        CheckToolchain,
-        BuildBundle,
-        Download,
-        VerifyArchive,
-        CleanStaging,
-        Unpack,
-        ValidateBundle,
-        SmokeTest,
-        Promote,
-    ),
+    effect_types=typing.get_args(Effect),
 )
 
 

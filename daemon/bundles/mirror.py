@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 import attrs
 
 from daemon.bundles.installed import bundle_meta_of
-from daemon.bundles.metadata import MANIFEST_SCHEMA_VERSION, BundleManifest, BundleMeta, format_timestamp
+from daemon.bundles.metadata import MANIFEST_SCHEMA_VERSION, BundleManifest, BundleMeta, ManifestEntry, format_timestamp
 from daemon.core.digests import fsync_dir, sha256_file
 from daemon.core.errors import StokerError
 from daemon.core.signing import Envelope, SignatureError, SigningKey, sign_envelope
@@ -72,20 +72,17 @@ class PublishResult:
 def entry_for(meta: BundleMeta, sha256: str, size: int) -> dict[str, Any]:
     """A manifest entry for a bundle (url relative to the manifest): every fact of bundle.json a
     daemon chooses by before downloading (backend, variant, platform, driver floor, archs)."""
-    entry: dict[str, Any] = {
-        "url": f"{BUNDLES_DIR}/{sha256}.zip",
-        "sha256": sha256,
-        "size": size,
-        "backend": meta.backend,
-        "variant": meta.variant,
-        "version": meta.version,
-        "platform": meta.platform,
-    }
-    if meta.min_driver is not None:
-        entry["min_driver"] = meta.min_driver
-    if meta.cuda_archs:
-        entry["cuda_archs"] = list(meta.cuda_archs)
-    return entry
+    return ManifestEntry(
+        url=f"{BUNDLES_DIR}/{sha256}.zip",
+        sha256=sha256,
+        size=size,
+        backend=meta.backend,
+        variant=meta.variant,
+        version=meta.version,
+        platform=meta.platform,
+        min_driver=meta.min_driver,
+        cuda_archs=tuple(meta.cuda_archs),
+    ).to_dict()
 
 
 def read_previous(directory: Path) -> tuple[dict[str, Any] | None, Envelope | None]:
