@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import enum
 import re
+import typing
 from typing import Any
 
 import attrs
@@ -46,6 +47,7 @@ from states.engine_update_records import (
     Candidate,
     CleanStaging,
     CompareTokens,
+    Effect,
     Gate,
     GateFailed,
     Outcome,
@@ -59,8 +61,8 @@ from states.engine_update_records import (
     RollbackRequested,
     RolledBack,
     ServerBaseline,
-    ServerVerdict,
     ServersRestarted,
+    ServerVerdict,
     Stage,
     Staged,
     Switch,
@@ -383,7 +385,7 @@ ENGINE_UPDATE = MachineSpec(
         "new engines' tokens here, switch, restart what ran on it; roll back by itself when a server does not get "
         "ready or offloads nothing where it did, or by hand."
     ),
-    effect_types=(Resolve, CleanStaging, Stage, CompareTokens, Switch, RestartServers, RollBack, Relaunch),
+    effect_types=typing.get_args(Effect),
 )
 
 
