@@ -325,6 +325,15 @@ def format_timestamp(at: float) -> str:
     return datetime.datetime.fromtimestamp(int(at), datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def release_key(entry: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What one manifest entry stands for: a release of one backend, variant and platform, and
+    for CUDA its architecture family (each family is its own bundle of the same release, so that
+    a daemon picks the one covering its GPU). A manifest lists each once; publishing one again
+    replaces it."""
+    archs = entry.get("cuda_archs") or ()
+    return (entry.get("backend"), entry.get("variant"), entry.get("platform"), entry.get("version"), tuple(archs))
+
+
 @attrs.frozen
 class BundleManifest:
     """The list of published bundles that the downloader resolves against.
@@ -348,7 +357,7 @@ class BundleManifest:
         bundles = tuple(ManifestEntry.from_dict(b, base) for b in _get(data, "bundles", list))
         seen = set()
         for b in bundles:
-            key = (b.backend, b.variant, b.platform, b.version)
+            key = release_key(attrs.asdict(b, recurse=False))
             if key in seen:
                 raise _bad("the manifest lists the same bundle twice", bundle=list(key))
             seen.add(key)

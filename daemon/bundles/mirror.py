@@ -10,7 +10,7 @@ bytes, so a cache or a half-synced mirror cannot serve a stale zip under a curre
 writes the manifest last, atomically: a client never sees a manifest naming a zip not there yet.
 Entry URLs are relative to the manifest, so the directory can be served from anywhere (a web
 server, a release page, a file:// path). Publishing into an existing mirror keeps its other
-entries (same backend, variant, platform and version: replaced) and raises the version past the
+entries (the same release, `release_key`: replaced) and raises the version past the
 previous one, which daemons that accepted it require (docs/mirror.md).
 """
 
@@ -26,7 +26,14 @@ from typing import Any, Callable, Iterable
 import attrs
 
 from daemon.bundles.installed import bundle_meta_of
-from daemon.bundles.metadata import MANIFEST_SCHEMA_VERSION, BundleManifest, BundleMeta, ManifestEntry, format_timestamp
+from daemon.bundles.metadata import (
+    MANIFEST_SCHEMA_VERSION,
+    BundleManifest,
+    BundleMeta,
+    ManifestEntry,
+    format_timestamp,
+    release_key,
+)
 from daemon.core.digests import fsync_dir, sha256_file
 from daemon.core.errors import StokerError
 from daemon.core.signing import Envelope, SignatureError, SigningKey, sign_envelope
@@ -154,10 +161,7 @@ def publish_mirror(
             os.replace(tmp, target)
             added.append(entry["url"])
             progress(f"added {entry['url']} ({meta.backend}-{meta.variant} {meta.version}, {size} bytes)")
-        key_of = (meta.backend, meta.variant, meta.platform, meta.version)
-        entries = [
-            e for e in entries if (e.get("backend"), e.get("variant"), e.get("platform"), e.get("version")) != key_of
-        ]
+        entries = [e for e in entries if release_key(e) != release_key(entry)]
         entries.append(entry)
     fsync_dir(store)
     expires = format_timestamp(clock() + expires_days * 86400)
@@ -197,14 +201,15 @@ def publish_mirror(
 
 
 def newest_cached_zips(results: Iterable[Any]) -> list[Path]:
-    """One zip per (backend, variant, platform, version) from the build cache's entries
-    (`build.cached_builds`): the highest builder revision, then the newest file."""
-    best: dict[tuple[str, str, str, str], tuple[tuple[int, float], Path]] = {}
+    """One zip per release (`release_key`: backend, variant, platform, version, CUDA family) from
+    the build cache's entries (`build.cached_builds`): the highest builder revision, then the
+    newest file."""
+    best: dict[tuple[Any, ...], tuple[tuple[int, float], Path]] = {}
     for result in results:
         meta = result.meta
         revision = meta.build.get("builder_revision")
         rank = (revision if isinstance(revision, int) else 0, Path(result.zip_path).stat().st_mtime)
-        key = (meta.backend, meta.variant, meta.platform, meta.version)
+        key = release_key(attrs.asdict(meta, recurse=False))
         if key not in best or rank > best[key][0]:
             best[key] = (rank, Path(result.zip_path))
     return [path for _, path in sorted(best.values(), key=lambda item: str(item[1]))]

@@ -25,6 +25,7 @@ from daemon.bundles.metadata import BundleManifest, ManifestEntry
 from daemon.bundles.variants import host_platform
 from daemon.core.errors import StokerError
 from daemon.install.trust import ManifestTrust
+from states.engine_update import version_key
 from states.reasons import ReasonCode
 
 MANIFEST_ENV = "STOKER_MANIFEST_URL"
@@ -87,11 +88,31 @@ def choose_entry(
     detection: Detection | None = None,
     plugin: Backend | None = None,
     platform: str | None = None,
+    keep_archs: tuple[str, ...] | None = None,
 ) -> ManifestEntry:
     """The manifest entry for this backend that fits the detected hardware (driver floor,
-    CUDA architectures vs compute capability, ...), the backend's own variant choice first."""
+    CUDA architectures vs compute capability, ...), the backend's own variant choice first, of
+    the newest release that has one.
+
+    `keep_archs`, an update's: the CUDA architectures of the bundle installed now. Only entries
+    built for all of them fit (the same family first, then a wider one): a mirror offering each
+    family as its own bundle never swaps a machine's family for another on an update."""
     platform = platform or host_platform()
     entries = manifest.select(backend, platform, variant)
+    if entries and keep_archs:
+        covering = [e for e in entries if set(keep_archs) <= set(e.cuda_archs)]
+        if not covering:
+            raise StokerError(
+                ReasonCode.BUNDLE_MISSING,
+                f"The manifest lists no {backend} bundle built for the installed one's CUDA architectures "
+                f"({';'.join(keep_archs)}).",
+                {
+                    "backend": backend,
+                    "installed_archs": list(keep_archs),
+                    "listed": [list(e.cuda_archs) for e in entries],
+                },
+            )
+        entries = tuple(sorted(covering, key=lambda e: tuple(e.cuda_archs) != tuple(keep_archs)))
     if not entries:
         raise StokerError(
             ReasonCode.BUNDLE_MISSING,
@@ -127,4 +148,5 @@ def choose_entry(
             f"No {backend} bundle in the manifest fits this machine.",
             {"backend": backend, "platform": platform, "refused": refused},
         )
-    return fitting[0]
+    # A mirror keeps its earlier releases: the newest fitting one, the first listed among equals.
+    return max(fitting, key=lambda e: version_key(e.version))

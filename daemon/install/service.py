@@ -347,7 +347,13 @@ class InstallService:
         if entry is None:  # resumed after a restart: find it again in the manifest
             data: I.InstallData = runner.data
             manifest = await load_manifest(self.manifest_source(), self.trust)
-            entry = choose_entry(manifest, data.backend, variant=data.variant)
+            entry = choose_entry(
+                manifest,
+                data.backend,
+                variant=data.variant,
+                detection=self._detections.get(runner.machine_id),
+                plugin=self.backends.get(data.backend),
+            )
             self._entries[runner.machine_id] = entry
         return entry
 

@@ -32,7 +32,7 @@ from urllib.parse import unquote, urlparse
 import attrs
 import trio
 
-from daemon.bundles.installed import PREVIOUS, bundle_meta_of, promote
+from daemon.bundles.installed import PREVIOUS, bundle_meta_of, find_installed, promote
 from daemon.config.engine import EngineConfig
 from daemon.core.errors import StokerError
 from daemon.core.machines import EffectDriver, MachineRunner, Publish
@@ -348,7 +348,8 @@ class EngineUpdateService:
                 {"channel": channel, "channels": sorted(self.settings().channels)},
             )
         manifest = await load_manifest(source, self.installs.trust)
-        entry = choose_entry(manifest, backend, variant=variant)
+        kept = await trio.to_thread.run_sync(find_installed, self.paths, backend, variant)
+        entry = choose_entry(manifest, backend, variant=variant, keep_archs=kept.meta.cuda_archs if kept else None)
         return installed, UR.Candidate(entry.version, entry.sha256, entry.url, entry.sha256, entry.size, entry.origin)
 
     async def _clean_staging(self, effect: UR.CleanStaging, runner: MachineRunner) -> None:

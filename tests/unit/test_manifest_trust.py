@@ -217,3 +217,24 @@ def test_trusted_keys_are_checked_when_the_config_is_read(key):
     assert err.value.problems[0].startswith("bundles.trusted_keys:")
     with pytest.raises(ConfigError):
         parse_config(f'[bundles]\ntrusted_keys = "{key.public_text}"\n')
+
+
+def test_a_mirror_offers_every_cuda_family_of_one_release_side_by_side(tmp_path, key):
+    """Two CUDA bundles of one release, built for different architecture families, are two
+    entries: a daemon picks the one that covers its GPU's compute capability. Republishing one
+    family replaces only that family's entry."""
+    families = {"turing-ampere": ("75-real", "80-real", "86-real"), "ada-hopper": ("89-real", "90-real")}
+    zips = {
+        name: make_bundle_zip(tmp_path, f"{name}.zip", backend="cuda", cuda_archs=archs, min_driver="580.65.06")
+        for name, archs in families.items()
+    }
+    mirror = tmp_path / "mirror"
+    result = publish_mirror(mirror, list(zips.values()), key, clock=lambda: NOW)
+    assert [tuple(e["cuda_archs"]) for e in result.entries] == list(families.values())
+    rebuilt = make_bundle_zip(tmp_path / "again", "ada.zip", backend="cuda", cuda_archs=families["ada-hopper"])
+    result = publish_mirror(mirror, [rebuilt], key, clock=lambda: NOW)
+    assert [tuple(e["cuda_archs"]) for e in result.entries] == list(families.values())
+    assert result.entries[1]["sha256"] != result.entries[0]["sha256"] and result.added
+    trust = ManifestTrust((key.public_text,), clock=lambda: NOW)
+    manifest = trust.admit(str(mirror / "manifest.json"), (mirror / "manifest.json").read_bytes()).manifest
+    assert [b.cuda_archs for b in manifest.bundles] == list(families.values())
