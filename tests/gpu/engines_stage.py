@@ -38,6 +38,14 @@ def vulkan_env(work: Path, carry: Path) -> dict[str, str]:
         for name in ("libvulkan.so", "libvulkan.so.1"):
             if (lib / name).exists() and not (usr / "lib" / name).exists():
                 (usr / "lib" / name).symlink_to(lib / name)
+    # Debian 12's headers (1.3.239) are older than the pinned engine needs (VK_EXT_layer_settings):
+    # Debian 13's (1.4.309, what ./dev fetches) travel as a tarball; the builder takes them
+    # through STOKER_VULKAN_HEADERS, the carried loader stays.
+    headers = work / "vk-headers" / "1.4.309"
+    tarball = carry / "vulkan-headers-1.4.309.tar.xz"
+    if tarball.is_file() and not (headers / "vulkan" / "vulkan_core.h").exists():
+        headers.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["tar", "-C", str(headers.parent), "-xJf", str(tarball)], check=True)
     env = {
         "VULKAN_SDK": str(usr),
         "CMAKE_PREFIX_PATH": str(usr),
@@ -45,6 +53,8 @@ def vulkan_env(work: Path, carry: Path) -> dict[str, str]:
         # glslc needs libshaderc; the engine needs the loader (libvulkan.so.1).
         "LD_LIBRARY_PATH": str(usr / "lib" / "x86_64-linux-gnu"),
     }
+    if (headers / "vulkan" / "vulkan_core.h").exists():
+        env["STOKER_VULKAN_HEADERS"] = str(headers)
     icd = next((p for p in ICD_CANDIDATES if Path(p).is_file()), None)
     if icd is None:
         found = glob.glob("/usr/**/nvidia_icd*.json", recursive=True)

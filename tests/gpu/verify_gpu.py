@@ -385,6 +385,18 @@ def bundle_zips() -> tuple[Path | None, Path | None]:
     return found[0], found[1]
 
 
+def built_zip(kind: str) -> Path | None:
+    """The zip this machine's background build made for `kind`, if it did."""
+    built = json.loads((WORK / "build.json").read_text()) if (WORK / "build.json").exists() else {}
+    doc = built.get(kind) or {}
+    if "stdout" in doc and "ok" not in doc:
+        try:
+            doc = {**doc, **json.loads(doc["stdout"])}
+        except ValueError:
+            pass
+    return Path(doc["zip"]) if doc.get("ok") and doc.get("zip") else None
+
+
 # --- helpers for the daemon stages ----------------------------------------------------
 
 
@@ -1660,6 +1672,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 grep=grep,
             ),
         )
+    if "mirror" in only:  # a signed mirror's first run and engine updates on CUDA (issue 15)
+        from tests.gpu.mirror_stage import st_mirror
+
+        stage("mirror", lambda: st_mirror(homes, cuda_zip, cpu_zip, tiny))
+    if "speed" in only:  # CUDA vs Vulkan vs CPU on one multi-GB model; the fitter through the daemon
+        from tests.gpu.mirror_stage import st_speed
+
+        stage("speed", lambda: st_speed(homes, cuda_zip, cpu_zip, built_zip("vulkan"), args.speed_gib))
     if want("figures"):
         if GEMMA.exists():
             stage("figures", lambda: st_figures(homes, GEMMA, args.runs))
@@ -1714,6 +1734,7 @@ def main() -> int:
         p.add_argument("--runs", type=int, default=5)
         p.add_argument("--build-timeout", type=float, default=480)
         p.add_argument("--bring-bundles", action="store_true")
+        p.add_argument("--speed-gib", type=float, default=2.0, help="the speed stage's model size")
         p.add_argument("--keep", action="store_true", help="merge into an earlier results.json")
     args = ap.parse_args()
     if args.cmd == "setup":
