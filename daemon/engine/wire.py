@@ -8,6 +8,9 @@ is made without a nursery. Measured against httpx on the 2-core test machine (a 
 of 7 events on a new connection each time): 1.7 -> 0.7 ms of CPU per request, 16 -> 10 µs per
 event (docs/frontdoor.md, "Design").
 
+A streamed answer's rest can be read in a worker thread (`EngineAnswer.pump`, blocking reads
+on its own connection): the front door's relay does so once the first event is out.
+
 Connections: a streamed request goes with `Connection: close` (llama-server closes after every
 streamed answer though its headers say keep-alive); other answers leave theirs in a small
 keep-alive pool per engine address, dropped after `KEEPALIVE_S` idle or when the engine closed it
@@ -23,11 +26,14 @@ SSLStream with the same four calls as `RelaySocket`), verified against certifi's
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import socket
 import ssl
+import struct
 import time
-from typing import AsyncIterator
+from functools import partial
+from typing import AsyncGenerator, Callable
 from urllib.parse import urlsplit
 
 import attrs
@@ -36,7 +42,7 @@ import httpx
 import trio
 
 from daemon.core.http import tls_context
-from daemon.core.relay_socket import RelaySocket
+from daemon.core.relay_socket import RelaySocket, run_in_worker
 
 # One read: an SSE event is ~250 bytes, a non-streamed answer a few KiB; a read takes what is there.
 READ_BYTES = 64 * 1024
@@ -45,6 +51,8 @@ READ_BYTES = 64 * 1024
 KEEPALIVE_S = 4.0
 # Idle connections kept per engine address (the rest are closed once their answer is over).
 POOL_SIZE = 16
+# Streams pumped in worker threads at once (`EngineAnswer.pump`); more are relayed in trio's thread.
+MAX_PUMPS = 64
 
 
 @attrs.frozen
@@ -189,14 +197,16 @@ class EngineAnswer:
         self.status_code = response.status_code
         self.headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in response.headers}
         self._chunked = "chunked" in self.headers.get("transfer-encoding", "").lower()
+        self._chunks: Dechunker | None = None  # a chunked body's decoding, once `aiter_raw` began it
+        self._interrupted = False
 
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
+    async def aiter_raw(self) -> AsyncGenerator[bytes, None]:
         """The body as it arrives: what each read brought, de-chunked (never buffered further)."""
         conn = self._conn
         if conn is None:
             return
         if self._chunked:  # the relay's own decoding; the connection is closed after it, never pooled
-            chunks = Dechunker()
+            chunks = self._chunks = Dechunker()
             data = conn.h11.trailing_data[0]
             while True:
                 if piece := chunks.feed(data):
@@ -227,6 +237,70 @@ class EngineAnswer:
                 yield bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
             parser.receive_data(await self._wire.receive(conn))
 
+    def pumpable(self) -> bool:
+        """The rest of the body can be read by `pump` in a worker thread: a chunked answer
+        (`aiter_raw` began decoding it) on a plain socket (a TLS one is read in trio's thread),
+        while fewer than `MAX_PUMPS` are (past them, trio's loop relays many events per pass)."""
+        conn = self._conn
+        return (
+            conn is not None
+            and self._chunks is not None
+            and isinstance(conn.stream, RelaySocket)
+            and self._wire.pumping < MAX_PUMPS
+        )
+
+    async def pump_to(self, write: Callable[[bytes], None]) -> None:
+        """`pump` in a worker thread (`run_in_worker`), interrupted if the caller is cancelled."""
+        self._wire.pumping += 1
+        try:
+            await run_in_worker(partial(self.pump, write), self.interrupt)
+        finally:
+            self._wire.pumping -= 1
+
+    def pump(self, write: Callable[[bytes], None]) -> None:
+        """In a worker thread, never trio's: the rest of a `pumpable` answer, where `aiter_raw`
+        left it, each read's data handed to `write` as it arrives, until the last chunk. The
+        socket blocks here, so a token's event costs one wake-up of this thread and no pass of
+        trio's scheduler (docs/frontdoor.md, "The data path"). Raises what `aiter_raw` raises
+        (`ReadTimeout` after `timeouts.read` of silence); returns early once `interrupt`ed."""
+        conn, chunks = self._conn, self._chunks
+        assert conn is not None and chunks is not None and isinstance(conn.stream, RelaySocket)
+        sock, timeout = conn.stream.sock, self._wire.timeouts.read
+        sock.setblocking(True)  # the answer's own connection: closed after it, never pooled
+        seconds, micro = int(timeout), max(1, int(timeout % 1 * 1e6))  # a zero timeval would never time out
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", seconds, micro))
+        try:
+            while not chunks.done:
+                try:
+                    data = sock.recv(READ_BYTES)
+                except BlockingIOError:
+                    raise httpx.ReadTimeout(f"the engine said nothing for {timeout:g} s") from None
+                except OSError as exc:
+                    if self._interrupted:
+                        return
+                    raise httpx.ReadError(f"the engine's connection broke: {exc}") from exc
+                if not data:
+                    if self._interrupted:
+                        return
+                    raise httpx.RemoteProtocolError("the engine's answer was cut: its connection closed midway")
+                if piece := chunks.feed(data):
+                    write(piece)
+        finally:
+            sock.setblocking(False)
+
+    def interrupt(self) -> None:
+        """From trio's thread: a `pump` under way returns soon (its blocked read wakes), and
+        the engine's connection is shut (the engine stops generating)."""
+        self._interrupted = True
+        conn = self._conn
+        if conn is not None and isinstance(conn.stream, RelaySocket):
+            with contextlib.suppress(OSError):
+                conn.stream.sock.shutdown(socket.SHUT_RDWR)
+
+    @property
+    def interrupted(self) -> bool:
+        return self._interrupted
+
     async def aclose(self) -> None:
         """Pool the connection if the answer was read whole and the engine keeps it; else close it."""
         conn, self._conn = self._conn, None
@@ -247,6 +321,7 @@ class EngineWire:
     timeouts: WireTimeouts = attrs.field(factory=WireTimeouts)
     tls: ssl.SSLContext | None = None  # https endpoints' context (None: certifi's CA bundle, made on first use)
     _idle: dict[_Address, list[_Connection]] = attrs.field(factory=dict)
+    pumping: int = 0  # answers being pumped in worker threads now (`EngineAnswer.pump_to`)
     _addresses: dict[str, _Address] = attrs.field(factory=dict)
 
     def address(self, base_url: str) -> _Address:

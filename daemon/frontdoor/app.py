@@ -25,7 +25,7 @@ import contextlib
 import ipaddress
 import json
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 import attrs
 import httpx
@@ -133,7 +133,7 @@ def stream_cut_event(exc: Exception) -> bytes:
     return b"data: " + json.dumps({"error": {**error, "param": None, "code": "engine_stream_cut"}}).encode() + b"\n\n"
 
 
-async def first_bytes(response: EngineAnswer, sse: bool) -> tuple[bytes, AsyncIterator[bytes]]:
+async def first_bytes(response: EngineAnswer, sse: bool) -> tuple[bytes, AsyncGenerator[bytes, None]]:
     """The answer's first bytes (a stream's first whole event, or all it sent before it ended)
     and the iterator of the rest: nothing reaches the client before them."""
     chunks = response.aiter_raw()
@@ -144,12 +144,13 @@ async def first_bytes(response: EngineAnswer, sse: bool) -> tuple[bytes, AsyncIt
 
 
 async def relay(
-    request: Request, response: EngineAnswer, sse: bool, first: bytes, chunks: AsyncIterator[bytes]
+    request: Request, response: EngineAnswer, sse: bool, first: bytes, chunks: AsyncGenerator[bytes, None]
 ) -> None:
     """The engine's answer to the client as it arrives: its status and content type, `first`
     (already read), then each piece the rest of `chunks` brings, one write each; a cut SSE
     stream ends with an error event, any other cut body aborts the client's connection (raised:
-    a truncated JSON body never looks complete)."""
+    a truncated JSON body never looks complete). A stream's rest is pumped from socket to
+    socket in a worker thread (`pump`) where both sides allow it."""
     kept = [
         (k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items() if k.lower() in KEPT_HEADERS
     ]
@@ -157,14 +158,27 @@ async def relay(
     send = request.send
     try:
         await send(first)
-        async for chunk in chunks:
-            await send(chunk)
+        if sse and response.pumpable() and request.pumpable():
+            await chunks.aclose()  # the answer's decoding goes on in `pump`, where it stopped
+            await pump(request, response)
+        else:
+            async for chunk in chunks:
+                await send(chunk)
     except httpx.TransportError as exc:
         if not sse:
             raise
         log.warning("the engine's stream was cut midway: %s", exc)
         await send(stream_cut_event(exc))
     await request.end()
+
+
+async def pump(request: Request, response: EngineAnswer) -> None:
+    """The rest of a stream, each read from the engine written to the client at once, in a
+    worker thread with blocking reads: a token's event is then one wake-up of that thread, not
+    a pass of trio's scheduler and the relay's coroutines, which cost ~3x the CPU on a machine
+    whose engine fills both cores (docs/frontdoor.md, "The data path"). A client that leaves
+    (`watching`) interrupts it: the engine's connection is shut, the thread returns."""
+    await response.pump_to(request.writer(lambda: response.interrupted))
 
 
 class FrontDoor:

@@ -30,7 +30,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import h11
 import trio
 
-from daemon.core.relay_socket import RelaySocket, accept_errors_to_retry
+from daemon.core.relay_socket import RelaySocket, accept_errors_to_retry, send_all_blocking
 from daemon.frontdoor.access import log_access
 from daemon.frontdoor.metrics import Exchange, RequestFigures
 from daemon.frontdoor.served import Caller, FrontDoorDaemon
@@ -137,6 +137,26 @@ class Request:
             if self.exchange is not None:
                 self.exchange.body_sent(data)
             await self._conn.send_all(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+
+    def pumpable(self) -> bool:
+        """`writer` can send this answer's body from a worker thread (a plain socket)."""
+        return self._started and isinstance(self._conn.stream, RelaySocket)
+
+    def writer(self, stopped: Callable[[], bool]) -> Callable[[bytes], None]:
+        """For a worker thread: `send`, as a plain call (each piece one write, framed as `send`
+        frames it), waiting while the client's window is full until `stopped()`; raises
+        ClientGone."""
+        sock, chunked, exchange = self._conn.stream.sock, self._chunked, self.exchange
+
+        def write(data: bytes) -> None:
+            if exchange is not None:
+                exchange.body_sent(data)
+            try:
+                send_all_blocking(sock, b"%x\r\n%b\r\n" % (len(data), data) if chunked else data, stopped)
+            except OSError as exc:
+                raise ClientGone(str(exc)) from exc
+
+        return write
 
     async def end(self) -> None:
         """The body is whole."""

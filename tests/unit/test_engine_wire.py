@@ -126,6 +126,54 @@ async def test_failures_are_the_transport_errors_the_front_door_handles(nursery)
             await ask(EngineClient(silent_url, None, httpx.AsyncClient(), wire=wire), b"{}", True)
 
 
+async def test_a_stream_pumped_in_a_worker_thread_ends_whole_cut_silent_or_interrupted(nursery):
+    """`pump` (the front door's relay of a stream's rest, in a worker thread) goes on where
+    `aiter_raw` stopped: each event as it arrives, the end; a cut and a silence raise what
+    `aiter_raw` raises; an interrupt (the client left) ends it at once and shuts the engine's
+    connection."""
+
+    async def paced(stream: trio.SocketStream, request: bytes) -> bool:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(4):
+            event = b"data: %d\n\n" % i
+            await stream.send_all(b"%x\r\n%s\r\n" % (len(event), event))
+            await trio.sleep(0.02)
+        tail = request.split(b"\r\n\r\n", 1)[1]
+        if tail == b"cut":
+            return False  # closed midway
+        if tail == b"silent":
+            await trio.sleep_forever()
+        await stream.send_all(b"0\r\n\r\n")
+        return False
+
+    url = await serve(nursery, paced, [])
+
+    async def pumped(body: bytes, interrupt_after: float | None = None) -> list[bytes]:
+        got: list[bytes] = []
+        async with EngineClient(url, None, httpx.AsyncClient(), wire=wire).forward(
+            "POST", "/x", content=body, streamed=True
+        ) as answer:
+            chunks = answer.aiter_raw()
+            got.append(await anext(chunks))
+            await chunks.aclose()
+            assert answer.pumpable()
+            with trio.move_on_after(interrupt_after if interrupt_after is not None else 5) as scope:
+                await answer.pump_to(got.append)
+            assert scope.cancelled_caught == (interrupt_after is not None)
+        return got
+
+    async with EngineWire(WireTimeouts(read=0.5)) as wire:
+        with trio.fail_after(5):
+            assert b"".join(await pumped(b"whole")) == b"".join(b"data: %d\n\n" % i for i in range(4))
+            with pytest.raises(httpx.RemoteProtocolError):
+                await pumped(b"cut")
+            with pytest.raises(httpx.ReadTimeout):
+                await pumped(b"silent")
+            began = trio.current_time()
+            assert len(await pumped(b"silent", interrupt_after=0.2)) == 4  # every event before the interrupt
+            assert trio.current_time() - began < 0.45  # not the read timeout: the interrupt woke it
+
+
 def test_chunked_bodies_decode_however_the_reads_split_them():
     events = [b'data: {"a": %d}\n\n' % i for i in range(12)]
     coded = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\nX-Trailer: t\r\n\r\n"

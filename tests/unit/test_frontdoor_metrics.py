@@ -474,6 +474,9 @@ class EngineHead:
     status_code: int = 200
     headers: dict[str, str] = attrs.field(factory=lambda: {"content-type": "text/event-stream"})
 
+    def pumpable(self) -> bool:
+        return False  # its chunks come from the test, not from an engine's socket
+
 
 async def test_answers_cut_midway_are_counted_by_reason(store):
     metrics = metrics_for(Daemon(store, None))
