@@ -3,9 +3,12 @@
 Called from tests/gpu/verify_gpu.py (`verify --only vulkan`). The Vulkan build needs Debian's
 headers, glslc and SPIR-V headers, and the engine needs the Vulkan loader: the machine has
 neither, so .gpu/debs carries them (libvulkan1, libvulkan-dev, glslc, libshaderc1,
-spirv-headers). `vulkan_env()` unpacks them under WORK/vk (never over /) and returns the
-environment the builder and the engine need; the loader is found through LD_LIBRARY_PATH
-and NVIDIA's driver through its ICD file.
+spirv-headers, vulkan-tools and its X11/Wayland client libraries, libglvnd0 and the GL/EGL
+dispatch packages), and Debian 13's newer Vulkan headers travel as
+.gpu/vulkan-headers-1.4.309.tar.xz. `vulkan_env()` unpacks them under WORK/vk and returns the
+environment the builder needs; `install_vulkan_runtime()` then puts the loader, libglvnd and
+vulkaninfo on the machine, as a user's `apt install libvulkan1 vulkan-tools` would, so that
+the daemon and in-process verification find the GPU with no special environment.
 """
 
 from __future__ import annotations
@@ -24,6 +27,24 @@ ICD_CANDIDATES = (
     "/usr/share/vulkan/icd.d/nvidia_icd.json",
     "/etc/vulkan/icd.d/nvidia_icd.json",
 )
+
+
+def install_vulkan_runtime(usr: Path) -> None:
+    """What a user with a Vulkan GPU has installed (`apt install libvulkan1 vulkan-tools`), put
+    on the machine itself (as root, once): the Khronos loader and vulkaninfo (the vulkan plugin's
+    detection runs it) from the carried packages, and libglvnd, which NVIDIA's ICD
+    (libGLX_nvidia.so.0) needs to hand out vkCreateInstance ("Found no drivers!" without it)."""
+    if os.geteuid() != 0 or Path("/usr/local/bin/vulkaninfo").exists():
+        return
+    lib = usr / "lib" / "x86_64-linux-gnu"
+    target = Path("/usr/lib/x86_64-linux-gnu")
+    for so in sorted(lib.glob("lib*.so*")):  # never over the machine's own libraries
+        if so.name.startswith(("libvulkan", "libGL", "libEGL", "libOpenGL", "libGLX", "libGLdispatch", "libGLES")):
+            if not (target / so.name).exists():
+                subprocess.run(["cp", "-a", str(so), str(target)], check=True)
+    if (usr / "bin" / "vulkaninfo").exists():
+        subprocess.run(["cp", str(usr / "bin" / "vulkaninfo"), "/usr/local/bin/vulkaninfo"], check=True)
+    subprocess.run(["ldconfig"], check=True)
 
 
 def vulkan_env(work: Path, carry: Path) -> dict[str, str]:
@@ -46,6 +67,10 @@ def vulkan_env(work: Path, carry: Path) -> dict[str, str]:
     if tarball.is_file() and not (headers / "vulkan" / "vulkan_core.h").exists():
         headers.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run(["tar", "-C", str(headers.parent), "-xJf", str(tarball)], check=True)
+    # Those headers replace the include directory: the SPIR-V headers (spirv-headers) go beside them.
+    if (headers / "vulkan").is_dir() and not (headers / "spirv").exists() and (usr / "include" / "spirv").is_dir():
+        (headers / "spirv").symlink_to(usr / "include" / "spirv")
+    install_vulkan_runtime(usr)
     env = {
         "VULKAN_SDK": str(usr),
         "CMAKE_PREFIX_PATH": str(usr),

@@ -396,8 +396,8 @@ def st_speed(homes: Any, cuda_zip: Path, cpu_zip: Path, vulkan_zip: Path | None,
         )
     finally:
         sc.finish()
-    estimate = _find(ev.get("daemon_status"), "estimate") or {}
-    placed = _find(ev.get("daemon_status"), "placed") or {}
+    memory = _find(ev.get("daemon_status"), "memory") or {}  # the model's: models[0].memory
+    estimate, placed = memory.get("estimate") or {}, memory.get("placed") or {}
     ev["estimate"], ev["placed"] = estimate, placed
     layers = status.get("layers") or {}
     checks = {
@@ -409,6 +409,9 @@ def st_speed(homes: Any, cuda_zip: Path, cpu_zip: Path, vulkan_zip: Path | None,
         and bool(layers.get("offloaded"))
         and layers.get("offloaded") == layers.get("total"),
         "the estimate came from llama-fit-params": estimate.get("source") == "llama-fit-params",
+        "its VRAM within 5 % of what the engine loaded": bool(estimate.get("vram_mib"))
+        and placed.get("reading") == "engine"
+        and abs(estimate["vram_mib"] - (placed.get("vram_mib") or 0)) <= 0.05 * estimate["vram_mib"],
     }
     return {"status": V.verdict(checks), "checks": checks, **ev}
 

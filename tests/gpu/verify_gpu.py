@@ -25,6 +25,11 @@ Stages of `verify` (each one PASS, FAIL or SKIP with its evidence in results.jso
                (tests/gpu/frontdoor_stage.py)
   figures      Gemma 3 270M: tok/s and time-to-ready daemon vs direct, CUDA vs CPU; NVML
                sampling cost vs nvidia-smi
+Only when named in --only (tests/gpu/engines_stage.py, tests/gpu/mirror_stage.py):
+  vulkan       the Vulkan bundle on NVIDIA's Vulkan driver: built, verified, served by the daemon
+  mirror       a signed mirror's first run from an empty home; engine updates on CUDA (a release
+               that offloads nothing rolled back, a good one kept, rollback by hand)
+  speed        CUDA vs Vulkan vs CPU tok/s on one multi-GB model; the fitter through the daemon
 
 On a machine without an NVIDIA GPU it says so and exits 2. Work files live in
 $STOKER_GPU_WORK (default /tmp/stoker-gpu); the results and logs go to $OUT when set.
