@@ -270,11 +270,29 @@ def _record_smoke(server: Path, smoke: SmokeSpec, scratch: Path, progress: Progr
         tokens = run_smoke(server, smoke, scratch)
         progress(f"smoke reference: {len(tokens)} greedy tokens recorded")
     except StokerError as err:
-        # A CUDA build on a host without a GPU, or `native` on a CPU that lies: the bundle is
-        # still produced, and `verify --smoke` will say there is nothing to compare with.
-        progress(f"smoke reference NOT recorded: [{err.reason}] {err.message}")
-        tokens = None
+        tokens = _smoke_on_cpu(server, smoke, scratch, progress, err)
     return SmokeReference(model_doc, smoke.prompt, smoke.n_predict, tokens)
+
+
+def _smoke_on_cpu(
+    server: Path, smoke: SmokeSpec, scratch: Path, progress: Progress, err: StokerError
+) -> tuple[int, ...] | None:
+    """The reference from the engine's own CPU code (`--device none`) when the build host's GPU
+    cannot run the bundle: a CUDA family built for other architectures than this host's GPU (a
+    Turing-Ampere bundle built on an H200 dies at its first kernel). Every device must produce the
+    CPU's tokens on the smoke model (F32, greedy; checked on CUDA and Vulkan against the CPU), so
+    the bundle stays installable where its GPU is. None where the engine cannot run at all here
+    (`native` on a CPU that lies): `verify --smoke` then says there is nothing to compare with."""
+    try:
+        tokens = run_smoke(server, smoke, scratch, args=("--device", "none"))
+    except StokerError as again:
+        progress(f"smoke reference NOT recorded: [{err.reason}] {err.message}; on the CPU: {again.message}")
+        return None
+    progress(
+        f"smoke reference: {len(tokens)} greedy tokens recorded on the engine's CPU code "
+        f"(this host's devices cannot run it: {err.message})"
+    )
+    return tokens
 
 
 def build_bundle(

@@ -105,9 +105,11 @@ def generate(
     threads: int = 2,
     timeout: float = 120.0,
     env: Mapping[str, str] | None = None,
+    args: tuple[str, ...] = (),
 ) -> tuple[int, ...]:
     """Start `server` on `model`, run one greedy completion, stop it; return the token ids.
-    `env`: added to the engine's (the devices a backend's runtime may use)."""
+    `env`: added to the engine's (the devices a backend's runtime may use); `args`: added to its
+    command line."""
     scratch = Path(scratch)
     scratch.mkdir(parents=True, exist_ok=True)
     log = scratch / "smoke-server.log"
@@ -132,6 +134,7 @@ def generate(
         key,
         "--log-colors",
         "off",
+        *args,
     ]
     body = {
         "prompt": prompt,
@@ -203,8 +206,16 @@ async def _complete(
 
 
 def run_smoke(
-    server: Path, spec: SmokeSpec, scratch: Path, *, timeout: float = 120.0, env: Mapping[str, str] | None = None
+    server: Path,
+    spec: SmokeSpec,
+    scratch: Path,
+    *,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    args: tuple[str, ...] = (),
 ) -> tuple[int, ...]:
     """Write the tiny model into `scratch` and return the greedy tokens `server` generates."""
     model = spec.write_model(scratch)
-    return generate(server, model, spec.prompt, spec.n_predict, scratch, threads=spec.threads, timeout=timeout, env=env)
+    return generate(
+        server, model, spec.prompt, spec.n_predict, scratch, threads=spec.threads, timeout=timeout, env=env, args=args
+    )
