@@ -245,6 +245,7 @@ class EngineAnswer:
         return (
             conn is not None
             and self._chunks is not None
+            and not self._chunks.done  # all of it came with the first event: nothing to pump
             and isinstance(conn.stream, RelaySocket)
             and self._wire.pumping < MAX_PUMPS
         )

@@ -163,6 +163,12 @@ async def test_a_stream_pumped_in_a_worker_thread_ends_whole_cut_silent_or_inter
         return got
 
     async with EngineWire(WireTimeouts(read=0.5)) as wire:
+        async with EngineClient(url, None, httpx.AsyncClient(), wire=wire).forward(
+            "POST", "/x", content=b"whole", streamed=True
+        ) as answer:
+            assert not answer.pumpable()  # nothing decoded yet: `aiter_raw` begins it
+            assert [piece async for piece in answer.aiter_raw()]
+            assert not answer.pumpable()  # read to its end: nothing left to pump
         with trio.fail_after(5):
             assert b"".join(await pumped(b"whole")) == b"".join(b"data: %d\n\n" % i for i in range(4))
             with pytest.raises(httpx.RemoteProtocolError):
