@@ -8,13 +8,13 @@
     exists) -> promote (rename into the slot, the old slot kept as `.previous`)
 
 The table decides, which source included; this module does each step and answers with an event
-(a source with nothing to offer: `SourceUnavailable`, with the facts).
-Every failure becomes `InstallFailed(<backend>_bundle_install_failed)` whose evidence says
-what broke (`cause`: the precise reason code, the download error `kind`, HTTP `status`,
-expected and actual digests). Staging lives under `bundles/.install-<slot>/`: names with a
-dot are never launchable, so nothing half-installed is ever launched; the slot changes only
-in Promote's rename. A daemon killed mid-way resumes (`resume_all`): a download continues
-from its part file with Range/If-Range, later steps redo from a clean staging directory."""
+(a source with nothing to offer: `SourceUnavailable`, with the facts). Every failure becomes
+`InstallFailed(<backend>_bundle_install_failed)` whose evidence says what broke (`cause`: the
+precise reason code, the download error `kind`, HTTP `status`, expected and actual digests).
+Staging lives under `bundles/.install-<slot>/`: names with a dot are never launchable, so
+nothing half-installed is ever launched; the slot changes only in Promote's rename. A daemon
+killed mid-way resumes (`resume_all`): a download continues from its part file with
+Range/If-Range, later steps redo from a clean staging directory."""
 
 from __future__ import annotations
 
@@ -343,18 +343,13 @@ class InstallService:
         )
 
     async def _entry(self, runner: MachineRunner) -> ManifestEntry:
-        entry = self._entries.get(runner.machine_id)
-        if entry is None:  # resumed after a restart: find it again in the manifest
-            data: I.InstallData = runner.data
+        mid, data = runner.machine_id, runner.data
+        if (entry := self._entries.get(mid)) is None:  # resumed after a restart: find it again in the manifest
             manifest = await load_manifest(self.manifest_source(), self.trust)
-            entry = choose_entry(
-                manifest,
-                data.backend,
-                variant=data.variant,
-                detection=self._detections.get(runner.machine_id),
-                plugin=self.backends.get(data.backend),
+            plugin, detection = self.backends.get(data.backend), self._detections.get(mid)
+            entry = self._entries[mid] = choose_entry(
+                manifest, data.backend, variant=data.variant, detection=detection, plugin=plugin
             )
-            self._entries[runner.machine_id] = entry
         return entry
 
     async def _resolve(self, effect: IE.Resolve, runner: MachineRunner) -> I.Resolved | I.SourceUnavailable:
