@@ -69,8 +69,14 @@ def test_an_endpoint_killed_is_reason_coded_and_answers_again_once_back(daemon, 
 
     endpoint.start()  # back on the same address: answered again, with nothing to restart in Stoker
     assert client.chat.completions.create(model="big", **ask).model == UPSTREAM_NAME
+    # Each endpoint's check runs on its own clock: wait for both to have run since it came back.
     st = daemon.wait_for(
-        lambda s: (remotes_of(s)["big"].get("check") or {}).get("reachable") is True, 30, "big's check: reachable"
+        lambda s: (
+            (remotes_of(s)["big"].get("check") or {}).get("reachable") is True
+            and (remotes_of(s)["wrong"].get("check") or {}).get("reachable") is True
+        ),
+        30,
+        "both checks: reachable",
     )
     assert remotes_of(st)["big"]["reason"] is None
     # The wrong key's check says so too: reachable, the key refused.

@@ -38,7 +38,11 @@ def test_openai_sdk_chat_stream_models_and_errors(daemon, model):
     reply = client.chat.completions.create(model="default", messages=messages, max_tokens=4)
     assert reply.choices[0].message is not None and reply.usage is not None and reply.usage.completion_tokens >= 1
 
-    chunks = list(client.chat.completions.create(model="default", messages=messages, max_tokens=4, stream=True))
+    # Greedy, so that the tokens (and the events) are the same every run: a sampled answer of a few
+    # random-weight tokens can be bytes of one unfinished UTF-8 character, sent as one last event.
+    chunks = list(
+        client.chat.completions.create(model="default", messages=messages, max_tokens=8, temperature=0, stream=True)
+    )
     assert len(chunks) >= 2, chunks  # several events arrived, not one buffered body
     assert any(c.choices and c.choices[0].delta.content for c in chunks)
 
