@@ -126,6 +126,18 @@ class RelaySocket:
                 raise trio.BrokenResourceError(str(exc)) from exc
         await self._pace()
 
+    def send_nowait(self, data: bytes) -> int:
+        """As much of `data` as the socket takes now (0 when its buffer is full): no waiting and
+        no checkpoint, so a caller sets up a timeout only for what must wait (`send_all`)."""
+        if self.closed:
+            raise trio.ClosedResourceError("the socket was closed")
+        try:
+            return self.sock.send(data)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            raise trio.BrokenResourceError(str(exc)) from exc
+
     def is_readable(self) -> bool:
         """Something to read, or EOF, is waiting (a pooled connection the peer closed)."""
         try:

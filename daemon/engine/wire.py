@@ -14,7 +14,12 @@ on its own connection): the front door's relay does so once the first event is o
 Connections: a streamed request goes with `Connection: close` (llama-server closes after every
 streamed answer though its headers say keep-alive); other answers leave theirs in a small
 keep-alive pool per engine address, dropped after `KEEPALIVE_S` idle or when the engine closed it
-(the socket reads as readable: EOF), like httpcore's pool. Failures raise httpx's exceptions
+(the socket reads as readable: EOF), like httpcore's pool. Once a streamed answer to a loopback
+engine has ended whole, a spare connection to that engine is opened (`spare`: a non-blocking
+connect, nothing waited for) and pooled, so that the next request, streamed or not, finds one
+ready: the connect (and the engine's accept) leave the time to its first token. The engine closes
+an unused connection after 5 s like a kept-alive one, so the same `KEEPALIVE_S` drops it. An idle
+connection holds llama-server's exit ~0.1 s: a planned stop first closes them (`forget`). Failures raise httpx's exceptions
 (`ConnectError`, `ConnectTimeout`, `ReadError`, `ReadTimeout`, `WriteError`, `WriteTimeout`,
 `RemoteProtocolError`, all `httpx.TransportError`), the vocabulary the rest of the daemon
 already speaks for an engine that is not there.
@@ -190,8 +195,11 @@ class EngineAnswer:
     """An engine's answer: status and headers read, the body read by the caller as it arrives
     (`aiter_raw`, as httpx names it). `aclose` gives the connection back or closes it."""
 
-    def __init__(self, wire: EngineWire, address: _Address, conn: _Connection, response: h11.Response) -> None:
+    def __init__(
+        self, wire: EngineWire, address: _Address, conn: _Connection, response: h11.Response, sent_at: float
+    ) -> None:
         self._wire = wire
+        self.sent_at = sent_at  # `time.perf_counter()` as the request was handed to the engine's socket
         self._address = address
         self._conn: _Connection | None = conn
         self.status_code = response.status_code
@@ -311,8 +319,10 @@ class EngineAnswer:
         if parser.our_state is h11.DONE and parser.their_state is h11.DONE:
             parser.start_next_cycle()
             self._wire.put(self._address, conn)
-        else:
-            await self._wire.close(conn)
+            return
+        await self._wire.close(conn)
+        if self._chunks is not None and self._chunks.done:  # a whole stream: the engine is well
+            self._wire.spare(self._address)
 
 
 @attrs.define(eq=False)
@@ -350,7 +360,7 @@ class EngineWire:
         """Send one request and read the answer's status and headers; `keep`: the connection may
         be kept alive for the next request (else `Connection: close`)."""
         address = self.address(base_url)
-        conn = self._pooled(address) if keep else None
+        conn = self._pooled(address)
         if conn is None:
             conn = await self._connect(address)
         head = [(b"host", address.host_header), *headers]
@@ -364,16 +374,22 @@ class EngineWire:
             if body:
                 data += parser.send(h11.Data(data=body))
             data += parser.send(h11.EndOfMessage())
-            with trio.move_on_after(self.timeouts.write) as scope:
-                await conn.stream.send_all(data)
-            if scope.cancelled_caught:
-                raise httpx.WriteTimeout(f"the engine took no request for {self.timeouts.write:g} s")
+            await trio.lowlevel.checkpoint_if_cancelled()
+            sent_at = time.perf_counter()
+            stream = conn.stream
+            if isinstance(stream, RelaySocket):  # a request the socket takes at once needs no timeout
+                data = data[stream.send_nowait(data) :]
+            if data:
+                with trio.move_on_after(self.timeouts.write) as scope:
+                    await stream.send_all(data)
+                if scope.cancelled_caught:
+                    raise httpx.WriteTimeout(f"the engine took no request for {self.timeouts.write:g} s")
             while True:
                 event = parser.next_event()
                 if event is h11.NEED_DATA:
                     parser.receive_data(await self.receive(conn))
                 elif type(event) is h11.Response:
-                    return EngineAnswer(self, address, conn, event)
+                    return EngineAnswer(self, address, conn, event, sent_at)
                 elif type(event) is not h11.InformationalResponse:
                     raise httpx.RemoteProtocolError(f"the engine answered {type(event).__name__}")
         except trio.BrokenResourceError as exc:
@@ -424,6 +440,29 @@ class EngineWire:
                 return conn
             conn.stream.close()  # the engine closed it, or is about to
         return None
+
+    def spare(self, address: _Address) -> None:
+        """Open a connection to a loopback engine for its next request and pool it, unless one
+        is pooled already: a non-blocking connect, not waited for (the request's first write
+        waits, if the handshake is not over by then, which on loopback it is)."""
+        if address.tls or address.family is None or self._idle.get(address):
+            return
+        sock = socket.socket(address.family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect((address.host, address.port))
+        except BlockingIOError:
+            pass
+        except OSError:  # refused: the engine is gone; the next request connects (and learns it)
+            sock.close()
+            return
+        self.put(address, _Connection(RelaySocket(sock), h11.Connection(h11.CLIENT)))
+
+    def forget(self, base_url: str) -> None:
+        """Close the idle connections to the engine at `base_url` (it is about to be stopped: an
+        idle connection would hold its exit)."""
+        for conn in self._idle.pop(self.address(base_url), ()):
+            conn.stream.close()
 
     def put(self, address: _Address, conn: _Connection) -> None:
         idle = self._idle.setdefault(address, [])

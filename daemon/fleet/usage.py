@@ -49,6 +49,9 @@ class Usage:
     waiting: int = 0  # held until the model is ready (it is not unloaded meanwhile)
     held_total: int = 0  # requests that had to wait at all
     last_used: float | None = None  # when a request for it was last sent or ended; None: never
+    # Once a planned stop's drain is over, before the server stops: the front door closes its
+    # idle connections to the engine (daemon/engine/wire.py `forget`), which would hold its exit.
+    on_drained: Callable[[], None] = _nothing
     _drained: trio.Event = attrs.field(factory=trio.Event)
 
     def sent(self) -> Callable[[], None]:
@@ -86,6 +89,7 @@ class Usage:
         planned stop; requests arriving meanwhile are held, so the count only falls)."""
         while self.in_flight:
             await self._drained.wait()
+        self.on_drained()
         await trio.lowlevel.checkpoint()
 
     def idle_s(self, now: float, ready_at: float | None) -> float:

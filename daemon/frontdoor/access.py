@@ -6,7 +6,7 @@ and read back with `stoker logs --access`. A line says who asked what and how it
 what was said: no prompt, no answer, no key (the key's name only):
 
     POST /v1/chat/completions 200 model=default instance=default duration_ms=182.4 ttfb_ms=3.1
-    tokens_in=12 tokens_out=64 key=webui client=127.0.0.1:53422
+    added_ms=0.31 tokens_in=12 tokens_out=64 key=webui client=127.0.0.1:53422
 
 `-` for what is not known: no model (a request refused before its body was read), no
 instance (no configured model answers to it), no first byte, no token counts (the engine
@@ -58,8 +58,8 @@ def token(value: object) -> str:
     return json.dumps(text)
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.1f}"
+def _ms(seconds: float | None, digits: int = 1) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.{digits}f}"
 
 
 def _count(value: int | None) -> str:
@@ -75,6 +75,7 @@ def access_line(request: Request, exchange: Exchange, figures: EngineFigures | N
     line = (
         f"{token(request.method)} {token(request.path)} {status} model={token(request.model)} "
         f"instance={token(request.instance)} duration_ms={_ms(exchange.ended - exchange.started)} ttfb_ms={_ms(first)} "
+        f"added_ms={_ms(exchange.added(), 2)} "
         f"tokens_in={_count(figures.prompt if figures else None)} "
         f"tokens_out={_count(figures.generated if figures else None)} "
         f"key={token(caller.key_name if caller is not None else None)} client={client}"

@@ -22,9 +22,10 @@ states/remote_endpoint.py judges it (503 or 502 with a reason code, never the en
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import logging
+import time
+from functools import partial
 from typing import Any, AsyncGenerator
 
 import attrs
@@ -42,7 +43,7 @@ from daemon.frontdoor.metrics import CONTENT_TYPE, FrontDoorMetrics
 from daemon.frontdoor.routing import models_page, route, unknown_model
 from daemon.frontdoor.served import Authorize, FrontDoorDaemon
 from states.reasons import ReasonCode, message_for
-from states.frontdoor_policy import innocent, send_again
+from states.frontdoor_policy import READY, innocent, send_again
 from states.remote_endpoint import Contact, Verdict, judge
 
 log = logging.getLogger("stoker.frontdoor")
@@ -120,13 +121,6 @@ def presented_key(request: Request) -> str | None:
     return (request.header(b"x-api-key") or b"").decode("latin-1") or None
 
 
-def is_loopback(request: Request) -> bool:
-    try:
-        return request.client is not None and ipaddress.ip_address(request.client[0]).is_loopback
-    except ValueError:
-        return False
-
-
 def stream_cut_event(exc: Exception) -> bytes:
     """The SSE event a stream the engine cut midway ends with."""
     error = {"message": f"the engine's stream was cut midway ({exc})", "type": "server_error"}
@@ -154,10 +148,9 @@ async def relay(
     kept = [
         (k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items() if k.lower() in KEPT_HEADERS
     ]
-    await request.start(response.status_code, kept)
+    await request.start(response.status_code, kept, first)
     send = request.send
     try:
-        await send(first)
         if sse and response.pumpable() and request.pumpable():
             await chunks.aclose()  # the answer's decoding goes on in `pump`, where it stopped
             await pump(request, response)
@@ -221,7 +214,7 @@ class FrontDoor:
             check_head(request, self.daemon.config.frontdoor)
         except LimitExceeded as exc:
             return over_limit(request.path, exc)
-        request.caller = self.authorize(presented_key(request), is_loopback(request))
+        request.caller = self.authorize(presented_key(request), request.loopback)
         if request.caller is not None:
             return None
         return api_error(request.path, 401, "A valid API key is required.", "invalid_request_error", "invalid_api_key")
@@ -337,11 +330,13 @@ class FrontDoor:
         headers = {"Content-Type": "application/json"} if content is not None else {}
         sends = suspect = 0
         while True:
+            held = member.state is not READY
             try:
                 base_url, api_key = await self.hold.until_ready(member)  # loaded first if it is not
             except Refused as exc:
                 return refused(path, exc)
             sends += 1
+            member.usage.on_drained = partial(self.wire.forget, base_url)  # before its planned stop
             stack = contextlib.AsyncExitStack()
             stack.callback(self.hold.sent(member))  # in flight until its answer is over (or failed)
             try:
@@ -351,6 +346,8 @@ class FrontDoor:
                 )
                 # An answer the engine began and lost before its first bytes is still no answer.
                 first, chunks = await first_bytes(response, sse)
+                if request.exchange is not None and sends == 1 and not held:  # what the front door added
+                    request.exchange.engine_s = time.perf_counter() - response.sent_at
             except BaseException as exc:
                 with trio.CancelScope(shield=True):
                     await stack.aclose()  # cancelled (the client left): the engine's connection closed, it stops

@@ -23,8 +23,10 @@ waits for any more is closed. Every request but a scrape of /metrics is counted 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import socket
+import time
 from typing import AsyncIterator, Awaitable, Callable
 
 import h11
@@ -103,6 +105,16 @@ class Request:
         """The body's next piece as it arrives; b"" once it is whole."""
         return await self._conn.receive_body()
 
+    def receive_now(self) -> bytes | None:
+        """The body's next piece if it has already arrived (b"" once it is whole), else None:
+        a small body comes with its head, and needs no wait (nor a timeout)."""
+        return self._conn.body_received()
+
+    @property
+    def loopback(self) -> bool:
+        """The client connected from a loopback address."""
+        return self._conn.loopback
+
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """A whole answer at once (errors, /metrics, the model list)."""
         self._started = True
@@ -116,10 +128,12 @@ class Request:
         data += conn.send(h11.EndOfMessage())
         await self._conn.send_all(data)
 
-    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> None:
         """The head of an answer whose body follows in pieces (`send`, then `end`): chunked to an
         HTTP/1.1 client; to an HTTP/1.0 one, which knows no chunks, the body as it is, ended by
-        closing the connection (h11 drops the Transfer-Encoding and closes after the answer)."""
+        closing the connection (h11 drops the Transfer-Encoding and closes after the answer).
+        `first`, the body's first piece, leaves in the same write as the head (one wake-up of
+        the client, not two, before its first token)."""
         self._started = True
         if self.exchange is not None:
             self.exchange.status_sent(status)
@@ -127,7 +141,12 @@ class Request:
         version = conn.their_http_version
         self._chunked = version is not None and version >= b"1.1"
         head = conn.send(h11.Response(status_code=status, headers=[*headers, (b"transfer-encoding", b"chunked")]))
-        await self._conn.send_all(head)
+        if not first:
+            await self._conn.send_all(head)
+            return
+        if self.exchange is not None:
+            self.exchange.body_sent(first)
+        await self._conn.send_all(head + (b"%x\r\n%b\r\n" % (len(first), first) if self._chunked else first))
 
     async def send(self, data: bytes) -> None:
         """One piece of the body, in one write (as one chunk, but to an HTTP/1.0 client). The
@@ -167,13 +186,20 @@ class Request:
     @contextlib.asynccontextmanager
     async def watching(self) -> AsyncIterator[None]:
         """Cancel the block if the client leaves meanwhile (`gone` says so afterwards): nothing
-        it waits for (a held request, an engine thinking) outlives the client that asked."""
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._conn.watch, self, nursery.cancel_scope)
-            try:
-                yield
-            finally:
-                nursery.cancel_scope.cancel()
+        it waits for (a held request, an engine thinking) outlives the client that asked. What
+        the block raises comes out as itself, not in the nursery's ExceptionGroup: a relay's
+        write that failed (`ClientGone`) or an engine's cut is counted as what it is."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._conn.watch, self, nursery.cancel_scope)
+                try:
+                    yield
+                finally:
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:  # the watcher raises nothing: the block's own
+            if len(group.exceptions) != 1:
+                raise
+            raise group.exceptions[0] from None
 
 
 Handler = Callable[[Request], Awaitable[None]]
@@ -189,6 +215,8 @@ class Connection:
         limits = daemon.config.frontdoor
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
         self.client = stream.peer()
+        self.loopback = is_loopback(self.client)
+        self.arrived = 0.0  # when the read that brought a request's head returned (`_next_request`)
 
     async def send_all(self, data: bytes) -> None:
         try:
@@ -217,7 +245,7 @@ class Connection:
                 return  # idle too long, or the client closed
             request = Request(self, event)
             route = self.figures.route_of(request.path)
-            exchange = request.exchange = Exchange(route) if route is not None else None
+            exchange = request.exchange = Exchange(route, self.arrived) if route is not None else None
             failure: BaseException | None = None
             try:
                 await handler(request)
@@ -258,14 +286,31 @@ class Connection:
 
     async def _next_request(self) -> h11.Request | None:
         conn = self.h11
+        self.arrived = time.perf_counter()  # a head already here (pipelined) is taken as arriving now
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
-                conn.receive_data(await self._read())
+                data = await self._read()
+                self.arrived = time.perf_counter()  # the head's last bytes (if they are these)
+                conn.receive_data(data)
             elif type(event) is h11.Request:
                 return event
             else:  # ConnectionClosed, or PAUSED after a client that said Connection: close
                 return None
+
+    def body_received(self) -> bytes | None:
+        """`receive_body`, but only what is already here: None when it would have to read."""
+        conn = self.h11
+        if conn.they_are_waiting_for_100_continue:
+            return None
+        event = conn.next_event()
+        if type(event) is h11.Data:
+            return bytes(event.data)
+        if type(event) is h11.EndOfMessage:
+            return b""
+        if event is h11.NEED_DATA:
+            return None
+        raise ClientGone("the client closed before sending its whole body")
 
     async def receive_body(self) -> bytes:
         conn = self.h11
@@ -301,6 +346,13 @@ class Connection:
                 h11.Response(status_code=status, headers=[(b"content-length", b"0"), (b"connection", b"close")])
             )
             await self.send_all(data + self.h11.send(h11.EndOfMessage()))
+
+
+def is_loopback(client: tuple[str, int] | None) -> bool:
+    try:
+        return client is not None and ipaddress.ip_address(client[0]).is_loopback
+    except ValueError:
+        return False
 
 
 async def open_listeners(host: str, port: int) -> list[socket.socket]:

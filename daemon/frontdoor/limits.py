@@ -66,14 +66,23 @@ async def read_body(request: Request, limits: FrontdoorConfig) -> bytes:
         )
     chunks: list[bytes] = []
     received = 0
+
+    def add(chunk: bytes) -> None:
+        nonlocal received
+        received += len(chunk)
+        if received > limit:
+            raise LimitExceeded(
+                413, ReasonCode.FRONTDOOR_BODY_TOO_LARGE, f"more than {limit} bytes sent; the limit is {limit}"
+            )
+        chunks.append(chunk)
+
+    while chunk := request.receive_now():  # what came with the head: no wait, no timeout
+        add(chunk)
+    if chunk is not None:
+        return b"".join(chunks)
     with trio.move_on_after(limits.slow_client_timeout_s):
         while chunk := await request.receive():
-            received += len(chunk)
-            if received > limit:
-                raise LimitExceeded(
-                    413, ReasonCode.FRONTDOOR_BODY_TOO_LARGE, f"more than {limit} bytes sent; the limit is {limit}"
-                )
-            chunks.append(chunk)
+            add(chunk)
         return b"".join(chunks)
     raise LimitExceeded(
         408,

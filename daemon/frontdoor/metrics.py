@@ -45,6 +45,8 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 NONE = "none"  # backend_info's in_use while no server serves; a request's code when none was sent
 # Seconds: a token from a warm tiny model is ~1 ms; a held request or a long answer is minutes.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# The front door's own share of a first byte: tenths of a millisecond to tens.
+ADDED_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.0025, 0.005, 0.01, 0.025, 0.1)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 # How much of an answer's end is read for the engine's figures: its last event or JSON fields.
 TAIL = 8192
@@ -110,14 +112,18 @@ class Exchange:
     """One request as the server saw it go by: its status, when its first body byte left,
     whether its body was complete, and its last three chunks (references, never copies)."""
 
-    __slots__ = ("route", "started", "ended", "status", "first_byte", "complete", "cut", "c1", "c2", "c3")
+    __slots__ = ("route", "started", "ended", "status", "first_byte", "engine_s", "complete", "cut", "c1", "c2", "c3")
 
-    def __init__(self, route: str) -> None:
+    def __init__(self, route: str, started: float | None = None) -> None:
         self.route = route
-        self.started = time.perf_counter()
+        self.started = time.perf_counter() if started is None else started  # its head read
         self.ended = self.started  # set when the request is recorded (`RequestFigures.finish`)
         self.status: int | None = None
-        self.first_byte: float | None = None
+        self.first_byte: float | None = None  # the first body byte handed to the client's socket
+        # From the request handed to the engine's socket to its answer's first event read whole:
+        # the engine's part of the time to the first byte. Set for a request sent once, not held
+        # (`added`).
+        self.engine_s: float | None = None
         self.complete = False
         self.cut: str | None = None  # why a started body did not end whole (`cut_reason`)
         self.c1 = self.c2 = self.c3 = b""
@@ -136,6 +142,17 @@ class Exchange:
     def body_complete(self) -> None:
         """The body is whole."""
         self.complete = True
+
+    def added(self) -> float | None:
+        """Seconds the front door itself added before the first byte: from the request's head
+        read to its answer's first byte handed to the client's socket, less the engine's part
+        (`engine_s`). Both ends are taken as the bytes go into a socket, not when the write
+        returns: a write that wakes its reader may be preempted by it, and that time is the
+        reader's (the engine computing, the client reading), as it is on the direct path. None
+        for a request held, sent again, or answered without the engine."""
+        if self.engine_s is None or self.first_byte is None:
+            return None
+        return max(0.0, self.first_byte - self.started - self.engine_s)
 
     def tail(self) -> bytes:
         return b"".join((bytes(self.c1[-TAIL:]), bytes(self.c2[-TAIL:]), bytes(self.c3[-TAIL:])))[-TAIL:]
@@ -174,6 +191,14 @@ class RequestFigures:
             "Time from a request's arrival to the end of its answer (holding included).",
             ["route"],
             buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.added = Histogram(
+            "stoker_frontdoor_added_seconds",
+            "What the front door itself added to a request's time to first byte (its time from the "
+            "request's arrival to the first byte's write, less the engine's part); requests sent once, not held.",
+            ["route"],
+            buckets=ADDED_BUCKETS,
             registry=registry,
         )
         self.tokens = Counter(
@@ -216,6 +241,8 @@ class RequestFigures:
             return None
         if exchange.first_byte is not None and status < 400:  # the first token, not an error's JSON
             self.first_byte.labels(route).observe(exchange.first_byte - exchange.started)
+            if (added := exchange.added()) is not None:
+                self.added.labels(route).observe(added)
         if not exchange.complete:
             exchange.cut = cut_reason(exc)
             self.cut.labels(route, exchange.cut).inc()

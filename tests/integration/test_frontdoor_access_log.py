@@ -62,16 +62,19 @@ def test_each_request_has_an_access_line_without_its_prompt(daemon, model):
         assert (got["model"], got["instance"], got["key"]) == ("default", "default", "webui"), line
         assert int(got["tokens_out"]) == 6 and int(got["tokens_in"]) > 0, line
         assert float(got["duration_ms"]) >= float(got["ttfb_ms"]) > 0, line
+        # The front door's own share of that first byte, the engine's time left out.
+        assert 0 < float(got["added_ms"]) < float(got["ttfb_ms"]), line
         assert got["client"].startswith("127.0.0.1:"), line
     # The same prompt counts the same, whether the engine evaluated it or found it in its cache.
     assert fields(plain_line)["tokens_in"] == fields(stream_line)["tokens_in"], (plain_line, stream_line)
     assert " POST /v1/chat/completions 404 " in missing_line, missing_line
     got = fields(missing_line)
-    assert (got["model"], got["instance"], got["key"], got["tokens_out"]) == (
+    assert (got["model"], got["instance"], got["key"], got["tokens_out"], got["added_ms"]) == (
         '"no',  # a model name with spaces is quoted (one word per field: the line cannot be forged)
         "-",
         "-",
         "-",
+        "-",  # no engine asked
     ), missing_line
     assert '"no such model"' in missing_line
     assert " GET /v1/models 200 " in models_line, models_line

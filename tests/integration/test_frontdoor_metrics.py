@@ -74,6 +74,10 @@ def test_metrics_count_requests_and_keep_history_across_a_daemon_restart(daemon,
     assert value(found, "stoker_request_first_byte_seconds_count", route=CHAT) == 2  # the 404 has no first token
     assert value(found, "stoker_request_duration_seconds_count", route=CHAT) == 3
     assert 0 < value(found, "stoker_request_first_byte_seconds_sum", route=CHAT) < 60
+    # What the front door itself added to those two first bytes: its share, the engine's left out.
+    assert value(found, "stoker_frontdoor_added_seconds_count", route=CHAT) == 2
+    added = value(found, "stoker_frontdoor_added_seconds_sum", route=CHAT)
+    assert 0 < added < value(found, "stoker_request_first_byte_seconds_sum", route=CHAT)
     # The engine's own count: the non-streamed answer's usage, plus the streamed one's timings.
     generated = value(found, "stoker_generated_tokens_total", route=CHAT)
     assert generated == reply.usage.completion_tokens + 3, generated

@@ -97,6 +97,48 @@ async def test_a_kept_connection_the_engine_closed_is_not_used_again(nursery):
             await trio.sleep(0.01)  # the engine's FIN has arrived before the next request
 
 
+async def test_a_whole_stream_leaves_a_connection_ready_for_the_next_request_closed_before_a_stop(nursery):
+    """llama-server closes a connection after each streamed answer: the wire opens the next one
+    as the answer ends, so the next request's connect (and the engine's accept) are behind it;
+    a cut stream leaves none; `forget` (before the engine is stopped) closes it."""
+    requests_on: list[int] = []  # for each request, the number of the connection it came on
+    connections: list[trio.Event] = []  # one per accepted connection, set when the wire closed it
+
+    async def connection(stream: trio.SocketStream) -> None:
+        number, closed = len(connections), trio.Event()
+        connections.append(closed)
+        buffered = bytearray()
+        async with stream:
+            while (request := await read_request(stream, buffered)) is not None:
+                requests_on.append(number)
+                if b"cut" in request:
+                    await stream.send_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                    return
+                if not await llama_like(stream, request):
+                    return
+            closed.set()
+
+    listeners = await nursery.start(partial(trio.serve_tcp, connection, 0, host="127.0.0.1"))
+    url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+    async with EngineWire() as wire:
+        client = EngineClient(url, None, httpx.AsyncClient(), wire=wire)
+        assert await ask(client, b'{"stream": true}', True) == (200, SSE * 3)
+        await trio.sleep(0.05)
+        assert len(connections) == 2  # the spare, accepted before any request needed it
+        assert await ask(client, b'{"stream": true}', True) == (200, SSE * 3)
+        assert await ask(client, b'{"stream": false}', False) == (200, b"{}")  # any request takes it
+        assert requests_on == [0, 1, 2]
+        await trio.sleep(0.05)
+        wire.forget(url)  # the kept-alive connection 2 goes, as a spare would
+        with trio.fail_after(5):
+            await connections[2].wait()
+        async with client.forward("POST", "/v1/chat/completions", content=b'"stream": true, cut', streamed=True) as a:
+            with pytest.raises(httpx.RemoteProtocolError):
+                [chunk async for chunk in a.aiter_raw()]
+        await trio.sleep(0.05)
+        assert len(connections) == 4 and requests_on == [0, 1, 2, 3]  # no spare after a cut stream
+
+
 async def test_failures_are_the_transport_errors_the_front_door_handles(nursery):
     async def cut(stream: trio.SocketStream, request: bytes) -> bool:
         await stream.send_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(SSE), SSE))

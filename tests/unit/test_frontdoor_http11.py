@@ -8,13 +8,14 @@ from __future__ import annotations
 import socket
 from typing import AsyncIterator
 
+import httpx
 import pytest
 import trio
 
 from daemon.config.model import Config
-from daemon.frontdoor.http11 import Request, open_listeners, serve_http
+from daemon.frontdoor.http11 import ClientGone, Request, open_listeners, serve_http
 from daemon.frontdoor.metrics import FrontDoorMetrics
-from tests.unit.test_frontdoor_metrics import Daemon, metrics_for
+from tests.unit.test_frontdoor_metrics import Daemon, metrics_for, value
 
 
 async def echo(request: Request) -> None:
@@ -109,3 +110,34 @@ async def test_a_malformed_request_gets_400_and_a_head_that_never_ends_431(serve
             raw.sendall(b"GET / HTTP/1.1\r\n" + b"X-Fat: " + b"y" * 20000)
             raw.settimeout(5)
             assert (await trio.to_thread.run_sync(raw.recv, 65536)).startswith(b"HTTP/1.1 431 ")
+
+
+async def test_an_answer_cut_while_the_client_is_watched_is_counted_as_what_cut_it(nursery):
+    """A stream's write to a client that left (the relay's thread raises ClientGone) and an
+    engine that cut its answer, both while the client's connection is watched: /metrics says
+    client_gone and engine_cut, not error."""
+
+    async def cut(request: Request) -> None:
+        async with request.watching():
+            await request.start(200, [(b"content-type", b"text/event-stream")], b"data: 0\n\n")
+            if request.path == "/v1/chat/completions":
+                raise ClientGone("the client's socket broke")
+            raise httpx.ReadError("the engine's connection broke")
+
+    daemon = Daemon(None, None, config=Config())
+    metrics = metrics_for(daemon)
+    listeners = await open_listeners("127.0.0.1", 0)
+    await nursery.start(serve_http, listeners, daemon, metrics.requests, cut)
+    for path in (b"/v1/chat/completions", b"/v1/completions"):
+        with trio.fail_after(10):
+            async with await trio.open_tcp_stream("127.0.0.1", listeners[0].getsockname()[1]) as client:
+                await client.send_all(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n" % path)
+                got = b""
+                while data := await client.receive_some(65536):  # the first event, then the connection closed
+                    got += data
+                assert b"data: 0" in got and not got.endswith(b"0\r\n\r\n"), got
+    text = (await metrics.scrape()).decode()
+    cuts = "stoker_responses_cut_total"
+    assert value(text, cuts, route="/v1/chat/completions", reason="client_gone") == 1, text
+    assert value(text, cuts, route="/v1/completions", reason="engine_cut") == 1, text
+    assert value(text, cuts, route="/v1/chat/completions", reason="error") is None, text
