@@ -22,7 +22,6 @@ import attrs
 import httpx
 import trio
 
-from daemon.bundles.tinymodel import write_tiny_model
 from daemon.core.errors import StokerError
 from daemon.engine.api import EngineClient
 from daemon.engine.exits import classify_exit
@@ -63,6 +62,8 @@ class SmokeSpec:
         return spec
 
     def write_model(self, directory: Path) -> Path:
+        from daemon.bundles.tinymodel import write_tiny_model  # gguf and numpy: only when one is written
+
         return write_tiny_model(Path(directory) / "smoke.gguf", **dict(self.model))
 
     def to_dict(self) -> dict[str, Any]:

@@ -2,32 +2,53 @@
 
 `gguf.GGUFReader` parses every tensor and the whole vocabulary with numpy (tens of seconds
 for Gemma 3's 262k-token vocabulary on a busy 2-core machine), so this reads only the
-key-value header, skipping arrays without decoding them, with the gguf package's type ids.
-Results are cached by (path, size, mtime).
+key-value header, skipping arrays without decoding them, with the GGUF format's value type ids
+(`ValueType`: the gguf package's `GGUFValueType`, which tests/unit/test_snapshots.py holds it
+to, copied so that the daemon's start does not import gguf and numpy). Results are cached by
+(path, size, mtime).
 """
 
 from __future__ import annotations
 
+import enum
 import mmap
 import struct
 from pathlib import Path
 from typing import Any
 
 import attrs
-from gguf import GGUFValueType
+
+
+class ValueType(enum.IntEnum):
+    """The GGUF format's metadata value types (gguf-py's `GGUFValueType`)."""
+
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    FLOAT32 = 6
+    BOOL = 7
+    STRING = 8
+    ARRAY = 9
+    UINT64 = 10
+    INT64 = 11
+    FLOAT64 = 12
+
 
 _SCALARS = {
-    GGUFValueType.UINT8: "<B",
-    GGUFValueType.INT8: "<b",
-    GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I",
-    GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f",
-    GGUFValueType.BOOL: "<?",
-    GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q",
-    GGUFValueType.FLOAT64: "<d",
+    ValueType.UINT8: "<B",
+    ValueType.INT8: "<b",
+    ValueType.UINT16: "<H",
+    ValueType.INT16: "<h",
+    ValueType.UINT32: "<I",
+    ValueType.INT32: "<i",
+    ValueType.FLOAT32: "<f",
+    ValueType.BOOL: "<?",
+    ValueType.UINT64: "<Q",
+    ValueType.INT64: "<q",
+    ValueType.FLOAT64: "<d",
 }
 # Key fragments of recurrent state (Mamba/SSM, RWKV, LFM2 short convolutions): such a model
 # keeps per-sequence recurrent state that the engine re-computes after a slot restore.
@@ -85,22 +106,22 @@ class _Header:
         self.pos = pos
 
     def value(self, vtype: int, keep: bool) -> Any:
-        if vtype == GGUFValueType.STRING:
+        if vtype == ValueType.STRING:
             return self.string()
-        if vtype == GGUFValueType.ARRAY:
+        if vtype == ValueType.ARRAY:
             etype, count = self.unpack("<I"), self.unpack("<Q")
             if etype in _SCALARS and not keep:
                 self.pos += struct.calcsize(_SCALARS[etype]) * count  # skipped, not decoded
                 return None
             if keep:
                 return [self.value(etype, keep) for _ in range(count)]
-            if etype == GGUFValueType.STRING:
+            if etype == ValueType.STRING:
                 self._skip_strings(count)
             else:
                 for _ in range(count):
                     self.value(etype, False)
             return None
-        return self.unpack(_SCALARS[GGUFValueType(vtype)])
+        return self.unpack(_SCALARS[ValueType(vtype)])
 
 
 def read_header(path: Path) -> dict[str, Any]:
@@ -161,7 +182,7 @@ def _read_layout(path: Path) -> GGUFLayout:
             for _ in range(n_kv):
                 key = head.string()
                 vtype = head.unpack("<I")
-                if vtype == GGUFValueType.ARRAY:
+                if vtype == ValueType.ARRAY:
                     lengths[key] = struct.unpack_from("<Q", buf, head.pos + 4)[0]
                 out[key] = head.value(vtype, keep=False)
             for _ in range(n_tensors):

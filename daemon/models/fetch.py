@@ -37,7 +37,7 @@ import attrs
 
 from daemon.core.digests import start_writeback
 from daemon.core.errors import StokerError
-from daemon.models import hub
+from daemon.models.spec import HubOptions
 from states.pull import Piece
 from states.reasons import ReasonCode
 
@@ -293,7 +293,7 @@ def fetch_pieces(
     part: Path,
     *,
     resume: bool,
-    hub_options: hub.HubOptions,
+    hub_options: HubOptions,
     progress: Progress,
     cancelled: threading.Event,
 ) -> FetchResult:
@@ -337,8 +337,10 @@ def fetch_pieces(
     return FetchResult(size, digests.whole.hexdigest(), tuple(piece_digests), existing)
 
 
-def _fetch_piece(piece: Piece, writer: PartWriter, offset: int, options: hub.HubOptions) -> None:
+def _fetch_piece(piece: Piece, writer: PartWriter, offset: int, options: HubOptions) -> None:
     if piece.member is None:
+        from daemon.models import hub  # huggingface_hub: imported by a download, not at start
+
         hub.download(piece.url, writer, offset=offset, size=piece.size, options=options)
         return
     wheel = Path(unquote(urlparse(piece.url).path))

@@ -7,8 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gguf import LlamaFileType
-
 from daemon.core.errors import StokerError
 from daemon.models.facts import read_layout
 from states.reasons import ReasonCode
@@ -18,6 +16,8 @@ def file_type_name(value: Any) -> str | None:
     """`general.file_type` as a quantization name (15 -> Q4_K_M), or None."""
     if not isinstance(value, int) or isinstance(value, bool):
         return None
+    from gguf import LlamaFileType  # gguf imports numpy: only once a header is shown
+
     try:
         name = LlamaFileType(value).name
     except ValueError:

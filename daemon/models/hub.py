@@ -44,18 +44,10 @@ from huggingface_hub.utils.tqdm import silent_tqdm
 
 from daemon.core.errors import StokerError
 from daemon.models import stream
-from daemon.models.spec import PullSpec, choose_file
+from daemon.models.spec import HubOptions, PullSpec, choose_file
 from states.reasons import ReasonCode
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-
-@attrs.frozen
-class HubOptions:
-    """Where the Hub is and who asks: None leaves huggingface_hub's own default."""
-
-    endpoint: str | None = None
-    token: str | None = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen

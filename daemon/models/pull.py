@@ -30,10 +30,10 @@ from daemon.core.digests import fsync_dir
 from daemon.core.errors import StokerError
 from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.core.paths import StokerPaths
-from daemon.models import hub, pypi
+from daemon.models import pypi
 from daemon.models.fetch import PullCancelled, fetch_pieces, hash_file
 from daemon.models.header import header_facts
-from daemon.models.spec import PullSpec, parse_spec
+from daemon.models.spec import HubOptions, PullSpec, parse_spec
 from states import pull as P
 from states.machine import IllegalTransition
 from states.reasons import ReasonCode
@@ -49,14 +49,14 @@ PROGRESS_EVERY_S = 0.2
 class PullOptions:
     """Where the sources are and who asks, for one pull request; never stored (the token)."""
 
-    hub: hub.HubOptions = hub.HubOptions()
+    hub: HubOptions = HubOptions()
     index: pypi.PackageOptions = pypi.PackageOptions()
 
 
 def pull_options(*, hf_endpoint: str | None, hf_token: str | None, index_url: str | None) -> PullOptions:
     """A request's source settings; empty strings count as not given."""
     return PullOptions(
-        hub.HubOptions(endpoint=hf_endpoint or None, token=hf_token or None),
+        HubOptions(endpoint=hf_endpoint or None, token=hf_token or None),
         pypi.PackageOptions(index_url=index_url or None),
     )
 
@@ -294,6 +294,8 @@ class PullService:
         return await self._resolve_local(spec, runner)
 
     async def _resolve_hub(self, spec: PullSpec, name: str, options: PullOptions) -> P.Resolved:
+        from daemon.models import hub  # huggingface_hub: imported by a pull from the Hub, not at start
+
         found = await trio.to_thread.run_sync(hub.resolve, spec, options.hub, abandon_on_cancel=True)
         path = self.paths.models_dir / "hf" / found.repo / found.filename
         # Named by the bytes (a resumed pull finds its part) and by the pull (two names never share one).

@@ -57,6 +57,14 @@ _PACKAGE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:==([A-Za-z0-9.+!_-]+))?$
 
 
 @attrs.frozen
+class HubOptions:
+    """Where the Hub is and who asks: None leaves huggingface_hub's own default."""
+
+    endpoint: str | None = None
+    token: str | None = attrs.field(default=None, repr=False)
+
+
+@attrs.frozen
 class PullSpec:
     """One parsed spec; `name` is what the catalog calls it unless the user gives another."""
 

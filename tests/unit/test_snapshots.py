@@ -513,3 +513,13 @@ def test_a_digest_never_vouches_for_a_file_changed_after_the_save(tmp_path, cata
     shelf, _ = _shelf(tmp_path, catalog)
     trio.run(shelf._digest, rec.id, path)
     assert catalog.get(rec.id).file_sha256 is None
+
+
+def test_the_header_readers_value_types_are_the_gguf_formats():
+    """facts.py reads headers with its own copy of the format's value type ids (the daemon's
+    start does not import gguf and numpy): it must be the gguf package's, id for id."""
+    import gguf
+
+    from daemon.models.facts import ValueType
+
+    assert {t.name: int(t) for t in ValueType} == {t.name: int(t) for t in gguf.GGUFValueType}
