@@ -17,9 +17,10 @@ keep-alive pool per engine address, dropped after `KEEPALIVE_S` idle or when the
 (the socket reads as readable: EOF), like httpcore's pool. Once a streamed answer to a loopback
 engine has ended whole, a spare connection to that engine is opened (`spare`: a non-blocking
 connect, nothing waited for) and pooled, so that the next request, streamed or not, finds one
-ready: the connect (and the engine's accept) leave the time to its first token. The engine closes
-an unused connection after 5 s like a kept-alive one, so the same `KEEPALIVE_S` drops it. An idle
-connection holds llama-server's exit ~0.1 s: a planned stop first closes them (`forget`). Failures raise httpx's exceptions
+ready: the connect (and the engine's accept) leave the time to its first token. The engine
+closes an unused connection after 5 s like a kept-alive one, so the same `KEEPALIVE_S` drops it.
+An idle connection holds llama-server's exit ~0.1 s: a planned stop first closes them
+(`forget`). Failures raise httpx's exceptions
 (`ConnectError`, `ConnectTimeout`, `ReadError`, `ReadTimeout`, `WriteError`, `WriteTimeout`,
 `RemoteProtocolError`, all `httpx.TransportError`), the vocabulary the rest of the daemon
 already speaks for an engine that is not there.

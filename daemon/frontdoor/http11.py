@@ -52,6 +52,12 @@ class ClientGone(Exception):
     """The client closed its connection before its answer was over."""
 
 
+def framed(data: bytes, chunked: bool) -> bytes:
+    """One piece of an answer's body as it goes on the wire: a chunk, or as it is to an HTTP/1.0
+    client (which knows no chunks)."""
+    return b"%x\r\n%b\r\n" % (len(data), data) if chunked else data
+
+
 class Request:
     """One request on a connection: its head, its body to read, and its answer to give."""
 
@@ -146,7 +152,7 @@ class Request:
             return
         if self.exchange is not None:
             self.exchange.body_sent(first)
-        await self._conn.send_all(head + (b"%x\r\n%b\r\n" % (len(first), first) if self._chunked else first))
+        await self._conn.send_all(head + framed(first, self._chunked))
 
     async def send(self, data: bytes) -> None:
         """One piece of the body, in one write (as one chunk, but to an HTTP/1.0 client). The
@@ -155,7 +161,7 @@ class Request:
         if data:
             if self.exchange is not None:
                 self.exchange.body_sent(data)
-            await self._conn.send_all(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+            await self._conn.send_all(framed(data, self._chunked))
 
     def pumpable(self) -> bool:
         """`writer` can send this answer's body from a worker thread (a plain socket)."""
@@ -171,7 +177,7 @@ class Request:
             if exchange is not None:
                 exchange.body_sent(data)
             try:
-                send_all_blocking(sock, b"%x\r\n%b\r\n" % (len(data), data) if chunked else data, stopped)
+                send_all_blocking(sock, framed(data, chunked), stopped)
             except OSError as exc:
                 raise ClientGone(str(exc)) from exc
 
