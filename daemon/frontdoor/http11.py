@@ -23,7 +23,6 @@ waits for any more is closed. Every request but a scrape of /metrics is counted 
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import socket
 import time
@@ -32,6 +31,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import h11
 import trio
 
+from daemon.config.remote import is_loopback_host
 from daemon.core.relay_socket import RelaySocket, accept_errors_to_retry, send_all_blocking
 from daemon.frontdoor.access import log_access
 from daemon.frontdoor.metrics import Exchange, RequestFigures
@@ -221,7 +221,7 @@ class Connection:
         limits = daemon.config.frontdoor
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
         self.client = stream.peer()
-        self.loopback = is_loopback(self.client)
+        self.loopback = self.client is not None and is_loopback_host(self.client[0])
         self.arrived = 0.0  # when the read that brought a request's head returned (`_next_request`)
 
     async def send_all(self, data: bytes) -> None:
@@ -320,18 +320,12 @@ class Connection:
 
     async def receive_body(self) -> bytes:
         conn = self.h11
-        while True:
+        while (piece := self.body_received()) is None:
             if conn.they_are_waiting_for_100_continue:
                 await self.send_all(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
+            else:
                 conn.receive_data(await self._read())
-            elif type(event) is h11.Data:
-                return bytes(event.data)
-            elif type(event) is h11.EndOfMessage:
-                return b""
-            else:  # the client closed before its body was whole
-                raise ClientGone("the client closed before sending its whole body")
+        return piece
 
     async def watch(self, request: Request, scope: trio.CancelScope) -> None:
         """While an answer is under way: the client's EOF cancels `scope`."""
@@ -352,13 +346,6 @@ class Connection:
                 h11.Response(status_code=status, headers=[(b"content-length", b"0"), (b"connection", b"close")])
             )
             await self.send_all(data + self.h11.send(h11.EndOfMessage()))
-
-
-def is_loopback(client: tuple[str, int] | None) -> bool:
-    try:
-        return client is not None and ipaddress.ip_address(client[0]).is_loopback
-    except ValueError:
-        return False
 
 
 async def open_listeners(host: str, port: int) -> list[socket.socket]:
