@@ -84,13 +84,16 @@ class Usage:
             self.waiting -= 1
             self.on_change()
 
-    async def wait_drained(self) -> None:
+    async def wait_drained(self) -> int:
         """Return once no request is in flight to the engine (the supervisor's drain before a
-        planned stop; requests arriving meanwhile are held, so the count only falls)."""
+        planned stop; requests arriving meanwhile are held, so the count only falls), with how
+        many were in flight when the drain began."""
+        waited_for = self.in_flight
         while self.in_flight:
             await self._drained.wait()
         self.on_drained()
         await trio.lowlevel.checkpoint()
+        return waited_for
 
     def idle_s(self, now: float, ready_at: float | None) -> float:
         """Seconds since the model was last used, or since it became ready if that is later."""

@@ -405,14 +405,15 @@ def test_a_planned_restart_lets_the_stream_in_flight_finish(daemon, long_model):
     )
     chunks = iter(stream)
     assert next(chunks).choices  # the stream has started
-    began = time.monotonic()
     daemon.call("restart")
     finished = False
     for chunk in chunks:  # raises on the error event of a cut stream
         finished = finished or any(c.finish_reason for c in chunk.choices)
     assert finished, "the stream ended without its finish_reason"
-    assert time.monotonic() - began > 0.5, "the answer was not in flight when the restart came"
     after = next_server(daemon, first["pid"])
+    # The stop came while the answer was in flight, and waited for it: the daemon says so (a
+    # fast machine writes the 300 tokens in under half a second, so the clock cannot tell).
+    assert "the stop waited" in daemon.log_text() and "for 1 request(s) in flight" in daemon.log_text()
     stop = next(r for r in daemon.history(machine="launch", limit=50) if r["event"] == "StopCompleted")
     assert stop["evidence"].get("signal") != "SIGKILL", stop  # an idle server exits on TERM
     reply = sdk(base).chat.completions.create(model="default", messages=MESSAGES, max_tokens=4)

@@ -10,7 +10,7 @@ from daemon.fleet.usage import Usage
 
 async def test_wait_drained_returns_once_every_answer_in_flight_is_over(autojump_clock):
     usage = Usage()
-    await usage.wait_drained()  # nothing in flight: at once
+    assert await usage.wait_drained() == 0  # nothing in flight: at once
     first, second = usage.sent(), usage.sent()
     drained_at: list[float] = []
 
@@ -18,7 +18,7 @@ async def test_wait_drained_returns_once_every_answer_in_flight_is_over(autojump
     usage.on_drained = lambda: drained_at.append(-trio.current_time())
 
     async def drain() -> None:
-        await usage.wait_drained()
+        assert await usage.wait_drained() == 2  # how many it waited for, for the daemon's log
         drained_at.append(trio.current_time())
 
     async with trio.open_nursery() as nursery:
