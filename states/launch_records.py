@@ -116,11 +116,20 @@ class MemoryEstimate:
     partial: bool = False
     detail: str | None = None
     seconds: float | None = None  # how long the estimate took
+    # A GPU plan the fitter fitted short of every layer (or of the context asked) to the free
+    # VRAM: what the devices would hold with every layer and that context (empty otherwise).
+    # Placement may unload idle models for the difference (states/placement.py, place_offload).
+    whole: dict[str, float] = attrs.field(factory=dict, converter=_mib_map, hash=False)
 
     @property
     def vram_mib(self) -> float:
         """Summed over the accelerators."""
         return float(sum(self.devices.values()))
+
+    @property
+    def whole_vram_mib(self) -> float:
+        """With every layer on the GPU(s), summed; 0 when the plan is not short of any."""
+        return float(sum(self.whole.values()))
 
 
 @attrs.frozen

@@ -136,6 +136,9 @@ def place(wanted: str, residents: Sequence[Resident], max_loaded: int) -> Placem
 
 # --- memory ---------------------------------------------------------------------------------
 
+# An eviction's `why` when it is for a GPU plan's every layer (place_offload), not for room.
+FULL_OFFLOAD = "full_offload"
+
 
 @attrs.frozen
 class MemoryRoom:
@@ -214,3 +217,44 @@ def place_memory(wanted: str, need: Footprint, residents: Sequence[Resident], ro
         return Placement(Verdict.WAIT_STOP, evidence={**evidence, "short": short})
     left = _short(need, loaded, victims, room)
     return Placement(Verdict.NO_ROOM, evidence={**evidence, "short": short, "short_after_evicting_all": left})
+
+
+def place_offload(
+    wanted: str, fitted_vram_mib: float, whole_vram_mib: float, residents: Sequence[Resident]
+) -> Placement:
+    """For a GPU plan that the engine fitted to the free VRAM short of every layer (or of its
+    context): EVICT the fewest least recently used idle unpinned models holding VRAM whose
+    unloading frees what the whole offload lacks (`whole_vram_mib` - `fitted_vram_mib`), so that
+    the model runs wholly on the GPU rather than partly on the CPU beside a model nobody uses;
+    LOAD as fitted when there is nothing short, or when even all of them would not free enough
+    (nothing is unloaded for a partial gain).
+
+    What a model frees is its VRAM by the reading that decides, summed over its devices (on a
+    machine of several GPUs, an approximation: the devices are not matched)."""
+    loaded = [r for r in residents if r.name != wanted and occupies(r.state)]
+    short = round(whole_vram_mib - fitted_vram_mib, 1)
+    evidence: dict[str, Any] = {
+        "for": wanted,
+        "why": FULL_OFFLOAD,
+        "fitted_vram_mib": round(fitted_vram_mib, 1),
+        "whole_vram_mib": round(whole_vram_mib, 1),
+        "short_mib": short,
+    }
+    if short <= 0:
+        return Placement(Verdict.LOAD, evidence=evidence)
+    victims: list[Resident] = []
+    freed = 0.0
+    for candidate in _lru([r for r in loaded if r.evictable and r.footprint.vram_mib > 0]):
+        victims.append(candidate)
+        freed += candidate.footprint.vram_mib
+        if freed >= short:
+            names = tuple(v.name for v in victims)
+            decided = {
+                **evidence,
+                "victims": list(names),
+                "freed_vram_mib": round(freed, 1),
+                "loaded": [r.to_json() for r in loaded],
+                "idle_s": round(victims[0].idle_s, 1),
+            }
+            return Placement(Verdict.EVICT, names[0], decided, names)
+    return Placement(Verdict.LOAD, evidence={**evidence, "idle_vram_mib": round(freed, 1)})

@@ -96,6 +96,10 @@ class PlacementConfig:
     # unpinned models until it fits, as max_loaded does (states/placement.py, place_memory).
     max_ram_mib: int = setting(0, integer(0, 1 << 30))
     max_vram_mib: int = setting(0, integer(0, 1 << 30))
+    # A GPU plan the engine would fit short of every layer (or of its context) because idle
+    # models hold the VRAM: unload the least recently used idle unpinned ones first when that
+    # makes it whole (states/placement.py, place_offload); false: it loads partly on the CPU.
+    unload_for_full_offload: bool = setting(True, boolean)
 
 
 def max_loaded_for(setting_value: int | Literal["auto"], total_ram: int | None) -> int:

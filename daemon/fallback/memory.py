@@ -133,6 +133,40 @@ def stoker_estimate(plan: LaunchPlan, detail: str | None) -> MemoryEstimate:
     )
 
 
+def fitted_short(plan: LaunchPlan, fitted: tuple[str, ...]) -> bool:
+    """Whether the fitter's arguments ("-c N -ngl N [-ts ...] [-ot ...]") leave something of
+    the plan off the GPU: fewer layers than the model has (its blocks and the output layer), a
+    smaller context than asked, or tensors overridden to the host."""
+    layers = model_facts(plan.model_path).block_count
+    ngl = _arg(fitted, ("-ngl",), -1)
+    ctx = kv_context(plan)
+    fitted_ctx = _arg(fitted, ("-c",), 0)
+    return (
+        (layers is not None and 0 <= ngl < layers + 1)
+        or bool(ctx and fitted_ctx and fitted_ctx < ctx)
+        or any(a in ("-ot", "--override-tensor") for a in fitted)
+    )
+
+
+def whole_offload(
+    tool: Path, plan: LaunchPlan, env: dict[str, str], correction: tuple[str, float] | None
+) -> dict[str, float]:
+    """The devices' MiB with every layer on the GPU(s) at the context asked (the fitter's
+    projection, kept for the daemon's life like every projection; the same compute correction
+    as the fitted one); empty when the fitter does not answer."""
+    args = [*fitter_args(plan, kv_context(plan)), "-ngl", "999"]
+    try:
+        found = project(tool, plan.model_path, args, env)
+    except (FitFailed, OSError, ValueError) as err:
+        log.warning("llama-fit-params did not project every layer of %s on the GPU: %s", plan.model_path, err)
+        return {}
+    parts = found.parts
+    if correction is not None and correction[0] in parts:
+        device, taken = correction
+        parts[device]["compute"] = max(0.0, parts[device].get("compute", 0.0) - taken)
+    return {name: round(sum(p.values()), 1) for name, p in parts.items() if name != "Host"}
+
+
 def estimate_memory(plan: LaunchPlan, bundle: InstalledBundle) -> MemoryEstimate:
     """The plan's memory: the fitter's projection, else Stoker's estimate saying why. Blocking
     (runs a program, reads the header): call it in a thread."""
@@ -160,6 +194,11 @@ def estimate_memory(plan: LaunchPlan, bundle: InstalledBundle) -> MemoryEstimate
                 )
             host = sum(parts.get("Host", {}).values())
             devices = {name: sum(p.values()) for name, p in parts.items() if name != "Host"}
+            whole: dict[str, float] = {}
+            if found.fitted_args and fitted_short(plan, found.fitted_args):
+                whole = whole_offload(tool, plan, env, correction)
+                if whole:
+                    said.append(f"every layer at the context asked would take {sum(whole.values()):.0f} MiB of VRAM")
             return MemoryEstimate(
                 FITTER,
                 host_mib=round(host, 1),
@@ -167,6 +206,7 @@ def estimate_memory(plan: LaunchPlan, bundle: InstalledBundle) -> MemoryEstimate
                 parts=parts,
                 detail="; ".join(said) or None,
                 seconds=found.seconds,
+                whole=whole,
             )
     return stoker_estimate(plan, detail)
 
@@ -195,4 +235,6 @@ def estimate_json(memory: MemoryEstimate | None) -> dict[str, Any] | None:
         "partial": memory.partial,
         "detail": memory.detail,
         "seconds": memory.seconds,
+        # Fitted short of every layer: what every layer would take (0: nothing short).
+        "whole_vram_mib": memory.whole_vram_mib,
     }

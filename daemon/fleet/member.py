@@ -230,7 +230,8 @@ def on_host(device: str) -> bool:
 
 
 # Room for a member's planned server (daemon/fleet/room.py): the plan back once it fits.
-MakeRoom = Callable[[Member, LR.LaunchPlan], Awaitable[LR.LaunchPlan]]
+# (the member, its plan, how to plan it again once models were unloaded for it) -> the plan to start
+MakeRoom = Callable[[Member, LR.LaunchPlan, Callable[[], Awaitable[LR.LaunchPlan]]], Awaitable[LR.LaunchPlan]]
 
 
 def build_member(served: ServedModel, services: Services, make_room: MakeRoom | None = None) -> Member:
@@ -263,8 +264,11 @@ def build_member(served: ServedModel, services: Services, make_room: MakeRoom | 
         return extra
 
     async def plan(config: Config, effect: LR.MakePlan) -> LR.LaunchPlan:
-        planned = await with_memory(await orchestrator.plan(config, effect))
-        return planned if make_room is None else await make_room(member, planned)
+        async def planned() -> LR.LaunchPlan:
+            return await with_memory(await orchestrator.plan(config, effect))
+
+        first = await planned()
+        return first if make_room is None else await make_room(member, first, planned)
 
     supervisor = Supervisor(
         services.paths,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
 
 import attrs
 import psutil
@@ -26,9 +26,21 @@ import trio
 
 from daemon.config.placement import PlacementConfig
 from daemon.core.errors import StokerError
+from daemon.fallback.memory import estimate_json
 from daemon.fleet.usage import Pulse
 from states import launch_records as LR
-from states.placement import ARRIVING, UNLOADED, Footprint, MemoryRoom, Placement, Verdict, place_memory
+from states.placement import (
+    ARRIVING,
+    FULL_OFFLOAD,
+    UNLOADED,
+    Footprint,
+    MemoryRoom,
+    Placement,
+    Resident,
+    Verdict,
+    place_memory,
+    place_offload,
+)
 from states.reasons import ReasonCode
 
 if TYPE_CHECKING:
@@ -101,16 +113,38 @@ class RoomMaker:
     # Admitted but maybe not yet spawned: what each was admitted with (its plan's estimate).
     admitted: dict[str, Footprint] = attrs.field(factory=dict)
 
+    def _for_full_offload(self, name: str, plan: LR.LaunchPlan, residents: list[Resident]) -> Placement | None:
+        """EVICT the idle models whose VRAM makes a short GPU plan whole; None when it is whole
+        already or they would not (it loads as fitted)."""
+        memory = plan.memory
+        if plan.on_cpu or memory is None or not memory.whole:
+            return None
+        placement = place_offload(name, memory.vram_mib, memory.whole_vram_mib, residents)
+        if placement.verdict is not Verdict.EVICT:
+            log.info(
+                "%s runs partly off the GPU: unloading the idle models would not make it whole: %s",
+                name,
+                placement.evidence,
+            )
+            return None
+        return placement
+
     def resident_footprint(self, member: Member) -> Footprint:
         """A member's memory for placement: its admitted estimate while it is on its way up, else its own reading."""
         if member.state in ARRIVING and member.name in self.admitted:
             return self.admitted[member.name]
         return member.footprint()
 
-    async def make_room(self, member: Member, plan: LR.LaunchPlan) -> LR.LaunchPlan:
+    async def make_room(
+        self, member: Member, plan: LR.LaunchPlan, replan: Callable[[], Awaitable[LR.LaunchPlan]]
+    ) -> LR.LaunchPlan:
         """Return `plan` once its server fits beside the loaded models (idle ones unloaded first
-        where that is what it takes); StokerError(placement_no_room) when it cannot."""
+        where that is what it takes); StokerError(placement_no_room) when it cannot. A GPU plan
+        the engine fitted short of every layer gets the idle models' VRAM where that makes it
+        whole (`[placement] unload_for_full_offload`), once: it is then planned again (`replan`),
+        its layer estimate and the fitter reading the VRAM they freed."""
         need = need_of(plan)
+        offload_asked = False
         while True:
             async with self.lock:
                 settings = self.settings()
@@ -121,6 +155,9 @@ class RoomMaker:
                     attrs.evolve(m.resident(now), footprint=self.resident_footprint(m)) for m in members.values()
                 ]
                 placement = place_memory(member.name, need, residents, room)
+                if placement.verdict is Verdict.LOAD and not offload_asked and settings.unload_for_full_offload:
+                    offload_asked = True
+                    placement = self._for_full_offload(member.name, plan, residents) or placement
                 if placement.verdict is Verdict.LOAD:
                     self.admitted[member.name] = need
                     log.info("%s fits: %s", member.name, placement.evidence)
@@ -137,5 +174,9 @@ class RoomMaker:
             if placement.verdict is Verdict.EVICT:
                 for victim in victims:
                     await victim.wait_state(UNLOADED)
+                if placement.evidence.get("why") == FULL_OFFLOAD:
+                    plan = await replan()  # the free VRAM read again, the fitter's too
+                    need = need_of(plan)
+                    log.info("%s after unloading for a full offload: %s", member.name, estimate_json(plan.memory))
             else:
                 await changed.wait()  # a model that was stopping is gone, or something else changed

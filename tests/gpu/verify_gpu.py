@@ -25,7 +25,10 @@ Stages of `verify` (each one PASS, FAIL or SKIP with its evidence in results.jso
                (tests/gpu/frontdoor_stage.py)
   figures      Gemma 3 270M: tok/s and time-to-ready daemon vs direct, CUDA vs CPU; NVML
                sampling cost vs nvidia-smi
-Only when named in --only (tests/gpu/engines_stage.py, tests/gpu/mirror_stage.py):
+Only when named in --only (tests/gpu/engines_stage.py, tests/gpu/mirror_stage.py,
+tests/gpu/placement_stage.py):
+  offload      two multi-GB models on a GPU held nearly full: an idle one unloaded so that the
+               other gets every layer; the control (unload_for_full_offload = false) partial
   vulkan       the Vulkan bundle on NVIDIA's Vulkan driver: built, verified, served by the daemon
   mirror       a signed mirror's first run from an empty home; engine updates on CUDA (a release
                that offloads nothing rolled back, a good one kept, rollback by hand)
@@ -1659,6 +1662,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         from tests.gpu.frontdoor_stage import st_frontdoor
 
         stage("frontdoor", lambda: st_frontdoor(homes, tiny, Scenario, nvml_process_vram))
+    if "offload" in only:  # two multi-GB models on a GPU held nearly full (issue 14)
+        from tests.gpu.placement_stage import st_offload
+
+        stage("offload", lambda: st_offload(homes, WORK, Scenario, nvml_process_vram))
     if "vulkan" in only:  # builds a bundle: only when asked for by name
         from tests.gpu.engines_stage import st_vulkan
 
