@@ -44,7 +44,7 @@ from daemon.core.errors import StokerError
 from daemon.core.events import EventBus
 from daemon.core.machines import EffectDriver, MachineRunner
 from daemon.core.paths import StokerPaths
-from daemon.core.pidlock import LockHeld, take_pid_lock, write_pid
+from daemon.core.pidlock import acquire_lock, data_dir_unwritable
 from daemon.core.store_keeper import serve_store_keeper
 from daemon.backends import load_backends
 from daemon.backends.registry import try_order
@@ -70,7 +70,6 @@ from daemon.telemetry.sampler import ServerTarget, TelemetrySampler
 from daemon.telemetry.service import serve_telemetry
 from states import config as C
 from states import launch_records as LR
-from states.reasons import ReasonCode
 from store import TransitionRecord, open_store
 from store.database import StoreHealth
 from store.errors import StoreError
@@ -78,37 +77,6 @@ from store.keys import KeyStore
 from store.snapshots import SnapshotCatalog, SnapshotRecord
 
 log = logging.getLogger("stoker")
-
-
-def data_dir_unwritable(path: Path, exc: OSError) -> StokerError:
-    """data_dir_unwritable, in the words of the error that refused it."""
-    why = exc.strerror or str(exc)
-    return StokerError(
-        ReasonCode.DATA_DIR_UNWRITABLE,
-        f"The daemon cannot write {path} ({why}); free space on that disk or fix its permissions, then start "
-        f"the daemon again.",
-        {"path": str(path), "error": f"{type(exc).__name__}: {why}"},
-    )
-
-
-def acquire_lock(path: Path) -> int:
-    """Hold an exclusive flock on `path` for the daemon's life; refuse if another holds it."""
-    try:
-        fd = take_pid_lock(path)
-    except LockHeld as held:
-        raise StokerError(
-            ReasonCode.DAEMON_ALREADY_RUNNING,
-            f"Another Stoker daemon (pid {held.holder or '?'}) already runs for {path.parent}; "
-            f"use `stoker status`, or `stoker shutdown` to stop it.",
-            {"pid": held.holder, "lock": str(path)},
-        ) from None
-    except OSError as exc:
-        raise data_dir_unwritable(path, exc) from None
-    try:
-        write_pid(fd)
-    except OSError as exc:  # a full disk: the lock holds without the pid written in it
-        log.warning("cannot record the daemon's pid in %s: %s", path, exc)
-    return fd
 
 
 @attrs.define(eq=False)

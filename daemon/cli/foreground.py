@@ -19,7 +19,8 @@ from daemon.core.errors import StokerError
 from daemon.core.logfiles import DaemonLogHandler
 from daemon.core.openfiles import raise_open_files_limit
 from daemon.core.paths import StokerPaths
-from daemon.service import data_dir_unwritable, load_initial_config, log, run_daemon
+from daemon.core.pidlock import data_dir_unwritable
+from daemon.service import load_initial_config, log, run_daemon
 from states.reasons import ReasonCode, ReasonedError
 
 

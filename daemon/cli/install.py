@@ -107,7 +107,7 @@ def install_file(
     files, which a zip could not carry for verification to refuse).
     """
     from daemon.control.client import ControlClient
-    from daemon.service import acquire_lock
+    from daemon.core.pidlock import acquire_lock
 
     with _as_zip(Path(path)) as zip_path:
         deadline = time.monotonic() + SOCKET_WAIT_S

@@ -125,7 +125,7 @@ def _run(
     watch: bool = False,
 ) -> Any:
     """`method` through the running daemon, or `here(service)` in this process under the lock."""
-    from daemon.service import acquire_lock
+    from daemon.core.pidlock import acquire_lock
 
     deadline = time.monotonic() + SOCKET_WAIT_S
     while True:

@@ -16,7 +16,7 @@ from daemon.bundles.installed import PREVIOUS, find_installed
 from daemon.cli.install import install_file
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
-from daemon.service import acquire_lock
+from daemon.core.pidlock import acquire_lock
 from states.reasons import ReasonCode
 from store.database import open_store
 

@@ -9,7 +9,7 @@ import pytest
 
 from daemon.cli.worker import hold_worker_lock
 from daemon.core.errors import StokerError
-from daemon.service import acquire_lock
+from daemon.core.pidlock import acquire_lock
 from states.reasons import ReasonCode
 
 
