@@ -14,8 +14,6 @@ NVML (VRAM held by `b`'s server).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -50,17 +48,15 @@ def config(a: Path, b: Path, port: int, unload: bool) -> str:
 
 
 def st_offload(
-    homes: Any, work: Path, scenario: Callable[..., Any], nvml: Callable[[int | None], dict[str, Any]]
+    homes: Any,
+    work: Path,
+    scenario: Callable[..., Any],
+    nvml: Callable[[int | None], dict[str, Any]],
+    hold: Callable[[int], tuple[Any, str]],
 ) -> dict[str, Any]:
-    import pynvml
-
     from tests.bench.bigmodel import write_big_model
 
-    pynvml.nvmlInit()
-    try:
-        count = pynvml.nvmlDeviceGetCount()
-    finally:
-        pynvml.nvmlShutdown()
+    count = len(nvml(None).get("per_device") or [])  # NVML's devices (what a pid holds: none here)
     if count > 1:
         return {"status": "SKIP", "why": f"{count} GPUs: the holder fills GPU 0 only"}
     a = write_big_model(work / "offload-a.gguf", MODEL_GIB, seed=1)
@@ -69,23 +65,8 @@ def st_offload(
     # Room for one model whole and half of another, beside the fit margin (1024 MiB) and each
     # server's CUDA runtime (~524 MiB, docs/gpu-verification.md).
     keep = int(1.5 * whole) + 1024 + 2 * 600
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time, torch\n"
-            "free, _ = torch.cuda.mem_get_info()\n"
-            "x = torch.empty(free - int(sys.argv[1]) * 2**20, dtype=torch.uint8, device='cuda')\n"
-            "print('held', x.numel() // 2**20, 'MiB; free now', torch.cuda.mem_get_info()[0] // 2**20, 'MiB', flush=True)\n"
-            "time.sleep(3600)\n",
-            str(keep),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    holder, line = hold(keep)
     try:
-        line = (holder.stdout.readline() if holder.stdout else "").strip()
         if not line.startswith("held"):
             return {"status": "SKIP", "why": f"could not hold VRAM: {line or holder.wait(30)}"}
         cases = {

@@ -969,13 +969,9 @@ def st_vram(homes: Homes, model: Path) -> dict[str, Any]:
     return {"status": "PASS" if all(s == "PASS" for s in ok.values()) else "FAIL", "summary": ok, **cases}
 
 
-def vram_nearly_full(homes: Homes, model: Path, keep_mib: int, extra_args: list[str] | None = None) -> dict[str, Any]:
-    """Another process holds all but `keep_mib` of the GPU; the daemon brings Gemma up.
-
-    The engine's fit (`-ngl auto`) must shrink the offload, or the launch must end on the CPU
-    with a reason and a hint; never a crash loop, never silence. With a lower fit margin
-    (`-fitt` in extra_args, what the hint says) the same GPU must take every layer.
-    """
+def hold_vram(keep_mib: int) -> tuple[subprocess.Popen[str], str]:
+    """Another process (PyTorch) that holds all of the GPU but `keep_mib`, and its first line
+    ("held N MiB; free now M MiB", else why not). Kill it to free the GPU."""
     holder = subprocess.Popen(
         [
             sys.executable,
@@ -991,8 +987,18 @@ def vram_nearly_full(homes: Homes, model: Path, keep_mib: int, extra_args: list[
         stderr=subprocess.STDOUT,
         text=True,
     )
+    return holder, (holder.stdout.readline() if holder.stdout else "").strip()
+
+
+def vram_nearly_full(homes: Homes, model: Path, keep_mib: int, extra_args: list[str] | None = None) -> dict[str, Any]:
+    """Another process holds all but `keep_mib` of the GPU; the daemon brings Gemma up.
+
+    The engine's fit (`-ngl auto`) must shrink the offload, or the launch must end on the CPU
+    with a reason and a hint; never a crash loop, never silence. With a lower fit margin
+    (`-fitt` in extra_args, what the hint says) the same GPU must take every layer.
+    """
+    holder, line = hold_vram(keep_mib)
     try:
-        line = holder.stdout.readline().strip()
         if not line.startswith("held"):
             return {"status": "SKIP", "why": f"could not hold VRAM: {line or holder.wait(30)}"}
         before = nvml_process_vram(holder.pid)
@@ -1665,7 +1671,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if "offload" in only:  # two multi-GB models on a GPU held nearly full (issue 14)
         from tests.gpu.placement_stage import st_offload
 
-        stage("offload", lambda: st_offload(homes, WORK, Scenario, nvml_process_vram))
+        stage("offload", lambda: st_offload(homes, WORK, Scenario, nvml_process_vram, hold_vram))
     if "vulkan" in only:  # builds a bundle: only when asked for by name
         from tests.gpu.engines_stage import st_vulkan
 
