@@ -9,6 +9,8 @@ share the daemon's probes, installs, pulls, snapshots and event bus (`Services`)
 
 from __future__ import annotations
 
+import functools
+
 import logging
 import os
 import time
@@ -279,7 +281,7 @@ def build_member(served: ServedModel, services: Services, make_room: MakeRoom | 
         publish=services.publish,
         ready_hook=on_ready,
         before_stop=snapshots.before_stop,
-        drain=usage.wait_drained,
+        drain=functools.partial(usage.drain_within, name=served.name),
     )
     member = Member(served, supervisor, orchestrator, usage, services.pulse, snapshots)
     return member

@@ -10,11 +10,14 @@ transition of any model, or a request that ended.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Callable, Iterator
 
 import attrs
 import trio
+
+log = logging.getLogger(__name__)
 
 
 @attrs.define(eq=False)
@@ -84,16 +87,39 @@ class Usage:
             self.waiting -= 1
             self.on_change()
 
-    async def wait_drained(self) -> int:
+    async def wait_drained(self) -> None:
         """Return once no request is in flight to the engine (the supervisor's drain before a
-        planned stop; requests arriving meanwhile are held, so the count only falls), with how
-        many were in flight when the drain began."""
-        waited_for = self.in_flight
+        planned stop; requests arriving meanwhile are held, so the count only falls)."""
         while self.in_flight:
             await self._drained.wait()
         self.on_drained()
         await trio.lowlevel.checkpoint()
-        return waited_for
+
+    async def drain_within(self, bound: float, name: str) -> None:
+        """A planned stop's drain: return once no request is in flight, or after `bound`
+        seconds ([frontdoor] drain_timeout_s; 0: a stop that does not drain). The daemon's log
+        says how long the stop waited for how many, or that the rest are cut by the stop."""
+        waited_for, began = self.in_flight, trio.current_time()
+        if bound <= 0:
+            if not waited_for:
+                self.on_drained()
+            return
+        with trio.move_on_after(bound):
+            await self.wait_drained()
+        if self.in_flight:
+            log.warning(
+                "%s: %d request(s) still in flight after drain_timeout_s (%.1f s) are cut by the stop",
+                name,
+                self.in_flight,
+                bound,
+            )
+        elif waited_for:
+            log.info(
+                "%s: the stop waited %.2f s for %d request(s) in flight to finish",
+                name,
+                trio.current_time() - began,
+                waited_for,
+            )
 
     def idle_s(self, now: float, ready_at: float | None) -> float:
         """Seconds since the model was last used, or since it became ready if that is later."""

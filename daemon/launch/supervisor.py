@@ -99,11 +99,6 @@ def backoff_delay(attempt: int, initial: float, cap: float, rng: random.Random) 
     return round(step * (0.5 + rng.random() / 2), 4)
 
 
-async def _nothing_in_flight() -> int:
-    await trio.lowlevel.checkpoint()
-    return 0
-
-
 @attrs.define(eq=False)
 class Supervisor:
     """One server instance: its launch machine (store id keyed by the instance), the live
@@ -117,7 +112,8 @@ class Supervisor:
     publish: Publish | None = None
     ready_hook: ReadyHook | None = None
     before_stop: StopHook | None = None
-    drain: Callable[[], Awaitable[int]] = _nothing_in_flight  # once none of its requests is in flight
+    # A planned stop's drain of its requests in flight, within the bound given (Usage.drain_within).
+    drain: Callable[[float], Awaitable[None]] | None = None
     shutting_down: bool = False  # set by the daemon: the stop cause is "shutdown"
     rng: random.Random = attrs.field(factory=random.Random)
     server: ServerHandle | AdoptedServer | None = None
@@ -429,21 +425,8 @@ class Supervisor:
     async def _terminate(self, grace: float, drain: float = 0.0) -> None:
         server = self.server
         after = self.data.after_stop
-        began = trio.current_time()
-        with trio.move_on_after(drain) as draining:  # a planned stop: the front door's requests in flight finish first
-            if waited_for := await self.drain():
-                log.info(
-                    "%s: the stop waited %.2f s for %d request(s) in flight to finish",
-                    self.instance.name,
-                    trio.current_time() - began,
-                    waited_for,
-                )
-        if draining.cancelled_caught:
-            log.warning(
-                "%s: requests still in flight after drain_timeout_s (%.1f s) are cut by the stop",
-                self.instance.name,
-                drain,
-            )
+        if self.drain is not None:  # a planned stop: the front door's requests in flight finish first
+            await self.drain(drain)
         if server is not None and self.before_stop is not None and after is not LR.AfterStop.CRASH:
             cause = stop_cause(self.data, self.shutting_down)
             # A hung engine answers nothing: its snapshot attempt gets the grace period, no more.

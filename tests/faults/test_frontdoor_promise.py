@@ -486,4 +486,4 @@ def test_the_drain_bound_is_the_configs_and_a_reload_changes_it(daemon, long_mod
     assert "engine_stream_cut" in str(cut.value.body or cut.value), cut.value
     assert time.monotonic() - began < 1 + 3 + 10, "the stop waited past the reloaded bound"
     next_server(daemon, first["pid"])
-    assert "requests still in flight after drain_timeout_s (1.0 s) are cut by the stop" in daemon.log_text()
+    assert "1 request(s) still in flight after drain_timeout_s (1.0 s) are cut by the stop" in daemon.log_text()
