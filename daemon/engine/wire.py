@@ -20,10 +20,10 @@ connect, nothing waited for) and pooled, so that the next request, streamed or n
 ready: the connect (and the engine's accept) leave the time to its first token. The engine
 closes an unused connection after 5 s like a kept-alive one, so the same `KEEPALIVE_S` drops it.
 An idle connection holds llama-server's exit ~0.1 s: a planned stop first closes them
-(`forget`). Failures raise httpx's exceptions
-(`ConnectError`, `ConnectTimeout`, `ReadError`, `ReadTimeout`, `WriteError`, `WriteTimeout`,
-`RemoteProtocolError`, all `httpx.TransportError`), the vocabulary the rest of the daemon
-already speaks for an engine that is not there.
+(`forget`). Failures raise httpx's exceptions (`ConnectError`, `ConnectTimeout`, `ReadError`,
+`ReadTimeout`, `WriteError`, `WriteTimeout`, `RemoteProtocolError`, all
+`httpx.TransportError`), the vocabulary the rest of the daemon already speaks for an engine that
+is not there.
 
 The engines Stoker runs are on loopback, in plain HTTP. A remote model's endpoint
 (daemon/config/remote.py) may be https://: its connections are TLS (`TlsSocket`, trio's

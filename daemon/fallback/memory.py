@@ -133,13 +133,12 @@ def stoker_estimate(plan: LaunchPlan, detail: str | None) -> MemoryEstimate:
     )
 
 
-def fitted_short(plan: LaunchPlan, fitted: tuple[str, ...]) -> bool:
+def fitted_short(plan: LaunchPlan, fitted: tuple[str, ...], ctx: int | None) -> bool:
     """Whether the fitter's arguments ("-c N -ngl N [-ts ...] [-ot ...]") leave something of
     the plan off the GPU: fewer layers than the model has (its blocks and the output layer), a
-    smaller context than asked, or tensors overridden to the host."""
+    smaller context than `ctx` asked, or tensors overridden to the host."""
     layers = model_facts(plan.model_path).block_count
     ngl = _arg(fitted, ("-ngl",), -1)
-    ctx = kv_context(plan)
     fitted_ctx = _arg(fitted, ("-c",), 0)
     return (
         (layers is not None and 0 <= ngl < layers + 1)
@@ -148,23 +147,26 @@ def fitted_short(plan: LaunchPlan, fitted: tuple[str, ...]) -> bool:
     )
 
 
-def whole_offload(
-    tool: Path, plan: LaunchPlan, env: dict[str, str], correction: tuple[str, float] | None
-) -> dict[str, float]:
-    """The devices' MiB with every layer on the GPU(s) at the context asked (the fitter's
-    projection, kept for the daemon's life like every projection; the same compute correction
-    as the fitted one); empty when the fitter does not answer."""
-    args = [*fitter_args(plan, kv_context(plan)), "-ngl", "999"]
-    try:
-        found = project(tool, plan.model_path, args, env)
-    except (FitFailed, OSError, ValueError) as err:
-        log.warning("llama-fit-params did not project every layer of %s on the GPU: %s", plan.model_path, err)
-        return {}
-    parts = found.parts
+def take_off(parts: dict[str, dict[str, float]], correction: tuple[str, float] | None) -> None:
+    """Take `server_outputs_correction`'s MiB off its device's compute figure in `parts`."""
     if correction is not None and correction[0] in parts:
         device, taken = correction
-        parts[device]["compute"] = max(0.0, parts[device].get("compute", 0.0) - taken)
-    return {name: round(sum(p.values()), 1) for name, p in parts.items() if name != "Host"}
+        parts[device]["compute"] = round(max(0.0, parts[device].get("compute", 0.0) - taken), 1)
+
+
+def whole_offload(
+    tool: Path, model: str, args: list[str], env: dict[str, str], correction: tuple[str, float] | None
+) -> dict[str, float]:
+    """The devices' MiB with every layer on the GPU(s) for the plan's arguments `args` (the
+    fitter's projection, kept for the daemon's life like every projection; the same compute
+    correction as the fitted one); empty when the fitter does not answer."""
+    try:
+        found = project(tool, model, [*args, "-ngl", "999"], env)
+    except (FitFailed, OSError, ValueError) as err:
+        log.warning("llama-fit-params did not project every layer of %s on the GPU: %s", model, err)
+        return {}
+    take_off(found.parts, correction)
+    return {name: round(mib, 1) for name, mib in found.devices.items()}
 
 
 def estimate_memory(plan: LaunchPlan, bundle: InstalledBundle) -> MemoryEstimate:
@@ -176,8 +178,10 @@ def estimate_memory(plan: LaunchPlan, bundle: InstalledBundle) -> MemoryEstimate
     else:
         env = server_env(ServerSpec(plan.server_path, plan.model_path, env=dict(plan.backend_env)))
         fit_first = not plan.on_cpu and plan.n_gpu_layers == "auto"
+        ctx = kv_context(plan)
+        args = fitter_args(plan, ctx)
         try:
-            found = project(tool, plan.model_path, fitter_args(plan, kv_context(plan)), env, fit_first=fit_first)
+            found = project(tool, plan.model_path, args, env, fit_first=fit_first)
         except (FitFailed, OSError, ValueError) as err:
             detail = f"llama-fit-params did not answer: {err}"
             log.warning("%s; Stoker estimates %s's memory itself", detail, plan.model_path)
@@ -187,7 +191,7 @@ def estimate_memory(plan: LaunchPlan, bundle: InstalledBundle) -> MemoryEstimate
             correction = server_outputs_correction(plan, parts)
             if correction is not None:
                 device, taken = correction
-                parts[device]["compute"] = round(parts[device]["compute"] - taken, 1)
+                take_off(parts, correction)
                 said.append(
                     f"{taken:g} MiB taken off {device}'s compute: the logits of one output per slot, as llama-server "
                     f"reserves them, not of a whole micro-batch"
@@ -195,8 +199,8 @@ def estimate_memory(plan: LaunchPlan, bundle: InstalledBundle) -> MemoryEstimate
             host = sum(parts.get("Host", {}).values())
             devices = {name: sum(p.values()) for name, p in parts.items() if name != "Host"}
             whole: dict[str, float] = {}
-            if found.fitted_args and fitted_short(plan, found.fitted_args):
-                whole = whole_offload(tool, plan, env, correction)
+            if found.fitted_args and fitted_short(plan, found.fitted_args, ctx):
+                whole = whole_offload(tool, plan.model_path, args, env, correction)
                 if whole:
                     said.append(f"every layer at the context asked would take {sum(whole.values()):.0f} MiB of VRAM")
             return MemoryEstimate(

@@ -10,7 +10,6 @@ share the daemon's probes, installs, pulls, snapshots and event bus (`Services`)
 from __future__ import annotations
 
 import functools
-
 import logging
 import os
 import time

@@ -12,8 +12,8 @@ that writes it to the part and hands the buffer back (`_Sink`; hashlib and the w
 GIL, so receiving, hashing and writing overlap). Whole aligned blocks are written with O_DIRECT
 where the filesystem takes it (`_direct`): from the buffer to the disk, with no copy into the page
 cache and nothing for the kernel to reclaim; the rest (a resumed part's odd offset, the file's
-tail, a wheel's member) buffered, its writeback started every 32 MiB. A model of one piece is hashed once
-(its piece's digest is the file's). At most QUEUE_BYTES wait: a download never runs far
+tail, a wheel's member) buffered, its writeback started every 32 MiB. A model of one piece is
+hashed once (its piece's digest is the file's). At most QUEUE_BYTES wait: a download never runs far
 ahead of the disk, and whatever is queued when it stops (cancelled, cut) is written before the
 part is closed, in order.
 
@@ -365,10 +365,8 @@ def _direct(part: Path) -> Iterator[int | None]:
     flag = getattr(os, "O_DIRECT", 0)
     fd: int | None = None
     if flag:
-        try:
+        with contextlib.suppress(OSError):
             fd = os.open(part, os.O_WRONLY | flag)
-        except OSError:
-            fd = None
     try:
         yield fd
     finally:

@@ -138,7 +138,7 @@ def test_a_fit_is_short_with_fewer_layers_than_the_model_a_smaller_context_or_te
 
     path = write_tiny_model(tmp_path / "m.gguf", n_layer=4)  # 4 blocks and the output layer: -ngl 5 is all
     plan = attrs.evolve(short_plan(0, 0), model_path=str(path), ctx_size=4096)
-    assert not fitted_short(plan, ("-c", "4096", "-ngl", "5"))
-    assert fitted_short(plan, ("-c", "4096", "-ngl", "4"))
-    assert fitted_short(plan, ("-c", "2048", "-ngl", "5"))
-    assert fitted_short(plan, ("-c", "4096", "-ngl", "5", "-ot", "blk\\.3\\.ffn=CPU"))
+    assert not fitted_short(plan, ("-c", "4096", "-ngl", "5"), 4096)
+    assert fitted_short(plan, ("-c", "4096", "-ngl", "4"), 4096)
+    assert fitted_short(plan, ("-c", "2048", "-ngl", "5"), 4096)
+    assert fitted_short(plan, ("-c", "4096", "-ngl", "5", "-ot", "blk\\.3\\.ffn=CPU"), 4096)
