@@ -117,13 +117,14 @@ def m003_snapshot_kv_unified(db: Database) -> None:
 
 
 def m004_snapshot_cheap_checks(db: Database) -> None:
-    """Snapshots identified and checked without reading whole files (issue 12, findings 13-14):
-    `model_id` (the model's header and sampled blocks: daemon/models/identity.py) replaces the
-    model's sha256 for new rows; a file is checked at restore by its size, mtime, inode and a
-    digest of its head and tail (`file_sample_sha256`), its full sha256 being computed after the
-    save, in the background (NULL until then); `sealed_at` says when its data reached the disk
-    (fsync), `boot_id` which boot wrote it. `snapshot_figures`: the moving throughputs that
-    decide restore against re-prefill and the budgets (states/snapshot_policy.py)."""
+    """Snapshots identified and checked without reading whole files (a sha256 of each cost seconds
+    on the ready path and most of a restore's time): `model_id` (the model's header and sampled
+    blocks: daemon/models/identity.py) replaces the model's sha256 for new rows; a file is checked
+    at restore by its size, mtime, inode and a digest of its head and tail (`file_sample_sha256`),
+    its full sha256 being computed after the save, in the background (NULL until then); `sealed_at`
+    says when its data reached the disk (fsync), `boot_id` which boot wrote it. `snapshot_figures`:
+    the moving throughputs that decide restore against re-prefill and the budgets
+    (states/snapshot_policy.py)."""
     db.table("snapshots").transform(not_null={"model_sha256": False, "file_sha256": False})
     for column, kind in (
         ("model_id", str),
@@ -195,8 +196,8 @@ def m006_model_catalog(db: Database) -> None:
 
 
 def m007_snapshot_instance(db: Database) -> None:
-    """Snapshots belong to one server instance (issue 14: several `[models.NAME]` may serve the same
-    file, and a conversation must never move from one to another): `instance`, the NAME
+    """Snapshots belong to one server instance (several `[models.NAME]` may serve the same file,
+    and a conversation must never move from one to another): `instance`, the NAME
     (`default` without [models]). A row written before goes to the instance its launch history
     names (`snapshot_owners`), else to `default`."""
     db.table("snapshots").add_column("instance", str, not_null_default="default")

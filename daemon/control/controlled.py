@@ -1,7 +1,7 @@
 """What the control handlers may see and do of the daemon: the narrow interface they type against.
 
 The handlers never import the daemon itself (`daemon.service` sits above `daemon.control` in
-the layers contract, and importing it back would be the cycle issue 11 removed). The root
+the layers contract, and importing it back would be an import cycle). The root
 nursery's `Daemon` satisfies these protocols structurally; a handler that needs something new
 adds it here first, so this file stays the complete list of what a socket method can reach.
 """

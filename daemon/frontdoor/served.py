@@ -49,7 +49,7 @@ class Caller:
     key_name: str | None = None
 
 
-# The hook user API keys plug into (issue 13 item 2): called with the key a client presented
+# The hook user API keys (`stoker key`) plug into: called with the key a client presented
 # (`Authorization: Bearer K` or `x-api-key: K`; None when it sent none) and whether the client
 # is on loopback; None answers 401 in the API's error shape.
 Authorize = Callable[[str | None, bool], Caller | None]

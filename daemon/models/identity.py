@@ -2,9 +2,9 @@
 
 A snapshot must only be restored into a server running the model that wrote it (the engine
 checks tensor shapes, never which weights). A sha256 of the whole file says that, at the cost
-of reading it: 12-13 s for a 13.5 GiB model, on the ready path of every new model file (issue
-12, finding 13). The model id here is a sha256 over what tells two GGUF files apart without
-reading their weights in full:
+of reading it: 12-13 s for a 13.5 GiB model, on the ready path of every new model file. The
+model id here is a sha256 over what tells two GGUF files apart without reading their weights
+in full:
 
 - the file's size;
 - its whole header: every metadata key and value (architecture, shapes, name, tokenizer)

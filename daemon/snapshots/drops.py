@@ -1,4 +1,5 @@
-"""What snapshots were given up, and why: never silent (issue 12, finding 15).
+"""What snapshots were given up, and why: never silent (retention used to delete big snapshots
+without a word).
 
 Every snapshot removed by retention, every save refused before it was paid for, every save
 cut by its budget and every file lost to a reboot before it reached the disk is one entry: a

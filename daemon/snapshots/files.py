@@ -7,7 +7,7 @@ and a digest of its size, head and tail (`sample_digest`). A restore checks thos
 was truncated, replaced, rewritten, or torn by a crash before its data reached the disk fails
 them (the head holds the engine's header and the conversation's token ids, the tail the last
 layer's cells). Reading all of it again is what made Stoker's restore lose to re-prefilling on
-a GPU (64-81 % of its time, issue 12). The full sha256 is computed after the save, in the
+a GPU (64-81 % of its time, measured on an H200). The full sha256 is computed after the save, in the
 background, and is what vouches for a file whose inode or mtime changed (the snapshots dir
 copied or restored from a backup). docs/snapshots.md, "What a restore checks".
 """

@@ -257,7 +257,7 @@ def snapshot_server_args(paths: StokerPaths, config: Config, model_path: str | P
 
 
 def cross_backend_note(saved_on: str | None, restored_on: str | None) -> str:
-    """What a restore across backends keeps and what it does not (measured on an H200, issue 7)."""
+    """What a restore across backends keeps and what it does not (measured on an H200, CUDA to CPU)."""
     return (
         f"saved on {saved_on}, restored on {restored_on}: the conversation resumes without re-processing, "
         f"but the next tokens are {restored_on}'s arithmetic on {saved_on}'s cache: where two candidates "

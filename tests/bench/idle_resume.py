@@ -1,4 +1,4 @@
-"""A long conversation resumed after an idle unload, against re-reading it (issue 14 item 7).
+"""A long conversation resumed after an idle unload, against re-reading it.
 
     .venv/bin/python tests/bench/idle_resume.py [--tokens 4096] [--rounds 3] [--ctx 8704] [--quick] [--no-write]
 

@@ -1,4 +1,4 @@
-"""Pull throughput from the loopback Hub against curl of the same file (issue 14 item 7).
+"""Pull throughput from the loopback Hub against curl of the same file.
 
     .venv/bin/python tests/bench/pull.py [--gib 3] [--runs 5] [--dir DIR] [--tree LABEL=PATH ...] [--no-write]
 

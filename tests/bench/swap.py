@@ -1,4 +1,4 @@
-"""Swapping model A for model B, to B's first token, against starting B directly (issue 14 item 7).
+"""Swapping model A for model B, to B's first token, against starting B directly.
 
     .venv/bin/python tests/bench/swap.py [--rounds 5] [--smollm PATH] [--snapshots] [--no-write]
 

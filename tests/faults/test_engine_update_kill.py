@@ -1,4 +1,4 @@
-"""An engine update survives a daemon killed at any step (issue 15 item 5): the slot or its
+"""An engine update survives a daemon killed at any step: the slot or its
 `.previous` always holds a launchable engine, a server keeps serving, and the restarted daemon
 takes the update to its end from where history says it was.
 

@@ -1,4 +1,4 @@
-"""The front door's promise (issue 13 items 3 and 6): clients never see a restart.
+"""The front door's promise (hold, don't fail): clients never see a restart.
 
 Several clients of the official `openai` SDK (max_retries=0: the SDK's own retries must not
 hide a failure of ours) send streamed and non-streamed chat requests in a loop through the

@@ -66,7 +66,7 @@ def write_launch_row(d: DaemonProcess, state: str, **data: object) -> None:
     db.close()
 
 
-# --- finding 1: killed while stopping, started again ---------------------------------------
+# --- killed while stopping, started again: no leaked server -------------------------------
 
 
 def test_daemon_killed_while_restarting_leaves_one_server(daemon, model):
@@ -99,7 +99,7 @@ def test_daemon_killed_while_stopping_after_down_stays_stopped(daemon, model):
     assert_exactly_what_status_reports(daemon, model)
 
 
-# --- finding 2: many clients at once -------------------------------------------------------
+# --- many clients at once: commands composed by the machine, not raced -------------------
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.005, 0.015, 0.05])
@@ -154,7 +154,7 @@ def test_fifteen_clients_never_wedge_the_supervisor(daemon, model):
     assert server_pids(model) == []
 
 
-# --- finding 3: the identity file is evidence on its own -----------------------------------
+# --- the identity file is evidence on its own, even without the store ---------------------
 
 
 @pytest.mark.parametrize("lost", ["database", "wal"])
@@ -198,7 +198,7 @@ def test_a_server_whose_identity_was_never_written_is_stopped(daemon, model):
     assert_exactly_what_status_reports(daemon, model)
 
 
-# --- finding 2, at the moment it happens: a request while a spawn is being prepared ---------
+# --- a request at the exact moment a spawn is being prepared --------------------------------
 # The daemon's own supervisor and the real engine, in-process, so that a request can be made
 # exactly between PlanReady and Spawned (from a socket client it lands there only sometimes).
 

@@ -1,5 +1,5 @@
 """The save before a stop runs out of its budget: the stop still completes, and the lost save is
-said (issue 12, finding 15: a 130k-token save needed 28 s of a fixed 20 s budget, silently).
+said (a 130k-token save once needed 28 s of a fixed 20 s budget, and was lost silently).
 
 Two ways a stop's save cannot finish, both with the real engine:
 - the slot is busy generating: the engine defers the save until the generation ends;

@@ -1,4 +1,4 @@
-"""Truth in every figure (issue 12, findings 6-11): what Stoker shows comes from the reading
+"""Truth in every figure: what Stoker shows comes from the reading
 that decided, and names what really runs.
 
 A real daemon and a real llama-server serve under FakeGPU, the third-party backend of
@@ -62,8 +62,8 @@ def test_telemetry_names_the_backend_in_use_and_a_demoted_respawn_is_recorded(
     daemons,  # noqa: F811  (the imported fixture)
     tmp_path,
 ):
-    """Finding 6: `stoker telemetry` said cuda while status said cpu (cuda_gpu_layers_zero).
-    Finding 8: a respawn demoted to the CPU is a transition in history, with fallback_reason."""
+    """`stoker telemetry` once said cuda while status said cpu (cuda_gpu_layers_zero); and a
+    respawn demoted to the CPU is a transition in history, with fallback_reason."""
     d = fakegpu_daemon(stoker_home, plugin_site, installed_cpu_bundle, tmp_path, DEVICE)
     write_config(d.paths, tiny_config(model))
     daemons.append(d.start())
@@ -102,9 +102,9 @@ def test_free_memory_is_read_when_the_plan_is_made_and_a_forced_backend_says_one
     daemons,  # noqa: F811  (the imported fixture)
     tmp_path,
 ):
-    """Finding 9: the probe's figures (cached up to 30 s) said there was room; another tenant
+    """The probe's figures (cached up to 30 s) said there was room; another tenant
     filled the device since. The reading made at planning decides, and is what is shown.
-    Finding 10: forced with no room, it said both "serving on the CPU" and "nothing is served"."""
+    Forced with no room, it once said both "serving on the CPU" and "nothing is served"."""
     now = tmp_path / "fakegpu-now"
     d = fakegpu_daemon(stoker_home, plugin_site, installed_cpu_bundle, tmp_path, DEVICE, FAKEGPU_NOW=str(now))
     write_config(d.paths, tiny_config(model))
@@ -148,7 +148,7 @@ def test_a_device_without_room_is_kept_from_the_server_and_history_says_so(
     daemons,  # noqa: F811  (the imported fixture)
     tmp_path,
 ):
-    """Finding 11: a device that can take no layer still received the server's runtime (520 MiB
+    """A device that can take no layer once still received the server's runtime (520 MiB
     of CUDA context on an H200). The plan names the devices the server may use, as the plugin
     spells it (its environment), and the plan in history is exactly what the server ran with."""
     d = fakegpu_daemon(stoker_home, plugin_site, installed_cpu_bundle, tmp_path, "Big:8192,Full:100")
@@ -179,7 +179,7 @@ PARTIAL = {
 
 
 def test_a_partial_offload_is_called_partial_by_the_cli_and_the_tui():
-    """`backend cuda` for 15 of 33 layers said nothing of "partial" (finding 10)."""
+    """`backend cuda` for 15 of 33 layers once said nothing of "partial"."""
     assert "backend   cuda (avx2; partial: 15/33 layers)" in format_status(PARTIAL)
     full = {**PARTIAL, "offload": "full", "layers": {**PARTIAL["layers"], "offloaded": 33}}
     assert "backend   cuda (avx2)\n" in format_status(full)

@@ -1,4 +1,4 @@
-"""GPU stages for issue 15: the Vulkan bundle on NVIDIA's Vulkan driver.
+"""GPU stages for engine bundles: the Vulkan bundle on NVIDIA's Vulkan driver.
 
 Called from tests/gpu/verify_gpu.py (`verify --only vulkan`). The Vulkan build needs Debian's
 headers, glslc and SPIR-V headers, and the engine needs the Vulkan loader: the machine has

@@ -1,4 +1,4 @@
-"""The front door and several models on a real GPU (issues 13 and 14), a stage of verify_gpu.py.
+"""The front door and several models on a real GPU, a stage of verify_gpu.py.
 
 One daemon serves two models at once through the front door: `gpu` on the best backend (CUDA
 here) and `cpu`, forced onto the CPU. It checks what a user sees through the one address:

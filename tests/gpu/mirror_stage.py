@@ -1,4 +1,4 @@
-"""GPU stages for issue 15 item 7 (and issue 14's fitter on a GPU), called from
+"""GPU stages for signed mirrors, engine updates and the engine's memory fitter, called from
 tests/gpu/verify_gpu.py (`verify --only mirror speed`):
 
   mirror   the first run from an empty home served by a signed mirror on loopback HTTP (NVML ->

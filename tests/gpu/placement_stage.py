@@ -1,4 +1,4 @@
-"""Placement for a whole offload on a real GPU (issue 14, item 3), a stage of verify_gpu.py.
+"""Placement for a whole offload on a real GPU, a stage of verify_gpu.py.
 
 Two multi-GB models, `a` (the default, loaded at start) and `b` (loaded when a request names
 it), on a GPU that another process fills but for room for one of them and a half: with `a`

@@ -1,4 +1,4 @@
-"""Issue 16 on two GPUs: one `stoker worker` per H200 (rpc-server on CUDA0 / CUDA1), a head
+"""RPC workers on two GPUs: one `stoker worker` per H200 (rpc-server on CUDA0 / CUDA1), a head
 daemon on the CPU bundle with both as `[[workers]]`, the tiny model split across them.
 
     python3 tests/gpu/rpc_stage.py CUDA_ZIP CPU_ZIP OUT_JSON

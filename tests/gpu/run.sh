@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU verification (issue 7) on an NVIDIA machine, from a checkout with no network.
+# The GPU verification (docs/gpu-verification.md) on an NVIDIA machine, from a checkout with no network.
 #
 #   tests/gpu/run.sh all            build the CUDA and CPU bundles, then verify everything
 #   tests/gpu/run.sh setup|build-bg|wait-build|verify|bring-back ...   the same in steps

@@ -1,4 +1,4 @@
-"""Issue 7: the whole CUDA path on a real NVIDIA GPU, every reason code reproduced, in one go.
+"""The whole CUDA path on a real NVIDIA GPU, every reason code reproduced, in one go.
 
     tests/gpu/run.sh all                 (= setup, build, verify)
     tests/gpu/run.sh setup               machine facts; seed the source cache; stash Gemma parts
@@ -915,7 +915,7 @@ def st_failures(homes: Homes, cuda_zip: Path, model: Path) -> dict[str, Any]:
         ]
 
     def layers_zero(status: dict[str, Any], sc: Scenario) -> dict[str, bool]:
-        # Issue 12 finding 6: telemetry names the backend in use (cpu), not the planned one.
+        # Telemetry names the backend in use (cpu), not the planned one (it once said cuda here).
         tel = safe(lambda: stoker("telemetry", "--json", env=sc.daemon.env, timeout=60)[1])
         sc.evidence["telemetry"] = tel
         sample = (tel.get("sample") if isinstance(tel, dict) else None) or {}
@@ -1044,8 +1044,8 @@ def vram_nearly_full(homes: Homes, model: Path, keep_mib: int, extra_args: list[
 
 
 def st_devices(homes: Homes, model: Path) -> dict[str, Any]:
-    """Issue 12 finding 11, on two GPUs: GPU 0 held full by another process, GPU 1 free. The
-    plan gives the server only GPU 1 (the plugin's CUDA_VISIBLE_DEVICES, recorded in the plan),
+    """Only the devices a plan uses, on two GPUs: GPU 0 held full by another process, GPU 1 free.
+    The plan gives the server only GPU 1 (the plugin's CUDA_VISIBLE_DEVICES, recorded in the plan),
     so the server's CUDA context lands on GPU 1 alone and GPU 0 loses nothing more."""
     import psutil
     import pynvml
@@ -1668,7 +1668,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         from tests.gpu.frontdoor_stage import st_frontdoor
 
         stage("frontdoor", lambda: st_frontdoor(homes, tiny, Scenario, nvml_process_vram))
-    if "offload" in only:  # two multi-GB models on a GPU held nearly full (issue 14)
+    if "offload" in only:  # two multi-GB models on a GPU held nearly full
         from tests.gpu.placement_stage import st_offload
 
         stage("offload", lambda: st_offload(homes, WORK, Scenario, nvml_process_vram, hold_vram))
@@ -1690,7 +1690,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 grep=grep,
             ),
         )
-    if "mirror" in only:  # a signed mirror's first run and engine updates on CUDA (issue 15)
+    if "mirror" in only:  # a signed mirror's first run and engine updates on CUDA
         from tests.gpu.mirror_stage import st_mirror
 
         stage("mirror", lambda: st_mirror(homes, cuda_zip, cpu_zip, tiny))

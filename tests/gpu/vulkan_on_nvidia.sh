@@ -1,5 +1,5 @@
 #!/bin/bash
-# The Vulkan bundle on an NVIDIA GPU through NVIDIA's Vulkan driver (issue 15 item 7), with the
+# The Vulkan bundle on an NVIDIA GPU through NVIDIA's Vulkan driver, with the
 # loader brought as Debian's package (per the device notes the H200 machines may lack libvulkan.so.1; NVIDIA's ICD is
 # looked for under /usr/local/nvidia/share/vulkan/icd.d, then the usual places). Not yet run: no device time was left.
 # Prepare a carried folder DIR (here, on the build machine) holding:

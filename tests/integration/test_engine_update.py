@@ -1,4 +1,4 @@
-"""`stoker engine update` and `rollback` with the real engine (issue 15 items 5, 6).
+"""`stoker engine update` and `rollback` with the real engine: the gate, the switch and the way back.
 
 The releases are the real CPU bundle from the build cache, repacked (tests/integration/
 engine_repack.py): a good one (the same engine as a new version), one whose engine dies when

@@ -1,5 +1,5 @@
-"""Idle unloads that keep the conversation (issue 14 items 3 and 4): a real daemon, real
-llama-servers on tiny models, requests through the front door.
+"""Idle unloads that keep the conversation: a real daemon, real llama-servers on tiny models,
+requests through the front door.
 
 A model with `idle_ttl_s = 2` is unloaded 2 s after its last request ended (a drained planned
 stop with cause idle, its slots saved first), never while a request is in flight, never when

@@ -401,7 +401,7 @@ def test_the_cli_installs_a_local_bundle_through_the_running_daemon(stoker_home,
         d.stop()
 
 
-# --- the slot's record and its one writer (issue 15: installs and updates, one story) ------------
+# --- the slot's record and its one writer (installs and updates tell one story) ----------------
 
 
 async def test_installed_is_reported_only_once_the_slot_holds_the_bundle(setup):

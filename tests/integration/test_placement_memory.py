@@ -1,5 +1,5 @@
-"""Memory-aware placement (issue 14 item 3) with the real engine and its own fitter: a real daemon,
-real llama-servers, the bundle's llama-fit-params.
+"""Memory-aware placement with the real engine and its own fitter: a real daemon, real
+llama-servers, the bundle's llama-fit-params.
 
 Expected figures are derived from the model files here, never written down: the projection by
 running the installed bundle's llama-fit-params on the file ourselves (and reading its Host line

@@ -1,4 +1,4 @@
-"""Remote models (issue 16 item 5): `[models.NAME] endpoint` served by an external OpenAI-compatible
+"""Remote models: `[models.NAME] endpoint` served by an external OpenAI-compatible
 engine through the front door, with real parts.
 
 The endpoint is a real llama-server (the cached CPU bundle, the tiny model) started by the test on

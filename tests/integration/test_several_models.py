@@ -1,4 +1,4 @@
-"""Several models (issue 14 items 2 and 3): two tiny models of different weights behind one front
+"""Several models, placed and evicted: two tiny models of different weights behind one front
 door, a real daemon and real llama-servers, driven with the openai SDK.
 
 Each request goes to the model it names (proven by the answer: each model's greedy tokens, also

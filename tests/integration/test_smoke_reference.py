@@ -1,4 +1,4 @@
-"""A bundle's smoke reference when its build host cannot run it on its GPU (issue 15).
+"""A bundle's smoke reference when its build host cannot run it on its GPU.
 
 A CUDA family built for other GPUs than the build host's (Turing-Ampere built on an H200) dies at
 its first kernel there. Its reference is then recorded from the engine's own CPU code, which is

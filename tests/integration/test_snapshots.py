@@ -393,11 +393,11 @@ def test_daemon_killed_during_a_save_leaves_no_half_snapshot(daemon):
     assert not any(n.startswith("partial-") for n in names)
 
 
-# --- issue 12: findings 13, 14, 15 -------------------------------------------------------------
+# --- nothing on the ready path reads a whole file; nothing dropped silently ------------------
 
 
 def test_first_ready_of_a_multi_gb_model_does_not_read_it_whole(daemon, tmp_path):
-    """Finding 13: the first ready of a model file used to wait for a sha256 of all of it (12-13 s
+    """The first ready of a model file used to wait for a sha256 of all of it (12-13 s
     for 13.5 GiB on an H200). A real model padded to 3 GiB (a hole after its tensors; the engine
     loads with `-lm none`, so it reads its tensors and nothing else): after ready, the file is
     still almost entirely out of the page cache, so the daemon read a few MB of it at most."""
@@ -425,7 +425,7 @@ def test_first_ready_of_a_multi_gb_model_does_not_read_it_whole(daemon, tmp_path
 
 
 def test_restore_or_reprefill_is_decided_from_the_figures_and_said(daemon):
-    """Finding 14: a restore checks the file's stat facts and a digest of its head and tail (not
+    """A restore checks the file's stat facts and a digest of its head and tail (not
     all of it), measures the engine's restore speed, and each ready says per slot whether it
     restored or left the conversation to a re-prefill, with the figures that decided."""
     daemon.start()
@@ -469,7 +469,7 @@ def test_restore_or_reprefill_is_decided_from_the_figures_and_said(daemon):
 
 
 def test_retention_says_what_it_drops(daemon, model):
-    """Finding 15: retention and refusals are never silent: status, the event bus and the log."""
+    """Retention and refusals are never silent: status, the event bus and the log."""
     write_config(daemon.paths, tiny_config(model, snapshots={"max_count": 1}))
     daemon.start()
     eng = Engine(daemon.wait_state("ready"))
