@@ -1,13 +1,22 @@
-"""The front door's decisions (pure): which launch states a request waits through, and whether a
-request whose engine was lost before any byte of its answer reached the client is sent again.
+"""The front door's decisions (pure): which launch states a request waits through, which 503 a
+held request gets and its Retry-After, and whether a request whose engine was lost before any
+byte of its answer reached the client is sent again.
 
-Not a machine: each request asks these two questions with the facts of the moment, like
+Not a machine: each request asks these questions with the facts of the moment, like
 snapshot_policy.py. daemon/frontdoor/hold.py gathers the facts and acts on the answers.
 
 Waiting: every launch state but ready comes back to ready by itself (planning, starting,
 loading, a restart's or a config change's stop, a crash's backoff, a GPU plan that failed
 and falls back to the next backend), except stopped and failed: only someone's `stoker up`
 makes those ready, so a request is refused at once (503 frontdoor_server_down).
+
+Holding: a request that finds its model not ready is refused at once when nothing will make
+it ready (down, and not loaded on demand) or when `[frontdoor] max_queue` requests wait
+already; otherwise it is held, loading the model first when it loads on demand. It gives up
+when a load leaves the model down, or when the model fails while it waits. Once the hold is
+over, `refusal` names the 503 from what the hold ended on: `placement_no_room` when no place
+could be made for the model, `frontdoor_server_down` when it is down, else
+`frontdoor_hold_timeout`; `RETRY_AFTER_S` is each one's Retry-After.
 
 Sending again: the engine was lost under a request that had no answer yet (its connection
 failed, or closed before the first byte). If the request cannot have caused it (it never
@@ -21,9 +30,12 @@ bounds the rest: once it gives up, the held request is refused like any other.
 
 from __future__ import annotations
 
+import enum
+
 import attrs
 
 from states.launch_records import AfterStop, LaunchState
+from states.reasons import ReasonCode
 
 S = LaunchState
 READY = S.READY
@@ -41,9 +53,66 @@ SUSPECT_RESENDS = 1
 MAX_SENDS = 10
 
 
+# Seconds a refused client is told to wait before trying again (its Retry-After).
+RETRY_AFTER_S: dict[ReasonCode, int] = {
+    ReasonCode.FRONTDOOR_QUEUE_FULL: 2,  # a place in the queue frees as soon as one request is served
+    ReasonCode.FRONTDOOR_HOLD_TIMEOUT: 5,  # the model is on its way; the next try may find it ready
+    ReasonCode.PLACEMENT_NO_ROOM: 5,  # an idle model may be unloaded by then
+    ReasonCode.FRONTDOOR_SERVER_DOWN: 30,  # only someone's `stoker up` brings it back
+}
+
+
 def waits(state: LaunchState) -> bool:
     """A request that arrives in `state` waits for ready (else it is sent, or refused when down)."""
     return state in WILL_BE_READY
+
+
+def admit(state: LaunchState, loads_on_demand: bool, waiting: int, max_queue: int) -> ReasonCode | None:
+    """Whether a request that finds its model not ready may be held: None, or why it is refused at once."""
+    if not waits(state) and not loads_on_demand:
+        return ReasonCode.FRONTDOOR_SERVER_DOWN
+    if waiting >= max_queue:
+        return ReasonCode.FRONTDOOR_QUEUE_FULL
+    return None
+
+
+class HoldMove(enum.StrEnum):
+    """What a held request does next, from its model's state."""
+
+    SERVE = "serve"  # ready: send it
+    LOAD = "load"  # not loaded: load it (making room first), then wait
+    WAIT = "wait"  # on its way to ready by itself
+    GIVE_UP = "give_up"  # nothing will make it ready unasked
+
+
+def hold_move(state: LaunchState, loads_on_demand: bool) -> HoldMove:
+    """The next move of a held request whose model is in `state`."""
+    if state is READY:
+        return HoldMove.SERVE
+    if loads_on_demand:
+        return HoldMove.LOAD
+    return HoldMove.WAIT if waits(state) else HoldMove.GIVE_UP
+
+
+def gives_up_after(move: HoldMove, state: LaunchState) -> bool:
+    """After a LOAD or a WAIT, whether the request stops holding: a load that left the model down,
+    or a model that failed while it waited (that load had no room: it is not tried again)."""
+    if move is HoldMove.LOAD:
+        return state in DOWN
+    return state is S.FAILED
+
+
+def refusal(state: LaunchState, placing: bool, failed_reason: ReasonCode | None) -> ReasonCode | None:
+    """The 503 a request gets once its hold is over (None: ready, send it). `placing`: the hold
+    ended (its time ran out) while a place was being made for the model; `failed_reason`: why
+    the launch machine failed, if it did."""
+    if state is READY:
+        return None
+    if placing or (state is S.FAILED and failed_reason == ReasonCode.PLACEMENT_NO_ROOM):
+        return ReasonCode.PLACEMENT_NO_ROOM
+    if state in DOWN:
+        return ReasonCode.FRONTDOOR_SERVER_DOWN
+    return ReasonCode.FRONTDOOR_HOLD_TIMEOUT
 
 
 @attrs.frozen

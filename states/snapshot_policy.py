@@ -1,5 +1,6 @@
-"""What KV snapshots are worth, decided from measured figures: restore or re-prefill, how much a
-stop may spend saving, how many bytes retention keeps, whether a save can be kept at all.
+"""What KV snapshots are worth, decided from measured figures: restore or re-prefill, whether a
+stop saves at all and how much it may spend saving, how many bytes retention keeps, whether a
+save can be kept at all.
 
 Pure (STYLE.md, Rule 1): the snapshot service measures (the engine's prefill timings, its
 restore and save timings, how much of a file is in the page cache, free disk) and asks here;
@@ -10,9 +11,12 @@ docs/snapshots.md, "Restore or re-prefill" and "Budgets", says why each rule is 
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Literal
 
 import attrs
+
+from states.launch_records import AfterStop
 
 GIB = 1 << 30
 MB = 1_000_000
@@ -160,6 +164,38 @@ def restore_band(resident: float | None) -> Literal["cache", "disk"] | None:
     if resident <= UNCACHED:
         return "disk"
     return None
+
+
+# --- whether a stop saves ------------------------------------------------------------------
+
+
+class StopSave(enum.StrEnum):
+    """Whether the slots are saved before a server is stopped, and within what."""
+
+    SAVE = "save"  # within the stop budget (`stop_budget`)
+    WITHIN_GRACE = "within_grace"  # a hung engine may answer nothing: the stop's grace, no more
+    SKIP = "skip"  # nothing worth saving: a stall is a server that never got ready
+
+
+# By where the stop leads (the launch machine's `after_stop`).
+SAVE_BEFORE_STOP: dict[AfterStop, StopSave] = {
+    AfterStop.STOP: StopSave.SAVE,
+    AfterStop.RESTART: StopSave.SAVE,
+    AfterStop.FAIL: StopSave.SAVE,
+    AfterStop.HUNG: StopSave.WITHIN_GRACE,
+    AfterStop.CRASH: StopSave.SKIP,
+}
+
+
+def save_before_stop(after_stop: AfterStop, grace_s: float) -> float | None:
+    """Seconds the snapshots before this stop may take (inf: the snapshot service's own stop
+    budget bounds them), or None: no save."""
+    match SAVE_BEFORE_STOP[after_stop]:
+        case StopSave.SKIP:
+            return None
+        case StopSave.WITHIN_GRACE:
+            return grace_s
+    return float("inf")
 
 
 # --- budgets that scale with the model ------------------------------------------------------

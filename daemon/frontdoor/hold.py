@@ -9,6 +9,8 @@ bounds as a restart. At most `[frontdoor] max_queue` requests wait at once (all 
 together), each at most `hold_timeout_s`; past either bound, when the model is stopped by the
 user or failed (nothing will make it ready unasked), or when no place could be made for it in
 time, `Refused` carries the reason code the front door answers 503 with, and a Retry-After.
+Whether to hold, what to do next while held, which 503 and which Retry-After are all
+states/frontdoor_policy.py's decisions; this module gathers the facts and waits.
 Each model counts its own requests in flight (`Usage`): a planned stop of its server drains
 those, and only those (`wait_drained`).
 """
@@ -23,7 +25,17 @@ import trio
 from daemon.core.errors import StokerError
 from daemon.frontdoor.served import FrontDoorDaemon
 from states import launch_records as LR
-from states.frontdoor_policy import DOWN, READY, EngineLoss, waits
+from states.frontdoor_policy import (
+    DOWN,
+    READY,
+    RETRY_AFTER_S,
+    EngineLoss,
+    HoldMove,
+    admit,
+    gives_up_after,
+    hold_move,
+    refusal,
+)
 from states.reasons import ReasonCode, message_for
 
 if TYPE_CHECKING:
@@ -32,13 +44,6 @@ if TYPE_CHECKING:
 # After the engine's connection failed, how long to wait for the supervisor to notice (the
 # state leaves ready) before judging the loss (states/frontdoor_policy.py) without it.
 NOTICE_S = 2.0
-# Seconds a refused client is told to wait before trying again.
-RETRY_AFTER_S = {
-    ReasonCode.FRONTDOOR_HOLD_TIMEOUT: 5,
-    ReasonCode.FRONTDOOR_QUEUE_FULL: 2,
-    ReasonCode.FRONTDOOR_SERVER_DOWN: 30,
-    ReasonCode.PLACEMENT_NO_ROOM: 5,
-}
 
 
 class Refused(Exception):
@@ -73,49 +78,52 @@ class Hold:
         return base_url, api_key
 
     async def _hold(self, member: Member) -> None:
+        """Hold the request while states/frontdoor_policy.py says so; raise its refusal."""
         settings = self.daemon.config.frontdoor
-        state = member.state
-        if not waits(state) and not member.loads_on_demand:
-            raise Refused(ReasonCode.FRONTDOOR_SERVER_DOWN, f"{member.name} {state.value}")
-        if self.waiting >= settings.max_queue:
-            raise Refused(ReasonCode.FRONTDOOR_QUEUE_FULL, f"{self.waiting} waiting")
+        refused = admit(member.state, member.loads_on_demand, self.waiting, settings.max_queue)
+        if refused is not None:
+            raise Refused(refused, self._detail(member, refused, placing=False))
         self.waiting += 1
         self.held_total += 1
         placing = False
         try:
             with member.usage.held(), trio.move_on_after(settings.hold_timeout_s):
-                while member.state is not READY:
-                    if member.loads_on_demand:  # not loaded: load it, making room first
+                while (move := hold_move(member.state, member.loads_on_demand)) is not HoldMove.SERVE:
+                    if move is HoldMove.GIVE_UP:
+                        break
+                    if move is HoldMove.LOAD:  # not loaded: load it, making room first
                         placing = True
                         await self.daemon.fleet.load(member, wait=True)
                         placing = False
-                        if member.state in DOWN:
+                        if gives_up_after(move, member.state):
                             break
-                    elif not waits(member.state):
-                        break
                     await member.wait_state({READY, *DOWN})
-                    if member.state is LR.LaunchState.FAILED:  # this load failed (no room): not again
+                    if gives_up_after(HoldMove.WAIT, member.state):
                         break
         except StokerError as err:  # no valid config was ever read: nothing may start
             raise Refused(ReasonCode.FRONTDOOR_SERVER_DOWN, f"{member.name}: {err.reason}") from None
         finally:
             self.waiting -= 1
         state = member.state
-        if state is READY:
-            return
+        reason = refusal(state, placing, member.data.reason if state is LR.LaunchState.FAILED else None)
+        if reason is not None:
+            raise Refused(reason, self._detail(member, reason, placing))
+
+    def _detail(self, member: Member, reason: ReasonCode, placing: bool) -> str:
+        """The words after a refusal's sentence, from the facts that decided it (the policy chose `reason`)."""
+        settings = self.daemon.config.frontdoor
+        state = member.state.value
         if placing:
-            raise Refused(
-                ReasonCode.PLACEMENT_NO_ROOM,
-                f"{member.name} not loaded after {settings.hold_timeout_s:g} s: "
-                f"{self.daemon.fleet.max_loaded()} models loaded, none idle",
-            )
-        if state is LR.LaunchState.FAILED and member.data.reason == ReasonCode.PLACEMENT_NO_ROOM:
-            raise Refused(ReasonCode.PLACEMENT_NO_ROOM, str(member.data.evidence.get("message") or member.name))
-        if state in DOWN:
-            raise Refused(ReasonCode.FRONTDOOR_SERVER_DOWN, f"{member.name} {state.value}")
-        raise Refused(
-            ReasonCode.FRONTDOOR_HOLD_TIMEOUT, f"{member.name} {state.value} after {settings.hold_timeout_s:g} s"
-        )
+            loaded = self.daemon.fleet.max_loaded()
+            return f"{member.name} not loaded after {settings.hold_timeout_s:g} s: {loaded} models loaded, none idle"
+        match reason:
+            case ReasonCode.FRONTDOOR_QUEUE_FULL:
+                return f"{self.waiting} waiting"
+            case ReasonCode.PLACEMENT_NO_ROOM:
+                return str(member.data.evidence.get("message") or member.name)
+            case ReasonCode.FRONTDOOR_HOLD_TIMEOUT:
+                return f"{member.name} {state} after {settings.hold_timeout_s:g} s"
+        return f"{member.name} {state}"
 
     async def notice_loss(self, member: Member, base_url: str, reached: bool) -> EngineLoss:
         """The facts of an engine lost under a request before any byte of its answer: wait (at

@@ -45,8 +45,10 @@ from daemon.launch.instance import ServerInstance
 from daemon.launch.liveness import watch_liveness
 from states import launch as L
 from states import launch_records as LR
+from states.backoff import Backoff
 from states.launch_moves import stop_cause
 from states.machine import IllegalTransition, Step
+from states.snapshot_policy import save_before_stop
 from states.reasons import ReasonCode
 
 log = logging.getLogger(__name__)
@@ -91,12 +93,6 @@ def server_spec(plan: LR.LaunchPlan) -> ServerSpec:
         slot_save_path=plan.slot_save_path,
         env=plan.backend_env,
     )
-
-
-def backoff_delay(attempt: int, initial: float, cap: float, rng: random.Random) -> float:
-    """Capped exponential backoff with jitter in [50%, 100%] of the step (never zero)."""
-    step = min(cap, initial * (2 ** max(attempt - 1, 0)))
-    return round(step * (0.5 + rng.random() / 2), 4)
 
 
 @attrs.define(eq=False)
@@ -229,8 +225,7 @@ class Supervisor:
 
     def _execute(self, effects: tuple[Any, ...]) -> None:
         assert self._nursery is not None, "supervisor is not running"
-        for effect in effects:
-            self._effects.run(effect)
+        self._effects.run_all(effects)
 
     @property
     def _tasks(self) -> trio.Nursery:
@@ -271,7 +266,7 @@ class Supervisor:
 
     def _start_backoff(self, effect: LR.StartBackoff) -> None:
         sup = self.config.supervisor
-        delay = backoff_delay(effect.attempt, sup.backoff_initial_s, sup.backoff_max_s, self.rng)
+        delay = Backoff(sup.backoff_initial_s, sup.backoff_max_s).delay(effect.attempt, self.rng.random())
         if self.offer(LR.BackoffStarted(delay)) is not None:
             self._start_timer("backoff", LR.LaunchState.BACKOFF, delay, LR.BackoffElapsed())
 
@@ -427,10 +422,10 @@ class Supervisor:
         after = self.data.after_stop
         if self.drain is not None:  # a planned stop: the front door's requests in flight finish first
             await self.drain(drain)
-        if server is not None and self.before_stop is not None and after is not LR.AfterStop.CRASH:
+        # Whether to save, and within what, is states/snapshot_policy.py's (a hang: the grace, no more).
+        budget = save_before_stop(after, grace)
+        if server is not None and self.before_stop is not None and budget is not None:
             cause = stop_cause(self.data, self.shutting_down)
-            # A hung engine answers nothing: its snapshot attempt gets the grace period, no more.
-            budget = grace if after is LR.AfterStop.HUNG else float("inf")
             with trio.move_on_after(budget) as attempt:
                 try:
                     await self.before_stop(self, cause)

@@ -27,6 +27,7 @@ from daemon.core.paths import StokerPaths
 from daemon.workers import server as W
 from daemon.workers.rpc_wire import read_worker
 from states import worker as M
+from states.backoff import Backoff
 from states.machine import IllegalTransition
 from states.reasons import ReasonCode
 
@@ -35,12 +36,6 @@ log = logging.getLogger(__name__)
 MACHINE_ID = "worker"
 ANSWER_POLL_S = 0.1
 ADOPTED_POLL_S = 0.5
-
-
-def backoff_delay(attempt: int, initial: float, cap: float, rng: random.Random) -> float:
-    """Capped exponential backoff with jitter in [50%, 100%] of the step."""
-    step = min(cap, initial * (2 ** max(attempt - 1, 0)))
-    return round(step * (0.5 + rng.random() / 2), 4)
 
 
 @attrs.define(eq=False)
@@ -141,8 +136,7 @@ class WorkerService:
         if self.on_step is not None:
             self.on_step(self.runner)
         assert self._nursery is not None
-        for effect in step.effects:
-            self._nursery.start_soon(self._effects.run, effect)
+        self._effects.start_all(self._nursery, step.effects)
 
     def _alive(self) -> bool:
         if self._running is not None and self._running.process.returncode is None:
@@ -204,7 +198,7 @@ class WorkerService:
         await self._send.send(M.Exited(None, reason, {**evidence, "adopted": True}))
 
     async def _backoff(self, effect: M.StartBackoff) -> None:
-        delay = backoff_delay(effect.attempt, self.backoff_initial_s, self.backoff_max_s, self._rng)
+        delay = Backoff(self.backoff_initial_s, self.backoff_max_s).delay(effect.attempt, self._rng.random())
         await trio.sleep(delay)
         await self._send.send(M.BackoffElapsed())
 

@@ -5,8 +5,25 @@ from __future__ import annotations
 
 import pytest
 
-from states.frontdoor_policy import MAX_SENDS, WILL_BE_READY, EngineLoss, innocent, send_again, waits
+from hypothesis import given, strategies as st
+
+from states.frontdoor_policy import (
+    DOWN,
+    MAX_SENDS,
+    RETRY_AFTER_S,
+    WILL_BE_READY,
+    EngineLoss,
+    HoldMove,
+    admit,
+    gives_up_after,
+    hold_move,
+    innocent,
+    refusal,
+    send_again,
+    waits,
+)
 from states.launch_records import AfterStop, LaunchState as S
+from states.reasons import ReasonCode as R
 
 
 def test_a_request_waits_through_every_state_that_comes_back_to_ready_by_itself():
@@ -52,3 +69,53 @@ def test_a_loss_the_request_may_have_caused_sends_it_once_more_only(loss):
     assert not send_again(loss, 2, 2)  # a request that crashes the engine does not crash it in a loop
     # Losses it could not have caused do not count against it.
     assert send_again(KILLED, 3, 1) and not send_again(CRASHED, 4, 2)
+
+
+def test_a_request_for_a_model_that_is_down_or_a_full_queue_is_refused_at_once():
+    assert admit(S.STOPPED, loads_on_demand=False, waiting=0, max_queue=8) is R.FRONTDOOR_SERVER_DOWN
+    assert admit(S.FAILED, loads_on_demand=False, waiting=0, max_queue=8) is R.FRONTDOOR_SERVER_DOWN
+    assert admit(S.BACKOFF, loads_on_demand=False, waiting=8, max_queue=8) is R.FRONTDOOR_QUEUE_FULL
+    assert admit(S.STOPPED, loads_on_demand=True, waiting=7, max_queue=8) is None  # loaded on demand
+    assert admit(S.LOADING, loads_on_demand=False, waiting=0, max_queue=8) is None
+
+
+def test_a_held_request_loads_a_model_not_loaded_and_waits_for_one_on_its_way():
+    assert hold_move(S.READY, loads_on_demand=True) is HoldMove.SERVE
+    assert hold_move(S.STOPPED, loads_on_demand=True) is HoldMove.LOAD
+    assert hold_move(S.BACKOFF, loads_on_demand=False) is HoldMove.WAIT
+    assert hold_move(S.STOPPED, loads_on_demand=False) is HoldMove.GIVE_UP  # stopped by the user meanwhile
+    assert gives_up_after(HoldMove.LOAD, S.FAILED) and gives_up_after(HoldMove.LOAD, S.STOPPED)
+    assert gives_up_after(HoldMove.WAIT, S.FAILED) and not gives_up_after(HoldMove.WAIT, S.STOPPED)
+    assert not gives_up_after(HoldMove.LOAD, S.PLANNING)
+
+
+@pytest.mark.parametrize(
+    "state, placing, failed, reason, retry_after",
+    [
+        (S.READY, False, None, None, None),
+        (S.LOADING, True, None, R.PLACEMENT_NO_ROOM, 5),  # no room made within the hold
+        (S.FAILED, False, R.PLACEMENT_NO_ROOM, R.PLACEMENT_NO_ROOM, 5),  # this load found no room
+        (S.FAILED, False, R.MODEL_MISSING, R.FRONTDOOR_SERVER_DOWN, 30),
+        (S.STOPPED, False, None, R.FRONTDOOR_SERVER_DOWN, 30),
+        (S.BACKOFF, False, None, R.FRONTDOOR_HOLD_TIMEOUT, 5),
+    ],
+)
+def test_which_503_a_held_request_gets_and_its_retry_after(state, placing, failed, reason, retry_after):
+    assert refusal(state, placing, failed) == reason
+    assert (RETRY_AFTER_S[reason] if reason else None) == retry_after
+
+
+@given(
+    state=st.sampled_from(S),
+    loads=st.booleans(),
+    placing=st.booleans(),
+    failed=st.sampled_from([None, R.PLACEMENT_NO_ROOM, R.CRASH_LOOP]),
+)
+def test_every_refusal_has_a_retry_after_and_a_ready_model_is_never_refused(state, loads, placing, failed):
+    reason = refusal(state, placing, failed if state is S.FAILED else None)
+    assert (reason is None) == (state is S.READY)
+    assert reason is None or RETRY_AFTER_S[reason] > 0
+    admitted = admit(state, loads, 0, 1)
+    assert admitted is None or admitted in RETRY_AFTER_S
+    if state in DOWN and not loads:
+        assert hold_move(state, loads) is HoldMove.GIVE_UP

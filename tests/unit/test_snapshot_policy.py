@@ -196,3 +196,21 @@ def test_save_verdict_refuses_what_could_not_be_kept():
     assert too_big.why == "too_big" and too_big.figures["expected_bytes"] == 2000
     no_space = P.save_verdict(expected_bytes=100, max_bytes=1000, free_bytes=99)
     assert no_space.why == "no_space" and no_space.figures["free_bytes"] == 99
+
+
+@pytest.mark.parametrize(
+    "after, budget",
+    [
+        (P.AfterStop.STOP, float("inf")),  # the snapshot service's stop budget bounds it
+        (P.AfterStop.RESTART, float("inf")),
+        (P.AfterStop.FAIL, float("inf")),
+        (P.AfterStop.HUNG, 10.0),  # a hung engine gets the grace period, no more
+        (P.AfterStop.CRASH, None),  # a stall never got ready: nothing to save
+    ],
+)
+def test_whether_a_stop_saves_the_slots_first_and_within_what(after, budget):
+    assert P.save_before_stop(after, 10.0) == budget
+
+
+def test_every_way_a_stop_can_end_has_a_save_rule():
+    assert set(P.SAVE_BEFORE_STOP) == set(P.AfterStop)
