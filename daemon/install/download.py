@@ -33,6 +33,7 @@ from daemon.install.download_records import (
     DownloadResult,
     PartSidecar,
 )
+from states.download_retry import RETRY_TABLE, DownloadFailure, RetryTable, retry_after
 from states.reasons import ReasonCode
 
 # Bytes handed to the writer thread at once: big enough that thread hand-offs are rare,
@@ -47,7 +48,12 @@ _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
 
 class _Retry(Exception):
-    """The connection failed mid-transfer; resume from what was written."""
+    """A try failed in a way RETRY_TABLE may try again; resume from what was written. `final`
+    is what the download raises when the table gives up."""
+
+    def __init__(self, failure: DownloadFailure, final: DownloadError) -> None:
+        super().__init__(final.message)
+        self.failure, self.final = failure, final
 
 
 class _Restart(Exception):
@@ -64,8 +70,7 @@ async def download(
     progress: Callable[[DownloadProgress], None] | None = None,
     client: httpx.AsyncClient | None = None,
     failure_reason: ReasonCode | str = ReasonCode.BUNDLE_VERIFY_FAILED,
-    retries: int = 5,
-    backoff: float = 0.5,
+    retry: RetryTable = RETRY_TABLE,
 ) -> DownloadResult:
     """Download `url` to `dest`, resuming a part left earlier; verify size and sha256."""
     transfer = _Transfer(
@@ -78,9 +83,9 @@ async def download(
         reason=ReasonCode(failure_reason),
     )
     if client is not None:
-        return await transfer.run(client, retries=retries, backoff=backoff)
+        return await transfer.run(client, retry)
     async with download_client() as own:
-        return await transfer.run(own, retries=retries, backoff=backoff)
+        return await transfer.run(own, retry)
 
 
 @attrs.define(eq=False)
@@ -124,15 +129,15 @@ class _Transfer:
 
     # The whole download.
 
-    async def run(self, client: httpx.AsyncClient, *, retries: int, backoff: float) -> DownloadResult:
+    async def run(self, client: httpx.AsyncClient, retry: RetryTable) -> DownloadResult:
         try:
-            return await self.run_attempts(client, retries=retries, backoff=backoff)
+            return await self.run_attempts(client, retry)
         except OSError as exc:  # the local side: mkdir, open, fsync, rename
             raise self.error(
                 DownloadErrorKind.WRITE_FAILED, discard=False, part=str(self.part), error=str(exc)
             ) from exc
 
-    async def run_attempts(self, client: httpx.AsyncClient, *, retries: int, backoff: float) -> DownloadResult:
+    async def run_attempts(self, client: httpx.AsyncClient, retry: RetryTable) -> DownloadResult:
         self.started = trio.current_time()
         self.dest.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -141,17 +146,18 @@ class _Transfer:
             while True:
                 if self.expected_size is not None and self.written == self.expected_size:
                     break  # a complete part from an earlier run: only the checks are left
+                before = self.written
                 try:
                     await self.attempt(client)
                     break
-                except _Retry as cut:
-                    failures += 1
-                    if failures > retries:
+                except _Retry as failed:
+                    failures = 1 if self.written > before else failures + 1  # bytes gained: a new count
+                    wait = retry_after(failed.failure, failures, retry)
+                    if wait is None:
                         self.save_sidecar()
-                        raise self.error(
-                            DownloadErrorKind.CONNECTION, discard=False, attempts=failures, cause=str(cut)
-                        ) from None
-                    await trio.sleep(min(backoff * 2 ** (failures - 1), 30.0))
+                        failed.final.evidence["attempts"] = self.attempts
+                        raise failed.final from None
+                    await trio.sleep(wait)
                 except _Restart:
                     self.restarts += 1
                     if self.restarts > MAX_RESTARTS:
@@ -225,7 +231,9 @@ class _Transfer:
                 self.accept(response, offset)
                 await self.stream_body(response)
         except httpx.TransportError as exc:
-            raise _Retry(f"{type(exc).__name__}: {exc}") from exc
+            cause = f"{type(exc).__name__}: {exc}"
+            final = self.error(DownloadErrorKind.CONNECTION, discard=False, attempts=self.attempts, cause=cause)
+            raise _Retry(DownloadFailure.CUT, final) from exc
         finally:
             if self.written and self.part.exists():  # (a discarded part stays discarded)
                 self.save_sidecar()
@@ -256,9 +264,10 @@ class _Transfer:
                 self.truncate()  # validator changed, or no range support: start clean
             length = response.headers.get("content-length")
             self.total = int(length) if length and length.isdigit() else None
-        else:
-            # 4xx means this URL will not give us this file: drop the part. 5xx may pass.
-            raise self.error(DownloadErrorKind.HTTP_STATUS, discard=400 <= status < 500, status=status)
+        elif status in (408, 429) or status >= 500:  # the server may answer later: the part is kept
+            raise _Retry(DownloadFailure.BUSY, self.error(DownloadErrorKind.HTTP_STATUS, discard=False, status=status))
+        else:  # this URL will not give us this file: drop the part
+            raise self.error(DownloadErrorKind.HTTP_STATUS, discard=True, status=status)
         if self.total is not None and self.total > self.max_bytes:
             raise self.error(
                 DownloadErrorKind.TOO_LARGE, discard=True, status=status, max_bytes=self.max_bytes, announced=self.total

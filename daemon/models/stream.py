@@ -11,7 +11,8 @@ the answer) stay huggingface_hub's.
 
 What it does that http_get did: redirects followed (the Hub's 302 to its CDN; the token is not
 sent to another host), `Range: bytes=N-` to continue, a cut or stalled connection retried from
-where it stopped (5 times in a row without a byte before it gives up, 1 s apart), a server that
+where it stopped (states/download_retry.py's table: how many tries in a row without a byte, and
+the waits between them, which are trio sleeps when the daemon runs it), a server that
 ignores the Range answered by dropping the bytes the part already has. A body that ends where
 its Content-Length says, before the stated size, is not retried: the pull machine refuses its
 size. With a proxy in the environment, hub.py uses http_get instead (slower, and right).
@@ -32,13 +33,14 @@ from urllib.parse import urljoin, urlsplit
 
 import certifi
 import httpx2
+import trio
 from huggingface_hub import constants
 from huggingface_hub.utils import hf_raise_for_status
 
+from states.download_retry import RETRY_TABLE, DownloadFailure, RetryTable, retry_after
+
 SLOT_BYTES = 1 << 20  # one read's buffer: a progress step, a write, a hash update
 SLOTS = 32  # buffers in flight between the socket and the disk (32 MiB)
-RETRIES = 5
-RETRY_WAIT_S = 1.0
 MAX_REDIRECTS = 10
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
@@ -47,7 +49,11 @@ Consume = Callable[[memoryview, Callable[[], None]], None]
 
 
 class Transient(ConnectionError):
-    """The connection failed or stalled: retry from where the bytes stopped."""
+    """The connection failed or stalled, or the server was busy: retry from where the bytes stopped."""
+
+    def __init__(self, message: str, failure: DownloadFailure = DownloadFailure.CUT) -> None:
+        super().__init__(message)
+        self.failure = failure
 
 
 @functools.cache
@@ -94,7 +100,7 @@ def _open(
                 body = b""
             conn.close()
             if response.status in (408, 429) or response.status >= 500:
-                raise Transient(f"HTTP {response.status} from {url}")
+                raise Transient(f"HTTP {response.status} from {url}", DownloadFailure.BUSY)
             answer = httpx2.Response(
                 response.status, headers=response.getheaders(), content=body, request=httpx2.Request("GET", url)
             )
@@ -105,7 +111,14 @@ def _open(
 
 
 def read_url(
-    url: str, headers: dict[str, str], *, offset: int, size: int, consume: Consume, timeout: float | None = None
+    url: str,
+    headers: dict[str, str],
+    *,
+    offset: int,
+    size: int,
+    consume: Consume,
+    timeout: float | None = None,
+    retry: RetryTable = RETRY_TABLE,
 ) -> int:
     """Read `url`'s bytes from `offset` to the end of its body (retrying cuts while short of
     `size`) and hand them to `consume` in order, in reused buffers; the position reached. More
@@ -115,21 +128,28 @@ def read_url(
     for _ in range(SLOTS):
         free.put(mmap.mmap(-1, SLOT_BYTES))  # page-aligned: the part's writer may write it with O_DIRECT
     cursor = _Cursor(offset)
-    left = RETRIES
+    failures = 0
     while cursor.position < size:
         before = cursor.position
         try:
             _read_once(url, headers, cursor, consume, free, timeout)
             break  # the body ended where the server said it would
-        except Transient:
-            if cursor.position > before:
-                left = RETRIES
-            elif left <= 0:
+        except Transient as failed:
+            failures = 1 if cursor.position > before else failures + 1  # bytes gained: a new count
+            wait = retry_after(failed.failure, failures, retry)
+            if wait is None:
                 raise
-            else:
-                left -= 1
-                time.sleep(RETRY_WAIT_S)
+            _wait(wait)
     return cursor.position
+
+
+def _wait(seconds: float) -> None:
+    """A retry's wait: a trio sleep in a thread the daemon's trio started (its tests run on a
+    virtual clock), a plain one for a direct blocking call."""
+    try:
+        trio.from_thread.run(trio.sleep, seconds)
+    except RuntimeError:  # not a thread trio started (RunFinishedError is one too)
+        time.sleep(seconds)
 
 
 class _Cursor:

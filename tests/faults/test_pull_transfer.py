@@ -23,6 +23,7 @@ import pytest
 from daemon.core.errors import StokerError
 from daemon.models import fetch, stream
 from daemon.models.hub import HubOptions
+from states.download_retry import RETRY_TABLE, DownloadFailure
 from states.pull import Piece
 from states.reasons import ReasonCode
 from tests.faults.test_pulls import _mount_small_disk
@@ -38,9 +39,14 @@ def server():
         yield srv
 
 
+WAITS: list[float] = []
+
+
 @pytest.fixture(autouse=True)
 def quick_retries(monkeypatch):
-    monkeypatch.setattr(stream, "RETRY_WAIT_S", 0.01)
+    """The retry table's waits are recorded, not slept (a direct blocking call sleeps for real)."""
+    WAITS.clear()
+    monkeypatch.setattr(stream, "_wait", WAITS.append)
 
 
 def pull(url: str, part: Path, *, size: int = len(DATA), resume: bool = False, **kw) -> fetch.FetchResult:
@@ -99,8 +105,10 @@ def test_an_error_status_is_a_reason(server, tmp_path, status, reason):
     with pytest.raises(StokerError) as err:
         pull(url, tmp_path / "m.part")
     assert err.value.reason is reason
-    if status == 503:  # retried, then given up
-        assert len(server.requests("/m.gguf")) == stream.RETRIES + 1
+    if status == 503:  # retried as the table says, then given up
+        rule = RETRY_TABLE[DownloadFailure.BUSY]
+        assert len(server.requests("/m.gguf")) == rule.tries + 1
+        assert WAITS == list(rule.waits)
 
 
 def test_a_cancelled_pull_keeps_a_prefix_and_the_next_one_finishes_it(server, tmp_path):

@@ -15,6 +15,7 @@ import trio
 from daemon.core.http import download_client
 from daemon.install.download import download
 from daemon.install.download_records import DownloadError, DownloadErrorKind, DownloadProgress
+from states.download_retry import RETRY_TABLE, RetryRule
 from states.reasons import ReasonCode
 from tests.httpfault import Fault, FaultServer
 
@@ -24,6 +25,11 @@ DIGEST = hashlib.sha256(DATA).hexdigest()
 NEW_DATA = os.urandom(SIZE)
 NEW_DIGEST = hashlib.sha256(NEW_DATA).hexdigest()
 CAP = 64 * 1024 * 1024
+
+
+def tries(n: int) -> dict:
+    """The retry table with `n` tries for every failure it retries, 10 ms apart."""
+    return {failure: RetryRule(min(n, rule.tries), (0.01,)) for failure, rule in RETRY_TABLE.items()}
 
 
 def part_of(dest: Path) -> Path:
@@ -38,7 +44,7 @@ async def fetch(url: str, dest: Path, **kw):
     kw.setdefault("expected_sha256", DIGEST)
     kw.setdefault("expected_size", SIZE)
     kw.setdefault("max_bytes", CAP)
-    kw.setdefault("backoff", 0.01)
+    kw.setdefault("retry", tries(5))
     return await download(url, dest, **kw)
 
 
@@ -117,25 +123,38 @@ async def test_last_modified_is_the_validator_without_an_etag(fault_server: Faul
     assert second.range == "bytes=500000-" and second.if_range.endswith("GMT")
 
 
-async def test_cut_every_time_fails_then_resumes_later(fault_server: FaultServer, tmp_path: Path) -> None:
+async def test_cut_every_time_is_continued_each_time(fault_server: FaultServer, tmp_path: Path) -> None:
+    # Every try brings bytes, so the count of failures in a row starts again each time.
+    dest = tmp_path / "b.zip"
+    url = fault_server.add("/b.zip", DATA, Fault(cut_after=700_000, cut_times=None))
+    with trio.fail_after(20):
+        await fetch(url, dest, retry=tries(1))
+    assert_complete(dest)
+    assert [r.range for r in fault_server.requests()][:3] == [None, "bytes=700000-", "bytes=1400000-"]
+
+
+async def test_cut_past_the_tries_fails_then_resumes_later(fault_server: FaultServer, tmp_path: Path) -> None:
     dest = tmp_path / "b.zip"
     url = fault_server.add("/b.zip", DATA, Fault(cut_after=700_000, cut_times=None))
     with trio.fail_after(20):
         err = await fails(
-            DownloadErrorKind.CONNECTION, url, dest, retries=2, failure_reason=ReasonCode.CUDA_BUNDLE_INSTALL_FAILED
+            DownloadErrorKind.CONNECTION,
+            url,
+            dest,
+            retry=tries(0),
+            failure_reason=ReasonCode.CUDA_BUNDLE_INSTALL_FAILED,
         )
     assert err.reason is ReasonCode.CUDA_BUNDLE_INSTALL_FAILED
-    assert len(fault_server.requests()) == 3
-    # Each attempt resumed where the previous one was cut; the part is kept for later.
-    assert [r.range for r in fault_server.requests()] == [None, "bytes=700000-", "bytes=1400000-"]
-    assert part_of(dest).stat().st_size == 2_100_000
-    assert json.loads(sidecar_of(dest).read_text())["bytes"] == 2_100_000
+    # The part is kept for later.
+    assert [r.range for r in fault_server.requests()] == [None]
+    assert part_of(dest).stat().st_size == 700_000
+    assert json.loads(sidecar_of(dest).read_text())["bytes"] == 700_000
     fault_server.set_fault("/b.zip", None)
     with trio.fail_after(20):
         result = await fetch(url, dest)
     assert_complete(dest)
-    assert result.resumed_from == 2_100_000
-    assert fault_server.requests()[-1].range == "bytes=2100000-"
+    assert result.resumed_from == 700_000
+    assert fault_server.requests()[-1].range == "bytes=700000-"
 
 
 async def test_wrong_content_is_a_digest_mismatch(fault_server: FaultServer, tmp_path: Path) -> None:
@@ -340,7 +359,7 @@ async def test_connection_refused_is_a_connection_error(tmp_path: Path) -> None:
         await sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with trio.fail_after(20):
-        await fails(DownloadErrorKind.CONNECTION, f"http://127.0.0.1:{port}/b.zip", tmp_path / "b.zip", retries=1)
+        await fails(DownloadErrorKind.CONNECTION, f"http://127.0.0.1:{port}/b.zip", tmp_path / "b.zip", retry=tries(1))
 
 
 async def test_download_client_reads_wider_than_64k(fault_server: FaultServer) -> None:
@@ -374,7 +393,7 @@ async def test_cut_anywhere_gives_identical_bytes(fault_server: FaultServer, tmp
         rest = list(cuts[1:])
         while True:
             try:
-                await fetch(url, dest, retries=0)
+                await fetch(url, dest, retry=tries(0))
                 break
             except DownloadError as err:
                 assert err.kind is DownloadErrorKind.CONNECTION
