@@ -1,4 +1,6 @@
-"""Bundle zips: written deterministically, unpacked only after every entry has been judged.
+"""Archives: bundle zips written deterministically; every archive (a bundle's zip, its copy from a
+file:// mirror, an engine source's tarball) checked against the sha256 and size its source
+lists (`check_digest`); a zip unpacked only after every entry has been judged.
 
 Unpacking is two passes. The first reads only the central directory and refuses the whole
 archive on any entry that could write outside the staging directory or exhaust the disk:
@@ -19,6 +21,7 @@ from typing import Any
 
 import attrs
 
+from daemon.core.digests import sha256_file
 from daemon.core.errors import StokerError
 from daemon.bundles.metadata import BUNDLE_JSON
 from states.reasons import ReasonCode
@@ -39,6 +42,37 @@ class ArchiveLimits:
     max_depth: int = 32
     max_name_bytes: int = 1024  # the whole entry path, well under PATH_MAX with the staging prefix
     max_part_bytes: int = 255  # NAME_MAX of common filesystems
+
+
+def check_digest(
+    path: Path,
+    sha256: str,
+    size: int | None,
+    *,
+    reason: ReasonCode = ReasonCode.BUNDLE_DIGEST_MISMATCH,
+    discard: bool = False,
+    **evidence: Any,
+) -> dict[str, Any]:
+    """The archive at `path` is the one its source lists: its sha256 and size (when stated), else
+    `reason` with both figures, the file removed when `discard` (a copy Stoker made, never a
+    user's own file). Its figures when it is."""
+    actual_size = path.stat().st_size
+    actual = sha256_file(path)
+    if actual != sha256 or (size is not None and actual_size != size):
+        if discard:
+            path.unlink(missing_ok=True)
+        raise StokerError(
+            reason,
+            f"{path.name} does not match the sha256 and size its source lists (corrupt, or not that file).",
+            {
+                **evidence,
+                "expected_sha256": sha256,
+                "actual_sha256": actual,
+                "expected_size": size,
+                "actual_size": actual_size,
+            },
+        )
+    return {"sha256": actual, "size": actual_size}
 
 
 def _unsafe(why: str, **evidence: Any) -> StokerError:

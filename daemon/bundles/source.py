@@ -26,6 +26,7 @@ from urllib.parse import parse_qsl
 
 import attrs
 
+from daemon.bundles.archive import check_digest
 from daemon.core.digests import sha256_file
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
@@ -147,12 +148,15 @@ def tree_digest(root: Path) -> str:
 
 
 def _check_digest(path: Path, expected: str, spec: SourceSpec) -> None:
-    actual = sha256_file(path)
-    if actual != expected:
-        raise StokerError(
-            ReasonCode.SOURCE_DIGEST_MISMATCH,
-            evidence={"source": spec.to_text(), "expected": expected, "actual": actual, "file": str(path)},
-        )
+    check_digest(
+        path,
+        expected,
+        None,
+        reason=ReasonCode.SOURCE_DIGEST_MISMATCH,
+        discard=True,
+        source=spec.to_text(),
+        file=str(path),
+    )
 
 
 def _fetch_pypi(spec: SourceSpec, dest_dir: Path, progress: Progress) -> Path:

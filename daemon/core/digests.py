@@ -1,5 +1,6 @@
-"""Files on disk: their sha256 (streamed in 1 MiB blocks), making a rename durable, and starting a
-big file's writeback early (so that its final fsync finds little left to flush)."""
+"""Files on disk: the one sha256 of a file or of a part of one (read in 8 MiB blocks into one
+reused buffer), making a rename durable, and starting a big file's writeback early (so that its
+final fsync finds little left to flush)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,43 @@ import hashlib
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable, Iterator
 
-BLOCK = 1 << 20
+READ_BLOCK = 8 << 20
+
+
+def file_blocks(fh: IO[bytes], start: int = 0, end: int | None = None) -> Iterator[memoryview]:
+    """An open file's bytes [start, end) (to its end when None), as views of one reused buffer:
+    each view is valid until the next is asked for. The file is left where the bytes stopped."""
+    buffer = bytearray(READ_BLOCK)
+    fh.seek(start)
+    pos = start
+    while end is None or pos < end:
+        want = READ_BLOCK if end is None else min(READ_BLOCK, end - pos)
+        got = fh.readinto(memoryview(buffer)[:want])  # type: ignore[attr-defined]
+        if not got:
+            return
+        yield memoryview(buffer)[:got]
+        pos += got
+
+
+def sha256_of(path: Path | str, *, end: int | None = None, each: Callable[[int], None] | None = None) -> Any:
+    """The sha256 object of a file's first `end` bytes (all of them when None); `each(bytes so
+    far)` after every block (a progress report, or a raise that stops)."""
+    digest = hashlib.sha256()
+    done = 0
+    with open(path, "rb", buffering=0) as fh:
+        for block in file_blocks(fh, 0, end):
+            digest.update(block)
+            done += len(block)
+            if each is not None:
+                each(done)
+    return digest
 
 
 def sha256_file(path: Path | str) -> str:
-    """The hex sha256 of a file's contents, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
+    """The hex sha256 of a file's contents."""
+    return str(sha256_of(path).hexdigest())
 
 
 def fsync_dir(path: Path | str) -> None:

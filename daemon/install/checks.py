@@ -9,25 +9,14 @@ from typing import Any
 
 from daemon.backends.base import Detection
 from daemon.bundles.metadata import BundleMeta
-from daemon.core.digests import sha256_file
-from daemon.core.errors import StokerError
+from daemon.bundles.archive import check_digest
 from states.launch_records import CPU_BACKEND
-from states.reasons import ReasonCode
 
 
 def check_archive_file(path: Path, sha256: str, size: int) -> dict[str, Any]:
     """The downloaded (or copied) archive is the resolved one: its figures, else
     bundle_digest_mismatch (the archive removed)."""
-    actual_size = path.stat().st_size
-    digest = sha256_file(path)
-    if actual_size != size or digest != sha256:
-        path.unlink(missing_ok=True)
-        raise StokerError(
-            ReasonCode.BUNDLE_DIGEST_MISMATCH,
-            "The downloaded archive does not match the manifest's sha256 and size.",
-            {"expected_sha256": sha256, "actual_sha256": digest, "expected_size": size, "actual_size": actual_size},
-        )
-    return {"sha256": digest, "size": actual_size}
+    return check_digest(path, sha256, size, discard=True)
 
 
 def validate_staged(staging: Path, backend: str, variant: str, version: str | None) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import attrs
 import httpx
 import trio
 
-from daemon.core.digests import fsync_dir, start_writeback
+from daemon.core.digests import fsync_dir, sha256_of, start_writeback
 from daemon.core.http import download_client
 from daemon.install.download_records import (
     DownloadError,
@@ -191,7 +191,7 @@ class _Transfer:
             self.etag, self.last_modified = side.etag, side.last_modified
         self.fd = os.open(self.part, os.O_WRONLY | os.O_CREAT, 0o644)
         if size:
-            self.hasher = await trio.to_thread.run_sync(_hash_prefix, self.part, size)
+            self.hasher = await trio.to_thread.run_sync(lambda: sha256_of(self.part, end=size))
         os.ftruncate(self.fd, size)
         os.lseek(self.fd, size, os.SEEK_SET)
         self.written = self.received = self.resumed_from = size
@@ -427,22 +427,6 @@ class _Transfer:
             eta = max(0.0, (total - self.received) / self.rate)
         assert self.progress is not None
         self.progress(DownloadProgress(self.received, total, self.rate, 0.0 if final else eta))
-
-
-def _hash_prefix(path: Path, size: int) -> Any:
-    """sha256 of the first `size` bytes of a file, streamed."""
-    hasher = hashlib.sha256()
-    buf = bytearray(BATCH_BYTES)
-    view = memoryview(buf)
-    left = size
-    with open(path, "rb", buffering=0) as f:
-        while left:
-            n = f.readinto(view[: min(left, len(buf))])
-            if not n:
-                break
-            hasher.update(view[:n])
-            left -= n
-    return hasher
 
 
 def _commit(fd: int, part: Path, dest: Path) -> None:

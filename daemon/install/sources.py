@@ -23,7 +23,6 @@ the daemon's local builds: a developer's llama.cpp checkout, or a test's small t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -39,6 +38,7 @@ import attrs
 import trio
 
 from daemon.backends.base import Backend, Detection
+from daemon.bundles.archive import check_digest
 from daemon.bundles.build import BuildResult, cached_builds
 from daemon.bundles.installed import bundle_meta_of
 from daemon.bundles.metadata import ManifestEntry
@@ -202,34 +202,17 @@ def copy_file_url(url: str, dest: Path, sha256: str, size: int, reason: ReasonCo
     source = Path(unquote(urlparse(url).path))
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_suffix(dest.suffix + ".part")
-    h = hashlib.sha256()
     try:
         with open(source, "rb") as src, open(part, "wb") as out:
-            while chunk := src.read(1 << 20):
-                h.update(chunk)
-                out.write(chunk)
+            shutil.copyfileobj(src, out, 1 << 20)
             out.flush()
             os.fsync(out.fileno())
     except OSError as err:
         part.unlink(missing_ok=True)
         raise StokerError(reason, f"Copying {url} failed: {err}.", {"url": url, "error": str(err)}) from None
-    actual_size = part.stat().st_size
-    if actual_size != size or h.hexdigest() != sha256:
-        part.unlink(missing_ok=True)
-        raise StokerError(
-            ReasonCode.BUNDLE_DIGEST_MISMATCH,
-            f"{url} does not match the manifest's sha256 and size.",
-            {
-                "url": url,
-                "kind": "digest_mismatch",
-                "expected_sha256": sha256,
-                "actual_sha256": h.hexdigest(),
-                "expected_size": size,
-                "actual_size": actual_size,
-            },
-        )
+    figures = check_digest(part, sha256, size, discard=True, url=url, kind="digest_mismatch")
     os.replace(part, dest)
-    return h.hexdigest()
+    return str(figures["sha256"])
 
 
 # --- the toolchain --------------------------------------------------------------------------

@@ -14,11 +14,11 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from daemon.bundles.archive import unpack_bundle
+from daemon.bundles.archive import check_digest, unpack_bundle
 from daemon.bundles.installed import PREVIOUS, find_installed, list_installed, promote
 from daemon.bundles.metadata import BUNDLE_JSON, BundleMeta
 from daemon.bundles.smoke import SmokeSpec, run_smoke
-from daemon.core.digests import fsync_dir, sha256_file
+from daemon.core.digests import fsync_dir
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
 from daemon.install.download_records import DownloadError
@@ -64,22 +64,10 @@ def check_archive(path: Path, sha256: str, size: int | None) -> None:
     """A manifest's local (file://) zip is the one it lists: its size and sha256, else
     bundle_digest_mismatch (a download checks the same as it streams)."""
     try:
-        actual_size = path.stat().st_size
+        path.stat()
     except OSError as err:
         raise StokerError(ReasonCode.BUNDLE_MISSING, f"{path} cannot be read: {err}.", {"path": str(path)}) from None
-    actual = sha256_file(path)
-    if actual != sha256 or (size is not None and actual_size != size):
-        raise StokerError(
-            ReasonCode.BUNDLE_DIGEST_MISMATCH,
-            "The bundle does not match the manifest's sha256 and size.",
-            {
-                "path": str(path),
-                "expected_sha256": sha256,
-                "actual_sha256": actual,
-                "expected_size": size,
-                "actual_size": actual_size,
-            },
-        )
+    check_digest(path, sha256, size, path=str(path))
 
 
 def installed_slots(paths: StokerPaths) -> set[tuple[str, str]]:

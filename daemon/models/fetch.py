@@ -39,7 +39,7 @@ from urllib.parse import unquote, urlparse
 
 import attrs
 
-from daemon.core.digests import start_writeback
+from daemon.core.digests import file_blocks, sha256_of, start_writeback
 from daemon.core.errors import StokerError
 from daemon.models.spec import HubOptions
 from states.pull import Piece
@@ -260,15 +260,10 @@ class PartWriter:
 
 def _hash_part(fh: BinaryIO, digests: _Digests, start: int, end: int) -> None:
     """Add the part's bytes [start, end) to the digests; the file is left at `end`."""
-    fh.seek(start)
-    buffer = bytearray(READ_BLOCK)
     pos = start
-    while pos < end:
-        got = fh.readinto(memoryview(buffer)[: min(READ_BLOCK, end - pos)])  # type: ignore[attr-defined]
-        if not got:
-            break
-        digests.update(memoryview(buffer)[:got], pos)
-        pos += got
+    for block in file_blocks(fh, start, end):
+        digests.update(block, pos)
+        pos += len(block)
     fh.seek(end)
 
 
@@ -391,19 +386,17 @@ def _fetch_piece(piece: Piece, writer: PartWriter, offset: int, options: HubOpti
 
 def hash_file(path: Path, progress: Progress, cancelled: threading.Event) -> tuple[str, int]:
     """sha256 and size of a local file, reporting progress (a 15 GB file takes a while) (blocking)."""
-    digest = hashlib.sha256()
     size = path.stat().st_size
-    done = 0
-    last = 0.0
-    with open(path, "rb") as fh:
-        while block := fh.read(4 * BLOCK):
-            if cancelled.is_set():
-                raise PullCancelled()
-            digest.update(block)
-            done += len(block)
-            now = time.monotonic()
-            if now - last > 0.1:
-                progress(done, size)
-                last = now
-    progress(done, size)
-    return digest.hexdigest(), done
+    reported = [0.0, 0]  # when, how much
+
+    def each(done: int) -> None:
+        if cancelled.is_set():
+            raise PullCancelled()
+        reported[1] = done
+        if time.monotonic() - reported[0] > 0.1:
+            progress(done, size)
+            reported[0] = time.monotonic()
+
+    digest = sha256_of(path, each=each)
+    progress(int(reported[1]), size)
+    return digest.hexdigest(), int(reported[1])
