@@ -47,6 +47,7 @@ import h11
 import httpx
 import trio
 
+from daemon.core.chunked import Dechunker, MalformedChunk
 from daemon.core.http import tls_context
 from daemon.core.relay_socket import RelaySocket, run_in_worker
 
@@ -136,62 +137,6 @@ class _Connection:
         return now - self.idle_since < KEEPALIVE_S and not self.stream.is_readable()
 
 
-class Dechunker:
-    """The chunked transfer coding (RFC 9112, 7.1) taken off a body as its bytes arrive: what
-    one read brought, its chunks' data joined. h11 parses the same at ~25 µs per chunk (a state
-    machine pass and an event per chunk): an SSE stream is a chunk per token, so the relay does
-    this part itself and leaves the heads to h11."""
-
-    _SIZE, _DATA, _CRLF, _TRAILER = range(4)
-    MAX_LINE = 4096  # a chunk-size line (with extensions) or a trailer line
-
-    def __init__(self) -> None:
-        self._buffer = b""
-        self._state = self._SIZE
-        self._left = 0  # data bytes left in the current chunk
-        self.done = False  # the last chunk and the trailers were read
-
-    def feed(self, data: bytes) -> bytes:
-        """The chunk data in `data` (and what earlier reads left unfinished); raises
-        `httpx.RemoteProtocolError` on a malformed coding."""
-        buf = self._buffer + data if self._buffer else data
-        pos, end, out = 0, len(buf), []
-        state, left = self._state, self._left
-        while pos < end and not self.done:
-            if state == self._DATA:
-                take = min(left, end - pos)
-                out.append(buf[pos : pos + take])
-                pos += take
-                left -= take
-                if left:
-                    break
-                state = self._CRLF
-            elif state == self._CRLF:
-                if end - pos < 2:
-                    break
-                if buf[pos : pos + 2] != b"\r\n":
-                    raise httpx.RemoteProtocolError("the engine's chunk does not end in CRLF")
-                pos += 2
-                state = self._SIZE
-            else:
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    if end - pos > self.MAX_LINE:
-                        raise httpx.RemoteProtocolError("the engine sent an overlong chunk line")
-                    break
-                line, pos = buf[pos:eol], eol + 2
-                if state == self._TRAILER:
-                    self.done = not line  # trailer fields until an empty line
-                    continue
-                try:
-                    left = int(line.split(b";", 1)[0].strip(), 16)
-                except ValueError:
-                    raise httpx.RemoteProtocolError(f"the engine sent a bad chunk size {line[:40]!r}") from None
-                state = self._DATA if left else self._TRAILER
-        self._buffer, self._state, self._left = buf[pos:], state, left
-        return out[0] if len(out) == 1 else b"".join(out)
-
-
 class EngineAnswer:
     """An engine's answer: status and headers read, the body read by the caller as it arrives
     (`aiter_raw`, as httpx names it). `aclose` gives the connection back or closes it."""
@@ -218,7 +163,7 @@ class EngineAnswer:
             chunks = self._chunks = Dechunker()
             data = conn.h11.trailing_data[0]
             while True:
-                if piece := chunks.feed(data):
+                if piece := _decoded(chunks, data):
                     yield piece
                 if chunks.done:
                     return
@@ -293,7 +238,7 @@ class EngineAnswer:
                     if self._interrupted:
                         return
                     raise httpx.RemoteProtocolError("the engine's answer was cut: its connection closed midway")
-                if piece := chunks.feed(data):
+                if piece := _decoded(chunks, data):
                     write(piece)
         finally:
             sock.setblocking(False)
@@ -486,6 +431,14 @@ class EngineWire:
             for conn in idle:
                 conn.stream.close()
         self._idle.clear()
+
+
+def _decoded(chunks: Dechunker, data: bytes) -> bytes:
+    """`chunks.feed(data)`, a malformed coding raised as the engine's protocol error."""
+    try:
+        return chunks.feed(data)
+    except MalformedChunk as exc:
+        raise httpx.RemoteProtocolError(f"the engine's answer is malformed: {exc}") from None
 
 
 def _ip_family(host: str) -> int | None:

@@ -12,8 +12,10 @@ What it keeps of Hypercorn's behaviour, read from `[frontdoor]` at each connecti
 applies to the next one): a connection with no request under way, kept alive or still sending
 its request line and headers, is closed `idle_timeout_s` after it opened or its last answer
 ended; h11 buffers at most `max_header_bytes` of an incomplete head (past it: a bare 431 and the
-connection closed); a malformed request gets a bare 400. `Expect: 100-continue` is answered when
-the body is first read. The handler reads the body (`receive`) and answers (`respond`, or
+connection closed); a malformed request gets a bare 400, and a chunked body whose coding is
+malformed (a chunk size that is not hexadecimal digits: daemon/core/chunked.py) a 400 that says
+why, the connection closed. `Expect: 100-continue` is answered when the body is first read.
+The handler reads the body (`receive`) and answers (`respond`, or
 `start`/`send`/`end` for a body relayed as it arrives: chunked, one `send_all` per piece);
 `watching()` cancels what it wraps when the client leaves, so the engine under a request nobody
 waits for any more is closed. Every request but a scrape of /metrics is counted as it goes by
@@ -32,6 +34,7 @@ import h11
 import trio
 
 from daemon.config.remote import is_loopback_host
+from daemon.core.chunked import Dechunker, MalformedChunk
 from daemon.core.relay_socket import RelaySocket, accept_errors_to_retry, send_all_blocking
 from daemon.frontdoor.access import log_access
 from daemon.frontdoor.metrics import Exchange, RequestFigures
@@ -50,6 +53,10 @@ BACKLOG = 1024
 
 class ClientGone(Exception):
     """The client closed its connection before its answer was over."""
+
+
+class MalformedBody(Exception):
+    """The client's body breaks HTTP/1.1's framing: answered 400, the connection closed."""
 
 
 def framed(data: bytes, chunked: bool) -> bytes:
@@ -223,6 +230,8 @@ class Connection:
         self.client = stream.peer()
         self.loopback = self.client is not None and is_loopback_host(self.client[0])
         self.arrived = 0.0  # when the read that brought a request's head returned (`_next_request`)
+        # A chunked request body's coding, checked as its bytes arrive (`_check_body`).
+        self.body_check: Dechunker | None = None
 
     async def send_all(self, data: bytes) -> None:
         try:
@@ -253,10 +262,20 @@ class Connection:
             route = self.figures.route_of(request.path)
             exchange = request.exchange = Exchange(route, self.arrived) if route is not None else None
             failure: BaseException | None = None
+            chunked = request.header(b"transfer-encoding") == b"chunked"  # h11 admits no other coding
+            self.body_check = Dechunker() if chunked else None
             try:
+                if chunked:
+                    self._check_body(conn.trailing_data[0])  # what came with the head
                 await handler(request)
             except ClientGone as exc:
                 failure = OSError(str(exc))
+            except MalformedBody as exc:
+                failure = exc if request.answered else None
+                log.info("refused %s %s: %s", request.method, request.path, exc)
+                with contextlib.suppress(ClientGone, h11.LocalProtocolError):
+                    text = f"Bad Request: {exc}\n".encode()
+                    await request.respond(400, [(b"content-type", b"text/plain"), (b"connection", b"close")], text)
             except BaseException as exc:
                 failure = exc
                 if isinstance(exc, Exception) and request.answered:
@@ -304,12 +323,26 @@ class Connection:
             else:  # ConnectionClosed, or PAUSED after a client that said Connection: close
                 return None
 
+    def _check_body(self, data: bytes) -> None:
+        """A chunked body's bytes checked against the coding's grammar before h11 reads them
+        (h11 also takes a chunk size with trailing blanks or of 17 to 20 digits); raises
+        `MalformedBody`."""
+        check = self.body_check
+        if check is not None and not check.done:
+            try:
+                check.feed(data)
+            except MalformedChunk as exc:
+                raise MalformedBody(f"the request's chunked body is malformed: {exc}") from None
+
     def body_received(self) -> bytes | None:
         """`receive_body`, but only what is already here: None when it would have to read."""
         conn = self.h11
         if conn.they_are_waiting_for_100_continue:
             return None
-        event = conn.next_event()
+        try:
+            event = conn.next_event()
+        except h11.RemoteProtocolError as exc:
+            raise MalformedBody(f"the request's body is malformed: {exc}") from None
         if type(event) is h11.Data:
             return bytes(event.data)
         if type(event) is h11.EndOfMessage:
@@ -324,7 +357,9 @@ class Connection:
             if conn.they_are_waiting_for_100_continue:
                 await self.send_all(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
             else:
-                conn.receive_data(await self._read())
+                data = await self._read()
+                self._check_body(data)
+                conn.receive_data(data)
         return piece
 
     async def watch(self, request: Request, scope: trio.CancelScope) -> None:

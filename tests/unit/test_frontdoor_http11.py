@@ -28,7 +28,7 @@ async def echo(request: Request) -> None:
         await request.start(200, [(b"content-type", b"text/event-stream")])
         for i in range(3):
             await request.send(b"data: %d\n\n" % i)
-            await trio.sleep(0.01)
+            await trio.sleep(0.01)  # paced, as an engine's tokens are
         await request.end()
         return
     await request.respond(200, [], f"{request.method} {request.path} {len(body)}".encode())
@@ -62,7 +62,7 @@ async def read_answer(stream: trio.SocketStream, buffered: bytearray) -> bytes:
     return answer
 
 
-async def test_one_connection_carries_requests_with_and_without_a_body(server):
+async def test_one_connection_carries_requests_with_and_without_a_body(server, autojump_clock):
     with trio.fail_after(10):
         async with await trio.open_tcp_stream("127.0.0.1", server) as client:
             buffered = bytearray()
@@ -78,12 +78,13 @@ async def test_one_connection_carries_requests_with_and_without_a_body(server):
                 assert answer.startswith(b"HTTP/1.1 200 ") and expected in answer, answer
 
 
-async def test_a_request_sent_before_the_last_answer_is_over_is_answered(server):
+async def test_a_request_sent_before_the_last_answer_is_over_is_answered(server, autojump_clock):
     with trio.fail_after(10):
         async with await trio.open_tcp_stream("127.0.0.1", server) as client:
             buffered = bytearray()
             await client.send_all(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
-            await trio.sleep(0.005)  # the stream has begun
+            while b"data: 0" not in buffered:  # the stream has begun
+                buffered += await client.receive_some(65536)
             await client.send_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
             assert b"data: 2" in await read_answer(client, buffered)
             assert b"GET /v1/models 0" in await read_answer(client, buffered)
@@ -141,3 +142,51 @@ async def test_an_answer_cut_while_the_client_is_watched_is_counted_as_what_cut_
     assert value(text, cuts, route="/v1/chat/completions", reason="client_gone") == 1, text
     assert value(text, cuts, route="/v1/completions", reason="engine_cut") == 1, text
     assert value(text, cuts, route="/v1/chat/completions", reason="error") is None, text
+
+
+CHUNKED_HEAD = b"POST /v1/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+
+
+async def chunked_answers(port: int, coded: bytes, *, apart: bool) -> list[bytes]:
+    """The server's answers, until it closes the connection, to a POST of the chunked body `coded`
+    followed by a GET that says `Connection: close`. `apart`: the body is sent once the server
+    asked for it (`Expect: 100-continue`), so it is read after the head rather than with it."""
+    following = b"GET /next HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    with trio.fail_after(10):
+        async with await trio.open_tcp_stream("127.0.0.1", port) as client:
+            buffered = bytearray()
+            if apart:
+                await client.send_all(CHUNKED_HEAD + b"Expect: 100-continue\r\n\r\n")
+                while b"\r\n\r\n" not in buffered:
+                    buffered += await client.receive_some(65536)
+                assert buffered.startswith(b"HTTP/1.1 100 "), buffered
+                del buffered[: buffered.index(b"\r\n\r\n") + 4]
+                await client.send_all(coded + following)
+            else:
+                await client.send_all(CHUNKED_HEAD + b"\r\n" + coded + following)
+            while data := await client.receive_some(65536):
+                buffered += data
+            answers = []
+            while buffered:
+                answers.append(await read_answer(client, buffered))
+            return answers
+
+
+MALFORMED_SIZES = [b"+5", b"-5", b"0x5", b"5_0", b" 5", b"5 ", b"", "\u0665".encode(), "\uff15".encode(), b"1" * 20]
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["with-head", "after-head"])
+@pytest.mark.parametrize("size", MALFORMED_SIZES, ids=repr)
+async def test_a_chunk_size_that_is_not_hexadecimal_digits_gets_400_and_the_connection_closed(server, size, apart):
+    answers = await chunked_answers(server, size + b"\r\nhello\r\n0\r\n\r\n", apart=apart)
+    assert answers[0].startswith(b"HTTP/1.1 400 ") and b"hexadecimal digits" in answers[0], answers
+    assert len(answers) == 1  # then closed: nothing after the bad size is read as a request
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["with-head", "after-head"])
+@pytest.mark.parametrize(("size", "length"), [(b"a", 10), (b"A", 10), (b"0", 0), (b"5;ext=1", 5)], ids=repr)
+async def test_a_hexadecimal_chunk_size_with_or_without_extensions_is_read(server, size, length, apart):
+    coded = size + b"\r\n" + (b"x" * length + b"\r\n0\r\n" if length else b"") + b"\r\n"
+    answer, following = await chunked_answers(server, coded, apart=apart)
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"POST /v1/x %d" % length), answer
+    assert following.endswith(b"GET /next 0")  # the connection carried the next request
