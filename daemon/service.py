@@ -36,9 +36,11 @@ import attrs
 import trio
 
 from daemon.core import sdnotify
+from states.convert import structure, unstructure
 from daemon.config.model import Config, ConfigError, config_diff, load_config
 from daemon.config.watch import watch_config
 from daemon.control.methods import dispatch
+from daemon.control.replies import CatalogModel, ModelList, PullState, ServedBy
 from daemon.control.server import serve_control
 from daemon.core.errors import StokerError
 from daemon.core.events import EventBus
@@ -284,14 +286,17 @@ class Daemon:
         options: PullOptions = pull_options(hf_endpoint=hf_endpoint, hf_token=hf_token, index_url=index_url)
         return (await self.pulls.pull(spec, name=name, options=options)).to_public()
 
-    def list_models(self) -> dict[str, Any]:
+    def list_models(self) -> ModelList:
         members = self.fleet.serving()
-        models = [
-            record.to_public()
-            | {"served_by": [{"name": m.name, "state": m.state.value} for m in members if m.serves(record)]}
+        models = tuple(
+            structure(
+                unstructure(record)
+                | {"served_by": [unstructure(ServedBy(m.name, m.state.value)) for m in members if m.serves(record)]},
+                CatalogModel,
+            )
             for record in self.pulls.models()
-        ]
-        return {"models": models, "pulls": self.pulls.statistics()}
+        )
+        return ModelList(models=models, pulls=structure(self.pulls.statistics(), tuple[PullState, ...]))
 
     def pulls_under_way(self) -> Sequence[Mapping[str, Any]]:
         return self.pulls.under_way()

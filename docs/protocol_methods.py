@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import collections.abc
+import enum
+import json
 import sys
+import types
+import typing
 from pathlib import Path
+from typing import Any
+
+import attrs
 
 from daemon.control.methods import METHODS
 from daemon.control.params import Method, Param
@@ -19,6 +27,11 @@ reason codes it can fail with. Generated from the methods' declarations
 `python docs/protocol_methods.py`; never edit by hand. Framing, error replies and the event
 stream are in [protocol.md](protocol.md); what each reason means is in
 [reason-codes.md](reason-codes.md).
+
+A reply that is a record lists its fields with their JSON types below the method; a client
+reads it with `ControlClient.call(method, returns=Record)` (one converter, states/convert.py):
+fields it does not know are ignored, so a newer daemon may add some, and a field it needs
+that an older daemon does not send is `daemon_version_skew`, naming the field.
 
 Parameters are by name (`params` is an object). Before a method runs, one validator refuses with
 `bad_request`: a parameter the method does not declare, a missing required one, a value of the
@@ -73,9 +86,60 @@ def _section(declared: Method) -> str:
     else:
         lines += ["Parameters: none.", ""]
     lines += ["Reply:", "", "```text", reply, "```", ""]
+    if declared.result is not None:
+        lines += _record_tables(declared.result)
     errors = ["bad_request", *declared.errors]
     lines += ["Errors: " + ", ".join(f"`{reason}`" for reason in errors) + ".", ""]
     return "\n".join(lines)
+
+
+def _type_name(hint: Any) -> str:
+    """A field's type as the reference writes it: records by name, containers with their items."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arg) for arg in args)
+    if origin is typing.Literal:
+        return " or ".join(f"`{json.dumps(arg)}`" for arg in args)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return f"list of {_type_name(args[0])}"
+    if origin in (dict, collections.abc.Mapping):
+        return "object"
+    if hint is type(None):
+        return "null"
+    if hint is typing.Any:
+        return "any"
+    names = {str: "string", int: "integer", float: "number", bool: "boolean"}
+    if hint in names:
+        return names[hint]
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "string"
+    return f"`{hint.__name__}`" if isinstance(hint, type) else str(hint)
+
+
+def _records_in(hint: Any) -> list[type]:
+    if isinstance(hint, type) and attrs.has(hint):
+        return [hint]
+    return [found for arg in typing.get_args(hint) for found in _records_in(arg)]
+
+
+def _record_tables(record: type) -> list[str]:
+    """The reply record's fields with their types, then each record it holds, once."""
+    lines: list[str] = []
+    seen: set[type] = set()
+    queue = [record]
+    while queue:
+        current = queue.pop(0)
+        if current in seen:
+            continue
+        seen.add(current)
+        hints = typing.get_type_hints(current)
+        doc = " ".join((current.__doc__ or "").split())
+        lines += [f"`{current.__name__}`: {doc}", "", "| field | type |", "|---|---|"]
+        for field in attrs.fields(current):
+            lines.append(f"| `{field.name}` | {_type_name(hints[field.name])} |")
+            queue += [found for found in _records_in(hints[field.name]) if found not in seen]
+        lines.append("")
+    return lines
 
 
 def document() -> str:

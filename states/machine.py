@@ -18,15 +18,12 @@ back with an event. Nothing here reads the clock, sleeps or does I/O.
 from __future__ import annotations
 
 import enum
-import functools
-import types
-import typing
-from pathlib import PurePath
 from typing import Any, Callable, Iterable, Mapping, Union
 
 import attrs
 
-from states.reasons import ReasonCode, stored_reason
+from states.convert import structure, unstructure
+from states.reasons import ReasonCode
 
 Handler = Callable[[Any, Any, Any], "Step | None"]
 
@@ -221,92 +218,22 @@ def step(spec: MachineSpec, state: enum.StrEnum, data: Any, event: object) -> St
     return result
 
 
-# --- JSON round trips for history and machine rows -------------------------------------
+# --- JSON round trips for history and machine rows (states/convert.py's one converter) ----
 
 
 def to_json(value: Any) -> Any:
     """A JSON-ready copy of events, effects, data records, enums, tuples and paths."""
-    if attrs.has(type(value)):
-        return _record_to_json(value)
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, PurePath):
-        return str(value)
-    if isinstance(value, Mapping):
-        return {str(k): to_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [to_json(v) for v in value]
-    return value
-
-
-def _record_to_json(record: Any) -> dict[str, Any]:
-    return {f.name: to_json(getattr(record, f.name)) for f in attrs.fields(type(record))}
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    return unstructure(value)
 
 
 def from_json(hint: Any, value: Any) -> Any:
-    """Rebuild a value of type `hint` from `to_json`'s output."""
-    if value is None:
-        return None
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin is Union or origin is types.UnionType:
-        options = [a for a in args if a is not type(None)]
-        last_error: Exception | None = None
-        for option in options:
-            try:
-                return from_json(option, value)
-            except (TypeError, ValueError, KeyError) as exc:
-                last_error = exc
-        raise ValueError(f"{value!r} matches none of {hint}") from last_error
-    if hint is Any:
-        return value
-    if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(from_json(args[0], v) for v in value)
-        if args:
-            return tuple(from_json(a, v) for a, v in zip(args, value))
-        return tuple(value)
-    if origin in (list,):
-        return [from_json(args[0], v) for v in value] if args else list(value)
-    if origin in (frozenset, set):
-        return origin(from_json(args[0], v) for v in value) if args else origin(value)
-    if origin in (dict, Mapping) or origin is typing.Mapping or hint in (dict, Mapping):
-        if not isinstance(value, Mapping):
-            raise TypeError(f"expected a mapping for {hint}, got {value!r}")
-        if len(args) == 2:
-            return {from_json(args[0], k): from_json(args[1], v) for k, v in value.items()}
-        return dict(value)
-    if isinstance(hint, type):
-        if attrs.has(hint):
-            if not isinstance(value, Mapping):
-                raise TypeError(f"expected a mapping for {hint.__name__}, got {value!r}")
-            hints = _hints(hint)
-            kwargs = {}
-            for f in attrs.fields(hint):
-                if f.name in value and f.init:
-                    kwargs[f.alias or f.name] = from_json(hints.get(f.name, Any), value[f.name])
-            return hint(**kwargs)
-        if hint is ReasonCode:
-            return stored_reason(value)  # a code whose plugin was uninstalled since is still read
-        if issubclass(hint, enum.Enum):
-            return hint(value)
-        if issubclass(hint, PurePath):
-            return hint(value)
-        if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if hint in (int, str, bool, float) and not isinstance(value, hint):
-            raise TypeError(f"expected {hint.__name__}, got {value!r}")
-    return value
+    """Rebuild a value of type `hint` from `to_json`'s output (unknown fields are ignored)."""
+    return structure(value, hint)
 
 
 def event_to_json(event: object) -> tuple[str, dict[str, Any]]:
     """(event class name, its fields as JSON) for the history table."""
-    return type(event).__name__, _record_to_json(event)
+    return type(event).__name__, unstructure(event)
 
 
 def event_from_json(spec: MachineSpec, name: str, payload: Mapping[str, Any]) -> object:
@@ -316,7 +243,7 @@ def event_from_json(spec: MachineSpec, name: str, payload: Mapping[str, Any]) ->
 
 def data_to_json(data: Any) -> dict[str, Any]:
     """A machine's data record as JSON for its row."""
-    return _record_to_json(data)
+    return dict(unstructure(data))
 
 
 def data_from_json(spec: MachineSpec, payload: Mapping[str, Any]) -> Any:

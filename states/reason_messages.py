@@ -211,6 +211,10 @@ MESSAGE_TEXT: dict[str, str] = {
         "The control socket's directory cannot be used (its path is too long for a Unix socket, it is not a "
         "directory, or it is not yours); set STOKER_HOME or XDG_RUNTIME_DIR to a short directory of your own."
     ),
+    "daemon_version_skew": (
+        "The running daemon and this command are different versions and the daemon's answer lacks "
+        "something the command needs; restart the daemon (`stoker shutdown`, then start it again)."
+    ),
     "bad_request": "The request was malformed.",
     "request_too_large": "The request exceeded the size limit.",
     "unknown_method": "The daemon does not know this command.",

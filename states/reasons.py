@@ -116,6 +116,7 @@ class ReasonCode(enum.StrEnum):
     DAEMON_NOT_RUNNING = "daemon_not_running"
     DATA_DIR_UNWRITABLE = "data_dir_unwritable"
     RUNTIME_DIR_UNUSABLE = "runtime_dir_unusable"
+    DAEMON_VERSION_SKEW = "daemon_version_skew"
     BAD_REQUEST = "bad_request"
     REQUEST_TOO_LARGE = "request_too_large"
     UNKNOWN_METHOD = "unknown_method"

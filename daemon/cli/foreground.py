@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+import setproctitle
 import trio
 
 from daemon.core.errors import StokerError
@@ -75,6 +76,8 @@ def run_foreground(paths: StokerPaths, *, log_level: str = "info") -> int:
     A refusal prints one line, `error [reason]: sentence`, and logs it without a traceback; only
     a bug (no reason code) logs its traceback, and prints one line saying so.
     """
+    # `ps` and `pgrep stoker` show the daemon by its name rather than `python -m ...`.
+    setproctitle.setproctitle("stoker daemon")
     os.umask(0o077)
     try:
         paths.make_private()

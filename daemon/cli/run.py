@@ -25,6 +25,7 @@ import click
 
 from daemon.cli.output import emit, fail, json_option
 from daemon.cli.service import call, format_status
+from daemon.control.replies import ModelList
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
 from daemon.frontdoor.client import API_KEY_ENV
@@ -75,7 +76,7 @@ def ensure_model(paths: StokerPaths, as_json: bool) -> dict | None:
     """Pull the configured model now if the lookup's table says it must be pulled (a well-known
     name the catalog lacks, or whose file is gone); the pulled row, or None when nothing was
     pulled. A name or path that cannot be served is left to the daemon, which says why."""
-    from daemon.cli.models import list_models, pull_model
+    from daemon.cli.models import pull_model
     from daemon.config.model import ConfigError, load_config
     from daemon.models.resolve import look_up
 
@@ -85,8 +86,8 @@ def ensure_model(paths: StokerPaths, as_json: bool) -> dict | None:
         return None  # the daemon refuses it with every problem listed
     if model_form(value) is ModelForm.PATH:
         return None
-    listed = list_models(as_json)
-    found = look_up(value, ListedCatalog({r["name"]: ModelRecord(**r) for r in listed.get("models") or []}))
+    listed: ModelList = call("model.list", as_json, returns=ModelList)
+    found = look_up(value, ListedCatalog({r.name: r for r in listed.models}))
     if found.decision.action is not Action.PULL or found.known is None:
         return None
     say(as_json, f"pulling {value}: {found.known.summary} ({found.known.spec})")

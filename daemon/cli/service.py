@@ -26,10 +26,11 @@ def _client(timeout: float = 10.0) -> ControlClient:
     return ControlClient(StokerPaths.from_env().socket_path, timeout=timeout)
 
 
-def call(method: str, as_json: bool, timeout: float = 10.0, **params: Any) -> Any:
-    """One request to the daemon; a reason-coded failure exits the CLI with its code."""
+def call(method: str, as_json: bool, timeout: float = 10.0, returns: type | None = None, **params: Any) -> Any:
+    """One request to the daemon (its reply as the record `returns` when given); a reason-coded
+    failure, a daemon of another version that lacks what is needed included, exits the CLI with its code."""
     try:
-        return _client(timeout).call(method, **params)
+        return _client(timeout).call(method, returns=returns, **params)
     except StokerError as err:
         fail(as_json, err)
 

@@ -12,15 +12,33 @@ import os
 import socket
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeVar, overload
 
 from daemon.control import protocol
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
 from states.reasons import ReasonCode
 
+R = TypeVar("R")
+
 DEFAULT_TIMEOUT_S = 30.0
 RECEIVE_SIZE = 64 * 1024
+
+
+def typed_reply(method: str, result: Any, record: type[R]) -> R:
+    """`result` as a `record`: fields this client does not know are ignored; one it needs and
+    did not get is daemon_version_skew, naming the method and what is missing."""
+    from states.convert import MissingFields, structure  # cattrs: only for a call that asks for a record
+
+    try:
+        return structure(result, record)
+    except MissingFields as err:
+        raise StokerError(
+            ReasonCode.DAEMON_VERSION_SKEW,
+            f"The daemon's answer to {method!r} lacks what this command needs ({'; '.join(err.problems)}): "
+            "the daemon runs another version of Stoker. Restart it (`stoker shutdown`, then start it again).",
+            {"method": method, "record": record.__name__, "problems": err.problems},
+        ) from err
 
 
 def _not_running(path: Path, err: BaseException | None = None) -> StokerError:
@@ -104,15 +122,21 @@ class ControlClient:
         self._sock = None
         self._reader = None
 
-    def call(self, method: str, /, **params: Any) -> Any:
-        """Call `method` with `params`; the result, or StokerError with the daemon's reason."""
+    @overload
+    def call(self, method: str, /, *, returns: type[R], **params: Any) -> R: ...
+    @overload
+    def call(self, method: str, /, *, returns: None = None, **params: Any) -> Any: ...
+    def call(self, method: str, /, *, returns: type[R] | None = None, **params: Any) -> R | Any:
+        """Call `method` with `params`; the result (as the record `returns` when given), or
+        StokerError with the daemon's reason."""
         with self._lock:
             request_id = next(self._ids)
             frame = protocol.encode_request(request_id, method, params)
             if len(frame) > protocol.MAX_FRAME + 1:
                 raise StokerError(ReasonCode.REQUEST_TOO_LARGE, evidence={"bytes": len(frame)})
             self._send(frame)
-            return self._await_reply(request_id, method)
+            result = self._await_reply(request_id, method)
+        return result if returns is None else typed_reply(method, result, returns)
 
     def _send(self, frame: bytes) -> None:
         # A connection kept from an earlier call may have been closed by a restarted daemon;

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from daemon.backends.base import Detection
     from daemon.bundles.installed import InstalledBundle
     from daemon.config.model import Config
+    from daemon.control.replies import ModelList
     from daemon.fleet.fleet import Fleet
     from daemon.fleet.member import Member
     from daemon.install.update import EngineUpdateService
@@ -199,7 +200,7 @@ class ControlledDaemon(Protocol):
     ) -> dict[str, Any]:
         """Pull `spec` into the catalog; the cataloged model's public fields."""
 
-    def list_models(self) -> dict[str, Any]:
+    def list_models(self) -> ModelList:
         """{models: the catalog (each with the configured models that serve it), pulls: every
         pull machine's state and reason}."""
 

@@ -34,6 +34,7 @@ ERROR_CODES: dict[ReasonCode, int] = {
     ReasonCode.DAEMON_ALREADY_RUNNING: 1002,
     ReasonCode.DAEMON_NOT_RUNNING: 1003,
     ReasonCode.ILLEGAL_TRANSITION: 1004,
+    ReasonCode.DAEMON_VERSION_SKEW: 1005,
     ReasonCode.STORE_CORRUPT: 1101,
     ReasonCode.STORE_SCHEMA_TOO_NEW: 1102,
     ReasonCode.STORE_WRITE_FAILED: 1103,

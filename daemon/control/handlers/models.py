@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 from daemon.control.controlled import ControlledDaemon
 from daemon.control.params import Kind, Param, method
+from daemon.control.replies import ModelList
 from states.reasons import ReasonCode
 
 PULL_ERRORS = (
@@ -61,11 +62,12 @@ async def pull(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str,
     return {"model": record}
 
 
-@method("model.list")
-async def model_list(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+@method("model.list", result=ModelList)
+async def model_list(daemon: ControlledDaemon, params: Mapping[str, Any]) -> ModelList:
     """The catalog: every pulled or added model, and the pulls not finished (with their reason).
 
-    Reply: {"models": [model as `pull` returns it], "pulls": [{name, state, reason, spec}]}.
+    Reply: {"models": [model as `pull` returns it, with served_by: [{name, state}]],
+    "pulls": [{name, state, reason, spec}]}.
     """
     return daemon.list_models()
 

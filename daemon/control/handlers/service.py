@@ -13,7 +13,9 @@ from typing import Any, Mapping
 
 from daemon.control.controlled import ControlledDaemon
 from daemon.control.params import Kind, Param, method
+from daemon.control.replies import Pong
 from daemon.control.status import Status, build_status
+from daemon.core.version import stoker_version
 from daemon.core.errors import StokerError
 from daemon.fleet.member import Member
 from daemon.launch.instance import ServerInstance
@@ -50,7 +52,7 @@ def _start_allowed(daemon: ControlledDaemon) -> None:
         raise StokerError(ReasonCode.CONFIG_INVALID, evidence={"problems": list(daemon.config_problems)})
 
 
-@method("status", MODEL, errors=(ReasonCode.MODEL_NOT_FOUND,))
+@method("status", MODEL, errors=(ReasonCode.MODEL_NOT_FOUND,), result=Status)
 async def status(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     """A model's state and why (the default model's, or `model`'s), the backend really in use,
     and what was passed over; `models` lists every configured model.
@@ -193,10 +195,10 @@ def model_machines(daemon: ControlledDaemon, model: str) -> tuple[str, ...]:
         return tuple(instance.machine_id(kind) for kind in (L.LAUNCH.name, F.FALLBACK.name))
 
 
-@method("ping")
-async def ping(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+@method("ping", result=Pong)
+async def ping(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Pong:
     """A liveness check that touches nothing.
 
-    Reply: {"pong": true, "pid": N}.
+    Reply: {"pong": true, "pid": N, "version": the daemon's version}.
     """
-    return {"pong": True, "pid": os.getpid()}
+    return Pong(pong=True, pid=os.getpid(), version=stoker_version())
