@@ -1,4 +1,4 @@
-"""The launch machine's moves: the steps its handlers share (pure).
+"""The steps the launch machine's handlers share (pure).
 
 Planning afresh, entering `stopping`, counting a crash, judging an unasked exit, leaving
 `stopping` once the process is gone, and what a ready server gets. The handlers that use them

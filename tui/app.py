@@ -120,16 +120,16 @@ class StokerApp(App[None]):
         self.set_interval(self.poll_s, self._poll)
 
     def on_unmount(self) -> None:
-        self._hang_up()
+        self._close_event_stream()
 
-    def _hang_up(self) -> None:
+    def _close_event_stream(self) -> None:
         self._stop.set()
         stream = self._stream
         if stream is not None:
             stream.close()
 
     async def action_quit(self) -> None:
-        self._hang_up()
+        self._close_event_stream()
         self.exit()
 
     # --- the one event reader ------------------------------------------------------------

@@ -27,7 +27,7 @@ import click
 
 from daemon.cli.output import fail, json_option
 from daemon.core.errors import StokerError
-from daemon.core.logtail import LogFollower, Seen, last_lines
+from daemon.core.logtail import FollowedLine, LogFollower, last_lines
 from daemon.core.paths import StokerPaths
 from daemon.config.served import DEFAULT_INSTANCE
 from daemon.frontdoor.access import ACCESS_LOGGER
@@ -132,7 +132,7 @@ def show_last(sources: list[Source], n: int, as_json: bool) -> None:
             click.echo(_line(source, text, prefixed))
 
 
-def _emit_json_line(source: Source, item: Seen) -> None:
+def _emit_json_line(source: Source, item: FollowedLine) -> None:
     record: dict[str, Any] = {"log": source.name, ("notice" if item.notice else "line"): item.text}
     click.echo(json.dumps(record))
 
@@ -146,7 +146,7 @@ def follow(sources: list[Source], n: int, as_json: bool) -> None:
     for source in sources:
         for text in last_of(source, n):
             if as_json:
-                _emit_json_line(source, Seen(text))
+                _emit_json_line(source, FollowedLine(text))
             else:
                 click.echo(_line(source, text, prefixed))
     while True:

@@ -118,13 +118,13 @@ def _run(
     paths: StokerPaths,
     method: str,
     params: dict[str, Any],
-    here: Callable[[Any], Awaitable[Any]],
+    in_process: Callable[[Any], Awaitable[Any]],
     *,
     timeout: float,
     as_json: bool,
     watch: bool = False,
 ) -> Any:
-    """`method` through the running daemon, or `here(service)` in this process under the lock."""
+    """`method` through the running daemon, or `in_process(service)` in this process under the lock."""
     from daemon.core.pidlock import acquire_lock
 
     deadline = time.monotonic() + SOCKET_WAIT_S
@@ -136,7 +136,7 @@ def _run(
                 raise
         else:
             try:
-                return trio.run(_here, paths, here, as_json if watch else None)
+                return trio.run(_run_in_process, paths, in_process, as_json if watch else None)
             finally:
                 os.close(lock)
         try:
@@ -174,7 +174,7 @@ def _through_daemon(paths: StokerPaths, method: str, params: dict[str, Any], tim
             watcher.join(timeout=2)
 
 
-async def _here(paths: StokerPaths, here: Callable[[Any], Awaitable[Any]], watch: bool | None) -> Any:
+async def _run_in_process(paths: StokerPaths, in_process: Callable[[Any], Awaitable[Any]], watch: bool | None) -> Any:
     from daemon.models.pull import PullService
     from store.database import open_store
 
@@ -186,7 +186,7 @@ async def _here(paths: StokerPaths, here: Callable[[Any], Awaitable[Any]], watch
             show_progress(event, watch)
 
     try:
-        return await here(PullService(paths, store, publish))
+        return await in_process(PullService(paths, store, publish))
     finally:
         store.close()
 
@@ -206,21 +206,21 @@ def pull_model(spec: str, name: str | None, index_url: str | None, *, as_json: b
     }
     params = {"spec": text, **({"name": name} if name else {}), **{k: v for k, v in settings.items() if v}}
 
-    async def here(service: Any) -> Any:
+    async def in_process(service: Any) -> Any:
         record = await service.pull(text, name=name, options=pull_options(**settings))
         return {"model": record.to_public()}
 
     paths = StokerPaths.from_env()
-    return _run(paths, "pull", params, here, timeout=PULL_TIMEOUT_S, as_json=as_json, watch=watch)
+    return _run(paths, "pull", params, in_process, timeout=PULL_TIMEOUT_S, as_json=as_json, watch=watch)
 
 
 def list_models(as_json: bool) -> Any:
     """The catalog's rows and the pulls' states, through the daemon or here."""
 
-    async def here(service: Any) -> Any:
+    async def in_process(service: Any) -> Any:
         return {"models": [r.to_public() for r in service.models()], "pulls": service.statistics()}
 
-    return _run(StokerPaths.from_env(), "model.list", {}, here, timeout=10.0, as_json=as_json)
+    return _run(StokerPaths.from_env(), "model.list", {}, in_process, timeout=10.0, as_json=as_json)
 
 
 def _pull(spec: str, name: str | None, index_url: str | None, as_json: bool) -> None:
@@ -282,11 +282,11 @@ def add(path: str, name: str | None, as_json: bool) -> None:
 def rm(name: str, as_json: bool) -> None:
     """Remove a model from the catalog; its file too when Stoker downloaded it (never a local file)."""
 
-    async def here(service: Any) -> Any:
+    async def in_process(service: Any) -> Any:
         return await service.remove(name)
 
     try:
-        data = _run(StokerPaths.from_env(), "model.rm", {"name": name}, here, timeout=60.0, as_json=as_json)
+        data = _run(StokerPaths.from_env(), "model.rm", {"name": name}, in_process, timeout=60.0, as_json=as_json)
     except StokerError as err:
         fail(as_json, err)
 

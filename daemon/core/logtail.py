@@ -83,7 +83,7 @@ def last_lines(path: Path, n: int) -> list[str]:
 
 
 @attrs.frozen
-class Seen:
+class FollowedLine:
     """A line of the log, or a notice about the file itself (rotated, trimmed, appeared)."""
 
     text: str
@@ -131,7 +131,7 @@ class LogFollower:
         self._partial = b""
         return True
 
-    def _read(self, *, final: bool = False) -> list[Seen]:
+    def _read(self, *, final: bool = False) -> list[FollowedLine]:
         """What the open file gained since the last read, as whole lines (`final`: the file is
         left for good, so an unfinished last line is given as it is)."""
         assert self._fh is not None
@@ -151,20 +151,20 @@ class LogFollower:
         if final and self._partial:
             lines.append(self._partial)
             self._partial = b""
-        return [Seen(_decode(line)) for line in lines]
+        return [FollowedLine(_decode(line)) for line in lines]
 
-    def poll(self) -> list[Seen]:
+    def poll(self) -> list[FollowedLine]:
         """New lines since the last poll, with a notice when the file was rotated, trimmed,
         removed or (re)created."""
-        out: list[Seen] = []
+        out: list[FollowedLine] = []
         if self._fh is None:
             if not self._open():
                 if not self._missing_said:
                     self._missing_said = True
-                    out.append(Seen(f"{self.path} does not exist yet; waiting for it", notice=True))
+                    out.append(FollowedLine(f"{self.path} does not exist yet; waiting for it", notice=True))
                 return out
             if self._missing_said:
-                out.append(Seen(f"{self.path} appeared; following it", notice=True))
+                out.append(FollowedLine(f"{self.path} appeared; following it", notice=True))
             self._missing_said = False
         out += self._read()
         try:
@@ -175,14 +175,16 @@ class LogFollower:
             out += self._read(final=True)  # what was written to the old file before it was replaced
             self.close()
             if self._open():
-                out.append(Seen(f"{self.path} was rotated; following the new file", notice=True))
+                out.append(FollowedLine(f"{self.path} was rotated; following the new file", notice=True))
                 out += self._read()
         elif st.st_size < self._pos:
             self._pos = 0
             self._partial = b""
             self._after_truncation = True
             out.append(
-                Seen(f"{self.path} was trimmed or truncated; following what is written from now on", notice=True)
+                FollowedLine(
+                    f"{self.path} was trimmed or truncated; following what is written from now on", notice=True
+                )
             )
             out += self._read()
         return out

@@ -133,8 +133,8 @@ class RemoteModel:
         """The request's body for the endpoint: `model` is the name the endpoint serves."""
         return json.dumps({**body, "model": self.config.upstream_model}, ensure_ascii=False).encode()
 
-    def words(self, text: str) -> str:
-        """An endpoint's or the wire's words, fit for a reading: cut short, the key masked."""
+    def error_text(self, text: str) -> str:
+        """An endpoint's or the wire's error, fit for a reading: cut short, the key masked."""
         return self.masked(text)[:ERROR_CHARS]
 
     def masked(self, text: str) -> str:
@@ -252,7 +252,7 @@ class Remotes:
                     connected = True
                     body = b"".join([chunk async for chunk in answer.aiter_raw()])
         except httpx.TransportError as exc:
-            return remote.reading(judge(contact_of(exc)), error=remote.words(str(exc)))
+            return remote.reading(judge(contact_of(exc)), error=remote.error_text(str(exc)))
         finally:
             await wire.__aexit__()
         if scope.cancelled_caught:
@@ -262,11 +262,13 @@ class Remotes:
         verdict = judge(Contact.ANSWERED, answer.status_code)
         error = None
         if not 200 <= answer.status_code < 300:
-            error = remote.words(f"GET {remote.target('/v1/models')} answered {answer.status_code}: " + said(body))
+            error = remote.error_text(
+                f"GET {remote.target('/v1/models')} answered {answer.status_code}: " + endpoint_error_message(body)
+            )
         return Reading(time.time(), verdict.reachable, verdict.reason, answer.status_code, latency, error)
 
 
-def said(body: bytes) -> str:
+def endpoint_error_message(body: bytes) -> str:
     """An endpoint's error body in its own words: OpenAI's `error.message`, else the text."""
     try:
         error = json.loads(body).get("error")

@@ -35,7 +35,7 @@ import trio
 from daemon.engine.api import EngineClient
 from daemon.engine.wire import EngineAnswer, EngineWire
 from daemon.fleet.member import Member
-from daemon.fleet.remote import RemoteModel, contact_of, said
+from daemon.fleet.remote import RemoteModel, contact_of, endpoint_error_message
 from daemon.frontdoor.hold import Hold, Refused
 from daemon.frontdoor.http11 import Request
 from daemon.frontdoor.limits import LimitExceeded, check_head, read_body
@@ -67,7 +67,8 @@ class Answer:
     body: bytes
     headers: tuple[tuple[bytes, bytes], ...] = (JSON,)
 
-    async def give(self, request: Request) -> None:
+    async def send_to(self, request: Request) -> None:
+        """Send this answer, whole, as the request's response."""
         await request.respond(self.status, list(self.headers), self.body)
 
 
@@ -144,7 +145,7 @@ async def relay(
     (already read), then each piece the rest of `chunks` brings, one write each; a cut SSE
     stream ends with an error event, any other cut body aborts the client's connection (raised:
     a truncated JSON body never looks complete). A stream's rest is pumped from socket to
-    socket in a worker thread (`pump`) where both sides allow it."""
+    socket in a worker thread (`relay_in_worker`) where both sides allow it."""
     kept = [
         (k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items() if k.lower() in KEPT_HEADERS
     ]
@@ -152,8 +153,8 @@ async def relay(
     send = request.send
     try:
         if sse and response.pumpable() and request.pumpable():
-            await chunks.aclose()  # the answer's decoding goes on in `pump`, where it stopped
-            await pump(request, response)
+            await chunks.aclose()  # the answer's decoding goes on in `relay_in_worker`, where it stopped
+            await relay_in_worker(request, response)
         else:
             async for chunk in chunks:
                 await send(chunk)
@@ -165,7 +166,7 @@ async def relay(
     await request.end()
 
 
-async def pump(request: Request, response: EngineAnswer) -> None:
+async def relay_in_worker(request: Request, response: EngineAnswer) -> None:
     """The rest of a stream, each read from the engine written to the client at once, in a
     worker thread with blocking reads: a token's event is then one wake-up of that thread, not
     a pass of trio's scheduler and the relay's coroutines, which cost ~3x the CPU on a machine
@@ -207,7 +208,7 @@ class FrontDoor:
         else:
             answer = api_error(path, 404, f"No route {path} here.", "invalid_request_error", None)
         if answer is not None:
-            await answer.give(request)
+            await answer.send_to(request)
 
     def _unauthorized(self, request: Request) -> Answer | None:
         try:
@@ -285,15 +286,19 @@ class FrontDoor:
                         break
                 with trio.CancelScope(shield=True):
                     await stack.aclose()
-                return self._remote_refused(request, remote, verdict, said(refusal), response.status_code)
+                return self._remote_refused(
+                    request, remote, verdict, endpoint_error_message(refusal), response.status_code
+                )
             first, chunks = await first_bytes(response, sse)
         except BaseException as exc:
             with trio.CancelScope(shield=True):
                 await stack.aclose()  # cancelled (the client left): the endpoint's connection closed
             if not isinstance(exc, httpx.TransportError):
                 raise
-            log.warning("remote model %s: %s did not answer: %s", remote.name, config.endpoint, remote.words(str(exc)))
-            return self._remote_refused(request, remote, judge(contact_of(exc)), remote.words(str(exc)))
+            log.warning(
+                "remote model %s: %s did not answer: %s", remote.name, config.endpoint, remote.error_text(str(exc))
+            )
+            return self._remote_refused(request, remote, judge(contact_of(exc)), remote.error_text(str(exc)))
         remote.last_request = remote.reading(verdict, status=response.status_code)
         try:
             await relay(request, response, sse and response.status_code == 200, first, chunks)
@@ -306,7 +311,7 @@ class FrontDoor:
         self, request: Request, remote: RemoteModel, verdict: Verdict, detail: str, status: int | None = None
     ) -> Answer:
         """The front door's answer in place of the endpoint's, recorded as the model's last request."""
-        remote.last_request = remote.reading(verdict, status=status, error=remote.words(detail))
+        remote.last_request = remote.reading(verdict, status=status, error=remote.error_text(detail))
         assert verdict.status is not None and verdict.reason is not None
         config = remote.config
         if verdict.reason is ReasonCode.REMOTE_KEY_REJECTED:
