@@ -1,6 +1,6 @@
 """A hot reload to a model that cannot load keeps the healthy server serving, and says why.
 
-The issue: a config edit pointing server.model at a bad file stopped the serving server first and
+The fault: a config edit pointing server.model at a bad file stopped the serving server first and
 only then found the model unusable. The model file is checked before anything is stopped (exists,
 regular file, GGUF magic, readable header); the config machine rejects the change (status shows
 the problem, history records it) and the next save of the file is read again.
