@@ -66,6 +66,7 @@ def check_digest(
             f"{path.name} does not match the sha256 and size its source lists (corrupt, or not that file).",
             {
                 **evidence,
+                "file": str(path),
                 "expected_sha256": sha256,
                 "actual_sha256": actual,
                 "expected_size": size,

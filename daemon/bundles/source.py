@@ -148,15 +148,7 @@ def tree_digest(root: Path) -> str:
 
 
 def _check_digest(path: Path, expected: str, spec: SourceSpec) -> None:
-    check_digest(
-        path,
-        expected,
-        None,
-        reason=ReasonCode.SOURCE_DIGEST_MISMATCH,
-        discard=True,
-        source=spec.to_text(),
-        file=str(path),
-    )
+    check_digest(path, expected, None, reason=ReasonCode.SOURCE_DIGEST_MISMATCH, discard=True, source=spec.to_text())
 
 
 def _fetch_pypi(spec: SourceSpec, dest_dir: Path, progress: Progress) -> Path:

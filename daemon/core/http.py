@@ -13,7 +13,6 @@ import ssl
 import urllib.request
 from typing import Any
 
-import certifi
 import httpcore
 import httpx
 import trio
@@ -115,11 +114,12 @@ def _wide_read_transport() -> httpx.AsyncHTTPTransport | None:
 
 
 def tls_context() -> ssl.SSLContext:
-    """The process's verifying TLS context (certifi's CA bundle), made once."""
+    """The process's verifying TLS context, made once: httpx's own (the CA bundle it ships with,
+    or SSL_CERT_FILE / SSL_CERT_DIR from the environment)."""
     return _tls_context()
 
 
 @functools.cache
 def _tls_context() -> ssl.SSLContext:
     """One verifying TLS context per process: loading the CA bundle costs ~0.1 s each time."""
-    return ssl.create_default_context(cafile=certifi.where())
+    return httpx.create_ssl_context()

@@ -67,7 +67,7 @@ def check_archive(path: Path, sha256: str, size: int | None) -> None:
         path.stat()
     except OSError as err:
         raise StokerError(ReasonCode.BUNDLE_MISSING, f"{path} cannot be read: {err}.", {"path": str(path)}) from None
-    check_digest(path, sha256, size, path=str(path))
+    check_digest(path, sha256, size)
 
 
 def installed_slots(paths: StokerPaths) -> set[tuple[str, str]]:

@@ -27,13 +27,12 @@ import urllib.request
 from typing import Any
 
 import attrs
-import httpx2
 from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
     HFValidationError,
-    HfHubHTTPError,
+    HTTPError,  # the base of huggingface_hub's transport's errors, as huggingface_hub exports it
     OfflineModeIsEnabled,
     RepositoryNotFoundError,
     RevisionNotFoundError,
@@ -73,7 +72,9 @@ class HubFile:
 def classify(err: BaseException, *, spec: str, endpoint: str | None, token_given: bool) -> StokerError:
     """A huggingface_hub or network failure as a reason-coded StokerError, in this failure's words."""
     where = endpoint or "https://huggingface.co"
-    status = getattr(getattr(err, "response", None), "status_code", None)
+    status = (
+        err.status if isinstance(err, stream.Refused) else getattr(getattr(err, "response", None), "status_code", None)
+    )
     evidence: dict[str, Any] = {"spec": spec, "endpoint": where, "status": status, "error": f"{type(err).__name__}"}
     hint = "the token in HF_TOKEN was refused" if token_given else "no token was sent: set HF_TOKEN"
     if isinstance(err, HFValidationError):
@@ -92,8 +93,8 @@ def classify(err: BaseException, *, spec: str, endpoint: str | None, token_given
         return StokerError(
             ReasonCode.PULL_NOT_FOUND, f"The Hub at {where} has no {spec} (HTTP {status}).{private}", evidence
         )
-    if isinstance(err, (httpx2.TransportError, OfflineModeIsEnabled, ConnectionError)) or (
-        isinstance(err, HfHubHTTPError) and (status is None or status >= 500 or status == 429)
+    if isinstance(err, (OfflineModeIsEnabled, ConnectionError)) or (
+        isinstance(err, HTTPError) and (status is None or status >= 500 or status == 429)
     ):
         return StokerError(
             ReasonCode.PULL_SOURCE_UNREACHABLE,
@@ -101,7 +102,7 @@ def classify(err: BaseException, *, spec: str, endpoint: str | None, token_given
             "retry when it answers (set HF_ENDPOINT for a mirror).",
             evidence,
         )
-    if isinstance(err, HfHubHTTPError):
+    if isinstance(err, (HTTPError, stream.Refused)):
         return StokerError(
             ReasonCode.PULL_FAILED, f"The Hub answered HTTP {status} for {spec}: {_first_line(err)}", evidence
         )
@@ -172,7 +173,7 @@ def download(url: str, out: Any, *, offset: int, size: int, options: HubOptions)
             http_get(url, out, resume_size=offset, headers=headers, expected_size=size, tqdm_class=silent_tqdm)
         else:
             stream.read_url(url, headers, offset=offset, size=size, consume=out.write_view)
-    except (HfHubHTTPError, httpx2.TransportError, OfflineModeIsEnabled, stream.Transient) as err:
+    except (HTTPError, OfflineModeIsEnabled, stream.Transient, stream.Refused) as err:
         raise classify(err, spec=url, endpoint=options.endpoint, token_given=bool(options.token)) from None
     except OSError as err:
         if err.errno is None and "Consistency check failed" in str(err):

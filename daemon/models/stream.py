@@ -5,9 +5,9 @@ GiB on loopback before a byte is hashed or written: h11 and httpcore treat every
 an event and copy it twice, and http_get's 10 MiB chunks are assembled in a BytesIO (3.1 s per
 GiB with them). http.client's `readinto` costs 0.15 s per GiB: the bytes go from the socket into
 a buffer and stay there until they are written and hashed, then the buffer is read into again
-(tests/bench/pull.py has the figures). So the body of a pull's file is read here; the Hub's API,
-the token and user agent (`build_hf_headers`) and the error classes (`hf_raise_for_status` on
-the answer) stay huggingface_hub's.
+(tests/bench/pull.py has the figures). So the body of a pull's file is read here; the Hub's API
+and the token and user agent (`build_hf_headers`) stay huggingface_hub's, and an error status is
+`Refused` (hub.py says what it means).
 
 What it does that http_get did: redirects followed (the Hub's 302 to its CDN; the token is not
 sent to another host), `Range: bytes=N-` to continue, a cut or stalled connection retried from
@@ -23,20 +23,16 @@ from __future__ import annotations
 import functools
 import http.client
 import mmap
-import os
 import queue
 import re
-import ssl
 import time
 from typing import Callable
 from urllib.parse import urljoin, urlsplit
 
-import certifi
-import httpx2
 import trio
 from huggingface_hub import constants
-from huggingface_hub.utils import hf_raise_for_status
 
+from daemon.core.http import tls_context
 from states.download_retry import RETRY_TABLE, DownloadFailure, RetryTable, retry_after
 
 SLOT_BYTES = 1 << 20  # one read's buffer: a progress step, a write, a hash update
@@ -48,6 +44,14 @@ _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 Consume = Callable[[memoryview, Callable[[], None]], None]
 
 
+class Refused(Exception):
+    """The server answered an error status that trying again will not change (a 4xx)."""
+
+    def __init__(self, status: int, url: str, body: bytes) -> None:
+        super().__init__(f"HTTP {status} from {url}: {body[:200].decode('utf-8', 'replace')}")
+        self.status = status
+
+
 class Transient(ConnectionError):
     """The connection failed or stalled, or the server was busy: retry from where the bytes stopped."""
 
@@ -56,15 +60,10 @@ class Transient(ConnectionError):
         self.failure = failure
 
 
-@functools.cache
-def _tls() -> ssl.SSLContext:
-    return ssl.create_default_context(cafile=os.environ.get("SSL_CERT_FILE") or certifi.where())
-
-
 def _connect(url: str, timeout: float) -> http.client.HTTPConnection:
     parts = urlsplit(url)
     if parts.scheme == "https":
-        return http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=timeout, context=_tls())
+        return http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=timeout, context=tls_context())
     if parts.scheme == "http":
         return http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
     raise ValueError(f"not an http(s) URL: {url}")
@@ -74,7 +73,7 @@ def _open(
     url: str, headers: dict[str, str], timeout: float
 ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, str]:
     """GET `url`, following redirects: the connection, its answer (status < 300) and the final
-    URL. An error status raises huggingface_hub's error for it (Transient for 408, 429, 5xx)."""
+    URL. An error status raises Refused (Transient for 408, 429, 5xx)."""
     sent = dict(headers)
     for _ in range(MAX_REDIRECTS + 1):
         conn = _connect(url, timeout)
@@ -101,11 +100,7 @@ def _open(
             conn.close()
             if response.status in (408, 429) or response.status >= 500:
                 raise Transient(f"HTTP {response.status} from {url}", DownloadFailure.BUSY)
-            answer = httpx2.Response(
-                response.status, headers=response.getheaders(), content=body, request=httpx2.Request("GET", url)
-            )
-            hf_raise_for_status(answer)
-            answer.raise_for_status()
+            raise Refused(response.status, url, body)
         return conn, response, url
     raise Transient(f"more than {MAX_REDIRECTS} redirects from {url}")
 

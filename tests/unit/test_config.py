@@ -16,6 +16,7 @@ from daemon.config.model import Config, ConfigError, config_diff, load_config, n
 from daemon.config.watch import watch_config
 from daemon.core.errors import StokerError
 from states.reasons import ReasonCode
+from tests.waits import until
 
 
 def test_missing_file_gives_defaults(tmp_path):
@@ -280,6 +281,22 @@ class Recorder:
         self.event = trio.Event()
 
 
+@pytest.fixture
+def reads(monkeypatch) -> list[Path]:
+    """Each read of the file by the watcher: a test waits for the read an edit caused before it
+    says that the edit was ignored."""
+    import daemon.config.watch as watch
+
+    seen: list[Path] = []
+
+    def counted(path):
+        seen.append(path)
+        return load_config(path)
+
+    monkeypatch.setattr(watch, "load_config", counted)
+    return seen
+
+
 def write_atomically(path, text):
     """What editors do: write a temp file, rename it over the old one."""
     tmp = path.with_name(f".{path.name}.swp")
@@ -320,7 +337,7 @@ async def test_reload_reports_valid_and_invalid_edits(tmp_path):
             nursery.cancel_scope.cancel()
 
 
-async def test_unrelated_files_and_unchanged_content_are_ignored(tmp_path):
+async def test_unrelated_files_and_unchanged_content_are_ignored(tmp_path, reads):
     path = tmp_path / "config.toml"
     path.write_text("[server]\nport = 8000\n")
     rec = Recorder()
@@ -331,9 +348,10 @@ async def test_unrelated_files_and_unchanged_content_are_ignored(tmp_path):
                     path, rec.on_change, on_invalid=rec.on_invalid, debounce_ms=50, task_status=task_status
                 )
             )
+            await until(lambda: reads, timeout=10, what="the watcher's first read")
             (tmp_path / "other.toml").write_text("garbage [")
             path.write_text("# a comment\n[server]\nport = 8000\n")  # same config
-            await trio.sleep(0.5)
+            await until(lambda: len(reads) >= 2, timeout=10, what="the watcher reading the edited file")
             assert rec.changes == [] and rec.invalid == []
             path.write_text("[server]\nport = 8002\n")
             await rec.wait()
@@ -373,8 +391,7 @@ async def test_a_burst_of_writes_is_debounced(tmp_path):
             for port in range(9000, 9010):
                 path.write_text(f"[server]\nport = {port}\n")
             await rec.wait()
-            await trio.sleep(0.5)
-            assert rec.changes[-1].server.port == 9009
+            await until(lambda: rec.changes[-1].server.port == 9009, timeout=10, what="the burst's last write")
             assert len(rec.changes) <= 2
             nursery.cancel_scope.cancel()
 
@@ -422,7 +439,7 @@ def test_config_check_lists_every_problem(tmp_path):
     assert len(data["error"]["evidence"]["problems"]) == 3
 
 
-async def test_fixing_a_file_that_was_invalid_at_start_is_reported(tmp_path):
+async def test_fixing_a_file_that_was_invalid_at_start_is_reported(tmp_path, reads):
     path = tmp_path / "config.toml"
     path.write_text("[server]\nport = -1\n")  # the daemon started on the defaults
     rec = Recorder()
@@ -438,7 +455,7 @@ async def test_fixing_a_file_that_was_invalid_at_start_is_reported(tmp_path):
                     task_status=task_status,
                 )
             )
-            await trio.sleep(0.2)
+            await until(lambda: reads, timeout=10, what="the watcher's first read")
             assert rec.invalid == []  # the caller already knows
             path.write_text("[server]\nport = 0\n")  # fixed: equal to the defaults in force
             await rec.wait()

@@ -203,7 +203,7 @@ async def test_an_oversized_frame_is_refused_and_the_next_client_is_served(serve
         assert await other.call(1, "echo") == protocol.Result(1, {})
 
 
-async def test_requests_on_one_connection_run_concurrently(server):
+async def test_requests_on_one_connection_run_concurrently(server, autojump_clock):
     path, _, _ = server
     with trio.fail_after(TIMEOUT):
         peer = await Peer.connect(path)
@@ -221,7 +221,7 @@ async def test_in_flight_requests_per_connection_are_limited(sock_path, nursery)
     with trio.fail_after(TIMEOUT):
         peer = await Peer.connect(path)
         await peer.send(b"".join(protocol.encode_request(i, "block") for i in range(10)))
-        await trio.sleep(0.2)
+        await trio.testing.wait_all_tasks_blocked()  # every frame read that the limit lets in
         assert toy.running == 3
         toy.release.set()
         ids = {(await peer.read()).id for _ in range(10)}
@@ -303,7 +303,7 @@ async def test_requests_after_subscribe_are_ignored(server):
         peer = await Peer.connect(path)
         await peer.call(1, "subscribe")
         await peer.send(protocol.encode_request(2, "echo"))
-        await trio.sleep(0.1)
+        await trio.testing.wait_all_tasks_blocked()  # the server has read the request (and had its chance to answer)
         bus.publish({"topic": "t"})
         message = await peer.read()
         assert isinstance(message, protocol.Event)
@@ -368,7 +368,8 @@ async def test_cancellation_closes_connections_and_removes_the_socket(sock_path)
             idle = await Peer.connect(path)
             busy = await Peer.connect(path)
             await busy.send(protocol.encode_request(1, "block"))
-            await trio.sleep(0.1)
+            await trio.testing.wait_all_tasks_blocked()
+            assert toy.running == 1  # cancelled while a handler runs, not before it began
             nursery.cancel_scope.cancel()
         assert await idle.read() is None
         assert await busy.read() is None

@@ -87,7 +87,7 @@ async def orchestrator(paths, cuda, installs=None, store=None):
     backends = {"cpu": CpuBackend(tester=lambda flags: {f: "usable" for f in flags}), "cuda": cuda}
 
     async def run_probe(name, *, timeout):
-        await trio.sleep(0.01)
+        await trio.lowlevel.checkpoint()  # a probe yields, as a real one waiting on its subprocess does
         return backends[name].detect()
 
     probes = ProbeService(store, tuple(backends), run_probe=run_probe)

@@ -26,6 +26,7 @@ from daemon.fleet.remote import Remotes
 from daemon.frontdoor.tallies import KINDS, HistoryTally
 from daemon.telemetry.sampler import ServerTarget
 from states import fallback as F
+from states.fallback_proof import AccelerationProof
 from states import install as I
 from states.install_slot import SlotBundle
 from states import launch as L
@@ -110,7 +111,7 @@ def record_history(store) -> None:
     # a GPU plan whose server offloaded nothing: the proof demotes it to the CPU.
     fallback.fire(F.PlanRequested(("cuda", "cpu")))
     fallback.fire(F.CheckPassed("cuda"))
-    fallback.fire(F.LaunchSucceeded("cuda", "cpu", ReasonCode.CUDA_GPU_LAYERS_ZERO, {"offloaded_layers": 0}))
+    fallback.fire(F.LaunchSucceeded("cuda", AccelerationProof(0, layers_zero=ReasonCode.CUDA_GPU_LAYERS_ZERO)))
     # a forced backend that cannot run: nowhere left.
     fallback.fire(F.PlanRequested(("cuda",), forced=True))
     fallback.fire(F.CheckFailed("cuda", ReasonCode.GPU_MISSING))
@@ -310,7 +311,7 @@ async def test_every_model_has_its_own_series_and_its_own_history(store):
     beta_fallback = MachineRunner(F.FALLBACK, "fallback:beta", store)
     beta_fallback.fire(F.PlanRequested(("cuda", "cpu")))
     beta_fallback.fire(F.CheckPassed("cuda"))
-    beta_fallback.fire(F.LaunchSucceeded("cuda", "cpu", ReasonCode.CUDA_GPU_LAYERS_ZERO, {"offloaded_layers": 0}))
+    beta_fallback.fire(F.LaunchSucceeded("cuda", AccelerationProof(0, layers_zero=ReasonCode.CUDA_GPU_LAYERS_ZERO)))
     gamma = MachineRunner(L.LAUNCH, "launch:gamma", store)
     for event in (LR.UpRequested(), LR.PlanReady(PLAN), LR.Spawned(31), LR.Ready({}), LR.RestartRequested()):
         gamma.fire(event)
@@ -398,11 +399,19 @@ Handler = Callable[[Request], Awaitable[None]]
 async def exchange(metrics: FrontDoorMetrics, path: str, handler: Handler, *, leave_after: int | None = None) -> bytes:
     """One request to `path`, answered by `handler` on the front door's HTTP server over a real
     loopback socket; what the client got. `leave_after`: the client closes its connection once
-    it has read that many bytes."""
+    it has read that many bytes. It returns once the server has counted the exchange."""
     daemon = Daemon(None, None)
+    ended = trio.Event()
+
+    async def answer(request: Request) -> None:
+        try:
+            await handler(request)
+        finally:
+            ended.set()  # the server counts the exchange as the handler returns, before it checkpoints
+
     async with trio.open_nursery() as nursery:
         listeners = await open_listeners("127.0.0.1", 0)
-        await nursery.start(serve_http, listeners, daemon, metrics.requests, handler)
+        await nursery.start(serve_http, listeners, daemon, metrics.requests, answer)
         port = listeners[0].getsockname()[1]
         got = b""
         async with await trio.open_tcp_stream("127.0.0.1", port) as client:
@@ -414,7 +423,8 @@ async def exchange(metrics: FrontDoorMetrics, path: str, handler: Handler, *, le
                     if not (data := await client.receive_some(65536)):
                         break  # the server closed it: a cut answer
                     got += data
-        await trio.sleep(0.05)  # the server notices a client that left
+        with trio.fail_after(10):
+            await ended.wait()  # a client that left is noticed at the handler's next write
         nursery.cancel_scope.cancel()
     return got
 
@@ -478,7 +488,7 @@ class EngineHead:
         return False  # its chunks come from the test, not from an engine's socket
 
 
-async def test_answers_cut_midway_are_counted_by_reason(store):
+async def test_answers_cut_midway_are_counted_by_reason(store, autojump_clock):
     metrics = metrics_for(Daemon(store, None))
     route = "/v1/chat/completions"
 

@@ -10,11 +10,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 from daemon.core.logfiles import DaemonLogHandler, LogRotation, open_private_append, trim_server_log
 from daemon.core.logtail import LogFollower, last_lines
+from tests.waits import wait_until
 
 
 def daemon_logger(path: Path, max_bytes: int) -> tuple[logging.Logger, DaemonLogHandler]:
@@ -134,10 +134,9 @@ class Reader:
             self.lines.append(line.rstrip("\n"))
 
     def wait_for(self, wanted: str, timeout: float) -> list[str]:
-        deadline = time.monotonic() + timeout
-        while wanted not in self.lines:
-            assert time.monotonic() < deadline, f"never saw {wanted!r}; got {self.lines!r}"
-            time.sleep(0.05)
+        wait_until(
+            lambda: wanted in self.lines, timeout=timeout, what=f"the line {wanted!r}", detail=lambda: f"{self.lines!r}"
+        )
         return list(self.lines)
 
 

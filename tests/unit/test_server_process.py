@@ -19,6 +19,7 @@ from daemon.core.errors import StokerError
 from daemon.engine.process import ServerSpec, start_server, server_argv, server_env, stop_server
 from daemon.engine.ready import ServerLog, engine_seconds, wait_ready
 from states.reasons import ReasonCode
+from tests.waits import until
 
 # Recorded from the CPU build (-lv 4 --log-colors off), abridged.
 RECORDED_LOAD = textwrap.dedent(
@@ -218,13 +219,14 @@ async def test_a_leader_that_exits_leaves_no_survivor_in_its_group(tmp_path):
             report = await handle.wait_exit()
         assert report.returncode == 3 and report.reason == ReasonCode.SERVER_CRASHED
         child = int(report.evidence["log_tail"][-1].split()[1])
-        while True:  # killed; init reaps the orphan in its own time
+
+        def dead() -> bool:  # killed; init reaps the orphan in its own time
             try:
-                if psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
-                    break
+                return psutil.Process(child).status() == psutil.STATUS_ZOMBIE
             except psutil.NoSuchProcess:
-                break
-            await trio.sleep(0.05)
+                return True
+
+        await until(dead, timeout=10, what=f"the group's survivor {child} to be killed")
 
 
 def test_env_passes_gpu_selection_and_loader_path(monkeypatch):

@@ -13,6 +13,7 @@ from states.reasons import ReasonCode
 from states.snapshot_policy import Figure
 from store import open_store
 from store.snapshots import SnapshotCatalog, retention_victims
+from tests.waits import until
 
 IDENTITY = {
     "instance": "default",
@@ -477,9 +478,7 @@ async def test_after_a_save_the_file_is_sealed_and_digested_in_the_background(tm
     async with trio.open_nursery() as nursery:
         await nursery.start(shelf.run)
         await shelf.after_save(rec)  # returns at once: the work is the shelf's
-        with trio.fail_after(10):
-            while catalog.get(rec.id).file_sha256 is None:
-                await trio.sleep(0.01)
+        await until(lambda: catalog.get(rec.id).file_sha256, timeout=10, what="the background digest of the saved file")
         nursery.cancel_scope.cancel()
     done = catalog.get(rec.id)
     assert done.sealed_at is not None and done.file_sha256 == sha256_file(path)

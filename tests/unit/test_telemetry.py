@@ -24,6 +24,7 @@ from daemon.telemetry.sampler import (
     parse_metrics,
     read_gpu,
 )
+from tests.waits import until
 
 SERVER_PID = 4242
 
@@ -360,32 +361,41 @@ async def test_history_is_a_ring_of_compact_points():
 
 async def test_the_service_publishes_only_while_somebody_subscribes():
     # A real clock with a short TTL: the sample runs NVML in a thread, which an autojump
-    # clock would race past.
+    # clock would race past. Each round of the service asks for the target first, so the
+    # rounds are counted there; the rate is checked against the time that really passed.
     nvml = H200Nvml(gpus=[loaded_h200()])
     bus = EventBus()
+    rounds = []
+    ttl = 0.05
+
+    def target():
+        rounds.append(trio.current_time())
+        return cuda_target()
+
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             sampler = await nursery.start(
                 lambda task_status: serve_telemetry(
-                    lambda: cuda_target(),
+                    target,
                     bus,
                     plugins(nvml),
-                    ttl=0.05,
+                    ttl=ttl,
                     engine_fetch=lambda url, key: _idle_async(),
                     task_status=task_status,
                 )
             )
-            await trio.sleep(0.3)
+            await until(lambda: len(rounds) >= 3, timeout=10, what="three rounds with nobody subscribed")
             assert bus.seq == 0 and nvml.init_calls == 0  # nobody watches: nothing is read
             events = bus.subscribe()
-            await trio.sleep(0.6)
-            published = []
+            since = trio.current_time()
+            published = [await events.receive() for _ in range(3)]
+            elapsed = trio.current_time() - since
             while True:
                 try:
                     published.append(events.receive_nowait())
                 except trio.WouldBlock:
                     break
-            assert 2 <= len(published) <= 13  # about one per TTL, never more
+            assert len(published) <= elapsed / ttl + 2  # about one per TTL, never more
             assert {e["topic"] for e in published} == {TOPIC}
             assert published[-1]["point"] == sampler.history[-1]  # the point it added to the history
             reading = await sampler.reading()  # what the `telemetry` method answers
