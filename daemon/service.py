@@ -338,8 +338,7 @@ class Daemon:
                 break
         relaunch = bool(relaunching)
         step = self.config_runner.fire(C.ConfigAccepted(changed, relaunch, reason, problem, key))
-        for effect in step.effects:
-            self._config_effects.run(effect, new)
+        self._config_effects.run_all(step.effects, new)
         if self.config is not new:
             self.config_problems = list(self.config_runner.data.problems)
             log.warning("config refused, keeping the previous one: %s", "; ".join(self.config_problems))

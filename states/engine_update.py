@@ -363,6 +363,28 @@ def resumed(state: S, data: UpdateData, event: Resumed) -> Step | None:
     return None
 
 
+# The gate a step that raised stands for: its failure is that gate failing, so no machine is
+# left mid-way.
+FAILED_GATE: dict[type, Gate] = {
+    Resolve: Gate.FETCH,
+    Stage: Gate.VERIFY,
+    CompareTokens: Gate.TOKENS,
+    Switch: Gate.SWITCH,
+}
+
+
+def step_failed(effect: Effect, cause: dict[str, Any]) -> GateFailed | RollbackFailed | ServersRestarted | None:
+    """The event a step that raised (its `cause`: the precise code, the sentence) stands for;
+    None where the machine need not hear it (cleaning the staging, asking for relaunches)."""
+    if type(effect) in FAILED_GATE:
+        return GateFailed(FAILED_GATE[type(effect)], cause)
+    if isinstance(effect, RollBack):
+        return RollbackFailed(cause)
+    if isinstance(effect, RestartServers):
+        return ServersRestarted(tuple(ServerVerdict(n, Outcome.TIMEOUT, evidence=cause) for n in effect.names))
+    return None
+
+
 TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
     **{s: {UpdateRequested: requested, RollbackRequested: rollback_requested} for s in RESTING},
     S.RESOLVING: {Resolved: resolved, GateFailed: gate_failed, Resumed: resumed.only(S.RESOLVING)},

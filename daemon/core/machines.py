@@ -12,16 +12,23 @@ daemon calls it directly.
 
 The effects a Step asks for are carried out through an `EffectDriver`: one handler per
 effect type, checked against the machine's declaration, shared by every service (launch,
-fallback, probes, installs), so no effect is ever looked up by name or silently dropped.
+fallback, probes, installs, pulls, engine updates, workers), so no effect is ever looked up
+by name or silently dropped. `EffectDriver.drive` is the one loop that feeds a handler's
+answer back to its machine, with one failure policy: a handler that raises is heard by the
+machine as the failure event its service declared, built from the exception's reason code.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Generic, Mapping, TypeVar
+import inspect
+import logging
+from typing import Any, Awaitable, Callable, Generic, Iterable, Mapping, TypeVar, cast
 
 import attrs
+import trio
 
+from daemon.core.errors import StokerError, cause_of
 from states.machine import (
     IllegalTransition,
     MachineDefinitionError,
@@ -33,7 +40,10 @@ from states.machine import (
     step,
     to_json,
 )
+from states.reasons import ReasonCode
 from store import Store, StoreError, TransitionRecord
+
+log = logging.getLogger(__name__)
 
 Publish = Callable[[dict[str, Any]], None]
 
@@ -132,6 +142,32 @@ class UnhandledEffect(Exception):
 
 
 @attrs.frozen
+class Failure:
+    """A handler that raised, as its machine hears it: built from the exception in one place.
+
+    `reason` is the exception's reason code (None for one that is not a StokerError: a bug),
+    `evidence` what it said; `cause` is what an install or update records as the step's
+    evidence (the precise code, the sentence, the evidence)."""
+
+    effect: object
+    reason: ReasonCode | None
+    message: str
+    evidence: Mapping[str, Any]
+    cause: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, effect: object, err: Exception) -> Failure:
+        if isinstance(err, StokerError):
+            return cls(effect, err.reason, err.message, dict(err.evidence), cause_of(err))
+        named = {"effect": type(effect).__name__}
+        return cls(effect, None, f"{type(err).__name__}: {err}", named, {**cause_of(err), **named})
+
+
+# The failure event a machine hears for a handler that raised (None: nothing to tell it).
+FailureEvent = Callable[..., object | None]
+
+
+@attrs.frozen
 class EffectDriver(Generic[R]):
     """The one way every service runs its machine's effects: a type -> handler map.
 
@@ -140,10 +176,18 @@ class EffectDriver(Generic[R]):
     effect first turns up. `run` calls the handler with the effect and the service's context
     arguments (a backend, a runner) and returns what it returns: a sync handler's result, or
     an async handler's coroutine for the caller to await.
+
+    `failed` is the machine's failure policy, as data: given a `Failure` and the context, the
+    event the machine hears when a handler raises. A driver without one lets the error reach
+    its caller (the fallback planner, whose caller hears it as the launch's PlanFailed).
+    `stops`: exceptions that mean "stopped on purpose" (a cancelled pull): `drive` ends and
+    the machine stays where it is, to be resumed.
     """
 
     spec: MachineSpec
     handlers: Mapping[type, Callable[..., R]]
+    failed: FailureEvent | None = None
+    stops: tuple[type[Exception], ...] = ()
 
     def __attrs_post_init__(self) -> None:
         declared, given = set(self.spec.effect_types), set(self.handlers)
@@ -161,3 +205,45 @@ class EffectDriver(Generic[R]):
         if handler is None:
             raise UnhandledEffect(f"{self.spec.name}: no handler for effect {effect!r}")
         return handler(effect, *context)
+
+    def run_all(self, effects: Iterable[object], *context: Any) -> None:
+        """Hand each effect to its handler, in order: handlers that start work (a task, a
+        timer) and report back later through the machine's events."""
+        for effect in effects:
+            self.run(effect, *context)
+
+    def start_all(self, nursery: trio.Nursery, effects: Iterable[object], *context: Any) -> None:
+        """Start each effect's async handler as a task of `nursery`: handlers
+        that run for as long as their work does and report back through events."""
+        for effect in effects:
+            nursery.start_soon(cast(Callable[..., Awaitable[object]], self.run), effect, *context)
+
+    async def drive(self, runner: MachineRunner, effects: Iterable[object], *context: Any) -> None:
+        """Run `effects` in order, feeding each handler's event back to `runner`, until the
+        machine asks for nothing more.
+
+        A handler that raises is heard as `failed`'s event; one the machine refuses now (an
+        answer that no longer fits its state) is logged and dropped, as a late event is."""
+        queue = list(effects)
+        while queue:
+            effect = queue.pop(0)
+            try:
+                answer: object = self.run(effect, *context)
+                event = await answer if inspect.isawaitable(answer) else answer
+            except self.stops:
+                return
+            except Exception as err:
+                if self.failed is None:
+                    raise
+                failure = Failure.of(effect, err)
+                if failure.reason is None:
+                    log.exception("%s: %s failed", runner.machine_id, type(effect).__name__)
+                else:
+                    log.info("%s: %s failed: %s", runner.machine_id, type(effect).__name__, failure.message)
+                event = self.failed(failure, *context)
+            if event is None:
+                continue
+            try:
+                queue.extend(runner.fire(event).effects)
+            except IllegalTransition as err:
+                log.warning("%s: %s", runner.machine_id, err)

@@ -212,11 +212,8 @@ class FallbackOrchestrator:
         # fails the plan with the pull's reason).
         model = await locate_model(config.server.model, self.pulls.catalog, self.pulls)
         request = PlanRequest(config, effect, str(model.path), model.launch_args)
-        effects = list(self.runner.fire(self._requested(config, effect)).effects)
-        while effects:  # until the machine asks for nothing more (UsePlan) or gives up
-            event = await self._effects.run(effects.pop(0), request)
-            if event is not None:
-                effects.extend(self.runner.fire(event).effects)
+        # Until the machine asks for nothing more (UsePlan) or gives up (its StokerError is the plan's).
+        await self._effects.drive(self.runner, self.runner.fire(self._requested(config, effect)).effects, request)
         if request.plan is None:
             raise StokerError(
                 ReasonCode.INTERNAL_ERROR,

@@ -46,6 +46,13 @@ class DownloadError(StokerError):
         detail = _MESSAGES[self.kind].format_map(_Blank(evidence))
         super().__init__(reason, f"Downloading {evidence.get('url', 'the bundle')} failed: {detail}.", evidence)
 
+    @property
+    def cause(self) -> str:
+        """Bytes other than the manifest's (a size or a sha256 that differs) are the bundle's
+        digest failing; everything else (status, connection, disk) is the download's."""
+        digest = self.kind in (DownloadErrorKind.DIGEST_MISMATCH, DownloadErrorKind.SIZE_MISMATCH)
+        return str(ReasonCode.BUNDLE_DIGEST_MISMATCH) if digest else "download_failed"
+
 
 class _Blank(dict):
     def __missing__(self, key: str) -> str:

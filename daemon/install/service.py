@@ -34,13 +34,13 @@ from daemon.bundles.archive import unpack_bundle
 from daemon.bundles.installed import InstalledBundle, find_installed, promote
 from daemon.bundles.metadata import BundleMeta, ManifestEntry
 from daemon.core.digests import sha256_file
-from daemon.core.errors import StokerError
-from daemon.core.machines import EffectDriver, MachineRunner, Publish
+from daemon.core.errors import StokerError, cause_of
+from daemon.core.machines import EffectDriver, Failure, MachineRunner, Publish
 from states.machine import IllegalTransition
 from daemon.core.paths import StokerPaths
 from daemon.install.checks import check_archive_file, smoke_skip, smoke_staged, validate_staged
 from daemon.install.download import download
-from daemon.install.download_records import DownloadError, DownloadErrorKind, DownloadProgress
+from daemon.install.download_records import DownloadProgress
 from daemon.install.manifest import MANIFEST_ENV, choose_entry, load_manifest
 from daemon.install.sources import (
     failure_sentence,
@@ -75,19 +75,6 @@ def install_failed_reason(backends: Mapping[str, Backend], backend: str) -> Reas
     return family_reason(backends, backend, ReasonKind.BUNDLE_INSTALL_FAILED, ReasonCode.BUNDLE_VERIFY_FAILED)
 
 
-def _cause(err: BaseException) -> dict[str, Any]:
-    """The evidence of a failed step: the precise reason code, its sentence and evidence."""
-    if isinstance(err, DownloadError):
-        # Bytes other than the manifest's (a size or a sha256 that differs) are the bundle's
-        # digest failing; everything else (status, connection, disk) is the download's.
-        digest = err.kind in (DownloadErrorKind.DIGEST_MISMATCH, DownloadErrorKind.SIZE_MISMATCH)
-        cause = ReasonCode.BUNDLE_DIGEST_MISMATCH if digest else "download_failed"
-        return {"cause": str(cause), "message": err.message, **err.evidence}
-    if isinstance(err, StokerError):
-        return {"cause": str(err.reason), "message": err.message, **err.evidence}
-    return {"cause": "internal_error", "message": f"{type(err).__name__}: {err}"}
-
-
 # --- the service --------------------------------------------------------------------------
 
 
@@ -116,21 +103,21 @@ class InstallService:
 
     def __attrs_post_init__(self) -> None:
         self.slots = SlotWriters(self.store)
+        handlers: dict[type, Callable[..., Awaitable[object | None]]] = {
+            IE.Resolve: self._resolve,
+            IE.FindCachedBuild: self._find_cached,
+            IE.CheckToolchain: self._check_toolchain,
+            IE.BuildBundle: self._build,
+            IE.Download: self._download,
+            IE.VerifyArchive: self._verify_archive,
+            IE.CleanStaging: self._clean_staging,
+            IE.Unpack: self._unpack,
+            IE.ValidateBundle: self._validate_bundle,
+            IE.SmokeTest: self._smoke_test,
+            IE.Promote: self._promote_staged,
+        }
         self._effects = EffectDriver(
-            I.INSTALL,
-            {
-                IE.Resolve: self._resolve,
-                IE.FindCachedBuild: self._find_cached,
-                IE.CheckToolchain: self._check_toolchain,
-                IE.BuildBundle: self._build,
-                IE.Download: self._download,
-                IE.VerifyArchive: self._verify_archive,
-                IE.CleanStaging: self._clean_staging,
-                IE.Unpack: self._unpack,
-                IE.ValidateBundle: self._validate_bundle,
-                IE.SmokeTest: self._smoke_test,
-                IE.Promote: self._promote_staged,
-            },
+            I.INSTALL, {kind: self._attempt(handler) for kind, handler in handlers.items()}, failed=self._failed
         )
 
     @property
@@ -183,7 +170,7 @@ class InstallService:
                         with self.slots.claim(f"{backend}-{variant}", runner.machine_id):
                             step = runner.fire(I.Resumed())
                             log.info("resuming %s from %s", runner.machine_id, record.state)
-                            await self._drive(runner, step.effects)
+                            await self._effects.drive(runner, step.effects, runner)
                     except Exception as err:
                         log.warning("cannot resume %s: %s", runner.machine_id, err)
                         continue
@@ -265,7 +252,7 @@ class InstallService:
         mid = runner.machine_id
         if runner.state in I.WORKING:
             # Left mid-way by a killed daemon and not resumed yet: finish that first.
-            await self._drive(runner, runner.fire(I.Resumed()).effects)
+            await self._effects.drive(runner, runner.fire(I.Resumed()).effects, runner)
         self._entries.pop(mid, None)
         self._refusals.pop(mid, None)
         if entry is not None:
@@ -275,7 +262,9 @@ class InstallService:
         if detection is not None:
             self._detections[mid] = detection
         try:
-            await self._drive(runner, runner.fire(I.InstallRequested(backend, variant, sources)).effects)
+            await self._effects.drive(
+                runner, runner.fire(I.InstallRequested(backend, variant, sources)).effects, runner
+            )
         finally:
             self._progress.pop(mid, None)
 
@@ -308,25 +297,34 @@ class InstallService:
 
     # --- effects -------------------------------------------------------------------------
 
-    async def _drive(self, runner: MachineRunner, effects: tuple[Any, ...]) -> None:
-        queue = list(effects)
-        while queue:
-            effect = queue.pop(0)
-            if isinstance(effect, SOURCE_STARTS):  # a source's attempt begins: its clock starts
+    def _attempt(
+        self, handler: Callable[[Any, MachineRunner], Awaitable[object | None]]
+    ) -> Callable[[Any, MachineRunner], Awaitable[object | None]]:
+        """`handler` with the facts of the source's attempt added to its event: a source's first
+        effect starts the attempt's clock, an offer is judged, an attempt's end is timed."""
+
+        async def run(effect: Any, runner: MachineRunner) -> object | None:
+            if isinstance(effect, SOURCE_STARTS):
                 self._started[runner.machine_id] = trio.current_time()
-            try:
-                event = await self._effects.run(effect, runner)
-            except Exception as err:  # every failure of a step is the machine's InstallFailed
-                log.info("%s: %s failed: %s", runner.machine_id, type(effect).__name__, err)
-                event = I.InstallFailed(install_failed_reason(self.backends, runner.data.backend), _cause(err))
+            event = await handler(effect, runner)
             if isinstance(event, I.Resolved):
                 event = await self._judged(runner, event)
-            if isinstance(event, ATTEMPT_ENDS) and event.seconds is None:
-                started = self._started.get(runner.machine_id)
-                if started is not None:
-                    event = attrs.evolve(event, seconds=round(trio.current_time() - started, 3))
-            if event is not None:
-                queue.extend(runner.fire(event).effects)
+            return self._timed(runner, event)
+
+        return run
+
+    def _failed(self, failure: Failure, runner: MachineRunner) -> object:
+        """Every failure of a step is the machine's InstallFailed, with the step's precise cause."""
+        return self._timed(
+            runner, I.InstallFailed(install_failed_reason(self.backends, runner.data.backend), failure.cause)
+        )
+
+    def _timed(self, runner: MachineRunner, event: object | None) -> object | None:
+        if isinstance(event, ATTEMPT_ENDS) and event.seconds is None:
+            started = self._started.get(runner.machine_id)
+            if started is not None:
+                event = attrs.evolve(event, seconds=round(trio.current_time() - started, 3))
+        return event
 
     async def _judged(self, runner: MachineRunner, event: I.Resolved) -> I.Resolved:
         """An offer with the facts the table judges it by: what the slot serves now, the bundle's
@@ -367,7 +365,7 @@ class InstallService:
             entry = await self._entry(runner)  # after a restart: the manifest read again
         except StokerError as err:
             manifest = self.manifest_source() or None
-            return I.SourceUnavailable(reason, {**_cause(err), "manifest": manifest}, cause=stored_reason(err.reason))
+            return I.SourceUnavailable(reason, {**cause_of(err), "manifest": manifest}, cause=stored_reason(err.reason))
         origin = self.manifest_source() if effect.source is Source.MIRROR else unquote(urlparse(entry.url).path)
         return I.Resolved(
             entry.url,

@@ -34,7 +34,7 @@ import trio
 
 from daemon.bundles.installed import PREVIOUS, bundle_meta_of, find_installed, promote
 from daemon.config.engine import EngineConfig
-from daemon.core.errors import StokerError
+from daemon.core.errors import StokerError, cause_of
 from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.core.paths import StokerPaths
 from daemon.install.download import download
@@ -44,7 +44,6 @@ from daemon.install.service import MAX_BUNDLE_BYTES, InstallService
 from daemon.install.update_steps import (
     bundle_digest,
     bundle_facts,
-    cause_of,
     check_archive,
     installed_facts,
     installed_slots,
@@ -55,7 +54,6 @@ from daemon.install.update_steps import (
 from states import engine_update as U
 from states import engine_update_records as UR
 from states.install_slot import SlotBundle, SlotWriter
-from states.machine import IllegalTransition, Step
 from states.reasons import ReasonCode, message_for
 
 log = logging.getLogger(__name__)
@@ -103,6 +101,7 @@ class EngineUpdateService:
                 UR.RollBack: self._roll_back,
                 UR.Relaunch: self._relaunch,
             },
+            failed=lambda failure, runner: U.step_failed(failure.effect, dict(failure.cause)),
         )
 
     def runner(self, backend: str, variant: str) -> MachineRunner:
@@ -142,7 +141,7 @@ class EngineUpdateService:
                 if runner.state in U.WORKING:
                     log.info("resuming %s from %s", runner.machine_id, runner.state)
                     with self.installs.slots.claim(runner.data.slot, runner.machine_id):
-                        await self._drive(runner, runner.fire(UR.Resumed()).effects)
+                        await self._effects.drive(runner, runner.fire(UR.Resumed()).effects, runner)
             resumed.append(runner.machine_id)
         return resumed
 
@@ -217,11 +216,11 @@ class EngineUpdateService:
         async with self._locks[runner.machine_id]:
             with self.installs.slots.claim(f"{backend}-{variant}", runner.machine_id):
                 if runner.state in U.WORKING:  # left mid-way by a killed daemon, not resumed yet
-                    await self._drive(runner, runner.fire(UR.Resumed()).effects)
+                    await self._effects.drive(runner, runner.fire(UR.Resumed()).effects, runner)
                 request = UR.UpdateRequested(
                     backend, variant, channel, None if bundle is None else str(bundle), automatic
                 )
-                await self._drive(runner, runner.fire(request).effects)
+                await self._effects.drive(runner, runner.fire(request).effects, runner)
             return self._outcome(runner)
 
     async def rollback(self, backend: str, variant: str) -> dict[str, Any]:
@@ -236,14 +235,14 @@ class EngineUpdateService:
     async def _roll_back_claimed(self, runner: MachineRunner, backend: str, variant: str) -> None:
         slot = f"{backend}-{variant}"
         if runner.state in U.WORKING:
-            await self._drive(runner, runner.fire(UR.Resumed()).effects)
+            await self._effects.drive(runner, runner.fire(UR.Resumed()).effects, runner)
         current = await trio.to_thread.run_sync(bundle_facts, self.paths.bundles_dir / slot)
         previous = await trio.to_thread.run_sync(bundle_facts, self.paths.bundles_dir / (slot + PREVIOUS))
         names = tuple(s.name for s in self.servers.on_slot(backend, variant)) if self.servers else ()
         step = runner.fire(UR.RollbackRequested(backend, variant, current, previous, names))
         if step.reason is not None:  # refused where it stands (nothing kept)
             raise StokerError(step.reason, step.evidence.get("message") or message_for(step.reason), step.evidence)
-        await self._drive(runner, step.effects)
+        await self._effects.drive(runner, step.effects, runner)
 
     def _outcome(self, runner: MachineRunner) -> dict[str, Any]:
         data: UR.UpdateData = runner.data
@@ -296,24 +295,6 @@ class EngineUpdateService:
         }
 
     # --- the machine's effects ---------------------------------------------------------------
-
-    async def _drive(self, runner: MachineRunner, effects: tuple[Any, ...]) -> None:
-        queue = list(effects)
-        while queue:
-            effect = queue.pop(0)
-            try:
-                event = await self._effects.run(effect, runner)
-            except Exception as err:  # a step that broke: the machine hears it as that step's failure
-                log.exception("%s: %s failed", runner.machine_id, type(effect).__name__)
-                event = _failure_of(effect, err)
-            if event is None:
-                continue
-            try:
-                step: Step = runner.fire(event)
-            except IllegalTransition as err:
-                log.warning("%s: %s", runner.machine_id, err)
-                continue
-            queue.extend(step.effects)
 
     async def _resolve(self, effect: UR.Resolve, runner: MachineRunner) -> UR.Resolved | UR.GateFailed:
         try:
@@ -450,22 +431,3 @@ class EngineUpdateService:
         if self.servers is not None:
             for name in effect.names:
                 self.servers.relaunch(name)
-
-
-def _failure_of(effect: object, err: BaseException) -> object | None:
-    """The event a step that raised stands for (its gate failing), so no machine is left mid-way."""
-    gates = {
-        UR.Resolve: UR.Gate.FETCH,
-        UR.Stage: UR.Gate.VERIFY,
-        UR.CompareTokens: UR.Gate.TOKENS,
-        UR.Switch: UR.Gate.SWITCH,
-    }
-    if type(effect) in gates:
-        return UR.GateFailed(gates[type(effect)], cause_of(err))
-    if isinstance(effect, UR.RollBack):
-        return UR.RollbackFailed(cause_of(err))
-    if isinstance(effect, UR.RestartServers):
-        return UR.ServersRestarted(
-            tuple(UR.ServerVerdict(n, UR.Outcome.TIMEOUT, evidence=cause_of(err)) for n in effect.names)
-        )
-    return None

@@ -12,16 +12,14 @@ import shutil
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
 
 from daemon.bundles.archive import check_digest, unpack_bundle
 from daemon.bundles.installed import PREVIOUS, find_installed, list_installed, promote
 from daemon.bundles.metadata import BUNDLE_JSON, BundleMeta
 from daemon.bundles.smoke import SmokeSpec, run_smoke
 from daemon.core.digests import fsync_dir
-from daemon.core.errors import StokerError
+from daemon.core.errors import StokerError, cause_of
 from daemon.core.paths import StokerPaths
-from daemon.install.download_records import DownloadError
 from states import engine_update_records as UR
 from states.reasons import ReasonCode
 
@@ -49,15 +47,6 @@ def bundle_facts(root: Path) -> UR.BundleFacts | None:
         return UR.BundleFacts(BundleMeta.read(root).version, digest)
     except (StokerError, OSError):
         return None
-
-
-def cause_of(err: BaseException) -> dict[str, Any]:
-    """A failed step's evidence: the precise reason code, its sentence and evidence."""
-    if isinstance(err, DownloadError):
-        return {"cause": "download_failed", "message": err.message, **err.evidence}
-    if isinstance(err, StokerError):
-        return {"cause": str(err.reason), "message": err.message, **err.evidence}
-    return {"cause": "internal_error", "message": f"{type(err).__name__}: {err}"}
 
 
 def check_archive(path: Path, sha256: str, size: int | None) -> None:

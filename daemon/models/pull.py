@@ -28,7 +28,7 @@ import trio
 
 from daemon.core.digests import fsync_dir
 from daemon.core.errors import StokerError
-from daemon.core.machines import EffectDriver, MachineRunner, Publish
+from daemon.core.machines import EffectDriver, Failure, MachineRunner, Publish
 from daemon.core.paths import StokerPaths
 from daemon.models import pypi
 from daemon.models.fetch import PullCancelled, fetch_pieces, hash_file
@@ -88,6 +88,8 @@ class PullService:
                 P.Discard: self._discard,
                 P.RemoveModel: self._remove_model,
             },
+            failed=self._failed,
+            stops=(PullCancelled,),  # stopped on purpose: the machine stays where it was, to be resumed
         )
 
     @property
@@ -128,7 +130,7 @@ class PullService:
                     log.warning("cannot resume the pull of %s: %s", name, err)
                     continue
                 log.info("resuming the pull of %s from %s", name, record.state)
-                await self._drive(runner, step.effects)
+                await self._effects.drive(runner, step.effects, runner)
             resumed.append(name)
         return resumed
 
@@ -150,11 +152,11 @@ class PullService:
         async with self._locks[runner.machine_id]:
             self._options[runner.machine_id] = options
             if runner.state in P.WORKING:
-                await self._drive(runner, runner.fire(P.Resumed()).effects)
+                await self._effects.drive(runner, runner.fire(P.Resumed()).effects, runner)
             present = self.catalog.find(name)
             if not (present is not None and present.spec == canonical and self._intact(present)):
                 step = runner.fire(P.PullRequested(canonical, name))
-                await self._drive(runner, step.effects)
+                await self._effects.drive(runner, step.effects, runner)
         if runner.state is not P.PullState.CATALOGED:
             raise self._failure(runner)
         return self.catalog.get(name)
@@ -200,7 +202,7 @@ class PullService:
                     "the server to another model first.",
                     {"name": name, "path": record.path if record else None},
                 )
-            await self._drive(runner, step.effects)
+            await self._effects.drive(runner, step.effects, runner)
         deleted = record.path if record is not None and record.owned else None
         return {"removed": name, "deleted": deleted, "kept": None if deleted or record is None else record.path}
 
@@ -226,24 +228,11 @@ class PullService:
 
     # --- effects -------------------------------------------------------------------------
 
-    async def _drive(self, runner: MachineRunner, effects: tuple[Any, ...]) -> None:
-        queue = list(effects)
-        while queue:
-            effect = queue.pop(0)
-            try:
-                event = await self._effects.run(effect, runner)
-            except StokerError as err:
-                log.info("%s: %s failed: %s", runner.machine_id, type(effect).__name__, err.message)
-                event = P.PullFailed(err.reason, {"message": err.message, **err.evidence})
-            except PullCancelled:
-                return  # stopped on purpose: the machine stays where it was, to be resumed
-            except Exception as err:  # an unforeseen error becomes a reason, never a machine stuck mid-way
-                log.exception("%s: %s failed", runner.machine_id, type(effect).__name__)
-                event = P.PullFailed(
-                    ReasonCode.PULL_FAILED, {"message": f"{type(err).__name__}: {err}", "effect": type(effect).__name__}
-                )
-            if event is not None:
-                queue.extend(runner.fire(event).effects)
+    @staticmethod
+    def _failed(failure: Failure, runner: MachineRunner) -> P.PullFailed:
+        """A step that raised is the pull failing with its reason (pull_failed for a bug), never
+        a machine stuck mid-way."""
+        return P.PullFailed(failure.reason or ReasonCode.PULL_FAILED, {"message": failure.message, **failure.evidence})
 
     def _progress(self, runner: MachineRunner, phase: str) -> Callable[[int, int], None]:
         """A thread-side progress callback: at most one bus event per PROGRESS_EVERY_S."""

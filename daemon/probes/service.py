@@ -193,8 +193,7 @@ class ProbeService:
     def _execute(self, backend: str, effects: Iterable[object]) -> None:
         if self._nursery is None:
             raise RuntimeError("the probe service is not running")
-        for effect in effects:
-            self._effects.run(effect, backend)
+        self._effects.run_all(effects, backend)
 
     def _do_run_probe(self, effect: P.RunProbe, backend: str) -> None:
         assert self._nursery is not None

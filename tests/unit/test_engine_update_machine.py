@@ -213,3 +213,16 @@ def test_the_automatic_check_starts_an_update_only_for_something_newer():
 def test_an_update_never_starts_a_stopped_server():
     assert U.restart_wanted("ready") and U.restart_wanted("crashed") and U.restart_wanted("planning")
     assert not U.restart_wanted("stopped")
+
+
+def test_a_step_that_raised_is_heard_as_its_gate_failing():
+    cause = {"cause": "bundle_digest_mismatch", "message": "the sha256 differs"}
+    assert U.step_failed(R.Stage(CANDIDATE, "cpu", "x86-64"), cause) == R.GateFailed(R.Gate.VERIFY, cause)
+    assert U.step_failed(R.Resolve("cpu", "x86-64", None, None), cause) == R.GateFailed(R.Gate.FETCH, cause)
+    assert U.step_failed(R.RollBack("cpu-x86-64", "a" * 64), cause) == R.RollbackFailed(cause)
+    restarted = U.step_failed(R.RestartServers(("default", "beta")), cause)
+    assert [(v.name, v.outcome, v.evidence) for v in restarted.verdicts] == [
+        ("default", R.Outcome.TIMEOUT, cause),
+        ("beta", R.Outcome.TIMEOUT, cause),
+    ]
+    assert U.step_failed(R.CleanStaging(), cause) is None  # nothing the machine needs to hear

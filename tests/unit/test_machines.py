@@ -6,10 +6,12 @@ import pytest
 from hypothesis import HealthCheck, event as hypothesis_event, settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from daemon.core.errors import StokerError
 from daemon.core.machines import EffectDriver, MachineRunner, UnhandledEffect
 from states import launch as L
 from states import launch_records as LR
 from states import probe as P
+from states import pull as PL
 from states.machine import IllegalTransition, MachineDefinitionError, data_to_json, event_from_json
 from states.reasons import ReasonCode
 from store import StoreError, open_store
@@ -376,3 +378,75 @@ def test_effect_driver_never_drops_an_unknown_effect():
     driver = EffectDriver(P.PROBE, {P.RunProbe: lambda e: None, P.ArmExpiry: lambda e: None})
     with pytest.raises(UnhandledEffect, match="Spawn"):
         driver.run(LR.Spawn(PLAN))
+
+
+# --- the one effect loop and its failure policy -------------------------------------------
+
+
+def pull_driver(resolve_raises: Exception, **policy):
+    """A pull machine's driver whose Resolve raises; every other effect answers nothing."""
+
+    async def resolve(effect, runner):
+        raise resolve_raises
+
+    async def nothing(effect, runner):
+        return None
+
+    return EffectDriver(PL.PULL, {t: nothing for t in PL.PULL.effect_types} | {PL.Resolve: resolve}, **policy)
+
+
+def pull_failed(failure, runner):
+    return PL.PullFailed(failure.reason or ReasonCode.PULL_FAILED, dict(failure.evidence))
+
+
+async def test_a_handler_that_raises_is_heard_as_the_machines_failure_event(store):
+    runner = MachineRunner(PL.PULL, "pull:m", store)
+    heard = []
+    driver = pull_driver(
+        StokerError(ReasonCode.PULL_NOT_FOUND, "/x is not a file.", {"path": "/x"}),
+        failed=lambda failure, runner: heard.append(failure) or pull_failed(failure, runner),
+    )
+    await driver.drive(runner, runner.fire(PL.PullRequested("/x", "m")).effects, runner)
+    assert runner.state is PL.PullState.FAILED and runner.data.reason == ReasonCode.PULL_NOT_FOUND
+    assert heard[0].cause == {"cause": "pull_not_found", "message": "/x is not a file.", "path": "/x"}
+    assert store.history(machine="pull:m", limit=1)[0].reason == "pull_not_found"
+
+
+async def test_a_bug_in_a_handler_is_an_internal_error_that_names_the_effect(store):
+    runner = MachineRunner(PL.PULL, "pull:m", store)
+    heard = []
+    driver = pull_driver(KeyError("size"), failed=lambda f, r: heard.append(f) or pull_failed(f, r))
+    await driver.drive(runner, runner.fire(PL.PullRequested("/x", "m")).effects, runner)
+    assert runner.state is PL.PullState.FAILED and runner.data.reason == ReasonCode.PULL_FAILED
+    assert heard[0].reason is None and heard[0].evidence == {"effect": "Resolve"}
+    assert heard[0].cause["cause"] == "internal_error" and "KeyError" in heard[0].cause["message"]
+
+
+async def test_without_a_failure_event_the_error_reaches_the_caller(store):
+    runner = MachineRunner(PL.PULL, "pull:m", store)
+    with pytest.raises(StokerError, match="pull_not_found"):
+        await pull_driver(StokerError(ReasonCode.PULL_NOT_FOUND)).drive(
+            runner, runner.fire(PL.PullRequested("/x", "m")).effects, runner
+        )
+    assert runner.state is PL.PullState.RESOLVING
+
+
+async def test_a_stop_on_purpose_leaves_the_machine_where_it_was_to_be_resumed(store):
+    class Stopped(Exception):
+        pass
+
+    runner = MachineRunner(PL.PULL, "pull:m", store)
+    driver = pull_driver(Stopped(), failed=pull_failed, stops=(Stopped,))
+    await driver.drive(runner, runner.fire(PL.PullRequested("/x", "m")).effects, runner)
+    assert runner.state is PL.PullState.RESOLVING
+
+
+def test_a_download_that_failed_names_its_precise_cause_under_the_callers_reason():
+    from daemon.core.machines import Failure
+    from daemon.install.download_records import DownloadError, DownloadErrorKind
+
+    reason = ReasonCode.CUDA_BUNDLE_INSTALL_FAILED
+    digest = Failure.of(PL.Resolve("x", "m"), DownloadError(DownloadErrorKind.DIGEST_MISMATCH, reason, {"url": "u"}))
+    status = Failure.of(PL.Resolve("x", "m"), DownloadError(DownloadErrorKind.HTTP_STATUS, reason, {"status": 404}))
+    assert digest.reason == reason and digest.cause["cause"] == "bundle_digest_mismatch"
+    assert status.cause["cause"] == "download_failed" and status.cause["status"] == 404
