@@ -43,19 +43,29 @@ def say(as_json: bool, text: str) -> None:
 
 def wait_showing_installs(as_json: bool, timeout: float) -> dict:
     """Poll status until the server is ready or has settled in failure, saying each change of
-    an engine install on the way (the source it tries, a local build's percentage)."""
+    an engine install on the way (the source it tries, a local build's percentage). `timeout`
+    counts from the last sign of progress: a build that is still moving is waited for."""
     from daemon.cli.service import READY_STATES, SETTLED_FAILURES, call, format_installs
 
     deadline = time.monotonic() + timeout
-    shown: set[str] = set()
+    shown: list[str] = []
     while True:
         st = call("status", as_json)
         for line in format_installs([i for i in st.get("installs") or [] if i.get("state") != "installed"]):
             if line not in shown:
-                shown.add(line)
+                shown.append(line)
                 say(as_json, line.removeprefix("engine").strip())
-        if st.get("state") in READY_STATES | SETTLED_FAILURES or time.monotonic() > deadline:
+                deadline = time.monotonic() + timeout
+        if st.get("state") in READY_STATES | SETTLED_FAILURES:
             return st
+        if time.monotonic() > deadline:
+            raise StokerError(
+                ReasonCode.SERVER_START_TIMEOUT,
+                f"The server was not ready {timeout:.0f} s after the last sign of progress (it is "
+                f"{st.get('state')}{': ' + shown[-1].removeprefix('engine').strip() if shown else ''}); the daemon keeps "
+                "working on it: `stoker status` shows where it is, `stoker logs` why.",
+                {"state": st.get("state"), "timeout_s": timeout},
+            )
         time.sleep(0.5)
 
 
