@@ -24,7 +24,7 @@ class Backoff:
 
     def step(self, attempt: int) -> float:
         """The un-jittered delay before `attempt` (1-based)."""
-        return min(self.cap_s, self.initial_s * (2 ** max(attempt - 1, 0)))
+        return min(self.cap_s, self.initial_s * 2.0 ** max(attempt - 1, 0))
 
     def delay(self, attempt: int, jitter: float) -> float:
         """Seconds to wait before `attempt`, with `jitter` in [0, 1) placing it within [50 %, 100 %] of the step."""

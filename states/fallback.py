@@ -10,13 +10,18 @@ Every launch request (the launch machine's MakePlan) arrives as `PlanRequested` 
 facts, and this table decides what it means: a non-CPU candidate whose server died before it
 was ever ready is recorded as `<backend>_startup_failed` (the backend's own code, carried in
 the event) and the next candidate is checked; anything else starts afresh from the first.
-Only a missing bundle on present hardware (binary_missing_*_detected, bundle_missing) is
-repaired in place: install once, re-check, retry. Every other failure is recorded and the
-next candidate is tried, CPU last (the daemon orders the candidates). A forced backend has
+Only a missing bundle (`BundleMissing`: binary_missing_*_detected on present hardware, else
+bundle_missing) is repaired in place: install once, re-check, retry. A GPU check that passed
+is judged on its free-VRAM reading (states/fallback_vram.py): no GPU with room for a layer
+skips the backend with its vram_full code, and the plan gets only the GPUs with room. Every
+other failure is recorded and the next candidate is tried, CPU last (the daemon orders the
+candidates). The CPU's builds are tried fastest first; after a SIGILL, every build at or
+above the one that faulted is out (`cpu_variant_order`). A forced backend has
 no next candidate: its first unrepaired failure ends in `failed` with that reason. Once
 settled, a server respawned with the same plan is proven again on every ready: one that is
 no longer accelerated is a transition to the CPU with its reason (`chosen`, `reason`; the
-proof is kept as `respawn_demotion`), one accelerated again is a transition back.
+proof is kept as `respawn_demotion`), one accelerated again is a transition back. Whether a
+ready server is really accelerated is states/fallback_proof.py's verdict on what it proved.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from typing import Any
 
 import attrs
 
+from states.fallback_proof import AccelerationProof, acceleration_verdict, proof_evidence
+from states.fallback_vram import VramCheck, devices_of, no_room
 from states.launch_records import CPU_BACKEND, ExitPhase
 from states.machine import STAY, MachineSpec, Rule, Step, guarded
 from states.reasons import ReasonCode
@@ -47,6 +54,32 @@ def _evidence(value: Any) -> dict[str, Any]:
 
 def _names(value: Any) -> tuple[str, ...]:
     return tuple(str(v) for v in value)
+
+
+def _indices(value: Any) -> tuple[int, ...]:
+    return tuple(int(v) for v in value)
+
+
+# The CPU builds from the fastest to the safest; `native` only when the user asks for it.
+CPU_VARIANTS_BY_SAFETY = ("avx2", "compat")
+X86 = frozenset({"x86_64", "amd64"})
+
+
+def cpu_variant_order(
+    setting: str, arch: str, failure: ReasonCode | None = None, faulted: str | None = None
+) -> tuple[str, ...]:
+    """The CPU builds to try, best first: `[backend] cpu_variant` first when set, the safest
+    first off x86; after a SIGILL of the `faulted` build, every build at or above it is out
+    (the safest stays)."""
+    if setting != "auto":
+        order = (setting, *(v for v in CPU_VARIANTS_BY_SAFETY if v != setting))
+    elif arch.lower() in X86:
+        order = CPU_VARIANTS_BY_SAFETY
+    else:
+        order = tuple(reversed(CPU_VARIANTS_BY_SAFETY))
+    if failure == ReasonCode.CPU_ILLEGAL_INSTRUCTION and faulted in order:
+        order = order[order.index(faulted) + 1 :] or (CPU_VARIANTS_BY_SAFETY[-1],)
+    return order
 
 
 @attrs.frozen
@@ -83,6 +116,7 @@ class FallbackData:
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
     # Settled, then the same plan respawned after a crash and found not really accelerated.
     respawn_demotion: Demotion | None = None
+    cpu_variants: tuple[str, ...] = attrs.field(default=(), converter=_names)  # the CPU builds to try, best first
 
     @property
     def current(self) -> str | None:
@@ -98,11 +132,16 @@ class PlanRequested:
     the backends to try for the config in use (CPU last; `forced`: exactly that one) and,
     when a crash asked for the new plan, the previous plan's backend, the exit's reason and
     phase, that backend's own reason code for a start that failed (a plugin's fact), and
-    the evidence that decided the exit (its line, a missing library, the log's tail)."""
+    the evidence that decided the exit (its line, a missing library, the log's tail). For the
+    CPU's builds: `[backend] cpu_variant`, the machine's architecture and the previous plan's
+    build (`previous_variant`)."""
 
     candidates: tuple[str, ...] = attrs.field(converter=_names)
     forced: bool = False
     previous_backend: str | None = None
+    previous_variant: str | None = None
+    cpu_variant: str = "auto"
+    arch: str = "x86_64"
     failure: ReasonCode | None = None
     phase: ExitPhase | None = None
     startup_failed: ReasonCode = ReasonCode.SERVER_CRASHED
@@ -111,22 +150,34 @@ class PlanRequested:
 
 @attrs.frozen
 class CheckPassed:
-    """The backend's hardware and bundle are there."""
+    """The backend's hardware and a bundle that fits it are there; for a GPU, with the free
+    VRAM read now (`vram`), from which the table decides whether any GPU has room for a layer
+    and which GPUs the server gets."""
 
     backend: str
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    vram: VramCheck | None = None
 
 
 @attrs.frozen
 class CheckFailed:
-    """The backend cannot run, and why. `bundle_missing`: what the check saw was usable
-    hardware with no engine bundle installed for it (the backend's binary_missing code, or
-    bundle_missing), the one failure an install repairs."""
+    """The backend cannot run, and why, as its probe or plugin classified it."""
 
     backend: str
     reason: ReasonCode
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
-    bundle_missing: bool = False
+
+
+@attrs.frozen
+class BundleMissing:
+    """Usable hardware (or the CPU) and no engine bundle installed for it: the one failure an
+    install repairs. `present`: the hardware is there; `binary_missing`: the backend's own
+    code for that (binary_missing_*_detected; None where it declares none)."""
+
+    backend: str
+    present: bool = True
+    binary_missing: ReasonCode | None = None
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
 
 
 @attrs.frozen
@@ -145,13 +196,12 @@ class BundleInstallFailed:
 
 @attrs.frozen
 class LaunchSucceeded:
-    """The server is ready. `effective_backend`/`reason` when it is not really accelerated
-    (cuda_gpu_layers_zero, gpu_claimed_but_unused): it serves, and says why on CPU.
-    `adopted`: a server kept across a daemon restart, with nothing new to prove."""
+    """The server is ready, with what its launch proved (`proof`, for a GPU plan): one not
+    really accelerated (cuda_gpu_layers_zero, gpu_claimed_but_unused) serves, and the table
+    says why on CPU. `adopted`: a server kept across a daemon restart, nothing new to prove."""
 
     backend: str
-    effective_backend: str | None = None
-    reason: ReasonCode | None = None
+    proof: AccelerationProof | None = None
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
     adopted: bool = False
 
@@ -169,9 +219,11 @@ class ProbeCandidates:
 
 @attrs.frozen
 class CheckBackend:
-    """Probe the backend and look for its installed bundle; CheckPassed or CheckFailed."""
+    """Probe the backend and look for its installed bundle (for the CPU: the first of
+    `cpu_variants` installed); CheckPassed, CheckFailed or BundleMissing."""
 
     backend: str
+    cpu_variants: tuple[str, ...] = attrs.field(default=(), converter=_names)
 
 
 @attrs.frozen
@@ -183,9 +235,11 @@ class InstallBundle:
 
 @attrs.frozen
 class UsePlan:
-    """Plan the launch on this backend (the launch machine's PlanReady)."""
+    """Plan the launch on this backend (the launch machine's PlanReady), on `devices` (the GPUs
+    with room for a layer when not all have it; empty: all of them)."""
 
     backend: str
+    devices: tuple[int, ...] = attrs.field(default=(), converter=_indices)
 
 
 @attrs.frozen
@@ -201,6 +255,11 @@ Effect = ProbeCandidates | CheckBackend | InstallBundle | UsePlan | GiveUp
 S = FallbackState
 
 
+def _check(data: FallbackData, backend: str) -> CheckBackend:
+    """Check `backend`; the CPU with the builds this request may use."""
+    return CheckBackend(backend, data.cpu_variants if backend == CPU_BACKEND else ())
+
+
 def _next(data: FallbackData, backend: str, reason: ReasonCode, evidence: dict[str, Any]) -> Step:
     """Record why `backend` is out and try the next candidate, or fail."""
     skipped = data.skipped + (Skipped(backend, reason, evidence),)
@@ -210,7 +269,7 @@ def _next(data: FallbackData, backend: str, reason: ReasonCode, evidence: dict[s
         return Step(
             S.CHECKING,
             data,
-            (CheckBackend(data.candidates[data.index]),),
+            (_check(data, data.candidates[data.index]),),
             reason,
             {"backend": backend, "next": data.candidates[data.index], **evidence},
         )
@@ -248,39 +307,65 @@ def requested(state: S, data: FallbackData, event: PlanRequested) -> Step | None
         return _next(data, backend, event.startup_failed, {"exit_reason": str(event.failure), **event.evidence})
     if not event.candidates or (event.forced and len(event.candidates) != 1):
         return None
-    data = FallbackData(candidates=event.candidates, forced=event.forced)
+    variants = cpu_variant_order(event.cpu_variant, event.arch, event.failure, event.previous_variant)
+    data = FallbackData(candidates=event.candidates, forced=event.forced, cpu_variants=variants)
     others = tuple(b for b in event.candidates if b != CPU_BACKEND)
-    effects: tuple[Effect, ...] = (CheckBackend(event.candidates[0]),)
+    effects: tuple[Effect, ...] = (_check(data, event.candidates[0]),)
     if others and not event.forced:
         effects = (ProbeCandidates(others), *effects)
     evidence: dict[str, Any] = {"candidates": list(event.candidates), "forced": event.forced}
+    if variants != cpu_variant_order(event.cpu_variant, event.arch):
+        evidence["cpu_variants"] = list(variants)  # stepped down after a SIGILL
+        evidence["faulted_variant"] = event.previous_variant
     if state in (S.CHECKING, S.INSTALLING, S.LAUNCHING):
         evidence["abandoned"] = state.value  # an earlier request never finished
     return Step(S.CHECKING, data, effects, evidence=evidence)
 
 
-@guarded(S.LAUNCHING)
+@guarded(S.LAUNCHING, S.CHECKING, S.FAILED)
 def check_passed(state: S, data: FallbackData, event: CheckPassed) -> Step | None:
+    """Plan on the backend, on the GPUs with room for a layer; none with room: skip it."""
     if event.backend != data.current:
         return None
-    return Step(S.LAUNCHING, data, (UsePlan(event.backend),), evidence=event.evidence)
+    if event.vram is None:
+        return Step(S.LAUNCHING, data, (UsePlan(event.backend),), evidence=event.evidence)
+    full = no_room(event.backend, event.vram)
+    if full is not None:
+        return _next(data, event.backend, *full)
+    return Step(S.LAUNCHING, data, (UsePlan(event.backend, devices_of(event.vram)),), evidence=event.evidence)
 
 
-@guarded(S.INSTALLING, S.CHECKING, S.FAILED)
+@guarded(S.CHECKING, S.FAILED)
 def check_failed(state: S, data: FallbackData, event: CheckFailed) -> Step | None:
     if event.backend != data.current:
         return None
-    if event.bundle_missing and event.backend not in data.installed:
-        data = attrs.evolve(data, installed=data.installed + (event.backend,))
-        return Step(S.INSTALLING, data, (InstallBundle(event.backend),), event.reason, event.evidence)
     return _next(data, event.backend, event.reason, event.evidence)
+
+
+def missing_reason(event: BundleMissing) -> ReasonCode:
+    """A missing bundle's code: the backend's binary_missing code when its hardware is there."""
+    if event.present and event.binary_missing is not None:
+        return event.binary_missing
+    return ReasonCode.BUNDLE_MISSING
+
+
+@guarded(S.INSTALLING, S.CHECKING, S.FAILED)
+def bundle_missing(state: S, data: FallbackData, event: BundleMissing) -> Step | None:
+    """Install a missing bundle once, then check again; missing again: the next candidate."""
+    if event.backend != data.current:
+        return None
+    reason = missing_reason(event)
+    if event.backend not in data.installed:
+        data = attrs.evolve(data, installed=data.installed + (event.backend,))
+        return Step(S.INSTALLING, data, (InstallBundle(event.backend),), reason, event.evidence)
+    return _next(data, event.backend, reason, event.evidence)
 
 
 @guarded(S.CHECKING)
 def installed(state: S, data: FallbackData, event: BundleInstalled) -> Step | None:
     if event.backend != data.current:
         return None
-    return Step(S.CHECKING, data, (CheckBackend(event.backend),), evidence={"installed": event.backend})
+    return Step(S.CHECKING, data, (_check(data, event.backend),), evidence={"installed": event.backend})
 
 
 @guarded(S.CHECKING, S.FAILED)
@@ -298,13 +383,22 @@ def _passed_over(data: FallbackData, effective: str) -> ReasonCode | None:
     return data.skipped[0].reason
 
 
+def _proven(event: LaunchSucceeded) -> tuple[str, ReasonCode | None, dict[str, Any]]:
+    """The backend really serving, why not the planned one (None: it is), and the proof."""
+    if event.proof is None:
+        return event.backend, None, event.evidence
+    demoted = acceleration_verdict(event.proof)
+    evidence = {**proof_evidence(event.backend, event.proof), **event.evidence}
+    return (event.backend if demoted is None else CPU_BACKEND), demoted, evidence
+
+
 @guarded(S.SETTLED)
 def launched(state: S, data: FallbackData, event: LaunchSucceeded) -> Step | None:
     if event.backend != data.current:
         return None
-    effective = event.effective_backend or event.backend
-    reason = event.reason or _passed_over(data, effective)
-    evidence = {"backend": event.backend, "effective_backend": effective, **event.evidence}
+    effective, demoted, proof = _proven(event)
+    reason = demoted or _passed_over(data, effective)
+    evidence = {"backend": event.backend, "effective_backend": effective, **proof}
     data = attrs.evolve(data, chosen=effective, reason=reason, evidence=evidence, respawn_demotion=None)
     return Step(S.SETTLED, data, (), reason, evidence)
 
@@ -319,12 +413,12 @@ def relaunched(state: S, data: FallbackData, event: LaunchSucceeded) -> Step | N
         return None
     if event.adopted:
         return Step(S.SETTLED, data, evidence={"adopted": True})
-    effective = event.effective_backend or event.backend
-    demotion = None if event.reason is None else Demotion(event.backend, event.reason, event.evidence)
-    reason = event.reason or _passed_over(data, effective)
-    evidence = {"backend": event.backend, "effective_backend": effective, **event.evidence, "after": "respawn"}
+    effective, demoted, proof = _proven(event)
+    demotion = None if demoted is None else Demotion(event.backend, demoted, proof)
+    reason = demoted or _passed_over(data, effective)
+    evidence = {"backend": event.backend, "effective_backend": effective, **proof, "after": "respawn"}
     data = attrs.evolve(data, chosen=effective, reason=reason, evidence=evidence, respawn_demotion=demotion)
-    return Step(S.SETTLED, data, (), event.reason, evidence)
+    return Step(S.SETTLED, data, (), demoted, evidence)
 
 
 # Only a request while launching can be about the candidate being launched; anywhere else
@@ -333,7 +427,12 @@ afresh = requested.only(S.CHECKING)
 
 TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
     S.IDLE: {PlanRequested: afresh},
-    S.CHECKING: {CheckPassed: check_passed, CheckFailed: check_failed, PlanRequested: afresh},
+    S.CHECKING: {
+        CheckPassed: check_passed,
+        CheckFailed: check_failed,
+        BundleMissing: bundle_missing,
+        PlanRequested: afresh,
+    },
     S.INSTALLING: {BundleInstalled: installed, BundleInstallFailed: install_failed, PlanRequested: afresh},
     S.LAUNCHING: {LaunchSucceeded: launched, PlanRequested: requested},
     S.SETTLED: {LaunchSucceeded: relaunched, PlanRequested: afresh},

@@ -179,6 +179,14 @@ def _judge(reading: WorkerReading, protocol: str | None, lost: frozenset[str]) -
     return None
 
 
+def lost_workers(exit_reason: ReasonCode | None, previous: RpcPlacement | None) -> frozenset[str]:
+    """The workers of the plan that just ended, when its engine ended because it lost an RPC
+    worker (which one the engine does not say: each is checked again, none trusted)."""
+    if previous is None or exit_reason != ReasonCode.RPC_WORKER_LOST:
+        return frozenset()
+    return frozenset(previous.endpoints)
+
+
 def place(
     readings: tuple[WorkerReading, ...],
     protocol: str | None,

@@ -18,8 +18,8 @@ from typing import Any, Iterable, Mapping
 
 import attrs
 
-from daemon.fallback.vram import FreeVram, mib_text
 from daemon.models.facts import read_header
+from states.fallback_vram import FreeVram, mib_text
 from states.launch_records import GpuLayers
 
 MIB = 2**20

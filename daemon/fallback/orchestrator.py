@@ -8,26 +8,26 @@ anything else: start afresh), and by carrying out that machine's effects:
     ProbeCandidates   probe every candidate at once, so each check reads the cache
     CheckBackend(b)   probe b (the 30 s cache answers most of the time) and look for its
                       installed bundle, checked against the hardware (driver floor, archs);
-                      read free VRAM now (daemon/fallback/vram.py): that reading decides
-                      whether any GPU has room for a layer, which GPUs the server gets, and
-                      is the one the plan's figures quote
-    InstallBundle(b)  only when the sole problem is a missing bundle on present hardware
-                      (binary_missing_*_detected): install from the manifest, then re-check
+                      read free VRAM now (daemon/fallback/vram.py): the table decides from
+                      that reading whether any GPU has room for a layer and which GPUs the
+                      server gets, and it is the one the plan's figures quote
+    InstallBundle(b)  only when the sole problem is a missing bundle (BundleMissing): install
+                      from the manifest, then re-check
     UsePlan(b)        the complete LaunchPlan for b (daemon/fallback/launch_plan.py)
     GiveUp(reason)    no backend left, or the forced one failed: PlanFailed(reason)
 
 Every skipped backend is a transition with its reason and evidence. After the server is
-ready, `on_ready` has daemon/fallback/proof.py confirm that a GPU plan really offloaded layers
-(the engine's `offloaded N/M layers to GPU`) and, where the platform reports it (NVML
-per-process memory), that the server holds VRAM, and reports it as `LaunchSucceeded`;
-otherwise the launch is reported as CPU with `<backend>_gpu_layers_zero` or
-`gpu_claimed_but_unused`. One
-orchestrator per server instance, with its own fallback machine.
+ready, `on_ready` has daemon/fallback/proof.py gather what a GPU plan proved (the engine's
+`offloaded N/M layers to GPU`, its devices and, where the platform reports it, the server's
+own VRAM) and reports it as `LaunchSucceeded`; the table's verdict (states/fallback_proof.py)
+reports a server not really accelerated as CPU with `<backend>_gpu_layers_zero` or
+`gpu_claimed_but_unused`. One orchestrator per server instance, with its own fallback machine.
 """
 
 from __future__ import annotations
 
 import logging
+import platform
 from typing import Any, Awaitable, Mapping, Protocol
 
 import attrs
@@ -41,7 +41,7 @@ from daemon.core.errors import StokerError
 from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.core.paths import StokerPaths
 from daemon.engine.exits import missing_library
-from daemon.fallback.cpu_plan import cpu_bundle
+from daemon.fallback.cpu_plan import cpu_bundle, missing_cpu_bundle
 from daemon.fallback.launch_plan import complete_plan
 from daemon.fallback.layers import (
     LayerEstimate,
@@ -52,8 +52,8 @@ from daemon.fallback.layers import (
     why_planned,
     why_with_workers,
 )
-from daemon.fallback.proof import judge_acceleration
-from daemon.fallback.vram import FreeVram, devices_for_plan, keeps_to, read_free_vram, vram_full
+from daemon.fallback.proof import read_proof
+from daemon.fallback.vram import keeps_to, read_free_vram
 from daemon.fallback.workers import confirm_placement, plan_workers
 from daemon.install.service import InstallService
 from daemon.launch.instance import ServerInstance
@@ -62,6 +62,8 @@ from daemon.models.resolve import locate_model
 from daemon.probes.service import ProbeService
 from states import fallback as F
 from states import launch_records as LR
+from states.fallback_proof import acceleration_verdict
+from states.fallback_vram import FreeVram, VramCheck
 from states.machine import IllegalTransition
 from states.reasons import ReasonCode, message_for
 
@@ -227,12 +229,23 @@ class FallbackOrchestrator:
         a crash asked for this plan) with the failed backend's own startup code."""
         candidates, forced = candidates_for(config.backend.prefer, self.backends)
         previous, failure = effect.previous, effect.failure
+        variant, arch = config.backend.cpu_variant, platform.machine()
         if previous is None or failure is None:
-            return F.PlanRequested(candidates, forced, previous_backend=previous.backend if previous else None)
+            return F.PlanRequested(
+                candidates,
+                forced,
+                previous_backend=previous.backend if previous else None,
+                previous_variant=previous.variant if previous else None,
+                cpu_variant=variant,
+                arch=arch,
+            )
         return F.PlanRequested(
             candidates,
             forced,
             previous_backend=previous.backend,
+            previous_variant=previous.variant,
+            cpu_variant=variant,
+            arch=arch,
             failure=failure.reason,
             phase=failure.phase,
             startup_failed=family_reason(
@@ -271,15 +284,9 @@ class FallbackOrchestrator:
     async def _check(self, eff: F.CheckBackend, request: PlanRequest) -> object:
         backend, config = eff.backend, request.config
         if backend == LR.CPU_BACKEND:
-            try:
-                bundle = await trio.to_thread.run_sync(cpu_bundle, self.paths, config, request.effect)
-            except StokerError as err:
-                return F.CheckFailed(
-                    backend,
-                    err.reason,
-                    {"message": err.message, **err.evidence},
-                    bundle_missing=err.reason == ReasonCode.BUNDLE_MISSING,
-                )
+            bundle = await trio.to_thread.run_sync(cpu_bundle, self.paths, eff.cpu_variants)
+            if bundle is None:
+                return F.BundleMissing(backend, evidence=missing_cpu_bundle(self.paths, eff.cpu_variants))
             self._bundles[backend] = bundle
             return F.CheckPassed(backend, {"variant": bundle.meta.variant, "bundle": str(bundle.root)})
         plugin = self.backends.get(backend)
@@ -301,13 +308,11 @@ class FallbackOrchestrator:
             return F.CheckFailed(backend, detection.reason or plugin.unavailable_reason, evidence)
         installed = [b for b in await trio.to_thread.run_sync(list_installed, self.paths) if b.meta.backend == backend]
         if not installed:
-            reason = (
-                (plugin.reason(ReasonKind.BINARY_MISSING) or ReasonCode.BUNDLE_MISSING)
-                if detection.present
-                else ReasonCode.BUNDLE_MISSING
-            )
-            return F.CheckFailed(
-                backend, reason, {**evidence, "bundles_dir": str(self.paths.bundles_dir)}, bundle_missing=True
+            return F.BundleMissing(
+                backend,
+                detection.present,
+                plugin.reason(ReasonKind.BINARY_MISSING),
+                {**evidence, "bundles_dir": str(self.paths.bundles_dir)},
             )
         variant = plugin.choose_variant(detection, [b.meta.variant for b in installed]) or installed[0].meta.variant
         bundle = next(b for b in installed if b.meta.variant == variant)
@@ -322,16 +327,13 @@ class FallbackOrchestrator:
         free = await read_free_vram(plugin, detection)
         request.free[backend] = free
         server = config.server
-        full = vram_full(
-            backend,
-            plugin.reason(ReasonKind.VRAM_FULL),
+        vram = VramCheck(
             free,
             fit_margin(server.extra_args),
             plugin.runtime_reserve_mib,
             server.n_gpu_layers,
+            plugin.reason(ReasonKind.VRAM_FULL),
         )
-        if full is not None:
-            return F.CheckFailed(backend, *full)
         self._bundles[backend] = bundle
         return F.CheckPassed(
             backend,
@@ -341,6 +343,7 @@ class FallbackOrchestrator:
                 "devices": [d.name for d in detection.devices],
                 **(free.evidence() if free else {}),
             },
+            vram,
         )
 
     async def _install(self, eff: F.InstallBundle, request: PlanRequest) -> object:
@@ -371,7 +374,7 @@ class FallbackOrchestrator:
             layers = config.server.n_gpu_layers
             free = request.free.get(backend)
             margin = fit_margin(config.server.extra_args)
-            devices = keeps_to(plugin, layers, devices_for_plan(free, margin, plugin.runtime_reserve_mib, layers))
+            devices = keeps_to(plugin, layers, eff.devices)
             try:
                 self.estimate = await trio.to_thread.run_sync(
                     estimate, model, config.server.ctx_size, free, devices, plugin.runtime_reserve_mib, margin, layers
@@ -403,15 +406,12 @@ class FallbackOrchestrator:
             # (the GPUs may have filled since). Only the engine's figures of this launch speak.
             self.estimate = self.estimate.without_reading()
             self.planned_why = why_planned(plan.backend, self.estimate) + " (respawned with its plan)"
-        reason, proof = (
-            (None, {})
-            if plan.on_cpu
-            else await judge_acceleration(self.backends, plan.backend, evidence, plan, self.estimate)
-        )
+        proof = None if plan.on_cpu else await read_proof(self.backends, plan.backend, evidence, plan, self.estimate)
+        reason = None if proof is None else acceleration_verdict(proof)
         if reason is not None:
             log.warning("the %s server is not really accelerated: %s", plan.backend, reason)
-        effective = LR.CPU_BACKEND if reason is not None else plan.backend
-        self._report(F.LaunchSucceeded(plan.backend, effective if reason else None, reason, proof))
+        self._report(F.LaunchSucceeded(plan.backend, proof))
+        effective = self.effective_backend(plan)
         return {"effective_backend": effective, **({"demoted": str(reason)} if reason else {})}
 
     def _report(self, event: F.LaunchSucceeded) -> None:

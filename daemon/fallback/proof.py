@@ -1,12 +1,13 @@
-"""The proof of acceleration: is a ready GPU server really using its GPU, and if not, why.
+"""The proof of acceleration gathered: what a ready GPU server's own lines and the platform say.
 
-A GPU plan that reaches ready proves nothing by itself: the engine may have fitted no layer
-(`offloaded 0/M layers to GPU`) or the server may hold no VRAM at all. After the launch the
-orchestrator asks `judge_acceleration` for a verdict from the engine's own load lines and,
-where the platform reports it (NVML per-process memory), the server's VRAM; a failed proof
-carries a hint built from the figures that decided it (the free VRAM the engine itself saw
-on each device, else the reading the plan was made on, never one older than the launch) and
-names the one setting that changes it.
+A GPU plan that reaches ready proves nothing by itself. After the launch the orchestrator asks
+`read_proof` for the facts (the engine's `offloaded N/M layers` line, the devices it used and,
+where the platform reports it (NVML per-process memory), the server's own VRAM) with the
+backend's own codes for each way of not being accelerated; the fallback table judges them
+(states/fallback_proof.py). The hint for a server that offloaded nothing is built from the
+figures that decided the plan (the free VRAM the engine itself saw on each device, else the
+reading the plan was made on, never one older than the launch) and names the one setting
+that changes it.
 """
 
 from __future__ import annotations
@@ -18,43 +19,37 @@ import trio
 from daemon.backends.base import Backend, ReasonKind, TelemetryRequest
 from daemon.backends.registry import family_reason
 from daemon.fallback.layers import LayerEstimate, engine_free, fit_margin
-from daemon.fallback.vram import mib_text
 from states import launch_records as LR
+from states.fallback_proof import AccelerationProof
+from states.fallback_vram import mib_text
 from states.reasons import ReasonCode
 
 
-async def judge_acceleration(
+async def read_proof(
     backends: Mapping[str, Backend],
     backend: str,
     evidence: Mapping[str, Any],
     plan: LR.LaunchPlan | None = None,
     estimate: LayerEstimate | None = None,
-) -> tuple[ReasonCode | None, dict[str, Any]]:
-    """None if the GPU is really in use, else why not; and the proof either way."""
+) -> AccelerationProof:
+    """What the ready `backend` server proved, from its ready evidence and the platform."""
     offloaded = evidence.get("offloaded_layers")
-    proof: dict[str, Any] = {
-        "offloaded_layers": offloaded,
-        "total_layers": evidence.get("total_layers"),
-        "offload_line": (evidence.get("evidence_lines") or {}).get("offloaded"),
-    }
-    if not offloaded:
-        proof["hint"] = zero_layers_hint(plan, estimate, evidence)
-        return family_reason(backends, backend, ReasonKind.GPU_LAYERS_ZERO, ReasonCode.GPU_CLAIMED_BUT_UNUSED), proof
     plugin = backends.get(backend)
+    # The engine's own `using device` lines: a software rasteriser's layers are on the CPU.
     software = plugin.software_devices(evidence.get("devices") or ()) if plugin is not None else ()
-    if software:
-        # The engine's own `using device` line names a rasteriser: its layers are on the CPU.
-        proof["software_devices"] = list(software)
-        proof["message"] = (
-            f"The {backend} server offloaded {offloaded}/{proof['total_layers']} layers to {', '.join(software)}, "
-            "a software rasteriser running on the CPU: nothing is accelerated, so it is reported as the CPU."
-        )
-        return family_reason(backends, backend, ReasonKind.SOFTWARE_DEVICE, ReasonCode.GPU_CLAIMED_BUT_UNUSED), proof
-    vram = await process_vram(backends, backend, evidence.get("pid"))
-    proof["process_vram_mib"] = vram
-    if vram == 0:
-        return ReasonCode.GPU_CLAIMED_BUT_UNUSED, proof
-    return None, proof
+    # The server's own VRAM is read only where the engine's lines claim layers on a real device:
+    # otherwise they already say enough, and no vendor library is loaded for nothing.
+    vram = await process_vram(backends, backend, evidence.get("pid")) if offloaded and not software else None
+    return AccelerationProof(
+        offloaded_layers=offloaded,
+        total_layers=evidence.get("total_layers"),
+        offload_line=(evidence.get("evidence_lines") or {}).get("offloaded"),
+        software_devices=software,
+        process_vram_mib=vram,
+        layers_zero=family_reason(backends, backend, ReasonKind.GPU_LAYERS_ZERO, ReasonCode.GPU_CLAIMED_BUT_UNUSED),
+        software_device=family_reason(backends, backend, ReasonKind.SOFTWARE_DEVICE, ReasonCode.GPU_CLAIMED_BUT_UNUSED),
+        hint=zero_layers_hint(plan, estimate, evidence),
+    )
 
 
 def zero_layers_hint(

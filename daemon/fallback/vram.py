@@ -1,83 +1,21 @@
-"""Free VRAM at the moment of a decision, and what it decides before a GPU launch.
+"""Free VRAM read at the moment of a decision, for a GPU check.
 
 A probe's verdict is cached for 30 s, so its free-VRAM figures can be that old: another
 process may have filled (or freed) the GPU since. Every GPU check therefore reads free VRAM
-again through the backend plugin (NVML for CUDA: ~0.03 ms once initialised) and that one
-reading decides everything that follows, and is what the user is shown:
-
-- `vram_full`: no GPU has room for a single layer (with `-ngl auto`), so the launch is
-  skipped with the backend's vram_full code instead of a server that fits for seconds,
-  offloads nothing and holds its runtime's VRAM;
-- `devices_for_plan`: the GPUs that can take a layer, when not all of them can; the others
-  are kept from the server (its runtime would take ~520 MiB of VRAM on each for nothing);
-- the layer estimate's figures (daemon/fallback/layers.py).
-
-Room for a layer: the engine's fit (`-ngl auto`) keeps `margin` MiB free on each device after
-its runtime has taken its own share (`Backend.runtime_reserve_mib`: 524 MiB for CUDA, measured
-on an H200 where NVML said 1499 MiB free, the engine saw 975 MiB and offloaded 0 layers). A
-device with less free than reserve + margin gets no layer. A fixed layer count is not fitted:
-the engine loads what it is told, so nothing here decides for it.
-
-When the reading fails (no reader, the library cannot load) the probe's figures stand in, and
-the source says so.
+again through the backend plugin (NVML for CUDA: ~0.03 ms once initialised), and that one
+reading is what the fallback table decides from (states/fallback_vram.py: whether any GPU has
+room for a layer, which GPUs the server gets), what the layer estimate quotes
+(daemon/fallback/layers.py) and what the user is shown. When the reading fails (no reader,
+the library cannot load) the probe's figures stand in, and the source says so.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
-
-import attrs
 import trio
 
 from daemon.backends.base import Backend, Detection, LaunchRequest, TelemetryRequest
+from states.fallback_vram import PROBE, READ_NOW, FreeVram
 from states.launch_records import GpuLayers
-from states.reasons import ReasonCode
-
-READ_NOW = "read now"
-PROBE = "probe"
-
-
-def _pairs(value: Mapping[int, Any] | Iterable[tuple[int, Any]]) -> tuple[tuple[int, Any], ...]:
-    items = value.items() if isinstance(value, Mapping) else value
-    return tuple(sorted((int(k), v) for k, v in items))
-
-
-@attrs.frozen
-class FreeVram:
-    """Free VRAM per GPU (MiB, by the detection's device index) as one reading saw it."""
-
-    mib: tuple[tuple[int, int], ...] = attrs.field(converter=_pairs)
-    names: tuple[tuple[int, str], ...] = attrs.field(default=(), converter=_pairs)
-    source: str = READ_NOW  # READ_NOW, or PROBE when the reading failed
-
-    @property
-    def indices(self) -> tuple[int, ...]:
-        return tuple(index for index, _ in self.mib)
-
-    def label(self, index: int) -> str:
-        """'0: NVIDIA H200' (the index alone where the name is unknown)."""
-        name = dict(self.names).get(index)
-        return f"{index}: {name}" if name else str(index)
-
-    def by_label(self, indices: Iterable[int] | None = None) -> dict[str, int]:
-        """{label: MiB} for `indices` (all by default), in index order."""
-        wanted = None if indices is None else set(indices)
-        return {self.label(i): mib for i, mib in self.mib if wanted is None or i in wanted}
-
-    def listed(self, indices: Iterable[int] | None = None) -> str:
-        """'0: NVIDIA H200 699 MiB, 1: NVIDIA H200 139.8 GiB'."""
-        return ", ".join(f"{label} {mib_text(mib)}" for label, mib in self.by_label(indices).items())
-
-    def evidence(self) -> dict[str, Any]:
-        """The reading as evidence: free MiB by device index, and where it came from."""
-        return {"free_vram_mib": {str(i): mib for i, mib in self.mib}, "free_vram_source": self.source}
-
-
-def mib_text(value: float | None) -> str:
-    """1331 -> '1331 MiB', 143150 -> '139.8 GiB': MiB, as NVML and -fitt count, below 10 GiB."""
-    if value is None:
-        return "?"
-    return f"{value / 1024:.1f} GiB" if value >= 10240 else f"{value:.0f} MiB"
 
 
 async def read_free_vram(plugin: Backend, detection: Detection) -> FreeVram | None:
@@ -114,21 +52,6 @@ async def free_vram_now(plugin: Backend, indices: tuple[int, ...]) -> dict[int, 
         return {}
 
 
-def layer_room(free: FreeVram, margin_mib: int, reserve_mib: int) -> tuple[int, ...]:
-    """The GPUs with room for at least one layer under the engine's fit: more free than the
-    runtime's share plus the margin the engine keeps."""
-    return tuple(index for index, mib in free.mib if mib >= reserve_mib + margin_mib)
-
-
-def devices_for_plan(free: FreeVram | None, margin_mib: int, reserve_mib: int, layers: GpuLayers) -> tuple[int, ...]:
-    """The GPUs to give the server when only some can take a layer; () for all of them (every
-    one has room, none has, the count is fixed, or nothing was read)."""
-    if layers != "auto" or free is None:
-        return ()
-    room = layer_room(free, margin_mib, reserve_mib)
-    return room if 0 < len(room) < len(free.mib) else ()
-
-
 def keeps_to(plugin: Backend, layers: GpuLayers, devices: tuple[int, ...]) -> tuple[int, ...]:
     """`devices` if the plugin can keep its server to them (its launch environment or
     arguments change for them), else (): a plugin that cannot leaves the engine every GPU, and
@@ -138,42 +61,3 @@ def keeps_to(plugin: Backend, layers: GpuLayers, devices: tuple[int, ...]) -> tu
     kept, every = LaunchRequest(layers, devices), LaunchRequest(layers)
     env_differs = plugin.launch_env(kept) != plugin.launch_env(every)
     return devices if env_differs or plugin.launch_args(kept) != plugin.launch_args(every) else ()
-
-
-def vram_full(
-    backend: str, reason: ReasonCode | None, free: FreeVram | None, margin_mib: int, reserve_mib: int, layers: GpuLayers
-) -> tuple[ReasonCode, dict[str, Any]] | None:
-    """(`reason`, evidence) if no GPU has room for a layer under `-ngl auto`, else None.
-    `reason` is the backend's vram_full code; a backend that declares none is left to the
-    engine, as is a fixed layer count (the engine loads as told)."""
-    if layers != "auto" or reason is None or free is None or not free.mib:
-        return None
-    if layer_room(free, margin_mib, reserve_mib):
-        return None
-    listed = free.listed()
-    need = (
-        f"the {reserve_mib} MiB its runtime takes plus the {margin_mib} MiB the engine keeps free (-fitt)"
-        if reserve_mib
-        else f"the {margin_mib} MiB the engine keeps free (-fitt)"
-    )
-    best = max(mib for _, mib in free.mib) - reserve_mib
-    lower = ""
-    if best > 256:
-        lower = f', or lower the margin below {best} MiB: [server] extra_args = ["-fitt", "256"]'
-    elif best > 0:
-        # Measured on an H200 with 699 MiB free: a margin this small is real room for a small
-        # model, and little for serving; say both rather than claim there is none.
-        lower = (
-            f", or lower the margin below {best} MiB (little left for serving): "
-            f'[server] extra_args = ["-fitt", "{best // 2}"]'
-        )
-    elif reserve_mib:
-        lower = f" (no margin leaves room: the runtime alone takes {reserve_mib} MiB of the {best + reserve_mib})"
-    return reason, {
-        **free.evidence(),
-        "margin_mib": margin_mib,
-        "runtime_reserve_mib": reserve_mib,
-        "message": f"No {backend} GPU has room for a layer: free VRAM ({free.source}) {listed}, less than "
-        f"{need}, so no {backend} server was started.",
-        "hint": f"free VRAM held by other processes{lower}",
-    }

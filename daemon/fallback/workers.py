@@ -13,21 +13,12 @@ import logging
 from typing import Any, Mapping
 
 from daemon.config.model import Config
-from daemon.fallback.vram import FreeVram
 from daemon.workers.rpc_wire import read_workers
 from states import launch_records as LR
-from states.reasons import ReasonCode
-from states.rpc_placement import LocalDevice, RpcPlacement, confirm, place
+from states.fallback_vram import FreeVram
+from states.rpc_placement import LocalDevice, RpcPlacement, confirm, lost_workers, place
 
 log = logging.getLogger(__name__)
-
-
-def lost_workers(effect: LR.MakePlan) -> frozenset[str]:
-    """The workers of the plan that just ended because the engine lost an RPC worker."""
-    previous, failure = effect.previous, effect.failure
-    if previous is None or previous.rpc is None or failure is None or failure.reason != ReasonCode.RPC_WORKER_LOST:
-        return frozenset()
-    return frozenset(previous.rpc.endpoints)
 
 
 async def plan_workers(
@@ -42,7 +33,9 @@ async def plan_workers(
     if free is not None:
         kept = set(devices) if devices else None
         local = tuple(LocalDevice(free.label(i), mib) for i, mib in free.mib if kept is None or i in kept)
-    placement = place(readings, protocol, lost=lost_workers(effect), local=local)
+    previous, failure = effect.previous, effect.failure
+    lost = lost_workers(failure.reason if failure else None, previous.rpc if previous else None)
+    placement = place(readings, protocol, lost=lost, local=local)
     for out in placement.left_out:
         log.warning("RPC worker %s left out of the plan: %s (%s)", out.address, out.reason, out.evidence.get("error"))
     return placement

@@ -183,7 +183,7 @@ def st_mirror(homes: Any, cuda_zip: Path, cpu_zip: Path, model: Path) -> dict[st
     checks = {
         "published and signed": ev["publish_1"]["rc"] == 0,
         "ready on cuda from an empty home": status.get("state") == "ready" and status.get("backend") == "cuda",
-        "binary_missing_nvidia_detected": ("CheckFailed", "installing", "binary_missing_nvidia_detected") in steps,
+        "binary_missing_nvidia_detected": ("BundleMissing", "installing", "binary_missing_nvidia_detected") in steps,
         "signed manifest fetched": "/manifest.json" in got,
         "the ada-hopper zip downloaded": f"/bundles/{zip_sha}.zip" in got,
         "the decoy family passed over": f"/bundles/{decoy_sha}.zip" not in got,

@@ -713,7 +713,7 @@ def st_first_run(homes: Homes, cuda_zip: Path, model: Path) -> dict[str, Any]:
     layers = status.get("layers") or {}
     checks = {
         "ready on cuda": status["state"] == "ready" and status.get("backend") == "cuda",
-        "binary_missing_nvidia_detected": ("CheckFailed", "installing", "binary_missing_nvidia_detected") in steps,
+        "binary_missing_nvidia_detected": ("BundleMissing", "installing", "binary_missing_nvidia_detected") in steps,
         "bundle installed from the manifest": ("BundleInstalled", "checking", None) in steps,
         "fetched over HTTP": any(f[2] in (200, 206) for f in fetches),
         "install machine installed": bool(installs) and installs[-1][2] == "installed",

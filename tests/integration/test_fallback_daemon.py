@@ -271,7 +271,7 @@ def test_missing_cpu_bundle_is_installed_on_demand_then_served(stoker_home, tmp_
         st = d.wait_state("ready", timeout=300)
         assert st["backend"] == "cpu" and st["variant"] == meta.variant
         steps = [(r["event"], r["to_state"], r["reason"]) for r in reversed(d.history(machine="fallback"))]
-        assert ("CheckFailed", "installing", "bundle_missing") in steps
+        assert ("BundleMissing", "installing", "bundle_missing") in steps
         assert ("BundleInstalled", "checking", None) in steps
         assert steps[-1][:2] == ("LaunchSucceeded", "settled")
         install = [r["to_state"] for r in reversed(d.history(machine=f"install:cpu-{meta.variant}"))]

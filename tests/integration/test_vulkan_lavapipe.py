@@ -149,7 +149,7 @@ def test_daemon_installs_and_serves_vulkan_on_lavapipe_and_says_it_is_the_cpu(
         install = [r["to_state"] for r in reversed(d.history(machine=f"install:vulkan-{meta.variant}"))]
         assert install[-1] == "installed" and "smoke_testing" in install
         steps = [(r["event"], r["reason"]) for r in reversed(d.history(machine="fallback"))]
-        assert ("CheckFailed", "binary_missing_vulkan_detected") in steps
+        assert ("BundleMissing", "binary_missing_vulkan_detected") in steps
         # It serves.
         answer = httpx.post(
             f"{st['endpoint']}/completion",

@@ -11,7 +11,8 @@ from daemon.backends.vulkan import ALLOW_SOFTWARE, VISIBLE_DEVICES, VulkanBacken
 from daemon.bundles import variants
 from daemon.bundles.variants import BuildPlan, Toolchain
 from daemon.core.errors import StokerError
-from daemon.fallback.proof import judge_acceleration
+from daemon.fallback.proof import read_proof
+from states.fallback_proof import acceleration_verdict, proof_evidence
 from states.reasons import ReasonCode as R
 from tests.unit import backend_recordings as rec
 
@@ -84,16 +85,17 @@ def test_no_driver_with_the_opt_in_is_still_absent():
 async def test_a_server_on_llvmpipe_is_reported_as_the_cpu_with_its_reason():
     backends = {"vulkan": vulkan(LAVAPIPE, OPT_IN)}
     ready = {"offloaded_layers": 3, "total_layers": 3, "devices": [ENGINE_LLVMPIPE], "pid": 1}
-    reason, proof = await judge_acceleration(backends, "vulkan", ready)
-    assert reason == R.VULKAN_SOFTWARE_DEVICE
-    assert proof["software_devices"] == [ENGINE_LLVMPIPE]
-    assert "3/3 layers" in proof["message"] and "nothing is accelerated" in proof["message"]
+    proof = await read_proof(backends, "vulkan", ready)
+    assert acceleration_verdict(proof) == R.VULKAN_SOFTWARE_DEVICE
+    evidence = proof_evidence("vulkan", proof)
+    assert evidence["software_devices"] == [ENGINE_LLVMPIPE]
+    assert "3/3 layers" in evidence["message"] and "nothing is accelerated" in evidence["message"]
     # A real GPU's line proves acceleration (Vulkan has no per-process VRAM reader to say otherwise).
     gpu = {**ready, "devices": ["Vulkan0 (NVIDIA H200)"]}
-    assert (await judge_acceleration(backends, "vulkan", gpu))[0] is None
+    assert acceleration_verdict(await read_proof(backends, "vulkan", gpu)) is None
     # Nothing offloaded is still gpu_layers_zero, whatever the device.
     zero = {**ready, "offloaded_layers": 0}
-    assert (await judge_acceleration(backends, "vulkan", zero))[0] == R.VULKAN_GPU_LAYERS_ZERO
+    assert acceleration_verdict(await read_proof(backends, "vulkan", zero)) == R.VULKAN_GPU_LAYERS_ZERO
 
 
 def test_reason_codes_are_the_vulkan_family():

@@ -142,7 +142,7 @@ async def test_missing_bundle_on_present_gpu_is_installed_then_launched(paths, c
         assert plan.backend == "cuda" and plan.n_gpu_layers == "auto" and plan.server_path.endswith("llama-server")
         assert installs.calls and installs.calls[0][1].usable  # installed for the detected H200
         steps = transitions(orch)
-        assert ("checking", "CheckFailed", "installing", "binary_missing_nvidia_detected") in steps
+        assert ("checking", "BundleMissing", "installing", "binary_missing_nvidia_detected") in steps
         assert ("installing", "BundleInstalled", "checking", None) in steps
         extra = await orch.on_ready(supervisor_for(plan), ready_evidence(3))
         assert extra["effective_backend"] == "cuda"
@@ -354,7 +354,7 @@ async def test_less_free_vram_than_the_fit_margin_skips_the_gpu_launch(paths, co
     async with orchestrator(paths, cuda_backend(nearly_full)) as orch:
         plan = await orch.plan(config, LR.MakePlan())
         assert plan.backend == "cpu"
-        assert ("checking", "CheckFailed", "checking", "cuda_vram_full") in transitions(orch)
+        assert ("checking", "CheckPassed", "checking", "cuda_vram_full") in transitions(orch)
         st = orch.status(supervisor_for(plan))
         [fb] = st["fallbacks"]
         assert fb["reason"] == "cuda_vram_full" and fb["evidence"]["free_vram_mib"] == {"0": 699}

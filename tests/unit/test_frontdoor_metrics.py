@@ -26,6 +26,7 @@ from daemon.fleet.remote import Remotes
 from daemon.frontdoor.tallies import KINDS, HistoryTally
 from daemon.telemetry.sampler import ServerTarget
 from states import fallback as F
+from states.fallback_proof import AccelerationProof
 from states import install as I
 from states.install_slot import SlotBundle
 from states import launch as L
@@ -110,7 +111,7 @@ def record_history(store) -> None:
     # a GPU plan whose server offloaded nothing: the proof demotes it to the CPU.
     fallback.fire(F.PlanRequested(("cuda", "cpu")))
     fallback.fire(F.CheckPassed("cuda"))
-    fallback.fire(F.LaunchSucceeded("cuda", "cpu", ReasonCode.CUDA_GPU_LAYERS_ZERO, {"offloaded_layers": 0}))
+    fallback.fire(F.LaunchSucceeded("cuda", AccelerationProof(0, layers_zero=ReasonCode.CUDA_GPU_LAYERS_ZERO)))
     # a forced backend that cannot run: nowhere left.
     fallback.fire(F.PlanRequested(("cuda",), forced=True))
     fallback.fire(F.CheckFailed("cuda", ReasonCode.GPU_MISSING))
@@ -310,7 +311,7 @@ async def test_every_model_has_its_own_series_and_its_own_history(store):
     beta_fallback = MachineRunner(F.FALLBACK, "fallback:beta", store)
     beta_fallback.fire(F.PlanRequested(("cuda", "cpu")))
     beta_fallback.fire(F.CheckPassed("cuda"))
-    beta_fallback.fire(F.LaunchSucceeded("cuda", "cpu", ReasonCode.CUDA_GPU_LAYERS_ZERO, {"offloaded_layers": 0}))
+    beta_fallback.fire(F.LaunchSucceeded("cuda", AccelerationProof(0, layers_zero=ReasonCode.CUDA_GPU_LAYERS_ZERO)))
     gamma = MachineRunner(L.LAUNCH, "launch:gamma", store)
     for event in (LR.UpRequested(), LR.PlanReady(PLAN), LR.Spawned(31), LR.Ready({}), LR.RestartRequested()):
         gamma.fire(event)

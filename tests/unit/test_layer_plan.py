@@ -6,7 +6,7 @@ from __future__ import annotations
 from daemon.backends.cuda import CudaBackend
 from daemon.bundles.tinymodel import write_tiny_model
 from daemon.fallback.layers import MIB, estimate, fit_margin, offload_kind, why_actual, why_planned
-from daemon.fallback.vram import PROBE, FreeVram, devices_for_plan, layer_room, vram_full
+from states.fallback_vram import PROBE, FreeVram, devices_for_plan, layer_room, vram_full
 from states.reasons import ReasonCode as R
 
 RESERVE = CudaBackend.runtime_reserve_mib

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import trio
 
-from daemon.fallback.workers import lost_workers, with_worker_layers
+from daemon.fallback.workers import with_worker_layers
 from daemon.workers.rpc_wire import read_worker, read_workers
 from states import launch_records as LR
 from states.reasons import ReasonCode
-from states.rpc_placement import LocalDevice, RemoteDevice, WorkerReading, confirm, place
+from states.rpc_placement import LocalDevice, RemoteDevice, WorkerReading, confirm, lost_workers, place
 from rpc_peer import RpcPeer
 
 GIB = 2**30
@@ -77,10 +77,9 @@ def test_worker_layers_replace_the_backends_layer_count():
 def test_lost_workers_only_after_an_exit_that_lost_one():
     placement = place((_ok("a:1", 1), _ok("b:2", 1)), "7.0.0")
     plan = LR.LaunchPlan("cpu", "avx2", "/b", "/b/s", "/m", rpc=placement)
-    lost = LR.MakePlan(plan, LR.PlanFailure(ReasonCode.RPC_WORKER_LOST, LR.ExitPhase.AFTER_READY))
-    crashed = LR.MakePlan(plan, LR.PlanFailure(ReasonCode.SERVER_CRASHED, LR.ExitPhase.AFTER_READY))
-    assert lost_workers(lost) == frozenset({"a:1", "b:2"})
-    assert lost_workers(crashed) == frozenset()
+    assert lost_workers(ReasonCode.RPC_WORKER_LOST, plan.rpc) == frozenset({"a:1", "b:2"})
+    assert lost_workers(ReasonCode.SERVER_CRASHED, plan.rpc) == frozenset()
+    assert lost_workers(ReasonCode.RPC_WORKER_LOST, None) == frozenset()
 
 
 def test_the_plan_round_trips_through_history_json():

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, strategies as st
 
 from states.fallback import (
     FALLBACK,
     BundleInstalled,
+    BundleMissing,
     BundleInstallFailed,
     CheckBackend,
     CheckFailed,
@@ -20,10 +22,17 @@ from states.fallback import (
     PlanRequested,
     ProbeCandidates,
     UsePlan,
+    cpu_variant_order,
 )
+from states.fallback_proof import AccelerationProof, proof_evidence
+from states.fallback_vram import FreeVram, VramCheck
 from states.launch_records import ExitPhase
 from states.machine import IllegalTransition, step
 from states.reasons import ReasonCode as R
+
+
+CPU_ORDER = ("avx2", "compat")  # the CPU builds on x86, fastest first
+ZERO_LAYERS = AccelerationProof(0, 25, layers_zero=R.CUDA_GPU_LAYERS_ZERO, hint="free VRAM")
 
 
 def startup_failed(backend, reason=R.CUDA_STARTUP_FAILED, phase=ExitPhase.NEVER_READY, **evidence):
@@ -59,7 +68,7 @@ def test_preferred_backend_works():
 def test_missing_bundle_on_present_hardware_installs_rechecks_retries():
     s = drive(
         PlanRequested(("cuda", "cpu")),
-        CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED, {"gpu": "H200"}, bundle_missing=True),
+        BundleMissing("cuda", binary_missing=R.BINARY_MISSING_NVIDIA_DETECTED, evidence={"gpu": "H200"}),
     )
     assert s.state is S.INSTALLING and s.effects == (InstallBundle("cuda"),)
     s = drive(BundleInstalled("cuda"), state=s.state, data=s.data)
@@ -71,11 +80,11 @@ def test_missing_bundle_on_present_hardware_installs_rechecks_retries():
 def test_install_is_tried_once_per_backend():
     s = drive(
         PlanRequested(("cuda", "cpu")),
-        CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED, bundle_missing=True),
+        BundleMissing("cuda", binary_missing=R.BINARY_MISSING_NVIDIA_DETECTED),
         BundleInstalled("cuda"),
-        CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED, bundle_missing=True),
+        BundleMissing("cuda", binary_missing=R.BINARY_MISSING_NVIDIA_DETECTED),
     )
-    assert s.state is S.CHECKING and s.effects == (CheckBackend("cpu"),)
+    assert s.state is S.CHECKING and s.effects == (CheckBackend("cpu", CPU_ORDER),)
 
 
 def test_other_failures_move_on_with_reason_cpu_last():
@@ -94,12 +103,14 @@ def test_other_failures_move_on_with_reason_cpu_last():
 def test_install_failure_and_launch_failure_fall_back():
     s = drive(
         PlanRequested(("cuda", "cpu")),
-        CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED, bundle_missing=True),
+        BundleMissing("cuda", binary_missing=R.BINARY_MISSING_NVIDIA_DETECTED),
         BundleInstallFailed("cuda", R.CUDA_BUNDLE_INSTALL_FAILED, {"step": "verifying"}),
     )
     assert s.state is S.CHECKING and s.reason is R.CUDA_BUNDLE_INSTALL_FAILED
     s = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda"), startup_failed("cuda", line="libcuda.so.1"))
-    assert s.state is S.CHECKING and s.effects == (CheckBackend("cpu"),) and s.reason is R.CUDA_STARTUP_FAILED
+    assert (
+        s.state is S.CHECKING and s.effects == (CheckBackend("cpu", CPU_ORDER),) and s.reason is R.CUDA_STARTUP_FAILED
+    )
     assert s.data.skipped[0].evidence == {"exit_reason": "server_crashed", "line": "libcuda.so.1"}
 
 
@@ -129,15 +140,13 @@ def test_a_cpu_server_that_never_got_ready_is_planned_afresh():
         ),
     )
     assert s.state is S.CHECKING and s.data.index == 0 and s.data.skipped == ()
+    assert s.data.cpu_variants == CPU_ORDER  # no build named as the one that faulted: none ruled out
 
 
 def test_gpu_claimed_but_cpu_in_fact_settles_with_reason():
-    s = drive(
-        PlanRequested(("cuda", "cpu")),
-        CheckPassed("cuda"),
-        LaunchSucceeded("cuda", effective_backend="cpu", reason=R.CUDA_GPU_LAYERS_ZERO),
-    )
+    s = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda"), LaunchSucceeded("cuda", ZERO_LAYERS))
     assert s.state is S.SETTLED and s.data.chosen == "cpu" and s.reason is R.CUDA_GPU_LAYERS_ZERO
+    assert s.data.evidence["hint"] == ZERO_LAYERS.hint  # the plan's figures say why
 
 
 @pytest.mark.parametrize(
@@ -157,8 +166,7 @@ def test_forced_backend_never_falls_back(failure, reason):
 
 def test_forced_backend_still_installs_its_missing_bundle():
     s = drive(
-        PlanRequested(("cuda",), forced=True),
-        CheckFailed("cuda", R.BINARY_MISSING_NVIDIA_DETECTED, bundle_missing=True),
+        PlanRequested(("cuda",), forced=True), BundleMissing("cuda", binary_missing=R.BINARY_MISSING_NVIDIA_DETECTED)
     )
     assert s.state is S.INSTALLING
     s = drive(BundleInstallFailed("cuda", R.CUDA_BUNDLE_INSTALL_FAILED), state=s.state, data=s.data)
@@ -185,18 +193,17 @@ def test_results_for_another_backend_are_illegal_and_a_new_request_starts_over()
     with pytest.raises(IllegalTransition):
         drive(PlanRequested(("cuda", "cpu"), forced=True))
     over = drive(PlanRequested(("cpu",)), state=s.state, data=s.data)
-    assert over.evidence["abandoned"] == "checking" and over.effects == (CheckBackend("cpu"),)
+    assert over.evidence["abandoned"] == "checking" and over.effects == (CheckBackend("cpu", CPU_ORDER),)
     again = drive(PlanRequested(("cpu",)), state=S.FAILED, data=s.data)
-    assert again.data == FallbackData(candidates=("cpu",))
+    assert again.data == FallbackData(candidates=("cpu",), cpu_variants=CPU_ORDER)
 
 
 def test_a_respawned_server_is_proven_again_and_the_verdict_kept():
     settled = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda"), LaunchSucceeded("cuda"))
     assert settled.data.chosen == "cuda" and settled.data.reason is None
-    proof = {"offloaded_layers": 0}
-    s = drive(LaunchSucceeded("cuda", "cpu", R.CUDA_GPU_LAYERS_ZERO, proof), state=settled.state, data=settled.data)
+    s = drive(LaunchSucceeded("cuda", ZERO_LAYERS), state=settled.state, data=settled.data)
     assert s.state is S.SETTLED and s.reason is R.CUDA_GPU_LAYERS_ZERO and s.evidence["after"] == "respawn"
-    assert s.data.respawn_demotion == Demotion("cuda", R.CUDA_GPU_LAYERS_ZERO, proof)
+    assert s.data.respawn_demotion == Demotion("cuda", R.CUDA_GPU_LAYERS_ZERO, proof_evidence("cuda", ZERO_LAYERS))
     # The demotion is the machine's new truth: what serves now, and why not the preferred one
     # (status's backend and fallback_reason read these, nothing beside the machine).
     assert s.data.chosen == "cpu" and s.data.reason is R.CUDA_GPU_LAYERS_ZERO
@@ -220,7 +227,153 @@ def test_a_respawn_accelerated_again_keeps_why_the_preferred_one_was_passed_over
         LaunchSucceeded("cuda"),
     )
     assert settled.data.reason is R.GPU_MISSING
-    demoted = drive(LaunchSucceeded("cuda", "cpu", R.CUDA_GPU_LAYERS_ZERO), state=settled.state, data=settled.data)
+    demoted = drive(LaunchSucceeded("cuda", ZERO_LAYERS), state=settled.state, data=settled.data)
     assert demoted.data.reason is R.CUDA_GPU_LAYERS_ZERO and demoted.data.chosen == "cpu"
     again = drive(LaunchSucceeded("cuda"), state=demoted.state, data=demoted.data)
     assert again.data.reason is R.GPU_MISSING and again.data.chosen == "cuda"
+
+
+# --- the CPU's builds ----------------------------------------------------------------------
+
+
+def sigill(variant, **facts):
+    """The MakePlan after a CPU server of `variant` died of SIGILL before it was ready."""
+    return PlanRequested(
+        ("cuda", "cpu"),
+        previous_backend="cpu",
+        previous_variant=variant,
+        failure=R.CPU_ILLEGAL_INSTRUCTION,
+        phase=ExitPhase.NEVER_READY,
+        **facts,
+    )
+
+
+def test_after_a_sigill_the_cpu_steps_down_to_a_safer_build():
+    s = drive(PlanRequested(("cpu",)))
+    assert s.effects == (CheckBackend("cpu", ("avx2", "compat")),)
+    s = drive(PlanRequested(("cpu",)), CheckPassed("cpu"), sigill("avx2"))
+    assert s.effects[-1] == CheckBackend("cuda")  # the GPU first again: its check is not the CPU's
+    s = drive(CheckFailed("cuda", R.GPU_MISSING), state=s.state, data=s.data)
+    assert s.effects == (CheckBackend("cpu", ("compat",)),)  # avx2 faulted: only the safer build
+
+
+def test_the_step_down_is_recorded_with_the_build_that_faulted():
+    s = drive(sigill("avx2"))
+    assert s.evidence["cpu_variants"] == ["compat"] and s.evidence["faulted_variant"] == "avx2"
+    assert "cpu_variants" not in drive(PlanRequested(("cuda", "cpu"))).evidence  # nothing stepped down
+
+
+@pytest.mark.parametrize(
+    "setting, arch, faulted, order",
+    [
+        ("auto", "x86_64", None, ("avx2", "compat")),
+        ("auto", "aarch64", None, ("compat", "avx2")),  # off x86 the safest first
+        ("native", "x86_64", None, ("native", "avx2", "compat")),  # the user's build first
+        ("compat", "x86_64", None, ("compat", "avx2")),
+        ("native", "x86_64", "native", ("avx2", "compat")),
+        ("auto", "x86_64", "compat", ("compat",)),  # nothing safer: the safest is tried again
+        ("auto", "x86_64", "cuda12", ("avx2", "compat")),  # a GPU build's SIGILL rules out no CPU build
+    ],
+)
+def test_which_cpu_builds_a_plan_may_use(setting, arch, faulted, order):
+    failure = R.CPU_ILLEGAL_INSTRUCTION if faulted else None
+    assert cpu_variant_order(setting, arch, failure, faulted) == order
+    assert cpu_variant_order(setting, arch, R.SERVER_CRASHED, faulted) == cpu_variant_order(setting, arch)
+
+
+# --- a missing bundle --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "event, reason",
+    [
+        (BundleMissing("cuda", True, R.BINARY_MISSING_NVIDIA_DETECTED), R.BINARY_MISSING_NVIDIA_DETECTED),
+        (BundleMissing("cuda", False, R.BINARY_MISSING_NVIDIA_DETECTED), R.BUNDLE_MISSING),  # no GPU seen
+        (BundleMissing("cuda", True, None), R.BUNDLE_MISSING),  # a plugin that declares no code
+    ],
+)
+def test_a_missing_bundle_is_installed_once_with_the_backends_code(event, reason):
+    s = drive(PlanRequested(("cuda", "cpu")), event)
+    assert s.state is S.INSTALLING and s.reason is reason and s.effects == (InstallBundle("cuda"),)
+    s = drive(BundleInstalled("cuda"), event, state=s.state, data=s.data)
+    assert s.state is S.CHECKING and s.data.skipped[-1].reason is reason
+
+
+def test_a_check_that_failed_otherwise_is_never_repaired_by_an_install():
+    s = drive(PlanRequested(("cuda", "cpu")), CheckFailed("cuda", R.CUDA_UNAVAILABLE))
+    assert s.state is S.CHECKING and s.effects == (CheckBackend("cpu", CPU_ORDER),)
+
+
+# --- room on the GPUs --------------------------------------------------------------------------
+
+RESERVE = 524  # CUDA's runtime share per GPU, measured on an H200
+
+
+def vram(*free, layers="auto", reason=R.CUDA_VRAM_FULL, margin=1024):
+    return VramCheck(
+        FreeVram(dict(enumerate(free)), {i: "H200" for i in range(len(free))}), margin, RESERVE, layers, reason
+    )
+
+
+def test_a_gpu_without_room_for_a_layer_is_skipped_with_its_vram_full_code():
+    s = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda", vram=vram(699)))
+    assert s.state is S.CHECKING and s.reason is R.CUDA_VRAM_FULL and s.effects == (CheckBackend("cpu", CPU_ORDER),)
+    skipped = s.data.skipped[0].evidence
+    assert skipped["free_vram_mib"] == {"0": 699} and "No cuda GPU has room for a layer" in skipped["message"]
+    assert '["-fitt", "87"]' in skipped["hint"]  # 699 - 524 = 175 MiB left: half of it as the margin
+
+
+def test_the_plan_gets_only_the_gpus_with_room():
+    s = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda", vram=vram(300, 143150)))
+    assert s.state is S.LAUNCHING and s.effects == (UsePlan("cuda", (1,)),)
+    s = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda", vram=vram(9000, 143150)))
+    assert s.effects == (UsePlan("cuda"),)  # every GPU has room: all of them
+
+
+@pytest.mark.parametrize(
+    "check",
+    [vram(699, layers=8), vram(699, reason=None), VramCheck(None, 1024, RESERVE, "auto", R.CUDA_VRAM_FULL)],
+    ids=["a fixed layer count", "no vram_full code", "nothing read"],
+)
+def test_the_engine_is_left_to_fit_where_stoker_cannot_judge(check):
+    s = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda", vram=check))
+    assert s.state is S.LAUNCHING and s.effects == (UsePlan("cuda"),)
+
+
+@given(
+    free=st.lists(st.integers(0, 200_000), min_size=1, max_size=4),
+    margin=st.integers(0, 4096),
+    layers=st.sampled_from(["auto", 0, 12]),
+)
+def test_a_gpu_backend_is_skipped_exactly_when_no_gpu_has_room(free, margin, layers):
+    s = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda", vram=vram(*free, layers=layers, margin=margin)))
+    room = [i for i, mib in enumerate(free) if mib >= RESERVE + margin]
+    if layers == "auto" and not room:
+        assert s.state is S.CHECKING and s.data.skipped[-1].reason is R.CUDA_VRAM_FULL
+        return
+    (use,) = s.effects
+    assert s.state is S.LAUNCHING and use.backend == "cuda"
+    assert use.devices == (tuple(room) if layers == "auto" and len(room) < len(free) else ())
+
+
+# --- the proof of acceleration ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "proof, chosen, reason",
+    [
+        (AccelerationProof(25, 25, process_vram_mib=900), "cuda", None),
+        (AccelerationProof(25, 25), "cuda", None),  # no per-process reading: the lines prove it
+        (ZERO_LAYERS, "cpu", R.CUDA_GPU_LAYERS_ZERO),
+        (AccelerationProof(25, 25, process_vram_mib=0), "cpu", R.GPU_CLAIMED_BUT_UNUSED),
+        (
+            AccelerationProof(3, 3, software_devices=("llvmpipe",), software_device=R.VULKAN_SOFTWARE_DEVICE),
+            "cpu",
+            R.VULKAN_SOFTWARE_DEVICE,
+        ),
+    ],
+)
+def test_a_ready_gpu_server_is_reported_as_what_it_proved(proof, chosen, reason):
+    s = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda"), LaunchSucceeded("cuda", proof))
+    assert s.state is S.SETTLED and (s.data.chosen, s.reason) == (chosen, reason)
+    assert s.data.evidence["effective_backend"] == chosen

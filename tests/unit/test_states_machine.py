@@ -13,6 +13,8 @@ from hypothesis import given, settings, strategies as st
 
 from states import config as C, fallback as F, install as I, launch_records as LR, probe as PR, pull as P
 from states import engine_update_records as EU, worker as WK
+from states import fallback_vram as FV
+from states.fallback_proof import AccelerationProof, acceleration_verdict
 from states.diagrams import SPECS, document, mermaid
 from states.fallback import FallbackData, Skipped
 from states.install import InstallData
@@ -295,17 +297,25 @@ SAMPLES = {
             for b in ("cuda", "cpu")
             for p in LR.ExitPhase
         ],
+        F.PlanRequested(
+            ("cuda", "cpu"),
+            previous_backend="cpu",
+            previous_variant="avx2",
+            failure=ReasonCode.CPU_ILLEGAL_INSTRUCTION,
+            phase=LR.ExitPhase.NEVER_READY,
+        ),
         *[F.CheckPassed(b) for b in ("cuda", "cpu")],
-        *[
-            F.CheckFailed(b, r, bundle_missing=r == ReasonCode.BINARY_MISSING_NVIDIA_DETECTED)
-            for b in ("cuda", "cpu")
-            for r in (ReasonCode.BINARY_MISSING_NVIDIA_DETECTED, ReasonCode.GPU_MISSING)
-        ],
+        *[F.CheckFailed(b, ReasonCode.GPU_MISSING) for b in ("cuda", "cpu")],
+        *[F.BundleMissing(b, binary_missing=ReasonCode.BINARY_MISSING_NVIDIA_DETECTED) for b in ("cuda", "cpu")],
+        F.CheckPassed("cuda", vram=FV.VramCheck(FV.FreeVram({0: 699}), 1024, 524, "auto", ReasonCode.CUDA_VRAM_FULL)),
+        F.CheckPassed("cuda", vram=FV.VramCheck(FV.FreeVram({0: 300, 1: 9000}), 1024, 524, "auto")),
         *[F.BundleInstalled(b) for b in ("cuda", "cpu")],
         F.BundleInstallFailed("cuda", ReasonCode.CUDA_BUNDLE_INSTALL_FAILED),
         *[F.LaunchSucceeded(b) for b in ("cuda", "cpu")],
         F.LaunchSucceeded("cuda", adopted=True),
-        F.LaunchSucceeded("cuda", "cpu", ReasonCode.CUDA_GPU_LAYERS_ZERO),
+        F.LaunchSucceeded("cuda", AccelerationProof(0, 25, layers_zero=ReasonCode.CUDA_GPU_LAYERS_ZERO)),
+        F.LaunchSucceeded("cuda", AccelerationProof(25, 25, process_vram_mib=0)),
+        F.LaunchSucceeded("cuda", AccelerationProof(25, 25, process_vram_mib=900)),
     ],
     "pull": [
         P.PullRequested("org/repo:q4_k_m", "repo"),
@@ -430,14 +440,36 @@ def fallback_policy(state, data, event, result):
             )
         else:
             assert result.state is F.FallbackState.CHECKING
-            assert new == F.FallbackData(candidates=event.candidates, forced=event.forced)
-            assert result.effects[-1] == F.CheckBackend(event.candidates[0])
+            variants = F.cpu_variant_order(event.cpu_variant, event.arch, event.failure, event.previous_variant)
+            assert new == F.FallbackData(candidates=event.candidates, forced=event.forced, cpu_variants=variants)
+            assert result.effects[-1].backend == event.candidates[0]
             assert any(isinstance(e, F.ProbeCandidates) for e in result.effects) == (not event.forced)
+    if isinstance(event, F.PlanRequested) and event.failure is ReasonCode.CPU_ILLEGAL_INSTRUCTION:
+        if result.state is F.FallbackState.CHECKING and event.previous_backend == "cpu":
+            # the CPU build that faulted is never checked again for this request
+            assert event.previous_variant not in new.cpu_variants and new.cpu_variants
+    if isinstance(event, F.BundleMissing):
+        reason = F.missing_reason(event)
+        if event.backend not in data.installed:
+            assert result.state is F.FallbackState.INSTALLING and result.effects == (F.InstallBundle(event.backend),)
+        else:
+            assert new.skipped[-1] == F.Skipped(event.backend, reason)
+    if isinstance(event, F.CheckPassed) and event.vram is not None:
+        full = FV.no_room(event.backend, event.vram)
+        if full is not None:
+            assert new.skipped[-1].reason == full[0] and result.state is not F.FallbackState.LAUNCHING
+        else:
+            (use,) = result.effects
+            assert set(use.devices) <= set(event.vram.free.indices if event.vram.free else ())
+    if isinstance(event, F.CheckFailed):
+        assert result.state is not F.FallbackState.INSTALLING  # only a missing bundle is installed
     if isinstance(event, F.LaunchSucceeded) and state is F.FallbackState.SETTLED:
         if event.adopted:
             assert new == data
         else:
-            assert (new.respawn_demotion is None) == (event.reason is None)
+            demoted = event.proof is not None and acceleration_verdict(event.proof) is not None
+            assert (new.respawn_demotion is None) == (not demoted)
+            assert new.chosen == ("cpu" if demoted else event.backend)
     if result.state is F.FallbackState.FAILED and state is not F.FallbackState.FAILED:
         assert result.effects == (F.GiveUp(new.reason, result.evidence),)
 
