@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
@@ -23,14 +22,10 @@ import httpx
 import psutil
 import trio
 
+from daemon.core.process_group import GroupLeader, live_process, stop_group
 from daemon.engine.api import EngineClient
 from daemon.engine.exits import classify_exit
 from states.reasons import ReasonCode
-
-# Float seconds since the epoch, as psutil computes it from the boot time and start ticks.
-_CREATE_TIME_TOLERANCE = 0.01
-_KILL_WAIT = 5.0
-_POLL = 0.1
 
 
 @attrs.frozen
@@ -117,20 +112,6 @@ def read_identity(path: Path) -> ServerIdentity | None:
         return None
 
 
-def live_process(pid: int, create_time: float) -> psutil.Process | None:
-    """The process `pid` if it started at `create_time` (the pid not reused since) and has not
-    ended (a zombie has); else None."""
-    try:
-        proc = psutil.Process(pid)
-        if abs(proc.create_time() - create_time) > _CREATE_TIME_TOLERANCE:
-            return None
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-    except (psutil.Error, OSError):
-        return None
-    return proc
-
-
 def matching_process(ident: ServerIdentity) -> psutil.Process | None:
     """The live process that has the record's pid, start time and executable, else None."""
     proc = live_process(ident.pid, ident.create_time)
@@ -212,46 +193,12 @@ async def stop_orphan(ident: ServerIdentity, grace: float) -> bool:
     if matching_process(ident) is None:
         await trio.lowlevel.checkpoint()
         return False
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, _KILL_WAIT)):
-        if not _signal_proven(ident, sig):
-            break
-        with trio.move_on_after(wait):
-            while matching_process(ident) is not None:
-                await trio.sleep(_POLL)
-        if matching_process(ident) is None:
-            break
+    await stop_group(
+        GroupLeader(ident.pid, ident.create_time, proof=lambda: matching_process(ident) is not None), grace
+    )
     if ident.launch_dir and matching_process(ident) is None:
         shutil.rmtree(ident.launch_dir, ignore_errors=True)
     return True
-
-
-def _signal_proven(ident: ServerIdentity, sig: signal.Signals) -> bool:
-    """Signal the group (or the process) right after re-proving the leader; False if not proven.
-
-    With a pidfd the proof and the signal name the same process, whatever happens to the pid.
-    """
-    pidfd = None
-    if hasattr(os, "pidfd_open"):
-        try:
-            pidfd = os.pidfd_open(ident.pid)
-        except OSError:
-            return False
-    try:
-        if matching_process(ident) is None:
-            return False
-        try:
-            if ident.pgid == ident.pid and os.getpgid(ident.pid) == ident.pgid:
-                os.killpg(ident.pgid, sig)  # the proven leader is alive: the pgid is its own
-            elif pidfd is not None:
-                signal.pidfd_send_signal(pidfd, sig)
-            else:
-                os.kill(ident.pid, sig)
-        except ProcessLookupError:
-            return False
-        return True
-    finally:
-        if pidfd is not None:
-            os.close(pidfd)
 
 
 def _log_tail(path: Path, max_bytes: int = 64 * 1024) -> list[str]:

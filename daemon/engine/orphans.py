@@ -19,17 +19,16 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 from pathlib import Path
 
 import psutil
 import trio
 
+from daemon.core.process_group import GroupLeader, stop_group
+
 log = logging.getLogger(__name__)
 
 KEY_FILE = "api-key"  # the file `serve_server` writes in each launch dir
-_POLL = 0.05
-_KILL_WAIT = 5.0
 
 
 def launched_from(launch_dir: Path) -> list[psutil.Process]:
@@ -62,33 +61,8 @@ async def stop_unrecorded(launch_root: Path, keep: Path | None, grace: float) ->
         procs = await trio.to_thread.run_sync(launched_from, launch_dir)
         for proc in procs:
             log.warning("stopping server pid %d: launched from %s, recorded nowhere", proc.pid, launch_dir)
-            await _stop(proc, grace)
+            await stop_group(GroupLeader.of_process(proc), grace)
             stopped.append(proc.pid)
         if not await trio.to_thread.run_sync(launched_from, launch_dir):
             shutil.rmtree(launch_dir, ignore_errors=True)
     return stopped
-
-
-async def _stop(proc: psutil.Process, grace: float) -> None:
-    """TERM then KILL, to its process group when it leads one (the engine's own children too)."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, _KILL_WAIT)):
-        if not _alive(proc):
-            return
-        try:
-            if os.getpgid(proc.pid) == proc.pid:
-                os.killpg(proc.pid, sig)
-            else:
-                proc.send_signal(sig)
-        except (ProcessLookupError, psutil.Error):
-            return
-        with trio.move_on_after(wait):
-            while _alive(proc):
-                await trio.sleep(_POLL)
-
-
-def _alive(proc: psutil.Process) -> bool:
-    """Running and not a zombie; the same process (psutil checks its start time)."""
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False

@@ -30,14 +30,13 @@ import trio
 from daemon.core.errors import StokerError
 from daemon.core.logfiles import LogRotation, files_unwritable, open_server_log, trim_server_log
 from daemon.core.paths import StokerPaths
+from daemon.core.process_group import KILL_WAIT, GroupLeader, signal_group, stop_group
 from daemon.engine.exits import ExitReport, classify_exit, signal_name
 from daemon.engine.identity import ServerIdentity, cmdline_digest, exe_file, live_exe, read_identity, write_identity
 from daemon.engine.ready import ServerLog
 from states.reasons import ReasonCode
 
 DEFAULT_GRACE = 10.0
-# After SIGKILL: how long to wait for the kernel to reap (a process in D state can linger).
-KILL_WAIT = 5.0
 # How often the log is read: often early (a small model loads in ~0.1 s and time-to-ready
 # counts), less while a big model loads, rarely once it serves. A read is one small pread.
 _POLL_EARLY, _EARLY_FOR = 0.005, 2.0
@@ -167,6 +166,11 @@ class ServerHandle:
         return self.identity.pgid
 
     @property
+    def group(self) -> GroupLeader:
+        """The server as the leader of its process group, for `stop_group`."""
+        return GroupLeader.of_child(self.process, self.identity.create_time)
+
+    @property
     def host(self) -> str:
         return self.log.listening[0] if self.log.listening else self.spec.host
 
@@ -285,7 +289,7 @@ async def serve_server(
     try:
         identity = _identity_of(process.pid, argv, spec, api_key, log_path, launch_dir)
     except BaseException:
-        os.killpg(process.pid, signal.SIGKILL)  # unreaped: the pgid is still its own
+        signal_group(GroupLeader.of_child(process), signal.SIGKILL)
         with trio.CancelScope(shield=True):
             await process.wait()
         shutil.rmtree(launch_dir, ignore_errors=True)
@@ -317,8 +321,7 @@ async def serve_server(
         with trio.CancelScope(shield=True, deadline=trio.current_time() + grace + 2 * KILL_WAIT):
             if process.returncode is None:  # cancelled or failed: we end it
                 handle.stop_requested = True
-                await _terminate(handle, grace)
-            _kill_survivors(handle, reaped_at=time.time())
+            await stop_group(handle.group, grace)  # and what an engine that ended by itself left
             _finish(handle)
             shutil.rmtree(launch_dir, ignore_errors=True)
             _forget_identity(handle)
@@ -435,50 +438,12 @@ def _oom_kill_count() -> int | None:
     return None
 
 
-def _signal_group(handle: ServerHandle, sig: signal.Signals) -> None:
-    # While the leader is unreaped (returncode None), its pgid cannot name anyone else.
-    if handle.process.returncode is None:
-        try:
-            os.killpg(handle.pgid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def _kill_survivors(handle: ServerHandle, reaped_at: float) -> None:
-    """SIGKILL what is left of the group once the leader is reaped.
-
-    A survivor has our pgid, is not a group leader (ours is gone) and was born between the
-    server's start and the leader's reap: a group that reuses the pgid can only be born after
-    ours emptied, and its leader has pid == pgid.
-    """
-    for proc in psutil.process_iter(["create_time"]):
-        try:
-            if (
-                proc.pid != handle.pgid
-                and os.getpgid(proc.pid) == handle.pgid
-                and handle.identity.create_time <= proc.info["create_time"] <= reaped_at
-            ):
-                proc.send_signal(signal.SIGKILL)  # psutil refuses a reused pid
-        except (ProcessLookupError, psutil.Error, OSError):
-            continue
-
-
-async def _terminate(handle: ServerHandle, grace: float) -> None:
-    _signal_group(handle, signal.SIGTERM)
-    with trio.move_on_after(grace):
-        await handle.process.wait()
-    if handle.process.returncode is None:
-        _signal_group(handle, signal.SIGKILL)
-        with trio.move_on_after(KILL_WAIT):
-            await handle.process.wait()
-
-
 async def stop_server(handle: ServerHandle, grace: float = DEFAULT_GRACE) -> ExitReport:
     """TERM to the process group, `grace` seconds, then KILL; returns the exit report."""
     handle.stop_requested = True
     with trio.CancelScope(shield=True, deadline=trio.current_time() + grace + 2 * KILL_WAIT):
         if handle.exit is None:
-            await _terminate(handle, grace)
+            await stop_group(handle.group, grace)
             await handle.wait_exit()
     assert handle.exit is not None, "server did not exit after SIGKILL"
     return handle.exit

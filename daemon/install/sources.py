@@ -27,7 +27,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +45,7 @@ from daemon.bundles.variants import BACKENDS, SAFE_CPU_VARIANTS, BuildPlan, defa
 from daemon.core.digests import sha256_file
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
+from daemon.core.process_group import stop_on_cancel
 from states import install as I
 from states import install_effects as IE
 from states.install_sources import Source
@@ -290,20 +290,6 @@ def progress_of(line: str) -> dict[str, Any]:
     return {"line": line[:200], "step": m.group(1), "percent": int(m.group(2))}
 
 
-async def _kill_group(proc: trio.Process) -> None:
-    """TERM the build's process group (cmake, ninja, the compilers), a grace, then KILL."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    with trio.move_on_after(KILL_GRACE_S):
-        await proc.wait()
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 @attrs.frozen
 class BuiltBundle:
     """What the build child answered: the zip in the build cache and its figures."""
@@ -337,7 +323,7 @@ async def run_build(backend: str, variant: str, progress: BuildProgress) -> Buil
                 stderr=subprocess.PIPE,
                 check=False,
                 start_new_session=True,  # its own group: a kill reaches cmake and the compilers
-                deliver_cancel=_kill_group,
+                deliver_cancel=stop_on_cancel(KILL_GRACE_S),
                 task_status=task_status,
             )
         )

@@ -9,8 +9,6 @@ The probe machine in states/ decides what a result means; this module only obtai
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -20,6 +18,8 @@ import trio
 
 from daemon.backends.base import Detection, excerpt
 from daemon.backends.registry import load_backend
+from daemon.core.process_group import stop_on_cancel
+from daemon.engine.exits import signal_name
 from daemon.probes.child import MARKER
 from states.reasons import ReasonCode
 
@@ -42,20 +42,6 @@ def probe_command(backend: str, *, target: str | None = None, python: str = sys.
     if target:
         argv += ["--target", target]
     return argv
-
-
-async def _kill_process_group(proc: trio.Process) -> None:
-    """TERM the probe's whole process group, give it a moment, then KILL what is left."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    with trio.move_on_after(KILL_GRACE_S):
-        await proc.wait()
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # also sweeps grandchildren left in the group
-    except ProcessLookupError:
-        pass
 
 
 def _failure(backend: str, message: str, **evidence: Any) -> Detection:
@@ -105,7 +91,7 @@ async def run_probe(
                 stderr=err,
                 check=False,
                 start_new_session=True,  # its own process group, so a kill reaches its children
-                deliver_cancel=_kill_process_group,
+                deliver_cancel=stop_on_cancel(KILL_GRACE_S),
                 env=None if env is None else dict(env),
             )
         stdout, stderr_raw = await trio.to_thread.run_sync(_read_both, out, err)
@@ -123,7 +109,7 @@ async def run_probe(
             **evidence,
         )
     if result.returncode < 0:
-        name = _signal_name(-result.returncode)
+        name = signal_name(result.returncode)
         return _failure(
             backend,
             f"The {backend} probe crashed with {name} (a driver or runtime fault); treating {backend} as unavailable.",
@@ -160,13 +146,6 @@ def _read_both(out: Any, err: Any) -> tuple[str, str]:
         f.seek(0)
         texts.append(f.read(MAX_OUTPUT_BYTES).decode("utf-8", "replace"))
     return texts[0], texts[1]
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 async def run_probes(

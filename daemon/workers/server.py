@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -32,8 +31,9 @@ from daemon.bundles.installed import InstalledBundle, list_installed
 from daemon.config.workers import WorkerConfig
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
+from daemon.core.process_group import GroupLeader, live_process, stop_group
 from daemon.engine.exits import classify_exit
-from daemon.engine.identity import cmdline_digest, live_process
+from daemon.engine.identity import cmdline_digest
 from daemon.engine.process import PASS_THROUGH_ENV
 from states.reasons import ReasonCode
 
@@ -223,34 +223,13 @@ def classify(returncode: int | None, log_path: Path, offset: int) -> tuple[Reaso
     return classify_exit(returncode, log_tail(log_path, offset))
 
 
-def signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pid, sig)  # its own session: pgid == pid
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 async def terminate(running: RunningWorker, grace: float) -> int | None:
     """TERM to its group, `grace` seconds, then KILL; the exit status."""
     running.stop_requested = True
-    process = running.process
-    with trio.CancelScope(shield=True):
-        if process.returncode is None:
-            signal_group(process.pid, signal.SIGTERM)
-            with trio.move_on_after(grace):
-                await process.wait()
-        if process.returncode is None:
-            signal_group(process.pid, signal.SIGKILL)
-            with trio.move_on_after(5.0):
-                await process.wait()
-    return process.returncode
+    await stop_group(GroupLeader.of_child(running.process, running.identity.create_time or None), grace)
+    return running.process.returncode
 
 
 async def terminate_adopted(proc: psutil.Process, grace: float) -> None:
     """The same for a proven server another `stoker worker` started (not our child)."""
-    signal_group(proc.pid, signal.SIGTERM)
-    deadline = trio.current_time() + grace
-    while proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE and trio.current_time() < deadline:
-        await trio.sleep(0.05)
-    if proc.is_running():
-        signal_group(proc.pid, signal.SIGKILL)
+    await stop_group(GroupLeader.of_process(proc), grace)
