@@ -1,4 +1,5 @@
-"""Write docs/states/<machine>.md from the transition tables: `python docs/states/generate.py`.
+"""Write docs/states/<machine>.md from the transition tables, and docs/states/policies.md from the
+decision tables beside them: `python docs/states/generate.py`.
 
 `--check` exits 1 if a committed page differs from what the tables say (the test suite
 runs the same comparison).
@@ -9,14 +10,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from states import policy_tables
 from states.diagrams import SPECS, document
 
 HERE = Path(__file__).resolve().parent
 
 
 def pages() -> dict[Path, str]:
-    """Each machine's page path and its generated content."""
-    return {HERE / f"{spec.name}.md": document(spec) for spec in SPECS}
+    """Each machine's page path and its generated content, and the decision tables' page."""
+    machines = {HERE / f"{spec.name}.md": document(spec) for spec in SPECS}
+    return {**machines, HERE / "policies.md": policy_tables.document()}
 
 
 def main(argv: list[str]) -> int:

@@ -45,3 +45,11 @@ def test_every_socket_method_is_in_the_reference():
         assert f"## `{name}`" in text
         for param in declared.params:
             assert f"| `{param.name}` |" in text
+
+
+def test_state_pages_and_decision_tables_are_current():
+    spec = importlib.util.spec_from_file_location("generate", DOCS / "states" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for path, text in module.pages().items():
+        assert path.read_text() == text, f"{path.name} is stale: run python docs/states/generate.py"
