@@ -40,7 +40,18 @@ from states.convert import structure, unstructure
 from daemon.config.model import Config, ConfigError, config_diff, load_config
 from daemon.config.watch import watch_config
 from daemon.control.methods import dispatch
-from daemon.control.replies import CatalogModel, ModelList, PullState, ServedBy
+from daemon.control.replies import (
+    ApiKey,
+    CatalogModel,
+    CreatedApiKey,
+    ModelList,
+    ModelRemoved,
+    PullState,
+    ServedBy,
+    SnapshotListing,
+    SnapshotRestored,
+    TelemetryReading,
+)
 from daemon.control.server import serve_control
 from daemon.core.errors import StokerError
 from daemon.core.events import EventBus
@@ -73,7 +84,8 @@ from daemon.telemetry.service import serve_telemetry
 from states import config as C
 from states import launch_records as LR
 from store import TransitionRecord, open_store
-from store.database import StoreHealth
+from store.catalog import ModelRecord
+from store.database import Store, StoreHealth
 from store.errors import StoreError
 from store.keys import KeyStore
 from store.snapshots import SnapshotCatalog, SnapshotRecord
@@ -84,7 +96,7 @@ log = logging.getLogger("stoker")
 @attrs.define(eq=False)
 class Daemon:
     paths: StokerPaths
-    store: Any
+    store: Store
     bus: EventBus
     config: Config
     fleet: Fleet = attrs.field(init=False)  # every configured model's supervisor and orchestrator
@@ -243,10 +255,11 @@ class Daemon:
     def snapshot_status(self, member: Member | None = None) -> dict[str, Any] | None:
         return self.snapshots.status((member or self.fleet.default).supervisor.ready_evidence)
 
-    def snapshot_listing(self, instance: str) -> dict[str, Any]:
+    def snapshot_listing(self, instance: str) -> SnapshotListing:
         member = self.fleet.members.get(instance)
         ready = member is not None and member.state is LR.LaunchState.READY
-        return self.snapshots.listing(instance, member.supervisor if member is not None and ready else None)
+        listing = self.snapshots.listing(instance, member.supervisor if member is not None and ready else None)
+        return structure(listing, SnapshotListing)
 
     def snapshot(self, snapshot_id: int, instance: str) -> SnapshotRecord:
         return self.snapshots.get(snapshot_id, instance)
@@ -254,15 +267,14 @@ class Daemon:
     async def save_snapshots(self, member: Member, slot: int | None) -> Sequence[SnapshotRecord]:
         return await self.snapshots.save(member.supervisor, "manual", slot=slot)
 
-    async def restore_snapshot(self, member: Member, snapshot_id: int, slot: int | None) -> dict[str, Any]:
-        return await self.snapshots.restore(member.supervisor, snapshot_id, slot)
+    async def restore_snapshot(self, member: Member, snapshot_id: int, slot: int | None) -> SnapshotRestored:
+        return structure(await self.snapshots.restore(member.supervisor, snapshot_id, slot), SnapshotRestored)
 
     def remove_snapshot(self, record: SnapshotRecord) -> None:
         self.snapshots.remove([record])
 
-    def create_key(self, name: str | None) -> dict[str, Any]:
-        created = self.keys.create(name)
-        return {**created.record.to_public(), "key": created.key}
+    def create_key(self, name: str | None) -> CreatedApiKey:
+        return CreatedApiKey.made(self.keys.create(name))
 
     def authorize(self, presented_key: str | None, loopback: bool) -> Caller | None:
         """The front door's key check: a valid user key always passes (as its name, for the
@@ -271,20 +283,20 @@ class Daemon:
             return Caller(record.name or f"#{record.id}")
         return Caller() if loopback and not self.config.frontdoor.require_keys else None
 
-    def list_keys(self) -> list[dict[str, Any]]:
-        return [record.to_public() for record in self.keys.list()]
+    def list_keys(self) -> Sequence[ApiKey]:
+        return [ApiKey.of(record) for record in self.keys.list()]
 
-    def revoke_key(self, ident: str) -> dict[str, Any]:
+    def revoke_key(self, ident: str) -> ApiKey:
         try:
-            return self.keys.revoke(ident).to_public()
+            return ApiKey.of(self.keys.revoke(ident))
         except StoreError as err:
             raise StokerError(err.reason, err.message, err.evidence) from None
 
     async def pull_model(
         self, spec: str, *, name: str | None, hf_endpoint: str | None, hf_token: str | None, index_url: str | None
-    ) -> dict[str, Any]:
+    ) -> ModelRecord:
         options: PullOptions = pull_options(hf_endpoint=hf_endpoint, hf_token=hf_token, index_url=index_url)
-        return (await self.pulls.pull(spec, name=name, options=options)).to_public()
+        return await self.pulls.pull(spec, name=name, options=options)
 
     def list_models(self) -> ModelList:
         members = self.fleet.serving()
@@ -301,8 +313,8 @@ class Daemon:
     def pulls_under_way(self) -> Sequence[Mapping[str, Any]]:
         return self.pulls.under_way()
 
-    async def remove_model(self, name: str) -> dict[str, Any]:
-        return await self.pulls.remove(name)
+    async def remove_model(self, name: str) -> ModelRemoved:
+        return structure(await self.pulls.remove(name), ModelRemoved)
 
     def serves_model(self, path: str) -> bool:
         """Whether a server (starting, ready or restarting) runs on the model file `path`."""
@@ -312,10 +324,10 @@ class Daemon:
             for m in self.fleet.members.values()
         )
 
-    async def telemetry(self) -> dict[str, Any]:
+    async def telemetry(self) -> TelemetryReading:
         if self.telemetry_sampler is None:
             raise RuntimeError("the telemetry service is not running")
-        return await self.telemetry_sampler.reading()
+        return structure(await self.telemetry_sampler.reading(), TelemetryReading)
 
     def telemetry_target(self) -> ServerTarget | None:
         """The live server for the telemetry service to sample (the default model's), or None

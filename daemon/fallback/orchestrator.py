@@ -66,6 +66,7 @@ from states.fallback_proof import acceleration_verdict
 from states.fallback_vram import FreeVram, VramCheck
 from states.machine import IllegalTransition
 from states.reasons import ReasonCode, message_for
+from store.database import Store
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ class FallbackOrchestrator:
     """Plans launches for the supervisor, walking the fallback machine through the backends."""
 
     paths: StokerPaths
-    store: Any
+    store: Store
     probes: ProbeService
     installs: InstallService
     backends: Mapping[str, Backend]

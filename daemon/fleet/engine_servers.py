@@ -26,6 +26,7 @@ from states import engine_update as U
 from states import engine_update_records as UR
 from states import launch as L
 from states import launch_records as LR
+from store.database import Store
 
 _RUNNING = (LR.LaunchState.STARTING, LR.LaunchState.LOADING, LR.LaunchState.READY)
 _DIED = (LR.LaunchState.CRASHED, LR.LaunchState.BACKOFF, LR.LaunchState.FAILED)
@@ -41,7 +42,7 @@ class FleetEngineServers:
     fleet, but members come and go)."""
 
     fleet: Callable[[], Fleet]
-    store: Any
+    store: Store
 
     def on_slot(self, backend: str, variant: str) -> tuple[UR.ServerBaseline, ...]:
         out = []

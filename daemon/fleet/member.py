@@ -41,6 +41,7 @@ from states import launch_records as LR
 from states.idle_unload import IdleFacts
 from states.model_lookup import ModelForm, model_form
 from states.placement import Footprint, Resident, loads_on_demand, occupies
+from store.database import Store
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class Services:
     """What every member shares: the daemon's stores, services and event bus."""
 
     paths: StokerPaths
-    store: Any
+    store: Store
     probes: ProbeService
     installs: InstallService
     backends: Mapping[str, Backend]

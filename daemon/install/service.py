@@ -60,6 +60,7 @@ from states import install_effects as IE
 from states.install_slot import SlotBundle, SlotWriter
 from states.install_sources import CHAIN, Source
 from states.reasons import ReasonCode, stored_reason
+from store.database import Store
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class InstallService:
     """Install machines keyed by backend-variant; `install()` drives one to its end."""
 
     paths: StokerPaths
-    store: Any
+    store: Store
     publish: Publish | None = None
     manifest_source: Callable[[], str] = lambda: os.environ.get(MANIFEST_ENV, "")
     trusted_keys: Callable[[], Sequence[str]] = lambda: ()  # [bundles] trusted_keys (docs/mirror.md)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import attrs
 
@@ -29,13 +29,14 @@ from states import install as I
 from states.install_slot import Rejection, SlotBundle, writer_conflict
 from states.machine import data_from_json
 from states.reasons import ReasonCode
+from store.database import Store
 
 
 @attrs.define(eq=False)
 class SlotWriters:
     """The machine writing each slot now (one per slot), shared by the install and update services."""
 
-    store: Any
+    store: Store
     _holders: dict[str, str] = attrs.field(factory=dict, init=False)
 
     def writer(self, slot: str) -> str | None:
@@ -89,7 +90,7 @@ def serving(paths: StokerPaths, backend: str, variant: str) -> SlotBundle | None
     return None if bundle is None else slot_bundle(bundle.root)
 
 
-def rejection_for(store: Any, backend: str, variant: str, *ids: str | None) -> Rejection | None:
+def rejection_for(store: Store, backend: str, variant: str, *ids: str | None) -> Rejection | None:
     """The engine update machine's rejection of the bundle known by any of `ids` on this slot."""
     record = store.machine(U.machine_id(backend, variant))
     if record is None or not any(ids):

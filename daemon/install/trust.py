@@ -34,6 +34,8 @@ from daemon.bundles.mirror import DEFAULT_CHANNEL, MANIFEST_PAYLOAD_TYPE
 from daemon.core.errors import StokerError
 from daemon.core.signing import Envelope, SignatureError, key_id, parse_public_key
 from states.reasons import ReasonCode
+from store.database import Store
+from store.manifests import ManifestVersions
 
 
 def is_remote(source: str) -> bool:
@@ -71,7 +73,7 @@ class ManifestTrust:
     newest manifest accepted per key and channel (None: nothing remembered, e.g. a unit test)."""
 
     keys: tuple[str, ...] = ()
-    store: Any = None  # store.Store
+    store: Store | None = None
     clock: Callable[[], float] = time.time
 
     def may_fetch(self, source: str) -> None:
@@ -165,8 +167,6 @@ class ManifestTrust:
         digest = hashlib.sha256(envelope.payload).hexdigest()
         provenance = {**evidence, "trust": "signed", "expires": manifest.expires, "payload_sha256": digest}
         if self.store is not None:
-            from store.manifests import ManifestVersions
-
             step = ManifestVersions(self.store, clock=self.clock).advance(
                 key_id=signer,
                 channel=channel,

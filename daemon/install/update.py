@@ -53,8 +53,10 @@ from daemon.install.update_steps import (
 )
 from states import engine_update as U
 from states import engine_update_records as UR
+from states.convert import structure
 from states.install_slot import SlotBundle, SlotWriter
 from states.reasons import ReasonCode, message_for
+from store.database import Store
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ class EngineUpdateService:
     """Update machines keyed by slot; `update()` and `rollback()` drive one to rest."""
 
     paths: StokerPaths
-    store: Any
+    store: Store
     installs: InstallService
     publish: Publish | None = None
     settings: Callable[[], EngineConfig] = EngineConfig
@@ -135,8 +137,8 @@ class EngineUpdateService:
         for record in self.store.machines(kind=U.ENGINE_UPDATE.name):
             if UR.UpdateState(record.state) not in U.WORKING:
                 continue
-            backend, variant = record.data.get("backend"), record.data.get("variant")
-            runner = self.runner(backend, variant)
+            data = structure(record.data, UR.UpdateData)
+            runner = self.runner(data.backend, data.variant)
             async with self._locks[runner.machine_id]:
                 if runner.state in U.WORKING:
                     log.info("resuming %s from %s", runner.machine_id, runner.state)

@@ -50,6 +50,7 @@ from states.launch_moves import stop_cause
 from states.machine import IllegalTransition, Step
 from states.snapshot_policy import save_before_stop
 from states.reasons import ReasonCode
+from store.database import Store
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class Supervisor:
     server, and the tasks that carry out the machine's effects."""
 
     paths: StokerPaths
-    store: Any
+    store: Store
     config: Config
     planner: Planner
     instance: ServerInstance = ServerInstance()

@@ -38,6 +38,7 @@ from states import pull as P
 from states.machine import IllegalTransition
 from states.reasons import ReasonCode
 from store.catalog import ModelCatalog, ModelRecord
+from store.database import Store
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class PullService:
     """Pull machines keyed by catalog name; `pull()` drives one to cataloged or failed."""
 
     paths: StokerPaths
-    store: Any
+    store: Store
     publish: Publish | None = None
     in_use: Callable[[str], bool] = lambda path: False  # does the running server serve this file?
     catalog: ModelCatalog = attrs.field(init=False)

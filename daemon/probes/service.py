@@ -26,6 +26,7 @@ from daemon.probes.runner import run_probe as run_probe_out_of_process
 from states import probe as P
 from states.machine import IllegalTransition, Step
 from states.reasons import ReasonCode
+from store.database import Store
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def _names(value: Iterable[str]) -> tuple[str, ...]:
 class ProbeService:
     """Probe machines for every backend, with a cache and concurrent out-of-process probes."""
 
-    store: Any
+    store: Store
     backends: tuple[str, ...] = attrs.field(converter=_names)
     publish: Publish | None = None
     run_probe: ProbeFn = run_probe_out_of_process

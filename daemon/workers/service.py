@@ -30,6 +30,7 @@ from states import worker as M
 from states.backoff import Backoff
 from states.machine import IllegalTransition
 from states.reasons import ReasonCode
+from store.database import Store
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class WorkerService:
     """Supervises this host's ggml-rpc-server through the worker machine."""
 
     paths: StokerPaths
-    store: Any
+    store: Store
     worker: WorkerConfig
     bundle: InstalledBundle
     settings: M.WorkerSettings = M.WorkerSettings()

@@ -357,6 +357,7 @@ def test_a_machine_steps_on_while_the_disk_is_full_and_resumes_from_the_caught_u
     from daemon.core.machines import MachineRunner
     from states import launch as L
     from states import launch_records as LR
+    from states.reasons import ReasonCode
 
     path = tmp_path / "stoker.db"
     s = open_store(path)
@@ -364,7 +365,7 @@ def test_a_machine_steps_on_while_the_disk_is_full_and_resumes_from_the_caught_u
     runner = MachineRunner(L.LAUNCH, "launch", s, seen.append)
     runner.fire(LR.UpRequested())
     _fill(s)
-    step = runner.fire(LR.PlanFailed("model_missing", BIG))  # the issue: this raised and killed the daemon
+    step = runner.fire(LR.PlanFailed(ReasonCode.MODEL_MISSING, BIG))  # once raised and stopped the daemon
     assert runner.state is LR.LaunchState.FAILED and step.state is LR.LaunchState.FAILED
     assert [m["to"] for m in seen] == ["planning", "failed"] and runner.seq == 2
     runner.fire(LR.UpRequested())
