@@ -15,6 +15,7 @@ import trio
 
 from daemon.install.sources import run_build
 from tests.integration.test_engine_sources import FAKE_CMAKE, FAKE_MAIN
+from tests.waits import until
 
 
 async def test_a_build_cancelled_with_the_daemon_leaves_no_process_and_no_lock(tmp_path, monkeypatch):
@@ -39,12 +40,13 @@ async def test_a_build_cancelled_with_the_daemon_leaves_no_process_and_no_lock(t
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run_build, "cpu", "compat", progress)
             await building.wait()
-            while not sleepers():  # cmake is configuring: its child sleeps
-                await trio.sleep(0.05)
+            await until(sleepers, timeout=60, what="cmake configuring (its child sleeps)")
             nursery.cancel_scope.cancel()  # what a daemon's shutdown does to its installs
-    deadline = trio.current_time() + 10
-    while sleepers() and trio.current_time() < deadline:
-        await trio.sleep(0.1)
-    assert sleepers() == []
+    await until(
+        lambda: sleepers() == [],
+        timeout=10,
+        what="the build's process group to be killed",
+        detail=lambda: f"{sleepers()}",
+    )
     with open(tmp_path / "cache" / "builds" / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: the next build is not blocked

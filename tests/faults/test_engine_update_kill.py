@@ -27,6 +27,7 @@ from states import engine_update_records as R
 from store import open_store
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 from tests.integration.engine_repack import repack
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -98,10 +99,13 @@ def test_a_daemon_killed_mid_update_finishes_it_after_restart(daemon, model, cpu
 
     asker = threading.Thread(target=ask, daemon=True)
     asker.start()
-    deadline = time.monotonic() + 120
-    while not any(r["to_state"] == killed_in for r in daemon.history(machine=machine, limit=20)):
-        assert time.monotonic() < deadline, daemon.history(machine=machine, limit=20)
-        time.sleep(0.01)
+    wait_until(
+        lambda: any(r["to_state"] == killed_in for r in daemon.history(machine=machine, limit=20)),
+        timeout=120,
+        what=f"{machine} in {killed_in}",
+        tick=0.01,
+        detail=lambda: f"{daemon.history(machine=machine, limit=20)}",
+    )
     daemon.kill9()
     asker.join(10)
 

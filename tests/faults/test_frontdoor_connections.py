@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config
+from tests.waits import wait_until
 
 pytestmark = [pytest.mark.engine]
 
@@ -146,10 +147,12 @@ def test_a_thousand_idle_connections_leave_status_and_a_new_request_prompt(daemo
             if i % 2:
                 sock.sendall(b"POST /v1/chat/compl")  # half a request line, then nothing
             socks.append(sock)
-        deadline = time.monotonic() + 10
-        while (held := established(daemon.proc.pid, port)) < 1000 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert held >= 1000, f"the daemon holds {held} of the 1000 idle connections"
+        wait_until(
+            lambda: established(daemon.proc.pid, port) >= 1000,
+            timeout=10,
+            what="the daemon holding all 1000 idle connections",
+            detail=lambda: f"it holds {established(daemon.proc.pid, port)}",
+        )
 
         began = time.monotonic()
         status = daemon.call("status")
@@ -300,10 +303,11 @@ def test_limits_apply_on_reload(daemon, model):
     refused = httpx.post(f"{base}/chat/completions", json=padded, trust_env=False)
     assert refused.status_code == 413
     write_config(daemon.paths, frontdoor_config(model, port, max_body_bytes=4 * LIMIT, idle_timeout_s=1))
-    deadline = time.monotonic() + 30
-    while "config reloaded: frontdoor.idle_timeout_s, frontdoor.max_body_bytes" not in daemon.log_text():
-        assert time.monotonic() < deadline, "the config change was never applied"
-        time.sleep(0.05)
+    wait_until(
+        lambda: "config reloaded: frontdoor.idle_timeout_s, frontdoor.max_body_bytes" in daemon.log_text(),
+        timeout=30,
+        what="the log line of the [frontdoor] change applied",
+    )
     assert httpx.post(f"{base}/chat/completions", json=padded, trust_env=False).status_code == 404
     with socket.create_connection(("127.0.0.1", port)) as idle:
         opened = time.monotonic()
@@ -352,10 +356,7 @@ def test_a_lan_bind_without_keys_is_refused_at_start_and_on_reload(daemon, model
     port = start(daemon, model)
     daemon.wait_state("ready")
     write_config(daemon.paths, frontdoor_config(model, port, host="0.0.0.0"))
-    deadline = time.monotonic() + 30
-    while not daemon.call("status")["config"]["problems"]:
-        assert time.monotonic() < deadline, "the LAN bind was not refused on reload"
-        time.sleep(0.05)
+    wait_until(lambda: daemon.call("status")["config"]["problems"], timeout=30, what="the LAN bind refused on reload")
     (problem,) = daemon.call("status")["config"]["problems"]
     assert "require_keys = true" in problem and "config rejected" in daemon.log_text()
     assert chat(f"http://127.0.0.1:{port}/v1").status_code == 200

@@ -26,6 +26,7 @@ from daemon.models.pull import PullOptions, PullService
 from states.reasons import ReasonCode
 from store import open_store
 from tests.integration.model_sources import HF_REPO, FakeHub, HubRepo, sha256
+from tests.waits import wait_until
 
 
 @pytest.fixture
@@ -146,12 +147,12 @@ def test_a_daemon_killed_mid_pull_resumes_it_at_start_and_serves_the_model(daemo
         daemon.kill9()
         hub.throttle = None
         daemon.start()  # resumes the pull at start, with the daemon's HF_ENDPOINT unset: the URL is pinned
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            listing = daemon.call("model.list")
-            if listing["models"]:
-                break
-            time.sleep(0.1)
+        listing = wait_until(
+            lambda: (found := daemon.call("model.list"))["models"] and found,
+            timeout=60,
+            what="the resumed pull in the model list",
+            detail=lambda: daemon.log_text()[-3000:],
+        )
         [model] = listing["models"]
         assert model["name"] == "stoker-test/big-GGUF:Q8_0" and model["sha256"] == sha256(data)
         ranges = hub.ranges()

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.integration.daemon_harness import servers_for, tiny_config, write_config
+from tests.waits import wait_until
 
 pytestmark = [pytest.mark.engine]
 
@@ -53,14 +54,12 @@ def test_a_busy_slot_outlasts_the_stop_budget_and_the_lost_save_is_reported(daem
 
     generating = threading.Thread(target=generate, daemon=True)
     generating.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        slots = httpx.get(url + "/slots", headers=headers, timeout=10).json()
-        if slots[0]["is_processing"] and (slots[0].get("n_prompt_tokens") or 0) > 0:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail(f"slot 0 never got busy: {slots}")
+
+    def busy() -> bool:
+        slot = httpx.get(url + "/slots", headers=headers, timeout=10).json()[0]
+        return slot["is_processing"] and (slot.get("n_prompt_tokens") or 0) > 0
+
+    wait_until(busy, timeout=30, what="slot 0 busy with the prompt")
     started = time.monotonic()
     daemon.call("down")
     daemon.wait_state("stopped", timeout=60)

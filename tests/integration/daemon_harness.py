@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,6 +15,7 @@ import psutil
 from daemon.control.client import ControlClient
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
+from tests.waits import wait_until
 
 
 def write_config(paths: StokerPaths, text: str) -> None:
@@ -88,26 +88,27 @@ class DaemonProcess:
             return c.call(method, **params)
 
     def wait_socket(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def answers() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
                 raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log_text()}")
             try:
-                self.call("ping")
-                return
+                return bool(self.call("ping"))
             except StokerError:
-                time.sleep(0.05)
-        raise AssertionError(f"daemon socket never answered:\n{self.log_text()}")
+                return False
+
+        wait_until(answers, timeout=timeout, what="the daemon's socket to answer", detail=self.log_text)
 
     def wait_for(self, predicate: Callable[[dict], bool], timeout: float = 60.0, what: str = "condition") -> dict:
-        deadline = time.monotonic() + timeout
         status: dict = {}
-        while time.monotonic() < deadline:
+
+        def reached() -> dict | None:
+            nonlocal status
             status = self.call("status")
-            if predicate(status):
-                return status
-            time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}; last status: {status}\n{self.log_text()[-4000:]}")
+            return status if predicate(status) else None
+
+        return wait_until(
+            reached, timeout=timeout, what=what, detail=lambda: f"last status: {status}\n{self.log_text()[-4000:]}"
+        )
 
     def wait_state(self, state: str, timeout: float = 60.0) -> dict:
         return self.wait_for(lambda s: s["state"] == state, timeout, f"state {state}")

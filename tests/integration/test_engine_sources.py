@@ -21,13 +21,13 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import trio
 
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
+from tests.waits import wait_until
 
 FAKE_MAIN = r"""#include <stdio.h>
 #include <string.h>
@@ -163,10 +163,8 @@ def test_fresh_home_without_manifest_or_cache_builds_the_engine_here(stoker_home
         built = rows[4][3]
         assert built["cached"] is False and (cache / "builds" / built["cache_key"] / "bundle.zip").is_file()
         bundle = d.paths.bundles_dir / f"cpu-{row['variant']}"
-        deadline = time.monotonic() + 30  # promoted by the effect that follows the installed transition
-        while not (bundle / "bundle.json").is_file() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert (bundle / "bundle.json").is_file()  # installed: verified (--version, --list-devices) and promoted
+        # Installed: verified (--version, --list-devices) and promoted, by the effect that follows the transition.
+        wait_until((bundle / "bundle.json").is_file, timeout=30, what=f"{bundle}/bundle.json (the promoted build)")
         assert '"build_number": 7' in (bundle / "bundle.json").read_text()
     finally:
         d.stop()

@@ -23,6 +23,7 @@ from daemon.bundles.installed import bundle_meta_of
 from daemon.core.errors import StokerError
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 from tests.integration.engine_repack import CRASH_WHEN_SERVING, biased_generation, repack, smoke_tokens
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -153,10 +154,12 @@ def test_an_engine_that_dies_when_serving_is_rolled_back_and_the_conversation_ke
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"schema_version": 1, "bundles": [entry]}))
     write_config(daemon.paths, tiny_config(model, snapshots=True) + f'[bundles]\nmanifest = "{manifest}"\n')
-    deadline = time.monotonic() + 30
-    while "config reloaded: bundles.manifest" not in daemon.log_text():
-        assert time.monotonic() < deadline, daemon.log_text()[-2000:]
-        time.sleep(0.1)
+    wait_until(
+        lambda: "config reloaded: bundles.manifest" in daemon.log_text(),
+        timeout=30,
+        what="the log line of the manifest change applied",
+        detail=lambda: daemon.log_text()[-2000:],
+    )
     installed = engine_call(daemon, "install", backend="cpu")["installed"]
     assert installed["version"] == old_version
     (last,) = daemon.history(machine=f"install:{slot}", limit=1)

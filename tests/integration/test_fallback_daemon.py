@@ -21,6 +21,7 @@ from daemon.core.errors import StokerError
 from tests.bundlekit import make_bundle_zip
 from tests.httpfault import Fault
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
+from tests.waits import wait_until
 
 GPUS = ("cuda", "rocm", "vulkan", "metal")
 
@@ -214,7 +215,6 @@ def _big_bundle_zip(tmp_path, size: int):
 
 def test_daemon_killed_mid_download_resumes_after_restart(stoker_home, tmp_path, fault_server):
     import threading
-    import time
 
     data = _big_bundle_zip(tmp_path, 4 * 2**20).read_bytes()
     url = fault_server.add("/slow.zip", data, Fault(rate=2**20))  # about 4 s
@@ -226,22 +226,25 @@ def test_daemon_killed_mid_download_resumes_after_restart(stoker_home, tmp_path,
         d.wait_state("failed", timeout=60)
         caller = threading.Thread(target=lambda: stoker(d, "install", "cpu", "--variant", "compat", "--json"))
         caller.start()
-        deadline = time.monotonic() + 30
-        parts = []
-        while time.monotonic() < deadline:  # until at least one batch (1 MiB) is on disk
-            parts = list((d.paths.data_dir / "downloads").glob("*.part"))
-            if parts and parts[0].stat().st_size >= 2**20:
-                break
-            time.sleep(0.05)
+        downloads = d.paths.data_dir / "downloads"
+        wait_until(
+            lambda: any(p.stat().st_size >= 2**20 for p in downloads.glob("*.part")),
+            timeout=30,
+            what="a batch (1 MiB) of the bundle on disk",
+        )
         d.kill9()  # mid-stream: the part file and its sidecar stay
         caller.join(30)
         assert list((d.paths.data_dir / "downloads").glob("*.part"))
         assert not (d.paths.bundles_dir / "cpu-compat").exists()
         fault_server.set_fault("/slow.zip", None)
         d.start()
-        deadline = time.monotonic() + 60
-        while not (d.paths.bundles_dir / "cpu-compat").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        # The machine's last transition, not the promoted directory: that appears a step before it.
+        wait_until(
+            lambda: [r["to_state"] for r in d.history(machine="install:cpu-compat", limit=1)] == ["installed"],
+            timeout=60,
+            what="install:cpu-compat installed after the resumed download",
+            detail=lambda: d.log_text()[-3000:],
+        )
         assert (d.paths.bundles_dir / "cpu-compat" / "bundle.json").exists()
         rows = [(r["from_state"], r["event"], r["to_state"]) for r in reversed(d.history(machine="install:cpu-compat"))]
         assert ("downloading", "Resumed", "downloading") in rows and rows[-1][2] == "installed"

@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
 
 import httpx
 import pytest
 
 from tests.integration.daemon_harness import start_with_frontdoor as start, tiny_config, write_config
+from tests.waits import wait_until
 
 pytestmark = [pytest.mark.engine]
 
@@ -103,10 +103,11 @@ def test_past_its_bounds_a_held_request_gets_503_with_the_reason(daemon, model):
     port = base.split(":")[2].split("/")[0]
     text = tiny_config(model) + f"[frontdoor]\nport = {port}\nmax_queue = 4\nhold_timeout_s = 0.01\n"
     write_config(daemon.paths, text)
-    deadline = time.monotonic() + 30
-    while "config reloaded: frontdoor.hold_timeout_s" not in daemon.log_text():
-        assert time.monotonic() < deadline, "the config change was never applied"
-        time.sleep(0.05)
+    wait_until(
+        lambda: "config reloaded: frontdoor.hold_timeout_s" in daemon.log_text(),
+        timeout=30,
+        what="the log line of the [frontdoor] change applied",
+    )
     assert daemon.call("status")["state"] == "ready"  # no relaunch for [frontdoor]
     daemon.call("restart")
     assert refusal(client, messages).code == "frontdoor_hold_timeout"

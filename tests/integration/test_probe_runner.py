@@ -20,6 +20,7 @@ import trio
 from daemon.backends.cpu_features import CHILD, SIGILL, USABLE, X86_TESTS
 from daemon.probes.runner import run_probe, run_probes
 from states.reasons import ReasonCode as R
+from tests.waits import until
 
 HERE = Path(__file__).parent
 x86_linux = pytest.mark.skipif(
@@ -123,9 +124,11 @@ async def test_hanging_probe_is_killed_with_its_children(tmp_path):
     assert d.evidence["timeout_s"] == 3
     assert "waiting for the driver" in d.evidence["stderr"]  # kept although the probe was killed
     child, grandchild = (int(p) for p in pidfile.read_text().split())
-    with trio.fail_after(10):
-        while not (process_gone(child) and process_gone(grandchild)):
-            await trio.sleep(0.05)
+    await until(
+        lambda: process_gone(child) and process_gone(grandchild),
+        timeout=10,
+        what=f"the timed-out probe {child} and its child {grandchild} to be killed",
+    )
 
 
 async def test_a_daemon_left_holding_stdout_does_not_stall_the_probe(tmp_path):

@@ -33,6 +33,7 @@ from tests.integration.test_third_party_backend import (  # noqa: F401  (plugin_
     stoker,
     with_plugin,
 )
+from tests.waits import wait_until
 
 pytestmark = [pytest.mark.engine]
 
@@ -327,10 +328,7 @@ def test_models_added_and_removed_while_the_daemon_runs(daemon, model, other_mod
     # beta's section goes: its server is stopped (drained like any planned stop) and it is no longer served.
     write_config(daemon.paths, tiny_config(model) + f'[models.alpha]\nmodel = "{model}"\n' + frontdoor)
     daemon.wait_for(lambda s: [m["name"] for m in s["models"]] == ["alpha"], 60, "alpha alone")
-    deadline = time.monotonic() + 30
-    while servers_for(other_model) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not servers_for(other_model)
+    wait_until(lambda: not servers_for(other_model), timeout=30, what="beta's server to be stopped")
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="beta", prompt=PROMPT, max_tokens=2)
     assert greedy(client, "alpha")[1] == "alpha"
@@ -357,12 +355,11 @@ def test_a_killed_daemon_adopts_every_models_server_and_stops_one_no_longer_conf
     daemon.start()
     wait_model(daemon, "alpha", "ready")
     assert [m["name"] for m in daemon.call("status")["models"]] == ["alpha"]
-    deadline = time.monotonic() + 30
-    while servers_for(other_model) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not servers_for(other_model)
+    wait_until(lambda: not servers_for(other_model), timeout=30, what="beta's server to be stopped")
     assert models_of(daemon)["alpha"]["pid"] == pids["alpha"]
     # The process is gone a moment before the machine records it.
-    while daemon.history(machine="launch:beta", limit=1)[0]["to_state"] != "stopped" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert daemon.history(machine="launch:beta", limit=5)[0]["to_state"] == "stopped"
+    wait_until(
+        lambda: daemon.history(machine="launch:beta", limit=1)[0]["to_state"] == "stopped",
+        timeout=30,
+        what="launch:beta's stopped transition",
+    )

@@ -17,6 +17,7 @@ import pytest
 
 from daemon.core.errors import StokerError
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
+from tests.waits import wait_until
 
 pytestmark = [pytest.mark.engine]
 
@@ -304,9 +305,9 @@ def test_down_saves_and_disabled_does_not(daemon, model):
         daemon.call("snapshot.save")
     assert err.value.reason == "snapshot_server_not_ready"
     write_config(daemon.paths, tiny_config(model, snapshots=False))
-    daemon_sees = time.monotonic() + 30
-    while daemon.call("snapshot.list")["enabled"] and time.monotonic() < daemon_sees:
-        time.sleep(0.1)  # the config watcher debounces
+    wait_until(
+        lambda: not daemon.call("snapshot.list")["enabled"], timeout=30, what="snapshots turned off by the reload"
+    )
     daemon.call("up")
     st = daemon.wait_state("ready")
     assert st["snapshots"] == {"enabled": False}
@@ -483,9 +484,9 @@ def test_retention_says_what_it_drops(daemon, model):
     assert [r["id"] for r in daemon.call("snapshot.list")["snapshots"]] == [second["id"]]
     # A byte budget smaller than one snapshot: the save is refused before it is paid for, and said.
     write_config(daemon.paths, tiny_config(model, snapshots={"max_count": 1, "max_bytes": 1000}))
-    deadline = time.monotonic() + 30
-    while daemon.call("snapshot.list")["max_bytes"] != 1000 and time.monotonic() < deadline:
-        time.sleep(0.1)  # the config watcher debounces
+    wait_until(
+        lambda: daemon.call("snapshot.list")["max_bytes"] == 1000, timeout=30, what="the new byte budget in force"
+    )
     with pytest.raises(StokerError) as err:
         daemon.call("snapshot.save")
     assert err.value.reason == "snapshot_dropped" and err.value.evidence["why"] == "too_big"

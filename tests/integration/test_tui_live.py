@@ -31,6 +31,7 @@ from tui.screens.not_running import NotRunningScreen
 from tui.widgets.backend_card import BackendCard
 from tui.widgets.history_view import HistoryView
 from tui.widgets.telemetry_panel import TelemetryPanel
+from tests.waits import wait_until
 
 
 @pytest.fixture
@@ -305,8 +306,11 @@ def test_cpu_telemetry_reads_the_live_server(daemon):
         f"{st['endpoint']}/completion", json=body, headers={"Authorization": f"Bearer {st['api_key']}"}, timeout=60
     )
     assert reply.status_code == 200
-    time.sleep(first["ttl_s"] + 0.2)
-    later = daemon.call("telemetry")
+    later = wait_until(
+        lambda: (t := daemon.call("telemetry"))["sample"]["time"] > sample["time"] and t,
+        timeout=first["ttl_s"] + 30,
+        what="a telemetry sample newer than the first (one TTL later)",
+    )
     engine = later["sample"]["engine"]
     assert later["sample"]["time"] > sample["time"]
     assert engine["tokens_predicted_total"] >= 16
