@@ -277,10 +277,7 @@ def test_the_server_log_is_rotated_and_a_long_running_one_trimmed(daemon, model)
 def test_the_daemon_writes_its_own_log_file_privately(daemon):
     d = daemon.start()  # returns once the socket answers: "daemon ready" is logged just after
     log = d.paths.logs_dir / "daemon.log"
-    deadline = time.monotonic() + 10
-    while "daemon ready" not in log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert "daemon ready" in log.read_text()
+    wait_until(lambda: "daemon ready" in log.read_text(), timeout=10, what="'daemon ready' in the daemon's own log")
     assert log.stat().st_mode & 0o777 == 0o600
 
 

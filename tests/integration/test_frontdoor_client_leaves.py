@@ -17,6 +17,7 @@ import pytest
 
 from daemon.bundles.tinymodel import write_tiny_model
 from tests.integration.daemon_harness import servers_for, tiny_config, write_config
+from tests.waits import wait_until
 
 pytestmark = [pytest.mark.engine]
 
@@ -61,21 +62,25 @@ def test_a_client_that_leaves_stops_the_engine(daemon, tmp_path, stream):
             got = b""
             while got.count(b"data: ") < 3:  # the answer is streaming
                 got += client.recv(65536)
-        deadline = time.monotonic() + 10
-        while not busy_slots(st["endpoint"], st["api_key"]):  # the engine is generating
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until(
+            lambda: busy_slots(st["endpoint"], st["api_key"]), timeout=10, what="the engine generating", tick=0.02
+        )
         forwarded = engine_connections(daemon.proc.pid, st["endpoint"]) - before
         assert len(forwarded) == 1, forwarded  # the front door's, carrying this request
     left = time.monotonic()
-    while forwarded & engine_connections(daemon.proc.pid, st["endpoint"]):
-        assert time.monotonic() - left < 1.0, "the engine's connection outlived the client that left"
-        time.sleep(0.02)
+    wait_until(
+        lambda: not forwarded & engine_connections(daemon.proc.pid, st["endpoint"]),
+        timeout=1.0,
+        what="the engine's connection to close after the client left",
+        tick=0.02,
+    )
     closed_s = time.monotonic() - left
     if stream:  # llama-server notices a closed connection while it streams, and stops
-        while busy_slots(st["endpoint"], st["api_key"]):
-            assert time.monotonic() - left < 3.0, "the engine kept generating for a client that left"
-            time.sleep(0.05)
+        wait_until(
+            lambda: not busy_slots(st["endpoint"], st["api_key"]),
+            timeout=3.0 - closed_s,
+            what="the engine to stop generating for a client that left",
+        )
     print(f"the engine's connection closed {closed_s:.2f} s after the client left")
     metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", trust_env=False).text
     route = "/v1/chat/completions"

@@ -20,6 +20,7 @@ from daemon.engine.identity import adopt, read_identity, stop_orphan, verify_ide
 from daemon.engine.process import ServerSpec, start_server, stop_server
 from daemon.engine.ready import wait_ready
 from states.reasons import ReasonCode
+from tests.waits import until
 
 pytestmark = pytest.mark.engine
 
@@ -215,8 +216,11 @@ async def test_a_server_outlives_its_killed_daemon_and_is_adopted(spec, tmp_path
     with trio.fail_after(TIMEOUT):
         daemon = await trio.lowlevel.open_process(argv)
         try:
-            while (ident := read_identity(ident_path)) is None or ident.port is None:
-                await trio.sleep(0.05)
+            ident = await until(
+                lambda: (found := read_identity(ident_path)) is not None and found.port is not None and found,
+                timeout=TIMEOUT / 2,
+                what=f"the server's identity with its port in {ident_path}",
+            )
         finally:
             daemon.kill()  # the daemon dies with -9: no cleanup runs
             await daemon.wait()
