@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 
 from states.install_slot import Rejection
+from states.machine import as_evidence
 from states.reasons import ReasonCode
 
 
@@ -54,10 +55,6 @@ class Outcome(enum.StrEnum):
     SKIPPED = "skipped"  # not waited for: another server's failure already decided
 
 
-def _evidence(value: Any) -> dict[str, Any]:
-    return dict(value or {})
-
-
 def _tokens(value: Any) -> tuple[int, ...] | None:
     return None if value is None else _int_tuple(value)
 
@@ -85,7 +82,7 @@ class Candidate:
     url: str
     sha256: str | None = None
     size: int | None = None
-    origin: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    origin: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -107,7 +104,7 @@ class ServerVerdict:
     offloaded_layers: int | None = None
     total_layers: int | None = None
     reason: str | None = None  # its launch machine's reason (an exit's classified reason)
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 def _verdicts(items: Any) -> tuple[ServerVerdict, ...]:
@@ -140,7 +137,7 @@ class UpdateData:
     attempts: int = 0
     resumes: int = 0
     reason: ReasonCode | None = None
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
     @property
     def slot(self) -> str:
@@ -177,7 +174,7 @@ class Staged:
     staged: BundleFacts
     staging: str
     tokens: tuple[int, ...] = attrs.field(converter=_int_tuple)
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -186,7 +183,7 @@ class GateFailed:
     switch), the evidence its cause (the precise reason code, the message, the figures)."""
 
     gate: Gate = attrs.field(converter=Gate)
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -194,7 +191,7 @@ class TokensCompared:
     """The old engine's greedy tokens on the candidate's smoke model, run here."""
 
     old: tuple[int, ...] = attrs.field(converter=_int_tuple)
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -202,7 +199,7 @@ class Switched:
     """The slot holds the staged bundle, the old one is its `.previous`; `servers` ran on the old."""
 
     servers: tuple[ServerBaseline, ...] = ()
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -228,14 +225,14 @@ class RollbackRequested:
 class RolledBack:
     """The slot holds the bundle it was asked to (the previous one) again."""
 
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
 class RollbackFailed:
     """The bundle to put back is not there (slot and `.previous` hold others)."""
 
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen

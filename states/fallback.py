@@ -35,7 +35,7 @@ import attrs
 from states.fallback_proof import AccelerationProof, acceleration_verdict, proof_evidence
 from states.fallback_vram import VramCheck, devices_of, no_room
 from states.launch_records import CPU_BACKEND, ExitPhase
-from states.machine import STAY, MachineSpec, Rule, Step, guarded
+from states.machine import STAY, MachineSpec, Rule, Step, guarded, as_evidence
 from states.reasons import ReasonCode
 
 
@@ -46,10 +46,6 @@ class FallbackState(enum.StrEnum):
     LAUNCHING = "launching"
     SETTLED = "settled"
     FAILED = "failed"
-
-
-def _evidence(value: Any) -> dict[str, Any]:
-    return dict(value or {})
 
 
 def _names(value: Any) -> tuple[str, ...]:
@@ -88,7 +84,7 @@ class Skipped:
 
     backend: str
     reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 def _skipped(value: Any) -> tuple[Skipped, ...]:
@@ -101,7 +97,7 @@ class Demotion:
 
     backend: str
     reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -113,7 +109,7 @@ class FallbackData:
     skipped: tuple[Skipped, ...] = attrs.field(default=(), converter=_skipped)
     chosen: str | None = None  # the backend the server really runs on, once settled
     reason: ReasonCode | None = None  # why not the preferred one (or why failed)
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
     # Settled, then the same plan respawned after a crash and found not really accelerated.
     respawn_demotion: Demotion | None = None
     cpu_variants: tuple[str, ...] = attrs.field(default=(), converter=_names)  # the CPU builds to try, best first
@@ -145,7 +141,7 @@ class PlanRequested:
     failure: ReasonCode | None = None
     phase: ExitPhase | None = None
     startup_failed: ReasonCode = ReasonCode.SERVER_CRASHED
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -155,7 +151,7 @@ class CheckPassed:
     and which GPUs the server gets."""
 
     backend: str
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
     vram: VramCheck | None = None
 
 
@@ -165,7 +161,7 @@ class CheckFailed:
 
     backend: str
     reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -177,7 +173,7 @@ class BundleMissing:
     backend: str
     present: bool = True
     binary_missing: ReasonCode | None = None
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -191,7 +187,7 @@ class BundleInstalled:
 class BundleInstallFailed:
     backend: str
     reason: ReasonCode  # cuda_bundle_install_failed or its analogue
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -202,7 +198,7 @@ class LaunchSucceeded:
 
     backend: str
     proof: AccelerationProof | None = None
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
     adopted: bool = False
 
 
@@ -247,7 +243,7 @@ class GiveUp:
     """No backend is left (or the forced one failed): the launch machine's PlanFailed."""
 
     reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 Effect = ProbeCandidates | CheckBackend | InstallBundle | UsePlan | GiveUp

@@ -62,7 +62,7 @@ from states.install_sources import (
     sources_of,
     tries_of,
 )
-from states.machine import STAY, Guarded, MachineSpec, Rule, Step, guarded
+from states.machine import STAY, Guarded, MachineSpec, Rule, Step, guarded, as_evidence
 from states.reasons import ReasonCode
 
 
@@ -82,10 +82,6 @@ class InstallState(enum.StrEnum):
     FAILED = "failed"
 
 
-def _evidence(value: Any) -> dict[str, Any]:
-    return dict(value or {})
-
-
 @attrs.frozen
 class InstallData:
     backend: str = ""
@@ -98,7 +94,7 @@ class InstallData:
     attempts: int = 0  # install requests so far (1 for the first)
     resumes: int = 0
     reason: ReasonCode | None = None
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
     sources: tuple[Source, ...] = attrs.field(default=(), converter=sources_of)  # this request's, in order
     source: Source | None = None  # the one being tried, then the one the installed bundle came from
     origin: str | None = None  # where in it: the manifest's URL, the cache entry, the file
@@ -132,7 +128,7 @@ class Resolved:
     url: str
     sha256: str
     size: int
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
     origin: str | None = None
     now: SlotBundle | None = None
     digest: str | None = None
@@ -147,7 +143,7 @@ class SourceUnavailable:
     bundle_install_failed code, `cause` the precise one (also the evidence's); `seconds` the try's."""
 
     reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
     seconds: float | None = None
     cause: ReasonCode | None = None
 
@@ -156,7 +152,7 @@ class SourceUnavailable:
 class ToolchainReady:
     """The builder can build this backend here (compiler, cmake, and what the backend needs)."""
 
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -172,7 +168,7 @@ class Downloaded:
 class Verified:
     """The archive matches the resolved digest and size."""
 
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -187,7 +183,7 @@ class Validated:
     """The staged bundle's metadata matches the manifest and the platform; its `digest`, what the
     slot holds `now` and an engine update's `rejection` of it (as for Resolved)."""
 
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
     now: SlotBundle | None = None
     digest: str | None = None
     rejection: Rejection | None = None
@@ -198,7 +194,7 @@ class Validated:
 class SmokePassed:
     """The staged engine passed `--version`, `--list-devices` and the smoke test."""
 
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -224,7 +220,7 @@ class InstallFailed:
     """Any step failed; `reason` is its code (bundle_digest_mismatch, ...)."""
 
     reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
     seconds: float | None = None  # the failed source's attempt, from its first step
 
 

@@ -11,6 +11,7 @@ from typing import Any, Literal, Union
 
 import attrs
 
+from states.machine import as_evidence
 from states.reasons import ReasonCode
 from states.rpc_placement import RpcPlacement
 
@@ -74,10 +75,6 @@ def _gpu_layers(value: Any) -> GpuLayers:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f'n_gpu_layers must be "auto" or an integer >= 0, got {value!r}')
     return value
-
-
-def _evidence(value: Any) -> dict[str, Any]:
-    return dict(value or {})
 
 
 def _env(value: Any) -> tuple[tuple[str, str], ...]:
@@ -183,7 +180,7 @@ class PlanFailure:
 
     reason: ReasonCode
     phase: ExitPhase
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -215,7 +212,7 @@ class LaunchData:
     spawning: bool = False  # a Spawn is out and its answer (Spawned or SpawnFailed) not yet back
     silent: bool = False  # ready, but the liveness watchdog sees no sign of life (Stable forgives nothing)
     reason: ReasonCode | None = None  # why the machine is where it is (None when healthy)
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
     down_cause: DownCause | None = None  # who stopped it, while a stop asked for lasts (None: never, or up since)
 
 
@@ -237,7 +234,7 @@ class DownRequested:
     idle time; an idle unload: the idle time and the TTL)."""
 
     cause: DownCause = attrs.field(default=DownCause.USER, converter=DownCause)
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -266,7 +263,7 @@ class PlanFailed:
     """No plan is possible (model missing, no usable backend): fail with the reason."""
 
     reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
     request: int | None = None  # the MakePlan it answers, as in PlanReady
 
 
@@ -287,7 +284,7 @@ class Adopted:
 
     pid: int
     create_time: float | None = None
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -298,7 +295,7 @@ class OrphanFound:
 
     pid: int
     create_time: float | None = None
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -306,21 +303,21 @@ class NothingToAdopt:
     """After a daemon restart: the identity file proves no live process of ours (there is none,
     it is unreadable, or the process it names is gone): resume with no server."""
 
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
 class LoadStarted:
     """The HTTP listener answers (503 while loading the model)."""
 
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
 class Ready:
     """/health is 200 and the planned backend is really in use."""
 
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -331,7 +328,7 @@ class ServerExited:
 
     returncode: int | None
     reason: ReasonCode = ReasonCode.SERVER_CRASHED
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -339,7 +336,7 @@ class SpawnFailed:
     """The process could not be started at all (the binary will not execute)."""
 
     reason: ReasonCode = ReasonCode.SERVER_SPAWN_FAILED
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -370,14 +367,14 @@ class EngineSilent:
     its facts (states/launch_liveness.py judged each sample) are in the evidence."""
 
     silent_for: float
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
 class EngineAnswered:
     """After EngineSilent: the watchdog sees signs of life again."""
 
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -385,7 +382,7 @@ class StopCompleted:
     """The process is gone after Terminate (or was never there)."""
 
     returncode: int | None = None
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 # --- effects ----------------------------------------------------------------------------

@@ -46,7 +46,8 @@ class MachineDefinitionError(Exception):
     """A table or handler broke the machine's own declaration (a bug, never user input)."""
 
 
-def _evidence(value: Mapping[str, Any] | None) -> dict[str, Any]:
+def as_evidence(value: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The converter of every record's `evidence` field: a fresh dict, empty for None."""
     return dict(value or {})
 
 
@@ -68,7 +69,7 @@ class Step:
     data: Any
     effects: tuple[Any, ...] = attrs.field(default=(), converter=_tuple)
     reason: ReasonCode | None = None
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 class _Stay:

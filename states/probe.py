@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from states.machine import STAY, MachineSpec, Rule, Step, guarded
+from states.machine import STAY, MachineSpec, Rule, Step, guarded, as_evidence
 from states.reasons import ReasonCode
 
 
@@ -25,10 +25,6 @@ class ProbeState(enum.StrEnum):
     PROBING = "probing"
     AVAILABLE = "available"
     UNAVAILABLE = "unavailable"
-
-
-def _evidence(value: Any) -> dict[str, Any]:
-    return dict(value or {})
 
 
 @attrs.frozen
@@ -40,7 +36,7 @@ class ProbeData:
     result_generation: int = 0  # the probe whose verdict the machine holds
     dropped: int = 0  # stale results dropped so far
     reason: ReasonCode | None = None  # why unavailable
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -55,7 +51,7 @@ class ProbeSucceeded:
     """Probe `generation` found the backend usable."""
 
     generation: int
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -64,7 +60,7 @@ class ProbeFailed:
 
     generation: int
     reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen

@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from states.machine import STAY, MachineSpec, Rule, Step, guarded
+from states.machine import STAY, MachineSpec, Rule, Step, guarded, as_evidence
 from states.reasons import ReasonCode
 
 
@@ -39,10 +39,6 @@ class PullState(enum.StrEnum):
     CATALOGED = "cataloged"
     FAILED = "failed"
     REMOVED = "removed"
-
-
-def _evidence(value: Any) -> dict[str, Any]:
-    return dict(value or {})
 
 
 def _pieces(items: Any) -> tuple["Piece", ...]:
@@ -75,12 +71,12 @@ class PullData:
     part: str | None = None  # the partial file being written
     path: str | None = None  # where the model lives once cataloged
     owned: bool = True  # Stoker's own copy (rm deletes it), or a local file of the user's (never deleted)
-    facts: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
-    resolution: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)  # what the source said
+    facts: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+    resolution: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)  # what the source said
     attempts: int = 0
     resumes: int = 0
     reason: ReasonCode | None = None
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 # --- events -----------------------------------------------------------------------------
@@ -107,7 +103,7 @@ class Resolved:
     pieces: tuple[Piece, ...] = attrs.field(default=(), converter=_pieces)
     part: str | None = None
     owned: bool = True
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -118,14 +114,14 @@ class Fetched:
     size: int
     sha256: str
     piece_sha256: tuple[str, ...] = attrs.field(converter=tuple)
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
 class HeaderRead:
     """The GGUF header's facts (architecture, parameters, quantization, context, chat template)."""
 
-    facts: dict[str, Any] = attrs.field(converter=_evidence, hash=False)
+    facts: dict[str, Any] = attrs.field(converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -133,7 +129,7 @@ class PullFailed:
     """A step failed; `reason` is its classified code (pull_not_found, pull_disk_full, ...)."""
 
     reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen

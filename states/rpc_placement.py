@@ -27,14 +27,11 @@ from typing import Any
 
 import attrs
 
+from states.machine import as_evidence
 from states.reasons import ReasonCode
 
 MIB = 2**20
 _RPC_BUFFER = re.compile(r"^RPC\d+\[(.+)\]$")
-
-
-def _evidence(value: Any) -> dict[str, Any]:
-    return dict(value or {})
 
 
 @attrs.frozen
@@ -115,7 +112,7 @@ class LeftOut:
 
     address: str
     reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 def _left_out(value: Any) -> tuple[LeftOut, ...]:

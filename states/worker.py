@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from states.machine import STAY, MachineSpec, Rule, Step, guarded
+from states.machine import STAY, MachineSpec, Rule, Step, guarded, as_evidence
 from states.reasons import ReasonCode
 
 
@@ -34,10 +34,6 @@ class WorkerState(enum.StrEnum):
     BACKOFF = "backoff"
     STOPPING = "stopping"
     FAILED = "failed"
-
-
-def _evidence(value: Any) -> dict[str, Any]:
-    return dict(value or {})
 
 
 def _devices(value: Any) -> tuple[dict[str, Any], ...]:
@@ -63,7 +59,7 @@ class WorkerData:
     version: str | None = None  # what its HELLO answered
     devices: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=_devices)  # name, free/total MiB
     reason: ReasonCode | None = None
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 # --- events -----------------------------------------------------------------------------
@@ -91,7 +87,7 @@ class Answered:
 
     version: str
     devices: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=_devices)
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -100,13 +96,13 @@ class Exited:
 
     returncode: int | None
     reason: ReasonCode = ReasonCode.SERVER_CRASHED
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
 class SpawnFailed:
     reason: ReasonCode = ReasonCode.SERVER_SPAWN_FAILED
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -138,7 +134,7 @@ class Adopted:
     protocol: str | None
     pid: int
     create_time: float | None = None
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=_evidence, hash=False)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
     settings: WorkerSettings = WorkerSettings()
 
 
