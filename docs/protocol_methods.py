@@ -74,7 +74,7 @@ def _param_row(param: Param) -> str:
     return f"| `{param.name}` | {param.describe()} | {required} | {default} | {param.doc} |"
 
 
-def _section(declared: Method) -> str:
+def _section(declared: Method, described: dict[type, str]) -> str:
     summary, body, reply = _summary_body_reply(declared)
     lines = [f"## `{declared.name}`", "", summary, ""]
     if body:
@@ -87,7 +87,7 @@ def _section(declared: Method) -> str:
         lines += ["Parameters: none.", ""]
     lines += ["Reply:", "", "```text", reply, "```", ""]
     if declared.result is not None:
-        lines += _record_tables(declared.result)
+        lines += _record_tables(declared.result, declared.name, described)
     errors = ["bad_request", *declared.errors]
     lines += ["Errors: " + ", ".join(f"`{reason}`" for reason in errors) + ".", ""]
     return "\n".join(lines)
@@ -122,22 +122,26 @@ def _records_in(hint: Any) -> list[type]:
     return [found for arg in typing.get_args(hint) for found in _records_in(arg)]
 
 
-def _record_tables(record: type) -> list[str]:
-    """The reply record's fields with their types, then each record it holds, once."""
-    lines: list[str] = []
-    seen: set[type] = set()
-    queue = [record]
+def _record_tables(result: Any, method: str, described: dict[type, str]) -> list[str]:
+    """The reply record's fields with their types (a list of records: says so first), then each
+    record it holds; a record an earlier method's section has described is linked to it.
+    `described` maps each record described so far to that method."""
+    lines = [] if isinstance(result, type) else [f"The reply is a {_type_name(result)}.", ""]
+    queue = _records_in(result)
     while queue:
         current = queue.pop(0)
-        if current in seen:
+        if current in described:
+            if described[current] != method:
+                first = described[current]
+                lines += [f"`{current.__name__}`: as in [`{first}`](#{first.replace('.', '')}).", ""]
             continue
-        seen.add(current)
+        described[current] = method
         hints = typing.get_type_hints(current)
         doc = " ".join((current.__doc__ or "").split())
         lines += [f"`{current.__name__}`: {doc}", "", "| field | type |", "|---|---|"]
         for field in attrs.fields(current):
             lines.append(f"| `{field.name}` | {_type_name(hints[field.name])} |")
-            queue += [found for found in _records_in(hints[field.name]) if found not in seen]
+            queue += [found for found in _records_in(hints[field.name]) if found not in described]
         lines.append("")
     return lines
 
@@ -150,7 +154,8 @@ def document() -> str:
         what = _summary_body_reply(METHODS[name])[0] if name in METHODS else "Stream the daemon's events."
         index.append(f"| [`{name}`](#{anchor}) | {what} |")
     parts = [INTRO, "\n".join(index) + "\n"]
-    parts += [_section(METHODS[name]) for name in names]
+    described: dict[type, str] = {}
+    parts += [_section(METHODS[name], described) for name in names]
     parts.append(SUBSCRIBE_SECTION)
     return "\n".join(parts)
 

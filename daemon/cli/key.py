@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from daemon.cli.output import emit, json_option
-from daemon.cli.service import call
+from daemon.cli.service import ask
+
+if TYPE_CHECKING:
+    from daemon.control.replies import CreatedApiKey, KeyList
 
 SHOWN_ONCE = "This is the only time the key is shown: Stoker keeps only its hash. Store it now."
 
@@ -17,21 +20,19 @@ def _when(at: float | None) -> str:
     return "-" if at is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
 
 
-def format_created(data: dict[str, Any]) -> str:
-    name = f" ({data['name']})" if data.get("name") else ""
-    return f"created key {data['id']}{name}:\n\n    {data['key']}\n\n{SHOWN_ONCE}"
+def format_created(created: CreatedApiKey) -> str:
+    name = f" ({created.name})" if created.name else ""
+    return f"created key {created.id}{name}:\n\n    {created.key}\n\n{SHOWN_ONCE}"
 
 
-def format_list(data: dict[str, Any]) -> str:
-    rows = data.get("keys") or []
-    if not rows:
+def format_list(listed: KeyList) -> str:
+    if not listed.keys:
         return "no API keys; `stoker key create` makes one"
     lines = [f"{'id':>4}  {'prefix':22} {'name':16} {'created':19}  {'last used':19}  state"]
-    for r in rows:
-        state = f"revoked {_when(r.get('revoked_at'))}" if r.get("revoked") else "active"
+    for r in listed.keys:
+        state = f"revoked {_when(r.revoked_at)}" if r.revoked else "active"
         lines.append(
-            f"{r['id']:>4}  {r['prefix']:22} {r.get('name') or '-':16} {_when(r['created_at']):19}  "
-            f"{_when(r.get('last_used_at')):19}  {state}"
+            f"{r.id:>4}  {r.prefix:22} {r.name or '-':16} {_when(r.created_at):19}  {_when(r.last_used_at):19}  {state}"
         )
     return "\n".join(lines)
 
@@ -46,18 +47,21 @@ def key() -> None:
 @json_option
 def create(name: str | None, as_json: bool) -> None:
     """Make a new key and print it, once."""
+    from daemon.control.replies import CreatedApiKey
+
     params: dict[str, Any] = {} if name is None else {"name": name}
-    data = call("key.create", as_json, **params)
-    if as_json:
-        data = {**data, "note": SHOWN_ONCE}
-    emit(as_json, data, format_created)
+    reply, created = ask("key.create", as_json, CreatedApiKey, **params)
+    emit(as_json, {**reply, "note": SHOWN_ONCE}, lambda _: format_created(created))
 
 
 @key.command("list")
 @json_option
 def list_(as_json: bool) -> None:
     """Every key (its prefix, never the key), revoked ones marked."""
-    emit(as_json, call("key.list", as_json), format_list)
+    from daemon.control.replies import KeyList
+
+    reply, listed = ask("key.list", as_json, KeyList)
+    emit(as_json, reply, lambda _: format_list(listed))
 
 
 @key.command()
@@ -65,8 +69,10 @@ def list_(as_json: bool) -> None:
 @json_option
 def revoke(ident: str, as_json: bool) -> None:
     """Revoke key ID (its id or its prefix, as `stoker key list` shows them)."""
-    data = call("key.revoke", as_json, id=ident)
-    emit(as_json, data, lambda d: f"revoked key {d['id']} ({d['prefix']}): it no longer opens the front door")
+    from daemon.control.replies import ApiKey
+
+    reply, revoked = ask("key.revoke", as_json, ApiKey, id=ident)
+    emit(as_json, reply, lambda _: f"revoked key {revoked.id} ({revoked.prefix}): it no longer opens the front door")
 
 
 def register(cli: click.Group) -> None:

@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import click
 import trio
@@ -26,6 +26,9 @@ from daemon.cli.output import emit, fail, json_option, progress_line
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
 from states.reasons import ReasonCode
+
+if TYPE_CHECKING:
+    from daemon.control.replies import CatalogModel, ModelList, ModelRemoved
 
 PROGRESS_TOPIC = "pull.progress"
 SOCKET_WAIT_S = 30.0
@@ -79,18 +82,18 @@ def format_model(m: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def served_text(m: dict[str, Any]) -> str:
+def served_text(m: CatalogModel) -> str:
     """Which configured models serve a catalog entry, with their state: `chat ready, code stopped`;
     `-` for none; `?` when no daemon said (the catalog was read without one)."""
-    if "served_by" not in m:
+    if m.served_by is None:
         return "?"
-    return ", ".join(f"{s['name']} {s['state']}" for s in m["served_by"]) or "-"
+    return ", ".join(f"{s.name} {s.state}" for s in m.served_by) or "-"
 
 
-def format_catalog(data: dict[str, Any]) -> str:
+def format_catalog(listed: ModelList) -> str:
     """`stoker models`: one line per model (and the configured models that serve it), then the
     pulls that did not finish."""
-    models = data.get("models") or []
+    models = listed.models
     lines = []
     if not models:
         lines.append("no models in the catalog; `stoker pull ORG/REPO[:QUANT]` adds one")
@@ -99,18 +102,18 @@ def format_catalog(data: dict[str, Any]) -> str:
             f"{'name':40} {'source':6} {'size':>10}  {'arch':10} {'params':>7} {'quant':8} {'ctx':>7}  chat  served by"
         )
         for m in models:
-            template = {True: "yes", False: "no", None: "?"}[m.get("chat_template")]
+            template = {True: "yes", False: "no", None: "?"}[m.chat_template]
             lines.append(
-                f"{m['name']:40} {m['source']:6} {_size(m['size']):>10}  {m.get('architecture') or '?':10} "
-                f"{_count(m.get('parameters')):>7} {m.get('quantization') or '?':8} {m.get('context_length') or '?':>7}"
+                f"{m.name:40} {m.source:6} {_size(m.size):>10}  {m.architecture or '?':10} "
+                f"{_count(m.parameters):>7} {m.quantization or '?':8} {m.context_length or '?':>7}"
                 f"  {template:4}  {served_text(m)}"
             )
-        if any("served_by" not in m for m in models):
+        if any(m.served_by is None for m in models):
             lines.append("(served by ?: no daemon runs, so no configured model serves anything now)")
-    unfinished = [p for p in data.get("pulls") or [] if p.get("state") not in ("cataloged", "removed")]
-    for p in unfinished:
-        why = f" [{p['reason']}]" if p.get("reason") else ""
-        lines.append(f"pull of {p['name']}: {p['state']}{why}")
+    for p in listed.pulls:
+        if p.state not in ("cataloged", "removed"):
+            why = f" [{p.reason}]" if p.reason else ""
+            lines.append(f"pull of {p.name}: {p.state}{why}")
     return "\n".join(lines)
 
 
@@ -259,11 +262,15 @@ def models(ctx: click.Context, as_json: bool) -> None:
     """The model catalog: every pulled or added model with its size, header facts and source."""
     if ctx.invoked_subcommand is not None:
         return
+    from daemon.control.client import typed_reply
+    from daemon.control.replies import ModelList
+
     try:
         data = list_models(as_json)
+        listed = typed_reply("model.list", data, ModelList)
     except StokerError as err:
         fail(as_json, err)
-    emit(as_json, data, format_catalog)
+    emit(as_json, data, lambda _: format_catalog(listed))
 
 
 @models.command("add")
@@ -285,19 +292,24 @@ def rm(name: str, as_json: bool) -> None:
     async def in_process(service: Any) -> Any:
         return await service.remove(name)
 
+    from daemon.control.client import typed_reply
+    from daemon.control.replies import ModelRemoved
+
     try:
         data = _run(StokerPaths.from_env(), "model.rm", {"name": name}, in_process, timeout=60.0, as_json=as_json)
+        removed = typed_reply("model.rm", data, ModelRemoved)
     except StokerError as err:
         fail(as_json, err)
+    emit(as_json, data, lambda _: format_removed(removed))
 
-    def human(d: dict[str, Any]) -> str:
-        if d.get("deleted"):
-            return f"removed {d['removed']} and deleted {d['deleted']}"
-        if d.get("kept"):
-            return f"removed {d['removed']} from the catalog; your file {d['kept']} is left where it is"
-        return f"removed {d['removed']}"
 
-    emit(as_json, data, human)
+def format_removed(gone: ModelRemoved) -> str:
+    """What `stoker rm` did: the row, and the file deleted or the user's file left in place."""
+    if gone.deleted:
+        return f"removed {gone.removed} and deleted {gone.deleted}"
+    if gone.kept:
+        return f"removed {gone.removed} from the catalog; your file {gone.kept} is left where it is"
+    return f"removed {gone.removed}"
 
 
 def register(cli: click.Group) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
 import click
 
@@ -15,6 +15,9 @@ from states.reasons import message_for
 
 if TYPE_CHECKING:
     from daemon.control.client import ControlClient
+    from store.records import TransitionRecord
+
+R = TypeVar("R")
 
 READY_STATES = {"ready"}
 SETTLED_FAILURES = {"failed", "stopped"}
@@ -31,6 +34,19 @@ def call(method: str, as_json: bool, timeout: float = 10.0, returns: type | None
     failure, a daemon of another version that lacks what is needed included, exits the CLI with its code."""
     try:
         return _client(timeout).call(method, returns=returns, **params)
+    except StokerError as err:
+        fail(as_json, err)
+
+
+def ask(method: str, as_json: bool, returns: type[R], timeout: float = 10.0, **params: Any) -> tuple[Any, R]:
+    """The daemon's reply as it was sent (what `--json` prints, so a script sees every field a
+    newer daemon adds) and as the record `returns` (what the text reads). A daemon that lacks a
+    field the record needs exits the CLI with daemon_version_skew, naming the field, either way."""
+    from daemon.control.client import typed_reply
+
+    reply = call(method, as_json, timeout, **params)
+    try:
+        return reply, typed_reply(method, reply, returns)
     except StokerError as err:
         fail(as_json, err)
 
@@ -271,9 +287,11 @@ def status(model: str | None, as_json: bool) -> None:
     The details are the default model's, or MODEL's (its [models.NAME]); `--json` has them at the
     top level and every model in `models`.
     """
-    st = call("status", as_json, **_named(model))
-    emit(as_json, st, format_status)
-    if st.get("state") == "failed":
+    from daemon.control.replies import Status
+
+    reply, st = ask("status", as_json, Status, **_named(model))
+    emit(as_json, reply, format_status)
+    if st.state == "failed":
         sys.exit(1)
 
 
@@ -351,15 +369,16 @@ def shutdown(as_json: bool) -> None:
     emit(as_json, result, lambda r: "daemon stopping")
 
 
-def format_history(rows: list[dict]) -> str:
+def format_history(rows: Sequence[TransitionRecord]) -> str:
+    """One line per transition: when, which machine, from --event--> to, and the reason."""
     if not rows:
         return "no transitions recorded"
     out = []
     for row in rows:
-        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["at"]))
-        line = f"{at}  {row['machine_id']:<14} {row['from_state']:>12} --{row['event']}--> {row['to_state']}"
-        if row.get("reason"):
-            line += f"  [{row['reason']}]"
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row.at))
+        line = f"{at}  {row.machine_id:<14} {row.from_state:>12} --{row.event}--> {row.to_state}"
+        if row.reason:
+            line += f"  [{row.reason}]"
         out.append(line)
     return "\n".join(out)
 
@@ -374,8 +393,11 @@ def format_history(rows: list[dict]) -> str:
 @json_option
 def history(machine: str | None, model: str | None, limit: int, since: float | None, as_json: bool) -> None:
     """Transitions of every machine, newest first."""
-    rows = call("history", as_json, machine=machine, limit=limit, since=since, **_named(model))
-    emit(as_json, rows, format_history)
+    from store.records import TransitionRecord
+
+    params: dict[str, Any] = {"machine": machine, "limit": limit, "since": since, **_named(model)}
+    reply, rows = ask("history", as_json, tuple[TransitionRecord, ...], **params)
+    emit(as_json, reply, lambda _: format_history(rows))
 
 
 def register(cli: click.Group) -> None:

@@ -4,12 +4,15 @@ model's own (the default model's without --model)."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from daemon.cli.output import emit, json_option
-from daemon.cli.service import call
+from daemon.cli.service import ask
+
+if TYPE_CHECKING:
+    from daemon.control.replies import SnapshotListing, SnapshotRestored, SnapshotsSaved
 
 model_option = click.option(
     "--model",
@@ -29,10 +32,11 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.1f} MiB"
 
 
-def format_list(data: dict) -> str:
+def format_list(listing: SnapshotListing) -> str:
+    """A model's snapshots, the budgets they count against, the latest dropped, each one's fit."""
     lines = []
-    server = data.get("server") or {}
-    if not data.get("enabled"):
+    server = listing.server or {}
+    if not listing.enabled:
         lines.append("snapshots are off ([snapshots] enabled = false)")
     if server:
         benefit = "yes" if server.get("benefit") else f"no - {server.get('why')}"
@@ -42,14 +46,14 @@ def format_list(data: dict) -> str:
                 f"          --swa-full: KV {server['kv_mib_with_swa_full']} MiB instead of "
                 f"{server['kv_mib_without_swa_full']} MiB (+{server['swa_full_cost_mib']} MiB)"
             )
-    rows = data.get("snapshots") or []
-    auto = " (auto)" if data.get("max_bytes_setting") == "auto" else ""
+    rows = listing.snapshots
+    auto = " (auto)" if listing.max_bytes_setting == "auto" else ""
     lines.append(
-        f"{len(rows)} snapshot(s) of model {data.get('model')}, {_mib(data.get('total_bytes'))}; every model's "
-        f"{_mib(data.get('all_bytes'))} of {_mib(data.get('max_bytes'))}{auto}, at most {data.get('max_count')} "
-        f"per slot and model; {data.get('dir')}"
+        f"{len(rows)} snapshot(s) of model {listing.model}, {_mib(listing.total_bytes)}; every model's "
+        f"{_mib(listing.all_bytes)} of {_mib(listing.max_bytes)}{auto}, at most {listing.max_count} "
+        f"per slot and model; {listing.dir}"
     )
-    for drop in (data.get("dropped") or [])[-5:]:  # never silent: the latest given up, and why
+    for drop in listing.dropped[-5:]:  # never silent: the latest given up, and why
         when = time.strftime("%H:%M:%S", time.localtime(drop.get("at") or 0))
         if drop.get("snapshot_id") is not None:
             what = f"snapshot {drop['snapshot_id']}"
@@ -61,13 +65,25 @@ def format_list(data: dict) -> str:
             f"{'id':>5} {'slot':>4} {'tokens':>7} {'size':>10} {'cause':>8}  {'created':19}  {'backend':8} fits"
         )
     for r in rows:
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_at"]))
-        fits = {True: "yes", False: f"no ({r.get('why_not')})", None: "-"}[r.get("fits_server")]
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created_at))
+        fits = {True: "yes", False: f"no ({r.why_not})", None: "-"}[r.fits_server]
         lines.append(
-            f"{r['id']:>5} {r['slot_id']:>4} {r['n_tokens']:>7} {_mib(r['file_size']):>10} {r['cause']:>8}  "
-            f"{created}  {r.get('backend') or '-':8} {fits}"
+            f"{r.id:>5} {r.slot_id:>4} {r.n_tokens:>7} {_mib(r.file_size):>10} {r.cause:>8}  "
+            f"{created}  {r.backend or '-':8} {fits}"
         )
     return "\n".join(lines)
+
+
+def format_saved(saved: SnapshotsSaved) -> str:
+    lines = [
+        f"saved slot {r.slot_id} as snapshot {r.id}: {r.n_tokens} tokens, {_mib(r.file_size)}" for r in saved.saved
+    ]
+    return "\n".join(lines or ["no slot holds anything to save"])
+
+
+def format_restored(restored: SnapshotRestored) -> str:
+    text = f"restored snapshot {restored.id} into slot {restored.slot}: {restored.n_tokens} tokens"
+    return text + f" in {restored.restore_ms} ms" + (f"\nnote: {restored.note}" if restored.note else "")
 
 
 @click.group()
@@ -80,7 +96,10 @@ def snapshot() -> None:
 @json_option
 def list_(model: str | None, as_json: bool) -> None:
     """A model's snapshots, newest first, and whether each fits its running server."""
-    emit(as_json, call("snapshot.list", as_json, **_model(model)), format_list)
+    from daemon.control.replies import SnapshotListing
+
+    reply, listing = ask("snapshot.list", as_json, SnapshotListing, **_model(model))
+    emit(as_json, reply, lambda _: format_list(listing))
 
 
 @snapshot.command()
@@ -90,18 +109,10 @@ def list_(model: str | None, as_json: bool) -> None:
 def save(slot: int | None, model: str | None, as_json: bool) -> None:
     """Save a model's non-empty slots now."""
     params = {**({} if slot is None else {"slot": slot}), **_model(model)}
-    data = call("snapshot.save", as_json, timeout=120.0, **params)
-    emit(
-        as_json,
-        data,
-        lambda d: "\n".join(
-            [
-                f"saved slot {r['slot_id']} as snapshot {r['id']}: {r['n_tokens']} tokens, {_mib(r['file_size'])}"
-                for r in d["saved"]
-            ]
-            or ["no slot holds anything to save"]
-        ),
-    )
+    from daemon.control.replies import SnapshotsSaved
+
+    reply, saved = ask("snapshot.save", as_json, SnapshotsSaved, timeout=120.0, **params)
+    emit(as_json, reply, lambda _: format_saved(saved))
 
 
 @snapshot.command()
@@ -113,15 +124,10 @@ def restore(snapshot_id: int, slot: int | None, model: str | None, as_json: bool
     """Restore snapshot ID into its model's running server (refused if it does not fit, or if
     another model saved it: a conversation never moves between models)."""
     params = {"id": snapshot_id, **({} if slot is None else {"slot": slot}), **_model(model)}
-    data = call("snapshot.restore", as_json, timeout=120.0, **params)
-    emit(
-        as_json,
-        data,
-        lambda d: (
-            f"restored snapshot {d['id']} into slot {d['slot']}: "
-            f"{d['n_tokens']} tokens in {d.get('restore_ms')} ms" + (f"\nnote: {d['note']}" if d.get("note") else "")
-        ),
-    )
+    from daemon.control.replies import SnapshotRestored
+
+    reply, restored = ask("snapshot.restore", as_json, SnapshotRestored, timeout=120.0, **params)
+    emit(as_json, reply, lambda _: format_restored(restored))
 
 
 @snapshot.command()
@@ -130,8 +136,10 @@ def restore(snapshot_id: int, slot: int | None, model: str | None, as_json: bool
 @json_option
 def rm(snapshot_id: int, model: str | None, as_json: bool) -> None:
     """Remove a model's snapshot ID (its file and its catalogue row)."""
-    data = call("snapshot.rm", as_json, id=snapshot_id, **_model(model))
-    emit(as_json, data, lambda d: f"removed snapshot {d['removed']}")
+    from daemon.control.replies import SnapshotRemoved
+
+    reply, removed = ask("snapshot.rm", as_json, SnapshotRemoved, id=snapshot_id, **_model(model))
+    emit(as_json, reply, lambda _: f"removed snapshot {removed.removed}")
 
 
 def register(cli: click.Group) -> None:

@@ -18,13 +18,22 @@ if TYPE_CHECKING:
     from daemon.backends.base import Detection
     from daemon.bundles.installed import InstalledBundle
     from daemon.config.model import Config
-    from daemon.control.replies import ModelList
+    from daemon.control.replies import (
+        ApiKey,
+        CreatedApiKey,
+        ModelList,
+        ModelRemoved,
+        SnapshotListing,
+        SnapshotRestored,
+        TelemetryReading,
+    )
     from daemon.fleet.fleet import Fleet
     from daemon.fleet.member import Member
     from daemon.install.update import EngineUpdateService
     from daemon.probes.service import ProbeResult
     from store.database import StoreHealth
     from store.records import TransitionRecord
+    from store.catalog import ModelRecord
     from store.snapshots import SnapshotRecord
 
 
@@ -162,7 +171,7 @@ class ControlledDaemon(Protocol):
     def snapshot_status(self, member: Member | None = None) -> dict[str, Any] | None:
         """The `snapshots` part of status: a model's ready server's report and the latest drops."""
 
-    def snapshot_listing(self, instance: str) -> dict[str, Any]:
+    def snapshot_listing(self, instance: str) -> SnapshotListing:
         """The snapshots of one instance (a model's NAME) with whether each fits its ready server."""
 
     def snapshot(self, snapshot_id: int, instance: str) -> SnapshotRecord:
@@ -172,33 +181,33 @@ class ControlledDaemon(Protocol):
     async def save_snapshots(self, member: Member, slot: int | None) -> Sequence[SnapshotRecord]:
         """Save the non-empty slots (or one) of `member`'s ready server now."""
 
-    async def restore_snapshot(self, member: Member, snapshot_id: int, slot: int | None) -> dict[str, Any]:
+    async def restore_snapshot(self, member: Member, snapshot_id: int, slot: int | None) -> SnapshotRestored:
         """Restore one of `member`'s snapshots into its ready server."""
 
     def remove_snapshot(self, record: SnapshotRecord) -> None: ...
 
     # --- telemetry -----------------------------------------------------------------------
 
-    async def telemetry(self) -> dict[str, Any]:
+    async def telemetry(self) -> TelemetryReading:
         """The telemetry service's reading: the (cached) sample and the short history."""
 
     # --- the user's API keys (store/keys.py) ---------------------------------------------
 
-    def create_key(self, name: str | None) -> dict[str, Any]:
+    def create_key(self, name: str | None) -> CreatedApiKey:
         """A new key's public fields and, this once, the key itself (`key`)."""
 
-    def list_keys(self) -> list[dict[str, Any]]:
+    def list_keys(self) -> Sequence[ApiKey]:
         """Every key's public fields (never the key nor its hash)."""
 
-    def revoke_key(self, ident: str) -> dict[str, Any]:
+    def revoke_key(self, ident: str) -> ApiKey:
         """Revoke a key by id or prefix; StokerError(key_not_found) if none (or several) match."""
 
     # --- the model catalog and pulls (daemon/models/pull.py) -----------------------------
 
     async def pull_model(
         self, spec: str, *, name: str | None, hf_endpoint: str | None, hf_token: str | None, index_url: str | None
-    ) -> dict[str, Any]:
-        """Pull `spec` into the catalog; the cataloged model's public fields."""
+    ) -> ModelRecord:
+        """Pull `spec` into the catalog; the cataloged model."""
 
     def list_models(self) -> ModelList:
         """{models: the catalog (each with the configured models that serve it), pulls: every
@@ -208,5 +217,5 @@ class ControlledDaemon(Protocol):
         """The pulls now working, with their last progress (name, spec, state, phase,
         bytes_done, total, rate, eta)."""
 
-    async def remove_model(self, name: str) -> dict[str, Any]:
+    async def remove_model(self, name: str) -> ModelRemoved:
         """Remove a model (refused while the running server serves it)."""

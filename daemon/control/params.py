@@ -136,7 +136,9 @@ class Method:
     handler: Handler
     params: tuple[Param, ...] = ()
     errors: tuple[str, ...] = ()
-    result: type | None = None  # the record the reply is (docs/protocol-methods.md lists its fields)
+    # The record the reply is, or `tuple[Record, ...]` for a list of them (docs/protocol-methods.md
+    # lists their fields); a client reads it with `call(name, returns=result)`.
+    result: Any = None
 
     @property
     def doc(self) -> str:
@@ -174,9 +176,7 @@ class Method:
         return await self.handler(daemon, self.validate(daemon, given))
 
 
-def method(
-    name: str, *params: Param, errors: tuple[str, ...] = (), result: type | None = None
-) -> Callable[[Handler], Method]:
+def method(name: str, *params: Param, errors: tuple[str, ...] = (), result: Any = None) -> Callable[[Handler], Method]:
     """Declare a handler as the socket method `name` (registers nothing: see daemon.control.methods)."""
 
     def declare(handler: Handler) -> Method:

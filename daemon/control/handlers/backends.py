@@ -15,13 +15,15 @@ from typing import Any, Mapping
 
 import trio
 
-from daemon.bundles.installed import bundle_meta_of
+from daemon.bundles.installed import InstalledBundle, bundle_meta_of
 from daemon.config.edit import write_preference
 from daemon.config.model import BackendConfig, ConfigError, load_config
 from daemon.control.controlled import ControlledDaemon
-from daemon.control.status import build_status
 from daemon.control.params import Choices, Kind, Param, method
+from daemon.control.replies import BundleInfo, Installed, PreferenceWritten, ProbeReply, ProbeReport
+from daemon.control.status import build_status
 from daemon.core.errors import StokerError
+from daemon.probes.service import ProbeResult
 from states import launch_records as LR
 from states.reasons import ReasonCode
 
@@ -34,8 +36,9 @@ PREFERENCES = Choices("auto or a loaded backend", lambda daemon: ("auto", *daemo
     "probe",
     Param("fresh", Kind.BOOLEAN, "Probe again even where a verdict younger than 30 s is cached.", default=False),
     Param("backends", Kind.STRINGS, "Only these backends (default: every loaded one).", choices=BACKENDS),
+    result=ProbeReply,
 )
-async def probe(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+async def probe(daemon: ControlledDaemon, params: Mapping[str, Any]) -> ProbeReply:
     """Probe the backends: is each one's hardware, driver and runtime there and usable?
 
     Verdicts younger than 30 s come from the cache unless `fresh`.
@@ -44,7 +47,25 @@ async def probe(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str
     names = params["backends"] or list(daemon.backend_names)
     started = time.perf_counter()
     results = await daemon.probe_all(names, fresh=params["fresh"])
-    return {"backends": [r.to_dict() for r in results.values()], "elapsed_s": round(time.perf_counter() - started, 4)}
+    return ProbeReply(
+        backends=tuple(_report(r) for r in results.values()), elapsed_s=round(time.perf_counter() - started, 4)
+    )
+
+
+def _report(result: ProbeResult) -> ProbeReport:
+    found = result.detection
+    return ProbeReport(
+        backend=found.backend,
+        present=found.present,
+        usable=found.usable,
+        reason=None if found.reason is None else str(found.reason),
+        message=found.message,
+        devices=found.devices,
+        evidence=dict(found.evidence),
+        generation=result.generation,
+        cached=result.cached,
+        age_s=round(result.age_s, 3),
+    )
 
 
 @method(
@@ -57,8 +78,9 @@ async def probe(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str
         choices=PREFERENCES,
     ),
     errors=(ReasonCode.CONFIG_INVALID,),
+    result=PreferenceWritten,
 )
-async def use(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+async def use(daemon: ControlledDaemon, params: Mapping[str, Any]) -> PreferenceWritten:
     """Persist `[backend] prefer` in the config file and relaunch on it.
 
     Anything but auto is forced: that backend or a reason-coded failure, never a silent
@@ -91,13 +113,13 @@ async def use(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, 
         )
     if before is LR.LaunchState.FAILED:
         daemon.supervisor.offer(LR.UpRequested(daemon.launch_settings()))
-    return {
-        "prefer": value,
-        "forced": BackendConfig(prefer=value).forced,
-        "config_path": str(path),
-        "relaunch": changed and before is not LR.LaunchState.STOPPED,
-        "status": build_status(daemon),
-    }
+    return PreferenceWritten(
+        prefer=value,
+        forced=BackendConfig(prefer=value).forced,
+        config_path=str(path),
+        relaunch=changed and before is not LR.LaunchState.STOPPED,
+        status=build_status(daemon),
+    )
 
 
 @method(
@@ -105,8 +127,9 @@ async def use(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, 
     Param("backend", Kind.STRING, "The backend whose engine bundle to install.", required=True, choices=BACKENDS),
     Param("variant", Kind.STRING, "This variant of the bundle (default: the one that fits the probed machine)."),
     errors=("<backend>_bundle_install_failed", ReasonCode.BUNDLE_VERIFY_FAILED, ReasonCode.ENGINE_SLOT_BUSY),
+    result=Installed,
 )
-async def install(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+async def install(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Installed:
     """Probe the backend, resolve the fitting bundle from the manifest, download, verify and install it.
 
     Progress comes as `install.progress` events on the subscribe stream; a failure carries the
@@ -115,8 +138,7 @@ async def install(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[s
     """
     backend = params["backend"]
     detection = (await daemon.probe(backend)).detection
-    bundle = await daemon.install(backend, variant=params["variant"], detection=detection)
-    return {"installed": bundle.to_dict()}
+    return _installed(await daemon.install(backend, variant=params["variant"], detection=detection))
 
 
 @method(
@@ -129,8 +151,9 @@ async def install(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[s
         ReasonCode.BUNDLE_MISSING,
         ReasonCode.ENGINE_SLOT_BUSY,
     ),
+    result=Installed,
 )
-async def bundle_install(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+async def bundle_install(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Installed:
     """Install a local bundle zip through the install machine, as a manifest bundle is installed.
 
     What `stoker bundle install` and `stoker run` ask of a running daemon: the same steps
@@ -149,5 +172,19 @@ async def bundle_install(daemon: ControlledDaemon, params: Mapping[str, Any]) ->
         meta = await trio.to_thread.run_sync(bundle_meta_of, path)
         if meta.backend in daemon.backend_names:
             detection = (await daemon.probe(meta.backend)).detection
-    bundle = await daemon.install_file(path, smoke=params["smoke"], detection=detection)
-    return {"installed": bundle.to_dict()}
+    return _installed(await daemon.install_file(path, smoke=params["smoke"], detection=detection))
+
+
+def _installed(bundle: InstalledBundle) -> Installed:
+    meta = bundle.meta
+    cache_key = meta.build.get("cache_key")
+    return Installed(
+        BundleInfo(
+            root=str(bundle.root),
+            server=str(bundle.server),
+            backend=meta.backend,
+            variant=meta.variant,
+            version=meta.version,
+            cache_key=None if cache_key is None else str(cache_key),
+        )
+    )

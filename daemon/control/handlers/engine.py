@@ -17,7 +17,9 @@ from daemon.bundles.installed import bundle_meta_of, find_installed, list_instal
 from daemon.control.controlled import ControlledDaemon
 from daemon.control.handlers.backends import BACKENDS
 from daemon.control.params import Kind, Param, method
+from daemon.control.replies import EngineOutcome, EngineStatus
 from daemon.core.errors import StokerError
+from states.convert import structure
 from states.engine_update import machine_id
 from states.reasons import ReasonCode
 
@@ -64,8 +66,9 @@ async def _slot(daemon: ControlledDaemon, backend: str | None, variant: str | No
         ReasonCode.BUNDLE_MISSING,
         ReasonCode.BAD_REQUEST,
     ),
+    result=EngineOutcome,
 )
-async def engine_update(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+async def engine_update(daemon: ControlledDaemon, params: Mapping[str, Any]) -> EngineOutcome:
     """Stage a newer engine, gate it (verify, smoke, tokens identical to the serving engine's), switch,
     restart what ran on it, and roll back by itself if a server does not get ready on it or offloads
     no layers where it did. Progress: machine.engine_update.* events on the subscribe stream.
@@ -84,9 +87,10 @@ async def engine_update(daemon: ControlledDaemon, params: Mapping[str, Any]) -> 
         meta = await trio.to_thread.run_sync(bundle_meta_of, path)
         backend, variant = backend or meta.backend, variant or meta.variant
     backend, variant = await _slot(daemon, backend, variant)
-    return await daemon.engine_updates.update(
+    outcome = await daemon.engine_updates.update(
         backend, variant, channel=params["channel"], bundle=None if bundle is None else Path(bundle)
     )
+    return structure(outcome, EngineOutcome)
 
 
 @method(
@@ -99,19 +103,22 @@ async def engine_update(daemon: ControlledDaemon, params: Mapping[str, Any]) -> 
         ReasonCode.ENGINE_SLOT_BUSY,
         ReasonCode.BAD_REQUEST,
     ),
+    result=EngineOutcome,
 )
-async def engine_rollback(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+async def engine_rollback(daemon: ControlledDaemon, params: Mapping[str, Any]) -> EngineOutcome:
     """Put the engine kept as the slot's previous back and restart what runs on it; the replaced
     engine becomes the previous one (another rollback undoes this one).
 
     Reply: as engine.update's, state rolled_back and by_hand true.
     """
     backend, variant = await _slot(daemon, params["backend"], params["variant"])
-    return await daemon.engine_updates.rollback(backend, variant)
+    return structure(await daemon.engine_updates.rollback(backend, variant), EngineOutcome)
 
 
-@method("engine.status", BACKEND, VARIANT, errors=(ReasonCode.BAD_REQUEST, ReasonCode.BUNDLE_MISSING))
-async def engine_status(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+@method(
+    "engine.status", BACKEND, VARIANT, errors=(ReasonCode.BAD_REQUEST, ReasonCode.BUNDLE_MISSING), result=EngineStatus
+)
+async def engine_status(daemon: ControlledDaemon, params: Mapping[str, Any]) -> EngineStatus:
     """The slot's engine version, the previous one kept (null: none), its update machine's state and
     reason, and its last steps.
 
@@ -119,4 +126,5 @@ async def engine_status(daemon: ControlledDaemon, params: Mapping[str, Any]) -> 
     """
     backend, variant = await _slot(daemon, params["backend"], params["variant"])
     updates = daemon.engine_updates
-    return {**updates.slot_status(backend, variant), "history": updates.steps(machine_id(backend, variant))}
+    slot = updates.slot_status(backend, variant)
+    return structure({**slot, "history": updates.steps(machine_id(backend, variant))}, EngineStatus)

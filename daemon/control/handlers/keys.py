@@ -10,33 +10,37 @@ from typing import Any, Mapping
 
 from daemon.control.controlled import ControlledDaemon
 from daemon.control.params import Kind, Param, method
+from daemon.control.replies import ApiKey, CreatedApiKey, KeyList
 from states.reasons import ReasonCode
 
 
-@method("key.create", Param("name", Kind.STRING, "A name to tell the key apart (where it is used)."))
-async def key_create(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+@method(
+    "key.create", Param("name", Kind.STRING, "A name to tell the key apart (where it is used)."), result=CreatedApiKey
+)
+async def key_create(daemon: ControlledDaemon, params: Mapping[str, Any]) -> CreatedApiKey:
     """Make a new API key for the front door; the reply is the only time the key is shown.
 
-    Reply: {id, name, prefix, created_at, key}.
+    Reply: {id, name, prefix, created_at, last_used_at, revoked, revoked_at, key}.
     """
     return daemon.create_key(params["name"])
 
 
-@method("key.list")
-async def key_list(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+@method("key.list", result=KeyList)
+async def key_list(daemon: ControlledDaemon, params: Mapping[str, Any]) -> KeyList:
     """Every API key (never the key itself): revoked ones too, marked so.
 
     Reply: {keys: [{id, name, prefix, created_at, last_used_at, revoked, revoked_at}]}.
     """
-    return {"keys": daemon.list_keys()}
+    return KeyList(tuple(daemon.list_keys()))
 
 
 @method(
     "key.revoke",
     Param("id", Kind.STRING, "The key's id or its prefix, as key.list shows them.", required=True),
     errors=(ReasonCode.KEY_NOT_FOUND,),
+    result=ApiKey,
 )
-async def key_revoke(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+async def key_revoke(daemon: ControlledDaemon, params: Mapping[str, Any]) -> ApiKey:
     """Revoke a key: requests that present it are refused from now on; its row stays, marked revoked.
 
     Reply: {id, name, prefix, created_at, last_used_at, revoked, revoked_at}.

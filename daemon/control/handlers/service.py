@@ -13,8 +13,8 @@ from typing import Any, Mapping
 
 from daemon.control.controlled import ControlledDaemon
 from daemon.control.params import Kind, Param, method
-from daemon.control.replies import Pong
-from daemon.control.status import Status, build_status
+from daemon.control.replies import Pong, Status, Stopping
+from daemon.control.status import build_status
 from daemon.core.version import stoker_version
 from daemon.core.errors import StokerError
 from daemon.fleet.member import Member
@@ -25,6 +25,7 @@ from states import launch_records as LR
 from states.machine import IllegalTransition
 from states.placement import UNLOADED
 from states.reasons import ReasonCode
+from store.records import TransitionRecord
 
 HISTORY_LIMIT = 10_000
 MODEL = Param(
@@ -88,6 +89,7 @@ async def status(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
         ReasonCode.MODEL_NOT_FOUND,
         ReasonCode.PLACEMENT_NO_ROOM,
     ),
+    result=Status,
 )
 async def up(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     """Start a model's server (the default model's, or `model`'s); a no-op while it is starting or
@@ -103,7 +105,7 @@ async def up(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     return build_status(daemon, member)
 
 
-@method("down", MODEL, errors=(ReasonCode.ILLEGAL_TRANSITION, ReasonCode.MODEL_NOT_FOUND))
+@method("down", MODEL, errors=(ReasonCode.ILLEGAL_TRANSITION, ReasonCode.MODEL_NOT_FOUND), result=Status)
 async def down(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     """Stop a model's server (the default model's, or `model`'s: TERM, the grace period, then
     KILL); the daemon and the other models keep running. It stays down until `up`: the front
@@ -119,7 +121,10 @@ async def down(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
 
 
 @method(
-    "restart", MODEL, errors=(ReasonCode.ILLEGAL_TRANSITION, ReasonCode.MODEL_NOT_FOUND, ReasonCode.PLACEMENT_NO_ROOM)
+    "restart",
+    MODEL,
+    errors=(ReasonCode.ILLEGAL_TRANSITION, ReasonCode.MODEL_NOT_FOUND, ReasonCode.PLACEMENT_NO_ROOM),
+    result=Status,
 )
 async def restart(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     """Stop a model's server if it runs (the default model's, or `model`'s), then plan and start
@@ -136,14 +141,14 @@ async def restart(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status
     return build_status(daemon, member)
 
 
-@method("shutdown")
-async def shutdown(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+@method("shutdown", result=Stopping)
+async def shutdown(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Stopping:
     """Stop every server, then the daemon; the reply is sent before the daemon goes.
 
     Reply: {"stopping": true}.
     """
     daemon.request_shutdown()
-    return {"stopping": True}
+    return Stopping(stopping=True)
 
 
 @method(
@@ -160,8 +165,9 @@ async def shutdown(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[
         "the NAME of one configured before).",
     ),
     errors=(ReasonCode.MODEL_NOT_FOUND,),
+    result=tuple[TransitionRecord, ...],
 )
-async def history(daemon: ControlledDaemon, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+async def history(daemon: ControlledDaemon, params: Mapping[str, Any]) -> tuple[TransitionRecord, ...]:
     """Recorded transitions of every state machine, newest first.
 
     Reply: [{id, machine_id, kind, from_state, event, event_data, to_state, reason,
@@ -175,7 +181,7 @@ async def history(daemon: ControlledDaemon, params: Mapping[str, Any]) -> list[d
         limit=params["limit"],
         machines=None if params["model"] is None else model_machines(daemon, params["model"]),
     )
-    return [row.to_dict() for row in rows]
+    return tuple(rows)
 
 
 def model_machines(daemon: ControlledDaemon, model: str) -> tuple[str, ...]:

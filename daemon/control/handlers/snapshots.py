@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 from daemon.control.controlled import ControlledDaemon
 from daemon.control.params import Kind, Param, method
+from daemon.control.replies import SnapshotListing, SnapshotRemoved, SnapshotRestored, SnapshotsSaved
 from daemon.core.errors import StokerError
 from daemon.fleet.member import Member
 from daemon.launch.instance import ServerInstance
@@ -49,8 +50,8 @@ def _instance(daemon: ControlledDaemon, model: str | None) -> str:
         return daemon.fleet.member(model).name  # model_not_found, naming the configured models
 
 
-@method("snapshot.list", PAST_MODEL, errors=(ReasonCode.MODEL_NOT_FOUND,))
-async def snapshot_list(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+@method("snapshot.list", PAST_MODEL, errors=(ReasonCode.MODEL_NOT_FOUND,), result=SnapshotListing)
+async def snapshot_list(daemon: ControlledDaemon, params: Mapping[str, Any]) -> SnapshotListing:
     """One model's catalogued snapshots, newest first, with whether each fits its running server.
 
     Reply: {model, snapshots: [record (with instance) + fits_server, why_not], total_bytes (this
@@ -73,16 +74,16 @@ async def snapshot_list(daemon: ControlledDaemon, params: Mapping[str, Any]) -> 
         ReasonCode.SNAPSHOT_DISK_FULL,
         ReasonCode.SNAPSHOT_DROPPED,
     ),
+    result=SnapshotsSaved,
 )
-async def snapshot_save(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+async def snapshot_save(daemon: ControlledDaemon, params: Mapping[str, Any]) -> SnapshotsSaved:
     """Save a model's non-empty slots (or one) now, with cause "manual".
 
     Reply: {saved: [record]}.
     """
     member = daemon.fleet.member(params["model"])
     _ready(daemon, member)
-    saved = await daemon.save_snapshots(member, params["slot"])
-    return {"saved": [r.to_dict() for r in saved]}
+    return SnapshotsSaved(tuple(await daemon.save_snapshots(member, params["slot"])))
 
 
 @method(
@@ -103,8 +104,9 @@ async def snapshot_save(daemon: ControlledDaemon, params: Mapping[str, Any]) -> 
         ReasonCode.SNAPSHOT_CORRUPT,
         ReasonCode.SNAPSHOT_RESTORE_FAILED,
     ),
+    result=SnapshotRestored,
 )
-async def snapshot_restore(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+async def snapshot_restore(daemon: ControlledDaemon, params: Mapping[str, Any]) -> SnapshotRestored:
     """Restore one of a model's snapshots into a slot of its running server; refused with a reason
     code if it does not fit, or if another model saved it (snapshot_instance_mismatch: a
     conversation never moves between models, even two serving the same file).
@@ -123,11 +125,12 @@ async def snapshot_restore(daemon: ControlledDaemon, params: Mapping[str, Any]) 
     ID,
     PAST_MODEL,
     errors=(ReasonCode.MODEL_NOT_FOUND, ReasonCode.SNAPSHOT_NOT_FOUND, ReasonCode.SNAPSHOT_INSTANCE_MISMATCH),
+    result=SnapshotRemoved,
 )
-async def snapshot_rm(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+async def snapshot_rm(daemon: ControlledDaemon, params: Mapping[str, Any]) -> SnapshotRemoved:
     """Remove one of a model's snapshots: its file and its row go together.
 
     Reply: {removed: id}.
     """
     daemon.remove_snapshot(daemon.snapshot(params["id"], _instance(daemon, params["model"])))
-    return {"removed": params["id"]}
+    return SnapshotRemoved(removed=params["id"])

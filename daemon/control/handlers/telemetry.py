@@ -6,10 +6,11 @@ from typing import Any, Mapping
 
 from daemon.control.controlled import ControlledDaemon
 from daemon.control.params import method
+from daemon.control.replies import TelemetryReading
 
 
-@method("telemetry")
-async def telemetry(daemon: ControlledDaemon, params: Mapping[str, Any]) -> dict[str, Any]:
+@method("telemetry", result=TelemetryReading)
+async def telemetry(daemon: ControlledDaemon, params: Mapping[str, Any]) -> TelemetryReading:
     """The live server's GPU, CPU and throughput figures, and a short history for sparklines.
 
     Cached for ttl_s: calling more often returns the same sample. While a client subscribes,
