@@ -13,9 +13,11 @@ from typing import Any, Mapping
 
 import attrs
 
+from states.convert import unstructure
 from states.reasons import ReasonCode
 from store.database import Store
 from store.errors import StoreError
+from store.rows import record_from_row
 
 
 @attrs.frozen
@@ -41,31 +43,10 @@ class ModelRecord:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> "ModelRecord":
-        facts = row.get("facts") or "{}"
-        template = row.get("chat_template")
-        return cls(
-            name=row["name"],
-            spec=row["spec"],
-            source=row["source"],
-            origin=row.get("origin"),
-            revision=row.get("revision"),
-            path=row["path"],
-            size=int(row["size"]),
-            sha256=row["sha256"],
-            owned=bool(row["owned"]),
-            architecture=row.get("architecture"),
-            parameters=row.get("parameters"),
-            quantization=row.get("quantization"),
-            context_length=row.get("context_length"),
-            chat_template=None if template is None else bool(template),
-            facts=json.loads(facts) if isinstance(facts, str) else dict(facts),
-            pulled_at=float(row["pulled_at"]),
-        )
+        return record_from_row(row, cls, json_columns=("facts",))
 
     def to_row(self) -> dict[str, Any]:
-        row = attrs.asdict(self)
-        row["owned"] = int(self.owned)
-        row["chat_template"] = None if self.chat_template is None else int(self.chat_template)
+        row: dict[str, Any] = unstructure(self)  # SQLite stores the booleans as 0 and 1
         row["facts"] = json.dumps(self.facts, sort_keys=True, default=str)
         return row
 

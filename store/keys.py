@@ -25,6 +25,7 @@ import attrs
 from states.reasons import ReasonCode
 from store.database import Store
 from store.errors import StoreError
+from store.rows import record_from_row
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +67,7 @@ class KeyRecord:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> "KeyRecord":
-        return cls(
-            id=row["id"],
-            name=row["name"],
-            prefix=row["prefix"],
-            key_sha256=row["key_sha256"],
-            created_at=row["created_at"],
-            last_used_at=row["last_used_at"],
-            revoked_at=row["revoked_at"],
-        )
+        return record_from_row(row, cls)
 
     @property
     def revoked(self) -> bool:

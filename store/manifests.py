@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 import attrs
 
 from store.database import Store
+from store.rows import record_from_row
 
 
 @attrs.frozen
@@ -31,15 +32,7 @@ class AcceptedManifest:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> "AcceptedManifest":
-        return cls(
-            key_id=row["key_id"],
-            channel=row["channel"],
-            version=int(row["version"]),
-            payload_sha256=row["payload_sha256"],
-            source=row["source"],
-            expires=row.get("expires"),
-            accepted_at=float(row["accepted_at"]),
-        )
+        return record_from_row(row, cls)
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)

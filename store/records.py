@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, Mapping
 
 import attrs
 
-
-def _json(text: str | None) -> Any:
-    return json.loads(text) if text else {}
+from store.rows import record_from_row
 
 
 @attrs.frozen
@@ -27,16 +24,7 @@ class MachineRecord:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> "MachineRecord":
-        return cls(
-            id=row["id"],
-            kind=row["kind"],
-            state=row["state"],
-            data=_json(row["data"]),
-            reason=row["reason"],
-            evidence=_json(row["evidence"]),
-            updated_at=row["updated_at"],
-            seq=row["seq"],
-        )
+        return record_from_row(row, cls, json_columns=("data", "evidence"))
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -60,19 +48,7 @@ class TransitionRecord:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> "TransitionRecord":
-        return cls(
-            id=row["id"],
-            machine_id=row["machine_id"],
-            kind=row["kind"],
-            from_state=row["from_state"],
-            event=row["event"],
-            event_data=_json(row["event_data"]),
-            to_state=row["to_state"],
-            reason=row["reason"],
-            evidence=_json(row["evidence"]),
-            at=row["at"],
-            seq=row["seq"],
-        )
+        return record_from_row(row, cls, json_columns=("event_data", "evidence"))
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)

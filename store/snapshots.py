@@ -18,6 +18,7 @@ from states.reasons import ReasonCode
 from states.snapshot_policy import Figure, fold
 from store.database import Store
 from store.errors import StoreError
+from store.rows import record_from_row
 
 # Which server instance a snapshot belongs to (a [models.NAME]; "default" without [models]): a
 # conversation never moves between instances, even two serving the same file (migration m007).
@@ -90,11 +91,7 @@ class SnapshotRecord:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> "SnapshotRecord":
-        fields = {f.name for f in attrs.fields(cls)}
-        data = {k: row[k] for k in fields}
-        data["swa_full"] = bool(row["swa_full"])
-        data["kv_unified"] = None if row.get("kv_unified") is None else bool(row["kv_unified"])
-        return cls(**data)
+        return record_from_row(row, cls)
 
     def identity(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in IDENTITY_FIELDS}

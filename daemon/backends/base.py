@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Iterable, Mapping, Protocol, runtime_checkable
 
 import attrs
 
+from states.convert import structure
 from states.launch_records import GpuLayers
 from states.reasons import ReasonCode, message_for
 
@@ -63,8 +64,8 @@ class Device:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Device":
-        names = {a.name for a in attrs.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        """Parse the JSON form; fields this daemon does not know are ignored."""
+        return structure(data, cls)
 
 
 @attrs.frozen

@@ -25,6 +25,7 @@ import trio
 from daemon.core.process_group import GroupLeader, live_process, stop_group
 from daemon.engine.api import EngineClient
 from daemon.engine.exits import classify_exit
+from states.convert import structure
 from states.reasons import ReasonCode
 
 
@@ -54,10 +55,8 @@ class ServerIdentity:
 
     @classmethod
     def from_json(cls, text: str) -> "ServerIdentity":
-        """Parse a stored record; unknown keys are ignored."""
-        data = json.loads(text)
-        fields = {f.name for f in attrs.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in fields})
+        """Parse a stored record; unknown keys are ignored, a missing one raises MissingFields."""
+        return structure(json.loads(text), cls)
 
     @property
     def base_url(self) -> str:

@@ -35,6 +35,7 @@ from daemon.core.process_group import GroupLeader, live_process, stop_group
 from daemon.engine.exits import classify_exit
 from daemon.engine.identity import cmdline_digest
 from daemon.engine.process import PASS_THROUGH_ENV
+from states.convert import structure
 from states.reasons import ReasonCode
 
 RPC_TOOL = "rpc_server"
@@ -106,9 +107,8 @@ class WorkerIdentity:
     @classmethod
     def read(cls, path: Path) -> WorkerIdentity | None:
         try:
-            data = json.loads(path.read_text())
-            return cls(**{f.name: data[f.name] for f in attrs.fields(cls)})
-        except (OSError, ValueError, TypeError, KeyError):
+            return structure(json.loads(path.read_text()), cls)
+        except (OSError, ValueError):  # MissingFields is a ValueError
             return None
 
 

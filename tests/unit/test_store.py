@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 
+import attrs
 import pytest
 
 from store import MachineRecord, StoreError, TransitionRecord, open_store
@@ -115,6 +116,55 @@ def test_reopen_keeps_machines_and_history(tmp_path):
         assert s.history()[1].evidence == {"why": "user"}
     finally:
         s.close()
+
+
+def test_a_store_a_newer_daemon_wrote_still_reads(tmp_path):
+    """Columns this daemon does not know (a newer one added them) are ignored, in every table."""
+    from store.catalog import ModelCatalog, ModelRecord
+    from store.keys import KeyStore
+    from store.manifests import ManifestVersions
+
+    path = tmp_path / "stoker.db"
+    s = open_store(path)
+    record(s, evidence={"why": "user"})
+    facts = ("llama", None, None, 2048, True)  # architecture, parameters, quantization, context, template
+    model = ModelRecord("tiny", "tiny.gguf", "local", None, None, "/m/tiny.gguf", 10, "a" * 64, False, *facts)
+    ModelCatalog(s).put(attrs.evolve(model, facts={"n_layer": 2}))
+    KeyStore(s).create("ci")
+    ManifestVersions(s).advance(
+        key_id="k", channel="stable", version=3, payload_sha256="b" * 64, source="m", expires=None
+    )
+    for table in ("machines", "transitions", "models", "user_keys", "manifest_versions"):
+        s.db.table(table).add_column("from_the_future", str)
+        s.db.execute(f"update {table} set from_the_future = 'x'")
+    s.close()
+    s = open_store(path)
+    try:
+        assert s.machine("launch").evidence == {"why": "user"}
+        assert [t.evidence for t in s.history()] == [{"why": "user"}]
+        (read,) = ModelCatalog(s).all()
+        assert read.chat_template is True and read.owned is False and read.facts == {"n_layer": 2}
+        assert [k.name for k in KeyStore(s).list()] == ["ci"]
+        assert ManifestVersions(s).last("k", "stable").version == 3
+    finally:
+        s.close()
+
+
+def test_a_row_from_before_a_column_existed_reads_with_the_records_default():
+    from store.rows import record_from_row
+
+    @attrs.frozen
+    class Row:
+        name: str
+        facts: dict = attrs.field(factory=dict)
+        instance: str = "default"  # a column a later migration added
+        seen: float | None = None
+
+    assert record_from_row({"name": "a"}, Row) == Row("a")  # a reader newer than the row
+    assert record_from_row({"name": "a", "instance": None, "facts": None}, Row, json_columns=["facts"]) == Row("a")
+    assert record_from_row({"name": "a", "facts": '{"k": 1}', "seen": 2}, Row, json_columns=["facts"]) == Row(
+        "a", {"k": 1}, seen=2.0
+    )
 
 
 def test_garbage_file_gives_a_clear_error(tmp_path):
