@@ -26,6 +26,7 @@ from states import engine_update as U
 from states import engine_update_records as UR
 from states import launch as L
 from states import launch_records as LR
+from states.convert import structure
 from store.database import Store
 
 _RUNNING = (LR.LaunchState.STARTING, LR.LaunchState.LOADING, LR.LaunchState.READY)
@@ -59,7 +60,7 @@ class FleetEngineServers:
         machine = member.instance.machine_id(L.LAUNCH.name)
         for row in self.store.history(machine=machine, limit=200):
             if row.event == "Ready" and row.to_state == LR.LaunchState.READY.value:
-                return dict(row.event_data.get("evidence") or {})
+                return structure(row.event_data, LR.Ready).evidence
         return {}
 
     async def restart_and_judge(self, name: str, timeout: float) -> UR.ServerVerdict:

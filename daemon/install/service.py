@@ -57,6 +57,7 @@ from daemon.install.trust import ManifestTrust
 from daemon.install.update_steps import bundle_digest
 from states import install as I
 from states import install_effects as IE
+from states.convert import structure
 from states.install_slot import SlotBundle, SlotWriter
 from states.install_sources import CHAIN, Source
 from states.reasons import ReasonCode, stored_reason
@@ -162,9 +163,9 @@ class InstallService:
         resumed = []
         for record in self.store.machines(kind=I.INSTALL.name):
             state = I.InstallState(record.state)
-            staging = (record.data or {}).get("staging")
+            data = structure(record.data, I.InstallData)
+            staging, backend, variant = data.staging, data.backend, data.variant
             if state in I.WORKING or (state is I.InstallState.INSTALLED and staging and Path(staging).exists()):
-                backend, variant = record.data.get("backend", ""), record.data.get("variant", "")
                 runner = self.runner(backend, variant)
                 async with self._locks[runner.machine_id]:
                     try:
