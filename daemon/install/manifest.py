@@ -23,6 +23,8 @@ import trio
 from daemon.backends.base import Backend, Detection
 from daemon.bundles.metadata import BundleManifest, ManifestEntry
 from daemon.bundles.variants import host_platform
+from daemon.core.download import fetch_bytes
+from daemon.core.download_records import DownloadError
 from daemon.core.errors import StokerError
 from daemon.install.trust import ManifestTrust
 from states.engine_update import version_key
@@ -46,23 +48,19 @@ async def load_manifest(source: str, trust: ManifestTrust | None = None) -> Bund
     trust.may_fetch(source)
     try:
         if source.startswith(("http://", "https://")):
-            import httpx
-
-            async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=10.0), follow_redirects=True) as client:
-                reply = await client.get(source)
-            if reply.status_code != 200:
-                raise StokerError(
-                    ReasonCode.BUNDLE_MISSING,
-                    f"The manifest at {source} answered HTTP {reply.status_code}.",
-                    {"manifest": source, "status": reply.status_code},
-                )
-            text = reply.content[:MANIFEST_MAX_BYTES]
+            text = await trio.to_thread.run_sync(
+                lambda: fetch_bytes(source, max_bytes=MANIFEST_MAX_BYTES, reason=ReasonCode.BUNDLE_MISSING),
+                abandon_on_cancel=True,
+            )
         else:
             path = Path(unquote(urlparse(source).path)) if source.startswith("file://") else Path(source).expanduser()
             text = await trio.to_thread.run_sync(lambda: path.read_bytes()[:MANIFEST_MAX_BYTES])
-    except StokerError:
-        raise
-    except Exception as err:  # OSError, httpx errors: the manifest cannot be read
+    except DownloadError as err:  # an error status, or no connection
+        status, cause = err.evidence.get("status"), err.evidence.get("cause")
+        said = f"answered HTTP {status}" if status else f"cannot be read: {cause}"
+        evidence = {"manifest": source, "status": status, "error": cause}
+        raise StokerError(ReasonCode.BUNDLE_MISSING, f"The manifest at {source} {said}.", evidence) from None
+    except OSError as err:  # the manifest cannot be read
         raise StokerError(
             ReasonCode.BUNDLE_MISSING,
             f"The bundle manifest {source} cannot be read: {err}.",

@@ -30,17 +30,17 @@ import trio
 
 from daemon.backends.base import Backend, Detection, ReasonKind
 from daemon.backends.registry import family_reason, load_backends
-from daemon.bundles.archive import unpack_bundle
+from daemon.bundles.archive import check_digest, unpack_bundle
 from daemon.bundles.installed import InstalledBundle, find_installed, promote
 from daemon.bundles.metadata import BundleMeta, ManifestEntry
 from daemon.core.digests import sha256_file
+from daemon.core.download import download
+from daemon.core.download_records import DownloadProgress
 from daemon.core.errors import StokerError, cause_of
 from daemon.core.machines import EffectDriver, Failure, MachineRunner, Publish
 from states.machine import IllegalTransition
 from daemon.core.paths import StokerPaths
-from daemon.install.checks import check_archive_file, smoke_skip, smoke_staged, validate_staged
-from daemon.install.download import download
-from daemon.install.download_records import DownloadProgress
+from daemon.install.checks import smoke_skip, smoke_staged, validate_staged
 from daemon.install.manifest import MANIFEST_ENV, choose_entry, load_manifest
 from daemon.install.sources import (
     failure_sentence,
@@ -459,7 +459,8 @@ class InstallService:
         return I.Unpacked(str(staging))
 
     async def _verify_archive(self, effect: IE.VerifyArchive, runner: MachineRunner) -> I.Verified:
-        figures = await trio.to_thread.run_sync(check_archive_file, Path(effect.archive), effect.sha256, effect.size)
+        archive = Path(effect.archive)
+        figures = await trio.to_thread.run_sync(lambda: check_digest(archive, effect.sha256, effect.size, discard=True))
         return I.Verified(figures)
 
     async def _validate_bundle(self, effect: IE.ValidateBundle, runner: MachineRunner) -> I.Validated:

@@ -34,11 +34,11 @@ import trio
 
 from daemon.bundles.installed import PREVIOUS, bundle_meta_of, find_installed, promote
 from daemon.config.engine import EngineConfig
+from daemon.core.download import download
+from daemon.core.download_records import DownloadError
 from daemon.core.errors import StokerError, cause_of
 from daemon.core.machines import EffectDriver, MachineRunner, Publish
 from daemon.core.paths import StokerPaths
-from daemon.install.download import download
-from daemon.install.download_records import DownloadError
 from daemon.install.manifest import choose_entry, load_manifest
 from daemon.install.service import MAX_BUNDLE_BYTES, InstallService
 from daemon.install.update_steps import (

@@ -8,12 +8,11 @@ and X-Linked-Etag headers confirm the size and sha256). The URL is pinned to the
 the bytes a resumed download continues are the same bytes.
 
 Downloading continues Stoker's partial file from what is already there (an HTTP Range request)
-with huggingface_hub's headers (token, user agent) and error classes, the body read by
-daemon/models/stream.py (http.client into reused buffers: huggingface_hub's own `http_get`
-costs about nine times its CPU per byte, and was most of a pull's time; behind a proxy it is
-still the one used). Not `hf_hub_download`: the installed huggingface_hub (2.4) writes each
-download to a process-unique temporary file and deletes it on any failure (its PR #4228), so a
-download killed with the process starts from zero again; a 15 GB model must not.
+with huggingface_hub's headers (token, user agent), through Stoker's one downloader
+(daemon/core/download.py: huggingface_hub's own `http_get` costs about nine times its CPU per
+byte, and was most of a pull's time). Not `hf_hub_download`: the installed huggingface_hub (2.4)
+writes each download to a process-unique temporary file and deletes it on any failure (its PR
+#4228), so a download killed with the process starts from zero again; a 15 GB model must not.
 
 HF_ENDPOINT and HF_TOKEN: the CLI passes its own (the daemon may have been started with
 another environment); without them huggingface_hub's defaults apply (the daemon's HF_ENDPOINT
@@ -23,11 +22,10 @@ and HF_TOKEN, or the token file `hf auth login` writes). The token is never stor
 from __future__ import annotations
 
 import re
-import urllib.request
 from typing import Any
 
 import attrs
-from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
+from huggingface_hub import HfApi, constants, get_hf_file_metadata, hf_hub_url
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
@@ -37,12 +35,12 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub.file_download import http_get
 from huggingface_hub.utils import build_hf_headers
-from huggingface_hub.utils.tqdm import silent_tqdm
 
+from daemon.core.download import UrlReading
+from daemon.core.download_records import DownloadError
 from daemon.core.errors import StokerError
-from daemon.models import stream
+from daemon.core.part_sink import PartWriter
 from daemon.models.spec import HubOptions, PullSpec, choose_file
 from states.reasons import ReasonCode
 
@@ -72,9 +70,11 @@ class HubFile:
 def classify(err: BaseException, *, spec: str, endpoint: str | None, token_given: bool) -> StokerError:
     """A huggingface_hub or network failure as a reason-coded StokerError, in this failure's words."""
     where = endpoint or "https://huggingface.co"
-    status = (
-        err.status if isinstance(err, stream.Refused) else getattr(getattr(err, "response", None), "status_code", None)
-    )
+    said = _first_line(err)
+    if isinstance(err, DownloadError):  # the body's first words say more than the download's sentence
+        status, said = err.evidence.get("status"), err.evidence.get("body") or said
+    else:
+        status = getattr(getattr(err, "response", None), "status_code", None)
     evidence: dict[str, Any] = {"spec": spec, "endpoint": where, "status": status, "error": f"{type(err).__name__}"}
     hint = "the token in HF_TOKEN was refused" if token_given else "no token was sent: set HF_TOKEN"
     if isinstance(err, HFValidationError):
@@ -94,7 +94,7 @@ def classify(err: BaseException, *, spec: str, endpoint: str | None, token_given
             ReasonCode.PULL_NOT_FOUND, f"The Hub at {where} has no {spec} (HTTP {status}).{private}", evidence
         )
     if isinstance(err, (OfflineModeIsEnabled, ConnectionError)) or (
-        isinstance(err, HTTPError) and (status is None or status >= 500 or status == 429)
+        isinstance(err, (HTTPError, DownloadError)) and (status is None or status >= 500 or status in (408, 429))
     ):
         return StokerError(
             ReasonCode.PULL_SOURCE_UNREACHABLE,
@@ -102,10 +102,8 @@ def classify(err: BaseException, *, spec: str, endpoint: str | None, token_given
             "retry when it answers (set HF_ENDPOINT for a mirror).",
             evidence,
         )
-    if isinstance(err, (HTTPError, stream.Refused)):
-        return StokerError(
-            ReasonCode.PULL_FAILED, f"The Hub answered HTTP {status} for {spec}: {_first_line(err)}", evidence
-        )
+    if isinstance(err, (HTTPError, DownloadError)):
+        return StokerError(ReasonCode.PULL_FAILED, f"The Hub answered HTTP {status} for {spec}: {said}", evidence)
     raise err
 
 
@@ -162,25 +160,12 @@ def resolve(spec: PullSpec, options: HubOptions) -> HubFile:
     )
 
 
-def download(url: str, out: Any, *, offset: int, size: int, options: HubOptions) -> None:
-    """Continue the file at `url` from `offset` into `out` (a fetch.PartWriter, positioned there):
-    `Range: bytes=offset-`, the body read by daemon/models/stream.py into reused buffers handed to
-    `out.write_view`; behind a proxy, huggingface_hub's `http_get` with `resume_size` writing
-    into `out` as a file (blocking)."""
+def download(url: str, writer: PartWriter, *, options: HubOptions) -> None:
+    """Continue the file at `url` into `writer` from where it stands, with huggingface_hub's
+    headers (token, user agent); the URL is pinned to a commit (blocking)."""
     headers = build_hf_headers(token=options.token)
+    timeout = float(constants.HF_HUB_DOWNLOAD_TIMEOUT)
     try:
-        if _proxied():
-            http_get(url, out, resume_size=offset, headers=headers, expected_size=size, tqdm_class=silent_tqdm)
-        else:
-            stream.read_url(url, headers, offset=offset, size=size, consume=out.write_view)
-    except (HTTPError, OfflineModeIsEnabled, stream.Transient, stream.Refused) as err:
+        UrlReading(url, headers, ReasonCode.PULL_FAILED, timeout, pinned=True).run(writer)
+    except DownloadError as err:
         raise classify(err, spec=url, endpoint=options.endpoint, token_given=bool(options.token)) from None
-    except OSError as err:
-        if err.errno is None and "Consistency check failed" in str(err):
-            return  # the body ended at another size than the Hub stated: the pull machine refuses the file
-        raise
-
-
-def _proxied() -> bool:
-    """A proxy in the environment (HTTP(S)_PROXY, ALL_PROXY): stream.py does not speak to proxies."""
-    return any(v for k, v in urllib.request.getproxies().items() if k.lower() != "no")

@@ -29,9 +29,10 @@ import trio
 from daemon.core.digests import fsync_dir
 from daemon.core.errors import StokerError
 from daemon.core.machines import EffectDriver, Failure, MachineRunner, Publish
+from daemon.core.part_sink import DownloadCancelled
 from daemon.core.paths import StokerPaths
 from daemon.models import pypi
-from daemon.models.fetch import PullCancelled, fetch_pieces, hash_file
+from daemon.models.fetch import fetch_pieces, hash_file
 from daemon.models.header import header_facts
 from daemon.models.spec import HubOptions, PullSpec, parse_spec
 from states import pull as P
@@ -90,7 +91,7 @@ class PullService:
                 P.RemoveModel: self._remove_model,
             },
             failed=self._failed,
-            stops=(PullCancelled,),  # stopped on purpose: the machine stays where it was, to be resumed
+            stops=(DownloadCancelled,),  # stopped on purpose: the machine stays where it was, to be resumed
         )
 
     @property

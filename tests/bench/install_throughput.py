@@ -4,7 +4,7 @@
 
 Serves one random file from tests/httpfault.FaultServer (no faults; sendfile; its own process),
 then times, alternately, `curl -s -o FILE URL && sha256sum FILE` (and, as stricter references,
-curl + `openssl dgst -sha256` and curl alone) and `daemon.install.download.download()` (sha256 computed
+curl + `openssl dgst -sha256` and curl alone) and `daemon.core.download.download()` (sha256 computed
 while streaming, then fsync and rename). Prints the runs and the median ratio stoker/curl;
 writes the table to docs/benchmarks.md under "## Install throughput", leaving other sections
 alone. Exits 1 when the median ratio misses the 0.8 target.
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from daemon.install.download import download  # noqa: E402
+from daemon.core.download import download  # noqa: E402
 from tests.httpfault import FaultServer  # noqa: E402
 
 from tests.bench import report  # noqa: E402
@@ -189,7 +189,7 @@ def main() -> int:
     )
 
     lines = [
-        "`daemon.install.download.download()` (httpx on trio, sha256 while streaming, fsync + rename) against",
+        "`daemon.core.download.download()` (http.client into reused buffers, sha256 and O_DIRECT writes on threads of their own, fsync + rename) against",
         f"`curl -s -o FILE URL && sha256sum FILE`, fetching the same {args.size_mb} MiB random file from the",
         "loopback fault server (`tests/httpfault.py`, no faults, served with sendfile, in its own process),",
         f"alternating, {args.runs} runs each, one benchmark process. Target: at least {TARGET} of curl's",
@@ -233,15 +233,14 @@ def main() -> int:
         "columns), which is why the target's baseline is easy to beat and the openssl column is the "
         "fairer one.",
         "- The CPU columns depend least on the other tenants of the machine. Stoker's CPU time is "
-        "curl's, plus one pass of OpenSSL's sha256, plus about as much again for httpx/h11's buffer "
+        "curl's, plus one pass of OpenSSL's sha256, plus about as much again for the buffer "
         "copies, the thread hand-offs and the fsync. Wall-clock figures on a shared 2-core machine "
         "swing by 2x from run to run (see the load average), and a process that needs more CPU "
         "suffers more from the contention; the medians are the figures to read.",
-        "- What moved the needle: socket reads of 1 MiB instead of httpcore's 64 KiB (through "
-        "httpcore's network-backend hook, `daemon.core.http.download_client()`; about 2x on the "
-        "receive path alone: 190 against 420 MB/s), hashing and writing in a worker thread in 1 MiB "
-        "batches with `writev`, and one TLS context per process (loading the CA bundle cost 0.1 s per "
-        "client). The server runs in its own process so that the client does not share a GIL with "
+        "- What moved the needle: socket reads of 1 MiB instead of httpcore's 64 KiB (about 2x on the "
+        "receive path alone: 190 against 420 MB/s; now http.client's `readinto` into reused buffers, "
+        "the model pull's reader), hashing and writing on threads of their own, and one TLS context "
+        "per process (loading the CA bundle cost 0.1 s per client). The server runs in its own process so that the client does not share a GIL with "
         "it, as it never does with a real CDN (and as curl never did).",
     ]
     if not args.no_write:

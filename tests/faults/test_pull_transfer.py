@@ -1,8 +1,8 @@
-"""A pull's bytes under faults: a Hub file's body is read by daemon/models/stream.py (http.client
-into reused buffers) and hashed and written by daemon/models/fetch.py's sink threads. Whatever
+"""A pull's bytes under faults: a Hub file's body is read by daemon/core/download.py (http.client
+into reused buffers) and hashed and written by daemon/core/part_sink.py's threads. Whatever
 the server does, the part ends up holding exactly a prefix of the file and the digests cover
 exactly its bytes: a cut connection is continued with a Range from where the bytes stopped, a
-server that ignores the Range has the bytes the part already holds dropped, a chunked body
+server that ignores the Range has the part start over, a chunked body
 is read whole, more bytes than the source stated are refused, an error status is a reason, a
 cancelled pull keeps its prefix and the next one finishes it, a full disk mid-download is
 pull_disk_full with the part a prefix.
@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 
 from daemon.core.errors import StokerError
-from daemon.models import fetch, stream
+from daemon.core import download
+from daemon.core.part_sink import DownloadCancelled
+from daemon.models import fetch
 from daemon.models.hub import HubOptions
 from states.download_retry import RETRY_TABLE, DownloadFailure
 from states.pull import Piece
@@ -29,7 +31,7 @@ from states.reasons import ReasonCode
 from tests.faults.test_pulls import _mount_small_disk
 from tests.httpfault import Fault, FaultServer
 
-DATA = random.Random(14).randbytes(6 * 2**20 + 12345)  # several of stream.py's 1 MiB buffers, and a bit
+DATA = random.Random(14).randbytes(6 * 2**20 + 12345)  # several of the reader's 1 MiB buffers, and a bit
 SHA = hashlib.sha256(DATA).hexdigest()
 
 
@@ -46,7 +48,7 @@ WAITS: list[float] = []
 def quick_retries(monkeypatch):
     """The retry table's waits are recorded, not slept (a direct blocking call sleeps for real)."""
     WAITS.clear()
-    monkeypatch.setattr(stream, "_wait", WAITS.append)
+    monkeypatch.setattr(download, "_wait", WAITS.append)
 
 
 def pull(url: str, part: Path, *, size: int = len(DATA), resume: bool = False, **kw) -> fetch.FetchResult:
@@ -72,7 +74,7 @@ def test_a_cut_connection_is_continued_where_the_bytes_stopped(server, tmp_path)
     assert ranges == [None, "bytes=1500000-", "bytes=3000000-"], ranges  # nothing fetched twice
 
 
-def test_a_server_that_ignores_the_range_has_the_kept_bytes_dropped_not_doubled(server, tmp_path):
+def test_a_server_that_ignores_the_range_has_the_part_start_over_not_doubled(server, tmp_path):
     part = tmp_path / "m.part"
     part.write_bytes(DATA[:2_000_000])  # a pull stopped there
     url = server.add("/m.gguf", DATA, Fault(ignore_range=True))
@@ -116,7 +118,7 @@ def test_a_cancelled_pull_keeps_a_prefix_and_the_next_one_finishes_it(server, tm
     url = server.add("/m.gguf", DATA, Fault(rate=4 * 2**20))  # ~1.5 s in all
     cancelled = threading.Event()
     threading.Timer(0.5, cancelled.set).start()
-    with pytest.raises(fetch.PullCancelled):
+    with pytest.raises(DownloadCancelled):
         pull(url, part, cancelled=cancelled)
     kept = part.stat().st_size
     assert 0 < kept < len(DATA) and DATA.startswith(part.read_bytes())

@@ -1,10 +1,14 @@
-"""daemon.install.download over real HTTP against the loopback fault server."""
+"""daemon.core.download over real HTTP against the loopback fault server."""
 
 from __future__ import annotations
 
 import hashlib
+import http.client
+import http.server
 import json
 import os
+import threading
+import urllib.parse
 from pathlib import Path
 
 import hypothesis
@@ -12,9 +16,9 @@ import hypothesis.strategies as st
 import pytest
 import trio
 
-from daemon.core.http import download_client
-from daemon.install.download import download
-from daemon.install.download_records import DownloadError, DownloadErrorKind, DownloadProgress
+from daemon.core import part_sink
+from daemon.core.download import _connect, download
+from daemon.core.download_records import DownloadError, DownloadErrorKind, DownloadProgress
 from states.download_retry import RETRY_TABLE, RetryRule
 from states.reasons import ReasonCode
 from tests.httpfault import Fault, FaultServer
@@ -362,22 +366,68 @@ async def test_connection_refused_is_a_connection_error(tmp_path: Path) -> None:
         await fails(DownloadErrorKind.CONNECTION, f"http://127.0.0.1:{port}/b.zip", tmp_path / "b.zip", retry=tries(1))
 
 
-async def test_download_client_reads_wider_than_64k(fault_server: FaultServer) -> None:
-    # The throughput depends on it (docs/benchmarks.md): a future httpx that drops the hook
-    # falls back to 64 KiB reads, and this test says so.
-    url = fault_server.add("/b.zip", DATA)
-    with trio.fail_after(20):
-        async with download_client() as client:
-            async with client.stream("GET", url) as response:
-                sizes = [len(chunk) async for chunk in response.aiter_raw()]
-    assert sum(sizes) == SIZE
-    assert max(sizes) > 64 * 1024
+class ForwardProxy(http.server.ThreadingHTTPServer):
+    """An HTTP proxy on loopback for plain http URLs (absolute URIs): it records what it was asked."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                server.seen.append(self.path)
+                target = urllib.parse.urlsplit(self.path)
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=10)
+                headers = {k: v for k, v in self.headers.items() if k.lower() in ("range", "if-range")}
+                conn.request("GET", target.path, headers=headers)
+                answer = conn.getresponse()
+                body = answer.read()
+                self.send_response(answer.status)
+                for key in ("ETag", "Last-Modified", "Content-Range"):
+                    if answer.getheader(key):
+                        self.send_header(key, answer.getheader(key))
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        super().__init__(("127.0.0.1", 0), Handler)
 
 
-async def test_download_client_honours_proxy_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
-    async with download_client() as client:
-        assert client._mounts  # httpx mounted the environment's proxy
+async def test_a_proxy_in_the_environment_carries_the_download(
+    fault_server: FaultServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proxy = ForwardProxy()
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.server_port}")
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        url = fault_server.add("/b.zip", DATA)
+        with trio.fail_after(20):
+            await fetch(url, tmp_path / "b.zip")
+        assert_complete(tmp_path / "b.zip")
+        assert proxy.seen == [url]
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")  # exempted: straight to the server
+        with trio.fail_after(20):
+            await fetch(url, tmp_path / "c.zip")
+        assert proxy.seen == [url] and len(fault_server.requests()) == 2
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+
+
+def test_an_https_url_behind_a_proxy_goes_through_a_connect_tunnel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", "http://user:pw@proxy.example:3128")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    conn, target, extra = _connect("https://cdn.example/f.gguf?x=1", 5.0)
+    assert (conn.host, conn.port) == ("proxy.example", 3128)
+    assert (conn._tunnel_host, conn._tunnel_port) == ("cdn.example", 443)  # type: ignore[attr-defined]
+    assert conn._tunnel_headers["Proxy-Authorization"].startswith("Basic ")  # type: ignore[attr-defined]
+    assert (target, extra) == ("/f.gguf?x=1", {})
 
 
 @hypothesis.settings(
@@ -409,19 +459,17 @@ def first_etag(data: bytes) -> str:
 async def test_a_large_download_cut_past_a_writeback_window_resumes_intact(
     fault_server: FaultServer, tmp_path: Path
 ) -> None:
-    """40 MiB, cut 21 MiB in (past the first 16 MiB window the writer queued for writing): the
-    resumed part starts mid-window, and the file is still byte-identical and fsynced whole."""
-    import daemon.install.download as dl
-
+    """40 MiB, cut 21 MiB and a bit in: the resumed part starts at an odd offset (written
+    buffered, its writeback windows queued in order), and the file is still byte-identical."""
     data = os.urandom(40 * 2**20)
     calls: list[tuple[int, int]] = []
-    real = dl.start_writeback
+    real = part_sink.start_writeback
 
     def spy(fd: int, offset: int, nbytes: int) -> None:
         calls.append((offset, nbytes))
         real(fd, offset, nbytes)
 
-    dl.start_writeback = spy  # type: ignore[assignment]
+    part_sink.start_writeback = spy  # type: ignore[assignment]
     try:
         url = fault_server.add("/big.zip", data, Fault(cut_after=21 * 2**20 + 12345))
         with trio.fail_after(60):
@@ -433,10 +481,10 @@ async def test_a_large_download_cut_past_a_writeback_window_resumes_intact(
                 max_bytes=2 * len(data),
             )
     finally:
-        dl.start_writeback = real  # type: ignore[assignment]
+        part_sink.start_writeback = real  # type: ignore[assignment]
     assert_complete(tmp_path / "big.zip", data)
     assert result.attempts == 2
     # every whole window queued once, in order, none past the data
-    starts = [offset for offset, _ in calls]
-    assert starts == sorted(starts) and starts[0] == 0 and 16 * 2**20 in starts
+    starts = [offset for offset, _ in calls]  # (none where every aligned block went with O_DIRECT)
+    assert starts == sorted(starts)
     assert all(offset + n <= len(data) for offset, n in calls)

@@ -443,7 +443,7 @@ async def test_a_stop_on_purpose_leaves_the_machine_where_it_was_to_be_resumed(s
 
 def test_a_download_that_failed_names_its_precise_cause_under_the_callers_reason():
     from daemon.core.machines import Failure
-    from daemon.install.download_records import DownloadError, DownloadErrorKind
+    from daemon.core.download_records import DownloadError, DownloadErrorKind
 
     reason = ReasonCode.CUDA_BUNDLE_INSTALL_FAILED
     digest = Failure.of(PL.Resolve("x", "m"), DownloadError(DownloadErrorKind.DIGEST_MISMATCH, reason, {"url": "u"}))

@@ -1,4 +1,4 @@
-"""A download's part written with O_DIRECT where it can be (daemon/models/fetch.py `_Sink`):
+"""A download's part written with O_DIRECT where it can be (daemon/core/part_sink.py `PartSink`):
 whole aligned blocks from page-aligned buffers go through the O_DIRECT descriptor, anything
 else (an unaligned chunk, a resumed part's odd offset, a filesystem that refuses) is written
 buffered, and the part holds the same bytes either way."""
@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from daemon.models import fetch
-from daemon.models.fetch import DIRECT_ALIGN, _Digests, _direct, _Sink
+from daemon.core import part_sink
+from daemon.core.part_sink import DIRECT_ALIGN, PartDigests, PartSink, open_direct
 
 
 def chunk(seed: int, size: int = 1 << 20) -> mmap.mmap:
@@ -28,12 +28,12 @@ def write_all(part, chunks, *, start=0, direct=True, monkeypatch=None):
         seen.append(fd)
         return real(fd, data, offset)
 
-    monkeypatch.setattr(fetch.os, "pwrite", pwrite)
-    with open(part, "r+b" if part.exists() else "w+b", buffering=0) as fh, _direct(part) as direct_fd:
+    monkeypatch.setattr(part_sink.os, "pwrite", pwrite)
+    with open(part, "r+b" if part.exists() else "w+b", buffering=0) as fh, open_direct(part) as direct_fd:
         fh.truncate(start)
-        digests = _Digests()
+        digests = PartDigests()
         digests.next_piece(0)
-        sink = _Sink(fh, digests, start, direct_fd=direct_fd if direct else None)
+        sink = PartSink(fh, digests, start, direct_fd=direct_fd if direct else None)
         for data in chunks:
             sink.put(data)
         sink.drain()

@@ -37,7 +37,7 @@ WORDING_ONLY = {
 }
 # module: why a counter of attempts there is no machine's crash or restart count.
 COUNTS_OWN_ATTEMPTS = {
-    "install/download.py": "the resumable downloader counts its HTTP requests under its own retry table",
+    "core/download.py": "the resumable downloader counts its HTTP requests under its own retry table",
     "frontdoor/tallies.py": "the /metrics counters tally from history what the machines recorded",
 }
 COUNTER = re.compile(r"(crash|restart|attempt|tries|retr)", re.IGNORECASE)

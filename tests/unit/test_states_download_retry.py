@@ -21,6 +21,10 @@ def test_a_refusal_is_never_tried_again() -> None:
     assert retry_after(DownloadFailure.REFUSED, 1) is None
 
 
+def test_a_changed_file_starts_over_at_once_three_times() -> None:
+    assert [retry_after(DownloadFailure.CHANGED, n) for n in (1, 3, 4)] == [0.0, 0.0, None]
+
+
 def test_the_last_wait_repeats() -> None:
     table = {**RETRY_TABLE, DownloadFailure.CUT: RetryRule(3, (0.1,))}
     assert [retry_after(DownloadFailure.CUT, n, table) for n in (1, 2, 3, 4)] == [0.1, 0.1, 0.1, None]
@@ -29,5 +33,5 @@ def test_the_last_wait_repeats() -> None:
 @hypothesis.given(st.sampled_from(list(DownloadFailure)), st.integers(min_value=1, max_value=1000))
 def test_every_failure_is_in_the_table_and_the_waits_are_bounded(failure: DownloadFailure, n: int) -> None:
     wait = retry_after(failure, n)
-    assert wait is None or 0 < wait <= max(RETRY_TABLE[failure].waits)
+    assert wait is None or 0 <= wait <= max(RETRY_TABLE[failure].waits)
     assert (wait is None) == (n > RETRY_TABLE[failure].tries)

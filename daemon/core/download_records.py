@@ -40,6 +40,8 @@ _MESSAGES = {
 class DownloadError(StokerError):
     """A failed download: the caller's reason code plus a precise `kind` and evidence."""
 
+    resumable = False  # the retry table gave up on a cut or a busy server: the part is kept for later
+
     def __init__(self, kind: DownloadErrorKind, reason: ReasonCode | str, evidence: dict[str, Any]) -> None:
         self.kind = DownloadErrorKind(kind)
         evidence = {"kind": str(self.kind), **evidence}
