@@ -86,7 +86,8 @@ def ensure_model(paths: StokerPaths, as_json: bool) -> dict | None:
     """Pull the configured model now if the lookup's table says it must be pulled (a well-known
     name the catalog lacks, or whose file is gone); the pulled row, or None when nothing was
     pulled. A name or path that cannot be served is left to the daemon, which says why."""
-    from daemon.cli.models import pull_model
+    from daemon.cli.models import list_models, pull_model
+    from daemon.control.client import typed_reply
     from daemon.config.model import ConfigError, load_config
     from daemon.models.resolve import look_up
 
@@ -96,7 +97,10 @@ def ensure_model(paths: StokerPaths, as_json: bool) -> dict | None:
         return None  # the daemon refuses it with every problem listed
     if model_form(value) is ModelForm.PATH:
         return None
-    listed: ModelList = call("model.list", as_json, returns=ModelList)
+    try:  # through the daemon when it runs, else read here: the first run has none yet
+        listed = typed_reply("model.list", list_models(as_json), ModelList)
+    except StokerError as err:
+        fail(as_json, err)
     found = look_up(value, ListedCatalog({r.name: r for r in listed.models}))
     if found.decision.action is not Action.PULL or found.known is None:
         return None
