@@ -60,6 +60,9 @@ SLOTS = 32  # buffers in flight between the socket and the disk (32 MiB)
 MAX_REDIRECTS = 10
 TIMEOUT = 30.0  # a connection that says nothing this long is cut (and retried)
 PROGRESS_INTERVAL = 0.1
+# A buffer goes to the disk when full, or this long after its first byte: a slow server's
+# bytes are shown and kept (a killed daemon resumes after them), a fast one's written whole.
+FILL_WINDOW_S = 0.25
 STOP_GRACE = 10.0  # a cancelled download's queued bytes reach the part within this
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
@@ -108,6 +111,31 @@ def _connect(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str,
         conn.set_tunnel(parts.hostname or "", parts.port or 443, headers=auth)
         return conn, target, {}
     return http.client.HTTPConnection(via.hostname or "", via.port or 80, timeout=timeout), url, auth
+
+
+def _fill(response: http.client.HTTPResponse, view: memoryview) -> int:
+    """Read into `view` until it is full, the body ends, or FILL_WINDOW_S has passed since the
+    first byte; the bytes read (0: the body ended). Each read takes what the socket has (one
+    system call), so a slow server never holds a whole buffer back."""
+    if response.chunked:
+        return response.readinto(view)
+    filled, began = 0, 0.0
+    while filled < len(view):
+        wanted = len(view) - filled if response.length is None else min(len(view) - filled, response.length)
+        if wanted == 0:
+            break
+        assert response.fp is not None
+        n = response.fp.readinto1(view[filled : filled + wanted])
+        if not n:
+            break
+        if response.length is not None:
+            response.length -= n
+        if filled == 0:
+            began = time.monotonic()
+        filled += n
+        if time.monotonic() - began >= FILL_WINDOW_S:
+            break
+    return filled
 
 
 def _wait(seconds: float) -> None:
@@ -220,7 +248,7 @@ class UrlReading:
                 buffer = free.get()
                 view = memoryview(buffer)
                 try:
-                    n = response.readinto(view)
+                    n = _fill(response, view)
                 except (OSError, http.client.HTTPException) as err:  # a cut (IncompleteRead), a stall
                     free.put(buffer)
                     raise self._cut(f"{type(err).__name__}: {err}") from err

@@ -119,11 +119,11 @@ def test_free_memory_is_read_when_the_plan_is_made_and_a_forced_backend_says_one
     )
     full = fallback_of(st, "fakegpu")
     assert full["reason"] == "fakegpu_vram_full"
-    passed = next(
+    passed = [
         r
         for r in d.history(machine="fallback", limit=500)
         if r["event"] == "CheckPassed" and r["event_data"]["backend"] == "fakegpu"
-    )  # the first launch's check: the reading failed (no file yet), the probe's figures stood
+    ][-1]  # the first launch's check (history is newest first): no reading yet, the probe's figures stood
     assert passed["evidence"]["free_vram_mib"] == {"0": 8192} and passed["evidence"]["free_vram_source"] == "probe"
     assert full["evidence"]["free_vram_mib"] == {"0": 100} and full["evidence"]["free_vram_source"] == "read now"
     assert "0: FakeGPU 9000 100 MiB" in full["message"] and "8192" not in full["message"]
