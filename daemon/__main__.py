@@ -1,3 +1,3 @@
-from daemon.cli import main
+from stoker.daemon.cli import main
 
 main()

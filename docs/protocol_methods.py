@@ -13,9 +13,9 @@ from typing import Any
 
 import attrs
 
-from daemon.control.methods import METHODS
-from daemon.control.params import Method, Param
-from daemon.control.protocol import SUBSCRIBE
+from stoker.daemon.control.methods import METHODS
+from stoker.daemon.control.params import Method, Param
+from stoker.daemon.control.protocol import SUBSCRIBE
 
 PAGE = Path(__file__).resolve().parent / "protocol-methods.md"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from states.reasons import MESSAGES, ReasonCode
+from stoker.states.reasons import MESSAGES, ReasonCode
 
 PAGE = Path(__file__).resolve().parent / "reason-codes.md"
 

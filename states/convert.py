@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import cattrs
 from cattrs.preconf.json import make_converter
 
-from states.reasons import ReasonCode, stored_reason
+from stoker.states.reasons import ReasonCode, stored_reason
 
 T = TypeVar("T")
 

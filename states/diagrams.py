@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import attrs
 
-from states.config import CONFIG
-from states.engine_update import ENGINE_UPDATE
-from states.fallback import FALLBACK
-from states.install import INSTALL
-from states.launch import LAUNCH
-from states.machine import Guarded, MachineSpec
-from states.probe import PROBE
-from states.pull import PULL
-from states.worker import WORKER
+from stoker.states.config.table import CONFIG
+from stoker.states.engine_update.table import ENGINE_UPDATE
+from stoker.states.fallback.table import FALLBACK
+from stoker.states.install.table import INSTALL
+from stoker.states.launch.table import LAUNCH
+from stoker.states.machine import Guarded, MachineSpec
+from stoker.states.probe.table import PROBE
+from stoker.states.pull.table import PULL
+from stoker.states.worker.table import WORKER
 
 SPECS: tuple[MachineSpec, ...] = (LAUNCH, INSTALL, PROBE, FALLBACK, CONFIG, PULL, WORKER, ENGINE_UPDATE)
 

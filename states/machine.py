@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterable, Mapping, Union
 
 import attrs
 
-from states.convert import structure, unstructure
-from states.reasons import ReasonCode
+from stoker.states.convert import structure, unstructure
+from stoker.states.reasons import ReasonCode
 
 Handler = Callable[[Any, Any, Any], "Step | None"]
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 import enum
 from typing import Any, Iterable
 
-from states.backoff import Backoff
-from states.fallback import CPU_VARIANTS_BY_SAFETY, BundleMissing, cpu_variant_order, missing_reason
-from states.fallback_proof import AccelerationProof, acceleration_verdict
-from states.fallback_vram import FreeVram, VramCheck, devices_of, no_room
-from states.frontdoor_policy import RETRY_AFTER_S, HoldMove, admit, hold_move, refusal
-from states.launch_exits import FATAL_EXITS, REPLAN_EXITS, judge_exit
-from states.launch_records import AfterStop, ExitPhase, GpuLayers, LaunchPlan, LaunchState
-from states.reasons import ReasonCode
-from states.snapshot_policy import SAVE_BEFORE_STOP
+from stoker.states.backoff import Backoff
+from stoker.states.fallback.table import CPU_VARIANTS_BY_SAFETY, BundleMissing, cpu_variant_order, missing_reason
+from stoker.states.fallback.proof import AccelerationProof, acceleration_verdict
+from stoker.states.fallback.vram import FreeVram, VramCheck, devices_of, no_room
+from stoker.states.frontdoor.policy import RETRY_AFTER_S, HoldMove, admit, hold_move, refusal
+from stoker.states.launch.exits import FATAL_EXITS, REPLAN_EXITS, judge_exit
+from stoker.states.launch.records import AfterStop, ExitPhase, GpuLayers, LaunchPlan, LaunchState
+from stoker.states.reasons import ReasonCode
+from stoker.states.snapshots.policy import SAVE_BEFORE_STOP
 
 R = ReasonCode
 
@@ -45,7 +45,7 @@ def _codes(codes: Iterable[str]) -> str:
 
 
 def exit_policy() -> str:
-    """The launch machine's verdict on an unasked exit (states/launch_exits.py)."""
+    """The launch machine's verdict on an unasked exit (states/launch/exits.py)."""
     gpu = LaunchPlan("cuda", "cuda12", "/b", "/b/llama-server", "/m.gguf", n_gpu_layers="auto")
     cpu = LaunchPlan("cpu", "avx2", "/b", "/b/llama-server", "/m.gguf")
     rows = [
@@ -55,7 +55,7 @@ def exit_policy() -> str:
         for plan in (gpu, cpu)
     ]
     return (
-        "## Exits (states/launch_exits.py)\n\n"
+        "## Exits (states/launch/exits.py)\n\n"
         f"Fatal, whatever the phase or plan: {_codes(FATAL_EXITS)}. A new plan: {_codes(REPLAN_EXITS)}, and any "
         "non-CPU plan that dies before it was ever ready. Anything else is respawned with the same plan after "
         "the restart backoff, until `max_restarts` makes it a `crash_loop`.\n\n"
@@ -77,7 +77,7 @@ def restart_backoff() -> str:
 
 
 def cpu_builds() -> str:
-    """Which CPU builds a plan may use (states/fallback.py)."""
+    """Which CPU builds a plan may use (states/fallback/table.py)."""
     cases = [
         ("auto", "x86_64", None),
         ("auto", "aarch64", None),
@@ -91,7 +91,7 @@ def cpu_builds() -> str:
         for setting, arch, faulted in cases
     ]
     return (
-        "## CPU builds (states/fallback.py, `cpu_variant_order`)\n\n"
+        "## CPU builds (states/fallback/table.py, `cpu_variant_order`)\n\n"
         f"Fastest to safest: {_codes(CPU_VARIANTS_BY_SAFETY)}. After a SIGILL (`cpu_illegal_instruction`) every "
         "build at or above the one that faulted is out of the next plan.\n\n"
         + _table(("`[backend] cpu_variant`", "architecture", "faulted (SIGILL)", "builds tried, in order"), rows)
@@ -99,7 +99,7 @@ def cpu_builds() -> str:
 
 
 def missing_bundles() -> str:
-    """A missing bundle's code (states/fallback.py, `missing_reason`)."""
+    """A missing bundle's code (states/fallback/table.py, `missing_reason`)."""
     cases: list[tuple[str, bool, ReasonCode | None]] = [
         ("cuda", True, R.BINARY_MISSING_NVIDIA_DETECTED),
         ("cuda", False, R.BINARY_MISSING_NVIDIA_DETECTED),
@@ -107,14 +107,14 @@ def missing_bundles() -> str:
     ]
     rows = [(b, present, code, missing_reason(BundleMissing(b, present, code))) for b, present, code in cases]
     return (
-        "## Missing bundles (states/fallback.py, `BundleMissing`)\n\n"
+        "## Missing bundles (states/fallback/table.py, `BundleMissing`)\n\n"
         "The one check failure an install repairs: installed once per request, then checked again; missing "
         "again, the next candidate.\n\n" + _table(("backend", "hardware present", "backend's code", "reason"), rows)
     )
 
 
 def gpu_room() -> str:
-    """Room for a layer (states/fallback_vram.py), on an H200-like CUDA backend."""
+    """Room for a layer (states/fallback/vram.py), on an H200-like CUDA backend."""
     cases: list[tuple[tuple[int, ...], int, GpuLayers]] = [
         ((699,), 1024, "auto"),
         ((699,), 87, "auto"),
@@ -131,7 +131,7 @@ def gpu_room() -> str:
             (", ".join(str(f) for f in free), margin, layers, full[0] if full else None, given if not full else None)
         )
     return (
-        "## Room on the GPUs (states/fallback_vram.py)\n\n"
+        "## Room on the GPUs (states/fallback/vram.py)\n\n"
         "A GPU takes a layer when its free VRAM (read at the check) is at least the runtime's share "
         "(`runtime_reserve_mib`, 524 MiB for CUDA) plus the margin the engine keeps (-fitt). None with room "
         "under `-ngl auto`: the backend is skipped with its vram_full code; only some: the plan gets those.\n\n"
@@ -140,7 +140,7 @@ def gpu_room() -> str:
 
 
 def acceleration() -> str:
-    """The proof of acceleration (states/fallback_proof.py)."""
+    """The proof of acceleration (states/fallback/proof.py)."""
     cases = [
         ("25/25 layers, 900 MiB held", AccelerationProof(25, 25, process_vram_mib=900)),
         ("25/25 layers, no per-process reading", AccelerationProof(25, 25)),
@@ -153,14 +153,14 @@ def acceleration() -> str:
     ]
     rows = [(what, acceleration_verdict(proof) or "accelerated: served as planned") for what, proof in cases]
     return (
-        "## Really accelerated? (states/fallback_proof.py)\n\n"
+        "## Really accelerated? (states/fallback/proof.py)\n\n"
         "A ready GPU server that is not really accelerated serves on, reported as the CPU with the reason.\n\n"
         + _table(("what the server proved", "verdict"), rows)
     )
 
 
 def front_door() -> str:
-    """Holding a request and its 503 (states/frontdoor_policy.py)."""
+    """Holding a request and its 503 (states/frontdoor/policy.py)."""
     moves = [
         (state, hold_move(state, False), hold_move(state, True), admit(state, False, 0, 1))
         for state in LaunchState
@@ -179,7 +179,7 @@ def front_door() -> str:
         reason = refusal(LaunchState(state), placing, failed)
         refusals.append((LaunchState(state), placing, failed, reason, RETRY_AFTER_S[reason] if reason else None))
     return (
-        "## The front door's hold (states/frontdoor_policy.py)\n\n"
+        "## The front door's hold (states/frontdoor/policy.py)\n\n"
         f"A request that finds its model not ready (a ready one is sent at once): refused at once, held "
         f"(`{HoldMove.WAIT.value}`), or its model loaded first (`{HoldMove.LOAD.value}`); with "
         "`[frontdoor] max_queue` requests held already it is refused with `frontdoor_queue_full`.\n\n"
@@ -190,10 +190,10 @@ def front_door() -> str:
 
 
 def stop_saves() -> str:
-    """Whether a stop saves the slots first (states/snapshot_policy.py)."""
+    """Whether a stop saves the slots first (states/snapshots/policy.py)."""
     rows = [(after, SAVE_BEFORE_STOP[after]) for after in AfterStop]
     return (
-        "## Snapshots before a stop (states/snapshot_policy.py)\n\n"
+        "## Snapshots before a stop (states/snapshots/policy.py)\n\n"
         "By where the stop leads (the launch machine's `after_stop`): `save` within the stop budget, "
         "`within_grace` (a hung engine: the stop's grace, no more), or `skip`.\n\n"
         + _table(("after_stop", "save"), rows)

@@ -24,7 +24,7 @@ from typing import Any, Mapping, TypeGuard
 
 import attrs
 
-from states.reason_messages import MESSAGE_TEXT
+from stoker.states.reason_messages import MESSAGE_TEXT
 
 
 class ReasonCode(enum.StrEnum):
@@ -90,7 +90,7 @@ class ReasonCode(enum.StrEnum):
     MANIFEST_SIGNATURE_INVALID = "manifest_signature_invalid"
     MANIFEST_EXPIRED = "manifest_expired"
     MANIFEST_ROLLBACK = "manifest_rollback"
-    # Engine updates (states/engine_update.py, docs/bundles.md "Updates").
+    # Engine updates (states/engine_update/table.py, docs/bundles.md "Updates").
     ENGINE_UPDATE_REJECTED = "engine_update_rejected"
     ENGINE_UPDATE_ROLLED_BACK = "engine_update_rolled_back"
     ENGINE_ROLLBACK_UNAVAILABLE = "engine_rollback_unavailable"

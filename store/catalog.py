@@ -13,11 +13,11 @@ from typing import Any, Mapping
 
 import attrs
 
-from states.convert import unstructure
-from states.reasons import ReasonCode
-from store.database import Store
-from store.errors import StoreError
-from store.rows import record_from_row
+from stoker.states.convert import unstructure
+from stoker.states.reasons import ReasonCode
+from stoker.store.database import Store
+from stoker.store.errors import StoreError
+from stoker.store.rows import record_from_row
 
 
 @attrs.frozen

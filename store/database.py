@@ -28,10 +28,10 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import attrs
 from sqlite_utils import Database
 
-from states.reasons import ReasonCode
-from store.errors import StoreError
-from store.migrations import MIGRATIONS, Migration, migrate
-from store.records import MachineRecord, TransitionRecord
+from stoker.states.reasons import ReasonCode
+from stoker.store.errors import StoreError
+from stoker.store.migrations import MIGRATIONS, Migration, migrate
+from stoker.store.records import MachineRecord, TransitionRecord
 
 BUSY_TIMEOUT_MS = 5000
 MEMORY = ":memory:"

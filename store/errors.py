@@ -6,7 +6,7 @@ the daemon reports it like any StokerError.
 
 from __future__ import annotations
 
-from states.reasons import ReasonedError
+from stoker.states.reasons import ReasonedError
 
 
 class StoreError(ReasonedError):

@@ -22,10 +22,10 @@ from typing import Any, Callable, Mapping
 
 import attrs
 
-from states.reasons import ReasonCode
-from store.database import Store
-from store.errors import StoreError
-from store.rows import record_from_row
+from stoker.states.reasons import ReasonCode
+from stoker.store.database import Store
+from stoker.store.errors import StoreError
+from stoker.store.rows import record_from_row
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from typing import Any, Callable, Mapping
 
 import attrs
 
-from store.database import Store
-from store.rows import record_from_row
+from stoker.store.database import Store
+from stoker.store.rows import record_from_row
 
 
 @attrs.frozen

@@ -14,8 +14,8 @@ from typing import Callable
 
 from sqlite_utils import Database
 
-from states.reasons import ReasonCode
-from store.errors import StoreError
+from stoker.states.reasons import ReasonCode
+from stoker.store.errors import StoreError
 
 Migration = Callable[[Database], None]
 
@@ -124,7 +124,7 @@ def m004_snapshot_cheap_checks(db: Database) -> None:
     its full sha256 being computed after the save, in the background (NULL until then); `sealed_at`
     says when its data reached the disk (fsync), `boot_id` which boot wrote it. `snapshot_figures`:
     the moving throughputs that decide restore against re-prefill and the budgets
-    (states/snapshot_policy.py)."""
+    (states/snapshots/policy.py)."""
     db.table("snapshots").transform(not_null={"model_sha256": False, "file_sha256": False})
     for column, kind in (
         ("model_id", str),

@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from store.rows import record_from_row
+from stoker.store.rows import record_from_row
 
 
 @attrs.frozen

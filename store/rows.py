@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping, TypeVar
 import attrs
 from attrs import AttrsInstance
 
-from states.convert import structure
+from stoker.states.convert import structure
 
 T = TypeVar("T", bound=AttrsInstance)
 

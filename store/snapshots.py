@@ -14,11 +14,11 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 import attrs
 from sqlite_utils import Database
 
-from states.reasons import ReasonCode
-from states.snapshot_policy import Figure, fold
-from store.database import Store
-from store.errors import StoreError
-from store.rows import record_from_row
+from stoker.states.reasons import ReasonCode
+from stoker.states.snapshots.policy import Figure, fold
+from stoker.store.database import Store
+from stoker.store.errors import StoreError
+from stoker.store.rows import record_from_row
 
 # Which server instance a snapshot belongs to (a [models.NAME]; "default" without [models]): a
 # conversation never moves between instances, even two serving the same file (migration m007).
@@ -173,7 +173,7 @@ class SnapshotCatalog:
         return {name: Figure(value, samples) for name, value, samples in rows}
 
     def fold_figure(self, name: str, sample: float) -> Figure:
-        """Move the figure `name` by one sample (states.snapshot_policy.fold); the new figure."""
+        """Move the figure `name` by one sample (states.snapshots.policy.fold); the new figure."""
 
         def write(db: Database) -> Figure:
             row = db.execute("select value, samples from snapshot_figures where name = ?", [name]).fetchone()

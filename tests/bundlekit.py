@@ -14,10 +14,10 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from daemon.bundles.archive import pack_bundle
-from daemon.bundles.metadata import SCHEMA_VERSION, BundleMeta, FileEntry, SmokeReference
-from daemon.bundles.smoke import SmokeSpec
-from daemon.bundles.variants import host_platform
+from stoker.daemon.bundles.archive import pack_bundle
+from stoker.daemon.bundles.metadata import SCHEMA_VERSION, BundleMeta, FileEntry, SmokeReference
+from stoker.daemon.bundles.smoke import SmokeSpec
+from stoker.daemon.bundles.variants import host_platform
 
 FAKE_BUILD = 11434
 FAKE_COMMIT = "b11434"

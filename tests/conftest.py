@@ -17,7 +17,7 @@ def stoker_home(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A seeded 2-layer, 128-wide random-weight llama GGUF (SPM vocab): loads in milliseconds."""
-    from daemon.bundles.tinymodel import write_tiny_model
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model") / "tiny.gguf")
 
@@ -31,8 +31,8 @@ def cpu_bundle():
     """
     import sys
 
-    from daemon.bundles.build import build_bundle
-    from daemon.core.paths import StokerPaths
+    from stoker.daemon.bundles.build import build_bundle
+    from stoker.daemon.core.paths import StokerPaths
 
     result = build_bundle(
         StokerPaths.from_env(), backend="cpu", progress=lambda line: print(f"[cpu_bundle] {line}", file=sys.stderr)
@@ -43,8 +43,8 @@ def cpu_bundle():
 @pytest.fixture
 def installed_cpu_bundle(stoker_home, cpu_bundle):
     """The CPU bundle installed (verified, without the smoke run) into this test's STOKER_HOME."""
-    from daemon.bundles.installed import install_bundle
-    from daemon.core.paths import StokerPaths
+    from stoker.daemon.bundles.installed import install_bundle
+    from stoker.daemon.core.paths import StokerPaths
 
     return install_bundle(cpu_bundle, StokerPaths.from_env())
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import trio
 
-from daemon.core.paths import StokerPaths
-from daemon.models.pull import PullService
-from daemon.models.resolve import checked_file, locate_model
-from states.model_lookup import ModelForm, model_form
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.models.pull import PullService
+from stoker.daemon.models.resolve import checked_file, locate_model
+from stoker.states.pull.lookup import ModelForm, model_form
 
 GEMMA = "gemma3-270m"
 
@@ -30,7 +30,7 @@ def model_file(value: str, paths: StokerPaths) -> Path:
         found = _installed_gemma(paths)
         if found is not None:
             return found
-    from store import open_store
+    from stoker.store import open_store
 
     paths.make_private()
     store = open_store(paths.db_file)

@@ -18,9 +18,9 @@ from textual.containers import Horizontal
 from textual.widgets import Footer, Header, TabbedContent, TabPane
 from textual.worker import get_current_worker
 
-from daemon.core.errors import StokerError
-from tui.link import DaemonLink
-from tui.messages import (
+from stoker.daemon.core.errors import StokerError
+from stoker.tui.link import DaemonLink
+from stoker.tui.messages import (
     Connected,
     DaemonEvent,
     Disconnected,
@@ -30,17 +30,17 @@ from tui.messages import (
     StatusLoaded,
     TelemetryLoaded,
 )
-from tui.screens.backend_choice import BackendChoiceScreen
-from tui.screens.confirm import ConfirmScreen
-from tui.screens.help import HelpScreen
-from tui.screens.not_running import NotRunningScreen
-from tui.widgets.backend_card import BackendCard
-from tui.widgets.history_view import HistoryView, row_from_event
-from tui.widgets.install_progress import InstallProgress
-from tui.widgets.models_view import ModelsView
-from tui.widgets.pull_progress import PullProgress
-from tui.widgets.snapshots_view import SnapshotsView, snapshot_id
-from tui.widgets.telemetry_panel import TelemetryPanel
+from stoker.tui.screens.backend_choice import BackendChoiceScreen
+from stoker.tui.screens.confirm import ConfirmScreen
+from stoker.tui.screens.help import HelpScreen
+from stoker.tui.screens.not_running import NotRunningScreen
+from stoker.tui.widgets.backend_card import BackendCard
+from stoker.tui.widgets.history_view import HistoryView, row_from_event
+from stoker.tui.widgets.install_progress import InstallProgress
+from stoker.tui.widgets.models_view import ModelsView
+from stoker.tui.widgets.pull_progress import PullProgress
+from stoker.tui.widgets.snapshots_view import SnapshotsView, snapshot_id
+from stoker.tui.widgets.telemetry_panel import TelemetryPanel
 
 HISTORY_LIMIT = 200
 TELEMETRY_POINTS = 60

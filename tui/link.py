@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-from daemon.control.client import ControlClient
+from stoker.daemon.control.client import ControlClient
 
 QUERY_TIMEOUT_S = 10.0
 # `down` waits for the server to stop (TERM, grace, KILL): give actions room.

@@ -4,7 +4,7 @@ See `base.py` for the contract and `registry.py` for the `stoker.backends` entry
 docs/backends.md for what each built-in detects and how.
 """
 
-from daemon.backends.base import (
+from stoker.daemon.backends.base import (
     Backend,
     BundleCheck,
     Detection,
@@ -15,7 +15,7 @@ from daemon.backends.base import (
     Telemetry,
     TelemetryRequest,
 )
-from daemon.backends.registry import (
+from stoker.daemon.backends.registry import (
     BUILTIN,
     GROUP,
     BackendRegistry,

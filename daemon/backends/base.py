@@ -20,9 +20,9 @@ from typing import Any, ClassVar, Iterable, Mapping, Protocol, runtime_checkable
 
 import attrs
 
-from states.convert import structure
-from states.launch_records import GpuLayers
-from states.reasons import ReasonCode, message_for
+from stoker.states.convert import structure
+from stoker.states.launch.records import GpuLayers
+from stoker.states.reasons import ReasonCode, message_for
 
 
 def _device_tuple(devices: Iterable["Device"]) -> tuple["Device", ...]:

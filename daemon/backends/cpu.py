@@ -8,10 +8,10 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from daemon.backends.base import BUNDLE_FITS, Backend, BundleCheck, Detection, Device, ReasonKind
-from daemon.backends.cpu_features import USABLE, X86_TESTS, InstructionTester, run_feature_tests
-from daemon.backends.tools import ToolRunner, run_tool
-from states.reasons import ReasonCode
+from stoker.daemon.backends.base import BUNDLE_FITS, Backend, BundleCheck, Detection, Device, ReasonKind
+from stoker.daemon.backends.cpu_features import USABLE, X86_TESTS, InstructionTester, run_feature_tests
+from stoker.daemon.backends.tools import ToolRunner, run_tool
+from stoker.states.reasons import ReasonCode
 
 R = ReasonCode
 K = ReasonKind

@@ -8,7 +8,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterable, Mapping
 
-from daemon.backends.base import (
+from stoker.daemon.backends.base import (
     BUNDLE_FITS,
     Backend,
     BundleCheck,
@@ -23,11 +23,11 @@ from daemon.backends.base import (
     gpu_reason_codes,
     version_tuple,
 )
-from daemon.backends.cuda_arch import cc_supported, parse_cc, split_archs
-from daemon.backends.cuda_telemetry import NvmlTelemetry
-from daemon.backends.pci import pci_display_vendor_present
-from daemon.backends.tools import ToolResult, ToolRunner, run_tool
-from states.reasons import ReasonCode
+from stoker.daemon.backends.cuda_arch import cc_supported, parse_cc, split_archs
+from stoker.daemon.backends.cuda_telemetry import NvmlTelemetry
+from stoker.daemon.backends.pci import pci_display_vendor_present
+from stoker.daemon.backends.tools import ToolResult, ToolRunner, run_tool
+from stoker.states.reasons import ReasonCode
 
 R = ReasonCode
 K = ReasonKind

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import attrs
 
-from daemon.backends.base import DeviceTelemetry, Telemetry, TelemetryRequest
+from stoker.daemon.backends.base import DeviceTelemetry, Telemetry, TelemetryRequest
 
 _MIB = 1024 * 1024
 

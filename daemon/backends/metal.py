@@ -6,9 +6,9 @@ import platform
 import re
 from typing import Any, Iterable
 
-from daemon.backends.base import Backend, Detection, Device, ReasonKind, gpu_reason_codes
-from daemon.backends.tools import ToolRunner, run_tool
-from states.reasons import ReasonCode
+from stoker.daemon.backends.base import Backend, Detection, Device, ReasonKind, gpu_reason_codes
+from stoker.daemon.backends.tools import ToolRunner, run_tool
+from stoker.states.reasons import ReasonCode
 
 R = ReasonCode
 K = ReasonKind

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import attrs
 
-from daemon.backends.base import Backend, ReasonKind
-from states.reasons import ReasonCode, register_reasons
+from stoker.daemon.backends.base import Backend, ReasonKind
+from stoker.states.reasons import ReasonCode, register_reasons
 
 if TYPE_CHECKING:
     from importlib import metadata
@@ -36,11 +36,11 @@ BUILTIN = ("cpu", "cuda", "rocm", "vulkan", "metal")
 # wins over a plugin of the same name, so a probe child can load one straight from here and
 # skip scanning every installed distribution's entry points (~0.1 s per probe).
 BUILTIN_TARGETS = {
-    "cpu": "daemon.backends.cpu:CpuBackend",
-    "cuda": "daemon.backends.cuda:CudaBackend",
-    "rocm": "daemon.backends.rocm:RocmBackend",
-    "vulkan": "daemon.backends.vulkan:VulkanBackend",
-    "metal": "daemon.backends.metal:MetalBackend",
+    "cpu": "stoker.daemon.backends.cpu:CpuBackend",
+    "cuda": "stoker.daemon.backends.cuda:CudaBackend",
+    "rocm": "stoker.daemon.backends.rocm:RocmBackend",
+    "vulkan": "stoker.daemon.backends.vulkan:VulkanBackend",
+    "metal": "stoker.daemon.backends.metal:MetalBackend",
 }
 _REQUIRED = ("name", "detect", "choose_variant", "device_signature", "launch_args", "check_bundle", "reason")
 

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from daemon.backends.base import (
+from stoker.daemon.backends.base import (
     BUNDLE_FITS,
     Backend,
     BundleCheck,
@@ -19,8 +19,8 @@ from daemon.backends.base import (
     gpu_device_signature,
     gpu_reason_codes,
 )
-from daemon.backends.tools import ToolRunner, run_tool
-from states.reasons import ReasonCode
+from stoker.daemon.backends.tools import ToolRunner, run_tool
+from stoker.states.reasons import ReasonCode
 
 R = ReasonCode
 K = ReasonKind

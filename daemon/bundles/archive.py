@@ -21,10 +21,10 @@ from typing import Any
 
 import attrs
 
-from daemon.core.digests import sha256_file
-from daemon.core.errors import StokerError
-from daemon.bundles.metadata import BUNDLE_JSON
-from states.reasons import ReasonCode
+from stoker.daemon.core.digests import sha256_file
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.bundles.metadata import BUNDLE_JSON
+from stoker.states.reasons import ReasonCode
 
 _EPOCH = (1980, 1, 1, 0, 0, 0)  # zip's earliest date: same inputs, same bytes
 _CHUNK = 1 << 20

@@ -25,15 +25,15 @@ from typing import Any, Callable, Iterator, TextIO
 
 import attrs
 
-from daemon.bundles.archive import pack_bundle
-from daemon.bundles.metadata import BUNDLE_JSON, SCHEMA_VERSION, BundleMeta, FileEntry, SmokeReference
-from daemon.bundles.smoke import SmokeSpec, engine_env, run_smoke
-from daemon.bundles.source import SourceSpec, SourceTree, resolve_source, tree_digest
-from daemon.bundles.variants import BuildPlan
-from daemon.bundles.verify import sha256_file
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from states.reasons import ReasonCode
+from stoker.daemon.bundles.archive import pack_bundle
+from stoker.daemon.bundles.metadata import BUNDLE_JSON, SCHEMA_VERSION, BundleMeta, FileEntry, SmokeReference
+from stoker.daemon.bundles.smoke import SmokeSpec, engine_env, run_smoke
+from stoker.daemon.bundles.source import SourceSpec, SourceTree, resolve_source, tree_digest
+from stoker.daemon.bundles.variants import BuildPlan
+from stoker.daemon.bundles.verify import sha256_file
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.states.reasons import ReasonCode
 
 Progress = Callable[[str], None]
 

@@ -2,7 +2,7 @@
 
 Install = unpack (or copy) into a hidden staging directory beside the slots, verify there,
 then `promote`: the one way a bundle enters its slot, used by the install service's Promote
-step (every install Stoker's commands make, daemon.install.service) and by `install_bundle`
+step (every install Stoker's commands make, daemon.install.installer) and by `install_bundle`
 (the same unpack, verify and promote without the machine: how tests and benchmarks set up a
 data directory). Promote makes the staged files durable (fsync every file and directory),
 renames the old slot to `<slot>.previous`, renames the staged tree into the slot and fsyncs
@@ -24,14 +24,14 @@ from typing import Any, Callable
 
 import attrs
 
-from daemon.bundles.archive import unpack_bundle
-from daemon.bundles.metadata import BUNDLE_JSON, BundleMeta
-from daemon.bundles.variants import SAFE_CPU_VARIANTS, cpu_flags, variant_fits
-from daemon.bundles.verify import VerifyReport, verify_dir
-from daemon.core.digests import fsync_dir
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from states.reasons import ReasonCode
+from stoker.daemon.bundles.archive import unpack_bundle
+from stoker.daemon.bundles.metadata import BUNDLE_JSON, BundleMeta
+from stoker.daemon.bundles.variants import SAFE_CPU_VARIANTS, cpu_flags, variant_fits
+from stoker.daemon.bundles.verify import VerifyReport, verify_dir
+from stoker.daemon.core.digests import fsync_dir
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.states.reasons import ReasonCode
 
 Progress = Callable[[str], None]
 PREVIOUS = ".previous"

@@ -18,8 +18,8 @@ from urllib.parse import urljoin
 
 import attrs
 
-from daemon.core.errors import StokerError
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.states.reasons import ReasonCode
 
 SCHEMA_VERSION = 1
 BUNDLE_JSON = "bundle.json"

@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterable
 
 import attrs
 
-from daemon.bundles.installed import bundle_meta_of
-from daemon.bundles.metadata import (
+from stoker.daemon.bundles.installed import bundle_meta_of
+from stoker.daemon.bundles.metadata import (
     MANIFEST_SCHEMA_VERSION,
     BundleManifest,
     BundleMeta,
@@ -34,10 +34,10 @@ from daemon.bundles.metadata import (
     format_timestamp,
     release_key,
 )
-from daemon.core.digests import fsync_dir, sha256_file
-from daemon.core.errors import StokerError
-from daemon.core.signing import Envelope, SignatureError, SigningKey, sign_envelope
-from states.reasons import ReasonCode
+from stoker.daemon.core.digests import fsync_dir, sha256_file
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.signing import Envelope, SignatureError, SigningKey, sign_envelope
+from stoker.states.reasons import ReasonCode
 
 MANIFEST_NAME = "manifest.json"
 BUNDLES_DIR = "bundles"

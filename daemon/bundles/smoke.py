@@ -22,11 +22,11 @@ import attrs
 import httpx
 import trio
 
-from daemon.core.errors import StokerError
-from daemon.engine.api import EngineClient
-from daemon.engine.exits import classify_exit
-from daemon.engine.ready import ServerLog
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.engine.api import EngineClient
+from stoker.daemon.engine.exits import classify_exit
+from stoker.daemon.engine.ready import ServerLog
+from stoker.states.reasons import ReasonCode
 
 _POLL = 0.05
 
@@ -62,7 +62,7 @@ class SmokeSpec:
         return spec
 
     def write_model(self, directory: Path) -> Path:
-        from daemon.bundles.tinymodel import write_tiny_model  # gguf and numpy: only when one is written
+        from stoker.daemon.bundles.tinymodel import write_tiny_model  # gguf and numpy: only when one is written
 
         return write_tiny_model(Path(directory) / "smoke.gguf", **dict(self.model))
 

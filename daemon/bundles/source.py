@@ -26,13 +26,13 @@ from urllib.parse import parse_qsl
 
 import attrs
 
-from daemon.bundles.archive import check_digest
-from daemon.core.digests import sha256_file
-from daemon.core.download import download_file
-from daemon.core.download_records import DownloadError, DownloadErrorKind
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from states.reasons import ReasonCode
+from stoker.daemon.bundles.archive import check_digest
+from stoker.daemon.core.digests import sha256_file
+from stoker.daemon.core.download import download_file
+from stoker.daemon.core.download_records import DownloadError, DownloadErrorKind
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.states.reasons import ReasonCode
 
 Progress = Callable[[str], None]
 

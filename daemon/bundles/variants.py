@@ -18,8 +18,8 @@ from typing import Any, Mapping
 
 import attrs
 
-from daemon.core.errors import StokerError
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.states.reasons import ReasonCode
 
 BACKENDS = ("cpu", "cuda", "vulkan")
 

@@ -22,16 +22,16 @@ from typing import Any, Callable
 
 import attrs
 
-from daemon.backends.base import Backend, LaunchRequest, ReasonKind
-from daemon.backends.registry import load_backend
-from daemon.core.digests import sha256_file
-from daemon.bundles.archive import ArchiveLimits, unpack_bundle
-from daemon.bundles.metadata import BUNDLE_JSON, BundleMeta
-from daemon.bundles.smoke import SmokeSpec, engine_env, run_smoke
-from daemon.bundles.variants import host_platform
-from daemon.core.errors import StokerError
-from daemon.engine.exits import classify_exit
-from states.reasons import ReasonCode
+from stoker.daemon.backends.base import Backend, LaunchRequest, ReasonKind
+from stoker.daemon.backends.registry import load_backend
+from stoker.daemon.core.digests import sha256_file
+from stoker.daemon.bundles.archive import ArchiveLimits, unpack_bundle
+from stoker.daemon.bundles.metadata import BUNDLE_JSON, BundleMeta
+from stoker.daemon.bundles.smoke import SmokeSpec, engine_env, run_smoke
+from stoker.daemon.bundles.variants import host_platform
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.engine.exits import classify_exit
+from stoker.states.reasons import ReasonCode
 
 Progress = Callable[[str], None]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from daemon.cli.output import run_guarded
+from stoker.daemon.cli.output import run_guarded
 
 
 # Command -> the module whose `register(group)` adds it. A command's module is imported when the
@@ -13,13 +13,13 @@ from daemon.cli.output import run_guarded
 # tests/unit/test_cli_lazy.py checks this table against what the modules really register.
 COMMANDS = {
     "bundle": "bundle",
-    "daemon": "service",
-    "status": "service",
-    "up": "service",
-    "down": "service",
-    "restart": "service",
-    "shutdown": "service",
-    "history": "service",
+    "daemon": "lifecycle",
+    "status": "lifecycle",
+    "up": "lifecycle",
+    "down": "lifecycle",
+    "restart": "lifecycle",
+    "shutdown": "lifecycle",
+    "history": "lifecycle",
     "run": "run",
     "probe": "probe",
     "use": "probe",
@@ -59,7 +59,7 @@ def load(module_name: str, group: click.Group) -> None:
     loaded = group.__dict__.setdefault("_stoker_loaded", set())
     if module_name not in loaded:
         loaded.add(module_name)
-        importlib.import_module(f"daemon.cli.{module_name}").register(group)
+        importlib.import_module(f"stoker.daemon.cli.{module_name}").register(group)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

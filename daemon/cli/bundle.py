@@ -13,10 +13,10 @@ from typing import Any
 
 import click
 
-from daemon.cli.output import emit, fail, json_option
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from states.reasons import ReasonCode
+from stoker.daemon.cli.output import emit, fail, json_option
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.states.reasons import ReasonCode
 
 
 def _progress(line: str) -> None:
@@ -91,9 +91,9 @@ def build_cmd(
     backend: str, variant: str | None, source_text: str | None, cuda_archs: str | None, jobs: int | None, as_json: bool
 ) -> None:
     """Build llama-server into a bundle zip, or return the cached one for the same inputs."""
-    from daemon.bundles.build import build_bundle
-    from daemon.bundles.source import SourceSpec
-    from daemon.bundles.variants import parse_cuda_archs
+    from stoker.daemon.bundles.build import build_bundle
+    from stoker.daemon.bundles.source import SourceSpec
+    from stoker.daemon.bundles.variants import parse_cuda_archs
 
     try:
         if cuda_archs and backend != "cuda":
@@ -117,7 +117,7 @@ def build_cmd(
 @json_option
 def inspect_cmd(path: Path, as_json: bool) -> None:
     """Show a bundle's metadata (zip or directory) without running or unpacking it."""
-    from daemon.bundles.installed import bundle_meta_of
+    from stoker.daemon.bundles.installed import bundle_meta_of
 
     try:
         meta = bundle_meta_of(path)
@@ -142,7 +142,7 @@ def verify_cmd(
     as_json: bool,
 ) -> None:
     """Check digests, metadata, --version, --list-devices and optionally the smoke tokens."""
-    from daemon.bundles.verify import verify_bundle
+    from stoker.daemon.bundles.verify import verify_bundle
 
     try:
         report = verify_bundle(
@@ -162,8 +162,8 @@ def verify_cmd(
 @json_option
 def list_cmd(as_json: bool) -> None:
     """List installed bundles and the build cache."""
-    from daemon.bundles.build import cached_builds
-    from daemon.bundles.installed import list_installed
+    from stoker.daemon.bundles.build import cached_builds
+    from stoker.daemon.bundles.installed import list_installed
 
     paths = StokerPaths.from_env()
     data = {
@@ -190,8 +190,8 @@ def install_cmd(path: Path, smoke: bool, as_json: bool) -> None:
     """Verify a bundle and install it into its slot (the previous one is kept).
 
     Through the running daemon's install service, else through the same service here."""
-    from daemon.bundles.installed import bundle_meta_of
-    from daemon.cli.install import install_file
+    from stoker.daemon.bundles.installed import bundle_meta_of
+    from stoker.daemon.cli.install import install_file
 
     try:
         bundle_meta_of(path)  # a missing or unreadable bundle is refused before anything starts
@@ -213,7 +213,7 @@ def keygen_cmd(keyfile: Path, as_json: bool) -> None:
 
     The private key goes to KEYFILE (PKCS#8 PEM, 0600; never over an existing file), the public
     key to KEYFILE.pub and stdout, in the one-line form `[bundles] trusted_keys` takes."""
-    from daemon.core.signing import generate_key
+    from stoker.daemon.core.signing import generate_key
 
     try:
         key = generate_key(keyfile)
@@ -274,9 +274,9 @@ def publish_cmd(
 
     Serve DIRECTORY with any web server; daemons point `[bundles] manifest` at its manifest.json
     and trust the key's public half. Entries already in the mirror stay; the version goes up."""
-    from daemon.bundles.build import cached_builds
-    from daemon.bundles.mirror import newest_cached_zips, publish_mirror
-    from daemon.core.signing import SignatureError, load_private_key
+    from stoker.daemon.bundles.build import cached_builds
+    from stoker.daemon.bundles.mirror import newest_cached_zips, publish_mirror
+    from stoker.daemon.core.signing import SignatureError, load_private_key
 
     try:
         zips = list(bundles)

@@ -18,11 +18,11 @@ from typing import Any, Mapping
 
 import click
 
-from daemon.cli.output import emit, fail, json_option
-from daemon.cli.service import SETTLED_FAILURES, call
-from daemon.core.errors import StokerError
-from daemon.frontdoor.client import API_KEY_ENV, ChatAnswer, FrontDoorClient
-from states.reasons import ReasonCode
+from stoker.daemon.cli.output import emit, fail, json_option
+from stoker.daemon.cli.lifecycle import SETTLED_FAILURES, call
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.frontdoor.client import API_KEY_ENV, ChatAnswer, FrontDoorClient
+from stoker.states.reasons import ReasonCode
 
 REPL_HELP = "/exit or Ctrl-D leaves, /reset forgets the conversation, Ctrl-C stops an answer"
 

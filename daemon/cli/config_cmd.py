@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from daemon.cli.output import EXIT_FAILURE, emit, fail, json_option
+from stoker.daemon.cli.output import EXIT_FAILURE, emit, fail, json_option
 
 
 def register(cli: click.Group) -> None:
@@ -25,7 +25,7 @@ def config_group() -> None:
 @json_option
 def check(path: Path | None, as_json: bool) -> None:
     """Validate PATH (default: the config file in use); list every problem."""
-    from daemon.config.model import ConfigError, default_config_path, load_config
+    from stoker.daemon.config.model import ConfigError, default_config_path, load_config
 
     path = default_config_path() if path is None else path
     try:

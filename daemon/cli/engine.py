@@ -16,8 +16,8 @@ from typing import Any
 
 import click
 
-from daemon.cli.output import emit, fail, json_option
-from daemon.core.errors import StokerError
+from stoker.daemon.cli.output import emit, fail, json_option
+from stoker.daemon.core.errors import StokerError
 
 UPDATE_TIMEOUT_S = 3600.0  # a download, two smoke runs and every server's restart
 SLOT_OPTIONS = (
@@ -50,7 +50,7 @@ def _watch(stream: Any, stop: threading.Event) -> None:
 
 
 def _call_watched(method: str, as_json: bool, **params: Any) -> Any:
-    from daemon.cli.service import _client
+    from stoker.daemon.cli.lifecycle import _client
 
     stop = threading.Event()
     if not as_json:
@@ -151,7 +151,7 @@ def rollback(backend: str | None, variant: str | None, as_json: bool) -> None:
 @json_option
 def status(backend: str | None, variant: str | None, as_json: bool) -> None:
     """The engine a slot holds, the previous one kept, and its last update's steps."""
-    from daemon.cli.service import call
+    from stoker.daemon.cli.lifecycle import call
 
     result = call("engine.status", as_json, **_params(backend=backend, variant=variant))
 

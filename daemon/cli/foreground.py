@@ -16,13 +16,13 @@ from pathlib import Path
 import setproctitle
 import trio
 
-from daemon.core.errors import StokerError
-from daemon.core.logfiles import DaemonLogHandler
-from daemon.core.openfiles import raise_open_files_limit
-from daemon.core.paths import StokerPaths
-from daemon.core.pidlock import data_dir_unwritable
-from daemon.service import load_initial_config, log, run_daemon
-from states.reasons import ReasonCode, ReasonedError
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.logfiles import DaemonLogHandler
+from stoker.daemon.core.openfiles import raise_open_files_limit
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.core.pidlock import data_dir_unwritable
+from stoker.daemon.runtime import load_initial_config, log, run_daemon
+from stoker.states.reasons import ReasonCode, ReasonedError
 
 
 def _setup_logging(paths: StokerPaths, log_level: str) -> None:

@@ -5,7 +5,7 @@ Progress comes from the daemon's event stream (`install.progress`), read in a th
 the `install` call blocks; `--json` prints each progress event as one JSON line, then the
 result (or the error) as the last line.
 
-Every install runs through the install service (daemon.install.service): its machine, its
+Every install runs through the install service (daemon.install.installer): its machine, its
 steps, its promote, its history. A local bundle (`stoker bundle install`, `stoker run`'s
 build) goes to the running daemon's service (the `bundle.install` socket method); with no
 daemon, this process takes the daemon's lock (so that none starts and resumes the same
@@ -27,10 +27,10 @@ from typing import Any, Callable, Iterator
 import click
 import trio
 
-from daemon.cli.output import emit, fail, json_option, progress_line
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from states.reasons import ReasonCode
+from stoker.daemon.cli.output import emit, fail, json_option, progress_line
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.states.reasons import ReasonCode
 
 PROGRESS_TOPIC = "install.progress"
 # A daemon that holds the lock may not have opened its socket yet: how long to keep asking.
@@ -64,7 +64,7 @@ def _watch(stream: Any, backend: str, as_json: bool, stop: threading.Event) -> N
 @json_option
 def install(backend: str, variant: str | None, as_json: bool) -> None:
     """Fetch + verify + install a bundle from the manifest, with a progress bar."""
-    from daemon.cli.service import _client
+    from stoker.daemon.cli.lifecycle import _client
 
     params: dict[str, Any] = {"backend": backend}
     if variant:
@@ -106,8 +106,8 @@ def install_file(
     lock. A directory is packed into a temporary zip first (after refusing links and special
     files, which a zip could not carry for verification to refuse).
     """
-    from daemon.control.client import ControlClient
-    from daemon.core.pidlock import acquire_lock
+    from stoker.daemon.control.client import ControlClient
+    from stoker.daemon.core.pidlock import acquire_lock
 
     with _as_zip(Path(path)) as zip_path:
         deadline = time.monotonic() + SOCKET_WAIT_S
@@ -135,8 +135,8 @@ def install_file(
 
 
 async def _install_here(paths: StokerPaths, zip_path: Path, smoke: bool) -> Any:
-    from daemon.install.service import InstallService
-    from store.database import open_store
+    from stoker.daemon.install.installer import InstallService
+    from stoker.store.database import open_store
 
     store = open_store(paths.db_file)
     try:
@@ -151,7 +151,7 @@ def _as_zip(path: Path) -> Iterator[Path]:
     if not path.is_dir():
         yield path.absolute()
         return
-    from daemon.bundles.archive import pack_bundle
+    from stoker.daemon.bundles.archive import pack_bundle
 
     for dirpath, dirnames, filenames in os.walk(path):
         for name in dirnames + filenames:

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from daemon.cli.output import emit, json_option
-from daemon.cli.service import ask
+from stoker.daemon.cli.output import emit, json_option
+from stoker.daemon.cli.lifecycle import ask
 
 if TYPE_CHECKING:
-    from daemon.control.replies import CreatedApiKey, KeyList
+    from stoker.daemon.control.replies import CreatedApiKey, KeyList
 
 SHOWN_ONCE = "This is the only time the key is shown: Stoker keeps only its hash. Store it now."
 
@@ -47,7 +47,7 @@ def key() -> None:
 @json_option
 def create(name: str | None, as_json: bool) -> None:
     """Make a new key and print it, once."""
-    from daemon.control.replies import CreatedApiKey
+    from stoker.daemon.control.replies import CreatedApiKey
 
     params: dict[str, Any] = {} if name is None else {"name": name}
     reply, created = ask("key.create", as_json, CreatedApiKey, **params)
@@ -58,7 +58,7 @@ def create(name: str | None, as_json: bool) -> None:
 @json_option
 def list_(as_json: bool) -> None:
     """Every key (its prefix, never the key), revoked ones marked."""
-    from daemon.control.replies import KeyList
+    from stoker.daemon.control.replies import KeyList
 
     reply, listed = ask("key.list", as_json, KeyList)
     emit(as_json, reply, lambda _: format_list(listed))
@@ -69,7 +69,7 @@ def list_(as_json: bool) -> None:
 @json_option
 def revoke(ident: str, as_json: bool) -> None:
     """Revoke key ID (its id or its prefix, as `stoker key list` shows them)."""
-    from daemon.control.replies import ApiKey
+    from stoker.daemon.control.replies import ApiKey
 
     reply, revoked = ask("key.revoke", as_json, ApiKey, id=ident)
     emit(as_json, reply, lambda _: f"revoked key {revoked.id} ({revoked.prefix}): it no longer opens the front door")

@@ -25,14 +25,14 @@ from typing import Any
 import attrs
 import click
 
-from daemon.cli.output import fail, json_option
-from daemon.core.errors import StokerError
-from daemon.core.logtail import FollowedLine, LogFollower, last_lines
-from daemon.core.paths import StokerPaths
-from daemon.config.served import DEFAULT_INSTANCE
-from daemon.frontdoor.access import ACCESS_LOGGER
-from daemon.launch.instance import ServerInstance
-from states.reasons import ReasonCode
+from stoker.daemon.cli.output import fail, json_option
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.logtail import FollowedLine, LogFollower, last_lines
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.config.instances import DEFAULT_INSTANCE
+from stoker.daemon.frontdoor.access import ACCESS_LOGGER
+from stoker.daemon.launch.instance import ServerInstance
+from stoker.states.reasons import ReasonCode
 
 DAEMON_LOG = "daemon.log"
 POLL_S = 0.2  # how often -f looks for new lines

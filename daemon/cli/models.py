@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import click
 import trio
 
-from daemon.cli.output import emit, fail, json_option, progress_line
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from states.reasons import ReasonCode
+from stoker.daemon.cli.output import emit, fail, json_option, progress_line
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.states.reasons import ReasonCode
 
 if TYPE_CHECKING:
-    from daemon.control.replies import CatalogModel, ModelList, ModelRemoved
+    from stoker.daemon.control.replies import CatalogModel, ModelList, ModelRemoved
 
 PROGRESS_TOPIC = "pull.progress"
 SOCKET_WAIT_S = 30.0
@@ -128,7 +128,7 @@ def _run(
     watch: bool = False,
 ) -> Any:
     """`method` through the running daemon, or `in_process(service)` in this process under the lock."""
-    from daemon.core.pidlock import acquire_lock
+    from stoker.daemon.core.pidlock import acquire_lock
 
     deadline = time.monotonic() + SOCKET_WAIT_S
     while True:
@@ -151,7 +151,7 @@ def _run(
 
 
 def _through_daemon(paths: StokerPaths, method: str, params: dict[str, Any], timeout: float, watch: bool | None) -> Any:
-    from daemon.control.client import ControlClient
+    from stoker.daemon.control.client import ControlClient
 
     stream, stop, watcher = None, threading.Event(), None
     if watch is not None:
@@ -178,8 +178,8 @@ def _through_daemon(paths: StokerPaths, method: str, params: dict[str, Any], tim
 
 
 async def _run_in_process(paths: StokerPaths, in_process: Callable[[Any], Awaitable[Any]], watch: bool | None) -> Any:
-    from daemon.models.pull import PullService
-    from store.database import open_store
+    from stoker.daemon.models.pull import PullService
+    from stoker.store.database import open_store
 
     paths.make_private()
     store = open_store(paths.db_file)
@@ -197,8 +197,8 @@ async def _run_in_process(paths: StokerPaths, in_process: Callable[[Any], Awaita
 def pull_model(spec: str, name: str | None, index_url: str | None, *, as_json: bool, watch: bool = True) -> Any:
     """Pull `spec` as `name` through the daemon (or here, under its lock), showing its progress
     when `watch`; {"model": the cataloged row}, or StokerError with the pull's reason."""
-    from daemon.models.pull import pull_options
-    from daemon.models.spec import parse_spec
+    from stoker.daemon.models.pull import pull_options
+    from stoker.daemon.models.spec import parse_spec
 
     parsed = parse_spec(spec)
     text = parsed.path if parsed.source == "local" and parsed.path else parsed.text
@@ -262,8 +262,8 @@ def models(ctx: click.Context, as_json: bool) -> None:
     """The model catalog: every pulled or added model with its size, header facts and source."""
     if ctx.invoked_subcommand is not None:
         return
-    from daemon.control.client import typed_reply
-    from daemon.control.replies import ModelList
+    from stoker.daemon.control.client import typed_reply
+    from stoker.daemon.control.replies import ModelList
 
     try:
         data = list_models(as_json)
@@ -292,8 +292,8 @@ def rm(name: str, as_json: bool) -> None:
     async def in_process(service: Any) -> Any:
         return await service.remove(name)
 
-    from daemon.control.client import typed_reply
-    from daemon.control.replies import ModelRemoved
+    from stoker.daemon.control.client import typed_reply
+    from stoker.daemon.control.replies import ModelRemoved
 
     try:
         data = _run(StokerPaths.from_env(), "model.rm", {"name": name}, in_process, timeout=60.0, as_json=as_json)

@@ -12,8 +12,8 @@ from typing import Any, Callable, NoReturn
 
 import click
 
-from daemon.core.errors import StokerError
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.states.reasons import ReasonCode
 
 EXIT_FAILURE = 1
 EXIT_NOT_RUNNING = 3

@@ -10,13 +10,13 @@ import sys
 
 import click
 
-from daemon.cli.output import emit, json_option
-from daemon.cli.service import call, format_status
+from stoker.daemon.cli.output import emit, json_option
+from stoker.daemon.cli.lifecycle import call, format_status
 
 
 def format_probe_reply(reply: dict) -> str:
     """Each backend's verdict, reason, message, devices and evidence; where it came from."""
-    from daemon.probes.report import format_probe
+    from stoker.daemon.probes.report import format_probe
 
     items = reply.get("backends") or []
     text = format_probe(items).rstrip("\n")

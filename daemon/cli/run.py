@@ -23,15 +23,15 @@ from pathlib import Path
 import attrs
 import click
 
-from daemon.cli.output import emit, fail, json_option
-from daemon.cli.service import call, format_status
-from daemon.control.replies import ModelList
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from daemon.frontdoor.client import API_KEY_ENV
-from states.model_lookup import Action, ModelForm, model_form
-from states.reasons import ReasonCode
-from store.catalog import ModelRecord
+from stoker.daemon.cli.output import emit, fail, json_option
+from stoker.daemon.cli.lifecycle import call, format_status
+from stoker.daemon.control.replies import ModelList
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.frontdoor.client import API_KEY_ENV
+from stoker.states.pull.lookup import Action, ModelForm, model_form
+from stoker.states.reasons import ReasonCode
+from stoker.store.catalog import ModelRecord
 
 DEFAULT_PROMPT = "In one sentence, what is a GPU?"
 
@@ -45,7 +45,7 @@ def wait_showing_installs(as_json: bool, timeout: float) -> dict:
     """Poll status until the server is ready or has settled in failure, saying each change of
     an engine install on the way (the source it tries, a local build's percentage). `timeout`
     counts from the last sign of progress: a build that is still moving is waited for."""
-    from daemon.cli.service import READY_STATES, SETTLED_FAILURES, call, format_installs
+    from stoker.daemon.cli.lifecycle import READY_STATES, SETTLED_FAILURES, call, format_installs
 
     deadline = time.monotonic() + timeout
     shown: list[str] = []
@@ -86,10 +86,10 @@ def ensure_model(paths: StokerPaths, as_json: bool) -> dict | None:
     """Pull the configured model now if the lookup's table says it must be pulled (a well-known
     name the catalog lacks, or whose file is gone); the pulled row, or None when nothing was
     pulled. A name or path that cannot be served is left to the daemon, which says why."""
-    from daemon.cli.models import list_models, pull_model
-    from daemon.control.client import typed_reply
-    from daemon.config.model import ConfigError, load_config
-    from daemon.models.resolve import look_up
+    from stoker.daemon.cli.models import list_models, pull_model
+    from stoker.daemon.control.client import typed_reply
+    from stoker.daemon.config.model import ConfigError, load_config
+    from stoker.daemon.models.resolve import look_up
 
     try:
         value = load_config(paths.config_file).server.model
@@ -113,7 +113,7 @@ def ensure_model(paths: StokerPaths, as_json: bool) -> dict | None:
 
 
 def daemon_running(paths: StokerPaths) -> bool:
-    from daemon.control.client import ControlClient
+    from stoker.daemon.control.client import ControlClient
 
     try:
         with ControlClient(paths.socket_path, timeout=5) as client:
@@ -131,7 +131,7 @@ def start_daemon(paths: StokerPaths, as_json: bool) -> int:
     console = paths.logs_dir / "daemon-console.log"
     with open(console, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon", "daemon"],
+            [sys.executable, "-m", "stoker.daemon", "daemon"],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -179,8 +179,8 @@ def start_refusal(console: Path, returncode: int, log_path: Path) -> StokerError
 @json_option
 def run_cmd(prompt: str, timeout: float, key: str | None, as_json: bool) -> None:
     """Pull the model if needed, start the daemon (it finds or builds the engine) and the server, answer one question."""
-    from daemon.cli.chat import footer, frontdoor_url
-    from daemon.frontdoor.client import FrontDoorClient
+    from stoker.daemon.cli.chat import footer, frontdoor_url
+    from stoker.daemon.frontdoor.client import FrontDoorClient
 
     paths = StokerPaths.from_env()
     streamed = False

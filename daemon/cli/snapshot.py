@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from daemon.cli.output import emit, json_option
-from daemon.cli.service import ask
+from stoker.daemon.cli.output import emit, json_option
+from stoker.daemon.cli.lifecycle import ask
 
 if TYPE_CHECKING:
-    from daemon.control.replies import SnapshotListing, SnapshotRestored, SnapshotsSaved
+    from stoker.daemon.control.replies import SnapshotListing, SnapshotRestored, SnapshotsSaved
 
 model_option = click.option(
     "--model",
@@ -96,7 +96,7 @@ def snapshot() -> None:
 @json_option
 def list_(model: str | None, as_json: bool) -> None:
     """A model's snapshots, newest first, and whether each fits its running server."""
-    from daemon.control.replies import SnapshotListing
+    from stoker.daemon.control.replies import SnapshotListing
 
     reply, listing = ask("snapshot.list", as_json, SnapshotListing, **_model(model))
     emit(as_json, reply, lambda _: format_list(listing))
@@ -109,7 +109,7 @@ def list_(model: str | None, as_json: bool) -> None:
 def save(slot: int | None, model: str | None, as_json: bool) -> None:
     """Save a model's non-empty slots now."""
     params = {**({} if slot is None else {"slot": slot}), **_model(model)}
-    from daemon.control.replies import SnapshotsSaved
+    from stoker.daemon.control.replies import SnapshotsSaved
 
     reply, saved = ask("snapshot.save", as_json, SnapshotsSaved, timeout=120.0, **params)
     emit(as_json, reply, lambda _: format_saved(saved))
@@ -124,7 +124,7 @@ def restore(snapshot_id: int, slot: int | None, model: str | None, as_json: bool
     """Restore snapshot ID into its model's running server (refused if it does not fit, or if
     another model saved it: a conversation never moves between models)."""
     params = {"id": snapshot_id, **({} if slot is None else {"slot": slot}), **_model(model)}
-    from daemon.control.replies import SnapshotRestored
+    from stoker.daemon.control.replies import SnapshotRestored
 
     reply, restored = ask("snapshot.restore", as_json, SnapshotRestored, timeout=120.0, **params)
     emit(as_json, reply, lambda _: format_restored(restored))
@@ -136,7 +136,7 @@ def restore(snapshot_id: int, slot: int | None, model: str | None, as_json: bool
 @json_option
 def rm(snapshot_id: int, model: str | None, as_json: bool) -> None:
     """Remove a model's snapshot ID (its file and its catalogue row)."""
-    from daemon.control.replies import SnapshotRemoved
+    from stoker.daemon.control.replies import SnapshotRemoved
 
     reply, removed = ask("snapshot.rm", as_json, SnapshotRemoved, id=snapshot_id, **_model(model))
     emit(as_json, reply, lambda _: f"removed snapshot {removed.removed}")

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from daemon.cli.output import emit, fail, json_option
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
+from stoker.daemon.cli.output import emit, fail, json_option
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
 
 if TYPE_CHECKING:
-    from daemon.control.client import ControlClient
+    from stoker.daemon.control.client import ControlClient
 
 TOPIC = "telemetry.sample"
 
@@ -101,7 +101,7 @@ def format_sample(sample: dict[str, Any]) -> str:
 
 
 def _client(timeout: float = 10.0) -> ControlClient:
-    from daemon.control.client import ControlClient
+    from stoker.daemon.control.client import ControlClient
 
     return ControlClient(StokerPaths.from_env().socket_path, timeout=timeout)
 

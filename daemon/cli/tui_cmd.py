@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from daemon.core.paths import StokerPaths
+from stoker.daemon.core.paths import StokerPaths
 
 
 @click.command()
@@ -17,8 +17,8 @@ from daemon.core.paths import StokerPaths
 )
 def tui(socket_path: str | None) -> None:
     """Watch and drive the daemon: backend, telemetry, history, snapshots."""
-    from tui.app import StokerApp
-    from tui.link import SocketLink
+    from stoker.tui.app import StokerApp
+    from stoker.tui.link import SocketLink
 
     path = socket_path or StokerPaths.from_env().socket_path
     StokerApp(SocketLink(path)).run()

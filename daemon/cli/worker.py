@@ -21,22 +21,22 @@ import attrs
 import click
 import trio
 
-from daemon.backends.registry import load_backends, try_order
-from daemon.bundles.installed import list_installed
-from daemon.cli.output import emit, fail, json_option
-from daemon.config.model import ConfigError, load_config
-from daemon.config.workers import worker_bind_problems
-from daemon.core.errors import StokerError
-from daemon.core.machines import MachineRunner
-from daemon.core.paths import StokerPaths
-from daemon.core.pidlock import LockHeld, take_pid_lock, write_pid
-from daemon.workers.rpc_wire import read_workers
-from daemon.workers.server import choose_bundle
-from daemon.workers.service import MACHINE_ID, WorkerService
-from states import worker as M
-from states.machine import to_json
-from states.reasons import ReasonCode
-from store import open_store
+from stoker.daemon.backends.registry import load_backends, try_order
+from stoker.daemon.bundles.installed import list_installed
+from stoker.daemon.cli.output import emit, fail, json_option
+from stoker.daemon.config.model import ConfigError, load_config
+from stoker.daemon.config.workers import worker_bind_problems
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.machines import MachineRunner
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.core.pidlock import LockHeld, take_pid_lock, write_pid
+from stoker.daemon.workers.rpc_wire import read_workers
+from stoker.daemon.workers.server import choose_bundle
+from stoker.daemon.workers.rpc_supervisor import MACHINE_ID, WorkerService
+from stoker.states.worker import table as M
+from stoker.states.machine import to_json
+from stoker.states.reasons import ReasonCode
+from stoker.store import open_store
 
 
 def register(group: click.Group) -> None:

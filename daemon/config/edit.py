@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from daemon.config.model import parse_config
+from stoker.daemon.config.model import parse_config
 
 
 def set_backend_prefer(text: str, value: str) -> str:

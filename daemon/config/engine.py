@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from daemon.config.checks import Invalid, boolean, describe, seconds, setting
+from stoker.daemon.config.checks import Invalid, boolean, describe, seconds, setting
 
 STABLE = "stable"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import attrs
 
-from daemon.config.checks import Invalid, boolean, byte_size, integer, ip_address, seconds, setting
+from stoker.daemon.config.checks import Invalid, boolean, byte_size, integer, ip_address, seconds, setting
 
 # The front door's fixed default address (docs/frontdoor.md): beside Ollama's 11434 and clear of
 # LM Studio (1234), Jan (1337) and llama-server's own 8080.

@@ -14,7 +14,7 @@ from typing import Any, Literal, Mapping
 
 import attrs
 
-from daemon.config.checks import (
+from stoker.daemon.config.checks import (
     Invalid,
     auto_or,
     boolean,
@@ -26,10 +26,16 @@ from daemon.config.checks import (
     seconds,
     setting,
 )
-from daemon.config.engine import EngineConfig
-from daemon.config.frontdoor import FrontdoorConfig, lan_bind_problems
-from daemon.config.workers import WorkerConfig, WorkerEndpoint, parse_workers, worker_bind_problems, workers_to_dict
-from daemon.config.placement import (
+from stoker.daemon.config.engine import EngineConfig
+from stoker.daemon.config.frontdoor import FrontdoorConfig, lan_bind_problems
+from stoker.daemon.config.workers import (
+    WorkerConfig,
+    WorkerEndpoint,
+    parse_workers,
+    worker_bind_problems,
+    workers_to_dict,
+)
+from stoker.daemon.config.placement import (
     DEFAULT_MODEL,
     ModelConfig,
     PlacementConfig,
@@ -39,12 +45,12 @@ from daemon.config.placement import (
     models_to_dict,
     parse_models,
 )
-from daemon.config.remote import RemoteModelConfig, remote_problems, split_remotes
-from daemon.core.errors import StokerError
-from daemon.core.logfiles import DEFAULT_KEEP, DEFAULT_MAX_BYTES, LogRotation
-from daemon.core.paths import StokerPaths
-from states.model_lookup import ModelForm, model_form
-from states.reasons import ReasonCode
+from stoker.daemon.config.remote import RemoteModelConfig, remote_problems, split_remotes
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.logfiles import DEFAULT_KEEP, DEFAULT_MAX_BYTES, LogRotation
+from stoker.daemon.core.paths import StokerPaths
+from stoker.states.pull.lookup import ModelForm, model_form
+from stoker.states.reasons import ReasonCode
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -159,7 +165,7 @@ def _manifest(value: Any) -> str:
 
 
 def _trusted_keys(value: Any) -> tuple[str, ...]:
-    from daemon.core.signing import SignatureError, parse_public_key
+    from stoker.daemon.core.signing import SignatureError, parse_public_key
 
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise Invalid(f'must be a list of public keys like "ed25519:BASE64", got {describe(value)}')
@@ -219,7 +225,7 @@ class SupervisorConfig:
 class SnapshotsConfig:
     enabled: bool = setting(True, boolean)
     max_count: int = setting(8, integer(0, 10_000))
-    # "auto": two full-context saves of every slot, at least 2 GiB (states/snapshot_policy.py).
+    # "auto": two full-context saves of every slot, at least 2 GiB (states/snapshots/policy.py).
     max_bytes: int | Literal["auto"] = setting("auto", auto_or(byte_size))
     # Every save before a planned stop together; "auto": twice the KV to save at the measured
     # save speed, plus 5 s, within 20 s .. 10 min.

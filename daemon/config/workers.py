@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from daemon.config.checks import Invalid, boolean, describe, integer, ip_address, setting
+from stoker.daemon.config.checks import Invalid, boolean, describe, integer, ip_address, setting
 
 RPC_PORT = 50052  # ggml-rpc-server's own default
 _DEVICE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")

@@ -14,10 +14,10 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator, TypeVar, overload
 
-from daemon.control import protocol
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from states.reasons import ReasonCode
+from stoker.daemon.control import protocol
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.states.reasons import ReasonCode
 
 R = TypeVar("R")
 
@@ -28,7 +28,7 @@ RECEIVE_SIZE = 64 * 1024
 def typed_reply(method: str, result: Any, record: type[R]) -> R:
     """`result` as a `record`: fields this client does not know are ignored; one it needs and
     did not get is daemon_version_skew, naming the method and what is missing."""
-    from states.convert import MissingFields, structure  # cattrs: only for a call that asks for a record
+    from stoker.states.convert import MissingFields, structure  # cattrs: only for a call that asks for a record
 
     try:
         return structure(result, record)

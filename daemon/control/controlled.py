@@ -1,6 +1,6 @@
 """What the control handlers may see and do of the daemon: the narrow interface they type against.
 
-The handlers never import the daemon itself (`daemon.service` sits above `daemon.control` in
+The handlers never import the daemon itself (`daemon.runtime` sits above `daemon.control` in
 the layers contract, and importing it back would be an import cycle). The root
 nursery's `Daemon` satisfies these protocols structurally; a handler that needs something new
 adds it here first, so this file stays the complete list of what a socket method can reach.
@@ -11,14 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence
 
-from daemon.core.paths import StokerPaths
-from states import launch_records as LR
+from stoker.daemon.core.paths import StokerPaths
+from stoker.states.launch import records as LR
 
 if TYPE_CHECKING:
-    from daemon.backends.base import Detection
-    from daemon.bundles.installed import InstalledBundle
-    from daemon.config.model import Config
-    from daemon.control.replies import (
+    from stoker.daemon.backends.base import Detection
+    from stoker.daemon.bundles.installed import InstalledBundle
+    from stoker.daemon.config.model import Config
+    from stoker.daemon.control.replies import (
         ApiKey,
         CreatedApiKey,
         ModelList,
@@ -27,14 +27,14 @@ if TYPE_CHECKING:
         SnapshotRestored,
         TelemetryReading,
     )
-    from daemon.fleet.fleet import Fleet
-    from daemon.fleet.member import Member
-    from daemon.install.update import EngineUpdateService
-    from daemon.probes.service import ProbeResult
-    from store.database import StoreHealth
-    from store.records import TransitionRecord
-    from store.catalog import ModelRecord
-    from store.snapshots import SnapshotRecord
+    from stoker.daemon.fleet.fleet import Fleet
+    from stoker.daemon.fleet.member import Member
+    from stoker.daemon.install.update import EngineUpdateService
+    from stoker.daemon.probes.verdicts import ProbeResult
+    from stoker.store.database import StoreHealth
+    from stoker.store.records import TransitionRecord
+    from stoker.store.catalog import ModelRecord
+    from stoker.store.snapshots import SnapshotRecord
 
 
 class LaunchControl(Protocol):

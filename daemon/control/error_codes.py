@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import zlib
 
-from states.reasons import ReasonCode
+from stoker.states.reasons import ReasonCode
 
 # JSON-RPC 2.0 reserves -32768..-32000. Unparsable JSON is -32700 (reason bad_request); it is the
 # one code not keyed by a reason, because JSON-RPC tells "not JSON" from "not a valid request"

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from daemon.control.controlled import ControlledDaemon
-from daemon.control.handlers import backends, engine, keys, models, service, snapshots, telemetry
-from daemon.control.params import Method
-from daemon.control.protocol import SUBSCRIBE
-from daemon.core.errors import StokerError
-from states.reasons import ReasonCode
+from stoker.daemon.control.controlled import ControlledDaemon
+from stoker.daemon.control.handlers import backends, engine, keys, models, snapshots, telemetry
+from stoker.daemon.control.handlers import lifecycle
+from stoker.daemon.control.params import Method
+from stoker.daemon.control.protocol import SUBSCRIBE
+from stoker.daemon.core.errors import StokerError
+from stoker.states.reasons import ReasonCode
 
 
 def _by_name(*methods: Method) -> dict[str, Method]:
@@ -28,13 +29,13 @@ def _by_name(*methods: Method) -> dict[str, Method]:
 
 
 METHODS: Mapping[str, Method] = _by_name(
-    service.status,
-    service.up,
-    service.down,
-    service.restart,
-    service.shutdown,
-    service.history,
-    service.ping,
+    lifecycle.status,
+    lifecycle.up,
+    lifecycle.down,
+    lifecycle.restart,
+    lifecycle.shutdown,
+    lifecycle.history,
+    lifecycle.ping,
     backends.probe,
     backends.use,
     backends.install,

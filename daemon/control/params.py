@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Collection, Mapping
 
 import attrs
 
-from daemon.core.errors import StokerError
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.states.reasons import ReasonCode
 
 if TYPE_CHECKING:
-    from daemon.control.controlled import ControlledDaemon
+    from stoker.daemon.control.controlled import ControlledDaemon
 
 # SQLite stores integers as 64-bit signed; Python's sqlite3 raises OverflowError beyond them.
 SQLITE_INT_MIN = -(2**63)

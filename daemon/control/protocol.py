@@ -22,9 +22,9 @@ from typing import Any, Mapping
 
 import attrs
 
-from daemon.control.error_codes import APPLICATION_ERROR, PARSE_ERROR, code_for
-from daemon.core.errors import StokerError
-from states.reasons import ReasonCode, message_for
+from stoker.daemon.control.error_codes import APPLICATION_ERROR, PARSE_ERROR, code_for
+from stoker.daemon.core.errors import StokerError
+from stoker.states.reasons import ReasonCode, message_for
 
 JSONRPC = "2.0"
 # The one method the server answers itself: it turns the connection into an event stream.
@@ -313,7 +313,7 @@ def _default(value: Any) -> Any:
     if isinstance(value, (set, frozenset)):
         return sorted(value, key=repr)
     if attrs.has(type(value)):
-        from states.convert import unstructure  # cattrs costs a CLI that sends no record its import
+        from stoker.states.convert import unstructure  # cattrs costs a CLI that sends no record its import
 
         return unstructure(value)
     if isinstance(value, bytes):

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 import attrs
 
-from daemon.backends.base import Device
-from daemon.fleet.remote_status import RemoteStatus
-from store.catalog import ModelRecord
-from store.snapshots import SnapshotRecord
+from stoker.daemon.backends.base import Device
+from stoker.daemon.fleet.remote_status import RemoteStatus
+from stoker.store.catalog import ModelRecord
+from stoker.store.snapshots import SnapshotRecord
 
 if TYPE_CHECKING:
-    from store.keys import CreatedKey, KeyRecord
+    from stoker.store.keys import CreatedKey, KeyRecord
 
 
 @attrs.frozen

@@ -22,10 +22,10 @@ from typing import Any, Awaitable, Callable, Mapping
 
 import trio
 
-from daemon.control import protocol
-from daemon.core.errors import StokerError
-from daemon.core.events import EventBus
-from states.reasons import ReasonCode
+from stoker.daemon.control import protocol
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.events import EventBus
+from stoker.states.reasons import ReasonCode
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Mapping
 
-from daemon.control.controlled import ControlledDaemon
-from daemon.control.replies import (
+from stoker.daemon.control.controlled import ControlledDaemon
+from stoker.daemon.control.replies import (
     ConfigStatus,
     DaemonInfo,
     EngineSlot,
@@ -31,15 +31,15 @@ from daemon.control.replies import (
     Status,
     StoreStatus,
 )
-from daemon.fallback.memory import estimate_json
-from daemon.telemetry.sampler import process_rss_mib
-from states import launch_records as LR
-from states.convert import structure
-from states.idle_unload import due_in
-from states.reasons import message_for
+from stoker.daemon.fallback.memory import estimate_json
+from stoker.daemon.telemetry.sampler import process_rss_mib
+from stoker.states.launch import records as LR
+from stoker.states.convert import structure
+from stoker.states.fleet.idle_unload import due_in
+from stoker.states.reasons import message_for
 
 if TYPE_CHECKING:
-    from daemon.fleet.member import Member
+    from stoker.daemon.fleet.member import Member
 
 # States in which no server serves: no backend is in use (the last plan's stays in planned_backend).
 _NOT_SERVING = (LR.LaunchState.FAILED, LR.LaunchState.STOPPED)

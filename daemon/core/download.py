@@ -48,12 +48,18 @@ from urllib.parse import unquote, urljoin, urlsplit
 import attrs
 import trio
 
-from daemon.core.digests import fsync_dir
-from daemon.core.download_records import DownloadError, DownloadErrorKind, DownloadProgress, DownloadResult, PartSidecar
-from daemon.core.http import tls_context
-from daemon.core.part_sink import DownloadCancelled, PartDigests, PartOverrun, PartSink, PartWriter, open_direct
-from states.download_retry import RETRY_TABLE, DownloadFailure, RetryTable, retry_after
-from states.reasons import ReasonCode
+from stoker.daemon.core.digests import fsync_dir
+from stoker.daemon.core.download_records import (
+    DownloadError,
+    DownloadErrorKind,
+    DownloadProgress,
+    DownloadResult,
+    PartSidecar,
+)
+from stoker.daemon.core.http import tls_context
+from stoker.daemon.core.part_sink import DownloadCancelled, PartDigests, PartOverrun, PartSink, PartWriter, open_direct
+from stoker.states.download_retry import RETRY_TABLE, DownloadFailure, RetryTable, retry_after
+from stoker.states.reasons import ReasonCode
 
 SLOT_BYTES = 1 << 20  # one read's buffer: a progress step, a write, a hash update
 SLOTS = 32  # buffers in flight between the socket and the disk (32 MiB)

@@ -10,8 +10,8 @@ from typing import Any
 
 import attrs
 
-from daemon.core.errors import StokerError
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.states.reasons import ReasonCode
 
 
 class DownloadErrorKind(enum.StrEnum):

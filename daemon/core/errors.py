@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from states.reasons import ReasonedError
+from stoker.states.reasons import ReasonedError
 
 
 class StokerError(ReasonedError):

@@ -27,8 +27,8 @@ from typing import BinaryIO
 
 import attrs
 
-from daemon.core.errors import StokerError
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.states.reasons import ReasonCode
 
 DEFAULT_MAX_BYTES = 10 * 2**20
 DEFAULT_KEEP = 3

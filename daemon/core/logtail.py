@@ -22,7 +22,7 @@ from typing import BinaryIO
 
 import attrs
 
-from daemon.core.logfiles import TRIM_NOTE_PREFIX
+from stoker.daemon.core.logfiles import TRIM_NOTE_PREFIX
 
 _BLOCK = 64 * 1024
 _TRIM_NOTE = TRIM_NOTE_PREFIX.encode()

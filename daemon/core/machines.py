@@ -28,8 +28,8 @@ from typing import Any, Awaitable, Callable, Generic, Iterable, Mapping, TypeVar
 import attrs
 import trio
 
-from daemon.core.errors import StokerError, cause_of
-from states.machine import (
+from stoker.daemon.core.errors import StokerError, cause_of
+from stoker.states.machine import (
     IllegalTransition,
     MachineDefinitionError,
     MachineSpec,
@@ -40,8 +40,8 @@ from states.machine import (
     step,
     to_json,
 )
-from states.reasons import ReasonCode
-from store import Store, StoreError, TransitionRecord
+from stoker.states.reasons import ReasonCode
+from stoker.store import Store, StoreError, TransitionRecord
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 import attrs
 
-from daemon.core.digests import file_blocks, start_writeback
+from stoker.daemon.core.digests import file_blocks, start_writeback
 
 BLOCK = 1 << 20
 QUEUE_BYTES = 32 * BLOCK  # bytes waiting for the disk at most (a chunk more when one is larger)

@@ -12,8 +12,8 @@ import logging
 import os
 from pathlib import Path
 
-from daemon.core.errors import StokerError
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.states.reasons import ReasonCode
 
 log = logging.getLogger("stoker")
 

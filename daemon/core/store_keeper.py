@@ -20,7 +20,7 @@ import logging
 
 import trio
 
-from store import Store
+from stoker.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from typing import Any, AsyncIterator
 import attrs
 import httpx
 
-from daemon.core.http import loopback_client
-from daemon.engine.wire import EngineAnswer, EngineWire
+from stoker.daemon.core.http import loopback_client
+from stoker.daemon.engine.wire import EngineAnswer, EngineWire
 
 # httpx's per-request guard when the caller names none: a loopback engine that says nothing
 # for this long is not going to (a caller waiting on a slow slot passes None and a scope).

@@ -9,9 +9,9 @@ from typing import Any
 import httpx
 import trio
 
-from daemon.core.errors import StokerError
-from daemon.engine.api import EngineClient
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.engine.api import EngineClient
+from stoker.states.reasons import ReasonCode
 
 
 def chat_once(

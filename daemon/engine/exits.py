@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import attrs
 
-from states.reasons import ReasonCode
+from stoker.states.reasons import ReasonCode
 
 # How many log lines an exit's evidence carries.
 EVIDENCE_LINES = 20

@@ -22,11 +22,11 @@ import httpx
 import psutil
 import trio
 
-from daemon.core.process_group import GroupLeader, live_process, stop_group
-from daemon.engine.api import EngineClient
-from daemon.engine.exits import classify_exit
-from states.convert import structure
-from states.reasons import ReasonCode
+from stoker.daemon.core.process_group import GroupLeader, live_process, stop_group
+from stoker.daemon.engine.api import EngineClient
+from stoker.daemon.engine.exits import classify_exit
+from stoker.states.convert import structure
+from stoker.states.reasons import ReasonCode
 
 
 @attrs.frozen

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import trio
 
-from daemon.core.process_group import GroupLeader, stop_group
+from stoker.daemon.core.process_group import GroupLeader, stop_group
 
 log = logging.getLogger(__name__)
 

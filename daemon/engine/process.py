@@ -27,14 +27,21 @@ import attrs
 import psutil
 import trio
 
-from daemon.core.errors import StokerError
-from daemon.core.logfiles import LogRotation, files_unwritable, open_server_log, trim_server_log
-from daemon.core.paths import StokerPaths
-from daemon.core.process_group import KILL_WAIT, GroupLeader, signal_group, stop_group
-from daemon.engine.exits import ExitReport, classify_exit, signal_name
-from daemon.engine.identity import ServerIdentity, cmdline_digest, exe_file, live_exe, read_identity, write_identity
-from daemon.engine.ready import ServerLog
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.logfiles import LogRotation, files_unwritable, open_server_log, trim_server_log
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.core.process_group import KILL_WAIT, GroupLeader, signal_group, stop_group
+from stoker.daemon.engine.exits import ExitReport, classify_exit, signal_name
+from stoker.daemon.engine.identity import (
+    ServerIdentity,
+    cmdline_digest,
+    exe_file,
+    live_exe,
+    read_identity,
+    write_identity,
+)
+from stoker.daemon.engine.ready import ServerLog
+from stoker.states.reasons import ReasonCode
 
 DEFAULT_GRACE = 10.0
 # How often the log is read: often early (a small model loads in ~0.1 s and time-to-ready

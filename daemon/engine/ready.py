@@ -22,10 +22,10 @@ import attrs
 import httpx
 import trio
 
-from daemon.core.errors import StokerError
-from daemon.engine.api import EngineClient
-from daemon.engine.exits import ExitReport
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.engine.api import EngineClient
+from stoker.daemon.engine.exits import ExitReport
+from stoker.states.reasons import ReasonCode
 
 LOG_TAIL_LINES = 400
 

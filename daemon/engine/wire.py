@@ -47,9 +47,9 @@ import h11
 import httpx
 import trio
 
-from daemon.core.chunked import Dechunker, MalformedChunk
-from daemon.core.http import tls_context
-from daemon.core.relay_socket import RelaySocket, run_in_worker
+from stoker.daemon.core.chunked import Dechunker, MalformedChunk
+from stoker.daemon.core.http import tls_context
+from stoker.daemon.core.relay_socket import RelaySocket, run_in_worker
 
 # One read: an SSE event is ~250 bytes, a non-streamed answer a few KiB; a read takes what is there.
 READ_BYTES = 64 * 1024

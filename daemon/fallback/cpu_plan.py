@@ -3,7 +3,7 @@
 The supervisor's planner is the fallback orchestrator (daemon/fallback/orchestrator.py): it tries the
 preferred backend first and comes here for the CPU bundle, last; the plan's arguments are
 completed in daemon/fallback/launch_plan.py. Which builds may run, best first, is the fallback
-table's decision (states/fallback.py, `cpu_variant_order`: after a SIGILL it steps down to a
+table's decision (states/fallback/table.py, `cpu_variant_order`: after a SIGILL it steps down to a
 safer one); this module finds the first of them installed.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from daemon.bundles.installed import InstalledBundle, find_installed
-from daemon.core.paths import StokerPaths
+from stoker.daemon.bundles.installed import InstalledBundle, find_installed
+from stoker.daemon.core.paths import StokerPaths
 
 
 def cpu_bundle(paths: StokerPaths, variants: tuple[str, ...]) -> InstalledBundle | None:

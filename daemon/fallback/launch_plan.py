@@ -18,7 +18,7 @@ settled here, once per plan:
                     KV cache must hold full SWA)
     --slot-save-path  always, so that turning snapshots on needs no relaunch
     --rpc, -ts      the RPC workers the placement uses and the split over their devices and the
-                    local GPUs (daemon/fallback/workers.py, decided by states/rpc_placement.py),
+                    local GPUs (daemon/fallback/workers.py, decided by states/fleet/rpc_placement.py),
                     with -ngl all (or the configured count): recorded as the plan's `rpc`
 
 A respawn after a crash runs the same plan; a config change that touches any of these
@@ -29,14 +29,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from daemon.backends.base import Backend, LaunchRequest
-from daemon.bundles.installed import InstalledBundle
-from daemon.config.model import Config
-from daemon.core.paths import StokerPaths
-from daemon.fallback.workers import with_worker_layers
-from daemon.snapshots.layout import snapshot_server_args
-from states.launch_records import GpuLayers, LaunchPlan
-from states.rpc_placement import RpcPlacement
+from stoker.daemon.backends.base import Backend, LaunchRequest
+from stoker.daemon.bundles.installed import InstalledBundle
+from stoker.daemon.config.model import Config
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.fallback.workers import with_worker_layers
+from stoker.daemon.snapshots.layout import snapshot_server_args
+from stoker.states.launch.records import GpuLayers, LaunchPlan
+from stoker.states.fleet.rpc_placement import RpcPlacement
 
 METRICS = "--metrics"
 

@@ -18,9 +18,9 @@ from typing import Any, Iterable, Mapping
 
 import attrs
 
-from daemon.models.facts import read_header
-from states.fallback_vram import FreeVram, mib_text
-from states.launch_records import GpuLayers
+from stoker.daemon.models.facts import read_header
+from stoker.states.fallback.vram import FreeVram, mib_text
+from stoker.states.launch.records import GpuLayers
 
 MIB = 2**20
 FIT_MARGIN_MIB = 1024  # llama-server's default -fitt per device

@@ -8,7 +8,7 @@ memory-shaping arguments the server will get, in the server's environment; its p
 it fails (exit status, timeout, output not read), Stoker estimates: the model file's size plus
 the KV cache at that context from the GGUF header (`kv_bytes_per_token_f16`), `source`
 "stoker", `partial` (it has no compute buffers), and `detail` says why the fitter did not
-answer. states/placement.py then decides with those figures whether the server fits.
+answer. states/fleet/placement.py then decides with those figures whether the server fits.
 
 One correction: llama-fit-params reserves the compute buffers for the logits of a whole
 micro-batch (its `n_outputs_max` is n_batch: 512 outputs at the default -ub), while llama-server
@@ -35,11 +35,11 @@ from typing import Any
 import attrs
 import trio
 
-from daemon.bundles.installed import InstalledBundle
-from daemon.engine.fit import FitFailed, memory_args, project
-from daemon.engine.process import ServerSpec, server_env
-from daemon.models.facts import model_facts, read_header, vocab_size
-from states.launch_records import FITTER, STOKER_ESTIMATE, LaunchPlan, MemoryEstimate
+from stoker.daemon.bundles.installed import InstalledBundle
+from stoker.daemon.engine.fit import FitFailed, memory_args, project
+from stoker.daemon.engine.process import ServerSpec, server_env
+from stoker.daemon.models.facts import model_facts, read_header, vocab_size
+from stoker.states.launch.records import FITTER, STOKER_ESTIMATE, LaunchPlan, MemoryEstimate
 
 log = logging.getLogger(__name__)
 

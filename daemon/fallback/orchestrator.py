@@ -1,7 +1,7 @@
 """The fallback orchestrator: per launch request, the preferred backend first, CPU last.
 
 It answers the launch machine's `MakePlan` by handing its facts to the fallback machine
-(states/fallback.py) as `PlanRequested`, whose table decides what the request means (a start
+(states/fallback/table.py) as `PlanRequested`, whose table decides what the request means (a start
 that failed on the backend being launched: record `<backend>_startup_failed` and move on;
 anything else: start afresh), and by carrying out that machine's effects:
 
@@ -19,7 +19,7 @@ anything else: start afresh), and by carrying out that machine's effects:
 Every skipped backend is a transition with its reason and evidence. After the server is
 ready, `on_ready` has daemon/fallback/proof.py gather what a GPU plan proved (the engine's
 `offloaded N/M layers to GPU`, its devices and, where the platform reports it, the server's
-own VRAM) and reports it as `LaunchSucceeded`; the table's verdict (states/fallback_proof.py)
+own VRAM) and reports it as `LaunchSucceeded`; the table's verdict (states/fallback/proof.py)
 reports a server not really accelerated as CPU with `<backend>_gpu_layers_zero` or
 `gpu_claimed_but_unused`. One orchestrator per server instance, with its own fallback machine.
 """
@@ -33,17 +33,17 @@ from typing import Any, Awaitable, Mapping, Protocol
 import attrs
 import trio
 
-from daemon.backends.base import Backend, Detection, ReasonKind
-from daemon.backends.registry import family_reason, try_order
-from daemon.bundles.installed import InstalledBundle, list_installed
-from daemon.config.model import Config
-from daemon.core.errors import StokerError
-from daemon.core.machines import EffectDriver, MachineRunner, Publish
-from daemon.core.paths import StokerPaths
-from daemon.engine.exits import missing_library
-from daemon.fallback.cpu_plan import cpu_bundle, missing_cpu_bundle
-from daemon.fallback.launch_plan import complete_plan
-from daemon.fallback.layers import (
+from stoker.daemon.backends.base import Backend, Detection, ReasonKind
+from stoker.daemon.backends.registry import family_reason, try_order
+from stoker.daemon.bundles.installed import InstalledBundle, list_installed
+from stoker.daemon.config.model import Config
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.machines import EffectDriver, MachineRunner, Publish
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.engine.exits import missing_library
+from stoker.daemon.fallback.cpu_plan import cpu_bundle, missing_cpu_bundle
+from stoker.daemon.fallback.launch_plan import complete_plan
+from stoker.daemon.fallback.layers import (
     LayerEstimate,
     estimate,
     fit_margin,
@@ -52,21 +52,21 @@ from daemon.fallback.layers import (
     why_planned,
     why_with_workers,
 )
-from daemon.fallback.proof import read_proof
-from daemon.fallback.vram import keeps_to, read_free_vram
-from daemon.fallback.workers import confirm_placement, plan_workers
-from daemon.install.service import InstallService
-from daemon.launch.instance import ServerInstance
-from daemon.models.pull import PullService
-from daemon.models.resolve import locate_model
-from daemon.probes.service import ProbeService
-from states import fallback as F
-from states import launch_records as LR
-from states.fallback_proof import acceleration_verdict
-from states.fallback_vram import FreeVram, VramCheck
-from states.machine import IllegalTransition
-from states.reasons import ReasonCode, message_for
-from store.database import Store
+from stoker.daemon.fallback.proof import read_proof
+from stoker.daemon.fallback.vram import keeps_to, read_free_vram
+from stoker.daemon.fallback.workers import confirm_placement, plan_workers
+from stoker.daemon.install.installer import InstallService
+from stoker.daemon.launch.instance import ServerInstance
+from stoker.daemon.models.pull import PullService
+from stoker.daemon.models.resolve import locate_model
+from stoker.daemon.probes.verdicts import ProbeService
+from stoker.states.fallback import table as F
+from stoker.states.launch import records as LR
+from stoker.states.fallback.proof import acceleration_verdict
+from stoker.states.fallback.vram import FreeVram, VramCheck
+from stoker.states.machine import IllegalTransition
+from stoker.states.reasons import ReasonCode, message_for
+from stoker.store.database import Store
 
 log = logging.getLogger(__name__)
 

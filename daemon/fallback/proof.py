@@ -4,7 +4,7 @@ A GPU plan that reaches ready proves nothing by itself. After the launch the orc
 `read_proof` for the facts (the engine's `offloaded N/M layers` line, the devices it used and,
 where the platform reports it (NVML per-process memory), the server's own VRAM) with the
 backend's own codes for each way of not being accelerated; the fallback table judges them
-(states/fallback_proof.py). The hint for a server that offloaded nothing is built from the
+(states/fallback/proof.py). The hint for a server that offloaded nothing is built from the
 figures that decided the plan (the free VRAM the engine itself saw on each device, else the
 reading the plan was made on, never one older than the launch) and names the one setting
 that changes it.
@@ -16,13 +16,13 @@ from typing import Any, Mapping
 
 import trio
 
-from daemon.backends.base import Backend, ReasonKind, TelemetryRequest
-from daemon.backends.registry import family_reason
-from daemon.fallback.layers import LayerEstimate, engine_free, fit_margin
-from states import launch_records as LR
-from states.fallback_proof import AccelerationProof
-from states.fallback_vram import mib_text
-from states.reasons import ReasonCode
+from stoker.daemon.backends.base import Backend, ReasonKind, TelemetryRequest
+from stoker.daemon.backends.registry import family_reason
+from stoker.daemon.fallback.layers import LayerEstimate, engine_free, fit_margin
+from stoker.states.launch import records as LR
+from stoker.states.fallback.proof import AccelerationProof
+from stoker.states.fallback.vram import mib_text
+from stoker.states.reasons import ReasonCode
 
 
 async def read_proof(

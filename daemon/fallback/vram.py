@@ -3,7 +3,7 @@
 A probe's verdict is cached for 30 s, so its free-VRAM figures can be that old: another
 process may have filled (or freed) the GPU since. Every GPU check therefore reads free VRAM
 again through the backend plugin (NVML for CUDA: ~0.03 ms once initialised), and that one
-reading is what the fallback table decides from (states/fallback_vram.py: whether any GPU has
+reading is what the fallback table decides from (states/fallback/vram.py: whether any GPU has
 room for a layer, which GPUs the server gets), what the layer estimate quotes
 (daemon/fallback/layers.py) and what the user is shown. When the reading fails (no reader,
 the library cannot load) the probe's figures stand in, and the source says so.
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import trio
 
-from daemon.backends.base import Backend, Detection, LaunchRequest, TelemetryRequest
-from states.fallback_vram import PROBE, READ_NOW, FreeVram
-from states.launch_records import GpuLayers
+from stoker.daemon.backends.base import Backend, Detection, LaunchRequest, TelemetryRequest
+from stoker.states.fallback.vram import PROBE, READ_NOW, FreeVram
+from stoker.states.launch.records import GpuLayers
 
 
 async def read_free_vram(plugin: Backend, detection: Detection) -> FreeVram | None:

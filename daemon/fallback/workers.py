@@ -1,4 +1,4 @@
-"""The RPC workers in a plan: read them now, let states/rpc_placement.py decide, prove it after load.
+"""The RPC workers in a plan: read them now, let states/fleet/rpc_placement.py decide, prove it after load.
 
 Called by the orchestrator when the config lists `[[workers]]`: every worker is checked at once
 through the engine's RPC protocol (daemon/workers/rpc_wire.py: reachable, protocol version,
@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from daemon.config.model import Config
-from daemon.workers.rpc_wire import read_workers
-from states import launch_records as LR
-from states.fallback_vram import FreeVram
-from states.rpc_placement import LocalDevice, RpcPlacement, confirm, lost_workers, place
+from stoker.daemon.config.model import Config
+from stoker.daemon.workers.rpc_wire import read_workers
+from stoker.states.launch import records as LR
+from stoker.states.fallback.vram import FreeVram
+from stoker.states.fleet.rpc_placement import LocalDevice, RpcPlacement, confirm, lost_workers, place
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ machine as it moves: ready again (after the restart was asked), crashed / backin
 stopped by someone else, or none of these within the wait. A server that is stopped when its
 restart comes (a user's `stoker down` meanwhile, an idle unload, a daemon restarted mid-update)
 is left stopped (`restart_wanted`), with the verdict `stopped`. Facts only: the update machine judges
-them (states/engine_update.py `judge_servers`).
+them (states/engine_update/table.py `judge_servers`).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from typing import Any, Callable, Mapping
 import attrs
 import trio
 
-from daemon.fleet.fleet import Fleet
-from daemon.fleet.member import Member
-from states import engine_update as U
-from states import engine_update_records as UR
-from states import launch as L
-from states import launch_records as LR
-from states.convert import structure
-from store.database import Store
+from stoker.daemon.fleet.fleet import Fleet
+from stoker.daemon.fleet.member import Member
+from stoker.states.engine_update import table as U
+from stoker.states.engine_update import records as UR
+from stoker.states.launch import table as L
+from stoker.states.launch import records as LR
+from stoker.states.convert import structure
+from stoker.store.database import Store
 
 _RUNNING = (LR.LaunchState.STARTING, LR.LaunchState.LOADING, LR.LaunchState.READY)
 _DIED = (LR.LaunchState.CRASHED, LR.LaunchState.BACKOFF, LR.LaunchState.FAILED)
@@ -95,7 +95,7 @@ class FleetEngineServers:
                     )
                 if state is LR.LaunchState.STOPPED:
                     return UR.ServerVerdict(name, UR.Outcome.STOPPED, evidence={"down_cause": str(sup.data.down_cause)})
-                await member.pulse.wait()
+                await member.change_signal.wait()
         return UR.ServerVerdict(name, UR.Outcome.TIMEOUT, evidence={"timeout_s": timeout, "state": member.state.value})
 
     def relaunch(self, name: str) -> None:

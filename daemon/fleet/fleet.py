@@ -3,7 +3,7 @@ demand within `[placement] max_loaded`.
 
 `load` is the one way a model starts once the daemon runs (a request held at the front door,
 `stoker up MODEL`, the daemon's own autostart of the default and pinned models): under one
-placement lock it asks states/placement.py what loading it takes with the facts of the moment,
+placement lock it asks states/fleet/placement.py what loading it takes with the facts of the moment,
 and does that: start it, unload the model it names first (a planned stop: drained, snapshots
 saved, TERM; recorded in that model's history as placement_evicted with the model it made
 room for), or wait for a place to free (a request waits within its hold bound; `up` does not
@@ -26,18 +26,18 @@ import attrs
 import psutil
 import trio
 
-from daemon.config.model import Config, needs_relaunch
-from daemon.config.placement import max_loaded_for
-from daemon.config.served import ServedModel, served_models
-from daemon.core.errors import StokerError
-from daemon.fleet.idle import serve_idle_unloads
-from daemon.fleet.member import Member, Services, build_member
-from daemon.fleet.remote import Remotes
-from daemon.fleet.room import RoomMaker
-from daemon.launch.instance import ServerInstance
-from states import launch_records as LR
-from states.placement import UNLOADED, Verdict, capacity, place
-from states.reasons import ReasonCode
+from stoker.daemon.config.model import Config, needs_relaunch
+from stoker.daemon.config.placement import max_loaded_for
+from stoker.daemon.config.instances import ServedModel, served_models
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.fleet.idle import serve_idle_unloads
+from stoker.daemon.fleet.member import Member, Services, build_member
+from stoker.daemon.fleet.remote import Remotes
+from stoker.daemon.fleet.room import RoomMaker
+from stoker.daemon.launch.instance import ServerInstance
+from stoker.states.launch import records as LR
+from stoker.states.fleet.placement import UNLOADED, Verdict, capacity, place
+from stoker.states.reasons import ReasonCode
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Fleet:
     remotes: Remotes = attrs.field(factory=Remotes)
 
     def __attrs_post_init__(self) -> None:
-        self.room = RoomMaker(self.serving, lambda: self.config.placement, self._lock, self.services.pulse)
+        self.room = RoomMaker(self.serving, lambda: self.config.placement, self._lock, self.services.change_signal)
         self.remotes.apply(self.config)
         for served in served_models(self.config):
             self.members[served.name] = self._build(served)
@@ -129,7 +129,7 @@ class Fleet:
     # --- loading -----------------------------------------------------------------------------
 
     async def load(self, member: Member, *, wait: bool) -> None:
-        """Start `member`, making room first as states/placement.py says. `wait`: wait for a place
+        """Start `member`, making room first as states/fleet/placement.py says. `wait`: wait for a place
         to free (the caller bounds it); else placement_no_room when none can be made now."""
         if not self.may_start():
             raise StokerError(ReasonCode.CONFIG_INVALID, "No valid config was read yet; fix the file first.")
@@ -138,7 +138,7 @@ class Fleet:
             async with self._lock:
                 if self._try_load(member, wait):
                     return
-                changed = self.services.pulse.armed()
+                changed = self.services.change_signal.armed()
             await changed.wait()  # a model stopped, a request ended
 
     def _try_load(self, member: Member, wait: bool) -> bool:
@@ -202,7 +202,7 @@ class Fleet:
             for member in list(self.members.values()):
                 if member.retiring:
                     nursery.start_soon(self._retire, member)
-            await nursery.start(serve_idle_unloads, self.serving, self.services.pulse)
+            await nursery.start(serve_idle_unloads, self.serving, self.services.change_signal)
             await nursery.start(self.remotes.serve)
             task_status.started()
             await trio.sleep_forever()

@@ -19,29 +19,29 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping
 import attrs
 import trio
 
-from daemon.backends.base import Backend
-from daemon.config.model import Config
-from daemon.config.served import ServedModel
-from daemon.core.machines import Publish
-from daemon.core.paths import StokerPaths
-from daemon.fallback.memory import with_memory
-from daemon.fallback.orchestrator import FallbackOrchestrator
-from daemon.fleet.usage import Pulse, Usage
-from daemon.install.service import InstallService
-from daemon.launch.instance import ServerInstance
-from daemon.launch.supervisor import Supervisor, launch_settings
-from daemon.models.pull import PullService
-from daemon.probes.service import ProbeService
-from daemon.snapshots.service import SnapshotService
-from daemon.telemetry.sampler import ServerTarget
-from store.catalog import ModelRecord
-from states import fallback as F
-from states import launch as L
-from states import launch_records as LR
-from states.idle_unload import IdleFacts
-from states.model_lookup import ModelForm, model_form
-from states.placement import Footprint, Resident, loads_on_demand, occupies
-from store.database import Store
+from stoker.daemon.backends.base import Backend
+from stoker.daemon.config.model import Config
+from stoker.daemon.config.instances import ServedModel
+from stoker.daemon.core.machines import Publish
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.fallback.memory import with_memory
+from stoker.daemon.fallback.orchestrator import FallbackOrchestrator
+from stoker.daemon.fleet.usage import ChangeSignal, Usage
+from stoker.daemon.install.installer import InstallService
+from stoker.daemon.launch.instance import ServerInstance
+from stoker.daemon.launch.supervisor import Supervisor, launch_settings
+from stoker.daemon.models.pull import PullService
+from stoker.daemon.probes.verdicts import ProbeService
+from stoker.daemon.snapshots.save_restore import SnapshotService
+from stoker.daemon.telemetry.sampler import ServerTarget
+from stoker.store.catalog import ModelRecord
+from stoker.states.fallback import table as F
+from stoker.states.launch import table as L
+from stoker.states.launch import records as LR
+from stoker.states.fleet.idle_unload import IdleFacts
+from stoker.states.pull.lookup import ModelForm, model_form
+from stoker.states.fleet.placement import Footprint, Resident, loads_on_demand, occupies
+from stoker.store.database import Store
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class Services:
     pulls: PullService
     snapshots: SnapshotService
     publish: Publish
-    pulse: Pulse
+    change_signal: ChangeSignal
 
 
 @attrs.define(eq=False)
@@ -69,7 +69,7 @@ class Member:
     supervisor: Supervisor
     orchestrator: FallbackOrchestrator
     usage: Usage
-    pulse: Pulse
+    change_signal: ChangeSignal
     snapshots: SnapshotService
     retiring: bool = False  # its section left the config (or it was found unconfigured): stopping for good
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)  # its supervisor's task
@@ -139,7 +139,7 @@ class Member:
 
     @property
     def loads_on_demand(self) -> bool:
-        """Stopped, and a request naming it loads it (states/placement.py)."""
+        """Stopped, and a request naming it loads it (states/fleet/placement.py)."""
         return not self.retiring and loads_on_demand(self.state, self.data.down_cause, self.data.reason)
 
     def idle_s(self, now: float | None = None) -> float:
@@ -175,7 +175,7 @@ class Member:
         return Footprint(memory.host_mib, memory.vram_mib, memory.source, memory.partial)
 
     def idle_facts(self) -> IdleFacts:
-        """Its facts for the idle unload (states/idle_unload.py): last used is its last request's
+        """Its facts for the idle unload (states/fleet/idle_unload.py): last used is its last request's
         end, or its ready if that is later."""
         used = [t for t in (self.usage.last_used, self.supervisor.ready_at) if t is not None]
         return IdleFacts(
@@ -218,7 +218,7 @@ class Member:
         """Return once its launch machine is in one of `states`."""
         wanted = set(states)
         while self.state not in wanted:
-            await self.pulse.wait()
+            await self.change_signal.wait()
 
     def effective_backend(self) -> str | None:
         """The backend really in use (status's `backend`): the CPU after a late demotion."""
@@ -241,7 +241,7 @@ def build_member(served: ServedModel, services: Services, make_room: MakeRoom | 
     services, its supervisor's drain its own requests in flight; each plan goes through
     `make_room` (memory-aware placement) before the launch machine gets it."""
     instance = ServerInstance(served.name)
-    usage = Usage(on_change=services.pulse.fire)
+    usage = Usage(on_change=services.change_signal.fire)
     orchestrator = FallbackOrchestrator(
         services.paths,
         services.store,
@@ -283,5 +283,5 @@ def build_member(served: ServedModel, services: Services, make_room: MakeRoom | 
         before_stop=snapshots.before_stop,
         drain=functools.partial(usage.drain_within, name=served.name),
     )
-    member = Member(served, supervisor, orchestrator, usage, services.pulse, snapshots)
+    member = Member(served, supervisor, orchestrator, usage, services.change_signal, snapshots)
     return member

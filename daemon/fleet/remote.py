@@ -3,7 +3,7 @@
 A remote model has no server of Stoker's: it is never planned, placed, evicted, unloaded for
 idleness or snapshotted, so it is not a `Member` and nothing in the fleet's placement sees it.
 What Stoker keeps for it: its config (daemon/config/remote.py), its requests in flight (`Usage`),
-and two readings of its endpoint, each judged by states/remote_endpoint.py: the last
+and two readings of its endpoint, each judged by states/frontdoor/remote_endpoint.py: the last
 reachability check (GET <endpoint>/models with its key, under `CHECK_TIMEOUT_S`, every
 `check_interval_s`: its latency, HTTP status and error) and the last request the front door
 forwarded to it. `stoker status` (`remotes`), the TUI's Models view and /metrics show them.
@@ -26,15 +26,15 @@ import attrs
 import httpx
 import trio
 
-from daemon.config.model import Config
-from daemon.config.remote import RemoteModelConfig
-from daemon.core.http import loopback_client
-from daemon.engine.api import EngineClient
-from daemon.engine.wire import EngineWire, WireTimeouts
-from daemon.fleet.remote_status import RemoteStatus
-from daemon.fleet.usage import Usage
-from states.reasons import ReasonCode, message_for
-from states.remote_endpoint import Contact, Verdict, judge
+from stoker.daemon.config.model import Config
+from stoker.daemon.config.remote import RemoteModelConfig
+from stoker.daemon.core.http import loopback_client
+from stoker.daemon.engine.api import EngineClient
+from stoker.daemon.engine.wire import EngineWire, WireTimeouts
+from stoker.daemon.fleet.remote_status import RemoteStatus
+from stoker.daemon.fleet.usage import Usage
+from stoker.states.reasons import ReasonCode, message_for
+from stoker.states.frontdoor.remote_endpoint import Contact, Verdict, judge
 
 log = logging.getLogger(__name__)
 

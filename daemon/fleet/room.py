@@ -5,7 +5,7 @@ estimate, daemon/fallback/memory.py), the fleet gathers the facts of the moment 
 placement lock: the RAM available now (psutil), the `[placement]` caps, and every other model's
 state, use and memory by the reading that decides (`Member.footprint`: the engine's own buffers
 once ready, else its plan's estimate; a model admitted a moment ago but not yet spawned counts
-with the estimate it was admitted with). states/placement.py's `place_memory` decides, and this
+with the estimate it was admitted with). states/fleet/placement.py's `place_memory` decides, and this
 acts: the plan goes on (LOAD); the least recently used idle unpinned models named are unloaded
 first (a planned stop recorded as placement_evicted, with the figures that decided, in their
 history), then it asks again once they are gone; it waits for models already stopping; or the
@@ -24,12 +24,12 @@ import attrs
 import psutil
 import trio
 
-from daemon.config.placement import PlacementConfig
-from daemon.core.errors import StokerError
-from daemon.fallback.memory import estimate_json
-from daemon.fleet.usage import Pulse
-from states import launch_records as LR
-from states.placement import (
+from stoker.daemon.config.placement import PlacementConfig
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.fallback.memory import estimate_json
+from stoker.daemon.fleet.usage import ChangeSignal
+from stoker.states.launch import records as LR
+from stoker.states.fleet.placement import (
     ARRIVING,
     FULL_OFFLOAD,
     UNLOADED,
@@ -41,10 +41,10 @@ from states.placement import (
     place_memory,
     place_offload,
 )
-from states.reasons import ReasonCode
+from stoker.states.reasons import ReasonCode
 
 if TYPE_CHECKING:
-    from daemon.fleet.member import Member
+    from stoker.daemon.fleet.member import Member
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class RoomMaker:
     serving: Callable[[], Iterable[Member]]
     settings: Callable[[], PlacementConfig]
     lock: trio.Lock
-    pulse: Pulse
+    change_signal: ChangeSignal
     available: Callable[[], float | None] = available_ram_mib
     # Admitted but maybe not yet spawned: what each was admitted with (its plan's estimate).
     admitted: dict[str, Footprint] = attrs.field(factory=dict)
@@ -170,7 +170,7 @@ class RoomMaker:
                 for victim in victims:
                     log.info("unloading %s to make room for %s: %s", victim.name, member.name, placement.evidence)
                     victim.supervisor.fire(LR.DownRequested(LR.DownCause.EVICTED, placement.evidence))
-                changed = self.pulse.armed()
+                changed = self.change_signal.armed()
             if placement.verdict is Verdict.EVICT:
                 for victim in victims:
                     await victim.wait_state(UNLOADED)

@@ -1,9 +1,9 @@
 """A model's use at the front door: requests in flight and held, and when it was last used.
 
-What placement reads to choose the model to unload (states/placement.py: nothing in flight,
+What placement reads to choose the model to unload (states/fleet/placement.py: nothing in flight,
 nobody held, the least recently used), what a planned stop of that model drains (its own
 requests only: another model's streams are not its business), and the hooks the idle unload
-reads (`last_used`, `in_flight`). A `Pulse` wakes whoever waits for the fleet to change: a
+reads (`last_used`, `in_flight`). A `ChangeSignal` wakes whoever waits for the fleet to change: a
 transition of any model, or a request that ended.
 """
 
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 @attrs.define(eq=False)
-class Pulse:
+class ChangeSignal:
     """An event fired on every change; `wait` returns at the next one."""
 
     _event: trio.Event = attrs.field(factory=trio.Event)
@@ -47,7 +47,7 @@ def _nothing() -> None:
 class Usage:
     """One model's requests: in flight to its engine, held for it, and its last use (Unix time)."""
 
-    on_change: Callable[[], None] = _nothing  # the fleet's pulse: a place may have freed
+    on_change: Callable[[], None] = _nothing  # the fleet's change_signal: a place may have freed
     in_flight: int = 0  # sent to the engine, answer not over (a planned stop drains them)
     waiting: int = 0  # held until the model is ready (it is not unloaded meanwhile)
     held_total: int = 0  # requests that had to wait at all

@@ -2,5 +2,5 @@
 
 `server.serve_frontdoor` runs in the daemon's root nursery (`http11`, a lean HTTP/1.1 server on
 h11 and trio sockets, serving `app.FrontDoor`'s routes). It reaches the daemon only through `served.FrontDoorDaemon`, never
-`daemon.service`, and the engine only through `daemon.engine.api.EngineClient`.
+`daemon.runtime`, and the engine only through `daemon.engine.api.EngineClient`.
 """

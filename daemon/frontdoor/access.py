@@ -24,8 +24,8 @@ import logging
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # nothing heavy at run time: `stoker logs --access` imports ACCESS_LOGGER
-    from daemon.frontdoor.metrics import EngineFigures, Exchange
-    from daemon.frontdoor.served import Caller
+    from stoker.daemon.frontdoor.metrics import EngineFigures, Exchange
+    from stoker.daemon.frontdoor.daemon_view import Caller
 
 ACCESS_LOGGER = "stoker.access"
 log = logging.getLogger(ACCESS_LOGGER)

@@ -5,7 +5,7 @@ until that model's server is ready, loaded on demand if it is not (daemon/frontd
 then sent to its engine with its per-launch key; the engine's
 answer is relayed chunk by chunk as it arrives (SSE included), never buffered. A request whose
 engine is lost before the first byte of its answer is sent again to the next ready server, as
-states/frontdoor_policy.py decides (each time, when the request cannot have caused the loss).
+states/frontdoor/policy.py decides (each time, when the request cannot have caused the loss).
 Errors use the called API's shape: OpenAI's `{"error": {"message", "type", "param", "code"}}`,
 or Anthropic's `{"type": "error", "error": {"type", "message"}}` on /v1/messages.
 
@@ -16,7 +16,7 @@ purpose: each SSE event is one read from the engine and one write to the client.
 A remote model (`[models.NAME] endpoint`, daemon/fleet/remote.py) is forwarded to its endpoint the
 same way, with the key from the daemon's environment and `model` rewritten to the name the
 endpoint serves; nothing is held (no server of Stoker's loads), and a failure is answered as
-states/remote_endpoint.py judges it (503 or 502 with a reason code, never the endpoint's 401).
+states/frontdoor/remote_endpoint.py judges it (503 or 502 with a reason code, never the endpoint's 401).
 """
 
 from __future__ import annotations
@@ -32,19 +32,19 @@ import attrs
 import httpx
 import trio
 
-from daemon.engine.api import EngineClient
-from daemon.engine.wire import EngineAnswer, EngineWire
-from daemon.fleet.member import Member
-from daemon.fleet.remote import RemoteModel, contact_of, endpoint_error_message
-from daemon.frontdoor.hold import Hold, Refused
-from daemon.frontdoor.http11 import Request
-from daemon.frontdoor.limits import LimitExceeded, check_head, read_body
-from daemon.frontdoor.metrics import CONTENT_TYPE, FrontDoorMetrics
-from daemon.frontdoor.routing import models_page, route, unknown_model
-from daemon.frontdoor.served import Authorize, FrontDoorDaemon
-from states.reasons import ReasonCode, message_for
-from states.frontdoor_policy import READY, innocent, send_again
-from states.remote_endpoint import Contact, Verdict, judge
+from stoker.daemon.engine.api import EngineClient
+from stoker.daemon.engine.wire import EngineAnswer, EngineWire
+from stoker.daemon.fleet.member import Member
+from stoker.daemon.fleet.remote import RemoteModel, contact_of, endpoint_error_message
+from stoker.daemon.frontdoor.hold import Hold, Refused
+from stoker.daemon.frontdoor.http11 import Request
+from stoker.daemon.frontdoor.limits import LimitExceeded, check_head, read_body
+from stoker.daemon.frontdoor.metrics import CONTENT_TYPE, FrontDoorMetrics
+from stoker.daemon.frontdoor.routing import models_page, route, unknown_model
+from stoker.daemon.frontdoor.daemon_view import Authorize, FrontDoorDaemon
+from stoker.states.reasons import ReasonCode, message_for
+from stoker.states.frontdoor.policy import READY, innocent, send_again
+from stoker.states.frontdoor.remote_endpoint import Contact, Verdict, judge
 
 log = logging.getLogger("stoker.frontdoor")
 
@@ -331,7 +331,7 @@ class FrontDoor:
         self, request: Request, member: Member, method: str, path: str, content: bytes | None, *, sse: bool
     ) -> Answer | None:
         """Hold until ready, send, relay. An engine lost before the first byte of its answer:
-        sent again to the next ready server when states/frontdoor_policy.py says so."""
+        sent again to the next ready server when states/frontdoor/policy.py says so."""
         headers = {"Content-Type": "application/json"} if content is not None else {}
         sends = suspect = 0
         while True:

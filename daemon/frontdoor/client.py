@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import attrs
 import httpx
 
-from daemon.core.errors import StokerError
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.states.reasons import ReasonCode
 
 API_KEY_ENV = "STOKER_API_KEY"
 

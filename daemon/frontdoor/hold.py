@@ -4,13 +4,13 @@ loaded yet, waits until it is ready.
 Per model: a request waits for the model it names (daemon/fleet/: its member), and only for
 that one. A model that is configured but not loaded (never loaded, unloaded to make room, or
 stopped with the daemon) is loaded on demand (`Fleet.load`, which may first unload the least
-recently used idle model, states/placement.py) while the request is held, within the same
+recently used idle model, states/fleet/placement.py) while the request is held, within the same
 bounds as a restart. At most `[frontdoor] max_queue` requests wait at once (all models
 together), each at most `hold_timeout_s`; past either bound, when the model is stopped by the
 user or failed (nothing will make it ready unasked), or when no place could be made for it in
 time, `Refused` carries the reason code the front door answers 503 with, and a Retry-After.
 Whether to hold, what to do next while held, which 503 and which Retry-After are all
-states/frontdoor_policy.py's decisions; this module gathers the facts and waits.
+states/frontdoor/policy.py's decisions; this module gathers the facts and waits.
 Each model counts its own requests in flight (`Usage`): a planned stop of its server drains
 those, and only those (`wait_drained`).
 """
@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Callable
 import attrs
 import trio
 
-from daemon.core.errors import StokerError
-from daemon.frontdoor.served import FrontDoorDaemon
-from states import launch_records as LR
-from states.frontdoor_policy import (
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.frontdoor.daemon_view import FrontDoorDaemon
+from stoker.states.launch import records as LR
+from stoker.states.frontdoor.policy import (
     DOWN,
     READY,
     RETRY_AFTER_S,
@@ -36,13 +36,13 @@ from states.frontdoor_policy import (
     hold_move,
     refusal,
 )
-from states.reasons import ReasonCode, message_for
+from stoker.states.reasons import ReasonCode, message_for
 
 if TYPE_CHECKING:
-    from daemon.fleet.member import Member
+    from stoker.daemon.fleet.member import Member
 
 # After the engine's connection failed, how long to wait for the supervisor to notice (the
-# state leaves ready) before judging the loss (states/frontdoor_policy.py) without it.
+# state leaves ready) before judging the loss (states/frontdoor/policy.py) without it.
 NOTICE_S = 2.0
 
 
@@ -78,7 +78,7 @@ class Hold:
         return base_url, api_key
 
     async def _hold(self, member: Member) -> None:
-        """Hold the request while states/frontdoor_policy.py says so; raise its refusal."""
+        """Hold the request while states/frontdoor/policy.py says so; raise its refusal."""
         settings = self.daemon.config.frontdoor
         refused = admit(member.state, member.loads_on_demand, self.waiting, settings.max_queue)
         if refused is not None:

@@ -33,12 +33,12 @@ from typing import AsyncIterator, Awaitable, Callable
 import h11
 import trio
 
-from daemon.config.remote import is_loopback_host
-from daemon.core.chunked import Dechunker, MalformedChunk
-from daemon.core.relay_socket import RelaySocket, accept_errors_to_retry, send_all_blocking
-from daemon.frontdoor.access import log_access
-from daemon.frontdoor.metrics import Exchange, RequestFigures
-from daemon.frontdoor.served import Caller, FrontDoorDaemon
+from stoker.daemon.config.remote import is_loopback_host
+from stoker.daemon.core.chunked import Dechunker, MalformedChunk
+from stoker.daemon.core.relay_socket import RelaySocket, accept_errors_to_retry, send_all_blocking
+from stoker.daemon.frontdoor.access import log_access
+from stoker.daemon.frontdoor.metrics import Exchange, RequestFigures
+from stoker.daemon.frontdoor.daemon_view import Caller, FrontDoorDaemon
 
 log = logging.getLogger("stoker.frontdoor")
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import trio
 
-from daemon.config.frontdoor import FrontdoorConfig
-from daemon.frontdoor.http11 import Request
-from states.reasons import ReasonCode, message_for
+from stoker.daemon.config.frontdoor import FrontdoorConfig
+from stoker.daemon.frontdoor.http11 import Request
+from stoker.states.reasons import ReasonCode, message_for
 
 # HTTP/1.1's framing around each header (": " and CRLF) and the request line's ("  HTTP/1.1\r\n").
 HEADER_FRAMING = 4

@@ -31,12 +31,12 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Count
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from daemon.frontdoor.tallies import KINDS, HistoryTally
-from states import launch_records as LR
+from stoker.daemon.frontdoor.tallies import KINDS, HistoryTally
+from stoker.states.launch import records as LR
 
 if TYPE_CHECKING:
-    from daemon.frontdoor.hold import Hold
-    from daemon.frontdoor.served import FrontDoorDaemon
+    from stoker.daemon.frontdoor.hold import Hold
+    from stoker.daemon.frontdoor.daemon_view import FrontDoorDaemon
 
 log = logging.getLogger("stoker.frontdoor")
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from states import launch_records as LR
+from stoker.states.launch import records as LR
 
 if TYPE_CHECKING:
-    from daemon.fleet.fleet import Fleet
-    from daemon.fleet.member import Member
-    from daemon.fleet.remote import RemoteModel
+    from stoker.daemon.fleet.fleet import Fleet
+    from stoker.daemon.fleet.member import Member
+    from stoker.daemon.fleet.remote import RemoteModel
 
 
 def route(fleet: Fleet, model: Any) -> Member | RemoteModel | None:

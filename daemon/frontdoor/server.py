@@ -14,12 +14,12 @@ import logging
 
 import trio
 
-from daemon.core.http import loopback_client
-from daemon.engine.wire import EngineWire, WireTimeouts
-from daemon.frontdoor.app import FrontDoor
-from daemon.frontdoor.hold import Hold
-from daemon.frontdoor.http11 import bound_url, open_listeners, serve_http
-from daemon.frontdoor.served import Authorize, FrontDoorDaemon, allow_loopback
+from stoker.daemon.core.http import loopback_client
+from stoker.daemon.engine.wire import EngineWire, WireTimeouts
+from stoker.daemon.frontdoor.app import FrontDoor
+from stoker.daemon.frontdoor.hold import Hold
+from stoker.daemon.frontdoor.http11 import bound_url, open_listeners, serve_http
+from stoker.daemon.frontdoor.daemon_view import Authorize, FrontDoorDaemon, allow_loopback
 
 log = logging.getLogger("stoker.frontdoor")
 

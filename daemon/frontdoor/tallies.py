@@ -28,13 +28,13 @@ from typing import Iterable
 
 import attrs
 
-from daemon.launch.instance import ServerInstance
-from states import fallback as F
-from states import install as I
-from states import launch_records as LR
-from states.launch import LAUNCH
-from states.reasons import ReasonCode
-from store.records import TransitionRecord
+from stoker.daemon.launch.instance import ServerInstance
+from stoker.states.fallback import table as F
+from stoker.states.install import table as I
+from stoker.states.launch import records as LR
+from stoker.states.launch.table import LAUNCH
+from stoker.states.reasons import ReasonCode
+from stoker.store.records import TransitionRecord
 
 # The machine kinds whose history the tally reads.
 KINDS = (F.FALLBACK.name, I.INSTALL.name, LAUNCH.name)

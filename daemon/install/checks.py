@@ -7,14 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from daemon.backends.base import Detection
-from daemon.bundles.metadata import BundleMeta
-from states.launch_records import CPU_BACKEND
+from stoker.daemon.backends.base import Detection
+from stoker.daemon.bundles.metadata import BundleMeta
+from stoker.states.launch.records import CPU_BACKEND
 
 
 def validate_staged(staging: Path, backend: str, variant: str, version: str | None) -> dict[str, Any]:
     """The staged bundle's files, metadata, `--version` and `--list-devices` (no smoke yet)."""
-    from daemon.bundles.verify import verify_dir
+    from stoker.daemon.bundles.verify import verify_dir
 
     report = verify_dir(staging, expect_backend=backend, expect_variant=variant, expect_version=version, smoke=False)
     return {
@@ -39,7 +39,7 @@ def smoke_skip(enabled: bool, asked: bool | None, meta: BundleMeta, detection: D
 
 def smoke_staged(staging: Path, meta: BundleMeta) -> dict[str, Any]:
     """Run the staged engine's smoke test (tokens equal to its recorded reference)."""
-    from daemon.bundles.verify import check_smoke
+    from stoker.daemon.bundles.verify import check_smoke
 
     tokens = check_smoke(staging / meta.server, meta)
     return {"smoke": "passed", "tokens": len(tokens)}

@@ -20,15 +20,15 @@ from urllib.parse import unquote, urlparse
 import attrs
 import trio
 
-from daemon.backends.base import Backend, Detection
-from daemon.bundles.metadata import BundleManifest, ManifestEntry
-from daemon.bundles.variants import host_platform
-from daemon.core.download import fetch_bytes
-from daemon.core.download_records import DownloadError
-from daemon.core.errors import StokerError
-from daemon.install.trust import ManifestTrust
-from states.engine_update import version_key
-from states.reasons import ReasonCode
+from stoker.daemon.backends.base import Backend, Detection
+from stoker.daemon.bundles.metadata import BundleManifest, ManifestEntry
+from stoker.daemon.bundles.variants import host_platform
+from stoker.daemon.core.download import fetch_bytes
+from stoker.daemon.core.download_records import DownloadError
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.install.trust import ManifestTrust
+from stoker.states.engine_update.table import version_key
+from stoker.states.reasons import ReasonCode
 
 MANIFEST_ENV = "STOKER_MANIFEST_URL"
 MANIFEST_MAX_BYTES = 4 * 2**20

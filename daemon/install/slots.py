@@ -1,5 +1,5 @@
 """One engine bundle slot as the install and update services share it: who writes it now, and the
-facts an offered bundle is judged by (states/install_slot.py decides).
+facts an offered bundle is judged by (states/install/slot.py decides).
 
 - `SlotWriters.claim`: one writer per slot. The install machine and the engine update machine of
   a slot never run at once (two promotes into one slot would leave either `.previous` or the
@@ -19,17 +19,17 @@ from typing import Iterator
 
 import attrs
 
-from daemon.bundles.installed import PREVIOUS, find_installed
-from daemon.bundles.metadata import BundleMeta
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from daemon.install.update_steps import bundle_digest
-from states import engine_update as U
-from states import install as I
-from states.install_slot import Rejection, SlotBundle, writer_conflict
-from states.machine import data_from_json
-from states.reasons import ReasonCode
-from store.database import Store
+from stoker.daemon.bundles.installed import PREVIOUS, find_installed
+from stoker.daemon.bundles.metadata import BundleMeta
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.install.update_steps import bundle_digest
+from stoker.states.engine_update import table as U
+from stoker.states.install import table as I
+from stoker.states.install.slot import Rejection, SlotBundle, writer_conflict
+from stoker.states.machine import data_from_json
+from stoker.states.reasons import ReasonCode
+from stoker.store.database import Store
 
 
 @attrs.define(eq=False)

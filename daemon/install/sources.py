@@ -1,6 +1,6 @@
 """The engine's sources on this machine: the local build cache, and a local build.
 
-The install machine (states/install.py) tries a configured mirror first, then these. What
+The install machine (states/install/table.py) tries a configured mirror first, then these. What
 this module reports are facts for the table to decide on:
 
 - `find_cached_build`: the cache entry whose bundle.json says this backend, variant and
@@ -36,20 +36,20 @@ from urllib.parse import unquote, urlparse
 import attrs
 import trio
 
-from daemon.backends.base import Backend, Detection
-from daemon.bundles.archive import check_digest
-from daemon.bundles.build import BuildResult, cached_builds
-from daemon.bundles.installed import bundle_meta_of
-from daemon.bundles.metadata import ManifestEntry
-from daemon.bundles.variants import BACKENDS, SAFE_CPU_VARIANTS, BuildPlan, default_cpu_variant, host_platform
-from daemon.core.digests import sha256_file
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from daemon.core.process_group import stop_on_cancel
-from states import install as I
-from states import install_effects as IE
-from states.install_sources import Source
-from states.reasons import ReasonCode
+from stoker.daemon.backends.base import Backend, Detection
+from stoker.daemon.bundles.archive import check_digest
+from stoker.daemon.bundles.build import BuildResult, cached_builds
+from stoker.daemon.bundles.installed import bundle_meta_of
+from stoker.daemon.bundles.metadata import ManifestEntry
+from stoker.daemon.bundles.variants import BACKENDS, SAFE_CPU_VARIANTS, BuildPlan, default_cpu_variant, host_platform
+from stoker.daemon.core.digests import sha256_file
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.core.process_group import stop_on_cancel
+from stoker.states.install import table as I
+from stoker.states.install import effects as IE
+from stoker.states.install.sources import Source
+from stoker.states.reasons import ReasonCode
 
 BUILD_SOURCE_ENV = "STOKER_BUILD_SOURCE"
 KILL_GRACE_S = 5.0
@@ -275,7 +275,18 @@ def _missing(backend: str, what: str, evidence: dict[str, Any]) -> dict[str, Any
 def build_command(backend: str, variant: str, environ: Mapping[str, str] | None = None) -> list[str]:
     """The child's argv: the CLI's own build, the result as one JSON document on stdout."""
     env = os.environ if environ is None else environ
-    argv = [sys.executable, "-m", "daemon", "bundle", "build", "--backend", backend, "--variant", variant, "--json"]
+    argv = [
+        sys.executable,
+        "-m",
+        "stoker.daemon",
+        "bundle",
+        "build",
+        "--backend",
+        backend,
+        "--variant",
+        variant,
+        "--json",
+    ]
     if env.get(BUILD_SOURCE_ENV):
         argv += ["--source", env[BUILD_SOURCE_ENV]]
     return argv

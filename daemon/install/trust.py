@@ -29,13 +29,13 @@ from typing import Any, Callable, Sequence
 
 import attrs
 
-from daemon.bundles.metadata import BundleManifest, format_timestamp, parse_timestamp
-from daemon.bundles.mirror import DEFAULT_CHANNEL, MANIFEST_PAYLOAD_TYPE
-from daemon.core.errors import StokerError
-from daemon.core.signing import Envelope, SignatureError, key_id, parse_public_key
-from states.reasons import ReasonCode
-from store.database import Store
-from store.manifests import ManifestVersions
+from stoker.daemon.bundles.metadata import BundleManifest, format_timestamp, parse_timestamp
+from stoker.daemon.bundles.mirror import DEFAULT_CHANNEL, MANIFEST_PAYLOAD_TYPE
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.signing import Envelope, SignatureError, key_id, parse_public_key
+from stoker.states.reasons import ReasonCode
+from stoker.store.database import Store
+from stoker.store.manifests import ManifestVersions
 
 
 def is_remote(source: str) -> bool:

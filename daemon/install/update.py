@@ -1,4 +1,4 @@
-"""The engine update service: one update machine per bundle slot (states/engine_update.py), its
+"""The engine update service: one update machine per bundle slot (states/engine_update/table.py), its
 effects carried out here, and the opt-in automatic check.
 
     resolve  what the slot holds (bundle.json's digest) and the candidate: a zip the user named,
@@ -32,16 +32,16 @@ from urllib.parse import unquote, urlparse
 import attrs
 import trio
 
-from daemon.bundles.installed import PREVIOUS, bundle_meta_of, find_installed, promote
-from daemon.config.engine import EngineConfig
-from daemon.core.download import download
-from daemon.core.download_records import DownloadError
-from daemon.core.errors import StokerError, cause_of
-from daemon.core.machines import EffectDriver, MachineRunner, Publish
-from daemon.core.paths import StokerPaths
-from daemon.install.manifest import choose_entry, load_manifest
-from daemon.install.service import MAX_BUNDLE_BYTES, InstallService
-from daemon.install.update_steps import (
+from stoker.daemon.bundles.installed import PREVIOUS, bundle_meta_of, find_installed, promote
+from stoker.daemon.config.engine import EngineConfig
+from stoker.daemon.core.download import download
+from stoker.daemon.core.download_records import DownloadError
+from stoker.daemon.core.errors import StokerError, cause_of
+from stoker.daemon.core.machines import EffectDriver, MachineRunner, Publish
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.install.manifest import choose_entry, load_manifest
+from stoker.daemon.install.installer import MAX_BUNDLE_BYTES, InstallService
+from stoker.daemon.install.update_steps import (
     bundle_digest,
     bundle_facts,
     check_archive,
@@ -51,12 +51,12 @@ from daemon.install.update_steps import (
     put_back,
     stage_and_verify,
 )
-from states import engine_update as U
-from states import engine_update_records as UR
-from states.convert import structure
-from states.install_slot import SlotBundle, SlotWriter
-from states.reasons import ReasonCode, message_for
-from store.database import Store
+from stoker.states.engine_update import table as U
+from stoker.states.engine_update import records as UR
+from stoker.states.convert import structure
+from stoker.states.install.slot import SlotBundle, SlotWriter
+from stoker.states.reasons import ReasonCode, message_for
+from stoker.store.database import Store
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class EngineUpdateService:
 
     async def check(self, backend: str, variant: str) -> dict[str, Any]:
         """One slot's automatic check. It starts an update only when the table says the channel
-        offers one (states/engine_update.py `automatic_check`); a check that starts nothing (nothing
+        offers one (states/engine_update/table.py `automatic_check`); a check that starts nothing (nothing
         newer, a candidate rejected here before, a manifest that cannot be read, the slot busy)
         writes no history: `status` shows it as the slot's `last_check`, and the log says a
         result once, when it changes."""

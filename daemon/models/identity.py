@@ -29,7 +29,7 @@ from pathlib import Path
 
 import attrs
 
-from daemon.models.facts import read_layout
+from stoker.daemon.models.facts import read_layout
 
 ID_PREFIX = "gguf-s1-"  # the scheme's version: a change of what is hashed changes the prefix
 BLOCK = 4096

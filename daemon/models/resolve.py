@@ -1,6 +1,6 @@
 """Which model file the server loads: a path, or a catalog name (a well-known one pulled first).
 
-`server.model` is a path or a catalog name (states/model_lookup.py tells them apart and decides
+`server.model` is a path or a catalog name (states/pull/lookup.py tells them apart and decides
 what a name's lookup means). A path is checked where it is: model_missing when nothing is
 there, model_load_failed (saying what is there) when it is not a readable GGUF file. A name is
 looked up in the catalog (`look_up`): its verified file is served; a well-known name the catalog
@@ -20,12 +20,12 @@ from typing import Protocol
 import attrs
 import trio
 
-from daemon.core.errors import StokerError
-from daemon.models.known import WELL_KNOWN, WellKnown, launch_args_for, well_known
-from daemon.models.pull import PullOptions, PullService
-from states.model_lookup import Action, CatalogFile, Decision, Known, LookupFacts, ModelForm, decide, model_form
-from states.reasons import ReasonCode
-from store.catalog import ModelCatalog, ModelRecord
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.models.known import WELL_KNOWN, WellKnown, launch_args_for, well_known
+from stoker.daemon.models.pull import PullOptions, PullService
+from stoker.states.pull.lookup import Action, CatalogFile, Decision, Known, LookupFacts, ModelForm, decide, model_form
+from stoker.states.reasons import ReasonCode
+from stoker.store.catalog import ModelCatalog, ModelRecord
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from typing import Iterable, Literal
 
 import attrs
 
-from daemon.core.errors import StokerError
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.states.reasons import ReasonCode
 
 Source = Literal["hf", "pypi", "local"]
 

@@ -30,8 +30,8 @@ def _failed(name: str, reason: str, message: str, **evidence: object) -> dict[st
 
 def probe(name: str, target: str | None = None) -> dict[str, object]:
     """Detect one backend; every failure inside this process becomes a Detection dict."""
-    from daemon.backends.registry import BUILTIN_TARGETS, load_backend, load_target
-    from states.reasons import ReasonCode
+    from stoker.daemon.backends.registry import BUILTIN_TARGETS, load_backend, load_target
+    from stoker.states.reasons import ReasonCode
 
     target = target or BUILTIN_TARGETS.get(name)
     try:

@@ -16,12 +16,12 @@ from typing import Any, Mapping, Sequence
 
 import trio
 
-from daemon.backends.base import Detection, excerpt
-from daemon.backends.registry import load_backend
-from daemon.core.process_group import stop_on_cancel
-from daemon.engine.exits import signal_name
-from daemon.probes.child import MARKER
-from states.reasons import ReasonCode
+from stoker.daemon.backends.base import Detection, excerpt
+from stoker.daemon.backends.registry import load_backend
+from stoker.daemon.core.process_group import stop_on_cancel
+from stoker.daemon.engine.exits import signal_name
+from stoker.daemon.probes.child import MARKER
+from stoker.states.reasons import ReasonCode
 
 KILL_GRACE_S = 1.0
 MAX_OUTPUT_BYTES = 1 << 20  # a detection is a few KiB; more is noise
@@ -38,7 +38,7 @@ def unavailable_reason_for(backend: str) -> ReasonCode:
 
 def probe_command(backend: str, *, target: str | None = None, python: str = sys.executable) -> list[str]:
     """The argv of the probe subprocess."""
-    argv = [python, "-m", "daemon.probes.child", backend]
+    argv = [python, "-m", "stoker.daemon.probes.child", backend]
     if target:
         argv += ["--target", target]
     return argv

@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 import attrs
 
-from states.reasons import ReasonCode, message_for
+from stoker.states.reasons import ReasonCode, message_for
 
-log = logging.getLogger("daemon.snapshots")
+log = logging.getLogger("stoker.daemon.snapshots")
 
 DROPS_KEPT = 16
 # What each `why` of a snapshot_dropped means, for the log line and the status entry.

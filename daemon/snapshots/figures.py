@@ -8,7 +8,7 @@
 - `save/<backend>` MB/s: the engine's `save_ms` for the bytes it wrote.
 
 Each is a moving figure in the store (`SnapshotCatalog.fold_figure`); the decisions are pure
-(`states.snapshot_policy`).
+(`states.snapshots.policy`).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any, Literal
 
 import attrs
 
-from daemon.snapshots.layout import LAUNCH_MARKER
-from daemon.snapshots.live import LiveServer
-from states.reasons import ReasonedError
-from states.snapshot_policy import (
+from stoker.daemon.snapshots.layout import LAUNCH_MARKER
+from stoker.daemon.snapshots.live import LiveServer
+from stoker.states.reasons import ReasonedError
+from stoker.states.snapshots.policy import (
     DEFAULT_MAX_BYTES,
     MB,
     MIN_PREFILL_SAMPLE,
@@ -36,7 +36,7 @@ from states.snapshot_policy import (
     snapshot_bytes,
     stop_budget,
 )
-from store.snapshots import SnapshotCatalog, SnapshotRecord
+from stoker.store.snapshots import SnapshotCatalog, SnapshotRecord
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def restore_inputs(
 def restore_decision(
     catalog: SnapshotCatalog, live: LiveServer, rec: SnapshotRecord, resident: float | None
 ) -> dict[str, Any]:
-    """states.snapshot_policy.decide_restore on this machine's figures, as status shows it."""
+    """states.snapshots.policy.decide_restore on this machine's figures, as status shows it."""
     inputs, figures = restore_inputs(
         catalog,
         backend=live.backend,

@@ -24,8 +24,8 @@ from typing import Any
 
 import attrs
 
-from daemon.core.digests import sha256_file
-from store.snapshots import SnapshotRecord
+from stoker.daemon.core.digests import sha256_file
+from stoker.store.snapshots import SnapshotRecord
 
 SAMPLE = 64 << 10  # bytes of the head and of the tail that the sample digest covers
 

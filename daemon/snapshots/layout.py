@@ -16,12 +16,12 @@ from typing import Any, Mapping
 
 import attrs
 
-from daemon.config.model import Config
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from daemon.models.facts import ModelFacts, model_facts
-from states.reasons import ReasonCode
-from store.snapshots import INSTANCE_FIELD, LAYOUT_FIELDS, MODEL_FIELDS, same_model
+from stoker.daemon.config.model import Config
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.models.facts import ModelFacts, model_facts
+from stoker.states.reasons import ReasonCode
+from stoker.store.snapshots import INSTANCE_FIELD, LAYOUT_FIELDS, MODEL_FIELDS, same_model
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from daemon.config.model import SnapshotsConfig
-from daemon.core.errors import StokerError
-from daemon.snapshots.layout import check_identity
-from daemon.snapshots.live import LiveServer
-from store.snapshots import SnapshotRecord
+from stoker.daemon.config.model import SnapshotsConfig
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.snapshots.layout import check_identity
+from stoker.daemon.snapshots.live import LiveServer
+from stoker.store.snapshots import SnapshotRecord
 
 
 def fit(rec: SnapshotRecord, live: LiveServer | None) -> dict[str, Any]:

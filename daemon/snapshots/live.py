@@ -14,16 +14,16 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from daemon.config.model import Config
-from daemon.core.errors import StokerError
-from daemon.engine.api import EngineClient
-from daemon.models.facts import ModelFacts, model_facts
-from daemon.models.identity import model_identity
-from daemon.snapshots.layout import KVLog, engine_build_of, identity_of_server, last_launch_lines, swa_report
-from states import snapshot_policy as policy
-from states.launch_records import LaunchPlan, LaunchState
-from states.reasons import ReasonCode
-from store.snapshots import INSTANCE_FIELD, SnapshotCatalog
+from stoker.daemon.config.model import Config
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.engine.api import EngineClient
+from stoker.daemon.models.facts import ModelFacts, model_facts
+from stoker.daemon.models.identity import model_identity
+from stoker.daemon.snapshots.layout import KVLog, engine_build_of, identity_of_server, last_launch_lines, swa_report
+from stoker.states.snapshots import policy
+from stoker.states.launch.records import LaunchPlan, LaunchState
+from stoker.states.reasons import ReasonCode
+from stoker.store.snapshots import INSTANCE_FIELD, SnapshotCatalog
 
 PROPS_TIMEOUT = 30.0
 
@@ -81,7 +81,7 @@ class LiveServer:
 
 
 def _read_facts(plan: LaunchPlan, log_path: Path) -> tuple[str, KVLog, ModelFacts, str]:
-    from daemon.bundles.metadata import BundleMeta
+    from stoker.daemon.bundles.metadata import BundleMeta
 
     try:
         engine = engine_build_of(BundleMeta.read(Path(plan.bundle_root)))

@@ -3,7 +3,7 @@
 own `/metrics`.
 
 A `TelemetrySampler` takes at most one sample per TTL (5 s), however many clients ask: the
-`telemetry` handler and the publisher (daemon.telemetry.service) share its cache. A sample is
+`telemetry` handler and the publisher (daemon.telemetry.publisher) share its cache. A sample is
 cheap on a GPU backend (NVML is sub-millisecond once initialised) but it is still work, so:
 
 - A plugin is asked only while the live server's backend offloads (`Backend.offloads`); a CPU
@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 import attrs
 import trio
 
-from daemon.backends.base import Backend, TelemetryRequest
+from stoker.daemon.backends.base import Backend, TelemetryRequest
 
 TTL_S = 5.0
 HISTORY = 60
@@ -191,7 +191,7 @@ def engine_figures(metrics: dict[str, float]) -> dict[str, Any]:
 
 async def fetch_engine_metrics(base_url: str, api_key: str | None) -> dict[str, Any]:
     """GET /metrics (llama-server started with --metrics); raises httpx errors or ValueError."""
-    from daemon.engine.api import EngineClient
+    from stoker.daemon.engine.api import EngineClient
 
     async with EngineClient.open(base_url, api_key, timeout=METRICS_TIMEOUT_S) as engine:
         reply = await engine.metrics()

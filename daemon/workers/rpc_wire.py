@@ -21,7 +21,7 @@ import time
 import attrs
 import trio
 
-from states.rpc_placement import RemoteDevice, WorkerReading
+from stoker.states.fleet.rpc_placement import RemoteDevice, WorkerReading
 
 CMD_GET_DEVICE_MEMORY = 11
 CMD_HELLO = 14

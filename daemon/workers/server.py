@@ -27,16 +27,16 @@ import attrs
 import psutil
 import trio
 
-from daemon.bundles.installed import InstalledBundle, list_installed
-from daemon.config.workers import WorkerConfig
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from daemon.core.process_group import GroupLeader, live_process, stop_group
-from daemon.engine.exits import classify_exit
-from daemon.engine.identity import cmdline_digest
-from daemon.engine.process import PASS_THROUGH_ENV
-from states.convert import structure
-from states.reasons import ReasonCode
+from stoker.daemon.bundles.installed import InstalledBundle, list_installed
+from stoker.daemon.config.workers import WorkerConfig
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.core.process_group import GroupLeader, live_process, stop_group
+from stoker.daemon.engine.exits import classify_exit
+from stoker.daemon.engine.identity import cmdline_digest
+from stoker.daemon.engine.process import PASS_THROUGH_ENV
+from stoker.states.convert import structure
+from stoker.states.reasons import ReasonCode
 
 RPC_TOOL = "rpc_server"
 _DEVICE_LINE = re.compile(r"^\s+(\S+): (.*) \((\d+) MiB, (\d+) MiB free\)\s*$")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from states import policy_tables
-from states.diagrams import SPECS, document
+from stoker.states import policy_tables
+from stoker.states.diagrams import SPECS, document
 
 HERE = Path(__file__).resolve().parent
 

@@ -23,7 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from daemon.bundles.tinymodel import _spm_vocab  # noqa: E402
+from stoker.daemon.bundles.tinymodel import _spm_vocab  # noqa: E402
 
 N_EMBD, N_HEAD, N_HEAD_KV, N_FF = 4096, 32, 8, 14336
 _POOL = 1 << 24

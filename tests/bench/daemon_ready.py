@@ -39,14 +39,14 @@ import psutil
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from daemon.bundles.build import build_bundle  # noqa: E402
-from daemon.bundles.installed import install_bundle  # noqa: E402
-from daemon.control.client import ControlClient  # noqa: E402
+from stoker.daemon.bundles.build import build_bundle  # noqa: E402
+from stoker.daemon.bundles.installed import install_bundle  # noqa: E402
+from stoker.daemon.control.client import ControlClient  # noqa: E402
 from tests.model_files import model_file  # noqa: E402
-from daemon.core.paths import StokerPaths  # noqa: E402
-from daemon.core.digests import sha256_file  # noqa: E402
-from daemon.models.identity import _CACHE as _IDENTITIES  # noqa: E402
-from daemon.models.identity import model_identity  # noqa: E402
+from stoker.daemon.core.paths import StokerPaths  # noqa: E402
+from stoker.daemon.core.digests import sha256_file  # noqa: E402
+from stoker.daemon.models.identity import _CACHE as _IDENTITIES  # noqa: E402
+from stoker.daemon.models.identity import model_identity  # noqa: E402
 from tests.bench.bigmodel import write_big_model  # noqa: E402
 from tests.bench.report import machine, percentile, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config  # noqa: E402

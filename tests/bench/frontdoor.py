@@ -52,11 +52,11 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from daemon.bundles.build import build_bundle  # noqa: E402
-from daemon.bundles.installed import install_bundle  # noqa: E402
-from daemon.bundles.tinymodel import write_tiny_model  # noqa: E402
-from daemon.core.paths import StokerPaths  # noqa: E402
-from daemon.models.known import WELL_KNOWN  # noqa: E402
+from stoker.daemon.bundles.build import build_bundle  # noqa: E402
+from stoker.daemon.bundles.installed import install_bundle  # noqa: E402
+from stoker.daemon.bundles.tinymodel import write_tiny_model  # noqa: E402
+from stoker.daemon.core.paths import StokerPaths  # noqa: E402
+from stoker.daemon.models.known import WELL_KNOWN  # noqa: E402
 from tests.model_files import GEMMA, model_file  # noqa: E402
 from tests.bench.rawchat import Conn, Stream, chat_body  # noqa: E402
 from tests.bench.report import machine, percentile, write_section  # noqa: E402

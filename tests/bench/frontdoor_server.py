@@ -58,24 +58,24 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from daemon.bundles.build import build_bundle  # noqa: E402
-from daemon.bundles.installed import install_bundle  # noqa: E402
-from daemon.config.model import Config  # noqa: E402
-from daemon.config.remote import is_loopback_host  # noqa: E402
-from daemon.core.http import loopback_client  # noqa: E402
-from daemon.core.paths import StokerPaths  # noqa: E402
-from daemon.engine.wire import EngineWire  # noqa: E402
-from daemon.fleet.remote import Remotes  # noqa: E402
-from daemon.fleet.usage import Usage  # noqa: E402
-from daemon.frontdoor.access import log_access  # noqa: E402
-from daemon.frontdoor.app import FrontDoor  # noqa: E402
-from daemon.frontdoor.hold import Hold  # noqa: E402
-from daemon.frontdoor.http11 import ClientGone, Request  # noqa: E402
-from daemon.frontdoor.metrics import Exchange  # noqa: E402
-from daemon.frontdoor.served import allow_loopback  # noqa: E402
-from daemon.frontdoor.server import ENGINE_TIMEOUT, serve_frontdoor, settle_gc  # noqa: E402
-from daemon.models.known import WELL_KNOWN  # noqa: E402
-from states import launch_records as LR  # noqa: E402
+from stoker.daemon.bundles.build import build_bundle  # noqa: E402
+from stoker.daemon.bundles.installed import install_bundle  # noqa: E402
+from stoker.daemon.config.model import Config  # noqa: E402
+from stoker.daemon.config.remote import is_loopback_host  # noqa: E402
+from stoker.daemon.core.http import loopback_client  # noqa: E402
+from stoker.daemon.core.paths import StokerPaths  # noqa: E402
+from stoker.daemon.engine.wire import EngineWire  # noqa: E402
+from stoker.daemon.fleet.remote import Remotes  # noqa: E402
+from stoker.daemon.fleet.usage import Usage  # noqa: E402
+from stoker.daemon.frontdoor.access import log_access  # noqa: E402
+from stoker.daemon.frontdoor.app import FrontDoor  # noqa: E402
+from stoker.daemon.frontdoor.hold import Hold  # noqa: E402
+from stoker.daemon.frontdoor.http11 import ClientGone, Request  # noqa: E402
+from stoker.daemon.frontdoor.metrics import Exchange  # noqa: E402
+from stoker.daemon.frontdoor.daemon_view import allow_loopback  # noqa: E402
+from stoker.daemon.frontdoor.server import ENGINE_TIMEOUT, serve_frontdoor, settle_gc  # noqa: E402
+from stoker.daemon.models.known import WELL_KNOWN  # noqa: E402
+from stoker.states.launch import records as LR  # noqa: E402
 from tests.bench.frontdoor import checked, prepare_model  # noqa: E402
 from tests.bench.rawchat import Conn, Stream, chat_body  # noqa: E402
 from tests.bench.report import machine, percentile, write_section  # noqa: E402

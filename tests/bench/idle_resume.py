@@ -46,9 +46,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from daemon.bundles.build import build_bundle  # noqa: E402
-from daemon.bundles.installed import install_bundle  # noqa: E402
-from daemon.core.paths import StokerPaths  # noqa: E402
+from stoker.daemon.bundles.build import build_bundle  # noqa: E402
+from stoker.daemon.bundles.installed import install_bundle  # noqa: E402
+from stoker.daemon.core.paths import StokerPaths  # noqa: E402
 from tests.bench.report import machine, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config  # noqa: E402
 from tests.integration.daemon_harness import free_port  # noqa: E402

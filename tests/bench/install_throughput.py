@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from daemon.core.download import download  # noqa: E402
+from stoker.daemon.core.download import download  # noqa: E402
 from tests.httpfault import FaultServer  # noqa: E402
 
 from tests.bench import report  # noqa: E402

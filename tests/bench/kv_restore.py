@@ -28,10 +28,10 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from daemon.bundles.build import build_bundle  # noqa: E402
-from daemon.bundles.installed import install_bundle  # noqa: E402
+from stoker.daemon.bundles.build import build_bundle  # noqa: E402
+from stoker.daemon.bundles.installed import install_bundle  # noqa: E402
 from tests.model_files import model_file  # noqa: E402
-from daemon.core.paths import StokerPaths  # noqa: E402
+from stoker.daemon.core.paths import StokerPaths  # noqa: E402
 from tests.bench.report import machine, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config  # noqa: E402
 
@@ -176,8 +176,8 @@ def decisions(d: DaemonProcess, rows: list[dict], backend: str) -> str:
     path chosen against the better of the two measured paths."""
     import sqlite3
 
-    from daemon.snapshots.figures import prefill_name, restore_name
-    from states.snapshot_policy import Figure, RestoreInputs, decide_restore, prefill_band, prefill_rate
+    from stoker.daemon.snapshots.figures import prefill_name, restore_name
+    from stoker.states.snapshots.policy import Figure, RestoreInputs, decide_restore, prefill_band, prefill_rate
 
     with sqlite3.connect(d.paths.db_file) as db:
         figures = {name: Figure(v, n) for name, v, n in db.execute("select name, value, samples from snapshot_figures")}
@@ -378,7 +378,7 @@ def main() -> int:
         'reads 128 KiB of the file besides the engine\'s own read (docs/snapshots.md, "What a restore checks").\n\n'
         + stoker_table(rows)
         + "\n\n### Restore or re-prefill\n\n"
-        "What Stoker's policy (states/snapshot_policy.py) chooses for each conversation with the figures the daemon "
+        "What Stoker's policy (states/snapshots/policy.py) chooses for each conversation with the figures the daemon "
         "measured during this run (its prefill figures from the engine's own `prompt eval time` lines, its restore "
         "figures from its restores, by page-cache residency), and the time of the chosen path (Stoker's restore + "
         "first token, or the cold prefill) against the better of the two measured paths.\n\n" + decision_table + "\n"

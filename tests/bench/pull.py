@@ -120,7 +120,7 @@ def run_pull(tree: Path, home: Path, endpoint: str, sha: str) -> dict[str, float
     first = done = None
     result: dict[str, Any] = {}
     with subprocess.Popen(
-        [sys.executable, "-m", "daemon", "pull", f"{REPO}:F16", "--json"],
+        [sys.executable, "-m", "stoker.daemon", "pull", f"{REPO}:F16", "--json"],
         cwd=tree,
         env=env,
         stdout=subprocess.PIPE,

@@ -32,11 +32,11 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from daemon.bundles.build import build_bundle  # noqa: E402
-from daemon.bundles.installed import install_bundle  # noqa: E402
-from daemon.bundles.tinymodel import write_tiny_model  # noqa: E402
-from daemon.core.paths import StokerPaths  # noqa: E402
-from daemon.workers.server import RPC_TOOL  # noqa: E402
+from stoker.daemon.bundles.build import build_bundle  # noqa: E402
+from stoker.daemon.bundles.installed import install_bundle  # noqa: E402
+from stoker.daemon.bundles.tinymodel import write_tiny_model  # noqa: E402
+from stoker.daemon.core.paths import StokerPaths  # noqa: E402
+from stoker.daemon.workers.server import RPC_TOOL  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 2
 

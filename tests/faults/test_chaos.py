@@ -18,7 +18,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
-from daemon.core.errors import StokerError
+from stoker.daemon.core.errors import StokerError
 from tests.faults.test_servers import assert_exactly_what_status_reports, server_pids
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.engine.chat import chat_once
+from stoker.daemon.engine.chat import chat_once
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 from tests.waits import wait_until
 
@@ -96,7 +96,7 @@ def small_disk(stoker_home):
 @pytest.fixture
 def disk_daemon(small_disk, stoker_home, cpu_bundle, model):
     """A daemon whose data directory is the small disk (installed there after it was mounted)."""
-    from daemon.bundles.installed import install_bundle
+    from stoker.daemon.bundles.installed import install_bundle
 
     d = DaemonProcess(stoker_home)
     install_bundle(cpu_bundle, d.paths)
@@ -138,7 +138,7 @@ def test_a_full_disk_leaves_the_daemon_serving_and_the_transitions_catch_up(disk
     assert_serves(st)
     # The CLI says it too.
     out = subprocess.run(
-        [sys.executable, "-m", "daemon", "status"], env=d.env, capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "stoker.daemon", "status"], env=d.env, capture_output=True, text=True, timeout=30
     ).stdout
     assert "store     store_write_failed: The state database" in out
     # History shows what happened while the disk was full (held in memory: no id yet).
@@ -231,9 +231,9 @@ def test_a_read_only_data_dir_is_refused_in_one_line(small_disk, stoker_home, tm
 
 
 def test_stoker_run_reports_the_daemons_own_reason(stoker_home):
-    from daemon.cli.run import start_daemon
-    from daemon.core.errors import StokerError
-    from daemon.core.paths import StokerPaths
+    from stoker.daemon.cli.run import start_daemon
+    from stoker.daemon.core.errors import StokerError
+    from stoker.daemon.core.paths import StokerPaths
 
     paths = StokerPaths.from_env()
     paths.data_dir.mkdir(parents=True)
@@ -284,7 +284,7 @@ def test_the_daemon_writes_its_own_log_file_privately(daemon):
 def test_the_daemon_log_is_rotated_and_quiet_on_a_full_disk(small_disk, capsys):
     import logging
 
-    from daemon.core.logfiles import DaemonLogHandler, LogRotation
+    from stoker.daemon.core.logfiles import DaemonLogHandler, LogRotation
 
     logs = small_disk / "logs"
     handler = DaemonLogHandler(logs / "daemon.log", LogRotation(max_bytes=65536, keep=2))

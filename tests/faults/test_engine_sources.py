@@ -13,7 +13,7 @@ import os
 import psutil
 import trio
 
-from daemon.install.sources import run_build
+from stoker.daemon.install.sources import run_build
 from tests.integration.test_engine_sources import FAKE_CMAKE, FAKE_MAIN
 from tests.waits import until
 

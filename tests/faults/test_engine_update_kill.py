@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from daemon.bundles.archive import unpack_bundle
-from daemon.bundles.installed import PREVIOUS, find_installed
-from daemon.core.errors import StokerError
-from daemon.core.machines import MachineRunner
-from daemon.install.update_steps import bundle_digest
-from states import engine_update as U
-from states import engine_update_records as R
-from store import open_store
+from stoker.daemon.bundles.archive import unpack_bundle
+from stoker.daemon.bundles.installed import PREVIOUS, find_installed
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.machines import MachineRunner
+from stoker.daemon.install.update_steps import bundle_digest
+from stoker.states.engine_update import table as U
+from stoker.states.engine_update import records as R
+from stoker.store import open_store
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 from tests.integration.engine_repack import repack
 from tests.waits import wait_until
@@ -158,8 +158,8 @@ def test_a_daemon_restarted_in_the_restart_step_leaves_a_model_the_user_stopped_
     """The update switched the slot and was restarting alpha and beta when the daemon died; meanwhile
     the user had stopped beta (`stoker down beta`). The resumed update restarts alpha on the new
     engine and leaves beta stopped (verdict `stopped`): it loads on the new engine when asked."""
-    from daemon.bundles.installed import promote
-    from daemon.bundles.tinymodel import write_tiny_model
+    from stoker.daemon.bundles.installed import promote
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
 
     beta_model = write_tiny_model(tmp_path / "beta" / "beta.gguf", seed=7)
     variant = installed_cpu_bundle.meta.variant

@@ -35,7 +35,7 @@ import attrs
 import httpx
 import pytest
 
-from daemon.bundles.tinymodel import write_tiny_model
+from stoker.daemon.bundles.tinymodel import write_tiny_model
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config
 from tests.integration.daemon_harness import free_port
 from tests.integration.test_frontdoor_client_leaves import busy_slots
@@ -343,7 +343,7 @@ def test_planned_restart(daemon, model):
         for _ in range(3):
             load.wait_answers(CLIENTS)
             done = subprocess.run(
-                [sys.executable, "-m", "daemon", "restart", "--json"],
+                [sys.executable, "-m", "stoker.daemon", "restart", "--json"],
                 env=daemon.env,
                 capture_output=True,
                 text=True,

@@ -23,14 +23,14 @@ import httpx
 import pytest
 import trio
 
-from daemon.bundles.installed import bundle_meta_of, find_installed, install_bundle
-from daemon.bundles.mirror import MANIFEST_PAYLOAD_TYPE, publish_mirror
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from daemon.core.signing import Envelope, SigningKey, generate_key, sign_envelope
-from daemon.install.manifest import load_manifest
-from daemon.install.service import InstallService
-from states import install as I
+from stoker.daemon.bundles.installed import bundle_meta_of, find_installed, install_bundle
+from stoker.daemon.bundles.mirror import MANIFEST_PAYLOAD_TYPE, publish_mirror
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.core.signing import Envelope, SigningKey, generate_key, sign_envelope
+from stoker.daemon.install.manifest import load_manifest
+from stoker.daemon.install.installer import InstallService
+from stoker.states.install import table as I
 from tests.bundlekit import make_bundle_zip
 from tests.httpfault import Fault, FaultServer
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
@@ -93,7 +93,7 @@ class Setup:
     mirror signed by the first listing a newer bundle."""
 
     def __init__(self, tmp: Path, server: FaultServer) -> None:
-        from store import open_store
+        from stoker.store import open_store
 
         self.paths = StokerPaths.from_env()
         self.paths.data_dir.mkdir(parents=True, exist_ok=True)
@@ -251,7 +251,7 @@ async def test_a_bundle_that_is_not_the_signed_bytes_is_refused(setup, case):
 
 def stoker(d: DaemonProcess, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "daemon", *args], env=d.env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "stoker.daemon", *args], env=d.env, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -392,6 +392,6 @@ def test_a_fresh_home_installs_its_engine_from_a_signed_mirror_and_serves(
 
 
 def _sha_file(path: Path) -> str:
-    from daemon.core.digests import sha256_file
+    from stoker.daemon.core.digests import sha256_file
 
     return sha256_file(path)

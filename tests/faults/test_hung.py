@@ -14,7 +14,7 @@ import threading
 import httpx
 import pytest
 
-from daemon.bundles.tinymodel import write_tiny_model
+from stoker.daemon.bundles.tinymodel import write_tiny_model
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 
 pytestmark = [pytest.mark.engine]

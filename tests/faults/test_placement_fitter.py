@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from daemon.engine.fit import FitFailed, project
+from stoker.daemon.engine.fit import FitFailed, project
 from tests.integration.test_several_models import models_of
 from tests.waits import wait_until
 

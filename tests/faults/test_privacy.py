@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.core.paths import StokerPaths
+from stoker.daemon.core.paths import StokerPaths
 from tests.integration.daemon_harness import tiny_config, write_config
 
 PRIVATE_TREES = ("logs", "snapshots")  # under the data dir, checked all the way down
@@ -98,7 +98,7 @@ def test_the_default_data_dir_is_private(tmp_path, monkeypatch, loose_umask):
 
 
 def test_the_state_database_is_created_private_and_an_open_one_tightened(tmp_path, loose_umask):
-    from store import open_store
+    from stoker.store import open_store
 
     path = tmp_path / "data" / "stoker.db"
     store = open_store(path)

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from daemon.core.errors import StokerError
-from daemon.core import download
-from daemon.core.part_sink import DownloadCancelled
-from daemon.models import fetch
-from daemon.models.hub import HubOptions
-from states.download_retry import RETRY_TABLE, DownloadFailure
-from states.pull import Piece
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core import download
+from stoker.daemon.core.part_sink import DownloadCancelled
+from stoker.daemon.models import fetch
+from stoker.daemon.models.hub import HubOptions
+from stoker.states.download_retry import RETRY_TABLE, DownloadFailure
+from stoker.states.pull.table import Piece
+from stoker.states.reasons import ReasonCode
 from tests.faults.test_pulls import _mount_small_disk
 from tests.httpfault import Fault, FaultServer
 

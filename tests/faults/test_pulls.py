@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import trio
 
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from daemon.models import hub as H
-from daemon.models.pull import PullOptions, PullService
-from states.reasons import ReasonCode
-from store import open_store
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.models import hub as H
+from stoker.daemon.models.pull import PullOptions, PullService
+from stoker.states.reasons import ReasonCode
+from stoker.store import open_store
 from tests.integration.model_sources import HF_REPO, FakeHub, HubRepo, sha256
 from tests.waits import wait_until
 
@@ -78,7 +78,7 @@ async def test_a_model_larger_than_the_free_disk_is_refused_before_a_byte_is_fet
 
 def stoker(env: dict[str, str], *args: str, **kw) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "daemon", *args],
+        [sys.executable, "-m", "stoker.daemon", *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -162,7 +162,7 @@ def test_a_daemon_killed_mid_pull_resumes_it_at_start_and_serves_the_model(daemo
 
         # The pulled tiny model, served by the real engine through its catalog path.
         done = subprocess.run(
-            [sys.executable, "-m", "daemon", "pull", f"{HF_REPO}:Q8_0", "--json"],
+            [sys.executable, "-m", "stoker.daemon", "pull", f"{HF_REPO}:Q8_0", "--json"],
             env=env,
             capture_output=True,
             text=True,

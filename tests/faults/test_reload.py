@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from daemon.engine.chat import chat_once
+from stoker.daemon.engine.chat import chat_once
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config
 
 pytestmark = [pytest.mark.engine]

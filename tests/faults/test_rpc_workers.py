@@ -80,7 +80,7 @@ def test_stoker_worker_restarts_its_server_and_a_new_one_adopts_it(tmp_path, cpu
         worker.start()
         assert worker.wait_serving(30, mark) == restarted
         history = subprocess.run(
-            [sys.executable, "-m", "daemon", "worker", "status", "--json"],
+            [sys.executable, "-m", "stoker.daemon", "worker", "status", "--json"],
             env=worker.env,
             capture_output=True,
             text=True,
@@ -95,7 +95,7 @@ def test_stoker_worker_restarts_its_server_and_a_new_one_adopts_it(tmp_path, cpu
 def test_a_lan_bind_is_refused_without_saying_the_rpc_is_unauthenticated(tmp_path, cpu_bundle):
     worker = WorkerProcess(tmp_path / "w", cpu_bundle)
     result = subprocess.run(
-        [sys.executable, "-m", "daemon", "worker", "run", "--host", "0.0.0.0"],
+        [sys.executable, "-m", "stoker.daemon", "worker", "run", "--host", "0.0.0.0"],
         env=worker.env,
         capture_output=True,
         text=True,

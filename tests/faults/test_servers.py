@@ -18,7 +18,7 @@ import psutil
 import trio
 import pytest
 
-from daemon.core.errors import StokerError
+from stoker.daemon.core.errors import StokerError
 from tests.integration.daemon_harness import DaemonProcess, servers_for
 
 pytestmark = [pytest.mark.engine]
@@ -213,10 +213,10 @@ def _launches(log_path) -> int:
 async def _supervisor_with_requests_while_spawning(installed_cpu_bundle, model, requests):
     """Run a Supervisor on the real engine; each time a spawn starts (PlanReady), make the
     next of `requests`; return (history, launches at the first `stopped`, launches at the end)."""
-    from daemon.config.model import load_config
-    from daemon.core.paths import StokerPaths
-    from states import launch_records as LR
-    from store import open_store
+    from stoker.daemon.config.model import load_config
+    from stoker.daemon.core.paths import StokerPaths
+    from stoker.states.launch import records as LR
+    from stoker.store import open_store
     from tests.integration.daemon_harness import tiny_config, write_config
 
     paths = StokerPaths.from_env()
@@ -242,8 +242,8 @@ async def _supervisor_with_requests_while_spawning(installed_cpu_bundle, model, 
 
 
 async def _run_requests(paths, store, config, planner, pending, stopped_at):
-    from daemon.launch.supervisor import Supervisor
-    from states import launch_records as LR
+    from stoker.daemon.launch.supervisor import Supervisor
+    from stoker.states.launch import records as LR
 
     async with trio.open_nursery() as nursery:
 
@@ -270,7 +270,7 @@ async def _fire(sup, event) -> None:
 
 
 async def test_a_down_while_spawning_stops_what_was_spawned_before_it_says_stopped(installed_cpu_bundle, model):
-    from states import launch_records as LR
+    from stoker.states.launch import records as LR
 
     history, at_stopped, at_end = await _supervisor_with_requests_while_spawning(
         installed_cpu_bundle, model, [LR.DownRequested()]
@@ -282,7 +282,7 @@ async def test_a_down_while_spawning_stops_what_was_spawned_before_it_says_stopp
 
 
 async def test_restarts_and_a_down_while_spawning_leave_no_server_and_no_wedge(installed_cpu_bundle, model):
-    from states import launch_records as LR
+    from stoker.states.launch import records as LR
 
     requests = [LR.RestartRequested(), LR.RestartRequested(), LR.DownRequested()]
     history, at_stopped, at_end = await _supervisor_with_requests_while_spawning(installed_cpu_bundle, model, requests)

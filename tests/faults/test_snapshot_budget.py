@@ -36,7 +36,7 @@ def _timeouts(daemon) -> list[dict]:
 
 
 def test_a_busy_slot_outlasts_the_stop_budget_and_the_lost_save_is_reported(daemon, tmp_path):
-    from daemon.bundles.tinymodel import write_tiny_model
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
 
     model = write_tiny_model(tmp_path / "long.gguf", n_ctx=16384)  # room for a long generation
     write_config(daemon.paths, tiny_config(model, snapshots={"stop_budget_s": BUDGET_S}, ctx_size=16384))

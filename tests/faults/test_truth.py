@@ -21,7 +21,7 @@ import psutil
 import pytest
 from rich.console import Console
 
-from daemon.cli.service import format_status
+from stoker.daemon.cli.lifecycle import format_status
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config
 from tests.integration.test_launch_plan import recorded_plans
 from tests.integration.test_third_party_backend import (  # noqa: F401  (plugin_site, daemons: fixtures)
@@ -34,7 +34,7 @@ from tests.integration.test_third_party_backend import (  # noqa: F401  (plugin_
     the_server,
     with_plugin,
 )
-from tui.widgets.backend_card import BackendCard
+from stoker.tui.widgets.backend_card import BackendCard
 
 DEVICE = "FakeGPU 9000:8192"
 

@@ -105,8 +105,8 @@ def st_vulkan(
 ) -> dict[str, Any]:
     """Build the Vulkan bundle here, verify it on the H200 through NVIDIA's Vulkan driver, then
     serve the tiny model with `prefer = "vulkan"`: tokens vs the CPU's, layers offloaded, NVML."""
-    from daemon.bundles.installed import install_bundle
-    from daemon.core.paths import StokerPaths
+    from stoker.daemon.bundles.installed import install_bundle
+    from stoker.daemon.core.paths import StokerPaths
 
     ev: dict[str, Any] = {}
     vk = vulkan_env(work, carry)
@@ -137,7 +137,11 @@ def st_vulkan(
         ev["offload_lines"] = grep(sc.server_log(), "offloaded", "Vulkan0", "using device")
         ev["nvml"] = nvml(status.get("pid"))
         ev["status_human"] = subprocess.run(
-            [sys.executable, "-m", "daemon", "status"], env=sc.daemon.env, cwd=ROOT, capture_output=True, text=True
+            [sys.executable, "-m", "stoker.daemon", "status"],
+            env=sc.daemon.env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
         ).stdout
     finally:
         sc.finish()

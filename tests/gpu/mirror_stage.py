@@ -74,7 +74,7 @@ def _publish(V: Any, mirror: Path, key: Path, zips: list[Path]) -> tuple[int, An
 def _decoy(work: Path, cuda_meta: Any) -> Path:
     """A small CUDA bundle of the same release built for Turing-Ampere: listed first, it must be
     passed over on a compute capability 9.0 GPU (picked, it would fail its smoke test)."""
-    from daemon.bundles.variants import CUDA_FAMILIES
+    from stoker.daemon.bundles.variants import CUDA_FAMILIES
     from tests.bundlekit import make_bundle_zip
 
     target = work / "decoy"
@@ -92,7 +92,7 @@ def _decoy(work: Path, cuda_meta: Any) -> Path:
 
 def _status_json(env: dict[str, str]) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, "-m", "daemon", "status", "--json"], env=env, cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "stoker.daemon", "status", "--json"], env=env, cwd=ROOT, capture_output=True, text=True
     )
     try:
         doc = json.loads(proc.stdout)
@@ -159,7 +159,7 @@ def st_mirror(homes: Any, cuda_zip: Path, cpu_zip: Path, model: Path) -> dict[st
         ev["nvml"] = V.nvml_process_vram(status.get("pid"))
         ev["status_json"] = _status_json(sc.daemon.env)
         ev["status_human"] = V.safe(
-            lambda: V.sh([sys.executable, "-m", "daemon", "status"], env=sc.daemon.env, cwd=ROOT).stdout
+            lambda: V.sh([sys.executable, "-m", "stoker.daemon", "status"], env=sc.daemon.env, cwd=ROOT).stdout
         )
         ev["first_run_status"] = {k: status.get(k) for k in ("state", "backend", "layers", "engine")}
 
@@ -343,8 +343,8 @@ def serve_and_time(
 
 
 def st_speed(homes: Any, cuda_zip: Path, cpu_zip: Path, vulkan_zip: Path | None, gib: float) -> dict[str, Any]:
-    from daemon.bundles.installed import install_bundle
-    from daemon.core.paths import StokerPaths
+    from stoker.daemon.bundles.installed import install_bundle
+    from stoker.daemon.core.paths import StokerPaths
     from tests.gpu import verify_gpu as V
     from tests.gpu.engines_stage import vulkan_env
 

@@ -26,9 +26,9 @@ CTX = 4096
 
 def whole_vram_mib(homes: Any, model: Path) -> float:
     """What every layer of `model` takes on the GPU at CTX, by the CUDA bundle's fitter."""
-    from daemon.engine.fit import project
-    from daemon.engine.process import ServerSpec, server_env
-    from daemon.fallback.memory import fitter_of
+    from stoker.daemon.engine.fit import project
+    from stoker.daemon.engine.process import ServerSpec, server_env
+    from stoker.daemon.fallback.memory import fitter_of
 
     tool = fitter_of(homes.cuda)
     assert tool is not None, "the CUDA bundle has no llama-fit-params"

@@ -45,9 +45,9 @@ def gpu_processes() -> list[dict[str, Any]]:
 
 
 def main(cuda_zip: Path, cpu_zip: Path, out_json: Path) -> int:
-    from daemon.bundles.installed import install_bundle
-    from daemon.bundles.tinymodel import write_tiny_model
-    from daemon.core.paths import StokerPaths
+    from stoker.daemon.bundles.installed import install_bundle
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
+    from stoker.daemon.core.paths import StokerPaths
     from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config
     from tests.integration.rpc_workers import WorkerProcess, complete, workers_config
 
@@ -85,7 +85,7 @@ def main(cuda_zip: Path, cpu_zip: Path, out_json: Path) -> int:
         ev["placement"] = status.get("workers")
         ev["gpu_processes"] = gpu_processes()
         ev["status_human"] = subprocess.run(
-            [sys.executable, "-m", "daemon", "status"], env=head.env, cwd=ROOT, capture_output=True, text=True
+            [sys.executable, "-m", "stoker.daemon", "status"], env=head.env, cwd=ROOT, capture_output=True, text=True
         ).stdout
         log = (head.paths.logs_dir / "llama-server.log").read_text(errors="replace")
         ev["rpc_lines"] = [

@@ -39,6 +39,9 @@ lines.append("[console_scripts]")
 lines += [f"{name} = {target}" for name, target in project.get("scripts", {}).items()]
 (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
 EOF
+# The packages by their installed names (stoker.daemon -> daemon/ ...), as an install has them.
+mkdir -p "$SITE/stoker"
+for d in daemon states store tui; do ln -sfn "$ROOT/$d" "$SITE/stoker/$d"; done
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 exec "$PY" tests/gpu/verify_gpu.py "$@"

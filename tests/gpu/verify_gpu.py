@@ -108,7 +108,7 @@ def sh(
 
 def stoker(*args: str, env: dict[str, str], timeout: float = 900) -> tuple[int, Any, str]:
     """`stoker ARGS --json` from this checkout: (exit code, the last JSON document, stderr)."""
-    proc = sh([sys.executable, "-m", "daemon", *args], env=env, timeout=timeout, cwd=ROOT)
+    proc = sh([sys.executable, "-m", "stoker.daemon", *args], env=env, timeout=timeout, cwd=ROOT)
     doc: Any = None
     try:
         doc = json.loads(proc.stdout)
@@ -316,7 +316,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         env = base_env(STOKER_CACHE_DIR=str(caches[kind]), STOKER_HOME=str(WORK / f"home-build-{kind}"), **extra)
         with open(WORK / f"build-{kind}.progress.log", "w") as progress:
             proc = subprocess.run(
-                [sys.executable, "-m", "daemon", *jobs[kind]],
+                [sys.executable, "-m", "stoker.daemon", *jobs[kind]],
                 env=env,
                 cwd=ROOT,
                 stdout=subprocess.PIPE,
@@ -412,8 +412,8 @@ class Homes:
     """Fresh STOKER_HOMEs with bundles copied in from one verified install each."""
 
     def __init__(self, cuda_zip: Path, cpu_zip: Path) -> None:
-        from daemon.bundles.installed import install_bundle
-        from daemon.core.paths import StokerPaths
+        from stoker.daemon.bundles.installed import install_bundle
+        from stoker.daemon.core.paths import StokerPaths
 
         self.template = WORK / "template-home"
         shutil.rmtree(self.template, ignore_errors=True)
@@ -423,7 +423,7 @@ class Homes:
         self.count = 0
 
     def fresh(self, name: str, *, cpu: bool = True, cuda: bool = False) -> Path:
-        from daemon.core.paths import StokerPaths
+        from stoker.daemon.core.paths import StokerPaths
 
         self.count += 1
         home = WORK / "homes" / f"{self.count:02d}-{name}"
@@ -449,7 +449,7 @@ def config_text(
 
 
 def manifest_for(path: Path, url: str, data_path: Path, meta: Any) -> Path:
-    from daemon.bundles.variants import host_platform
+    from stoker.daemon.bundles.variants import host_platform
 
     path.write_text(
         json.dumps(
@@ -599,7 +599,7 @@ def st_machine() -> dict[str, Any]:
 
 
 def st_bundle(cuda_zip: Path, cpu_zip: Path) -> dict[str, Any]:
-    from daemon.bundles.metadata import BundleMeta
+    from stoker.daemon.bundles.metadata import BundleMeta
 
     env = base_env(STOKER_HOME=str(WORK / "home-verify"))
     out: dict[str, Any] = {}
@@ -696,7 +696,7 @@ def st_first_run(homes: Homes, cuda_zip: Path, model: Path) -> dict[str, Any]:
             ev["telemetry"] = safe(lambda: stoker("telemetry", "--json", env=sc.daemon.env, timeout=60)[1])
             ev["probe"] = safe(lambda: stoker("probe", "--json", env=sc.daemon.env, timeout=60)[1])
             ev["status_human"] = safe(
-                lambda: sh([sys.executable, "-m", "daemon", "status"], env=sc.daemon.env, cwd=ROOT).stdout
+                lambda: sh([sys.executable, "-m", "stoker.daemon", "status"], env=sc.daemon.env, cwd=ROOT).stdout
             )
             reply = safe(completion, status, {"prompt": "Once upon a time", "n_predict": 8, "temperature": 0})
             ev["completion"] = {
@@ -803,8 +803,8 @@ def failure_case(
 
 
 def st_failures(homes: Homes, cuda_zip: Path, model: Path) -> dict[str, Any]:
-    from daemon.bundles.archive import pack_bundle, unpack_bundle
-    from daemon.core.paths import StokerPaths
+    from stoker.daemon.bundles.archive import pack_bundle, unpack_bundle
+    from stoker.daemon.core.paths import StokerPaths
     from tests.httpfault import Fault, FaultServer
 
     cases: dict[str, Any] = {}
@@ -1256,7 +1256,7 @@ def st_figures(homes: Homes, model: Path, runs: int) -> dict[str, Any]:
     import httpx
     import psutil
 
-    from daemon.control.client import ControlClient
+    from stoker.daemon.control.client import ControlClient
 
     out: dict[str, Any] = {"model": str(model), "runs": runs}
     prompt = "Write a short story about a lighthouse keeper who discovers a message in a bottle."
@@ -1557,8 +1557,8 @@ def stop_proc(proc: subprocess.Popen) -> None:
 def sampling_cost() -> dict[str, Any]:
     import pynvml
 
-    from daemon.backends.base import TelemetryRequest
-    from daemon.backends.cuda import CudaBackend
+    from stoker.daemon.backends.base import TelemetryRequest
+    from stoker.daemon.backends.cuda import CudaBackend
 
     out: dict[str, Any] = {}
     t = time.perf_counter()
@@ -1637,7 +1637,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         save_results()
         collect()
         return 1
-    from daemon.bundles.tinymodel import write_tiny_model
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
 
     tiny = write_tiny_model(WORK / "tiny.gguf")
     only = set(args.only or [])

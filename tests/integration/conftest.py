@@ -95,6 +95,6 @@ def tiny_bytes(tiny_model) -> bytes:
 def big_model(tmp_path_factory) -> Path:
     """A ~22 MB GGUF: more than huggingface_hub's 10 MiB download chunk, so a pull killed
     half-way has bytes on disk to resume from."""
-    from daemon.bundles.tinymodel import write_tiny_model
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("big") / "big.gguf", n_embd=512, n_head=4)

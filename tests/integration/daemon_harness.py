@@ -12,9 +12,9 @@ from typing import Any, Callable
 
 import psutil
 
-from daemon.control.client import ControlClient
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
+from stoker.daemon.control.client import ControlClient
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
 from tests.waits import wait_until
 
 
@@ -69,7 +69,7 @@ class DaemonProcess:
         self.paths.data_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.output, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon", "daemon", "--log-level", "debug"],
+            [sys.executable, "-m", "stoker.daemon", "daemon", "--log-level", "debug"],
             env=self.env,
             stdout=out,
             stderr=subprocess.STDOUT,

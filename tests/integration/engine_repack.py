@@ -12,9 +12,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from daemon.bundles.archive import pack_bundle, unpack_bundle
-from daemon.bundles.metadata import BUNDLE_JSON
-from daemon.bundles.smoke import SmokeSpec, run_smoke
+from stoker.daemon.bundles.archive import pack_bundle, unpack_bundle
+from stoker.daemon.bundles.metadata import BUNDLE_JSON
+from stoker.daemon.bundles.smoke import SmokeSpec, run_smoke
 
 # Dies (SIGABRT, as an engine's assert would) when launched to serve (the daemon always passes
 # --metrics), after passing --version, --list-devices and the smoke run, which never do.

@@ -9,8 +9,8 @@ import subprocess
 import sys
 import time
 
-from daemon.backends import Backend, Detection
-from states.reasons import ReasonCode as R
+from stoker.daemon.backends import Backend, Detection
+from stoker.states.reasons import ReasonCode as R
 
 
 class _TestBackend(Backend):

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import psutil
 
-from daemon.bundles.installed import install_bundle
-from daemon.core.paths import StokerPaths
+from stoker.daemon.bundles.installed import install_bundle
+from stoker.daemon.core.paths import StokerPaths
 from tests.integration.daemon_harness import free_port, write_config
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
@@ -43,7 +43,7 @@ class WorkerProcess:
     def start(self) -> "WorkerProcess":
         out = open(self.out, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon", "worker"],
+            [sys.executable, "-m", "stoker.daemon", "worker"],
             env=self.env,
             stdout=out,
             stderr=subprocess.STDOUT,

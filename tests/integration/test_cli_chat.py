@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.engine]
 
 def stoker(daemon: DaemonProcess, *args: str, stdin: str = "", env: dict | None = None, timeout: float = 120):
     return subprocess.run(
-        [sys.executable, "-m", "daemon", *args],
+        [sys.executable, "-m", "stoker.daemon", *args],
         env={**daemon.env, **(env or {})},
         input=stdin,
         capture_output=True,
@@ -136,7 +136,7 @@ def test_chat_on_a_terminal_is_a_conversation(daemon, model):
     daemon.wait_state("ready")
     parent, child = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "daemon", "chat", "--max-tokens", "4"],
+        [sys.executable, "-m", "stoker.daemon", "chat", "--max-tokens", "4"],
         env={**daemon.env, "TERM": "dumb"},
         stdin=child,
         stdout=child,

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from daemon.core.errors import StokerError
+from stoker.daemon.core.errors import StokerError
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config
 from tests.unit.test_control_methods import STATUS_KEYS
 
@@ -86,7 +86,7 @@ def test_stoker_shutdown_exits_0_when_it_worked(stoker_home, tmp_path, attempt):
         d.wait_for(lambda s: s["state"] in ("failed", "stopped"), 30, "the plan to fail")
         env = {**os.environ, "STOKER_HOME": str(stoker_home)}
         out = subprocess.run(
-            [sys.executable, "-m", "daemon", "shutdown"], env=env, capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "stoker.daemon", "shutdown"], env=env, capture_output=True, text=True, timeout=60
         )
         assert out.returncode == 0, out.stdout + out.stderr
         assert "daemon stopping" in out.stdout

@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from daemon.core.errors import StokerError
+from stoker.daemon.core.errors import StokerError
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 
 pytestmark = [pytest.mark.engine]

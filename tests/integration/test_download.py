@@ -16,11 +16,11 @@ import hypothesis.strategies as st
 import pytest
 import trio
 
-from daemon.core import part_sink
-from daemon.core.download import _connect, download
-from daemon.core.download_records import DownloadError, DownloadErrorKind, DownloadProgress
-from states.download_retry import RETRY_TABLE, RetryRule
-from states.reasons import ReasonCode
+from stoker.daemon.core import part_sink
+from stoker.daemon.core.download import _connect, download
+from stoker.daemon.core.download_records import DownloadError, DownloadErrorKind, DownloadProgress
+from stoker.states.download_retry import RETRY_TABLE, RetryRule
+from stoker.states.reasons import ReasonCode
 from tests.httpfault import Fault, FaultServer
 
 SIZE = 3 * 1024 * 1024 + 12345  # several batches and an odd tail

@@ -11,12 +11,12 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from daemon.bundles.build import build_bundle
-from daemon.bundles.installed import find_installed, install_bundle
-from daemon.bundles.smoke import generate
-from daemon.bundles.verify import verify_bundle
-from daemon.cli import cli
-from daemon.core.paths import StokerPaths
+from stoker.daemon.bundles.build import build_bundle
+from stoker.daemon.bundles.installed import find_installed, install_bundle
+from stoker.daemon.bundles.smoke import generate
+from stoker.daemon.bundles.verify import verify_bundle
+from stoker.daemon.cli import cli
+from stoker.daemon.core.paths import StokerPaths
 
 pytestmark = pytest.mark.engine
 
@@ -93,7 +93,7 @@ def test_install_twice_keeps_the_previous(cpu_bundle):
 
 def test_safe_variant_runs_quantized_kernels_on_this_cpu(installed_cpu_bundle, tmp_path):
     """Q8_0 matmuls are where -march=native faults on a CPU that lies about AMX; avx2 must not."""
-    from daemon.bundles.tinymodel import write_tiny_model
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
 
     model = write_tiny_model(tmp_path / "q8.gguf", weights="q8_0")
     assert len(generate(installed_cpu_bundle.server, model, "Once upon a time", 8, tmp_path / "run")) == 8

@@ -1,6 +1,6 @@
 """Where the engine comes from: a fresh home with no manifest finds its engine by itself.
 
-The install chain (states/install.py) tries a configured mirror, then the local build cache,
+The install chain (states/install/table.py) tries a configured mirror, then the local build cache,
 then a local build from the pinned source, and the install history says which one served.
 
 - cache present: the session's real CPU build (the `cpu_bundle` fixture), alone in a private
@@ -83,7 +83,7 @@ def settled_install(d: DaemonProcess, timeout: float) -> dict:
 
 def stoker_status(d: DaemonProcess) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "daemon", "status"], env=d.env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "stoker.daemon", "status"], env=d.env, capture_output=True, text=True, timeout=60
     )
     return out.stdout
 
@@ -207,7 +207,7 @@ def test_no_manifest_no_cache_no_toolchain_fails_cleanly_and_says_why(stoker_hom
 
 
 async def test_a_local_build_reports_its_progress_then_is_found_in_the_cache(tmp_path, monkeypatch, standin_tree):
-    from daemon.install.sources import run_build
+    from stoker.daemon.install.sources import run_build
 
     monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("STOKER_BUILD_SOURCE", standin_tree)

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from daemon.bundles.installed import bundle_meta_of
-from daemon.core.errors import StokerError
+from stoker.daemon.bundles.installed import bundle_meta_of
+from stoker.daemon.core.errors import StokerError
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 from tests.integration.engine_repack import CRASH_WHEN_SERVING, biased_generation, repack, smoke_tokens
 from tests.waits import wait_until
@@ -214,7 +214,7 @@ def test_a_good_update_sticks_and_rollback_by_hand_goes_back(serving, daemon, mo
     assert again == reference
 
     shown = subprocess.run(
-        [sys.executable, "-m", "daemon", "status"], env=daemon.env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "stoker.daemon", "status"], env=daemon.env, capture_output=True, text=True, timeout=60
     )
     assert f"version   {new_version} ({slot}; previous {old_version} kept)" in shown.stdout, shown.stdout
 
@@ -222,7 +222,7 @@ def test_a_good_update_sticks_and_rollback_by_hand_goes_back(serving, daemon, mo
     assert engine_call(daemon, "engine.update", bundle=str(good))["state"] == "current"
 
     done = subprocess.run(
-        [sys.executable, "-m", "daemon", "engine", "rollback"],
+        [sys.executable, "-m", "stoker.daemon", "engine", "rollback"],
         env=daemon.env,
         capture_output=True,
         text=True,

@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from daemon.bundles.variants import host_platform
-from daemon.core.errors import StokerError
+from stoker.daemon.bundles.variants import host_platform
+from stoker.daemon.core.errors import StokerError
 from tests.bundlekit import make_bundle_zip
 from tests.httpfault import Fault
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
@@ -28,7 +28,7 @@ GPUS = ("cuda", "rocm", "vulkan", "metal")
 
 def stoker(d: DaemonProcess, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "daemon", *args], env=d.env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "stoker.daemon", *args], env=d.env, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -198,8 +198,8 @@ def _big_bundle_zip(tmp_path, size: int):
 
     import attrs
 
-    from daemon.bundles.archive import pack_bundle
-    from daemon.bundles.metadata import BundleMeta, FileEntry
+    from stoker.daemon.bundles.archive import pack_bundle
+    from stoker.daemon.bundles.metadata import BundleMeta, FileEntry
     from tests.bundlekit import make_bundle_dir
 
     src = make_bundle_dir(tmp_path / "big.src", variant="compat", smoke_tokens=None)
@@ -259,8 +259,8 @@ def test_missing_cpu_bundle_is_installed_on_demand_then_served(stoker_home, tmp_
     """The install-then-retry path with a real engine: no bundle at all, a manifest with the
     real CPU bundle on the loopback server; the daemon installs it, re-checks and serves."""
     data = cpu_bundle.read_bytes()
-    from daemon.bundles.metadata import BundleMeta
-    from daemon.bundles.verify import verify_bundle  # noqa: F401  (the zip is the built one)
+    from stoker.daemon.bundles.metadata import BundleMeta
+    from stoker.daemon.bundles.verify import verify_bundle  # noqa: F401  (the zip is the built one)
     import zipfile
 
     with zipfile.ZipFile(cpu_bundle) as zf:

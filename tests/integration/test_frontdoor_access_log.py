@@ -26,7 +26,7 @@ PROMPT = "Tell me about the violet heron of Quaxmoor, codeword 5318008."
 
 def stoker(daemon, *args: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "daemon", *args], env=daemon.env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "stoker.daemon", *args], env=daemon.env, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
     return done.stdout

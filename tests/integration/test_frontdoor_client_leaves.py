@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from daemon.bundles.tinymodel import write_tiny_model
+from stoker.daemon.bundles.tinymodel import write_tiny_model
 from tests.integration.daemon_harness import servers_for, tiny_config, write_config
 from tests.waits import wait_until
 

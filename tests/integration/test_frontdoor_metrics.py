@@ -130,7 +130,7 @@ def test_metrics_count_requests_and_keep_history_across_a_daemon_restart(daemon,
 @pytest.fixture
 def other_model(tmp_path):
     """A second tiny model (other weights)."""
-    from daemon.bundles.tinymodel import write_tiny_model
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
 
     return write_tiny_model(tmp_path / "other" / "other.gguf", seed=7)
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from daemon.bundles.tinymodel import write_tiny_model
-from daemon.core.errors import StokerError
+from stoker.daemon.bundles.tinymodel import write_tiny_model
+from stoker.daemon.core.errors import StokerError
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 from tests.integration.daemon_harness import free_port
 
@@ -147,7 +147,7 @@ def test_an_idle_model_is_unloaded_and_its_conversation_comes_back_token_identic
     (saved,) = [s for s in daemon.call("snapshot.list", model="beta")["snapshots"] if s["cause"] == "idle"]
     assert saved["n_tokens"] >= len(first) + len(gen) - 1
     done = subprocess.run(
-        [sys.executable, "-m", "daemon", "status"], env=daemon.env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "stoker.daemon", "status"], env=daemon.env, capture_output=True, text=True, timeout=60
     )
     assert "unloaded (idle), 1 slots saved" in " ".join(done.stdout.split()), done.stdout
 
@@ -313,7 +313,7 @@ def test_two_sections_on_one_file_never_restore_each_others_conversation(daemon,
         assert models[name]["state"] == "stopped" and models[name]["down_cause"] == "idle", models[name]
         assert models[name]["slots_saved"] == 1, models[name]
     shown = subprocess.run(
-        [sys.executable, "-m", "daemon", "status"], env=daemon.env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "stoker.daemon", "status"], env=daemon.env, capture_output=True, text=True, timeout=60
     ).stdout
     lines = [" ".join(line.split()) for line in shown.splitlines()]
     for name in ("a", "b"):

@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import trio
 
-from daemon.bundles.archive import pack_bundle
-from daemon.bundles.installed import find_installed, install_bundle
-from daemon.bundles.variants import host_platform
-from daemon.core.errors import StokerError
-from daemon.install.service import PROGRESS_TOPIC, InstallService
-from daemon.core.paths import StokerPaths
-from states import install as I
-from states.install_sources import Source
+from stoker.daemon.bundles.archive import pack_bundle
+from stoker.daemon.bundles.installed import find_installed, install_bundle
+from stoker.daemon.bundles.variants import host_platform
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.install.installer import PROGRESS_TOPIC, InstallService
+from stoker.daemon.core.paths import StokerPaths
+from stoker.states.install import table as I
+from stoker.states.install.sources import Source
 from tests.bundlekit import make_bundle_dir, make_bundle_zip
 from tests.httpfault import Fault
 
@@ -42,7 +42,7 @@ class Setup:
         self.server = server
         self.paths = StokerPaths.from_env()
         self.paths.data_dir.mkdir(parents=True, exist_ok=True)
-        from store import open_store
+        from stoker.store import open_store
 
         self.store = open_store(self.paths.db_file)
         old = make_bundle_zip(tmp, "old.zip")
@@ -366,7 +366,7 @@ def test_the_cli_installs_a_local_bundle_through_the_running_daemon(stoker_home,
 
     def bundle_install(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "daemon", "bundle", "install", *args, "--json"],
+            [sys.executable, "-m", "stoker.daemon", "bundle", "install", *args, "--json"],
             env=d.env,
             capture_output=True,
             text=True,
@@ -389,7 +389,7 @@ def test_the_cli_installs_a_local_bundle_through_the_running_daemon(stoker_home,
         steps = [r["to_state"] for r in reversed(d.history(machine="install:cpu-avx2"))]
         assert steps.count("installed") == 3 and "validating" in steps
         relative = subprocess.run(
-            [sys.executable, "-m", "daemon", "bundle", "install", "first.zip", "--json"],
+            [sys.executable, "-m", "stoker.daemon", "bundle", "install", "first.zip", "--json"],
             env=d.env,
             cwd=tmp_path,
             capture_output=True,
@@ -447,9 +447,9 @@ def _rolled_back_on(store, slot_variant: str, rejected_zip: Path, old_json: byte
     """The slot's engine update machine as a real rollback leaves it: `rejected_zip` (from a
     manifest; or `named` to `stoker engine update --bundle`, known by its digest alone) switched
     in, its server died, the old engine put back."""
-    from daemon.core.machines import MachineRunner
-    from states import engine_update as U
-    from states import engine_update_records as R
+    from stoker.daemon.core.machines import MachineRunner
+    from stoker.states.engine_update import table as U
+    from stoker.states.engine_update import records as R
 
     with zipfile.ZipFile(rejected_zip) as zf:
         new_digest = _sha(zf.read("bundle.json"))
@@ -503,7 +503,7 @@ async def test_a_bundle_an_update_rolled_back_never_comes_back_through_install(s
 
 
 async def test_an_install_and_an_update_of_one_slot_never_write_it_at_once(setup):
-    from daemon.install.update import EngineUpdateService
+    from stoker.daemon.install.update import EngineUpdateService
 
     setup.publish(setup.server.add("/cpu.zip", setup.data))
     entered = trio.Event()
@@ -535,9 +535,9 @@ async def test_an_install_and_an_update_of_one_slot_never_write_it_at_once(setup
     assert setup.store.machine("engine_update:cpu-avx2") is None  # refused before its machine moved
     setup.assert_new_installed()
     # An update a killed daemon left mid-way holds the slot until it is resumed.
-    from daemon.core.machines import MachineRunner
-    from states import engine_update as U
-    from states import engine_update_records as R
+    from stoker.daemon.core.machines import MachineRunner
+    from stoker.states.engine_update import table as U
+    from stoker.states.engine_update import records as R
 
     MachineRunner(U.ENGINE_UPDATE, U.machine_id("cpu", "avx2"), setup.store).fire(R.UpdateRequested("cpu", "avx2"))
     err = await _install_fails(setup.service())
@@ -548,8 +548,8 @@ async def test_an_automatic_check_that_finds_nothing_writes_no_history(setup):
     """The automatic engine check runs every check_interval_s: a check that starts no update (the
     manifest offers what is installed; the manifest cannot be read) writes no history row, and status
     shows when it last ran and what it found."""
-    from daemon.config.engine import EngineConfig
-    from daemon.install.update import EngineUpdateService
+    from stoker.daemon.config.engine import EngineConfig
+    from stoker.daemon.install.update import EngineUpdateService
 
     setup.publish(setup.server.add("/cpu.zip", setup.data))  # the same version as the installed one
     updates = EngineUpdateService(setup.paths, setup.store, setup.service(), settings=lambda: EngineConfig())

@@ -14,10 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from daemon.engine.process import server_argv, server_env
-from daemon.launch.supervisor import server_spec
-from states.launch import LAUNCH
-from states.machine import event_from_json
+from stoker.daemon.engine.process import server_argv, server_env
+from stoker.daemon.launch.supervisor import server_spec
+from stoker.states.launch.table import LAUNCH
+from stoker.states.machine import event_from_json
 from tests.integration.daemon_harness import tiny_config, write_config
 
 pytestmark = [pytest.mark.engine]

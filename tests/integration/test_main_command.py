@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from daemon.control.client import ControlClient
-from daemon.core.paths import StokerPaths
+from stoker.daemon.control.client import ControlClient
+from stoker.daemon.core.paths import StokerPaths
 from tests.integration.daemon_harness import free_port, write_config
 from tests.integration.model_sources import FakeIndex, pip_env
 
@@ -122,7 +122,7 @@ def test_an_installed_wheel_runs_the_main_command_again_with_its_daemon_left_run
     stoker_home, installed_cpu_bundle, smol_index, installed_wheel, tmp_path
 ):
     where = subprocess.run(
-        [installed_wheel.parent / "python", "-c", "import daemon; print(daemon.__file__)"],
+        [installed_wheel.parent / "python", "-c", "import stoker.daemon; print(stoker.daemon.__file__)"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

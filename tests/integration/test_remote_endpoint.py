@@ -161,7 +161,7 @@ def test_a_remote_model_answers_streams_is_listed_and_shown_as_remote(daemon, mo
     assert "accelerated: unknown" in done
 
 
-STOKER = [sys.executable, "-m", "daemon"]
+STOKER = [sys.executable, "-m", "stoker.daemon"]
 
 
 def test_a_remote_model_added_by_a_config_reload_answers_without_a_restart(daemon, model, endpoint):

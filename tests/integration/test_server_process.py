@@ -14,12 +14,12 @@ import psutil
 import pytest
 import trio
 
-from daemon.core.errors import StokerError
-from daemon.engine.api import EngineClient
-from daemon.engine.identity import adopt, read_identity, stop_orphan, verify_identity, write_identity
-from daemon.engine.process import ServerSpec, start_server, stop_server
-from daemon.engine.ready import wait_ready
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.engine.api import EngineClient
+from stoker.daemon.engine.identity import adopt, read_identity, stop_orphan, verify_identity, write_identity
+from stoker.daemon.engine.process import ServerSpec, start_server, stop_server
+from stoker.daemon.engine.ready import wait_ready
+from stoker.states.reasons import ReasonCode
 from tests.waits import until
 
 pytestmark = pytest.mark.engine
@@ -203,7 +203,7 @@ async def test_a_rejected_command_line_is_server_bad_arguments(spec, tmp_path):
 
 _DAEMON = """
 import sys, trio
-from daemon.engine.process import ServerSpec, serve_server
+from stoker.daemon.engine.process import ServerSpec, serve_server
 spec = ServerSpec(server_path=sys.argv[1], model_path=sys.argv[2], ctx_size=512, parallel=1, threads=1)
 trio.run(lambda: serve_server(spec, log_path=sys.argv[3], identity_path=sys.argv[4]))
 """

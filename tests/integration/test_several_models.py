@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from daemon.bundles.tinymodel import write_tiny_model
+from stoker.daemon.bundles.tinymodel import write_tiny_model
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 from tests.integration.daemon_harness import free_port
 from tests.integration.test_frontdoor import sdk
@@ -110,7 +110,11 @@ def direct(daemon: DaemonProcess, name: str) -> str:
 
 def cli_status(daemon: DaemonProcess) -> dict:
     done = subprocess.run(
-        [sys.executable, "-m", "daemon", "status", "--json"], env=daemon.env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "stoker.daemon", "status", "--json"],
+        env=daemon.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout)

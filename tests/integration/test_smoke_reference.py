@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from daemon.bundles.archive import unpack_bundle
-from daemon.bundles.build import _record_smoke
-from daemon.bundles.installed import bundle_meta_of
-from daemon.bundles.smoke import SmokeSpec
+from stoker.daemon.bundles.archive import unpack_bundle
+from stoker.daemon.bundles.build import _record_smoke
+from stoker.daemon.bundles.installed import bundle_meta_of
+from stoker.daemon.bundles.smoke import SmokeSpec
 
 DIES_ON_ITS_GPU = """#!/bin/sh
 here=$(dirname "$0")

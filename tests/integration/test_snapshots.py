@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from daemon.core.errors import StokerError
+from stoker.daemon.core.errors import StokerError
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 from tests.waits import wait_until
 
@@ -219,7 +219,7 @@ def test_refused_after_ctx_parallel_and_model_change(daemon, model, tmp_path):
     assert st["snapshots"]["refused"] and st["snapshots"]["restored"] == []
     assert "n_slots" in _refused(daemon, "snapshot_layout_mismatch", id=snap["id"])["differs"]
     # Another model (same architecture and shapes, other weights): the engine would take it.
-    from daemon.bundles.tinymodel import write_tiny_model
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
 
     other = write_tiny_model(tmp_path / "other.gguf", seed=7)
     write_config(daemon.paths, tiny_config(other, snapshots=True))
@@ -285,7 +285,7 @@ def test_retention_and_rm(daemon, model):
     assert err.value.reason == "snapshot_not_found"
     # The CLI with --json.
     env = {**os.environ, "STOKER_HOME": str(daemon.home)}
-    stoker = [sys.executable, "-m", "daemon"]
+    stoker = [sys.executable, "-m", "stoker.daemon"]
     out = subprocess.run([*stoker, "snapshot", "list", "--json"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert '"snapshots"' in out.stdout
@@ -402,8 +402,8 @@ def test_first_ready_of_a_multi_gb_model_does_not_read_it_whole(daemon, tmp_path
     for 13.5 GiB on an H200). A real model padded to 3 GiB (a hole after its tensors; the engine
     loads with `-lm none`, so it reads its tensors and nothing else): after ready, the file is
     still almost entirely out of the page cache, so the daemon read a few MB of it at most."""
-    from daemon.bundles.tinymodel import write_tiny_model
-    from daemon.snapshots.files import resident_fraction
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
+    from stoker.daemon.snapshots.files import resident_fraction
 
     big = write_tiny_model(tmp_path / "padded.gguf", seed=3)
     with open(big, "r+b") as fh:
@@ -503,6 +503,8 @@ def test_retention_says_what_it_drops(daemon, model):
     log = daemon.output.read_text()
     assert "snapshot_dropped" in log and "too_big" in log
     env = {**os.environ, "STOKER_HOME": str(daemon.home)}
-    out = subprocess.run([sys.executable, "-m", "daemon", "snapshot", "list"], env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "stoker.daemon", "snapshot", "list"], env=env, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     assert f"snapshot {second['id']}: snapshot_dropped bytes" in out.stdout and "snapshot_dropped too_big" in out.stdout

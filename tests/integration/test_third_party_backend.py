@@ -30,12 +30,12 @@ import attrs
 import psutil
 import pytest
 
-from daemon.bundles.metadata import BUNDLE_JSON, BundleMeta, FileEntry
+from stoker.daemon.bundles.metadata import BUNDLE_JSON, BundleMeta, FileEntry
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
-from tui.app import StokerApp
-from tui.link import SocketLink
-from tui.screens.backend_choice import BackendChoiceScreen
-from tui.widgets.backend_card import BackendCard
+from stoker.tui.app import StokerApp
+from stoker.tui.link import SocketLink
+from stoker.tui.screens.backend_choice import BackendChoiceScreen
+from stoker.tui.widgets.backend_card import BackendCard
 
 PLUGIN_SOURCE = Path(__file__).resolve().parent / "fakegpu_plugin"
 DEVICE = "FakeGPU 9000:8192"
@@ -110,7 +110,7 @@ def relabel_cpu_bundle(cpu_root: Path, dest: Path, lost_flag: Path) -> BundleMet
 
 def stoker(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "daemon", *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "stoker.daemon", *args], env=env, capture_output=True, text=True, timeout=timeout
     )
 
 

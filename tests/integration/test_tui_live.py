@@ -24,13 +24,13 @@ import pytest
 from textual.widgets import TabbedContent
 
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
-from tui.app import StokerApp
-from tui.link import SocketLink
-from tui.screens.confirm import ConfirmScreen
-from tui.screens.not_running import NotRunningScreen
-from tui.widgets.backend_card import BackendCard
-from tui.widgets.history_view import HistoryView
-from tui.widgets.telemetry_panel import TelemetryPanel
+from stoker.tui.app import StokerApp
+from stoker.tui.link import SocketLink
+from stoker.tui.screens.confirm import ConfirmScreen
+from stoker.tui.screens.not_running import NotRunningScreen
+from stoker.tui.widgets.backend_card import BackendCard
+from stoker.tui.widgets.history_view import HistoryView
+from stoker.tui.widgets.telemetry_panel import TelemetryPanel
 from tests.waits import wait_until
 
 
@@ -202,7 +202,7 @@ def test_not_running_screen_then_reconnects_by_itself(stoker_home, tmp_path):
 @pytest.fixture
 def other_model(tmp_path):
     """A second tiny model (other weights), for two models at once."""
-    from daemon.bundles.tinymodel import write_tiny_model
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
 
     return write_tiny_model(tmp_path / "other" / "other.gguf", seed=7)
 
@@ -215,7 +215,7 @@ def test_the_models_view_follows_two_real_models(daemon, model, other_model):
     the History tab filtered to it."""
     from tests.integration.test_frontdoor import sdk
     from tests.integration.test_several_models import two_models, wait_model
-    from tui.widgets.models_view import ModelsView, estimate_line
+    from stoker.tui.widgets.models_view import ModelsView, estimate_line
 
     def states(view: ModelsView) -> dict[str, str]:
         return {m["name"]: m["state"] for m in view.models}
@@ -336,19 +336,23 @@ def test_telemetry_events_and_the_cli(daemon):
 
     env = {**os.environ, "STOKER_HOME": str(daemon.home)}
     out = subprocess.run(
-        [sys.executable, "-m", "daemon", "telemetry", "--json"], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "stoker.daemon", "telemetry", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["sample"]["backend"] == "cpu" and "history" in doc
     human = subprocess.run(
-        [sys.executable, "-m", "daemon", "telemetry"], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "stoker.daemon", "telemetry"], env=env, capture_output=True, text=True, timeout=60
     )
     assert human.returncode == 0 and "rss" in human.stdout and "tok/s" in human.stdout
 
     # --watch --json: one sample per line, a new one about every 5 s.
     watch = subprocess.Popen(
-        [sys.executable, "-m", "daemon", "telemetry", "--watch", "--json"],
+        [sys.executable, "-m", "stoker.daemon", "telemetry", "--watch", "--json"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -369,7 +373,11 @@ def test_telemetry_events_and_the_cli(daemon):
 def test_telemetry_cli_without_a_daemon_exits_3(stoker_home):
     env = {**os.environ, "STOKER_HOME": str(stoker_home)}
     out = subprocess.run(
-        [sys.executable, "-m", "daemon", "telemetry", "--json"], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "stoker.daemon", "telemetry", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 3
     assert json.loads(out.stdout)["error"]["reason"] == "daemon_not_running"

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from daemon.core.errors import StokerError
-from states.reasons import ReasonCode
-from tui.app import StokerApp
+from stoker.daemon.core.errors import StokerError
+from stoker.states.reasons import ReasonCode
+from stoker.tui.app import StokerApp
 
 # --- recorded daemon answers ------------------------------------------------------------
 
@@ -686,7 +686,7 @@ def test_daemon_not_running(snap_compare):
 def test_a_restore_across_backends_shows_the_daemons_note():
     """A restore that crossed backends (a CUDA snapshot on a CPU server) shows the daemon's note
     in the toast, not only 'restored'."""
-    from tui.widgets.snapshots_view import SnapshotsView
+    from stoker.tui.widgets.snapshots_view import SnapshotsView
 
     note = "saved on cuda, restored on cpu: the conversation resumes without re-processing, but ..."
     link = cpu_link(
@@ -782,7 +782,7 @@ def test_u_d_r_on_the_models_tab_act_on_the_highlighted_model():
 
 
 def test_pull_progress_follows_the_events_and_leaves_when_the_pull_ends():
-    from tui.widgets.pull_progress import PullProgress
+    from stoker.tui.widgets.pull_progress import PullProgress
 
     status = status_models()
     # As the daemon says it: both under way, smollm2 before its first progress event.
@@ -808,7 +808,7 @@ def test_pull_progress_follows_the_events_and_leaves_when_the_pull_ends():
         await pilot.pause(0.2)
         return [*seen, dict(panel.pulls), panel.display]
 
-    from tui.messages import DaemonEvent
+    from stoker.tui.messages import DaemonEvent
 
     before, shown, after, still = run_app(link, scenario)
     assert before["qwen2.5-7b"]["bytes_done"] == 3_221_225_472  # the event's figures, newer than the status'

@@ -9,14 +9,14 @@ import stat
 import subprocess
 import sys
 
-from store import open_store
+from stoker.store import open_store
 from tests.integration.daemon_harness import tiny_config, write_config
-from store.keys import KeyStore
+from stoker.store.keys import KeyStore
 
 
 def stoker(daemon, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "daemon", *args], env=daemon.env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "stoker.daemon", *args], env=daemon.env, capture_output=True, text=True, timeout=60
     )
 
 

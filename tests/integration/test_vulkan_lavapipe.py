@@ -24,13 +24,13 @@ import httpx
 import psutil
 import pytest
 
-from daemon.backends.vulkan import ALLOW_SOFTWARE, VISIBLE_DEVICES, VulkanBackend
-from daemon.bundles.metadata import BundleMeta
-from daemon.bundles.variants import host_platform, vulkan_toolkit
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from states.launch import LAUNCH
-from states.machine import event_from_json
+from stoker.daemon.backends.vulkan import ALLOW_SOFTWARE, VISIBLE_DEVICES, VulkanBackend
+from stoker.daemon.bundles.metadata import BundleMeta
+from stoker.daemon.bundles.variants import host_platform, vulkan_toolkit
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.states.launch.table import LAUNCH
+from stoker.states.machine import event_from_json
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 
 OPT_IN = {ALLOW_SOFTWARE: "1"}
@@ -63,7 +63,7 @@ def vulkan_bundle() -> Path:
     """The Vulkan bundle zip, built by Stoker's builder or reused from the build cache (a cold
     build is ~the CPU build plus the shaders: see docs/bundles.md for the figure)."""
     _lavapipe_or_skip()
-    from daemon.bundles.build import build_bundle
+    from stoker.daemon.bundles.build import build_bundle
 
     result = build_bundle(
         StokerPaths.from_env(),
@@ -80,8 +80,8 @@ def _meta(zip_path: Path) -> BundleMeta:
 
 @pytest.mark.engine
 def test_lavapipe_runs_the_vulkan_engine_and_its_tokens_equal_the_cpus(vulkan_bundle, cpu_bundle, monkeypatch):
-    from daemon.bundles.installed import install_bundle
-    from daemon.bundles.verify import verify_bundle
+    from stoker.daemon.bundles.installed import install_bundle
+    from stoker.daemon.bundles.verify import verify_bundle
 
     meta, cpu = _meta(vulkan_bundle), _meta(cpu_bundle)
     assert meta.backend == "vulkan" and "libvulkan.so.1" in meta.required_system_libs

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 import backend_recordings as rec
-from daemon.backends.base import LaunchRequest
-from daemon.backends.cpu import CpuBackend, parse_cpuinfo, parse_meminfo
-from daemon.backends.cpu_features import SIGILL, USABLE, X86_TESTS
-from daemon.backends.tools import recorded_runner
-from states.reasons import ReasonCode as R
+from stoker.daemon.backends.base import LaunchRequest
+from stoker.daemon.backends.cpu import CpuBackend, parse_cpuinfo, parse_meminfo
+from stoker.daemon.backends.cpu_features import SIGILL, USABLE, X86_TESTS
+from stoker.daemon.backends.tools import recorded_runner
+from stoker.states.reasons import ReasonCode as R
 
 VARIANTS = ["native", "avx2", "compat"]
 
@@ -180,7 +180,7 @@ def test_native_amx_bundle_built_by_gcc_12_is_refused(tmp_path):
 
 
 def test_gcc_major():
-    from daemon.backends.cpu import gcc_major
+    from stoker.daemon.backends.cpu import gcc_major
 
     assert gcc_major("c++ (Debian 12.2.0-14+deb12u1) 12.2.0") == 12
     assert gcc_major("g++ (GCC) 14.2.1 20240912 (Red Hat 14.2.1-3)") == 14

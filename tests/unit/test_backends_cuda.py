@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 
 import backend_recordings as rec
-from daemon.backends import Detection, TelemetryRequest
-from daemon.backends.base import LaunchRequest
-from daemon.backends.cuda import SMI_QUERY, SMI_QUERY_NO_CC, CudaBackend, parse_smi_csv
-from daemon.backends.cuda_arch import CudaArch, cc_supported, parse_cc, split_archs
-from daemon.backends.tools import ToolResult, recorded_runner
-from states.reasons import ReasonCode as R
+from stoker.daemon.backends import Detection, TelemetryRequest
+from stoker.daemon.backends.base import LaunchRequest
+from stoker.daemon.backends.cuda import SMI_QUERY, SMI_QUERY_NO_CC, CudaBackend, parse_smi_csv
+from stoker.daemon.backends.cuda_arch import CudaArch, cc_supported, parse_cc, split_archs
+from stoker.daemon.backends.tools import ToolResult, recorded_runner
+from stoker.states.reasons import ReasonCode as R
 
 
 def cuda(nvml=None, answers=None, sysfs=None, tmp_path=None):

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from daemon.backends import Detection, Device
-from daemon.probes.report import format_detection, format_probe, verdict
-from states.reasons import ReasonCode as R, message_for
+from stoker.daemon.backends import Detection, Device
+from stoker.daemon.probes.report import format_detection, format_probe, verdict
+from stoker.states.reasons import ReasonCode as R, message_for
 
 H200 = Device(0, "NVIDIA H200", 143771, 143150, "9.0", "580.95.05", "13.0", "discrete")
 

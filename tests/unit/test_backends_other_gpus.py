@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import backend_recordings as rec
-from daemon.backends import Detection
-from daemon.backends.metal import MetalBackend
-from daemon.backends.rocm import RocmBackend
-from daemon.backends.tools import ToolResult, recorded_runner
-from daemon.backends.vulkan import VulkanBackend
-from states.reasons import ReasonCode as R
+from stoker.daemon.backends import Detection
+from stoker.daemon.backends.metal import MetalBackend
+from stoker.daemon.backends.rocm import RocmBackend
+from stoker.daemon.backends.tools import ToolResult, recorded_runner
+from stoker.daemon.backends.vulkan import VulkanBackend
+from stoker.states.reasons import ReasonCode as R
 
 
 def roundtrip(d: Detection) -> Detection:

@@ -13,17 +13,17 @@ from importlib import metadata
 
 import pytest
 
-from daemon.backends import Backend, Detection, Device, discover_backends, load_backends
-from daemon.backends.base import ReasonKind as K
-from daemon.backends.registry import family_reason, registered_names, try_order
-from daemon.control import error_codes
-from daemon.core.errors import StokerError
-from states import fallback as F
-from daemon.core.machines import MachineRunner
-from states.machine import data_from_json, data_to_json, event_from_json
-from states.reasons import ReasonCode as R
-from states.reasons import message_for, plugin_reasons, register_reasons, stored_reason
-from store import open_store
+from stoker.daemon.backends import Backend, Detection, Device, discover_backends, load_backends
+from stoker.daemon.backends.base import ReasonKind as K
+from stoker.daemon.backends.registry import family_reason, registered_names, try_order
+from stoker.daemon.control import error_codes
+from stoker.daemon.core.errors import StokerError
+from stoker.states.fallback import table as F
+from stoker.daemon.core.machines import MachineRunner
+from stoker.states.machine import data_from_json, data_to_json, event_from_json
+from stoker.states.reasons import ReasonCode as R
+from stoker.states.reasons import message_for, plugin_reasons, register_reasons, stored_reason
+from stoker.store import open_store
 
 GROUP = "stoker.backends"
 

@@ -8,9 +8,9 @@ from importlib import metadata
 
 import pytest
 
-from daemon.backends import BUILTIN, Backend, Detection, Device, discover_backends, load_backend, load_backends
-from daemon.backends.registry import load_target
-from states.reasons import ReasonCode as R
+from stoker.daemon.backends import BUILTIN, Backend, Detection, Device, discover_backends, load_backend, load_backends
+from stoker.daemon.backends.registry import load_target
+from stoker.states.reasons import ReasonCode as R
 
 GROUP = "stoker.backends"
 
@@ -54,12 +54,12 @@ def test_the_five_builtins_are_registered():
 
 def test_a_broken_plugin_is_recorded_and_the_rest_load():
     points = [
-        ep("cpu", "daemon.backends.cpu:CpuBackend"),
+        ep("cpu", "stoker.daemon.backends.cpu:CpuBackend"),
         ep("rpc", "test_backends_registry:RpcBackend"),
         ep("missing", "no_such_module_for_stoker:Backend"),
         ep("exploding", "test_backends_registry:ExplodingBackend"),
         ep("notabackend", "builtins:object"),
-        ep("gpu", "daemon.backends.cuda:CudaBackend"),  # calls itself "cuda"
+        ep("gpu", "stoker.daemon.backends.cuda:CudaBackend"),  # calls itself "cuda"
     ]
     registry = discover_backends(points)
     assert sorted(registry.backends) == ["cpu", "rpc"]
@@ -104,7 +104,7 @@ def test_builtin_targets_are_the_entry_points():
     else:  # pragma: no cover
         import tomli as tomllib
 
-    from daemon.backends.registry import BUILTIN, BUILTIN_TARGETS
+    from stoker.daemon.backends.registry import BUILTIN, BUILTIN_TARGETS
 
     project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
     assert BUILTIN_TARGETS == project["entry-points"]["stoker.backends"]

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 
 from bundlekit import engine_script, make_bundle_dir
-from daemon.backends import load_backends
-from daemon.bundles.verify import verify_dir
-from daemon.core.errors import StokerError
-from states.reasons import ReasonCode
+from stoker.daemon.backends import load_backends
+from stoker.daemon.bundles.verify import verify_dir
+from stoker.daemon.core.errors import StokerError
+from stoker.states.reasons import ReasonCode
 
 LINES = {
     "cpu": "  (none)",

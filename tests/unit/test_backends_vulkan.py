@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.backends.base import LaunchRequest
-from daemon.backends.tools import ToolResult, recorded_runner
-from daemon.backends.vulkan import ALLOW_SOFTWARE, VISIBLE_DEVICES, VulkanBackend
-from daemon.bundles import variants
-from daemon.bundles.variants import BuildPlan, Toolchain
-from daemon.core.errors import StokerError
-from daemon.fallback.proof import read_proof
-from states.fallback_proof import acceleration_verdict, proof_evidence
-from states.reasons import ReasonCode as R
+from stoker.daemon.backends.base import LaunchRequest
+from stoker.daemon.backends.tools import ToolResult, recorded_runner
+from stoker.daemon.backends.vulkan import ALLOW_SOFTWARE, VISIBLE_DEVICES, VulkanBackend
+from stoker.daemon.bundles import variants
+from stoker.daemon.bundles.variants import BuildPlan, Toolchain
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.fallback.proof import read_proof
+from stoker.states.fallback.proof import acceleration_verdict, proof_evidence
+from stoker.states.reasons import ReasonCode as R
 from tests.unit import backend_recordings as rec
 
 OPT_IN = {ALLOW_SOFTWARE: "1"}
@@ -162,7 +162,7 @@ def test_headers_too_old_for_the_engine_are_named_and_newer_ones_are_given_to_cm
 async def test_the_engines_device_line_keeps_a_description_with_parentheses(tmp_path):
     """llama-server prints `using device NAME (DESC) (ID) - N MiB free`; llvmpipe's DESC has its
     own parentheses, and the proof's message quotes what is kept."""
-    from daemon.engine.ready import ServerLog
+    from stoker.daemon.engine.ready import ServerLog
 
     path = tmp_path / "server.log"
     path.write_text(

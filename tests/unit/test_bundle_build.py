@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from bundlekit import engine_script
-from daemon.bundles.build import build_bundle, cached_builds, collect_outputs
-from daemon.bundles.source import SourceSpec
-from daemon.bundles.variants import BuildPlan, Toolchain
-from daemon.bundles.verify import verify_bundle
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from states.reasons import ReasonCode
+from stoker.daemon.bundles.build import build_bundle, cached_builds, collect_outputs
+from stoker.daemon.bundles.source import SourceSpec
+from stoker.daemon.bundles.variants import BuildPlan, Toolchain
+from stoker.daemon.bundles.verify import verify_bundle
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.states.reasons import ReasonCode
 
 FAKE_CMAKE = """#!/bin/sh
 echo "$@" >> "$FAKE_CMAKE_LOG"

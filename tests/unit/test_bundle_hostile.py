@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from bundlekit import add_raw_entry, engine_script, make_bundle_dir, make_bundle_zip, tree_snapshot
-from daemon.bundles.archive import ArchiveLimits, unpack_bundle
-from daemon.bundles.installed import find_installed, install_bundle, list_installed
-from daemon.bundles.verify import verify_bundle
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from states.reasons import ReasonCode
+from stoker.daemon.bundles.archive import ArchiveLimits, unpack_bundle
+from stoker.daemon.bundles.installed import find_installed, install_bundle, list_installed
+from stoker.daemon.bundles.verify import verify_bundle
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.states.reasons import ReasonCode
 
 
 @pytest.fixture
@@ -146,7 +146,7 @@ def test_a_file_replaced_with_a_consistent_zip_crc(tmp_path, paths):
     src = make_bundle_dir(tmp_path / "dir")
     (src / "bin" / "libggml-fake.so").write_bytes(b"tampered")
     os.chmod(src / "bin" / "libggml-fake.so", 0o644)
-    from daemon.bundles.archive import pack_bundle
+    from stoker.daemon.bundles.archive import pack_bundle
 
     zip_path = pack_bundle(src, tmp_path / "tampered.zip")
     refused(ReasonCode.BUNDLE_DIGEST_MISMATCH, install_bundle, zip_path, paths)
@@ -181,7 +181,7 @@ def test_build_stamp_that_disagrees_with_metadata(tmp_path):
 def test_missing_binary(tmp_path, paths):
     src = make_bundle_dir(tmp_path / "dir")
     (src / "bin" / "llama-server").unlink()
-    from daemon.bundles.archive import pack_bundle
+    from stoker.daemon.bundles.archive import pack_bundle
 
     zip_path = pack_bundle(src, tmp_path / "nobinary.zip")
     err = refused(ReasonCode.BUNDLE_VERIFY_FAILED, install_bundle, zip_path, paths)
@@ -272,7 +272,7 @@ def test_a_slot_lost_between_renames_falls_back_to_previous(tmp_path, paths):
 
 
 def test_find_installed_prefers_a_safe_variant_and_never_native(tmp_path, paths, monkeypatch):
-    from daemon.bundles import installed
+    from stoker.daemon.bundles import installed
 
     install_bundle(make_bundle_zip(tmp_path, "n.zip", variant="native", cpu_requires=("native",)), paths)
     monkeypatch.setattr(installed, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "bmi2", "avx", "sse4_2"}))

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from daemon.bundles.metadata import BundleManifest, BundleMeta, ManifestEntry
-from daemon.core.errors import StokerError
-from states.reasons import ReasonCode
+from stoker.daemon.bundles.metadata import BundleManifest, BundleMeta, ManifestEntry
+from stoker.daemon.core.errors import StokerError
+from stoker.states.reasons import ReasonCode
 
 SHA = "a" * 64
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.bundles import variants
-from daemon.bundles.build import cache_key
-from daemon.bundles.smoke import SmokeSpec
-from daemon.bundles.source import DEFAULT_SHA256, SourceSpec
-from daemon.bundles.variants import BuildPlan, Toolchain
-from daemon.core.errors import StokerError
-from states.reasons import ReasonCode
+from stoker.daemon.bundles import variants
+from stoker.daemon.bundles.build import cache_key
+from stoker.daemon.bundles.smoke import SmokeSpec
+from stoker.daemon.bundles.source import DEFAULT_SHA256, SourceSpec
+from stoker.daemon.bundles.variants import BuildPlan, Toolchain
+from stoker.daemon.core.errors import StokerError
+from stoker.states.reasons import ReasonCode
 
 GCC = Toolchain("c++ (Debian 12.2.0) 12.2.0", "cmake version 3.25.1", "Ninja")
 NVCC = Toolchain("c++ (Debian 12.2.0) 12.2.0", "cmake version 3.25.1", "Ninja", "cuda 13.0", 13, "/opt/cuda/bin/nvcc")

@@ -12,11 +12,11 @@ import os
 import pytest
 
 from bundlekit import make_bundle_dir, make_bundle_zip
-from daemon.bundles import installed
-from daemon.bundles.installed import PREVIOUS, install_bundle, promote
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from states.reasons import ReasonCode
+from stoker.daemon.bundles import installed
+from stoker.daemon.bundles.installed import PREVIOUS, install_bundle, promote
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.states.reasons import ReasonCode
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.core.chunked import Dechunker, MalformedChunk, chunk_size
+from stoker.daemon.core.chunked import Dechunker, MalformedChunk, chunk_size
 
 # Each malformed the way a lenient parser lets through: a sign, a prefix, an underscore, blanks,
 # nothing, digits that are not ASCII (Arabic-Indic five, fullwidth five), 20 digits.

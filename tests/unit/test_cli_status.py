@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from daemon.cli.service import format_status
+from stoker.daemon.cli.lifecycle import format_status
 
 
 def plain(text: str) -> str:
@@ -196,9 +196,9 @@ def test_pulls_under_way_are_listed_with_their_progress():
 
 
 def test_the_catalog_says_which_configured_models_serve_each_entry():
-    from daemon.cli.models import format_catalog
-    from daemon.control.replies import ModelList
-    from states.convert import structure
+    from stoker.daemon.cli.models import format_catalog
+    from stoker.daemon.control.replies import ModelList
+    from stoker.states.convert import structure
 
     row = {
         **dict.fromkeys(("origin", "revision", "architecture", "parameters", "quantization", "context_length")),

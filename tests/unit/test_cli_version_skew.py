@@ -18,9 +18,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from daemon.control import protocol
-from daemon.core.paths import StokerPaths
-from daemon.core.pidlock import acquire_lock
+from stoker.daemon.control import protocol
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.core.pidlock import acquire_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI_TIMEOUT_S = 60
@@ -137,7 +137,7 @@ def fake_daemon() -> Iterator[dict[str, Any]]:
 
 def stoker(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "daemon", *args], cwd=ROOT, capture_output=True, text=True, timeout=CLI_TIMEOUT_S
+        [sys.executable, "-m", "stoker.daemon", *args], cwd=ROOT, capture_output=True, text=True, timeout=CLI_TIMEOUT_S
     )
 
 

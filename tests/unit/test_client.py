@@ -12,11 +12,11 @@ import pytest
 import trio
 import trio.testing
 
-from daemon.control import server as control
-from daemon.control.client import ControlClient
-from daemon.core.errors import StokerError
-from daemon.core.events import DROPPED_TOPIC, EventBus
-from states.reasons import ReasonCode
+from stoker.daemon.control import server as control
+from stoker.daemon.control.client import ControlClient
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.events import DROPPED_TOPIC, EventBus
+from stoker.states.reasons import ReasonCode
 from tests.waits import until
 
 TIMEOUT = 15
@@ -206,7 +206,7 @@ async def test_subscribe_ends_with_the_dropped_notice(sock_path, nursery):
 async def test_a_client_of_another_version_reads_what_it_knows_and_names_what_is_missing(sock_path, nursery):
     """A daemon newer than the CLI sends fields the CLI does not know: they are ignored. One
     older than the CLI lacks a field the CLI needs: daemon_version_skew, naming it and the method."""
-    from daemon.control.replies import ModelList
+    from stoker.daemon.control.replies import ModelList
 
     row = {
         "name": "smollm2-135m-instruct",

@@ -11,11 +11,11 @@ import pytest
 import trio
 from click.testing import CliRunner
 
-from daemon.cli import cli
-from daemon.config.model import Config, ConfigError, config_diff, load_config, needs_relaunch, parse_config
-from daemon.config.watch import watch_config
-from daemon.core.errors import StokerError
-from states.reasons import ReasonCode
+from stoker.daemon.cli import cli
+from stoker.daemon.config.model import Config, ConfigError, config_diff, load_config, needs_relaunch, parse_config
+from stoker.daemon.config.watch import watch_config
+from stoker.daemon.core.errors import StokerError
+from stoker.states.reasons import ReasonCode
 from tests.waits import until
 
 
@@ -285,7 +285,7 @@ class Recorder:
 def reads(monkeypatch) -> list[Path]:
     """Each read of the file by the watcher: a test waits for the read an edit caused before it
     says that the edit was ignored."""
-    import daemon.config.watch as watch
+    import stoker.daemon.config.watch as watch
 
     seen: list[Path] = []
 
@@ -478,7 +478,7 @@ def test_bundles_manifest_accepts_paths_and_safe_urls_only():
 
 
 def test_logs_are_capped_by_default_and_the_cap_is_configurable(tmp_path):
-    from daemon.core.logfiles import LogRotation
+    from stoker.daemon.core.logfiles import LogRotation
 
     assert Config().logs.rotation == LogRotation(10 * 2**20, 3)
     path = tmp_path / "config.toml"
@@ -494,9 +494,9 @@ def test_logs_are_capped_by_default_and_the_cap_is_configurable(tmp_path):
 
 
 def test_the_config_machine_refuses_a_relaunch_onto_a_model_that_cannot_load():
-    from states import config as C
-    from states.machine import step
-    from states.reasons import ReasonCode
+    from stoker.states.config import table as C
+    from stoker.states.machine import step
+    from stoker.states.reasons import ReasonCode
 
     bad = C.ConfigAccepted(("server.model",), True, ReasonCode.MODEL_LOAD_FAILED, "/m.gguf is not a GGUF file")
     result = step(C.CONFIG, C.ConfigState.VALID, C.ConfigData(), bad)
@@ -510,10 +510,10 @@ def test_the_config_machine_refuses_a_relaunch_onto_a_model_that_cannot_load():
 
 
 def test_the_model_check_says_what_is_wrong_with_the_file(tmp_path, tiny_model):
-    from daemon.core.paths import StokerPaths
-    from daemon.models.check import model_problem
-    from store import open_store
-    from store.catalog import ModelCatalog
+    from stoker.daemon.core.paths import StokerPaths
+    from stoker.daemon.models.check import model_problem
+    from stoker.store import open_store
+    from stoker.store.catalog import ModelCatalog
 
     paths = StokerPaths.from_env()
     paths.make_private()
@@ -566,7 +566,7 @@ async def test_a_refused_change_is_read_again_at_the_next_save(tmp_path):
 
 
 def test_use_writes_through_a_symlinked_config_file(tmp_path):
-    from daemon.config.edit import write_preference
+    from stoker.daemon.config.edit import write_preference
 
     dotfiles = tmp_path / "dotfiles"
     dotfiles.mkdir()

@@ -1,14 +1,14 @@
 """[models.NAME] and [placement]: the sections, their checks, and each model's launch config
-(daemon/config/placement.py, daemon/config/served.py)."""
+(daemon/config/placement.py, daemon/config/instances.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from daemon.config.model import Config, ConfigError, config_diff, needs_relaunch, parse_config
-from daemon.config.placement import max_loaded_for
-from daemon.config.served import instance_config, served_models
-from daemon.launch.instance import ServerInstance
+from stoker.daemon.config.model import Config, ConfigError, config_diff, needs_relaunch, parse_config
+from stoker.daemon.config.placement import max_loaded_for
+from stoker.daemon.config.instances import instance_config, served_models
+from stoker.daemon.launch.instance import ServerInstance
 
 TWO = """
 [server]

@@ -14,11 +14,11 @@ import pytest
 import trio
 import trio.testing
 
-from daemon.control import error_codes, protocol
-from daemon.control import server as control
-from daemon.core.errors import StokerError
-from daemon.core.events import DROPPED_TOPIC, EventBus
-from states.reasons import ReasonCode
+from stoker.daemon.control import error_codes, protocol
+from stoker.daemon.control import server as control
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.events import DROPPED_TOPIC, EventBus
+from stoker.states.reasons import ReasonCode
 
 TIMEOUT = 10
 

@@ -12,25 +12,25 @@ from typing import Any
 import attrs
 import pytest
 
-from daemon.config.model import Config
-from daemon.config.served import ServedModel
-from daemon.control import protocol
-from daemon.control.methods import METHODS, dispatch
-from daemon.control.params import SQLITE_INT_MAX, Kind, Param, method
-from daemon.control.status import build_status
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from daemon.fleet.usage import Usage
-from states import launch_records as LR
-from states.idle_unload import IdleFacts
-from states.machine import IllegalTransition
-from states.placement import loads_on_demand
-from states.reasons import ReasonCode
-from store.database import StoreHealth
+from stoker.daemon.config.model import Config
+from stoker.daemon.config.instances import ServedModel
+from stoker.daemon.control import protocol
+from stoker.daemon.control.methods import METHODS, dispatch
+from stoker.daemon.control.params import SQLITE_INT_MAX, Kind, Param, method
+from stoker.daemon.control.status import build_status
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.fleet.usage import Usage
+from stoker.states.launch import records as LR
+from stoker.states.fleet.idle_unload import IdleFacts
+from stoker.states.machine import IllegalTransition
+from stoker.states.fleet.placement import loads_on_demand
+from stoker.states.reasons import ReasonCode
+from stoker.store.database import StoreHealth
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The keys the CLI (daemon/cli/service.py), the TUI and tests/integration read from `status`.
+# The keys the CLI (daemon/cli/lifecycle.py), the TUI and tests/integration read from `status`.
 STATUS_KEYS = {
     "state",
     "backend",
@@ -391,18 +391,18 @@ def test_every_method_declares_the_record_its_reply_is():
 
 
 def test_a_method_declared_twice_is_refused():
-    from daemon.control import methods
+    from stoker.daemon.control import methods
 
     @method("ping")
     async def again(daemon: Any, params: Any) -> None:
         """Reply: nothing."""
 
     with pytest.raises(ValueError):
-        methods._by_name(methods.service.ping, again)
+        methods._by_name(methods.lifecycle.ping, again)
 
 
 def test_control_never_imports_the_daemon_it_serves():
-    # daemon.service sits above daemon.control: importing it back (even for types) is a cycle.
+    # daemon.runtime sits above daemon.control: importing it back (even for types) is a cycle.
     for path in (ROOT / "daemon" / "control").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = (
@@ -410,7 +410,7 @@ def test_control_never_imports_the_daemon_it_serves():
                 if isinstance(node, ast.ImportFrom)
                 else ([a.name for a in node.names] if isinstance(node, ast.Import) else [])
             )
-            assert not any(n == "daemon.service" or n.startswith("daemon.service.") for n in names), path
+            assert not any(n == "stoker.daemon.runtime" or n.startswith("stoker.daemon.runtime.") for n in names), path
 
 
 # --- handlers through the narrow interface -----------------------------------------------
@@ -523,7 +523,7 @@ async def test_status_says_where_each_engine_came_from_and_how_a_build_is_going(
     st = await call(daemon, "status")
     # Each row as the service gave it, plus what the slot's record says it holds (none here).
     assert st["installs"] == [row | {"version": None, "by": None, "previous": None} for row in daemon.installs]
-    from daemon.cli.service import format_installs
+    from stoker.daemon.cli.lifecycle import format_installs
 
     assert format_installs(st["installs"]) == [
         "engine    cpu-avx2: installed from build-cache",

@@ -19,7 +19,7 @@ def test_reason_code_table_is_current():
 
 
 def test_every_reason_code_is_documented():
-    from states.reasons import MESSAGES, ReasonCode
+    from stoker.states.reasons import MESSAGES, ReasonCode
 
     text = (DOCS / "reason-codes.md").read_text()
     for code in ReasonCode:
@@ -38,7 +38,7 @@ def test_protocol_method_reference_is_current():
 
 
 def test_every_socket_method_is_in_the_reference():
-    from daemon.control.methods import METHODS
+    from stoker.daemon.control.methods import METHODS
 
     text = (DOCS / "protocol-methods.md").read_text()
     for name, declared in METHODS.items():

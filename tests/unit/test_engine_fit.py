@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.engine.fit import FitFailed, memory_args, parse_fitted, parse_printed
+from stoker.daemon.engine.fit import FitFailed, memory_args, parse_fitted, parse_printed
 
 PRINTED_CUDA = """\
 0.00.114.713 I llama_fit_params: printing estimated memory in MiB to stdout (device, model, context, compute) ...
@@ -76,10 +76,10 @@ def test_only_the_memory_shaping_arguments_it_accepts_are_passed():
 
 
 def test_the_logits_of_a_whole_micro_batch_are_taken_off_the_largest_compute(monkeypatch, tmp_path):
-    from daemon.bundles.tinymodel import write_tiny_model
-    from daemon.fallback import memory
-    from daemon.models.facts import vocab_size
-    from states.launch_records import LaunchPlan
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
+    from stoker.daemon.fallback import memory
+    from stoker.daemon.models.facts import vocab_size
+    from stoker.states.launch.records import LaunchPlan
 
     model = write_tiny_model(tmp_path / "tiny.gguf")
     import gguf

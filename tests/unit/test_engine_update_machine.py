@@ -1,13 +1,13 @@
-"""The engine update machine's table (states/engine_update.py): the gates, the way back, resumes."""
+"""The engine update machine's table (states/engine_update/table.py): the gates, the way back, resumes."""
 
 from __future__ import annotations
 
 import pytest
 
-from states import engine_update as U
-from states import engine_update_records as R
-from states.machine import IllegalTransition, step
-from states.reasons import ReasonCode
+from stoker.states.engine_update import table as U
+from stoker.states.engine_update import records as R
+from stoker.states.machine import IllegalTransition, step
+from stoker.states.reasons import ReasonCode
 
 S = R.UpdateState
 OLD = R.BundleFacts("b11434", "a" * 64)
@@ -176,7 +176,7 @@ def test_version_order_is_natural():
 
 
 def test_engine_config_names_each_channels_manifest_and_refuses_bad_ones():
-    from daemon.config.model import Config, ConfigError
+    from stoker.daemon.config.model import Config, ConfigError
 
     config = Config.from_mapping({"engine": {"channels": {"beta": "https://mirror.example/beta.json"}}})
     assert not config.engine.auto_update and config.engine.check_interval_s == 86400
@@ -196,7 +196,7 @@ def test_a_rollback_by_hand_rejects_the_engine_it_leaves_and_lifts_the_one_it_re
     assert back.state is S.ROLLED_BACK and back.reason is None
     left = U.rejection_of(back.data, CANDIDATE.sha256)
     assert left is not None and left.version == NEW.version and NEW.digest in left.refs
-    # The automatic check does not bring it back; the install does not either (states/install_slot.py).
+    # The automatic check does not bring it back; the install does not either (states/install/slot.py).
     assert "rejected here before" in U.automatic_check(back.data, OLD, CANDIDATE)
     forth = run(back.state, back.data, R.RollbackRequested("cpu", "avx2", OLD, NEW, ()), R.RolledBack())
     assert U.rejection_of(forth.data, CANDIDATE.sha256, NEW.digest) is None  # the user chose it again

@@ -13,11 +13,11 @@ import pytest
 import trio
 import trio.testing
 
-from daemon.config.model import Config
-from daemon.engine.api import EngineClient
-from daemon.engine.wire import EngineWire, WireTimeouts
-from daemon.frontdoor.app import first_bytes, relay
-from daemon.frontdoor.http11 import Request, open_listeners, serve_http
+from stoker.daemon.config.model import Config
+from stoker.daemon.engine.api import EngineClient
+from stoker.daemon.engine.wire import EngineWire, WireTimeouts
+from stoker.daemon.frontdoor.app import first_bytes, relay
+from stoker.daemon.frontdoor.http11 import Request, open_listeners, serve_http
 from tests.unit.test_frontdoor_metrics import Daemon, metrics_for
 
 SSE = b"data: {}\n\n"

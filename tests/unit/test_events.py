@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import trio
 
-from daemon.core.events import DROPPED_TOPIC, EventBus
+from stoker.daemon.core.events import DROPPED_TOPIC, EventBus
 
 
 async def drain(receive) -> list[dict]:

@@ -10,8 +10,8 @@ import signal
 
 import pytest
 
-from daemon.engine.exits import classify_exit, exit_signal, missing_library, signal_name
-from states.reasons import ReasonCode
+from stoker.daemon.engine.exits import classify_exit, exit_signal, missing_library, signal_name
+from stoker.states.reasons import ReasonCode
 
 # Tails recorded from the CPU build at -lv 4 --log-colors off (each line carries the
 # engine's timestamp and level); the CUDA ones are the source's messages (ggml-cuda.cu,

@@ -15,22 +15,22 @@ import pytest
 import trio
 
 import backend_recordings as rec
-from daemon.backends.cpu import CpuBackend
-from daemon.backends.cuda import CudaBackend
-from daemon.backends.tools import recorded_runner
-from daemon.backends.vulkan import VulkanBackend
-from daemon.bundles.tinymodel import write_tiny_model
-from daemon.config.model import BackendConfig, Config, ServerConfig
-from daemon.core.errors import StokerError
-from daemon.engine.process import server_argv
-from daemon.fallback.orchestrator import FallbackOrchestrator, candidates_for
-from daemon.launch.supervisor import server_spec
-from daemon.core.paths import StokerPaths
-from daemon.probes.service import ProbeService
-from states import fallback as F
-from states import launch_records as LR
-from states.reasons import ReasonCode as R
-from store import open_store
+from stoker.daemon.backends.cpu import CpuBackend
+from stoker.daemon.backends.cuda import CudaBackend
+from stoker.daemon.backends.tools import recorded_runner
+from stoker.daemon.backends.vulkan import VulkanBackend
+from stoker.daemon.bundles.tinymodel import write_tiny_model
+from stoker.daemon.config.model import BackendConfig, Config, ServerConfig
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.engine.process import server_argv
+from stoker.daemon.fallback.orchestrator import FallbackOrchestrator, candidates_for
+from stoker.daemon.launch.supervisor import server_spec
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.probes.verdicts import ProbeService
+from stoker.states.fallback import table as F
+from stoker.states.launch import records as LR
+from stoker.states.reasons import ReasonCode as R
+from stoker.store import open_store
 from bundlekit import make_bundle_dir
 
 PID = 4242
@@ -535,7 +535,7 @@ async def test_a_gpu_that_can_take_no_layer_is_not_given_to_the_server(paths, co
     """GPU 0 is nearly full (300 MiB free: less than the CUDA runtime's share plus the margin);
     the engine would put no layer there but its CUDA context would still take ~520 MiB from
     whoever filled it. The plan gives the server GPU 1 only, and records how."""
-    from daemon.engine.process import server_env
+    from stoker.daemon.engine.process import server_env
 
     install_cuda_bundle(paths)
     nvml = rec.FakeNvml([rec.h200(free=300 * rec.MIB), rec.h200()])

@@ -8,13 +8,13 @@ from typing import Any
 
 import attrs
 
-from daemon.config.model import Config
-from daemon.config.served import ServedModel
-from daemon.fleet.member import Member
-from daemon.fleet.usage import Pulse, Usage
-from daemon.launch.instance import ServerInstance
-from states import launch_records as LR
-from store.catalog import ModelRecord
+from stoker.daemon.config.model import Config
+from stoker.daemon.config.instances import ServedModel
+from stoker.daemon.fleet.member import Member
+from stoker.daemon.fleet.usage import ChangeSignal, Usage
+from stoker.daemon.launch.instance import ServerInstance
+from stoker.states.launch import records as LR
+from stoker.store.catalog import ModelRecord
 
 
 @attrs.define
@@ -32,7 +32,7 @@ def member(name: str, spec: str, plan_path: str | None = None) -> Member:
     served = ServedModel(name, attrs.evolve(config, server=attrs.evolve(config.server, model=spec)))
     # Only what these answers read; any other service a member holds is not asked here.
     others = {f.name: None for f in attrs.fields(Member) if f.default is attrs.NOTHING}
-    others.update(served=served, supervisor=supervisor, usage=Usage(), pulse=Pulse())
+    others.update(served=served, supervisor=supervisor, usage=Usage(), change_signal=ChangeSignal())
     return Member(**others)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import trio
 
-from daemon.fleet.usage import Usage
+from stoker.daemon.fleet.usage import Usage
 
 
 async def test_wait_drained_returns_once_every_answer_in_flight_is_over(autojump_clock):
@@ -48,7 +48,7 @@ def test_idle_time_counts_from_the_last_request_or_from_ready():
 
 
 async def test_a_stops_drain_is_bounded_and_says_what_it_waited_for_or_cut(autojump_clock, caplog):
-    caplog.set_level("INFO", logger="daemon.fleet.usage")
+    caplog.set_level("INFO", logger="stoker.daemon.fleet.usage")
     usage = Usage()
     over = usage.sent()
 

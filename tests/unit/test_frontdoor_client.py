@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from daemon.cli.chat import frontdoor_url
-from daemon.core.errors import StokerError
-from daemon.frontdoor.client import refusal
-from states.reasons import ReasonCode
+from stoker.daemon.cli.chat import frontdoor_url
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.frontdoor.client import refusal
+from stoker.states.reasons import ReasonCode
 
 URL = "http://127.0.0.1:11436/v1"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.config.frontdoor import FRONTDOOR_PORT
-from daemon.config.model import ConfigError, parse_config
+from stoker.daemon.config.frontdoor import FRONTDOOR_PORT
+from stoker.daemon.config.model import ConfigError, parse_config
 
 
 def test_default_address_is_fixed_on_loopback():
@@ -82,7 +82,7 @@ def test_client_limits_take_sizes_and_are_bounded():
 def test_the_drain_bound_is_configured_and_checked():
     """How long a planned stop lets the front door's requests in flight finish: 30 s unless
     [frontdoor] drain_timeout_s says otherwise (0: stop at once); the launch machine gets it."""
-    from daemon.launch.supervisor import launch_settings
+    from stoker.daemon.launch.supervisor import launch_settings
 
     assert parse_config("").frontdoor.drain_timeout_s == 30.0
     config = parse_config("[frontdoor]\ndrain_timeout_s = 300\n")

@@ -12,9 +12,9 @@ import httpx
 import pytest
 import trio
 
-from daemon.config.model import Config
-from daemon.frontdoor.http11 import ClientGone, Request, open_listeners, serve_http
-from daemon.frontdoor.metrics import FrontDoorMetrics
+from stoker.daemon.config.model import Config
+from stoker.daemon.frontdoor.http11 import ClientGone, Request, open_listeners, serve_http
+from stoker.daemon.frontdoor.metrics import FrontDoorMetrics
 from tests.unit.test_frontdoor_metrics import Daemon, metrics_for, value
 
 

@@ -15,24 +15,24 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.config.model import Config
-from daemon.core.machines import MachineRunner
-from daemon.fleet.usage import Usage
-from daemon.frontdoor.app import relay
-from daemon.frontdoor.hold import Hold
-from daemon.frontdoor.http11 import Request, open_listeners, serve_http
-from daemon.frontdoor.metrics import HISTORY_BATCH, Exchange, FrontDoorMetrics, engine_figures
-from daemon.fleet.remote import Remotes
-from daemon.frontdoor.tallies import KINDS, HistoryTally
-from daemon.telemetry.sampler import ServerTarget
-from states import fallback as F
-from states.fallback_proof import AccelerationProof
-from states import install as I
-from states.install_slot import SlotBundle
-from states import launch as L
-from states import launch_records as LR
-from states.reasons import ReasonCode
-from store import open_store
+from stoker.daemon.config.model import Config
+from stoker.daemon.core.machines import MachineRunner
+from stoker.daemon.fleet.usage import Usage
+from stoker.daemon.frontdoor.app import relay
+from stoker.daemon.frontdoor.hold import Hold
+from stoker.daemon.frontdoor.http11 import Request, open_listeners, serve_http
+from stoker.daemon.frontdoor.metrics import HISTORY_BATCH, Exchange, FrontDoorMetrics, engine_figures
+from stoker.daemon.fleet.remote import Remotes
+from stoker.daemon.frontdoor.tallies import KINDS, HistoryTally
+from stoker.daemon.telemetry.sampler import ServerTarget
+from stoker.states.fallback import table as F
+from stoker.states.fallback.proof import AccelerationProof
+from stoker.states.install import table as I
+from stoker.states.install.slot import SlotBundle
+from stoker.states.launch import table as L
+from stoker.states.launch import records as LR
+from stoker.states.reasons import ReasonCode
+from stoker.store import open_store
 
 PLAN = LR.LaunchPlan("cpu", "x86-64", "/b", "/b/llama-server", "/m.gguf", port=8091)
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages", "/v1/models")

@@ -1,4 +1,4 @@
-"""The front door's pure decisions (states/frontdoor_policy.py): which launch states a request
+"""The front door's pure decisions (states/frontdoor/policy.py): which launch states a request
 waits through, and when a request whose engine was lost before its answer is sent again."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from hypothesis import given, strategies as st
 
-from states.frontdoor_policy import (
+from stoker.states.frontdoor.policy import (
     DOWN,
     MAX_SENDS,
     RETRY_AFTER_S,
@@ -22,8 +22,8 @@ from states.frontdoor_policy import (
     send_again,
     waits,
 )
-from states.launch_records import AfterStop, LaunchState as S
-from states.reasons import ReasonCode as R
+from stoker.states.launch.records import AfterStop, LaunchState as S
+from stoker.states.reasons import ReasonCode as R
 
 
 def test_a_request_waits_through_every_state_that_comes_back_to_ready_by_itself():

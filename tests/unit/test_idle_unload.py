@@ -1,4 +1,4 @@
-"""Idle unload (states/idle_unload.py) and the launch table's stop with cause idle: pure, no daemon."""
+"""Idle unload (states/fleet/idle_unload.py) and the launch table's stop with cause idle: pure, no daemon."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from daemon.fleet.idle import serve_idle_unloads
-from daemon.fleet.usage import Pulse
-from states.idle_unload import IdleFacts, due_in, review
-from states.launch import LAUNCH
-from states.launch_moves import stop_cause
-from states.launch_records import (
+from stoker.daemon.fleet.idle import serve_idle_unloads
+from stoker.daemon.fleet.usage import ChangeSignal
+from stoker.states.fleet.idle_unload import IdleFacts, due_in, review
+from stoker.states.launch.table import LAUNCH
+from stoker.states.launch.steps import stop_cause
+from stoker.states.launch.records import (
     DownCause,
     DownRequested,
     LaunchData,
@@ -28,9 +28,9 @@ from states.launch_records import (
     Terminate,
     UpRequested,
 )
-from states.machine import step
-from states.placement import loads_on_demand
-from states.reasons import ReasonCode
+from stoker.states.machine import step
+from stoker.states.fleet.placement import loads_on_demand
+from stoker.states.reasons import ReasonCode
 
 PLAN = LaunchPlan("cpu", "x86-64-v3", "/b", "/b/llama-server", "/m.gguf", port=8099)
 NOW = 1_000_000.0
@@ -161,24 +161,24 @@ class FakeMember:
 
 async def test_the_task_unloads_at_the_due_time_rearmed_by_use_and_never_polls(autojump_clock):
     a, b = FakeMember("a", ttl=10), FakeMember("b", ttl=25)
-    pulse, asked = Pulse(), []
+    change_signal, asked = ChangeSignal(), []
 
     def now() -> float:
         asked.append(trio.current_time())
         return trio.current_time()
 
     async with trio.open_nursery() as nursery:
-        await nursery.start(functools.partial(serve_idle_unloads, lambda: [a, b], pulse, now=now))
+        await nursery.start(functools.partial(serve_idle_unloads, lambda: [a, b], change_signal, now=now))
         await trio.sleep(4)
-        a.in_flight = 1  # a request starts at 4 s (no pulse: the task finds it at a's due time, 10 s)
+        a.in_flight = 1  # a request starts at 4 s (no change_signal: the task finds it at a's due time, 10 s)
         await trio.sleep(8)
-        a.in_flight, a.last_used = 0, trio.current_time()  # ... and ends at 12 s: the pulse re-arms a
-        pulse.fire()
+        a.in_flight, a.last_used = 0, trio.current_time()  # ... and ends at 12 s: the change_signal re-arms a
+        change_signal.fire()
         await trio.sleep(100)
         nursery.cancel_scope.cancel()
     ((at_a, down_a),), ((at_b, down_b),) = a.offered, b.offered
     assert (at_a, down_a.cause, down_a.evidence) == (22.0, DownCause.IDLE, {"idle_s": 10.0, "idle_ttl_s": 10})
     assert (at_b, down_b.cause) == (25.0, DownCause.IDLE)
-    # Woken at start, at a's first due time (in use: kept), at the pulse, at a's and b's due
+    # Woken at start, at a's first due time (in use: kept), at the change_signal, at a's and b's due
     # times; never in between, nor after (nothing left to wait for).
     assert asked == [0.0, 10.0, 12.0, 22.0, 25.0], asked

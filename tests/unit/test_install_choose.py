@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 import backend_recordings as rec
-from daemon.backends.cuda import CudaBackend
-from daemon.backends.tools import recorded_runner
-from daemon.bundles.metadata import BundleManifest
-from daemon.core.errors import StokerError
-from daemon.backends import load_backends
-from daemon.install.manifest import choose_entry
-from daemon.install.service import install_failed_reason
+from stoker.daemon.backends.cuda import CudaBackend
+from stoker.daemon.backends.tools import recorded_runner
+from stoker.daemon.bundles.metadata import BundleManifest
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.backends import load_backends
+from stoker.daemon.install.manifest import choose_entry
+from stoker.daemon.install.installer import install_failed_reason
 
 PLATFORM = "linux-x86_64"
 

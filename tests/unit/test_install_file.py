@@ -12,13 +12,13 @@ import os
 import pytest
 
 from bundlekit import engine_script, make_bundle_dir, make_bundle_zip
-from daemon.bundles.installed import PREVIOUS, find_installed
-from daemon.cli.install import install_file
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from daemon.core.pidlock import acquire_lock
-from states.reasons import ReasonCode
-from store.database import open_store
+from stoker.daemon.bundles.installed import PREVIOUS, find_installed
+from stoker.daemon.cli.install import install_file
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.core.pidlock import acquire_lock
+from stoker.states.reasons import ReasonCode
+from stoker.store.database import open_store
 
 
 @pytest.fixture

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.config.model import Config
-from daemon.core.paths import StokerPaths
-from daemon.fallback.orchestrator import FallbackOrchestrator
-from daemon.launch.instance import ServerInstance
-from daemon.launch.supervisor import Supervisor
-from states import fallback as F
-from states import launch_records as LR
-from states.reasons import ReasonCode
-from store import open_store
+from stoker.daemon.config.model import Config
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.fallback.orchestrator import FallbackOrchestrator
+from stoker.daemon.launch.instance import ServerInstance
+from stoker.daemon.launch.supervisor import Supervisor
+from stoker.states.fallback import table as F
+from stoker.states.launch import records as LR
+from stoker.states.reasons import ReasonCode
+from stoker.store import open_store
 
 
 async def never(config, effect):  # the planner; nothing here plans

@@ -3,11 +3,11 @@ decided, GPU by GPU, then the engine's own lines."""
 
 from __future__ import annotations
 
-from daemon.backends.cuda import CudaBackend
-from daemon.bundles.tinymodel import write_tiny_model
-from daemon.fallback.layers import MIB, estimate, fit_margin, offload_kind, why_actual, why_planned
-from states.fallback_vram import PROBE, FreeVram, devices_for_plan, layer_room, vram_full
-from states.reasons import ReasonCode as R
+from stoker.daemon.backends.cuda import CudaBackend
+from stoker.daemon.bundles.tinymodel import write_tiny_model
+from stoker.daemon.fallback.layers import MIB, estimate, fit_margin, offload_kind, why_actual, why_planned
+from stoker.states.fallback.vram import PROBE, FreeVram, devices_for_plan, layer_room, vram_full
+from stoker.states.reasons import ReasonCode as R
 
 RESERVE = CudaBackend.runtime_reserve_mib
 
@@ -153,7 +153,7 @@ def test_the_engines_own_free_vram_is_read_from_its_device_lines(tmp_path):
     zero-layer verdict quotes (not the plan's reading, which may be a respawn's old one)."""
     import trio
 
-    from daemon.engine.ready import ServerLog
+    from stoker.daemon.engine.ready import ServerLog
 
     log_path = tmp_path / "server.log"
     log_path.write_text(

@@ -12,8 +12,8 @@ import sys
 import threading
 from pathlib import Path
 
-from daemon.core.logfiles import DaemonLogHandler, LogRotation, open_private_append, trim_server_log
-from daemon.core.logtail import LogFollower, last_lines
+from stoker.daemon.core.logfiles import DaemonLogHandler, LogRotation, open_private_append, trim_server_log
+from stoker.daemon.core.logtail import LogFollower, last_lines
 from tests.waits import wait_until
 
 
@@ -160,7 +160,7 @@ def test_stoker_logs_follows_a_rotation_and_stops_cleanly_on_ctrl_c(stoker_home)
     path = logs / "daemon.log"
     path.write_text("old line\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "daemon", "logs", "-f", "-n", "1"],
+        [sys.executable, "-m", "stoker.daemon", "logs", "-f", "-n", "1"],
         env={**os.environ, "STOKER_HOME": str(stoker_home)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -6,15 +6,15 @@ import pytest
 from hypothesis import HealthCheck, event as hypothesis_event, settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from daemon.core.errors import StokerError
-from daemon.core.machines import EffectDriver, MachineRunner, UnhandledEffect
-from states import launch as L
-from states import launch_records as LR
-from states import probe as P
-from states import pull as PL
-from states.machine import IllegalTransition, MachineDefinitionError, data_to_json, event_from_json
-from states.reasons import ReasonCode
-from store import StoreError, open_store
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.machines import EffectDriver, MachineRunner, UnhandledEffect
+from stoker.states.launch import table as L
+from stoker.states.launch import records as LR
+from stoker.states.probe import table as P
+from stoker.states.pull import table as PL
+from stoker.states.machine import IllegalTransition, MachineDefinitionError, data_to_json, event_from_json
+from stoker.states.reasons import ReasonCode
+from stoker.store import StoreError, open_store
 
 PLAN = LR.LaunchPlan("cpu", "x86-64", "/b", "/b/llama-server", "/m.gguf", port=8091)
 GPU_PLAN = LR.LaunchPlan("cuda", "avx2", "/c", "/c/llama-server", "/m.gguf", port=8091, n_gpu_layers="auto")
@@ -442,8 +442,8 @@ async def test_a_stop_on_purpose_leaves_the_machine_where_it_was_to_be_resumed(s
 
 
 def test_a_download_that_failed_names_its_precise_cause_under_the_callers_reason():
-    from daemon.core.machines import Failure
-    from daemon.core.download_records import DownloadError, DownloadErrorKind
+    from stoker.daemon.core.machines import Failure
+    from stoker.daemon.core.download_records import DownloadError, DownloadErrorKind
 
     reason = ReasonCode.CUDA_BUNDLE_INSTALL_FAILED
     digest = Failure.of(PL.Resolve("x", "m"), DownloadError(DownloadErrorKind.DIGEST_MISMATCH, reason, {"url": "u"}))

@@ -12,10 +12,10 @@ import stat
 
 import pytest
 
-from daemon.bundles.metadata import BundleManifest, format_timestamp
-from daemon.bundles.mirror import MANIFEST_PAYLOAD_TYPE, publish_mirror
-from daemon.core.errors import StokerError
-from daemon.core.signing import (
+from stoker.daemon.bundles.metadata import BundleManifest, format_timestamp
+from stoker.daemon.bundles.mirror import MANIFEST_PAYLOAD_TYPE, publish_mirror
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.signing import (
     Envelope,
     SignatureError,
     generate_key,
@@ -23,9 +23,9 @@ from daemon.core.signing import (
     parse_public_key,
     sign_envelope,
 )
-from daemon.install.trust import ManifestTrust
-from store import open_store
-from store.manifests import ManifestVersions
+from stoker.daemon.install.trust import ManifestTrust
+from stoker.store import open_store
+from stoker.store.manifests import ManifestVersions
 from tests.bundlekit import make_bundle_zip
 
 NOW = 1_800_000_000.0  # 2027-01-15
@@ -208,7 +208,7 @@ def test_publish_writes_a_content_addressed_mirror_and_raises_the_version(tmp_pa
 
 
 def test_trusted_keys_are_checked_when_the_config_is_read(key):
-    from daemon.config.model import ConfigError, parse_config
+    from stoker.daemon.config.model import ConfigError, parse_config
 
     config = parse_config(f'[bundles]\ntrusted_keys = ["{key.public_text}", "{key.public_text}"]\n')
     assert config.bundles.trusted_keys == (key.public_text,)

@@ -1,4 +1,4 @@
-"""server.model as a catalog name: the table that decides (states/model_lookup.py) and the lookup
+"""server.model as a catalog name: the table that decides (states/pull/lookup.py) and the lookup
 that reads the catalog and the file (daemon/models/resolve.py): served, pulled when well-known,
 or refused with model_not_in_catalog / model_missing and what to do."""
 
@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import trio
 
-from daemon.config.model import DEFAULT_MODEL
-from daemon.core.errors import StokerError
-from daemon.core.paths import StokerPaths
-from daemon.models.known import WELL_KNOWN
-from daemon.models.resolve import locate_model, look_up, resolve_model
-from states import model_lookup as M
-from states.reasons import ReasonCode
-from store import open_store
-from store.catalog import ModelCatalog, ModelRecord
+from stoker.daemon.config.model import DEFAULT_MODEL
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.models.known import WELL_KNOWN
+from stoker.daemon.models.resolve import locate_model, look_up, resolve_model
+from stoker.states.pull import lookup as M
+from stoker.states.reasons import ReasonCode
+from stoker.store import open_store
+from stoker.store.catalog import ModelCatalog, ModelRecord
 
 SMOL = WELL_KNOWN["smollm2-135m-instruct"]
 GEMMA = WELL_KNOWN["gemma3-270m"]

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from daemon.core.errors import StokerError
-from daemon.models.resolve import resolve_model
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.models.resolve import resolve_model
+from stoker.states.reasons import ReasonCode
 
 
 @pytest.fixture

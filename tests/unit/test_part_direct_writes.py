@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from daemon.core import part_sink
-from daemon.core.part_sink import DIRECT_ALIGN, PartDigests, PartSink, open_direct
+from stoker.daemon.core import part_sink
+from stoker.daemon.core.part_sink import DIRECT_ALIGN, PartDigests, PartSink, open_direct
 
 
 def chunk(seed: int, size: int = 1 << 20) -> mmap.mmap:

@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from daemon.cli.worker import hold_worker_lock
-from daemon.core.errors import StokerError
-from daemon.core.pidlock import acquire_lock
-from states.reasons import ReasonCode
+from stoker.daemon.cli.worker import hold_worker_lock
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.pidlock import acquire_lock
+from stoker.states.reasons import ReasonCode
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,12 @@
-"""Placement of several models (states/placement.py) and who keeps a model down (the launch
+"""Placement of several models (states/fleet/placement.py) and who keeps a model down (the launch
 table's `down_cause`): pure, no daemon."""
 
 from __future__ import annotations
 
 import pytest
 
-from states.launch import LAUNCH
-from states.launch_records import (
+from stoker.states.launch.table import LAUNCH
+from stoker.states.launch.records import (
     DownCause,
     DownRequested,
     LaunchData,
@@ -19,9 +19,9 @@ from states.launch_records import (
     Terminate,
     UpRequested,
 )
-from states.machine import step
-from states.placement import Resident, Verdict, loads_on_demand, place
-from states.reasons import ReasonCode
+from stoker.states.machine import step
+from stoker.states.fleet.placement import Resident, Verdict, loads_on_demand, place
+from stoker.states.reasons import ReasonCode
 
 PLAN = LaunchPlan("cpu", "x86-64-v3", "/b", "/b/llama-server", "/m.gguf", port=8099)
 

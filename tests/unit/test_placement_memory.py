@@ -1,12 +1,12 @@
-"""Memory-aware placement (states/placement.py `place_memory`): pure, no daemon. Figures in MiB."""
+"""Memory-aware placement (states/fleet/placement.py `place_memory`): pure, no daemon. Figures in MiB."""
 
 from __future__ import annotations
 
 import pytest
 
-from states.launch_records import DownCause, LaunchState as S
-from states.placement import Footprint, MemoryRoom, Resident, Verdict, loads_on_demand, place_memory
-from states.reasons import ReasonCode
+from stoker.states.launch.records import DownCause, LaunchState as S
+from stoker.states.fleet.placement import Footprint, MemoryRoom, Resident, Verdict, loads_on_demand, place_memory
+from stoker.states.reasons import ReasonCode
 
 
 def fp(ram: float, vram: float = 0.0, reading: str = "engine") -> Footprint:

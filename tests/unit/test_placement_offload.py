@@ -1,5 +1,5 @@
 """A GPU plan fitted short of every layer because idle models hold the VRAM: they are unloaded
-first when that makes it whole (states/placement.py `place_offload`, daemon/fleet/room.py), and
+first when that makes it whole (states/fleet/placement.py `place_offload`, daemon/fleet/room.py), and
 its memory is estimated again once they are gone. Pure policy, then the room maker's loop with
 stand-in members (the engine's side is run on an H200: docs/gpu-verification.md)."""
 
@@ -10,12 +10,12 @@ from typing import Any
 import attrs
 import trio
 
-from daemon.config.placement import PlacementConfig
-from daemon.fleet.room import RoomMaker
-from daemon.fleet.usage import Pulse
-from states import launch_records as LR
-from states.launch_records import LaunchState as S, MemoryEstimate
-from states.placement import FULL_OFFLOAD, Footprint, Resident, Verdict, place_offload
+from stoker.daemon.config.placement import PlacementConfig
+from stoker.daemon.fleet.room import RoomMaker
+from stoker.daemon.fleet.usage import ChangeSignal
+from stoker.states.launch import records as LR
+from stoker.states.launch.records import LaunchState as S, MemoryEstimate
+from stoker.states.fleet.placement import FULL_OFFLOAD, Footprint, Resident, Verdict, place_offload
 
 
 def gpu(vram: float, ram: float = 100.0) -> Footprint:
@@ -58,7 +58,7 @@ class StandInSupervisor:
     def fire(self, event: Any) -> None:
         self.fired.append(event)
         self.member.state = S.STOPPED  # an idle server stops at once here
-        self.member.pulse.fire()
+        self.member.change_signal.fire()
 
 
 @attrs.define(eq=False)
@@ -68,7 +68,7 @@ class StandIn:
     name: str
     state: S
     vram: float
-    pulse: Pulse
+    change_signal: ChangeSignal
     idle_s: float = 60.0
     supervisor: StandInSupervisor = attrs.field(init=False)
 
@@ -83,7 +83,7 @@ class StandIn:
 
     async def wait_state(self, states: Any) -> None:
         while self.state not in set(states):
-            await self.pulse.wait()
+            await self.change_signal.wait()
 
 
 def short_plan(fitted: float, whole: float) -> LR.LaunchPlan:
@@ -92,14 +92,16 @@ def short_plan(fitted: float, whole: float) -> LR.LaunchPlan:
 
 
 def room_with(members: list[StandIn], **settings: Any) -> RoomMaker:
-    pulse = members[0].pulse
-    return RoomMaker(lambda: members, lambda: PlacementConfig(**settings), trio.Lock(), pulse, available=lambda: 10**6)
+    change_signal = members[0].change_signal
+    return RoomMaker(
+        lambda: members, lambda: PlacementConfig(**settings), trio.Lock(), change_signal, available=lambda: 10**6
+    )
 
 
 async def test_an_idle_model_is_unloaded_and_the_plan_estimated_again_with_the_vram_it_freed():
-    pulse = Pulse()
-    idle = StandIn("a", S.READY, vram=3000, pulse=pulse)
-    new = StandIn("b", S.PLANNING, vram=0, pulse=pulse)
+    change_signal = ChangeSignal()
+    idle = StandIn("a", S.READY, vram=3000, change_signal=change_signal)
+    new = StandIn("b", S.PLANNING, vram=0, change_signal=change_signal)
     estimated: list[S] = []
 
     async def replan() -> LR.LaunchPlan:
@@ -116,9 +118,9 @@ async def test_an_idle_model_is_unloaded_and_the_plan_estimated_again_with_the_v
 
 async def test_switched_off_or_not_enough_to_free_it_loads_as_fitted_and_unloads_nothing():
     for setting, vram in ((False, 3000), (True, 1000)):
-        pulse = Pulse()
-        idle = StandIn("a", S.READY, vram=vram, pulse=pulse)
-        new = StandIn("b", S.PLANNING, vram=0, pulse=pulse)
+        change_signal = ChangeSignal()
+        idle = StandIn("a", S.READY, vram=vram, change_signal=change_signal)
+        new = StandIn("b", S.PLANNING, vram=0, change_signal=change_signal)
 
         async def replan() -> LR.LaunchPlan:
             raise AssertionError("not planned again")
@@ -133,8 +135,8 @@ async def test_switched_off_or_not_enough_to_free_it_loads_as_fitted_and_unloads
 
 
 def test_a_fit_is_short_with_fewer_layers_than_the_model_a_smaller_context_or_tensors_kept_on_the_host(tmp_path):
-    from daemon.bundles.tinymodel import write_tiny_model
-    from daemon.fallback.memory import fitted_short
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
+    from stoker.daemon.fallback.memory import fitted_short
 
     path = write_tiny_model(tmp_path / "m.gguf", n_layer=4)  # 4 blocks and the output layer: -ngl 5 is all
     plan = attrs.evolve(short_plan(0, 0), model_path=str(path), ctx_size=4096)

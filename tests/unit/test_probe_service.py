@@ -9,11 +9,11 @@ import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from daemon.backends.base import Detection
-from daemon.probes.service import ProbeService
-from states import probe as P
-from states.reasons import ReasonCode
-from store import open_store
+from stoker.daemon.backends.base import Detection
+from stoker.daemon.probes.verdicts import ProbeService
+from stoker.states.probe import table as P
+from stoker.states.reasons import ReasonCode
+from stoker.store import open_store
 
 
 class FakeProbes:
@@ -181,7 +181,7 @@ def test_concurrent_callers_share_one_probe():
 def test_a_machine_left_probing_by_a_dead_daemon_is_probed_again():
     async def main():
         store = open_store(":memory:")
-        from daemon.core.machines import MachineRunner
+        from stoker.daemon.core.machines import MachineRunner
 
         MachineRunner(P.PROBE, "probe:cuda", store).fire(P.ProbeRequested("cuda"))  # then "killed"
         fake = FakeProbes([1.0])
@@ -236,10 +236,10 @@ def test_a_quick_answer_spares_the_subprocess_and_a_broken_one_does_not_count():
 
 def test_builtin_quick_detect_matches_detect(tmp_path, monkeypatch):
     """With no tools on PATH and not on a Mac, the built-ins answer exactly as detect() does."""
-    from daemon.backends.cuda import CudaBackend
-    from daemon.backends.metal import MetalBackend
-    from daemon.backends.rocm import RocmBackend
-    from daemon.backends.vulkan import VulkanBackend
+    from stoker.daemon.backends.cuda import CudaBackend
+    from stoker.daemon.backends.metal import MetalBackend
+    from stoker.daemon.backends.rocm import RocmBackend
+    from stoker.daemon.backends.vulkan import VulkanBackend
 
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no amd-smi, rocm-smi, vulkaninfo
     for backend in (VulkanBackend(), RocmBackend(sysfs_root=tmp_path), MetalBackend()):

@@ -9,7 +9,7 @@ import subprocess
 import psutil
 import trio
 
-from daemon.core.process_group import GroupLeader, signal_group, stop_group
+from stoker.daemon.core.process_group import GroupLeader, signal_group, stop_group
 
 # The leader ends on TERM; the member it started ignores TERM (an ignored signal survives exec).
 LEAVES_A_MEMBER = "(trap '' TERM; echo armed; exec sleep 60) & echo $!; wait"

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.control import error_codes, protocol
-from daemon.core.errors import StokerError
-from states.reasons import ReasonCode
+from stoker.daemon.control import error_codes, protocol
+from stoker.daemon.core.errors import StokerError
+from stoker.states.reasons import ReasonCode
 
 
 def frames_of(decoder: protocol.FrameDecoder) -> list[bytes]:

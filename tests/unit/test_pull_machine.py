@@ -1,14 +1,14 @@
-"""The pull machine's table (states/pull.py) and what `stoker pull SPEC` means (spec, quant)."""
+"""The pull machine's table (states/pull/table.py) and what `stoker pull SPEC` means (spec, quant)."""
 
 from __future__ import annotations
 
 import pytest
 
-from daemon.core.errors import StokerError
-from daemon.models.spec import choose_file, parse_spec, quant_of
-from states import pull as P
-from states.machine import IllegalTransition, step
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.models.spec import choose_file, parse_spec, quant_of
+from stoker.states.pull import table as P
+from stoker.states.machine import IllegalTransition, step
+from stoker.states.reasons import ReasonCode
 
 S = P.PullState
 PIECE = P.Piece(url="http://hub/x.gguf", size=10, sha256="a" * 64)

@@ -1,5 +1,5 @@
 """Remote models (`[models.NAME] endpoint`): the config's checks, what a contact with the endpoint
-means (states/remote_endpoint.py), and https to an endpoint through the front door's wire (a
+means (states/frontdoor/remote_endpoint.py), and https to an endpoint through the front door's wire (a
 loopback TLS server with a certificate made here)."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import httpx
 import pytest
 import trio
 
-from daemon.config.model import ConfigError, parse_config
-from daemon.config.served import served_models
-from daemon.engine.api import EngineClient
-from daemon.engine.wire import EngineWire
-from states.reasons import ReasonCode
-from states.remote_endpoint import Contact, judge
+from stoker.daemon.config.model import ConfigError, parse_config
+from stoker.daemon.config.instances import served_models
+from stoker.daemon.engine.api import EngineClient
+from stoker.daemon.engine.wire import EngineWire
+from stoker.states.reasons import ReasonCode
+from stoker.states.frontdoor.remote_endpoint import Contact, judge
 
 LOCAL = '[models.chat]\nmodel = "/m/chat.gguf"\n'
 

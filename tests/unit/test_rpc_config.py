@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.config.model import Config, ConfigError, config_diff, needs_relaunch, parse_config
+from stoker.daemon.config.model import Config, ConfigError, config_diff, needs_relaunch, parse_config
 
 
 def test_defaults_bind_loopback_and_list_no_workers():

@@ -1,15 +1,15 @@
-"""The placement over RPC workers (states/rpc_placement.py) and the reading of one through the
+"""The placement over RPC workers (states/fleet/rpc_placement.py) and the reading of one through the
 protocol (daemon/workers/rpc_wire.py) against a loopback peer speaking ggml-rpc's opening."""
 
 from __future__ import annotations
 
 import trio
 
-from daemon.fallback.workers import with_worker_layers
-from daemon.workers.rpc_wire import read_worker, read_workers
-from states import launch_records as LR
-from states.reasons import ReasonCode
-from states.rpc_placement import LocalDevice, RemoteDevice, WorkerReading, confirm, lost_workers, place
+from stoker.daemon.fallback.workers import with_worker_layers
+from stoker.daemon.workers.rpc_wire import read_worker, read_workers
+from stoker.states.launch import records as LR
+from stoker.states.reasons import ReasonCode
+from stoker.states.fleet.rpc_placement import LocalDevice, RemoteDevice, WorkerReading, confirm, lost_workers, place
 from rpc_peer import RpcPeer
 
 GIB = 2**30
@@ -83,7 +83,7 @@ def test_lost_workers_only_after_an_exit_that_lost_one():
 
 
 def test_the_plan_round_trips_through_history_json():
-    from states.machine import from_json, to_json
+    from stoker.states.machine import from_json, to_json
 
     placement = place((_ok("a:1", 1), WorkerReading("b:2", False, error="refused")), "7.0.0")
     plan = LR.LaunchPlan("cpu", "avx2", "/b", "/b/s", "/m", rpc=placement)
@@ -136,10 +136,10 @@ async def test_a_peer_that_accepts_but_never_answers_times_out_as_unreachable():
 
 
 def test_the_tui_card_says_where_the_layers_are():
-    from tui.widgets.backend_card import workers_lines
+    from stoker.tui.widgets.backend_card import workers_lines
 
     placement = place((_ok("a:1", 1), WorkerReading("b:2", False, error="refused")), "7.0.0")
-    from daemon.fallback.workers import confirm_placement
+    from stoker.daemon.fallback.workers import confirm_placement
 
     plan = LR.LaunchPlan("cpu", "avx2", "/b", "/b/s", "/m", rpc=placement)
     ready = {"buffers": [{"kind": "model", "device": "RPC0[a:1]", "mib": 3.5}]}

@@ -1,10 +1,10 @@
-"""The worker machine (states/worker.py): what an rpc-server's start, answer and exits mean."""
+"""The worker machine (states/worker/table.py): what an rpc-server's start, answer and exits mean."""
 
 from __future__ import annotations
 
-from states import worker as M
-from states.machine import step
-from states.reasons import ReasonCode
+from stoker.states.worker import table as M
+from stoker.states.machine import step
+from stoker.states.reasons import ReasonCode
 
 S = M.WorkerState
 SETTINGS = M.WorkerSettings(max_restarts=2, stable_after=30.0, stop_grace=1.0)

@@ -8,7 +8,7 @@ import socket
 import pytest
 import trio
 
-from daemon.core import sdnotify
+from stoker.daemon.core import sdnotify
 
 
 @pytest.fixture

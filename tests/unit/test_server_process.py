@@ -15,10 +15,10 @@ import psutil
 import pytest
 import trio
 
-from daemon.core.errors import StokerError
-from daemon.engine.process import ServerSpec, start_server, server_argv, server_env, stop_server
-from daemon.engine.ready import ServerLog, engine_seconds, wait_ready
-from states.reasons import ReasonCode
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.engine.process import ServerSpec, start_server, server_argv, server_env, stop_server
+from stoker.daemon.engine.ready import ServerLog, engine_seconds, wait_ready
+from stoker.states.reasons import ReasonCode
 from tests.waits import until
 
 # Recorded from the CPU build (-lv 4 --log-colors off), abridged.
@@ -241,7 +241,7 @@ def test_env_passes_gpu_selection_and_loader_path(monkeypatch):
 async def test_an_offload_claim_without_weights_on_a_device_is_not_believed(tmp_path):
     # b11434 with the RPC backend built in, CPU only, no --rpc (recorded on this machine): the
     # engine says it offloaded every layer while every weight is in host memory.
-    from daemon.engine.ready import device_offload
+    from stoker.daemon.engine.ready import device_offload
 
     path = tmp_path / "server.log"
     path.write_text(

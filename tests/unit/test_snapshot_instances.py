@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from daemon.config.model import Config
-from daemon.core.errors import StokerError
-from daemon.snapshots.layout import check_identity
-from daemon.snapshots.listing import listing_of
-from states.reasons import ReasonCode, message_for
-from store import open_store
-from store.migrations import MIGRATIONS
-from store.snapshots import SnapshotCatalog, retention_victims
+from stoker.daemon.config.model import Config
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.snapshots.layout import check_identity
+from stoker.daemon.snapshots.listing import listing_of
+from stoker.states.reasons import ReasonCode, message_for
+from stoker.store import open_store
+from stoker.store.migrations import MIGRATIONS
+from stoker.store.snapshots import SnapshotCatalog, retention_victims
 from tests.unit.test_snapshots import IDENTITY, _row
 
 FILE, OTHER = "/models/tiny.gguf", "/models/other.gguf"

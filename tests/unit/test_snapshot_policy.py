@@ -1,4 +1,4 @@
-"""states.snapshot_policy: restore or re-prefill, budgets that scale with the model (pure)."""
+"""stoker.states.snapshots.policy: restore or re-prefill, budgets that scale with the model (pure)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from states import snapshot_policy as P
-from states.snapshot_policy import Figure, RestoreInputs
+from stoker.states.snapshots import policy as P
+from stoker.states.snapshots.policy import Figure, RestoreInputs
 
 MIB = 1 << 20
 # An 8B-shaped F16 model (32 layers, 8 KV heads of 128): 128 KiB of KV per token (issue 12).

@@ -6,13 +6,13 @@ import gguf
 import numpy as np
 import pytest
 
-from daemon.core.errors import StokerError
-from daemon.models.facts import facts_from_header, model_facts, read_header
-from daemon.snapshots.layout import KVLog, check_identity, swa_report
-from states.reasons import ReasonCode
-from states.snapshot_policy import Figure
-from store import open_store
-from store.snapshots import SnapshotCatalog, retention_victims
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.models.facts import facts_from_header, model_facts, read_header
+from stoker.daemon.snapshots.layout import KVLog, check_identity, swa_report
+from stoker.states.reasons import ReasonCode
+from stoker.states.snapshots.policy import Figure
+from stoker.store import open_store
+from stoker.store.snapshots import SnapshotCatalog, retention_victims
 from tests.waits import until
 
 IDENTITY = {
@@ -219,9 +219,9 @@ def test_gguf_header_reader_skips_arrays(tmp_path, tiny_model):
 def test_swa_full_flag(tmp_path, tiny_model, enabled, setting, swa_model, want):
     import attrs
 
-    from daemon.config.model import Config
-    from daemon.core.paths import StokerPaths
-    from daemon.snapshots.layout import snapshot_server_args
+    from stoker.daemon.config.model import Config
+    from stoker.daemon.core.paths import StokerPaths
+    from stoker.daemon.snapshots.layout import snapshot_server_args
 
     path = tiny_model
     if swa_model:
@@ -254,13 +254,13 @@ def test_a_truncated_gguf_header_is_a_value_error(tmp_path, tiny_model):
 
 
 def _model(path, *, seed=0, n_layer=2):
-    from daemon.bundles.tinymodel import write_tiny_model
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
 
     return write_tiny_model(path, seed=seed, n_layer=n_layer, n_embd=256, n_head=4)
 
 
 def test_model_identity_reads_little_and_tells_weights_apart(tmp_path):
-    from daemon.models.identity import model_identity
+    from stoker.daemon.models.identity import model_identity
 
     a = _model(tmp_path / "a.gguf")
     ident = model_identity(a)
@@ -275,7 +275,7 @@ def test_model_identity_reads_little_and_tells_weights_apart(tmp_path):
     assert other.stat().st_size == a.stat().st_size
     assert model_identity(other).model_id != ident.model_id
     # One tensor retrained in place (its bytes around the middle), header untouched: another model.
-    from daemon.models.facts import read_layout
+    from stoker.daemon.models.facts import read_layout
 
     layout = read_layout(a)
     data = bytearray(a.read_bytes())
@@ -292,7 +292,7 @@ def test_model_identity_of_a_multi_gb_model_costs_milliseconds(tmp_path):
     would take seconds, the identity reads a few hundred KiB."""
     import time
 
-    from daemon.models.identity import MAX_SAMPLES, model_identity
+    from stoker.daemon.models.identity import MAX_SAMPLES, model_identity
 
     path = _model(tmp_path / "big.gguf")
     with open(path, "r+b") as fh:
@@ -304,7 +304,7 @@ def test_model_identity_of_a_multi_gb_model_costs_milliseconds(tmp_path):
 
 
 def test_a_row_from_before_model_ids_matches_by_the_cached_full_digest(catalog):
-    from store.snapshots import same_model
+    from stoker.store.snapshots import same_model
 
     old = {**IDENTITY, "model_id": None, "model_sha256": "s" * 64}
     assert same_model(old, {**IDENTITY, "model_sha256": "s" * 64})
@@ -316,7 +316,7 @@ def test_a_row_from_before_model_ids_matches_by_the_cached_full_digest(catalog):
 
 
 def test_the_migration_keeps_old_rows_and_loosens_the_digests(tmp_path):
-    from store.migrations import MIGRATIONS
+    from stoker.store.migrations import MIGRATIONS
 
     path = tmp_path / "old.db"
     store = open_store(path, migrations=MIGRATIONS[:3])
@@ -346,7 +346,7 @@ def test_the_migration_keeps_old_rows_and_loosens_the_digests(tmp_path):
 def _saved(tmp_path, catalog, size=300_000):
     import os as _os
 
-    from daemon.snapshots.files import FileFacts, sample_digest
+    from stoker.daemon.snapshots.files import FileFacts, sample_digest
 
     path = tmp_path / "slot0-1-ab.bin"
     path.write_bytes(_os.urandom(size))
@@ -365,7 +365,7 @@ def _saved(tmp_path, catalog, size=300_000):
 
 
 def test_restore_check_reads_only_the_head_and_tail(tmp_path, catalog, monkeypatch):
-    from daemon.snapshots import files
+    from stoker.daemon.snapshots import files
 
     path, rec = _saved(tmp_path, catalog)
     monkeypatch.setattr(files, "sha256_file", lambda p: pytest.fail("read the whole file"))
@@ -376,7 +376,7 @@ def test_restore_check_reads_only_the_head_and_tail(tmp_path, catalog, monkeypat
 def test_restore_check_refuses_a_truncated_or_rewritten_file(tmp_path, catalog):
     import os as _os
 
-    from daemon.snapshots.files import check_file
+    from stoker.daemon.snapshots.files import check_file
 
     path, rec = _saved(tmp_path, catalog)
     st = path.stat()
@@ -395,8 +395,8 @@ def test_restore_check_refuses_a_truncated_or_rewritten_file(tmp_path, catalog):
 
 
 def test_a_moved_file_needs_the_full_digest(tmp_path, catalog):
-    from daemon.core.digests import sha256_file
-    from daemon.snapshots.files import check_file
+    from stoker.daemon.core.digests import sha256_file
+    from stoker.daemon.snapshots.files import check_file
 
     path, rec = _saved(tmp_path, catalog)
     moved = tmp_path / "copy.bin"
@@ -411,8 +411,8 @@ def test_a_moved_file_needs_the_full_digest(tmp_path, catalog):
 
 
 def test_a_row_from_before_the_cheap_checks_is_checked_in_full(tmp_path, catalog):
-    from daemon.core.digests import sha256_file
-    from daemon.snapshots.files import check_file
+    from stoker.daemon.core.digests import sha256_file
+    from stoker.daemon.snapshots.files import check_file
 
     path = tmp_path / "old.bin"
     path.write_bytes(b"x" * 5000)
@@ -421,7 +421,7 @@ def test_a_row_from_before_the_cheap_checks_is_checked_in_full(tmp_path, catalog
 
 
 def test_residency_is_a_fraction(tmp_path):
-    from daemon.snapshots.files import resident_fraction
+    from stoker.daemon.snapshots.files import resident_fraction
 
     path = tmp_path / "f.bin"
     path.write_bytes(b"y" * (1 << 20))
@@ -431,8 +431,8 @@ def test_residency_is_a_fraction(tmp_path):
 
 
 def test_prefill_figures_come_from_the_engines_own_lines(tmp_path, catalog):
-    from daemon.snapshots.figures import fold_prefills, prefill_name, prefill_samples
-    from daemon.snapshots.layout import LAUNCH_MARKER
+    from stoker.daemon.snapshots.figures import fold_prefills, prefill_name, prefill_samples
+    from stoker.daemon.snapshots.layout import LAUNCH_MARKER
 
     log_path = tmp_path / "llama-server.log"
     line = "slot print_timing: id  0 | task {t} | prompt eval time = {ms:10.2f} ms / {n:5d} tokens (x)\n"
@@ -453,31 +453,31 @@ def test_prefill_figures_come_from_the_engines_own_lines(tmp_path, catalog):
 
 
 def test_retention_says_why_it_drops(catalog):
-    from store.snapshots import retention_plan
+    from stoker.store.snapshots import retention_plan
 
     recs = [catalog.add(_row(slot=0, at=float(i), size=400)) for i in range(3)]
     plan = retention_plan(catalog.list(), max_count=2, max_bytes=500)
     assert [(r.id, why) for r, why in plan] == [(recs[0].id, "count"), (recs[1].id, "bytes")]
 
 
-def _shelf(tmp_path, catalog, boot="this-boot"):
-    from daemon.snapshots.drops import DropLog
-    from daemon.snapshots.shelf import SnapshotShelf
+def _upkeep(tmp_path, catalog, boot="this-boot"):
+    from stoker.daemon.snapshots.drops import DropLog
+    from stoker.daemon.snapshots.upkeep import SnapshotUpkeep
 
     events = []
-    return SnapshotShelf(tmp_path, catalog, DropLog(events.append), events.append, boot=boot), events
+    return SnapshotUpkeep(tmp_path, catalog, DropLog(events.append), events.append, boot=boot), events
 
 
 async def test_after_a_save_the_file_is_sealed_and_digested_in_the_background(tmp_path, catalog):
     import trio
 
-    from daemon.core.digests import sha256_file
+    from stoker.daemon.core.digests import sha256_file
 
     path, rec = _saved(tmp_path, catalog)
-    shelf, _ = _shelf(tmp_path, catalog)
+    upkeep, _ = _upkeep(tmp_path, catalog)
     async with trio.open_nursery() as nursery:
-        await nursery.start(shelf.run)
-        await shelf.after_save(rec)  # returns at once: the work is the shelf's
+        await nursery.start(upkeep.run)
+        await upkeep.after_save(rec)  # returns at once: the work is the upkeep's
         await until(lambda: catalog.get(rec.id).file_sha256, timeout=10, what="the background digest of the saved file")
         nursery.cancel_scope.cancel()
     done = catalog.get(rec.id)
@@ -487,10 +487,10 @@ async def test_after_a_save_the_file_is_sealed_and_digested_in_the_background(tm
 def test_a_row_unsealed_when_the_machine_restarted_is_dropped_and_said(tmp_path, catalog):
     path, rec = _saved(tmp_path, catalog)
     catalog.update(rec.id, boot_id="an-earlier-boot")
-    shelf, events = _shelf(tmp_path, catalog)
-    shelf.cleanup_rows()
+    upkeep, events = _upkeep(tmp_path, catalog)
+    upkeep.cleanup_rows()
     assert catalog.list() == [] and not path.exists()
-    (dropped,) = shelf.drops.latest()
+    (dropped,) = upkeep.drops.latest()
     assert (dropped["reason"], dropped["why"], dropped["snapshot_id"]) == (
         "snapshot_dropped",
         "unsealed_before_reboot",
@@ -500,7 +500,7 @@ def test_a_row_unsealed_when_the_machine_restarted_is_dropped_and_said(tmp_path,
     # Sealed before the restart, or written on this boot: kept.
     path2, rec2 = _saved(tmp_path, catalog)
     catalog.update(rec2.id, boot_id="an-earlier-boot", sealed_at=1.0)
-    shelf.cleanup_rows()
+    upkeep.cleanup_rows()
     assert [r.id for r in catalog.list()] == [rec2.id]
 
 
@@ -509,8 +509,8 @@ def test_a_digest_never_vouches_for_a_file_changed_after_the_save(tmp_path, cata
 
     path, rec = _saved(tmp_path, catalog)
     path.write_bytes(path.read_bytes()[::-1])  # rewritten before the background digest ran
-    shelf, _ = _shelf(tmp_path, catalog)
-    trio.run(shelf._digest, rec.id, path)
+    upkeep, _ = _upkeep(tmp_path, catalog)
+    trio.run(upkeep._digest, rec.id, path)
     assert catalog.get(rec.id).file_sha256 is None
 
 
@@ -519,6 +519,6 @@ def test_the_header_readers_value_types_are_the_gguf_formats():
     start does not import gguf and numpy): it must be the gguf package's, id for id."""
     import gguf
 
-    from daemon.models.facts import ValueType
+    from stoker.daemon.models.facts import ValueType
 
     assert {t.name: int(t) for t in ValueType} == {t.name: int(t) for t in gguf.GGUFValueType}

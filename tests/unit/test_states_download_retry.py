@@ -5,7 +5,7 @@ from __future__ import annotations
 import hypothesis
 import hypothesis.strategies as st
 
-from states.download_retry import RETRY_TABLE, DownloadFailure, RetryRule, retry_after
+from stoker.states.download_retry import RETRY_TABLE, DownloadFailure, RetryRule, retry_after
 
 
 def test_a_cut_is_tried_again_five_times_with_growing_waits_then_given_up() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from states.fallback import (
+from stoker.states.fallback.table import (
     FALLBACK,
     BundleInstalled,
     BundleMissing,
@@ -24,11 +24,11 @@ from states.fallback import (
     UsePlan,
     cpu_variant_order,
 )
-from states.fallback_proof import AccelerationProof, proof_evidence
-from states.fallback_vram import FreeVram, VramCheck
-from states.launch_records import ExitPhase
-from states.machine import IllegalTransition, step
-from states.reasons import ReasonCode as R
+from stoker.states.fallback.proof import AccelerationProof, proof_evidence
+from stoker.states.fallback.vram import FreeVram, VramCheck
+from stoker.states.launch.records import ExitPhase
+from stoker.states.machine import IllegalTransition, step
+from stoker.states.reasons import ReasonCode as R
 
 
 CPU_ORDER = ("avx2", "compat")  # the CPU builds on x86, fastest first

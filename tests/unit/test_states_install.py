@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from states.install import (
+from stoker.states.install.table import (
     INSTALL,
     Downloaded,
     InstallData,
@@ -24,7 +24,7 @@ from states.install import (
     Verified,
     machine_id,
 )
-from states.install_effects import (
+from stoker.states.install.effects import (
     BuildBundle,
     CheckToolchain,
     CleanStaging,
@@ -37,10 +37,10 @@ from states.install_effects import (
     ValidateBundle,
     VerifyArchive,
 )
-from states.install_slot import Offer, Rejection, SlotBundle, SlotWriter, offer_verdict, writer_conflict
-from states.install_sources import Source
-from states.machine import IllegalTransition, step
-from states.reasons import ReasonCode
+from stoker.states.install.slot import Offer, Rejection, SlotBundle, SlotWriter, offer_verdict, writer_conflict
+from stoker.states.install.sources import Source
+from stoker.states.machine import IllegalTransition, step
+from stoker.states.reasons import ReasonCode
 
 HAPPY = [
     InstallRequested("cuda", "sm90"),

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from states.launch import LAUNCH, resume_effects
-from states.launch_exits import ExitVerdict, judge_exit
-from states.launch_records import (
+from stoker.states.launch.table import LAUNCH, resume_effects
+from stoker.states.launch.exits import ExitVerdict, judge_exit
+from stoker.states.launch.records import (
     Adopted,
     AfterStop,
     ArmStableTimer,
@@ -45,8 +45,8 @@ from states.launch_records import (
     WatchLiveness,
     WatchReadiness,
 )
-from states.machine import IllegalTransition, step
-from states.reasons import ReasonCode
+from stoker.states.machine import IllegalTransition, step
+from stoker.states.reasons import ReasonCode
 
 PLAN = LaunchPlan("cpu", "x86-64-v3", "/b", "/b/llama-server", "/m.gguf", port=8099)
 GPU_PLAN = LaunchPlan("cuda", "avx2", "/c", "/c/llama-server", "/m.gguf", n_gpu_layers="auto")

@@ -15,11 +15,11 @@ import enum
 import attrs
 from hypothesis import given, settings, strategies as st
 
-from states import fallback as F
-from states import launch as L
-from states import launch_records as LR
-from states.machine import step
-from states.reasons import ReasonCode as R
+from stoker.states.fallback import table as F
+from stoker.states.launch import table as L
+from stoker.states.launch import records as LR
+from stoker.states.machine import step
+from stoker.states.reasons import ReasonCode as R
 
 CANDIDATES = ("cuda", "cpu")
 STARTUP_FAILED = {"cuda": R.CUDA_STARTUP_FAILED}

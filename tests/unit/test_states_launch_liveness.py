@@ -1,12 +1,12 @@
-"""The liveness judgement (states/launch_liveness.py): progress, never wall time."""
+"""The liveness judgement (states/launch/liveness.py): progress, never wall time."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, strategies as st
 
-from daemon.launch.liveness import slot_progress
-from states.launch_liveness import (
+from stoker.daemon.launch.liveness import slot_progress
+from stoker.states.launch.liveness import (
     FROZEN_PROCESS_STATES,
     HEALTH_ANSWERS,
     LivenessSample,

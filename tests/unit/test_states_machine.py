@@ -11,17 +11,28 @@ import attrs
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from states import config as C, fallback as F, install as I, launch_records as LR, probe as PR, pull as P
-from states import engine_update_records as EU, worker as WK
-from states import fallback_vram as FV
-from states.fallback_proof import AccelerationProof, acceleration_verdict
-from states.diagrams import SPECS, document, mermaid
-from states.fallback import FallbackData, Skipped
-from states.install import InstallData
-from states.install_slot import Rejection, SlotBundle, SlotWriter
-from states.launch import LAUNCH
-from states.launch_records import LaunchData, LaunchPlan, PlanReady, ServerExited, UpRequested
-from states.machine import (
+from stoker.states.config import table as C
+
+from stoker.states.fallback import table as F
+
+from stoker.states.install import table as I
+
+from stoker.states.launch import records as LR
+
+from stoker.states.probe import table as PR
+
+from stoker.states.pull import table as P
+from stoker.states.engine_update import records as EU
+from stoker.states.worker import table as WK
+from stoker.states.fallback import vram as FV
+from stoker.states.fallback.proof import AccelerationProof, acceleration_verdict
+from stoker.states.diagrams import SPECS, document, mermaid
+from stoker.states.fallback.table import FallbackData, Skipped
+from stoker.states.install.table import InstallData
+from stoker.states.install.slot import Rejection, SlotBundle, SlotWriter
+from stoker.states.launch.table import LAUNCH
+from stoker.states.launch.records import LaunchData, LaunchPlan, PlanReady, ServerExited, UpRequested
+from stoker.states.machine import (
     STAY,
     Guarded,
     IllegalTransition,
@@ -35,8 +46,8 @@ from states.machine import (
     guarded,
     step,
 )
-from states.probe import ProbeData
-from states.reasons import ReasonCode
+from stoker.states.probe.table import ProbeData
+from stoker.states.reasons import ReasonCode
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from states.machine import IllegalTransition, step
-from states.probe import (
+from stoker.states.machine import IllegalTransition, step
+from stoker.states.probe.table import (
     PROBE,
     ArmExpiry,
     Expired,
@@ -18,7 +18,7 @@ from states.probe import (
     RunProbe,
     machine_id,
 )
-from states.reasons import ReasonCode
+from stoker.states.reasons import ReasonCode
 
 
 def drive(*events, state=S.IDLE, data=None):

@@ -7,8 +7,8 @@ import sqlite3
 import attrs
 import pytest
 
-from store import MachineRecord, StoreError, TransitionRecord, open_store
-from store.migrations import MIGRATIONS, applied, migrate
+from stoker.store import MachineRecord, StoreError, TransitionRecord, open_store
+from stoker.store.migrations import MIGRATIONS, applied, migrate
 
 
 class Clock:
@@ -120,9 +120,9 @@ def test_reopen_keeps_machines_and_history(tmp_path):
 
 def test_a_store_a_newer_daemon_wrote_still_reads(tmp_path):
     """Columns this daemon does not know (a newer one added them) are ignored, in every table."""
-    from store.catalog import ModelCatalog, ModelRecord
-    from store.keys import KeyStore
-    from store.manifests import ManifestVersions
+    from stoker.store.catalog import ModelCatalog, ModelRecord
+    from stoker.store.keys import KeyStore
+    from stoker.store.manifests import ManifestVersions
 
     path = tmp_path / "stoker.db"
     s = open_store(path)
@@ -151,7 +151,7 @@ def test_a_store_a_newer_daemon_wrote_still_reads(tmp_path):
 
 
 def test_a_row_from_before_a_column_existed_reads_with_the_records_default():
-    from store.rows import record_from_row
+    from stoker.store.rows import record_from_row
 
     @attrs.frozen
     class Row:
@@ -404,10 +404,10 @@ def test_history_reaches_the_main_file_at_each_checkpoint(tmp_path):
 
 
 def test_a_machine_steps_on_while_the_disk_is_full_and_resumes_from_the_caught_up_rows(tmp_path):
-    from daemon.core.machines import MachineRunner
-    from states import launch as L
-    from states import launch_records as LR
-    from states.reasons import ReasonCode
+    from stoker.daemon.core.machines import MachineRunner
+    from stoker.states.launch import table as L
+    from stoker.states.launch import records as LR
+    from stoker.states.reasons import ReasonCode
 
     path = tmp_path / "stoker.db"
     s = open_store(path)
@@ -433,7 +433,7 @@ async def test_the_keeper_writes_held_back_rows_when_space_returns_and_checkpoin
 
     import trio
 
-    from daemon.core.store_keeper import CHECKPOINT_S, RETRY_S, serve_store_keeper
+    from stoker.daemon.core.store_keeper import CHECKPOINT_S, RETRY_S, serve_store_keeper
 
     path = tmp_path / "stoker.db"
     s = open_store(path, clock=Clock())

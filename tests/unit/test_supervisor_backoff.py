@@ -4,7 +4,7 @@ import random
 
 from hypothesis import given, strategies as st
 
-from states.backoff import Backoff
+from stoker.states.backoff import Backoff
 
 
 @given(attempt=st.integers(1, 60), initial=st.floats(0.01, 5), cap=st.floats(0.01, 120), jitter=st.floats(0, 1))

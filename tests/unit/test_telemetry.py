@@ -10,12 +10,12 @@ import trio
 import trio.testing
 
 import backend_recordings as rec
-from daemon.backends.cpu import CpuBackend
-from daemon.backends.cuda import CudaBackend
-from daemon.backends.vulkan import VulkanBackend
-from daemon.core.events import EventBus
-from daemon.telemetry.service import TOPIC, serve_telemetry
-from daemon.telemetry.sampler import (
+from stoker.daemon.backends.cpu import CpuBackend
+from stoker.daemon.backends.cuda import CudaBackend
+from stoker.daemon.backends.vulkan import VulkanBackend
+from stoker.daemon.core.events import EventBus
+from stoker.daemon.telemetry.publisher import TOPIC, serve_telemetry
+from stoker.daemon.telemetry.sampler import (
     HISTORY,
     ServerTarget,
     TelemetrySampler,
@@ -323,7 +323,7 @@ async def test_a_gpu_server_demoted_to_the_cpu_is_named_cpu_and_its_vram_still_s
     assert sample["backend"] == "cpu" and sample["planned_backend"] == "cuda"
     assert sample["gpu"]["source"] == "nvml" and sample["process"] is not None
     assert sample["activity"] == "idle"
-    from daemon.cli.telemetry import format_sample
+    from stoker.daemon.cli.telemetry import format_sample
 
     assert "cpu (planned cuda: not accelerated)" in format_sample(sample)
     # Where the plan's plugin cannot read, nothing is claimed and no error is shown for a GPU
@@ -340,7 +340,7 @@ async def test_a_partial_offload_says_partial():
     sampler, _ = make_sampler([partial], nvml)
     sample = await sampler.sample()
     assert sample["backend"] == "cuda" and sample["layers"] == {"offloaded": 15, "total": 33}
-    from daemon.cli.telemetry import format_sample
+    from stoker.daemon.cli.telemetry import format_sample
 
     assert "cuda (partial: 15/33 layers)" in format_sample(sample)
 

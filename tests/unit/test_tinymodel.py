@@ -7,7 +7,7 @@ import hashlib
 import gguf
 import pytest
 
-from daemon.bundles.tinymodel import write_tiny_model
+from stoker.daemon.bundles.tinymodel import write_tiny_model
 
 
 def _digest(path):

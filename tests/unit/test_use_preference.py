@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.config.model import ConfigError, load_config
-from daemon.config.edit import set_backend_prefer, write_preference
+from stoker.daemon.config.model import ConfigError, load_config
+from stoker.daemon.config.edit import set_backend_prefer, write_preference
 
 
 def test_replaces_the_key_in_place_and_keeps_comments():

@@ -7,8 +7,8 @@ import hmac
 import attrs
 import pytest
 
-from store import StoreError, open_store
-from store.keys import KEY_PREFIX, LAST_USED_EVERY_S, KeyRecord, KeyStore, key_hash, key_prefix, new_key
+from stoker.store import StoreError, open_store
+from stoker.store.keys import KEY_PREFIX, LAST_USED_EVERY_S, KeyRecord, KeyStore, key_hash, key_prefix, new_key
 
 
 class Clock:

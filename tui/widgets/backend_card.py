@@ -10,7 +10,7 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widgets import Static
 
-from tui import quantities as q
+from stoker.tui import quantities as q
 
 STATE_STYLE = {
     "ready": "bold green",

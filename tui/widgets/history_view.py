@@ -11,7 +11,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Label, Select, Static
 
-from tui import quantities as q
+from stoker.tui import quantities as q
 
 ALL = "*"
 MODEL = "model="  # a filter value naming a model rather than a machine

@@ -39,7 +39,7 @@ def progress_figures(event: dict[str, Any]) -> dict[str, Any]:
 
 
 def progress_line(fig: dict[str, Any]) -> Text:
-    from tui import quantities as q
+    from stoker.tui import quantities as q
 
     text = Text(f"{fig['what']}  ", style="bold")
     if fig.get("phase"):

@@ -17,11 +17,11 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import DataTable, Static
 
-from tui import quantities as q
-from tui.widgets.backend_card import STATE_STYLE
-from tui.widgets.history_view import row_key
-from tui.widgets.pull_progress import PullProgress
-from tui.widgets.remote_models import describe_remote, remote_row
+from stoker.tui import quantities as q
+from stoker.tui.widgets.backend_card import STATE_STYLE
+from stoker.tui.widgets.history_view import row_key
+from stoker.tui.widgets.pull_progress import PullProgress
+from stoker.tui.widgets.remote_models import describe_remote, remote_row
 
 HISTORY_ROWS = 50
 

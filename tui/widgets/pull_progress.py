@@ -14,9 +14,9 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import ProgressBar, Static
 
-from tui import quantities as q
+from stoker.tui import quantities as q
 
-# The pull machine's states in which it works (states/pull.py WORKING); any other ends it here.
+# The pull machine's states in which it works (states/pull/table.py WORKING); any other ends it here.
 WORKING = frozenset({"requested", "resolving", "downloading", "inspecting"})
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from tui import quantities as q
+from stoker.tui import quantities as q
 
 REACHABILITY = {True: "reachable", False: "unreachable", None: "unchecked"}
 STYLE = {"reachable": "green", "unreachable": "bold red", "unchecked": "dim"}

@@ -11,7 +11,7 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, DataTable, Static
 
-from tui import quantities as q
+from stoker.tui import quantities as q
 
 
 def snapshot_id(item: dict[str, Any]) -> Any:

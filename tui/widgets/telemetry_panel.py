@@ -10,9 +10,9 @@ from textual.containers import Vertical
 from textual.reactive import reactive
 from textual.widgets import Label, Static
 
-from tui import quantities as q
-from tui.widgets.meter import Meter
-from tui.widgets.trend import Trend
+from stoker.tui import quantities as q
+from stoker.tui.widgets.meter import Meter
+from stoker.tui.widgets.trend import Trend
 
 ACTIVITY = {
     "busy": ("● busy", "bold green"),

@@ -15,17 +15,17 @@ from typing import Any, Mapping
 
 import trio
 
-from daemon.bundles.installed import InstalledBundle, bundle_meta_of
-from daemon.config.edit import write_preference
-from daemon.config.model import BackendConfig, ConfigError, load_config
-from daemon.control.controlled import ControlledDaemon
-from daemon.control.params import Choices, Kind, Param, method
-from daemon.control.replies import BundleInfo, Installed, PreferenceWritten, ProbeReply, ProbeReport
-from daemon.control.status import build_status
-from daemon.core.errors import StokerError
-from daemon.probes.service import ProbeResult
-from states import launch_records as LR
-from states.reasons import ReasonCode
+from stoker.daemon.bundles.installed import InstalledBundle, bundle_meta_of
+from stoker.daemon.config.edit import write_preference
+from stoker.daemon.config.model import BackendConfig, ConfigError, load_config
+from stoker.daemon.control.controlled import ControlledDaemon
+from stoker.daemon.control.params import Choices, Kind, Param, method
+from stoker.daemon.control.replies import BundleInfo, Installed, PreferenceWritten, ProbeReply, ProbeReport
+from stoker.daemon.control.status import build_status
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.probes.verdicts import ProbeResult
+from stoker.states.launch import records as LR
+from stoker.states.reasons import ReasonCode
 
 # The loaded backend plugins are the only source of backend names (a third-party one included).
 BACKENDS = Choices("a loaded backend", lambda daemon: daemon.backend_names)

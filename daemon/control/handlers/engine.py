@@ -1,6 +1,6 @@
 """Socket methods for engine updates: engine.update, engine.rollback, engine.status.
 
-The update machine (states/engine_update.py) is driven by daemon/install/update.py; these
+The update machine (states/engine_update/table.py) is driven by daemon/install/update.py; these
 handlers only say which slot (backend + variant) a request means: the bundle's own slot for a
 named zip, the installed variant of a named backend, else the slot the default model's server
 runs on, else the only installed slot.
@@ -13,15 +13,15 @@ from typing import Any, Mapping
 
 import trio
 
-from daemon.bundles.installed import bundle_meta_of, find_installed, list_installed
-from daemon.control.controlled import ControlledDaemon
-from daemon.control.handlers.backends import BACKENDS
-from daemon.control.params import Kind, Param, method
-from daemon.control.replies import EngineOutcome, EngineStatus
-from daemon.core.errors import StokerError
-from states.convert import structure
-from states.engine_update import machine_id
-from states.reasons import ReasonCode
+from stoker.daemon.bundles.installed import bundle_meta_of, find_installed, list_installed
+from stoker.daemon.control.controlled import ControlledDaemon
+from stoker.daemon.control.handlers.backends import BACKENDS
+from stoker.daemon.control.params import Kind, Param, method
+from stoker.daemon.control.replies import EngineOutcome, EngineStatus
+from stoker.daemon.core.errors import StokerError
+from stoker.states.convert import structure
+from stoker.states.engine_update.table import machine_id
+from stoker.states.reasons import ReasonCode
 
 BACKEND = Param(
     "backend", Kind.STRING, "The backend whose engine (default: the one the default model runs on).", choices=BACKENDS

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from daemon.control.controlled import ControlledDaemon
-from daemon.control.params import Kind, Param, method
-from daemon.control.replies import ModelList, ModelRemoved, Pulled
-from states.reasons import ReasonCode
+from stoker.daemon.control.controlled import ControlledDaemon
+from stoker.daemon.control.params import Kind, Param, method
+from stoker.daemon.control.replies import ModelList, ModelRemoved, Pulled
+from stoker.states.reasons import ReasonCode
 
 PULL_ERRORS = (
     ReasonCode.PULL_BAD_SPEC,

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from daemon.control.controlled import ControlledDaemon
-from daemon.control.params import Kind, Param, method
-from daemon.control.replies import SnapshotListing, SnapshotRemoved, SnapshotRestored, SnapshotsSaved
-from daemon.core.errors import StokerError
-from daemon.fleet.member import Member
-from daemon.launch.instance import ServerInstance
-from states import launch_records as LR
-from states.reasons import ReasonCode
+from stoker.daemon.control.controlled import ControlledDaemon
+from stoker.daemon.control.params import Kind, Param, method
+from stoker.daemon.control.replies import SnapshotListing, SnapshotRemoved, SnapshotRestored, SnapshotsSaved
+from stoker.daemon.core.errors import StokerError
+from stoker.daemon.fleet.member import Member
+from stoker.daemon.launch.instance import ServerInstance
+from stoker.states.launch import records as LR
+from stoker.states.reasons import ReasonCode
 
 # A slot's upper bound is the running server's slot count, known only to it: snapshot_bad_slot.
 SLOT_DOC = "The server's slot (0 to its --parallel minus 1; else snapshot_bad_slot)."

@@ -1,12 +1,12 @@
-"""The `telemetry` socket method: it reads the telemetry service's sampler (daemon.telemetry.service)."""
+"""The `telemetry` socket method: it reads the telemetry service's sampler (daemon.telemetry.publisher)."""
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from daemon.control.controlled import ControlledDaemon
-from daemon.control.params import method
-from daemon.control.replies import TelemetryReading
+from stoker.daemon.control.controlled import ControlledDaemon
+from stoker.daemon.control.params import method
+from stoker.daemon.control.replies import TelemetryReading
 
 
 @method("telemetry", result=TelemetryReading)

@@ -17,8 +17,16 @@ import re
 from pathlib import Path
 from typing import Iterable
 
-from daemon.backends.base import Backend, Detection, Device, DeviceTelemetry, ReasonKind, Telemetry, TelemetryRequest
-from states.reasons import ReasonCode
+from stoker.daemon.backends.base import (
+    Backend,
+    Detection,
+    Device,
+    DeviceTelemetry,
+    ReasonKind,
+    Telemetry,
+    TelemetryRequest,
+)
+from stoker.states.reasons import ReasonCode
 
 ENV = "FAKEGPU_DEVICES"
 NOW_ENV = "FAKEGPU_NOW"

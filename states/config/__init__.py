@@ -1,0 +1,1 @@
+"""The config machine: the file's validity and what a reload changes."""

@@ -1,0 +1,450 @@
+"""The fallback machine: one per server instance, from the preferred backend to CPU.
+
+    idle -> checking(backend) -> launching(backend) -> settled
+                 |  ^
+                 v  | (bundle installed: re-check)
+             installing(backend)
+    any failure -> record (backend, reason, evidence) -> checking(next) ... -> failed
+
+Every launch request (the launch machine's MakePlan) arrives as `PlanRequested` with its
+facts, and this table decides what it means: a non-CPU candidate whose server died before it
+was ever ready is recorded as `<backend>_startup_failed` (the backend's own code, carried in
+the event) and the next candidate is checked; anything else starts afresh from the first.
+Only a missing bundle (`BundleMissing`: binary_missing_*_detected on present hardware, else
+bundle_missing) is repaired in place: install once, re-check, retry. A GPU check that passed
+is judged on its free-VRAM reading (states/fallback/vram.py): no GPU with room for a layer
+skips the backend with its vram_full code, and the plan gets only the GPUs with room. Every
+other failure is recorded and the next candidate is tried, CPU last (the daemon orders the
+candidates). The CPU's builds are tried fastest first; after a SIGILL, every build at or
+above the one that faulted is out (`cpu_variant_order`). A forced backend has
+no next candidate: its first unrepaired failure ends in `failed` with that reason. Once
+settled, a server respawned with the same plan is proven again on every ready: one that is
+no longer accelerated is a transition to the CPU with its reason (`chosen`, `reason`; the
+proof is kept as `respawn_demotion`), one accelerated again is a transition back. Whether a
+ready server is really accelerated is states/fallback/proof.py's verdict on what it proved.
+"""
+
+from __future__ import annotations
+
+import enum
+import typing
+from typing import Any
+
+import attrs
+
+from stoker.states.fallback.proof import AccelerationProof, acceleration_verdict, proof_evidence
+from stoker.states.fallback.vram import VramCheck, devices_of, no_room
+from stoker.states.launch.records import CPU_BACKEND, ExitPhase
+from stoker.states.machine import STAY, MachineSpec, Rule, Step, guarded, as_evidence
+from stoker.states.reasons import ReasonCode
+
+
+class FallbackState(enum.StrEnum):
+    IDLE = "idle"
+    CHECKING = "checking"
+    INSTALLING = "installing"
+    LAUNCHING = "launching"
+    SETTLED = "settled"
+    FAILED = "failed"
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    return tuple(str(v) for v in value)
+
+
+def _indices(value: Any) -> tuple[int, ...]:
+    return tuple(int(v) for v in value)
+
+
+# The CPU builds from the fastest to the safest; `native` only when the user asks for it.
+CPU_VARIANTS_BY_SAFETY = ("avx2", "compat")
+X86 = frozenset({"x86_64", "amd64"})
+
+
+def cpu_variant_order(
+    setting: str, arch: str, failure: ReasonCode | None = None, faulted: str | None = None
+) -> tuple[str, ...]:
+    """The CPU builds to try, best first: `[backend] cpu_variant` first when set, the safest
+    first off x86; after a SIGILL of the `faulted` build, every build at or above it is out
+    (the safest stays)."""
+    if setting != "auto":
+        order = (setting, *(v for v in CPU_VARIANTS_BY_SAFETY if v != setting))
+    elif arch.lower() in X86:
+        order = CPU_VARIANTS_BY_SAFETY
+    else:
+        order = tuple(reversed(CPU_VARIANTS_BY_SAFETY))
+    if failure == ReasonCode.CPU_ILLEGAL_INSTRUCTION and faulted in order:
+        order = order[order.index(faulted) + 1 :] or (CPU_VARIANTS_BY_SAFETY[-1],)
+    return order
+
+
+@attrs.frozen
+class Skipped:
+    """One backend given up on, and why."""
+
+    backend: str
+    reason: ReasonCode
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+
+
+def _skipped(value: Any) -> tuple[Skipped, ...]:
+    return tuple(value)
+
+
+@attrs.frozen
+class Demotion:
+    """A server on `backend` that serves but is not really accelerated, and the proof."""
+
+    backend: str
+    reason: ReasonCode
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+
+
+@attrs.frozen
+class FallbackData:
+    candidates: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    index: int = 0
+    forced: bool = False
+    installed: tuple[str, ...] = attrs.field(default=(), converter=_names)  # installs tried
+    skipped: tuple[Skipped, ...] = attrs.field(default=(), converter=_skipped)
+    chosen: str | None = None  # the backend the server really runs on, once settled
+    reason: ReasonCode | None = None  # why not the preferred one (or why failed)
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+    # Settled, then the same plan respawned after a crash and found not really accelerated.
+    respawn_demotion: Demotion | None = None
+    cpu_variants: tuple[str, ...] = attrs.field(default=(), converter=_names)  # the CPU builds to try, best first
+
+    @property
+    def current(self) -> str | None:
+        return self.candidates[self.index] if self.index < len(self.candidates) else None
+
+
+# --- events -----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class PlanRequested:
+    """The launch machine asked for a plan (its MakePlan), with the facts of the request:
+    the backends to try for the config in use (CPU last; `forced`: exactly that one) and,
+    when a crash asked for the new plan, the previous plan's backend, the exit's reason and
+    phase, that backend's own reason code for a start that failed (a plugin's fact), and
+    the evidence that decided the exit (its line, a missing library, the log's tail). For the
+    CPU's builds: `[backend] cpu_variant`, the machine's architecture and the previous plan's
+    build (`previous_variant`)."""
+
+    candidates: tuple[str, ...] = attrs.field(converter=_names)
+    forced: bool = False
+    previous_backend: str | None = None
+    previous_variant: str | None = None
+    cpu_variant: str = "auto"
+    arch: str = "x86_64"
+    failure: ReasonCode | None = None
+    phase: ExitPhase | None = None
+    startup_failed: ReasonCode = ReasonCode.SERVER_CRASHED
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+
+
+@attrs.frozen
+class CheckPassed:
+    """The backend's hardware and a bundle that fits it are there; for a GPU, with the free
+    VRAM read now (`vram`), from which the table decides whether any GPU has room for a layer
+    and which GPUs the server gets."""
+
+    backend: str
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+    vram: VramCheck | None = None
+
+
+@attrs.frozen
+class CheckFailed:
+    """The backend cannot run, and why, as its probe or plugin classified it."""
+
+    backend: str
+    reason: ReasonCode
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+
+
+@attrs.frozen
+class BundleMissing:
+    """Usable hardware (or the CPU) and no engine bundle installed for it: the one failure an
+    install repairs. `present`: the hardware is there; `binary_missing`: the backend's own
+    code for that (binary_missing_*_detected; None where it declares none)."""
+
+    backend: str
+    present: bool = True
+    binary_missing: ReasonCode | None = None
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+
+
+@attrs.frozen
+class BundleInstalled:
+    """The missing bundle was installed: check again."""
+
+    backend: str
+
+
+@attrs.frozen
+class BundleInstallFailed:
+    backend: str
+    reason: ReasonCode  # cuda_bundle_install_failed or its analogue
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+
+
+@attrs.frozen
+class LaunchSucceeded:
+    """The server is ready, with what its launch proved (`proof`, for a GPU plan): one not
+    really accelerated (cuda_gpu_layers_zero, gpu_claimed_but_unused) serves, and the table
+    says why on CPU. `adopted`: a server kept across a daemon restart, nothing new to prove."""
+
+    backend: str
+    proof: AccelerationProof | None = None
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+    adopted: bool = False
+
+
+# --- effects ----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ProbeCandidates:
+    """Probe these backends at once (each in its own process), so that every check that
+    follows reads a fresh cache instead of probing in turn. Nothing to answer."""
+
+    backends: tuple[str, ...] = attrs.field(converter=_names)
+
+
+@attrs.frozen
+class CheckBackend:
+    """Probe the backend and look for its installed bundle (for the CPU: the first of
+    `cpu_variants` installed); CheckPassed, CheckFailed or BundleMissing."""
+
+    backend: str
+    cpu_variants: tuple[str, ...] = attrs.field(default=(), converter=_names)
+
+
+@attrs.frozen
+class InstallBundle:
+    """Run the install machine for this backend; BundleInstalled or BundleInstallFailed."""
+
+    backend: str
+
+
+@attrs.frozen
+class UsePlan:
+    """Plan the launch on this backend (the launch machine's PlanReady), on `devices` (the GPUs
+    with room for a layer when not all have it; empty: all of them)."""
+
+    backend: str
+    devices: tuple[int, ...] = attrs.field(default=(), converter=_indices)
+
+
+@attrs.frozen
+class GiveUp:
+    """No backend is left (or the forced one failed): the launch machine's PlanFailed."""
+
+    reason: ReasonCode
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+
+
+Effect = ProbeCandidates | CheckBackend | InstallBundle | UsePlan | GiveUp
+
+S = FallbackState
+
+
+def _check(data: FallbackData, backend: str) -> CheckBackend:
+    """Check `backend`; the CPU with the builds this request may use."""
+    return CheckBackend(backend, data.cpu_variants if backend == CPU_BACKEND else ())
+
+
+def _next(data: FallbackData, backend: str, reason: ReasonCode, evidence: dict[str, Any]) -> Step:
+    """Record why `backend` is out and try the next candidate, or fail."""
+    skipped = data.skipped + (Skipped(backend, reason, evidence),)
+    data = attrs.evolve(data, skipped=skipped, reason=data.reason or reason)
+    if not data.forced and data.index + 1 < len(data.candidates):
+        data = attrs.evolve(data, index=data.index + 1)
+        return Step(
+            S.CHECKING,
+            data,
+            (_check(data, data.candidates[data.index]),),
+            reason,
+            {"backend": backend, "next": data.candidates[data.index], **evidence},
+        )
+    summary = {
+        "forced": data.forced,
+        "skipped": [{"backend": s.backend, "reason": str(s.reason)} for s in skipped],
+        **evidence,
+    }
+    data = attrs.evolve(data, reason=reason, evidence=summary)
+    return Step(S.FAILED, data, (GiveUp(reason, summary),), reason, summary)
+
+
+# An RPC worker's failure is the worker's, never the local backend's: the new plan checks the
+# workers again (states/fleet/rpc_placement.py) on the same backend.
+_WORKER_FAILURES = frozenset({ReasonCode.RPC_WORKER_LOST, ReasonCode.RPC_VERSION_MISMATCH})
+
+
+def _startup_failed(data: FallbackData, event: PlanRequested) -> bool:
+    """The candidate being launched got a server that died before it was ever ready (not
+    because an RPC worker failed it)."""
+    return (
+        event.failure is not None
+        and event.failure not in _WORKER_FAILURES
+        and event.phase is ExitPhase.NEVER_READY
+        and event.previous_backend == data.current
+        and event.previous_backend != CPU_BACKEND
+    )
+
+
+@guarded(S.CHECKING, S.FAILED)
+def requested(state: S, data: FallbackData, event: PlanRequested) -> Step | None:
+    """A launch request: the next candidate after a failed start, else afresh from the first."""
+    if state is S.LAUNCHING and _startup_failed(data, event):
+        backend = data.candidates[data.index]
+        return _next(data, backend, event.startup_failed, {"exit_reason": str(event.failure), **event.evidence})
+    if not event.candidates or (event.forced and len(event.candidates) != 1):
+        return None
+    variants = cpu_variant_order(event.cpu_variant, event.arch, event.failure, event.previous_variant)
+    data = FallbackData(candidates=event.candidates, forced=event.forced, cpu_variants=variants)
+    others = tuple(b for b in event.candidates if b != CPU_BACKEND)
+    effects: tuple[Effect, ...] = (_check(data, event.candidates[0]),)
+    if others and not event.forced:
+        effects = (ProbeCandidates(others), *effects)
+    evidence: dict[str, Any] = {"candidates": list(event.candidates), "forced": event.forced}
+    if variants != cpu_variant_order(event.cpu_variant, event.arch):
+        evidence["cpu_variants"] = list(variants)  # stepped down after a SIGILL
+        evidence["faulted_variant"] = event.previous_variant
+    if state in (S.CHECKING, S.INSTALLING, S.LAUNCHING):
+        evidence["abandoned"] = state.value  # an earlier request never finished
+    return Step(S.CHECKING, data, effects, evidence=evidence)
+
+
+@guarded(S.LAUNCHING, S.CHECKING, S.FAILED)
+def check_passed(state: S, data: FallbackData, event: CheckPassed) -> Step | None:
+    """Plan on the backend, on the GPUs with room for a layer; none with room: skip it."""
+    if event.backend != data.current:
+        return None
+    if event.vram is None:
+        return Step(S.LAUNCHING, data, (UsePlan(event.backend),), evidence=event.evidence)
+    full = no_room(event.backend, event.vram)
+    if full is not None:
+        return _next(data, event.backend, *full)
+    return Step(S.LAUNCHING, data, (UsePlan(event.backend, devices_of(event.vram)),), evidence=event.evidence)
+
+
+@guarded(S.CHECKING, S.FAILED)
+def check_failed(state: S, data: FallbackData, event: CheckFailed) -> Step | None:
+    if event.backend != data.current:
+        return None
+    return _next(data, event.backend, event.reason, event.evidence)
+
+
+def missing_reason(event: BundleMissing) -> ReasonCode:
+    """A missing bundle's code: the backend's binary_missing code when its hardware is there."""
+    if event.present and event.binary_missing is not None:
+        return event.binary_missing
+    return ReasonCode.BUNDLE_MISSING
+
+
+@guarded(S.INSTALLING, S.CHECKING, S.FAILED)
+def bundle_missing(state: S, data: FallbackData, event: BundleMissing) -> Step | None:
+    """Install a missing bundle once, then check again; missing again: the next candidate."""
+    if event.backend != data.current:
+        return None
+    reason = missing_reason(event)
+    if event.backend not in data.installed:
+        data = attrs.evolve(data, installed=data.installed + (event.backend,))
+        return Step(S.INSTALLING, data, (InstallBundle(event.backend),), reason, event.evidence)
+    return _next(data, event.backend, reason, event.evidence)
+
+
+@guarded(S.CHECKING)
+def installed(state: S, data: FallbackData, event: BundleInstalled) -> Step | None:
+    if event.backend != data.current:
+        return None
+    return Step(S.CHECKING, data, (_check(data, event.backend),), evidence={"installed": event.backend})
+
+
+@guarded(S.CHECKING, S.FAILED)
+def install_failed(state: S, data: FallbackData, event: BundleInstallFailed) -> Step | None:
+    if event.backend != data.current:
+        return None
+    return _next(data, event.backend, event.reason, event.evidence)
+
+
+def _passed_over(data: FallbackData, effective: str) -> ReasonCode | None:
+    """Why the preferred backend is not the one serving: the first candidate's skip reason
+    (None when the preferred one serves)."""
+    if effective == data.candidates[0] or not data.skipped:
+        return None
+    return data.skipped[0].reason
+
+
+def _proven(event: LaunchSucceeded) -> tuple[str, ReasonCode | None, dict[str, Any]]:
+    """The backend really serving, why not the planned one (None: it is), and the proof."""
+    if event.proof is None:
+        return event.backend, None, event.evidence
+    demoted = acceleration_verdict(event.proof)
+    evidence = {**proof_evidence(event.backend, event.proof), **event.evidence}
+    return (event.backend if demoted is None else CPU_BACKEND), demoted, evidence
+
+
+@guarded(S.SETTLED)
+def launched(state: S, data: FallbackData, event: LaunchSucceeded) -> Step | None:
+    if event.backend != data.current:
+        return None
+    effective, demoted, proof = _proven(event)
+    reason = demoted or _passed_over(data, effective)
+    evidence = {"backend": event.backend, "effective_backend": effective, **proof}
+    data = attrs.evolve(data, chosen=effective, reason=reason, evidence=evidence, respawn_demotion=None)
+    return Step(S.SETTLED, data, (), reason, evidence)
+
+
+@guarded(STAY)
+def relaunched(state: S, data: FallbackData, event: LaunchSucceeded) -> Step | None:
+    """Settled, and the same plan is ready again after a crash: proven again every time (an
+    adopted server has nothing new to prove and keeps what was found before). The verdict is
+    the machine's new truth: a respawn found not accelerated moves `chosen` to the CPU with
+    its reason (status's backend and fallback_reason), one accelerated again moves it back."""
+    if event.backend != data.current:
+        return None
+    if event.adopted:
+        return Step(S.SETTLED, data, evidence={"adopted": True})
+    effective, demoted, proof = _proven(event)
+    demotion = None if demoted is None else Demotion(event.backend, demoted, proof)
+    reason = demoted or _passed_over(data, effective)
+    evidence = {"backend": event.backend, "effective_backend": effective, **proof, "after": "respawn"}
+    data = attrs.evolve(data, chosen=effective, reason=reason, evidence=evidence, respawn_demotion=demotion)
+    return Step(S.SETTLED, data, (), demoted, evidence)
+
+
+# Only a request while launching can be about the candidate being launched; anywhere else
+# it starts afresh.
+afresh = requested.only(S.CHECKING)
+
+TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
+    S.IDLE: {PlanRequested: afresh},
+    S.CHECKING: {
+        CheckPassed: check_passed,
+        CheckFailed: check_failed,
+        BundleMissing: bundle_missing,
+        PlanRequested: afresh,
+    },
+    S.INSTALLING: {BundleInstalled: installed, BundleInstallFailed: install_failed, PlanRequested: afresh},
+    S.LAUNCHING: {LaunchSucceeded: launched, PlanRequested: requested},
+    S.SETTLED: {LaunchSucceeded: relaunched, PlanRequested: afresh},
+    S.FAILED: {PlanRequested: afresh},
+}
+
+FALLBACK = MachineSpec(
+    name="fallback",
+    states=FallbackState,
+    initial=S.IDLE,
+    data_type=FallbackData,
+    transitions=TRANSITIONS,
+    terminal={S.IDLE, S.SETTLED, S.FAILED},
+    description=(
+        "One server instance's backend: preferred first, install a missing bundle once, CPU last; "
+        "a non-CPU server that dies before ready moves on to the next; forced never falls back."
+    ),
+    effect_types=typing.get_args(Effect),
+)

@@ -1,0 +1,1 @@
+"""The fleet's decisions: where models go, when idle ones unload."""

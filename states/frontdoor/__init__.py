@@ -1,0 +1,1 @@
+"""The front door's decisions: holding, refusals, remote endpoints."""

@@ -1,0 +1,1 @@
+"""The probe machine: one backend's capability verdict, with generation tokens."""

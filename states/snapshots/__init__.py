@@ -1,0 +1,1 @@
+"""The snapshot decisions: save before a stop, restore or re-prefill."""

@@ -1,0 +1,267 @@
+"""What KV snapshots are worth, decided from measured figures: restore or re-prefill, whether a
+stop saves at all and how much it may spend saving, how many bytes retention keeps, whether a
+save can be kept at all.
+
+Pure (STYLE.md, Rule 1): the snapshot service measures (the engine's prefill timings, its
+restore and save timings, how much of a file is in the page cache, free disk) and asks here;
+nothing in this module reads a file or the clock. The figures are moving averages kept in the
+store (`store.snapshots`, table `snapshot_figures`); `fold` is how one more sample moves them.
+docs/snapshots.md, "Restore or re-prefill" and "Budgets", says why each rule is what it is.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+import attrs
+
+from stoker.states.launch.records import AfterStop
+
+GIB = 1 << 30
+MB = 1_000_000
+
+# fold: the first samples average, then each new one weighs a quarter (a machine's figures
+# move when its load or its disk does; a quarter follows that within a few samples).
+FOLD_WEIGHT = 0.25
+
+# Prefill throughput depends on the prompt's length (small batches underuse the device, long
+# ones pay for attention), so it is kept per length band: tokens up to each bound.
+PREFILL_BANDS = (1024, 4096, 16384, 65536)
+MIN_PREFILL_SAMPLE = 64  # shorter prompts measure the request's overhead, not the prefill
+
+RESTORE_OVERHEAD_S = 0.005  # Stoker's checks and the HTTP round trip around the engine's restore
+# Re-prefill only where it wins clearly: by 10 % of the restore and at least 10 ms. Within
+# that, the two are a tie on this machine's noise, and a restore also spares the device the work.
+REPREFILL_MARGIN = 0.10
+REPREFILL_MARGIN_S = 0.010
+CACHED = 0.9  # a restore of a file at least this resident measures the page-cache figure
+UNCACHED = 0.1  # at most this resident: the disk figure
+
+DEFAULT_MAX_BYTES = 2 * GIB
+KEEP_FULL_SAVES = 2  # "auto" retention holds the newest full-context save of every slot and one before
+DEFAULT_STOP_BUDGET_S = 20.0
+STOP_BUDGET_BASE_S = 5.0
+STOP_BUDGET_SAFETY = 2.0
+MAX_AUTO_STOP_BUDGET_S = 600.0
+ASSUMED_SAVE_MB_S = 100.0  # before a save was measured on this machine: a slow disk's figure
+
+
+@attrs.frozen
+class Figure:
+    """A moving figure: its value and how many samples moved it."""
+
+    value: float
+    samples: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"value": round(self.value, 3), "samples": self.samples}
+
+
+def fold(old: Figure | None, sample: float, weight: float = FOLD_WEIGHT) -> Figure:
+    """The figure after one more sample: a plain mean while samples are few, then a moving average."""
+    if old is None:
+        return Figure(sample, 1)
+    share = max(1.0 / (old.samples + 1), weight)
+    return Figure(old.value + share * (sample - old.value), old.samples + 1)
+
+
+def prefill_band(n_tokens: int) -> str:
+    """The length band a prompt's throughput is kept under: "le1024" ... "gt65536"."""
+    for bound in PREFILL_BANDS:
+        if n_tokens <= bound:
+            return f"le{bound}"
+    return f"gt{PREFILL_BANDS[-1]}"
+
+
+def prefill_rate(n_tokens: int, by_band: dict[str, Figure]) -> Figure | None:
+    """The prefill tok/s to expect for a prompt of n_tokens: its band's figure, else the slowest
+    band measured (an underestimate of the prefill's speed errs toward restoring, which is never
+    worse than the engine's own restore); None when nothing was measured."""
+    own = by_band.get(prefill_band(n_tokens))
+    if own is not None:
+        return own
+    return min(by_band.values(), key=lambda f: f.value, default=None)
+
+
+@attrs.frozen
+class RestoreInputs:
+    """What the decision for one conversation knows: its size, where its file is, the figures."""
+
+    n_tokens: int
+    file_bytes: int
+    resident: float | None  # the file's fraction in the page cache; None: unknown
+    prefill_tok_s: Figure | None  # for this model on this backend, at this length
+    restore_cache_mb_s: Figure | None  # the engine's restore from the page cache, on this backend
+    restore_disk_mb_s: Figure | None  # from the disk
+
+
+@attrs.frozen
+class RestoreDecision:
+    """Restore the snapshot, or leave the slot empty and let the next request re-prefill."""
+
+    choice: Literal["restore", "reprefill"]
+    why: str
+    restore_s: float | None  # the estimates that decided (None: not measured yet)
+    prefill_s: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "choice": self.choice,
+            "why": self.why,
+            "restore_s_est": None if self.restore_s is None else round(self.restore_s, 4),
+            "prefill_s_est": None if self.prefill_s is None else round(self.prefill_s, 4),
+        }
+
+
+def restore_estimate(inputs: RestoreInputs) -> float | None:
+    """Seconds a restore should take: the cached part at the cache figure, the rest at the disk
+    figure (an unknown residency counts as disk where that figure exists); None if a part
+    that must be read has no figure yet."""
+    resident = inputs.resident
+    if resident is None:
+        resident = 0.0 if inputs.restore_disk_mb_s is not None else 1.0
+    cached = inputs.file_bytes * resident
+    uncached = inputs.file_bytes - cached
+    seconds = RESTORE_OVERHEAD_S
+    for part, rate in ((cached, inputs.restore_cache_mb_s), (uncached, inputs.restore_disk_mb_s)):
+        if part < 1:
+            continue
+        if rate is None or rate.value <= 0:
+            return None
+        seconds += part / (rate.value * MB)
+    return seconds
+
+
+def decide_restore(inputs: RestoreInputs) -> RestoreDecision:
+    """Restore, unless re-prefilling this conversation is measured to be clearly faster here."""
+    restore_s = restore_estimate(inputs)
+    rate = inputs.prefill_tok_s
+    if rate is None or rate.value <= 0:
+        why = "no prefill figure for this model on this backend yet: restore (the engine's own speed)"
+        return RestoreDecision("restore", why, restore_s, None)
+    prefill_s = inputs.n_tokens / rate.value
+    if restore_s is None:
+        why = "no restore figure for this file's place (page cache or disk) yet: restore, which measures it"
+        return RestoreDecision("restore", why, None, prefill_s)
+    margin = max(REPREFILL_MARGIN * restore_s, REPREFILL_MARGIN_S)
+    if prefill_s + margin < restore_s:
+        why = (
+            f"re-prefilling {inputs.n_tokens} tokens (~{prefill_s:.3f} s at {rate.value:.0f} tok/s) "
+            f"beats restoring {inputs.file_bytes / MB:.1f} MB (~{restore_s:.3f} s)"
+        )
+        return RestoreDecision("reprefill", why, restore_s, prefill_s)
+    why = f"restoring (~{restore_s:.3f} s) is not slower than re-prefilling (~{prefill_s:.3f} s)"
+    return RestoreDecision("restore", why, restore_s, prefill_s)
+
+
+def restore_band(resident: float | None) -> Literal["cache", "disk"] | None:
+    """Which restore figure a measured restore moves, by how resident its file was; None: mixed."""
+    if resident is None:
+        return None
+    if resident >= CACHED:
+        return "cache"
+    if resident <= UNCACHED:
+        return "disk"
+    return None
+
+
+# --- whether a stop saves ------------------------------------------------------------------
+
+
+class StopSave(enum.StrEnum):
+    """Whether the slots are saved before a server is stopped, and within what."""
+
+    SAVE = "save"  # within the stop budget (`stop_budget`)
+    WITHIN_GRACE = "within_grace"  # a hung engine may answer nothing: the stop's grace, no more
+    SKIP = "skip"  # nothing worth saving: a stall is a server that never got ready
+
+
+# By where the stop leads (the launch machine's `after_stop`).
+SAVE_BEFORE_STOP: dict[AfterStop, StopSave] = {
+    AfterStop.STOP: StopSave.SAVE,
+    AfterStop.RESTART: StopSave.SAVE,
+    AfterStop.FAIL: StopSave.SAVE,
+    AfterStop.HUNG: StopSave.WITHIN_GRACE,
+    AfterStop.CRASH: StopSave.SKIP,
+}
+
+
+def save_before_stop(after_stop: AfterStop, grace_s: float) -> float | None:
+    """Seconds the snapshots before this stop may take (inf: the snapshot service's own stop
+    budget bounds them), or None: no save."""
+    match SAVE_BEFORE_STOP[after_stop]:
+        case StopSave.SKIP:
+            return None
+        case StopSave.WITHIN_GRACE:
+            return grace_s
+    return float("inf")
+
+
+# --- budgets that scale with the model ------------------------------------------------------
+
+
+def kv_bytes_per_token(
+    *, kv_bytes: float | None = None, kv_cells: int | None = None, model_bytes_per_token: int | None = None
+) -> int | None:
+    """A KV cell's bytes: the server's own KV buffers over its cells where its log said them,
+    else the model's facts (layers x KV heads x (key + value length) x the cache type's size)."""
+    if kv_bytes and kv_cells:
+        return max(1, round(kv_bytes / kv_cells))
+    return model_bytes_per_token
+
+
+def snapshot_bytes(n_tokens: int, bytes_per_token: int | None) -> int | None:
+    """The expected size of a slot file holding n_tokens (the token ids are 4 bytes each)."""
+    return None if bytes_per_token is None else n_tokens * (bytes_per_token + 4)
+
+
+def retention_bytes(setting: int | Literal["auto"], *, bytes_per_token: int | None, n_ctx: int, n_slots: int) -> int:
+    """`[snapshots] max_bytes`: a number is the user's; "auto" holds KEEP_FULL_SAVES full-context
+    saves of every slot, and never less than 2 GiB (the former fixed default)."""
+    if setting != "auto":
+        return setting
+    full = snapshot_bytes(n_ctx, bytes_per_token)
+    if full is None:
+        return DEFAULT_MAX_BYTES
+    return max(DEFAULT_MAX_BYTES, KEEP_FULL_SAVES * max(1, n_slots) * full)
+
+
+def stop_budget(setting: float | Literal["auto"], *, expected_bytes: int | None, save_mb_s: Figure | None) -> float:
+    """Seconds every save before a stop may take together: a number is the user's; "auto" is
+    twice the expected write at this machine's save figure (a slow disk's 100 MB/s before one
+    was measured) plus 5 s, at least 20 s and at most 10 minutes."""
+    if setting != "auto":
+        return float(setting)
+    return transfer_budget(expected_bytes, save_mb_s)
+
+
+def transfer_budget(n_bytes: int | None, rate: Figure | None) -> float:
+    """Seconds to allow for moving n_bytes at a measured rate (a slow disk's 100 MB/s before
+    one was measured): twice that plus 5 s, at least 20 s and at most 10 minutes."""
+    if not n_bytes:
+        return DEFAULT_STOP_BUDGET_S
+    per_s = rate.value if rate is not None and rate.value > 0 else ASSUMED_SAVE_MB_S
+    need = STOP_BUDGET_BASE_S + STOP_BUDGET_SAFETY * n_bytes / (per_s * MB)
+    return min(MAX_AUTO_STOP_BUDGET_S, max(DEFAULT_STOP_BUDGET_S, need))
+
+
+@attrs.frozen
+class SaveVerdict:
+    """Whether a slot's save can be kept: None, or why not (`too_big`, `no_space`) with figures."""
+
+    why: Literal["too_big", "no_space"] | None
+    figures: dict[str, Any] = attrs.field(factory=dict)
+
+
+def save_verdict(*, expected_bytes: int | None, max_bytes: int, free_bytes: int | None) -> SaveVerdict:
+    """Refuse a save before paying for it when its file could not be kept: bigger than the
+    retention budget (retention would delete it at once), or than the free disk space."""
+    if expected_bytes is None:
+        return SaveVerdict(None)
+    figures = {"expected_bytes": expected_bytes, "max_bytes": max_bytes, "free_bytes": free_bytes}
+    if expected_bytes > max_bytes:
+        return SaveVerdict("too_big", figures)
+    if free_bytes is not None and expected_bytes > free_bytes:
+        return SaveVerdict("no_space", figures)
+    return SaveVerdict(None)

@@ -1,0 +1,1 @@
+"""The RPC worker machine: one rpc-server supervised on a trusted host."""
