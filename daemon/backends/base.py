@@ -368,6 +368,20 @@ def version_tuple(text: str | None) -> tuple[int, ...]:
     return tuple(out)
 
 
+def portable_variant(
+    detection: Detection, available_variants: Iterable[str], preferred: Iterable[str] = ()
+) -> str | None:
+    """For builds that run on any device of their backend: the first of `preferred` offered,
+    else 'default', else the only variant; None when the detection is unusable."""
+    variants = sorted(set(available_variants))
+    if not detection.usable or not variants:
+        return None
+    for v in (*sorted(preferred), "default"):
+        if v in variants:
+            return v
+    return variants[0] if len(variants) == 1 else None
+
+
 def excerpt(text: str | bytes | None, limit: int = 2000) -> str:
     """A bounded excerpt of tool output for evidence (the tail, where errors usually are)."""
     if text is None:

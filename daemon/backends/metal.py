@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import platform
-import re
 from typing import Any, Iterable
 
-from stoker.daemon.backends.base import Backend, Detection, Device, ReasonKind, gpu_reason_codes
+from stoker.daemon.backends.base import (
+    Backend,
+    Detection,
+    Device,
+    ReasonKind,
+    gpu_device_signature,
+    gpu_reason_codes,
+    portable_variant,
+)
 from stoker.daemon.backends.tools import ToolRunner, run_tool
 from stoker.states.reasons import ReasonCode
 
@@ -17,7 +24,7 @@ K = ReasonKind
 class MetalBackend(Backend):
     name = "metal"
     # ggml-metal names its device MTL0; memory is the recommended working set.
-    device_signature = re.compile(r"^\s+(MTL\d+): (.+) \((\d+) MiB, (\d+) MiB free\)$")
+    device_signature = gpu_device_signature("MTL")
     auto_rank = 30
     reason_family = {
         K.UNAVAILABLE: R.METAL_UNAVAILABLE,
@@ -62,9 +69,4 @@ class MetalBackend(Backend):
         return None
 
     def choose_variant(self, detection: Detection, available_variants: Iterable[str]) -> str | None:
-        variants = sorted(set(available_variants))
-        if not detection.usable or not variants:
-            return None
-        if "default" in variants:
-            return "default"
-        return variants[0] if len(variants) == 1 else None
+        return portable_variant(detection, available_variants)

@@ -18,6 +18,7 @@ from stoker.daemon.backends.base import (
     excerpt,
     gpu_device_signature,
     gpu_reason_codes,
+    portable_variant,
 )
 from stoker.daemon.backends.tools import ToolRunner, run_tool
 from stoker.states.reasons import ReasonCode
@@ -216,16 +217,8 @@ class RocmBackend(Backend):
 
     def choose_variant(self, detection: Detection, available_variants: Iterable[str]) -> str | None:
         """A variant named after the GPU's gfx target, else 'default', else the only one."""
-        variants = sorted(set(available_variants))
-        if not detection.usable or not variants:
-            return None
         targets = {d.compute_capability for d in detection.devices if d.compute_capability}
-        for v in variants:
-            if v in targets:
-                return v
-        if "default" in variants:
-            return "default"
-        return variants[0] if len(variants) == 1 else None
+        return portable_variant(detection, available_variants, preferred=targets)
 
     def explain_bundle(self, detection: Detection, bundle_meta: Mapping[str, Any]) -> BundleCheck:
         """A HIP build carries code for its listed gfx targets only (`gpu_targets`)."""

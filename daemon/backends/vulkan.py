@@ -25,6 +25,7 @@ from stoker.daemon.backends.base import (
     excerpt,
     gpu_device_signature,
     gpu_reason_codes,
+    portable_variant,
 )
 from stoker.daemon.backends.tools import ToolRunner, run_tool
 from stoker.states.reasons import ReasonCode
@@ -206,12 +207,7 @@ class VulkanBackend(Backend):
 
     def choose_variant(self, detection: Detection, available_variants: Iterable[str]) -> str | None:
         """Vulkan builds are portable (SPIR-V): 'default', else the only variant."""
-        variants = sorted(set(available_variants))
-        if not detection.usable or not variants:
-            return None
-        if "default" in variants:
-            return "default"
-        return variants[0] if len(variants) == 1 else None
+        return portable_variant(detection, available_variants)
 
     def launch_env(self, plan: LaunchPlanLike) -> dict[str, str]:
         """GGML_VK_VISIBLE_DEVICES for the plan's devices (vulkaninfo's numbers are the engine's);
