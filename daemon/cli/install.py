@@ -20,21 +20,19 @@ import os
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import click
 import trio
 
+from stoker.daemon.cli.daemon_or_here import through_daemon_or_here
 from stoker.daemon.cli.output import emit, fail, json_option, progress_line
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.core.paths import StokerPaths
 from stoker.states.reasons import ReasonCode
 
 PROGRESS_TOPIC = "install.progress"
-# A daemon that holds the lock may not have opened its socket yet: how long to keep asking.
-SOCKET_WAIT_S = 30.0
 INSTALL_TIMEOUT_S = 3600.0
 
 
@@ -107,31 +105,19 @@ def install_file(
     files, which a zip could not carry for verification to refuse).
     """
     from stoker.daemon.control.client import ControlClient
-    from stoker.daemon.core.pidlock import acquire_lock
 
     with _as_zip(Path(path)) as zip_path:
-        deadline = time.monotonic() + SOCKET_WAIT_S
-        while True:
-            try:
-                lock = acquire_lock(paths.lock_file)
-            except StokerError as err:
-                if err.reason != ReasonCode.DAEMON_ALREADY_RUNNING:
-                    raise
-            else:
-                try:
-                    progress(f"no daemon runs: installing {zip_path} here")
-                    return trio.run(_install_here, paths, zip_path, smoke).to_dict()
-                finally:
-                    os.close(lock)
-            try:
-                with ControlClient(paths.socket_path, timeout=INSTALL_TIMEOUT_S) as client:
-                    progress(f"installing {zip_path} through the daemon")
-                    return dict(client.call("bundle.install", path=str(zip_path), smoke=smoke)["installed"])
-            except StokerError as unanswered:
-                # Starting (lock held, socket not open yet) or gone meanwhile: ask again.
-                if unanswered.reason != ReasonCode.DAEMON_NOT_RUNNING or time.monotonic() > deadline:
-                    raise
-            time.sleep(0.2)
+
+        def here() -> dict[str, Any]:
+            progress(f"no daemon runs: installing {zip_path} here")
+            return trio.run(_install_here, paths, zip_path, smoke).to_dict()
+
+        def through_daemon() -> dict[str, Any]:
+            with ControlClient(paths.socket_path, timeout=INSTALL_TIMEOUT_S) as client:
+                progress(f"installing {zip_path} through the daemon")
+                return dict(client.call("bundle.install", path=str(zip_path), smoke=smoke)["installed"])
+
+        return through_daemon_or_here(paths, here=here, through_daemon=through_daemon)
 
 
 async def _install_here(paths: StokerPaths, zip_path: Path, smoke: bool) -> Any:

@@ -16,22 +16,20 @@ import json
 import os
 import sys
 import threading
-import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import click
 import trio
 
+from stoker.daemon.cli.daemon_or_here import through_daemon_or_here
 from stoker.daemon.cli.output import emit, fail, json_option, progress_line
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.core.paths import StokerPaths
-from stoker.states.reasons import ReasonCode
 
 if TYPE_CHECKING:
     from stoker.daemon.control.replies import CatalogModel, ModelList, ModelRemoved
 
 PROGRESS_TOPIC = "pull.progress"
-SOCKET_WAIT_S = 30.0
 PULL_TIMEOUT_S = 24 * 3600.0
 
 
@@ -128,26 +126,11 @@ def _run(
     watch: bool = False,
 ) -> Any:
     """`method` through the running daemon, or `in_process(service)` in this process under the lock."""
-    from stoker.daemon.core.pidlock import acquire_lock
-
-    deadline = time.monotonic() + SOCKET_WAIT_S
-    while True:
-        try:
-            lock = acquire_lock(paths.lock_file)
-        except StokerError as err:
-            if err.reason != ReasonCode.DAEMON_ALREADY_RUNNING:
-                raise
-        else:
-            try:
-                return trio.run(_run_in_process, paths, in_process, as_json if watch else None)
-            finally:
-                os.close(lock)
-        try:
-            return _through_daemon(paths, method, params, timeout, as_json if watch else None)
-        except StokerError as unanswered:
-            if unanswered.reason != ReasonCode.DAEMON_NOT_RUNNING or time.monotonic() > deadline:
-                raise
-        time.sleep(0.2)
+    return through_daemon_or_here(
+        paths,
+        here=lambda: trio.run(_run_in_process, paths, in_process, as_json if watch else None),
+        through_daemon=lambda: _through_daemon(paths, method, params, timeout, as_json if watch else None),
+    )
 
 
 def _through_daemon(paths: StokerPaths, method: str, params: dict[str, Any], timeout: float, watch: bool | None) -> Any:

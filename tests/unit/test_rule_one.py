@@ -20,8 +20,7 @@ DAEMON = Path(__file__).resolve().parents[2] / "daemon"
 WORDING_ONLY = {
     ("bundles/smoke.py", "_engine_failed"): "a bundle's smoke test names its failure; no machine moves",
     ("bundles/verify.py", "_run_engine"): "the same, for `stoker bundle verify`",
-    ("cli/install.py", "install_file"): "the CLI chooses between the daemon and working alone",
-    ("cli/models.py", "_run"): "the same",
+    ("cli/daemon_or_here.py", "through_daemon_or_here"): "the CLI chooses between the daemon and working alone",
     ("cli/output.py", "fail"): "the exit code and the words a person reads",
     ("control/client.py", "_await_reply"): "the client words a refusal of its own request",
     ("fallback/orchestrator.py", "startup_sentence"): "the sentence about a failed start, from its evidence",
