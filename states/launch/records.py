@@ -13,6 +13,7 @@ import attrs
 
 from stoker.states.machine import as_evidence
 from stoker.states.reasons import ReasonCode
+from stoker.states.server_process import ProcessExit, SpawnFailure
 from stoker.states.fleet.rpc_placement import RpcPlacement
 
 # The backend every fallback ends on, the one the engine always has. The machines treat it
@@ -321,22 +322,15 @@ class Ready:
 
 
 @attrs.frozen
-class ServerExited:
+class ServerExited(ProcessExit):
     """The process is gone, unasked: its exit status and the classified reason, with the
     evidence that decided it. The machine judges it (fatal, new plan, or respawn) from the
     reason, the state it was in (the phase) and the plan's backend."""
 
-    returncode: int | None
-    reason: ReasonCode = ReasonCode.SERVER_CRASHED
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
-
 
 @attrs.frozen
-class SpawnFailed:
+class SpawnFailed(SpawnFailure):
     """The process could not be started at all (the binary will not execute)."""
-
-    reason: ReasonCode = ReasonCode.SERVER_SPAWN_FAILED
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen

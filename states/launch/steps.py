@@ -35,6 +35,7 @@ from stoker.states.launch.records import (
 )
 from stoker.states.machine import Step
 from stoker.states.reasons import ReasonCode
+from stoker.states.server_process import crash_loop
 
 S = LaunchState
 # The states in which a server of this machine runs (or is being spawned).
@@ -156,7 +157,7 @@ def crash_step(
     if verdict is ExitVerdict.FATAL:
         data = attrs.evolve(data, reason=reason, evidence=evidence)
         return Step(S.FAILED, data, (Notify("status", f"failed: {reason}"),), reason, evidence)
-    if crashes > data.settings.max_restarts:
+    if crash_loop(crashes, data.settings.max_restarts):
         loop = {**evidence, "last_reason": str(reason), "max_restarts": data.settings.max_restarts}
         data = attrs.evolve(data, reason=ReasonCode.CRASH_LOOP, evidence=loop)
         return Step(S.FAILED, data, (Notify("status", "failed: crash_loop"),), ReasonCode.CRASH_LOOP, loop)

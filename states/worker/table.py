@@ -25,6 +25,7 @@ import attrs
 
 from stoker.states.machine import STAY, MachineSpec, Rule, Step, guarded, as_evidence
 from stoker.states.reasons import ReasonCode
+from stoker.states.server_process import ProcessExit, SpawnFailure, crash_loop
 
 
 class WorkerState(enum.StrEnum):
@@ -91,18 +92,13 @@ class Answered:
 
 
 @attrs.frozen
-class Exited:
+class Exited(ProcessExit):
     """The server process ended unasked: its status and classified reason, with evidence."""
-
-    returncode: int | None
-    reason: ReasonCode = ReasonCode.SERVER_CRASHED
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
-class SpawnFailed:
-    reason: ReasonCode = ReasonCode.SERVER_SPAWN_FAILED
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+class SpawnFailed(SpawnFailure):
+    """ggml-rpc-server could not be started at all (the binary will not execute)."""
 
 
 @attrs.frozen
@@ -215,7 +211,7 @@ def exited(state: S, data: WorkerData, event: Exited | SpawnFailed) -> Step | No
     data = attrs.evolve(data, pid=None, create_time=None, crashes=crashes, reason=event.reason, evidence=evidence)
     if event.reason in FATAL_EXITS or isinstance(event, SpawnFailed):
         return Step(S.FAILED, data, (), event.reason, evidence)
-    if crashes > data.settings.max_restarts:
+    if crash_loop(crashes, data.settings.max_restarts):
         evidence = {**evidence, "crashes": crashes, "last_reason": str(event.reason)}
         data = attrs.evolve(data, reason=ReasonCode.CRASH_LOOP, evidence=evidence)
         return Step(S.FAILED, data, (), ReasonCode.CRASH_LOOP, evidence)
