@@ -137,6 +137,30 @@ class MachineRunner:
 R = TypeVar("R")
 
 
+@attrs.define(eq=False)
+class MachineRunners:
+    """A service's live machines of one spec by id, each with the lock that lets one task
+    drive it at a time (a request and a resume never step the same machine together)."""
+
+    spec: MachineSpec
+    store: Store
+    publish: Publish | None = None
+    _runners: dict[str, MachineRunner] = attrs.field(factory=dict, init=False)
+    _locks: dict[str, trio.Lock] = attrs.field(factory=dict, init=False)
+
+    def runner(self, machine_id: str) -> MachineRunner:
+        """The machine's runner, loaded from the store the first time it is asked for."""
+        runner = self._runners.get(machine_id)
+        if runner is None:
+            runner = self._runners[machine_id] = MachineRunner(self.spec, machine_id, self.store, self.publish)
+            self._locks[machine_id] = trio.Lock()
+        return runner
+
+    def lock(self, machine_id: str) -> trio.Lock:
+        """Held while a task drives the machine (its runner was asked for first)."""
+        return self._locks[machine_id]
+
+
 class UnhandledEffect(Exception):
     """An effect reached a driver that has no handler for its type: a bug, never dropped."""
 

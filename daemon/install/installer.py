@@ -37,7 +37,7 @@ from stoker.daemon.core.digests import sha256_file
 from stoker.daemon.core.download import download
 from stoker.daemon.core.download_records import DownloadProgress
 from stoker.daemon.core.errors import StokerError, cause_of
-from stoker.daemon.core.machines import EffectDriver, Failure, MachineRunner, Publish
+from stoker.daemon.core.machines import EffectDriver, Failure, MachineRunner, MachineRunners, Publish
 from stoker.states.machine import IllegalTransition
 from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.install.checks import smoke_skip, smoke_staged, validate_staged
@@ -92,8 +92,7 @@ class InstallService:
     backends: Mapping[str, Backend] = attrs.field(factory=load_backends)  # every registered one by default
     smoke: bool = True
     sources: tuple[Source, ...] = CHAIN  # where `install` may look, in the table's order
-    _runners: dict[str, MachineRunner] = attrs.field(factory=dict, init=False)
-    _locks: dict[str, trio.Lock] = attrs.field(factory=dict, init=False)
+    _machines: MachineRunners = attrs.field(init=False)
     _entries: dict[str, ManifestEntry] = attrs.field(factory=dict, init=False)
     _detections: dict[str, Detection] = attrs.field(factory=dict, init=False)
     _local_smoke: dict[str, bool] = attrs.field(factory=dict, init=False)  # machine id -> smoke asked
@@ -104,6 +103,7 @@ class InstallService:
     slots: SlotWriters = attrs.field(init=False)  # one writer per slot, shared with engine updates
 
     def __attrs_post_init__(self) -> None:
+        self._machines = MachineRunners(I.INSTALL, self.store, self.publish)
         self.slots = SlotWriters(self.store)
         handlers: dict[type, Callable[..., Awaitable[object | None]]] = {
             IE.Resolve: self._resolve,
@@ -135,13 +135,7 @@ class InstallService:
         return self.paths.bundles_dir / f".install-{backend}-{variant}"
 
     def runner(self, backend: str, variant: str) -> MachineRunner:
-        mid = I.machine_id(backend, variant)
-        runner = self._runners.get(mid)
-        if runner is None:
-            runner = MachineRunner(I.INSTALL, mid, self.store, self.publish)
-            self._runners[mid] = runner
-            self._locks[mid] = trio.Lock()
-        return runner
+        return self._machines.runner(I.machine_id(backend, variant))
 
     def _reason(self, backend: str) -> ReasonCode:
         return install_failed_reason(self.backends, backend)
@@ -167,7 +161,7 @@ class InstallService:
             staging, backend, variant = data.staging, data.backend, data.variant
             if state in I.WORKING or (state is I.InstallState.INSTALLED and staging and Path(staging).exists()):
                 runner = self.runner(backend, variant)
-                async with self._locks[runner.machine_id]:
+                async with self._machines.lock(runner.machine_id):
                     try:
                         with self.slots.claim(f"{backend}-{variant}", runner.machine_id):
                             step = runner.fire(I.Resumed())
@@ -227,7 +221,7 @@ class InstallService:
         or what the slot holds already (the table judges each offer against the slot)."""
         runner = self.runner(backend, variant)
         mid = runner.machine_id
-        async with self._locks[mid]:
+        async with self._machines.lock(mid):
             with self.slots.claim(f"{backend}-{variant}", mid):
                 await self._install_claimed(runner, backend, variant, sources, detection, entry, refusal)
         if runner.state is not I.InstallState.INSTALLED:

@@ -37,7 +37,7 @@ from stoker.daemon.config.engine import EngineConfig
 from stoker.daemon.core.download import download
 from stoker.daemon.core.download_records import DownloadError
 from stoker.daemon.core.errors import StokerError, cause_of
-from stoker.daemon.core.machines import EffectDriver, MachineRunner, Publish
+from stoker.daemon.core.machines import EffectDriver, MachineRunner, MachineRunners, Publish
 from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.install.manifest import choose_entry, load_manifest
 from stoker.daemon.install.installer import MAX_BUNDLE_BYTES, InstallService
@@ -85,12 +85,12 @@ class EngineUpdateService:
     settings: Callable[[], EngineConfig] = EngineConfig
     ready_timeout: Callable[[], float] = lambda: 600.0
     servers: EngineServers | None = None  # the fleet's, set once it exists
-    _runners: dict[str, MachineRunner] = attrs.field(factory=dict, init=False)
-    _locks: dict[str, trio.Lock] = attrs.field(factory=dict, init=False)
+    _machines: MachineRunners = attrs.field(init=False)
     _checks: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)  # slot -> the last automatic check
     _effects: EffectDriver[Awaitable[object | None]] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
+        self._machines = MachineRunners(U.ENGINE_UPDATE, self.store, self.publish)
         self._effects = EffectDriver(
             U.ENGINE_UPDATE,
             {
@@ -107,11 +107,7 @@ class EngineUpdateService:
         )
 
     def runner(self, backend: str, variant: str) -> MachineRunner:
-        mid = U.machine_id(backend, variant)
-        if mid not in self._runners:
-            self._runners[mid] = MachineRunner(U.ENGINE_UPDATE, mid, self.store, self.publish)
-            self._locks[mid] = trio.Lock()
-        return self._runners[mid]
+        return self._machines.runner(U.machine_id(backend, variant))
 
     def staging_root(self, slot: str) -> Path:
         return self.paths.bundles_dir / f".update-{slot}"
@@ -139,7 +135,7 @@ class EngineUpdateService:
                 continue
             data = structure(record.data, UR.UpdateData)
             runner = self.runner(data.backend, data.variant)
-            async with self._locks[runner.machine_id]:
+            async with self._machines.lock(runner.machine_id):
                 if runner.state in U.WORKING:
                     log.info("resuming %s from %s", runner.machine_id, runner.state)
                     with self.installs.slots.claim(runner.data.slot, runner.machine_id):
@@ -215,7 +211,7 @@ class EngineUpdateService:
         """Drive the slot's update to rest; the outcome, or StokerError when it was refused,
         rolled back or could not roll back."""
         runner = self.runner(backend, variant)
-        async with self._locks[runner.machine_id]:
+        async with self._machines.lock(runner.machine_id):
             with self.installs.slots.claim(f"{backend}-{variant}", runner.machine_id):
                 if runner.state in U.WORKING:  # left mid-way by a killed daemon, not resumed yet
                     await self._effects.drive(runner, runner.fire(UR.Resumed()).effects, runner)
@@ -229,7 +225,7 @@ class EngineUpdateService:
         """Put the slot's `.previous` engine back by hand and restart what runs on the slot."""
         runner = self.runner(backend, variant)
         slot = f"{backend}-{variant}"
-        async with self._locks[runner.machine_id]:
+        async with self._machines.lock(runner.machine_id):
             with self.installs.slots.claim(slot, runner.machine_id):
                 await self._roll_back_claimed(runner, backend, variant)
             return self._outcome(runner)

@@ -28,7 +28,7 @@ import trio
 
 from stoker.daemon.core.digests import fsync_dir
 from stoker.daemon.core.errors import StokerError
-from stoker.daemon.core.machines import EffectDriver, Failure, MachineRunner, Publish
+from stoker.daemon.core.machines import EffectDriver, Failure, MachineRunner, MachineRunners, Publish
 from stoker.daemon.core.part_sink import DownloadCancelled
 from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.models import pypi
@@ -72,13 +72,13 @@ class PullService:
     publish: Publish | None = None
     in_use: Callable[[str], bool] = lambda path: False  # does the running server serve this file?
     catalog: ModelCatalog = attrs.field(init=False)
-    _runners: dict[str, MachineRunner] = attrs.field(factory=dict, init=False)
-    _locks: dict[str, trio.Lock] = attrs.field(factory=dict, init=False)
+    _machines: MachineRunners = attrs.field(init=False)
     _options: dict[str, PullOptions] = attrs.field(factory=dict, init=False)
     _progress_of: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)  # name -> its last progress
     _effects: EffectDriver[Awaitable[object | None]] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
+        self._machines = MachineRunners(P.PULL, self.store, self.publish)
         self.catalog = ModelCatalog(self.store)
         self._effects = EffectDriver(
             P.PULL,
@@ -99,13 +99,7 @@ class PullService:
         return self.paths.models_dir / ".partial"
 
     def runner(self, name: str) -> MachineRunner:
-        mid = P.machine_id(name)
-        runner = self._runners.get(mid)
-        if runner is None:
-            runner = MachineRunner(P.PULL, mid, self.store, self.publish)
-            self._runners[mid] = runner
-            self._locks[mid] = trio.Lock()
-        return runner
+        return self._machines.runner(P.machine_id(name))
 
     # --- entry points --------------------------------------------------------------------
 
@@ -125,7 +119,7 @@ class PullService:
             if not name or (state not in P.WORKING and committed):
                 continue
             runner = self.runner(name)
-            async with self._locks[runner.machine_id]:
+            async with self._machines.lock(runner.machine_id):
                 try:
                     step = runner.fire(P.Resumed())
                 except IllegalTransition as err:
@@ -151,7 +145,7 @@ class PullService:
         name = name or spec.name
         canonical = spec.path if spec.source == "local" and spec.path else spec.text
         runner = self.runner(name)
-        async with self._locks[runner.machine_id]:
+        async with self._machines.lock(runner.machine_id):
             self._options[runner.machine_id] = options
             if runner.state in P.WORKING:
                 await self._effects.drive(runner, runner.fire(P.Resumed()).effects, runner)
@@ -182,7 +176,7 @@ class PullService:
         """Remove `name` from the catalog (and its file, when Stoker downloaded it); model_in_use
         while the running server serves that file, model_not_in_catalog for an unknown name."""
         runner = self.runner(name)
-        async with self._locks[runner.machine_id]:
+        async with self._machines.lock(runner.machine_id):
             record = self.catalog.find(name)
             if record is None and runner.state is not P.PullState.FAILED:
                 raise StokerError(
