@@ -12,7 +12,6 @@ file for the lines that docs/engine-process.md lists.
 
 from __future__ import annotations
 
-import functools
 import os
 import secrets
 import shutil
@@ -205,29 +204,6 @@ class ServerHandle:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
-
-
-async def start_server(
-    nursery: trio.Nursery,
-    spec: ServerSpec,
-    *,
-    log_path: Path,
-    grace: float = DEFAULT_GRACE,
-    launch_root: Path | None = None,
-    identity_path: Path | None = None,
-    log_rotation: LogRotation = LogRotation(),
-) -> ServerHandle:
-    """Start a server owned by `nursery` (its task returns the ExitReport); the handle."""
-    serve = functools.partial(
-        serve_server,
-        spec,
-        log_path=log_path,
-        grace=grace,
-        launch_root=launch_root,
-        identity_path=identity_path,
-        log_rotation=log_rotation,
-    )
-    return await nursery.start(serve)
 
 
 async def serve_server(

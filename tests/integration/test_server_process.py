@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -17,7 +18,7 @@ import trio
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.engine.api import EngineClient
 from stoker.daemon.engine.identity import adopt, read_identity, stop_orphan, verify_identity, write_identity
-from stoker.daemon.engine.process import ServerSpec, start_server, stop_server
+from stoker.daemon.engine.process import ServerSpec, serve_server, stop_server
 from stoker.daemon.engine.ready import wait_ready
 from stoker.states.reasons import ReasonCode
 from tests.waits import until
@@ -49,7 +50,7 @@ async def test_start_ready_serve_with_the_key_stop(spec, tmp_path):
     log_path = tmp_path / "server.log"
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            handle = await start_server(nursery, spec, log_path=log_path)
+            handle = await nursery.start(functools.partial(serve_server, spec, log_path=log_path))
             report = await wait_ready(handle, stall_timeout=20, ready_timeout=TIMEOUT)
             assert report.port == handle.port and report.port > 0
             assert report.base_url == f"http://127.0.0.1:{report.port}"
@@ -85,7 +86,7 @@ async def test_start_ready_serve_with_the_key_stop(spec, tmp_path):
 async def test_kill_9_is_a_crash_with_sigkill_evidence(spec, tmp_path):
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            handle = await start_server(nursery, spec, log_path=tmp_path / "server.log")
+            handle = await nursery.start(functools.partial(serve_server, spec, log_path=tmp_path / "server.log"))
             await wait_ready(handle, stall_timeout=20, ready_timeout=TIMEOUT)
             os.kill(handle.pid, signal.SIGKILL)
             report = await handle.wait_exit()
@@ -99,7 +100,7 @@ async def test_missing_model_is_model_missing(spec, tmp_path):
     spec = attrs.evolve(spec, model_path=tmp_path / "absent.gguf")
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            handle = await start_server(nursery, spec, log_path=tmp_path / "server.log")
+            handle = await nursery.start(functools.partial(serve_server, spec, log_path=tmp_path / "server.log"))
             with pytest.raises(StokerError) as err:
                 await wait_ready(handle, stall_timeout=20, ready_timeout=TIMEOUT)
     assert err.value.reason == ReasonCode.MODEL_MISSING
@@ -114,7 +115,7 @@ async def test_a_model_path_that_is_not_a_file_is_not_model_missing(spec, tmp_pa
     spec = attrs.evolve(spec, model_path=tmp_path if kind == "directory" else kind)
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            handle = await start_server(nursery, spec, log_path=tmp_path / "server.log")
+            handle = await nursery.start(functools.partial(serve_server, spec, log_path=tmp_path / "server.log"))
             report = await handle.wait_exit()
     assert report.reason == ReasonCode.MODEL_LOAD_FAILED and report.returncode == 1
     assert "No such file" not in "\n".join(report.evidence["log_tail"])
@@ -126,7 +127,7 @@ async def test_a_taken_port_is_port_in_use(spec, tmp_path):
         taken.listen()
         spec = attrs.evolve(spec, port=taken.getsockname()[1])
         async with trio.open_nursery() as nursery:
-            handle = await start_server(nursery, spec, log_path=tmp_path / "server.log")
+            handle = await nursery.start(functools.partial(serve_server, spec, log_path=tmp_path / "server.log"))
             with pytest.raises(StokerError) as err:
                 await wait_ready(handle, stall_timeout=20, ready_timeout=TIMEOUT)
     assert err.value.reason == ReasonCode.PORT_IN_USE
@@ -136,7 +137,9 @@ async def test_a_taken_port_is_port_in_use(spec, tmp_path):
 async def test_cancelling_the_owner_stops_the_server(spec, tmp_path):
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            handle = await start_server(nursery, spec, log_path=tmp_path / "server.log", grace=5)
+            handle = await nursery.start(
+                functools.partial(serve_server, spec, log_path=tmp_path / "server.log", grace=5)
+            )
             await wait_ready(handle, stall_timeout=20, ready_timeout=TIMEOUT)
             nursery.cancel_scope.cancel()
     assert handle.exit is not None and handle.exit.expected
@@ -147,7 +150,9 @@ async def test_identity_proves_ours_and_refuses_a_reused_pid(spec, tmp_path):
     ident_path = tmp_path / "run" / "server.json"
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            handle = await start_server(nursery, spec, log_path=tmp_path / "server.log", identity_path=ident_path)
+            handle = await nursery.start(
+                functools.partial(serve_server, spec, log_path=tmp_path / "server.log", identity_path=ident_path)
+            )
             report = await wait_ready(handle, stall_timeout=20, ready_timeout=TIMEOUT)
             ident = handle.identity
             assert ident.port == report.port and ident.pid == handle.pid == ident.pgid
@@ -195,7 +200,7 @@ async def test_a_rejected_command_line_is_server_bad_arguments(spec, tmp_path):
     spec = attrs.evolve(spec, extra_args=("--no-such-option",))
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            handle = await start_server(nursery, spec, log_path=tmp_path / "server.log")
+            handle = await nursery.start(functools.partial(serve_server, spec, log_path=tmp_path / "server.log"))
             report = await handle.wait_exit()
     assert report.reason == ReasonCode.SERVER_BAD_ARGUMENTS and report.returncode == 1
     assert report.evidence["line"] == "error: invalid argument: --no-such-option"

@@ -7,6 +7,7 @@ against the real engine in tests/integration/test_server_process.py.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import textwrap
@@ -16,7 +17,7 @@ import pytest
 import trio
 
 from stoker.daemon.core.errors import StokerError
-from stoker.daemon.engine.process import ServerSpec, start_server, server_argv, server_env, stop_server
+from stoker.daemon.engine.process import ServerSpec, serve_server, server_argv, server_env, stop_server
 from stoker.daemon.engine.ready import ServerLog, engine_seconds, wait_ready
 from stoker.states.reasons import ReasonCode
 from tests.waits import until
@@ -141,7 +142,7 @@ async def test_a_stalled_load_is_server_stalled_and_stop_ends_it(tmp_path):
     )
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            handle = await start_server(nursery, spec, log_path=tmp_path / "s.log")
+            handle = await nursery.start(functools.partial(serve_server, spec, log_path=tmp_path / "s.log"))
             with pytest.raises(StokerError) as err:
                 await wait_ready(handle, stall_timeout=1.0, ready_timeout=20)
             assert err.value.reason == ReasonCode.SERVER_STALLED
@@ -164,7 +165,7 @@ async def test_sigill_is_cpu_illegal_instruction(tmp_path):
     )
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            handle = await start_server(nursery, spec, log_path=tmp_path / "s.log")
+            handle = await nursery.start(functools.partial(serve_server, spec, log_path=tmp_path / "s.log"))
             with pytest.raises(StokerError) as err:
                 await wait_ready(handle, stall_timeout=10, ready_timeout=20)
     assert err.value.reason == ReasonCode.CPU_ILLEGAL_INSTRUCTION
@@ -184,7 +185,7 @@ async def test_cancelling_the_owner_kills_a_server_that_ignores_sigterm(tmp_path
     )
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            handle = await start_server(nursery, spec, log_path=tmp_path / "s.log", grace=0.5)
+            handle = await nursery.start(functools.partial(serve_server, spec, log_path=tmp_path / "s.log", grace=0.5))
             while not handle.log.tail:
                 await handle.wait_changed()
             nursery.cancel_scope.cancel()
@@ -199,7 +200,7 @@ async def test_a_missing_binary_is_server_spawn_failed(tmp_path):
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             with pytest.raises(StokerError) as err:
-                await start_server(nursery, spec, log_path=tmp_path / "s.log")
+                await nursery.start(functools.partial(serve_server, spec, log_path=tmp_path / "s.log"))
     assert err.value.reason == ReasonCode.SERVER_SPAWN_FAILED
 
 
@@ -215,7 +216,7 @@ async def test_a_leader_that_exits_leaves_no_survivor_in_its_group(tmp_path):
     )
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            handle = await start_server(nursery, spec, log_path=tmp_path / "s.log")
+            handle = await nursery.start(functools.partial(serve_server, spec, log_path=tmp_path / "s.log"))
             report = await handle.wait_exit()
         assert report.returncode == 3 and report.reason == ReasonCode.SERVER_CRASHED
         child = int(report.evidence["log_tail"][-1].split()[1])
