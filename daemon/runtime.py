@@ -380,8 +380,9 @@ class Daemon:
             nursery.start_soon(self._handle_signals)
             await nursery.start(serve_store_keeper, self.store)
             await nursery.start(self.probes.serve)
-            await nursery.start(self.installs.serve)
-            await nursery.start(self.pulls.serve)  # resumes a pull a killed daemon left mid-way
+            # Installs and pulls a killed daemon left mid-way go on while the rest starts.
+            nursery.start_soon(self.installs.resume_all)
+            nursery.start_soon(self.pulls.resume_all)
             await nursery.start(self.snapshots.run)
             await nursery.start(self.fleet.serve)  # every model's supervisor, its identity file proven
             await nursery.start(self.engine_updates.serve)  # resumes an engine update left mid-way

@@ -146,12 +146,6 @@ class InstallService:
 
     # --- entry points --------------------------------------------------------------------
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Resume every install a previous daemon left mid-way, then idle."""
-        task_status.started()
-        await self.resume_all()
-        await trio.sleep_forever()
-
     async def resume_all(self) -> list[str]:
         """Resume or clean up the installs a killed daemon left behind; the machine ids."""
         resumed = []

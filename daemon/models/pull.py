@@ -103,12 +103,6 @@ class PullService:
 
     # --- entry points --------------------------------------------------------------------
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Resume every pull a killed daemon left mid-way, then idle."""
-        task_status.started()
-        await self.resume_all()
-        await trio.sleep_forever()
-
     async def resume_all(self) -> list[str]:
         """Resume (or finish committing) the pulls left behind; their names."""
         resumed = []
