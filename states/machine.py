@@ -18,6 +18,7 @@ back with an event. Nothing here reads the clock, sleeps or does I/O.
 from __future__ import annotations
 
 import enum
+import typing
 from typing import Any, Callable, Iterable, Mapping, Union
 
 import attrs
@@ -59,6 +60,13 @@ def _tuple(items: Iterable[Any]) -> tuple[Any, ...]:
 
 def _states(items: Iterable[Any]) -> frozenset[Any]:
     return frozenset(items)
+
+
+def _effect_types(effects: Any) -> tuple[type, ...]:
+    """A machine's `Effect` union (or one effect class, or a tuple of them) as its classes."""
+    if isinstance(effects, tuple):
+        return effects
+    return typing.get_args(effects) or (effects,)
 
 
 @attrs.frozen
@@ -129,7 +137,8 @@ class MachineSpec:
     terminal: frozenset[enum.StrEnum] = attrs.field(default=frozenset(), converter=_states)
     extra_events: tuple[type, ...] = ()
     description: str = ""
-    effect_types: tuple[type, ...] = ()  # the effects its handlers may ask for (for docs)
+    # The effects its handlers may ask for (for the docs and the effect driver): its `Effect` union.
+    effect_types: tuple[type, ...] = attrs.field(default=(), converter=_effect_types)
 
     def __attrs_post_init__(self) -> None:
         problems = []

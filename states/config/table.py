@@ -92,5 +92,5 @@ CONFIG = MachineSpec(
         ConfigState.INVALID: {ConfigAccepted: accepted, ConfigRejected: rejected},
     },
     description="Whether the config file in force is the file as it is now.",
-    effect_types=(ApplyConfig,),
+    effect_types=Effect,
 )

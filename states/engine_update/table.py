@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import enum
 import re
-import typing
 from typing import Any
 
 import attrs
@@ -407,7 +406,7 @@ ENGINE_UPDATE = MachineSpec(
         "new engines' tokens here, switch, restart what ran on it; roll back by itself when a server does not get "
         "ready or offloads nothing where it did, or by hand."
     ),
-    effect_types=typing.get_args(Effect),
+    effect_types=Effect,
 )
 
 

@@ -27,7 +27,6 @@ ready server is really accelerated is states/fallback/proof.py's verdict on what
 from __future__ import annotations
 
 import enum
-import typing
 from typing import Any
 
 import attrs
@@ -446,5 +445,5 @@ FALLBACK = MachineSpec(
         "One server instance's backend: preferred first, install a missing bundle once, CPU last; "
         "a non-CPU server that dies before ready moves on to the next; forced never falls back."
     ),
-    effect_types=typing.get_args(Effect),
+    effect_types=Effect,
 )

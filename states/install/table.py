@@ -31,7 +31,6 @@ later steps start again from a clean staging directory, promoting re-sends `Prom
 from __future__ import annotations
 
 import enum
-import typing
 from typing import Any
 
 import attrs
@@ -465,7 +464,7 @@ INSTALL = MachineSpec(
         "build): resolve, download, verify, unpack, validate, smoke-test, promote; the slot's record, which "
         "engine updates and rollbacks change too."
     ),
-    effect_types=typing.get_args(Effect),
+    effect_types=Effect,
 )
 
 

@@ -40,7 +40,6 @@ crash loop.
 from __future__ import annotations
 
 import enum
-import typing
 from typing import Any
 
 import attrs
@@ -466,7 +465,7 @@ LAUNCH = MachineSpec(
         "new plan; any other exit respawns the same plan, until more than max_restarts crashes in a "
         "row (without Stable) make it crash_loop."
     ),
-    effect_types=typing.get_args(Effect),
+    effect_types=Effect,
 )
 
 

@@ -87,6 +87,8 @@ class ArmExpiry:
     after: float
 
 
+Effect = RunProbe | ArmExpiry
+
 S = ProbeState
 
 
@@ -155,7 +157,7 @@ PROBE = MachineSpec(
     transitions=TRANSITIONS,
     terminal={S.IDLE, S.AVAILABLE, S.UNAVAILABLE},
     description="One backend's capability; the newest probe's verdict wins.",
-    effect_types=(RunProbe, ArmExpiry),
+    effect_types=Effect,
 )
 
 

@@ -194,6 +194,8 @@ class RemoveModel:
     owned: bool
 
 
+Effect = Resolve | Fetch | ReadHeader | Commit | Discard | RemoveModel
+
 S = PullState
 WORKING = (S.RESOLVING, S.DOWNLOADING, S.INSPECTING)
 # Failures that more bytes or a second try cure: the partial file is kept and resumed.
@@ -336,7 +338,7 @@ PULL = MachineSpec(
     transitions=TRANSITIONS,
     terminal={S.CATALOGED, S.FAILED, S.REMOVED},
     description="One model: resolve the name at its source, download and verify it, read its header, catalog it.",
-    effect_types=(Resolve, Fetch, ReadHeader, Commit, Discard, RemoveModel),
+    effect_types=Effect,
 )
 
 

@@ -18,7 +18,6 @@ server of ours outlived the last `stoker worker`: it is adopted (`Adopted`) and 
 from __future__ import annotations
 
 import enum
-import typing
 from typing import Any
 
 import attrs
@@ -312,5 +311,5 @@ WORKER = MachineSpec(
         "protocol; a crash is retried with backoff up to max_restarts; a bad command line or another protocol "
         "version fails at once; a server that outlived the last `stoker worker` is adopted when its identity is proven."
     ),
-    effect_types=typing.get_args(Effect),
+    effect_types=Effect,
 )
