@@ -41,6 +41,20 @@ def row_key(row: dict[str, Any]) -> str:
     return f"{row.get('machine_id')}|{row.get('at')}|{row.get('from_state')}|{row.get('to_state')}|{row.get('event')}"
 
 
+def fill_table(table: DataTable[Any], rows: list[dict[str, Any]]) -> None:
+    """Show `rows` in `table`, one transition a line: when, which machine, from → to, reason."""
+    table.clear()
+    for row in rows:
+        reason = row.get("reason")
+        table.add_row(
+            q.clock(row.get("at")),
+            str(row.get("machine_id")),
+            f"{row.get('from_state')} → {row.get('to_state')}",
+            Text(reason, style="yellow") if reason else "",
+            key=row_key(row),
+        )
+
+
 def describe(row: dict[str, Any]) -> Text:
     """The detail pane: the transition, its reason, its evidence and event data."""
     text = Text()
@@ -153,17 +167,7 @@ class HistoryView(Vertical):
         return [r for r in self.rows if self._shows(r)]
 
     def _fill(self) -> None:
-        table = self.query_one(DataTable)
-        table.clear()
-        for row in self._visible():
-            reason = row.get("reason")
-            table.add_row(
-                q.clock(row.get("at")),
-                str(row.get("machine_id")),
-                f"{row.get('from_state')} → {row.get('to_state')}",
-                Text(reason, style="yellow") if reason else "",
-                key=row_key(row),
-            )
+        fill_table(self.query_one(DataTable), self._visible())
 
     def on_select_changed(self, event: Select.Changed) -> None:
         event.stop()

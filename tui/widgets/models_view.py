@@ -19,7 +19,7 @@ from textual.widgets import DataTable, Static
 
 from stoker.tui import quantities as q
 from stoker.tui.widgets.backend_card import STATE_STYLE
-from stoker.tui.widgets.history_view import row_key
+from stoker.tui.widgets.history_view import fill_table, row_key
 from stoker.tui.widgets.pull_progress import PullProgress
 from stoker.tui.widgets.remote_models import describe_remote, remote_row
 
@@ -339,17 +339,7 @@ class ModelsView(Vertical):
         detail.update(describe_remote(model["remote"]) if model.get("remote") else describe_model(model, self.sample))
 
     def _fill_history(self) -> None:
-        table = self.query_one("#model-history", DataTable)
-        table.clear()
-        for row in self.history_rows:
-            reason = row.get("reason")
-            table.add_row(
-                q.clock(row.get("at")),
-                str(row.get("machine_id")),
-                f"{row.get('from_state')} → {row.get('to_state')}",
-                Text(reason, style="yellow") if reason else "",
-                key=row_key(row),
-            )
+        fill_table(self.query_one("#model-history", DataTable), self.history_rows)
 
     def _select(self, name: str) -> None:
         if name == self.selected:
