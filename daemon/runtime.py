@@ -39,6 +39,7 @@ from stoker.daemon.core import sdnotify
 from stoker.states.convert import structure, unstructure
 from stoker.daemon.config.model import Config, ConfigError, config_diff, load_config
 from stoker.daemon.config.watch import watch_config
+from stoker.daemon.control.controlled import HistoryQuery
 from stoker.daemon.control.methods import dispatch
 from stoker.daemon.control.replies import (
     ApiKey,
@@ -219,17 +220,15 @@ class Daemon:
     def probe_verdicts(self) -> Mapping[str, Mapping[str, Any]]:
         return self.probes.verdicts()
 
-    def history(
-        self,
-        *,
-        machine: str | None,
-        kind: str | None,
-        since: float | None,
-        until: float | None,
-        limit: int,
-        machines: Sequence[str] | None = None,
-    ) -> Sequence[TransitionRecord]:
-        return self.store.history(machine=machine, kind=kind, since=since, until=until, limit=limit, machines=machines)
+    def history(self, query: HistoryQuery) -> Sequence[TransitionRecord]:
+        return self.store.history(
+            machine=query.machine,
+            kind=query.kind,
+            since=query.since,
+            until=query.until,
+            limit=query.limit,
+            machines=query.machines,
+        )
 
     def transitions_after(self, after_id: int, kinds: Sequence[str], limit: int) -> Sequence[TransitionRecord]:
         """History rows past `after_id`, in write order: the front door's /metrics counters."""

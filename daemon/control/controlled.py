@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence
 
+import attrs
+
 from stoker.daemon.core.paths import StokerPaths
 from stoker.states.launch import records as LR
 
@@ -35,6 +37,18 @@ if TYPE_CHECKING:
     from stoker.store.records import TransitionRecord
     from stoker.store.catalog import ModelRecord
     from stoker.store.snapshots import SnapshotRecord
+
+
+@attrs.frozen
+class HistoryQuery:
+    """Which recorded transitions the `history` method asks for (None: any)."""
+
+    machine: str | None
+    kind: str | None
+    since: float | None
+    until: float | None
+    limit: int
+    machines: Sequence[str] | None = None  # only these machine ids
 
 
 class LaunchControl(Protocol):
@@ -131,17 +145,8 @@ class ControlledDaemon(Protocol):
 
     # --- history, probes, installs -------------------------------------------------------
 
-    def history(
-        self,
-        *,
-        machine: str | None,
-        kind: str | None,
-        since: float | None,
-        until: float | None,
-        limit: int,
-        machines: Sequence[str] | None = None,
-    ) -> Sequence[TransitionRecord]:
-        """Recorded transitions, newest first (`machines`: only these machine ids)."""
+    def history(self, query: HistoryQuery) -> Sequence[TransitionRecord]:
+        """Recorded transitions, newest first."""
 
     @property
     def frontdoor_binds(self) -> Sequence[str] | None:

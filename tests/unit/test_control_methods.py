@@ -15,6 +15,7 @@ import pytest
 from stoker.daemon.config.model import Config
 from stoker.daemon.config.instances import ServedModel
 from stoker.daemon.control import protocol
+from stoker.daemon.control.controlled import HistoryQuery
 from stoker.daemon.control.methods import METHODS, dispatch
 from stoker.daemon.control.params import SQLITE_INT_MAX, Kind, Param, method
 from stoker.daemon.control.status import build_status
@@ -229,8 +230,8 @@ class FakeDaemon:
     def snapshot_status(self, member: Any = None) -> dict[str, Any] | None:
         return (self.supervisor.ready_evidence or {}).get("snapshots")
 
-    def history(self, **query: Any) -> list[Any]:
-        self.history_asked.append(query)
+    def history(self, query: HistoryQuery) -> list[Any]:
+        self.history_asked.append(attrs.asdict(query, recurse=False))
         return []
 
     def pulls_under_way(self) -> list[dict[str, Any]]:

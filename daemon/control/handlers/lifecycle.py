@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from stoker.daemon.control.controlled import ControlledDaemon
+from stoker.daemon.control.controlled import ControlledDaemon, HistoryQuery
 from stoker.daemon.control.params import Kind, Param, method
 from stoker.daemon.control.replies import Pong, Status, Stopping
 from stoker.daemon.control.status import build_status
@@ -174,12 +174,14 @@ async def history(daemon: ControlledDaemon, params: Mapping[str, Any]) -> tuple[
     evidence, at, seq}].
     """
     rows = daemon.history(
-        machine=params["machine"],
-        kind=params["kind"],
-        since=params["since"],
-        until=params["until"],
-        limit=params["limit"],
-        machines=None if params["model"] is None else model_machines(daemon, params["model"]),
+        HistoryQuery(
+            machine=params["machine"],
+            kind=params["kind"],
+            since=params["since"],
+            until=params["until"],
+            limit=params["limit"],
+            machines=None if params["model"] is None else model_machines(daemon, params["model"]),
+        )
     )
     return tuple(rows)
 
