@@ -80,6 +80,20 @@ class Step:
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
+def step_with_reason(
+    state: enum.StrEnum,
+    data: Any,
+    effects: Iterable[Any],
+    reason: ReasonCode | None,
+    evidence: Mapping[str, Any],
+    **changes: Any,
+) -> Step:
+    """Move to `state` because of `reason`: the data keeps the reason and its evidence (what
+    status shows until the next move clears them) and history records the same pair."""
+    data = attrs.evolve(data, reason=reason, evidence=evidence, **changes)
+    return Step(state, data, effects, reason, evidence)
+
+
 class _Stay:
     """Target sentinel: the handler may leave the machine in the state it was in."""
 

@@ -73,7 +73,7 @@ from stoker.states.engine_update.records import (
 )
 from stoker.states.install.slot import Rejection
 from stoker.states.launch.records import LaunchState
-from stoker.states.machine import STAY, MachineSpec, Rule, Step, guarded
+from stoker.states.machine import STAY, MachineSpec, Rule, Step, guarded, step_with_reason
 from stoker.states.reasons import ReasonCode
 
 # --- decisions ----------------------------------------------------------------------------
@@ -331,15 +331,13 @@ def rolled_back(state: S, data: UpdateData, event: RolledBack) -> Step:
         data = attrs.evolve(data, reason=None, evidence={})
         return Step(S.ROLLED_BACK, data, relaunch, evidence={"by_hand": True, **event.evidence})
     evidence = {**data.evidence, **event.evidence}
-    data = attrs.evolve(data, reason=ReasonCode.ENGINE_UPDATE_ROLLED_BACK, evidence=evidence)
-    return Step(S.ROLLED_BACK, data, relaunch, ReasonCode.ENGINE_UPDATE_ROLLED_BACK, evidence)
+    return step_with_reason(S.ROLLED_BACK, data, relaunch, ReasonCode.ENGINE_UPDATE_ROLLED_BACK, evidence)
 
 
 @guarded(S.FAILED)
 def rollback_failed(state: S, data: UpdateData, event: RollbackFailed) -> Step:
     evidence = {**data.evidence, **event.evidence}
-    data = attrs.evolve(data, reason=ReasonCode.ENGINE_ROLLBACK_FAILED, evidence=evidence)
-    return Step(S.FAILED, data, (), ReasonCode.ENGINE_ROLLBACK_FAILED, evidence)
+    return step_with_reason(S.FAILED, data, (), ReasonCode.ENGINE_ROLLBACK_FAILED, evidence)
 
 
 @guarded(S.RESOLVING, S.STAGING, S.SWITCHING, S.RESTARTING, S.ROLLING_BACK)

@@ -34,7 +34,7 @@ import attrs
 from stoker.states.fallback.proof import AccelerationProof, acceleration_verdict, proof_evidence
 from stoker.states.fallback.vram import VramCheck, devices_of, no_room
 from stoker.states.launch.records import CPU_BACKEND, ExitPhase
-from stoker.states.machine import STAY, MachineSpec, Rule, Step, guarded, as_evidence
+from stoker.states.machine import STAY, MachineSpec, Rule, Step, guarded, step_with_reason, as_evidence
 from stoker.states.reasons import ReasonCode
 
 
@@ -273,8 +273,7 @@ def _next(data: FallbackData, backend: str, reason: ReasonCode, evidence: dict[s
         "skipped": [{"backend": s.backend, "reason": str(s.reason)} for s in skipped],
         **evidence,
     }
-    data = attrs.evolve(data, reason=reason, evidence=summary)
-    return Step(S.FAILED, data, (GiveUp(reason, summary),), reason, summary)
+    return step_with_reason(S.FAILED, data, (GiveUp(reason, summary),), reason, summary)
 
 
 # An RPC worker's failure is the worker's, never the local backend's: the new plan checks the
@@ -394,8 +393,7 @@ def launched(state: S, data: FallbackData, event: LaunchSucceeded) -> Step | Non
     effective, demoted, proof = _proven(event)
     reason = demoted or _passed_over(data, effective)
     evidence = {"backend": event.backend, "effective_backend": effective, **proof}
-    data = attrs.evolve(data, chosen=effective, reason=reason, evidence=evidence, respawn_demotion=None)
-    return Step(S.SETTLED, data, (), reason, evidence)
+    return step_with_reason(S.SETTLED, data, (), reason, evidence, chosen=effective, respawn_demotion=None)
 
 
 @guarded(STAY)

@@ -61,7 +61,7 @@ from stoker.states.install.sources import (
     sources_of,
     tries_of,
 )
-from stoker.states.machine import STAY, Guarded, MachineSpec, Rule, Step, guarded, as_evidence
+from stoker.states.machine import STAY, Guarded, MachineSpec, Rule, Step, guarded, step_with_reason, as_evidence
 from stoker.states.reasons import ReasonCode
 
 
@@ -267,8 +267,7 @@ def _source_over(
         evidence = {**evidence, "next_source": following.value, "seconds": seconds}
         return Step(target, _on(data, following), (CleanStaging(), *effects), evidence=evidence)
     evidence = {**evidence, "tried": list(data.tried)}
-    data = attrs.evolve(data, reason=reason, evidence=evidence)
-    return Step(S.FAILED, data, (CleanStaging(),), reason, evidence)
+    return step_with_reason(S.FAILED, data, (CleanStaging(),), reason, evidence)
 
 
 @guarded(*STARTS)

@@ -33,7 +33,7 @@ from stoker.states.launch.records import (
     Terminate,
     WatchLiveness,
 )
-from stoker.states.machine import Step
+from stoker.states.machine import Step, step_with_reason
 from stoker.states.reasons import ReasonCode
 from stoker.states.server_process import crash_loop
 
@@ -155,15 +155,13 @@ def crash_step(
         silent=False,
     )
     if verdict is ExitVerdict.FATAL:
-        data = attrs.evolve(data, reason=reason, evidence=evidence)
-        return Step(S.FAILED, data, (Notify("status", f"failed: {reason}"),), reason, evidence)
+        return step_with_reason(S.FAILED, data, (Notify("status", f"failed: {reason}"),), reason, evidence)
     if crash_loop(crashes, data.settings.max_restarts):
         loop = {**evidence, "last_reason": str(reason), "max_restarts": data.settings.max_restarts}
-        data = attrs.evolve(data, reason=ReasonCode.CRASH_LOOP, evidence=loop)
-        return Step(S.FAILED, data, (Notify("status", "failed: crash_loop"),), ReasonCode.CRASH_LOOP, loop)
+        return step_with_reason(S.FAILED, data, (Notify("status", "failed: crash_loop"),), ReasonCode.CRASH_LOOP, loop)
     failure = PlanFailure(reason, phase, evidence) if verdict is ExitVerdict.REPLAN else None
-    data = attrs.evolve(data, reason=reason, evidence=evidence, restarts=data.restarts + 1, replan_for=failure)
-    return Step(S.CRASHED, data, (StartBackoff(crashes), Notify("status", f"crashed: {reason}")), reason, evidence)
+    effects = (StartBackoff(crashes), Notify("status", f"crashed: {reason}"))
+    return step_with_reason(S.CRASHED, data, effects, reason, evidence, restarts=data.restarts + 1, replan_for=failure)
 
 
 def exit_step(state: LaunchState, data: LaunchData, event: ServerExited) -> Step:

@@ -93,7 +93,7 @@ from stoker.states.launch.records import (
     UpRequested,
     WatchReadiness,
 )
-from stoker.states.machine import STAY, Guarded, MachineSpec, Rule, Step, guarded
+from stoker.states.machine import STAY, Guarded, MachineSpec, Rule, Step, guarded, step_with_reason
 from stoker.states.reasons import ReasonCode
 
 S = LaunchState
@@ -185,8 +185,8 @@ def plan_ready(state: S, data: LaunchData, event: PlanReady) -> Step | None:
 def plan_failed(state: S, data: LaunchData, event: PlanFailed) -> Step | None:
     if _stale(data, event):
         return None
-    data = attrs.evolve(data, reason=event.reason, evidence=event.evidence, replan_for=None)
-    return Step(S.FAILED, data, (Notify("status", f"failed: {event.reason}"),), event.reason, event.evidence)
+    effects = (Notify("status", f"failed: {event.reason}"),)
+    return step_with_reason(S.FAILED, data, effects, event.reason, event.evidence, replan_for=None)
 
 
 @guarded(STAY)

@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from stoker.states.machine import STAY, MachineSpec, Rule, Step, guarded, as_evidence
+from stoker.states.machine import STAY, MachineSpec, Rule, Step, guarded, step_with_reason, as_evidence
 from stoker.states.reasons import ReasonCode
 from stoker.states.server_process import ProcessExit, SpawnFailure, crash_loop
 
@@ -197,8 +197,7 @@ def answered(state: S, data: WorkerData, event: Answered) -> Step | None:
     if data.protocol is not None and event.version != data.protocol:
         reason = ReasonCode.RPC_VERSION_MISMATCH
         evidence = {**evidence, "expected": data.protocol}
-        failed = attrs.evolve(data, reason=reason, evidence=evidence)
-        return Step(S.FAILED, failed, (TerminateServer(data.settings.stop_grace),), reason, evidence)
+        return step_with_reason(S.FAILED, data, (TerminateServer(data.settings.stop_grace),), reason, evidence)
     return Step(S.SERVING, data, (ArmStableTimer(data.settings.stable_after),), evidence=evidence)
 
 
@@ -212,8 +211,7 @@ def exited(state: S, data: WorkerData, event: Exited | SpawnFailed) -> Step | No
         return Step(S.FAILED, data, (), event.reason, evidence)
     if crash_loop(crashes, data.settings.max_restarts):
         evidence = {**evidence, "crashes": crashes, "last_reason": str(event.reason)}
-        data = attrs.evolve(data, reason=ReasonCode.CRASH_LOOP, evidence=evidence)
-        return Step(S.FAILED, data, (), ReasonCode.CRASH_LOOP, evidence)
+        return step_with_reason(S.FAILED, data, (), ReasonCode.CRASH_LOOP, evidence)
     return Step(S.BACKOFF, data, (StartBackoff(crashes),), event.reason, evidence)
 
 
