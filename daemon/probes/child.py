@@ -16,13 +16,17 @@ import traceback
 MARKER = "STOKER-DETECTION "
 
 
-def _failed(name: str, reason: str, message: str, **evidence: object) -> dict[str, object]:
+def _failed(name: str, reason: str, what: str, error: Exception) -> dict[str, object]:
+    """A Detection dict for a backend that raised `error` (`what` it was doing: the message's
+    start), with the error and its traceback as evidence."""
+    raised = f"{type(error).__name__}: {error}"
+    evidence = {"error": raised, "traceback": traceback.format_exc(limit=5)}
     return {
         "backend": name,
         "present": False,
         "usable": False,
         "reason": reason,
-        "message": message,
+        "message": f"{what}: {raised}",
         "devices": [],
         "evidence": evidence,
     }
@@ -37,25 +41,13 @@ def probe(name: str, target: str | None = None) -> dict[str, object]:
     try:
         backend = load_target(name, target) if target else load_backend(name)
     except Exception as e:
-        return _failed(
-            name,
-            str(ReasonCode.PROBE_FAILED),
-            f"The {name} backend could not be loaded: {type(e).__name__}: {e}",
-            error=f"{type(e).__name__}: {e}",
-            traceback=traceback.format_exc(limit=5),
-        )
+        return _failed(name, str(ReasonCode.PROBE_FAILED), f"The {name} backend could not be loaded", e)
     try:
         with contextlib.redirect_stdout(sys.stderr):
             detection = backend.detect()
         return detection.to_dict()
     except Exception as e:
-        return _failed(
-            name,
-            str(backend.unavailable_reason),
-            f"The {name} probe raised {type(e).__name__}: {e}",
-            error=f"{type(e).__name__}: {e}",
-            traceback=traceback.format_exc(limit=5),
-        )
+        return _failed(name, str(backend.unavailable_reason), f"The {name} probe raised", e)
 
 
 def main(argv: list[str] | None = None) -> int:
