@@ -140,12 +140,7 @@ class RelaySocket:
 
     def is_readable(self) -> bool:
         """Something to read, or EOF, is waiting (a pooled connection the peer closed)."""
-        try:
-            return self.sock.recv(1, socket.MSG_PEEK) is not None
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
+        return socket_is_readable(self.sock)
 
     def peer(self) -> tuple[str, int] | None:
         try:
@@ -191,6 +186,17 @@ async def run_in_worker(fn: Callable[[], T], interrupt: Callable[[], None]) -> T
     if cancelled:
         await trio.lowlevel.checkpoint()  # the scope that cancelled it still is: raises Cancelled
     return cast(T, done[0].unwrap())
+
+
+def socket_is_readable(sock: socket.socket) -> bool:
+    """Whether a non-blocking socket has anything waiting (data, EOF, an error): a pooled
+    connection in that state is not reused."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK) is not None
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def send_all_blocking(sock: socket.socket, data: bytes, stopped: Callable[[], bool]) -> None:

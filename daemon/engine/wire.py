@@ -49,7 +49,7 @@ import trio
 
 from stoker.daemon.core.chunked import Dechunker, MalformedChunk
 from stoker.daemon.core.http import tls_context
-from stoker.daemon.core.relay_socket import RelaySocket, run_in_worker
+from stoker.daemon.core.relay_socket import RelaySocket, run_in_worker, socket_is_readable
 
 # One read: an SSE event is ~250 bytes, a non-streamed answer a few KiB; a read takes what is there.
 READ_BYTES = 64 * 1024
@@ -115,12 +115,7 @@ class TlsSocket:
 
     def is_readable(self) -> bool:
         """Anything waiting on the socket (EOF, a close_notify, a late TLS record): not reused."""
-        try:
-            return self._raw.recv(1, socket.MSG_PEEK) is not None
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
+        return socket_is_readable(self._raw)
 
     def close(self) -> None:
         self._tcp.socket.close()
