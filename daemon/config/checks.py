@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import attrs
 
@@ -126,5 +126,32 @@ def auto_or(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return either
 
 
+def optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """None (the key is left to another section), or what `check` accepts."""
+
+    def either(value: Any) -> Any:
+        return None if value is None else check(value)
+
+    return either
+
+
 def setting(default: Any, check: Callable[[Any], Any]) -> Any:
     return attrs.field(default=default, metadata={"check": check})
+
+
+def checked_values(
+    prefix: str, fields: Mapping[str, attrs.Attribute[Any]], table: Mapping[str, Any], problems: list[str]
+) -> dict[str, Any]:
+    """Each key of `table` through its `setting`'s check: the values that pass; a problem
+    ("PREFIX.key: ...") for each that does not, or that no field names."""
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        field = fields.get(key)
+        if field is None:
+            problems.append(f"{prefix}.{key}: unknown key (known: {', '.join(fields)})")
+            continue
+        try:
+            values[key] = field.metadata["check"](value)
+        except Invalid as err:
+            problems.append(f"{prefix}.{key}: {err}")
+    return values

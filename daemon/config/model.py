@@ -19,6 +19,7 @@ from stoker.daemon.config.checks import (
     auto_or,
     boolean,
     byte_size,
+    checked_values,
     describe,
     integer,
     loopback_ip,
@@ -337,17 +338,7 @@ class Config:
 
 def _build_section(name: str, section_cls: type, table: Mapping[str, Any], problems: list[str]) -> Any:
     fields = {field.name: field for field in attrs.fields(section_cls)}
-    values: dict[str, Any] = {}
-    for key, value in table.items():
-        field = fields.get(key)
-        if field is None:
-            problems.append(f"{name}.{key}: unknown key (known: {', '.join(fields)})")
-            continue
-        try:
-            values[key] = field.metadata["check"](value)
-        except Invalid as err:
-            problems.append(f"{name}.{key}: {err}")
-    return section_cls(**values)
+    return section_cls(**checked_values(name, fields, table, problems))
 
 
 def _check_across(sections: Mapping[str, Any], problems: list[str]) -> None:

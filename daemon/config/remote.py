@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from stoker.daemon.config.checks import Invalid, boolean, describe, seconds, setting
+from stoker.daemon.config.checks import Invalid, boolean, describe, optional, seconds, setting
 from stoker.daemon.config.placement import MODEL_NAME, NAME_RULE
 
 ENDPOINT_KEY = "endpoint"
@@ -79,13 +79,6 @@ def remote_name(value: Any) -> str:
     return value
 
 
-def _optional(check: Any) -> Any:
-    def either(value: Any) -> Any:
-        return None if value is None else check(value)
-
-    return either
-
-
 @attrs.frozen
 class RemoteModelConfig:
     """One `[models.NAME]` section with an `endpoint`."""
@@ -93,8 +86,8 @@ class RemoteModelConfig:
     name: str = "remote"  # the section's NAME
     endpoint: str = setting("", endpoint_url)  # required; the base URL the OpenAI paths go under
     # The daemon's environment variable that holds the endpoint's key (None: send no key).
-    api_key_env: str | None = setting(None, _optional(env_name))
-    remote_model: str | None = setting(None, _optional(remote_name))  # None: the NAME
+    api_key_env: str | None = setting(None, optional(env_name))
+    remote_model: str | None = setting(None, optional(remote_name))  # None: the NAME
     allow_insecure: bool = setting(False, boolean)  # plain http to a non-loopback host
     default: bool = setting(False, boolean)  # requests without a known model go here
     # How often its reachability is checked (GET <endpoint>/models), for status and /metrics.
