@@ -140,15 +140,20 @@ def setting(default: Any, check: Callable[[Any], Any]) -> Any:
 
 
 def checked_values(
-    prefix: str, fields: Mapping[str, attrs.Attribute[Any]], table: Mapping[str, Any], problems: list[str]
+    prefix: str,
+    fields: Mapping[str, attrs.Attribute[Any]],
+    table: Mapping[str, Any],
+    problems: list[str],
+    *,
+    unknown: str = "unknown key",
 ) -> dict[str, Any]:
     """Each key of `table` through its `setting`'s check: the values that pass; a problem
-    ("PREFIX.key: ...") for each that does not, or that no field names."""
+    ("PREFIX.key: ...") for each that does not, or that no field names (`unknown` says so)."""
     values: dict[str, Any] = {}
     for key, value in table.items():
         field = fields.get(key)
         if field is None:
-            problems.append(f"{prefix}.{key}: unknown key (known: {', '.join(fields)})")
+            problems.append(f"{prefix}.{key}: {unknown} (known: {', '.join(fields)})")
             continue
         try:
             values[key] = field.metadata["check"](value)

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from stoker.daemon.config.checks import Invalid, boolean, describe, optional, seconds, setting
+from stoker.daemon.config.checks import Invalid, boolean, checked_values, describe, optional, seconds, setting
 from stoker.daemon.config.placement import MODEL_NAME, NAME_RULE
 
 ENDPOINT_KEY = "endpoint"
@@ -147,14 +147,9 @@ def parse_remote(name: str, section: Mapping[str, Any], problems: list[str]) -> 
                 f"models.{name}.{key}: only for a model Stoker runs itself; [models.{name}] is served by its endpoint"
             )
             continue
-        field = keys.get(key)
-        if field is None:
-            problems.append(f"models.{name}.{key}: unknown key for a remote model (known: {', '.join(keys)})")
-            continue
-        try:
-            values[key] = field.metadata["check"](value)
-        except Invalid as err:
-            problems.append(f"models.{name}.{key}: {err}")
+        values |= checked_values(
+            f"models.{name}", keys, {key: value}, problems, unknown="unknown key for a remote model"
+        )
     if len(problems) > before:
         return None
     remote = RemoteModelConfig(name=name, **values)
