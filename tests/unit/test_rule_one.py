@@ -32,7 +32,7 @@ WORDING_ONLY = {
     ("models/pull.py", "remove"): "the pull machine refused the removal (its table decides); this words it",
     ("models/resolve.py", "refusal"): "the sentence of a refusal states/pull/lookup.py decided",
     ("snapshots/drops.py", "record"): "the event topic a dropped snapshot is published under",
-    ("snapshots/service.py", "before_stop"): "which failures the snapshot log records; the stop goes on",
+    ("snapshots/save_restore.py", "before_stop"): "which failures the snapshot log records; the stop goes on",
 }
 # module: why a counter of attempts there is no machine's crash or restart count.
 COUNTS_OWN_ATTEMPTS = {
