@@ -292,7 +292,7 @@ def test_find_installed_prefers_a_safe_variant_and_never_native(tmp_path, paths,
     ids=["2000-levels", "long-component", "60-levels"],
 )
 def test_absurdly_deep_or_long_entry_paths_are_refused_not_a_crash(tmp_path, paths, entry):
-    """Issue 12 finding 18: a 2000-level nested entry path crashed the installer with RecursionError
+    """A 2000-level nested entry path crashed the installer with RecursionError
     (Path.mkdir(parents=True) recurses once per level); it is judged with the other names."""
     zip_path = hostile_zip(tmp_path, entry)
     before = tree_snapshot(tmp_path)

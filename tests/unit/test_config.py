@@ -490,7 +490,7 @@ def test_logs_are_capped_by_default_and_the_cap_is_configurable(tmp_path):
     assert [p.split(":")[0] for p in info.value.problems] == ["logs.max_bytes", "logs.keep"]
 
 
-# --- a reload is checked before anything is stopped (issue 12, finding 17) ---------------------
+# --- a reload is checked before anything is stopped ---------------------
 
 
 def test_the_config_machine_refuses_a_relaunch_onto_a_model_that_cannot_load():
@@ -562,7 +562,7 @@ async def test_a_refused_change_is_read_again_at_the_next_save(tmp_path):
             nursery.cancel_scope.cancel()
 
 
-# --- `stoker use` edits the config file where it really is (issue 12, finding 18) --------------
+# --- `stoker use` edits the config file where it really is --------------
 
 
 def test_use_writes_through_a_symlinked_config_file(tmp_path):

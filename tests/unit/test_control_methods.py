@@ -581,7 +581,7 @@ async def test_status_config_part_says_why_the_file_was_refused():
 )
 @pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 10**40])
 async def test_every_numeric_parameter_refuses_integers_sqlite_cannot_hold(name, param, value):
-    """Issue 12 finding 18: an integer past SQLite's 64 bits is bad_request, on every method (one
+    """An integer past SQLite's 64 bits is bad_request, on every method (one
     validator), never an OverflowError from the store answered as internal_error."""
     required = {p.name: 1 for p in METHODS[name].params if p.required and p.kind is Kind.INTEGER}
     err = await refused(FakeDaemon(), name, **{**required, param: value})

@@ -383,7 +383,7 @@ async def test_less_free_vram_than_the_fit_margin_skips_the_gpu_launch(paths, co
         assert (await orch.plan(lower, LR.MakePlan())).backend == "cuda"
 
 
-# --- truth in every figure (issue 12: findings 7-11) ----------------------------------------
+# --- truth in every figure (the reading that decided, shown) ----------------------------------------
 
 
 def fallback_of(st, backend):

@@ -52,7 +52,7 @@ def test_a_dangling_link_names_its_target(tmp_path, paths):
     ids=["directory", "dev-zero", "fifo"],
 )
 def test_something_that_is_not_a_file_says_what_it_is(tmp_path, paths, make, kind):
-    """Issue 12, finding 10: these paths exist; "does not exist" sent users looking for a typo.
+    """These paths exist; "does not exist" sent users looking for a typo.
     The FIFO is refused without opening it (an open would block until a writer comes)."""
     err = refused(make(tmp_path), paths)
     assert err.reason == ReasonCode.MODEL_LOAD_FAILED

@@ -1,4 +1,4 @@
-"""A snapshot belongs to the server instance that saved it (issue 14: two [models.NAME] may serve
+"""A snapshot belongs to the server instance that saved it (two [models.NAME] may serve
 the same file): the catalogue's instance key, the migration that gives older rows their owner from
 the launch history, the per-instance listing, count and retention, and the refusal across
 instances."""

@@ -10,7 +10,7 @@ from stoker.states.snapshots import policy as P
 from stoker.states.snapshots.policy import Figure, RestoreInputs
 
 MIB = 1 << 20
-# An 8B-shaped F16 model (32 layers, 8 KV heads of 128): 128 KiB of KV per token (issue 12).
+# An 8B-shaped F16 model (32 layers, 8 KV heads of 128): 128 KiB of KV per token (measured on an H200).
 LLAMA8B_PER_TOKEN = 32 * 8 * (128 + 128) * 2
 
 
@@ -45,7 +45,7 @@ def test_without_figures_it_restores_and_says_why():
 
 
 def test_h200_short_conversation_from_disk_is_re_prefilled():
-    """The issue's case: at 4k tokens an H200 prefills faster than a 512 MiB file comes off disk."""
+    """On an H200 at 4k tokens the engine prefills faster than a 512 MiB file comes off disk."""
     d = P.decide_restore(
         inputs(
             resident=0.0,
@@ -165,7 +165,7 @@ def test_kv_bytes_per_token_prefers_the_servers_own_buffers():
 
 
 def test_auto_retention_keeps_two_full_saves_of_an_8b_model():
-    """The issue: 2 GiB fixed dropped every snapshot over ~16k tokens on an 8B model."""
+    """Before: a fixed 2 GiB dropped every snapshot over ~16k tokens on an 8B model."""
     budget = P.retention_bytes("auto", bytes_per_token=LLAMA8B_PER_TOKEN, n_ctx=32768, n_slots=1)
     full = P.snapshot_bytes(32768, LLAMA8B_PER_TOKEN)
     assert budget == 2 * full and budget > 8 * 2**30
@@ -175,7 +175,7 @@ def test_auto_retention_keeps_two_full_saves_of_an_8b_model():
 
 
 def test_auto_stop_budget_covers_a_130k_save():
-    """The issue: 130k tokens took 28 s to save; the fixed budget was 20 s."""
+    """Before: 130k tokens took 28 s to save; the fixed budget was 20 s."""
     expected = P.snapshot_bytes(130_000, LLAMA8B_PER_TOKEN)
     measured = Figure(expected / 1e6 / 28.0, 4)  # this machine saved at the rate that took 28 s
     budget = P.stop_budget("auto", expected_bytes=expected, save_mb_s=measured)

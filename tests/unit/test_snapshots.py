@@ -250,7 +250,7 @@ def test_a_truncated_gguf_header_is_a_value_error(tmp_path, tiny_model):
         read_header(cut)
 
 
-# --- issue 12: a model's identity without reading it whole (finding 13) -------------------------
+# --- a model's identity without reading it whole --------------------------------------------------
 
 
 def _model(path, *, seed=0, n_layer=2):
@@ -340,7 +340,7 @@ def test_the_migration_keeps_old_rows_and_loosens_the_digests(tmp_path):
         store.close()
 
 
-# --- issue 12: cheap checks at restore (finding 14) ----------------------------------------------
+# --- cheap checks at restore ------------------------------------------------------------------------
 
 
 def _saved(tmp_path, catalog, size=300_000):

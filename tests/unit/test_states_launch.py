@@ -358,7 +358,7 @@ def test_resume_effects_per_state():
     assert step(LAUNCH, S.BACKOFF, data, BackoffStarted(1.0)).state is S.BACKOFF
 
 
-# --- finding 1: killed while stopping; finding 3: the identity file is evidence on its own ---
+# --- killed while stopping; the identity file is evidence on its own -----------------------
 
 
 def test_resume_while_stopping_proves_the_server_before_it_stops_it():
@@ -424,7 +424,7 @@ def test_the_running_server_is_kept_and_an_unproven_one_is_stopped():
     assert s.state is S.STARTING and s.effects == (WatchReadiness(120.0),) and not s.data.spawning
 
 
-# --- finding 2: a stop while a spawn is under way ------------------------------------------
+# --- a stop while a spawn is under way ------------------------------------------------------
 
 
 def test_a_stop_while_spawning_waits_for_the_spawn_and_stops_what_it_spawned():
@@ -445,7 +445,7 @@ def test_a_stop_while_spawning_waits_for_the_spawn_and_stops_what_it_spawned():
     assert s.data.spawning and not any(isinstance(e, Terminate) for e in s.effects)
 
 
-# --- finding 5: a hung engine ----------------------------------------------------------------
+# --- a hung engine -------------------------------------------------------------------------
 
 
 def test_a_silent_engine_is_hung_after_hung_after_and_counted_as_a_crash():
@@ -512,7 +512,7 @@ def test_requests_while_stopping_after_a_stall():
     assert plain.state is S.STOPPED
 
 
-# --- issue 13: a planned stop lets the front door's requests in flight finish ---------------
+# --- a planned stop lets the front door's requests in flight finish ---------------
 
 
 @pytest.mark.parametrize("request_", [DownRequested(), RestartRequested(), ConfigChanged()])
