@@ -287,7 +287,7 @@ def status(model: str | None, as_json: bool) -> None:
     The details are the default model's, or MODEL's (its [models.NAME]); `--json` has them at the
     top level and every model in `models`.
     """
-    from stoker.daemon.control.replies import Status
+    from stoker.daemon.control.status_records import Status
 
     reply, st = ask("status", as_json, Status, **_named(model))
     emit(as_json, reply, format_status)

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any, Mapping
 
 from stoker.daemon.control.controlled import ControlledDaemon
-from stoker.daemon.control.replies import (
+from stoker.daemon.control.status_records import (
     ConfigStatus,
     DaemonInfo,
     EngineSlot,

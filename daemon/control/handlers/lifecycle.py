@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 from stoker.daemon.control.controlled import ControlledDaemon, HistoryQuery
 from stoker.daemon.control.params import Kind, Param, method
-from stoker.daemon.control.replies import Pong, Status, Stopping
+from stoker.daemon.control.replies import Pong, Stopping
+from stoker.daemon.control.status_records import Status
 from stoker.daemon.control.status import build_status
 from stoker.daemon.core.version import stoker_version
 from stoker.daemon.core.errors import StokerError
