@@ -29,7 +29,6 @@ reason, a precise `kind`, and the evidence.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import functools
 import http.client
@@ -40,10 +39,9 @@ import re
 import socket
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Mapping
-from urllib.parse import unquote, urljoin, urlsplit
+from urllib.parse import urljoin, urlsplit
 
 import attrs
 import trio
@@ -56,7 +54,7 @@ from stoker.daemon.core.download_records import (
     DownloadResult,
     PartSidecar,
 )
-from stoker.daemon.core.http import tls_context
+from stoker.daemon.core.http import open_connection
 from stoker.daemon.core.part_sink import DownloadCancelled, PartDigests, PartOverrun, PartSink, PartWriter, open_direct
 from stoker.states.download_retry import RETRY_TABLE, DownloadFailure, RetryTable, retry_after
 from stoker.states.reasons import ReasonCode
@@ -79,44 +77,6 @@ class _Retry(Exception):
     def __init__(self, failure: DownloadFailure, final: DownloadError) -> None:
         super().__init__(final.message)
         self.failure, self.final = failure, final
-
-
-def _proxy_for(url: str) -> str | None:
-    """The environment's proxy for `url`, None where NO_PROXY exempts it or none is set."""
-    parts = urlsplit(url)
-    proxies = urllib.request.getproxies()
-    proxy = proxies.get(parts.scheme) or proxies.get("all")
-    if not proxy or urllib.request.proxy_bypass(parts.hostname or ""):
-        return None
-    return proxy if "://" in proxy else f"http://{proxy}"
-
-
-def _connect(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str, dict[str, str]]:
-    """A connection for `url` (through the environment's proxy where one applies), the request
-    target to send and the headers the proxy needs."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https"):
-        raise http.client.InvalidURL(f"not an http(s) URL: {url}")
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    proxy = _proxy_for(url)
-    if proxy is None:
-        if parts.scheme == "https":
-            return (
-                http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=timeout, context=tls_context()),
-                target,
-                {},
-            )
-        return http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout), target, {}
-    via = urlsplit(proxy)
-    auth = {}
-    if via.username:
-        secret = f"{unquote(via.username)}:{unquote(via.password or '')}".encode()
-        auth["Proxy-Authorization"] = "Basic " + base64.b64encode(secret).decode()
-    if parts.scheme == "https":  # a CONNECT tunnel: the proxy sees only the host
-        conn = http.client.HTTPSConnection(via.hostname or "", via.port or 80, timeout=timeout, context=tls_context())
-        conn.set_tunnel(parts.hostname or "", parts.port or 443, headers=auth)
-        return conn, target, {}
-    return http.client.HTTPConnection(via.hostname or "", via.port or 80, timeout=timeout), url, auth
 
 
 def _fill(response: http.client.HTTPResponse, view: memoryview) -> int:
@@ -278,7 +238,7 @@ class UrlReading:
         for _ in range(MAX_REDIRECTS + 1):
             self.attempts += 1
             try:
-                self._conn, target, extra = _connect(url, self.timeout)
+                self._conn, target, extra = open_connection(url, self.timeout)
                 self._conn.request("GET", target, headers={**sent, **extra})
                 response = self._conn.getresponse()
             except (OSError, http.client.HTTPException) as err:

@@ -17,7 +17,8 @@ import pytest
 import trio
 
 from stoker.daemon.core import part_sink
-from stoker.daemon.core.download import _connect, download
+from stoker.daemon.core.download import download
+from stoker.daemon.core.http import open_connection
 from stoker.daemon.core.download_records import DownloadError, DownloadErrorKind, DownloadProgress
 from stoker.states.download_retry import RETRY_TABLE, RetryRule
 from stoker.states.reasons import ReasonCode
@@ -423,7 +424,7 @@ def test_an_https_url_behind_a_proxy_goes_through_a_connect_tunnel(monkeypatch: 
     monkeypatch.setenv("HTTPS_PROXY", "http://user:pw@proxy.example:3128")
     monkeypatch.delenv("NO_PROXY", raising=False)
     monkeypatch.delenv("no_proxy", raising=False)
-    conn, target, extra = _connect("https://cdn.example/f.gguf?x=1", 5.0)
+    conn, target, extra = open_connection("https://cdn.example/f.gguf?x=1", 5.0)
     assert (conn.host, conn.port) == ("proxy.example", 3128)
     assert (conn._tunnel_host, conn._tunnel_port) == ("cdn.example", 443)  # type: ignore[attr-defined]
     assert conn._tunnel_headers["Proxy-Authorization"].startswith("Basic ")  # type: ignore[attr-defined]
