@@ -203,6 +203,8 @@ MESSAGE_TEXT: dict[str, str] = {
     "config_invalid": "The config file is invalid; the previous config stays in force. See `stoker config check`.",
     "daemon_already_running": "Another Stoker daemon already runs for this state directory.",
     "daemon_not_running": "The Stoker daemon is not running; start it with `stoker daemon`.",
+    "service_manager_unavailable": "systemd cannot be reached here: the unit was written but not enabled or started; start Stoker with `stoker daemon`.",
+    "service_unit_invalid": "systemd-analyze refused the service unit, so nothing was written; its words say why.",
     "data_dir_unwritable": (
         "The daemon cannot write its data directory (the disk is full or read-only, or the directory is not "
         "yours); free space or fix its permissions, then start the daemon again."

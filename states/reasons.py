@@ -114,6 +114,8 @@ class ReasonCode(enum.StrEnum):
     CONFIG_INVALID = "config_invalid"
     DAEMON_ALREADY_RUNNING = "daemon_already_running"
     DAEMON_NOT_RUNNING = "daemon_not_running"
+    SERVICE_MANAGER_UNAVAILABLE = "service_manager_unavailable"
+    SERVICE_UNIT_INVALID = "service_unit_invalid"
     DATA_DIR_UNWRITABLE = "data_dir_unwritable"
     RUNTIME_DIR_UNUSABLE = "runtime_dir_unusable"
     DAEMON_VERSION_SKEW = "daemon_version_skew"

@@ -14,6 +14,7 @@ from stoker.daemon.cli.output import run_guarded
 COMMANDS = {
     "bundle": "bundle",
     "daemon": "lifecycle",
+    "service": "systemd",
     "status": "lifecycle",
     "up": "lifecycle",
     "down": "lifecycle",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 import click
@@ -75,3 +76,22 @@ def progress_line(event: dict[str, Any]) -> str:
     return (
         f"[{bar}] {frac * 100:3.0f}%  {_size(done)} / {_size(total)}  {_size(event.get('rate') or 0)}/s  {tail}"
     ).rstrip()
+
+
+def invoked_path() -> Path | None:
+    """The `stoker` executable running now, as an absolute path (None under `python -m`)."""
+    argv0 = Path(sys.argv[0])
+    return argv0.absolute() if argv0.name == "stoker" and argv0.exists() else None
+
+
+def invoked_as() -> str:
+    """How the user calls Stoker, for hints: `stoker` when that is what PATH finds, else the path."""
+    import shutil
+
+    path = invoked_path()
+    if path is None:
+        return f"{Path(sys.executable).name} -m stoker.daemon"
+    found = shutil.which("stoker")
+    if found is not None and Path(found).resolve() == path.resolve():
+        return "stoker"
+    return sys.argv[0]
