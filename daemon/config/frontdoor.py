@@ -9,7 +9,8 @@ A non-loopback `host` (a LAN address, 0.0.0.0, ::) is refused unless `require_ke
 from __future__ import annotations
 
 import ipaddress
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
+from urllib.parse import urlsplit
 
 import attrs
 
@@ -80,3 +81,27 @@ def lan_bind_problems(frontdoor: FrontdoorConfig) -> list[str]:
         f"require_keys = true in [frontdoor] (every client then sends a key made with `stoker key create`); "
         f'or bind host = "127.0.0.1" to serve this machine only'
     ]
+
+
+def address_from_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """`[frontdoor]` host and port from STOKER_HOST (`host`, `host:port`, `[::1]:port`, or a URL, as
+    OLLAMA_HOST takes them) and STOKER_PORT, which win over the config file; and their problems."""
+    found: dict[str, Any] = {}
+    problems: list[str] = []
+    if value := environ.get("STOKER_HOST", "").strip():
+        try:
+            parts = urlsplit(value if "//" in value else f"//{value}")
+            if parts.hostname:
+                found["host"] = parts.hostname
+            if parts.port is not None:
+                found["port"] = parts.port
+            if not found or parts.path not in ("", "/"):
+                raise ValueError("no host")
+        except ValueError:
+            problems.append(f"STOKER_HOST: must be host, host:port or http://host:port, got {value!r}")
+    if value := environ.get("STOKER_PORT", "").strip():
+        if value.isdigit():
+            found["port"] = int(value)
+        else:
+            problems.append(f"STOKER_PORT: must be a port number, got {value!r}")
+    return found, problems

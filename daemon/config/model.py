@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ from stoker.daemon.config.checks import (
     setting,
 )
 from stoker.daemon.config.engine import EngineConfig
-from stoker.daemon.config.frontdoor import FrontdoorConfig, lan_bind_problems
+from stoker.daemon.config.frontdoor import FrontdoorConfig, address_from_env, lan_bind_problems
 from stoker.daemon.config.workers import (
     WorkerConfig,
     WorkerEndpoint,
@@ -370,12 +371,21 @@ def _resolve_model(config: Config, base_dir: Path | None) -> Config:
     return attrs.evolve(config, server=server, models=models)
 
 
-def parse_config(text: str, base_dir: Path | None = None, path: Path | None = None) -> Config:
-    """Parse and validate TOML text; raises ConfigError."""
+def parse_config(
+    text: str, base_dir: Path | None = None, path: Path | None = None, environ: Mapping[str, str] | None = None
+) -> Config:
+    """Parse and validate TOML text, with the front door's address from `environ` (STOKER_HOST,
+    STOKER_PORT) over the file's; raises ConfigError."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError([f"toml: not valid TOML: {err}"], path) from None
+    address, problems = address_from_env(environ or {})
+    if problems:
+        raise ConfigError(problems, path)
+    if address:
+        frontdoor = data.get("frontdoor")
+        data["frontdoor"] = {**(frontdoor if isinstance(frontdoor, dict) else {}), **address}
     try:
         return Config.from_mapping(data, base_dir)
     except ConfigError as err:
@@ -387,19 +397,20 @@ def default_config_path() -> Path:
 
 
 def load_config(path: Path | str | None = None) -> Config:
-    """The config at `path` (default: the user's config.toml); defaults if it does not exist."""
+    """The config at `path` (default: the user's config.toml; defaults if it does not exist), with
+    STOKER_HOST and STOKER_PORT from this process's environment."""
     path = default_config_path() if path is None else Path(path)
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        return Config()
+        raw = b""
     except OSError as err:
         raise ConfigError([f"file: cannot be read: {err.strerror or err}"], path) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ConfigError([f"file: is not UTF-8 text: {err}"], path) from None
-    return parse_config(text, path.absolute().parent, path)
+    return parse_config(text, path.absolute().parent, path, os.environ)
 
 
 def _flatten(config: Config) -> dict[str, Any]:

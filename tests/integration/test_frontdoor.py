@@ -183,3 +183,21 @@ def test_user_keys_guard_the_front_door_when_required(daemon, model):
     daemon.call("key.revoke", id=created["prefix"])
     with pytest.raises(openai.AuthenticationError):
         keyed.chat.completions.create(model="default", messages=messages, max_tokens=2)
+
+
+def test_the_address_from_the_environment_is_where_clients_find_it(stoker_home, model):
+    from tests.integration.daemon_harness import DaemonProcess, free_port
+
+    port = free_port()
+    daemon = DaemonProcess(stoker_home, env={"STOKER_HOST": f"127.0.0.1:{port}"})
+    write_config(daemon.paths, tiny_config(model) + "[frontdoor]\nport = 1\n")  # the environment wins
+    daemon.start()
+    try:
+        st = daemon.wait_state("ready")
+        assert st["frontdoor"]["url"] == f"http://127.0.0.1:{port}/v1"
+        reply = sdk(st["frontdoor"]["url"]).chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert reply.choices[0].message is not None
+    finally:
+        daemon.stop()

@@ -93,3 +93,35 @@ def test_the_drain_bound_is_configured_and_checked():
             parse_config(f"[frontdoor]\ndrain_timeout_s = {bad}\n")
         (problem,) = err.value.problems
         assert problem.startswith("frontdoor.drain_timeout_s: must be"), problem
+
+
+@pytest.mark.parametrize(
+    ("environ", "host", "port"),
+    [
+        ({"STOKER_HOST": "127.0.0.2"}, "127.0.0.2", 9000),
+        ({"STOKER_HOST": "127.0.0.1:8181"}, "127.0.0.1", 8181),
+        ({"STOKER_HOST": "http://[::1]:8182"}, "::1", 8182),
+        ({"STOKER_HOST": "127.0.0.1:8181", "STOKER_PORT": "8183"}, "127.0.0.1", 8183),
+        ({"STOKER_PORT": "8184"}, "127.0.0.3", 8184),
+        ({}, "127.0.0.3", 9000),
+    ],
+)
+def test_the_environment_sets_the_front_door_address_over_the_file(environ, host, port):
+    config = parse_config("[frontdoor]\nhost = '127.0.0.3'\nport = 9000\n", environ=environ)
+    assert (config.frontdoor.host, config.frontdoor.port) == (host, port)
+
+
+@pytest.mark.parametrize(
+    ("environ", "problem"),
+    [
+        ({"STOKER_PORT": "http"}, "STOKER_PORT: must be a port number"),
+        ({"STOKER_HOST": "127.0.0.1:99999"}, "STOKER_HOST: must be host"),
+        ({"STOKER_HOST": "http://127.0.0.1:80/v1"}, "STOKER_HOST: must be host"),
+        ({"STOKER_HOST": "0.0.0.0"}, "frontdoor.host: 0.0.0.0 is reachable from other machines"),
+        ({"STOKER_PORT": "0"}, "frontdoor.port"),
+    ],
+)
+def test_a_bad_address_in_the_environment_is_a_config_problem(environ, problem):
+    with pytest.raises(ConfigError) as caught:
+        parse_config("", environ=environ)
+    assert any(p.startswith(problem) for p in caught.value.problems), caught.value.problems
