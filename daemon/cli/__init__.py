@@ -21,6 +21,8 @@ COMMANDS = {
     "restart": "lifecycle",
     "shutdown": "lifecycle",
     "history": "lifecycle",
+    "ps": "model_view",
+    "show": "model_view",
     "run": "run",
     "probe": "probe",
     "use": "probe",
