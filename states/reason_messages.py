@@ -313,8 +313,8 @@ MESSAGE_TEXT: dict[str, str] = {
         "Retry-After seconds."
     ),
     "frontdoor_server_down": (
-        "The server is stopped or failed, so the request cannot be held until it is ready; `stoker up` starts it "
-        "(`stoker status` says why it stopped)."
+        "The model's server is stopped or failed, so the request cannot be held until it is ready; `stoker up NAME` "
+        "starts it (`stoker status` says why it stopped)."
     ),
     "placement_no_room": (
         "The model is not loaded and there is no room for it: `[placement] max_loaded` models are loaded, or its "

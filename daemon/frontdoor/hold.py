@@ -123,6 +123,8 @@ class Hold:
                 return str(member.data.evidence.get("message") or member.name)
             case ReasonCode.FRONTDOOR_HOLD_TIMEOUT:
                 return f"{member.name} {state} after {settings.hold_timeout_s:g} s"
+            case ReasonCode.FRONTDOOR_SERVER_DOWN:
+                return f"{member.name} {state}: `stoker up {member.name}` starts it"
         return f"{member.name} {state}"
 
     async def notice_loss(self, member: Member, base_url: str, reached: bool) -> EngineLoss:

@@ -203,6 +203,7 @@ def test_down_one_model_while_the_other_serves(daemon, model, other_model, no_se
     with pytest.raises(openai.APIStatusError) as down:
         client.completions.create(model="beta", prompt=PROMPT, max_tokens=2)
     assert down.value.status_code == 503 and down.value.code == "frontdoor_server_down"
+    assert "`stoker up beta` starts it" in down.value.message  # the command that fixes it, not the default's
     assert greedy(client, "alpha")[1] == "alpha"  # the other serves on
     models = models_of(daemon)
     assert models["beta"]["down_cause"] == "user" and not models["beta"]["loads_on_demand"]
