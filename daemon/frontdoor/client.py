@@ -180,9 +180,13 @@ class FrontDoorClient:
         tokens: int | None = None
         counted = 0
         model: str | None = None
+        done = False
+        # Read to the end of the body, past [DONE]: a client that leaves before the stream's last
+        # chunk is counted as gone (access log, /metrics), its answer as cut.
         for field, payload in _sse_events(response.iter_lines()):
-            if payload == "[DONE]":
-                break
+            if done or payload == "[DONE]":
+                done = True
+                continue
             try:
                 event = json.loads(payload)
             except ValueError:

@@ -89,3 +89,16 @@ def test_each_request_has_an_access_line_without_its_prompt(daemon, model):
     answer = plain.json()["choices"][0]["message"]["content"]
     if len(answer.strip()) >= 12:  # long enough not to appear by chance
         assert answer not in everything
+
+
+def test_stoker_chat_answers_are_counted_whole(daemon, model):
+    start_with_frontdoor(daemon, model)
+    daemon.wait_state("ready")
+    for turn in (1, 2):
+        said = stoker(daemon, "chat", "--max-tokens", "5", PROMPT)
+        assert said.strip(), said
+        line = stoker(daemon, "logs", "--access", "-n", "1").splitlines()[-1]
+        assert " POST /v1/chat/completions 200 " in line, line
+        assert " cut=" not in line, line  # the client read the answer to its end
+        got = fields(line)
+        assert int(got["tokens_out"]) >= 1 and int(got["tokens_in"]) > 0, (turn, line)
