@@ -743,7 +743,8 @@ def test_history_filtered_by_model(snap_compare):
     assert snap_compare(StokerApp(models_link()), terminal_size=(80, 24), run_before=on_tab("models", "down", "enter"))
 
 
-def test_overview_of_several_models_names_the_default(snap_compare):
+def test_overview_of_several_models_lists_each_with_its_own_state(snap_compare):
+    """The card describes the default model; beside it, every model with its own state and why."""
     assert snap_compare(StokerApp(models_link()), terminal_size=(80, 24), run_before=loaded)
 
 

@@ -77,6 +77,19 @@ def fallbacks_by_reason(fallbacks: list[dict[str, Any]]) -> dict[str, list[str]]
     return grouped
 
 
+def model_line(m: dict[str, Any]) -> Text:
+    """One model of several: its name, its own state, the backend it really uses, and why."""
+    state = str(m.get("state") or "?")
+    line = Text(f"{m.get('name')} ", style="bold")
+    line.append(state, style=STATE_STYLE.get(state, "bold"))
+    if m.get("backend"):
+        line.append(f" on {m['backend']}")
+    why = m.get("reason") or m.get("down_cause") or ("loads on demand" if m.get("loads_on_demand") else None)
+    if why:
+        line.append(f"  {why}", style="dim")
+    return line
+
+
 class BackendCard(Static):
     """State, backend, reason code and message, model, endpoint, layers, uptime."""
 
@@ -112,6 +125,10 @@ class BackendCard(Static):
                 grid.add_row("", Text(st["message"]))
         model = st.get("model")
         grid.add_row("model", os.path.basename(model) if model else "-")
+        models = st.get("models") or []
+        if len(models) > 1:  # the card describes one; every model's own state stands here
+            for m in models:
+                grid.add_row("", model_line(m))
         grid.add_row("endpoint", st.get("endpoint") or "-")
         workers = st.get("workers") or {}
         if workers.get("used"):  # layers on RPC devices, whatever the local backend
