@@ -36,3 +36,30 @@ def test_a_command_imports_only_its_own_module():
     assert not [
         m for m in out if m.startswith(("numpy", "gguf", "stoker.daemon.cli.worker", "stoker.daemon.cli.bundle"))
     ], out
+
+
+def test_the_help_summaries_are_the_commands_own():
+    from stoker.daemon.cli import SUMMARIES, cli
+
+    ctx = click.Context(cli)
+    assert set(SUMMARIES) == set(COMMANDS)
+    for name, summary in SUMMARIES.items():
+        command = cli.get_command(ctx, name)
+        assert command is not None
+        for limit in (30, 45, 120):
+            assert click.Command(name, help=summary).get_short_help_str(limit) == command.get_short_help_str(limit), (
+                name
+            )
+
+
+def test_stoker_help_imports_no_command_module():
+    code = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from stoker.daemon.cli import cli\n"
+        "r = CliRunner().invoke(cli, ['--help'])\n"
+        "assert r.exit_code == 0 and 'status' in r.output, r.output\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('stoker.daemon.cli.'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["stoker.daemon.cli.output"], out
