@@ -295,6 +295,10 @@ MESSAGE_TEXT: dict[str, str] = {
         "This model cannot resume from a snapshot (a sliding-window model without --swa-full, or a hybrid/"
         "recurrent model): the engine would re-process the prompt anyway, so automatic snapshots are skipped."
     ),
+    "snapshot_save_skipped": (
+        "A planned stop did not save a conversation: re-prefilling it at its next request is measured to be faster "
+        "than saving it now and restoring it then; the entry gives the three estimates."
+    ),
     "snapshot_dropped": (
         "A snapshot was given up (removed by retention, not saved because it could not be kept, or lost to a "
         "reboot before it reached the disk); the entry says which, with its figures. Raise `[snapshots] max_count` "

@@ -153,6 +153,7 @@ class ReasonCode(enum.StrEnum):
     SNAPSHOT_RESTORE_FAILED = "snapshot_restore_failed"
     SNAPSHOT_NO_BENEFIT = "snapshot_no_benefit"
     SNAPSHOT_DROPPED = "snapshot_dropped"
+    SNAPSHOT_SAVE_SKIPPED = "snapshot_save_skipped"
     SNAPSHOT_SAVE_TIMEOUT = "snapshot_save_timeout"
     # The front door (daemon/frontdoor/): why a held request was answered 503.
     FRONTDOOR_HOLD_TIMEOUT = "frontdoor_hold_timeout"

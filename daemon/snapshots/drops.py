@@ -2,7 +2,7 @@
 without a word).
 
 Every snapshot removed by retention, every save refused before it was paid for, every save
-cut by its budget and every file lost to a reboot before it reached the disk is one entry: a
+skipped because re-prefilling would be faster, every save cut by its budget and every file lost to a reboot before it reached the disk is one entry: a
 reason code, a sentence, the figures that decided, in the daemon's log, as a `snapshot.*`
 event on the bus, and in `stoker status` (`snapshots.dropped`, the latest DROPS_KEPT).
 """
@@ -21,6 +21,7 @@ from stoker.states.reasons import ReasonCode, message_for
 log = logging.getLogger("stoker.daemon.snapshots")
 
 DROPS_KEPT = 16
+TOPICS = {ReasonCode.SNAPSHOT_SAVE_TIMEOUT: "save_timeout", ReasonCode.SNAPSHOT_SAVE_SKIPPED: "save_skipped"}
 # What each `why` of a snapshot_dropped means, for the log line and the status entry.
 WHY = {
     "count": "beyond [snapshots] max_count for its slot and model",
@@ -52,12 +53,7 @@ class DropLog:
         self.entries.append(entry)
         log.log(logging.INFO if quiet else logging.WARNING, "%s: %s %s", reason, entry["message"], figures)
         if self.publish is not None:
-            self.publish(
-                {
-                    "topic": f"snapshot.{'save_timeout' if reason == ReasonCode.SNAPSHOT_SAVE_TIMEOUT else 'dropped'}",
-                    **entry,
-                }
-            )
+            self.publish({"topic": f"snapshot.{TOPICS.get(reason, 'dropped')}", **entry})
         return entry
 
     def latest(self) -> list[dict[str, Any]]:

@@ -30,6 +30,7 @@ from stoker.states.snapshots.policy import (
     Figure,
     RestoreInputs,
     decide_restore,
+    decide_save,
     prefill_band,
     prefill_rate,
     retention_bytes,
@@ -187,3 +188,24 @@ def throughput_mb_s(n_bytes: Any, milliseconds: Any) -> float | None:
     if not isinstance(n_bytes, (int, float)) or not isinstance(milliseconds, (int, float)) or milliseconds <= 0:
         return None
     return n_bytes / MB / (milliseconds / 1000)
+
+
+def save_decision(catalog: SnapshotCatalog, live: LiveServer, n_tokens: int) -> dict[str, Any]:
+    """states.snapshots.policy.decide_save for one slot of the live server, on this machine's figures."""
+    expected = snapshot_bytes(n_tokens, live.kv_bytes_per_token)
+    inputs, figures = restore_inputs(
+        catalog,
+        backend=live.backend,
+        model_id=live.identity["model_id"],
+        n_tokens=n_tokens,
+        file_bytes=expected or 0,
+        resident=1.0,
+    )
+    save = save_figure(catalog, live.backend)
+    decision = decide_save(inputs, save if expected else None)
+    return {
+        "n_tokens": n_tokens,
+        "file_bytes": expected,
+        **decision.to_dict(),
+        "figures": {**figures, "save_mb_s": None if save is None else save.to_dict()},
+    }

@@ -38,6 +38,7 @@ from stoker.daemon.snapshots.figures import (
     fold_sample,
     prefill_samples,
     restore_decision,
+    save_decision,
     restore_name,
     save_name,
     throughput_mb_s,
@@ -154,6 +155,9 @@ class SnapshotService:
                 return
             if live is None or not live.swa["benefit"] or not todo:
                 return
+            todo = await self._worth_saving(live, supervisor, todo, cause)
+            if not todo:
+                return
             phase, budget = "saving", self.stop_budget(live, todo)
             with trio.move_on_after(budget - (trio.current_time() - started)) as saving:
                 saved = await self.save(supervisor, cause, timeout=budget, todo=todo)
@@ -169,6 +173,21 @@ class SnapshotService:
             self._save_timeout(live, todo, budget, trio.current_time() - started, cause, phase)
             raise
         log.info("saved %d slot snapshot(s) before %s", len(saved), cause)
+
+    async def _worth_saving(
+        self, live: LiveServer, supervisor: ServedPlan, todo: list[tuple[int, int]], cause: str
+    ) -> list[tuple[int, int]]:
+        """The slots worth saving before this stop: a slot whose re-prefill is measured to beat its
+        save and restore is left to its next request, and the stop says so (never silent)."""
+        await self._harvest_prefills(live, supervisor.log_path)
+        kept = []
+        for slot, n_tokens in todo:
+            decision = save_decision(self.catalog, live, n_tokens)
+            if decision["choice"] == "skip":
+                self.drops.record(ReasonCode.SNAPSHOT_SAVE_SKIPPED, quiet=True, slot=slot, cause=cause, **decision)
+            else:
+                kept.append((slot, n_tokens))
+        return kept
 
     def _save_timeout(
         self,

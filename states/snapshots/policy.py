@@ -155,6 +155,58 @@ def decide_restore(inputs: RestoreInputs) -> RestoreDecision:
     return RestoreDecision("restore", why, restore_s, prefill_s)
 
 
+@attrs.frozen
+class SaveDecision:
+    """Save a slot before a planned stop, or let its next request re-prefill it."""
+
+    choice: Literal["save", "skip"]
+    why: str
+    save_s: float | None  # the estimates that decided (None: not measured yet)
+    restore_s: float | None
+    prefill_s: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        def rounded(value: float | None) -> float | None:
+            return None if value is None else round(value, 4)
+
+        return {
+            "choice": self.choice,
+            "why": self.why,
+            "save_s_est": rounded(self.save_s),
+            "restore_s_est": rounded(self.restore_s),
+            "prefill_s_est": rounded(self.prefill_s),
+        }
+
+
+def decide_save(inputs: RestoreInputs, save_mb_s: Figure | None) -> SaveDecision:
+    """Save before a planned stop, unless re-prefilling the conversation later is measured to be
+    clearly faster than saving it now and restoring it then (the save delays the stop, the restore
+    the next start; a re-prefill costs only the next request). Its restore reads a file just
+    written, so from the page cache."""
+    rate = inputs.prefill_tok_s
+    if rate is None or rate.value <= 0:
+        return SaveDecision("save", "no prefill figure for this model on this backend yet: save", None, None, None)
+    prefill_s = inputs.n_tokens / rate.value
+    if save_mb_s is None or save_mb_s.value <= 0:
+        return SaveDecision(
+            "save", "no save figure on this backend yet: save, which measures it", None, None, prefill_s
+        )
+    save_s = inputs.file_bytes / (save_mb_s.value * MB)
+    restore_s = restore_estimate(attrs.evolve(inputs, resident=1.0))
+    if restore_s is None:
+        why = "no restore figure from the page cache on this backend yet: save"
+        return SaveDecision("save", why, save_s, None, prefill_s)
+    both = save_s + restore_s
+    if prefill_s + max(REPREFILL_MARGIN * both, REPREFILL_MARGIN_S) < both:
+        why = (
+            f"re-prefilling {inputs.n_tokens} tokens later (~{prefill_s:.3f} s at {rate.value:.0f} tok/s) beats "
+            f"saving {inputs.file_bytes / MB:.1f} MB now (~{save_s:.3f} s) and restoring it (~{restore_s:.3f} s)"
+        )
+        return SaveDecision("skip", why, save_s, restore_s, prefill_s)
+    why = f"saving (~{save_s:.3f} s) and restoring (~{restore_s:.3f} s) is not slower than re-prefilling (~{prefill_s:.3f} s)"
+    return SaveDecision("save", why, save_s, restore_s, prefill_s)
+
+
 def restore_band(resident: float | None) -> Literal["cache", "disk"] | None:
     """Which restore figure a measured restore moves, by how resident its file was; None: mixed."""
     if resident is None:

@@ -508,3 +508,37 @@ def test_retention_says_what_it_drops(daemon, model):
     )
     assert out.returncode == 0, out.stderr
     assert f"snapshot {second['id']}: snapshot_dropped bytes" in out.stdout and "snapshot_dropped too_big" in out.stdout
+
+
+def test_a_stop_skips_the_save_that_a_re_prefill_beats_and_says_so(daemon):
+    """With figures where re-prefilling the conversation beats saving it and restoring it (a GPU's
+    prefill against a slow disk), a restart saves nothing for it and says why, with the estimates."""
+    daemon.start()
+    st = daemon.wait_state("ready")
+    eng = Engine(st)
+    eng.complete(eng.tokenize(PROMPT), 4)
+    daemon.call("restart")  # the first save measures the save and restore figures
+    st = relaunched(daemon, st["pid"])
+    saved_before = len(daemon.call("snapshot.list")["snapshots"])
+    assert saved_before == 1
+    model_id = daemon.call("snapshot.list")["snapshots"][0]["model_id"]
+    with sqlite3.connect(daemon.paths.db_file) as db:
+        for name, value in (
+            (f"prefill/cpu/{model_id}/le1024", 1e9),
+            ("restore/cpu/cache", 0.001),
+            ("save/cpu", 0.001),
+        ):
+            db.execute(
+                "insert or replace into snapshot_figures (name, value, samples, updated_at) values (?, ?, 5, 0)",
+                [name, value],
+            )
+    eng = Engine(st)
+    eng.complete(eng.tokenize(PROMPT + " and again"), 4)
+    daemon.call("restart")
+    st = relaunched(daemon, st["pid"])
+    assert len(daemon.call("snapshot.list")["snapshots"]) == saved_before  # nothing new was saved
+    skipped = [d for d in st["snapshots"]["dropped"] if d["reason"] == "snapshot_save_skipped"]
+    (entry,) = skipped
+    assert entry["choice"] == "skip" and entry["cause"] == "restart", entry
+    assert entry["prefill_s_est"] < entry["save_s_est"] + entry["restore_s_est"]
+    assert entry["why"].startswith("re-prefilling")
