@@ -22,6 +22,7 @@ WORDING_ONLY = {
     ("bundles/verify.py", "_run_engine"): "the same, for `stoker bundle verify`",
     ("cli/daemon_or_here.py", "through_daemon_or_here"): "the CLI chooses between the daemon and working alone",
     ("cli/output.py", "fail"): "the exit code and the words a person reads",
+    ("cli/model_view.py", "show"): "without a daemon, show still reads the file: the CLI chooses what it can show",
     ("control/client.py", "_await_reply"): "the client words a refusal of its own request",
     ("fallback/orchestrator.py", "startup_sentence"): "the sentence about a failed start, from its evidence",
     ("frontdoor/app.py", "_remote_refused"): "the sentence of a 503/502 states/frontdoor/remote_endpoint.py chose",
@@ -31,7 +32,6 @@ WORDING_ONLY = {
     ("launch/supervisor.py", "_watch_ready"): "a stall or a start timeout is reported as the StallTimeout event",
     ("models/pull.py", "remove"): "the pull machine refused the removal (its table decides); this words it",
     ("models/resolve.py", "refusal"): "the sentence of a refusal states/pull/lookup.py decided",
-    ("snapshots/drops.py", "record"): "the event topic a dropped snapshot is published under",
     ("snapshots/save_restore.py", "before_stop"): "which failures the snapshot log records; the stop goes on",
 }
 # module: why a counter of attempts there is no machine's crash or restart count.
