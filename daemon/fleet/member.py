@@ -40,6 +40,7 @@ from stoker.states.launch import table as L
 from stoker.states.launch import records as LR
 from stoker.states.fleet.idle_unload import IdleFacts
 from stoker.states.pull.lookup import ModelForm, model_form
+from stoker.states.reasons import message_for
 from stoker.states.fleet.placement import Footprint, Resident, loads_on_demand, occupies
 from stoker.store.database import Store
 
@@ -95,6 +96,15 @@ class Member:
     @property
     def data(self) -> LR.LaunchData:
         return self.supervisor.data
+
+    def reason_message(self) -> str | None:
+        """Why its machine is where it is, in words: its evidence's own sentence where it has one
+        (a forced backend, ...), else the reason code's (None when healthy)."""
+        data = self.data
+        specific = data.evidence.get("message")
+        if data.reason and isinstance(specific, str) and specific:
+            return specific
+        return message_for(data.reason) if data.reason else None
 
     def endpoint(self) -> tuple[str | None, str | None]:
         """The engine's base URL and per-launch key (None, None without a server)."""
