@@ -32,6 +32,7 @@ from stoker.daemon.control.status_records import (
     StoreStatus,
 )
 from stoker.daemon.fallback.memory import estimate_json
+from stoker.daemon.fleet.member import reason_message
 from stoker.daemon.telemetry.sampler import process_rss_mib
 from stoker.states.launch import records as LR
 from stoker.states.convert import structure
@@ -120,7 +121,7 @@ def model_status(daemon: ControlledDaemon, member: Member) -> ModelStatus:
         backend=backend,
         planned_backend=fallback["planned_backend"],
         reason=str(data.reason) if data.reason else None,
-        message=member.reason_message(),
+        message=reason_message(data),
         layers=_layers(fallback["layers"]),
         pid=data.pid,
         restarts=data.restarts,
@@ -160,7 +161,7 @@ def build_status(daemon: ControlledDaemon, member: Member | None = None) -> Stat
         offload=None if state in _NOT_SERVING else fallback.get("offload"),
         variant=plan.variant if plan else None,
         reason=reason,
-        message=member.reason_message(),
+        message=reason_message(data),
         evidence=dict(data.evidence),
         model=None if model is None else os.fspath(model),
         endpoint=endpoint if serving else None,

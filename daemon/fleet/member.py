@@ -97,15 +97,6 @@ class Member:
     def data(self) -> LR.LaunchData:
         return self.supervisor.data
 
-    def reason_message(self) -> str | None:
-        """Why its machine is where it is, in words: its evidence's own sentence where it has one
-        (a forced backend, ...), else the reason code's (None when healthy)."""
-        data = self.data
-        specific = data.evidence.get("message")
-        if data.reason and isinstance(specific, str) and specific:
-            return specific
-        return message_for(data.reason) if data.reason else None
-
     def endpoint(self) -> tuple[str | None, str | None]:
         """The engine's base URL and per-launch key (None, None without a server)."""
         return self.supervisor.endpoint()
@@ -233,6 +224,15 @@ class Member:
     def effective_backend(self) -> str | None:
         """The backend really in use (status's `backend`): the CPU after a late demotion."""
         return self.orchestrator.effective_backend(self.data.plan)
+
+
+def reason_message(data: LR.LaunchData) -> str | None:
+    """Why a launch machine is where it is, in words: its evidence's own sentence where it has one
+    (a forced backend, ...), else the reason code's (None when healthy)."""
+    specific = data.evidence.get("message")
+    if data.reason and isinstance(specific, str) and specific:
+        return specific
+    return message_for(data.reason) if data.reason else None
 
 
 def on_host(device: str) -> bool:

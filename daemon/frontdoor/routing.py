@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from stoker.daemon.fleet.member import reason_message
 from stoker.states.launch import records as LR
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ def model_entry(member: Member, created: int) -> dict[str, Any]:
             "aliases": sorted(member.names() - {member.served.public_id}),
             # Why it is where it is, and its use now: what `stoker status` says of it (the chat page shows it).
             "reason": str(member.data.reason) if member.data.reason else None,
-            "message": member.reason_message(),
+            "message": reason_message(member.data),
             "down_cause": str(member.data.down_cause) if member.data.down_cause else None,
             "in_flight": member.usage.in_flight,
             "waiting": member.usage.waiting,
