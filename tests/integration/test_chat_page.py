@@ -7,8 +7,8 @@ model's server in the middle of an answer cuts it, the page says so and answers 
 asked; with keys required the page asks for one, keeps it in the browser and works with it;
 its Content-Security-Policy holds and no key ever travels in a URL.
 
-The screenshot in docs/chat-page.png is taken with Gemma 3 270M as the first model
-(`STOKER_DOCS_SCREENSHOT=1` writes it there).
+The screenshot in docs/chat-page.png is the first test's last view (`STOKER_DOCS_SCREENSHOT=1`
+writes it there).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import pytest
 
 from stoker.daemon.bundles.tinymodel import write_tiny_model
 from tests.integration.daemon_harness import DaemonProcess, free_port, servers_for, tiny_config, write_config
-from tests.model_files import GEMMA, model_file
 
 CHROMIUM = Path("/usr/bin/chromium")
 
@@ -41,10 +40,8 @@ sync_api = pytest.importorskip(
 DOCS_SHOT = Path(__file__).resolve().parents[2] / "docs" / "chat-page.png"
 # Long enough that a restart lands in the middle of the answer: the random tiny model, made to
 # ignore its end-of-text, streams for seconds on the 2-core machine.
-LONG_ANSWER_TOKENS = 1500
+LONG_ANSWER_TOKENS = 3500
 SHORT_ANSWER_TOKENS = 48
-# Gemma's 60 tokens take ~1 s on a quiet 2-core machine, minutes when other engines fill its cores.
-GEMMA_ANSWER_S = 300
 
 
 @pytest.fixture
@@ -59,8 +56,8 @@ def browser():
 def models(tmp_path) -> tuple[Path, Path]:
     """Two tiny models of different weights, with room for a long answer."""
     return (
-        write_tiny_model(tmp_path / "alpha" / "alpha.gguf", n_ctx=2048),
-        write_tiny_model(tmp_path / "beta" / "beta.gguf", n_ctx=2048, seed=7),
+        write_tiny_model(tmp_path / "alpha" / "alpha.gguf", n_ctx=4096),
+        write_tiny_model(tmp_path / "beta" / "beta.gguf", n_ctx=4096, seed=7),
     )
 
 
@@ -84,7 +81,7 @@ def serve_two(daemon: DaemonProcess, models: tuple[Path, Path], **frontdoor: Any
     settings = {"port": port, "drain_timeout_s": 0, **frontdoor}
     write_config(
         daemon.paths,
-        tiny_config(alpha, ctx_size=2048)
+        tiny_config(alpha, ctx_size=4096)
         + "[placement]\nmax_loaded = 2\n"
         + f'[models.alpha]\nmodel = "{alpha}"\ndefault = true\n'
         + f'[models.beta]\nmodel = "{beta}"\n'
@@ -161,9 +158,9 @@ def watch_browser(page: Any) -> dict[str, list[str]]:
     return seen
 
 
-def test_the_page_streams_switches_models_and_answers_again_after_a_restart(chat_daemon, models, browser):
+def test_the_page_streams_switches_models_and_answers_again_after_a_restart(chat_daemon, models, browser, tmp_path):
     root = serve_two(chat_daemon, models)
-    page = browser.new_page(viewport={"width": 1180, "height": 760})
+    page = browser.new_page(viewport={"width": 1180, "height": 860})
     seen = watch_browser(page)
     past_end_of_text(page)
     response = page.goto(root)
@@ -244,6 +241,10 @@ def test_the_page_streams_switches_models_and_answers_again_after_a_restart(chat
     )
     refused = last_answer(page).locator(".error").inner_text()
     assert "frontdoor_server_down" in refused and "Retry after" in refused, refused
+    shot = tmp_path / "chat-page.png"
+    page.screenshot(path=str(shot))
+    if os.environ.get("STOKER_DOCS_SCREENSHOT"):
+        DOCS_SHOT.write_bytes(shot.read_bytes())
     # The browser logs the 503 it was answered; nothing else went wrong (a policy violation would show here).
     assert seen["errors"] == ["Failed to load resource: the server responded with a status of 503 ()"], seen["errors"]
 
@@ -289,40 +290,3 @@ def test_with_keys_required_the_page_asks_for_one_and_keeps_it_in_the_browser(ch
     assert all(u.startswith(root) for u in urls), urls  # nothing from another origin
     # The 401s the page met before it had a key are the only errors it logged.
     assert all("401" in e for e in seen["errors"] + seen_again["errors"]), seen["errors"]
-
-
-@pytest.mark.gemma
-@pytest.mark.slow
-def test_a_real_models_answer_reads_whole_in_the_page(chat_daemon, models, browser, tmp_path):
-    """Gemma 3 270M in the page: its answer is the text it means (no character broken where a
-    chunk ended), and the screenshot in docs/ is taken of it."""
-    gemma = model_file(GEMMA, chat_daemon.paths)
-    try:
-        root = serve_two(chat_daemon, (gemma, models[1]))
-        page = browser.new_page(viewport={"width": 1180, "height": 700})
-        seen = watch_browser(page)
-        page.goto(root)
-        page.wait_for_function(
-            "() => document.querySelector('.model[data-model=\"alpha\"]')?.dataset.badge === 'loaded'"
-        )
-        page.click("#settings summary")
-        page.fill("#temperature", "0")
-        page.fill("#max-tokens", "60")
-        page.click("#settings summary")
-        ask(page, "What is the capital of France? Answer in one sentence.")
-        answer = wait_answered(page, GEMMA_ANSWER_S)
-        assert "Paris" in answer and "\ufffd" not in answer, answer
-        ask(page, "Write a haiku about a steam engine.")
-        answer = wait_answered(page, GEMMA_ANSWER_S)
-        assert len(answer.split()) >= 5 and "\ufffd" not in answer, answer
-        assert not seen["errors"], seen["errors"]
-        shot = tmp_path / "chat-page.png"
-        page.screenshot(path=str(shot))
-        if os.environ.get("STOKER_DOCS_SCREENSHOT"):
-            DOCS_SHOT.write_bytes(shot.read_bytes())
-    finally:
-        chat_daemon.stop()
-        leftovers = servers_for(gemma)
-        for proc in leftovers:
-            proc.kill()
-        assert not leftovers, f"servers left behind: {[p.pid for p in leftovers]}"
