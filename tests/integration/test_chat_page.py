@@ -73,7 +73,7 @@ def chat_daemon(stoker_home, installed_cpu_bundle, models):
     assert not leftovers, f"servers left behind: {[p.pid for p in leftovers]}"
 
 
-def serve_two(daemon: DaemonProcess, models: tuple[Path, Path], **frontdoor: Any) -> str:
+def serve_two(daemon: DaemonProcess, models: tuple[Path, Path], extra: str = "", **frontdoor: Any) -> str:
     """Start `daemon` with alpha (the default) and beta behind a front door on a free port; its root URL.
     A planned stop cuts the answers in flight at once (drain_timeout_s = 0)."""
     alpha, beta = models
@@ -85,6 +85,7 @@ def serve_two(daemon: DaemonProcess, models: tuple[Path, Path], **frontdoor: Any
         + "[placement]\nmax_loaded = 2\n"
         + f'[models.alpha]\nmodel = "{alpha}"\ndefault = true\n'
         + f'[models.beta]\nmodel = "{beta}"\n'
+        + extra
         + "[frontdoor]\n"
         + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items()),
     )
@@ -250,7 +251,8 @@ def test_the_page_streams_switches_models_and_answers_again_after_a_restart(chat
 
 
 def test_with_keys_required_the_page_asks_for_one_and_keeps_it_in_the_browser(chat_daemon, models, browser):
-    root = serve_two(chat_daemon, models, require_keys=True)
+    missing = models[0].parent / "missing.gguf"
+    root = serve_two(chat_daemon, models, f'[models.broken]\nmodel = "{missing}"\n', require_keys=True)
     key = chat_daemon.call("key.create", name="browser")["key"]
     context = browser.new_context()
     page = context.new_page()
@@ -285,8 +287,20 @@ def test_with_keys_required_the_page_asks_for_one_and_keeps_it_in_the_browser(ch
     assert wait_answered(again).strip()
     assert again.locator("#key-overlay").is_hidden()
 
+    # A model that cannot load: the message is refused, and the picker says why, by its reason code.
+    model_button(again, "broken").click()
+    ask(again, "Are you there?")
+    again.wait_for_function(
+        "() => [...document.querySelectorAll('.msg.assistant')].pop().dataset.outcome === 'failed'", timeout=60_000
+    )
+    broken = model_button(again, "broken")
+    again.wait_for_function("() => document.querySelector('.model[data-model=\"broken\"]').dataset.badge === 'failed'")
+    assert broken.locator("code.reason").inner_text() == "model_missing", broken.inner_text()
+    print("the broken model's card:", broken.inner_text(), "| its answer:", last_answer(again).inner_text())
+
     urls = seen["urls"] + seen_again["urls"]
     assert urls and not [u for u in urls if key in u or "sk-stoker" in u]
     assert all(u.startswith(root) for u in urls), urls  # nothing from another origin
-    # The 401s the page met before it had a key are the only errors it logged.
-    assert all("401" in e for e in seen["errors"] + seen_again["errors"]), seen["errors"]
+    # The 401s the page met before it had a key, and the broken model's 503, are the only errors it logged.
+    assert all("401" in e for e in seen["errors"]), seen["errors"]
+    assert all("503" in e for e in seen_again["errors"]), seen_again["errors"]
