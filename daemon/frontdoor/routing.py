@@ -5,8 +5,9 @@ default model; any other name a model answers to (its file name or stem, the mod
 names it, the id its engine's own /v1/models reports) reaches it too (daemon/fleet/member.py,
 `Member.names`). A name no model answers to gets 404 listing what is served. `/v1/models` lists
 every configured model, loaded or not, in OpenAI's shape, each with a `stoker` object saying its
-state, why (its reason code) and its use now (the chat page's model picker reads it: chat_page.py). A remote model (`[models.NAME] endpoint`, daemon/fleet/remote.py) is routed the same way:
-by its NAME, as the default when it is marked so, or by the name its endpoint serves it under.
+state, why (its reason code) and its use now (the chat page's model picker reads it: chat_page.py).
+A remote model (`[models.NAME] endpoint`, daemon/fleet/remote.py) is routed the same way: by its
+NAME, as the default when it is marked so, or by the name its endpoint serves it under.
 """
 
 from __future__ import annotations
