@@ -32,11 +32,11 @@ from stoker.daemon.control.status_records import (
     StoreStatus,
 )
 from stoker.daemon.fallback.memory import estimate_json
+from stoker.daemon.fleet.member import reason_message
 from stoker.daemon.telemetry.sampler import process_rss_mib
 from stoker.states.launch import records as LR
 from stoker.states.convert import structure
 from stoker.states.fleet.idle_unload import due_in
-from stoker.states.reasons import message_for
 
 if TYPE_CHECKING:
     from stoker.daemon.fleet.member import Member
@@ -63,14 +63,6 @@ def _frontdoor(daemon: ControlledDaemon) -> FrontDoorStatus:
         address=f"{host}:{settings.port}",
         require_keys=settings.require_keys,
     )
-
-
-def _message(data: LR.LaunchData) -> str | None:
-    """The machine's own sentence where its evidence has one (forced backend, ...), else the reason's."""
-    specific = data.evidence.get("message")
-    if data.reason and isinstance(specific, str) and specific:
-        return specific
-    return message_for(data.reason) if data.reason else None
 
 
 def _layers(layers: Mapping[str, Any]) -> Layers:
@@ -129,7 +121,7 @@ def model_status(daemon: ControlledDaemon, member: Member) -> ModelStatus:
         backend=backend,
         planned_backend=fallback["planned_backend"],
         reason=str(data.reason) if data.reason else None,
-        message=_message(data),
+        message=reason_message(data),
         layers=_layers(fallback["layers"]),
         pid=data.pid,
         restarts=data.restarts,
@@ -169,7 +161,7 @@ def build_status(daemon: ControlledDaemon, member: Member | None = None) -> Stat
         offload=None if state in _NOT_SERVING else fallback.get("offload"),
         variant=plan.variant if plan else None,
         reason=reason,
-        message=_message(data),
+        message=reason_message(data),
         evidence=dict(data.evidence),
         model=None if model is None else os.fspath(model),
         endpoint=endpoint if serving else None,

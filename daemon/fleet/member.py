@@ -40,6 +40,7 @@ from stoker.states.launch import table as L
 from stoker.states.launch import records as LR
 from stoker.states.fleet.idle_unload import IdleFacts
 from stoker.states.pull.lookup import ModelForm, model_form
+from stoker.states.reasons import message_for
 from stoker.states.fleet.placement import Footprint, Resident, loads_on_demand, occupies
 from stoker.store.database import Store
 
@@ -223,6 +224,15 @@ class Member:
     def effective_backend(self) -> str | None:
         """The backend really in use (status's `backend`): the CPU after a late demotion."""
         return self.orchestrator.effective_backend(self.data.plan)
+
+
+def reason_message(data: LR.LaunchData) -> str | None:
+    """Why a launch machine is where it is, in words: its evidence's own sentence where it has one
+    (a forced backend, ...), else the reason code's (None when healthy)."""
+    specific = data.evidence.get("message")
+    if data.reason and isinstance(specific, str) and specific:
+        return specific
+    return message_for(data.reason) if data.reason else None
 
 
 def on_host(device: str) -> bool:

@@ -36,6 +36,7 @@ from stoker.daemon.engine.api import EngineClient
 from stoker.daemon.engine.wire import EngineAnswer, EngineWire
 from stoker.daemon.fleet.member import Member
 from stoker.daemon.fleet.remote import RemoteModel, contact_of, endpoint_error_message
+from stoker.daemon.frontdoor.chat_page import chat_page
 from stoker.daemon.frontdoor.hold import Hold, Refused
 from stoker.daemon.frontdoor.http11 import Request
 from stoker.daemon.frontdoor.limits import LimitExceeded, check_head, read_body
@@ -51,7 +52,7 @@ log = logging.getLogger("stoker.frontdoor")
 REMOTE_HEADERS = {"Content-Type": "application/json"}
 # The routes forwarded with their JSON body (OpenAI's, and Anthropic's /v1/messages).
 POST_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages")
-GET_ROUTES = ("/v1/models", "/metrics")
+GET_ROUTES = ("/v1/models", "/metrics", "/")
 # The engine's headers a relayed answer keeps (its framing is the front door's own).
 KEPT_HEADERS = ("content-type", "cache-control")
 JSON = (b"content-type", b"application/json")
@@ -202,6 +203,9 @@ class FrontDoor:
             answer = self.models(request)
         elif path == "/metrics" and method == "GET":
             answer = await self.metrics_page(request)
+        elif path == "/" and method == "GET":
+            page = chat_page()  # static, no secret in it: served without a key (chat_page.py)
+            answer = Answer(200, page.body, page.headers)
         elif path in POST_ROUTES or path in GET_ROUTES:
             allowed = "POST" if path in POST_ROUTES else "GET"
             answer = api_error(path, 405, f"{path} takes {allowed}.", "invalid_request_error", None, {"Allow": allowed})

@@ -5,8 +5,9 @@ default model; any other name a model answers to (its file name or stem, the mod
 names it, the id its engine's own /v1/models reports) reaches it too (daemon/fleet/member.py,
 `Member.names`). A name no model answers to gets 404 listing what is served. `/v1/models` lists
 every configured model, loaded or not, in OpenAI's shape, each with a `stoker` object saying its
-state. A remote model (`[models.NAME] endpoint`, daemon/fleet/remote.py) is routed the same way:
-by its NAME, as the default when it is marked so, or by the name its endpoint serves it under.
+state, why (its reason code) and its use now (the chat page's model picker reads it: chat_page.py).
+A remote model (`[models.NAME] endpoint`, daemon/fleet/remote.py) is routed the same way: by its
+NAME, as the default when it is marked so, or by the name its endpoint serves it under.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from stoker.daemon.fleet.member import reason_message
 from stoker.states.launch import records as LR
 
 if TYPE_CHECKING:
@@ -64,6 +66,13 @@ def model_entry(member: Member, created: int) -> dict[str, Any]:
             "path": plan.model_path if plan is not None else None,
             "backend": member.effective_backend() if state is LR.LaunchState.READY else None,
             "aliases": sorted(member.names() - {member.served.public_id}),
+            # Why it is where it is, and its use now: what `stoker status` says of it (the chat page shows it).
+            "reason": str(member.data.reason) if member.data.reason else None,
+            "message": reason_message(member.data),
+            "down_cause": str(member.data.down_cause) if member.data.down_cause else None,
+            "in_flight": member.usage.in_flight,
+            "waiting": member.usage.waiting,
+            "idle_s": round(member.idle_s(), 1) if state is LR.LaunchState.READY else None,
         },
     }
 
