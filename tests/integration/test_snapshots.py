@@ -523,11 +523,7 @@ def test_a_stop_skips_the_save_that_a_re_prefill_beats_and_says_so(daemon):
     assert saved_before == 1
     model_id = daemon.call("snapshot.list")["snapshots"][0]["model_id"]
     with sqlite3.connect(daemon.paths.db_file) as db:
-        for name, value in (
-            (f"prefill/cpu/{model_id}/le1024", 1e9),
-            ("restore/cpu/cache", 0.001),
-            ("save/cpu", 0.001),
-        ):
+        for name, value in ((f"prefill/cpu/{model_id}/le1024", 1e9), ("restore/cpu/cache", 0.001), ("save/cpu", 0.001)):
             db.execute(
                 "insert or replace into snapshot_figures (name, value, samples, updated_at) values (?, ?, 5, 0)",
                 [name, value],
