@@ -84,7 +84,6 @@ def rejected(state: ConfigState, data: ConfigData, event: ConfigRejected) -> Ste
 
 CONFIG = MachineSpec(
     name="config",
-    states=ConfigState,
     initial=ConfigState.VALID,
     data_type=ConfigData,
     transitions={

@@ -394,7 +394,6 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
 
 ENGINE_UPDATE = MachineSpec(
     name="engine_update",
-    states=UpdateState,
     initial=S.IDLE,
     data_type=UpdateData,
     transitions=TRANSITIONS,

@@ -434,7 +434,6 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
 
 FALLBACK = MachineSpec(
     name="fallback",
-    states=FallbackState,
     initial=S.IDLE,
     data_type=FallbackData,
     transitions=TRANSITIONS,

@@ -453,7 +453,6 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
 
 INSTALL = MachineSpec(
     name="install",
-    states=InstallState,
     initial=S.REQUESTED,
     data_type=InstallData,
     transitions=TRANSITIONS,

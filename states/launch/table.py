@@ -450,7 +450,6 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
 
 LAUNCH = MachineSpec(
     name="launch",
-    states=LaunchState,
     initial=S.STOPPED,
     data_type=LaunchData,
     transitions=TRANSITIONS,

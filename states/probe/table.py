@@ -151,7 +151,6 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
 
 PROBE = MachineSpec(
     name="probe",
-    states=ProbeState,
     initial=S.IDLE,
     data_type=ProbeData,
     transitions=TRANSITIONS,

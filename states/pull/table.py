@@ -332,7 +332,6 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
 
 PULL = MachineSpec(
     name="pull",
-    states=PullState,
     initial=S.REQUESTED,
     data_type=PullData,
     transitions=TRANSITIONS,
