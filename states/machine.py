@@ -52,6 +52,20 @@ def as_evidence(value: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(value or {})
 
 
+# The converters of records' tuple fields, so a record read back from JSON (lists) or built
+# from any iterable compares and hashes the same.
+def str_tuple(value: Iterable[Any]) -> tuple[str, ...]:
+    return tuple(str(v) for v in value)
+
+
+def int_tuple(value: Iterable[Any]) -> tuple[int, ...]:
+    return tuple(int(v) for v in value)
+
+
+def float_tuple(value: Iterable[Any]) -> tuple[float, ...]:
+    return tuple(float(v) for v in value)
+
+
 # Named converters rather than `converter=tuple`: mypy's attrs plugin cannot bind the type
 # variable of a bare builtin, so every Step(...) call would fail to type-check.
 def _tuple(items: Iterable[Any]) -> tuple[Any, ...]:

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from stoker.states.install.slot import Rejection
-from stoker.states.machine import as_evidence
+from stoker.states.machine import as_evidence, int_tuple
 from stoker.states.reasons import ReasonCode
 
 
@@ -56,11 +56,7 @@ class Outcome(enum.StrEnum):
 
 
 def _tokens(value: Any) -> tuple[int, ...] | None:
-    return None if value is None else _int_tuple(value)
-
-
-def _int_tuple(value: Any) -> tuple[int, ...]:
-    return tuple(int(t) for t in value)
+    return None if value is None else int_tuple(value)
 
 
 @attrs.frozen
@@ -173,7 +169,7 @@ class Staged:
 
     staged: BundleFacts
     staging: str
-    tokens: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
@@ -190,7 +186,7 @@ class GateFailed:
 class TokensCompared:
     """The old engine's greedy tokens on the candidate's smoke model, run here."""
 
-    old: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    old: tuple[int, ...] = attrs.field(converter=int_tuple)
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 

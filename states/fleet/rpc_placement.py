@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from stoker.states.machine import as_evidence
+from stoker.states.machine import as_evidence, float_tuple, int_tuple, str_tuple
 from stoker.states.reasons import ReasonCode
 
 MIB = 2**20
@@ -75,14 +75,6 @@ class WorkerReading:
         return out
 
 
-def _strs(value: Any) -> tuple[str, ...]:
-    return tuple(str(v) for v in value)
-
-
-def _ints(value: Any) -> tuple[int, ...]:
-    return tuple(int(v) for v in value)
-
-
 @attrs.frozen
 class LocalDevice:
     """A local GPU the plan keeps, and its free memory in the reading that decided the plan."""
@@ -98,8 +90,8 @@ class PlacedWorker:
 
     address: str
     version: str
-    device_names: tuple[str, ...] = attrs.field(converter=_strs)
-    free_mib: tuple[int, ...] = attrs.field(converter=_ints)
+    device_names: tuple[str, ...] = attrs.field(converter=str_tuple)
+    free_mib: tuple[int, ...] = attrs.field(converter=int_tuple)
 
 
 def _placed(value: Any) -> tuple[PlacedWorker, ...]:
@@ -119,10 +111,6 @@ def _left_out(value: Any) -> tuple[LeftOut, ...]:
     return tuple(value)
 
 
-def _floats(value: Any) -> tuple[float, ...]:
-    return tuple(float(v) for v in value)
-
-
 @attrs.frozen
 class RpcPlacement:
     """The placement over workers a plan records: the workers it uses, those it left out with
@@ -132,8 +120,8 @@ class RpcPlacement:
     protocol: str | None
     used: tuple[PlacedWorker, ...] = attrs.field(default=(), converter=_placed)
     left_out: tuple[LeftOut, ...] = attrs.field(default=(), converter=_left_out)
-    split: tuple[float, ...] = attrs.field(default=(), converter=_floats)
-    local_devices: tuple[str, ...] = attrs.field(default=(), converter=_strs)
+    split: tuple[float, ...] = attrs.field(default=(), converter=float_tuple)
+    local_devices: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
 
     @property
     def endpoints(self) -> tuple[str, ...]:
