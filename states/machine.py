@@ -186,6 +186,11 @@ class MachineSpec:
         if problems:
             raise MachineDefinitionError(f"{self.name}: " + "; ".join(problems))
 
+    def machine_id(self, *key: str) -> str:
+        """The store id of one machine of this kind: `<name>:<key parts joined by ->`, e.g.
+        `probe:cuda`, `install:cuda-cu12`, `pull:<model name>`."""
+        return f"{self.name}:{'-'.join(key)}"
+
     @property
     def states(self) -> type[enum.StrEnum]:
         """The machine's state enum: the initial state's."""

@@ -100,7 +100,7 @@ class ProbeService:
         if runner is None:
             runner = MachineRunner(
                 P.PROBE,
-                P.machine_id(backend),
+                P.PROBE.machine_id(backend),
                 self.store,
                 self.publish,
                 initial_data=P.ProbeData(backend=backend, timeout=self.timeout, cache_ttl=self.ttl),

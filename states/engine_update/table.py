@@ -405,8 +405,3 @@ ENGINE_UPDATE = MachineSpec(
     ),
     effect_types=Effect,
 )
-
-
-def machine_id(backend: str, variant: str) -> str:
-    """The store id of one slot's update machine: `engine_update:<backend>-<variant>`."""
-    return f"engine_update:{backend}-{variant}"

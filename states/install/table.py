@@ -464,8 +464,3 @@ INSTALL = MachineSpec(
     ),
     effect_types=Effect,
 )
-
-
-def machine_id(backend: str, variant: str) -> str:
-    """The store id of the install machine for one bundle: `install:<backend>-<variant>`."""
-    return f"install:{backend}-{variant}"
