@@ -112,9 +112,6 @@ class EngineUpdateService:
     def staging_root(self, slot: str) -> Path:
         return self.paths.bundles_dir / f".update-{slot}"
 
-    def rollback_root(self, slot: str) -> Path:
-        return self.paths.bundles_dir / f".rollback-{slot}"
-
     # --- entry points ----------------------------------------------------------------------
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
