@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from stoker.daemon.cli.output import emit, fail, json_option
+from stoker.daemon.cli.output import emit, fail, json_option, reported
 from stoker.daemon.core.errors import StokerError
 
 if TYPE_CHECKING:
@@ -60,10 +60,8 @@ def _call_watched(method: str, as_json: bool, **params: Any) -> tuple[Any, Engin
 
     stop = threading.Event()
     if not as_json:
-        try:
+        with reported(as_json):
             stream = _client().subscribe()
-        except StokerError as err:
-            fail(as_json, err)
         threading.Thread(target=_watch, args=(stream, stop), daemon=True).start()
     try:
         reply = _client(timeout=UPDATE_TIMEOUT_S).call(method, **params)

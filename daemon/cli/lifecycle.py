@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
 import click
 
-from stoker.daemon.cli.output import emit, fail, json_option, progress_line
-from stoker.daemon.core.errors import StokerError
+from stoker.daemon.cli.output import emit, json_option, progress_line, reported
 from stoker.daemon.core.paths import StokerPaths
 from stoker.states.reasons import message_for
 
@@ -32,10 +31,8 @@ def _client(timeout: float = 10.0) -> ControlClient:
 def call(method: str, as_json: bool, timeout: float = 10.0, returns: type | None = None, **params: Any) -> Any:
     """One request to the daemon (its reply as the record `returns` when given); a reason-coded
     failure, a daemon of another version that lacks what is needed included, exits the CLI with its code."""
-    try:
+    with reported(as_json):
         return _client(timeout).call(method, returns=returns, **params)
-    except StokerError as err:
-        fail(as_json, err)
 
 
 def ask(method: str, as_json: bool, returns: type[R], timeout: float = 10.0, **params: Any) -> tuple[Any, R]:
@@ -45,10 +42,8 @@ def ask(method: str, as_json: bool, returns: type[R], timeout: float = 10.0, **p
     from stoker.daemon.control.client import typed_reply
 
     reply = call(method, as_json, timeout, **params)
-    try:
+    with reported(as_json):
         return reply, typed_reply(method, reply, returns)
-    except StokerError as err:
-        fail(as_json, err)
 
 
 @click.command()
