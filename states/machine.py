@@ -67,8 +67,9 @@ def float_tuple(value: Iterable[Any]) -> tuple[float, ...]:
 
 
 # Named converters rather than `converter=tuple`: mypy's attrs plugin cannot bind the type
-# variable of a bare builtin, so every Step(...) call would fail to type-check.
-def _tuple(items: Iterable[Any]) -> tuple[Any, ...]:
+# variable of a bare builtin (nor a generic function's), so every Step(...) call would fail to
+# type-check. as_tuple serves every tuple-of-records field; the field's annotation keeps its type.
+def as_tuple(items: Iterable[Any]) -> tuple[Any, ...]:
     return tuple(items)
 
 
@@ -89,7 +90,7 @@ class Step:
 
     state: enum.StrEnum
     data: Any
-    effects: tuple[Any, ...] = attrs.field(default=(), converter=_tuple)
+    effects: tuple[Any, ...] = attrs.field(default=(), converter=as_tuple)
     reason: ReasonCode | None = None
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 

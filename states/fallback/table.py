@@ -42,6 +42,7 @@ from stoker.states.machine import (
     guarded,
     step_with_reason,
     as_evidence,
+    as_tuple,
     int_tuple,
     str_tuple,
 )
@@ -88,10 +89,6 @@ class Skipped:
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
-def _skipped(value: Any) -> tuple[Skipped, ...]:
-    return tuple(value)
-
-
 @attrs.frozen
 class Demotion:
     """A server on `backend` that serves but is not really accelerated, and the proof."""
@@ -107,7 +104,7 @@ class FallbackData:
     index: int = 0
     forced: bool = False
     installed: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)  # installs tried
-    skipped: tuple[Skipped, ...] = attrs.field(default=(), converter=_skipped)
+    skipped: tuple[Skipped, ...] = attrs.field(default=(), converter=as_tuple)
     chosen: str | None = None  # the backend the server really runs on, once settled
     reason: ReasonCode | None = None  # why not the preferred one (or why failed)
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)

@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from stoker.states.machine import as_evidence, float_tuple, int_tuple, str_tuple
+from stoker.states.machine import as_evidence, as_tuple, float_tuple, int_tuple, str_tuple
 from stoker.states.reasons import ReasonCode
 
 MIB = 2**20
@@ -43,10 +43,6 @@ class RemoteDevice:
     total_bytes: int
 
 
-def _devices(value: Any) -> tuple[RemoteDevice, ...]:
-    return tuple(value)
-
-
 @attrs.frozen
 class WorkerReading:
     """What checking one worker found: whether it answered the RPC handshake, the protocol
@@ -55,7 +51,7 @@ class WorkerReading:
     address: str
     reachable: bool
     version: str | None = None
-    devices: tuple[RemoteDevice, ...] = attrs.field(default=(), converter=_devices)
+    devices: tuple[RemoteDevice, ...] = attrs.field(default=(), converter=as_tuple)
     error: str | None = None
     elapsed_ms: float | None = None
 
@@ -94,10 +90,6 @@ class PlacedWorker:
     free_mib: tuple[int, ...] = attrs.field(converter=int_tuple)
 
 
-def _placed(value: Any) -> tuple[PlacedWorker, ...]:
-    return tuple(value)
-
-
 @attrs.frozen
 class LeftOut:
     """A configured worker the plan does without, and why (a reason code with its evidence)."""
@@ -107,10 +99,6 @@ class LeftOut:
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
-def _left_out(value: Any) -> tuple[LeftOut, ...]:
-    return tuple(value)
-
-
 @attrs.frozen
 class RpcPlacement:
     """The placement over workers a plan records: the workers it uses, those it left out with
@@ -118,8 +106,8 @@ class RpcPlacement:
     then the local GPUs). `args` is what llama-server gets for it."""
 
     protocol: str | None
-    used: tuple[PlacedWorker, ...] = attrs.field(default=(), converter=_placed)
-    left_out: tuple[LeftOut, ...] = attrs.field(default=(), converter=_left_out)
+    used: tuple[PlacedWorker, ...] = attrs.field(default=(), converter=as_tuple)
+    left_out: tuple[LeftOut, ...] = attrs.field(default=(), converter=as_tuple)
     split: tuple[float, ...] = attrs.field(default=(), converter=float_tuple)
     local_devices: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
 
