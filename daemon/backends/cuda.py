@@ -118,22 +118,13 @@ class CudaBackend(GpuBackend, device="CUDA", codes="cuda", vendor="nvidia"):
     def _nvml_init_failed(self, name: str, text: str) -> Detection:
         pci = self._pci_present()
         evidence: dict[str, Any] = {"source": "nvml", "nvml": f"{name}: {text}", "pci_nvidia_display": pci}
-        if name in _NO_DRIVER and not pci:
-            return Detection.unavailable(
-                self.name,
-                R.GPU_MISSING,
-                present=False,
-                message="No NVIDIA GPU: the NVIDIA kernel driver is not loaded and no NVIDIA display device is on the PCI bus.",
-                **evidence,
+        if (name in _NO_DRIVER and not pci) or pci is False:
+            message = (
+                "No NVIDIA GPU: the NVIDIA kernel driver is not loaded and no NVIDIA display device is on the PCI bus."
+                if name in _NO_DRIVER
+                else f"No NVIDIA GPU on the PCI bus (NVML init failed: {name})."
             )
-        if pci is False:
-            return Detection.unavailable(
-                self.name,
-                R.GPU_MISSING,
-                present=False,
-                message=f"No NVIDIA GPU on the PCI bus (NVML init failed: {name}).",
-                **evidence,
-            )
+            return Detection.unavailable(self.name, R.GPU_MISSING, present=False, message=message, **evidence)
         return Detection.unavailable(
             self.name,
             R.CUDA_UNAVAILABLE,
