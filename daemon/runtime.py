@@ -221,14 +221,7 @@ class Daemon:
         return self.probes.verdicts()
 
     def history(self, query: HistoryQuery) -> Sequence[TransitionRecord]:
-        return self.store.history(
-            machine=query.machine,
-            kind=query.kind,
-            since=query.since,
-            until=query.until,
-            limit=query.limit,
-            machines=query.machines,
-        )
+        return self.store.history(**attrs.asdict(query, recurse=False))  # its fields are the store's filters
 
     def transitions_after(self, after_id: int, kinds: Sequence[str], limit: int) -> Sequence[TransitionRecord]:
         """History rows past `after_id`, in write order: the front door's /metrics counters."""

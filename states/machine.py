@@ -52,9 +52,24 @@ def as_evidence(value: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(value or {})
 
 
+# The converters of records' tuple fields, so a record read back from JSON (lists) or built
+# from any iterable compares and hashes the same.
+def str_tuple(value: Iterable[Any]) -> tuple[str, ...]:
+    return tuple(str(v) for v in value)
+
+
+def int_tuple(value: Iterable[Any]) -> tuple[int, ...]:
+    return tuple(int(v) for v in value)
+
+
+def float_tuple(value: Iterable[Any]) -> tuple[float, ...]:
+    return tuple(float(v) for v in value)
+
+
 # Named converters rather than `converter=tuple`: mypy's attrs plugin cannot bind the type
-# variable of a bare builtin, so every Step(...) call would fail to type-check.
-def _tuple(items: Iterable[Any]) -> tuple[Any, ...]:
+# variable of a bare builtin (nor a generic function's), so every Step(...) call would fail to
+# type-check. as_tuple serves every tuple-of-records field; the field's annotation keeps its type.
+def as_tuple(items: Iterable[Any]) -> tuple[Any, ...]:
     return tuple(items)
 
 
@@ -75,7 +90,7 @@ class Step:
 
     state: enum.StrEnum
     data: Any
-    effects: tuple[Any, ...] = attrs.field(default=(), converter=_tuple)
+    effects: tuple[Any, ...] = attrs.field(default=(), converter=as_tuple)
     reason: ReasonCode | None = None
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
@@ -144,7 +159,7 @@ class MachineSpec:
     """Everything that defines one kind of machine, checked for consistency on creation."""
 
     name: str
-    states: type[enum.StrEnum]
+    # Where it starts; its enum is the machine's set of states.
     initial: enum.StrEnum
     data_type: type
     transitions: Mapping[enum.StrEnum, Mapping[type, Rule]] = attrs.field(hash=False)
@@ -156,8 +171,6 @@ class MachineSpec:
 
     def __attrs_post_init__(self) -> None:
         problems = []
-        if self.initial not in set(self.states):
-            problems.append(f"initial state {self.initial!r} is not a {self.states.__name__}")
         for state, row in self.transitions.items():
             if state not in set(self.states):
                 problems.append(f"table row {state!r} is not a state")
@@ -173,6 +186,16 @@ class MachineSpec:
                 problems.append(f"terminal {state!r} is not a state")
         if problems:
             raise MachineDefinitionError(f"{self.name}: " + "; ".join(problems))
+
+    def machine_id(self, *key: str) -> str:
+        """The store id of one machine of this kind: `<name>:<key parts joined by ->`, e.g.
+        `probe:cuda`, `install:cuda-cu12`, `pull:<model name>`."""
+        return f"{self.name}:{'-'.join(key)}"
+
+    @property
+    def states(self) -> type[enum.StrEnum]:
+        """The machine's state enum: the initial state's."""
+        return type(self.initial)
 
     @property
     def event_types(self) -> dict[str, type]:

@@ -9,7 +9,7 @@ re-sent when a pull is resumed and must be idempotent.
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from typing import Any
 
 import attrs
 
@@ -17,12 +17,14 @@ from stoker.states.convert import unstructure
 from stoker.states.reasons import ReasonCode
 from stoker.store.database import Store
 from stoker.store.errors import StoreError
-from stoker.store.rows import record_from_row
+from stoker.store.rows import StoredRecord
 
 
 @attrs.frozen
-class ModelRecord:
+class ModelRecord(StoredRecord):
     """A cataloged model: its name, where it came from, the file, and its header's facts."""
+
+    json_columns = ("facts",)
 
     name: str
     spec: str
@@ -40,10 +42,6 @@ class ModelRecord:
     chat_template: bool | None
     facts: dict[str, Any] = attrs.field(factory=dict, hash=False)
     pulled_at: float = 0.0
-
-    @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> "ModelRecord":
-        return record_from_row(row, cls, json_columns=("facts",))
 
     def to_row(self) -> dict[str, Any]:
         row: dict[str, Any] = unstructure(self)  # SQLite stores the booleans as 0 and 1

@@ -18,14 +18,14 @@ import re
 import secrets
 import sqlite3
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import attrs
 
 from stoker.states.reasons import ReasonCode
 from stoker.store.database import Store
 from stoker.store.errors import StoreError
-from stoker.store.rows import record_from_row
+from stoker.store.rows import StoredRecord
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def key_prefix(key: str) -> str | None:
 
 
 @attrs.frozen
-class KeyRecord:
+class KeyRecord(StoredRecord):
     """A key's row: never the key, only its hash and the prefix shown to tell keys apart."""
 
     id: int
@@ -64,10 +64,6 @@ class KeyRecord:
     created_at: float
     last_used_at: float | None
     revoked_at: float | None
-
-    @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> "KeyRecord":
-        return record_from_row(row, cls)
 
     @property
     def revoked(self) -> bool:

@@ -10,16 +10,16 @@ older engine back (TUF's rollback protection). `advance` checks and records in o
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping
+from typing import Callable
 
 import attrs
 
 from stoker.store.database import Store
-from stoker.store.rows import record_from_row
+from stoker.store.rows import StoredRecord
 
 
 @attrs.frozen
-class AcceptedManifest:
+class AcceptedManifest(StoredRecord):
     """The newest manifest accepted from one key and channel."""
 
     key_id: str
@@ -29,13 +29,6 @@ class AcceptedManifest:
     source: str
     expires: str | None
     accepted_at: float
-
-    @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> "AcceptedManifest":
-        return record_from_row(row, cls)
-
-    def to_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self)
 
 
 @attrs.frozen

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import attrs
 
-from stoker.store.rows import record_from_row
+from stoker.store.rows import StoredRecord
 
 
 @attrs.frozen
-class MachineRecord:
+class MachineRecord(StoredRecord):
     """A machine's current row: its state, its data (as JSON) and why it is there."""
+
+    json_columns = ("data", "evidence")
 
     id: str
     kind: str
@@ -22,17 +24,12 @@ class MachineRecord:
     updated_at: float
     seq: int
 
-    @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> "MachineRecord":
-        return record_from_row(row, cls, json_columns=("data", "evidence"))
-
-    def to_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self)
-
 
 @attrs.frozen
-class TransitionRecord:
+class TransitionRecord(StoredRecord):
     """One accepted event: from, event, to, reason and evidence, at a wall-clock time."""
+
+    json_columns = ("event_data", "evidence")
 
     id: int | None  # write order; None while it waits in memory for a disk that refused it
     machine_id: str
@@ -45,10 +42,3 @@ class TransitionRecord:
     evidence: dict[str, Any] = attrs.field(hash=False)
     at: float
     seq: int
-
-    @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> "TransitionRecord":
-        return record_from_row(row, cls, json_columns=("event_data", "evidence"))
-
-    def to_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self)

@@ -18,7 +18,7 @@ from stoker.states.reasons import ReasonCode
 from stoker.states.snapshots.policy import Figure, fold
 from stoker.store.database import Store
 from stoker.store.errors import StoreError
-from stoker.store.rows import record_from_row
+from stoker.store.rows import StoredRecord
 
 # Which server instance a snapshot belongs to (a [models.NAME]; "default" without [models]): a
 # conversation never moves between instances, even two serving the same file (migration m007).
@@ -57,7 +57,7 @@ def model_key(rec: "SnapshotRecord") -> tuple[str, str]:
 
 
 @attrs.frozen
-class SnapshotRecord:
+class SnapshotRecord(StoredRecord):
     """A catalogued snapshot: where its file is, what it fits, and how it came to be."""
 
     id: int
@@ -89,15 +89,8 @@ class SnapshotRecord:
     boot_id: str | None = None  # the boot that wrote it (an unsealed file from another boot may be torn)
     instance: str = DEFAULT_INSTANCE  # the server instance whose conversation it holds
 
-    @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> "SnapshotRecord":
-        return record_from_row(row, cls)
-
     def identity(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in IDENTITY_FIELDS}
-
-    def to_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self)
 
 
 @attrs.define(eq=False)

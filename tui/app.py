@@ -360,10 +360,12 @@ class StokerApp(App[None]):
             self.refresh_snapshots()
         self.refresh_status()
 
-    def _confirm(self, question: str, label: str, then: Any) -> None:
+    def _send_confirmed(self, question: str, label: str, method: str, params: dict[str, Any], done: str) -> None:
+        """`send` once the user answers `label` to `question`."""
+
         def answered(yes: bool | None) -> None:
             if yes:
-                then()
+                self.send(method, params, done)
 
         self.push_screen(ConfirmScreen(question, label), answered)
 
@@ -385,19 +387,13 @@ class StokerApp(App[None]):
 
     def action_down(self) -> None:
         params, what = self._target()
-        self._confirm(
-            f"Stop {what}? Clients lose their endpoint until you start it again.",
-            "Stop",
-            lambda: self.send("down", params, f"{what[0].upper()}{what[1:]} is stopped."),
-        )
+        question = f"Stop {what}? Clients lose their endpoint until you start it again."
+        self._send_confirmed(question, "Stop", "down", params, f"{what[0].upper()}{what[1:]} is stopped.")
 
     def action_restart(self) -> None:
         params, what = self._target()
-        self._confirm(
-            f"Restart {what}? Requests in flight are cut off.",
-            "Restart",
-            lambda: self.send("restart", params, f"Restarting {what}."),
-        )
+        question = f"Restart {what}? Requests in flight are cut off."
+        self._send_confirmed(question, "Restart", "restart", params, f"Restarting {what}.")
 
     def action_backend(self) -> None:
         def chosen(name: str | None) -> None:
@@ -437,8 +433,5 @@ class StokerApp(App[None]):
         if message.action == "restore":
             self.send("snapshot.restore", {"id": ident}, f"Snapshot {ident} restored.")
         elif message.action == "rm":
-            self._confirm(
-                f"Delete snapshot {ident}? Its file is removed.",
-                "Delete",
-                lambda: self.send("snapshot.rm", {"id": ident}, f"Snapshot {ident} deleted."),
-            )
+            question = f"Delete snapshot {ident}? Its file is removed."
+            self._send_confirmed(question, "Delete", "snapshot.rm", {"id": ident}, f"Snapshot {ident} deleted.")

@@ -344,18 +344,56 @@ class Backend(abc.ABC):
         """Let go of what `read_telemetry` holds open (a driver library) until the next reading."""
 
 
-def gpu_reason_codes(family: Mapping[ReasonKind, str], *, process_vram: bool = True) -> frozenset[str]:
-    """Every code a GPU backend can produce: its family, gpu_missing and out_of_memory, and
-    gpu_claimed_but_unused where the platform reports a process's own VRAM (so it can be proven)."""
-    codes = {ReasonCode.GPU_MISSING.value, ReasonCode.OUT_OF_MEMORY.value, *family.values()}
-    if process_vram:
-        codes.add(ReasonCode.GPU_CLAIMED_BUT_UNUSED.value)
-    return frozenset(codes)
+class GpuBackend(Backend):
+    """A built-in GGML GPU backend, which names the rest of its declaration on its class line:
 
+        class CudaBackend(GpuBackend, device="CUDA", codes="cuda", vendor="nvidia")
 
-def gpu_device_signature(prefix: str) -> re.Pattern[str]:
-    """The `--list-devices` line shape shared by the GGML GPU backends."""
-    return re.compile(rf"^\s+({prefix}\d+): (.+) \((\d+) MiB, (\d+) MiB free\)$")
+    `device` is the engine's device-name prefix (CUDA0, ROCm0, Vulkan0, MTL0), which gives the
+    `--list-devices` line shape. `codes` and `vendor` name its fallback codes, one rule for all:
+    `<codes>_<kind>` for each kind (cuda_unavailable, rocm_vram_full, ...) and
+    `binary_missing_<vendor>_detected`; `kinds` adds kinds beyond the common ones. Its
+    `reason_codes` are that family, gpu_missing and out_of_memory, and gpu_claimed_but_unused
+    where the platform reports a process's own VRAM (`process_vram`), so it can be proven.
+    """
+
+    def __init_subclass__(
+        cls,
+        *,
+        device: str | None = None,
+        codes: str = "",
+        vendor: str = "",
+        kinds: tuple[ReasonKind, ...] = (),
+        process_vram: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init_subclass__(**kwargs)
+        if device is None:
+            return  # a subclass of a GPU backend (a test double): its parent's declaration stands
+        cls.device_signature = re.compile(rf"^\s+({device}\d+): (.+) \((\d+) MiB, (\d+) MiB free\)$")
+        family = (
+            ReasonKind.UNAVAILABLE,
+            ReasonKind.BINARY_MISSING,
+            ReasonKind.STARTUP_FAILED,
+            ReasonKind.GPU_LAYERS_ZERO,
+            ReasonKind.BUNDLE_INSTALL_FAILED,
+            ReasonKind.VRAM_FULL,
+            *kinds,
+        )
+        cls.reason_family = {
+            kind: ReasonCode(
+                f"binary_missing_{vendor}_detected" if kind is ReasonKind.BINARY_MISSING else f"{codes}_{kind.value}"
+            )
+            for kind in family
+        }
+        proven = {ReasonCode.GPU_CLAIMED_BUT_UNUSED.value} if process_vram else set()
+        cls.reason_codes = frozenset(
+            {ReasonCode.GPU_MISSING.value, ReasonCode.OUT_OF_MEMORY.value, *cls.reason_family.values(), *proven}
+        )
+
+    def choose_variant(self, detection: Detection, available_variants: Iterable[str]) -> str | None:
+        """A portable build (one that runs on any device of its backend): 'default', else the only variant."""
+        return portable_variant(detection, available_variants)
 
 
 def version_tuple(text: str | None) -> tuple[int, ...]:

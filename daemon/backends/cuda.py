@@ -10,17 +10,14 @@ from typing import Any, Iterable, Mapping
 
 from stoker.daemon.backends.base import (
     BUNDLE_FITS,
-    Backend,
     BundleCheck,
     Detection,
     Device,
+    GpuBackend,
     LaunchPlanLike,
-    ReasonKind,
     Telemetry,
     TelemetryRequest,
     excerpt,
-    gpu_device_signature,
-    gpu_reason_codes,
     version_tuple,
 )
 from stoker.daemon.backends.cuda_arch import cc_supported, parse_cc, split_archs
@@ -30,7 +27,6 @@ from stoker.daemon.backends.tools import ToolResult, ToolRunner, run_tool
 from stoker.states.reasons import ReasonCode
 
 R = ReasonCode
-K = ReasonKind
 
 SMI_QUERY = (
     "nvidia-smi",
@@ -65,19 +61,9 @@ def _cuda_version(number: int) -> str:
     return f"{number // 1000}.{(number % 1000) // 10}"
 
 
-class CudaBackend(Backend):
+class CudaBackend(GpuBackend, device="CUDA", codes="cuda", vendor="nvidia"):
     name = "cuda"
-    device_signature = gpu_device_signature("CUDA")
     auto_rank = 10
-    reason_family = {
-        K.UNAVAILABLE: R.CUDA_UNAVAILABLE,
-        K.BINARY_MISSING: R.BINARY_MISSING_NVIDIA_DETECTED,
-        K.STARTUP_FAILED: R.CUDA_STARTUP_FAILED,
-        K.GPU_LAYERS_ZERO: R.CUDA_GPU_LAYERS_ZERO,
-        K.BUNDLE_INSTALL_FAILED: R.CUDA_BUNDLE_INSTALL_FAILED,
-        K.VRAM_FULL: R.CUDA_VRAM_FULL,
-    }
-    reason_codes = gpu_reason_codes(reason_family)
     # On an H200 (CUDA 13, driver 580) NVML said 1499 MiB free and the engine saw 975 MiB after
     # creating its context; a server that offloaded nothing still held 542 MiB
     # (docs/gpu-verification.md).
@@ -132,22 +118,13 @@ class CudaBackend(Backend):
     def _nvml_init_failed(self, name: str, text: str) -> Detection:
         pci = self._pci_present()
         evidence: dict[str, Any] = {"source": "nvml", "nvml": f"{name}: {text}", "pci_nvidia_display": pci}
-        if name in _NO_DRIVER and not pci:
-            return Detection.unavailable(
-                self.name,
-                R.GPU_MISSING,
-                present=False,
-                message="No NVIDIA GPU: the NVIDIA kernel driver is not loaded and no NVIDIA display device is on the PCI bus.",
-                **evidence,
+        if (name in _NO_DRIVER and not pci) or pci is False:
+            message = (
+                "No NVIDIA GPU: the NVIDIA kernel driver is not loaded and no NVIDIA display device is on the PCI bus."
+                if name in _NO_DRIVER
+                else f"No NVIDIA GPU on the PCI bus (NVML init failed: {name})."
             )
-        if pci is False:
-            return Detection.unavailable(
-                self.name,
-                R.GPU_MISSING,
-                present=False,
-                message=f"No NVIDIA GPU on the PCI bus (NVML init failed: {name}).",
-                **evidence,
-            )
+            return Detection.unavailable(self.name, R.GPU_MISSING, present=False, message=message, **evidence)
         return Detection.unavailable(
             self.name,
             R.CUDA_UNAVAILABLE,

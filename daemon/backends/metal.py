@@ -3,38 +3,20 @@
 from __future__ import annotations
 
 import platform
-from typing import Any, Iterable
+from typing import Any
 
-from stoker.daemon.backends.base import (
-    Backend,
-    Detection,
-    Device,
-    ReasonKind,
-    gpu_device_signature,
-    gpu_reason_codes,
-    portable_variant,
-)
+from stoker.daemon.backends.base import Detection, Device, GpuBackend
 from stoker.daemon.backends.tools import ToolRunner, run_tool
 from stoker.states.reasons import ReasonCode
 
 R = ReasonCode
-K = ReasonKind
 
 
-class MetalBackend(Backend):
+# ggml-metal names its device MTL0; memory is the recommended working set. Metal reports no
+# per-process VRAM.
+class MetalBackend(GpuBackend, device="MTL", codes="metal", vendor="metal", process_vram=False):
     name = "metal"
-    # ggml-metal names its device MTL0; memory is the recommended working set.
-    device_signature = gpu_device_signature("MTL")
     auto_rank = 30
-    reason_family = {
-        K.UNAVAILABLE: R.METAL_UNAVAILABLE,
-        K.BINARY_MISSING: R.BINARY_MISSING_METAL_DETECTED,
-        K.STARTUP_FAILED: R.METAL_STARTUP_FAILED,
-        K.GPU_LAYERS_ZERO: R.METAL_GPU_LAYERS_ZERO,
-        K.BUNDLE_INSTALL_FAILED: R.METAL_BUNDLE_INSTALL_FAILED,
-        K.VRAM_FULL: R.METAL_VRAM_FULL,
-    }
-    reason_codes = gpu_reason_codes(reason_family, process_vram=False)  # Metal reports no per-process VRAM
 
     def __init__(self, *, system: str | None = None, machine: str | None = None, run: ToolRunner = run_tool) -> None:
         self._system = system or platform.system()
@@ -67,6 +49,3 @@ class MetalBackend(Backend):
         if self._system != "Darwin" or self._machine not in ("arm64", "aarch64"):
             return self.detect()
         return None
-
-    def choose_variant(self, detection: Detection, available_variants: Iterable[str]) -> str | None:
-        return portable_variant(detection, available_variants)

@@ -10,21 +10,17 @@ from typing import Any, Iterable, Mapping
 
 from stoker.daemon.backends.base import (
     BUNDLE_FITS,
-    Backend,
     BundleCheck,
     Detection,
     Device,
-    ReasonKind,
+    GpuBackend,
     excerpt,
-    gpu_device_signature,
-    gpu_reason_codes,
     portable_variant,
 )
 from stoker.daemon.backends.tools import ToolRunner, run_tool
 from stoker.states.reasons import ReasonCode
 
 R = ReasonCode
-K = ReasonKind
 
 AMD_SMI = ("amd-smi", "static", "--json")
 ROCM_SMI = ("rocm-smi", "--showproductname", "--showmeminfo", "vram", "--json")
@@ -151,19 +147,9 @@ def read_sysfs_amdgpu(sysfs_root: Path) -> list[Device]:
     return devices
 
 
-class RocmBackend(Backend):
+class RocmBackend(GpuBackend, device="ROCm", codes="rocm", vendor="amd"):
     name = "rocm"
-    device_signature = gpu_device_signature("ROCm")
     auto_rank = 20
-    reason_family = {
-        K.UNAVAILABLE: R.ROCM_UNAVAILABLE,
-        K.BINARY_MISSING: R.BINARY_MISSING_AMD_DETECTED,
-        K.STARTUP_FAILED: R.ROCM_STARTUP_FAILED,
-        K.GPU_LAYERS_ZERO: R.ROCM_GPU_LAYERS_ZERO,
-        K.BUNDLE_INSTALL_FAILED: R.ROCM_BUNDLE_INSTALL_FAILED,
-        K.VRAM_FULL: R.ROCM_VRAM_FULL,
-    }
-    reason_codes = gpu_reason_codes(reason_family)
 
     def __init__(self, *, run: ToolRunner = run_tool, sysfs_root: Path | str = "/sys") -> None:
         self._run = run

@@ -16,22 +16,11 @@ import re
 import shutil
 from typing import Any, Iterable, Mapping
 
-from stoker.daemon.backends.base import (
-    Backend,
-    Detection,
-    Device,
-    LaunchPlanLike,
-    ReasonKind,
-    excerpt,
-    gpu_device_signature,
-    gpu_reason_codes,
-    portable_variant,
-)
+from stoker.daemon.backends.base import Detection, Device, GpuBackend, LaunchPlanLike, ReasonKind, excerpt
 from stoker.daemon.backends.tools import ToolRunner, run_tool
 from stoker.states.reasons import ReasonCode
 
 R = ReasonCode
-K = ReasonKind
 
 VULKANINFO = ("vulkaninfo", "--summary")
 # The opt-in that lets the engine run on a software Vulkan device (lavapipe/llvmpipe).
@@ -107,21 +96,17 @@ def _device(block: dict[str, str]) -> Device:
     )
 
 
-class VulkanBackend(Backend):
+# No process-VRAM reader: gpu_claimed_but_unused cannot be proven here.
+class VulkanBackend(
+    GpuBackend,
+    device="Vulkan",
+    codes="vulkan",
+    vendor="vulkan",
+    kinds=(ReasonKind.SOFTWARE_DEVICE,),
+    process_vram=False,
+):
     name = "vulkan"
-    device_signature = gpu_device_signature("Vulkan")
     auto_rank = 40
-    reason_family = {
-        K.UNAVAILABLE: R.VULKAN_UNAVAILABLE,
-        K.BINARY_MISSING: R.BINARY_MISSING_VULKAN_DETECTED,
-        K.STARTUP_FAILED: R.VULKAN_STARTUP_FAILED,
-        K.GPU_LAYERS_ZERO: R.VULKAN_GPU_LAYERS_ZERO,
-        K.BUNDLE_INSTALL_FAILED: R.VULKAN_BUNDLE_INSTALL_FAILED,
-        K.VRAM_FULL: R.VULKAN_VRAM_FULL,
-        K.SOFTWARE_DEVICE: R.VULKAN_SOFTWARE_DEVICE,
-    }
-    # No process-VRAM reader: gpu_claimed_but_unused cannot be proven here.
-    reason_codes = gpu_reason_codes(reason_family, process_vram=False)
 
     def __init__(self, *, run: ToolRunner = run_tool, environ: Mapping[str, str] | None = None) -> None:
         self._run = run
@@ -204,10 +189,6 @@ class VulkanBackend(Backend):
             + f"; that is no GPU ({ALLOW_SOFTWARE}=1 runs the Vulkan engine on it anyway, unaccelerated).",
             **evidence,
         )
-
-    def choose_variant(self, detection: Detection, available_variants: Iterable[str]) -> str | None:
-        """Vulkan builds are portable (SPIR-V): 'default', else the only variant."""
-        return portable_variant(detection, available_variants)
 
     def launch_env(self, plan: LaunchPlanLike) -> dict[str, str]:
         """GGML_VK_VISIBLE_DEVICES for the plan's devices (vulkaninfo's numbers are the engine's);

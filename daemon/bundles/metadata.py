@@ -19,6 +19,7 @@ from urllib.parse import urljoin
 import attrs
 
 from stoker.daemon.core.errors import StokerError
+from stoker.states.convert import unstructure
 from stoker.states.reasons import ReasonCode
 
 SCHEMA_VERSION = 1
@@ -93,9 +94,6 @@ class FileEntry:
             raise _bad("a file entry has a negative size or a mode outside 0..0o777", entry=dict(data))
         return cls(_safe_relpath(_get(data, "path", str)), size, mode, _sha(data))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "size": self.size, "mode": self.mode, "sha256": self.sha256}
-
 
 @attrs.frozen
 class SmokeReference:
@@ -119,12 +117,8 @@ class SmokeReference:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": dict(self.model),
-            "prompt": self.prompt,
-            "n_predict": self.n_predict,
-            "tokens": None if self.tokens is None else list(self.tokens),
-        }
+        result: dict[str, Any] = unstructure(self)
+        return result
 
 
 @attrs.frozen
@@ -210,25 +204,9 @@ class BundleMeta:
         return cls.from_json(path.read_bytes())
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.schema_version,
-            "backend": self.backend,
-            "variant": self.variant,
-            "version": self.version,
-            "platform": self.platform,
-            "server": self.server,
-            "source": dict(self.source),
-            "llama": dict(self.llama),
-            "build": dict(self.build),
-            "cuda_archs": list(self.cuda_archs),
-            "min_driver": self.min_driver,
-            "cpu_requires": list(self.cpu_requires),
-            "required_system_libs": list(self.required_system_libs),
-            "files": [f.to_dict() for f in self.files],
-            "smoke": None if self.smoke is None else self.smoke.to_dict(),
-            "tools": dict(self.tools),
-            "rpc_protocol": self.rpc_protocol,
-        }
+        """The `bundle.json` document (its files and smoke reference as theirs)."""
+        result: dict[str, Any] = unstructure(self)
+        return result
 
     def to_json(self) -> str:
         # Sorted keys and a trailing newline: the same build writes the same bytes.

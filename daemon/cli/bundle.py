@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from stoker.daemon.cli.output import emit, fail, json_option
+from stoker.daemon.cli.output import emit, fail, json_option, reported
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.core.paths import StokerPaths
 from stoker.states.reasons import ReasonCode
@@ -95,7 +95,7 @@ def build_cmd(
     from stoker.daemon.bundles.source import SourceSpec
     from stoker.daemon.bundles.variants import parse_cuda_archs
 
-    try:
+    with reported(as_json):
         if cuda_archs and backend != "cuda":
             raise StokerError(ReasonCode.BUNDLE_BUILD_FAILED, "--cuda-archs applies only to --backend cuda.")
         result = build_bundle(
@@ -107,8 +107,6 @@ def build_cmd(
             jobs=jobs,
             progress=_progress,
         )
-    except StokerError as err:
-        fail(as_json, err)
     emit(as_json, result.to_dict(), _human_build)
 
 
@@ -119,10 +117,8 @@ def inspect_cmd(path: Path, as_json: bool) -> None:
     """Show a bundle's metadata (zip or directory) without running or unpacking it."""
     from stoker.daemon.bundles.installed import bundle_meta_of
 
-    try:
+    with reported(as_json):
         meta = bundle_meta_of(path)
-    except StokerError as err:
-        fail(as_json, err)
     emit(as_json, meta.to_dict(), _human_meta)
 
 
@@ -144,7 +140,7 @@ def verify_cmd(
     """Check digests, metadata, --version, --list-devices and optionally the smoke tokens."""
     from stoker.daemon.bundles.verify import verify_bundle
 
-    try:
+    with reported(as_json):
         report = verify_bundle(
             path,
             expect_backend=expect_backend,
@@ -153,8 +149,6 @@ def verify_cmd(
             smoke=smoke,
             progress=_progress,
         )
-    except StokerError as err:
-        fail(as_json, err)
     emit(as_json, report.to_dict(), _human_verify)
 
 
@@ -193,11 +187,9 @@ def install_cmd(path: Path, smoke: bool, as_json: bool) -> None:
     from stoker.daemon.bundles.installed import bundle_meta_of
     from stoker.daemon.cli.install import install_file
 
-    try:
+    with reported(as_json):
         bundle_meta_of(path)  # a missing or unreadable bundle is refused before anything starts
         bundle = install_file(StokerPaths.from_env(), path, smoke=smoke, progress=_progress)
-    except StokerError as err:
-        fail(as_json, err)
     emit(
         as_json,
         {"ok": True, **bundle},
@@ -278,7 +270,7 @@ def publish_cmd(
     from stoker.daemon.bundles.mirror import newest_cached_zips, publish_mirror
     from stoker.daemon.core.signing import SignatureError, load_private_key
 
-    try:
+    with reported(as_json):
         zips = list(bundles)
         if from_cache:
             zips += newest_cached_zips(cached_builds(StokerPaths.from_env()))
@@ -291,8 +283,6 @@ def publish_cmd(
         result = publish_mirror(
             directory, zips, key, version=version, expires_days=expires_days, channel=channel, progress=_progress
         )
-    except StokerError as err:
-        fail(as_json, err)
     emit(as_json, result.to_dict(), _human_publish)
 
 

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import click
 
-from stoker.daemon.cli.output import emit, fail, json_option
+from stoker.daemon.cli.output import emit, fail, json_option, reported
 from stoker.daemon.cli.lifecycle import SETTLED_FAILURES, call
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.frontdoor.client import API_KEY_ENV, ChatAnswer, FrontDoorClient
@@ -62,10 +62,8 @@ def resolve_url(url: str | None, as_json: bool) -> tuple[str, dict[str, Any] | N
     if url:
         return url, None
     st = call("status", as_json)
-    try:
+    with reported(as_json):
         return frontdoor_url(st), st
-    except StokerError as err:
-        fail(as_json, err)
 
 
 def _note(as_json: bool, text: str) -> None:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from stoker.daemon.cli.output import emit, fail, json_option
+from stoker.daemon.cli.output import emit, fail, json_option, reported
 from stoker.daemon.core.errors import StokerError
+
+if TYPE_CHECKING:
+    from stoker.daemon.control.replies import EngineOutcome, EngineSlot, EngineStatus
 
 UPDATE_TIMEOUT_S = 3600.0  # a download, two smoke runs and every server's restart
 SLOT_OPTIONS = (
@@ -49,18 +52,20 @@ def _watch(stream: Any, stop: threading.Event) -> None:
         click.echo(line, err=True)
 
 
-def _call_watched(method: str, as_json: bool, **params: Any) -> Any:
+def _call_watched(method: str, as_json: bool, **params: Any) -> tuple[Any, EngineOutcome]:
+    """The daemon's outcome as sent (for --json) and as its record (for the text)."""
     from stoker.daemon.cli.lifecycle import _client
+    from stoker.daemon.control.client import typed_reply
+    from stoker.daemon.control.replies import EngineOutcome
 
     stop = threading.Event()
     if not as_json:
-        try:
+        with reported(as_json):
             stream = _client().subscribe()
-        except StokerError as err:
-            fail(as_json, err)
         threading.Thread(target=_watch, args=(stream, stop), daemon=True).start()
     try:
-        return _client(timeout=UPDATE_TIMEOUT_S).call(method, **params)
+        reply = _client(timeout=UPDATE_TIMEOUT_S).call(method, **params)
+        return reply, typed_reply(method, reply, EngineOutcome)
     except StokerError as err:
         stop.set()
         if as_json:
@@ -70,7 +75,7 @@ def _call_watched(method: str, as_json: bool, **params: Any) -> Any:
         stop.set()
 
 
-def _explain(err: StokerError) -> None:
+def _explain(err: StokerError) -> NoReturn:
     """A refused or rolled-back update for a person: the code, the gate and its figures."""
     import sys
 
@@ -78,36 +83,57 @@ def _explain(err: StokerError) -> None:
     for key, value in err.evidence.items():
         if key not in ("outcome", "log_tail"):
             click.echo(f"  {key}: {value}", err=True)
-    engine = (err.evidence.get("outcome") or {}).get("engine") or {}
-    if engine:
-        click.echo(f"  serving: {_engine_line(engine)}", err=True)
+    outcome = err.evidence.get("outcome")
+    if outcome:
+        from stoker.daemon.control.client import typed_reply
+        from stoker.daemon.control.replies import EngineOutcome
+
+        try:
+            serving: EngineSlot | None = typed_reply("engine.update", outcome, EngineOutcome).engine
+        except StokerError:
+            serving = None  # an outcome this CLI cannot read: the code and the gate above say enough
+        if serving is not None:
+            click.echo(f"  serving: {_engine_line(serving)}", err=True)
     sys.exit(1)
 
 
-def _engine_line(engine: dict[str, Any]) -> str:
-    kept = f"previous {engine['previous']} kept" if engine.get("previous") else "no previous kept"
-    return f"{engine.get('slot')} {engine.get('version') or '-'} ({kept})"
+def _engine_line(engine: EngineSlot) -> str:
+    kept = f"previous {engine.previous} kept" if engine.previous else "no previous kept"
+    return f"{engine.slot} {engine.version or '-'} ({kept})"
 
 
-def format_outcome(result: dict[str, Any]) -> str:
+def format_outcome(result: EngineOutcome) -> str:
     """An update's or rollback's outcome for a person."""
-    state = result.get("state")
     lines = []
-    if state == "current":
-        lines.append(f"up to date: {result.get('message') or result.get('installed')}")
-    elif state == "updated":
-        lines.append(f"updated {result.get('slot')}: {result.get('installed')} -> {result.get('candidate')}")
-    elif state == "rolled_back":
-        lines.append(f"rolled back {result.get('slot')} by hand")
+    if result.state == "current":
+        lines.append(f"up to date: {result.message or result.installed}")
+    elif result.state == "updated":
+        lines.append(f"updated {result.slot}: {result.installed} -> {result.candidate}")
+    elif result.state == "rolled_back":
+        lines.append(f"rolled back {result.slot} by hand")
     else:
-        lines.append(f"{result.get('slot')}: {state}")
-    for verdict in result.get("verdicts") or []:
+        lines.append(f"{result.slot}: {result.state}")
+    for verdict in result.verdicts:
         layers = verdict.get("offloaded_layers")
         shown = "" if layers is None else f", {layers}/{verdict.get('total_layers')} layers offloaded"
         lines.append(f"  {verdict.get('name')}: {verdict.get('outcome')}{shown}")
-    if result.get("engine"):
-        lines.append(f"engine  {_engine_line(result['engine'])}")
+    lines.append(f"engine  {_engine_line(result.engine)}")
     return "\n".join(lines)
+
+
+def format_engine_status(status: EngineStatus) -> str:
+    """A slot's engine, its update machine's state and last steps, for a person."""
+    lines = [f"engine  {_engine_line(status)}"]
+    if status.update_state:
+        reason = f" [{status.update_reason}]" if status.update_reason else ""
+        lines.append(f"update  {status.update_state}{reason}")
+    lines.extend(f"  {h['from']} -> {h['to']}  ({h['event']})" for h in status.history)
+    return "\n".join(lines)
+
+
+def _emit_outcome(as_json: bool, method: str, **params: Any) -> None:
+    reply, outcome = _call_watched(method, as_json, **params)
+    emit(as_json, reply, lambda _: format_outcome(outcome))
 
 
 @click.group()
@@ -133,7 +159,7 @@ def update(backend: str | None, variant: str | None, channel: str | None, bundle
     params = _params(
         backend=backend, variant=variant, channel=channel, bundle=None if bundle is None else str(bundle.absolute())
     )
-    emit(as_json, _call_watched("engine.update", as_json, **params), format_outcome)
+    _emit_outcome(as_json, "engine.update", **params)
 
 
 @engine.command("rollback")
@@ -141,9 +167,7 @@ def update(backend: str | None, variant: str | None, channel: str | None, bundle
 @json_option
 def rollback(backend: str | None, variant: str | None, as_json: bool) -> None:
     """Put the previous engine back (the replaced one is kept as the previous: a second rollback undoes it)."""
-    emit(
-        as_json, _call_watched("engine.rollback", as_json, **_params(backend=backend, variant=variant)), format_outcome
-    )
+    _emit_outcome(as_json, "engine.rollback", **_params(backend=backend, variant=variant))
 
 
 @engine.command("status")
@@ -151,19 +175,11 @@ def rollback(backend: str | None, variant: str | None, as_json: bool) -> None:
 @json_option
 def status(backend: str | None, variant: str | None, as_json: bool) -> None:
     """The engine a slot holds, the previous one kept, and its last update's steps."""
-    from stoker.daemon.cli.lifecycle import call
+    from stoker.daemon.cli.lifecycle import ask
+    from stoker.daemon.control.replies import EngineStatus
 
-    result = call("engine.status", as_json, **_params(backend=backend, variant=variant))
-
-    def human(r: dict[str, Any]) -> str:
-        lines = [f"engine  {_engine_line(r)}"]
-        if r.get("update_state"):
-            reason = f" [{r['update_reason']}]" if r.get("update_reason") else ""
-            lines.append(f"update  {r['update_state']}{reason}")
-        lines.extend(f"  {h['from']} -> {h['to']}  ({h['event']})" for h in r.get("history") or [])
-        return "\n".join(lines)
-
-    emit(as_json, result, human)
+    reply, slot = ask("engine.status", as_json, EngineStatus, **_params(backend=backend, variant=variant))
+    emit(as_json, reply, lambda _: format_engine_status(slot))
 
 
 def register(group: click.Group) -> None:

@@ -27,7 +27,7 @@ import click
 import trio
 
 from stoker.daemon.cli.daemon_or_here import through_daemon_or_here
-from stoker.daemon.cli.output import emit, fail, json_option, progress_line
+from stoker.daemon.cli.output import emit, fail, json_option, progress_line, reported
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.core.paths import StokerPaths
 from stoker.states.reasons import ReasonCode
@@ -69,10 +69,8 @@ def install(backend: str, variant: str | None, as_json: bool) -> None:
         params["variant"] = variant
     stop = threading.Event()
     stream = None
-    try:
+    with reported(as_json):
         stream = _client().subscribe()
-    except StokerError as err:
-        fail(as_json, err)
     watcher = threading.Thread(target=_watch, args=(stream, backend, as_json, stop), daemon=True)
     watcher.start()
     try:

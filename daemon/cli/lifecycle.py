@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
 import click
 
-from stoker.daemon.cli.output import emit, fail, json_option, progress_line
-from stoker.daemon.core.errors import StokerError
+from stoker.daemon.cli.output import emit, json_option, progress_line, reported
 from stoker.daemon.core.paths import StokerPaths
 from stoker.states.reasons import message_for
 
 if TYPE_CHECKING:
     from stoker.daemon.control.client import ControlClient
+    from stoker.daemon.control.status_records import Status
     from stoker.store.records import TransitionRecord
 
 R = TypeVar("R")
@@ -32,10 +32,8 @@ def _client(timeout: float = 10.0) -> ControlClient:
 def call(method: str, as_json: bool, timeout: float = 10.0, returns: type | None = None, **params: Any) -> Any:
     """One request to the daemon (its reply as the record `returns` when given); a reason-coded
     failure, a daemon of another version that lacks what is needed included, exits the CLI with its code."""
-    try:
+    with reported(as_json):
         return _client(timeout).call(method, returns=returns, **params)
-    except StokerError as err:
-        fail(as_json, err)
 
 
 def ask(method: str, as_json: bool, returns: type[R], timeout: float = 10.0, **params: Any) -> tuple[Any, R]:
@@ -45,10 +43,8 @@ def ask(method: str, as_json: bool, returns: type[R], timeout: float = 10.0, **p
     from stoker.daemon.control.client import typed_reply
 
     reply = call(method, as_json, timeout, **params)
-    try:
+    with reported(as_json):
         return reply, typed_reply(method, reply, returns)
-    except StokerError as err:
-        fail(as_json, err)
 
 
 @click.command()
@@ -295,23 +291,22 @@ def status(model: str | None, as_json: bool) -> None:
         sys.exit(1)
 
 
-def wait_for_settled(as_json: bool, timeout: float, model: str | None = None) -> dict:
-    """Poll status until the model's server is ready or has settled in failure."""
+def wait_for_settled(as_json: bool, timeout: float, model: str | None = None) -> tuple[Any, Status]:
+    """Poll status until the model's server is ready or has settled in failure (or time is up):
+    the last reply as sent, and as its record."""
+    from stoker.daemon.control.status_records import Status
+
     deadline = time.monotonic() + timeout
     while True:
-        st = call("status", as_json, **_named(model))
-        if st.get("state") in READY_STATES:
-            return st
-        if st.get("state") in SETTLED_FAILURES:
-            return st
-        if time.monotonic() > deadline:
-            return st
+        reply, st = ask("status", as_json, Status, **_named(model))
+        if st.state in READY_STATES | SETTLED_FAILURES or time.monotonic() > deadline:
+            return reply, st
         time.sleep(0.2)
 
 
-def _finish(as_json: bool, st: dict, want: str) -> None:
-    emit(as_json, st, format_status)
-    if st.get("state") != want:
+def _finish(as_json: bool, reply: Any, st: Status, want: str) -> None:
+    emit(as_json, reply, format_status)
+    if st.state != want:
         sys.exit(1)
 
 
@@ -327,16 +322,17 @@ START_CALL_TIMEOUT = 120.0
 @json_option
 def up(model: str | None, wait: bool, timeout: float, as_json: bool) -> None:
     """Start the default model's server, or MODEL's (making room first when max_loaded are loaded)."""
-    _start(as_json, call("up", as_json, timeout=START_CALL_TIMEOUT, **_named(model)), wait, timeout, model)
+    _start("up", as_json, wait, timeout, model)
 
 
-def _start(as_json: bool, st: dict, wait: bool, timeout: float, model: str | None = None) -> None:
-    """After up/restart: wait until ready (exit 1 if it settles otherwise), or print at once."""
+def _start(method: str, as_json: bool, wait: bool, timeout: float, model: str | None = None) -> None:
+    """up or restart, then wait until ready (exit 1 if it settles otherwise), or print at once."""
+    reply = call(method, as_json, START_CALL_TIMEOUT, **_named(model))
     if wait:
-        st = wait_for_settled(as_json, timeout, model)
-        _finish(as_json, st, "ready")
+        reply, st = wait_for_settled(as_json, timeout, model)
+        _finish(as_json, reply, st, "ready")
     else:
-        emit(as_json, st, format_status)
+        emit(as_json, reply, format_status)
 
 
 @click.command()
@@ -347,8 +343,10 @@ def down(model: str | None, as_json: bool) -> None:
 
     It stays down until `stoker up [MODEL]`: requests for it are answered 503 meanwhile.
     """
-    st = call("down", as_json, timeout=120.0, **_named(model))
-    _finish(as_json, st, "stopped")
+    from stoker.daemon.control.status_records import Status
+
+    reply, st = ask("down", as_json, Status, 120.0, **_named(model))
+    _finish(as_json, reply, st, "stopped")
 
 
 @click.command()
@@ -358,7 +356,7 @@ def down(model: str | None, as_json: bool) -> None:
 @json_option
 def restart(model: str | None, wait: bool, timeout: float, as_json: bool) -> None:
     """Restart the default model's server, or MODEL's."""
-    _start(as_json, call("restart", as_json, timeout=START_CALL_TIMEOUT, **_named(model)), wait, timeout, model)
+    _start("restart", as_json, wait, timeout, model)
 
 
 @click.command()

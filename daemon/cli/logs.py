@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import click
 
-from stoker.daemon.cli.output import fail, json_option
+from stoker.daemon.cli.output import json_option, reported
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.core.logtail import FollowedLine, LogFollower, last_lines
 from stoker.daemon.core.paths import StokerPaths
@@ -188,10 +188,8 @@ def logs(
 ) -> None:
     """Print the last lines of the daemon's log (or the engine's), and follow them with -f."""
     paths = StokerPaths.from_env()
-    try:
+    with reported(as_json):
         sources = choose(paths, daemon_log, server, everything, access)
-    except StokerError as err:
-        fail(as_json, err)
     try:
         if following:
             follow(sources, n, as_json)

@@ -22,7 +22,7 @@ import click
 import trio
 
 from stoker.daemon.cli.daemon_or_here import through_daemon_or_here
-from stoker.daemon.cli.output import emit, fail, json_option, progress_line
+from stoker.daemon.cli.output import emit, fail, json_option, progress_line, reported
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.core.paths import StokerPaths
 
@@ -248,11 +248,9 @@ def models(ctx: click.Context, as_json: bool) -> None:
     from stoker.daemon.control.client import typed_reply
     from stoker.daemon.control.replies import ModelList
 
-    try:
+    with reported(as_json):
         data = list_models(as_json)
         listed = typed_reply("model.list", data, ModelList)
-    except StokerError as err:
-        fail(as_json, err)
     emit(as_json, data, lambda _: format_catalog(listed))
 
 
@@ -278,11 +276,9 @@ def rm(name: str, as_json: bool) -> None:
     from stoker.daemon.control.client import typed_reply
     from stoker.daemon.control.replies import ModelRemoved
 
-    try:
+    with reported(as_json):
         data = _run(StokerPaths.from_env(), "model.rm", {"name": name}, in_process, timeout=60.0, as_json=as_json)
         removed = typed_reply("model.rm", data, ModelRemoved)
-    except StokerError as err:
-        fail(as_json, err)
     emit(as_json, data, lambda _: format_removed(removed))
 
 

@@ -44,6 +44,23 @@ def fail(as_json: bool, err: StokerError) -> NoReturn:
     sys.exit(code)
 
 
+class _Reported:
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> None:
+        if isinstance(err, StokerError):
+            fail(self.as_json, err)
+
+
+def reported(as_json: bool) -> _Reported:
+    """`with reported(as_json):` a reason-coded failure raised inside is reported (`fail`) and exits."""
+    return _Reported(as_json)
+
+
 def run_guarded(group: click.Group) -> None:
     """Run the CLI; a StokerError that escapes a command still exits with its reason code."""
     try:

@@ -7,30 +7,33 @@ passes the name on and the daemon refuses one it has not loaded, listing those i
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
 from stoker.daemon.cli.output import emit, json_option
-from stoker.daemon.cli.lifecycle import call, format_status
+from stoker.daemon.cli.lifecycle import ask, call, format_status
+
+if TYPE_CHECKING:
+    from stoker.daemon.control.replies import ProbeReply
 
 
-def format_probe_reply(reply: dict) -> str:
+def format_probe_reply(reply: ProbeReply) -> str:
     """Each backend's verdict, reason, message, devices and evidence; where it came from."""
     from stoker.daemon.probes.report import format_probe
 
-    items = reply.get("backends") or []
-    text = format_probe(items).rstrip("\n")
+    text = format_probe(reply.backends).rstrip("\n")
     origin = []
-    for b in items:
-        how = f"cached, {b.get('age_s', 0):.1f} s old" if b.get("cached") else "probed now"
-        if (b.get("evidence") or {}).get("probed"):
+    for b in reply.backends:
+        how = f"cached, {b.age_s:.1f} s old" if b.cached else "probed now"
+        if b.evidence.get("probed"):
             how += ", in-process (no driver needed)"
-        origin.append(f"  {b['backend']}: generation {b.get('generation')}, {how}")
+        origin.append(f"  {b.backend}: generation {b.generation}, {how}")
     return (
         text
         + "\n\nprobe results (fresh with --fresh):\n"
         + "\n".join(origin)
-        + f"\nanswered in {reply.get('elapsed_s', 0):.3f} s"
+        + f"\nanswered in {reply.elapsed_s:.3f} s"
     )
 
 
@@ -39,8 +42,10 @@ def format_probe_reply(reply: dict) -> str:
 @json_option
 def probe(fresh: bool, as_json: bool) -> None:
     """Capability per backend with reason codes and evidence."""
-    reply = call("probe", as_json, timeout=120.0, fresh=fresh)
-    emit(as_json, reply, format_probe_reply)
+    from stoker.daemon.control.replies import ProbeReply
+
+    reply, probes = ask("probe", as_json, ProbeReply, timeout=120.0, fresh=fresh)
+    emit(as_json, reply, lambda _: format_probe_reply(probes))
 
 
 def format_use(reply: dict) -> str:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from stoker.daemon.cli.output import emit, fail, json_option
+from stoker.daemon.cli.output import emit, fail, json_option, reported
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.core.paths import StokerPaths
 
@@ -112,10 +112,8 @@ def _client(timeout: float = 10.0) -> ControlClient:
 def telemetry(watch: bool, as_json: bool) -> None:
     """GPU and memory utilisation, VRAM, temperature, power; CPU and RSS; tokens per second."""
     client = _client()
-    try:
+    with reported(as_json):
         reply = client.call("telemetry")
-    except StokerError as err:
-        fail(as_json, err)
     if not watch:
         emit(as_json, reply, lambda r: format_sample(r["sample"]))
         return

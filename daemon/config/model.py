@@ -196,11 +196,6 @@ class ServerConfig:
     stall_timeout_s: float = setting(120.0, seconds())
     ready_timeout_s: float = setting(600.0, seconds())
 
-    @property
-    def model_is_path(self) -> bool:
-        """A path to a file; otherwise a catalog name (the default is one)."""
-        return model_form(self.model) is ModelForm.PATH
-
 
 @attrs.frozen
 class BackendConfig:

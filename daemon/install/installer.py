@@ -135,7 +135,7 @@ class InstallService:
         return self.paths.bundles_dir / f".install-{backend}-{variant}"
 
     def runner(self, backend: str, variant: str) -> MachineRunner:
-        return self._machines.runner(I.machine_id(backend, variant))
+        return self._machines.runner(I.INSTALL.machine_id(backend, variant))
 
     def _reason(self, backend: str) -> ReasonCode:
         return install_failed_reason(self.backends, backend)
@@ -187,7 +187,7 @@ class InstallService:
             if entry
             else await variant_to_make(self.paths, backend, self.backends.get(backend), detection)
         )
-        self._local_smoke.pop(I.machine_id(backend, slot_variant), None)
+        self._local_smoke.pop(I.INSTALL.machine_id(backend, slot_variant), None)
         return await self._install(backend, slot_variant, self.sources, detection, entry, refusal)
 
     async def install_file(
@@ -199,7 +199,7 @@ class InstallService:
         `stoker bundle install` and `stoker run` use. The smoke test runs only when asked
         (`stoker bundle install --smoke`, `stoker run`), as it did for a local install."""
         entry = await trio.to_thread.run_sync(entry_for_zip, Path(path).absolute())
-        self._local_smoke[I.machine_id(entry.backend, entry.variant)] = smoke
+        self._local_smoke[I.INSTALL.machine_id(entry.backend, entry.variant)] = smoke
         return await self._install(entry.backend, entry.variant, (Source.FILE,), detection, entry)
 
     async def _install(

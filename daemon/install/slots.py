@@ -59,7 +59,8 @@ class SlotWriters:
 
     def _pending(self, slot: str, requester: str) -> str | None:
         """The other machine of this slot, if a killed daemon left it mid-way (not resumed yet)."""
-        for machine_id, working in ((f"install:{slot}", I.WORKING), (f"engine_update:{slot}", U.WORKING)):
+        for spec, working in ((I.INSTALL, I.WORKING), (U.ENGINE_UPDATE, U.WORKING)):
+            machine_id = spec.machine_id(slot)
             if machine_id == requester:
                 continue
             record = self.store.machine(machine_id)
@@ -92,7 +93,7 @@ def serving(paths: StokerPaths, backend: str, variant: str) -> SlotBundle | None
 
 def rejection_for(store: Store, backend: str, variant: str, *ids: str | None) -> Rejection | None:
     """The engine update machine's rejection of the bundle known by any of `ids` on this slot."""
-    record = store.machine(U.machine_id(backend, variant))
+    record = store.machine(U.ENGINE_UPDATE.machine_id(backend, variant))
     if record is None or not any(ids):
         return None
     return U.rejection_of(data_from_json(U.ENGINE_UPDATE, record.data or {}), *ids)

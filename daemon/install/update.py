@@ -107,13 +107,10 @@ class EngineUpdateService:
         )
 
     def runner(self, backend: str, variant: str) -> MachineRunner:
-        return self._machines.runner(U.machine_id(backend, variant))
+        return self._machines.runner(U.ENGINE_UPDATE.machine_id(backend, variant))
 
     def staging_root(self, slot: str) -> Path:
         return self.paths.bundles_dir / f".update-{slot}"
-
-    def rollback_root(self, slot: str) -> Path:
-        return self.paths.bundles_dir / f".rollback-{slot}"
 
     # --- entry points ----------------------------------------------------------------------
 
@@ -282,7 +279,7 @@ class EngineUpdateService:
         slot = f"{backend}-{variant}"
         current = bundle_facts(self.paths.bundles_dir / slot)
         previous = bundle_facts(self.paths.bundles_dir / (slot + PREVIOUS))
-        record = self.store.machine(U.machine_id(backend, variant))
+        record = self.store.machine(U.ENGINE_UPDATE.machine_id(backend, variant))
         return {
             "slot": slot,
             "version": None if current is None else current.version,

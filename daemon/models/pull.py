@@ -99,7 +99,7 @@ class PullService:
         return self.paths.models_dir / ".partial"
 
     def runner(self, name: str) -> MachineRunner:
-        return self._machines.runner(P.machine_id(name))
+        return self._machines.runner(P.PULL.machine_id(name))
 
     # --- entry points --------------------------------------------------------------------
 

@@ -1,25 +1,46 @@
 """`stoker probe` for humans: each backend's verdict, reason code, message and evidence.
 
-Pure: the probe reply's records in (a Detection's JSON form, `Detection.to_dict()`, which is
-what the daemon sends), text out. A client renders a plugin's reason code as the string it is:
-the CLI never loads the plugin that brought it, nor needs to.
+Pure: verdicts in (a Detection, or the probe reply's ProbeReport records), text out. A client
+renders a plugin's reason code as the string it is: the CLI never loads the plugin that brought
+it, nor needs to.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence
 
-Record = Mapping[str, Any]
+if TYPE_CHECKING:
+    from stoker.daemon.backends.base import Device
+
+
+class Verdict(Protocol):
+    """What a report reads of one backend's probe: a Detection has it, and so has a ProbeReport."""
+
+    @property
+    def backend(self) -> str: ...
+    @property
+    def present(self) -> bool: ...
+    @property
+    def usable(self) -> bool: ...
+    @property
+    def reason(self) -> str | None: ...
+    @property
+    def message(self) -> str: ...
+    @property
+    def devices(self) -> Sequence[Device]: ...
+    @property
+    def evidence(self) -> Mapping[str, Any]: ...
+
 
 INDENT = "    "
 MAX_BLOCK_LINES = 12  # raw tool output, tracebacks: enough to act on, not a wall
 
 
-def verdict(detection: Record) -> str:
+def verdict(detection: Verdict) -> str:
     """available | unusable (hardware there, runtime not) | absent."""
-    if detection.get("usable"):
+    if detection.usable:
         return "available"
-    return "unusable" if detection.get("present") else "absent"
+    return "unusable" if detection.present else "absent"
 
 
 def _scalar(value: Any) -> str:
@@ -34,22 +55,22 @@ def _scalar(value: Any) -> str:
     return str(value)
 
 
-def _device_line(device: Record) -> str:
-    parts = [str(device.get("name"))]
-    if device.get("memory_total_mib") is not None:
-        mem = f"{device['memory_total_mib']} MiB"
-        if device.get("memory_free_mib") is not None:
-            mem += f" ({device['memory_free_mib']} MiB free)"
+def _device_line(device: Device) -> str:
+    parts = [str(device.name)]
+    if device.memory_total_mib is not None:
+        mem = f"{device.memory_total_mib} MiB"
+        if device.memory_free_mib is not None:
+            mem += f" ({device.memory_free_mib} MiB free)"
         parts.append(mem)
-    if device.get("compute_capability"):
-        parts.append(f"cc {device['compute_capability']}")
-    if device.get("device_type"):
-        parts.append(str(device["device_type"]))
-    if device.get("driver_version"):
-        parts.append(f"driver {device['driver_version']}")
-    if device.get("runtime_version"):
-        parts.append(f"runtime {device['runtime_version']}")
-    return f"device {device.get('index')}: " + ", ".join(parts)
+    if device.compute_capability:
+        parts.append(f"cc {device.compute_capability}")
+    if device.device_type:
+        parts.append(str(device.device_type))
+    if device.driver_version:
+        parts.append(f"driver {device.driver_version}")
+    if device.runtime_version:
+        parts.append(f"runtime {device.runtime_version}")
+    return f"device {device.index}: " + ", ".join(parts)
 
 
 def _evidence_lines(evidence: Mapping[str, Any]) -> list[str]:
@@ -66,27 +87,27 @@ def _evidence_lines(evidence: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def format_detection(detection: Record) -> str:
+def format_detection(detection: Verdict) -> str:
     """One backend's block: headline, message, devices, evidence."""
-    head = f"{detection.get('backend')}: {verdict(detection)}"
-    if detection.get("reason") is not None:
-        head += f" [{detection['reason']}]"
+    head = f"{detection.backend}: {verdict(detection)}"
+    if detection.reason is not None:
+        head += f" [{detection.reason}]"
     lines = [head]
-    if detection.get("message"):
-        lines.append(INDENT + str(detection["message"]))
-    lines.extend(INDENT + _device_line(d) for d in detection.get("devices") or ())
-    evidence = _evidence_lines(detection.get("evidence") or {})
+    if detection.message:
+        lines.append(INDENT + str(detection.message))
+    lines.extend(INDENT + _device_line(d) for d in detection.devices)
+    evidence = _evidence_lines(detection.evidence)
     if evidence:
         lines.append(INDENT + "evidence:")
         lines.extend(INDENT * 2 + e for e in evidence)
     return "\n".join(lines)
 
 
-def format_probe(detections: Iterable[Record]) -> str:
+def format_probe(detections: Iterable[Verdict]) -> str:
     """The whole `stoker probe` report: a summary line, then each backend's block."""
     items = list(detections)
     if not items:
         return "No backends were probed."
-    usable = [str(d.get("backend")) for d in items if d.get("usable")]
+    usable = [str(d.backend) for d in items if d.usable]
     summary = "Usable backends: " + (", ".join(usable) if usable else "none")
     return "\n\n".join([summary, *(format_detection(d) for d in items)]) + "\n"

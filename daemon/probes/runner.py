@@ -117,22 +117,19 @@ async def run_probe(
             signal=name,
             **evidence,
         )
+    # The probe ran to its end; a detection it printed is the verdict, whatever its status.
     try:
         detection = parse_probe_output(backend, stdout)
     except (ValueError, KeyError, TypeError) as e:
-        return _failure(
-            backend,
-            f"The {backend} probe printed an invalid detection ({type(e).__name__}).",
-            probe=f"invalid detection: {e}",
-            stdout=excerpt(stdout, 1000),
-            exit_status=result.returncode,
-            **evidence,
-        )
+        detection, what, probe = None, f"printed an invalid detection ({type(e).__name__})", f"invalid detection: {e}"
+    else:
+        what = f"exited with status {result.returncode} without a detection"
+        probe = f"probe exited with status {result.returncode}"
     if detection is None:
         return _failure(
             backend,
-            f"The {backend} probe exited with status {result.returncode} without a detection.",
-            probe=f"probe exited with status {result.returncode}",
+            f"The {backend} probe {what}.",
+            probe=probe,
             stdout=excerpt(stdout, 1000),
             exit_status=result.returncode,
             **evidence,

@@ -100,7 +100,7 @@ class ProbeService:
         if runner is None:
             runner = MachineRunner(
                 P.PROBE,
-                P.machine_id(backend),
+                P.PROBE.machine_id(backend),
                 self.store,
                 self.publish,
                 initial_data=P.ProbeData(backend=backend, timeout=self.timeout, cache_ttl=self.ttl),
@@ -259,8 +259,3 @@ class ProbeService:
             self._fire(backend, P.Expired(effect.generation))
         except IllegalTransition:
             pass  # a newer verdict (or probe) replaced the one this timer was for
-
-
-def detections_of(results: Mapping[str, ProbeResult]) -> dict[str, Detection]:
-    """The Detections inside a set of results (for `format_probe`)."""
-    return {name: r.detection for name, r in results.items()}

@@ -200,9 +200,6 @@ async def fetch_engine_metrics(base_url: str, api_key: str | None) -> dict[str, 
     return engine_figures(parse_metrics(reply.text))
 
 
-EngineFetch = Callable[[str, "str | None"], Any]
-
-
 # --- the sampler ------------------------------------------------------------------------
 
 

@@ -14,11 +14,10 @@ reports what it found (`model_reason`, `model_problem`); this table decides.
 from __future__ import annotations
 
 import enum
-from typing import Any
 
 import attrs
 
-from stoker.states.machine import MachineSpec, Step, guarded
+from stoker.states.machine import MachineSpec, Step, guarded, str_tuple
 from stoker.states.reasons import ReasonCode
 
 
@@ -27,13 +26,9 @@ class ConfigState(enum.StrEnum):
     INVALID = "invalid"
 
 
-def _strs(value: Any) -> tuple[str, ...]:
-    return tuple(str(v) for v in value)
-
-
 @attrs.frozen
 class ConfigData:
-    problems: tuple[str, ...] = attrs.field(default=(), converter=_strs)
+    problems: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
 
 
 @attrs.frozen
@@ -42,7 +37,7 @@ class ConfigAccepted:
     whether they need the server relaunched, and `model_reason` / `model_problem` what checking
     the model file it names found before that relaunch (None: loadable, or nothing relaunches)."""
 
-    changed: tuple[str, ...] = attrs.field(default=(), converter=_strs)
+    changed: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
     relaunch: bool = False
     model_reason: ReasonCode | None = attrs.field(default=None, converter=attrs.converters.optional(ReasonCode))
     model_problem: str | None = None
@@ -51,7 +46,7 @@ class ConfigAccepted:
 
 @attrs.frozen
 class ConfigRejected:
-    problems: tuple[str, ...] = attrs.field(default=(), converter=_strs)
+    problems: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
 
 
 @attrs.frozen
@@ -84,7 +79,6 @@ def rejected(state: ConfigState, data: ConfigData, event: ConfigRejected) -> Ste
 
 CONFIG = MachineSpec(
     name="config",
-    states=ConfigState,
     initial=ConfigState.VALID,
     data_type=ConfigData,
     transitions={

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from stoker.states.install.slot import Rejection
-from stoker.states.machine import as_evidence
+from stoker.states.machine import as_evidence, as_tuple, int_tuple
 from stoker.states.reasons import ReasonCode
 
 
@@ -56,11 +56,7 @@ class Outcome(enum.StrEnum):
 
 
 def _tokens(value: Any) -> tuple[int, ...] | None:
-    return None if value is None else _int_tuple(value)
-
-
-def _int_tuple(value: Any) -> tuple[int, ...]:
-    return tuple(int(t) for t in value)
+    return None if value is None else int_tuple(value)
 
 
 @attrs.frozen
@@ -107,14 +103,6 @@ class ServerVerdict:
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
-def _verdicts(items: Any) -> tuple[ServerVerdict, ...]:
-    return tuple(items)
-
-
-def _rejections(items: Any) -> tuple[Rejection, ...]:
-    return tuple(items)
-
-
 @attrs.frozen
 class UpdateData:
     backend: str = ""
@@ -128,10 +116,10 @@ class UpdateData:
     staging: str | None = None
     new_tokens: tuple[int, ...] | None = attrs.field(default=None, converter=_tokens)
     servers: tuple[ServerBaseline, ...] = ()  # what ran on the old engine: restarted on the new
-    verdicts: tuple[ServerVerdict, ...] = attrs.field(default=(), converter=_verdicts)
+    verdicts: tuple[ServerVerdict, ...] = attrs.field(default=(), converter=as_tuple)
     # bundles refused or rolled back here: never offered again automatically, never installed again
     # unless named (states/install/slot.py); each with every identity known of it (zip, digest)
-    rejections: tuple[Rejection, ...] = attrs.field(default=(), converter=_rejections)
+    rejections: tuple[Rejection, ...] = attrs.field(default=(), converter=as_tuple)
     gate: Gate | None = None  # the gate that failed
     by_hand: bool = False  # the rollback under way (or last done) was asked by a user
     attempts: int = 0
@@ -173,7 +161,7 @@ class Staged:
 
     staged: BundleFacts
     staging: str
-    tokens: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
@@ -190,7 +178,7 @@ class GateFailed:
 class TokensCompared:
     """The old engine's greedy tokens on the candidate's smoke model, run here."""
 
-    old: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    old: tuple[int, ...] = attrs.field(converter=int_tuple)
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
@@ -206,7 +194,7 @@ class Switched:
 class ServersRestarted:
     """Each restarted server's verdict (a failure may end the wait for the others: skipped)."""
 
-    verdicts: tuple[ServerVerdict, ...] = attrs.field(converter=_verdicts)
+    verdicts: tuple[ServerVerdict, ...] = attrs.field(converter=as_tuple)
 
 
 @attrs.frozen

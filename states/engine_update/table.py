@@ -394,7 +394,6 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
 
 ENGINE_UPDATE = MachineSpec(
     name="engine_update",
-    states=UpdateState,
     initial=S.IDLE,
     data_type=UpdateData,
     transitions=TRANSITIONS,
@@ -406,8 +405,3 @@ ENGINE_UPDATE = MachineSpec(
     ),
     effect_types=Effect,
 )
-
-
-def machine_id(backend: str, variant: str) -> str:
-    """The store id of one slot's update machine: `engine_update:<backend>-<variant>`."""
-    return f"engine_update:{backend}-{variant}"

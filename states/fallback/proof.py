@@ -16,11 +16,8 @@ from typing import Any
 
 import attrs
 
+from stoker.states.machine import str_tuple
 from stoker.states.reasons import ReasonCode
-
-
-def _names(value: Any) -> tuple[str, ...]:
-    return tuple(str(v) for v in value)
 
 
 @attrs.frozen
@@ -32,7 +29,7 @@ class AccelerationProof:
     offloaded_layers: int | None
     total_layers: int | None = None
     offload_line: str | None = None
-    software_devices: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    software_devices: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
     process_vram_mib: int | None = None  # None: the platform does not say
     layers_zero: ReasonCode = ReasonCode.GPU_CLAIMED_BUT_UNUSED
     software_device: ReasonCode = ReasonCode.GPU_CLAIMED_BUT_UNUSED

@@ -34,7 +34,18 @@ import attrs
 from stoker.states.fallback.proof import AccelerationProof, acceleration_verdict, proof_evidence
 from stoker.states.fallback.vram import VramCheck, devices_of, no_room
 from stoker.states.launch.records import CPU_BACKEND, ExitPhase
-from stoker.states.machine import STAY, MachineSpec, Rule, Step, guarded, step_with_reason, as_evidence
+from stoker.states.machine import (
+    STAY,
+    MachineSpec,
+    Rule,
+    Step,
+    guarded,
+    step_with_reason,
+    as_evidence,
+    as_tuple,
+    int_tuple,
+    str_tuple,
+)
 from stoker.states.reasons import ReasonCode
 
 
@@ -45,14 +56,6 @@ class FallbackState(enum.StrEnum):
     LAUNCHING = "launching"
     SETTLED = "settled"
     FAILED = "failed"
-
-
-def _names(value: Any) -> tuple[str, ...]:
-    return tuple(str(v) for v in value)
-
-
-def _indices(value: Any) -> tuple[int, ...]:
-    return tuple(int(v) for v in value)
 
 
 # The CPU builds from the fastest to the safest; `native` only when the user asks for it.
@@ -86,10 +89,6 @@ class Skipped:
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
-def _skipped(value: Any) -> tuple[Skipped, ...]:
-    return tuple(value)
-
-
 @attrs.frozen
 class Demotion:
     """A server on `backend` that serves but is not really accelerated, and the proof."""
@@ -101,17 +100,17 @@ class Demotion:
 
 @attrs.frozen
 class FallbackData:
-    candidates: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    candidates: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
     index: int = 0
     forced: bool = False
-    installed: tuple[str, ...] = attrs.field(default=(), converter=_names)  # installs tried
-    skipped: tuple[Skipped, ...] = attrs.field(default=(), converter=_skipped)
+    installed: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)  # installs tried
+    skipped: tuple[Skipped, ...] = attrs.field(default=(), converter=as_tuple)
     chosen: str | None = None  # the backend the server really runs on, once settled
     reason: ReasonCode | None = None  # why not the preferred one (or why failed)
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
     # Settled, then the same plan respawned after a crash and found not really accelerated.
     respawn_demotion: Demotion | None = None
-    cpu_variants: tuple[str, ...] = attrs.field(default=(), converter=_names)  # the CPU builds to try, best first
+    cpu_variants: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)  # the CPU builds to try, best first
 
     @property
     def current(self) -> str | None:
@@ -131,7 +130,7 @@ class PlanRequested:
     CPU's builds: `[backend] cpu_variant`, the machine's architecture and the previous plan's
     build (`previous_variant`)."""
 
-    candidates: tuple[str, ...] = attrs.field(converter=_names)
+    candidates: tuple[str, ...] = attrs.field(converter=str_tuple)
     forced: bool = False
     previous_backend: str | None = None
     previous_variant: str | None = None
@@ -209,7 +208,7 @@ class ProbeCandidates:
     """Probe these backends at once (each in its own process), so that every check that
     follows reads a fresh cache instead of probing in turn. Nothing to answer."""
 
-    backends: tuple[str, ...] = attrs.field(converter=_names)
+    backends: tuple[str, ...] = attrs.field(converter=str_tuple)
 
 
 @attrs.frozen
@@ -218,7 +217,7 @@ class CheckBackend:
     `cpu_variants` installed); CheckPassed, CheckFailed or BundleMissing."""
 
     backend: str
-    cpu_variants: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    cpu_variants: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
 
 
 @attrs.frozen
@@ -234,7 +233,7 @@ class UsePlan:
     with room for a layer when not all have it; empty: all of them)."""
 
     backend: str
-    devices: tuple[int, ...] = attrs.field(default=(), converter=_indices)
+    devices: tuple[int, ...] = attrs.field(default=(), converter=int_tuple)
 
 
 @attrs.frozen
@@ -434,7 +433,6 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
 
 FALLBACK = MachineSpec(
     name="fallback",
-    states=FallbackState,
     initial=S.IDLE,
     data_type=FallbackData,
     transitions=TRANSITIONS,

@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from stoker.states.machine import as_evidence
+from stoker.states.machine import as_evidence, as_tuple, float_tuple, int_tuple, str_tuple
 from stoker.states.reasons import ReasonCode
 
 MIB = 2**20
@@ -43,10 +43,6 @@ class RemoteDevice:
     total_bytes: int
 
 
-def _devices(value: Any) -> tuple[RemoteDevice, ...]:
-    return tuple(value)
-
-
 @attrs.frozen
 class WorkerReading:
     """What checking one worker found: whether it answered the RPC handshake, the protocol
@@ -55,7 +51,7 @@ class WorkerReading:
     address: str
     reachable: bool
     version: str | None = None
-    devices: tuple[RemoteDevice, ...] = attrs.field(default=(), converter=_devices)
+    devices: tuple[RemoteDevice, ...] = attrs.field(default=(), converter=as_tuple)
     error: str | None = None
     elapsed_ms: float | None = None
 
@@ -75,14 +71,6 @@ class WorkerReading:
         return out
 
 
-def _strs(value: Any) -> tuple[str, ...]:
-    return tuple(str(v) for v in value)
-
-
-def _ints(value: Any) -> tuple[int, ...]:
-    return tuple(int(v) for v in value)
-
-
 @attrs.frozen
 class LocalDevice:
     """A local GPU the plan keeps, and its free memory in the reading that decided the plan."""
@@ -98,12 +86,8 @@ class PlacedWorker:
 
     address: str
     version: str
-    device_names: tuple[str, ...] = attrs.field(converter=_strs)
-    free_mib: tuple[int, ...] = attrs.field(converter=_ints)
-
-
-def _placed(value: Any) -> tuple[PlacedWorker, ...]:
-    return tuple(value)
+    device_names: tuple[str, ...] = attrs.field(converter=str_tuple)
+    free_mib: tuple[int, ...] = attrs.field(converter=int_tuple)
 
 
 @attrs.frozen
@@ -115,14 +99,6 @@ class LeftOut:
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
-def _left_out(value: Any) -> tuple[LeftOut, ...]:
-    return tuple(value)
-
-
-def _floats(value: Any) -> tuple[float, ...]:
-    return tuple(float(v) for v in value)
-
-
 @attrs.frozen
 class RpcPlacement:
     """The placement over workers a plan records: the workers it uses, those it left out with
@@ -130,10 +106,10 @@ class RpcPlacement:
     then the local GPUs). `args` is what llama-server gets for it."""
 
     protocol: str | None
-    used: tuple[PlacedWorker, ...] = attrs.field(default=(), converter=_placed)
-    left_out: tuple[LeftOut, ...] = attrs.field(default=(), converter=_left_out)
-    split: tuple[float, ...] = attrs.field(default=(), converter=_floats)
-    local_devices: tuple[str, ...] = attrs.field(default=(), converter=_strs)
+    used: tuple[PlacedWorker, ...] = attrs.field(default=(), converter=as_tuple)
+    left_out: tuple[LeftOut, ...] = attrs.field(default=(), converter=as_tuple)
+    split: tuple[float, ...] = attrs.field(default=(), converter=float_tuple)
+    local_devices: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
 
     @property
     def endpoints(self) -> tuple[str, ...]:

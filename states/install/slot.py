@@ -29,6 +29,8 @@ from typing import Any
 
 import attrs
 
+from stoker.states.machine import str_tuple
+
 
 class SlotWriter(enum.StrEnum):
     """What put the slot's bundle there."""
@@ -64,10 +66,6 @@ class SlotBundle:
         return self
 
 
-def _strs(items: Any) -> tuple[str, ...]:
-    return tuple(str(i) for i in items)
-
-
 @attrs.frozen
 class Rejection:
     """An engine update's refusal of one bundle on this slot: the facts the install reads."""
@@ -75,7 +73,7 @@ class Rejection:
     version: str
     reason: str
     gate: str | None = None
-    refs: tuple[str, ...] = attrs.field(default=(), converter=_strs)
+    refs: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
 
     def names(self, *ids: str | None) -> bool:
         """Whether any of these identities (a zip's sha256, a bundle's digest) is this bundle's."""

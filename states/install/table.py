@@ -453,7 +453,6 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
 
 INSTALL = MachineSpec(
     name="install",
-    states=InstallState,
     initial=S.REQUESTED,
     data_type=InstallData,
     transitions=TRANSITIONS,
@@ -465,8 +464,3 @@ INSTALL = MachineSpec(
     ),
     effect_types=Effect,
 )
-
-
-def machine_id(backend: str, variant: str) -> str:
-    """The store id of the install machine for one bundle: `install:<backend>-<variant>`."""
-    return f"install:{backend}-{variant}"

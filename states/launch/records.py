@@ -11,7 +11,7 @@ from typing import Any, Literal, Union
 
 import attrs
 
-from stoker.states.machine import as_evidence
+from stoker.states.machine import as_evidence, str_tuple
 from stoker.states.reasons import ReasonCode
 from stoker.states.server_process import ProcessExit, SpawnFailure
 from stoker.states.fleet.rpc_placement import RpcPlacement
@@ -63,10 +63,6 @@ class ExitPhase(enum.StrEnum):
 
     NEVER_READY = "never_ready"
     AFTER_READY = "after_ready"
-
-
-def _args(value: Any) -> tuple[str, ...]:
-    return tuple(str(v) for v in value)
 
 
 def _gpu_layers(value: Any) -> GpuLayers:
@@ -151,11 +147,11 @@ class LaunchPlan:
     n_gpu_layers: GpuLayers = attrs.field(default=0, converter=_gpu_layers)
     flash_attn: str | None = None  # "on" | "off" | "auto"; None: no -fa
     slot_save_path: str | None = None  # where the engine may save KV slots; None: no saving
-    extra_args: tuple[str, ...] = attrs.field(default=(), converter=_args)
+    extra_args: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
     # The backend plugin's own arguments for this plan (Backend.launch_args: -ngl, --device),
     # asked when planning ended. A plan recorded before they were asked ran `-ngl n_gpu_layers`.
     backend_args: tuple[str, ...] = attrs.field(
-        default=attrs.Factory(lambda plan: ("-ngl", str(plan.n_gpu_layers)), takes_self=True), converter=_args
+        default=attrs.Factory(lambda plan: ("-ngl", str(plan.n_gpu_layers)), takes_self=True), converter=str_tuple
     )
     # The environment the backend plugin sets for this plan's server (Backend.launch_env: the
     # devices it may use, e.g. CUDA_VISIBLE_DEVICES), sorted; recorded, so history shows it.

@@ -87,24 +87,28 @@ def ask_plan(data: LaunchData, failure: PlanFailure | None = None) -> tuple[Laun
     return data, MakePlan(previous=data.plan, failure=failure, request=data.plan_requests)
 
 
-def plan_step(data: LaunchData, settings: LaunchSettings | None = None, *, reset: bool) -> Step:
-    """Enter planning afresh (a start, restart or config change: no failure to avoid). A
-    user start resets the counts and clears the last reason."""
-    settings = settings_of(data, settings)
-    if reset:
-        data = attrs.evolve(fresh_count(data), reason=None, evidence={})
-    data = attrs.evolve(
+def without_server(data: LaunchData, **changes: Any) -> LaunchData:
+    """`data` with no server process in it (none started, or the last one gone): no pid, no
+    spawn under way, no stop's follow-up, no watchdog verdict, no replan pending."""
+    return attrs.evolve(
         data,
-        settings=settings,
         pid=None,
         create_time=None,
         after_stop=AfterStop.STOP,
         replan_for=None,
         spawning=False,
         silent=False,
-        down_cause=None,
+        **changes,
     )
-    data, ask = ask_plan(data)
+
+
+def plan_step(data: LaunchData, settings: LaunchSettings | None = None, *, reset: bool) -> Step:
+    """Enter planning afresh (a start, restart or config change: no failure to avoid). A
+    user start resets the counts and clears the last reason."""
+    settings = settings_of(data, settings)
+    if reset:
+        data = attrs.evolve(fresh_count(data), reason=None, evidence={})
+    data, ask = ask_plan(without_server(data, settings=settings, down_cause=None))
     return Step(S.PLANNING, data, (ask,))
 
 
@@ -144,16 +148,7 @@ def crash_step(
     the same plan or, for REPLAN, a new one that knows what failed."""
     crashes = data.crashes + 1
     evidence = {**evidence, "crashes": crashes, "returncode": returncode}
-    data = attrs.evolve(
-        data,
-        crashes=crashes,
-        pid=None,
-        create_time=None,
-        replan_for=None,
-        after_stop=AfterStop.STOP,
-        spawning=False,
-        silent=False,
-    )
+    data = without_server(data, crashes=crashes)
     if verdict is ExitVerdict.FATAL:
         return step_with_reason(S.FAILED, data, (Notify("status", f"failed: {reason}"),), reason, evidence)
     if crash_loop(crashes, data.settings.max_restarts):

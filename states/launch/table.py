@@ -57,6 +57,7 @@ from stoker.states.launch.steps import (
     settings_of,
     stop_done_step,
     stop_step,
+    without_server,
 )
 from stoker.states.launch.records import (
     Adopted,
@@ -119,17 +120,7 @@ def replan_on_config(state: S, data: LaunchData, event: ConfigChanged) -> Step:
 @guarded(S.STOPPED)
 def stop_idle(state: S, data: LaunchData, event: DownRequested) -> Step:
     """Nothing runs (planning, crashed, backoff): stopped at once."""
-    data = attrs.evolve(
-        data,
-        pid=None,
-        create_time=None,
-        reason=None,
-        evidence={},
-        after_stop=AfterStop.STOP,
-        replan_for=None,
-        spawning=False,
-        down_cause=down_cause(data, event),
-    )
+    data = without_server(data, reason=None, evidence={}, down_cause=down_cause(data, event))
     return Step(S.STOPPED, data, (Notify("status", "stopped"),), evidence=down_evidence(event))
 
 
@@ -450,7 +441,6 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
 
 LAUNCH = MachineSpec(
     name="launch",
-    states=LaunchState,
     initial=S.STOPPED,
     data_type=LaunchData,
     transitions=TRANSITIONS,

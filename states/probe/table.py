@@ -151,7 +151,6 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
 
 PROBE = MachineSpec(
     name="probe",
-    states=ProbeState,
     initial=S.IDLE,
     data_type=ProbeData,
     transitions=TRANSITIONS,
@@ -159,8 +158,3 @@ PROBE = MachineSpec(
     description="One backend's capability; the newest probe's verdict wins.",
     effect_types=Effect,
 )
-
-
-def machine_id(backend: str) -> str:
-    """The store id of one backend's probe machine: `probe:<backend>`."""
-    return f"probe:{backend}"

@@ -332,7 +332,6 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
 
 PULL = MachineSpec(
     name="pull",
-    states=PullState,
     initial=S.REQUESTED,
     data_type=PullData,
     transitions=TRANSITIONS,
@@ -340,8 +339,3 @@ PULL = MachineSpec(
     description="One model: resolve the name at its source, download and verify it, read its header, catalog it.",
     effect_types=Effect,
 )
-
-
-def machine_id(name: str) -> str:
-    """The store id of the pull machine of one catalog name: `pull:<name>`."""
-    return f"pull:{name}"

@@ -299,7 +299,6 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
 
 WORKER = MachineSpec(
     name="worker",
-    states=WorkerState,
     initial=S.STOPPED,
     data_type=WorkerData,
     transitions=TRANSITIONS,

@@ -68,7 +68,7 @@ def update_at_switching(daemon: DaemonProcess, cpu_bundle: Path, tmp_path: Path,
     assert old_digest and new_digest
     store = open_store(daemon.paths.db_file)
     try:
-        runner = MachineRunner(U.ENGINE_UPDATE, U.machine_id("cpu", variant), store)
+        runner = MachineRunner(U.ENGINE_UPDATE, U.ENGINE_UPDATE.machine_id("cpu", variant), store)
         tokens = (1, 2, 3)
         for event in (
             R.UpdateRequested("cpu", variant, bundle=str(good)),

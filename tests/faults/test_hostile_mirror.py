@@ -131,7 +131,7 @@ class Setup:
         assert not list((self.paths.data_dir / "downloads").glob("*.part*"))  # nothing half-fetched kept
 
     def history(self) -> list[Any]:
-        return self.store.history(machine=I.machine_id("cpu", "avx2"))
+        return self.store.history(machine=I.INSTALL.machine_id("cpu", "avx2"))
 
 
 @pytest.fixture
@@ -210,7 +210,7 @@ async def test_a_hostile_manifest_is_refused_before_any_bundle_is_fetched(setup,
     assert [r.path for r in setup.server.requests()[before:]] == ["/manifest.json"]  # no bundle was fetched
     setup.assert_previous_intact()
     assert code in causes(setup.history()[:1])  # the failed transition carries it, with its evidence
-    assert setup.store.machine(I.machine_id("cpu", "avx2")).state == "failed"
+    assert setup.store.machine(I.INSTALL.machine_id("cpu", "avx2")).state == "failed"
 
 
 async def test_a_network_manifest_with_no_trusted_key_is_not_even_fetched(setup):
@@ -278,7 +278,7 @@ def test_a_hostile_mirror_never_disturbs_the_serving_daemon(daemon, model, cpu_b
     `stoker install cpu` against the hostile mirror is refused with its code in the history,
     the slot keeps its bundle, and the same server answers completions throughout."""
     meta = bundle_meta_of(cpu_bundle)
-    machine = I.machine_id("cpu", meta.variant)
+    machine = I.INSTALL.machine_id("cpu", meta.variant)
     key, other = generate_key(tmp_path / "key"), generate_key(tmp_path / "other.key")
     root = tmp_path / "mirror"
     published = stoker(daemon, "bundle", "publish", str(root), "--from-cache", "--key", str(tmp_path / "key"), "--json")
@@ -379,7 +379,7 @@ def test_a_fresh_home_installs_its_engine_from_a_signed_mirror_and_serves(
     try:
         st = d.wait_state("ready", timeout=300)
         assert st["backend"] == "cpu" and st["variant"] == meta.variant
-        rows = list(reversed(d.history(machine=I.machine_id("cpu", meta.variant))))
+        rows = list(reversed(d.history(machine=I.INSTALL.machine_id("cpu", meta.variant))))
         assert rows[-1]["to_state"] == "installed" and "smoke_testing" in [r["to_state"] for r in rows]
         resolved = next(r for r in rows if r["event"] == "Resolved")
         assert resolved["evidence"]["manifest"]["key_id"] == key.keyid

@@ -98,7 +98,7 @@ class Setup:
         assert (self.paths.bundles_dir / "cpu-avx2.previous" / "bundle.json").read_bytes() == self.previous_json
         assert not [p for p in self.paths.bundles_dir.iterdir() if p.name.startswith(".")]
         assert list((self.paths.data_dir / "downloads").iterdir()) == []  # the zip is gone
-        runner = self.store.machine(I.machine_id("cpu", "avx2"))
+        runner = self.store.machine(I.INSTALL.machine_id("cpu", "avx2"))
         assert runner.state == "installed"
 
 
@@ -455,7 +455,7 @@ def _rolled_back_on(store, slot_variant: str, rejected_zip: Path, old_json: byte
         new_digest = _sha(zf.read("bundle.json"))
     sha = _sha(rejected_zip.read_bytes())
     old, new = R.BundleFacts("b11434", _sha(old_json)), R.BundleFacts("b11434", new_digest)
-    runner = MachineRunner(U.ENGINE_UPDATE, U.machine_id("cpu", slot_variant), store)
+    runner = MachineRunner(U.ENGINE_UPDATE, U.ENGINE_UPDATE.machine_id("cpu", slot_variant), store)
     for event in (
         R.UpdateRequested("cpu", slot_variant, bundle=str(rejected_zip) if named else None),
         R.Resolved(
@@ -539,7 +539,9 @@ async def test_an_install_and_an_update_of_one_slot_never_write_it_at_once(setup
     from stoker.states.engine_update import table as U
     from stoker.states.engine_update import records as R
 
-    MachineRunner(U.ENGINE_UPDATE, U.machine_id("cpu", "avx2"), setup.store).fire(R.UpdateRequested("cpu", "avx2"))
+    MachineRunner(U.ENGINE_UPDATE, U.ENGINE_UPDATE.machine_id("cpu", "avx2"), setup.store).fire(
+        R.UpdateRequested("cpu", "avx2")
+    )
     err = await _install_fails(setup.service())
     assert err.reason == "engine_slot_busy" and err.evidence["writer"] == "engine_update:cpu-avx2"
 

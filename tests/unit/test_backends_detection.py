@@ -10,6 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stoker.daemon.backends import Detection, Device
+from stoker.daemon.control.client import typed_reply
+from stoker.daemon.control.replies import ProbeReply
 from stoker.daemon.probes.report import format_detection, format_probe, verdict
 from stoker.states.reasons import ReasonCode as R, message_for
 
@@ -57,7 +59,7 @@ def test_json_roundtrip(backend, present, usable, reason, devs, evidence):
     d = Detection(backend, present, usable, reason, "m", tuple(devs), evidence)
     again = Detection.from_dict(json.loads(json.dumps(d.to_dict())))
     assert again == d
-    assert format_probe([d.to_dict()])  # never raises on any record
+    assert format_probe([d])  # never raises on any record
 
 
 def test_report_shows_verdict_reason_message_and_evidence():
@@ -79,7 +81,7 @@ def test_report_shows_verdict_reason_message_and_evidence():
         raw="line one\nline two",
     )
     vulkan = Detection.unavailable("vulkan", R.GPU_MISSING, present=False, software_devices=["llvmpipe"])
-    text = format_probe([cpu.to_dict(), cuda.to_dict(), vulkan.to_dict()])
+    text = format_probe([cpu, cuda, vulkan])
     assert text.splitlines()[0] == "Usable backends: cpu"
     assert "cpu: available\n" in text
     assert "cuda: unusable [cuda_unavailable]" in text
@@ -96,15 +98,15 @@ def test_report_of_a_gpu_device_and_nothing():
     d = Detection.available("cuda", [H200], "1 NVIDIA GPU(s)")
     assert (
         "device 0: NVIDIA H200, 143771 MiB (143150 MiB free), cc 9.0, discrete, driver 580.95.05, runtime 13.0"
-        in format_detection(d.to_dict())
+        in format_detection(d)
     )
-    assert verdict(attrs.evolve(d, usable=False).to_dict()) == "unusable"
+    assert verdict(attrs.evolve(d, usable=False)) == "unusable"
     assert format_probe([]) == "No backends were probed."
 
 
 def test_long_evidence_blocks_are_cut():
     d = Detection.unavailable("cuda", R.PROBE_FAILED, present=False, stderr="\n".join(f"l{i}" for i in range(100)))
-    text = format_detection(d.to_dict())
+    text = format_detection(d)
     assert "l99" in text and "l5\n" not in text and "..." in text
 
 
@@ -118,7 +120,11 @@ def test_a_client_renders_a_plugin_code_it_has_never_loaded():
         "message": "The ZLUDA runtime did not start; reinstall it.",
         "devices": [{"index": 0, "name": "RX 7900"}],
         "evidence": {"probe": "probe timed out after 20s"},
+        "generation": 1,
+        "cached": False,
+        "age_s": 0.0,
     }
-    text = format_probe([record])
+    reply = typed_reply("probe", {"backends": [record], "elapsed_s": 0.5}, ProbeReply)
+    text = format_probe(reply.backends)
     assert "zluda: unusable [zluda_unavailable]" in text and "The ZLUDA runtime did not start" in text
     assert "device 0: RX 7900" in text and "probe: probe timed out after 20s" in text

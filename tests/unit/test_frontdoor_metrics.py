@@ -130,10 +130,10 @@ def record_history(store) -> None:
     launch.fire(LR.ServerExited(-11, ReasonCode.SERVER_CRASHED))  # crash 2 > max_restarts 1: crash loop
     assert launch.state is LR.LaunchState.FAILED and launch.data.reason is ReasonCode.CRASH_LOOP
 
-    failed = MachineRunner(I.INSTALL, I.machine_id("cuda", "cu12"), store)
+    failed = MachineRunner(I.INSTALL, I.INSTALL.machine_id("cuda", "cu12"), store)
     failed.fire(I.InstallRequested("cuda", "cu12"))
     failed.fire(I.InstallFailed(ReasonCode.BUNDLE_DIGEST_MISMATCH))
-    done = MachineRunner(I.INSTALL, I.machine_id("cpu", "x86-64"), store)
+    done = MachineRunner(I.INSTALL, I.INSTALL.machine_id("cpu", "x86-64"), store)
     for event in (
         I.InstallRequested("cpu", "x86-64"),
         I.Resolved("https://b/cpu.zip", "ab" * 32, 10),

@@ -22,7 +22,6 @@ from stoker.states.install.table import (
     Unpacked,
     Validated,
     Verified,
-    machine_id,
 )
 from stoker.states.install.effects import (
     BuildBundle,
@@ -89,7 +88,7 @@ def test_happy_path_asks_for_each_step():
         (Promote("/staging/b", "cuda", "sm90"),),
         (),
     ]
-    assert machine_id("cuda", "sm90") == "install:cuda-sm90"
+    assert INSTALL.machine_id("cuda", "sm90") == "install:cuda-sm90"
 
 
 @pytest.mark.parametrize("n", range(1, 8))

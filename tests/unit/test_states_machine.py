@@ -92,7 +92,6 @@ def wander(state, data, event):
 
 DOOR = MachineSpec(
     name="door",
-    states=Door,
     initial=Door.OPEN,
     data_type=DoorData,
     transitions={Door.OPEN: {Slam: slam, Lock: wander}, Door.SHUT: {Push: Door.OPEN, Slam: slam}},
@@ -141,11 +140,11 @@ def test_spec_rejects_inconsistent_tables():
         X = "x"
 
     with pytest.raises(MachineDefinitionError):
-        MachineSpec("bad", Door, Other.X, DoorData, {})
+        MachineSpec("bad", Door.OPEN, DoorData, {Other.X: {Push: Door.OPEN}})
     with pytest.raises(MachineDefinitionError):
-        MachineSpec("bad", Door, Door.OPEN, DoorData, {Door.OPEN: {Push: Other.X}})
+        MachineSpec("bad", Door.OPEN, DoorData, {Door.OPEN: {Push: Other.X}})
     with pytest.raises(MachineDefinitionError):
-        MachineSpec("bad", Door, Door.OPEN, DoorData, {Door.OPEN: {int: Door.SHUT}})
+        MachineSpec("bad", Door.OPEN, DoorData, {Door.OPEN: {int: Door.SHUT}})
 
 
 PLAN = LaunchPlan("cuda", "sm90", "/b", "/b/llama-server", "/m.gguf", n_gpu_layers=99, extra_args=("--jinja",))

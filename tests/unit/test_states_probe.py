@@ -16,7 +16,6 @@ from stoker.states.probe.table import (
     ProbeState as S,
     ProbeSucceeded,
     RunProbe,
-    machine_id,
 )
 from stoker.states.reasons import ReasonCode
 
@@ -37,7 +36,7 @@ def test_one_probe():
     assert s.state is S.AVAILABLE and s.effects == (ArmExpiry(1, 30.0),)
     s = drive(ProbeRequested("cuda"), ProbeFailed(1, ReasonCode.GPU_MISSING))
     assert s.state is S.UNAVAILABLE and s.reason is ReasonCode.GPU_MISSING
-    assert machine_id("cuda") == "probe:cuda"
+    assert PROBE.machine_id("cuda") == "probe:cuda"
 
 
 def test_older_result_is_dropped_and_visible():

@@ -20,7 +20,7 @@ from stoker.daemon.control.params import Kind, Param, method
 from stoker.daemon.control.replies import EngineOutcome, EngineStatus
 from stoker.daemon.core.errors import StokerError
 from stoker.states.convert import structure
-from stoker.states.engine_update.table import machine_id
+from stoker.states.engine_update.table import ENGINE_UPDATE
 from stoker.states.reasons import ReasonCode
 
 BACKEND = Param(
@@ -127,4 +127,4 @@ async def engine_status(daemon: ControlledDaemon, params: Mapping[str, Any]) -> 
     backend, variant = await _slot(daemon, params["backend"], params["variant"])
     updates = daemon.engine_updates
     slot = updates.slot_status(backend, variant)
-    return structure({**slot, "history": updates.steps(machine_id(backend, variant))}, EngineStatus)
+    return structure({**slot, "history": updates.steps(ENGINE_UPDATE.machine_id(backend, variant))}, EngineStatus)
