@@ -374,6 +374,11 @@ MESSAGE_TEXT: dict[str, str] = {
         "The file is not a GGUF model (its header does not start with GGUF or cannot be read); it was not added "
         "to the catalog. Pull a .gguf file."
     ),
+    "pull_unsafe_path": (
+        "The source named a file path that would land outside Stoker's models directory (an absolute path, "
+        "'..', or a link leading out); nothing was written. The source (an HF_ENDPOINT mirror, a repository "
+        "listing) is broken or hostile: pull from another."
+    ),
     "pull_failed": "The pull failed for a reason the evidence states; retry, and see the daemon log.",
     "model_not_in_catalog": "No model of that name is in the catalog; `stoker models` lists them.",
     "model_in_use": (

@@ -173,6 +173,7 @@ class ReasonCode(enum.StrEnum):
     PULL_CHECKSUM_MISMATCH = "pull_checksum_mismatch"
     PULL_DISK_FULL = "pull_disk_full"
     PULL_NOT_GGUF = "pull_not_gguf"
+    PULL_UNSAFE_PATH = "pull_unsafe_path"
     PULL_FAILED = "pull_failed"
     MODEL_NOT_IN_CATALOG = "model_not_in_catalog"
     MODEL_IN_USE = "model_in_use"

@@ -18,6 +18,7 @@ from urllib.parse import urljoin
 
 import attrs
 
+from stoker.daemon.core.confined import not_plain
 from stoker.daemon.core.errors import StokerError
 from stoker.states.reasons import ReasonCode
 
@@ -72,8 +73,7 @@ def _strs(data: Mapping[str, Any], key: str) -> tuple[str, ...]:
 
 def _safe_relpath(path: str) -> str:
     """A bundle path is relative, forward-slashed and stays inside the bundle."""
-    parts = path.split("/")
-    if not path or path.startswith("/") or "\\" in path or any(p in ("", ".", "..") for p in parts):
+    if not_plain(path) is not None:
         raise _bad("a file path escapes the bundle or is not normalised", path=path)
     return path
 
