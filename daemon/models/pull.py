@@ -281,7 +281,9 @@ class PullService:
         found = await trio.to_thread.run_sync(hub.resolve, spec, options.hub, abandon_on_cancel=True)
         # The Hub's listing names the file: a name that climbs out ("../x.gguf", "/etc/x.gguf")
         # is refused here, before a byte is fetched or written.
-        path = self._confined(f"hf/{found.repo}/{found.filename}", "The Hub's file listing", spec=spec.text, file=found.filename)
+        path = self._confined(
+            f"hf/{found.repo}/{found.filename}", "The Hub's file listing", spec=spec.text, file=found.filename
+        )
         # Named by the bytes (a resumed pull finds its part) and by the pull (two names never share one).
         blob = found.sha256 or hashlib.sha256(f"{found.commit}/{found.filename}".encode()).hexdigest()
         part = self.partial_dir / f"{blob[:32]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}.part"

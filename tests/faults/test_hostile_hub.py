@@ -83,7 +83,9 @@ async def test_rm_of_a_row_whose_path_climbs_out_deletes_nothing_outside(service
     fake_hub = FakeHub({HF_REPO: HubRepo({"tiny-Q8_0.gguf": tiny_bytes})}).start()
     try:
         with trio.fail_after(60):
-            record = await svc.pull(f"{HF_REPO}:Q8_0", options=PullOptions(hub=H.HubOptions(endpoint=fake_hub.endpoint)))
+            record = await svc.pull(
+                f"{HF_REPO}:Q8_0", options=PullOptions(hub=H.HubOptions(endpoint=fake_hub.endpoint))
+            )
     finally:
         fake_hub.stop()
     victim = tmp_path / "victim.gguf"
