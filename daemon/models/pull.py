@@ -187,7 +187,8 @@ class PullService:
                 step = runner.fire(P.RemoveRequested(in_use=in_use, shared_with=shared_with))
             except IllegalTransition:  # a row without its machine (an older database): drop the row
                 self.catalog.remove(name)
-                return {"removed": name, "deleted": None, "kept": record.path if record else None, "why": _NOT_OURS}
+                why = "the row had no pull record to say whose file it is" if record and record.owned else _NOT_OURS
+                return {"removed": name, "deleted": None, "kept": record.path if record else None, "why": why}
             if step.reason == ReasonCode.MODEL_IN_USE:
                 raise StokerError(
                     ReasonCode.MODEL_IN_USE,
