@@ -4,7 +4,8 @@ Security: the runtime directory is 0700 and ours, the socket is created 0600 (bo
 umask, so there is no window where it is wider), and every connection's peer uid is checked
 with SO_PEERCRED. Robustness: frames are size-limited, bad input gets an error reply, a handler
 that raises gets an internal_error reply, a frame left unfinished for FRAME_TIMEOUT_S gets
-bad_request and the connection closed, and none of it disturbs other connections or the daemon. Each connection runs its requests concurrently, up to a limit, replying as each ends.
+bad_request and the connection closed, and none of it disturbs other connections or the daemon.
+Each connection runs its requests concurrently, up to a limit, replying as each ends.
 
 The method `subscribe` is handled here: it acknowledges, then streams the EventBus's events
 as notifications until the client goes away or falls behind (see daemon.core.events).

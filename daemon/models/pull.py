@@ -403,12 +403,16 @@ class PullService:
         if effect.path is None:
             return {"deleted": None, "kept": None, "why": None}
         path = Path(effect.path)
-        sharers = sorted(set(effect.shared_with) | {r.name for r in self.catalog.by_path(str(path))})
-        if not effect.owned:
-            return {"deleted": None, "kept": str(path), "why": _NOT_OURS}
-        if sharers:
-            names = ", ".join(sharers)
-            return {"deleted": None, "kept": str(path), "why": f"another name, {names}, uses it"}
+        if not effect.delete:  # the machine's decision: the user's file, or one another name uses
+            names = ", ".join(effect.shared_with)
+            return {
+                "deleted": None,
+                "kept": str(path),
+                "why": f"another name, {names}, uses it" if names else _NOT_OURS,
+            }
+        taken = sorted(r.name for r in self.catalog.by_path(str(path)))  # since the machine decided
+        if taken:
+            return {"deleted": None, "kept": str(path), "why": f"another name, {', '.join(taken)}, uses it"}
         if not strictly_inside(self.paths.models_dir, path):
             log.warning("not deleting %s: it lies outside the models directory %s", path, self.paths.models_dir)
             return {"deleted": None, "kept": str(path), "why": "it lies outside Stoker's models directory"}
