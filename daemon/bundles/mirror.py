@@ -104,7 +104,7 @@ def read_previous(directory: Path) -> tuple[dict[str, Any] | None, Envelope | No
             envelope = Envelope.from_document(document)
             return json.loads(envelope.payload), envelope
         return document, None
-    except (ValueError, SignatureError) as err:
+    except (ValueError, SignatureError, RecursionError) as err:
         raise StokerError(
             ReasonCode.BUNDLE_METADATA_MISMATCH,
             f"The mirror's current {MANIFEST_NAME} cannot be read ({err}); move it aside to publish afresh.",

@@ -27,6 +27,7 @@ from urllib.parse import parse_qsl
 import attrs
 
 from stoker.daemon.bundles.archive import check_digest
+from stoker.daemon.core.confined import confined
 from stoker.daemon.core.digests import sha256_file
 from stoker.daemon.core.download import download_file
 from stoker.daemon.core.download_records import DownloadError, DownloadErrorKind
@@ -240,9 +241,17 @@ def _unpack(archive: Path, dest: Path) -> None:
             m.name = m.name[len(prefix) :]
             if not m.name:
                 continue
+            confined(dest, m.name, reason=ReasonCode.BUNDLE_UNSAFE_ARCHIVE, what="The engine source archive")
             chosen.append(m)
-        # The "data" filter refuses absolute names, `..`, links out of the tree and devices.
-        tar.extractall(dest, members=chosen, filter="data")
+        # The "data" filter also refuses links out of the tree and devices, as it extracts.
+        try:
+            tar.extractall(dest, members=chosen, filter="data")
+        except tarfile.FilterError as err:
+            raise StokerError(
+                ReasonCode.BUNDLE_UNSAFE_ARCHIVE,
+                f"The engine source archive was refused: {err}.",
+                {"archive": str(archive), "error": str(err)},
+            ) from None
 
 
 def resolve_source(spec: SourceSpec, paths: StokerPaths, progress: Progress = lambda _: None) -> SourceTree:

@@ -24,6 +24,7 @@ import attrs
 
 from stoker.daemon.backends.base import Backend, LaunchRequest, ReasonKind
 from stoker.daemon.backends.registry import load_backend
+from stoker.daemon.core.confined import confined
 from stoker.daemon.core.digests import sha256_file
 from stoker.daemon.bundles.archive import ArchiveLimits, unpack_bundle
 from stoker.daemon.bundles.metadata import BUNDLE_JSON, BundleMeta
@@ -80,7 +81,8 @@ def check_files(root: Path, meta: BundleMeta) -> None:
                     {"path": rel},
                 )
     for entry in meta.files:
-        path = root / entry.path
+        # bundle.json names the file: resolved, it must still lie in the bundle (a link out is refused).
+        path = confined(root, entry.path, reason=ReasonCode.BUNDLE_VERIFY_FAILED, what="bundle.json")
         if not path.is_file():
             raise StokerError(
                 ReasonCode.BUNDLE_VERIFY_FAILED, "A file listed in bundle.json is missing.", {"path": entry.path}

@@ -283,11 +283,12 @@ def rm(name: str, as_json: bool) -> None:
 
 
 def format_removed(gone: ModelRemoved) -> str:
-    """What `stoker rm` did: the row, and the file deleted or the user's file left in place."""
+    """What `stoker rm` did: the row, and the file deleted, or kept and why."""
     if gone.deleted:
         return f"removed {gone.removed} and deleted {gone.deleted}"
     if gone.kept:
-        return f"removed {gone.removed} from the catalog; your file {gone.kept} is left where it is"
+        why = gone.why or "Stoker did not download it"
+        return f"removed {gone.removed} from the catalog; kept {gone.kept}: {why}"
     return f"removed {gone.removed}"
 
 

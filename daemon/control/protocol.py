@@ -135,12 +135,14 @@ class FrameDecoder:
         self._partial = bytearray()
         self._discarding = False
         self._ready: collections.deque[bytes | object] = collections.deque()
+        self.ended = 0  # frames (oversized ones included) the last `feed` ended
 
     def feed(self, data: bytes) -> None:
         """Add received bytes; an empty `data` means nothing (EOF is the caller's business)."""
         view = memoryview(data)
         start = 0
         end = len(view)
+        self.ended = 0
         while start <= end:
             newline = data.find(b"\n", start)
             stop = end if newline < 0 else newline
@@ -153,6 +155,7 @@ class FrameDecoder:
                     self._ready.append(_TOO_LARGE)
             if newline < 0:
                 return
+            self.ended += 1
             if self._discarding:
                 self._discarding = False
             else:

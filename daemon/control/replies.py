@@ -286,11 +286,14 @@ class Pulled:
 
 @attrs.frozen
 class ModelRemoved:
-    """`model.rm`: the catalog name removed, the file deleted with it, or the user's file kept."""
+    """`model.rm`: the catalog name removed, and the file deleted with it or kept (`why` says
+    why it was kept: another name uses it, it is the user's own file, it lies outside Stoker's
+    models directory)."""
 
     removed: str
     deleted: str | None
     kept: str | None = None
+    why: str | None = None
 
 
 # --- telemetry -----------------------------------------------------------------------------

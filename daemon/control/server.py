@@ -3,8 +3,9 @@
 Security: the runtime directory is 0700 and ours, the socket is created 0600 (bound under a
 umask, so there is no window where it is wider), and every connection's peer uid is checked
 with SO_PEERCRED. Robustness: frames are size-limited, bad input gets an error reply, a handler
-that raises gets an internal_error reply, and none of it disturbs other connections or the
-daemon. Each connection runs its requests concurrently, up to a limit, replying as each ends.
+that raises gets an internal_error reply, a frame left unfinished for FRAME_TIMEOUT_S gets
+bad_request and the connection closed, and none of it disturbs other connections or the daemon.
+Each connection runs its requests concurrently, up to a limit, replying as each ends.
 
 The method `subscribe` is handled here: it acknowledges, then streams the EventBus's events
 as notifications until the client goes away or falls behind (see daemon.core.events).
@@ -13,6 +14,7 @@ as notifications until the client goes away or falls behind (see daemon.core.eve
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket as stdsocket
 import stat
@@ -33,6 +35,10 @@ Dispatch = Callable[[str, Mapping[str, Any]], Awaitable[Any]]
 
 MAX_IN_FLIGHT = 32  # requests per connection running at once; the reader waits beyond that
 SEND_TIMEOUT_S = 10.0  # a peer that does not read its replies for this long is disconnected
+# A frame begun must end within this: a client that sends half a frame and holds the connection
+# is answered bad_request and dropped. A connection with no frame begun may stay idle for ever
+# (the TUI holds one between requests).
+FRAME_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 1.0
 STALE_PROBE_TIMEOUT_S = 2.0
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with the NUL
@@ -227,14 +233,26 @@ class _Connection:
             self.nursery.cancel_scope.cancel()
 
     async def _read_requests(self, nursery: trio.Nursery) -> None:
+        begun: float | None = None  # when the incomplete frame held now began to arrive
         while True:
-            try:
-                data = await self.stream.receive_some(RECEIVE_SIZE)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                data = b""
+            data: bytes | None = None
+            with trio.move_on_at(math.inf if begun is None else begun + FRAME_TIMEOUT_S):
+                try:
+                    data = await self.stream.receive_some(RECEIVE_SIZE)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    data = b""
+            if data is None:
+                await self._unfinished_frame()
+                nursery.cancel_scope.cancel()
+                return
             if not data:
                 return
             self.decoder.feed(data)
+            ended = self.decoder.ended
+            if not self.decoder.buffered:
+                begun = None
+            elif begun is None or ended:  # the frame held now began in this read
+                begun = trio.current_time()
             while True:
                 try:
                     frame = self.decoder.next_frame()
@@ -261,6 +279,22 @@ class _Connection:
                     continue
                 await self.slots.acquire()
                 nursery.start_soon(self._serve_request, request)
+
+    async def _unfinished_frame(self) -> None:
+        held = self.decoder.buffered
+        log.warning(
+            "a control client left a frame unfinished (%d bytes) for %g s; closing its connection",
+            held,
+            FRAME_TIMEOUT_S,
+        )
+        message = (
+            f"The request frame was not finished (no newline) within {FRAME_TIMEOUT_S:g} s; the connection is closed."
+        )
+        await self.send(
+            protocol.encode_error(
+                None, ReasonCode.BAD_REQUEST, message, {"buffered": held, "timeout_s": FRAME_TIMEOUT_S}
+            )
+        )
 
     async def _serve_request(self, request: protocol.Request) -> None:
         try:

@@ -243,7 +243,7 @@ class FrontDoor:
             return over_limit(request.path, exc)
         try:
             body = json.loads(content)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: arrays or objects nested past the stack
             return api_error(
                 request.path, 400, f"The request body is not valid JSON: {exc}", "invalid_request_error", None
             )

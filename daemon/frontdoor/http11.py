@@ -12,9 +12,11 @@ What it keeps of Hypercorn's behaviour, read from `[frontdoor]` at each connecti
 applies to the next one): a connection with no request under way, kept alive or still sending
 its request line and headers, is closed `idle_timeout_s` after it opened or its last answer
 ended; h11 buffers at most `max_header_bytes` of an incomplete head (past it: a bare 431 and the
-connection closed); a malformed request gets a bare 400, and a chunked body whose coding is
-malformed (a chunk size that is not hexadecimal digits: daemon/core/chunked.py) a 400 that says
-why, the connection closed. `Expect: 100-continue` is answered when the body is first read.
+connection closed); a malformed request gets a bare 400. A chunked body whose coding is
+malformed (a chunk size that is not hexadecimal digits: daemon/core/chunked.py) raises
+`MalformedBody` where the handler reads the body (the app answers it in the API's shape,
+daemon/frontdoor/limits.py); a handler that lets it through gets a plain 400 that says why; the
+connection is closed either way. `Expect: 100-continue` is answered when the body is first read.
 The handler reads the body (`receive`) and answers (`respond`, or
 `start`/`send`/`end` for a body relayed as it arrives: chunked, one `send_all` per piece);
 `watching()` cancels what it wraps when the client leaves, so the engine under a request nobody
@@ -232,6 +234,9 @@ class Connection:
         self.arrived = 0.0  # when the read that brought a request's head returned (`_next_request`)
         # A chunked request body's coding, checked as its bytes arrive (`_check_body`).
         self.body_check: Dechunker | None = None
+        # A malformed body that came with the head: raised when the handler reads the body, so
+        # the handler answers it in its API's error shape.
+        self.malformed: MalformedBody | None = None
 
     async def send_all(self, data: bytes) -> None:
         try:
@@ -264,9 +269,13 @@ class Connection:
             failure: BaseException | None = None
             chunked = request.header(b"transfer-encoding") == b"chunked"  # h11 admits no other coding
             self.body_check = Dechunker() if chunked else None
-            try:
-                if chunked:
+            self.malformed = None
+            if chunked:
+                try:
                     self._check_body(conn.trailing_data[0])  # what came with the head
+                except MalformedBody as exc:
+                    self.malformed = exc
+            try:
                 await handler(request)
             except ClientGone as exc:
                 failure = OSError(str(exc))
@@ -304,7 +313,10 @@ class Connection:
         what was already received, so the connection carries the client's next request."""
         conn = self.h11
         while conn.their_state is h11.SEND_BODY:
-            event = conn.next_event()
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError:
+                return False  # a body the handler never read, and malformed: the connection ends
             if event is h11.NEED_DATA or type(event) is h11.Data:
                 return False  # a body is still arriving, or was sent and not read
         return conn.their_state is h11.DONE
@@ -337,6 +349,8 @@ class Connection:
     def body_received(self) -> bytes | None:
         """`receive_body`, but only what is already here: None when it would have to read."""
         conn = self.h11
+        if self.malformed is not None:
+            raise self.malformed
         if conn.they_are_waiting_for_100_continue:
             return None
         try:

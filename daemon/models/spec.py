@@ -19,6 +19,7 @@ from typing import Iterable, Literal
 
 import attrs
 
+from stoker.daemon.core.confined import not_plain
 from stoker.daemon.core.errors import StokerError
 from stoker.states.reasons import ReasonCode
 
@@ -132,7 +133,7 @@ def parse_spec(text: str, *, cwd: Path | None = None) -> PullSpec:
         raise bad_spec(text, "give either a quantization or a file, not both")
     if not filename.lower().endswith(".gguf"):
         raise bad_spec(text, f"{filename} is not a .gguf file")
-    if ".." in parts[2:]:
+    if not_plain(filename) is not None:
         raise bad_spec(text, "a file name cannot climb out of the repository")
     return PullSpec(text=raw, source="hf", repo=repo, filename=filename)
 

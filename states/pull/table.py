@@ -23,7 +23,7 @@ file for the next pull; any other failure discards it. Progress goes to the even
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, Iterable
 
 import attrs
 
@@ -132,11 +132,17 @@ class PullFailed:
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
+def _names(values: Iterable[str]) -> tuple[str, ...]:
+    return tuple(values)
+
+
 @attrs.frozen
 class RemoveRequested:
-    """`stoker rm`: `in_use` says whether the running server serves this model's file now."""
+    """`stoker rm`: `in_use` says whether the running server serves this model's file now;
+    `shared_with`, the other catalog names whose file is this one's."""
 
     in_use: bool = False
+    shared_with: tuple[str, ...] = attrs.field(default=(), converter=_names)
 
 
 @attrs.frozen
@@ -188,10 +194,13 @@ class Discard:
 
 @attrs.frozen
 class RemoveModel:
-    """Drop the catalog row; delete `path` only when `owned` (Stoker downloaded it)."""
+    """Drop the catalog row; delete `path` when `delete` (Stoker downloaded it and no other name
+    uses it), else keep it, `shared_with` saying who still uses it."""
 
     path: str | None
     owned: bool
+    shared_with: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    delete: bool = attrs.field(default=attrs.Factory(lambda s: s.owned and not s.shared_with, takes_self=True))
 
 
 Effect = Resolve | Fetch | ReadHeader | Commit | Discard | RemoveModel
@@ -291,13 +300,13 @@ def failed(state: S, data: PullData, event: PullFailed) -> Step:
 @guarded(STAY, S.REMOVED)
 def remove_requested(state: S, data: PullData, event: RemoveRequested) -> Step:
     if state is S.CATALOGED and event.in_use:
-        evidence = {"path": data.path}
-        return Step(S.CATALOGED, data, (), ReasonCode.MODEL_IN_USE, evidence)
+        return Step(S.CATALOGED, data, (), ReasonCode.MODEL_IN_USE, {"path": data.path})
     if state is S.FAILED:  # a failed pull's kept partial file goes too
         return Step(S.REMOVED, attrs.evolve(data, part=None), (Discard(data.part if data.owned else None),))
-    return Step(
-        S.REMOVED, data, (RemoveModel(data.path, data.owned),), evidence={"path": data.path, "owned": data.owned}
-    )
+    # A file another name still uses stays: only the last name to go deletes it.
+    delete = data.owned and not event.shared_with
+    evidence = {"path": data.path, "owned": data.owned, "shared_with": list(event.shared_with), "delete": delete}
+    return Step(S.REMOVED, data, (RemoveModel(data.path, data.owned, event.shared_with, delete),), evidence=evidence)
 
 
 @guarded(STAY, S.RESOLVING)

@@ -74,6 +74,9 @@ class FakeHub:
     repos: dict[str, HubRepo] = attrs.field(factory=dict)
     throttle: float | None = None  # bytes per second for file bodies
     corrupt: set[str] = attrs.field(factory=set)  # file names served with one byte changed
+    # A hostile Hub: every URL no route knows (a file name with "..", normalised away by the
+    # client) is answered as this (repository, file name)'s resolve URL.
+    catch_all: tuple[str, str] | None = None
     log: list[dict[str, Any]] = attrs.field(factory=list)
     _servers: list[_Server] = attrs.field(factory=list)
 
@@ -229,6 +232,8 @@ def _handler(hub: FakeHub, role: str) -> type[BaseHTTPRequestHandler]:
             match = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
             if match:
                 return self._resolve(match.group(1), match.group(2), match.group(3))
+            if hub.catch_all is not None:
+                return self._resolve(hub.catch_all[0], "main", hub.catch_all[1])
             self._error(404, "NotFound", "no such route")
 
         def _resolve(self, repo_id: str, revision: str, filename: str) -> None:

@@ -425,3 +425,54 @@ async def test_a_handler_that_stops_the_server_still_gets_its_reply_out(sock_pat
                 peer = await Peer.connect(path)
                 assert await peer.call(attempt, "stop") == protocol.Result(attempt, {"stopping": True})
                 assert await peer.closed()
+
+
+async def test_a_client_that_sends_half_a_frame_and_holds_is_dropped_without_blocking_others(server, autojump_clock):
+    path, _, _ = server
+    with trio.fail_after(control.FRAME_TIMEOUT_S + 5):
+        holder = await Peer.connect(path)
+        await holder.send(b'{"jsonrpc": "2.0", "id": 1, "method": "ec')  # and never the rest
+        started = trio.current_time()
+        other = await Peer.connect(path)  # meanwhile another client is served at once
+        assert await other.call(2, "echo", n=1) == protocol.Result(2, {"n": 1})
+        assert trio.current_time() - started < 1
+        reply = await holder.read()
+        assert isinstance(reply, protocol.ErrorReply) and reply.reason == "bad_request", reply
+        assert "not finished" in reply.message
+        assert await holder.closed()
+        assert control.FRAME_TIMEOUT_S <= trio.current_time() - started < control.FRAME_TIMEOUT_S + 1
+        assert await other.call(3, "echo") == protocol.Result(3, {})  # the other connection lives on
+
+
+async def test_a_frame_trickled_byte_by_byte_is_dropped_once_it_has_taken_too_long(server, autojump_clock):
+    path, _, _ = server
+    with trio.fail_after(control.FRAME_TIMEOUT_S * 3):
+        peer = await Peer.connect(path)
+        started = trio.current_time()
+        try:
+            for byte in protocol.encode_request(1, "echo", {"pad": "x" * 100}):
+                await peer.send(bytes([byte]))
+                await trio.sleep(1)
+        except trio.BrokenResourceError:
+            pass  # the server hung up mid-way, as it should
+        reply = await peer.read()
+        assert isinstance(reply, protocol.ErrorReply) and reply.reason == "bad_request"
+        assert trio.current_time() - started < control.FRAME_TIMEOUT_S + 2
+
+
+async def test_an_idle_connection_between_frames_is_kept(server, autojump_clock):
+    path, _, _ = server
+    with trio.fail_after(control.FRAME_TIMEOUT_S * 20):
+        peer = await Peer.connect(path)
+        assert await peer.call(1, "echo") == protocol.Result(1, {})
+        await trio.sleep(control.FRAME_TIMEOUT_S * 10)  # nothing begun: no deadline
+        assert await peer.call(2, "echo") == protocol.Result(2, {})
+        # Each read ends one frame and begins the next: every frame begun gets its own deadline,
+        # though the connection has held an unfinished frame for far longer than one.
+        frames = [protocol.encode_request(i, "echo", {}) for i in range(3, 10)]
+        await peer.send(frames[0][:5])
+        for i, frame in enumerate(frames):
+            await trio.sleep(control.FRAME_TIMEOUT_S * 0.6)
+            following = frames[i + 1][:5] if i + 1 < len(frames) else b""
+            await peer.send(frame[5:] + following)
+            assert await peer.read() == protocol.Result(i + 3, {})

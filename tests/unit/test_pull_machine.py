@@ -124,6 +124,18 @@ def test_rm_of_a_model_the_server_uses_is_refused_with_a_reason_and_changes_noth
     assert removed.state is S.REMOVED and removed.effects == (P.RemoveModel("/m/x.gguf", owned=True),)
 
 
+def test_rm_keeps_a_downloaded_file_another_name_uses_and_says_who():
+    state, data, _ = run(
+        [P.PullRequested("o/r", "o/r"), resolved(), P.Fetched("/p", 10, "a" * 64, ("a" * 64,)), P.HeaderRead({})]
+    )
+    shared = step(P.PULL, state, data, P.RemoveRequested(shared_with=("other",)))
+    assert shared.state is S.REMOVED
+    assert shared.effects == (P.RemoveModel("/m/x.gguf", owned=True, shared_with=("other",), delete=False),)
+    assert shared.evidence["shared_with"] == ["other"] and shared.evidence["delete"] is False
+    last = step(P.PULL, state, data, P.RemoveRequested())
+    assert last.effects[0].delete and last.evidence["delete"] is True
+
+
 def test_events_out_of_order_are_refused():
     with pytest.raises(IllegalTransition):
         step(P.PULL, S.REQUESTED, P.PullData(), P.Fetched("/p", 1, "a", ("a",)))

@@ -246,7 +246,7 @@ def test_a_truncated_gguf_header_is_a_value_error(tmp_path, tiny_model):
     inside the vocabulary must not escape as a struct.error (an internal error in planning)."""
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(tiny_model.read_bytes()[:600])
-    with pytest.raises(ValueError, match="truncated or corrupt"):
+    with pytest.raises(ValueError, match="past the file.s end"):
         read_header(cut)
 
 

@@ -24,6 +24,7 @@ PULL_ERRORS = (
     ReasonCode.PULL_CHECKSUM_MISMATCH,
     ReasonCode.PULL_DISK_FULL,
     ReasonCode.PULL_NOT_GGUF,
+    ReasonCode.PULL_UNSAFE_PATH,
     ReasonCode.PULL_FAILED,
 )
 
