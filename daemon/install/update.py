@@ -326,7 +326,7 @@ class EngineUpdateService:
                 f"The channel {channel!r} is not configured; add it to [engine.channels].",
                 {"channel": channel, "channels": sorted(self.settings().channels)},
             )
-        manifest = await load_manifest(source, self.installs.trust)
+        manifest = await load_manifest(source, self.installs.trust, channel or self.settings().channel)
         kept = await trio.to_thread.run_sync(find_installed, self.paths, backend, variant)
         entry = choose_entry(manifest, backend, variant=variant, keep_archs=kept.meta.cuda_archs if kept else None)
         return installed, UR.Candidate(entry.version, entry.sha256, entry.url, entry.sha256, entry.size, entry.origin)
