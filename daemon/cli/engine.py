@@ -93,7 +93,9 @@ def format_outcome(result: dict[str, Any]) -> str:
     """An update's or rollback's outcome for a person."""
     state = result.get("state")
     lines = []
-    if state == "current":
+    if state == "current" and result.get("reason"):  # a newer release is offered, held back
+        lines.append(f"not updated ({result['reason']}): {result.get('message')}")
+    elif state == "current":
         lines.append(f"up to date: {result.get('message') or result.get('installed')}")
     elif state == "updated":
         lines.append(f"updated {result.get('slot')}: {result.get('installed')} -> {result.get('candidate')}")

@@ -267,6 +267,7 @@ class EngineUpdateService:
         if state is UR.UpdateState.CURRENT:
             last = self.store.history(machine=runner.machine_id, limit=1)
             outcome["message"] = last[0].evidence.get("message") if last else None
+            outcome["reason"] = last[0].reason if last else None  # engine_update_rolled_back: held back
         return outcome
 
     def steps(self, machine_id: str, limit: int = 12) -> list[dict[str, Any]]:

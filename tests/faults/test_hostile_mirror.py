@@ -237,9 +237,7 @@ async def test_an_empty_slot_never_installs_another_channels_release_after_stabl
 
     setup.mirror.publish([setup.new_zip], version=3)
     await _accepted(setup)
-    Mirror(setup.mirror.root.parent / "nightly", setup.server, setup.key).publish(
-        [setup.other_zip], channel="nightly"
-    )
+    Mirror(setup.mirror.root.parent / "nightly", setup.server, setup.key).publish([setup.other_zip], channel="nightly")
     for slot in setup.paths.bundles_dir.iterdir():
         shutil.rmtree(slot)
     before = len(setup.server.requests())

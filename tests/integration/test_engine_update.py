@@ -166,6 +166,22 @@ def test_an_engine_that_dies_when_serving_is_rolled_back_and_the_conversation_ke
     assert last["to_state"] == "installed" and last["evidence"]["outcome"] == "kept", last
     assert last["evidence"]["rejected"]["reason"] == "engine_update_rolled_back"
     assert daemon.call("status")["pid"] == st["pid"]  # nothing was restarted
+
+    # `stoker engine update` from that channel does not stage the rolled-back release again (it
+    # would restart the server to crash the same way): it says it was rolled back, and why.
+    held = engine_call(daemon, "engine.update")
+    assert held["state"] == "current" and held["reason"] == "engine_update_rolled_back", held
+    assert f"{old_version}.1 was rolled back here before (start gate: server default exited" in held["message"]
+    said = subprocess.run(
+        [sys.executable, "-m", "stoker.daemon", "engine", "update"],
+        env=daemon.env,
+        capture_output=True,
+        text=True,
+        timeout=UPDATE_TIMEOUT,
+    )
+    assert said.returncode == 0 and "not updated (engine_update_rolled_back)" in said.stdout, said
+    assert [s["to_state"] for s in update_steps(daemon, slot)[-4:]] == ["resolving", "current"] * 2
+    assert daemon.call("status")["pid"] == st["pid"]  # still nothing restarted
     print(
         f"rolled back in {took:.1f} s: " + ", ".join(f"{s['to_state']} +{s['at'] - steps[0]['at']:.1f}s" for s in steps)
     )
