@@ -97,23 +97,29 @@ def update_verdict(data: UpdateData, installed: BundleFacts | None, candidate: C
     if installed is not None and version_key(candidate.version) <= version_key(installed.version):
         return f"nothing newer than {installed.version} in the manifest (it offers {candidate.version})"
     if (rolled := rolled_back_before(data, candidate)) is not None:
-        why = f"{rolled.gate} gate: {rolled.why}" if rolled.gate else (rolled.why or "by hand")
-        return (
-            f"{candidate.version} was rolled back here before ({why}); it is not staged again, which would "
-            "restart every server on the slot to fail the same way. To try it anyway, name its zip: "
-            "`stoker engine update --bundle ZIP`"
-        )
+        return held_back(candidate.version, rolled)
     if data.automatic and rejection_of(data, candidate.ref, candidate.sha256) is not None:
         return f"{candidate.version} was rejected here before; only `stoker engine update` offers it again"
     return None
 
 
-def rolled_back_before(data: UpdateData, candidate: Candidate) -> Rejection | None:
-    """A channel's candidate this slot already rolled back (by itself or by hand): neither a user's
-    `stoker engine update` nor the automatic check stages it again; a named zip is tried."""
+def held_back(version: str, rolled: Rejection) -> str:
+    """The sentence for a release not staged again because this slot rolled it back."""
+    why = f"{rolled.gate} gate: {rolled.why}" if rolled.gate else (rolled.why or "by hand")
+    return (
+        f"{version} was rolled back here before ({why}); it is not staged again, which would "
+        "restart every server on the slot to fail the same way. To try it anyway, name its zip: "
+        "`stoker engine update --bundle ZIP`"
+    )
+
+
+def rolled_back_before(data: UpdateData, candidate: Candidate, digest: str | None = None) -> Rejection | None:
+    """A channel's candidate this slot already rolled back (by itself or by hand), known by its
+    zip or, once staged, by its `digest` (a zip the user named has only that): neither a user's
+    `stoker engine update` nor the automatic check switches to it again; a named zip is tried."""
     if data.bundle is not None:
         return None
-    rejection = rejection_of(data, candidate.ref, candidate.sha256)
+    rejection = rejection_of(data, candidate.ref, candidate.sha256, digest)
     if rejection is None or rejection.reason != ReasonCode.ENGINE_UPDATE_ROLLED_BACK.value:
         return None
     return rejection
@@ -231,22 +237,32 @@ def resolved(state: S, data: UpdateData, event: Resolved) -> Step:
     if why_not is not None:
         rolled = rolled_back_before(data, event.candidate)
         if rolled is not None:  # not up to date: held back, and status and history say why
-            held = {
-                **facts,
-                "message": why_not,
-                "rolled_back": {"version": rolled.version, "gate": rolled.gate, "why": rolled.why},
-            }
+            held = {**facts, "message": why_not, "rolled_back": _rolled_facts(rolled)}
             return step_with_reason(S.CURRENT, data, (), ReasonCode.ENGINE_UPDATE_ROLLED_BACK, held)
         return Step(S.CURRENT, data, (), evidence={**facts, "message": why_not})
     stage = Stage(event.candidate, data.backend, data.variant)
     return Step(S.STAGING, data, (CleanStaging(), stage), evidence=facts)
 
 
-@guarded(S.COMPARING)
+@guarded(S.COMPARING, S.CURRENT)
 def staged(state: S, data: UpdateData, event: Staged) -> Step:
-    data = attrs.evolve(data, staged=event.staged, staging=event.staging, new_tokens=event.tokens)
     evidence = {"version": event.staged.version, "digest": event.staged.digest, **event.evidence}
+    candidate = data.candidate
+    rolled = None if candidate is None else rolled_back_before(data, candidate, event.staged.digest)
+    if candidate is not None and rolled is not None:
+        # Known only by its digest until now (it was rolled back as a named zip): held back here,
+        # before any server restarts, and known by its zip from now on (caught when resolved).
+        zips = tuple(r for r in (candidate.ref, candidate.sha256) if r)
+        learned = attrs.evolve(rolled, refs=tuple(dict.fromkeys((*rolled.refs, *zips))))
+        data = attrs.evolve(data, rejections=tuple(learned if r is rolled else r for r in data.rejections))
+        held = {**evidence, "message": held_back(candidate.version, rolled), "rolled_back": _rolled_facts(rolled)}
+        return step_with_reason(S.CURRENT, data, (CleanStaging(),), ReasonCode.ENGINE_UPDATE_ROLLED_BACK, held)
+    data = attrs.evolve(data, staged=event.staged, staging=event.staging, new_tokens=event.tokens)
     return Step(S.COMPARING, data, (CompareTokens(event.staging),), evidence=evidence)
+
+
+def _rolled_facts(rolled: Rejection) -> dict[str, Any]:
+    return {"version": rolled.version, "gate": rolled.gate, "why": rolled.why}
 
 
 @guarded(S.SWITCHING, S.REJECTED)

@@ -262,6 +262,33 @@ def test_a_release_rolled_back_here_is_not_staged_again_and_the_user_is_told_why
     assert run(done.state, done.data, R.UpdateRequested("cpu", "avx2"), R.Resolved(OLD, newer)).state is S.STAGING
 
 
+def test_a_zip_rolled_back_by_name_is_held_back_once_staged_and_known_by_its_zip_after():
+    """Rolled back as a zip the user named (known by its digest only), then offered by the channel
+    under its zip's sha256: staged (the digest is known only then), held back before the token
+    comparison and any restart, and caught when resolved from then on."""
+    named = R.Candidate(NEW.version, NEW.digest, "file:///tmp/new.zip")
+    restarting = run(
+        S.IDLE,
+        R.UpdateData(),
+        R.UpdateRequested("cpu", "avx2", bundle="/tmp/new.zip"),
+        R.Resolved(OLD, named),
+        R.Staged(NEW, "/staging", TOKENS),
+        R.TokensCompared(TOKENS),
+        R.Switched((R.ServerBaseline("default"),)),
+    )
+    verdict = R.ServerVerdict("default", "exited", "cpu", reason="server_crashed")
+    done = run(restarting.state, restarting.data, R.ServersRestarted((verdict,)), R.RolledBack())
+    assert U.rejection_of(done.data, CANDIDATE.sha256) is None  # its zip's sha256 is not known yet
+    staging = run(done.state, done.data, R.UpdateRequested("cpu", "avx2"), R.Resolved(OLD, CANDIDATE))
+    assert staging.state is S.STAGING
+    held = step(U.ENGINE_UPDATE, staging.state, staging.data, R.Staged(NEW, "/staging", TOKENS))
+    assert held.state is S.CURRENT and held.reason is ReasonCode.ENGINE_UPDATE_ROLLED_BACK
+    assert held.effects == (R.CleanStaging(),)  # no comparison, no switch, no restart
+    assert "rolled back here before (start gate: server default exited (server_crashed))" in held.evidence["message"]
+    again = run(held.state, held.data, R.UpdateRequested("cpu", "avx2"), R.Resolved(OLD, CANDIDATE))
+    assert again.state is S.CURRENT and again.effects == ()  # known by its zip now: not even staged
+
+
 @given(
     st.lists(st.tuples(st.booleans(), st.sampled_from(["resolved", "fetch_failed", "rollback_by_hand"])), max_size=12)
 )
