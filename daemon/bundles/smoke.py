@@ -22,10 +22,9 @@ import httpx
 import trio
 
 from stoker.daemon.core.errors import StokerError
-from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.engine.api import EngineClient
 from stoker.daemon.engine.exits import classify_exit
-from stoker.daemon.engine.launch_records import LaunchRecord, smoke_root
+from stoker.daemon.engine.launch_records import LaunchRecord
 from stoker.daemon.engine.ready import ServerLog
 from stoker.states.reasons import ReasonCode
 
@@ -117,7 +116,7 @@ def generate(
     log = scratch / "smoke-server.log"
     # Recorded before the spawn, so that whoever starts next ends it if this process dies
     # mid-run (daemon/engine/launch_records.py); the key goes by file, never in the argv.
-    record = LaunchRecord.create(smoke_root(StokerPaths.from_env().runtime_dir))
+    record = LaunchRecord.create("smoke")
     key = record.write_key()
     cmd = [
         str(server),
@@ -161,7 +160,7 @@ def generate(
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=engine_env(env),
+                env=record.env(engine_env(env)),
                 start_new_session=True,
             )
     except OSError:

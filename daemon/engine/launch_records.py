@@ -1,27 +1,33 @@
-"""The record an engine run leaves before it can outlive whoever started it, and the sweep that
-ends what a dead starter left.
+"""The record a process Stoker starts leaves before it can outlive whoever started it, and the
+sweep that ends what a dead starter left.
 
-A smoke run (the install's and `bundle verify`'s smoke gate, an engine update's comparison of the
-old engine) starts llama-server in a session of its own, from a worker thread of the daemon or
-from a CLI command. A daemon killed with -9 mid-run leaves that server running, holding a port,
-with nothing to stop it. So before the spawn a launch directory is made for it (mkdtemp, 0700,
-under the runtime dir's `smoke/`), holding:
+The served llama-servers have their own (a launch directory and an identity file,
+daemon/engine/orphans.py and identity.py). Every other process Stoker starts in a session of its
+own follows this rule: a smoke run (the install's and `bundle verify`'s smoke gate, an engine
+update's comparison of the old engine), a local engine build, a backend probe, a `llama-fit-params`
+run. A daemon killed with -9 leaves such a process running (a smoke server holding a port, a
+35-minute build, a probe hung on a broken driver) with nothing to end it. So before the spawn a
+launch directory is made for it (mkdtemp, 0700, under the runtime dir's `runs/`, named
+`<kind>-...`), holding:
 
     owner.json  the pid and start time of the process that started it (the daemon, or a CLI)
-    api-key     the run's key (0600): the server reads it with `--api-key-file`, so the key
-                never appears in an argv, and the path, a token only Stoker made, does
-    cwd/        the server's empty working directory
-    process.json  the server's pid and start time, written right after the spawn
+    api-key     a server's key (0600): it reads it with `--api-key-file`, so the key never
+                appears in an argv, and the path, a token only Stoker made, does
+    cwd/        an empty working directory
+    process.json  the process's pid and start time, written right after the spawn
 
-Whatever runs from a directory is found by its recorded identity (pid and start time, while its
-command line still names the directory's key file) or, killed between the spawn and that write,
-by the key file's path in its command line. `stop_abandoned` runs at daemon start (directories
-whose owner is gone) and at its shutdown (its own): each server is stopped with its group
-(daemon/core/process_group.py) and its directory removed.
+and the process (and everything it starts) carries the directory in its environment
+(`STOKER_LAUNCH_RECORD`), readable only by this user. Whatever runs from a directory is found by
+its recorded identity (pid and start time, while it still carries the directory), or, killed
+between the spawn and that write, by the directory in its environment or its key file's path in
+its command line. `stop_abandoned` runs at daemon start (directories whose owner is gone) and at
+its shutdown (its own): each process is stopped with its group (daemon/core/process_group.py)
+and its directory removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -30,12 +36,13 @@ import secrets
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 import attrs
 import psutil
 import trio
 
+from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.core.process_group import GroupLeader, live_process, stop_group
 from stoker.daemon.engine.orphans import KEY_FILE, launched_from
 
@@ -43,12 +50,17 @@ log = logging.getLogger(__name__)
 
 OWNER_FILE = "owner.json"
 PROCESS_FILE = "process.json"
-SMOKE_PREFIX = "smoke-"
+ENV_TOKEN = "STOKER_LAUNCH_RECORD"
 
 
-def smoke_root(runtime_dir: Path) -> Path:
-    """Where smoke runs' launch directories are made."""
-    return Path(runtime_dir) / "smoke"
+def runs_root(runtime_dir: Path) -> Path:
+    """Where launch records are made."""
+    return Path(runtime_dir) / "runs"
+
+
+def default_root() -> Path:
+    """The launch records' root of this environment's runtime dir (the daemon's, or a CLI's)."""
+    return runs_root(StokerPaths.from_env().runtime_dir)
 
 
 def _identity(pid: int) -> dict[str, Any]:
@@ -78,10 +90,12 @@ class LaunchRecord:
     directory: Path
 
     @classmethod
-    def create(cls, root: Path) -> LaunchRecord:
-        """A fresh directory under `root`, its owner (this process) recorded, before any spawn."""
+    def create(cls, kind: str, root: Path | None = None) -> LaunchRecord:
+        """A fresh directory for a `kind` of run (smoke, build, probe, fit) under `root` (this
+        environment's by default), its owner (this process) recorded, before any spawn."""
+        root = default_root() if root is None else root
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        directory = Path(tempfile.mkdtemp(prefix=SMOKE_PREFIX, dir=root))
+        directory = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=root))
         _write_json(directory / OWNER_FILE, _identity(os.getpid()))
         (directory / "cwd").mkdir(mode=0o700)
         return cls(directory)
@@ -93,6 +107,10 @@ class LaunchRecord:
     @property
     def cwd(self) -> Path:
         return self.directory / "cwd"
+
+    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """`base` (this process's environment when None) with the token the sweep finds it by."""
+        return {**(os.environ if base is None else base), ENV_TOKEN: str(self.directory)}
 
     def write_key(self) -> str:
         """A new key in the 0600 key file the server is pointed at; the key itself."""
@@ -114,6 +132,16 @@ class LaunchRecord:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def launch_record(kind: str) -> Iterator[LaunchRecord]:
+    """A record for one run, removed once the block (which ends the process) is left."""
+    record = LaunchRecord.create(kind)
+    try:
+        yield record
+    finally:
+        record.remove()
+
+
 def _owner_state(directory: Path) -> str:
     """`mine`, `alive` (another live process) or `gone` (dead, or never recorded: nothing spawned)."""
     owner = _read_identity(directory / OWNER_FILE)
@@ -125,19 +153,35 @@ def _owner_state(directory: Path) -> str:
     return "mine" if pid == os.getpid() else "alive"
 
 
+def _carries(proc: psutil.Process, directory: Path) -> bool:
+    """Whether `proc` was started from `directory`: its command line names the key file, or its
+    environment the directory."""
+    try:
+        if str(directory / KEY_FILE) in proc.cmdline():
+            return True
+        return proc.environ().get(ENV_TOKEN) == str(directory)
+    except (psutil.Error, OSError):
+        return False
+
+
 def launched(directory: Path) -> list[psutil.Process]:
-    """The live processes run from `directory`: its recorded server, and any whose command line
-    names its key file."""
-    token = str(directory / KEY_FILE)
+    """The live processes of this user run from `directory` (and what they started)."""
     found = {p.pid: p for p in launched_from(directory)}
+    uid = os.getuid()
+    for proc in psutil.process_iter(["uids"]):
+        try:
+            uids = proc.info["uids"]
+            if proc.pid in found or (uids is not None and uids.real != uid) or proc.pid == os.getpid():
+                continue
+            if _carries(proc, directory) and proc.status() != psutil.STATUS_ZOMBIE:
+                found[proc.pid] = proc
+        except (psutil.Error, OSError):
+            continue
     recorded = _read_identity(directory / PROCESS_FILE)
     if recorded is not None:
-        proc = live_process(*recorded)
-        try:
-            if proc is not None and token in proc.cmdline():
-                found.setdefault(proc.pid, proc)
-        except (psutil.Error, OSError):
-            pass
+        known = live_process(*recorded)
+        if known is not None and _carries(known, directory):
+            found.setdefault(known.pid, known)
     return list(found.values())
 
 
@@ -145,7 +189,7 @@ async def stop_abandoned(root: Path, grace: float, *, mine: bool = False) -> lis
     """Stop what runs from the launch directories under `root` whose owner is gone (`mine`: this
     process's own, at its shutdown), remove those directories; the pids stopped."""
     try:
-        dirs = [d for d in root.iterdir() if d.is_dir() and d.name.startswith(SMOKE_PREFIX)]
+        dirs = [d for d in root.iterdir() if d.is_dir()]
     except OSError:
         return []
     stopped: list[int] = []
@@ -153,22 +197,14 @@ async def stop_abandoned(root: Path, grace: float, *, mine: bool = False) -> lis
         owner = await trio.to_thread.run_sync(_owner_state, directory)
         if owner != ("mine" if mine else "gone"):
             continue
-        token = str(directory / KEY_FILE)
         for proc in await trio.to_thread.run_sync(launched, directory):
             try:
-                leader = GroupLeader.of_process(proc, proof=functools.partial(_names, proc, token))
+                leader = GroupLeader.of_process(proc, proof=functools.partial(_carries, proc, directory))
             except (psutil.Error, OSError):
                 continue  # gone meanwhile
-            log.warning("stopping engine pid %d: a smoke run from %s that its starter left", proc.pid, directory)
+            log.warning("stopping pid %d: run from %s, which its starter left", proc.pid, directory)
             await stop_group(leader, grace)
             stopped.append(proc.pid)
         if not await trio.to_thread.run_sync(launched, directory):
             shutil.rmtree(directory, ignore_errors=True)
     return stopped
-
-
-def _names(proc: psutil.Process, token: str) -> bool:
-    try:
-        return token in proc.cmdline()
-    except (psutil.Error, OSError):
-        return False

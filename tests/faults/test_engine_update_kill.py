@@ -293,7 +293,7 @@ def test_a_daemon_killed_at_each_update_step_leaves_exactly_the_servers_status_r
     assert [p.pid for p in engines] == [st["pid"]], (killed_in, [p.pid for p in left_running])
     assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in left_running)
     assert keys_in_argv(engines, st["api_key"]) == []
-    assert not list((daemon.paths.runtime_dir / "smoke").glob("smoke-*"))
+    assert not list((daemon.paths.runtime_dir / "runs").glob("smoke-*"))
 
     out = subprocess.run(
         [sys.executable, "-m", "stoker.daemon", "shutdown"], env=daemon.env, capture_output=True, text=True, timeout=120

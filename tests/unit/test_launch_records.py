@@ -1,7 +1,8 @@
 """Smoke runs' launch records (daemon/engine/launch_records.py): what a dead starter left is found
 and ended, by its recorded pid and start time or by the key file its command line names; a live
 starter's runs are left alone, and a daemon's own end at its shutdown. Real processes (a Python
-sleeper standing in for llama-server, named by the same `--api-key-file` argument)."""
+sleeper standing in for llama-server, named by the same `--api-key-file` argument; a build's
+grandchild in a session of its own, found by the record in its environment)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import trio
 
 from stoker.daemon.engine.launch_records import OWNER_FILE, PROCESS_FILE, LaunchRecord, stop_abandoned
+from tests.waits import wait_until
 
 SLEEPER = "import time; time.sleep(120)"
 
@@ -52,7 +54,11 @@ def _gone(proc: subprocess.Popen) -> bool:
 
 async def test_a_dead_starters_runs_are_stopped_and_a_live_ones_kept(tmp_path: Path, started) -> None:
     root = tmp_path / "smoke"
-    orphan, unrecorded, live = LaunchRecord.create(root), LaunchRecord.create(root), LaunchRecord.create(root)
+    orphan, unrecorded, live = (
+        LaunchRecord.create("smoke", root),
+        LaunchRecord.create("smoke", root),
+        LaunchRecord.create("smoke", root),
+    )
     p_orphan = started(orphan)
     p_unrecorded = started(unrecorded, recorded=False)  # killed between the spawn and its record
     p_live = started(live)
@@ -77,7 +83,7 @@ async def test_a_dead_starters_runs_are_stopped_and_a_live_ones_kept(tmp_path: P
 
 async def test_a_record_whose_process_ended_is_just_removed(tmp_path: Path, started) -> None:
     root = tmp_path / "smoke"
-    record = LaunchRecord.create(root)
+    record = LaunchRecord.create("smoke", root)
     proc = started(record)
     proc.kill()
     proc.wait()
@@ -85,3 +91,29 @@ async def test_a_record_whose_process_ended_is_just_removed(tmp_path: Path, star
     with trio.fail_after(30):
         assert await stop_abandoned(root, grace=2.0) == []
     assert not record.directory.exists()
+
+
+async def test_a_run_found_by_its_environment_is_stopped_with_what_it_started(tmp_path: Path) -> None:
+    """A build (no key, no recorded pid: killed right after the spawn) whose child left its group:
+    both carry the record in their environment, and both are stopped."""
+    root = tmp_path / "runs"
+    record = LaunchRecord.create("build", root)
+    pids = tmp_path / "pids"
+    spawner = (
+        "import subprocess, sys, time; "
+        f"c = subprocess.Popen([sys.executable, '-c', {SLEEPER!r}], start_new_session=True); "
+        f"open({str(pids)!r}, 'w').write(str(c.pid)); time.sleep(120)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", spawner], env=record.env(), start_new_session=True)
+    try:
+        child = int(wait_until(lambda: pids.exists() and pids.read_text(), timeout=30, what="the grandchild"))
+        _dead_owner(record)
+        with trio.fail_after(30):
+            stopped = await stop_abandoned(root, grace=2.0)
+        assert sorted(stopped) == sorted([proc.pid, child])
+        assert _gone(proc) and not record.directory.exists()
+        assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
