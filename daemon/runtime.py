@@ -414,9 +414,11 @@ class Daemon:
             task_status.started()
             await self._shutdown.wait()
             await self._stop_server()
-            # This daemon's own runs (a smoke run, a build, a probe) end with it.
+            # This daemon's own runs (a smoke run, a build, a probe) end with it, and any a dead one left.
             with trio.move_on_after(self.config.supervisor.stop_grace_s + 15):
-                await stop_abandoned(runs_root(self.paths.runtime_dir), self.config.supervisor.stop_grace_s, mine=True)
+                await stop_abandoned(
+                    runs_root(self.paths.runtime_dir), self.config.supervisor.stop_grace_s, and_mine=True
+                )
             nursery.cancel_scope.cancel()
 
     async def _stop_server(self) -> None:

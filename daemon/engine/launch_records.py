@@ -21,8 +21,8 @@ and the process (and everything it starts) carries the directory in its environm
 its recorded identity (pid and start time, while it still carries the directory), or, killed
 between the spawn and that write, by the directory in its environment or its key file's path in
 its command line. `stop_abandoned` runs at daemon start (directories whose owner is gone) and at
-its shutdown (its own): each process is stopped with its group (daemon/core/process_group.py)
-and its directory removed.
+its shutdown (those, and its own): each process is stopped with its group
+(daemon/core/process_group.py) and its directory removed.
 """
 
 from __future__ import annotations
@@ -185,9 +185,9 @@ def launched(directory: Path) -> list[psutil.Process]:
     return list(found.values())
 
 
-async def stop_abandoned(root: Path, grace: float, *, mine: bool = False) -> list[int]:
-    """Stop what runs from the launch directories under `root` whose owner is gone (`mine`: this
-    process's own, at its shutdown), remove those directories; the pids stopped."""
+async def stop_abandoned(root: Path, grace: float, *, and_mine: bool = False) -> list[int]:
+    """Stop what runs from the launch directories under `root` whose owner is gone (`and_mine`:
+    and this process's own, at its shutdown), remove those directories; the pids stopped."""
     try:
         dirs = [d for d in root.iterdir() if d.is_dir()]
     except OSError:
@@ -195,7 +195,7 @@ async def stop_abandoned(root: Path, grace: float, *, mine: bool = False) -> lis
     stopped: list[int] = []
     for directory in dirs:
         owner = await trio.to_thread.run_sync(_owner_state, directory)
-        if owner != ("mine" if mine else "gone"):
+        if owner != "gone" and not (and_mine and owner == "mine"):
             continue
         for proc in await trio.to_thread.run_sync(launched, directory):
             try:

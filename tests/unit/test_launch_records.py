@@ -77,7 +77,7 @@ async def test_a_dead_starters_runs_are_stopped_and_a_live_ones_kept(tmp_path: P
     assert live.directory.exists()  # this process started it and is alive: not the sweep's
 
     with trio.fail_after(30):
-        assert await stop_abandoned(root, grace=2.0, mine=True) == [p_live.pid]  # at this daemon's shutdown
+        assert await stop_abandoned(root, grace=2.0, and_mine=True) == [p_live.pid]  # at this daemon's shutdown
     assert _gone(p_live) and not live.directory.exists()
 
 
