@@ -31,7 +31,8 @@ Resuming after a daemon kill (`Resumed`): resolving and staging redo their step 
 staging directory (a download continues its part file); comparing restages (the staged tree is
 cheap to rebuild, its tokens are not kept); switching re-sends Switch (promote is idempotent: a
 kill between its two renames leaves the slot missing and `.previous` serving, and the promote
-then completes); restarting re-sends RestartServers; rolling back re-sends RollBack (idempotent:
+then completes); restarting cleans the staging directory (the kill may have come before the switch's
+CleanStaging) and re-sends RestartServers; rolling back re-sends RollBack (idempotent:
 the slot is checked for the bundle it must hold first).
 """
 
@@ -414,8 +415,9 @@ def resumed(state: S, data: UpdateData, event: Resumed) -> Step | None:
         return Step(S.STAGING, attrs.evolve(data, staging=None), (CleanStaging(), stage), evidence=evidence)
     if state is S.SWITCHING and data.staging is not None and data.staged is not None:
         return Step(S.SWITCHING, data, (Switch(data.staging, data.slot, data.staged.digest),), evidence=evidence)
-    if state is S.RESTARTING:
-        return Step(S.RESTARTING, data, (RestartServers(tuple(s.name for s in data.servers)),), evidence=evidence)
+    if state is S.RESTARTING:  # killed before the switch's CleanStaging ran, the staging dir is left
+        restart = RestartServers(tuple(s.name for s in data.servers))
+        return Step(S.RESTARTING, data, (CleanStaging(), restart), evidence=evidence)
     if state is S.ROLLING_BACK and data.installed is not None:
         discard = None if data.by_hand or data.staged is None else data.staged.digest
         return Step(S.ROLLING_BACK, data, (RollBack(data.slot, data.installed.digest, discard),), evidence=evidence)

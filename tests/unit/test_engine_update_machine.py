@@ -163,6 +163,8 @@ def test_every_working_state_resumes_with_its_step(state, expected):
     resumed = step(U.ENGINE_UPDATE, state, data, R.Resumed())
     assert isinstance(resumed.effects[-1], expected)
     assert resumed.data.resumes == 1
+    if state is not S.SWITCHING and state is not S.ROLLING_BACK:  # those still need their staged tree
+        assert resumed.effects[0] == R.CleanStaging()  # never a staging dir left behind
 
 
 def test_events_out_of_turn_change_nothing():
