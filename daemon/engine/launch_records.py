@@ -187,7 +187,23 @@ def launched(directory: Path) -> list[psutil.Process]:
 
 async def stop_abandoned(root: Path, grace: float, *, and_mine: bool = False) -> list[int]:
     """Stop what runs from the launch directories under `root` whose owner is gone (`and_mine`:
-    and this process's own, at its shutdown), remove those directories; the pids stopped."""
+    and this process's own, at its shutdown), remove those directories; the pids stopped.
+
+    Passes until one stops nothing: a run may own runs of its own (a build's smoke run), whose
+    owner is gone only once it is stopped."""
+    stopped: list[int] = []
+    for _ in range(_PASSES):
+        more = await _stop_pass(root, grace, and_mine)
+        stopped += more
+        if not more:
+            break
+    return stopped
+
+
+_PASSES = 4
+
+
+async def _stop_pass(root: Path, grace: float, and_mine: bool) -> list[int]:
     try:
         dirs = [d for d in root.iterdir() if d.is_dir()]
     except OSError:

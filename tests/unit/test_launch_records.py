@@ -117,3 +117,26 @@ async def test_a_run_found_by_its_environment_is_stopped_with_what_it_started(tm
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+async def test_a_run_started_by_an_abandoned_run_is_stopped_too(tmp_path: Path, started) -> None:
+    """A build (its starter dead) ran a smoke run of its own, in another session: once the build is
+    stopped, its smoke run's starter is gone too, and the same sweep stops it."""
+    root = tmp_path / "runs"
+    build = LaunchRecord.create("build", root)
+    p_build = subprocess.Popen([sys.executable, "-c", SLEEPER], env=build.env(), start_new_session=True)
+    try:
+        build.record_process(p_build.pid)
+        _dead_owner(build)
+        smoke = LaunchRecord.create("smoke", root)
+        owner = psutil.Process(p_build.pid)
+        (smoke.directory / OWNER_FILE).write_text(json.dumps({"pid": owner.pid, "create_time": owner.create_time()}))
+        p_smoke = started(smoke)
+        with trio.fail_after(30):
+            stopped = await stop_abandoned(root, grace=2.0)
+        assert sorted(stopped) == sorted([p_build.pid, p_smoke.pid])
+        assert _gone(p_build) and _gone(p_smoke) and not list(root.iterdir())
+    finally:
+        if p_build.poll() is None:
+            p_build.kill()
+        p_build.wait()
