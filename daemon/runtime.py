@@ -60,6 +60,7 @@ from stoker.daemon.core.machines import EffectDriver, MachineRunner
 from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.core.pidlock import acquire_lock, data_dir_unwritable
 from stoker.daemon.core.store_keeper import serve_store_keeper
+from stoker.daemon.engine.launch_records import runs_root, stop_abandoned
 from stoker.daemon.backends import load_backends
 from stoker.daemon.backends.registry import try_order
 from stoker.daemon.backends.base import Detection
@@ -372,6 +373,8 @@ class Daemon:
             nursery.start_soon(self._handle_signals)
             await nursery.start(serve_store_keeper, self.store)
             await nursery.start(self.probes.serve)
+            # What a killed daemon (or CLI) left running (a smoke run, a build, a probe) ends first.
+            await stop_abandoned(runs_root(self.paths.runtime_dir), self.config.supervisor.stop_grace_s)
             # Installs and pulls a killed daemon left mid-way go on while the rest starts.
             nursery.start_soon(self.installs.resume_all)
             nursery.start_soon(self.pulls.resume_all)
@@ -404,6 +407,11 @@ class Daemon:
             task_status.started()
             await self._shutdown.wait()
             await self._stop_server()
+            # This daemon's own runs (a smoke run, a build, a probe) end with it, and any a dead one left.
+            with trio.move_on_after(self.config.supervisor.stop_grace_s + 15):
+                await stop_abandoned(
+                    runs_root(self.paths.runtime_dir), self.config.supervisor.stop_grace_s, and_mine=True
+                )
             nursery.cancel_scope.cancel()
 
     async def _stop_server(self) -> None:

@@ -172,6 +172,11 @@ MESSAGE_TEXT: dict[str, str] = {
         "lower version, or the same version with other contents): a replayed manifest, refused so that no "
         "older engine comes back. The installed engine is untouched; use an up-to-date mirror."
     ),
+    "manifest_wrong_channel": (
+        "The bundle manifest is signed for another channel than the one it was read for (a beta or nightly "
+        "manifest served at the stable channel's URL), so it was refused: no channel's accepted version moved and "
+        "the installed engine is untouched. Point each channel at its own manifest ([engine.channels])."
+    ),
     "model_missing": "The model file does not exist; fix `model` in the config.",
     "model_load_failed": "The engine could not load the model (corrupt or unsupported file); see the server log.",
     "out_of_memory": "The engine ran out of memory; lower the context size or the offloaded layers.",

@@ -90,6 +90,7 @@ class ReasonCode(enum.StrEnum):
     MANIFEST_SIGNATURE_INVALID = "manifest_signature_invalid"
     MANIFEST_EXPIRED = "manifest_expired"
     MANIFEST_ROLLBACK = "manifest_rollback"
+    MANIFEST_WRONG_CHANNEL = "manifest_wrong_channel"
     # Engine updates (states/engine_update/table.py, docs/bundles.md "Updates").
     ENGINE_UPDATE_REJECTED = "engine_update_rejected"
     ENGINE_UPDATE_ROLLED_BACK = "engine_update_rolled_back"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import os
-import secrets
 import subprocess
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import trio
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.engine.api import EngineClient
 from stoker.daemon.engine.exits import classify_exit
+from stoker.daemon.engine.launch_records import LaunchRecord
 from stoker.daemon.engine.ready import ServerLog
 from stoker.states.reasons import ReasonCode
 
@@ -114,7 +114,10 @@ def generate(
     scratch = Path(scratch)
     scratch.mkdir(parents=True, exist_ok=True)
     log = scratch / "smoke-server.log"
-    key = secrets.token_hex(16)
+    # Recorded before the spawn, so that whoever starts next ends it if this process dies
+    # mid-run (daemon/engine/launch_records.py); the key goes by file, never in the argv.
+    record = LaunchRecord.create("smoke")
+    key = record.write_key()
     cmd = [
         str(server),
         "-m",
@@ -131,8 +134,8 @@ def generate(
         str(threads),
         "--seed",
         "0",
-        "--api-key",
-        key,
+        "--api-key-file",
+        str(record.key_file),
         "--log-colors",
         "off",
         *args,
@@ -148,17 +151,22 @@ def generate(
         "stream": False,
     }
     deadline = time.monotonic() + timeout
-    with open(log, "wb") as out:
-        # A scratch cwd: the engine may look for backend libraries in its working directory.
-        proc = subprocess.Popen(
-            cmd,
-            cwd=scratch,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=engine_env(env),
-            start_new_session=True,
-        )
+    try:
+        with open(log, "wb") as out:
+            # An empty cwd: the engine may look for backend libraries in its working directory.
+            proc = subprocess.Popen(
+                cmd,
+                cwd=record.cwd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=record.env(engine_env(env)),
+                start_new_session=True,
+            )
+    except OSError:
+        record.remove()
+        raise
+    record.record_process(proc.pid)
     try:
         resp = trio.run(functools.partial(_complete, proc, log, key, body, deadline))
         if resp.status_code != 200 or not isinstance(resp.json().get("tokens"), list):
@@ -178,6 +186,7 @@ def generate(
         ) from None
     finally:
         _stop(proc)
+        record.remove()
 
 
 async def _complete(

@@ -105,7 +105,9 @@ def _engine_line(engine: EngineSlot) -> str:
 def format_outcome(result: EngineOutcome) -> str:
     """An update's or rollback's outcome for a person."""
     lines = []
-    if result.state == "current":
+    if result.state == "current" and result.reason:  # a newer release is offered, held back
+        lines.append(f"not updated ({result.reason}): {result.message}")
+    elif result.state == "current":
         lines.append(f"up to date: {result.message or result.installed}")
     elif result.state == "updated":
         lines.append(f"updated {result.slot}: {result.installed} -> {result.candidate}")

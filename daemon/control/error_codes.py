@@ -67,6 +67,7 @@ ERROR_CODES: dict[ReasonCode, int] = {
     ReasonCode.MANIFEST_SIGNATURE_INVALID: 3010,
     ReasonCode.MANIFEST_EXPIRED: 3011,
     ReasonCode.MANIFEST_ROLLBACK: 3012,
+    ReasonCode.MANIFEST_WRONG_CHANNEL: 3013,
     # KV-cache slot snapshots.
     ReasonCode.SNAPSHOTS_DISABLED: 5001,
     ReasonCode.SNAPSHOT_NOT_FOUND: 5002,

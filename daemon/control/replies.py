@@ -155,6 +155,9 @@ class EngineOutcome:
     engine: EngineSlot
     history: tuple[dict[str, Any], ...]  # {from, event, to, reason, at}, oldest first
     message: str | None = None  # why nothing was updated (state current)
+    # state current with a newer release offered but held back (engine_update_rolled_back: it was
+    # rolled back here before); None when nothing newer is offered
+    reason: str | None = None
 
 
 # --- snapshots -----------------------------------------------------------------------------

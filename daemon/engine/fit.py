@@ -30,12 +30,13 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 import attrs
+
+from stoker.daemon.engine.launch_records import launch_record
 
 # How long the fitter may take before Stoker gives up on it and estimates itself.
 FIT_TIMEOUT_S = 30.0
@@ -128,7 +129,9 @@ def parse_fitted(stdout: str) -> list[str]:
 
 
 def _run(argv: Sequence[str], env: Mapping[str, str], timeout: float) -> str:
-    with tempfile.TemporaryDirectory(prefix="stoker-fit-") as cwd:
+    # Recorded before the spawn (daemon/engine/launch_records.py): the timeout below is this
+    # thread's, so a run a killed daemon left is ended by the next one.
+    with launch_record("fit") as record:
         try:
             done = subprocess.run(
                 list(argv),
@@ -136,8 +139,8 @@ def _run(argv: Sequence[str], env: Mapping[str, str], timeout: float) -> str:
                 capture_output=True,
                 text=True,
                 errors="replace",
-                cwd=cwd,
-                env=dict(env),
+                cwd=record.cwd,
+                env=record.env(env),
                 timeout=timeout,
                 start_new_session=True,
             )

@@ -22,6 +22,7 @@ import trio
 
 from stoker.daemon.backends.base import Backend, Detection
 from stoker.daemon.bundles.metadata import BundleManifest, ManifestEntry
+from stoker.daemon.bundles.mirror import DEFAULT_CHANNEL
 from stoker.daemon.bundles.variants import host_platform
 from stoker.daemon.core.download import fetch_bytes
 from stoker.daemon.core.download_records import DownloadError
@@ -34,10 +35,12 @@ MANIFEST_ENV = "STOKER_MANIFEST_URL"
 MANIFEST_MAX_BYTES = 4 * 2**20
 
 
-async def load_manifest(source: str, trust: ManifestTrust | None = None) -> BundleManifest:
-    """Read the manifest from a path, a file:// URL or an http(s) URL and admit it through `trust`
-    (None: no key configured, nothing remembered); StokerError if unusable or not believed. Each
-    entry's `origin` says how it was trusted."""
+async def load_manifest(
+    source: str, trust: ManifestTrust | None = None, channel: str = DEFAULT_CHANNEL
+) -> BundleManifest:
+    """Read `channel`'s manifest from a path, a file:// URL or an http(s) URL and admit it through
+    `trust` (None: no key configured, nothing remembered); StokerError if unusable or not believed.
+    Each entry's `origin` says how it was trusted."""
     if not source:
         raise StokerError(
             ReasonCode.BUNDLE_MISSING,
@@ -67,7 +70,7 @@ async def load_manifest(source: str, trust: ManifestTrust | None = None) -> Bund
             {"manifest": source, "error": f"{type(err).__name__}: {err}"},
         ) from None
     try:
-        admitted = trust.admit(source, text)
+        admitted = trust.admit(source, text, channel)
     except StokerError as err:
         if err.reason != ReasonCode.BUNDLE_METADATA_MISMATCH:
             raise  # a refusal of trust says what it is itself

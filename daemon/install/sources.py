@@ -46,6 +46,7 @@ from stoker.daemon.core.digests import sha256_file
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.core.process_group import stop_on_cancel
+from stoker.daemon.engine.launch_records import launch_record
 from stoker.states.install import table as I
 from stoker.states.install import effects as IE
 from stoker.states.install.sources import Source
@@ -325,30 +326,35 @@ async def run_build(backend: str, variant: str, progress: BuildProgress) -> Buil
         async for chunk in stream:
             stdout.extend(chunk)
 
-    async with trio.open_nursery() as nursery:
-        proc: trio.Process = await nursery.start(
-            lambda task_status: trio.run_process(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                check=False,
-                start_new_session=True,  # its own group: a kill reaches cmake and the compilers
-                deliver_cancel=stop_on_cancel(KILL_GRACE_S),
-                task_status=task_status,
+    # Recorded before the spawn: a build a killed daemon left is ended by the next one
+    # (daemon/engine/launch_records.py), not left compiling beside the build its install restarts.
+    with launch_record("build") as record:
+        async with trio.open_nursery() as nursery:
+            proc: trio.Process = await nursery.start(
+                lambda task_status: trio.run_process(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    check=False,
+                    start_new_session=True,  # its own group: a kill reaches cmake and the compilers
+                    deliver_cancel=stop_on_cancel(KILL_GRACE_S),
+                    env=record.env(),
+                    task_status=task_status,
+                )
             )
-        )
-        assert proc.stdout is not None and proc.stderr is not None
-        nursery.start_soon(collect, proc.stdout)
-        pending = b""
-        async for chunk in proc.stderr:
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for raw in lines:
-                text = raw.decode(errors="replace").strip()
-                if text:
-                    tail = (tail + [text])[-20:]
-                    progress(progress_of(text))
+            record.record_process(proc.pid)
+            assert proc.stdout is not None and proc.stderr is not None
+            nursery.start_soon(collect, proc.stdout)
+            pending = b""
+            async for chunk in proc.stderr:
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for raw in lines:
+                    text = raw.decode(errors="replace").strip()
+                    if text:
+                        tail = (tail + [text])[-20:]
+                        progress(progress_of(text))
     return _answer(argv, proc.returncode, bytes(stdout), tail)
 
 

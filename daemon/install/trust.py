@@ -9,7 +9,11 @@ before anything in it is used:
   signature that does not verify (altered bytes, a malformed envelope) `manifest_signature_invalid`.
   Its payload must carry `version` and `expires`; past `expires` is `manifest_expired`; a version
   below the newest accepted from that key and channel, or the same version with other bytes,
-  is `manifest_rollback` (store/manifests.py remembers, in SQLite, across restarts).
+  is `manifest_rollback` (store/manifests.py remembers, in SQLite, across restarts). Its
+  `channel` must be the channel asked for (`stable` for installs, the update's channel for
+  `stoker engine update`): another channel's manifest, though signed by the same key, is
+  `manifest_wrong_channel` and moves no channel's accepted version (served at the stable URL
+  it would otherwise start a sequence of its own and offer its older releases as stable's).
 - With no key configured, a local manifest (a path or file://) is read as it is, signed or not:
   development, a hand-written manifest, a mirror on this disk. Its bundles are still pinned by
   sha256 and size. An http(s) manifest is refused (`manifest_untrusted`): nothing fetched from
@@ -86,8 +90,9 @@ class ManifestTrust:
                 {"manifest": source, "signed": None, "trusted_keys": []},
             )
 
-    def admit(self, source: str, raw: bytes) -> Admitted:
-        """The manifest in `raw` (read from `source`) if it may be believed; else StokerError."""
+    def admit(self, source: str, raw: bytes, channel: str = DEFAULT_CHANNEL) -> Admitted:
+        """The manifest in `raw` (read from `source`, asked for as `channel`'s) if it may be
+        believed; else StokerError."""
         base = manifest_base(source)
         try:
             document = json.loads(raw)
@@ -107,7 +112,7 @@ class ManifestTrust:
                 {**evidence, "trusted_keys": sorted(trusted_key_ids(self.keys))},
             )
         envelope = self._envelope(document, evidence)
-        return self._admit_signed(source, base, envelope, evidence)
+        return self._admit_signed(source, base, envelope, {**evidence, "channel_asked": channel})
 
     def _envelope(self, document: Any, evidence: dict[str, Any]) -> Envelope:
         try:
@@ -149,6 +154,14 @@ class ManifestTrust:
         manifest = BundleManifest.from_json(envelope.payload, base)
         channel = manifest.channel or DEFAULT_CHANNEL
         evidence = {**evidence, "key_id": signer, "channel": channel, "version": manifest.version}
+        if channel != evidence["channel_asked"]:
+            raise StokerError(
+                ReasonCode.MANIFEST_WRONG_CHANNEL,
+                f"The manifest {source} is signed for channel {channel!r} (version {manifest.version}, key "
+                f"{signer}), but it was read as channel {evidence['channel_asked']!r}'s: a mirror serving another "
+                "channel's manifest at this URL. Point the channel at its own manifest.",
+                evidence,
+            )
         if manifest.version is None or manifest.expires is None:
             raise StokerError(
                 ReasonCode.BUNDLE_METADATA_MISMATCH,

@@ -264,6 +264,7 @@ class EngineUpdateService:
         if state is UR.UpdateState.CURRENT:
             last = self.store.history(machine=runner.machine_id, limit=1)
             outcome["message"] = last[0].evidence.get("message") if last else None
+            outcome["reason"] = last[0].reason if last else None  # engine_update_rolled_back: held back
         return outcome
 
     def steps(self, machine_id: str, limit: int = 12) -> list[dict[str, Any]]:
@@ -323,7 +324,7 @@ class EngineUpdateService:
                 f"The channel {channel!r} is not configured; add it to [engine.channels].",
                 {"channel": channel, "channels": sorted(self.settings().channels)},
             )
-        manifest = await load_manifest(source, self.installs.trust)
+        manifest = await load_manifest(source, self.installs.trust, channel or self.settings().channel)
         kept = await trio.to_thread.run_sync(find_installed, self.paths, backend, variant)
         entry = choose_entry(manifest, backend, variant=variant, keep_archs=kept.meta.cuda_archs if kept else None)
         return installed, UR.Candidate(entry.version, entry.sha256, entry.url, entry.sha256, entry.size, entry.origin)

@@ -20,6 +20,7 @@ from stoker.daemon.backends.base import Detection, excerpt
 from stoker.daemon.backends.registry import load_backend
 from stoker.daemon.core.process_group import stop_on_cancel
 from stoker.daemon.engine.exits import signal_name
+from stoker.daemon.engine.launch_records import launch_record
 from stoker.daemon.probes.child import MARKER
 from stoker.states.reasons import ReasonCode
 
@@ -82,7 +83,9 @@ async def run_probe(
     result: subprocess.CompletedProcess[bytes] | None = None
     # Output goes to temporary files, not pipes: a daemonised grandchild holding a pipe open
     # cannot stall us, and a probe killed on timeout still leaves its stderr as evidence.
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    # Recorded before the spawn: a probe a killed daemon left (hung on a driver, say) is ended by
+    # the next one (daemon/engine/launch_records.py).
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, launch_record("probe") as record:
         with trio.move_on_after(timeout):
             result = await trio.run_process(
                 argv,
@@ -92,7 +95,7 @@ async def run_probe(
                 check=False,
                 start_new_session=True,  # its own process group, so a kill reaches its children
                 deliver_cancel=stop_on_cancel(KILL_GRACE_S),
-                env=None if env is None else dict(env),
+                env=record.env(env),
             )
         stdout, stderr_raw = await trio.to_thread.run_sync(_read_both, out, err)
     elapsed = round(trio.current_time() - started, 3)

@@ -21,7 +21,9 @@ The gates, in order, and what a failure of each means (the `gate` in the evidenc
 Everything before the switch leaves the slot untouched (`rejected`, engine_update_rejected);
 after it the previous bundle is put back by itself (`rolled_back`, engine_update_rolled_back)
 and the rejected bundle is discarded and remembered, so an automatic check does not offer it
-again. A rollback by hand (`RollbackRequested`) swaps the slot and its `.previous`, so another
+again, and neither does a user's `stoker engine update` once it was rolled back (it would
+restart every server on the slot to fail the same way): it rests `current` with reason
+engine_update_rolled_back and says why; naming the zip tries it again. A rollback by hand (`RollbackRequested`) swaps the slot and its `.previous`, so another
 one undoes it. Which candidate is an update at all (newer than the installed version, a bundle
 the user named, one refused before) is decided here too (`update_verdict`).
 
@@ -29,7 +31,8 @@ Resuming after a daemon kill (`Resumed`): resolving and staging redo their step 
 staging directory (a download continues its part file); comparing restages (the staged tree is
 cheap to rebuild, its tokens are not kept); switching re-sends Switch (promote is idempotent: a
 kill between its two renames leaves the slot missing and `.previous` serving, and the promote
-then completes); restarting re-sends RestartServers; rolling back re-sends RollBack (idempotent:
+then completes); restarting cleans the staging directory (the kill may have come before the switch's
+CleanStaging) and re-sends RestartServers; rolling back re-sends RollBack (idempotent:
 the slot is checked for the bundle it must hold first).
 """
 
@@ -94,9 +97,33 @@ def update_verdict(data: UpdateData, installed: BundleFacts | None, candidate: C
         return None
     if installed is not None and version_key(candidate.version) <= version_key(installed.version):
         return f"nothing newer than {installed.version} in the manifest (it offers {candidate.version})"
+    if (rolled := rolled_back_before(data, candidate)) is not None:
+        return held_back(candidate.version, rolled)
     if data.automatic and rejection_of(data, candidate.ref, candidate.sha256) is not None:
         return f"{candidate.version} was rejected here before; only `stoker engine update` offers it again"
     return None
+
+
+def held_back(version: str, rolled: Rejection) -> str:
+    """The sentence for a release not staged again because this slot rolled it back."""
+    why = f"{rolled.gate} gate: {rolled.why}" if rolled.gate else (rolled.why or "by hand")
+    return (
+        f"{version} was rolled back here before ({why}); it is not staged again, which would "
+        "restart every server on the slot to fail the same way. To try it anyway, name its zip: "
+        "`stoker engine update --bundle ZIP`"
+    )
+
+
+def rolled_back_before(data: UpdateData, candidate: Candidate, digest: str | None = None) -> Rejection | None:
+    """A channel's candidate this slot already rolled back (by itself or by hand), known by its
+    zip or, once staged, by its `digest` (a zip the user named has only that): neither a user's
+    `stoker engine update` nor the automatic check switches to it again; a named zip is tried."""
+    if data.bundle is not None:
+        return None
+    rejection = rejection_of(data, candidate.ref, candidate.sha256, digest)
+    if rejection is None or rejection.reason != ReasonCode.ENGINE_UPDATE_ROLLED_BACK.value:
+        return None
+    return rejection
 
 
 def rejection_of(data: UpdateData, *ids: str | None) -> Rejection | None:
@@ -119,7 +146,7 @@ def restart_wanted(launch_state: str) -> bool:
     return launch_state != LaunchState.STOPPED.value
 
 
-def _rejected(data: UpdateData, gate: Gate, reason: ReasonCode) -> tuple[Rejection, ...]:
+def _rejected(data: UpdateData, gate: Gate, reason: ReasonCode, evidence: dict[str, Any]) -> tuple[Rejection, ...]:
     """`data.rejections` with the candidate added, known by every identity the update has seen."""
     candidate = data.candidate
     if candidate is None or gate is Gate.FETCH:
@@ -127,7 +154,25 @@ def _rejected(data: UpdateData, gate: Gate, reason: ReasonCode) -> tuple[Rejecti
     refs = (candidate.ref, candidate.sha256, data.staged.digest if data.staged else None)
     known = tuple(dict.fromkeys(r for r in refs if r))
     kept = tuple(r for r in data.rejections if not r.names(*known))
-    return (*kept, Rejection(candidate.version, reason.value, gate.value, known))
+    return (*kept, Rejection(candidate.version, reason.value, gate.value, known, _why(gate, evidence)))
+
+
+def _why(gate: Gate, evidence: dict[str, Any]) -> str:
+    """What the failing gate saw, in a few words, for the next request that meets the bundle."""
+    server = evidence.get("server")
+    if gate is Gate.START:
+        said = evidence.get("server_reason") or evidence.get("cause")
+        backend = evidence.get("backend")
+        return (
+            f"server {server} {evidence.get('outcome')}"
+            + (f" ({said})" if said else "")
+            + (f" on {backend}" if evidence.get("outcome") == Outcome.READY.value and backend else "")
+        )
+    if gate is Gate.LAYERS:
+        return f"server {server} offloaded {evidence.get('offloaded_now') or 0} layers, {evidence.get('offloaded_before')} before"
+    if gate is Gate.TOKENS and "first_difference" in evidence:
+        return f"its greedy tokens differ from the old engine's at token {evidence['first_difference']}"
+    return str(evidence.get("message") or evidence.get("cause") or gate.value)[:200]
 
 
 def judge_servers(data: UpdateData, verdicts: tuple[ServerVerdict, ...]) -> tuple[Gate, dict[str, Any]] | None:
@@ -191,16 +236,34 @@ def resolved(state: S, data: UpdateData, event: Resolved) -> Step:
         return _reject(data, Gate.FETCH, {**facts, "message": f"no {data.slot} engine is installed to update"})
     why_not = update_verdict(data, event.installed, event.candidate)
     if why_not is not None:
+        rolled = rolled_back_before(data, event.candidate)
+        if rolled is not None:  # not up to date: held back, and status and history say why
+            held = {**facts, "message": why_not, "rolled_back": _rolled_facts(rolled)}
+            return step_with_reason(S.CURRENT, data, (), ReasonCode.ENGINE_UPDATE_ROLLED_BACK, held)
         return Step(S.CURRENT, data, (), evidence={**facts, "message": why_not})
     stage = Stage(event.candidate, data.backend, data.variant)
     return Step(S.STAGING, data, (CleanStaging(), stage), evidence=facts)
 
 
-@guarded(S.COMPARING)
+@guarded(S.COMPARING, S.CURRENT)
 def staged(state: S, data: UpdateData, event: Staged) -> Step:
-    data = attrs.evolve(data, staged=event.staged, staging=event.staging, new_tokens=event.tokens)
     evidence = {"version": event.staged.version, "digest": event.staged.digest, **event.evidence}
+    candidate = data.candidate
+    rolled = None if candidate is None else rolled_back_before(data, candidate, event.staged.digest)
+    if candidate is not None and rolled is not None:
+        # Known only by its digest until now (it was rolled back as a named zip): held back here,
+        # before any server restarts, and known by its zip from now on (caught when resolved).
+        zips = tuple(r for r in (candidate.ref, candidate.sha256) if r)
+        learned = attrs.evolve(rolled, refs=tuple(dict.fromkeys((*rolled.refs, *zips))))
+        data = attrs.evolve(data, rejections=tuple(learned if r is rolled else r for r in data.rejections))
+        held = {**evidence, "message": held_back(candidate.version, rolled), "rolled_back": _rolled_facts(rolled)}
+        return step_with_reason(S.CURRENT, data, (CleanStaging(),), ReasonCode.ENGINE_UPDATE_ROLLED_BACK, held)
+    data = attrs.evolve(data, staged=event.staged, staging=event.staging, new_tokens=event.tokens)
     return Step(S.COMPARING, data, (CompareTokens(event.staging),), evidence=evidence)
+
+
+def _rolled_facts(rolled: Rejection) -> dict[str, Any]:
+    return {"version": rolled.version, "gate": rolled.gate, "why": rolled.why}
 
 
 @guarded(S.SWITCHING, S.REJECTED)
@@ -224,7 +287,7 @@ def gate_failed(state: S, data: UpdateData, event: GateFailed) -> Step:
 def _reject(data: UpdateData, gate: Gate, evidence: dict[str, Any]) -> Step:
     """Refused before the switch: the slot is untouched; the candidate is remembered."""
     evidence = {"gate": gate.value, **evidence}
-    rejections = _rejected(data, gate, ReasonCode.ENGINE_UPDATE_REJECTED)
+    rejections = _rejected(data, gate, ReasonCode.ENGINE_UPDATE_REJECTED, evidence)
     data = attrs.evolve(
         data, gate=gate, rejections=rejections, reason=ReasonCode.ENGINE_UPDATE_REJECTED, evidence=evidence
     )
@@ -269,7 +332,7 @@ def _updated(data: UpdateData, evidence: dict[str, Any]) -> Step:
 def _roll_back(data: UpdateData, gate: Gate, evidence: dict[str, Any], names: tuple[str, ...]) -> Step | None:
     if data.installed is None:
         return None
-    rejections = _rejected(data, gate, ReasonCode.ENGINE_UPDATE_ROLLED_BACK)
+    rejections = _rejected(data, gate, ReasonCode.ENGINE_UPDATE_ROLLED_BACK, evidence)
     restore = data.installed
     evidence = {"gate": gate.value, "restoring": restore.version, **evidence}
     data = attrs.evolve(data, gate=gate, rejections=rejections, by_hand=False, evidence=evidence)
@@ -320,7 +383,7 @@ def _rolled_back_by_hand(data: UpdateData, current: BundleFacts | None, back: Bu
         refs += (data.candidate.ref, data.candidate.sha256)
     known = tuple(dict.fromkeys(r for r in refs if r))
     reason = ReasonCode.ENGINE_UPDATE_ROLLED_BACK.value
-    return (*(r for r in kept if not r.names(*known)), Rejection(current.version, reason, None, known))
+    return (*(r for r in kept if not r.names(*known)), Rejection(current.version, reason, None, known, "by hand"))
 
 
 @guarded(S.ROLLED_BACK)
@@ -352,8 +415,9 @@ def resumed(state: S, data: UpdateData, event: Resumed) -> Step | None:
         return Step(S.STAGING, attrs.evolve(data, staging=None), (CleanStaging(), stage), evidence=evidence)
     if state is S.SWITCHING and data.staging is not None and data.staged is not None:
         return Step(S.SWITCHING, data, (Switch(data.staging, data.slot, data.staged.digest),), evidence=evidence)
-    if state is S.RESTARTING:
-        return Step(S.RESTARTING, data, (RestartServers(tuple(s.name for s in data.servers)),), evidence=evidence)
+    if state is S.RESTARTING:  # killed before the switch's CleanStaging ran, the staging dir is left
+        restart = RestartServers(tuple(s.name for s in data.servers))
+        return Step(S.RESTARTING, data, (CleanStaging(), restart), evidence=evidence)
     if state is S.ROLLING_BACK and data.installed is not None:
         discard = None if data.by_hand or data.staged is None else data.staged.digest
         return Step(S.ROLLING_BACK, data, (RollBack(data.slot, data.installed.digest, discard),), evidence=evidence)

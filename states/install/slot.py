@@ -74,6 +74,7 @@ class Rejection:
     reason: str
     gate: str | None = None
     refs: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
+    why: str | None = None  # what the failing gate saw, in a few words (a server that exited, ...)
 
     def names(self, *ids: str | None) -> bool:
         """Whether any of these identities (a zip's sha256, a bundle's digest) is this bundle's."""

@@ -42,6 +42,7 @@ REFUSALS = frozenset(
         ReasonCode.MANIFEST_SIGNATURE_INVALID,
         ReasonCode.MANIFEST_EXPIRED,
         ReasonCode.MANIFEST_ROLLBACK,
+        ReasonCode.MANIFEST_WRONG_CHANNEL,
         ReasonCode.BUNDLE_METADATA_MISMATCH,
     }
 )

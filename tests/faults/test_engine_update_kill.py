@@ -3,7 +3,10 @@
 takes the update to its end from where history says it was.
 
 Killed with SIGKILL while the update machine is in `staging`, `comparing` or `restarting` (each
-lasts long enough to be seen); a kill in the middle of the switch (between promote's two renames,
+lasts long enough to be seen); and at every step with the engines counted after: a smoke run's
+llama-server (the staged engine's smoke gate, the old engine's comparison run) is ended by the
+next daemon, exactly the servers status reports are left, none after `stoker shutdown`, and no
+engine carries its key in its argv. A kill in the middle of the switch (between promote's two renames,
 a window of milliseconds) is made exactly: the machine row at `switching` and the bundles dir as
 that instant leaves it (the slot renamed to `.previous`, the staged tree not yet moved in).
 """
@@ -11,9 +14,13 @@ that instant leaves it (the slot renamed to `.previous`, the staged tree not yet
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
+
+import psutil
 
 import pytest
 
@@ -199,3 +206,99 @@ def test_a_daemon_restarted_in_the_restart_step_leaves_a_model_the_user_stopped_
 
 def _model(status: dict, name: str) -> dict:
     return next(m for m in status["models"] if m["name"] == name)
+
+
+def home_engines(daemon: DaemonProcess) -> list[psutil.Process]:
+    """Every live llama-server started from this daemon's home (its slots, `.previous`, a staged
+    update): the served ones and any smoke run, whoever started it."""
+    root = str(daemon.home)
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = proc.info["cmdline"] or []
+            if cmd and cmd[0].endswith("llama-server") and cmd[0].startswith(root):
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def keys_in_argv(procs: list[psutil.Process], *keys: str) -> list[tuple[int, list[str]]]:
+    """The processes whose command line (as /proc/PID/cmdline shows any local user) carries a key."""
+    shown = []
+    for proc in procs:
+        try:
+            cmd = proc.cmdline()
+        except psutil.Error:
+            continue
+        if "--api-key" in cmd or any(k and any(k in arg for arg in cmd) for k in keys):
+            shown.append((proc.pid, cmd))
+    return shown
+
+
+@pytest.mark.parametrize("killed_in", ["resolving", "staging", "comparing", "switching", "restarting"])
+def test_a_daemon_killed_at_each_update_step_leaves_exactly_the_servers_status_reports(
+    daemon, model, cpu_bundle, tmp_path, killed_in
+):
+    """kill -9 at each step of `stoker engine update`; in staging and comparing the kill lands
+    while the step's smoke-run llama-server runs. The next daemon ends that run, finishes the
+    update, and then the engines running are exactly the one status reports; `stoker shutdown`
+    leaves none; no engine ever shows a key in its argv."""
+    st = start(daemon, model)
+    slot, old = f"cpu-{st['variant']}", st["engine"]["version"]
+    good = repack(cpu_bundle, tmp_path / "good.zip", version=f"{old}.1")
+    machine = f"engine_update:{slot}"
+    served = st["pid"]
+
+    def ask() -> None:
+        try:
+            with daemon.client(timeout=300) as client:
+                client.call("engine.update", bundle=str(good))
+        except StokerError:
+            pass  # the daemon dies under it
+
+    asker = threading.Thread(target=ask, daemon=True)
+    asker.start()
+    smoke: list[psutil.Process] = []
+
+    def reached() -> bool:
+        if not any(r["to_state"] == killed_in for r in daemon.history(machine=machine, limit=20)):
+            return False
+        if killed_in not in ("staging", "comparing"):
+            return True
+        smoke[:] = [p for p in home_engines(daemon) if p.pid != served and "-m" in p.cmdline()]
+        return bool(smoke) and daemon.call("engine.status")["update_state"] == killed_in
+
+    wait_until(reached, timeout=180, what=f"{machine} in {killed_in}", tick=0.01)
+    daemon.kill9()
+    asker.join(10)
+    left_running = [p for p in smoke if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert keys_in_argv(home_engines(daemon), st["api_key"]) == []
+
+    daemon.start()
+    done = wait_update(daemon, slot, RESTING, timeout=300)
+    assert done["update_state"] == "updated", done
+    st = daemon.wait_for(
+        lambda s: s["state"] == "ready" and (s.get("engine") or {}).get("version") == f"{old}.1",
+        timeout=180,
+        what="the new engine serving",
+    )
+    engines = wait_until(
+        lambda: (found := home_engines(daemon)) and len(found) == 1 and found,
+        timeout=30,
+        what="one engine left: the served one",
+        detail=lambda: f"{[(p.pid, p.cmdline()) for p in home_engines(daemon)]} status pid {st['pid']}",
+    )
+    assert [p.pid for p in engines] == [st["pid"]], (killed_in, [p.pid for p in left_running])
+    assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in left_running)
+    assert keys_in_argv(engines, st["api_key"]) == []
+    assert not list((daemon.paths.runtime_dir / "runs").glob("smoke-*"))
+
+    out = subprocess.run(
+        [sys.executable, "-m", "stoker.daemon", "shutdown"], env=daemon.env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert daemon.proc is not None
+    daemon.proc.wait(60)
+    assert wait_until(lambda: not home_engines(daemon), timeout=30, what="no engine after shutdown")

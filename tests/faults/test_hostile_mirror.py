@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -185,6 +186,19 @@ async def _replayed(s: Setup) -> None:
     s.mirror.serve_manifest(old)  # then version 1 again
 
 
+async def _accepted(s: Setup) -> None:
+    """Have the daemon read (accept) the mirror's manifest as it is now."""
+    seen = len(s.server.requests())
+    await load_manifest(s.mirror.url, s.service().trust)
+    await until(lambda: len(s.server.requests()) > seen, timeout=5, what="the server's record of that fetch")
+
+
+async def _other_channel(s: Setup) -> None:
+    await _accepted(s)  # stable version 1, listing the newer bundle
+    # The same key's nightly channel, listing another bundle, served at the stable URL.
+    Mirror(s.mirror.root.parent / "nightly", s.server, s.key).publish([s.other_zip], channel="nightly")
+
+
 async def _unsigned(s: Setup) -> None:
     s.mirror.serve_manifest(s.mirror.payload())
 
@@ -195,6 +209,7 @@ MANIFEST_CASES: dict[str, tuple[Callable[[Setup], Awaitable[None]], str]] = {
     "expired": (_expired, "manifest_expired"),
     "replayed older": (_replayed, "manifest_rollback"),
     "unsigned": (_unsigned, "manifest_untrusted"),
+    "another channel's, same key": (_other_channel, "manifest_wrong_channel"),
 }
 
 
@@ -211,6 +226,27 @@ async def test_a_hostile_manifest_is_refused_before_any_bundle_is_fetched(setup,
     setup.assert_previous_intact()
     assert code in causes(setup.history()[:1])  # the failed transition carries it, with its evidence
     assert setup.store.machine(I.INSTALL.machine_id("cpu", "avx2")).state == "failed"
+
+
+async def test_an_empty_slot_never_installs_another_channels_release_after_stable_was_accepted(setup):
+    """Stable's manifest (version 3, the newer bundle) was accepted; then the trusted key's nightly
+    manifest (version 1, an older bundle) is served at the stable URL and the slot is empty. The
+    install is refused with manifest_wrong_channel, nothing is fetched or installed, and the
+    accepted sequence is still stable's version 3 (no nightly sequence starts, nothing freezes)."""
+    from stoker.store.manifests import ManifestVersions
+
+    setup.mirror.publish([setup.new_zip], version=3)
+    await _accepted(setup)
+    Mirror(setup.mirror.root.parent / "nightly", setup.server, setup.key).publish([setup.other_zip], channel="nightly")
+    for slot in setup.paths.bundles_dir.iterdir():
+        shutil.rmtree(slot)
+    before = len(setup.server.requests())
+    err = await setup.install_fails()
+    assert err.evidence["cause"] == "manifest_wrong_channel", err.evidence
+    assert [r.path for r in setup.server.requests()[before:]] == ["/manifest.json"]
+    assert find_installed(setup.paths, "cpu", "avx2") is None
+    rows = {(r.channel, r.version) for r in ManifestVersions(setup.store).all()}
+    assert rows == {("stable", 3)}
 
 
 async def test_a_network_manifest_with_no_trusted_key_is_not_even_fetched(setup):

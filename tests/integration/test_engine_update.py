@@ -166,6 +166,25 @@ def test_an_engine_that_dies_when_serving_is_rolled_back_and_the_conversation_ke
     assert last["to_state"] == "installed" and last["evidence"]["outcome"] == "kept", last
     assert last["evidence"]["rejected"]["reason"] == "engine_update_rolled_back"
     assert daemon.call("status")["pid"] == st["pid"]  # nothing was restarted
+
+    # `stoker engine update` from that channel does not switch to the rolled-back release again
+    # (it would restart the server to crash the same way): it says it was rolled back, and why.
+    held = engine_call(daemon, "engine.update")
+    assert held["state"] == "current" and held["reason"] == "engine_update_rolled_back", held
+    assert f"{old_version}.1 was rolled back here before (start gate: server default exited" in held["message"]
+    said = subprocess.run(
+        [sys.executable, "-m", "stoker.daemon", "engine", "update"],
+        env=daemon.env,
+        capture_output=True,
+        text=True,
+        timeout=UPDATE_TIMEOUT,
+    )
+    assert said.returncode == 0 and "not updated (engine_update_rolled_back)" in said.stdout, said
+    # Rolled back as a named zip, it is known by its digest: staged once to learn it, held back
+    # before the comparison, then known by its zip and not staged at all.
+    to = [s["to_state"] for s in update_steps(daemon, slot)[-5:]]
+    assert to == ["resolving", "staging", "current", "resolving", "current"], to
+    assert daemon.call("status")["pid"] == st["pid"]  # still nothing restarted
     print(
         f"rolled back in {took:.1f} s: " + ", ".join(f"{s['to_state']} +{s['at'] - steps[0]['at']:.1f}s" for s in steps)
     )
@@ -297,3 +316,43 @@ def test_the_automatic_check_updates_from_the_manifest_by_itself(daemon, model, 
     record = installs.get(f"install:{slot}")
     assert record is not None and record["version"] == new_version and record["by"] == "engine_update", record
     assert record["previous"] == meta.version
+
+
+def test_the_automatic_check_rolls_a_broken_release_back_once_and_never_again(daemon, model, cpu_bundle, tmp_path):
+    """The channel lists a release whose engine dies when serving, auto_update checks every
+    second: one update, one rollback, and from then on every check says it was rolled back
+    (no history row, no restart: the same server pid across further checks)."""
+    meta = bundle_meta_of(cpu_bundle)
+    broken = repack(cpu_bundle, tmp_path / "broken.zip", version=f"{meta.version}.5", wrapper=CRASH_WHEN_SERVING)
+    entry = {
+        "url": broken.as_uri(),
+        "sha256": hashlib.sha256(broken.read_bytes()).hexdigest(),
+        "size": broken.stat().st_size,
+        "backend": "cpu",
+        "variant": meta.variant,
+        "version": f"{meta.version}.5",
+        "platform": meta.platform,
+    }
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"schema_version": 1, "bundles": [entry]}))
+    engine = f'[bundles]\nmanifest = "{manifest}"\n[engine]\nauto_update = true\ncheck_interval_s = 1\n'
+    write_config(daemon.paths, tiny_config(model) + engine)
+    daemon.start()
+    slot = f"cpu-{meta.variant}"
+    st = daemon.wait_for(
+        lambda s: s["state"] == "ready" and (s.get("engine") or {}).get("update_state") == "rolled_back",
+        timeout=300,
+        what="the automatic update rolled back",
+    )
+    pid = st["pid"]
+    since = time.time()
+    st = daemon.wait_for(
+        lambda s: ((s.get("engine") or {}).get("last_check") or {}).get("at", 0) > since + 3,
+        timeout=60,
+        what="three more checks",
+    )
+    last = st["engine"]["last_check"]
+    assert last["result"] == "current" and "rolled back here before" in last["message"], last
+    assert st["pid"] == pid and st["state"] == "ready" and st["engine"]["version"] == meta.version
+    steps = [s["to_state"] for s in update_steps(daemon, slot, limit=5000)]
+    assert steps.count("rolled_back") == 1 and steps.count("staging") == 1, steps

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from stoker.states.engine_update import table as U
 from stoker.states.engine_update import records as R
@@ -161,6 +163,8 @@ def test_every_working_state_resumes_with_its_step(state, expected):
     resumed = step(U.ENGINE_UPDATE, state, data, R.Resumed())
     assert isinstance(resumed.effects[-1], expected)
     assert resumed.data.resumes == 1
+    if state is not S.SWITCHING and state is not S.ROLLING_BACK:  # those still need their staged tree
+        assert resumed.effects[0] == R.CleanStaging()  # never a staging dir left behind
 
 
 def test_events_out_of_turn_change_nothing():
@@ -197,7 +201,7 @@ def test_a_rollback_by_hand_rejects_the_engine_it_leaves_and_lifts_the_one_it_re
     left = U.rejection_of(back.data, CANDIDATE.sha256)
     assert left is not None and left.version == NEW.version and NEW.digest in left.refs
     # The automatic check does not bring it back; the install does not either (states/install/slot.py).
-    assert "rejected here before" in U.automatic_check(back.data, OLD, CANDIDATE)
+    assert "rolled back here before (by hand)" in U.automatic_check(back.data, OLD, CANDIDATE)
     forth = run(back.state, back.data, R.RollbackRequested("cpu", "avx2", OLD, NEW, ()), R.RolledBack())
     assert U.rejection_of(forth.data, CANDIDATE.sha256, NEW.digest) is None  # the user chose it again
     assert U.rejection_of(forth.data, OLD.digest) is not None
@@ -226,3 +230,84 @@ def test_a_step_that_raised_is_heard_as_its_gate_failing():
         ("beta", R.Outcome.TIMEOUT, cause),
     ]
     assert U.step_failed(R.CleanStaging(), cause) is None  # nothing the machine needs to hear
+
+
+def rolled_back_once():
+    restarting = to_switching()
+    verdict = R.ServerVerdict("default", "exited", "cpu", reason="server_crashed")
+    return run(restarting.state, restarting.data, R.ServersRestarted((verdict,)), R.RolledBack())
+
+
+def test_a_release_rolled_back_here_is_not_staged_again_and_the_user_is_told_why():
+    done = rolled_back_once()
+    assert done.state is S.ROLLED_BACK
+    again = run(done.state, done.data, R.UpdateRequested("cpu", "avx2"), R.Resolved(OLD, CANDIDATE))
+    assert again.state is S.CURRENT and again.effects == ()  # nothing staged, no server restarted
+    assert again.reason is ReasonCode.ENGINE_UPDATE_ROLLED_BACK
+    message = again.evidence["message"]
+    assert "b11434.1 was rolled back here before" in message and "start gate: server default exited" in message
+    assert "server_crashed" in message and "--bundle" in message
+    assert again.evidence["rolled_back"]["gate"] == "start"
+    # The zip named by the user is tried again; the automatic check does not start one.
+    named = R.Candidate(CANDIDATE.version, NEW.digest, "file:///tmp/new.zip")
+    tried = run(done.state, done.data, R.UpdateRequested("cpu", "avx2", bundle="/tmp/new.zip"), R.Resolved(OLD, named))
+    assert tried.state is S.STAGING
+    assert "rolled back here before" in U.automatic_check(done.data, OLD, CANDIDATE)
+    # A release rolled back by hand is held back the same way, and says so.
+    restarting = to_switching()
+    updated = run(restarting.state, restarting.data, R.ServersRestarted((R.ServerVerdict("default", "ready", "cpu"),)))
+    by_hand = run(updated.state, updated.data, R.RollbackRequested("cpu", "avx2", NEW, OLD, ()), R.RolledBack())
+    held = run(by_hand.state, by_hand.data, R.UpdateRequested("cpu", "avx2"), R.Resolved(OLD, CANDIDATE))
+    assert held.state is S.CURRENT and "(by hand)" in held.evidence["message"]
+    # A newer release than the one rolled back is staged as usual.
+    newer = R.Candidate("b11500", "9" * 64, "https://mirror.example/b11500.zip", "9" * 64, 1000)
+    assert run(done.state, done.data, R.UpdateRequested("cpu", "avx2"), R.Resolved(OLD, newer)).state is S.STAGING
+
+
+def test_a_zip_rolled_back_by_name_is_held_back_once_staged_and_known_by_its_zip_after():
+    """Rolled back as a zip the user named (known by its digest only), then offered by the channel
+    under its zip's sha256: staged (the digest is known only then), held back before the token
+    comparison and any restart, and caught when resolved from then on."""
+    named = R.Candidate(NEW.version, NEW.digest, "file:///tmp/new.zip")
+    restarting = run(
+        S.IDLE,
+        R.UpdateData(),
+        R.UpdateRequested("cpu", "avx2", bundle="/tmp/new.zip"),
+        R.Resolved(OLD, named),
+        R.Staged(NEW, "/staging", TOKENS),
+        R.TokensCompared(TOKENS),
+        R.Switched((R.ServerBaseline("default"),)),
+    )
+    verdict = R.ServerVerdict("default", "exited", "cpu", reason="server_crashed")
+    done = run(restarting.state, restarting.data, R.ServersRestarted((verdict,)), R.RolledBack())
+    assert U.rejection_of(done.data, CANDIDATE.sha256) is None  # its zip's sha256 is not known yet
+    staging = run(done.state, done.data, R.UpdateRequested("cpu", "avx2"), R.Resolved(OLD, CANDIDATE))
+    assert staging.state is S.STAGING
+    held = step(U.ENGINE_UPDATE, staging.state, staging.data, R.Staged(NEW, "/staging", TOKENS))
+    assert held.state is S.CURRENT and held.reason is ReasonCode.ENGINE_UPDATE_ROLLED_BACK
+    assert held.effects == (R.CleanStaging(),)  # no comparison, no switch, no restart
+    assert "rolled back here before (start gate: server default exited (server_crashed))" in held.evidence["message"]
+    again = run(held.state, held.data, R.UpdateRequested("cpu", "avx2"), R.Resolved(OLD, CANDIDATE))
+    assert again.state is S.CURRENT and again.effects == ()  # known by its zip now: not even staged
+
+
+@given(
+    st.lists(st.tuples(st.booleans(), st.sampled_from(["resolved", "fetch_failed", "rollback_by_hand"])), max_size=12)
+)
+def test_no_sequence_of_requests_stages_a_release_rolled_back_here(requests):
+    """Whatever users and the automatic check ask, in any order, the rolled-back release is never
+    staged, switched to, nor are servers restarted for it (only a rollback by hand moves the slot)."""
+    result = rolled_back_once()
+    state, data = result.state, result.data
+    for automatic, outcome in requests:
+        if outcome == "rollback_by_hand":
+            result = step(U.ENGINE_UPDATE, state, data, R.RollbackRequested("cpu", "avx2", OLD, None, ()))
+            state, data = result.state, result.data
+            continue
+        result = run(state, data, R.UpdateRequested("cpu", "avx2", automatic=automatic))
+        follow = R.Resolved(OLD, CANDIDATE) if outcome == "resolved" else R.GateFailed("fetch", {"cause": "x"})
+        result = step(U.ENGINE_UPDATE, result.state, result.data, follow)
+        assert result.state in (S.CURRENT, S.REJECTED)
+        assert not any(isinstance(e, (R.Stage, R.Switch, R.RestartServers, R.Relaunch)) for e in result.effects)
+        state, data = result.state, result.data
+        assert U.rejection_of(data, CANDIDATE.sha256) is not None  # never forgotten

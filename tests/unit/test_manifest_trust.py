@@ -66,9 +66,9 @@ def signed(key, body: bytes) -> bytes:
     return sign_envelope(body, MANIFEST_PAYLOAD_TYPE, key).to_json()
 
 
-def refused(trust: ManifestTrust, source: str, raw: bytes) -> StokerError:
+def refused(trust: ManifestTrust, source: str, raw: bytes, channel: str = "stable") -> StokerError:
     with pytest.raises(StokerError) as err:
-        trust.admit(source, raw)
+        trust.admit(source, raw, channel)
     return err.value
 
 
@@ -163,7 +163,7 @@ def test_rollback_is_refused_per_key_and_channel_and_remembered_across_a_restart
     err = refused(trust, URL, signed(key, payload(2, note="other")))
     assert err.reason == "manifest_rollback" and "same version" in err.message
     # Another channel, another key: their own sequences.
-    assert trust.admit(URL, signed(key, payload(1, channel="nightly"))).manifest.channel == "nightly"
+    assert trust.admit(URL, signed(key, payload(1, channel="nightly")), "nightly").manifest.channel == "nightly"
     assert trust.admit(URL, signed(other_key, payload(1))).manifest.version == 1
     assert trust.admit(URL, signed(key, payload(3))).provenance["previous_version"] == 2
     store.close()
@@ -174,6 +174,29 @@ def test_rollback_is_refused_per_key_and_channel_and_remembered_across_a_restart
         assert refused(trust, URL, signed(key, payload(2))).reason == "manifest_rollback"
         rows = {(r.key_id, r.channel): r.version for r in ManifestVersions(store).all()}
         assert rows == {(key.keyid, "stable"): 3, (key.keyid, "nightly"): 1, (other_key.keyid, "stable"): 1}
+    finally:
+        store.close()
+
+
+def test_another_channels_manifest_at_this_channels_url_is_refused_and_moves_no_sequence(tmp_path, key):
+    """A nightly manifest signed by the trusted key, served where the stable one is read: refused
+    with manifest_wrong_channel, neither channel's accepted version moves, so the stable channel
+    is not frozen on it and its older releases are never offered as stable's."""
+    store = open_store(tmp_path / "stoker.db")
+    try:
+        trust = ManifestTrust((key.public_text,), store, clock=lambda: NOW)
+        assert trust.admit(URL, signed(key, payload(5))).manifest.version == 5
+        err = refused(trust, URL, signed(key, payload(1, channel="nightly")))
+        assert err.reason == "manifest_wrong_channel"
+        assert err.evidence["channel"] == "nightly" and err.evidence["channel_asked"] == "stable"
+        assert "nightly" in err.message and "stable" in err.message
+        assert {(r.channel, r.version) for r in ManifestVersions(store).all()} == {("stable", 5)}
+        # Asked as stable's, a stable manifest of a newer version is still accepted: nothing froze.
+        assert trust.admit(URL, signed(key, payload(6))).provenance["previous_version"] == 5
+        # And the stable manifest read as the nightly channel's is refused the same way.
+        err = refused(trust, URL, signed(key, payload(7)), "nightly")
+        assert err.reason == "manifest_wrong_channel" and err.evidence["channel_asked"] == "nightly"
+        assert {(r.channel, r.version) for r in ManifestVersions(store).all()} == {("stable", 6)}
     finally:
         store.close()
 

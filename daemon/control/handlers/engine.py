@@ -75,7 +75,8 @@ async def engine_update(daemon: ControlledDaemon, params: Mapping[str, Any]) -> 
 
     Reply: {slot, state (updated, current: nothing newer), installed, candidate, gate, verdicts, by_hand,
     engine {slot, version, previous, update_state, update_reason}, history [{from, event, to, reason, at}],
-    message}. Refused before the switch: engine_update_rejected (evidence: gate, cause; the engine is
+    message, reason (state current: engine_update_rolled_back when the channel's release was rolled
+    back here before and is not staged again)}. Refused before the switch: engine_update_rejected (evidence: gate, cause; the engine is
     untouched); rolled back: engine_update_rolled_back (evidence: gate, server, the figures).
     """
     bundle = params["bundle"]
