@@ -114,6 +114,7 @@ class Daemon:
     telemetry_sampler: TelemetrySampler | None = attrs.field(init=False, default=None)  # set when served
     # The front door's bound URLs once it started ([] when off or its port was taken); None before.
     frontdoor_binds: list[str] | None = attrs.field(init=False, default=None)
+    _config_applied: trio.Event = attrs.field(init=False, factory=trio.Event)
     config_problems: list[str] = attrs.field(factory=list)
     config_loaded_invalid: bool = False  # no valid file was ever read: refuse `up`
     started_at: float = attrs.field(factory=time.time)
@@ -358,6 +359,15 @@ class Daemon:
         self.config_problems = []
         self.config_loaded_invalid = False
         self.fleet.apply(new)  # each model relaunched where its own config changed (effect.relaunch: any)
+        self._config_applied.set()
+        self._config_applied = trio.Event()
+
+    async def wait_config_applied(self) -> None:
+        """Return once a reloaded config is in force (the front door rebinds where its address changed)."""
+        await self._config_applied.wait()
+
+    def _frontdoor_bound(self, binds: list[str]) -> None:
+        self.frontdoor_binds = binds
 
     def on_config_invalid(self, err: ConfigError) -> None:
         self.config_problems = list(err.problems)
@@ -387,7 +397,14 @@ class Daemon:
             await nursery.start(serve_control, self.paths.socket_path, partial(dispatch, self), self.bus)
             # The front door (docs/frontdoor.md), user API keys checked through `authorize`.
             self.frontdoor_binds = await nursery.start(
-                functools.partial(serve_frontdoor, self, authorize=self.authorize, hold=self.frontdoor_hold)
+                functools.partial(
+                    serve_frontdoor,
+                    self,
+                    authorize=self.authorize,
+                    hold=self.frontdoor_hold,
+                    config_applied=self.wait_config_applied,
+                    on_bound=self._frontdoor_bound,
+                )
             )
             await nursery.start(
                 lambda task_status: watch_config(

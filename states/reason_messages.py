@@ -413,6 +413,12 @@ MESSAGE_TEXT: dict[str, str] = {
         "An RPC worker stopped answering while the server used it; the server was re-planned without it (on the "
         "other workers, the local GPUs or the CPU). Bring the worker back and `stoker restart` to use it again."
     ),
+    "rpc_worker_failed": (
+        "The server died of an RPC failure while every worker of its plan still answers the RPC check: a worker "
+        "answers the check but fails inside the engine (a broken or impostor rpc-server, another build). The plan's "
+        "workers were left out of the next plan, which runs without them; check the worker (`stoker worker status` "
+        "on its host) and `stoker restart` to use it again."
+    ),
     "remote_endpoint_unreachable": (
         "The model's external endpoint (`[models.NAME] endpoint`) could not be reached: the connection was refused, "
         "the name did not resolve, it timed out, or it broke before an answer came. Stoker runs no server for this "

@@ -186,6 +186,7 @@ class ReasonCode(enum.StrEnum):
     RPC_WORKER_UNREACHABLE = "rpc_worker_unreachable"
     RPC_VERSION_MISMATCH = "rpc_version_mismatch"
     RPC_WORKER_LOST = "rpc_worker_lost"
+    RPC_WORKER_FAILED = "rpc_worker_failed"
     # Remote models: [models.NAME] served by an external endpoint (daemon/fleet/remote.py).
     REMOTE_ENDPOINT_UNREACHABLE = "remote_endpoint_unreachable"
     REMOTE_KEY_REJECTED = "remote_key_rejected"

@@ -1,4 +1,5 @@
-"""`stoker key create [--name N] | list | revoke ID`: the user's API keys for the front door."""
+"""`stoker key create [--name N] | list | revoke ID | require [--off]`: the user's API keys for
+the front door, and whether every client must present one."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from stoker.daemon.cli.output import emit, json_option
 from stoker.daemon.cli.lifecycle import ask
 
 if TYPE_CHECKING:
-    from stoker.daemon.control.replies import CreatedApiKey, KeyList
+    from stoker.daemon.control.replies import CreatedApiKey, KeyList, KeyRequirement
 
 SHOWN_ONCE = "This is the only time the key is shown: Stoker keeps only its hash. Store it now."
 
@@ -73,6 +74,27 @@ def revoke(ident: str, as_json: bool) -> None:
 
     reply, revoked = ask("key.revoke", as_json, ApiKey, id=ident)
     emit(as_json, reply, lambda _: f"revoked key {revoked.id} ({revoked.prefix}): it no longer opens the front door")
+
+
+def format_requirement(done: KeyRequirement) -> str:
+    fd = done.frontdoor
+    where = fd.url or fd.address
+    if done.require_keys:
+        said = f"the front door ({where}) requires a key: clients send one made with `stoker key create`"
+    else:
+        said = f"the front door ({where}) requires no key: any local user can use it"
+    return f"{said} ({'set' if done.changed else 'already set'} in {done.config_path})"
+
+
+@key.command()
+@click.option("--off", is_flag=True, help="Stop requiring a key: any local user may call without one.")
+@json_option
+def require(off: bool, as_json: bool) -> None:
+    """Require a key of every front door client ([frontdoor] require_keys), applied at once."""
+    from stoker.daemon.control.replies import KeyRequirement
+
+    reply, done = ask("key.require", as_json, KeyRequirement, off=off)
+    emit(as_json, reply, lambda _: format_requirement(done))
 
 
 def register(cli: click.Group) -> None:

@@ -88,6 +88,12 @@ def format_status(st: dict[str, Any]) -> str:
     frontdoor = st.get("frontdoor")
     if isinstance(frontdoor, dict):  # where clients connect: the address that does not change
         shown = frontdoor.get("url") or ("off" if not frontdoor.get("enabled") else "not listening (`stoker logs`)")
+        if frontdoor.get("url"):  # who can reach it (a bind beyond loopback always requires keys)
+            shown += (
+                ", key required (`stoker key create`)"
+                if frontdoor.get("require_keys")
+                else ", no key required: any local user can use it (`stoker key require` to ask for one)"
+            )
         lines.append(f"frontdoor {shown}")
     layers = st.get("layers") or {}
     if st.get("backend") == "cpu" and layers.get("offloaded") is None:

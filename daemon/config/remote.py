@@ -38,9 +38,12 @@ def is_loopback_host(host: str) -> bool:
     if host.lower() in LOOPBACK_NAMES:
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False
+    # An IPv4 client of a `::` socket arrives as ::ffff:127.0.0.1, which ipaddress calls not loopback.
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def endpoint_url(value: Any) -> str:

@@ -1,12 +1,15 @@
 """Hot reload of config.toml with watchfiles: valid edits are applied, invalid ones reported.
 
 `watch_config` watches the file's directory (editors replace files rather than write them)
-and reports each edit once it settles; the caller keeps the old config on an invalid one.
+and reports each edit once it settles; the caller keeps the old config on an invalid one. A
+config that is a symlink (a dotfiles checkout) is watched through every link to its target:
+an edit of the target is an edit of the config, and a link pointed elsewhere is followed.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -29,6 +32,27 @@ async def _call(callback: Callable[[Any], Any] | None, arg: Any) -> Any:
     if inspect.isawaitable(result):
         return await result
     return result
+
+
+MAX_LINKS = 40  # as the kernel's own limit on a path's symlinks
+
+
+def link_chain(path: Path) -> tuple[Path, ...]:
+    """`path`, each link it goes through, and the file it ends at, each named in its directory's
+    real path (so that they compare with what the watcher reports for those directories)."""
+    chain: list[Path] = []
+    here = path
+    for _ in range(MAX_LINKS):
+        here = Path(os.path.realpath(here.parent)) / here.name
+        if here in chain:
+            break  # a loop of links: the config cannot be read, its reading says so
+        chain.append(here)
+        try:
+            target = os.readlink(here)
+        except OSError:  # not a link (or not there): the end of the chain
+            break
+        here = here.parent / target
+    return tuple(chain)
 
 
 async def watch_config(
@@ -85,31 +109,49 @@ async def watch_config(
                 return
             current, invalid = new, False
 
+    chain = link_chain(path)
+
     def is_ours(_change: Any, changed: str) -> bool:
-        return Path(changed).name == path.name
+        return Path(changed) in chain
+
+    watching = stop  # the running watcher's stop event
 
     async def stop_on_cancel() -> None:
         # awatch blocks in a worker thread that only notices cancellation through stop_event.
         try:
             await trio.sleep_forever()
         finally:
-            stop.set()
+            watching.set()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stop_on_cancel)
-        watcher = awatch(
-            path.parent,
-            watch_filter=is_ours,
-            debounce=debounce_ms,
-            step=min(50, debounce_ms),
-            stop_event=stop,
-            recursive=False,
-        )
-        # awatch creates its watcher in the first __anext__, before it first checkpoints; the
-        # re-read scheduled here runs after that, so an edit made between the caller's load and
-        # the watcher's start is not lost.
-        task_status.started()
-        nursery.start_soon(reload, True)
-        async for _changes in watcher:
-            await reload()
+        first = True
+        while True:
+            # Each directory that holds the config, a link on the way to it, or its target.
+            dirs = sorted({str(p.parent) for p in chain if p.parent.is_dir()})
+            watcher = awatch(
+                *dirs,
+                watch_filter=is_ours,
+                debounce=debounce_ms,
+                step=min(50, debounce_ms),
+                stop_event=watching,
+                recursive=False,
+            )
+            if first:
+                # awatch creates its watcher in the first __anext__, before it first checkpoints;
+                # the re-read scheduled here runs after that, so an edit made between the caller's
+                # load and the watcher's start is not lost.
+                task_status.started()
+                nursery.start_soon(reload, True)
+                first = False
+            async for _changes in watcher:
+                await reload()
+                if link_chain(path) != chain:
+                    break  # a link now points elsewhere: watch where it leads
+            else:
+                break  # stopped
+            chain = link_chain(path)
+            await watcher.aclose()
+            watching = anyio.Event()
+            await reload()  # what changed while the watcher was replaced
         nursery.cancel_scope.cancel()

@@ -51,6 +51,7 @@ METHODS: Mapping[str, Method] = _by_name(
     keys.key_create,
     keys.key_list,
     keys.key_revoke,
+    keys.key_require,
     models.pull,
     models.model_list,
     models.model_rm,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
-from stoker.daemon.control.status_records import EngineSlot, Status
+from stoker.daemon.control.status_records import EngineSlot, FrontDoorStatus, Status
 from stoker.daemon.backends.base import Device
 from stoker.store.catalog import ModelRecord
 from stoker.store.snapshots import SnapshotRecord
@@ -109,6 +109,17 @@ class PreferenceWritten:
     config_path: str
     relaunch: bool
     status: Status
+
+
+@attrs.frozen
+class KeyRequirement:
+    """`key.require`: whether the front door now asks every client for a key, whether this call
+    changed it, the config file it was written to, and the front door as status shows it."""
+
+    require_keys: bool
+    changed: bool
+    config_path: str
+    frontdoor: FrontDoorStatus
 
 
 @attrs.frozen

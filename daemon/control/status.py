@@ -53,7 +53,8 @@ def frontdoor_url(bind: str) -> str:
     return bind.rstrip("/") + "/v1"
 
 
-def _frontdoor(daemon: ControlledDaemon) -> FrontDoorStatus:
+def frontdoor_status(daemon: ControlledDaemon) -> FrontDoorStatus:
+    """Where clients reach the front door now, and whether it asks them for a key."""
     settings = daemon.config.frontdoor
     binds = daemon.frontdoor_binds
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
@@ -177,7 +178,7 @@ def build_status(daemon: ControlledDaemon, member: Member | None = None) -> Stat
         config=ConfigStatus(str(daemon.paths.config_file), not daemon.config_problems, tuple(daemon.config_problems)),
         store=_store_status(daemon),
         daemon=DaemonInfo(os.getpid(), daemon.started_at, str(daemon.paths.socket_path)),
-        frontdoor=_frontdoor(daemon),
+        frontdoor=frontdoor_status(daemon),
         planned_backend=fallback["planned_backend"],
         preference=Preference(preference["prefer"], bool(preference["forced"]), tuple(preference["candidates"])),
         fallback_state=fallback["fallback_state"],

@@ -94,8 +94,8 @@ class FrontDoorStatus:
     """Where clients reach the server: the front door (docs/frontdoor.md), its OpenAI base URL."""
 
     url: str | None  # http://host:port/v1 while it listens; null when off or its port was taken
-    enabled: bool  # `[frontdoor] enabled`; it, host and port take effect at the daemon's start
-    address: str  # host:port, as the config says
+    enabled: bool  # `[frontdoor] enabled`; it, host and port take effect at once (a reload rebinds)
+    address: str  # host:port, as the config says (`url`: what is bound)
     require_keys: bool
 
 

@@ -424,9 +424,12 @@ async def serve_http(
     figures: RequestFigures,
     handler: Handler,
     *,
+    connections: trio.Nursery | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve every connection accepted on `listeners` until cancelled (then the listeners are closed)."""
+    """Serve every connection accepted on `listeners` until cancelled (then the listeners are
+    closed). `connections`: where the accepted connections run, when they must outlive the
+    listeners (a rebind after a reload closes the old address, not the requests it took)."""
 
     async def connection(sock: socket.socket) -> None:
         stream = RelaySocket(sock)
@@ -451,9 +454,9 @@ async def serve_http(
             connections.start_soon(connection, sock)
 
     try:
-        async with trio.open_nursery() as connections:
+        async with trio.open_nursery() as own:
             for listener in listeners:
-                connections.start_soon(accept, listener, connections)
+                own.start_soon(accept, listener, own if connections is None else connections)
             task_status.started()
     finally:
         for listener in listeners:

@@ -2,16 +2,20 @@
 
 It binds `[frontdoor] host:port` (loopback by default, 127.0.0.1:11436). A port another
 program holds does not stop the daemon: the front door logs why and stays off, the rest of the
-daemon serves on. Requests are served by daemon/frontdoor/http11.py (h11 on trio sockets) and
-routed by `FrontDoor` (app.py); the engine is reached through one `EngineWire` (its keep-alive
-pool) for the daemon's life.
+daemon serves on. A reload that changes `enabled`, `host` or `port` closes the old address and
+listens on the new one; the requests the old one took are answered on. Requests are served by
+daemon/frontdoor/http11.py (h11 on trio sockets) and routed by `FrontDoor` (app.py); the engine
+is reached through one `EngineWire` (its keep-alive pool) for the daemon's life.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import socket
+from typing import Awaitable, Callable
 
+import attrs
 import trio
 
 from stoker.daemon.core.http import loopback_client
@@ -43,36 +47,82 @@ def settle_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+@attrs.define(eq=False)
+class Address:
+    """One address the front door listens on: stopped by its scope, `closed` once its listener is."""
+
+    settings: tuple[bool, str, int]  # enabled, host, port as the config said when it was bound
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    closed: trio.Event = attrs.field(factory=trio.Event)
+
+
+async def _listen(host: str, port: int) -> list[socket.socket]:
+    try:
+        # A taken port is one plain OSError that leaves the daemon serving.
+        return await open_listeners(host, port)
+    except OSError as exc:
+        log.error(
+            "the front door cannot listen on %s:%d (%s); it stays off, the daemon serves on",
+            host,
+            port,
+            exc.strerror or exc,
+        )
+        return []
+
+
 async def serve_frontdoor(
     daemon: FrontDoorDaemon,
     *,
     authorize: Authorize = allow_loopback,
     hold: Hold | None = None,
+    config_applied: Callable[[], Awaitable[None]] | None = None,
+    on_bound: Callable[[list[str]], None] | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until cancelled; `started` with the bound URLs (empty when off or the bind failed).
-    `hold`: the daemon's waiting room, whose requests in flight a planned stop drains."""
-    settings = daemon.config.frontdoor
-    if not settings.enabled:
-        task_status.started([])
-        return
-    try:
-        # A taken port is one plain OSError that leaves the daemon serving.
-        listeners = await open_listeners(settings.host, settings.port)
-    except OSError as exc:
-        log.error(
-            "the front door cannot listen on %s:%d (%s); it stays off, the daemon serves on",
-            settings.host,
-            settings.port,
-            exc.strerror or exc,
-        )
-        task_status.started([])
-        return
-    settle_gc()
+    `hold`: the daemon's waiting room, whose requests in flight a planned stop drains.
+    `config_applied`: returns once a reloaded config is in force; where it changed `enabled`,
+    `host` or `port` the old address is closed first, then the new one bound (`on_bound` gets its
+    URLs); the connections the old one accepted are served on until they end."""
     # The forward path's engine connections: one pool for the front door's life, closed with it.
     async with loopback_client() as http, EngineWire(ENGINE_TIMEOUT) as wire, trio.open_nursery() as nursery:
         front = FrontDoor(daemon, http, authorize, hold, wire)
-        await nursery.start(serve_http, listeners, daemon, front.metrics.requests, front.handle)
-        binds = [bound_url(listener) for listener in listeners]
-        log.info("front door on %s", ", ".join(binds))
-        task_status.started(binds)
+        bound: Address | None = None
+        settled, first = False, True
+
+        async def serve_address(address: Address, listeners: list[socket.socket]) -> None:
+            try:
+                with address.scope:
+                    await serve_http(listeners, daemon, front.metrics.requests, front.handle, connections=nursery)
+            finally:
+                address.closed.set()
+
+        while True:
+            settings = daemon.config.frontdoor
+            wanted = (settings.enabled, settings.host, settings.port)
+            if bound is None or bound.settings != wanted:
+                if bound is not None:
+                    bound.scope.cancel()  # the old address stops accepting; its connections go on
+                    await bound.closed.wait()
+                    log.info("front door: the config changed its address; the old one is closed")
+                listeners = await _listen(settings.host, settings.port) if settings.enabled else []
+                bound = Address(wanted)
+                if listeners:
+                    if not settled:
+                        settle_gc()
+                        settled = True
+                    nursery.start_soon(serve_address, bound, listeners)
+                else:
+                    bound.closed.set()
+                binds = [bound_url(listener) for listener in listeners]
+                if binds:
+                    log.info("front door on %s", ", ".join(binds))
+                if first:
+                    task_status.started(binds)
+                    first = False
+                elif on_bound is not None:
+                    on_bound(binds)
+            if config_applied is None:
+                await trio.sleep_forever()
+            else:
+                await config_applied()

@@ -381,19 +381,35 @@ class Supervisor:
             self.offer(LR.ServerExited(report.returncode, report.reason, report.evidence))
 
     async def _watch_ready(self, handle: ServerHandle, stall_timeout: float) -> None:
-        # The engine's first "loaded meta data" line: the model is being read.
-        while handle.log.model_path is None and handle.exit is None:
-            await handle.wait_changed()
-        if handle.exit is None:
-            self.offer(LR.LoadStarted({"model_path": handle.log.model_path}))
-        try:
-            report = await wait_ready(
-                handle, stall_timeout=stall_timeout, ready_timeout=self.config.server.ready_timeout_s
-            )
-        except StokerError as err:
-            if err.reason in (ReasonCode.SERVER_STALLED, ReasonCode.SERVER_START_TIMEOUT):
-                self.offer(LR.StallTimeout())
-            return  # an exit is reported by _run_server
+        announced = False
+
+        def announce() -> None:
+            nonlocal announced
+            if not announced and handle.log.model_path is not None and handle.exit is None:
+                announced = True
+                self.offer(LR.LoadStarted({"model_path": handle.log.model_path}))
+
+        async def announce_load() -> None:
+            # The engine's first "loaded meta data" line: the model is being read.
+            while handle.log.model_path is None and handle.exit is None:
+                await handle.wait_changed()
+            announce()
+
+        # The stall and start bounds run from the spawn: an engine silent before it reads the
+        # model (held by an RPC worker busy with another head) is stalled, never waited on forever.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(announce_load)
+            try:
+                report = await wait_ready(
+                    handle, stall_timeout=stall_timeout, ready_timeout=self.config.server.ready_timeout_s
+                )
+            except StokerError as err:
+                nursery.cancel_scope.cancel()
+                if err.reason in (ReasonCode.SERVER_STALLED, ReasonCode.SERVER_START_TIMEOUT):
+                    self.offer(LR.StallTimeout())
+                return  # an exit is reported by _run_server
+            nursery.cancel_scope.cancel()
+        announce()  # loaded implies the metadata line: LoadStarted always comes before Ready
         evidence = report.to_evidence()
         await self._ready(evidence)
 

@@ -276,8 +276,9 @@ def _next(data: FallbackData, backend: str, reason: ReasonCode, evidence: dict[s
 
 
 # An RPC worker's failure is the worker's, never the local backend's: the new plan checks the
-# workers again (states/fleet/rpc_placement.py) on the same backend.
-_WORKER_FAILURES = frozenset({ReasonCode.RPC_WORKER_LOST, ReasonCode.RPC_VERSION_MISMATCH})
+# workers again (states/fleet/rpc_placement.py) on the same backend. A stall asks for a new plan
+# only when the plan used workers (states/launch/exits.py `judge_stall`): a worker held it.
+_WORKER_FAILURES = frozenset({ReasonCode.RPC_WORKER_LOST, ReasonCode.RPC_VERSION_MISMATCH, ReasonCode.SERVER_STALLED})
 
 
 def _startup_failed(data: FallbackData, event: PlanRequested) -> bool:

@@ -8,7 +8,8 @@ been idle) and daemon/fleet/ acts on the answer: start it, unload the one named 
 planned stop: drained, snapshots saved, TERM), or wait until one frees.
 
 A model counts as loaded from the moment it is planned until its server is gone (stopping
-included: it still holds its memory). Only a ready, unpinned model with no request in flight
+included: it still holds its memory), but a stopping model's place is already on its way back:
+a load waits for it instead of unloading another (one eviction per place needed). Only a ready, unpinned model with no request in flight
 and none held for it may be unloaded to make room; of those, the least recently used goes.
 """
 
@@ -122,6 +123,11 @@ def place(wanted: str, residents: Sequence[Resident], max_loaded: int) -> Placem
     evidence: dict[str, Any] = {"for": wanted, "max_loaded": room, "loaded": [r.to_json() for r in loaded]}
     if len(loaded) < room:
         return Placement(Verdict.LOAD, evidence=evidence)
+    # A model already stopping gives its place back by itself: one freeing is one place made, so
+    # a load that a stop makes room for waits for it rather than evicting another idle model.
+    staying = [r for r in loaded if r.state is not S.STOPPING]
+    if len(staying) < room:
+        return Placement(Verdict.WAIT_STOP, evidence=evidence)
     idle = [r for r in loaded if r.evictable]
     if idle:
         # The least recently used: the longest idle (ties: the first configured keeps its place).
@@ -129,8 +135,6 @@ def place(wanted: str, residents: Sequence[Resident], max_loaded: int) -> Placem
         return Placement(
             Verdict.EVICT, victim.name, {**evidence, "idle_s": round(victim.idle_s, 1)}, victims=(victim.name,)
         )
-    if any(r.state is S.STOPPING for r in loaded):
-        return Placement(Verdict.WAIT_STOP, evidence=evidence)
     return Placement(Verdict.NO_ROOM, evidence=evidence)
 
 

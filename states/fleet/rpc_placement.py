@@ -12,6 +12,10 @@ and hands the readings here. This table decides, for each worker:
                             so Stoker asks for the exact version), or this bundle has no RPC
     rpc_worker_lost         it does not answer now and the plan it was in just ended because
                             the engine lost an RPC connection (the previous plan named it)
+    rpc_worker_failed       it answers now, but the plan it was in just ended because the engine
+                            lost an RPC connection and none of that plan's workers is gone: the
+                            engine failed with a worker that passes the check (which one it does
+                            not say), so each of that plan's workers is left out of this one
     rpc_worker_unreachable  it does not answer now (refused, timed out, not the RPC protocol)
 
 and the tensor split: one share per device, RPC devices first in `--rpc` order (the engine
@@ -136,13 +140,16 @@ def buffer_worker(name: str) -> str | None:
     return match.group(1) if match else None
 
 
-def _judge(reading: WorkerReading, protocol: str | None, lost: frozenset[str]) -> LeftOut | None:
-    """Why a worker cannot be used now (None: it can)."""
+def _judge(reading: WorkerReading, protocol: str | None, lost: frozenset[str], failed: bool) -> LeftOut | None:
+    """Why a worker cannot be used now (None: it can). `failed`: the engine failed with the
+    workers in `lost` though each still answers the check."""
     evidence = reading.to_evidence()
     if not reading.reachable:
         if reading.address in lost:
             return LeftOut(reading.address, ReasonCode.RPC_WORKER_LOST, {**evidence, "was_in_plan": True})
         return LeftOut(reading.address, ReasonCode.RPC_WORKER_UNREACHABLE, evidence)
+    if failed and reading.address in lost:
+        return LeftOut(reading.address, ReasonCode.RPC_WORKER_FAILED, {**evidence, "was_in_plan": True})
     if protocol is None or reading.version != protocol:
         return LeftOut(reading.address, ReasonCode.RPC_VERSION_MISMATCH, {**evidence, "expected": protocol})
     if not any(d.free_bytes > 0 for d in reading.devices):
@@ -174,8 +181,13 @@ def place(
     left_out: list[LeftOut] = []
     split: list[float] = []
     next_device = 0
+    # The engine lost an RPC connection: a worker of that plan that is gone now explains it (the
+    # others are trusted); with none gone, a worker that answers the check failed inside the
+    # engine, and readmitting it would fail the same way, plan after plan, into crash_loop.
+    gone = {r.address for r in readings if not r.reachable}
+    failed = bool(lost) and not (lost & gone)
     for reading in readings:
-        verdict = _judge(reading, protocol, lost)
+        verdict = _judge(reading, protocol, lost, failed)
         if verdict is not None:
             left_out.append(verdict)
             continue

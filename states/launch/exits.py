@@ -45,3 +45,13 @@ def judge_exit(reason: ReasonCode, phase: ExitPhase, plan: LaunchPlan | None) ->
         # records <backend>_startup_failed and tries the next backend.
         return ExitVerdict.REPLAN
     return ExitVerdict.RESPAWN
+
+
+def judge_stall(hung: bool, plan: LaunchPlan | None) -> ExitVerdict:
+    """A stall (before ready) or a hang (after): respawned like any crash (the plan worked, the
+    engine stopped moving), except a stall of a plan that places layers on RPC workers: a worker
+    busy with another head holds the engine before it reads the model, and the same `--rpc`
+    would hold it again, so a new plan reads the workers again (a busy one is left out)."""
+    if not hung and plan is not None and plan.rpc is not None and plan.rpc.used:
+        return ExitVerdict.REPLAN
+    return ExitVerdict.RESPAWN

@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from stoker.states.launch.exits import ExitVerdict, judge_exit
+from stoker.states.launch.exits import ExitVerdict, judge_exit, judge_stall
 from stoker.states.launch.liveness import liveness_cadence
 from stoker.states.launch.records import (
     AfterStop,
@@ -175,10 +175,10 @@ def stop_done_step(data: LaunchData, event: StopCompleted | ServerExited | Spawn
     evidence = {"returncode": returncode, **event.evidence}
     if data.after_stop in (AfterStop.CRASH, AfterStop.HUNG):
         # A stall (only ever before ready) or a hang (only after): respawned like any crash,
-        # never re-planned: the plan worked, the engine stopped moving.
+        # re-planned only where RPC workers may be what holds it (states/launch/exits.py).
         hung = data.after_stop is AfterStop.HUNG
         phase = ExitPhase.AFTER_READY if hung else ExitPhase.NEVER_READY
-        verdict = ExitVerdict.RESPAWN
+        verdict = judge_stall(hung, data.plan)
         evidence = {**data.evidence, **evidence, "phase": phase.value, "verdict": verdict.value}
         reason = data.reason or (ReasonCode.SERVER_HUNG if hung else ReasonCode.SERVER_STALLED)
         return crash_step(data, reason, evidence, verdict, phase, returncode)

@@ -1,7 +1,11 @@
 """Chaos over the real daemon: random commands from several clients, kill -9 of the daemon and
 of the server at random points, restarts. Whatever happened, once the daemon settles exactly
 the servers `status` reports exist, and after a shutdown none is left without a daemon that
-knows it.
+knows it. A second run does the same over three models under `[placement] max_loaded = 2` with
+an RPC worker that dies and comes back, and the models' own files cataloged and removed from
+the catalog: after every action, at a quiet point, each model's servers are exactly the one
+status names, no more than max_loaded are loaded, and the catalog matches the files (none of
+the user's own files deleted).
 
 One daemon home for the whole run (its store carries over from example to example, so later
 examples start from whatever the earlier ones left in it); the tiny model; a small
@@ -11,16 +15,21 @@ examples). A failure prints the sequence of actions that led to it.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from stoker.daemon.core.errors import StokerError
+from tests.faults.test_placement_evictions import assert_fleet_matches_status, fleet_config, model_copies
 from tests.faults.test_servers import assert_exactly_what_status_reports, server_pids
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
+from tests.integration.rpc_workers import WorkerProcess
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -143,3 +152,171 @@ def test_chaos_leaves_exactly_the_servers_status_reports(chaos_daemon, model, ac
         assert server_pids(model) == [], "servers left after shutdown"
     finally:
         chaos_daemon.stop()  # the next example starts from a stopped daemon (its store kept)
+
+
+# --- several models under max_loaded, an RPC worker coming and going -----------------------------
+
+FLEET = ["m0", "m1", "m2"]  # three models, two places
+FLEET_MAX_LOADED = 2
+
+fleet_commands = st.lists(
+    st.tuples(st.sampled_from(["up", "down", "restart"]), st.sampled_from(FLEET)), min_size=1, max_size=4
+)
+fleet_actions = st.lists(
+    st.one_of(
+        st.tuples(st.just("clients"), fleet_commands),  # one client per command, all at once
+        st.tuples(st.just("kill_daemon"), st.floats(0, 0.3)),  # kill -9 after a delay, start again
+        st.tuples(st.just("kill_server"), st.sampled_from(FLEET)),  # kill -9 that model's server
+        st.tuples(st.just("worker_goes"), st.none()),  # the worker's host dies (supervisor and server)
+        st.tuples(st.just("worker_comes"), st.none()),  # and comes back, on the same address
+        st.tuples(st.just("pull_local"), st.sampled_from(FLEET)),  # catalog a model's own file
+        st.tuples(st.just("rm"), st.sampled_from(FLEET)),  # and remove it from the catalog
+        st.tuples(st.just("wait"), st.floats(0, 1.0)),
+    ),
+    min_size=2,
+    max_size=5,
+)
+
+
+class FleetChaos(Chaos):
+    """Chaos over several models and a worker; every action ends at a quiet point, where the
+    invariant is checked."""
+
+    def __init__(self, d: DaemonProcess, copies: dict[str, Path], worker: WorkerProcess) -> None:
+        super().__init__(d, None)
+        self.copies = copies
+        self.worker = worker
+        self.quiet_points = 0
+
+    def clients(self, commands: list[tuple[str, str]]) -> None:  # type: ignore[override]
+        for method, name in commands:
+            thread = threading.Thread(target=self._call_model, args=(method, name, random.random() * 0.05))
+            thread.start()
+            self.threads.append(thread)
+
+    def _call_model(self, method: str, name: str, delay: float) -> None:
+        time.sleep(delay)
+        started = time.monotonic()
+        try:
+            with self.d.client(timeout=CALL_TIMEOUT) as c:
+                c.call(method, model=name)
+        except (StokerError, OSError):
+            pass  # refused (placement_no_room, a model failed), or the daemon was killed under it
+        if time.monotonic() - started >= CALL_TIMEOUT - 1:
+            self.wedged.append(f"{method} {name}")
+
+    def kill_server(self, name: str) -> None:  # type: ignore[override]
+        for proc in servers_for(self.copies[name]):
+            try:
+                proc.kill()
+            except Exception:
+                pass
+
+    def worker_goes(self, _: None) -> None:
+        if self.worker.proc is not None and self.worker.proc.poll() is None:
+            self.worker.proc.send_signal(signal.SIGKILL)  # first the supervisor: else it restarts the server
+            self.worker.proc.wait(10)
+        pid = self.worker.rpc_server_pid()
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+
+    def worker_comes(self, _: None) -> None:
+        if self.worker.proc is None or self.worker.proc.poll() is not None:
+            mark = len(self.worker.text())
+            self.worker.start()
+            self.worker.wait_serving(60, mark)
+
+    def pull_local(self, name: str) -> None:
+        try:
+            self.d.call("pull", spec=str(self.copies[name]), name=f"c-{name}")
+        except StokerError:
+            pass  # already cataloged, or refused with its reason
+
+    def rm(self, name: str) -> None:
+        try:
+            self.d.call("model.rm", name=f"c-{name}")
+        except StokerError:
+            pass  # not cataloged
+
+    def settle(self) -> dict:
+        for thread in self.threads:
+            thread.join(CALL_TIMEOUT + 15)
+        assert not any(t.is_alive() for t in self.threads), "a request never got its answer"
+        assert not self.wedged, f"requests that hung: {self.wedged}"
+        self.threads = []
+        gone = [str(path) for path in self.copies.values() if not path.is_file()]
+        assert not gone, f"the user's own model files were deleted: {gone}"
+        if self.d.proc is None or self.d.proc.poll() is not None:
+            self.d.start(wait=False)
+        self.d.wait_socket(60)
+        models = assert_fleet_matches_status(self.d, self.copies, quiet=1.0)
+        ready = [n for n, m in models.items() if m["state"] == "ready"]
+        assert len(ready) <= FLEET_MAX_LOADED, f"{len(ready)} loaded over max_loaded {FLEET_MAX_LOADED}: {ready}"
+        assert_catalog_matches_files(self.d)
+        self.quiet_points += 1
+        return models
+
+
+def assert_catalog_matches_files(d: DaemonProcess) -> None:
+    """Every cataloged model's file exists, and every model file in the models directory is cataloged."""
+    listed = d.call("model.list")["models"]
+    missing = [m["path"] for m in listed if not Path(m["path"]).is_file()]
+    assert not missing, f"cataloged models without their file: {missing}"
+    cataloged = {os.path.realpath(m["path"]) for m in listed}
+    models_dir = d.paths.models_dir
+    files = {os.path.realpath(p) for p in models_dir.rglob("*.gguf")} if models_dir.is_dir() else set()
+    assert files <= cataloged, f"model files the catalog does not know: {sorted(files - cataloged)}"
+
+
+@pytest.fixture
+def fleet_worker(tmp_path, cpu_bundle):
+    """One real RPC worker (`stoker worker`) that the chaos kills and starts again."""
+    worker = WorkerProcess(tmp_path / "worker", cpu_bundle).start()
+    try:
+        worker.wait_serving()
+        yield worker
+    finally:
+        worker.stop()
+
+
+@pytest.fixture
+def fleet_daemon(daemon, model, fleet_worker):
+    """The suite's daemon serving three copies of the tiny model, two at a time, over the worker."""
+    copies = model_copies(model, FLEET)
+    text = (
+        fleet_config(model, copies, max_loaded=FLEET_MAX_LOADED) + f'[[workers]]\naddress = "{fleet_worker.address}"\n'
+    )
+    write_config(daemon.paths, text)
+    yield daemon, copies
+    daemon.stop()
+    leftovers = [p for path in copies.values() for p in servers_for(path)]
+    for proc in leftovers:
+        proc.kill()
+    assert not leftovers, f"servers left behind: {[p.pid for p in leftovers]}"
+
+
+@settings(
+    max_examples=4,  # each action ends at a checked quiet point: about a minute an example on 2 cores
+    deadline=None,
+    phases=[Phase.explicit, Phase.generate],  # no shrinking: each example runs real processes
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(actions=fleet_actions)
+def test_chaos_over_several_models_and_a_worker_leaves_exactly_what_status_reports(fleet_daemon, fleet_worker, actions):
+    d, copies = fleet_daemon
+    chaos = FleetChaos(d, copies, fleet_worker)
+    chaos.worker_comes(None)  # each example starts with the worker up (the last may have ended without it)
+    d.start()
+    try:
+        chaos.settle()
+        for name, arg in actions:
+            getattr(chaos, name)(arg)
+            chaos.settle()
+        # None outlives a daemon that knows it: a shutdown leaves nothing behind.
+        d.call("shutdown")
+        assert d.proc.wait(60) == 0
+        left = {name: [p.pid for p in servers_for(path)] for name, path in copies.items()}
+        assert not any(left.values()), f"servers left after shutdown: {left}"
+        assert chaos.quiet_points == len(actions) + 1
+    finally:
+        d.stop()  # the next example starts from a stopped daemon (its store kept)

@@ -84,3 +84,57 @@ def test_keys_through_the_cli_are_shown_once_stored_hashed_and_revocable(daemon,
     # The state files stay private.
     for path in daemon.paths.db_file.parent.glob(daemon.paths.db_file.name + "*"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
+def test_stoker_key_require_says_who_can_reach_the_front_door_and_switches_it_twice_over(daemon, model):
+    """By default any local user can chat through the front door without a key: `stoker status`
+    says so. `stoker key require` (run twice: the second changes nothing) writes `[frontdoor]
+    require_keys = true` and applies it at once: a keyless request gets 401; `--off` (twice)
+    puts it back."""
+    import httpx
+
+    port = free_port()
+    write_config(daemon.paths, tiny_config(model) + f"[frontdoor]\nport = {port}\n")
+    daemon.start()
+    daemon.wait_state("ready")
+    base = f"http://127.0.0.1:{port}/v1"
+
+    def keyless() -> int:
+        body = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        return httpx.post(f"{base}/chat/completions", json=body, timeout=60, trust_env=False).status_code
+
+    def frontdoor_line() -> str:
+        shown = stoker(daemon, "status")
+        assert shown.returncode == 0, shown.stderr
+        return next(line for line in shown.stdout.splitlines() if line.startswith("frontdoor "))
+
+    assert frontdoor_line() == (
+        f"frontdoor {base}, no key required: any local user can use it (`stoker key require` to ask for one)"
+    )
+    assert keyless() == 200
+
+    for said in ("set in", "already set in"):
+        done = stoker(daemon, "key", "require")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"requires a key: clients send one made with `stoker key create` ({said} " in done.stdout, done.stdout
+        assert keyless() == 401
+    text = daemon.paths.config_file.read_text()
+    assert text.count("require_keys = true") == 1 and f"port = {port}" in text, text
+    assert frontdoor_line() == f"frontdoor {base}, key required (`stoker key create`)"
+    key = json.loads(stoker(daemon, "key", "create", "--json").stdout)["key"]
+    body = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    keyed = httpx.post(
+        f"{base}/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60, trust_env=False
+    )
+    assert keyed.status_code == 200, keyed.text
+
+    for changed in (True, False):
+        done = stoker(daemon, "key", "require", "--off", "--json")
+        assert done.returncode == 0, done.stdout + done.stderr
+        reply = json.loads(done.stdout)
+        assert (reply["require_keys"], reply["changed"]) == (False, changed), reply
+        assert reply["frontdoor"]["url"] == base and reply["frontdoor"]["require_keys"] is False
+        assert keyless() == 200
+    assert daemon.paths.config_file.read_text().count("require_keys = false") == 1
+    assert "no key required: any local user can use it" in frontdoor_line()
+    assert daemon.call("status")["config"]["valid"]

@@ -396,6 +396,48 @@ async def test_a_burst_of_writes_is_debounced(tmp_path):
             nursery.cancel_scope.cancel()
 
 
+async def test_a_symlinked_config_reloads_on_edits_of_its_target_and_follows_the_link(tmp_path):
+    """A config that is a link into a dotfiles checkout (through a second link): editing the
+    target, in place or by an editor's rename, is a reload; the link pointed at another file is
+    followed, and that file's edits are then the ones read."""
+    dotfiles, other, conf = tmp_path / "dotfiles", tmp_path / "other", tmp_path / "conf"
+    for d in (dotfiles, other, conf):
+        d.mkdir()
+    target = dotfiles / "stoker.toml"
+    target.write_text("[server]\nport = 8000\n")
+    (dotfiles / "current.toml").symlink_to(target)
+    path = conf / "config.toml"
+    path.symlink_to(dotfiles / "current.toml")
+    rec = Recorder()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                lambda task_status: watch_config(
+                    path, rec.on_change, on_invalid=rec.on_invalid, debounce_ms=50, task_status=task_status
+                )
+            )
+            target.write_text("[server]\nport = 8001\n")  # in place
+            await rec.wait()
+            write_atomically(target, "[server]\nport = 8002\n")  # an editor's rename
+            await rec.wait()
+            assert [c.server.port for c in rec.changes] == [8001, 8002]
+
+            elsewhere = other / "stoker.toml"
+            elsewhere.write_text("[server]\nport = 8003\n")
+            relink = dotfiles / ".current.toml.new"
+            relink.symlink_to(elsewhere)
+            os.replace(relink, dotfiles / "current.toml")  # `ln -sfn`: the middle link repointed
+            await rec.wait()
+            elsewhere.write_text("[server]\nport = 8004\n")
+            await until(lambda: rec.changes[-1].server.port == 8004, timeout=10, what="the new target's edit")
+            target.write_text("[server]\nport = 9999\n")  # no longer the config
+            elsewhere.write_text("[server]\nport = 8005\n")
+            await until(lambda: rec.changes[-1].server.port == 8005, timeout=10, what="the new target's edit")
+            assert [c.server.port for c in rec.changes] == [8001, 8002, 8003, 8004, 8005]
+            assert rec.invalid == []
+            nursery.cancel_scope.cancel()
+
+
 async def test_watch_stops_promptly_on_cancel(tmp_path):
     with trio.fail_after(5):
         with trio.move_on_after(0.2):

@@ -190,3 +190,28 @@ async def test_a_hexadecimal_chunk_size_with_or_without_extensions_is_read(serve
     answer, following = await chunked_answers(server, coded, apart=apart)
     assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"POST /v1/x %d" % length), answer
     assert following.endswith(b"GET /next 0")  # the connection carried the next request
+
+
+async def test_an_ipv4_loopback_client_of_a_dual_stack_socket_is_judged_loopback(nursery):
+    """Bound on `::` (every interface, both families), a client of 127.0.0.1 arrives as
+    ::ffff:127.0.0.1: it is on loopback (a keyless local client passes as on 127.0.0.1)."""
+    seen: list[tuple[str, bool]] = []
+
+    async def who(request: Request) -> None:
+        assert request.client is not None
+        seen.append((request.client[0], request.loopback))
+        await request.respond(200, [], b"ok")
+
+    try:
+        listeners = await open_listeners("::", 0)
+    except OSError:
+        pytest.skip("no IPv6 on this machine")
+    daemon = Daemon(None, None, config=Config())
+    await nursery.start(serve_http, listeners, daemon, metrics_for(daemon).requests, who)
+    port = listeners[0].getsockname()[1]
+    with trio.fail_after(10):
+        for host in ("127.0.0.1", "::1"):
+            async with await trio.open_tcp_stream(host, port) as client:
+                await client.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert (await read_answer(client, bytearray())).startswith(b"HTTP/1.1 200 ")
+    assert seen == [("::ffff:127.0.0.1", True), ("::1", True)]

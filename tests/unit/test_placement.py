@@ -114,3 +114,36 @@ def test_no_room_when_every_loaded_model_is_pinned_busy_or_on_its_way_up():
 def test_pinned_models_always_have_room():
     residents = [Resident("p1", S.READY, pinned=True), Resident("p2", S.STOPPED, pinned=True)]
     assert place("p2", residents, max_loaded=1).verdict is Verdict.LOAD
+
+
+def test_a_stopping_models_place_is_counted_as_freed_so_only_one_model_is_evicted_per_load():
+    # Just after `b` was evicted for `c`: `b` still stops (it holds its place) and `a` is idle.
+    residents = [Resident("a", S.READY, idle_s=30), Resident("b", S.STOPPING), Resident("c", S.STOPPED)]
+    verdict = place("c", residents, max_loaded=2)
+    assert verdict.verdict is Verdict.WAIT_STOP and verdict.victim is None
+    # Over the cap (max_loaded lowered by a reload): the stop alone does not make room, `a` goes too.
+    over = [Resident("a", S.READY, idle_s=30), Resident("d", S.READY, in_flight=1), Resident("b", S.STOPPING)]
+    assert place("c", over, max_loaded=2).victim == "a"
+
+
+def test_cold_loads_under_max_loaded_evict_one_model_each():
+    """The fleet's loop (daemon/fleet/fleet.py `_try_load`): ask, act, ask again at once; a stop
+    completes only while the load waits. Three cold loads with two places take three evictions."""
+    states = {"a": S.READY, "b": S.READY, "c": S.STOPPED, "d": S.STOPPED, "e": S.STOPPED}
+    idle = {"a": 20.0, "b": 10.0}
+    evicted = []
+    for wanted in ("c", "d", "e"):
+        while True:
+            residents = [Resident(n, s, idle_s=idle.get(n, 0.0)) for n, s in states.items()]
+            verdict = place(wanted, residents, max_loaded=2)
+            if verdict.verdict is Verdict.LOAD:
+                states[wanted] = S.READY
+                idle = {n: t + 1 for n, t in idle.items()} | {wanted: 0.0}
+                break
+            if verdict.verdict is Verdict.EVICT:
+                evicted.append(verdict.victim)
+                states[str(verdict.victim)] = S.STOPPING
+                continue
+            assert verdict.verdict is Verdict.WAIT_STOP, verdict
+            states = {n: S.STOPPED if s is S.STOPPING else s for n, s in states.items()}  # the stop completes
+    assert evicted == ["a", "b", "c"]

@@ -50,6 +50,30 @@ def test_each_left_out_worker_has_its_reason_and_evidence():
     assert placement.endpoints == ("d:4",) and placement.used[0].device_names == ("RPC0",)
 
 
+def test_a_worker_that_passes_the_check_but_failed_in_the_engine_is_left_out_of_the_next_plan():
+    # The engine lost an RPC connection, yet every worker of its plan answers the check now: the
+    # ones that failed inside the engine are among them, so none of that plan is readmitted.
+    readings = (_ok("liar:1", 1), _ok("spare:2", 1))
+    placement = place(readings, "7.0.0", lost=frozenset({"liar:1"}))
+    (out,) = placement.left_out
+    assert (out.address, out.reason) == ("liar:1", ReasonCode.RPC_WORKER_FAILED)
+    assert out.evidence["was_in_plan"] is True and out.evidence["reachable"] is True
+    assert placement.endpoints == ("spare:2",)
+    # Alone in its plan: the next one runs locally (no --rpc), not on the worker again.
+    alone = place((_ok("liar:1", 1),), "7.0.0", lost=frozenset({"liar:1"}))
+    assert alone.used == () and alone.args == () and alone.reason is ReasonCode.RPC_WORKER_FAILED
+    # A worker of that plan that is gone now explains the loss: the others of it are trusted.
+    gone = place(
+        (WorkerReading("dead:1", False, error="refused"), _ok("liar:1", 1)),
+        "7.0.0",
+        lost=frozenset({"dead:1", "liar:1"}),
+    )
+    assert [(o.address, o.reason) for o in gone.left_out] == [("dead:1", ReasonCode.RPC_WORKER_LOST)]
+    assert gone.endpoints == ("liar:1",)
+    # Without a lost connection nothing is held against a worker that answers.
+    assert place(readings, "7.0.0").endpoints == ("liar:1", "spare:2")
+
+
 def test_no_worker_left_means_no_rpc_arguments_and_local_layers_as_planned():
     placement = place((WorkerReading("a:1", False, error="x"),), "7.0.0", local=(LocalDevice("0", 100),))
     assert placement.args == () and placement.split == ()

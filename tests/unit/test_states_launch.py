@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from stoker.states.launch.table import LAUNCH, resume_effects
-from stoker.states.launch.exits import ExitVerdict, judge_exit
+from stoker.states.launch.exits import ExitVerdict, judge_exit, judge_stall
 from stoker.states.launch.records import (
     Adopted,
     AfterStop,
@@ -162,6 +163,26 @@ def test_a_cpu_server_that_never_got_ready_is_respawned():
 )
 def test_the_exit_policy(reason, phase, plan, verdict):
     assert judge_exit(reason, phase, plan) is verdict
+
+
+def test_a_stall_is_re_planned_only_where_rpc_workers_may_hold_the_engine():
+    """A server silent before it reads the model: respawned on the same plan, unless that plan
+    places layers on RPC workers (one busy with another head holds the engine: the new plan
+    reads the workers again and leaves a busy one out)."""
+    from stoker.states.fleet.rpc_placement import PlacedWorker, RpcPlacement
+
+    over_worker = attrs.evolve(
+        PLAN, rpc=RpcPlacement("7.0.0", (PlacedWorker("127.0.0.1:50052", "7.0.0", ("RPC0",), (1024,)),), (), (1.0,))
+    )
+    verdicts = {}
+    for name, plan in (("local", PLAN), ("workers", over_worker)):
+        s = drive(UpRequested(), PlanReady(plan), Spawned(7), StallTimeout())
+        assert s.state is S.STOPPING and s.reason is ReasonCode.SERVER_STALLED
+        s = drive(StopCompleted(-15), state=s.state, data=s.data)
+        assert s.state is S.CRASHED
+        verdicts[name] = (s.evidence["verdict"], s.data.replan_for is not None)
+    assert verdicts == {"local": ("respawn", False), "workers": ("replan", True)}
+    assert judge_stall(hung=True, plan=over_worker) is ExitVerdict.RESPAWN  # a hang after ready: the plan worked
 
 
 @pytest.mark.parametrize("reason", [ReasonCode.MODEL_LOAD_FAILED, ReasonCode.SERVER_BAD_ARGUMENTS])

@@ -1,4 +1,4 @@
-"""Socket methods for the user's API keys: key.create, key.list, key.revoke.
+"""Socket methods for the user's API keys: key.create, key.list, key.revoke, key.require.
 
 The key itself exists only in key.create's reply: it is stored as its sha256 (store/keys.py),
 never logged, and no other method returns it.
@@ -8,9 +8,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from stoker.daemon.config.edit import write_require_keys
+from stoker.daemon.config.model import ConfigError, load_config
 from stoker.daemon.control.controlled import ControlledDaemon
 from stoker.daemon.control.params import Kind, Param, method
-from stoker.daemon.control.replies import ApiKey, CreatedApiKey, KeyList
+from stoker.daemon.control.replies import ApiKey, CreatedApiKey, KeyList, KeyRequirement
+from stoker.daemon.control.status import frontdoor_status
+from stoker.daemon.core.errors import StokerError
 from stoker.states.reasons import ReasonCode
 
 
@@ -46,3 +50,49 @@ async def key_revoke(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Api
     Reply: {id, name, prefix, created_at, last_used_at, revoked, revoked_at}.
     """
     return daemon.revoke_key(params["id"])
+
+
+@method(
+    "key.require",
+    Param("off", Kind.BOOLEAN, "Stop requiring a key: loopback clients may call without one.", default=False),
+    errors=(ReasonCode.CONFIG_INVALID,),
+    result=KeyRequirement,
+)
+async def key_require(daemon: ControlledDaemon, params: Mapping[str, Any]) -> KeyRequirement:
+    """Require a key of every front door client (`off`: of none on loopback): `[frontdoor]
+    require_keys` written into the config file, applied at once.
+
+    Refused while the config file is invalid (fix it first), and `off` while the front door
+    listens beyond loopback (such a bind needs keys).
+    Reply: {require_keys, changed, config_path, frontdoor (as status shows it)}.
+    """
+    required = not params["off"]
+    if daemon.config_problems:
+        raise StokerError(
+            ReasonCode.CONFIG_INVALID,
+            "The config file is invalid; fix it before `stoker key require`.",
+            {"problems": list(daemon.config_problems)},
+        )
+    path = daemon.paths.config_file
+    changed = daemon.config.frontdoor.require_keys is not required
+    if changed:
+        try:
+            write_require_keys(path, required)
+            new = load_config(path)
+        except ConfigError as err:
+            raise StokerError(ReasonCode.CONFIG_INVALID, err.message, err.evidence) from None
+        except OSError as err:
+            raise StokerError(ReasonCode.CONFIG_INVALID, f"Cannot write {path}: {err}.", {"path": str(path)}) from None
+        if not daemon.on_config_change(new):
+            raise StokerError(
+                ReasonCode.CONFIG_INVALID,
+                "require_keys was written, but the config it makes was refused; the previous one stays in force: "
+                + "; ".join(daemon.config_problems),
+                {"problems": list(daemon.config_problems), "config_path": str(path)},
+            )
+    return KeyRequirement(
+        require_keys=daemon.config.frontdoor.require_keys,
+        changed=changed,
+        config_path=str(path),
+        frontdoor=frontdoor_status(daemon),
+    )
