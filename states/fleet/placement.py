@@ -42,7 +42,7 @@ def loads_on_demand(state: LaunchState, down_cause: DownCause | None, reason: Re
     single server always has, except one that failed only for want of room (placement_no_room):
     the next request asks again, since room may have been freed meanwhile."""
     if state is S.FAILED:
-        return reason is ReasonCode.PLACEMENT_NO_ROOM
+        return reason == ReasonCode.PLACEMENT_NO_ROOM  # a StrEnum or the string read back
     return state is S.STOPPED and down_cause is not DownCause.USER
 
 

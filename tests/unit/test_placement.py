@@ -147,3 +147,13 @@ def test_cold_loads_under_max_loaded_evict_one_model_each():
             assert verdict.verdict is Verdict.WAIT_STOP, verdict
             states = {n: S.STOPPED if s is S.STOPPING else s for n, s in states.items()}  # the stop completes
     assert evicted == ["a", "b", "c"]
+
+
+def test_a_model_that_failed_for_room_loads_again_whatever_form_its_reason_was_read_back_in():
+    """The reason comes back from the store as a string after a daemon restart: the next request
+    must still try to place the model again, not be refused until the config changes."""
+    from stoker.states.launch.records import LaunchState
+
+    for reason in (ReasonCode.PLACEMENT_NO_ROOM, "placement_no_room"):
+        assert loads_on_demand(LaunchState.FAILED, None, reason)  # type: ignore[arg-type]
+    assert not loads_on_demand(LaunchState.FAILED, None, "model_missing")  # type: ignore[arg-type]
