@@ -96,6 +96,16 @@ class RestoreInputs:
     restore_disk_mb_s: Figure | None  # from the disk
 
 
+def decision_dict(decision: Any) -> dict[str, Any]:
+    """A decision as status shows it: its choice, why, and each estimate (`<name>_est`, rounded)."""
+    shown = {"choice": decision.choice, "why": decision.why}
+    for field in attrs.fields(type(decision)):
+        if field.name.endswith("_s"):
+            value = getattr(decision, field.name)
+            shown[f"{field.name}_est"] = None if value is None else round(value, 4)
+    return shown
+
+
 @attrs.frozen
 class RestoreDecision:
     """Restore the snapshot, or leave the slot empty and let the next request re-prefill."""
@@ -106,12 +116,7 @@ class RestoreDecision:
     prefill_s: float | None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "choice": self.choice,
-            "why": self.why,
-            "restore_s_est": None if self.restore_s is None else round(self.restore_s, 4),
-            "prefill_s_est": None if self.prefill_s is None else round(self.prefill_s, 4),
-        }
+        return decision_dict(self)
 
 
 def restore_estimate(inputs: RestoreInputs) -> float | None:
@@ -166,16 +171,7 @@ class SaveDecision:
     prefill_s: float | None
 
     def to_dict(self) -> dict[str, Any]:
-        def rounded(value: float | None) -> float | None:
-            return None if value is None else round(value, 4)
-
-        return {
-            "choice": self.choice,
-            "why": self.why,
-            "save_s_est": rounded(self.save_s),
-            "restore_s_est": rounded(self.restore_s),
-            "prefill_s_est": rounded(self.prefill_s),
-        }
+        return decision_dict(self)
 
 
 def decide_save(inputs: RestoreInputs, save_mb_s: Figure | None) -> SaveDecision:
