@@ -442,7 +442,8 @@ class OllamaApi:
         if not isinstance(name, str) or not name:
             return ollama_error(400, "`model` names the catalog model to delete.", "bad_request")
         try:
-            await self.daemon.pulls.remove(name)
+            known = self.daemon.pulls.catalog.find(name) is not None
+            await self.daemon.pulls.remove(name if known else _catalog_name(name))
         except StokerError as err:
             status = 404 if err.reason is ReasonCode.MODEL_NOT_IN_CATALOG else 409
             return ollama_error(status, err.message, err.reason.value)
@@ -506,6 +507,14 @@ class OllamaApi:
                     nursery.cancel_scope.cancel()
         await request.end()
         return None
+
+
+def _catalog_name(name: str) -> str:
+    """The catalog's name for what `name` pulled (`hf.co/ORG/REPO:QUANT` is `ORG/REPO:QUANT`)."""
+    try:
+        return parse_spec(name).name
+    except StokerError:
+        return name
 
 
 def _pull_status(err: StokerError) -> int:

@@ -168,14 +168,15 @@ def test_pull_streams_progress_then_delete(daemon, model, fake_hub):
     assert statuses[0] == "pulling manifest" and statuses[-1] == "success", statuses
     assert "verifying sha256 digest" in statuses and "writing manifest" in statuses
     assert any(p.total and p.completed is not None for p in progress), progress  # bytes counted as they came
+    name = f"{HF_REPO}:Q4_K_M"  # the catalog's name for it, as `stoker pull` gives it
     catalog = daemon.call("model.list")["models"]
-    assert any(m["name"] == HF_REPO for m in catalog), catalog
+    assert any(m["name"] == name for m in catalog), catalog
     assert client.pull(f"hf.co/{HF_REPO}:Q4_K_M", stream=False).status == "success"  # already there: at once
 
-    assert client.delete(HF_REPO).status == "success"
-    assert not any(m["name"] == HF_REPO for m in daemon.call("model.list")["models"])
+    assert client.delete(f"hf.co/{name}").status == "success"  # the name pulled, as Ollama's clients keep it
+    assert not any(m["name"] == name for m in daemon.call("model.list")["models"])
     with pytest.raises(ollama.ResponseError) as gone:
-        client.delete(HF_REPO)
+        client.delete(name)
     assert gone.value.status_code == 404
 
 
