@@ -35,11 +35,13 @@ from stoker.daemon.frontdoor.limits import LimitExceeded, read_body
 from stoker.daemon.frontdoor.ollama_shapes import (
     Answer as Translation,
     BadRequest,
+    EventLines,
     chat_request,
     created_at,
     embed_answer,
     embed_request,
     error_code,
+    error_line,
     error_message,
     generate_request,
     stream_of,
@@ -246,56 +248,33 @@ class OllamaApi:
                 return
             await json_answer(translation.whole(json.loads(body), time.perf_counter())).send_to(request)
             return
-        cut = first.rfind(b"\n\n") + 2 if b"\n\n" in first else len(first)  # whole events only
-        lines, finished = self._lines(translation, first[:cut])
-        pending = first[cut:]
-        await request.start(200, [NDJSON], lines)
+        stream = EventLines(translation)
+        await request.start(200, [NDJSON], stream.feed(first))
         try:
-            while not finished:
-                piece = await anext(chunks, b"")
-                if not piece:
-                    break
-                pending += piece
-                if b"\n\n" not in pending:
-                    continue
-                cut = pending.rfind(b"\n\n") + 2
-                lines, finished = self._lines(translation, pending[:cut])
-                pending = pending[cut:]
-                if lines:
-                    await request.send(lines)
+            if not stream.over and response.pumpable() and request.pumpable():
+                # As the OpenAI routes' streams: read and written in a worker thread, each of the
+                # engine's reads translated there (a token's event: one wake-up, no trio pass).
+                await chunks.aclose()
+                write = request.writer(lambda: response.interrupted)
+
+                def translated(data: bytes) -> None:
+                    if lines := stream.feed(data):
+                        write(lines)
+
+                await response.pump_to(translated)
+            else:
+                async for piece in chunks:
+                    if lines := stream.feed(piece):
+                        await request.send(lines)
+                    if stream.over:
+                        break
         except httpx.TransportError as exc:
             log.warning("the engine's stream was cut midway: %s", exc)
-            cut_line = {"error": f"the engine's stream was cut midway ({exc})", "code": "engine_stream_cut"}
-            await request.send(json.dumps(cut_line).encode() + b"\n")
+            await request.send(error_line(f"the engine's stream was cut midway ({exc})", "engine_stream_cut"))
             await request.end()
             return
         await request.send(translation.final_line(time.perf_counter()))
         await request.end()
-
-    @staticmethod
-    def _lines(translation: Translation, events: bytes) -> tuple[bytes, bool]:
-        """The NDJSON lines of whole SSE events, and whether the stream said it is over."""
-        out = b""
-        for event in events.split(b"\n\n"):
-            for line in event.split(b"\n"):
-                if line.startswith(b"data: ") or line.startswith(b"data:"):
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        return out, True
-                    try:
-                        data = json.loads(payload)
-                    except ValueError:
-                        continue
-                    if isinstance(data, dict) and "error" in data:
-                        err = data["error"]
-                        message = err.get("message") if isinstance(err, dict) else str(err)
-                        out += json.dumps({"error": message}).encode() + b"\n"
-                        continue
-                    if isinstance(data, dict):
-                        out += translation.event_lines(data)
-                elif line.startswith(b"error:"):
-                    out += json.dumps({"error": error_message(line[6:].strip())}).encode() + b"\n"
-        return out, False
 
     # --- embeddings ---------------------------------------------------------------------------
 

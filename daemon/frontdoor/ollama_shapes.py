@@ -46,6 +46,8 @@ SAME_OPTIONS = (
     "mirostat",
     "mirostat_tau",
     "mirostat_eta",
+    # llama-server's own, which Ollama lacks: generate exactly `num_predict` tokens (benchmarks).
+    "ignore_eos",
 )
 # Ollama's name -> the engine's.
 RENAMED_OPTIONS = {"num_predict": "max_tokens", "num_keep": "n_keep"}
@@ -380,3 +382,53 @@ class Answer:
 
     def final_line(self, now: float) -> bytes:
         return self._line(self.final(now))
+
+
+class EventLines:
+    """The engine's SSE stream, fed as it arrives (any cut between reads), as Ollama's NDJSON
+    lines: `feed` returns the lines of the events it completed; `over` once `data: [DONE]` came."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+        self.pending = b""
+        self.over = False
+
+    def feed(self, data: bytes) -> bytes:
+        pending = self.pending + data
+        cut = pending.rfind(b"\n\n")
+        if cut < 0 or self.over:
+            self.pending = pending
+            return b""
+        self.pending = pending[cut + 2 :]
+        out = b""
+        for event in pending[:cut].split(b"\n\n"):
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        self.over = True
+                        return out
+                    out += self._data(payload)
+                elif line.startswith(b"error:"):  # llama-server's own error event
+                    out += error_line(error_message(line[6:].strip()))
+        return out
+
+    def _data(self, payload: bytes) -> bytes:
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return b""
+        if not isinstance(data, dict):
+            return b""
+        if "error" in data:
+            error = data["error"]
+            return error_line(error.get("message", "") if isinstance(error, dict) else str(error))
+        return self.answer.event_lines(data)
+
+
+def error_line(message: str, code: str | None = None) -> bytes:
+    """A stream's error as Ollama sends it: a line of its own."""
+    body: dict[str, Any] = {"error": message}
+    if code:
+        body["code"] = code
+    return json.dumps(body, ensure_ascii=False).encode() + b"\n"
