@@ -9,9 +9,12 @@ program holds the port.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import shutil
+import re
 import socket
+import subprocess
 from pathlib import Path
 
 import click
@@ -26,6 +29,8 @@ from tests.integration.model_sources import HF_REPO, FakeHub, HubRepo
 pytestmark = [pytest.mark.engine]
 
 ollama = pytest.importorskip("ollama")
+
+DOCS_URL = "http://127.0.0.1:11434"  # the address docs/ollama.md's examples use
 
 
 def start(daemon: DaemonProcess, model: Path, *, ollama_port: int | None = None, extra: str = "") -> str:
@@ -150,6 +155,21 @@ def test_litellm_ollama_chat_provider(daemon, model):
     assert len(chunks) >= 2 and any(c.choices[0].delta.content for c in chunks)
     vectors = litellm.embedding(model="ollama/default", input=["hi"], api_base=url)
     assert vectors.data  # the chat model's server embeds too (its /v1/embeddings)
+
+    # The examples of docs/ollama.md, run as they are written but for the address.
+    page = (Path(__file__).resolve().parents[2] / "docs" / "ollama.md").read_text()
+    python = re.findall(r"```python\n(.*?)```", page, re.S)
+    shell = re.findall(r"```sh\n(.*?)```", page, re.S)
+    assert len(python) == 2 and len(shell) == 1
+    for example in python:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(example.replace(DOCS_URL, url), {})
+        assert out.getvalue().strip(), example
+    answer = subprocess.run(
+        shell[0].replace(DOCS_URL, url), shell=True, capture_output=True, text=True, timeout=60, check=True
+    )
+    assert json.loads(answer.stdout)["done"] is True
 
 
 @pytest.fixture
