@@ -332,7 +332,14 @@ class OllamaApi:
         if isinstance(member, RemoteModel):
             name = member.name
             details = {"parent_model": "", "format": "remote", "family": "", "families": None}
-            return {"name": name, "model": name, "modified_at": created_at(0), "size": 0, "digest": "", "details": details}
+            return {
+                "name": name,
+                "model": name,
+                "modified_at": created_at(0),
+                "size": 0,
+                "digest": "",
+                "details": details,
+            }
         record = self._record(member)
         path = record.path if record else (member.data.plan.model_path if member.data.plan else member.served.spec)
         try:

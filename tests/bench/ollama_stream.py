@@ -210,7 +210,11 @@ def main() -> int:
     table, met = report(streams, spent, args)
     command = f".venv/bin/python tests/bench/ollama_stream.py {' '.join(sys.argv[1:])}".strip()
     body = (
-        ("**A smoke run (`--quick`): it shows that the bench runs; its figures measure little.**\n\n" if args.quick else "")
+        (
+            "**A smoke run (`--quick`): it shows that the bench runs; its figures measure little.**\n\n"
+            if args.quick
+            else ""
+        )
         + f"`{command}` on {machine()}; engine {bundle.meta.version} ({bundle.meta.backend}); {model.name}. "
         f"Load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.\n\n"
         "The same raw client (asyncio sockets, keep-alive, the chunked body parsed from the bytes) asks the same "

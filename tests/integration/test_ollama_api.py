@@ -73,7 +73,9 @@ def test_ollama_client_chat_generate_embed_list_show_ps(daemon, model, other_mod
     assert "".join(p.message.content for p in parts) == reply.message.content  # greedy: the same answer
 
     # `num_predict` reaches the engine; `stop` and JSON mode are accepted.
-    short = client.chat(model="chat", messages=[{"role": "user", "content": "hi"}], options={**greedy, "num_predict": 2})
+    short = client.chat(
+        model="chat", messages=[{"role": "user", "content": "hi"}], options={**greedy, "num_predict": 2}
+    )
     assert short.eval_count == 2 and short.done_reason == "length"
     # A schema whose one answer is known: the grammar the engine builds from it leaves no other.
     schema = {"type": "object", "properties": {"a": {"enum": ["x"]}}, "required": ["a"]}

@@ -35,7 +35,10 @@ def test_options_format_and_images_reach_the_engine_in_its_words():
     assert out["temperature"] == 0.2 and out["max_tokens"] == 7 and out["stop"] == ["\n"]
     assert out["seed"] == 3 and out["top_k"] == 5
     assert "num_ctx" not in out and "keep_alive" not in out  # the server's launch decides them
-    assert out["response_format"] == {"type": "json_schema", "json_schema": {"name": "response", "schema": {"type": "object"}}}
+    assert out["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "response", "schema": {"type": "object"}},
+    }
     text, image = out["messages"][0]["content"]
     assert text == {"type": "text", "text": "what is it?"}
     assert image["image_url"]["url"] == f"data:image/png;base64,{PNG}"
@@ -100,16 +103,28 @@ def test_a_generate_stream_and_an_error_event():
     answer = Answer(False, "m", started=0.0)
     stream = EventLines(answer)
     out = stream.feed(b'data: {"choices":[{"text":"Once","finish_reason":null}]}\n\n')
-    assert json.loads(out) == {"model": "m", "created_at": json.loads(out)["created_at"], "response": "Once", "done": False}
+    assert json.loads(out) == {
+        "model": "m",
+        "created_at": json.loads(out)["created_at"],
+        "response": "Once",
+        "done": False,
+    }
     out = stream.feed(b'error: {"error":{"message":"boom","code":500}}\n\n')
     assert json.loads(out) == {"error": "boom"}
 
 
 def test_a_whole_answer_and_embeddings():
     engine = {
-        "choices": [{"message": {"role": "assistant", "content": "Hi", "tool_calls": [
-            {"function": {"name": "f", "arguments": '{"a": 1}'}}
-        ]}, "finish_reason": "tool_calls"}],
+        "choices": [
+            {
+                "message": {
+                    "role": "assistant",
+                    "content": "Hi",
+                    "tool_calls": [{"function": {"name": "f", "arguments": '{"a": 1}'}}],
+                },
+                "finish_reason": "tool_calls",
+            }
+        ],
         "usage": {"prompt_tokens": 3, "completion_tokens": 1},
     }
     out = Answer(True, "m", started=0.0).whole(engine, now=0.5)
