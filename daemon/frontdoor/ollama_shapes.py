@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 import time
 from typing import Any
 
@@ -71,11 +72,23 @@ class BadRequest(ValueError):
     """A request Ollama's API would refuse: 400 with this sentence."""
 
 
+_SECOND: list[Any] = [None, ""]  # the last whole second formatted, and its text (one strftime a second)
+
+
 def created_at(now: float | None = None) -> str:
     """Ollama's timestamp: RFC 3339 in UTC with nanoseconds."""
     now = time.time() if now is None else now
     whole = int(now)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)) + f".{int((now - whole) * 1e9):09d}Z"
+    if _SECOND[0] != whole:
+        _SECOND[0], _SECOND[1] = whole, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
+    return f"{_SECOND[1]}.{int((now - whole) * 1e9):09d}Z"
+
+
+# A token's event as llama-server writes it (`"delta":{"content":"..."}` and no end yet): its text
+# is copied into Ollama's line as the JSON string it already is, neither decoded nor encoded.
+_TOKEN_EVENT = re.compile(
+    rb'^\{"choices":\[\{"finish_reason":null,"index":0,"delta":\{"content":("(?:[^"\\]|\\.)*")\}\}\]'
+)
 
 
 def ns(seconds: float) -> int:
@@ -272,8 +285,12 @@ class Answer:
     # --- streamed ---------------------------------------------------------------------------
 
     def piece_line(self, text: str) -> bytes:
-        """The line of one piece of the answer's text (the hot path: one per token)."""
-        return self._head + created_at().encode() + self._key + json.dumps(text).encode() + self._tail
+        """The line of one piece of the answer's text."""
+        return self.literal_line(json.dumps(text).encode())
+
+    def literal_line(self, literal: bytes) -> bytes:
+        """The line of one piece of text given as a JSON string literal (the hot path: one per token)."""
+        return self._head + created_at().encode() + self._key + literal + self._tail
 
     def event_lines(self, event: dict[str, Any]) -> bytes:
         """The lines of one of the engine's SSE events: its text at once; what it says of the end
@@ -414,6 +431,8 @@ class EventLines:
         return out
 
     def _data(self, payload: bytes) -> bytes:
+        if (token := _TOKEN_EVENT.match(payload)) is not None:
+            return self.answer.literal_line(token.group(1))
         try:
             data = json.loads(payload)
         except ValueError:

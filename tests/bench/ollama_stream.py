@@ -8,9 +8,9 @@ a free port. The same raw client (tests/bench/rawchat.py: asyncio sockets, keep-
 chunked body parsed from the bytes; here also Ollama's NDJSON lines) asks for the same streamed
 chat answer on both routes: `/v1/chat/completions` (`max_tokens`, `ignore_eos`) and `/api/chat`
 (`options.num_predict`, `options.ignore_eos`), so both generate exactly as many tokens. The two
-routes take turns going first in every round. Figures: tokens/s of the whole stream on each
-route (tokens / time from the request to the body's end), the median of the per-round ratios
-Ollama / OpenAI (target >= 0.99), the time to the first token, and the daemon's CPU per streamed
+routes take turns going first in every round. Figures: tokens/s on each route (every round's
+tokens over every round's time, request to the body's end; target Ollama / OpenAI >= 0.99), the
+median of the per-round ratios, the time to the first token, and the daemon's CPU per streamed
 token on each route (what translating SSE events into NDJSON lines costs).
 
 Results go to docs/benchmarks.md "Ollama API: /api/chat stream against the OpenAI route"
@@ -126,20 +126,31 @@ def report(streams: list[list[Stream]], spent: list[float], args: argparse.Names
     tps = [[s.tokens / s.elapsed for s in route] for route in streams]
     ratios = [b / a for a, b in zip(*tps)]
     ratio = statistics.median(ratios)
+    # On a shared machine one round's ratio swings with its neighbours' load: every round's
+    # tokens over every round's time, per route, is the steadier figure.
+    overall = [sum(s.tokens for s in route) / sum(s.elapsed for s in route) for route in streams]
     ttft = [[s.ttft * 1000 for s in route if s.ttft is not None] for route in streams]
     tokens = [sum(s.tokens for s in route) for route in streams]
     per_token = [c / n * 1e6 for c, n in zip(spent, tokens)]
-    met = ratio >= GOAL
+    met = overall[1] / overall[0] >= GOAL
     lines = [
         "| figure | OpenAI route | Ollama route | Ollama against OpenAI | target | |",
         "|---|---:|---:|---:|---|---|",
         row(
-            f"tokens/s of one stream ({args.tokens} tokens, {len(ratios)} rounds; median)",
+            f"tokens/s of one stream ({args.tokens} tokens, {len(ratios)} rounds: all tokens over all the time)",
+            f"{overall[0]:.0f}",
+            f"{overall[1]:.0f}",
+            f"{overall[1] / overall[0]:.3f}",
+            f">= {GOAL}",
+            met,
+        ),
+        row(
+            "tokens/s, median of the rounds",
             f"{statistics.median(tps[0]):.0f}",
             f"{statistics.median(tps[1]):.0f}",
             f"{ratio:.3f} (per-round ratios {min(ratios):.3f}-{max(ratios):.3f})",
-            f">= {GOAL}",
-            met,
+            "-",
+            None,
         ),
         row(
             "time to first token p50",
@@ -220,8 +231,9 @@ def main() -> int:
         "The same raw client (asyncio sockets, keep-alive, the chunked body parsed from the bytes) asks the same "
         "daemon for the same streamed chat answer on the OpenAI route (`max_tokens`, `ignore_eos`) and on Ollama's "
         "`/api/chat` (`options.num_predict`, `options.ignore_eos`), so both generate as many tokens; the routes "
-        "take turns going first in every round. Tokens/s: the engine's count of generated tokens over the whole "
-        "stream's time, request to end of body; the ratio is the median of the per-round ratios. The daemon's CPU "
+        "take turns going first in every round. Tokens/s: the engine's count of generated tokens over the "
+        "streams' time, request to end of body, summed over the rounds (the target's figure), and the median of "
+        "the per-round ratios. The daemon's CPU "
         "(user + system, from /proc) is summed over each route's requests: the difference is what translating "
         "the engine's SSE events into Ollama's NDJSON lines costs (the OpenAI route pumps its stream from socket "
         "to socket in a worker thread; Ollama's lines are made on the daemon's trio loop).\n\n" + table

@@ -138,3 +138,18 @@ def test_a_whole_answer_and_embeddings():
     data = {"data": [{"index": 1, "embedding": [0.2]}, {"index": 0, "embedding": [0.1]}], "usage": {"prompt_tokens": 2}}
     assert embed_answer(data, "m", legacy=False, total_s=0.1)["embeddings"] == [[0.1], [0.2]]
     assert embed_answer(data, "m", legacy=True, total_s=0.1) == {"embedding": [0.1]}
+
+
+def test_a_token_event_copied_as_it_is_reads_as_one_decoded():
+    """The hot path (a token's text copied as the JSON string it is) gives what decoding gives."""
+    texts = ["Hel", 'say "hi"\\n', "caf\u00e9 \u2603", "\\u00e9", "\n\t"]
+    for chat in (True, False):
+        copied, decoded = EventLines(Answer(chat, "m", 0.0)), Answer(chat, "m", 0.0)
+        for text in texts:
+            event = {"choices": [{"finish_reason": None, "index": 0, "delta": {"content": text}}], "created": 1}
+            for ensure_ascii in (True, False):
+                raw = json.dumps(event, ensure_ascii=ensure_ascii, separators=(",", ":")).encode()
+                fast = json.loads(copied.feed(b"data: " + raw + b"\n\n"))
+                slow = json.loads(decoded.event_lines(event))
+                assert fast == {**slow, "created_at": fast["created_at"]}
+                assert (fast["message"]["content"] if chat else fast["response"]) == text
