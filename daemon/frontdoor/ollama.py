@@ -46,7 +46,7 @@ from stoker.daemon.frontdoor.ollama_shapes import (
     generate_request,
     stream_of,
 )
-from stoker.daemon.frontdoor.routing import route, unknown_model
+from stoker.daemon.frontdoor.routing import models_page, route, unknown_model
 from stoker.daemon.models.pull import PROGRESS_TOPIC
 from stoker.daemon.models.spec import parse_spec
 from stoker.states.launch import records as LR
@@ -365,9 +365,34 @@ class OllamaApi:
         }
 
     async def tags(self, request: Request) -> Answer:
-        """Every model /v1/models lists (configured, loaded or not; remote ones too)."""
-        fleet = self.daemon.fleet
-        return json_answer({"models": [self._entry(m) for m in [*fleet.serving(), *fleet.remotes.serving()]]})
+        """Every model /v1/models lists (configured, loaded or not; remote ones too), by the same
+        ids: what that list gains, this one does."""
+        fleet, models = self.daemon.fleet, []
+        for listed in models_page(fleet)["data"]:
+            member = route(fleet, listed["id"])
+            entry = self._entry(member) if member is not None else self._catalog_entry(listed["id"])
+            models.append(entry | {"name": listed["id"], "model": listed["id"]})
+        return json_answer({"models": models})
+
+    def _catalog_entry(self, name: str) -> dict[str, Any]:
+        """A listed model no member answers yet: its catalog row's facts, if it has one."""
+        record = self.daemon.pulls.catalog.find(name)
+        family = (record.architecture or "") if record else ""
+        return {
+            "name": name,
+            "model": name,
+            "modified_at": created_at(record.pulled_at if record else 0),
+            "size": record.size if record else 0,
+            "digest": record.sha256 if record else "",
+            "details": {
+                "parent_model": "",
+                "format": "gguf",
+                "family": family,
+                "families": [family] if family else None,
+                "parameter_size": parameter_size(record.parameters if record else None),
+                "quantization_level": (record.quantization or "") if record else "",
+            },
+        }
 
     async def ps(self, request: Request) -> Answer:
         """The models loaded now (their server ready), with where they compute."""

@@ -235,8 +235,8 @@ def main() -> int:
         "streams' time, request to end of body, summed over the rounds (the target's figure), and the median of "
         "the per-round ratios. The daemon's CPU "
         "(user + system, from /proc) is summed over each route's requests: the difference is what translating "
-        "the engine's SSE events into Ollama's NDJSON lines costs (the OpenAI route pumps its stream from socket "
-        "to socket in a worker thread; Ollama's lines are made on the daemon's trio loop).\n\n" + table
+        "the engine's SSE events into Ollama's NDJSON lines costs (both routes' streams are read and written in a "
+        "worker thread; Ollama's are translated there, each of the engine's reads into its lines).\n\n" + table
     )
     print(body)
     if not args.no_write:
