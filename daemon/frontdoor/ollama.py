@@ -29,7 +29,8 @@ import trio
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.engine.wire import EngineAnswer
 from stoker.daemon.fleet.remote import RemoteModel
-from stoker.daemon.frontdoor.app import Answer, FrontDoor, json_answer
+from stoker.daemon.frontdoor.app import Answer, FrontDoor, json_answer, refused
+from stoker.daemon.frontdoor.hold import Refused
 from stoker.daemon.frontdoor.http11 import Request
 from stoker.daemon.frontdoor.limits import LimitExceeded, read_body
 from stoker.daemon.frontdoor.ollama_shapes import (
@@ -49,6 +50,7 @@ from stoker.daemon.frontdoor.ollama_shapes import (
 from stoker.daemon.frontdoor.routing import models_page, route, unknown_model
 from stoker.daemon.models.pull import PROGRESS_TOPIC
 from stoker.daemon.models.spec import parse_spec
+from stoker.states.frontdoor.catalog_answers import http_status
 from stoker.states.launch import records as LR
 from stoker.states.reasons import ReasonCode
 from stoker.store.catalog import ModelRecord
@@ -198,9 +200,8 @@ class OllamaApi:
             async with request.watching():
                 try:
                     await self.front.hold.until_ready(member)
-                except Exception as exc:  # Refused: its reason and sentence
-                    reason = getattr(exc, "reason", None)
-                    return ollama_error(503, str(exc), reason.value if reason else None)
+                except Refused as exc:
+                    return as_ollama(refused(request.path, exc))
         done: dict[str, Any] = {"model": body.get("model"), "created_at": created_at()}
         done |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
         done |= {"done": True, "done_reason": "load", "total_duration": int((time.perf_counter() - started) * 1e9)}
@@ -222,7 +223,7 @@ class OllamaApi:
         async with request.watching():  # a client that leaves cancels the wait, or closes the engine's answer
             if isinstance(member, RemoteModel):
                 answer = await self.front.forward_remote(
-                    request, member, engine_body, sse=sse, path=path.removeprefix("/v1"), relay_with=translated
+                    request, member, engine_body, sse=sse, path=path, relay_with=translated
                 )
             else:
                 content = json.dumps(engine_body, separators=(",", ":")).encode()
@@ -311,7 +312,7 @@ class OllamaApi:
         async with request.watching():
             if isinstance(member, RemoteModel):
                 answer = await self.front.forward_remote(
-                    request, member, engine_body, sse=False, path="/embeddings", relay_with=translated
+                    request, member, engine_body, sse=False, path="/v1/embeddings", relay_with=translated
                 )
             else:
                 content = json.dumps(engine_body).encode()
@@ -456,8 +457,7 @@ class OllamaApi:
             known = self.daemon.pulls.catalog.find(name) is not None
             await self.daemon.pulls.remove(name if known else _catalog_name(name))
         except StokerError as err:
-            status = 404 if err.reason is ReasonCode.MODEL_NOT_IN_CATALOG else 409
-            return ollama_error(status, err.message, err.reason.value)
+            return ollama_error(http_status(err.reason), err.message, err.reason.value)
         return Answer(200, b"", ())
 
     async def pull(self, request: Request) -> Answer | None:
@@ -478,7 +478,7 @@ class OllamaApi:
             try:
                 await self.daemon.pulls.pull(spec)
             except StokerError as err:
-                return ollama_error(_pull_status(err), err.message, err.reason.value)
+                return ollama_error(http_status(err.reason), err.message, err.reason.value)
             return json_answer({"status": "success"})
         await request.start(200, [NDJSON], b'{"status":"pulling manifest"}\n')
         send, receive = trio.open_memory_channel[dict[str, Any] | None](64)
@@ -526,17 +526,6 @@ def _catalog_name(name: str) -> str:
         return parse_spec(name).name
     except StokerError:
         return name
-
-
-def _pull_status(err: StokerError) -> int:
-    reason = err.reason
-    if reason in (ReasonCode.PULL_NOT_FOUND,):
-        return 404
-    if reason in (ReasonCode.PULL_BAD_SPEC, ReasonCode.PULL_NO_FILE_FOR_QUANT, ReasonCode.PULL_NOT_GGUF):
-        return 400
-    if reason is ReasonCode.PULL_UNAUTHORIZED:
-        return 401
-    return 500
 
 
 def parameter_size(count: int | None) -> str:

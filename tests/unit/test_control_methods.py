@@ -13,6 +13,7 @@ import attrs
 import pytest
 
 from stoker.daemon.config.model import Config
+from stoker.daemon.config.ollama import OllamaConfig
 from stoker.daemon.config.instances import ServedModel
 from stoker.daemon.control import protocol
 from stoker.daemon.control.controlled import HistoryQuery
@@ -583,6 +584,9 @@ async def test_status_says_where_ollama_clients_connect_or_why_they_cannot():
     st = await call(FakeDaemon(ollama_url=None, ollama_error="cannot listen (Address already in use)"), "status")
     assert st["ollama"]["url"] is None and st["ollama"]["reason"] == "ollama_port_taken"
     assert st["ollama"]["message"].startswith("127.0.0.1:11434: cannot listen (Address already in use). Another")
+    off = FakeDaemon(config=Config(ollama=OllamaConfig(enabled=False)), ollama_url=None)
+    st = await call(off, "status")
+    assert st["ollama"]["enabled"] is False and st["ollama"]["url"] is None and st["ollama"]["reason"] is None
 
 
 async def test_status_config_part_says_why_the_file_was_refused():

@@ -153,3 +153,11 @@ def test_a_token_event_copied_as_it_is_reads_as_one_decoded():
                 slow = json.loads(decoded.event_lines(event))
                 assert fast == {**slow, "created_at": fast["created_at"]}
                 assert (fast["message"]["content"] if chat else fast["response"]) == text
+
+
+def test_a_catalog_failure_is_the_requests_or_the_servers():
+    from stoker.states.frontdoor.catalog_answers import http_status
+    from stoker.states.reasons import ReasonCode
+
+    assert http_status(ReasonCode.MODEL_NOT_IN_CATALOG) == 404 and http_status(ReasonCode.PULL_BAD_SPEC) == 400
+    assert http_status(ReasonCode.MODEL_IN_USE) == 409 and http_status(ReasonCode.PULL_DISK_FULL) == 500
