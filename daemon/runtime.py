@@ -115,6 +115,9 @@ class Daemon:
     # The front door's bound URLs once it started ([] when off or its port was taken); None before.
     frontdoor_binds: list[str] | None = attrs.field(init=False, default=None)
     _config_applied: trio.Event = attrs.field(init=False, factory=trio.Event)
+    # Ollama's API ([ollama], daemon/frontdoor/ollama.py): where it listens, or why it could not.
+    ollama_url: str | None = attrs.field(init=False, default=None)
+    ollama_error: str | None = attrs.field(init=False, default=None)
     config_problems: list[str] = attrs.field(factory=list)
     config_loaded_invalid: bool = False  # no valid file was ever read: refuse `up`
     started_at: float = attrs.field(factory=time.time)

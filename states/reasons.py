@@ -169,6 +169,8 @@ class ReasonCode(enum.StrEnum):
     FRONTDOOR_HEADERS_TOO_LARGE = "frontdoor_headers_too_large"
     FRONTDOOR_SLOW_CLIENT = "frontdoor_slow_client"
     FRONTDOOR_MALFORMED_BODY = "frontdoor_malformed_body"
+    # Ollama's API on its own listener ([ollama]): its port was held by another program.
+    OLLAMA_PORT_TAKEN = "ollama_port_taken"
     # Pulling models (daemon/models/pull.py) and the catalog.
     PULL_BAD_SPEC = "pull_bad_spec"
     PULL_SOURCE_UNREACHABLE = "pull_source_unreachable"

@@ -95,6 +95,14 @@ def format_status(st: dict[str, Any]) -> str:
                 else ", no key required: any local user can use it (`stoker key require` to ask for one)"
             )
         lines.append(f"frontdoor {shown}")
+    ollama = st.get("ollama")
+    if isinstance(ollama, dict):  # Ollama's API: where its clients connect, or why they cannot
+        if ollama.get("url"):
+            lines.append(f"ollama    {ollama['url']}")
+        elif ollama.get("reason"):
+            lines.append(f"ollama    not listening: {ollama['reason']}: {ollama.get('message') or ''}".rstrip())
+        else:
+            lines.append("ollama    off" if not ollama.get("enabled") else "ollama    not listening (`stoker logs`)")
     layers = st.get("layers") or {}
     if st.get("backend") == "cpu" and layers.get("offloaded") is None:
         lines.append(f"layers    none offloaded (CPU){': ' + layers['why'] if layers.get('why') else ''}")

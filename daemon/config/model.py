@@ -30,6 +30,7 @@ from stoker.daemon.config.checks import (
 )
 from stoker.daemon.config.engine import EngineConfig
 from stoker.daemon.config.frontdoor import FrontdoorConfig, address_from_env, lan_bind_problems
+from stoker.daemon.config.ollama import OllamaConfig
 from stoker.daemon.config.workers import (
     WorkerConfig,
     WorkerEndpoint,
@@ -260,6 +261,7 @@ SECTIONS: dict[str, type] = {
     "bundles": BundlesConfig,
     "logs": LogsConfig,
     "frontdoor": FrontdoorConfig,
+    "ollama": OllamaConfig,
     "placement": PlacementConfig,
     "engine": EngineConfig,
     "worker": WorkerConfig,
@@ -277,6 +279,7 @@ class Config:
     bundles: BundlesConfig = attrs.field(factory=BundlesConfig)
     logs: LogsConfig = attrs.field(factory=LogsConfig)
     frontdoor: FrontdoorConfig = attrs.field(factory=FrontdoorConfig)
+    ollama: OllamaConfig = attrs.field(factory=OllamaConfig)  # Ollama's API (daemon/config/ollama.py)
     placement: PlacementConfig = attrs.field(factory=PlacementConfig)
     engine: EngineConfig = attrs.field(factory=EngineConfig)  # engine updates (daemon/config/engine.py)
     models: tuple[ModelConfig, ...] = ()  # [models.NAME] in file order (daemon/config/placement.py)

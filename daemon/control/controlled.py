@@ -153,6 +153,14 @@ class ControlledDaemon(Protocol):
         """The front door's bound URLs ([] when off or its port was taken; None before it started)."""
 
     @property
+    def ollama_url(self) -> str | None:
+        """The URL Ollama's API listens on (None: off, not started yet, or its port was taken)."""
+
+    @property
+    def ollama_error(self) -> str | None:
+        """Why Ollama's listener could not bind (the OS's words), None when it listens or is off."""
+
+    @property
     def backend_names(self) -> Sequence[str]:
         """The loaded backend plugins, in the registry's order."""
 

@@ -21,6 +21,7 @@ from stoker.daemon.control.status_records import (
     EngineSlot,
     Fallback,
     FrontDoorStatus,
+    OllamaStatus,
     InstallStatus,
     Layers,
     ModelMemory,
@@ -37,6 +38,7 @@ from stoker.daemon.telemetry.sampler import process_rss_mib
 from stoker.states.launch import records as LR
 from stoker.states.convert import structure
 from stoker.states.fleet.idle_unload import due_in
+from stoker.states.reasons import ReasonCode, message_for
 
 if TYPE_CHECKING:
     from stoker.daemon.fleet.member import Member
@@ -64,6 +66,18 @@ def frontdoor_status(daemon: ControlledDaemon) -> FrontDoorStatus:
         address=f"{host}:{settings.port}",
         require_keys=settings.require_keys,
     )
+
+
+def _ollama(daemon: ControlledDaemon) -> OllamaStatus:
+    """Where Ollama's clients reach the server, or why they cannot (its port held by another program)."""
+    settings, host = daemon.config.ollama, daemon.config.frontdoor.host
+    address = f"[{host}]:{settings.port}" if ":" in host else f"{host}:{settings.port}"
+    enabled = settings.enabled and daemon.config.frontdoor.enabled
+    url = frontdoor_url(daemon.ollama_url).removesuffix("/v1") if daemon.ollama_url else None
+    error = daemon.ollama_error
+    reason = ReasonCode.OLLAMA_PORT_TAKEN if error is not None else None
+    message = f"{address}: {error}. {message_for(reason)}" if reason is not None else None
+    return OllamaStatus(url, enabled, address, reason.value if reason else None, message)
 
 
 def _layers(layers: Mapping[str, Any]) -> Layers:
@@ -179,6 +193,7 @@ def build_status(daemon: ControlledDaemon, member: Member | None = None) -> Stat
         store=_store_status(daemon),
         daemon=DaemonInfo(os.getpid(), daemon.started_at, str(daemon.paths.socket_path)),
         frontdoor=frontdoor_status(daemon),
+        ollama=_ollama(daemon),
         planned_backend=fallback["planned_backend"],
         preference=Preference(preference["prefer"], bool(preference["forced"]), tuple(preference["candidates"])),
         fallback_state=fallback["fallback_state"],

@@ -100,6 +100,17 @@ class FrontDoorStatus:
 
 
 @attrs.frozen
+class OllamaStatus:
+    """Ollama's API on the front door's listener of its own ([ollama], docs/ollama.md)."""
+
+    url: str | None  # http://host:port while it listens; null when off or its port was taken
+    enabled: bool  # `[ollama] enabled` (and `[frontdoor] enabled`); read at the daemon's start
+    address: str  # host:port, as the config says
+    reason: str | None  # ollama_port_taken while another program holds the port
+    message: str | None  # what to do, with the bind's own error
+
+
+@attrs.frozen
 class ModelMemory:
     """What a model's server holds, as far as the daemon reads it. `partial`: it serves on an
     accelerator whose VRAM could not be read, so RSS alone is not all it holds."""
@@ -262,3 +273,4 @@ class Status:
     # Models served by an external endpoint ([models.NAME] endpoint): no server of Stoker's; the
     # endpoint's last check and last request, its key's variable (set or not, never its value).
     remotes: tuple[RemoteStatus, ...] = ()
+    ollama: OllamaStatus | None = None  # Ollama's API ([ollama]); null from a daemon that has none

@@ -26,7 +26,7 @@ import json
 import logging
 import time
 from functools import partial
-from typing import Any, AsyncGenerator
+from typing import Any, AsyncGenerator, Awaitable, Callable
 
 import attrs
 import httpx
@@ -41,6 +41,7 @@ from stoker.daemon.frontdoor.hold import Hold, Refused
 from stoker.daemon.frontdoor.http11 import Request
 from stoker.daemon.frontdoor.limits import LimitExceeded, check_head, read_body
 from stoker.daemon.frontdoor.metrics import CONTENT_TYPE, FrontDoorMetrics
+from stoker.daemon.frontdoor.ollama_shapes import OLLAMA_GENERATING, OLLAMA_ROUTES
 from stoker.daemon.frontdoor.routing import models_page, route, unknown_model
 from stoker.daemon.frontdoor.daemon_view import Authorize, FrontDoorDaemon
 from stoker.states.reasons import ReasonCode, message_for
@@ -176,6 +177,11 @@ async def relay_in_worker(request: Request, response: EngineAnswer) -> None:
     await response.pump_to(request.writer(lambda: response.interrupted))
 
 
+# What gives the engine's answer to the client: `relay` as it is, or translated into another
+# API's shape (Ollama's NDJSON: daemon/frontdoor/ollama.py), with the same arguments.
+Relay = Callable[[Request, EngineAnswer, bool, bytes, AsyncGenerator[bytes, None]], Awaitable[None]]
+
+
 class FrontDoor:
     """The routes, bound to the daemon, one shared loopback HTTP client and the key check."""
 
@@ -192,7 +198,9 @@ class FrontDoor:
         self.wire = wire or EngineWire()  # the forward path's engine connections (daemon/engine/wire.py)
         self.authorize = authorize
         self.hold = hold or Hold(daemon)  # the daemon's own, whose drain its supervisor waits for
-        self.metrics = FrontDoorMetrics(daemon, self.hold, (*POST_ROUTES, "/v1/models"), POST_ROUTES)
+        self.metrics = FrontDoorMetrics(
+            daemon, self.hold, (*POST_ROUTES, "/v1/models", *OLLAMA_ROUTES), (*POST_ROUTES, *OLLAMA_GENERATING)
+        )
 
     async def handle(self, request: Request) -> None:
         """Route one request (daemon/frontdoor/http11.py calls this for each)."""
@@ -213,6 +221,10 @@ class FrontDoor:
             answer = api_error(path, 404, f"No route {path} here.", "invalid_request_error", None)
         if answer is not None:
             await answer.send_to(request)
+
+    def admit(self, request: Request) -> Answer | None:
+        """The limits on the request's head and its key checked: None, or the refusal to send."""
+        return self._unauthorized(request)
 
     def _unauthorized(self, request: Request) -> Answer | None:
         try:
@@ -264,11 +276,19 @@ class FrontDoor:
             return await self.forward(request, member, "POST", request.path, content, sse=bool(body.get("stream")))
 
     async def forward_remote(
-        self, request: Request, remote: RemoteModel, body: dict[str, Any], *, sse: bool
+        self,
+        request: Request,
+        remote: RemoteModel,
+        body: dict[str, Any],
+        *,
+        sse: bool,
+        path: str | None = None,
+        relay_with: Relay = relay,
     ) -> Answer | None:
-        """Send a remote model's request to its endpoint and relay the answer as it arrives; sent
-        once (the endpoint is a cluster of its own: Stoker holds nothing for it)."""
-        path, config = request.path, remote.config
+        """Send a remote model's request to its endpoint (at `path`, the request's own by default)
+        and relay the answer as it arrives; sent once (the endpoint is a cluster of its own:
+        Stoker holds nothing for it)."""
+        path, config = path or request.path, remote.config
         if remote.key_missing:
             detail = f"${config.api_key_env} is not set in the daemon's environment"
             return self._remote_refused(request, remote, judge(Contact.KEY_MISSING), detail)
@@ -305,7 +325,7 @@ class FrontDoor:
             return self._remote_refused(request, remote, judge(contact_of(exc)), remote.error_text(str(exc)))
         remote.last_request = remote.reading(verdict, status=response.status_code)
         try:
-            await relay(request, response, sse and response.status_code == 200, first, chunks)
+            await relay_with(request, response, sse and response.status_code == 200, first, chunks)
         finally:
             with trio.CancelScope(shield=True):
                 await stack.aclose()  # the connection pooled, or closed if the answer was cut
@@ -332,7 +352,15 @@ class FrontDoor:
         )
 
     async def forward(
-        self, request: Request, member: Member, method: str, path: str, content: bytes | None, *, sse: bool
+        self,
+        request: Request,
+        member: Member,
+        method: str,
+        path: str,
+        content: bytes | None,
+        *,
+        sse: bool,
+        relay_with: Relay = relay,
     ) -> Answer | None:
         """Hold until ready, send, relay. An engine lost before the first byte of its answer:
         sent again to the next ready server when states/frontdoor/policy.py says so."""
@@ -385,7 +413,7 @@ class FrontDoor:
                     "engine_unreachable",
                 )
             try:
-                await relay(request, response, sse and response.status_code == 200, first, chunks)
+                await relay_with(request, response, sse and response.status_code == 200, first, chunks)
             finally:
                 with trio.CancelScope(shield=True):
                     await stack.aclose()  # the engine's connection pooled, or closed if the answer was cut

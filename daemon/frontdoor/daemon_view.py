@@ -18,6 +18,8 @@ from stoker.states.launch import records as LR
 
 if TYPE_CHECKING:
     from stoker.daemon.config.model import Config
+    from stoker.daemon.core.events import EventBus
+    from stoker.daemon.models.pull import PullService
     from stoker.daemon.fleet.fleet import Fleet
     from stoker.store.records import TransitionRecord
 
@@ -31,6 +33,19 @@ class FrontDoorDaemon(Protocol):
     @property
     def fleet(self) -> Fleet:
         """Every configured model: routing, state, on-demand loads (daemon/fleet/fleet.py)."""
+
+    @property
+    def pulls(self) -> PullService:
+        """The catalog and its pulls (Ollama's /api/pull, /api/delete, /api/tags' details)."""
+
+    @property
+    def bus(self) -> EventBus:
+        """The daemon's events (a pull's progress, for /api/pull)."""
+
+    # Where Ollama's listener serves, or the OS's words for why it could not bind (set by
+    # daemon/frontdoor/server.py; `stoker status` shows them).
+    ollama_url: str | None
+    ollama_error: str | None
 
     async def wait_state(self, states: Iterable[LR.LaunchState]) -> None:
         """Return once the default model's launch machine is in one of `states`."""

@@ -87,7 +87,7 @@ def engine_figures(tail: bytes) -> EngineFigures:
     input_tokens), else timings' prompt_n and cache_n (evaluated, and found in the cache).
     With several choices, the last one's figures."""
     generated = _last_number(tail, b"predicted_n")
-    for key in (b"completion_tokens", b"output_tokens"):
+    for key in (b"completion_tokens", b"output_tokens", b"eval_count"):
         if generated is None:
             generated = _last_number(tail, key)
     # The prompt's tokens: usage's count, else timings' (those evaluated plus those the cache had).
@@ -96,11 +96,18 @@ def engine_figures(tail: bytes) -> EngineFigures:
         prompt = _last_number(tail, b"input_tokens")
     if prompt is None and (evaluated := _last_number(tail, b"prompt_n")) is not None:
         prompt = evaluated + (_last_number(tail, b"cache_n") or 0)
+    if prompt is None:
+        prompt = _last_number(tail, b"prompt_eval_count")
     ms = _last_number(tail, b"predicted_ms")
+    per_second = _last_number(tail, b"predicted_per_second")
+    if ms is None and (ns := _last_number(tail, b"eval_duration")) is not None:
+        # Ollama's last line (daemon/frontdoor/ollama.py) carries the engine's timings in nanoseconds.
+        ms = ns / 1e6
+        per_second = generated / (ms / 1000.0) if generated and ms > 0 else None
     return EngineFigures(
         generated=None if generated is None else int(generated),
         prompt=None if prompt is None else int(prompt),
-        per_second=_last_number(tail, b"predicted_per_second"),
+        per_second=per_second,
         seconds=None if ms is None else ms / 1000.0,
     )
 

@@ -22,6 +22,7 @@ from stoker.daemon.core.http import loopback_client
 from stoker.daemon.engine.wire import EngineWire, WireTimeouts
 from stoker.daemon.frontdoor.app import FrontDoor
 from stoker.daemon.frontdoor.hold import Hold
+from stoker.daemon.frontdoor.ollama import OllamaApi
 from stoker.daemon.frontdoor.http11 import bound_url, open_listeners, serve_http
 from stoker.daemon.frontdoor.daemon_view import Authorize, FrontDoorDaemon, allow_loopback
 
@@ -118,6 +119,8 @@ async def serve_frontdoor(
                 if binds:
                     log.info("front door on %s", ", ".join(binds))
                 if first:
+                    if listeners and daemon.config.ollama.enabled:  # read at the daemon's start
+                        await nursery.start(serve_ollama, daemon, OllamaApi(front))
                     task_status.started(binds)
                     first = False
                 elif on_bound is not None:
@@ -126,3 +129,22 @@ async def serve_frontdoor(
                 await trio.sleep_forever()
             else:
                 await config_applied()
+
+
+async def serve_ollama(
+    daemon: FrontDoorDaemon, api: OllamaApi, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Ollama's API on `[ollama] port` at the front door's host, through the same `FrontDoor`
+    (keys, holding, limits, metrics, the access log). A port another program holds leaves it off:
+    `daemon.ollama_error` says why (`stoker status`: ollama_port_taken), the daemon serves on."""
+    host, port = daemon.config.frontdoor.host, daemon.config.ollama.port
+    try:
+        listeners = await open_listeners(host, port)
+    except OSError as exc:
+        daemon.ollama_error = f"cannot listen ({exc.strerror or exc})"
+        log.error("Ollama's API cannot listen on %s:%d (%s); it stays off, the daemon serves on", host, port, exc)
+        task_status.started()
+        return
+    daemon.ollama_url, daemon.ollama_error = bound_url(listeners[0]), None  # bound: clients wait in its backlog
+    log.info("Ollama's API on %s", daemon.ollama_url)
+    await serve_http(listeners, daemon, api.front.metrics.requests, api.handle, task_status=task_status)

@@ -34,6 +34,7 @@ class Conn:
         parts = urlsplit(url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.prefix = parts.path.rstrip("/")
+        self.route = "/v1/chat/completions"  # what `chat` posts to
         self.key = key
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
@@ -72,7 +73,7 @@ class Conn:
             await self.open()
         assert self.reader is not None and self.writer is not None
         head = (
-            f"POST {self.prefix}/v1/chat/completions HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"POST {self.prefix}{self.route} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
             + (f"Authorization: Bearer {self.key}\r\n" if self.key else "")
             + "\r\n"

@@ -19,14 +19,22 @@ from tests.waits import wait_until
 
 
 def write_config(paths: StokerPaths, text: str) -> None:
+    """Write the daemon's config; Ollama's API off unless the text has an `[ollama]` section
+    (its default port, 11434, is one for the whole machine: see `tiny_config`)."""
+    if "[ollama]" not in text:
+        text = text + ("" if text.endswith("\n") or not text else "\n") + "[ollama]\nenabled = false\n"
     paths.config_dir.mkdir(parents=True, exist_ok=True)
     tmp = paths.config_file.with_suffix(".tmp")
     tmp.write_text(text)
     os.replace(tmp, paths.config_file)
 
 
-def tiny_config(model: Path, *, snapshots: bool | dict[str, Any] = False, **extra_server: Any) -> str:
-    """A fast config for `model`; `snapshots`: True, or a dict of [snapshots] keys, turns them on."""
+def tiny_config(
+    model: Path, *, snapshots: bool | dict[str, Any] = False, ollama_port: int | None = None, **extra_server: Any
+) -> str:
+    """A fast config for `model`; `snapshots`: True, or a dict of [snapshots] keys, turns them on.
+    Ollama's API is off unless `ollama_port` is given: its default port is Ollama's own 11434,
+    which daemons of tests run at the same time must not fight over."""
     server = {"model": str(model), "ctx_size": 256, "stall_timeout_s": 30.0, "ready_timeout_s": 60.0, **extra_server}
     lines = ["[server]"]
     for key, value in server.items():
@@ -42,6 +50,7 @@ def tiny_config(model: Path, *, snapshots: bool | dict[str, Any] = False, **extr
     ]
     snap = {"enabled": bool(snapshots), **(snapshots if isinstance(snapshots, dict) else {})}
     lines += [f"{key} = {_toml(value)}" for key, value in snap.items()]
+    lines += ["[ollama]", "enabled = false"] if ollama_port is None else ["[ollama]", f"port = {ollama_port}"]
     return "\n".join(lines) + "\n"
 
 

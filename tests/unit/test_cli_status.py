@@ -234,3 +234,13 @@ def test_each_model_says_which_estimate_answered_its_plan_and_the_caps_are_shown
     assert "models    at most 2 loaded at once, holding at most ram 2.0 GiB" in lines
     text = "\n".join(lines)
     assert "fit 288 MiB " in text and "fit 2 MiB + vram 5.6 GiB" in text and "stoker 24 MiB (partial)" in text
+
+
+def test_the_ollama_line_says_where_or_why_not():
+    st = {"state": "ready", "model": "m", "endpoint": None}
+    listening = {"url": "http://127.0.0.1:11434", "enabled": True, "reason": None, "message": None}
+    assert "ollama    http://127.0.0.1:11434" in plain(format_status({**st, "ollama": listening}))
+    taken = {**listening, "url": None, "reason": "ollama_port_taken", "message": "127.0.0.1:11434: cannot listen"}
+    shown = plain(format_status({**st, "ollama": taken}))
+    assert "ollama    not listening: ollama_port_taken: 127.0.0.1:11434: cannot listen" in shown
+    assert "ollama    off" in plain(format_status({**st, "ollama": {**listening, "url": None, "enabled": False}}))

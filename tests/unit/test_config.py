@@ -49,6 +49,7 @@ def test_to_dict_is_plain_data_and_covers_every_key():
         "bundles",
         "logs",
         "frontdoor",
+        "ollama",
         "placement",
         "engine",
         "models",

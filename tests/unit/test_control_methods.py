@@ -13,6 +13,7 @@ import attrs
 import pytest
 
 from stoker.daemon.config.model import Config
+from stoker.daemon.config.ollama import OllamaConfig
 from stoker.daemon.config.instances import ServedModel
 from stoker.daemon.control import protocol
 from stoker.daemon.control.controlled import HistoryQuery
@@ -71,6 +72,7 @@ STATUS_KEYS = {
     "workers",
     "memory_caps",
     "remotes",
+    "ollama",
 }
 
 
@@ -199,6 +201,8 @@ class FakeDaemon:
     fleet: FakeFleet = attrs.field(init=False)
     backend_names: tuple[str, ...] = ("cpu", "cuda", "acme")
     frontdoor_binds: list[str] | None = attrs.field(factory=lambda: ["http://127.0.0.1:11436"])
+    ollama_url: str | None = "http://127.0.0.1:11434"
+    ollama_error: str | None = None
     fallback: dict[str, Any] = attrs.field(factory=lambda: fallback_part())
     history_asked: list[dict[str, Any]] = attrs.field(factory=list)
     pulls: list[dict[str, Any]] = attrs.field(factory=list)
@@ -566,6 +570,23 @@ async def test_status_says_where_clients_reach_the_front_door():
     assert st["frontdoor"]["url"] == "http://127.0.0.1:8000/v1"
     st = await call(FakeDaemon(frontdoor_binds=[]), "status")
     assert st["frontdoor"]["url"] is None and st["frontdoor"]["enabled"] is True
+
+
+async def test_status_says_where_ollama_clients_connect_or_why_they_cannot():
+    st = await call(FakeDaemon(), "status")
+    assert st["ollama"] == {
+        "url": "http://127.0.0.1:11434",
+        "enabled": True,
+        "address": "127.0.0.1:11434",
+        "reason": None,
+        "message": None,
+    }
+    st = await call(FakeDaemon(ollama_url=None, ollama_error="cannot listen (Address already in use)"), "status")
+    assert st["ollama"]["url"] is None and st["ollama"]["reason"] == "ollama_port_taken"
+    assert st["ollama"]["message"].startswith("127.0.0.1:11434: cannot listen (Address already in use). Another")
+    off = FakeDaemon(config=Config(ollama=OllamaConfig(enabled=False)), ollama_url=None)
+    st = await call(off, "status")
+    assert st["ollama"]["enabled"] is False and st["ollama"]["url"] is None and st["ollama"]["reason"] is None
 
 
 async def test_status_config_part_says_why_the_file_was_refused():
