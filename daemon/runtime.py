@@ -158,6 +158,7 @@ class Daemon:
             self.change_signal,
         )
         self.fleet = Fleet(services, self.config, may_start=lambda: not self.config_loaded_invalid)
+        self.pulls.on_change = self.fleet.catalog_changed
         self.engine_updates = EngineUpdateService(
             self.paths,
             self.store,

@@ -6,19 +6,33 @@ order, each launched with `[server]` and `[backend]` overlaid with its section
 (`instance_config`, the one place that overlay is made), so the launch supervisor, the
 fallback orchestrator and the plan read `config.server` and `config.backend` as they always
 have and never learn which section a value came from.
+
+Then every model in the catalog that no configured model serves: servable by its catalog name
+with no config edit, loaded on demand and unloaded after CATALOG_IDLE_TTL_S idle, launched with
+`[server]` and `[backend]` as they are. Catalog names that reference one file (the bytes are
+stored once) are one model answering to each; a catalog name of a file a configured model
+serves reaches that model. A vision projector's row is never a model of its own.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
+from typing import Sequence
 
 import attrs
 
 from stoker.daemon.config.model import Config
 from stoker.daemon.config.placement import ModelConfig, default_model
+from stoker.daemon.config.server_args import chat_template_args, sampling_args
+from stoker.store.catalog import ModelRecord
 from stoker.states.pull.lookup import ModelForm, model_form
 
 DEFAULT_INSTANCE = "default"
+# A catalog model no [models] section names is unloaded after this many idle seconds (as Ollama's
+# keep-alive); a section's idle_ttl_s says otherwise for a configured one.
+CATALOG_IDLE_TTL_S = 300.0
 
 
 @attrs.frozen
@@ -31,6 +45,8 @@ class ServedModel:
     default: bool = False  # requests naming no configured model (or "default") go here
     pinned: bool = False  # started with the daemon, never unloaded to make room
     idle_ttl_s: float = 0.0  # 0: never unloaded for being idle
+    aliases: tuple[str, ...] = ()  # more names a request may send: the section's, the catalog's
+    catalog: bool = False  # served because the catalog has it, no [models] section names it
 
     @property
     def spec(self) -> str:
@@ -43,47 +59,118 @@ class ServedModel:
         return self.default or self.pinned
 
     @property
-    def engine_alias(self) -> str | None:
-        """The model id its engine is told to report (`--alias`): its NAME with [models], so the
-        answers carry the name the client routed by; None without (the engine's file path, as before)."""
-        return self.name if self.config.models else None
+    def engine_alias(self) -> str:
+        """The model id its engine is told to report (`--alias`): its public id, so answers
+        carry a name the client may send, never the file's path."""
+        return self.public_id
 
     @property
     def public_id(self) -> str:
-        """The id /v1/models lists it under: its NAME; without [models] the model's own name (its
-        catalog name, or its file's name), the one the user wrote."""
-        if self.config.models or self.name != DEFAULT_INSTANCE:
-            return self.name
-        return Path(self.spec).name if model_form(self.spec) is ModelForm.PATH else self.spec
+        """The id /v1/models lists it under: its NAME; without [models] (and for a catalog
+        model) the model's own name (its catalog name, or its file's name), the one the user wrote."""
+        if self.catalog or (not self.config.models and self.name == DEFAULT_INSTANCE):
+            return Path(self.spec).name if model_form(self.spec) is ModelForm.PATH else self.spec
+        return self.name
 
 
 def instance_config(config: Config, section: ModelConfig) -> Config:
     """The config a model's server is launched with: `[server]` and `[backend]` with the
     section's keys laid over them (a key the section leaves out keeps the shared value)."""
+    shared = config.server
     server = attrs.evolve(
-        config.server,
+        shared,
         model=section.model,
-        ctx_size=config.server.ctx_size if section.ctx_size is None else section.ctx_size,
-        parallel=config.server.parallel if section.parallel is None else section.parallel,
+        ctx_size=shared.ctx_size if section.ctx_size is None else section.ctx_size,
+        parallel=shared.parallel if section.parallel is None else section.parallel,
+        threads=shared.threads if section.threads is None else section.threads,
+        n_gpu_layers=shared.n_gpu_layers if section.n_gpu_layers is None else section.n_gpu_layers,
+        kind=shared.kind if section.kind is None else section.kind,
+        extra_args=(
+            *shared.extra_args,
+            *section.extra_args,
+            *chat_template_args(section.chat_template),
+            *sampling_args(section.sampling()),
+            *(("--mmproj", _projector(section.mmproj)) if section.mmproj else ()),
+        ),
     )
     backend = config.backend if section.prefer is None else attrs.evolve(config.backend, prefer=section.prefer)
     return attrs.evolve(config, server=server, backend=backend)
 
 
-def served_models(config: Config) -> tuple[ServedModel, ...]:
+def _projector(value: str) -> str:
+    return str(Path(value).expanduser()) if model_form(value) is ModelForm.PATH else value
+
+
+def served_models(config: Config, catalog: Sequence[ModelRecord] = ()) -> tuple[ServedModel, ...]:
     """Every model the config serves with a server of its own, the default one marked (none
-    when a remote section, served by its endpoint, is the default: daemon/config/remote.py)."""
+    when a remote section, served by its endpoint, is the default: daemon/config/remote.py),
+    then every catalog model none of them serves."""
     remote_default = any(r.default for r in config.remotes)
     if not config.models:
-        return (ServedModel(DEFAULT_INSTANCE, config, default=not remote_default),)
-    chosen = None if remote_default else default_model(config.models)
-    return tuple(
-        ServedModel(
-            section.name,
-            instance_config(config, section),
-            default=section is chosen,
-            pinned=section.pinned,
-            idle_ttl_s=section.idle_ttl_s,
+        configured = [ServedModel(DEFAULT_INSTANCE, config, default=not remote_default)]
+    else:
+        chosen = None if remote_default else default_model(config.models)
+        configured = [
+            ServedModel(
+                section.name,
+                instance_config(config, section),
+                default=section is chosen,
+                pinned=section.pinned,
+                idle_ttl_s=section.idle_ttl_s,
+                aliases=section.aliases,
+            )
+            for section in config.models
+        ]
+    return _with_catalog(config, configured, catalog)
+
+
+def _with_catalog(config: Config, configured: list[ServedModel], catalog: Sequence[ModelRecord]) -> tuple[ServedModel, ...]:
+    """The configured models, each answering to the catalog names of its file too, then one
+    model per cataloged file no configured model serves (named by its shortest catalog name)."""
+    rows = [r for r in catalog if not _projector_row(r)]
+    by_name = {r.name: r for r in rows}
+    files: dict[str, list[ModelRecord]] = {}
+    for row in rows:
+        files.setdefault(os.path.realpath(row.path), []).append(row)
+    served_files: dict[str, int] = {}
+    for index, served in enumerate(configured):
+        spec = served.spec
+        row = by_name.get(spec) if model_form(spec) is ModelForm.NAME else None
+        path = row.path if row is not None else (os.path.expanduser(spec) if model_form(spec) is ModelForm.PATH else None)
+        if path is not None:
+            served_files.setdefault(os.path.realpath(path), index)
+    result = list(configured)
+    taken = {s.name for s in configured} | {a for s in configured for a in s.aliases}
+    for real, group in files.items():
+        names = sorted({r.name for r in group}, key=lambda n: (len(n), n))
+        if real in served_files:
+            index = served_files[real]
+            extra = tuple(n for n in names if n != result[index].spec and n not in taken)
+            result[index] = attrs.evolve(result[index], aliases=(*result[index].aliases, *extra))
+            continue
+        names = [n for n in names if n not in taken]
+        if not names:
+            continue
+        primary = names[0]
+        config_of = attrs.evolve(config, server=attrs.evolve(config.server, model=primary))
+        instance = _instance_name(primary, {s.name for s in result})
+        result.append(
+            ServedModel(instance, config_of, idle_ttl_s=CATALOG_IDLE_TTL_S, aliases=tuple(names[1:]), catalog=True)
         )
-        for section in config.models
-    )
+        taken.update(names)
+    return tuple(result)
+
+
+def _projector_row(row: ModelRecord) -> bool:
+    """A vision projector's catalog row (pulled beside its model): never served alone."""
+    return row.architecture == "clip" or row.name.endswith(".mmproj")
+
+
+def _instance_name(name: str, taken: set[str]) -> str:
+    """A catalog name as an instance name (1-32 of a-z, 0-9, '_', '-'), unique among `taken`."""
+    base = re.sub(r"[^a-z0-9_-]+", "-", name.lower()).strip("-_")[:28] or "model"
+    candidate, n = base, 1
+    while candidate in taken or candidate == DEFAULT_INSTANCE:
+        n += 1
+        candidate = f"{base}-{n}"
+    return candidate
