@@ -7,11 +7,10 @@ order, each launched with `[server]` and `[backend]` overlaid with its section
 fallback orchestrator and the plan read `config.server` and `config.backend` as they always
 have and never learn which section a value came from.
 
-Then every model in the catalog that no configured model serves: servable by its catalog name
-with no config edit, loaded on demand and unloaded after CATALOG_IDLE_TTL_S idle, launched with
-`[server]` and `[backend]` as they are. Catalog names that reference one file (the bytes are
-stored once) are one model answering to each; a catalog name of a file a configured model
-serves reaches that model. A vision projector's row is never a model of its own.
+Then every catalog name no configured model claims: servable by that name with no config edit,
+loaded on demand and unloaded after CATALOG_IDLE_TTL_S idle, launched with `[server]` and
+`[backend]` as they are. Catalog names that reference one file (the bytes are stored once) are
+one model answering to each. A vision projector's row is never a model of its own.
 """
 
 from __future__ import annotations
@@ -125,39 +124,24 @@ def served_models(config: Config, catalog: Sequence[ModelRecord] = ()) -> tuple[
 
 
 def _with_catalog(config: Config, configured: list[ServedModel], catalog: Sequence[ModelRecord]) -> tuple[ServedModel, ...]:
-    """The configured models, each answering to the catalog names of its file too, then one
-    model per cataloged file no configured model serves (named by its shortest catalog name)."""
-    rows = [r for r in catalog if not _projector_row(r)]
-    by_name = {r.name: r for r in rows}
+    """The configured models, then one model per cataloged file for the catalog names no
+    configured model claims (its spec, NAME or aliases), named by the shortest of them. Which
+    member serves a name never depends on which other names were pulled since: a configured
+    model's own row appearing later does not take another name's model away."""
+    taken = {s.name for s in configured} | {s.spec for s in configured} | {a for s in configured for a in s.aliases}
     files: dict[str, list[ModelRecord]] = {}
-    for row in rows:
-        files.setdefault(os.path.realpath(row.path), []).append(row)
-    served_files: dict[str, int] = {}
-    for index, served in enumerate(configured):
-        spec = served.spec
-        row = by_name.get(spec) if model_form(spec) is ModelForm.NAME else None
-        path = row.path if row is not None else (os.path.expanduser(spec) if model_form(spec) is ModelForm.PATH else None)
-        if path is not None:
-            served_files.setdefault(os.path.realpath(path), index)
+    for row in catalog:
+        if not _projector_row(row) and row.name not in taken:
+            files.setdefault(os.path.realpath(row.path), []).append(row)
     result = list(configured)
-    taken = {s.name for s in configured} | {a for s in configured for a in s.aliases}
-    for real, group in files.items():
+    for group in files.values():
         names = sorted({r.name for r in group}, key=lambda n: (len(n), n))
-        if real in served_files:
-            index = served_files[real]
-            extra = tuple(n for n in names if n != result[index].spec and n not in taken)
-            result[index] = attrs.evolve(result[index], aliases=(*result[index].aliases, *extra))
-            continue
-        names = [n for n in names if n not in taken]
-        if not names:
-            continue
         primary = names[0]
         config_of = attrs.evolve(config, server=attrs.evolve(config.server, model=primary))
         instance = _instance_name(primary, {s.name for s in result})
         result.append(
             ServedModel(instance, config_of, idle_ttl_s=CATALOG_IDLE_TTL_S, aliases=tuple(names[1:]), catalog=True)
         )
-        taken.update(names)
     return tuple(result)
 
 

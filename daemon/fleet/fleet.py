@@ -126,7 +126,8 @@ class Fleet:
             names = [m.name for m in self.serving()]
             raise StokerError(
                 ReasonCode.MODEL_NOT_FOUND,
-                f"No configured model is named {model!r}; the config serves {', '.join(names)}.",
+                f"No model is named {model!r}; Stoker serves {', '.join(names)} (a name Stoker knows, or any "
+                f"spec, is pulled and served by `stoker run {model}`).",
                 {"model": model, "models": names},
             )
         return found
