@@ -5,7 +5,7 @@ sent another name the model answers to (an alias from its `[models.NAME]` sectio
 catalog name of the same file, "default") gets its own name back, as a hosted API does. The
 engine writes compact JSON, so its `"model":"ALIAS"` is replaced byte for byte: an SSE stream
 event by event (an event is never split, so the pattern never straddles a piece), any other
-body with a short tail held back until the next piece.
+body (one JSON answer, not streamed) whole at its end.
 """
 
 from __future__ import annotations
@@ -35,11 +35,8 @@ class ModelRename:
     def piece(self, data: bytes) -> bytes:
         """What of `data` (after what was held back) can go now, renamed."""
         data = self._pending + data
-        if self.sse:
-            cut = data.rfind(b"\n\n") + 2
-        else:
-            cut = max(0, len(data) - (len(self.old) - 1))
-        if cut <= 1:
+        cut = data.rfind(b"\n\n") + 2 if self.sse else 0  # a whole JSON body: kept whole until its end
+        if cut < 2:
             cut = 0
         ready, self._pending = data[:cut], data[cut:]
         return ready.replace(self.old, self.new)
