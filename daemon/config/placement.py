@@ -22,6 +22,7 @@ from typing import Any, Literal, Mapping
 import attrs
 
 from stoker.daemon.backends.registry import registered_names
+from stoker.states.pull.lookup import ModelForm, model_form
 from stoker.daemon.config.server_args import MODEL_KINDS, SAMPLING_FLAGS, extra_args, gpu_layers
 from stoker.daemon.config.checks import (
     Invalid,
@@ -61,6 +62,13 @@ def text(value: Any) -> str:
     """A non-empty string."""
     if not isinstance(value, str) or not value.strip():
         raise Invalid(f"must be a non-empty string, got {describe(value)}")
+    return value
+
+
+def projector_path(value: Any) -> str:
+    """A path to a vision projector's .gguf file."""
+    if not isinstance(value, str) or model_form(value) is not ModelForm.PATH:
+        raise Invalid(f'must be a path to a projector\'s .gguf file (such as "~/models/mmproj.gguf"), got {describe(value)}')
     return value
 
 
@@ -117,7 +125,7 @@ class ModelConfig:
     extra_args: tuple[str, ...] = setting((), extra_args)  # after [server] extra_args
     kind: str | None = setting(None, optional(one_of("auto", *MODEL_KINDS)))
     chat_template: str | None = setting(None, optional(text))  # a built-in name, Jinja, or a .jinja file
-    mmproj: str | None = setting(None, optional(text))  # a vision projector: a path, or a catalog name
+    mmproj: str | None = setting(None, optional(projector_path))  # a vision projector's file
     # Sampling defaults: applied by the engine to a request that does not set its own.
     temperature: float | None = setting(None, optional(number(0.0, 100.0)))
     top_p: float | None = setting(None, optional(number(0.0, 1.0)))
