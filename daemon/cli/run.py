@@ -141,15 +141,16 @@ def daemon_running(paths: StokerPaths) -> bool:
         return False
 
 
-def start_daemon(paths: StokerPaths, as_json: bool) -> int:
-    """Start `stoker daemon` detached (its own session). It logs to logs/daemon.log itself (rotated);
+def start_daemon(paths: StokerPaths, as_json: bool, *, load_default: bool = True) -> int:
+    """Start `stoker daemon` detached (its own session); `load_default` False: for another model,
+    so the default model is not loaded beside it (it loads at its first request). It logs to logs/daemon.log itself (rotated);
     its console (a refusal's one line, warnings) goes to logs/daemon-console.log, fresh each start."""
     paths.logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     log_path = paths.logs_dir / "daemon.log"
     console = paths.logs_dir / "daemon-console.log"
     with open(console, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "stoker.daemon", "daemon"],
+            [sys.executable, "-m", "stoker.daemon", "daemon", *(() if load_default else ("--no-default",))],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -260,7 +261,7 @@ def run_cmd(
             target, pulled = ensure_named(name, as_json)
             model = {"model": target}
         if not daemon_running(paths):
-            start_daemon(paths, as_json)
+            start_daemon(paths, as_json, load_default=name is None)
         else:
             say(as_json, "daemon already running")
         say(as_json, f"bringing {model.get('model', 'the server')} up")

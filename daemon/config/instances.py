@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import attrs
 
@@ -100,10 +100,14 @@ def _projector(value: str) -> str:
     return str(Path(value).expanduser()) if model_form(value) is ModelForm.PATH else value
 
 
-def served_models(config: Config, catalog: Sequence[ModelRecord] = ()) -> tuple[ServedModel, ...]:
+def served_models(
+    config: Config, catalog: Sequence[ModelRecord] = (), same_as: Callable[[str], str | None] = lambda name: None
+) -> tuple[ServedModel, ...]:
     """Every model the config serves with a server of its own, the default one marked (none
     when a remote section, served by its endpoint, is the default: daemon/config/remote.py),
-    then every catalog model none of them serves."""
+    then every catalog model none of them serves. `same_as` names what a name means (a known
+    name's FAMILY:TAG): a catalog name that means what a configured model's name means is one
+    more name of that model (`smollm2` reaches the default `smollm2-135m-instruct`)."""
     remote_default = any(r.default for r in config.remotes)
     if not config.models:
         configured = [ServedModel(DEFAULT_INSTANCE, config, default=not remote_default)]
@@ -120,20 +124,32 @@ def served_models(config: Config, catalog: Sequence[ModelRecord] = ()) -> tuple[
             )
             for section in config.models
         ]
-    return _with_catalog(config, configured, catalog)
+    return _with_catalog(config, configured, catalog, same_as)
 
 
-def _with_catalog(config: Config, configured: list[ServedModel], catalog: Sequence[ModelRecord]) -> tuple[ServedModel, ...]:
+def _with_catalog(
+    config: Config,
+    configured: list[ServedModel],
+    catalog: Sequence[ModelRecord],
+    same_as: Callable[[str], str | None],
+) -> tuple[ServedModel, ...]:
     """The configured models, then one model per cataloged file for the catalog names no
     configured model claims (its spec, NAME or aliases), named by the shortest of them. Which
     member serves a name never depends on which other names were pulled since: a configured
     model's own row appearing later does not take another name's model away."""
     taken = {s.name for s in configured} | {s.spec for s in configured} | {a for s in configured for a in s.aliases}
+    meaning = {m: index for index, s in enumerate(configured) if (m := same_as(s.spec)) is not None}
+    result = list(configured)
     files: dict[str, list[ModelRecord]] = {}
     for row in catalog:
-        if not _projector_row(row) and row.name not in taken:
-            files.setdefault(os.path.realpath(row.path), []).append(row)
-    result = list(configured)
+        if _projector_row(row) or row.name in taken:
+            continue
+        index = meaning.get(same_as(row.name) or "")
+        if index is not None:
+            result[index] = attrs.evolve(result[index], aliases=(*result[index].aliases, row.name))
+            taken.add(row.name)
+            continue
+        files.setdefault(os.path.realpath(row.path), []).append(row)
     for group in files.values():
         names = sorted({r.name for r in group}, key=lambda n: (len(n), n))
         primary = names[0]

@@ -38,6 +38,7 @@ from stoker.daemon.launch.instance import ServerInstance
 from stoker.states.launch import records as LR
 from stoker.states.fleet.placement import UNLOADED, Verdict, capacity, place
 from stoker.states.reasons import ReasonCode
+from stoker.daemon.models.known import same_model
 from stoker.store.catalog import ModelRecord
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class Fleet:
     def __attrs_post_init__(self) -> None:
         self.room = RoomMaker(self.serving, lambda: self.config.placement, self._lock, self.services.change_signal)
         self.remotes.apply(self.config)
-        for served in served_models(self.config, self._catalog()):
+        for served in served_models(self.config, self._catalog(), same_model):
             self.members[served.name] = self._build(served)
         for member in self._leftovers():
             self.members[member.name] = member
@@ -187,10 +188,13 @@ class Fleet:
             except StokerError as err:
                 log.warning("%s not started: %s %s", member.name, err.reason, err.message)
 
-    def autostart(self) -> None:
-        """Start the pinned models, then the default, where the store does not hold them already
-        running (adopted) or failed (a failure stays until `stoker up`)."""
-        wanted = sorted((m for m in self.serving() if m.served.autostart), key=lambda m: not m.served.pinned)
+    def autostart(self, *, load_default: bool = True) -> None:
+        """Start the pinned models, then the default (`load_default`), where the store does not
+        hold them already running (adopted) or failed (a failure stays until `stoker up`)."""
+        wanted = sorted(
+            (m for m in self.serving() if m.served.pinned or (load_default and m.served.default)),
+            key=lambda m: not m.served.pinned,
+        )
         wanted = [
             m for m in wanted if not m.supervisor.runner.resumed or m.supervisor.loaded_state is LR.LaunchState.STOPPED
         ]
@@ -260,7 +264,7 @@ class Fleet:
         """The configured models whose server `new` changes (relaunched if it runs)."""
         return [
             served
-            for served in served_models(new, self._catalog())
+            for served in served_models(new, self._catalog(), same_model)
             if (member := self.members.get(served.name)) is not None
             and not member.retiring
             and needs_relaunch(member.served.config, served.config)
@@ -272,7 +276,7 @@ class Fleet:
         `catalog_only`: the config is the same, the catalog changed (no member is told of a new config)."""
         self.config = new
         self.remotes.apply(new)
-        wanted = served_models(new, self._catalog())
+        wanted = served_models(new, self._catalog(), same_model)
         for served in wanted:
             member = self.members.get(served.name)
             if member is None:

@@ -99,6 +99,13 @@ def well_known(name: str) -> WellKnown | None:
     return WELL_KNOWN.get(name)
 
 
+def same_model(name: str) -> str | None:
+    """What a known name means (FAMILY:TAG: `smollm2`, `smollm2:135m` and `smollm2-135m-instruct`
+    mean the same), None for another name."""
+    known = WELL_KNOWN.get(name)
+    return known.canonical if known is not None else None
+
+
 def of_spec(spec: str) -> WellKnown | None:
     """The well-known model pulled from `spec`, or None."""
     return next((known for known in WELL_KNOWN.values() if known.spec == spec), None)

