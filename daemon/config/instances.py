@@ -128,10 +128,7 @@ def served_models(
 
 
 def _with_catalog(
-    config: Config,
-    configured: list[ServedModel],
-    catalog: Sequence[ModelRecord],
-    same_as: Callable[[str], str | None],
+    config: Config, configured: list[ServedModel], catalog: Sequence[ModelRecord], same_as: Callable[[str], str | None]
 ) -> tuple[ServedModel, ...]:
     """The configured models, then one model per cataloged file for the catalog names no
     configured model claims (its spec, NAME or aliases), named by the shortest of them. Which

@@ -68,7 +68,9 @@ def text(value: Any) -> str:
 def projector_path(value: Any) -> str:
     """A path to a vision projector's .gguf file."""
     if not isinstance(value, str) or model_form(value) is not ModelForm.PATH:
-        raise Invalid(f'must be a path to a projector\'s .gguf file (such as "~/models/mmproj.gguf"), got {describe(value)}')
+        raise Invalid(
+            f'must be a path to a projector\'s .gguf file (such as "~/models/mmproj.gguf"), got {describe(value)}'
+        )
     return value
 
 

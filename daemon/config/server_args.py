@@ -47,6 +47,7 @@ FORBIDDEN_EXTRA_ARGS: dict[str, str] = {
     "--log-disable": "Stoker reads the server log",
 }
 
+
 def gpu_layers(value: Any) -> int | Literal["auto"]:
     if value == "auto" and isinstance(value, str):
         return "auto"

@@ -41,7 +41,9 @@ MARKS = {"pulled": "==> pulled", "daemon": "==> daemon", "asking": "==> asking"}
 def timed_run(env: dict[str, str]) -> dict[str, float]:
     """One `stoker run smollm2 QUESTION`: seconds from its start to each mark."""
     start = time.perf_counter()
-    proc = subprocess.Popen([STOKER, "run", "smollm2", QUESTION], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [STOKER, "run", "smollm2", QUESTION], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     assert proc.stdout is not None and proc.stderr is not None
     selector = selectors.DefaultSelector()
     selector.register(proc.stdout, selectors.EVENT_READ, "out")
@@ -101,7 +103,11 @@ def main() -> None:
             finally:
                 shut_down(home)
                 index.stop()
-            print(f"run {n + 1}: " + ", ".join(f"{k} {v:.2f} s" for k, v in first.items()), f"| again: first token {again['first_token']:.2f} s", flush=True)
+            print(
+                f"run {n + 1}: " + ", ".join(f"{k} {v:.2f} s" for k, v in first.items()),
+                f"| again: first token {again['first_token']:.2f} s",
+                flush=True,
+            )
             firsts.append(first)
             agains.append(again)
     finally:

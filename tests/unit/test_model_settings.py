@@ -33,15 +33,17 @@ def test_the_shipped_names_resolve_a_family_its_tags_and_the_older_names():
     for name in ("smollm2:360m", "qwen2.5:0.5b", "gemma3:270m", "llama3.2:1b"):
         assert name in WELL_KNOWN
     with pytest.raises(ValueError):
-        parse_known('version = 1\n[models.x]\nsummary = "x"\ndefault = "a"\nkind = "vision"\n[models.x.tags]\na = "o/r/f.gguf"\n')
+        parse_known(
+            'version = 1\n[models.x]\nsummary = "x"\ndefault = "a"\nkind = "vision"\n[models.x.tags]\na = "o/r/f.gguf"\n'
+        )
 
 
 def test_a_section_turns_its_settings_into_the_servers_arguments():
     config = parse_config(
-        "[server]\nextra_args = [\"--batch-size\", \"256\"]\nthreads = 1\n"
-        "[models.a]\nmodel = \"smollm2\"\naliases = [\"gpt-4o-mini\"]\ntemperature = 0.2\ntop_k = 40\n"
-        "threads = 2\nn_gpu_layers = 0\nchat_template = \"chatml\"\nkind = \"chat\"\n"
-        "extra_args = [\"--ubatch-size\", \"128\"]\nmmproj = \"/m/mmproj.gguf\"\n"
+        '[server]\nextra_args = ["--batch-size", "256"]\nthreads = 1\n'
+        '[models.a]\nmodel = "smollm2"\naliases = ["gpt-4o-mini"]\ntemperature = 0.2\ntop_k = 40\n'
+        'threads = 2\nn_gpu_layers = 0\nchat_template = "chatml"\nkind = "chat"\n'
+        'extra_args = ["--ubatch-size", "128"]\nmmproj = "/m/mmproj.gguf"\n'
     )
     (a,) = served_models(config)
     server = a.config.server
