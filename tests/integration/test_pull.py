@@ -230,3 +230,36 @@ async def test_the_same_bytes_by_another_spec_are_stored_once_and_never_fetched_
         assert Path(first.path).exists()
         await svc.remove(other.name)
     assert not Path(first.path).exists()
+
+
+async def test_a_vision_model_by_its_known_name_brings_its_projector(service, tiny_bytes, tmp_path):
+    import gguf
+    import numpy as np
+
+    from stoker.daemon.config.instances import served_models
+    from stoker.daemon.config.model import Config
+    from stoker.daemon.models.known import WELL_KNOWN, launch_args_for
+
+    projector = tmp_path / "mmproj.gguf"
+    writer = gguf.GGUFWriter(str(projector), "clip")
+    writer.add_tensor("v.patch_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    known = WELL_KNOWN["smolvlm"]
+    repo, model_file = known.spec.split("/", 2)[:2], known.spec.split("/", 2)[2]
+    mmproj_file = known.mmproj.split("/", 2)[2]
+    hub = FakeHub({"/".join(repo): HubRepo({model_file: tiny_bytes, mmproj_file: projector.read_bytes()})}).start()
+    svc, _ = service
+    try:
+        with trio.fail_after(60):
+            record = await svc.pull("smolvlm", options=hub_options(hub))
+    finally:
+        hub.stop()
+    rows = {r.name: r for r in svc.models()}
+    assert record.name == "smolvlm" and rows["smolvlm.mmproj"].architecture == "clip"
+    assert record.facts["mmproj"] == rows["smolvlm.mmproj"].path and Path(record.facts["mmproj"]).exists()
+    assert launch_args_for(rows["smolvlm"]) == ("--mmproj", record.facts["mmproj"])  # passed to the engine
+    served = {s.public_id for s in served_models(Config(), svc.models())}
+    assert "smolvlm" in served and "smolvlm.mmproj" not in served  # a projector is never a model alone
