@@ -231,6 +231,8 @@ def run_cmd(
     from stoker.daemon.cli.chat import footer, frontdoor_url, repl
     from stoker.daemon.frontdoor.client import FrontDoorClient
 
+    if name is not None and prompt is None and any(c.isspace() for c in name):
+        name, prompt = None, name  # `stoker run "a question"`: no model name has spaces
     prompt = prompt or prompt_option
     if prompt is None and (name is None or as_json):
         prompt = DEFAULT_PROMPT
