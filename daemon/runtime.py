@@ -163,6 +163,7 @@ class Daemon:
             self.change_signal,
         )
         self.fleet = Fleet(services, self.config, may_start=lambda: not self.config_loaded_invalid)
+        self.pulls.on_change = self.fleet.catalog_changed
         self.engine_updates = EngineUpdateService(
             self.paths,
             self.store,
@@ -380,7 +381,11 @@ class Daemon:
     # --- the root nursery ----------------------------------------------------------------
 
     async def serve(
-        self, *, autostart: bool = True, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+        self,
+        *,
+        autostart: bool = True,
+        load_default: bool = True,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._handle_signals)
@@ -422,7 +427,7 @@ class Daemon:
             if autostart and not self.config_loaded_invalid:
                 # The pinned models and the default, unless the store had them running (adopted)
                 # or failed; the others load when a request names them.
-                self.fleet.autostart()
+                self.fleet.autostart(load_default=load_default)
             log.info("daemon ready (pid %d, socket %s)", os.getpid(), self.paths.socket_path)
             task_status.started()
             await self._shutdown.wait()
@@ -459,9 +464,14 @@ def load_initial_config(paths: StokerPaths) -> tuple[Config, list[str]]:
 
 
 async def run_daemon(
-    paths: StokerPaths, *, autostart: bool = True, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    paths: StokerPaths,
+    *,
+    autostart: bool = True,
+    load_default: bool = True,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the daemon until shutdown; raises StokerError if it cannot start."""
+    """Run the daemon until shutdown; raises StokerError if it cannot start. `load_default`
+    False: the default model loads at its first request, not with the daemon."""
     try:
         paths.make_private()
     except OSError as exc:
@@ -479,7 +489,7 @@ async def run_daemon(
             daemon.config_loaded_invalid = True
             daemon.config_runner.fire(C.ConfigRejected(problems))
         try:
-            await daemon.serve(autostart=autostart, task_status=task_status)
+            await daemon.serve(autostart=autostart, load_default=load_default, task_status=task_status)
         finally:
             store.close()
     finally:

@@ -137,8 +137,12 @@ def write_tiny_model(
     seed: int = 0,
     vocab: str = "spm",
     weights: str = "f32",
+    pooling: int | None = None,
 ) -> Path:
     """Write a seeded random-weight llama GGUF to `path` and return the path.
+
+    `pooling` (llama.cpp's pooling type: 1 mean, 2 cls, 3 last, 4 rank) states it in the header,
+    as an embedding (or reranking) model's GGUF does.
 
     `weights="q8_0"` or `"q4_0"` quantizes the layer matrices: those types take ggml's
     quantized CPU kernels (and AMX where the CPU claims it), which F32 weights never reach.
@@ -167,6 +171,8 @@ def write_tiny_model(
     writer.add_rope_dimension_count(head_dim)
     qtype, file_type = _WEIGHT_TYPES[weights]
     writer.add_file_type(file_type)
+    if pooling is not None:
+        writer.add_pooling_type(gguf.PoolingType(pooling))
 
     if vocab == "spm":
         tokens, scores, types = _spm_vocab()

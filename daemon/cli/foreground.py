@@ -8,6 +8,7 @@ it (a 70-line ExceptionGroup traceback before); only a bug (no reason code) logs
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import sys
@@ -69,7 +70,7 @@ def refusal_of(exc: BaseException, paths: StokerPaths) -> ReasonedError | None:
     return None
 
 
-def run_foreground(paths: StokerPaths, *, log_level: str = "info") -> int:
+def run_foreground(paths: StokerPaths, *, log_level: str = "info", load_default: bool = True) -> int:
     """`stoker daemon`: run in the foreground; the exit code says why it stopped.
 
     What it creates is its user's alone (umask 077: the server's snapshots and logs included).
@@ -86,7 +87,7 @@ def run_foreground(paths: StokerPaths, *, log_level: str = "info") -> int:
     _setup_logging(paths, log_level)
     raise_open_files_limit()  # many front door clients, and `stoker status` still answered
     try:
-        trio.run(run_daemon, paths)
+        trio.run(functools.partial(run_daemon, paths, load_default=load_default))
     except KeyboardInterrupt:
         return 130
     except BaseException as exc:

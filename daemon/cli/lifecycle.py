@@ -49,11 +49,16 @@ def ask(method: str, as_json: bool, returns: type[R], timeout: float = 10.0, **p
 
 @click.command()
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning"]))
-def daemon(log_level: str) -> None:
+@click.option(
+    "--no-default",
+    is_flag=True,
+    help="Load the default model at its first request, not at start (`stoker run NAME` starts it so).",
+)
+def daemon(log_level: str, no_default: bool) -> None:
     """Run the service in the foreground (systemd and launchd run it like this)."""
     from stoker.daemon.cli.foreground import run_foreground
 
-    sys.exit(run_foreground(StokerPaths.from_env(), log_level=log_level))
+    sys.exit(run_foreground(StokerPaths.from_env(), log_level=log_level, load_default=not no_default))
 
 
 def _or_dash(value: object) -> str:

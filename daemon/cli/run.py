@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 import click
@@ -41,16 +42,16 @@ def say(as_json: bool, text: str) -> None:
         click.secho(f"==> {text}", fg="cyan", err=True)
 
 
-def wait_showing_installs(as_json: bool, timeout: float) -> dict:
+def wait_showing_installs(as_json: bool, timeout: float, **model: Any) -> dict:
     """Poll status until the server is ready or has settled in failure, saying each change of
     an engine install on the way (the source it tries, a local build's percentage). `timeout`
     counts from the last sign of progress: a build that is still moving is waited for."""
-    from stoker.daemon.cli.lifecycle import READY_STATES, SETTLED_FAILURES, call, format_installs
+    from stoker.daemon.cli.lifecycle import READY_STATES, SETTLED_FAILURES, format_installs
 
     deadline = time.monotonic() + timeout
     shown: list[str] = []
     while True:
-        st = call("status", as_json)
+        st = call("status", as_json, **model)
         for line in format_installs([i for i in st.get("installs") or [] if i.get("state") != "installed"]):
             if line not in shown:
                 shown.append(line)
@@ -123,15 +124,16 @@ def daemon_running(paths: StokerPaths) -> bool:
         return False
 
 
-def start_daemon(paths: StokerPaths, as_json: bool) -> int:
-    """Start `stoker daemon` detached (its own session). It logs to logs/daemon.log itself (rotated);
+def start_daemon(paths: StokerPaths, as_json: bool, *, load_default: bool = True) -> int:
+    """Start `stoker daemon` detached (its own session); `load_default` False: for another model,
+    so the default model is not loaded beside it (it loads at its first request). It logs to logs/daemon.log itself (rotated);
     its console (a refusal's one line, warnings) goes to logs/daemon-console.log, fresh each start."""
     paths.logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     log_path = paths.logs_dir / "daemon.log"
     console = paths.logs_dir / "daemon-console.log"
     with open(console, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "stoker.daemon", "daemon"],
+            [sys.executable, "-m", "stoker.daemon", "daemon", *(() if load_default else ("--no-default",))],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -166,8 +168,48 @@ def start_refusal(console: Path, returncode: int, log_path: Path) -> StokerError
     )
 
 
+def ensure_named(name: str, as_json: bool) -> tuple[str, dict | None]:
+    """`stoker run NAME`: the name to ask for, pulled first (with its progress) when the catalog
+    lacks it and it is a name Stoker knows or a spec; the pulled row, or None. A name that is
+    neither is left to the daemon, which says what it serves."""
+    from stoker.daemon.cli.models import list_models, pull_model
+    from stoker.daemon.control.client import typed_reply
+    from stoker.daemon.models.known import well_known
+    from stoker.daemon.models.resolve import look_up
+    from stoker.daemon.models.spec import parse_spec
+
+    try:
+        listed = typed_reply("model.list", list_models(as_json), ModelList)
+    except StokerError as err:
+        fail(as_json, err)
+    catalog = ListedCatalog({r.name: r for r in listed.models})
+    known = well_known(name)
+    if known is None and model_form(name) is ModelForm.NAME:
+        if catalog.find(name) is not None:
+            return name, None
+        try:
+            spec = parse_spec(name)
+        except StokerError:
+            return name, None  # neither a known name nor a spec: perhaps a configured model's NAME
+        if catalog.find(spec.name) is not None:
+            return spec.name, None
+    elif known is not None and look_up(name, catalog).decision.action is not Action.PULL:
+        return name, None
+    what = f"{known.summary} ({known.spec})" if known is not None else name
+    say(as_json, f"pulling {name}: {what}")
+    pulled = pull_model(name, None, None, as_json=as_json, watch=not as_json)
+    if not as_json:
+        click.echo("", err=True)  # the end of the progress bar's line
+        say(as_json, f"pulled {pulled['model']['name']}: {pulled['model']['path']}")
+    return str(pulled["model"]["name"]), dict(pulled["model"])
+
+
 @click.command("run")
-@click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
+@click.argument("name", required=False)
+@click.argument("prompt", required=False)
+@click.option(
+    "--prompt", "prompt_option", default=None, help=f"The question (default without NAME: {DEFAULT_PROMPT!r})."
+)
 @click.option("--timeout", default=900.0, show_default=True, help="Seconds to wait for the server.")
 @click.option(
     "--key",
@@ -177,33 +219,57 @@ def start_refusal(console: Path, returncode: int, log_path: Path) -> StokerError
     help="A user API key (`stoker key create`), where [frontdoor] require_keys is set.",
 )
 @json_option
-def run_cmd(prompt: str, timeout: float, key: str | None, as_json: bool) -> None:
-    """Pull the model if needed, start the daemon (it finds or builds the engine) and the server, answer one question."""
-    from stoker.daemon.cli.chat import footer, frontdoor_url
+def run_cmd(
+    name: str | None, prompt: str | None, prompt_option: str | None, timeout: float, key: str | None, as_json: bool
+) -> None:
+    """Pull a model if needed, start the daemon (it finds or builds the engine), load the model, and
+    answer PROMPT, or talk on the terminal.
+
+    NAME is a name Stoker knows (`stoker pull --list`: smollm2, qwen2.5:0.5b, ...), a catalog name,
+    a spec `stoker pull` takes, or a configured model's NAME; without NAME, the default model
+    answers one question. Without PROMPT, a conversation (as `stoker chat`) on a terminal."""
+    from stoker.daemon.cli.chat import footer, frontdoor_url, repl
     from stoker.daemon.frontdoor.client import FrontDoorClient
 
+    if name is not None and prompt is None and any(c.isspace() for c in name):
+        name, prompt = None, name  # `stoker run "a question"`: no model name has spaces
+    prompt = prompt or prompt_option
+    if prompt is None and (name is None or as_json):
+        prompt = DEFAULT_PROMPT
+    if prompt is None and not sys.stdin.isatty():
+        prompt = sys.stdin.read().strip() or DEFAULT_PROMPT
     paths = StokerPaths.from_env()
     streamed = False
+    model: dict[str, Any] = {} if name is None else {"model": name}
     try:
-        pulled = ensure_model(paths, as_json)
+        if name is None:
+            pulled = ensure_model(paths, as_json)
+        else:
+            target, pulled = ensure_named(name, as_json)
+            model = {"model": target}
         if not daemon_running(paths):
-            start_daemon(paths, as_json)
+            start_daemon(paths, as_json, load_default=name is None)
         else:
             say(as_json, "daemon already running")
-        say(as_json, "bringing the server up")
-        call("up", as_json)
-        st = wait_showing_installs(as_json, timeout)
+        say(as_json, f"bringing {model.get('model', 'the server')} up")
+        call("up", as_json, **model)
+        st = wait_showing_installs(as_json, timeout, **model)
         if st.get("state") != "ready":
             fail(as_json, StokerError(st.get("reason") or ReasonCode.INTERNAL_ERROR, evidence=st.get("evidence")))
         if not as_json:
             click.echo(format_status(st))
         url = frontdoor_url(st)
-        say(as_json, f"asking, through the front door {url}: {prompt}")
-        if not as_json:
-            click.echo("")
+        asked = model.get("model", "default")
         with FrontDoorClient(url, key, timeout=timeout) as client:
+            if prompt is None:
+                repl(client, {"model": asked, "max_tokens": None, "temperature": None, "preamble": []})
+                return
+            say(as_json, f"asking {asked}, through the front door {url}: {prompt}")
+            if not as_json:
+                click.echo("")
             answer = client.chat(
                 [{"role": "user", "content": prompt}],
+                model=asked,
                 max_tokens=80,
                 temperature=0,  # greedy: the same question gets the same answer
                 on_text=None if as_json else (lambda piece: click.echo(piece, nl=False)),
@@ -215,7 +281,7 @@ def run_cmd(prompt: str, timeout: float, key: str | None, as_json: bool) -> None
         fail(as_json, err)
     if as_json:
         result = {"ok": True, "installs": st.get("installs"), "pulled": pulled, "status": st, "prompt": prompt}
-        emit(True, {**result, "answer": answer.to_dict()})
+        emit(True, {**result, "model": asked, "answer": answer.to_dict()})
         return
     click.echo("\n")
     click.echo(

@@ -6,19 +6,32 @@ order, each launched with `[server]` and `[backend]` overlaid with its section
 (`instance_config`, the one place that overlay is made), so the launch supervisor, the
 fallback orchestrator and the plan read `config.server` and `config.backend` as they always
 have and never learn which section a value came from.
+
+Then every catalog name no configured model claims: servable by that name with no config edit,
+loaded on demand and unloaded after CATALOG_IDLE_TTL_S idle, launched with `[server]` and
+`[backend]` as they are. Catalog names that reference one file (the bytes are stored once) are
+one model answering to each. A vision projector's row is never a model of its own.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
+from typing import Callable, Sequence
 
 import attrs
 
 from stoker.daemon.config.model import Config
 from stoker.daemon.config.placement import ModelConfig, default_model
+from stoker.daemon.config.server_args import chat_template_args, sampling_args
+from stoker.store.catalog import ModelRecord
 from stoker.states.pull.lookup import ModelForm, model_form
 
 DEFAULT_INSTANCE = "default"
+# A catalog model no [models] section names is unloaded after this many idle seconds (as Ollama's
+# keep-alive); a section's idle_ttl_s says otherwise for a configured one.
+CATALOG_IDLE_TTL_S = 300.0
 
 
 @attrs.frozen
@@ -31,6 +44,8 @@ class ServedModel:
     default: bool = False  # requests naming no configured model (or "default") go here
     pinned: bool = False  # started with the daemon, never unloaded to make room
     idle_ttl_s: float = 0.0  # 0: never unloaded for being idle
+    aliases: tuple[str, ...] = ()  # more names a request may send: the section's, the catalog's
+    catalog: bool = False  # served because the catalog has it, no [models] section names it
 
     @property
     def spec(self) -> str:
@@ -43,47 +58,116 @@ class ServedModel:
         return self.default or self.pinned
 
     @property
-    def engine_alias(self) -> str | None:
-        """The model id its engine is told to report (`--alias`): its NAME with [models], so the
-        answers carry the name the client routed by; None without (the engine's file path, as before)."""
-        return self.name if self.config.models else None
+    def engine_alias(self) -> str:
+        """The model id its engine is told to report (`--alias`): its public id, so answers
+        carry a name the client may send, never the file's path."""
+        return self.public_id
 
     @property
     def public_id(self) -> str:
-        """The id /v1/models lists it under: its NAME; without [models] the model's own name (its
-        catalog name, or its file's name), the one the user wrote."""
-        if self.config.models or self.name != DEFAULT_INSTANCE:
-            return self.name
-        return Path(self.spec).name if model_form(self.spec) is ModelForm.PATH else self.spec
+        """The id /v1/models lists it under: its NAME; without [models] (and for a catalog
+        model) the model's own name (its catalog name, or its file's name), the one the user wrote."""
+        if self.catalog or (not self.config.models and self.name == DEFAULT_INSTANCE):
+            return Path(self.spec).name if model_form(self.spec) is ModelForm.PATH else self.spec
+        return self.name
 
 
 def instance_config(config: Config, section: ModelConfig) -> Config:
     """The config a model's server is launched with: `[server]` and `[backend]` with the
     section's keys laid over them (a key the section leaves out keeps the shared value)."""
+    shared = config.server
     server = attrs.evolve(
-        config.server,
+        shared,
         model=section.model,
-        ctx_size=config.server.ctx_size if section.ctx_size is None else section.ctx_size,
-        parallel=config.server.parallel if section.parallel is None else section.parallel,
+        ctx_size=shared.ctx_size if section.ctx_size is None else section.ctx_size,
+        parallel=shared.parallel if section.parallel is None else section.parallel,
+        threads=shared.threads if section.threads is None else section.threads,
+        n_gpu_layers=shared.n_gpu_layers if section.n_gpu_layers is None else section.n_gpu_layers,
+        kind=shared.kind if section.kind is None else section.kind,
+        extra_args=(
+            *shared.extra_args,
+            *section.extra_args,
+            *chat_template_args(section.chat_template),
+            *sampling_args(section.sampling()),
+            *(("--mmproj", _projector(section.mmproj)) if section.mmproj else ()),
+        ),
     )
     backend = config.backend if section.prefer is None else attrs.evolve(config.backend, prefer=section.prefer)
     return attrs.evolve(config, server=server, backend=backend)
 
 
-def served_models(config: Config) -> tuple[ServedModel, ...]:
+def _projector(value: str) -> str:
+    return str(Path(value).expanduser()) if model_form(value) is ModelForm.PATH else value
+
+
+def served_models(
+    config: Config, catalog: Sequence[ModelRecord] = (), same_as: Callable[[str], str | None] = lambda name: None
+) -> tuple[ServedModel, ...]:
     """Every model the config serves with a server of its own, the default one marked (none
-    when a remote section, served by its endpoint, is the default: daemon/config/remote.py)."""
+    when a remote section, served by its endpoint, is the default: daemon/config/remote.py),
+    then every catalog model none of them serves. `same_as` names what a name means (a known
+    name's FAMILY:TAG): a catalog name that means what a configured model's name means is one
+    more name of that model (`smollm2` reaches the default `smollm2-135m-instruct`)."""
     remote_default = any(r.default for r in config.remotes)
     if not config.models:
-        return (ServedModel(DEFAULT_INSTANCE, config, default=not remote_default),)
-    chosen = None if remote_default else default_model(config.models)
-    return tuple(
-        ServedModel(
-            section.name,
-            instance_config(config, section),
-            default=section is chosen,
-            pinned=section.pinned,
-            idle_ttl_s=section.idle_ttl_s,
+        configured = [ServedModel(DEFAULT_INSTANCE, config, default=not remote_default)]
+    else:
+        chosen = None if remote_default else default_model(config.models)
+        configured = [
+            ServedModel(
+                section.name,
+                instance_config(config, section),
+                default=section is chosen,
+                pinned=section.pinned,
+                idle_ttl_s=section.idle_ttl_s,
+                aliases=section.aliases,
+            )
+            for section in config.models
+        ]
+    return _with_catalog(config, configured, catalog, same_as)
+
+
+def _with_catalog(
+    config: Config, configured: list[ServedModel], catalog: Sequence[ModelRecord], same_as: Callable[[str], str | None]
+) -> tuple[ServedModel, ...]:
+    """The configured models, then one model per cataloged file for the catalog names no
+    configured model claims (its spec, NAME or aliases), named by the shortest of them. Which
+    member serves a name never depends on which other names were pulled since: a configured
+    model's own row appearing later does not take another name's model away."""
+    taken = {s.name for s in configured} | {s.spec for s in configured} | {a for s in configured for a in s.aliases}
+    meaning = {m: index for index, s in enumerate(configured) if (m := same_as(s.spec)) is not None}
+    result = list(configured)
+    files: dict[str, list[ModelRecord]] = {}
+    for row in catalog:
+        if _projector_row(row) or row.name in taken:
+            continue
+        index = meaning.get(same_as(row.name) or "")
+        if index is not None:
+            result[index] = attrs.evolve(result[index], aliases=(*result[index].aliases, row.name))
+            taken.add(row.name)
+            continue
+        files.setdefault(os.path.realpath(row.path), []).append(row)
+    for group in files.values():
+        names = sorted({r.name for r in group}, key=lambda n: (len(n), n))
+        primary = names[0]
+        config_of = attrs.evolve(config, server=attrs.evolve(config.server, model=primary))
+        instance = _instance_name(primary, {s.name for s in result})
+        result.append(
+            ServedModel(instance, config_of, idle_ttl_s=CATALOG_IDLE_TTL_S, aliases=tuple(names[1:]), catalog=True)
         )
-        for section in config.models
-    )
+    return tuple(result)
+
+
+def _projector_row(row: ModelRecord) -> bool:
+    """A vision projector's catalog row (pulled beside its model): never served alone."""
+    return row.architecture == "clip" or row.name.endswith(".mmproj")
+
+
+def _instance_name(name: str, taken: set[str]) -> str:
+    """A catalog name as an instance name (1-32 of a-z, 0-9, '_', '-'), unique among `taken`."""
+    base = re.sub(r"[^a-z0-9_-]+", "-", name.lower()).strip("-_")[:28] or "model"
+    candidate, n = base, 1
+    while candidate in taken or candidate == DEFAULT_INSTANCE:
+        n += 1
+        candidate = f"{base}-{n}"
+    return candidate

@@ -29,6 +29,7 @@ from stoker.daemon.config.checks import (
     setting,
 )
 from stoker.daemon.config.engine import EngineConfig
+from stoker.daemon.config.server_args import MODEL_KINDS, extra_args, gpu_layers
 from stoker.daemon.config.frontdoor import FrontdoorConfig, address_from_env, lan_bind_problems
 from stoker.daemon.config.ollama import OllamaConfig
 from stoker.daemon.config.workers import (
@@ -60,39 +61,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-# llama-server flags Stoker sets itself: overriding them in extra_args would break supervision
-# (host/port/API key/model) or contradict a config key.
-FORBIDDEN_EXTRA_ARGS: dict[str, str] = {
-    "-m": "set server.model instead",
-    "--model": "set server.model instead",
-    "-mu": "set server.model instead",
-    "--model-url": "set server.model instead",
-    "-hf": "set server.model instead",
-    "-hfr": "set server.model instead",
-    "--hf-repo": "set server.model instead",
-    "--host": "set server.host instead",
-    "--port": "set server.port instead",
-    "--api-key": "Stoker sets a per-launch API key",
-    "--api-key-file": "Stoker sets a per-launch API key",
-    "-c": "set server.ctx_size instead",
-    "--ctx-size": "set server.ctx_size instead",
-    "-np": "set server.parallel instead",
-    "--parallel": "set server.parallel instead",
-    "-t": "set server.threads instead",
-    "--threads": "set server.threads instead",
-    "-ngl": "set server.n_gpu_layers instead",
-    "--gpu-layers": "set server.n_gpu_layers instead",
-    "--n-gpu-layers": "set server.n_gpu_layers instead",
-    "-fa": "set server.flash_attn instead",
-    "--flash-attn": "set server.flash_attn instead",
-    "--swa-full": "set snapshots.swa_full instead",
-    "-lv": "Stoker reads the log at verbosity 4",
-    "--verbosity": "Stoker reads the log at verbosity 4",
-    "--log-verbosity": "Stoker reads the log at verbosity 4",
-    "--log-file": "Stoker keeps the server log itself",
-    "--log-disable": "Stoker reads the server log",
-}
-
 # Changes to these keys take effect only when llama-server is relaunched: besides [server]
 # and [backend], swa_full is a llama-server flag (--swa-full).
 RELAUNCH_SECTIONS = frozenset({"server", "backend", "workers"})
@@ -119,29 +87,6 @@ class ConfigError(StokerError):
 
 
 # --- value checks of these sections (the generic ones: daemon/config/checks.py) ---
-
-
-def _gpu_layers(value: Any) -> int | Literal["auto"]:
-    if value == "auto" and isinstance(value, str):
-        return "auto"
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 100_000:
-        return value
-    raise Invalid(f'must be "auto" or an integer of at least 0, got {describe(value)}')
-
-
-def _flag_name(arg: str) -> str:
-    return arg.split("=", 1)[0]
-
-
-def _extra_args(value: Any) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise Invalid(f"must be a list of strings, got {describe(value)}")
-    refused = [
-        f"{arg} ({FORBIDDEN_EXTRA_ARGS[_flag_name(arg)]})" for arg in value if _flag_name(arg) in FORBIDDEN_EXTRA_ARGS
-    ]
-    if refused:
-        raise Invalid(f"may not set flags Stoker controls: {', '.join(refused)}")
-    return tuple(value)
 
 
 def _log_size(value: Any) -> int:
@@ -191,9 +136,12 @@ class ServerConfig:
     ctx_size: int = setting(4096, integer(0, 1 << 24))
     parallel: int = setting(1, integer(1, 256))
     threads: int = setting(0, integer(0, 4096))
-    n_gpu_layers: int | Literal["auto"] = setting("auto", _gpu_layers)
+    n_gpu_layers: int | Literal["auto"] = setting("auto", gpu_layers)
     flash_attn: str = setting("auto", one_of("auto", "on", "off"))
-    extra_args: tuple[str, ...] = setting((), _extra_args)
+    extra_args: tuple[str, ...] = setting((), extra_args)
+    # What the engine is started for: "auto" reads it from the model (an embedding model's GGUF
+    # states its pooling), "chat", "embedding" (--embeddings) or "rerank" (--reranking).
+    kind: str = setting("auto", one_of("auto", *MODEL_KINDS))
     stall_timeout_s: float = setting(120.0, seconds())
     ready_timeout_s: float = setting(600.0, seconds())
 

@@ -22,6 +22,8 @@ from typing import Any, Literal, Mapping
 import attrs
 
 from stoker.daemon.backends.registry import registered_names
+from stoker.states.pull.lookup import ModelForm, model_form
+from stoker.daemon.config.server_args import MODEL_KINDS, SAMPLING_FLAGS, extra_args, gpu_layers
 from stoker.daemon.config.checks import (
     Invalid,
     auto_or,
@@ -56,6 +58,40 @@ def model_name(value: str) -> str:
     return value
 
 
+def text(value: Any) -> str:
+    """A non-empty string."""
+    if not isinstance(value, str) or not value.strip():
+        raise Invalid(f"must be a non-empty string, got {describe(value)}")
+    return value
+
+
+def projector_path(value: Any) -> str:
+    """A path to a vision projector's .gguf file."""
+    if not isinstance(value, str) or model_form(value) is not ModelForm.PATH:
+        raise Invalid(
+            f'must be a path to a projector\'s .gguf file (such as "~/models/mmproj.gguf"), got {describe(value)}'
+        )
+    return value
+
+
+def number(low: float, high: float) -> Any:
+    """A number (an integer counts) from `low` to `high`."""
+
+    def check(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise Invalid(f"must be a number from {low:g} to {high:g}, got {describe(value)}")
+        return float(value)
+
+    return check
+
+
+def names_list(value: Any) -> tuple[str, ...]:
+    """Names a client may send as `model`: non-empty strings without surrounding spaces."""
+    if not isinstance(value, list) or not all(isinstance(v, str) and v and v == v.strip() for v in value):
+        raise Invalid(f'must be a list of names such as ["gpt-4o-mini"], got {describe(value)}')
+    return tuple(dict.fromkeys(value))
+
+
 def model_spec(value: Any) -> str:
     """A path to a .gguf file, or a catalog name (states/pull/lookup.py tells them apart)."""
     if not isinstance(value, str) or not value.strip() or value != value.strip():
@@ -85,6 +121,24 @@ class ModelConfig:
     idle_ttl_s: float = setting(0.0, seconds(allow_zero=True, high=30 * 24 * 3600))
     pinned: bool = setting(False, boolean)  # started with the daemon, never unloaded to make room
     default: bool = setting(False, boolean)  # requests without a known model go here
+    # The server's own settings for this model (None: [server]'s), and what it adds to them.
+    threads: int | None = setting(None, optional(integer(0, 4096)))
+    n_gpu_layers: int | Literal["auto"] | None = setting(None, optional(gpu_layers))
+    extra_args: tuple[str, ...] = setting((), extra_args)  # after [server] extra_args
+    kind: str | None = setting(None, optional(one_of("auto", *MODEL_KINDS)))
+    chat_template: str | None = setting(None, optional(text))  # a built-in name, Jinja, or a .jinja file
+    mmproj: str | None = setting(None, optional(projector_path))  # a vision projector's file
+    # Sampling defaults: applied by the engine to a request that does not set its own.
+    temperature: float | None = setting(None, optional(number(0.0, 100.0)))
+    top_p: float | None = setting(None, optional(number(0.0, 1.0)))
+    top_k: int | None = setting(None, optional(integer(0, 1 << 20)))
+    min_p: float | None = setting(None, optional(number(0.0, 1.0)))
+    repeat_penalty: float | None = setting(None, optional(number(0.0, 100.0)))
+    seed: int | None = setting(None, optional(integer(-1, (1 << 32) - 1)))
+    aliases: tuple[str, ...] = setting((), names_list)  # more names clients may send
+
+    def sampling(self) -> dict[str, float | int | None]:
+        return {key: getattr(self, key) for key in SAMPLING_FLAGS}
 
     def to_dict(self) -> dict[str, Any]:
         return {key: value for key, value in attrs.asdict(self).items() if key != "name"}
@@ -140,6 +194,12 @@ def models_problems(models: tuple[ModelConfig, ...], placement: PlacementConfig,
     defaults = [m.name for m in models if m.default]
     if len(defaults) > 1:
         problems.append(f"models: default = true on {', '.join(defaults)}; at most one model is the default")
+    claimed: dict[str, str] = {m.name: m.name for m in models}
+    for m in models:
+        for alias in m.aliases:
+            other = claimed.setdefault(alias, m.name)
+            if other != m.name:
+                problems.append(f"models.{m.name}.aliases: {alias!r} already names {other}; a name reaches one model")
     pinned = [m.name for m in models if m.pinned]
     if placement.max_loaded != "auto" and len(pinned) > placement.max_loaded:
         problems.append(

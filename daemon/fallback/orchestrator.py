@@ -214,7 +214,8 @@ class FallbackOrchestrator:
         # name the catalog lacks is pulled first (the launch waits in planning; a failed pull
         # fails the plan with the pull's reason).
         model = await locate_model(config.server.model, self.pulls.catalog, self.pulls)
-        request = PlanRequest(config, effect, str(model.path), model.launch_args)
+        mode = await trio.to_thread.run_sync(model.engine_mode, config.server.kind)
+        request = PlanRequest(config, effect, str(model.path), (*model.launch_args, *mode))
         # Until the machine asks for nothing more (UsePlan) or gives up (its StokerError is the plan's).
         await self._effects.drive(self.runner, self.runner.fire(self._requested(config, effect)).effects, request)
         if request.plan is None:

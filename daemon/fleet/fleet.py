@@ -38,6 +38,8 @@ from stoker.daemon.launch.instance import ServerInstance
 from stoker.states.launch import records as LR
 from stoker.states.fleet.placement import UNLOADED, Verdict, capacity, place
 from stoker.states.reasons import ReasonCode
+from stoker.daemon.models.known import same_model
+from stoker.store.catalog import ModelRecord
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +71,19 @@ class Fleet:
     def __attrs_post_init__(self) -> None:
         self.room = RoomMaker(self.serving, lambda: self.config.placement, self._lock, self.services.change_signal)
         self.remotes.apply(self.config)
-        for served in served_models(self.config):
+        for served in served_models(self.config, self._catalog(), same_model):
             self.members[served.name] = self._build(served)
         for member in self._leftovers():
             self.members[member.name] = member
+
+    def _catalog(self) -> list[ModelRecord]:
+        return self.services.pulls.models()
+
+    def catalog_changed(self) -> None:
+        """A model was pulled or removed: serve the catalog as it is now (a new model servable by
+        its name at once, a removed one retired)."""
+        if self._nursery is not None:
+            self.apply(self.config, catalog_only=True)
 
     def _build(self, served: ServedModel) -> Member:
         return build_member(served, self.services, self.room.make_room)
@@ -116,7 +127,8 @@ class Fleet:
             names = [m.name for m in self.serving()]
             raise StokerError(
                 ReasonCode.MODEL_NOT_FOUND,
-                f"No configured model is named {model!r}; the config serves {', '.join(names)}.",
+                f"No model is named {model!r}; Stoker serves {', '.join(names)} (a name Stoker knows, or any "
+                f"spec, is pulled and served by `stoker run {model}`).",
                 {"model": model, "models": names},
             )
         return found
@@ -176,10 +188,13 @@ class Fleet:
             except StokerError as err:
                 log.warning("%s not started: %s %s", member.name, err.reason, err.message)
 
-    def autostart(self) -> None:
-        """Start the pinned models, then the default, where the store does not hold them already
-        running (adopted) or failed (a failure stays until `stoker up`)."""
-        wanted = sorted((m for m in self.serving() if m.served.autostart), key=lambda m: not m.served.pinned)
+    def autostart(self, *, load_default: bool = True) -> None:
+        """Start the pinned models, then the default (`load_default`), where the store does not
+        hold them already running (adopted) or failed (a failure stays until `stoker up`)."""
+        wanted = sorted(
+            (m for m in self.serving() if m.served.pinned or (load_default and m.served.default)),
+            key=lambda m: not m.served.pinned,
+        )
         wanted = [
             m for m in wanted if not m.supervisor.runner.resumed or m.supervisor.loaded_state is LR.LaunchState.STOPPED
         ]
@@ -205,6 +220,7 @@ class Fleet:
             await nursery.start(serve_idle_unloads, self.serving, self.services.change_signal)
             await nursery.start(self.remotes.serve)
             task_status.started()
+            self.catalog_changed()  # pulls that finished while the members started
             await trio.sleep_forever()
 
     async def _run(self, member: Member, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -248,18 +264,19 @@ class Fleet:
         """The configured models whose server `new` changes (relaunched if it runs)."""
         return [
             served
-            for served in served_models(new)
+            for served in served_models(new, self._catalog(), same_model)
             if (member := self.members.get(served.name)) is not None
             and not member.retiring
             and needs_relaunch(member.served.config, served.config)
         ]
 
-    def apply(self, new: Config) -> None:
+    def apply(self, new: Config, *, catalog_only: bool = False) -> None:
         """Put `new` in force: each member gets its model's config (relaunched where it changed
-        what its server runs), new sections get members, removed ones are retired."""
+        what its server runs), new sections get members, removed ones are retired.
+        `catalog_only`: the config is the same, the catalog changed (no member is told of a new config)."""
         self.config = new
         self.remotes.apply(new)
-        wanted = served_models(new)
+        wanted = served_models(new, self._catalog(), same_model)
         for served in wanted:
             member = self.members.get(served.name)
             if member is None:
@@ -269,7 +286,7 @@ class Fleet:
                 continue
             old, member.served, member.retiring = member.served, served, False
             member.supervisor.config = served.config
-            if needs_relaunch(old.config, served.config) or member.state in UNLOADED:
+            if needs_relaunch(old.config, served.config) or (member.state in UNLOADED and not catalog_only):
                 member.supervisor.offer(LR.ConfigChanged(member.settings()))
         names = {served.name for served in wanted}
         for member in list(self.members.values()):

@@ -193,13 +193,13 @@ class Member:
         """What a request's `model` may say to reach it: its NAME, "default" for the default
         model, the model as configured (with its file name and stem), and the path its engine
         was launched with (the id the engine's own /v1/models reports), with its name and stem."""
-        names = {self.name, self.served.spec}
+        names = {self.name, self.served.spec, *self.served.aliases}
         if self.served.default:
             names.add("default")
         plan = self.data.plan
         if plan is not None:
             names.add(plan.model_path)
-        for name in list(names - {self.name, "default"}):
+        for name in list(names - {self.name, "default", *self.served.aliases}):
             names.update({Path(name).name, Path(name).stem})
         return frozenset(names)
 

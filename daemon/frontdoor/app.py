@@ -42,6 +42,7 @@ from stoker.daemon.frontdoor.http11 import Request
 from stoker.daemon.frontdoor.limits import LimitExceeded, check_head, read_body
 from stoker.daemon.frontdoor.metrics import CONTENT_TYPE, FrontDoorMetrics
 from stoker.daemon.frontdoor.ollama_shapes import OLLAMA_GENERATING, OLLAMA_ROUTES
+from stoker.daemon.frontdoor.rename import ModelRename
 from stoker.daemon.frontdoor.routing import models_page, route, unknown_model
 from stoker.daemon.frontdoor.daemon_view import Authorize, FrontDoorDaemon
 from stoker.states.reasons import ReasonCode, message_for
@@ -141,7 +142,12 @@ async def first_bytes(response: EngineAnswer, sse: bool) -> tuple[bytes, AsyncGe
 
 
 async def relay(
-    request: Request, response: EngineAnswer, sse: bool, first: bytes, chunks: AsyncGenerator[bytes, None]
+    request: Request,
+    response: EngineAnswer,
+    sse: bool,
+    first: bytes,
+    chunks: AsyncGenerator[bytes, None],
+    rename: ModelRename | None = None,
 ) -> None:
     """The engine's answer to the client as it arrives: its status and content type, `first`
     (already read), then each piece the rest of `chunks` brings, one write each; a cut SSE
@@ -151,12 +157,16 @@ async def relay(
     kept = [
         (k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items() if k.lower() in KEPT_HEADERS
     ]
-    await request.start(response.status_code, kept, first)
+    await request.start(response.status_code, kept, first if rename is None else rename.piece(first))
     send = request.send
     try:
-        if sse and response.pumpable() and request.pumpable():
+        if rename is None and sse and response.pumpable() and request.pumpable():
             await chunks.aclose()  # the answer's decoding goes on in `relay_in_worker`, where it stopped
             await relay_in_worker(request, response)
+        elif rename is not None:  # the client sent another name than the engine reports
+            async for chunk in chunks:
+                await send(rename.piece(chunk))
+            await send(rename.rest())
         else:
             async for chunk in chunks:
                 await send(chunk)
@@ -273,7 +283,9 @@ class FrontDoor:
         async with request.watching():  # a client that leaves cancels the wait, or closes the engine's answer
             if isinstance(member, RemoteModel):
                 return await self.forward_remote(request, member, body, sse=bool(body.get("stream")))
-            return await self.forward(request, member, "POST", request.path, content, sse=bool(body.get("stream")))
+            sse = bool(body.get("stream"))
+            rename = ModelRename.of(member.served.engine_alias, model, sse)
+            return await self.forward(request, member, "POST", request.path, content, sse=sse, rename=rename)
 
     async def forward_remote(
         self,
@@ -361,6 +373,7 @@ class FrontDoor:
         *,
         sse: bool,
         relay_with: Relay = relay,
+        rename: ModelRename | None = None,
     ) -> Answer | None:
         """Hold until ready, send, relay. An engine lost before the first byte of its answer:
         sent again to the next ready server when states/frontdoor/policy.py says so."""
@@ -413,7 +426,10 @@ class FrontDoor:
                     "engine_unreachable",
                 )
             try:
-                await relay_with(request, response, sse and response.status_code == 200, first, chunks)
+                if rename is not None:  # the client named the model otherwise than its engine does
+                    await relay(request, response, sse and response.status_code == 200, first, chunks, rename)
+                else:
+                    await relay_with(request, response, sse and response.status_code == 200, first, chunks)
             finally:
                 with trio.CancelScope(shield=True):
                     await stack.aclose()  # the engine's connection pooled, or closed if the answer was cut

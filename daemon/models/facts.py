@@ -297,6 +297,26 @@ def facts_from_header(meta: dict[str, Any]) -> ModelFacts:
     )
 
 
+# llama.cpp's pooling types (LLAMA_POOLING_TYPE_*): an embedding model's GGUF states one.
+_POOLING_KINDS = {1: "embedding", 2: "embedding", 3: "embedding", 4: "rerank"}
+_ENCODERS = ("bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina-bert-v3", "neo-bert", "modern-bert")
+
+
+def kind_from_header(meta: dict[str, Any]) -> str:
+    """What a model is for, as its header says: "embedding" (a pooling type, or an encoder
+    architecture), "rerank" (rank pooling), else "chat"."""
+    arch = str(meta.get("general.architecture") or "")
+    pooling = meta.get(f"{arch}.pooling_type")
+    if isinstance(pooling, int) and pooling in _POOLING_KINDS:
+        return _POOLING_KINDS[pooling]
+    return "embedding" if arch in _ENCODERS else "chat"
+
+
+def model_kind(path: str | Path) -> str:
+    """`kind_from_header` of the file at `path` (blocking; its header is cached)."""
+    return kind_from_header(read_header(Path(path)))
+
+
 def model_facts(path: str | Path) -> ModelFacts:
     """The model's snapshot-relevant facts (from the header, which read_header caches)."""
     return facts_from_header(read_header(Path(path)))

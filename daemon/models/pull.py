@@ -35,6 +35,7 @@ from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.models import pypi
 from stoker.daemon.models.fetch import fetch_pieces, hash_file
 from stoker.daemon.models.header import header_facts
+from stoker.daemon.models.known import well_known
 from stoker.daemon.models.spec import HubOptions, PullSpec, parse_spec
 from stoker.states.pull import table as P
 from stoker.states.machine import IllegalTransition
@@ -72,6 +73,7 @@ class PullService:
     store: Store
     publish: Publish | None = None
     in_use: Callable[[str], bool] = lambda path: False  # does the running server serve this file?
+    on_change: Callable[[], None] = lambda: None  # the catalog gained or lost a name
     catalog: ModelCatalog = attrs.field(init=False)
     _machines: MachineRunners = attrs.field(init=False)
     _options: dict[str, PullOptions] = attrs.field(factory=dict, init=False)
@@ -137,8 +139,9 @@ class PullService:
         A model already cataloged under that name from the same spec, its file in place, is
         answered at once; a pull left mid-way is finished first. StokerError with the reason
         the machine recorded when it fails."""
-        spec = parse_spec(text)
-        name = name or spec.name
+        known = well_known(text.strip())
+        spec = parse_spec(known.spec if known is not None else text)
+        name = name or (known.name if known is not None else spec.name)
         canonical = spec.path if spec.source == "local" and spec.path else spec.text
         runner = self.runner(name)
         async with self._machines.lock(runner.machine_id):
@@ -151,7 +154,20 @@ class PullService:
                 await self._effects.drive(runner, step.effects, runner)
         if runner.state is not P.PullState.CATALOGED:
             raise self._failure(runner)
-        return self.catalog.get(name)
+        record = self.catalog.get(name)
+        if known is not None and known.mmproj is not None:
+            record = await self._with_projector(record, known.mmproj, options)
+        return record
+
+    async def _with_projector(self, record: ModelRecord, spec: str, options: PullOptions) -> ModelRecord:
+        """A vision model's projector, pulled beside it (its own catalog row, never served alone)
+        and named in the model's facts, from where its launch arguments take it."""
+        projector = await self.pull(spec, name=f"{record.name}.mmproj", options=options)
+        if record.facts.get("mmproj") != projector.path:
+            record = attrs.evolve(record, facts={**record.facts, "mmproj": projector.path})
+            self.catalog.put(record)
+            self.on_change()
+        return record
 
     def _intact(self, record: ModelRecord) -> bool:
         try:
@@ -187,6 +203,7 @@ class PullService:
                 step = runner.fire(P.RemoveRequested(in_use=in_use, shared_with=shared_with))
             except IllegalTransition:  # a row without its machine (an older database): drop the row
                 self.catalog.remove(name)
+                self.on_change()
                 why = "the row had no pull record to say whose file it is" if record and record.owned else _NOT_OURS
                 return {"removed": name, "deleted": None, "kept": record.path if record else None, "why": why}
             if step.reason == ReasonCode.MODEL_IN_USE:
@@ -270,11 +287,39 @@ class PullService:
     async def _resolve(self, effect: P.Resolve, runner: MachineRunner) -> P.Resolved:
         spec = parse_spec(effect.spec)
         options = self._options_of(runner)
+        if spec.source != "local" and (same := self._stored(effect.name, spec=effect.spec)) is not None:
+            return same  # the same spec under another name: nothing to ask the source
         if spec.source == "hf":
-            return await self._resolve_hub(spec, effect.name, options)
+            found = await self._resolve_hub(spec, effect.name, options)
+            same = self._stored(effect.name, sha256=found.sha256)
+            if same is None:
+                return found
+            # Those bytes are stored already: what the source said, the file that holds them.
+            evidence = {**found.evidence, **same.evidence}
+            return attrs.evolve(found, path=same.path, pieces=(), part=None, stored=True, evidence=evidence)
         if spec.source == "pypi":
             return await self._resolve_package(spec, effect.name, options)
         return await self._resolve_local(spec, runner)
+
+    def _stored(self, name: str, *, spec: str | None = None, sha256: str | None = None) -> P.Resolved | None:
+        """The file another name already holds with `spec` (or those bytes, by sha256), intact,
+        as a resolution that fetches nothing (content-addressed: names are references)."""
+        if spec is None and sha256 is None:
+            return None
+        for row in self.catalog.all():
+            same = row.spec == spec if spec is not None else bool(row.sha256) and row.sha256 == sha256
+            if row.name != name and same and row.owned and self._intact(row):
+                return P.Resolved(
+                    source=row.source,
+                    origin=row.origin or row.spec,
+                    path=row.path,
+                    size=row.size,
+                    sha256=row.sha256,
+                    revision=row.revision,
+                    stored=True,
+                    evidence={"stored_as": row.name},
+                )
+        return None
 
     async def _resolve_hub(self, spec: PullSpec, name: str, options: PullOptions) -> P.Resolved:
         from stoker.daemon.models import hub  # huggingface_hub: imported by a pull from the Hub, not at start
@@ -380,6 +425,7 @@ class PullService:
             pulled_at=time.time(),
         )
         self.catalog.put(record)
+        self.on_change()
 
     async def _discard(self, effect: P.Discard, runner: MachineRunner) -> None:
         if effect.part is None:
@@ -393,6 +439,7 @@ class PullService:
 
     async def _remove_model(self, effect: P.RemoveModel, runner: MachineRunner) -> None:
         self.catalog.remove(runner.data.name)
+        self.on_change()
         self._removals[runner.machine_id] = done = self._remove_file(effect)
         if done["kept"] is not None:
             log.info("removed %s from the catalog; kept %s: %s", runner.data.name, done["kept"], done["why"])

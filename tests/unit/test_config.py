@@ -67,6 +67,7 @@ def test_to_dict_is_plain_data_and_covers_every_key():
         "n_gpu_layers",
         "flash_attn",
         "extra_args",
+        "kind",
         "stall_timeout_s",
         "ready_timeout_s",
     }
@@ -464,6 +465,23 @@ def test_config_check_ok_and_json(tmp_path):
 def test_config_check_missing_file_is_valid(tmp_path):
     result = CliRunner().invoke(cli, ["config", "check", str(tmp_path / "none.toml")])
     assert result.exit_code == 0 and "defaults" in result.output
+
+
+def test_config_check_says_a_model_not_in_the_catalog_and_the_pull_that_adds_it(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text(
+        '[models.chat]\nmodel = "qwen2.5:0.5b"\n'  # a name Stoker knows: pulled when first needed
+        '[models.mine]\nmodel = "my-finetune"\n'
+        '[models.hub]\nmodel = "bartowski/Some-Model-GGUF:Q4_K_M"\n'
+    )
+    result = CliRunner().invoke(cli, ["config", "check", str(path), "--json"])
+    assert result.exit_code == 1
+    error = json.loads(result.output)["error"]
+    assert error["reason"] == "model_not_in_catalog"
+    fixes = {m["key"]: m["fix"] for m in error["evidence"]["models"]}
+    assert set(fixes) == {"models.mine.model", "models.hub.model"}
+    assert fixes["models.hub.model"] == "`stoker pull bartowski/Some-Model-GGUF:Q4_K_M`"
+    assert "stoker pull SPEC --name my-finetune" in fixes["models.mine.model"]
 
 
 def test_config_check_lists_every_problem(tmp_path):

@@ -114,9 +114,11 @@ def test_instance_config_keeps_what_the_section_leaves_out():
     assert instance_config(config, section).snapshots == config.snapshots
 
 
-def test_the_engine_reports_the_models_name_only_with_models_sections():
+def test_the_engine_reports_a_name_the_client_may_send_never_the_files_path():
     (single,) = served_models(parse_config('[server]\nmodel = "/m/a.gguf"\n'))
-    assert single.engine_alias is None  # the engine's id stays its file path, as before [models]
+    assert single.engine_alias == "a.gguf"  # without [models]: the model's own name, not /m/a.gguf
+    (named,) = served_models(parse_config('[server]\nmodel = "smollm2"\n'))
+    assert named.engine_alias == "smollm2"
     chat, code = served_models(parse_config(TWO))
     assert (chat.engine_alias, code.engine_alias) == ("chat", "code")  # --alias: answers carry the routed name
 

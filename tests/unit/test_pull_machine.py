@@ -101,6 +101,20 @@ def test_a_local_file_skips_the_download_and_is_never_touched():
     assert steps[-1].effects == (P.RemoveModel("/u/m.gguf", owned=False),)
 
 
+def test_bytes_stored_under_another_name_are_referenced_never_fetched():
+    stored = resolved(pieces=(), part=None, stored=True, path="/m/hf/o/r/x.gguf", evidence={"stored_as": "other"})
+    state, data, steps = run([P.PullRequested("o/r/y.gguf", "mine"), stored])
+    assert state is S.INSPECTING and steps[-1].effects == (P.ReadHeader("/m/hf/o/r/x.gguf"),)
+    assert steps[-1].evidence["stored_as"] == "other"
+    state, data, steps = run([P.HeaderRead({})], state, data)
+    assert state is S.CATALOGED and steps[-1].effects == (P.Commit(None, "/m/hf/o/r/x.gguf"),)
+    _, _, steps = run([P.RemoveRequested(in_use=False)], state, data)
+    assert steps[-1].effects == (P.RemoveModel("/m/hf/o/r/x.gguf", owned=True),)  # deleted with the last name
+    # Without `stored`, nothing to fetch for Stoker's own copy is a bug, refused as before.
+    with pytest.raises(IllegalTransition):
+        run([P.PullRequested("o/r/y.gguf", "mine"), resolved(pieces=(), part=None)])
+
+
 def test_resume_continues_each_step():
     _, data, _ = run([P.PullRequested("o/r", "o/r"), resolved()])
     _, _, steps = run([P.Resumed()], S.DOWNLOADING, data)
