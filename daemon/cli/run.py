@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import click
 
-from stoker.daemon.cli.output import emit, fail, json_option
+from stoker.daemon.cli.output import emit, fail, invoked_as, json_option
 from stoker.daemon.cli.lifecycle import call, format_status
 from stoker.daemon.control.replies import ModelList
 from stoker.daemon.core.errors import StokerError
@@ -284,10 +284,10 @@ def run_cmd(
         emit(True, {**result, "model": asked, "answer": answer.to_dict()})
         return
     click.echo("\n")
+    me = invoked_as()
     click.echo(
         f"{footer(answer)}\n"
-        "the daemon keeps running: `.venv/bin/stoker chat` to talk on, `.venv/bin/stoker status`, "
-        "`.venv/bin/stoker shutdown`"
+        f"the daemon keeps running: `{me} chat` to talk on, `{me} status`, `{me} shutdown`"
     )
 
 
