@@ -285,10 +285,7 @@ def run_cmd(
         return
     click.echo("\n")
     me = invoked_as()
-    click.echo(
-        f"{footer(answer)}\n"
-        f"the daemon keeps running: `{me} chat` to talk on, `{me} status`, `{me} shutdown`"
-    )
+    click.echo(f"{footer(answer)}\nthe daemon keeps running: `{me} chat` to talk on, `{me} status`, `{me} shutdown`")
 
 
 def register(cli: click.Group) -> None:

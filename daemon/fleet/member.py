@@ -187,6 +187,7 @@ class Member:
             in_flight=self.usage.in_flight,
             waiting=self.usage.waiting,
             last_used=max(used, default=None),
+            keep_alive_s=self.usage.keep_alive_s,
         )
 
     def names(self) -> frozenset[str]:

@@ -52,6 +52,8 @@ class Usage:
     waiting: int = 0  # held until the model is ready (it is not unloaded meanwhile)
     held_total: int = 0  # requests that had to wait at all
     last_used: float | None = None  # when a request for it was last sent or ended; None: never
+    # The last request's `keep_alive` in seconds (inf: for good), over [models.NAME] idle_ttl_s.
+    keep_alive_s: float | None = None
     # Once a planned stop's drain is over, before the server stops: the front door closes its
     # idle connections to the engine (daemon/engine/wire.py `forget`), which would hold its exit.
     on_drained: Callable[[], None] = _nothing

@@ -46,6 +46,7 @@ from stoker.daemon.frontdoor.rename import ModelRename
 from stoker.daemon.frontdoor.routing import models_page, route, unknown_model
 from stoker.daemon.frontdoor.daemon_view import Authorize, FrontDoorDaemon
 from stoker.states.reasons import ReasonCode, message_for
+from stoker.states.fleet.idle_unload import keep_alive_seconds
 from stoker.states.frontdoor.policy import READY, innocent, send_again
 from stoker.states.frontdoor.remote_endpoint import Contact, Verdict, judge
 
@@ -192,6 +193,19 @@ async def relay_in_worker(request: Request, response: EngineAnswer) -> None:
 Relay = Callable[[Request, EngineAnswer, bool, bytes, AsyncGenerator[bytes, None]], Awaitable[None]]
 
 
+def keep_alive(member: Member | RemoteModel, body: dict[str, Any]) -> str | None:
+    """A request's own `keep_alive` (as Ollama's clients send it) becomes how long its model stays
+    loaded once idle, over `[models.NAME] idle_ttl_s`; what is wrong with it, if anything."""
+    if "keep_alive" not in body or isinstance(member, RemoteModel):
+        return None
+    try:
+        member.usage.keep_alive_s = keep_alive_seconds(body["keep_alive"])
+    except ValueError as exc:
+        return str(exc)
+    member.usage.on_change()  # the idle unload looks again
+    return None
+
+
 class FrontDoor:
     """The routes, bound to the daemon, one shared loopback HTTP client and the key check."""
 
@@ -280,6 +294,8 @@ class FrontDoor:
                 request.path, 404, unknown_model(self.daemon.fleet, model), "invalid_request_error", "model_not_found"
             )
         request.instance = member.name
+        if (problem := keep_alive(member, body)) is not None:
+            return api_error(request.path, 400, problem, "invalid_request_error", None)
         async with request.watching():  # a client that leaves cancels the wait, or closes the engine's answer
             if isinstance(member, RemoteModel):
                 return await self.forward_remote(request, member, body, sse=bool(body.get("stream")))

@@ -29,7 +29,7 @@ import trio
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.engine.wire import EngineAnswer
 from stoker.daemon.fleet.remote import RemoteModel
-from stoker.daemon.frontdoor.app import Answer, FrontDoor, json_answer, refused
+from stoker.daemon.frontdoor.app import Answer, FrontDoor, json_answer, keep_alive, refused
 from stoker.daemon.frontdoor.hold import Refused
 from stoker.daemon.frontdoor.http11 import Request
 from stoker.daemon.frontdoor.limits import LimitExceeded, read_body
@@ -156,6 +156,8 @@ class OllamaApi:
         if member is None:
             return ollama_error(404, unknown_model(self.daemon.fleet, asked), ReasonCode.MODEL_NOT_FOUND.value)
         request.instance = member.name
+        if (problem := keep_alive(member, body)) is not None:
+            return ollama_error(400, problem, "bad_request")
         return member
 
     # --- generation: the engine through the front door's relay path ------------------------

@@ -14,6 +14,8 @@ its ready). A model on its way up or down, stopped or failed has nothing to unlo
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any, Sequence
 
 import attrs
@@ -32,16 +34,26 @@ class IdleFacts:
     in_flight: int = 0  # requests sent to its engine whose answer is not over
     waiting: int = 0  # requests held until it is ready
     last_used: float | None = None  # when its last request ended, or it became ready if later (Unix time)
+    # The last request's own `keep_alive` (seconds; inf: never unloaded; 0: as soon as it is
+    # answered), which wins over idle_ttl_s as Ollama's does; None: the request set none.
+    keep_alive_s: float | None = None
+
+    @property
+    def ttl_s(self) -> float:
+        """Seconds of idleness before it is unloaded (inf: never)."""
+        if self.keep_alive_s is not None:
+            return self.keep_alive_s
+        return self.idle_ttl_s if self.idle_ttl_s > 0 else math.inf
 
 
 def due_in(facts: IdleFacts, now: float) -> float | None:
     """Seconds until `facts`' model is due for an idle unload (0: now); None: not as things
     stand (no TTL, pinned, not ready, in use, or never used nor ready)."""
-    if facts.idle_ttl_s <= 0 or facts.pinned or facts.state is not LaunchState.READY:
+    if math.isinf(facts.ttl_s) or facts.pinned or facts.state is not LaunchState.READY:
         return None
     if facts.in_flight or facts.waiting or facts.last_used is None:
         return None
-    return max(0.0, facts.last_used + facts.idle_ttl_s - now)
+    return max(0.0, facts.last_used + facts.ttl_s - now)
 
 
 @attrs.frozen
@@ -71,5 +83,32 @@ def review(models: Sequence[IdleFacts], now: float) -> IdleReview:
             continue
         assert facts.last_used is not None  # due_in answers a number only with it
         idle_s = now - facts.last_used
-        due.append(IdleUnload(facts.name, {"idle_s": round(idle_s, 1), "idle_ttl_s": facts.idle_ttl_s}))
+        evidence: dict[str, Any] = {"idle_s": round(idle_s, 1), "idle_ttl_s": facts.idle_ttl_s}
+        if facts.keep_alive_s is not None:
+            evidence["keep_alive_s"] = facts.keep_alive_s
+        due.append(IdleUnload(facts.name, evidence))
     return IdleReview(tuple(due), min(later, default=None))
+
+
+_DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def keep_alive_seconds(value: Any) -> float | None:
+    """A request's `keep_alive`, as Ollama's clients send it: seconds as a number, or a duration
+    ("5m", "1h", "30s", "250ms"); negative keeps the model loaded for good (inf), 0 unloads it
+    once answered. None: absent; ValueError: not a duration."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError('keep_alive must be a number of seconds or a duration such as "5m"')
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        found = _DURATION.match(str(value))
+        if found is None:
+            raise ValueError(f'keep_alive must be a number of seconds or a duration such as "5m", got {value!r}')
+        seconds = float(found.group(1)) * _UNIT_S[found.group(2)]
+    if math.isnan(seconds):
+        raise ValueError("keep_alive must be a number")
+    return math.inf if seconds < 0 else seconds

@@ -324,3 +324,25 @@ def test_two_sections_on_one_file_never_restore_each_others_conversation(daemon,
     # After the restart b's own conversation comes back to b.
     _, timings = turn(base, "b", second + gen_b + more)
     assert timings["cache_n"] >= len(second) + len(gen_b) - 1, timings
+
+
+def test_a_requests_keep_alive_wins_over_the_models_idle_ttl(daemon, model, other_model, no_server_left):
+    """As Ollama's clients send it: `keep_alive: -1` keeps the model loaded past its TTL, `0` unloads
+    it once answered, and a value that is no duration is a 400 that changes nothing."""
+    base = start(daemon, f'[models.solo]\nmodel = "{model}"\ndefault = true\nidle_ttl_s = {TTL}\n', model)
+    wait_model(daemon, "solo", "ready")
+    ask = {"model": "solo", "prompt": "hi", "max_tokens": 2}
+    kept = httpx.post(f"{base}/v1/completions", json={**ask, "keep_alive": -1}, trust_env=False, timeout=120)
+    assert kept.status_code == 200, kept.text
+    daemon.wait_for(lambda s: s["models"][0]["in_flight"] == 0, 30, "the answer to be over")
+    assert models_of(daemon)["solo"]["idle_unload_in_s"] is None  # kept for good: no countdown
+    time.sleep(2 * TTL)  # well past idle_ttl_s: still loaded
+    assert models_of(daemon)["solo"]["state"] == "ready"
+
+    bad = httpx.post(f"{base}/v1/completions", json={**ask, "keep_alive": "soon"}, trust_env=False, timeout=60)
+    assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]["message"]
+
+    done = httpx.post(f"{base}/v1/completions", json={**ask, "keep_alive": "0s"}, trust_env=False, timeout=120)
+    assert done.status_code == 200, done.text
+    solo = wait_model(daemon, "solo", "stopped", timeout=30)  # unloaded once answered, not TTL later
+    assert solo["down_cause"] == "idle"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import attrs
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from stoker.daemon.fleet.idle import serve_idle_unloads
 from stoker.daemon.fleet.usage import ChangeSignal
-from stoker.states.fleet.idle_unload import IdleFacts, due_in, review
+from stoker.states.fleet.idle_unload import IdleFacts, due_in, keep_alive_seconds, review
 from stoker.states.launch.table import LAUNCH
 from stoker.states.launch.steps import stop_cause
 from stoker.states.launch.records import (
@@ -182,3 +183,35 @@ async def test_the_task_unloads_at_the_due_time_rearmed_by_use_and_never_polls(a
     # Woken at start, at a's first due time (in use: kept), at the change_signal, at a's and b's due
     # times; never in between, nor after (nothing left to wait for).
     assert asked == [0.0, 10.0, 12.0, 22.0, 25.0], asked
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        (None, None),
+        (30, 30.0),
+        (2.5, 2.5),
+        ("5m", 300.0),
+        ("1h", 3600.0),
+        ("250ms", 0.25),
+        ("0", 0.0),
+        (-1, math.inf),
+        ("-1m", math.inf),
+    ],
+)
+def test_keep_alive_reads_what_ollamas_clients_send(value, seconds):
+    assert keep_alive_seconds(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", True, "5 minutes", [], "1d"])
+def test_a_keep_alive_that_is_no_duration_is_refused(value):
+    with pytest.raises(ValueError):
+        keep_alive_seconds(value)
+
+
+def test_a_requests_keep_alive_wins_over_the_ttl():
+    used = IdleFacts("m", S.READY, idle_ttl_s=60.0, last_used=100.0)
+    assert due_in(used, 110.0) == 50.0
+    assert due_in(attrs.evolve(used, keep_alive_s=0.0), 110.0) == 0.0  # unload once answered
+    assert due_in(attrs.evolve(used, keep_alive_s=math.inf), 1e9) is None  # for good
+    assert due_in(attrs.evolve(used, idle_ttl_s=0.0, keep_alive_s=5.0), 110.0) == 0.0  # a TTL of its own
