@@ -164,6 +164,11 @@ class ReasonCode(enum.StrEnum):
     FRONTDOOR_BODY_TOO_LARGE = "frontdoor_body_too_large"
     FRONTDOOR_HEADERS_TOO_LARGE = "frontdoor_headers_too_large"
     FRONTDOOR_SLOW_CLIENT = "frontdoor_slow_client"
+    # ... or it asked for what the front door does not serve: an engine route that would break a
+    # guarantee, a web page's origin not in `[frontdoor] cors_origins`, an engine-only route of a remote model.
+    FRONTDOOR_ROUTE_REFUSED = "frontdoor_route_refused"
+    FRONTDOOR_ORIGIN_REFUSED = "frontdoor_origin_refused"
+    REMOTE_ROUTE_UNSUPPORTED = "remote_route_unsupported"
     # Pulling models (daemon/models/pull.py) and the catalog.
     PULL_BAD_SPEC = "pull_bad_spec"
     PULL_SOURCE_UNREACHABLE = "pull_source_unreachable"

@@ -78,6 +78,7 @@ class Request:
         "caller",
         "model",
         "instance",
+        "added_headers",
         "_conn",
         "_started",
         "_chunked",
@@ -98,6 +99,8 @@ class Request:
         self.caller: Caller | None = None
         self.model: object = None
         self.instance: str | None = None
+        # Headers every answer to it carries, whoever gives it (the Access-Control-* of CORS).
+        self.added_headers: list[tuple[bytes, bytes]] = []
         self._started = False
         self._chunked = True
         self.gone = False
@@ -136,7 +139,8 @@ class Request:
             self.exchange.body_sent(body)
             self.exchange.body_complete()
         conn = self._conn.h11
-        data = conn.send(h11.Response(status_code=status, headers=[*headers, (b"content-length", b"%d" % len(body))]))
+        headers = [*headers, *self.added_headers, (b"content-length", b"%d" % len(body))]
+        data = conn.send(h11.Response(status_code=status, headers=headers))
         data += conn.send(h11.Data(data=body)) if body else b""
         data += conn.send(h11.EndOfMessage())
         await self._conn.send_all(data)
@@ -153,7 +157,8 @@ class Request:
         conn = self._conn.h11
         version = conn.their_http_version
         self._chunked = version is not None and version >= b"1.1"
-        head = conn.send(h11.Response(status_code=status, headers=[*headers, (b"transfer-encoding", b"chunked")]))
+        headers = [*headers, *self.added_headers, (b"transfer-encoding", b"chunked")]
+        head = conn.send(h11.Response(status_code=status, headers=headers))
         if not first:
             await self._conn.send_all(head)
             return
