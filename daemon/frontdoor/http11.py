@@ -140,6 +140,10 @@ class Request:
             self.exchange.body_complete()
         conn = self._conn.h11
         headers = [*headers, *self.added_headers, (b"content-length", b"%d" % len(body))]
+        if (b"connection", b"close") not in headers and not self._conn.request_ended():
+            # Answered before its body was read (a refusal): the connection cannot carry the client's
+            # next request, and says so, rather than closing under a client that would reuse it.
+            headers.append((b"connection", b"close"))
         data = conn.send(h11.Response(status_code=status, headers=headers))
         data += conn.send(h11.Data(data=body)) if body else b""
         data += conn.send(h11.EndOfMessage())
@@ -297,19 +301,22 @@ class Connection:
                     log_access(request, exchange, self.figures.finish(exchange, failure))
             if request.gone or failure is not None or conn.our_state is not h11.DONE:
                 return  # cut midway (the client sees an incomplete body), or the client left
-            if conn.their_state is not h11.DONE and not self._request_ended():
+            if conn.their_state is not h11.DONE and not self.request_ended():
                 return  # the body was not read whole: the connection cannot carry another request
             try:
                 conn.start_next_cycle()
             except h11.LocalProtocolError:
                 return  # Connection: close, on either side
 
-    def _request_ended(self) -> bool:
+    def request_ended(self) -> bool:
         """A request whose body the handler did not read (a GET's, empty): its end is taken from
         what was already received, so the connection carries the client's next request."""
         conn = self.h11
         while conn.their_state is h11.SEND_BODY:
-            event = conn.next_event()
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError:
+                return False  # a malformed body: nothing after it can be read
             if event is h11.NEED_DATA or type(event) is h11.Data:
                 return False  # a body is still arriving, or was sent and not read
         return conn.their_state is h11.DONE

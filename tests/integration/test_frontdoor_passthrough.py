@@ -222,7 +222,9 @@ def test_passthrough_routes_keep_the_keys_the_access_log_and_the_metrics(daemon,
     # A health check without a key learns only that the front door serves.
     assert pair.front.get("/health").json() == {"status": "ok"}
     auth = {"Authorization": f"Bearer {key}"}
-    assert pair.front.post("/tokenize", json=body, headers=auth).json() == pair.direct.post("/tokenize", json=body).json()
+    assert (
+        pair.front.post("/tokenize", json=body, headers=auth).json() == pair.direct.post("/tokenize", json=body).json()
+    )
     assert pair.front.get("/v1/models/default", headers=auth).status_code == 200
     assert len(pair.front.get("/health", headers=auth).json()["models"]) == 1
 
