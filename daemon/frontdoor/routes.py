@@ -13,7 +13,7 @@ its pattern). A new route is one row. The paths are llama-server b11434's
 from __future__ import annotations
 
 import enum
-from typing import Mapping
+from collections.abc import Mapping
 
 import attrs
 

@@ -64,6 +64,12 @@ class Case:
 
 CASES = (
     Case(
+        "POST /v1/chat/completions (4 tokens; for reference)",
+        "POST",
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "max_tokens": 4, **GREEDY},
+    ),
+    Case(
         "POST /v1/responses (4 tokens)",
         "POST",
         "/v1/responses",
@@ -111,6 +117,8 @@ class Client:
 
     def ask(self, method: str, path: str, body: bytes | None) -> tuple[int, float]:
         """The answer's status and the seconds from the request's first byte to the answer's last."""
+        if self.sock is not None and self._stale():
+            self.close()
         if self.sock is None:
             self.sock = self._connect()
         head = b"%s %s HTTP/1.1\r\nHost: %s\r\n%s" % (method.encode(), path.encode(), self.host, self.auth)
@@ -125,6 +133,17 @@ class Client:
             self.sock.close()
             self.sock = None
         return status, elapsed
+
+    def _stale(self) -> bool:
+        """The server closed this idle connection (llama-server after 5 s), seen as an HTTP client's
+        pool sees it before reusing one: a non-blocking peek."""
+        assert self.sock is not None
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
 
     def _fill(self) -> None:
         assert self.sock is not None

@@ -48,13 +48,13 @@ class Pair:
         front = self.front.request(method, path, json=body)
         return direct, front
 
-    def openai(self, through_front: bool) -> "openai.OpenAI":
+    def openai(self, through_front: bool) -> openai.OpenAI:
         base, key = (f"{self.root}/v1", "none") if through_front else (f"{self.engine}/v1", self.key)
         return openai.OpenAI(
             base_url=base, api_key=key, max_retries=0, http_client=openai.DefaultHttpxClient(trust_env=False)
         )
 
-    def anthropic(self, through_front: bool) -> "anthropic.Anthropic":
+    def anthropic(self, through_front: bool) -> anthropic.Anthropic:
         base, key = (self.root, "none") if through_front else (self.engine, self.key)
         return anthropic.Anthropic(
             base_url=base, api_key=key, max_retries=0, http_client=anthropic.DefaultHttpxClient(trust_env=False)
@@ -88,7 +88,7 @@ def same(direct: httpx.Response, front: httpx.Response, *, drop: tuple[str, ...]
 
 
 def test_responses_through_the_openai_sdk(pair):
-    asked = dict(model="default", input="once upon a time", max_output_tokens=6, extra_body=GREEDY)
+    asked = {"model": "default", "input": "once upon a time", "max_output_tokens": 6, "extra_body": GREEDY}
     direct = pair.openai(False).responses.create(**asked)
     front = pair.openai(True).responses.create(**asked)
     assert front.output_text == direct.output_text and front.status == "completed"
@@ -111,7 +111,7 @@ def test_responses_through_the_openai_sdk(pair):
 
 
 def test_count_tokens_through_the_anthropic_sdk(pair):
-    asked = dict(model="default", system="be brief", messages=[{"role": "user", "content": "hello world"}])
+    asked = {"model": "default", "system": "be brief", "messages": [{"role": "user", "content": "hello world"}]}
     direct = pair.anthropic(False).messages.count_tokens(**asked)
     front = pair.anthropic(True).messages.count_tokens(**asked)
     assert front.input_tokens == direct.input_tokens > 0

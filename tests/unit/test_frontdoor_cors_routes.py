@@ -4,7 +4,6 @@ daemon/frontdoor/cors.py); the sockets' side is tests/integration/test_frontdoor
 from __future__ import annotations
 
 import pytest
-
 from stoker.daemon.frontdoor.cors import Origin, answer_headers, is_preflight, judge_origin, preflight_headers
 from stoker.daemon.frontdoor.routes import ROUTES, Action, allowed_methods, find_route, is_anthropic, route_label
 
