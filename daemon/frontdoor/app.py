@@ -42,7 +42,15 @@ from stoker.daemon.frontdoor.http11 import Request
 from stoker.daemon.frontdoor.limits import LimitExceeded, check_head, read_body
 from stoker.daemon.frontdoor.metrics import CONTENT_TYPE, FrontDoorMetrics
 from stoker.daemon.frontdoor.cors import Origin, answer_headers, is_preflight, judge_origin, preflight_headers
-from stoker.daemon.frontdoor.routes import LABELS, WITH_FIGURES, Action, Route, allowed_methods, find_route, is_anthropic
+from stoker.daemon.frontdoor.routes import (
+    LABELS,
+    WITH_FIGURES,
+    Action,
+    Route,
+    allowed_methods,
+    find_route,
+    is_anthropic,
+)
 from stoker.daemon.frontdoor.routing import health_page, model_entry_of, models_page, route, unknown_model
 from stoker.daemon.frontdoor.daemon_view import Authorize, FrontDoorDaemon
 from stoker.states.reasons import ReasonCode, message_for
