@@ -38,6 +38,7 @@ if str(ROOT) not in sys.path:
 
 from stoker.daemon.bundles.build import build_bundle
 from stoker.daemon.bundles.installed import install_bundle
+from stoker.daemon.bundles.tinymodel import write_tiny_model
 from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.models.known import WELL_KNOWN
 
@@ -263,7 +264,11 @@ def main() -> None:
         os.environ["STOKER_HOME"] = str(home)
         paths = StokerPaths.from_env()
         bundle = install_bundle(args.bundle or build_bundle(paths, backend="cpu").zip_path, paths)
-        spec, model = prepare_model(args.model, paths, home)
+        if args.model == "tiny":  # with fill-in-the-middle tokens, so that /infill answers
+            model = write_tiny_model(home / "tiny.gguf", n_ctx=4096, fim=True)
+            spec = str(model)
+        else:
+            spec, model = prepare_model(args.model, paths, home)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

@@ -1,9 +1,9 @@
 """The engine's whole client API through the front door, each route against the engine itself.
 
-A real daemon runs llama-server (the tiny model, `--reranking` so that rerank answers); each test
-sends the same request to the engine directly (its endpoint and per-launch key from `status`) and
-through the front door, and compares the answers: the front door must pass each on as the engine
-gave it. The clients are the ones users have: the `openai` SDK for `responses.create` and
+A real daemon runs llama-server (the tiny model with fill-in-the-middle tokens, `--reranking` so
+that rerank answers); each test sends the same request to the engine directly (its endpoint and
+per-launch key from `status`) and through the front door, and compares the answers: the front door
+must pass each on as the engine gave it. The clients are the ones users have: the `openai` SDK for `responses.create` and
 `models.retrieve`, the `anthropic` SDK for `messages.count_tokens`, httpx for llama-server's own
 routes. Routes that would break Stoker's guarantees are refused with a reason code, and the front
 door's own /health says per model whether it is ready.
@@ -68,6 +68,14 @@ def start(daemon, model, **frontdoor: str) -> Pair:
     write_config(daemon.paths, config)
     daemon.start()
     return Pair(daemon, f"http://127.0.0.1:{port}")
+
+
+@pytest.fixture
+def model(tmp_path):
+    """The tiny model with fill-in-the-middle tokens, so that /infill answers."""
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
+
+    return write_tiny_model(tmp_path / "tiny-fim.gguf", fim=True)
 
 
 @pytest.fixture
@@ -157,11 +165,8 @@ def test_tokenize_detokenize_and_apply_template(pair):
 def test_infill(pair):
     body = {"model": "default", "input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n", "n_predict": 4}
     direct, front = pair.both("POST", "/infill", {**body, **GREEDY})
-    # The tiny model has no fill-in-the-middle tokens: the engine's 501 comes through as it is.
-    if direct.status_code == 200:
-        assert front.status_code == 200 and front.json()["content"] == direct.json()["content"]
-    else:
-        same(direct, front)
+    assert direct.status_code == front.status_code == 200, (direct.text, front.text)
+    assert front.json()["content"] == direct.json()["content"] and front.json()["tokens_predicted"] == 4
 
 
 def test_props_by_query_and_default(pair):
