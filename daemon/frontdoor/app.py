@@ -234,7 +234,9 @@ class FrontDoor:
             return None
         methods = allowed_methods(find_route(path))
         if is_preflight(request.method, origin, request.header(b"access-control-request-method")):
-            request.added_headers += preflight_headers(methods, request.header(b"access-control-request-headers"))
+            private = request.header(b"access-control-request-private-network") == b"true"
+            asked = request.header(b"access-control-request-headers")
+            request.added_headers += preflight_headers(methods, asked, private and verdict is not Origin.SAME)
             request.added_headers.append((b"vary", b"Access-Control-Request-Method, Access-Control-Request-Headers"))
         return Answer(204, b"", ((b"allow", methods.encode("latin-1")),))
 

@@ -91,15 +91,21 @@ def answer_headers(verdict: Origin, origin: bytes | None) -> list[tuple[bytes, b
     return []
 
 
-def preflight_headers(methods: str, requested: bytes | None) -> list[tuple[bytes, bytes]]:
+def preflight_headers(
+    methods: str, requested: bytes | None, private_network: bool = False
+) -> list[tuple[bytes, bytes]]:
     """What a preflight's answer adds to `answer_headers`: the methods, the headers asked for
-    (any: the key travels in Authorization or x-api-key, the SDKs add their own), how long to keep it."""
+    (any: the key travels in Authorization or x-api-key, the SDKs add their own), how long to keep
+    it; and, when Chromium asks whether a public page may reach this private address (Private
+    Network Access), yes: the origin is one cors_origins allows."""
     headers = [
         (b"access-control-allow-methods", methods.encode("latin-1")),
         (b"access-control-max-age", b"%d" % MAX_AGE),
     ]
     if requested and HEADER_LIST.match(requested):
         headers.append((b"access-control-allow-headers", requested))
+    if private_network:
+        headers.append((b"access-control-allow-private-network", b"true"))
     return headers
 
 

@@ -76,6 +76,16 @@ def test_every_route_answers_a_listed_origins_preflight(front):
         assert method in headers["access-control-allow-methods"].split(", "), (path, headers)
         assert headers["access-control-allow-headers"] == "authorization, content-type, x-stainless-lang"
         assert int(headers["access-control-max-age"]) > 0 and "Origin" in headers.get_list("vary")
+    # Chromium asks before a public page may reach a private address (Private Network Access).
+    private = front.options(
+        "/v1/chat/completions",
+        headers={
+            "Origin": APP,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Private-Network": "true",
+        },
+    )
+    assert private.status_code == 204 and private.headers["access-control-allow-private-network"] == "true"
 
 
 def test_a_listed_origins_answers_carry_the_headers_streams_and_errors_too(front):

@@ -97,3 +97,8 @@ def test_a_preflight_gets_the_methods_the_headers_asked_for_and_a_max_age():
     assert int(headers[b"access-control-max-age"]) > 0
     # Anything but a list of header names is not echoed.
     assert b"access-control-allow-headers" not in dict(preflight_headers("POST", b"x\r\nset-cookie: a"))
+
+
+def test_a_public_pages_private_network_preflight_is_answered_for_an_allowed_origin():
+    assert (b"access-control-allow-private-network", b"true") in preflight_headers("POST", None, True)
+    assert b"access-control-allow-private-network" not in dict(preflight_headers("POST", None, False))
