@@ -249,3 +249,26 @@ def test_a_passthrough_request_is_held_across_a_restart(pair):
     answer = pair.front.post("/tokenize", json={"model": "default", "content": "hello"})
     assert answer.status_code == 200 and answer.json()["tokens"]
     assert pair.daemon.wait_state("ready")["pid"] != first["pid"]
+
+
+def test_a_remote_model_takes_the_openai_routes_only(daemon, model):
+    """A remote model ([models.NAME] endpoint) is reached through the OpenAI-compatible routes:
+    /v1/responses goes to its endpoint (here nothing listens: 503 remote_endpoint_unreachable), a
+    llama-server route gets 400 remote_route_unsupported without the endpoint being asked."""
+    port, nowhere = free_port(), free_port()
+    remote = f'[models.far]\nendpoint = "http://127.0.0.1:{nowhere}/v1"\n'
+    write_config(daemon.paths, tiny_config(model) + remote + f"[frontdoor]\nport = {port}\n")
+    daemon.start()
+    daemon.wait_state("ready")
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=60) as front:
+        sent = front.post("/v1/responses", json={"model": "far", "input": "hi"})
+        assert sent.status_code == 503 and sent.json()["error"]["code"] == "remote_endpoint_unreachable"
+        for method, path, body in (
+            ("POST", "/tokenize", {"model": "far", "content": "hi"}),
+            ("GET", "/props?model=far", None),
+        ):
+            refused = front.request(method, path, json=body)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["code"] == "remote_route_unsupported"
+        # The local model still answers them.
+        assert front.post("/tokenize", json={"content": "hi"}).status_code == 200
