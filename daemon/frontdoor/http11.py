@@ -80,6 +80,7 @@ class Request:
         "caller",
         "model",
         "instance",
+        "added_headers",
         "_conn",
         "_started",
         "_chunked",
@@ -100,6 +101,8 @@ class Request:
         self.caller: Caller | None = None
         self.model: object = None
         self.instance: str | None = None
+        # Headers every answer to it carries, whoever gives it (the Access-Control-* of CORS).
+        self.added_headers: list[tuple[bytes, bytes]] = []
         self._started = False
         self._chunked = True
         self.gone = False
@@ -138,7 +141,12 @@ class Request:
             self.exchange.body_sent(body)
             self.exchange.body_complete()
         conn = self._conn.h11
-        data = conn.send(h11.Response(status_code=status, headers=[*headers, (b"content-length", b"%d" % len(body))]))
+        headers = [*headers, *self.added_headers, (b"content-length", b"%d" % len(body))]
+        if (b"connection", b"close") not in headers and not self._conn.request_ended():
+            # Answered before its body was read (a refusal): the connection cannot carry the client's
+            # next request, and says so, rather than closing under a client that would reuse it.
+            headers.append((b"connection", b"close"))
+        data = conn.send(h11.Response(status_code=status, headers=headers))
         data += conn.send(h11.Data(data=body)) if body else b""
         data += conn.send(h11.EndOfMessage())
         await self._conn.send_all(data)
@@ -155,7 +163,8 @@ class Request:
         conn = self._conn.h11
         version = conn.their_http_version
         self._chunked = version is not None and version >= b"1.1"
-        head = conn.send(h11.Response(status_code=status, headers=[*headers, (b"transfer-encoding", b"chunked")]))
+        headers = [*headers, *self.added_headers, (b"transfer-encoding", b"chunked")]
+        head = conn.send(h11.Response(status_code=status, headers=headers))
         if not first:
             await self._conn.send_all(head)
             return
@@ -301,14 +310,14 @@ class Connection:
                     log_access(request, exchange, self.figures.finish(exchange, failure))
             if request.gone or failure is not None or conn.our_state is not h11.DONE:
                 return  # cut midway (the client sees an incomplete body), or the client left
-            if conn.their_state is not h11.DONE and not self._request_ended():
+            if conn.their_state is not h11.DONE and not self.request_ended():
                 return  # the body was not read whole: the connection cannot carry another request
             try:
                 conn.start_next_cycle()
             except h11.LocalProtocolError:
                 return  # Connection: close, on either side
 
-    def _request_ended(self) -> bool:
+    def request_ended(self) -> bool:
         """A request whose body the handler did not read (a GET's, empty): its end is taken from
         what was already received, so the connection carries the client's next request."""
         conn = self.h11

@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Count
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from stoker.daemon.frontdoor.routes import route_label
 from stoker.daemon.frontdoor.tallies import KINDS, HistoryTally
 from stoker.states.launch import records as LR
 
@@ -235,7 +236,8 @@ class RequestFigures:
         """The route label of a path; None for /metrics itself (a scrape is not a request)."""
         if path == "/metrics":
             return None
-        return path if path in self.routes else "other"
+        label = route_label(path)  # a path with an id counts under its pattern (/v1/models/{id})
+        return label if label in self.routes else "other"
 
     def finish(self, exchange: Exchange, exc: BaseException | None) -> EngineFigures | None:
         """Record a request once its answer ended (or failed): after its last byte was sent. The

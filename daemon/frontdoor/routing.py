@@ -16,12 +16,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from stoker.daemon.fleet.member import reason_message
+from stoker.daemon.fleet.remote import RemoteModel
 from stoker.states.launch import records as LR
 
 if TYPE_CHECKING:
     from stoker.daemon.fleet.fleet import Fleet
     from stoker.daemon.fleet.member import Member
-    from stoker.daemon.fleet.remote import RemoteModel
 
 
 def route(fleet: Fleet, model: Any) -> Member | RemoteModel | None:
@@ -105,3 +105,42 @@ def models_page(fleet: Fleet, started_at: float | None = None) -> dict[str, Any]
     created = int(started_at if started_at is not None else time.time())
     data = [model_entry(m, created) for m in fleet.serving()]
     return {"object": "list", "data": data + [remote_entry(r, created) for r in fleet.remotes.serving()]}
+
+
+def model_entry_of(fleet: Fleet, name: str, started_at: float | None = None) -> dict[str, Any] | None:
+    """GET /v1/models/{id}: the entry of the model `name` reaches (any name it answers to, or
+    "default"), as the list shows it; None when no model answers to it."""
+    created = int(started_at if started_at is not None else time.time())
+    found = route(fleet, name)
+    if found is None:
+        return None
+    return remote_entry(found, created) if isinstance(found, RemoteModel) else model_entry(found, created)
+
+
+def model_health(found: Member | RemoteModel) -> dict[str, Any]:
+    """One model in /health: its state and whether a request would be answered without waiting."""
+    if isinstance(found, RemoteModel):
+        reachable = found.status().reachable
+        return {"name": found.name, "state": "remote", "ready": reachable is True, "remote": True}
+    state = found.state
+    return {
+        "name": found.name,
+        "state": state.value,
+        "ready": state is LR.LaunchState.READY,
+        "loads_on_demand": found.loads_on_demand,
+        "default": found.served.default,
+    }
+
+
+def health_page(fleet: Fleet, model: str | None) -> dict[str, Any] | None:
+    """The front door's /health, for a caller that passed the key check: every model (`model`
+    None), or the one `model` names (`status` "ok" only when it is ready); None when no model
+    answers to that name."""
+    if model is None:
+        members: list[Member | RemoteModel] = [*fleet.serving(), *fleet.remotes.serving()]
+        return {"status": "ok", "models": [model_health(m) for m in members]}
+    found = route(fleet, model)
+    if found is None:
+        return None
+    entry = model_health(found)
+    return {"status": "ok" if entry["ready"] else "not_ready", "model": entry}

@@ -125,3 +125,30 @@ def test_a_bad_address_in_the_environment_is_a_config_problem(environ, problem):
     with pytest.raises(ConfigError) as caught:
         parse_config("", environ=environ)
     assert any(p.startswith(problem) for p in caught.value.problems), caught.value.problems
+
+
+def test_cors_origins_default_to_none_and_take_origins_or_any():
+    """[frontdoor] cors_origins: empty unless set (only the front door's own pages); origins are
+    scheme://host[:port], kept as a browser writes them, or "*"."""
+    assert parse_config("").frontdoor.cors_origins == ()
+    config = parse_config('[frontdoor]\ncors_origins = ["https://App.Example", "http://localhost:3000", "*"]\n')
+    assert config.frontdoor.cors_origins == ("https://app.example", "http://localhost:3000", "*")
+
+
+@pytest.mark.parametrize(
+    "value, says",
+    [
+        ('"https://app.example"', "must be a list of origins"),
+        ('["app.example"]', "is not an origin"),
+        ('["ftp://app.example"]', "is not an origin"),
+        ('["https://app.example/"]', "has more than an origin"),
+        ('["https://app.example/chat"]', "has more than an origin"),
+        ('["http://localhost:99999"]', "has a port that is not a number"),
+        ("[1]", "must be a list of origins"),
+    ],
+)
+def test_cors_origins_that_are_not_origins_are_refused(value, says):
+    with pytest.raises(ConfigError) as err:
+        parse_config(f"[frontdoor]\ncors_origins = {value}\n")
+    (problem,) = err.value.problems
+    assert problem.startswith("frontdoor.cors_origins: ") and says in problem, problem
