@@ -41,7 +41,7 @@ DOCS_SHOT = Path(__file__).resolve().parents[2] / "docs" / "chat-page.png"
 # Long enough that a restart lands in the middle of the answer: the random tiny model, made to
 # ignore its end-of-text, streams for seconds on the 2-core machine.
 LONG_ANSWER_TOKENS = 3500
-SHORT_ANSWER_TOKENS = 48
+SHORT_ANSWER_TOKENS = 256  # long enough to arrive in several reads on a quiet machine too
 
 
 @pytest.fixture
