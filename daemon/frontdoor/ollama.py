@@ -350,22 +350,7 @@ class OllamaApi:
             size, modified = stat.st_size, stat.st_mtime
         except OSError:
             size, modified = 0, 0.0
-        family = record.architecture if record and record.architecture else ""
-        return {
-            "name": member.served.public_id,
-            "model": member.served.public_id,
-            "modified_at": created_at(record.pulled_at if record and record.pulled_at else modified),
-            "size": record.size if record else size,
-            "digest": record.sha256 if record else "",
-            "details": {
-                "parent_model": "",
-                "format": "gguf",
-                "family": family,
-                "families": [family] if family else None,
-                "parameter_size": parameter_size(record.parameters if record else None),
-                "quantization_level": (record.quantization or "") if record else "",
-            },
-        }
+        return _local_entry(member.served.public_id, record, size=size, modified=modified)
 
     async def tags(self, request: Request) -> Answer:
         """Every model /v1/models lists (configured, loaded or not; remote ones too), by the same
@@ -379,23 +364,7 @@ class OllamaApi:
 
     def _catalog_entry(self, name: str) -> dict[str, Any]:
         """A listed model no member answers yet: its catalog row's facts, if it has one."""
-        record = self.daemon.pulls.catalog.find(name)
-        family = (record.architecture or "") if record else ""
-        return {
-            "name": name,
-            "model": name,
-            "modified_at": created_at(record.pulled_at if record else 0),
-            "size": record.size if record else 0,
-            "digest": record.sha256 if record else "",
-            "details": {
-                "parent_model": "",
-                "format": "gguf",
-                "family": family,
-                "families": [family] if family else None,
-                "parameter_size": parameter_size(record.parameters if record else None),
-                "quantization_level": (record.quantization or "") if record else "",
-            },
-        }
+        return _local_entry(name, self.daemon.pulls.catalog.find(name))
 
     async def ps(self, request: Request) -> Answer:
         """The models loaded now (their server ready), with where they compute."""
@@ -520,6 +489,27 @@ class OllamaApi:
                     nursery.cancel_scope.cancel()
         await request.end()
         return None
+
+
+def _local_entry(name: str, record: ModelRecord | None, *, size: int = 0, modified: float = 0.0) -> dict[str, Any]:
+    """A GGUF model as /api/tags lists it: its catalog row's facts where it has one, else the
+    file's size and time (`size`, `modified`) and no facts."""
+    family = (record.architecture or "") if record else ""
+    return {
+        "name": name,
+        "model": name,
+        "modified_at": created_at(record.pulled_at if record and record.pulled_at else modified),
+        "size": record.size if record else size,
+        "digest": record.sha256 if record else "",
+        "details": {
+            "parent_model": "",
+            "format": "gguf",
+            "family": family,
+            "families": [family] if family else None,
+            "parameter_size": parameter_size(record.parameters if record else None),
+            "quantization_level": (record.quantization or "") if record else "",
+        },
+    }
 
 
 def _catalog_name(name: str) -> str:
