@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, AsyncGenerator, Awaitable, Callable
+from typing import Any, AsyncGenerator, Awaitable, Callable, TypeVar
 
 import httpx
 import trio
@@ -29,7 +29,7 @@ import trio
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.engine.wire import EngineAnswer
 from stoker.daemon.fleet.remote import RemoteModel
-from stoker.daemon.frontdoor.app import Answer, FrontDoor, json_answer, keep_alive, refused
+from stoker.daemon.frontdoor.app import Answer, FrontDoor, Relay, json_answer, keep_alive, refused
 from stoker.daemon.frontdoor.hold import Refused
 from stoker.daemon.frontdoor.http11 import Request
 from stoker.daemon.frontdoor.limits import LimitExceeded, read_body
@@ -65,6 +65,7 @@ RUNNING = b"Ollama is running"
 READY = LR.LaunchState.READY
 
 Handler = Callable[[Request], Awaitable[Answer | None]]
+T = TypeVar("T")
 
 
 def ollama_error(status: int, message: str, code: str | None = None) -> Answer:
@@ -75,11 +76,16 @@ def ollama_error(status: int, message: str, code: str | None = None) -> Answer:
     return json_answer(body, status)
 
 
+def engine_error(status: int, body: bytes) -> Answer:
+    """An error answer in OpenAI's shape (the engine's, the front door's) in Ollama's."""
+    return ollama_error(status, error_message(body), error_code(body))
+
+
 def as_ollama(answer: Answer) -> Answer:
     """One of the front door's own answers (OpenAI's error shape) in Ollama's; its headers kept."""
     if answer.status < 400:
         return answer
-    body = json.loads(ollama_error(answer.status, error_message(answer.body), error_code(answer.body)).body)
+    body = json.loads(engine_error(answer.status, answer.body).body)
     return Answer(answer.status, json.dumps(body, separators=(",", ":")).encode(), answer.headers)
 
 
@@ -160,40 +166,44 @@ class OllamaApi:
             return ollama_error(400, problem, "bad_request")
         return member
 
+    async def _asked(
+        self, request: Request, translate: Callable[[dict[str, Any]], T]
+    ) -> tuple[dict[str, Any], Any, T] | Answer:
+        """The request's body, the member (or remote model) that answers it, and the body as
+        `translate` makes it for the engine (BadRequest: what it cannot take); or the error to send."""
+        body = await self._body(request)
+        if isinstance(body, Answer):
+            return body
+        member = self._model(request, body)
+        if isinstance(member, Answer):
+            return member
+        try:
+            return body, member, translate(body)
+        except BadRequest as exc:
+            return ollama_error(400, str(exc), "bad_request")
+
     # --- generation: the engine through the front door's relay path ------------------------
 
     async def chat(self, request: Request) -> Answer | None:
-        started = time.perf_counter()
-        body = await self._body(request)
-        if isinstance(body, Answer):
-            return body
-        member = self._model(request, body)
-        if isinstance(member, Answer):
-            return member
-        try:
-            engine_body = chat_request(body)
-        except BadRequest as exc:
-            return ollama_error(400, str(exc), "bad_request")
-        if not engine_body["messages"]:  # Ollama's way to load a model
-            return await self._load(request, member, body, chat=True, started=started)
-        translation = Translation(True, str(body.get("model")), started)
-        return await self._send(request, member, "/v1/chat/completions", engine_body, translation)
+        return await self._generate(request, chat=True)
 
     async def generate(self, request: Request) -> Answer | None:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: Request, *, chat: bool) -> Answer | None:
+        """/api/chat (`chat`) or /api/generate, translated to the engine's OpenAI routes; an
+        empty chat or prompt is Ollama's way to load a model."""
         started = time.perf_counter()
-        body = await self._body(request)
-        if isinstance(body, Answer):
-            return body
-        member = self._model(request, body)
-        if isinstance(member, Answer):
-            return member
-        try:
-            path, engine_body = generate_request(body)
-        except BadRequest as exc:
-            return ollama_error(400, str(exc), "bad_request")
-        if not body.get("prompt") and not body.get("images"):  # Ollama's way to load a model
-            return await self._load(request, member, body, chat=False, started=started)
-        translation = Translation(False, str(body.get("model")), started)
+        asked = await self._asked(
+            request, lambda body: ("/v1/chat/completions", chat_request(body)) if chat else generate_request(body)
+        )
+        if isinstance(asked, Answer):
+            return asked
+        body, member, (path, engine_body) = asked
+        loading = not engine_body["messages"] if chat else not (body.get("prompt") or body.get("images"))
+        if loading:  # an empty chat or prompt: Ollama's way to load a model
+            return await self._load(request, member, body, chat=chat, started=started)
+        translation = Translation(chat, str(body.get("model")), started)
         return await self._send(request, member, path, engine_body, translation)
 
     async def _load(self, request: Request, member: Any, body: dict[str, Any], *, chat: bool, started: float) -> Answer:
@@ -222,15 +232,22 @@ class OllamaApi:
                 translation.load_s = time.perf_counter() - held_from
             await self._relay(request, response, sse, first, chunks, translation)
 
+        return await self._forward(request, member, path, engine_body, sse, translated)
+
+    async def _forward(
+        self, request: Request, member: Any, path: str, engine_body: dict[str, Any], sse: bool, relay_with: Relay
+    ) -> Answer | None:
+        """POST `engine_body` to the member's engine (or the remote model's endpoint) at `path`, its
+        answer relayed by `relay_with`; an answer the front door gives itself, in Ollama's shape."""
         async with request.watching():  # a client that leaves cancels the wait, or closes the engine's answer
             if isinstance(member, RemoteModel):
                 answer = await self.front.forward_remote(
-                    request, member, engine_body, sse=sse, path=path, relay_with=translated
+                    request, member, engine_body, sse=sse, path=path, relay_with=relay_with
                 )
             else:
                 content = json.dumps(engine_body, separators=(",", ":")).encode()
                 answer = await self.front.forward(
-                    request, member, "POST", path, content, sse=sse, relay_with=translated
+                    request, member, "POST", path, content, sse=sse, relay_with=relay_with
                 )
         return None if answer is None else as_ollama(answer)
 
@@ -247,7 +264,7 @@ class OllamaApi:
         if response.status_code != 200 or not sse:
             body = first + b"".join([piece async for piece in chunks])
             if response.status_code != 200:
-                await ollama_error(response.status_code, error_message(body), error_code(body)).send_to(request)
+                await engine_error(response.status_code, body).send_to(request)
                 return
             await json_answer(translation.whole(json.loads(body), time.perf_counter())).send_to(request)
             return
@@ -289,16 +306,10 @@ class OllamaApi:
 
     async def _embed(self, request: Request, legacy: bool) -> Answer | None:
         started = time.perf_counter()
-        body = await self._body(request)
-        if isinstance(body, Answer):
-            return body
-        member = self._model(request, body)
-        if isinstance(member, Answer):
-            return member
-        try:
-            engine_body = embed_request(body, legacy)
-        except BadRequest as exc:
-            return ollama_error(400, str(exc), "bad_request")
+        asked = await self._asked(request, lambda body: embed_request(body, legacy))
+        if isinstance(asked, Answer):
+            return asked
+        body, member, engine_body = asked
         model = str(body.get("model"))
 
         async def translated(
@@ -306,22 +317,12 @@ class OllamaApi:
         ) -> None:
             whole = first + b"".join([piece async for piece in chunks])
             if response.status_code != 200:
-                await ollama_error(response.status_code, error_message(whole), error_code(whole)).send_to(request)
+                await engine_error(response.status_code, whole).send_to(request)
                 return
             answer = embed_answer(json.loads(whole), model, legacy, time.perf_counter() - started)
             await json_answer(answer).send_to(request)
 
-        async with request.watching():
-            if isinstance(member, RemoteModel):
-                answer = await self.front.forward_remote(
-                    request, member, engine_body, sse=False, path="/v1/embeddings", relay_with=translated
-                )
-            else:
-                content = json.dumps(engine_body).encode()
-                answer = await self.front.forward(
-                    request, member, "POST", "/v1/embeddings", content, sse=False, relay_with=translated
-                )
-        return None if answer is None else as_ollama(answer)
+        return await self._forward(request, member, "/v1/embeddings", engine_body, False, translated)
 
     # --- the catalog ----------------------------------------------------------------------------
 
@@ -350,22 +351,7 @@ class OllamaApi:
             size, modified = stat.st_size, stat.st_mtime
         except OSError:
             size, modified = 0, 0.0
-        family = record.architecture if record and record.architecture else ""
-        return {
-            "name": member.served.public_id,
-            "model": member.served.public_id,
-            "modified_at": created_at(record.pulled_at if record and record.pulled_at else modified),
-            "size": record.size if record else size,
-            "digest": record.sha256 if record else "",
-            "details": {
-                "parent_model": "",
-                "format": "gguf",
-                "family": family,
-                "families": [family] if family else None,
-                "parameter_size": parameter_size(record.parameters if record else None),
-                "quantization_level": (record.quantization or "") if record else "",
-            },
-        }
+        return _local_entry(member.served.public_id, record, size=size, modified=modified)
 
     async def tags(self, request: Request) -> Answer:
         """Every model /v1/models lists (configured, loaded or not; remote ones too), by the same
@@ -379,23 +365,7 @@ class OllamaApi:
 
     def _catalog_entry(self, name: str) -> dict[str, Any]:
         """A listed model no member answers yet: its catalog row's facts, if it has one."""
-        record = self.daemon.pulls.catalog.find(name)
-        family = (record.architecture or "") if record else ""
-        return {
-            "name": name,
-            "model": name,
-            "modified_at": created_at(record.pulled_at if record else 0),
-            "size": record.size if record else 0,
-            "digest": record.sha256 if record else "",
-            "details": {
-                "parent_model": "",
-                "format": "gguf",
-                "family": family,
-                "families": [family] if family else None,
-                "parameter_size": parameter_size(record.parameters if record else None),
-                "quantization_level": (record.quantization or "") if record else "",
-            },
-        }
+        return _local_entry(name, self.daemon.pulls.catalog.find(name))
 
     async def ps(self, request: Request) -> Answer:
         """The models loaded now (their server ready), with where they compute."""
@@ -412,12 +382,10 @@ class OllamaApi:
         return json_answer({"models": models})
 
     async def show(self, request: Request) -> Answer:
-        body = await self._body(request)
-        if isinstance(body, Answer):
-            return body
-        member = self._model(request, body)
-        if isinstance(member, Answer):
-            return member
+        asked = await self._asked(request, lambda body: None)  # nothing goes to the engine
+        if isinstance(asked, Answer):
+            return asked
+        _, member, _ = asked
         entry = self._entry(member)
         record = self._record(member)
         info: dict[str, Any] = {}
@@ -520,6 +488,27 @@ class OllamaApi:
                     nursery.cancel_scope.cancel()
         await request.end()
         return None
+
+
+def _local_entry(name: str, record: ModelRecord | None, *, size: int = 0, modified: float = 0.0) -> dict[str, Any]:
+    """A GGUF model as /api/tags lists it: its catalog row's facts where it has one, else the
+    file's size and time (`size`, `modified`) and no facts."""
+    family = (record.architecture or "") if record else ""
+    return {
+        "name": name,
+        "model": name,
+        "modified_at": created_at(record.pulled_at if record and record.pulled_at else modified),
+        "size": record.size if record else size,
+        "digest": record.sha256 if record else "",
+        "details": {
+            "parent_model": "",
+            "format": "gguf",
+            "family": family,
+            "families": [family] if family else None,
+            "parameter_size": parameter_size(record.parameters if record else None),
+            "quantization_level": (record.quantization or "") if record else "",
+        },
+    }
 
 
 def _catalog_name(name: str) -> str:

@@ -17,8 +17,9 @@ import trio
 
 from stoker.daemon.bundles.installed import InstalledBundle, bundle_meta_of
 from stoker.daemon.config.edit import write_preference
-from stoker.daemon.config.model import BackendConfig, ConfigError, load_config
+from stoker.daemon.config.model import BackendConfig
 from stoker.daemon.control.controlled import ControlledDaemon
+from stoker.daemon.control.handlers.config_writes import refuse_while_invalid, rewrite_config
 from stoker.daemon.control.params import Choices, Kind, Param, method
 from stoker.daemon.control.replies import BundleInfo, Installed, PreferenceWritten, ProbeReply, ProbeReport
 from stoker.daemon.control.status import build_status
@@ -88,29 +89,15 @@ async def use(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Preference
     Reply: {prefer, forced, config_path, relaunch, status (the status document)}.
     """
     value = params["backend"]
-    if daemon.config_problems:
-        raise StokerError(
-            ReasonCode.CONFIG_INVALID,
-            "The config file is invalid; fix it before `stoker use`.",
-            {"problems": list(daemon.config_problems)},
-        )
+    refuse_while_invalid(daemon, "stoker use")
     path = daemon.paths.config_file
-    try:
-        write_preference(path, value)
-        new = load_config(path)
-    except ConfigError as err:
-        raise StokerError(ReasonCode.CONFIG_INVALID, err.message, err.evidence) from None
-    except OSError as err:
-        raise StokerError(ReasonCode.CONFIG_INVALID, f"Cannot write {path}: {err}.", {"path": str(path)}) from None
-    changed = new != daemon.config
     before = daemon.supervisor.state
-    if not daemon.on_config_change(new):  # relaunches a running server (a [backend] change)
-        raise StokerError(
-            ReasonCode.CONFIG_INVALID,
-            "The preference was written, but the config it makes was refused; the server keeps serving on the "
-            "previous one: " + "; ".join(daemon.config_problems),
-            {"problems": list(daemon.config_problems), "config_path": str(path)},
-        )
+    changed = rewrite_config(  # relaunches a running server (a [backend] change)
+        daemon,
+        lambda file: write_preference(file, value),
+        "The preference was written, but the config it makes was refused; the server keeps serving on the "
+        "previous one: ",
+    )
     if before is LR.LaunchState.FAILED:
         daemon.supervisor.offer(LR.UpRequested(daemon.launch_settings()))
     return PreferenceWritten(

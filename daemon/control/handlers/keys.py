@@ -9,12 +9,11 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from stoker.daemon.config.edit import write_require_keys
-from stoker.daemon.config.model import ConfigError, load_config
 from stoker.daemon.control.controlled import ControlledDaemon
+from stoker.daemon.control.handlers.config_writes import refuse_while_invalid, rewrite_config
 from stoker.daemon.control.params import Kind, Param, method
 from stoker.daemon.control.replies import ApiKey, CreatedApiKey, KeyList, KeyRequirement
 from stoker.daemon.control.status import frontdoor_status
-from stoker.daemon.core.errors import StokerError
 from stoker.states.reasons import ReasonCode
 
 
@@ -67,29 +66,15 @@ async def key_require(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Ke
     Reply: {require_keys, changed, config_path, frontdoor (as status shows it)}.
     """
     required = not params["off"]
-    if daemon.config_problems:
-        raise StokerError(
-            ReasonCode.CONFIG_INVALID,
-            "The config file is invalid; fix it before `stoker key require`.",
-            {"problems": list(daemon.config_problems)},
-        )
+    refuse_while_invalid(daemon, "stoker key require")
     path = daemon.paths.config_file
     changed = daemon.config.frontdoor.require_keys is not required
     if changed:
-        try:
-            write_require_keys(path, required)
-            new = load_config(path)
-        except ConfigError as err:
-            raise StokerError(ReasonCode.CONFIG_INVALID, err.message, err.evidence) from None
-        except OSError as err:
-            raise StokerError(ReasonCode.CONFIG_INVALID, f"Cannot write {path}: {err}.", {"path": str(path)}) from None
-        if not daemon.on_config_change(new):
-            raise StokerError(
-                ReasonCode.CONFIG_INVALID,
-                "require_keys was written, but the config it makes was refused; the previous one stays in force: "
-                + "; ".join(daemon.config_problems),
-                {"problems": list(daemon.config_problems), "config_path": str(path)},
-            )
+        rewrite_config(
+            daemon,
+            lambda file: write_require_keys(file, required),
+            "require_keys was written, but the config it makes was refused; the previous one stays in force: ",
+        )
     return KeyRequirement(
         require_keys=daemon.config.frontdoor.require_keys,
         changed=changed,
