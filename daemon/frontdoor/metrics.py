@@ -236,6 +236,8 @@ class RequestFigures:
         """The route label of a path; None for /metrics itself (a scrape is not a request)."""
         if path == "/metrics":
             return None
+        if path in self.routes:  # a route of its own (Ollama's API on its listener)
+            return path
         label = route_label(path)  # a path with an id counts under its pattern (/v1/models/{id})
         return label if label in self.routes else "other"
 
