@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 from hypothesis import given, strategies as st
 
@@ -14,6 +15,10 @@ from stoker.states.fallback.table import (
     CheckFailed,
     CheckPassed,
     Demotion,
+    EngineBuildFailed,
+    EngineBuilt,
+    InstallBeside,
+    Upgrade,
     FallbackData,
     FallbackState as S,
     GiveUp,
@@ -377,3 +382,54 @@ def test_a_ready_gpu_server_is_reported_as_what_it_proved(proof, chosen, reason)
     s = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda"), LaunchSucceeded("cuda", proof))
     assert s.state is S.SETTLED and (s.data.chosen, s.reason) == (chosen, reason)
     assert s.data.evidence["effective_backend"] == chosen
+
+
+# --- serve now, upgrade beside ----------------------------------------------------------------
+
+SLOW = BundleMissing("cuda", binary_missing=R.BINARY_MISSING_NVIDIA_DETECTED, slow=True)
+
+
+def test_a_gpu_bundle_only_a_local_build_can_give_is_built_beside_while_the_cpu_serves():
+    s = drive(PlanRequested(("cuda", "cpu")), SLOW)
+    assert s.state is S.CHECKING and s.effects == (InstallBeside("cuda"), CheckBackend("cpu", CPU_ORDER))
+    assert s.reason is R.GPU_ENGINE_BUILDING and s.data.building == ("cuda",)
+    s = drive(CheckPassed("cpu"), LaunchSucceeded("cpu"), state=s.state, data=s.data)
+    assert s.state is S.SETTLED and (s.data.chosen, s.data.reason) == ("cpu", R.GPU_ENGINE_BUILDING)
+    assert s.effects == ()
+
+
+def test_a_fast_source_or_a_forced_gpu_is_still_waited_for():
+    fast = drive(PlanRequested(("cuda", "cpu")), attrs.evolve(SLOW, slow=False))
+    assert fast.state is S.INSTALLING and fast.effects == (InstallBundle("cuda"),)
+    forced = drive(PlanRequested(("cuda",), forced=True), SLOW)
+    assert forced.state is S.INSTALLING and forced.effects == (InstallBundle("cuda"),)
+
+
+def test_the_built_engine_switches_a_settled_cpu_server_to_the_gpu():
+    s = drive(PlanRequested(("cuda", "cpu")), SLOW, CheckPassed("cpu"), LaunchSucceeded("cpu"))
+    s = drive(EngineBuilt("cuda", {"seconds": 369}), state=s.state, data=s.data)
+    assert s.state is S.SETTLED and s.effects == (Upgrade("cuda", "cpu"),) and s.reason is R.GPU_ENGINE_BUILT
+    assert s.data.building == () and s.data.built == ("cuda",)
+    # the planned restart re-plans from the first candidate: the GPU serves, no reason left
+    s = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda"), LaunchSucceeded("cuda"), state=s.state, data=s.data)
+    assert (s.data.chosen, s.data.reason, s.data.built, s.effects) == ("cuda", None, (), ())
+
+
+def test_a_build_that_ends_while_the_cpu_is_launching_switches_once_it_is_ready():
+    s = drive(PlanRequested(("cuda", "cpu")), SLOW, CheckPassed("cpu"), EngineBuilt("cuda"))
+    assert s.state is S.LAUNCHING and s.effects == ()
+    s = drive(LaunchSucceeded("cpu"), state=s.state, data=s.data)
+    assert s.state is S.SETTLED and s.effects == (Upgrade("cuda", "cpu"),)
+
+
+def test_a_new_request_while_building_does_not_build_twice():
+    s = drive(PlanRequested(("cuda", "cpu")), SLOW, CheckPassed("cpu"), LaunchSucceeded("cpu"))
+    s = drive(PlanRequested(("cuda", "cpu")), attrs.evolve(SLOW, slow=False), state=s.state, data=s.data)
+    assert s.effects == (CheckBackend("cpu", CPU_ORDER),) and s.data.building == ("cuda",)
+
+
+def test_a_failed_build_beside_says_so_and_keeps_serving():
+    s = drive(PlanRequested(("cuda", "cpu")), SLOW, CheckPassed("cpu"), LaunchSucceeded("cpu"))
+    s = drive(EngineBuildFailed("cuda", R.CUDA_BUNDLE_INSTALL_FAILED, {"step": "compile"}), state=s.state, data=s.data)
+    assert s.state is S.SETTLED and s.effects == () and s.data.building == ()
+    assert s.data.reason is R.CUDA_BUNDLE_INSTALL_FAILED and s.data.skipped[0].reason is R.CUDA_BUNDLE_INSTALL_FAILED
