@@ -287,6 +287,11 @@ class Backend(abc.ABC):
     def choose_variant(self, detection: Detection, available_variants: Iterable[str]) -> str | None:
         """The bundle variant that fits this detection, or None if none of them does."""
 
+    def build_archs(self, detection: Detection | None) -> tuple[str, ...]:
+        """The device architectures a local build of this backend's bundle is made for, from
+        the detected devices (empty: the builder's default)."""
+        return ()
+
     def explain_bundle(self, detection: Detection, bundle_meta: Mapping[str, Any]) -> BundleCheck:
         """Whether a bundle (its `bundle.json` as a dict) can run here, with evidence."""
         return BUNDLE_FITS

@@ -272,8 +272,11 @@ def _missing(backend: str, what: str, evidence: dict[str, Any]) -> dict[str, Any
 # --- the build ------------------------------------------------------------------------------
 
 
-def build_command(backend: str, variant: str, environ: Mapping[str, str] | None = None) -> list[str]:
-    """The child's argv: the CLI's own build, the result as one JSON document on stdout."""
+def build_command(
+    backend: str, variant: str, environ: Mapping[str, str] | None = None, archs: tuple[str, ...] = ()
+) -> list[str]:
+    """The child's argv: the CLI's own build, the result as one JSON document on stdout;
+    `archs`: the device architectures to build for (the backend plugin's `build_archs`)."""
     env = os.environ if environ is None else environ
     argv = [
         sys.executable,
@@ -289,6 +292,8 @@ def build_command(backend: str, variant: str, environ: Mapping[str, str] | None 
     ]
     if env.get(BUILD_SOURCE_ENV):
         argv += ["--source", env[BUILD_SOURCE_ENV]]
+    if archs:
+        argv += ["--cuda-archs", ";".join(archs)]
     return argv
 
 
@@ -314,10 +319,10 @@ class BuiltBundle:
     log: str | None
 
 
-async def run_build(backend: str, variant: str, progress: BuildProgress) -> BuiltBundle:
+async def run_build(backend: str, variant: str, progress: BuildProgress, archs: tuple[str, ...] = ()) -> BuiltBundle:
     """Build (or find built) the bundle in a child process; StokerError with the builder's
     reason (bundle_build_failed, source_digest_mismatch...) and its evidence if it fails."""
-    argv = build_command(backend, variant)
+    argv = build_command(backend, variant, archs=archs)
     stdout = bytearray()
     tail: list[str] = []
 
@@ -415,13 +420,18 @@ async def toolchain_attempt(effect: IE.CheckToolchain, reason: ReasonCode) -> I.
     return I.SourceUnavailable(reason, report.evidence, cause=ReasonCode(report.evidence["cause"]))
 
 
-async def build_attempt(effect: IE.BuildBundle, progress: BuildProgress) -> tuple[I.Resolved, ManifestEntry]:
-    """Build from the pinned source; progress figures {phase, source, line, step, percent}."""
+async def build_attempt(
+    effect: IE.BuildBundle, progress: BuildProgress, archs: tuple[str, ...] = ()
+) -> tuple[I.Resolved, ManifestEntry]:
+    """Build from the pinned source for `archs` (empty: the builder's default); progress
+    figures {phase, source, line, step, percent}."""
 
     def figures(fig: dict[str, Any]) -> None:
         progress({"phase": "building", "source": Source.LOCAL_BUILD.value, **fig})
 
-    built = await run_build(effect.backend, effect.variant, figures)
+    built = await run_build(effect.backend, effect.variant, figures, archs)
     entry = await trio.to_thread.run_sync(entry_for_zip, built.zip_path)
     evidence = {"cache_key": built.cache_key, "cached": built.cached, "build_seconds": built.seconds, "log": built.log}
+    if archs:
+        evidence["archs"] = list(archs)
     return I.Resolved(entry.url, entry.sha256, entry.size, evidence, origin=str(built.zip_path.parent)), entry

@@ -39,7 +39,7 @@ from stoker.states.fallback.proof import AccelerationProof, acceleration_verdict
 from stoker.states.fallback.vram import VramCheck, devices_of, no_room
 from stoker.states.launch.records import CPU_BACKEND, ExitPhase
 from stoker.states.machine import STAY, MachineSpec, Rule, Step, guarded, step_with_reason, as_evidence
-from stoker.states.reasons import ReasonCode
+from stoker.states.reasons import ReasonCode, message_for
 
 
 class FallbackState(enum.StrEnum):
@@ -182,8 +182,8 @@ class BundleMissing:
     backend: str
     present: bool = True
     binary_missing: ReasonCode | None = None
-    slow: bool = False
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+    slow: bool = False
 
 
 @attrs.frozen
@@ -416,6 +416,9 @@ def _can_serve_meanwhile(data: FallbackData, backend: str) -> bool:
 def _build_beside(data: FallbackData, event: BundleMissing, missing: ReasonCode) -> Step:
     """Build the bundle in the background and serve on the next candidate meanwhile."""
     evidence = {**event.evidence, "missing": str(missing), "building": event.backend}
+    if "message" in evidence:  # the check's own sentence stays as detail; this one says what happens
+        evidence["detail"] = evidence.pop("message")
+    evidence["message"] = message_for(ReasonCode.GPU_ENGINE_BUILDING)
     started = event.backend not in data.building
     if started:
         data = attrs.evolve(
