@@ -433,3 +433,31 @@ def test_a_failed_build_beside_says_so_and_keeps_serving():
     s = drive(EngineBuildFailed("cuda", R.CUDA_BUNDLE_INSTALL_FAILED, {"step": "compile"}), state=s.state, data=s.data)
     assert s.state is S.SETTLED and s.effects == () and s.data.building == ()
     assert s.data.reason is R.CUDA_BUNDLE_INSTALL_FAILED and s.data.skipped[0].reason is R.CUDA_BUNDLE_INSTALL_FAILED
+
+
+def test_without_the_cuda_toolkit_a_vulkan_engine_built_beside_is_the_upgrade():
+    # No mirror, no cache, no nvcc: the CUDA install fails at once (not slow, so tried in place);
+    # Vulkan's build needs no toolkit, so it is built beside while the CPU serves, then switched to.
+    order = ("cuda", "vulkan", "cpu")
+    s = drive(PlanRequested(order), BundleMissing("cuda", binary_missing=R.BINARY_MISSING_NVIDIA_DETECTED))
+    assert s.effects == (InstallBundle("cuda"),)
+    s = drive(
+        BundleInstallFailed("cuda", R.CUDA_BUNDLE_INSTALL_FAILED, {"cause": "build_toolchain_missing"}),
+        BundleMissing("vulkan", binary_missing=R.BINARY_MISSING_VULKAN_DETECTED, slow=True),
+        state=s.state,
+        data=s.data,
+    )
+    assert s.effects == (InstallBeside("vulkan"), CheckBackend("cpu", CPU_ORDER))
+    s = drive(CheckPassed("cpu"), LaunchSucceeded("cpu"), EngineBuilt("vulkan"), state=s.state, data=s.data)
+    assert s.state is S.SETTLED and s.effects == (Upgrade("vulkan", "cpu"),)
+    # the restart's plan: CUDA still cannot be installed, Vulkan now can serve
+    s = drive(
+        PlanRequested(order),
+        BundleMissing("cuda", binary_missing=R.BINARY_MISSING_NVIDIA_DETECTED),
+        BundleInstallFailed("cuda", R.CUDA_BUNDLE_INSTALL_FAILED),
+        CheckPassed("vulkan"),
+        LaunchSucceeded("vulkan"),
+        state=s.state,
+        data=s.data,
+    )
+    assert (s.data.chosen, s.data.reason, s.effects) == ("vulkan", R.CUDA_BUNDLE_INSTALL_FAILED, ())
