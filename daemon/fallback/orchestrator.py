@@ -398,7 +398,9 @@ class FallbackOrchestrator:
             answer = await self._install(F.InstallBundle(backend), None)
         except Exception as err:  # a bug here must become a reason, never kill the member
             log.exception("building the %s bundle beside failed", backend)
-            answer = F.BundleInstallFailed(backend, ReasonCode.INTERNAL_ERROR, {"message": f"{type(err).__name__}: {err}"})
+            answer = F.BundleInstallFailed(
+                backend, ReasonCode.INTERNAL_ERROR, {"message": f"{type(err).__name__}: {err}"}
+            )
         finally:
             self._beside.discard(backend)
         seconds = round(trio.current_time() - started, 1)

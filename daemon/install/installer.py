@@ -213,7 +213,8 @@ class InstallService:
             if found.hit is not None:
                 return Source.BUILD_CACHE
         if Source.LOCAL_BUILD in self.sources:
-            report = await trio.to_thread.run_sync(check_toolchain, backend, variant)
+            builder = self._builder(backend, variant)
+            report = await trio.to_thread.run_sync(check_toolchain, backend, variant, None, builder)
             if report.ready:
                 return Source.LOCAL_BUILD
         return None
@@ -408,7 +409,14 @@ class InstallService:
         return event
 
     async def _check_toolchain(self, effect: IE.CheckToolchain, runner: MachineRunner) -> object:
-        return await toolchain_attempt(effect, self._reason(effect.backend))
+        return await toolchain_attempt(
+            effect, self._reason(effect.backend), self._builder(effect.backend, effect.variant)
+        )
+
+    def _builder(self, backend: str, variant: str) -> list[str] | None:
+        """The backend plugin's own build, for a backend the builder does not build."""
+        plugin = self.backends.get(backend)
+        return plugin.build_argv(variant) if plugin is not None else None
 
     async def _build(self, effect: IE.BuildBundle, runner: MachineRunner) -> I.Resolved:
         """Build in a child process; its progress on the bus and in status (`statistics`)."""
@@ -420,7 +428,8 @@ class InstallService:
 
         plugin = self.backends.get(effect.backend)
         archs = plugin.build_archs(self._detections.get(mid)) if plugin is not None else ()
-        event, self._entries[mid] = await build_attempt(effect, progress, archs)
+        builder = self._builder(effect.backend, effect.variant)
+        event, self._entries[mid] = await build_attempt(effect, progress, archs, builder)
         return event
 
     def archive_path(self, runner: MachineRunner, sha256: str) -> Path:

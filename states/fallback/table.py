@@ -440,9 +440,11 @@ def _ranks_before(data: FallbackData, backend: str, serving: str | None) -> bool
 
 
 def _upgrades(data: FallbackData) -> tuple[Effect, ...]:
-    """Settled on `chosen`: the planned restart onto a built bundle ranked before it (the first)."""
-    better = [b for b in data.built if _ranks_before(data, b, data.chosen)]
-    return (Upgrade(better[0], data.chosen or ""),) if better else ()
+    """Settled on a plan for `current`: the planned restart onto a built bundle ranked before
+    it (the first). Against the planned backend, not the proven one: a GPU plan demoted to the
+    CPU by its proof was already given its chance."""
+    better = [b for b in data.built if _ranks_before(data, b, data.current)]
+    return (Upgrade(better[0], data.current or ""),) if better else ()
 
 
 @guarded(STAY)
@@ -515,8 +517,8 @@ def launched(state: S, data: FallbackData, event: LaunchSucceeded) -> Step | Non
     reason = demoted or _passed_over(data, effective)
     evidence = {"backend": event.backend, "effective_backend": effective, **proof}
     step = step_with_reason(S.SETTLED, data, (), reason, evidence, chosen=effective, respawn_demotion=None)
-    built = tuple(b for b in step.data.built if b != effective and _ranks_before(step.data, b, effective))
-    settled = attrs.evolve(step.data, built=built)  # served now, or never to be switched to
+    built = tuple(b for b in step.data.built if _ranks_before(step.data, b, event.backend))
+    settled = attrs.evolve(step.data, built=built)  # planned now, or never to be switched to
     return attrs.evolve(step, data=settled, effects=_upgrades(settled))
 
 
@@ -553,12 +555,7 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
         PlanRequested: afresh,
         **_BESIDE,
     },
-    S.INSTALLING: {
-        BundleInstalled: installed,
-        BundleInstallFailed: install_failed,
-        PlanRequested: afresh,
-        **_BESIDE,
-    },
+    S.INSTALLING: {BundleInstalled: installed, BundleInstallFailed: install_failed, PlanRequested: afresh, **_BESIDE},
     S.LAUNCHING: {LaunchSucceeded: launched, PlanRequested: requested, **_BESIDE},
     S.SETTLED: {LaunchSucceeded: relaunched, PlanRequested: afresh, **_BESIDE},
     S.FAILED: {PlanRequested: afresh, **_BESIDE},

@@ -618,7 +618,11 @@ async def test_a_gpu_engine_only_a_build_can_give_is_built_beside_the_cpu_then_s
             st = orch.status(supervisor_for(plan, {}))
             assert st["backend"] == "cpu" and st["fallback_reason"] == "gpu_engine_building"
             (fb,) = st["fallbacks"]
-            assert (fb["backend"], fb["evidence"]["source"], fb["evidence"]["building"]) == ("cuda", "local-build", "cuda")
+            assert (fb["backend"], fb["evidence"]["source"], fb["evidence"]["building"]) == (
+                "cuda",
+                "local-build",
+                "cuda",
+            )
             assert "being built here" in fb["message"]
             # the build ends: the CPU server is restarted (once) to be planned on the GPU
             installs.done.set()

@@ -280,7 +280,11 @@ async def test_a_gpu_plan_served_on_the_cpu_says_both(store):
 
 
 async def test_a_gpu_engine_built_beside_shows_its_progress(store):
-    building = {"backend": "cuda", "variant": "cuda13", "progress": {"phase": "building", "step": "compile", "percent": 29}}
+    building = {
+        "backend": "cuda",
+        "variant": "cuda13",
+        "progress": {"phase": "building", "step": "compile", "percent": 29},
+    }
     over = {"backend": "cpu", "variant": "avx2", "progress": None}
     daemon = Daemon(store, ServerTarget("cpu", 11), installs=[building, over])
     text = (await metrics_for(daemon).scrape()).decode()

@@ -461,3 +461,15 @@ def test_without_the_cuda_toolkit_a_vulkan_engine_built_beside_is_the_upgrade():
         data=s.data,
     )
     assert (s.data.chosen, s.data.reason, s.effects) == ("vulkan", R.CUDA_BUNDLE_INSTALL_FAILED, ())
+
+
+def test_a_gpu_plan_its_proof_demotes_is_not_switched_to_again():
+    s = drive(PlanRequested(("cuda", "cpu")), SLOW, CheckPassed("cpu"), LaunchSucceeded("cpu"), EngineBuilt("cuda"))
+    s = drive(
+        PlanRequested(("cuda", "cpu")),
+        CheckPassed("cuda"),
+        LaunchSucceeded("cuda", ZERO_LAYERS),
+        state=s.state,
+        data=s.data,
+    )
+    assert (s.data.chosen, s.reason, s.effects, s.data.built) == ("cpu", R.CUDA_GPU_LAYERS_ZERO, (), ())

@@ -475,9 +475,9 @@ def fallback_policy(state, data, event, result):
             # never waited for: built beside (once), the next candidate checked now
             assert new.skipped[-1].reason is ReasonCode.GPU_ENGINE_BUILDING and event.backend in new.building
             assert result.state is F.FallbackState.CHECKING
-            assert [type(e) for e in result.effects] == [F.InstallBeside] * (
-                event.backend not in data.building
-            ) + [F.CheckBackend]
+            assert [type(e) for e in result.effects] == [F.InstallBeside] * (event.backend not in data.building) + [
+                F.CheckBackend
+            ]
         elif event.backend not in data.installed:
             assert result.state is F.FallbackState.INSTALLING and result.effects == (F.InstallBundle(event.backend),)
         else:
@@ -504,7 +504,7 @@ def fallback_policy(state, data, event, result):
         # a switch only from a settled server to a built backend tried before the one serving
         (up,) = result.effects
         assert result.state is F.FallbackState.SETTLED and up.backend in new.built
-        assert new.candidates.index(up.backend) < new.candidates.index(new.chosen)
+        assert new.candidates.index(up.backend) < new.candidates.index(new.current)
     if result.state is F.FallbackState.FAILED and state is not F.FallbackState.FAILED:
         assert result.effects == (F.GiveUp(new.reason, result.evidence),)
 
