@@ -303,7 +303,7 @@ def _check(data: FallbackData, backend: str) -> CheckBackend:
 def _next(data: FallbackData, backend: str, reason: ReasonCode, evidence: dict[str, Any]) -> Step:
     """Record why `backend` is out and try the next candidate, or fail."""
     skipped = data.skipped + (Skipped(backend, reason, evidence),)
-    data = attrs.evolve(data, skipped=skipped, reason=data.reason or reason)
+    data = attrs.evolve(data, skipped=skipped, reason=_headline(skipped))
     if not data.forced and data.index + 1 < len(data.candidates):
         data = attrs.evolve(data, index=data.index + 1)
         return Step(
@@ -473,8 +473,7 @@ def engine_build_failed(state: S, data: FallbackData, event: EngineBuildFailed) 
         else s
         for s in data.skipped
     )
-    reason = event.reason if data.reason == ReasonCode.GPU_ENGINE_BUILDING else data.reason
-    data = attrs.evolve(data, building=building, skipped=skipped, reason=reason)
+    data = attrs.evolve(data, building=building, skipped=skipped, reason=_headline(skipped) or data.reason)
     return Step(state, data, (), event.reason, {"backend": event.backend, **event.evidence})
 
 
@@ -492,12 +491,20 @@ def install_failed(state: S, data: FallbackData, event: BundleInstallFailed) -> 
     return _next(data, event.backend, event.reason, event.evidence)
 
 
+def _headline(skipped: tuple[Skipped, ...]) -> ReasonCode | None:
+    """The one reason for all the skips: a GPU engine being built (there is a GPU, and it will
+    be used), else the first candidate's."""
+    building = [s for s in skipped if s.reason == ReasonCode.GPU_ENGINE_BUILDING]
+    first = (building or list(skipped))[:1]
+    return first[0].reason if first else None
+
+
 def _passed_over(data: FallbackData, effective: str) -> ReasonCode | None:
-    """Why the preferred backend is not the one serving: the first candidate's skip reason
-    (None when the preferred one serves)."""
+    """Why the preferred backend is not the one serving: the first candidate's skip reason, or
+    that a GPU engine is being built (None when the preferred one serves)."""
     if effective == data.candidates[0] or not data.skipped:
         return None
-    return data.skipped[0].reason
+    return _headline(data.skipped)
 
 
 def _proven(event: LaunchSucceeded) -> tuple[str, ReasonCode | None, dict[str, Any]]:
