@@ -21,15 +21,12 @@ from stoker.daemon.bundles.archive import pack_bundle
 from stoker.daemon.bundles.metadata import BUNDLE_JSON, BundleMeta
 from tests.integration.daemon_harness import DaemonProcess, free_port, tiny_config, write_config
 from tests.integration.test_snapshots import Engine, PROMPT, MORE
-from tests.integration.test_third_party_backend import (  # noqa: F401 (plugin_site is a fixture)
-    DEVICE,
-    daemons,
-    plugin_site,
-    relabel_cpu_bundle,
-    with_plugin,
-)
-
+from tests.integration import test_third_party_backend as third_party
+from tests.integration.test_third_party_backend import DEVICE, relabel_cpu_bundle, with_plugin
 from tests.waits import wait_until
+
+# The FakeGPU plugin installed by pip, and the daemons that must not outlive the test.
+plugin_site, daemons = third_party.plugin_site, third_party.daemons
 
 pytestmark = [pytest.mark.engine]
 
