@@ -419,14 +419,13 @@ def _build_beside(data: FallbackData, event: BundleMissing, missing: ReasonCode)
     if "message" in evidence:  # the check's own sentence stays as detail; this one says what happens
         evidence["detail"] = evidence.pop("message")
     evidence["message"] = message_for(ReasonCode.GPU_ENGINE_BUILDING)
-    started = event.backend not in data.building
-    if started:
+    if event.backend not in data.building:
         data = attrs.evolve(
             data, installed=data.installed + (event.backend,), building=data.building + (event.backend,)
         )
     step = _next(data, event.backend, ReasonCode.GPU_ENGINE_BUILDING, evidence)
-    if not started:
-        return step
+    # Asked again for a build already running: the orchestrator runs one per backend, and a
+    # daemon restarted mid-build (its `building` read back, its task gone) starts it again.
     return attrs.evolve(step, effects=(InstallBeside(event.backend), *step.effects))
 
 

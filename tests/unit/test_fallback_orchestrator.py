@@ -663,3 +663,17 @@ async def test_without_a_place_to_build_beside_the_install_is_waited_for(paths, 
     async with orchestrator(paths, cuda_backend(rec.FakeNvml()), installs) as orch:
         plan = await orch.plan(config, LR.MakePlan())  # orch.tasks is None: a `stoker run`-like caller
         assert plan.backend == "cuda"
+
+
+async def test_a_build_beside_is_run_once_however_often_it_is_asked_for(paths, config):
+    installs = SlowBuild(paths)
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml()), installs) as orch:
+        async with trio.open_nursery() as tasks:
+            orch.tasks = tasks
+            first = await orch.plan(config, LR.MakePlan())
+            await orch.on_ready(supervisor_for(first), {"pid": PID})
+            again = await orch.plan(config, LR.MakePlan())  # a restart while it builds
+            assert (first.backend, again.backend) == ("cpu", "cpu")
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(tasks.child_tasks) == 1 and installs.calls == []
+            tasks.cancel_scope.cancel()

@@ -422,10 +422,12 @@ def test_a_build_that_ends_while_the_cpu_is_launching_switches_once_it_is_ready(
     assert s.state is S.SETTLED and s.effects == (Upgrade("cuda", "cpu"),)
 
 
-def test_a_new_request_while_building_does_not_build_twice():
+def test_a_new_request_while_building_serves_meanwhile_again():
+    # The build is asked for again (the orchestrator runs one per backend; after a daemon
+    # restart, this starts it again), and the request is not held for it.
     s = drive(PlanRequested(("cuda", "cpu")), SLOW, CheckPassed("cpu"), LaunchSucceeded("cpu"))
     s = drive(PlanRequested(("cuda", "cpu")), attrs.evolve(SLOW, slow=False), state=s.state, data=s.data)
-    assert s.effects == (CheckBackend("cpu", CPU_ORDER),) and s.data.building == ("cuda",)
+    assert s.effects == (InstallBeside("cuda"), CheckBackend("cpu", CPU_ORDER)) and s.data.building == ("cuda",)
 
 
 def test_a_failed_build_beside_says_so_and_keeps_serving():
