@@ -626,9 +626,8 @@ async def test_a_gpu_engine_only_a_build_can_give_is_built_beside_the_cpu_then_s
             assert "being built here" in fb["message"]
             # the build ends: the CPU server is restarted (once) to be planned on the GPU
             installs.done.set()
-            with trio.fail_after(5):
-                while not restarts:
-                    await trio.sleep(0.01)
+            await trio.testing.wait_all_tasks_blocked()  # the build's task ran to its end
+            assert restarts
             assert installs.calls[0][1].usable  # built for the detected H200
             assert ("settled", "EngineBuilt", "settled", "gpu_engine_built") in transitions(orch)
             plan = await orch.plan(config, LR.MakePlan())
@@ -648,9 +647,8 @@ async def test_a_build_beside_that_fails_says_why_on_the_cpu(paths, config):
             plan = await orch.plan(config, LR.MakePlan())
             await orch.on_ready(supervisor_for(plan), {"pid": PID})
             installs.done.set()
-            with trio.fail_after(5):
-                while orch.data.building:
-                    await trio.sleep(0.01)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not orch.data.building
             st = orch.status(supervisor_for(plan, {}))
             assert st["backend"] == "cpu" and st["fallback_reason"] == "cuda_bundle_install_failed"
             assert st["fallbacks"][0]["evidence"]["status"] == 404
