@@ -7,6 +7,15 @@ built at import (a key that is not a code fails there).
 from __future__ import annotations
 
 MESSAGE_TEXT: dict[str, str] = {
+    "gpu_engine_building": (
+        "No engine for this GPU is installed and none can be downloaded, so one is being built here;"
+        " serving on the next backend meanwhile (the build's progress is in `stoker status`), then"
+        " switching to the GPU with the conversations carried across."
+    ),
+    "gpu_engine_built": (
+        "The GPU's engine that was being built is installed: the model was restarted on the GPU"
+        " (requests were held during the switch, conversations restored)."
+    ),
     # The built-in GPU backends' families, one sentence per code.
     "binary_missing_nvidia_detected": (
         "An NVIDIA GPU is present but no matching engine bundle is installed; Stoker installs it on"

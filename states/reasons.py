@@ -78,6 +78,9 @@ class ReasonCode(enum.StrEnum):
     # Engine and bundles.
     CPU_ILLEGAL_INSTRUCTION = "cpu_illegal_instruction"
     BUNDLE_MISSING = "bundle_missing"
+    # Serving on the next backend while the preferred GPU's engine is built beside, then the switch.
+    GPU_ENGINE_BUILDING = "gpu_engine_building"
+    GPU_ENGINE_BUILT = "gpu_engine_built"
     BUNDLE_BUILD_FAILED = "bundle_build_failed"
     BUILD_TOOLCHAIN_MISSING = "build_toolchain_missing"
     BUNDLE_DIGEST_MISMATCH = "bundle_digest_mismatch"

@@ -287,6 +287,18 @@ class Backend(abc.ABC):
     def choose_variant(self, detection: Detection, available_variants: Iterable[str]) -> str | None:
         """The bundle variant that fits this detection, or None if none of them does."""
 
+    def build_argv(self, variant: str) -> list[str] | None:
+        """A backend Stoker's builder does not build may bring its own: the argv of a child
+        that speaks the builder's protocol (progress lines such as `compile: 45%` on stderr,
+        one JSON answer on stdout: ok, zip, sha256, size, cache_key, cached, seconds). None:
+        the builder's own build, where it builds this backend."""
+        return None
+
+    def build_archs(self, detection: Detection | None) -> tuple[str, ...]:
+        """The device architectures a local build of this backend's bundle is made for, from
+        the detected devices (empty: the builder's default)."""
+        return ()
+
     def explain_bundle(self, detection: Detection, bundle_meta: Mapping[str, Any]) -> BundleCheck:
         """Whether a bundle (its `bundle.json` as a dict) can run here, with evidence."""
         return BUNDLE_FITS

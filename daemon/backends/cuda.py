@@ -20,7 +20,7 @@ from stoker.daemon.backends.base import (
     excerpt,
     version_tuple,
 )
-from stoker.daemon.backends.cuda_arch import cc_supported, parse_cc, split_archs
+from stoker.daemon.backends.cuda_arch import archs_for, cc_supported, parse_cc, split_archs
 from stoker.daemon.backends.cuda_telemetry import NvmlTelemetry
 from stoker.daemon.backends.pci import pci_display_vendor_present
 from stoker.daemon.backends.tools import ToolResult, ToolRunner, run_tool
@@ -293,6 +293,14 @@ class CudaBackend(GpuBackend, device="CUDA", codes="cuda", vendor="nvidia"):
         )
 
     # -- bundles, variants, launch -------------------------------------------------------
+
+    def build_archs(self, detection: Detection | None) -> tuple[str, ...]:
+        """Real code for every detected GPU's compute capability and nothing else ("90-real"
+        on an H200): one architecture builds in minutes where all the families take most of an
+        hour. The bundle records them; `explain_bundle` refuses it on a GPU it cannot run on."""
+        if detection is None or not detection.usable:
+            return ()
+        return archs_for(d.compute_capability for d in detection.devices)
 
     def explain_bundle(self, detection: Detection, bundle_meta: Mapping[str, Any]) -> BundleCheck:
         """Driver floor, CUDA toolkit vs driver, and compute capability vs built architectures."""

@@ -63,6 +63,13 @@ def parse_cc(text: str | None) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+def archs_for(capabilities: Iterable[str | None]) -> tuple[str, ...]:
+    """The CMAKE_CUDA_ARCHITECTURES that build real code for exactly these GPUs: each compute
+    capability once ('9.0' -> '90-real'), lowest first; unreadable ones are left out."""
+    ccs = sorted({cc for cc in (parse_cc(text) for text in capabilities) if cc is not None})
+    return tuple(f"{major}{minor}-real" for major, minor in ccs)
+
+
 def split_archs(archs: Iterable[str] | str | None) -> tuple[str, ...]:
     """A list, or CMake's ';'-separated string, of architectures."""
     if archs is None:

@@ -13,6 +13,12 @@ anything else: start afresh), and by carrying out that machine's effects:
                       server gets, and it is the one the plan's figures quote
     InstallBundle(b)  only when the sole problem is a missing bundle (BundleMissing): install
                       from the manifest, then re-check
+    InstallBeside(b)  the same install as a task of `tasks` (the member's), when only a local
+                      build has the bundle (`InstallService.first_source`): the plan goes on to
+                      the next candidate; EngineBuilt or EngineBuildFailed when it ends
+    Upgrade(b)        the built bundle is preferred to the one serving: `restart` (a planned
+                      restart, so the front door holds requests and snapshots carry the
+                      conversations across), whose new plan starts from the first candidate
     UsePlan(b)        the complete LaunchPlan for b (daemon/fallback/launch_plan.py)
     GiveUp(reason)    no backend left, or the forced one failed: PlanFailed(reason)
 
@@ -28,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import platform
-from typing import Any, Awaitable, Mapping, Protocol
+from typing import Any, Awaitable, Callable, Mapping, Protocol
 
 import attrs
 import trio
@@ -64,6 +70,7 @@ from stoker.states.fallback import table as F
 from stoker.states.launch import records as LR
 from stoker.states.fallback.proof import acceleration_verdict
 from stoker.states.fallback.vram import FreeVram, VramCheck
+from stoker.states.install.sources import Source
 from stoker.states.machine import IllegalTransition
 from stoker.states.reasons import ReasonCode, message_for
 from stoker.store.database import Store
@@ -177,7 +184,12 @@ class FallbackOrchestrator:
     estimate: LayerEstimate | None = attrs.field(default=None, init=False)
     planned_why: str | None = attrs.field(default=None, init=False)
     lock: trio.Lock = attrs.field(factory=trio.Lock, init=False)
-    _effects: EffectDriver[Awaitable[object | None]] = attrs.field(init=False)
+    # Where a build beside runs (the member's nursery; None: waited for like any install), and
+    # how a settled server is restarted onto the bundle built (the member's supervisor).
+    tasks: trio.Nursery | None = attrs.field(default=None, init=False)
+    restart: Callable[[], object] | None = attrs.field(default=None, init=False)
+    _beside: set[str] = attrs.field(factory=set, init=False)  # the builds beside running now
+    _effects: EffectDriver[Awaitable[object | None] | None] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.runner = MachineRunner(F.FALLBACK, self.instance.machine_id(F.FALLBACK.name), self.store, self.publish)
@@ -187,6 +199,8 @@ class FallbackOrchestrator:
                 F.ProbeCandidates: self._probe_candidates,
                 F.CheckBackend: self._check,
                 F.InstallBundle: self._install,
+                F.InstallBeside: self._install_beside,
+                F.Upgrade: self._upgrade,
                 F.UsePlan: self._use_plan,
                 F.GiveUp: self._give_up,
             },
@@ -310,11 +324,17 @@ class FallbackOrchestrator:
             return F.CheckFailed(backend, detection.reason or plugin.unavailable_reason, evidence)
         installed = [b for b in await trio.to_thread.run_sync(list_installed, self.paths) if b.meta.backend == backend]
         if not installed:
+            source = await self.installs.first_source(backend, detection) if self.tasks is not None else None
             return F.BundleMissing(
                 backend,
                 detection.present,
                 plugin.reason(ReasonKind.BINARY_MISSING),
-                {**evidence, "bundles_dir": str(self.paths.bundles_dir)},
+                {
+                    **evidence,
+                    "bundles_dir": str(self.paths.bundles_dir),
+                    **({"source": source.value} if source else {}),
+                },
+                slow=source is Source.LOCAL_BUILD,
             )
         variant = plugin.choose_variant(detection, [b.meta.variant for b in installed]) or installed[0].meta.variant
         bundle = next(b for b in installed if b.meta.variant == variant)
@@ -348,7 +368,7 @@ class FallbackOrchestrator:
             vram,
         )
 
-    async def _install(self, eff: F.InstallBundle, request: PlanRequest) -> object:
+    async def _install(self, eff: F.InstallBundle, request: PlanRequest | None) -> object:
         backend = eff.backend
         detection = self._detections.get(backend)
         if detection is None and backend in self.probes.backends:
@@ -361,6 +381,52 @@ class FallbackOrchestrator:
             )
             return F.BundleInstallFailed(backend, reason, {"message": err.message, **err.evidence})
         return F.BundleInstalled(backend)
+
+    async def _install_beside(self, eff: F.InstallBeside, request: PlanRequest) -> None:
+        """Start the install as a task of its own; the plan goes on without it."""
+        await trio.lowlevel.checkpoint()
+        if eff.backend in self._beside:
+            return
+        if self.tasks is None:  # nowhere to run it beside: nothing is built, the machine hears why
+            self._fire(F.EngineBuildFailed(eff.backend, ReasonCode.INTERNAL_ERROR, {"message": "no task nursery"}))
+            return
+        self._beside.add(eff.backend)
+        self.tasks.start_soon(self._build_beside, eff.backend)
+
+    async def _build_beside(self, backend: str) -> None:
+        started = trio.current_time()
+        try:
+            answer = await self._install(F.InstallBundle(backend), None)
+        except Exception as err:  # a bug here must become a reason, never kill the member
+            log.exception("building the %s bundle beside failed", backend)
+            answer = F.BundleInstallFailed(
+                backend, ReasonCode.INTERNAL_ERROR, {"message": f"{type(err).__name__}: {err}"}
+            )
+        finally:
+            self._beside.discard(backend)
+        seconds = round(trio.current_time() - started, 1)
+        if isinstance(answer, F.BundleInstalled):
+            log.info("the %s bundle built beside is installed after %.0f s", backend, seconds)
+            self._fire(F.EngineBuilt(backend, {"seconds": seconds}))
+        else:
+            assert isinstance(answer, F.BundleInstallFailed)
+            self._fire(F.EngineBuildFailed(backend, answer.reason, {**answer.evidence, "seconds": seconds}))
+
+    def _upgrade(self, eff: F.Upgrade, request: PlanRequest | None) -> None:
+        log.info("switching from %s to %s, whose bundle is built now", eff.serving, eff.backend)
+        if self.restart is not None:
+            self.restart()
+
+    def _fire(self, event: object) -> None:
+        """An event from outside a plan (a build beside ended, a server ready): the machine's
+        answer's effects are the quick ones (Upgrade), run here."""
+        try:
+            step = self.runner.fire(event)
+        except IllegalTransition as err:  # a ready server from before the current request
+            log.info("fallback: %s", err)
+            return
+        for effect in step.effects:
+            self._effects.run(effect, None)
 
     async def _use_plan(self, eff: F.UsePlan, request: PlanRequest) -> None:
         """The complete plan for the backend that passed its check, on the GPUs its reading
@@ -417,10 +483,7 @@ class FallbackOrchestrator:
         return {"effective_backend": effective, **({"demoted": str(reason)} if reason else {})}
 
     def _report(self, event: F.LaunchSucceeded) -> None:
-        try:
-            self.runner.fire(event)
-        except IllegalTransition as err:  # a ready server from before the current request
-            log.info("fallback: %s", err)
+        self._fire(event)
 
     # --- for status ---------------------------------------------------------------------
 

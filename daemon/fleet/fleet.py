@@ -225,7 +225,12 @@ class Fleet:
 
     async def _run(self, member: Member, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with member.scope:
-            await member.supervisor.run(task_status=task_status)
+            async with trio.open_nursery() as beside:  # its orchestrator's builds beside
+                member.orchestrator.tasks = beside
+                try:
+                    await member.supervisor.run(task_status=task_status)
+                finally:
+                    member.orchestrator.tasks = None
 
     async def _add(self, member: Member) -> None:
         await self._tasks.start(self._run, member)

@@ -295,4 +295,6 @@ def build_member(served: ServedModel, services: Services, make_room: MakeRoom | 
         drain=functools.partial(usage.drain_within, name=served.name),
     )
     member = Member(served, supervisor, orchestrator, usage, services.change_signal, snapshots)
+    # A GPU bundle built beside is installed: the planned restart that switches to it.
+    orchestrator.restart = functools.partial(supervisor.offer, LR.RestartRequested())
     return member

@@ -10,7 +10,7 @@ history's new rows.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import attrs
 
@@ -53,6 +53,9 @@ class FrontDoorDaemon(Protocol):
     def transitions_after(self, after_id: int, kinds: Sequence[str], limit: int) -> Sequence[TransitionRecord]:
         """Up to `limit` written history rows of these machine kinds past `after_id`, in write
         order (for /metrics' counters that survive a daemon restart)."""
+
+    def install_statistics(self) -> Sequence[Mapping[str, Any]]:
+        """Every install machine as status shows it (a build's `progress` among its fields)."""
 
 
 @attrs.frozen

@@ -345,11 +345,27 @@ class StokerCollector(Collector):
         remote_series = self.remotes(info, in_flight)
         yield from (states, info, accelerated, offloaded_layers, model_layers, partial, depth, in_flight, held)
         yield from remote_series
+        yield self.installs()
         yield GaugeMetricFamily(
             "stoker_queue_limit",
             "How many requests may wait at once, every model together ([frontdoor] max_queue).",
             value=self.daemon.config.frontdoor.max_queue,
         )
+
+    def installs(self) -> Metric:
+        """A bundle being installed, by backend and variant: the percent its build (or
+        download) said last; no sample once it is over (a GPU engine built beside the CPU)."""
+        progress = GaugeMetricFamily(
+            "stoker_install_progress_percent",
+            "An engine bundle install in progress: the percent its build or download reached.",
+            labels=["backend", "variant", "phase"],
+        )
+        for row in self.daemon.install_statistics():
+            figures = row.get("progress") or {}
+            if figures.get("percent") is not None:
+                labels = [str(row.get("backend")), str(row.get("variant")), str(figures.get("phase") or "")]
+                progress.add_metric(labels, float(figures["percent"]))
+        return progress
 
     def remotes(self, info: GaugeMetricFamily, in_flight: GaugeMetricFamily) -> tuple[Metric, ...]:
         """The remote models (`[models.NAME] endpoint`): backend "remote", their requests in

@@ -31,6 +31,7 @@ import trio
 from stoker.daemon.backends.base import Backend, Detection, ReasonKind
 from stoker.daemon.backends.registry import family_reason, load_backends
 from stoker.daemon.bundles.archive import check_digest, unpack_bundle
+from stoker.daemon.bundles.build import cached_builds
 from stoker.daemon.bundles.installed import InstalledBundle, find_installed, promote
 from stoker.daemon.bundles.metadata import BundleMeta, ManifestEntry
 from stoker.daemon.core.digests import sha256_file
@@ -47,7 +48,9 @@ from stoker.daemon.install.sources import (
     copy_file_url,
     build_attempt,
     cache_attempt,
+    check_toolchain,
     entry_for_zip,
+    find_cached_build,
     install_row,
     toolchain_attempt,
     variant_to_make,
@@ -189,6 +192,32 @@ class InstallService:
         )
         self._local_smoke.pop(I.INSTALL.machine_id(backend, slot_variant), None)
         return await self._install(backend, slot_variant, self.sources, detection, entry, refusal)
+
+    async def first_source(self, backend: str, detection: Detection | None = None) -> Source | None:
+        """The source an install of `backend` would get its bundle from, looked at without
+        installing: the mirror when its manifest lists one that fits, the build cache when it
+        holds a fitting build, a local build when the toolchain is here; None: no source has
+        one (an install fails at once). What the fallback machine weighs before it waits."""
+        plugin = self.backends.get(backend)
+        if Source.MIRROR in self.sources:
+            try:
+                manifest = await load_manifest(self.manifest_source(), self.trust)
+                choose_entry(manifest, backend, detection=detection, plugin=plugin)
+                return Source.MIRROR
+            except StokerError:
+                pass  # unconfigured, unreachable, refused or nothing that fits: the install goes on
+        variant = await variant_to_make(self.paths, backend, plugin, detection)
+        if Source.BUILD_CACHE in self.sources:
+            cache = await trio.to_thread.run_sync(cached_builds, self.paths)
+            found = find_cached_build(cache, self.paths.build_cache_dir, backend, variant, plugin, detection)
+            if found.hit is not None:
+                return Source.BUILD_CACHE
+        if Source.LOCAL_BUILD in self.sources:
+            builder = self._builder(backend, variant)
+            report = await trio.to_thread.run_sync(check_toolchain, backend, variant, None, builder)
+            if report.ready:
+                return Source.LOCAL_BUILD
+        return None
 
     async def install_file(
         self, path: Path, *, smoke: bool = False, detection: Detection | None = None
@@ -380,7 +409,14 @@ class InstallService:
         return event
 
     async def _check_toolchain(self, effect: IE.CheckToolchain, runner: MachineRunner) -> object:
-        return await toolchain_attempt(effect, self._reason(effect.backend))
+        return await toolchain_attempt(
+            effect, self._reason(effect.backend), self._builder(effect.backend, effect.variant)
+        )
+
+    def _builder(self, backend: str, variant: str) -> list[str] | None:
+        """The backend plugin's own build, for a backend the builder does not build."""
+        plugin = self.backends.get(backend)
+        return plugin.build_argv(variant) if plugin is not None else None
 
     async def _build(self, effect: IE.BuildBundle, runner: MachineRunner) -> I.Resolved:
         """Build in a child process; its progress on the bus and in status (`statistics`)."""
@@ -390,7 +426,10 @@ class InstallService:
             self._progress[mid] = figures
             self._bus({"topic": PROGRESS_TOPIC, "backend": effect.backend, "variant": effect.variant, **figures})
 
-        event, self._entries[mid] = await build_attempt(effect, progress)
+        plugin = self.backends.get(effect.backend)
+        archs = plugin.build_archs(self._detections.get(mid)) if plugin is not None else ()
+        builder = self._builder(effect.backend, effect.variant)
+        event, self._entries[mid] = await build_attempt(effect, progress, archs, builder)
         return event
 
     def archive_path(self, runner: MachineRunner, sha256: str) -> Path:

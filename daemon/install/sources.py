@@ -227,10 +227,15 @@ class ToolchainReport:
     evidence: dict[str, Any]
 
 
-def check_toolchain(backend: str, variant: str, environ: Mapping[str, str] | None = None) -> ToolchainReport:
-    """Ask the build plan: does it build `backend`, and are its tools here? (blocking)"""
+def check_toolchain(
+    backend: str, variant: str, environ: Mapping[str, str] | None = None, builder: list[str] | None = None
+) -> ToolchainReport:
+    """Ask the build plan: does it build `backend`, and are its tools here? (blocking) A
+    backend's own `builder` (its plugin's `build_argv`) builds what the plan does not."""
     env = os.environ if environ is None else environ
     path = env.get("PATH", "")
+    if backend not in BACKENDS and builder:
+        return ToolchainReport(True, {"builder": builder[0], "variant": variant})
     if backend not in BACKENDS:
         return ToolchainReport(
             False,
@@ -273,8 +278,18 @@ def _missing(backend: str, what: str, evidence: dict[str, Any]) -> dict[str, Any
 # --- the build ------------------------------------------------------------------------------
 
 
-def build_command(backend: str, variant: str, environ: Mapping[str, str] | None = None) -> list[str]:
-    """The child's argv: the CLI's own build, the result as one JSON document on stdout."""
+def build_command(
+    backend: str,
+    variant: str,
+    environ: Mapping[str, str] | None = None,
+    archs: tuple[str, ...] = (),
+    builder: list[str] | None = None,
+) -> list[str]:
+    """The child's argv: the CLI's own build, the result as one JSON document on stdout;
+    `archs`: the device architectures to build for (the backend plugin's `build_archs`);
+    `builder`: a backend plugin's own build (what the builder does not build)."""
+    if builder and backend not in BACKENDS:
+        return list(builder)
     env = os.environ if environ is None else environ
     argv = [
         sys.executable,
@@ -290,6 +305,8 @@ def build_command(backend: str, variant: str, environ: Mapping[str, str] | None 
     ]
     if env.get(BUILD_SOURCE_ENV):
         argv += ["--source", env[BUILD_SOURCE_ENV]]
+    if archs:
+        argv += ["--cuda-archs", ";".join(archs)]
     return argv
 
 
@@ -315,10 +332,12 @@ class BuiltBundle:
     log: str | None
 
 
-async def run_build(backend: str, variant: str, progress: BuildProgress) -> BuiltBundle:
+async def run_build(
+    backend: str, variant: str, progress: BuildProgress, archs: tuple[str, ...] = (), builder: list[str] | None = None
+) -> BuiltBundle:
     """Build (or find built) the bundle in a child process; StokerError with the builder's
     reason (bundle_build_failed, source_digest_mismatch...) and its evidence if it fails."""
-    argv = build_command(backend, variant)
+    argv = build_command(backend, variant, archs=archs, builder=builder)
     stdout = bytearray()
     tail: list[str] = []
 
@@ -414,20 +433,27 @@ async def cache_attempt(
     return I.Resolved(entry.url, entry.sha256, entry.size, found.evidence, origin=str(found.hit.zip_path.parent)), entry
 
 
-async def toolchain_attempt(effect: IE.CheckToolchain, reason: ReasonCode) -> I.ToolchainReady | I.SourceUnavailable:
-    report = await trio.to_thread.run_sync(check_toolchain, effect.backend, effect.variant)
+async def toolchain_attempt(
+    effect: IE.CheckToolchain, reason: ReasonCode, builder: list[str] | None = None
+) -> I.ToolchainReady | I.SourceUnavailable:
+    report = await trio.to_thread.run_sync(check_toolchain, effect.backend, effect.variant, None, builder)
     if report.ready:
         return I.ToolchainReady(report.evidence)
     return I.SourceUnavailable(reason, report.evidence, cause=ReasonCode(report.evidence["cause"]))
 
 
-async def build_attempt(effect: IE.BuildBundle, progress: BuildProgress) -> tuple[I.Resolved, ManifestEntry]:
-    """Build from the pinned source; progress figures {phase, source, line, step, percent}."""
+async def build_attempt(
+    effect: IE.BuildBundle, progress: BuildProgress, archs: tuple[str, ...] = (), builder: list[str] | None = None
+) -> tuple[I.Resolved, ManifestEntry]:
+    """Build from the pinned source for `archs` (empty: the builder's default); progress
+    figures {phase, source, line, step, percent}."""
 
     def figures(fig: dict[str, Any]) -> None:
         progress({"phase": "building", "source": Source.LOCAL_BUILD.value, **fig})
 
-    built = await run_build(effect.backend, effect.variant, figures)
+    built = await run_build(effect.backend, effect.variant, figures, archs, builder)
     entry = await trio.to_thread.run_sync(entry_for_zip, built.zip_path)
     evidence = {"cache_key": built.cache_key, "cached": built.cached, "build_seconds": built.seconds, "log": built.log}
+    if archs:
+        evidence["archs"] = list(archs)
     return I.Resolved(entry.url, entry.sha256, entry.size, evidence, origin=str(built.zip_path.parent)), entry

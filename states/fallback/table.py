@@ -11,7 +11,11 @@ facts, and this table decides what it means: a non-CPU candidate whose server di
 was ever ready is recorded as `<backend>_startup_failed` (the backend's own code, carried in
 the event) and the next candidate is checked; anything else starts afresh from the first.
 Only a missing bundle (`BundleMissing`: binary_missing_*_detected on present hardware, else
-bundle_missing) is repaired in place: install once, re-check, retry. A GPU check that passed
+bundle_missing) is repaired in place: install once, re-check, retry. A GPU's bundle that only
+a local build can give (no mirror entry, no build-cache hit: `slow`) is not waited for: it is
+built beside (`InstallBeside`), the backend is recorded as `gpu_engine_building` and the next
+candidate serves at once; once that build is installed (`EngineBuilt`), a server settled on a
+later candidate is switched to the GPU by a planned restart (`Upgrade`, `gpu_engine_built`). A GPU check that passed
 is judged on its free-VRAM reading (states/fallback/vram.py): no GPU with room for a layer
 skips the backend with its vram_full code, and the plan gets only the GPUs with room. Every
 other failure is recorded and the next candidate is tried, CPU last (the daemon orders the
@@ -46,7 +50,7 @@ from stoker.states.machine import (
     int_tuple,
     str_tuple,
 )
-from stoker.states.reasons import ReasonCode
+from stoker.states.reasons import ReasonCode, message_for
 
 
 class FallbackState(enum.StrEnum):
@@ -111,6 +115,10 @@ class FallbackData:
     # Settled, then the same plan respawned after a crash and found not really accelerated.
     respawn_demotion: Demotion | None = None
     cpu_variants: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)  # the CPU builds to try, best first
+    # GPU bundles being built beside while a later candidate serves, and those built since
+    # (installed, not yet served): both outlive a new request, as the builds do.
+    building: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
+    built: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
 
     @property
     def current(self) -> str | None:
@@ -166,12 +174,15 @@ class CheckFailed:
 class BundleMissing:
     """Usable hardware (or the CPU) and no engine bundle installed for it: the one failure an
     install repairs. `present`: the hardware is there; `binary_missing`: the backend's own
-    code for that (binary_missing_*_detected; None where it declares none)."""
+    code for that (binary_missing_*_detected; None where it declares none). `slow`: the
+    install's first source that has one is a local build (no mirror entry, no build-cache
+    hit): minutes to an hour, not worth serving nothing for."""
 
     backend: str
     present: bool = True
     binary_missing: ReasonCode | None = None
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+    slow: bool = False
 
 
 @attrs.frozen
@@ -185,6 +196,23 @@ class BundleInstalled:
 class BundleInstallFailed:
     backend: str
     reason: ReasonCode  # cuda_bundle_install_failed or its analogue
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+
+
+@attrs.frozen
+class EngineBuilt:
+    """A bundle being built beside (InstallBeside) is installed."""
+
+    backend: str
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+
+
+@attrs.frozen
+class EngineBuildFailed:
+    """A bundle being built beside could not be installed (the backend's install_failed code)."""
+
+    backend: str
+    reason: ReasonCode
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
@@ -228,6 +256,23 @@ class InstallBundle:
 
 
 @attrs.frozen
+class InstallBeside:
+    """Run the install machine for this backend in the background (the plan goes on without
+    it); EngineBuilt or EngineBuildFailed when it ends. One already running is not repeated."""
+
+    backend: str
+
+
+@attrs.frozen
+class Upgrade:
+    """Restart the server to re-plan it (a planned restart: requests held, conversations
+    saved and restored): `backend`, preferred to the one serving, is installed now."""
+
+    backend: str
+    serving: str
+
+
+@attrs.frozen
 class UsePlan:
     """Plan the launch on this backend (the launch machine's PlanReady), on `devices` (the GPUs
     with room for a layer when not all have it; empty: all of them)."""
@@ -244,7 +289,7 @@ class GiveUp:
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
-Effect = ProbeCandidates | CheckBackend | InstallBundle | UsePlan | GiveUp
+Effect = ProbeCandidates | CheckBackend | InstallBundle | InstallBeside | Upgrade | UsePlan | GiveUp
 
 S = FallbackState
 
@@ -257,7 +302,7 @@ def _check(data: FallbackData, backend: str) -> CheckBackend:
 def _next(data: FallbackData, backend: str, reason: ReasonCode, evidence: dict[str, Any]) -> Step:
     """Record why `backend` is out and try the next candidate, or fail."""
     skipped = data.skipped + (Skipped(backend, reason, evidence),)
-    data = attrs.evolve(data, skipped=skipped, reason=data.reason or reason)
+    data = attrs.evolve(data, skipped=skipped, reason=_headline(skipped))
     if not data.forced and data.index + 1 < len(data.candidates):
         data = attrs.evolve(data, index=data.index + 1)
         return Step(
@@ -302,7 +347,13 @@ def requested(state: S, data: FallbackData, event: PlanRequested) -> Step | None
     if not event.candidates or (event.forced and len(event.candidates) != 1):
         return None
     variants = cpu_variant_order(event.cpu_variant, event.arch, event.failure, event.previous_variant)
-    data = FallbackData(candidates=event.candidates, forced=event.forced, cpu_variants=variants)
+    data = FallbackData(
+        candidates=event.candidates,
+        forced=event.forced,
+        cpu_variants=variants,
+        building=data.building,  # a build beside is not started twice
+        built=data.built,
+    )
     others = tuple(b for b in event.candidates if b != CPU_BACKEND)
     effects: tuple[Effect, ...] = (_check(data, event.candidates[0]),)
     if others and not event.forced:
@@ -349,10 +400,80 @@ def bundle_missing(state: S, data: FallbackData, event: BundleMissing) -> Step |
     if event.backend != data.current:
         return None
     reason = missing_reason(event)
+    if (event.slow or event.backend in data.building) and _can_serve_meanwhile(data, event.backend):
+        return _build_beside(data, event, reason)
     if event.backend not in data.installed:
         data = attrs.evolve(data, installed=data.installed + (event.backend,))
         return Step(S.INSTALLING, data, (InstallBundle(event.backend),), reason, event.evidence)
     return _next(data, event.backend, reason, event.evidence)
+
+
+def _can_serve_meanwhile(data: FallbackData, backend: str) -> bool:
+    """A GPU backend, not forced, with a candidate after it to serve while it is built."""
+    return backend != CPU_BACKEND and not data.forced and data.index + 1 < len(data.candidates)
+
+
+def _build_beside(data: FallbackData, event: BundleMissing, missing: ReasonCode) -> Step:
+    """Build the bundle in the background and serve on the next candidate meanwhile."""
+    evidence = {**event.evidence, "missing": str(missing), "building": event.backend}
+    if "message" in evidence:  # the check's own sentence stays as detail; this one says what happens
+        evidence["detail"] = evidence.pop("message")
+    evidence["message"] = message_for(ReasonCode.GPU_ENGINE_BUILDING)
+    if event.backend not in data.building:
+        data = attrs.evolve(
+            data, installed=data.installed + (event.backend,), building=data.building + (event.backend,)
+        )
+    step = _next(data, event.backend, ReasonCode.GPU_ENGINE_BUILDING, evidence)
+    # Asked again for a build already running: the orchestrator runs one per backend, and a
+    # daemon restarted mid-build (its `building` read back, its task gone) starts it again.
+    return attrs.evolve(step, effects=(InstallBeside(event.backend), *step.effects))
+
+
+def _ranks_before(data: FallbackData, backend: str, serving: str | None) -> bool:
+    """`backend` is a candidate tried before the one serving."""
+    if backend not in data.candidates:
+        return False
+    if serving is None or serving not in data.candidates:
+        return True
+    return data.candidates.index(backend) < data.candidates.index(serving)
+
+
+def _upgrades(data: FallbackData) -> tuple[Effect, ...]:
+    """Settled on a plan for `current`: the planned restart onto a built bundle ranked before
+    it (the first). Against the planned backend, not the proven one: a GPU plan demoted to the
+    CPU by its proof was already given its chance."""
+    better = [b for b in data.built if _ranks_before(data, b, data.current)]
+    return (Upgrade(better[0], data.current or ""),) if better else ()
+
+
+@guarded(STAY)
+def engine_built(state: S, data: FallbackData, event: EngineBuilt) -> Step | None:
+    """A build beside is installed: settled on a later candidate, switch to it now (a planned
+    restart re-plans from the first candidate); anywhere else, when the launch in progress
+    settles."""
+    building = tuple(b for b in data.building if b != event.backend)
+    built = data.built + (() if event.backend in data.built else (event.backend,))
+    data = attrs.evolve(data, building=building, built=built)
+    evidence = {"backend": event.backend, "serving": data.chosen, **event.evidence}
+    effects = _upgrades(data) if state is S.SETTLED else ()
+    if not effects:
+        return Step(state, data, (), evidence=evidence)
+    return Step(state, data, effects, ReasonCode.GPU_ENGINE_BUILT, evidence)
+
+
+@guarded(STAY)
+def engine_build_failed(state: S, data: FallbackData, event: EngineBuildFailed) -> Step | None:
+    """A build beside failed: the backend's skip (and the reason shown, when it was the one
+    that said "building") becomes the install's failure."""
+    building = tuple(b for b in data.building if b != event.backend)
+    skipped = tuple(
+        Skipped(s.backend, event.reason, {**s.evidence, **event.evidence})
+        if s.backend == event.backend and s.reason == ReasonCode.GPU_ENGINE_BUILDING
+        else s
+        for s in data.skipped
+    )
+    data = attrs.evolve(data, building=building, skipped=skipped, reason=_headline(skipped) or data.reason)
+    return Step(state, data, (), event.reason, {"backend": event.backend, **event.evidence})
 
 
 @guarded(S.CHECKING)
@@ -369,12 +490,20 @@ def install_failed(state: S, data: FallbackData, event: BundleInstallFailed) -> 
     return _next(data, event.backend, event.reason, event.evidence)
 
 
+def _headline(skipped: tuple[Skipped, ...]) -> ReasonCode | None:
+    """The one reason for all the skips: a GPU engine being built (there is a GPU, and it will
+    be used), else the first candidate's."""
+    building = [s for s in skipped if s.reason == ReasonCode.GPU_ENGINE_BUILDING]
+    first = (building or list(skipped))[:1]
+    return first[0].reason if first else None
+
+
 def _passed_over(data: FallbackData, effective: str) -> ReasonCode | None:
-    """Why the preferred backend is not the one serving: the first candidate's skip reason
-    (None when the preferred one serves)."""
+    """Why the preferred backend is not the one serving: the first candidate's skip reason, or
+    that a GPU engine is being built (None when the preferred one serves)."""
     if effective == data.candidates[0] or not data.skipped:
         return None
-    return data.skipped[0].reason
+    return _headline(data.skipped)
 
 
 def _proven(event: LaunchSucceeded) -> tuple[str, ReasonCode | None, dict[str, Any]]:
@@ -393,7 +522,10 @@ def launched(state: S, data: FallbackData, event: LaunchSucceeded) -> Step | Non
     effective, demoted, proof = _proven(event)
     reason = demoted or _passed_over(data, effective)
     evidence = {"backend": event.backend, "effective_backend": effective, **proof}
-    return step_with_reason(S.SETTLED, data, (), reason, evidence, chosen=effective, respawn_demotion=None)
+    step = step_with_reason(S.SETTLED, data, (), reason, evidence, chosen=effective, respawn_demotion=None)
+    built = tuple(b for b in step.data.built if _ranks_before(step.data, b, event.backend))
+    settled = attrs.evolve(step.data, built=built)  # planned now, or never to be switched to
+    return attrs.evolve(step, data=settled, effects=_upgrades(settled))
 
 
 @guarded(STAY)
@@ -418,18 +550,21 @@ def relaunched(state: S, data: FallbackData, event: LaunchSucceeded) -> Step | N
 # it starts afresh.
 afresh = requested.only(S.CHECKING)
 
+_BESIDE: dict[type, Rule] = {EngineBuilt: engine_built, EngineBuildFailed: engine_build_failed}
+
 TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
-    S.IDLE: {PlanRequested: afresh},
+    S.IDLE: {PlanRequested: afresh, **_BESIDE},
     S.CHECKING: {
         CheckPassed: check_passed,
         CheckFailed: check_failed,
         BundleMissing: bundle_missing,
         PlanRequested: afresh,
+        **_BESIDE,
     },
-    S.INSTALLING: {BundleInstalled: installed, BundleInstallFailed: install_failed, PlanRequested: afresh},
-    S.LAUNCHING: {LaunchSucceeded: launched, PlanRequested: requested},
-    S.SETTLED: {LaunchSucceeded: relaunched, PlanRequested: afresh},
-    S.FAILED: {PlanRequested: afresh},
+    S.INSTALLING: {BundleInstalled: installed, BundleInstallFailed: install_failed, PlanRequested: afresh, **_BESIDE},
+    S.LAUNCHING: {LaunchSucceeded: launched, PlanRequested: requested, **_BESIDE},
+    S.SETTLED: {LaunchSucceeded: relaunched, PlanRequested: afresh, **_BESIDE},
+    S.FAILED: {PlanRequested: afresh, **_BESIDE},
 }
 
 FALLBACK = MachineSpec(

@@ -11,7 +11,7 @@ import backend_recordings as rec
 from stoker.daemon.backends import Detection, TelemetryRequest
 from stoker.daemon.backends.base import LaunchRequest
 from stoker.daemon.backends.cuda import SMI_QUERY, SMI_QUERY_NO_CC, CudaBackend, parse_smi_csv
-from stoker.daemon.backends.cuda_arch import CudaArch, cc_supported, parse_cc, split_archs
+from stoker.daemon.backends.cuda_arch import CudaArch, archs_for, cc_supported, parse_cc, split_archs
 from stoker.daemon.backends.tools import ToolResult, recorded_runner
 from stoker.states.reasons import ReasonCode as R
 
@@ -424,3 +424,48 @@ def test_cuda_visible_devices_applies_to_nvidia_smi_too():
         environ={"CUDA_VISIBLE_DEVICES": ""},
     ).detect()
     assert d.reason == R.GPU_MISSING and d.evidence["source"] == "nvidia-smi"
+
+
+# -- a local build for the detected GPUs only ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ccs", "archs"),
+    [
+        (["9.0"], ("90-real",)),
+        (["9.0", "9.0", "8.6"], ("86-real", "90-real")),  # every detected GPU's, once, lowest first
+        (["12.0", "7.5"], ("75-real", "120-real")),
+        (["9.0", None, "junk"], ("90-real",)),
+        ([None], ()),
+    ],
+)
+def test_the_build_architectures_are_the_detected_compute_capabilities(ccs, archs):
+    assert archs_for(ccs) == archs
+
+
+def test_the_cuda_plugin_builds_for_the_gpus_it_detected():
+    both = CudaBackend(nvml=rec.FakeNvml(gpus=[rec.h200(), rec.a6000()])).detect()
+    assert CudaBackend().build_archs(H200) == ("90-real",)
+    assert CudaBackend().build_archs(both) == ("86-real", "90-real")
+    assert CudaBackend().build_archs(CudaBackend(nvml=rec.FakeNvml(gpus=[])).detect()) == ()
+    assert CudaBackend().build_archs(None) == ()
+
+
+def test_a_bundle_built_for_the_h200_is_refused_on_another_gpu():
+    built_here = meta(cuda_archs=list(CudaBackend().build_archs(H200)))
+    assert CudaBackend().check_bundle(H200, built_here) is None
+    check = CudaBackend().explain_bundle(A6000, built_here)
+    assert check.reason == R.CUDA_UNAVAILABLE and "90-real" in check.message and "8.6" in check.message
+
+
+def test_the_daemons_build_passes_the_detected_architectures_to_cmake():
+    from stoker.daemon.bundles.variants import BuildPlan, Toolchain, parse_cuda_archs
+    from stoker.daemon.install.sources import build_command
+
+    archs = CudaBackend().build_archs(H200)
+    argv = build_command("cuda", "cuda13", environ={}, archs=archs)
+    assert argv[argv.index("--cuda-archs") + 1] == "90-real"
+    assert "--cuda-archs" not in build_command("cpu", "avx2", environ={})  # nothing detected: the default
+    toolchain = Toolchain("c++ 13", "cmake 3.28", "Ninja", "cuda 13.0", 13, "/usr/local/cuda/bin/nvcc")
+    plan = BuildPlan.for_backend("cuda", "avx2", parse_cuda_archs(argv[argv.index("--cuda-archs") + 1]), toolchain)
+    assert "-DCMAKE_CUDA_ARCHITECTURES=90-real" in plan.flags and plan.cuda_archs == ("90-real",)

@@ -28,6 +28,7 @@ from stoker.daemon.launch.supervisor import server_spec
 from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.probes.verdicts import ProbeService
 from stoker.states.fallback import table as F
+from stoker.states.install.sources import Source
 from stoker.states.launch import records as LR
 from stoker.states.reasons import ReasonCode as R
 from stoker.store import open_store
@@ -582,3 +583,95 @@ async def test_a_plugin_that_cannot_keep_its_server_off_a_gpu_is_not_said_to(pat
         assert plan.backend == "cuda" and plan.backend_env == ()
         why = orch.status(supervisor_for(plan))["layers"]["why"]
         assert "left out" not in why and "0: NVIDIA H200 300 MiB, 1: NVIDIA H200 139.8 GiB" in why
+
+
+# --- serve now, upgrade beside ----------------------------------------------------------------
+
+
+class SlowBuild(FakeInstalls):
+    """Only a local build has the CUDA bundle: `first_source` says so, and the build ends
+    (writes the bundle) when the test sets `done`."""
+
+    def __init__(self, paths: StokerPaths, *, fail: bool = False):
+        super().__init__(paths, fail=fail)
+        self.done = trio.Event()
+
+    async def first_source(self, backend, detection=None):
+        await trio.lowlevel.checkpoint()
+        return Source.LOCAL_BUILD
+
+    async def install(self, backend, *, variant=None, detection=None):
+        await self.done.wait()
+        await super().install(backend, variant=variant, detection=detection)
+
+
+async def test_a_gpu_engine_only_a_build_can_give_is_built_beside_the_cpu_then_switched_to(paths, config):
+    installs = SlowBuild(paths)
+    restarts = []
+    nvml = rec.FakeNvml([rec.h200(processes=[(PID, 900 * rec.MIB)])])
+    async with orchestrator(paths, cuda_backend(nvml), installs) as orch:
+        async with trio.open_nursery() as tasks:
+            orch.tasks, orch.restart = tasks, lambda: restarts.append(trio.current_time())
+            plan = await orch.plan(config, LR.MakePlan())  # at once: the build is not waited for
+            assert plan.backend == "cpu" and len(installs.calls) == 0
+            await orch.on_ready(supervisor_for(plan), {"pid": PID})
+            st = orch.status(supervisor_for(plan, {}))
+            assert st["backend"] == "cpu" and st["fallback_reason"] == "gpu_engine_building"
+            (fb,) = st["fallbacks"]
+            assert (fb["backend"], fb["evidence"]["source"], fb["evidence"]["building"]) == (
+                "cuda",
+                "local-build",
+                "cuda",
+            )
+            assert "being built here" in fb["message"]
+            # the build ends: the CPU server is restarted (once) to be planned on the GPU
+            installs.done.set()
+            await trio.testing.wait_all_tasks_blocked()  # the build's task ran to its end
+            assert restarts
+            assert installs.calls[0][1].usable  # built for the detected H200
+            assert ("settled", "EngineBuilt", "settled", "gpu_engine_built") in transitions(orch)
+            plan = await orch.plan(config, LR.MakePlan())
+            assert plan.backend == "cuda"
+            await orch.on_ready(supervisor_for(plan), ready_evidence(3))
+            st = orch.status(supervisor_for(plan, ready_evidence(3)))
+            assert (st["backend"], st["fallback_reason"], st["fallbacks"]) == ("cuda", None, [])
+            assert len(restarts) == 1
+            tasks.cancel_scope.cancel()
+
+
+async def test_a_build_beside_that_fails_says_why_on_the_cpu(paths, config):
+    installs = SlowBuild(paths, fail=True)
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml()), installs) as orch:
+        async with trio.open_nursery() as tasks:
+            orch.tasks = tasks
+            plan = await orch.plan(config, LR.MakePlan())
+            await orch.on_ready(supervisor_for(plan), {"pid": PID})
+            installs.done.set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert not orch.data.building
+            st = orch.status(supervisor_for(plan, {}))
+            assert st["backend"] == "cpu" and st["fallback_reason"] == "cuda_bundle_install_failed"
+            assert st["fallbacks"][0]["evidence"]["status"] == 404
+            tasks.cancel_scope.cancel()
+
+
+async def test_without_a_place_to_build_beside_the_install_is_waited_for(paths, config):
+    installs = SlowBuild(paths)
+    installs.done.set()
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml()), installs) as orch:
+        plan = await orch.plan(config, LR.MakePlan())  # orch.tasks is None: a `stoker run`-like caller
+        assert plan.backend == "cuda"
+
+
+async def test_a_build_beside_is_run_once_however_often_it_is_asked_for(paths, config):
+    installs = SlowBuild(paths)
+    async with orchestrator(paths, cuda_backend(rec.FakeNvml()), installs) as orch:
+        async with trio.open_nursery() as tasks:
+            orch.tasks = tasks
+            first = await orch.plan(config, LR.MakePlan())
+            await orch.on_ready(supervisor_for(first), {"pid": PID})
+            again = await orch.plan(config, LR.MakePlan())  # a restart while it builds
+            assert (first.backend, again.backend) == ("cpu", "cpu")
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(tasks.child_tasks) == 1 and installs.calls == []
+            tasks.cancel_scope.cancel()

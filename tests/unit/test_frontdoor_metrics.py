@@ -230,6 +230,10 @@ class Daemon:
     config: Config = attrs.field(factory=Config)
     batches: list[int] = attrs.field(factory=list)  # the history rows each read returned
     others: list[Member] = attrs.field(factory=list)
+    installs: list[dict[str, Any]] = attrs.field(factory=list)  # install_statistics' rows
+
+    def install_statistics(self) -> list[dict[str, Any]]:
+        return self.installs
 
     @property
     def fleet(self) -> Fleet:
@@ -273,6 +277,19 @@ async def test_a_gpu_plan_served_on_the_cpu_says_both(store):
     assert value(text, "stoker_installs_total", backend="cpu", result="installed", reason="") == 1
     kinds = {name: f.type for name, f in families(text).items()}
     assert kinds["stoker_server_state"] == "gauge" and kinds["stoker_fallbacks"] == "counter"
+
+
+async def test_a_gpu_engine_built_beside_shows_its_progress(store):
+    building = {
+        "backend": "cuda",
+        "variant": "cuda13",
+        "progress": {"phase": "building", "step": "compile", "percent": 29},
+    }
+    over = {"backend": "cpu", "variant": "avx2", "progress": None}
+    daemon = Daemon(store, ServerTarget("cpu", 11), installs=[building, over])
+    text = (await metrics_for(daemon).scrape()).decode()
+    assert value(text, "stoker_install_progress_percent", backend="cuda", variant="cuda13", phase="building") == 29
+    assert 'stoker_install_progress_percent{backend="cpu"' not in text
 
 
 async def test_a_partial_offload_is_accelerated_and_partial(store):

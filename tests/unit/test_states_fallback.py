@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 from hypothesis import given, strategies as st
 
@@ -14,6 +15,10 @@ from stoker.states.fallback.table import (
     CheckFailed,
     CheckPassed,
     Demotion,
+    EngineBuildFailed,
+    EngineBuilt,
+    InstallBeside,
+    Upgrade,
     FallbackData,
     FallbackState as S,
     GiveUp,
@@ -377,3 +382,96 @@ def test_a_ready_gpu_server_is_reported_as_what_it_proved(proof, chosen, reason)
     s = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda"), LaunchSucceeded("cuda", proof))
     assert s.state is S.SETTLED and (s.data.chosen, s.reason) == (chosen, reason)
     assert s.data.evidence["effective_backend"] == chosen
+
+
+# --- serve now, upgrade beside ----------------------------------------------------------------
+
+SLOW = BundleMissing("cuda", binary_missing=R.BINARY_MISSING_NVIDIA_DETECTED, slow=True)
+
+
+def test_a_gpu_bundle_only_a_local_build_can_give_is_built_beside_while_the_cpu_serves():
+    s = drive(PlanRequested(("cuda", "cpu")), SLOW)
+    assert s.state is S.CHECKING and s.effects == (InstallBeside("cuda"), CheckBackend("cpu", CPU_ORDER))
+    assert s.reason is R.GPU_ENGINE_BUILDING and s.data.building == ("cuda",)
+    s = drive(CheckPassed("cpu"), LaunchSucceeded("cpu"), state=s.state, data=s.data)
+    assert s.state is S.SETTLED and (s.data.chosen, s.data.reason) == ("cpu", R.GPU_ENGINE_BUILDING)
+    assert s.effects == ()
+
+
+def test_a_fast_source_or_a_forced_gpu_is_still_waited_for():
+    fast = drive(PlanRequested(("cuda", "cpu")), attrs.evolve(SLOW, slow=False))
+    assert fast.state is S.INSTALLING and fast.effects == (InstallBundle("cuda"),)
+    forced = drive(PlanRequested(("cuda",), forced=True), SLOW)
+    assert forced.state is S.INSTALLING and forced.effects == (InstallBundle("cuda"),)
+
+
+def test_the_built_engine_switches_a_settled_cpu_server_to_the_gpu():
+    s = drive(PlanRequested(("cuda", "cpu")), SLOW, CheckPassed("cpu"), LaunchSucceeded("cpu"))
+    s = drive(EngineBuilt("cuda", {"seconds": 369}), state=s.state, data=s.data)
+    assert s.state is S.SETTLED and s.effects == (Upgrade("cuda", "cpu"),) and s.reason is R.GPU_ENGINE_BUILT
+    assert s.data.building == () and s.data.built == ("cuda",)
+    # the planned restart re-plans from the first candidate: the GPU serves, no reason left
+    s = drive(PlanRequested(("cuda", "cpu")), CheckPassed("cuda"), LaunchSucceeded("cuda"), state=s.state, data=s.data)
+    assert (s.data.chosen, s.data.reason, s.data.built, s.effects) == ("cuda", None, (), ())
+
+
+def test_a_build_that_ends_while_the_cpu_is_launching_switches_once_it_is_ready():
+    s = drive(PlanRequested(("cuda", "cpu")), SLOW, CheckPassed("cpu"), EngineBuilt("cuda"))
+    assert s.state is S.LAUNCHING and s.effects == ()
+    s = drive(LaunchSucceeded("cpu"), state=s.state, data=s.data)
+    assert s.state is S.SETTLED and s.effects == (Upgrade("cuda", "cpu"),)
+
+
+def test_a_new_request_while_building_serves_meanwhile_again():
+    # The build is asked for again (the orchestrator runs one per backend; after a daemon
+    # restart, this starts it again), and the request is not held for it.
+    s = drive(PlanRequested(("cuda", "cpu")), SLOW, CheckPassed("cpu"), LaunchSucceeded("cpu"))
+    s = drive(PlanRequested(("cuda", "cpu")), attrs.evolve(SLOW, slow=False), state=s.state, data=s.data)
+    assert s.effects == (InstallBeside("cuda"), CheckBackend("cpu", CPU_ORDER)) and s.data.building == ("cuda",)
+
+
+def test_a_failed_build_beside_says_so_and_keeps_serving():
+    s = drive(PlanRequested(("cuda", "cpu")), SLOW, CheckPassed("cpu"), LaunchSucceeded("cpu"))
+    s = drive(EngineBuildFailed("cuda", R.CUDA_BUNDLE_INSTALL_FAILED, {"step": "compile"}), state=s.state, data=s.data)
+    assert s.state is S.SETTLED and s.effects == () and s.data.building == ()
+    assert s.data.reason is R.CUDA_BUNDLE_INSTALL_FAILED and s.data.skipped[0].reason is R.CUDA_BUNDLE_INSTALL_FAILED
+
+
+def test_without_the_cuda_toolkit_a_vulkan_engine_built_beside_is_the_upgrade():
+    # No mirror, no cache, no nvcc: the CUDA install fails at once (not slow, so tried in place);
+    # Vulkan's build needs no toolkit, so it is built beside while the CPU serves, then switched to.
+    order = ("cuda", "vulkan", "cpu")
+    s = drive(PlanRequested(order), BundleMissing("cuda", binary_missing=R.BINARY_MISSING_NVIDIA_DETECTED))
+    assert s.effects == (InstallBundle("cuda"),)
+    s = drive(
+        BundleInstallFailed("cuda", R.CUDA_BUNDLE_INSTALL_FAILED, {"cause": "build_toolchain_missing"}),
+        BundleMissing("vulkan", binary_missing=R.BINARY_MISSING_VULKAN_DETECTED, slow=True),
+        state=s.state,
+        data=s.data,
+    )
+    assert s.effects == (InstallBeside("vulkan"), CheckBackend("cpu", CPU_ORDER))
+    s = drive(CheckPassed("cpu"), LaunchSucceeded("cpu"), EngineBuilt("vulkan"), state=s.state, data=s.data)
+    assert s.state is S.SETTLED and s.effects == (Upgrade("vulkan", "cpu"),)
+    # the restart's plan: CUDA still cannot be installed, Vulkan now can serve
+    s = drive(
+        PlanRequested(order),
+        BundleMissing("cuda", binary_missing=R.BINARY_MISSING_NVIDIA_DETECTED),
+        BundleInstallFailed("cuda", R.CUDA_BUNDLE_INSTALL_FAILED),
+        CheckPassed("vulkan"),
+        LaunchSucceeded("vulkan"),
+        state=s.state,
+        data=s.data,
+    )
+    assert (s.data.chosen, s.data.reason, s.effects) == ("vulkan", R.CUDA_BUNDLE_INSTALL_FAILED, ())
+
+
+def test_a_gpu_plan_its_proof_demotes_is_not_switched_to_again():
+    s = drive(PlanRequested(("cuda", "cpu")), SLOW, CheckPassed("cpu"), LaunchSucceeded("cpu"), EngineBuilt("cuda"))
+    s = drive(
+        PlanRequested(("cuda", "cpu")),
+        CheckPassed("cuda"),
+        LaunchSucceeded("cuda", ZERO_LAYERS),
+        state=s.state,
+        data=s.data,
+    )
+    assert (s.data.chosen, s.reason, s.effects, s.data.built) == ("cpu", R.CUDA_GPU_LAYERS_ZERO, (), ())

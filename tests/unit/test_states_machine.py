@@ -321,6 +321,9 @@ SAMPLES = {
         F.CheckPassed("cuda", vram=FV.VramCheck(FV.FreeVram({0: 300, 1: 9000}), 1024, 524, "auto")),
         *[F.BundleInstalled(b) for b in ("cuda", "cpu")],
         F.BundleInstallFailed("cuda", ReasonCode.CUDA_BUNDLE_INSTALL_FAILED),
+        F.BundleMissing("cuda", binary_missing=ReasonCode.BINARY_MISSING_NVIDIA_DETECTED, slow=True),
+        F.EngineBuilt("cuda", {"seconds": 369}),
+        F.EngineBuildFailed("cuda", ReasonCode.CUDA_BUNDLE_INSTALL_FAILED),
         *[F.LaunchSucceeded(b) for b in ("cuda", "cpu")],
         F.LaunchSucceeded("cuda", adopted=True),
         F.LaunchSucceeded("cuda", AccelerationProof(0, 25, layers_zero=ReasonCode.CUDA_GPU_LAYERS_ZERO)),
@@ -451,7 +454,13 @@ def fallback_policy(state, data, event, result):
         else:
             assert result.state is F.FallbackState.CHECKING
             variants = F.cpu_variant_order(event.cpu_variant, event.arch, event.failure, event.previous_variant)
-            assert new == F.FallbackData(candidates=event.candidates, forced=event.forced, cpu_variants=variants)
+            assert new == F.FallbackData(
+                candidates=event.candidates,
+                forced=event.forced,
+                cpu_variants=variants,
+                building=data.building,  # the builds beside go on
+                built=data.built,
+            )
             assert result.effects[-1].backend == event.candidates[0]
             assert any(isinstance(e, F.ProbeCandidates) for e in result.effects) == (not event.forced)
     if isinstance(event, F.PlanRequested) and event.failure is ReasonCode.CPU_ILLEGAL_INSTRUCTION:
@@ -460,7 +469,13 @@ def fallback_policy(state, data, event, result):
             assert event.previous_variant not in new.cpu_variants and new.cpu_variants
     if isinstance(event, F.BundleMissing):
         reason = F.missing_reason(event)
-        if event.backend not in data.installed:
+        beside = (event.slow or event.backend in data.building) and F._can_serve_meanwhile(data, event.backend)
+        if beside:
+            # never waited for: built beside (once), the next candidate checked now
+            assert new.skipped[-1].reason is ReasonCode.GPU_ENGINE_BUILDING and event.backend in new.building
+            assert result.state is F.FallbackState.CHECKING
+            assert [type(e) for e in result.effects] == [F.InstallBeside, F.CheckBackend]
+        elif event.backend not in data.installed:
             assert result.state is F.FallbackState.INSTALLING and result.effects == (F.InstallBundle(event.backend),)
         else:
             assert new.skipped[-1] == F.Skipped(event.backend, reason)
@@ -480,6 +495,13 @@ def fallback_policy(state, data, event, result):
             demoted = event.proof is not None and acceleration_verdict(event.proof) is not None
             assert (new.respawn_demotion is None) == (not demoted)
             assert new.chosen == ("cpu" if demoted else event.backend)
+    if isinstance(event, (F.EngineBuilt, F.EngineBuildFailed)):
+        assert result.state is state and event.backend not in new.building
+    if any(isinstance(e, F.Upgrade) for e in result.effects):
+        # a switch only from a settled server to a built backend tried before the one serving
+        (up,) = result.effects
+        assert result.state is F.FallbackState.SETTLED and up.backend in new.built
+        assert new.candidates.index(up.backend) < new.candidates.index(new.current)
     if result.state is F.FallbackState.FAILED and state is not F.FallbackState.FAILED:
         assert result.effects == (F.GiveUp(new.reason, result.evidence),)
 

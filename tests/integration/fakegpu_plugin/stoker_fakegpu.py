@@ -8,12 +8,20 @@ from this file: its name, where auto mode tries it, its reason codes with their 
 the `--list-devices` line its engine prints, how its free memory is read now (the file named
 by `FAKEGPU_NOW`, "MiB,MiB" per device, while it exists: another tenant filling the devices
 after the probe) and how its server is kept to some devices (`FAKEGPU_VISIBLE_DEVICES`).
+
+Its bundle can also be "built" (`FAKEGPU_BUILD`, a directory): the build is this module run
+as a child, speaking the builder's protocol; it says `compile: 29%`, touches `started`, waits
+until `go` exists, then answers with `bundle.zip` from that directory (what the test made).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
+import sys
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -31,6 +39,7 @@ from stoker.states.reasons import ReasonCode
 ENV = "FAKEGPU_DEVICES"
 NOW_ENV = "FAKEGPU_NOW"
 VISIBLE_ENV = "FAKEGPU_VISIBLE_DEVICES"
+BUILD_ENV = "FAKEGPU_BUILD"
 
 
 class FakeGpuBackend(Backend):
@@ -74,6 +83,9 @@ class FakeGpuBackend(Backend):
         variants = sorted(available_variants)
         return variants[0] if detection.usable and variants else None
 
+    def build_argv(self, variant: str) -> list[str] | None:
+        return [sys.executable, "-m", "stoker_fakegpu", variant] if os.environ.get(BUILD_ENV) else None
+
     def launch_env(self, plan) -> dict[str, str]:
         return {VISIBLE_ENV: ",".join(str(i) for i in plan.devices)} if plan.devices else {}
 
@@ -84,3 +96,30 @@ class FakeGpuBackend(Backend):
         free = [int(mib) for mib in Path(now).read_text().split(",")]
         wanted = handle.devices or tuple(range(len(free)))
         return Telemetry(self.name, tuple(DeviceTelemetry(i, memory_free_mib=free[i]) for i in wanted if i < len(free)))
+
+
+def build(variant: str) -> None:
+    """The FakeGPU bundle's build: slow until the test says `go`."""
+    where, started = Path(os.environ[BUILD_ENV]), time.monotonic()
+    print("configure: 100% fakegpu", file=sys.stderr, flush=True)
+    print(f"compile: 29% fakegpu-{variant}, waiting for {where / 'go'}", file=sys.stderr, flush=True)
+    (where / "started").touch()
+    while not (where / "go").exists():
+        time.sleep(0.05)
+    print("compile: 100% fakegpu", file=sys.stderr, flush=True)
+    zip_path = where / "bundle.zip"
+    data = zip_path.read_bytes()
+    answer = {
+        "ok": True,
+        "zip": str(zip_path),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "size": len(data),
+        "cache_key": f"fakegpu-{variant}",
+        "cached": False,
+        "seconds": round(time.monotonic() - started, 2),
+    }
+    print(json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+    build(sys.argv[1])
