@@ -9,15 +9,17 @@ re-sent when a pull is resumed and must be idempotent.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from stoker.states.convert import unstructure
 from stoker.states.reasons import ReasonCode
-from stoker.store.database import Store
 from stoker.store.errors import StoreError
 from stoker.store.rows import StoredRecord
+
+if TYPE_CHECKING:
+    from stoker.store.database import Store
 
 
 @attrs.frozen

@@ -9,16 +9,19 @@ catalogue never names a half-written file. Files and rows leave together (`remov
 from __future__ import annotations
 
 import sqlite3
-from typing import Any, Callable, Iterable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, TypeVar
 
 import attrs
-from sqlite_utils import Database
 
 from stoker.states.reasons import ReasonCode
 from stoker.states.snapshots.policy import Figure, fold
-from stoker.store.database import Store
 from stoker.store.errors import StoreError
 from stoker.store.rows import StoredRecord
+
+if TYPE_CHECKING:
+    from sqlite_utils import Database
+
+    from stoker.store.database import Store
 
 # Which server instance a snapshot belongs to (a [models.NAME]; "default" without [models]): a
 # conversation never moves between instances, even two serving the same file (migration m007).

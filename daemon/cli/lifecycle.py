@@ -65,6 +65,25 @@ def _or_dash(value: object) -> str:
     return "-" if value is None else str(value)
 
 
+def worker_lines(workers: dict[str, Any] | None) -> list[str]:
+    """`stoker status`'s lines for the plan's RPC workers: where the layers are (the model MiB
+    each holds, from the engine's lines) and the workers left out with their reasons."""
+    if not workers:
+        return []
+    held = workers.get("workers_model_mib") or {}
+    lines = []
+    for used in workers.get("used") or []:
+        mib = held.get(used["address"])
+        where = f"{mib:g} MiB of the model" if mib else f"planned on {sum(used.get('free_mib') or [])} MiB free"
+        lines.append(f"worker    {used['address']} ({', '.join(used.get('devices') or [])}): {where}")
+    for out in workers.get("left_out") or []:
+        error = (out.get("evidence") or {}).get("error")
+        lines.append(f"worker    {out['address']}: left out, {out['reason']}" + (f" ({error})" if error else ""))
+    if workers.get("used") and workers.get("confirmed") is False:
+        lines.append(f"          not every worker holds layers: {', '.join(workers.get('missing') or [])}")
+    return lines
+
+
 def format_status(st: dict[str, Any]) -> str:
     """The status document for a person: state, backend, why, layers, fallbacks."""
     lines = []
@@ -116,9 +135,8 @@ def format_status(st: dict[str, Any]) -> str:
             f"layers    {_or_dash(layers.get('offloaded'))}/{_or_dash(layers.get('total'))} offloaded"
             f" (planned {_or_dash(layers.get('planned'))}){' - ' + layers['why'] if layers.get('why') else ''}"
         )
-    from stoker.daemon.cli.worker import status_lines  # here: `stoker worker`'s module is heavy to import
 
-    lines.extend(status_lines(st.get("workers")))
+    lines.extend(worker_lines(st.get("workers")))
     if st.get("pid"):
         # uptime_s is null until the server is ready (loading, or adopted and not yet proven).
         uptime = st.get("uptime_s")

@@ -66,25 +66,6 @@ def hold_worker_lock(path: Path) -> int:
     return fd
 
 
-def status_lines(workers: dict[str, Any] | None) -> list[str]:
-    """`stoker status`'s lines for the plan's RPC workers: where the layers are (the model MiB
-    each holds, from the engine's lines) and the workers left out with their reasons."""
-    if not workers:
-        return []
-    held = workers.get("workers_model_mib") or {}
-    lines = []
-    for used in workers.get("used") or []:
-        mib = held.get(used["address"])
-        where = f"{mib:g} MiB of the model" if mib else f"planned on {sum(used.get('free_mib') or [])} MiB free"
-        lines.append(f"worker    {used['address']} ({', '.join(used.get('devices') or [])}): {where}")
-    for out in workers.get("left_out") or []:
-        error = (out.get("evidence") or {}).get("error")
-        lines.append(f"worker    {out['address']}: left out, {out['reason']}" + (f" ({error})" if error else ""))
-    if workers.get("used") and workers.get("confirmed") is False:
-        lines.append(f"          not every worker holds layers: {', '.join(workers.get('missing') or [])}")
-    return lines
-
-
 def _line(runner: MachineRunner) -> None:
     data: M.WorkerData = runner.data
     parts = [f"worker {runner.state.value}"]
