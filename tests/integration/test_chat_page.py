@@ -304,3 +304,61 @@ def test_with_keys_required_the_page_asks_for_one_and_keeps_it_in_the_browser(ch
     # The 401s the page met before it had a key, and the broken model's 503, are the only errors it logged.
     assert all("401" in e for e in seen["errors"]), seen["errors"]
     assert all("503" in e for e in seen_again["errors"]), seen_again["errors"]
+
+
+FETCH_FROM_PAGE = """async (front) => {
+    try {
+        const r = await fetch(front + 'v1/chat/completions', {
+            method: 'POST',
+            headers: {'Content-Type': 'application/json', 'Authorization': 'Bearer none'},
+            body: JSON.stringify({model: 'alpha', messages: [{role: 'user', content: 'hi'}], max_tokens: 8, stream: true}),
+        });
+        const text = await r.text();
+        return r.status + ':' + (text.includes('[DONE]') ? 'streamed whole' : text.slice(0, 200));
+    } catch (e) {
+        return 'blocked by the browser: ' + e.name;
+    }
+}"""
+
+
+def static_site(tmp_path: Path, name: str) -> tuple[str, Any]:
+    """A page of another origin: a plain HTTP server on a free loopback port; its URL and server."""
+    import functools
+    import http.server
+    import threading
+
+    root = tmp_path / name
+    root.mkdir()
+    (root / "index.html").write_text("<!doctype html><title>another app</title><p>another app</p>")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", server
+
+
+def test_a_page_on_another_origin_calls_only_when_cors_origins_lists_it(chat_daemon, models, browser, tmp_path):
+    """Open WebUI, a notebook, any web app on another origin: the browser's preflight and the
+    answer's headers let a listed origin stream an answer; an unlisted one is blocked by the
+    browser itself, and the front door refused it (403) without asking the engine."""
+    listed, listed_server = static_site(tmp_path, "listed")
+    other, other_server = static_site(tmp_path, "other")
+    try:
+        front = serve_two(chat_daemon, models, cors_origins=[listed])
+        page = browser.new_page()
+        page.goto(listed + "/index.html")
+        assert page.evaluate(FETCH_FROM_PAGE, front) == "200:streamed whole"
+        page.goto(other + "/index.html")
+        said = page.evaluate(FETCH_FROM_PAGE, front)
+        assert said == "blocked by the browser: TypeError", said
+        import httpx
+
+        preflight = httpx.options(  # what that browser asked first, and what the front door answered
+            front + "v1/chat/completions",
+            headers={"Origin": other, "Access-Control-Request-Method": "POST"},
+            trust_env=False,
+            timeout=30,
+        )
+        assert preflight.status_code == 403 and preflight.json()["error"]["code"] == "frontdoor_origin_refused"
+    finally:
+        listed_server.shutdown()
+        other_server.shutdown()
