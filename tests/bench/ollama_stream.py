@@ -39,7 +39,7 @@ from stoker.daemon.bundles.installed import install_bundle  # noqa: E402
 from stoker.daemon.core.paths import StokerPaths  # noqa: E402
 from stoker.daemon.models.known import WELL_KNOWN  # noqa: E402
 from tests.bench.frontdoor import DaemonCPU, checked, prepare_model, row, turns  # noqa: E402
-from tests.bench.rawchat import Conn, Stream, chat_body  # noqa: E402
+from tests.bench.rawchat import Conn, Stream, chat_body, chunked_body  # noqa: E402
 from tests.bench.report import machine, percentile, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, write_config  # noqa: E402
 from tests.model_files import GEMMA  # noqa: E402
@@ -68,12 +68,8 @@ class OllamaConn(Conn):
             length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
             out.error = (await self.reader.readexactly(length)).decode(errors="replace")[:200]
             return
-        while True:
-            size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            if size == 0:
-                await self.reader.readuntil(b"\r\n")
-                break
-            pending += (await self.reader.readexactly(size + 2))[:-2]
+        async for piece in chunked_body(self.reader):
+            pending += piece
             while (end := pending.find(b"\n")) >= 0:
                 line = bytes(pending[:end])
                 del pending[: end + 1]

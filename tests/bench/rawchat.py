@@ -9,9 +9,20 @@ import asyncio
 import json
 import socket
 import time
+from typing import AsyncIterator
 from urllib.parse import urlsplit
 
 import attrs
+
+
+async def chunked_body(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """The pieces of a chunked HTTP/1.1 body as they arrive (the chunk framing taken off)."""
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+        if size == 0:
+            await reader.readuntil(b"\r\n")
+            return
+        yield (await reader.readexactly(size + 2))[:-2]
 
 
 @attrs.define
@@ -108,12 +119,8 @@ class Conn:
         predicted: int | None = None
         counted = 0
         if b"transfer-encoding: chunked" in headers:
-            while True:
-                size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
-                if size == 0:
-                    await self.reader.readuntil(b"\r\n")
-                    break
-                pending += (await self.reader.readexactly(size + 2))[:-2]
+            async for piece in chunked_body(self.reader):
+                pending += piece
                 # SSE events end with a blank line; a chunk may hold several, or part of one.
                 while (end := pending.find(b"\n\n")) >= 0:
                     event = bytes(pending[:end])

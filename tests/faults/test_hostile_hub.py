@@ -24,17 +24,7 @@ from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.models import hub as H
 from stoker.daemon.models.pull import PullOptions, PullService
 from stoker.states.reasons import ReasonCode
-from stoker.store import open_store
 from tests.integration.model_sources import HF_REPO, FakeHub, HubRepo
-
-
-@pytest.fixture
-def service(stoker_home):
-    paths = StokerPaths.from_env()
-    paths.make_private()
-    store = open_store(paths.db_file)
-    yield PullService(paths, store)
-    store.close()
 
 
 def _files_under(root: Path) -> set[Path]:

@@ -22,20 +22,10 @@ import trio
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.models import hub as H
-from stoker.daemon.models.pull import PullOptions, PullService
+from stoker.daemon.models.pull import PullOptions
 from stoker.states.reasons import ReasonCode
-from stoker.store import open_store
 from tests.integration.model_sources import HF_REPO, FakeHub, HubRepo, sha256
 from tests.waits import wait_until
-
-
-@pytest.fixture
-def service(stoker_home):
-    paths = StokerPaths.from_env()
-    paths.make_private()
-    store = open_store(paths.db_file)
-    yield PullService(paths, store)
-    store.close()
 
 
 async def test_a_corrupted_download_is_refused_removed_and_not_cataloged(service, tiny_bytes):
