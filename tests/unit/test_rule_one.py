@@ -21,7 +21,6 @@ WORDING_ONLY = {
     ("bundles/smoke.py", "_engine_failed"): "a bundle's smoke test names its failure; no machine moves",
     ("bundles/verify.py", "_run_engine"): "the same, for `stoker bundle verify`",
     ("cli/daemon_or_here.py", "through_daemon_or_here"): "the CLI chooses between the daemon and working alone",
-    ("cli/output.py", "fail"): "the exit code and the words a person reads",
     ("cli/model_view.py", "show"): "without a daemon, show still reads the file: the CLI chooses what it can show",
     ("control/client.py", "_await_reply"): "the client words a refusal of its own request",
     ("fallback/orchestrator.py", "startup_sentence"): "the sentence about a failed start, from its evidence",
