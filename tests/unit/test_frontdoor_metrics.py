@@ -16,6 +16,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from stoker.daemon.config.model import Config
+from stoker.daemon.config.ollama import OllamaConfig
 from stoker.daemon.core.machines import MachineRunner
 from stoker.daemon.fleet.usage import Usage
 from stoker.daemon.frontdoor.app import relay
@@ -231,6 +232,13 @@ class Daemon:
     batches: list[int] = attrs.field(factory=list)  # the history rows each read returned
     others: list[Member] = attrs.field(factory=list)
     installs: list[dict[str, Any]] = attrs.field(factory=list)  # install_statistics' rows
+    # Ollama's listener: its port is never 11434 here (other tests, or Ollama itself, may hold it).
+    ollama_url: str | None = None
+    ollama_error: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.config.ollama.port == OllamaConfig().port:
+            self.config = attrs.evolve(self.config, ollama=attrs.evolve(self.config.ollama, enabled=False))
 
     def install_statistics(self) -> list[dict[str, Any]]:
         return self.installs
