@@ -44,7 +44,8 @@ def test_history_records_exactly_the_command_line_that_ran(daemon, model):
     assert (plan.backend, plan.n_gpu_layers, plan.threads, plan.flash_attn) == ("cpu", 0, 2, "off")
     assert plan.backend_args == ("-ngl", "0")  # the CPU plugin's launch arguments
     assert plan.slot_save_path == str(daemon.paths.snapshots_dir)
-    assert plan.extra_args[:2] == ("--jinja", "--metrics")
+    # The engine's alias (the name answers carry), the user's extra_args, then Stoker's own.
+    assert plan.extra_args[:4] == ("--alias", model.name, "--jinja", "--metrics")
     assert ran[ran.index("-ngl") + 1] == "0" and ran[ran.index("-t") + 1] == "2"
     # ... and its environment: the engine's minimal one plus what the backend plugin set for
     # the plan (the devices a GPU server may use; nothing for the CPU), as recorded.
