@@ -14,8 +14,8 @@ from stoker.daemon.control.status_records import ModelStatus, Status
 from stoker.daemon.core.errors import StokerError
 from stoker.states.reasons import ReasonCode
 
-# Models that hold (or are taking) a server: what `ps` lists.
-LOADED = ("ready", "loading", "starting", "planning", "restarting", "backoff", "degraded")
+# Every other state holds a server, or is on its way to or from one: what `ps` lists.
+DOWN = ("stopped", "failed")
 
 
 def _seconds(value: float | None) -> str:
@@ -53,7 +53,7 @@ def ps_rows(status: Status) -> list[tuple[str, ...]]:
     """One row per model that holds a server: name, state, backend, layers, memory, idle, unload."""
     rows: list[tuple[str, ...]] = [("NAME", "STATE", "BACKEND", "LAYERS", "MEMORY", "IDLE", "UNLOADS")]
     for m in status.models:
-        if m.state not in LOADED:
+        if m.state in DOWN:
             continue
         rows.append(
             (
@@ -80,7 +80,7 @@ def ps(as_json: bool) -> None:
     """The models loaded now: state, backend, layers, memory, idle time, when each unloads."""
     reply, status = ask("status", as_json, Status)
     if as_json:
-        emit(True, {"models": [m for m in reply["models"] if m["state"] in LOADED]})
+        emit(True, {"models": [m for m in reply["models"] if m["state"] not in DOWN]})
         return
     rows = ps_rows(status)
     click.echo(table(rows) if len(rows) > 1 else f"no model is loaded ({len(status.models)} can load on demand)")

@@ -190,7 +190,8 @@ def install(system: bool, run_as: str | None, no_start: bool, as_json: bool) -> 
         if not no_start:
             _manage(place, "daemon-reload")
             _manage(place, "enable", "--now", UNIT_NAME)
-        emit(as_json, attrs.asdict(_state(place, True, changed, not no_start)), lambda d: _human(ServiceReport(**d)))
+        report = _state(place, True, changed, not no_start)
+        emit(as_json, attrs.asdict(report), lambda _: _human(report))
     except StokerError as err:
         fail(as_json, err)
 
@@ -202,7 +203,7 @@ def status(system: bool, as_json: bool) -> None:
     """Where the unit is and what systemd says of it."""
     place = UnitPlace.choose(system)
     report = _state(place, place.path.exists(), False, False)
-    emit(as_json, attrs.asdict(report), lambda d: _human(ServiceReport(**d)).replace("unchanged ", "unit "))
+    emit(as_json, attrs.asdict(report), lambda _: _human(report).replace("unchanged ", "unit "))
 
 
 @service.command()
@@ -217,11 +218,12 @@ def uninstall(system: bool, as_json: bool) -> None:
         systemctl(place, "disable", "--now", UNIT_NAME)
         place.path.unlink()
         systemctl(place, "daemon-reload")
-    emit(as_json, attrs.asdict(ServiceReport(str(place.path), False, installed, False, None, None)), _removed)
+    removed = ServiceReport(str(place.path), False, installed, False, None, None)
+    emit(as_json, attrs.asdict(removed), lambda _: _removed(removed))
 
 
-def _removed(d: dict[str, object]) -> str:
-    return f"removed {d['unit']}" if d["changed"] else f"not installed (no {d['unit']})"
+def _removed(report: ServiceReport) -> str:
+    return f"removed {report.unit}" if report.changed else f"not installed (no {report.unit})"
 
 
 def register(cli: click.Group) -> None:
