@@ -175,9 +175,9 @@ async def relay(
     await request.start(response.status_code, kept, first if rename is None else rename.piece(first))
     send = request.send
     try:
-        if rename is None and sse and response.pumpable() and request.pumpable():
+        if sse and response.pumpable() and request.pumpable():
             await chunks.aclose()  # the answer's decoding goes on in `relay_in_worker`, where it stopped
-            await relay_in_worker(request, response)
+            await relay_in_worker(request, response, rename)
         elif rename is not None:  # the client sent another name than the engine reports
             async for chunk in chunks:
                 await send(rename.piece(chunk))
@@ -193,13 +193,25 @@ async def relay(
     await request.end()
 
 
-async def relay_in_worker(request: Request, response: EngineAnswer) -> None:
+async def relay_in_worker(request: Request, response: EngineAnswer, rename: ModelRename | None = None) -> None:
     """The rest of a stream, each read from the engine written to the client at once, in a
     worker thread with blocking reads: a token's event is then one wake-up of that thread, not
     a pass of trio's scheduler and the relay's coroutines, which cost ~3x the CPU on a machine
     whose engine fills both cores (docs/frontdoor.md, "The data path"). A client that leaves
-    (`watching`) interrupts it: the engine's connection is shut, the thread returns."""
-    await response.pump_to(request.writer(lambda: response.interrupted))
+    (`watching`) interrupts it: the engine's connection is shut, the thread returns. With
+    `rename`, the answer's `model` is renamed there too, event by event."""
+    write = request.writer(lambda: response.interrupted)
+    if rename is None:
+        await response.pump_to(write)
+        return
+
+    def renamed(data: bytes) -> None:  # in the worker thread, as the pump's writer
+        if piece := rename.piece(data):  # an empty piece would frame the body's end
+            write(piece)
+
+    await response.pump_to(renamed)
+    if rest := rename.rest():
+        await request.send(rest)
 
 
 # What gives the engine's answer to the client: `relay` as it is, or translated into another
