@@ -236,9 +236,9 @@ class RequestFigures:
         """The route label of a path; None for /metrics itself (a scrape is not a request)."""
         if path == "/metrics":
             return None
-        if path in self.routes:  # a route of its own (Ollama's API on its listener)
-            return path
-        label = route_label(path)  # a path with an id counts under its pattern (/v1/models/{id})
+        # A path with an id counts under its pattern (/v1/models/{id}); one the route table does
+        # not hold (Ollama's API on its listener) under itself.
+        label = route_label(path) or path
         return label if label in self.routes else "other"
 
     def finish(self, exchange: Exchange, exc: BaseException | None) -> EngineFigures | None:
