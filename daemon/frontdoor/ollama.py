@@ -29,7 +29,8 @@ import trio
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.engine.wire import EngineAnswer
 from stoker.daemon.fleet.remote import RemoteModel
-from stoker.daemon.frontdoor.app import Answer, FrontDoor, Relay, json_answer, keep_alive, refused
+from stoker.daemon.frontdoor.app import Answer, FrontDoor, json_answer, keep_alive, refused
+from stoker.daemon.frontdoor.relay import Relay
 from stoker.daemon.frontdoor.hold import Refused
 from stoker.daemon.frontdoor.http11 import Request
 from stoker.daemon.frontdoor.limits import LimitExceeded, read_body

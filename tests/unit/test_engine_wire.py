@@ -16,7 +16,7 @@ import trio.testing
 from stoker.daemon.config.model import Config
 from stoker.daemon.engine.api import EngineClient
 from stoker.daemon.engine.wire import EngineWire, WireTimeouts
-from stoker.daemon.frontdoor.app import first_bytes, relay
+from stoker.daemon.frontdoor.relay import first_bytes, relay
 from stoker.daemon.frontdoor.http11 import Request, open_listeners, serve_http
 from tests.unit.test_frontdoor_metrics import Daemon, metrics_for
 

@@ -19,7 +19,7 @@ from stoker.daemon.config.model import Config
 from stoker.daemon.config.ollama import OllamaConfig
 from stoker.daemon.core.machines import MachineRunner
 from stoker.daemon.fleet.usage import Usage
-from stoker.daemon.frontdoor.app import relay
+from stoker.daemon.frontdoor.relay import relay
 from stoker.daemon.frontdoor.hold import Hold
 from stoker.daemon.frontdoor.http11 import Request, open_listeners, serve_http
 from stoker.daemon.frontdoor.metrics import HISTORY_BATCH, Exchange, FrontDoorMetrics, engine_figures

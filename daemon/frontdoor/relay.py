@@ -1,0 +1,99 @@
+"""The engine's answer to the client, as it arrives: its first whole event before anything, then
+each piece, pumped from socket to socket in a worker thread where both sides allow it; a stream
+the engine cut ends with an error event."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import AsyncGenerator, Awaitable, Callable
+
+import httpx
+
+from stoker.daemon.engine.wire import EngineAnswer
+from stoker.daemon.frontdoor.http11 import Request
+from stoker.daemon.frontdoor.rename import ModelRename
+
+log = logging.getLogger("stoker.frontdoor")
+
+# The engine's headers a relayed answer keeps (its framing is the front door's own).
+KEPT_HEADERS = ("content-type", "cache-control")
+
+
+def stream_cut_event(exc: Exception) -> bytes:
+    """The SSE event a stream the engine cut midway ends with."""
+    error = {"message": f"the engine's stream was cut midway ({exc})", "type": "server_error"}
+    return b"data: " + json.dumps({"error": {**error, "param": None, "code": "engine_stream_cut"}}).encode() + b"\n\n"
+
+
+async def first_bytes(response: EngineAnswer, sse: bool) -> tuple[bytes, AsyncGenerator[bytes, None]]:
+    """The answer's first bytes (a stream's first whole event, or all it sent before it ended)
+    and the iterator of the rest: nothing reaches the client before them."""
+    chunks = response.aiter_raw()
+    first = await anext(chunks, b"")
+    while sse and first and b"\n\n" not in first and (more := await anext(chunks, b"")):
+        first += more
+    return first, chunks
+
+
+async def relay(
+    request: Request,
+    response: EngineAnswer,
+    sse: bool,
+    first: bytes,
+    chunks: AsyncGenerator[bytes, None],
+    rename: ModelRename | None = None,
+) -> None:
+    """The engine's answer to the client as it arrives: its status and content type, `first`
+    (already read), then each piece the rest of `chunks` brings, one write each; a cut SSE
+    stream ends with an error event, any other cut body aborts the client's connection (raised:
+    a truncated JSON body never looks complete). A stream's rest is pumped from socket to
+    socket in a worker thread (`relay_in_worker`) where both sides allow it."""
+    kept = [
+        (k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items() if k.lower() in KEPT_HEADERS
+    ]
+    await request.start(response.status_code, kept, first if rename is None else rename.piece(first))
+    send = request.send
+    try:
+        if sse and response.pumpable() and request.pumpable():
+            await chunks.aclose()  # the answer's decoding goes on in `relay_in_worker`, where it stopped
+            await relay_in_worker(request, response, rename)
+        elif rename is not None:  # the client sent another name than the engine reports
+            async for chunk in chunks:
+                await send(rename.piece(chunk))
+            await send(rename.rest())
+        else:
+            async for chunk in chunks:
+                await send(chunk)
+    except httpx.TransportError as exc:
+        if not sse:
+            raise
+        log.warning("the engine's stream was cut midway: %s", exc)
+        await send(stream_cut_event(exc))
+    await request.end()
+
+
+async def relay_in_worker(request: Request, response: EngineAnswer, rename: ModelRename | None = None) -> None:
+    """The rest of a stream, each read from the engine written to the client at once, in a
+    worker thread with blocking reads: a token's event is then one wake-up of that thread, not
+    a pass of trio's scheduler and the relay's coroutines, which cost ~3x the CPU on a machine
+    whose engine fills both cores (docs/frontdoor.md, "The data path"). A client that leaves
+    (`watching`) interrupts it: the engine's connection is shut, the thread returns. With
+    `rename`, the answer's `model` is renamed there too, event by event."""
+    write = request.writer(lambda: response.interrupted)
+    if rename is None:
+        await response.pump_to(write)
+        return
+
+    def renamed(data: bytes) -> None:  # in the worker thread, as the pump's writer
+        if piece := rename.piece(data):  # an empty piece would frame the body's end
+            write(piece)
+
+    await response.pump_to(renamed)
+    if rest := rename.rest():
+        await request.send(rest)
+
+
+# What gives the engine's answer to the client: `relay` as it is, or translated into another
+# API's shape (Ollama's NDJSON: daemon/frontdoor/ollama.py), with the same arguments.
+Relay = Callable[[Request, EngineAnswer, bool, bytes, AsyncGenerator[bytes, None]], Awaitable[None]]
