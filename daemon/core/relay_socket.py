@@ -109,8 +109,10 @@ class RelaySocket:
             await self._pace()
             return data
 
-    async def send_all(self, data: bytes) -> None:
-        """Send all of `data`, waiting only while the peer's window is full."""
+    async def send_all(self, data: bytes, on_sent: Callable[[], None] | None = None) -> None:
+        """Send all of `data`, waiting only while the peer's window is full. `on_sent` is called
+        as soon as the last byte is in the socket, before any other task can run (what must be
+        true by the time the peer has it all)."""
         await trio.lowlevel.checkpoint_if_cancelled()
         view = memoryview(data)
         total, sent = len(data), 0
@@ -124,6 +126,8 @@ class RelaySocket:
                 self._calls = 0
             except OSError as exc:
                 raise trio.BrokenResourceError(str(exc)) from exc
+        if on_sent is not None:
+            on_sent()
         await self._pace()
 
     def send_nowait(self, data: bytes) -> int:

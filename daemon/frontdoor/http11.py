@@ -85,6 +85,7 @@ class Request:
         "_started",
         "_chunked",
         "gone",
+        "settled",
     )
 
     def __init__(self, conn: Connection, event: h11.Request) -> None:
@@ -106,6 +107,7 @@ class Request:
         self._started = False
         self._chunked = True
         self.gone = False
+        self.settled = False  # counted and logged (`Connection.settle`)
 
     def header(self, name: bytes) -> bytes | None:
         """A header's value (the first, if repeated); `name` in lower case."""
@@ -149,7 +151,7 @@ class Request:
         data = conn.send(h11.Response(status_code=status, headers=headers))
         data += conn.send(h11.Data(data=body)) if body else b""
         data += conn.send(h11.EndOfMessage())
-        await self._conn.send_all(data)
+        await self._conn.send_all(data, self._settled)
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> None:
         """The head of an answer whose body follows in pieces (`send`, then `end`): chunked to an
@@ -205,7 +207,12 @@ class Request:
         """The body is whole."""
         if self.exchange is not None:
             self.exchange.body_complete()
-        await self._conn.send_all(self._conn.h11.send(h11.EndOfMessage()))
+        await self._conn.send_all(self._conn.h11.send(h11.EndOfMessage()), self._settled)
+
+    def _settled(self) -> None:
+        """The answer's last byte is in the client's socket: count it and log it now, before
+        the client can ask anything else (a scrape of /metrics, a read of the log)."""
+        self._conn.settle(self, None)
 
     @contextlib.asynccontextmanager
     async def watching(self) -> AsyncIterator[None]:
@@ -247,9 +254,18 @@ class Connection:
         # the handler answers it in its API's error shape.
         self.malformed: MalformedBody | None = None
 
-    async def send_all(self, data: bytes) -> None:
+    def settle(self, request: Request, failure: BaseException | None) -> None:
+        """Count the request and write its access line, once: as its answer's last byte goes
+        out (`Request._settled`), or when the handler ends without one (a failure, a client
+        gone)."""
+        exchange = request.exchange
+        if exchange is not None and not request.settled:
+            request.settled = True
+            log_access(request, exchange, self.figures.finish(exchange, failure))
+
+    async def send_all(self, data: bytes, on_sent: Callable[[], None] | None = None) -> None:
         try:
-            await self.stream.send_all(data)
+            await self.stream.send_all(data, on_sent)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise ClientGone(str(exc.__cause__ or exc)) from exc
 
@@ -274,7 +290,7 @@ class Connection:
                 return  # idle too long, or the client closed
             request = Request(self, event)
             route = self.figures.route_of(request.path)
-            exchange = request.exchange = Exchange(route, self.arrived) if route is not None else None
+            request.exchange = Exchange(route, self.arrived) if route is not None else None
             failure: BaseException | None = None
             chunked = request.header(b"transfer-encoding") == b"chunked"  # h11 admits no other coding
             self.body_check = Dechunker() if chunked else None
@@ -306,8 +322,7 @@ class Connection:
                 elif not isinstance(exc, Exception):
                     raise
             finally:
-                if exchange is not None:
-                    log_access(request, exchange, self.figures.finish(exchange, failure))
+                self.settle(request, failure)
             if request.gone or failure is not None or conn.our_state is not h11.DONE:
                 return  # cut midway (the client sees an incomplete body), or the client left
             if conn.their_state is not h11.DONE and not self.request_ended():
@@ -444,6 +459,8 @@ async def serve_http(
         stream = RelaySocket(sock)
         try:
             await Connection(stream, daemon, figures).serve(handler)
+        except Exception:  # a fault of the server's own: this connection ends, not the front door
+            log.exception("the front door dropped a connection from %s", stream.peer())
         finally:
             stream.close()
 

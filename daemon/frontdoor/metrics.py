@@ -242,7 +242,7 @@ class RequestFigures:
         return label if label in self.routes else "other"
 
     def finish(self, exchange: Exchange, exc: BaseException | None) -> EngineFigures | None:
-        """Record a request once its answer ended (or failed): after its last byte was sent. The
+        """Record a request once its answer ended (or failed): as its last byte goes out. The
         engine's figures read from a whole generating answer (for the access log), else None."""
         route, status = exchange.route, exchange.status
         end = exchange.ended = time.perf_counter()

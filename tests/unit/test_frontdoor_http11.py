@@ -43,20 +43,27 @@ async def server(nursery) -> AsyncIterator[int]:
     yield listeners[0].getsockname()[1]
 
 
+async def more(stream: trio.SocketStream) -> bytes:
+    """The stream's next bytes; a server that closed the connection midway fails the test."""
+    data = await stream.receive_some(65536)
+    assert data, "the server closed the connection before its answer was whole"
+    return data
+
+
 async def read_answer(stream: trio.SocketStream, buffered: bytearray) -> bytes:
     """One answer (Content-Length or chunked) off the stream, head included."""
     while b"\r\n\r\n" not in buffered:
-        buffered += await stream.receive_some(65536)
+        buffered += await more(stream)
     end = buffered.index(b"\r\n\r\n") + 4
     head = bytes(buffered[:end]).lower()
     if b"content-length:" in head:
         total = end + int(head.split(b"content-length:")[1].split(b"\r\n")[0])
     else:
         while b"\r\n0\r\n\r\n" not in buffered[end - 2 :]:
-            buffered += await stream.receive_some(65536)
+            buffered += await more(stream)
         total = buffered.index(b"\r\n0\r\n\r\n", end - 2) + 7
     while len(buffered) < total:
-        buffered += await stream.receive_some(65536)
+        buffered += await more(stream)
     answer = bytes(buffered[:total])
     del buffered[:total]
     return answer
@@ -142,6 +149,64 @@ async def test_an_answer_cut_while_the_client_is_watched_is_counted_as_what_cut_
     assert value(text, cuts, route="/v1/chat/completions", reason="client_gone") == 1, text
     assert value(text, cuts, route="/v1/completions", reason="engine_cut") == 1, text
     assert value(text, cuts, route="/v1/chat/completions", reason="error") is None, text
+
+
+async def test_an_answer_is_counted_by_the_time_its_client_has_it_whole(nursery, autojump_clock):
+    """A client that scrapes /metrics once it has read an answer to its end finds it counted,
+    whether streamed or whole, even while the handler has more to do after its last byte."""
+    after_the_answer = trio.Event()
+
+    async def answer(request: Request) -> None:
+        if request.path == "/v1/chat/completions":
+            await request.start(200, [(b"content-type", b"text/event-stream")], b"data: 0\n\n")
+            await request.send(b'data: {"timings":{"predicted_n":3}}\n\ndata: [DONE]\n\n')
+            await request.end()
+        else:
+            await request.respond(200, [], b"{}")
+        await after_the_answer.wait()  # the handler goes on; the client already has it all
+
+    daemon = Daemon(None, None, config=Config())
+    metrics = metrics_for(daemon)
+    listeners = await open_listeners("127.0.0.1", 0)
+    await nursery.start(serve_http, listeners, daemon, metrics.requests, answer)
+    with trio.fail_after(10):
+        async with await trio.open_tcp_stream("127.0.0.1", listeners[0].getsockname()[1]) as client:
+            buffered = bytearray()
+            for path in (b"/v1/chat/completions", b"/v1/models"):
+                await client.send_all(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n" % path)
+                await read_answer(client, buffered)
+                text = (await metrics.scrape()).decode()
+                assert value(text, "stoker_requests_total", route=path.decode(), code="200") == 1, text
+                after_the_answer.set()
+                after_the_answer = trio.Event()
+    assert value(text, "stoker_generated_tokens_total", route="/v1/chat/completions") == 3, text
+
+
+async def test_a_connection_that_fails_outside_its_handler_leaves_the_others_served(nursery, autojump_clock):
+    """A fault in the server's own code on one connection ends that connection, logged, and
+    nothing else: the next client is answered."""
+    daemon = Daemon(None, None, config=Config())
+    metrics = metrics_for(daemon)
+    figures = metrics.requests
+    route_of = figures.route_of
+
+    def failing(path: str) -> str | None:
+        if path == "/boom":
+            raise RuntimeError("a fault in the server's own code")
+        return route_of(path)
+
+    figures.route_of = failing
+    listeners = await open_listeners("127.0.0.1", 0)
+    await nursery.start(serve_http, listeners, daemon, figures, echo)
+    port = listeners[0].getsockname()[1]
+    with trio.fail_after(10):
+        async with await trio.open_tcp_stream("127.0.0.1", port) as client:
+            await client.send_all(b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert await client.receive_some(65536) == b""  # closed, unanswered
+        async with await trio.open_tcp_stream("127.0.0.1", port) as client:
+            await client.send_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = await read_answer(client, bytearray())
+            assert answer.startswith(b"HTTP/1.1 200 ") and b"GET /v1/models 0" in answer, answer
 
 
 CHUNKED_HEAD = b"POST /v1/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
