@@ -5,8 +5,9 @@ backend and variant, every cmake flag, the compiler, cmake and toolkit versions,
 build number and commit, the smoke spec and this builder's revision. A pinned source's digest
 is its pin, so a cached build is found without fetching anything and returns at once.
 
-One engine build runs at a time per cache (a file lock): a second caller waits, then finds the
-first one's result in the cache. Blocking code; the daemon calls it from a thread.
+One build of a recipe runs at a time per cache (a file lock per cache key): a second caller
+waits, then finds the first one's result in the cache; builds of different recipes run side by
+side. Blocking code; the daemon calls it from a thread.
 """
 
 from __future__ import annotations
@@ -111,13 +112,14 @@ def cached_builds(paths: StokerPaths) -> list[BuildResult]:
 
 
 @contextmanager
-def _build_lock(paths: StokerPaths, progress: Progress) -> Iterator[None]:
+def _build_lock(paths: StokerPaths, name: str, progress: Progress, waiting: str) -> Iterator[None]:
+    """The cache's file lock `name`, held for the block; `waiting` is said while another holds it."""
     paths.build_cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(paths.build_cache_dir / ".build.lock", "w") as lock:
+    with open(paths.build_cache_dir / name, "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            progress("another engine build is running; waiting for it")
+            progress(waiting)
             fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -318,11 +320,16 @@ def build_bundle(
     if (entry / BUNDLE_ZIP).is_file():
         progress(f"cached build {key} ({plan.backend}-{plan.variant}); nothing to compile")
         return BuildResult.from_cache_entry(entry)
-    with _build_lock(paths, progress):
+    # One build per recipe at a time (a second caller of the same recipe waits, then finds it
+    # built); builds of different recipes run side by side: the CPU engine that serves now is
+    # not queued behind a GPU engine built beside it. The source is unpacked under a lock of
+    # its own, shared by every recipe.
+    with _build_lock(paths, f".build-{key}.lock", progress, "the same engine build is running; waiting for it"):
         if (entry / BUNDLE_ZIP).is_file():  # built by the caller we waited for
             progress(f"cached build {key} ({plan.backend}-{plan.variant}); built while we waited")
             return BuildResult.from_cache_entry(entry)
-        tree = resolve_source(spec, paths, progress)
+        with _build_lock(paths, ".source.lock", progress, "another build is unpacking the source; waiting"):
+            tree = resolve_source(spec, paths, progress)
         return _build(paths, plan, tree, smoke, key, jobs or os.cpu_count() or 1, progress, started)
 
 

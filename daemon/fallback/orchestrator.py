@@ -368,13 +368,13 @@ class FallbackOrchestrator:
             vram,
         )
 
-    async def _install(self, eff: F.InstallBundle, request: PlanRequest | None) -> object:
+    async def _install(self, eff: F.InstallBundle, request: PlanRequest | None, beside: bool = False) -> object:
         backend = eff.backend
         detection = self._detections.get(backend)
         if detection is None and backend in self.probes.backends:
             detection = (await self.probes.probe(backend)).detection  # the CPU: its variant by features
         try:
-            await self.installs.install(backend, detection=detection)
+            await self.installs.install(backend, detection=detection, beside=beside)
         except StokerError as err:
             reason = family_reason(
                 self.backends, backend, ReasonKind.BUNDLE_INSTALL_FAILED, ReasonCode.BUNDLE_VERIFY_FAILED
@@ -396,7 +396,7 @@ class FallbackOrchestrator:
     async def _build_beside(self, backend: str) -> None:
         started = trio.current_time()
         try:
-            answer = await self._install(F.InstallBundle(backend), None)
+            answer = await self._install(F.InstallBundle(backend), None, beside=True)
         except Exception as err:  # a bug here must become a reason, never kill the member
             log.exception("building the %s bundle beside failed", backend)
             answer = F.BundleInstallFailed(

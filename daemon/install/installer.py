@@ -46,6 +46,7 @@ from stoker.daemon.install.manifest import MANIFEST_ENV, choose_entry, load_mani
 from stoker.daemon.install.sources import (
     failure_sentence,
     copy_file_url,
+    BESIDE_BUILD_NICE,
     build_attempt,
     cache_attempt,
     check_toolchain,
@@ -102,6 +103,7 @@ class InstallService:
     _refusals: dict[str, StokerError] = attrs.field(factory=dict, init=False)  # why the mirror has none
     _started: dict[str, float] = attrs.field(factory=dict, init=False)  # the attempt's trio clock at its start
     _progress: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)  # a build's last figures
+    _beside: set[str] = attrs.field(factory=set, init=False)  # machine ids installing while another engine serves
     _effects: EffectDriver[Awaitable[object | None]] = attrs.field(init=False)
     slots: SlotWriters = attrs.field(init=False)  # one writer per slot, shared with engine updates
 
@@ -171,11 +173,13 @@ class InstallService:
         return resumed
 
     async def install(
-        self, backend: str, *, variant: str | None = None, detection: Detection | None = None
+        self, backend: str, *, variant: str | None = None, detection: Detection | None = None, beside: bool = False
     ) -> InstalledBundle:
         """Install the bundle for `backend` that fits `detection` from the first source that
         has one (the mirror, the build cache, a local build); StokerError with the backend's
-        `*_bundle_install_failed` (each source's attempt in the evidence) if none can."""
+        `*_bundle_install_failed` (each source's attempt in the evidence) if none can.
+        `beside`: another engine serves meanwhile, so a local build yields the CPU to it
+        (`BESIDE_BUILD_NICE`)."""
         entry, refusal = None, None
         if Source.MIRROR in self.sources:
             try:
@@ -190,8 +194,14 @@ class InstallService:
             if entry
             else await variant_to_make(self.paths, backend, self.backends.get(backend), detection)
         )
-        self._local_smoke.pop(I.INSTALL.machine_id(backend, slot_variant), None)
-        return await self._install(backend, slot_variant, self.sources, detection, entry, refusal)
+        mid = I.INSTALL.machine_id(backend, slot_variant)
+        self._local_smoke.pop(mid, None)
+        if beside:
+            self._beside.add(mid)
+        try:
+            return await self._install(backend, slot_variant, self.sources, detection, entry, refusal)
+        finally:
+            self._beside.discard(mid)
 
     async def first_source(self, backend: str, detection: Detection | None = None) -> Source | None:
         """The source an install of `backend` would get its bundle from, looked at without
@@ -429,7 +439,8 @@ class InstallService:
         plugin = self.backends.get(effect.backend)
         archs = plugin.build_archs(self._detections.get(mid)) if plugin is not None else ()
         builder = self._builder(effect.backend, effect.variant)
-        event, self._entries[mid] = await build_attempt(effect, progress, archs, builder)
+        nice = BESIDE_BUILD_NICE if mid in self._beside else 0
+        event, self._entries[mid] = await build_attempt(effect, progress, archs, builder, nice)
         return event
 
     def archive_path(self, runner: MachineRunner, sha256: str) -> Path:

@@ -332,11 +332,23 @@ class BuiltBundle:
     log: str | None
 
 
+# The niceness of a build made while another engine serves (a GPU engine built beside the CPU
+# one): the compilers take the cores the serving engine leaves, and a build that serves
+# nothing yet (the CPU engine of a first run) is not slowed by it.
+BESIDE_BUILD_NICE = 10
+
+
 async def run_build(
-    backend: str, variant: str, progress: BuildProgress, archs: tuple[str, ...] = (), builder: list[str] | None = None
+    backend: str,
+    variant: str,
+    progress: BuildProgress,
+    archs: tuple[str, ...] = (),
+    builder: list[str] | None = None,
+    nice: int = 0,
 ) -> BuiltBundle:
-    """Build (or find built) the bundle in a child process; StokerError with the builder's
-    reason (bundle_build_failed, source_digest_mismatch...) and its evidence if it fails."""
+    """Build (or find built) the bundle in a child process, at `nice` (inherited by cmake and
+    the compilers); StokerError with the builder's reason (bundle_build_failed,
+    source_digest_mismatch...) and its evidence if it fails."""
     argv = build_command(backend, variant, archs=archs, builder=builder)
     stdout = bytearray()
     tail: list[str] = []
@@ -359,6 +371,7 @@ async def run_build(
                     start_new_session=True,  # its own group: a kill reaches cmake and the compilers
                     deliver_cancel=stop_on_cancel(KILL_GRACE_S),
                     env=record.env(),
+                    preexec_fn=(lambda: os.nice(nice)) if nice else None,
                     task_status=task_status,
                 )
             )
@@ -443,7 +456,11 @@ async def toolchain_attempt(
 
 
 async def build_attempt(
-    effect: IE.BuildBundle, progress: BuildProgress, archs: tuple[str, ...] = (), builder: list[str] | None = None
+    effect: IE.BuildBundle,
+    progress: BuildProgress,
+    archs: tuple[str, ...] = (),
+    builder: list[str] | None = None,
+    nice: int = 0,
 ) -> tuple[I.Resolved, ManifestEntry]:
     """Build from the pinned source for `archs` (empty: the builder's default); progress
     figures {phase, source, line, step, percent}."""
@@ -451,7 +468,7 @@ async def build_attempt(
     def figures(fig: dict[str, Any]) -> None:
         progress({"phase": "building", "source": Source.LOCAL_BUILD.value, **fig})
 
-    built = await run_build(effect.backend, effect.variant, figures, archs, builder)
+    built = await run_build(effect.backend, effect.variant, figures, archs, builder, nice)
     entry = await trio.to_thread.run_sync(entry_for_zip, built.zip_path)
     evidence = {"cache_key": built.cache_key, "cached": built.cached, "build_seconds": built.seconds, "log": built.log}
     if archs:

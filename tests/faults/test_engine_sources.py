@@ -52,8 +52,43 @@ async def test_a_build_cancelled_with_the_daemon_leaves_no_process_and_no_lock(t
         what="the build's process group to be killed",
         detail=lambda: f"{sleepers()}",
     )
-    with open(tmp_path / "cache" / "builds" / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: the next build is not blocked
+    locks = sorted((tmp_path / "cache" / "builds").glob(".*.lock"))
+    assert locks, "the build took no lock"
+    for path in locks:
+        with open(path, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: the next build is not blocked
+
+
+async def test_two_engines_build_side_by_side_and_one_recipe_once(tmp_path, monkeypatch):
+    """The CPU engine a first run serves with is not queued behind a GPU engine built beside
+    it: builds of two recipes run at once; a second build of the same recipe waits for the
+    first and finds it built."""
+    marker = f"{os.getpid() % 1000 + 5000}"  # a sleep no one else runs
+    tree = tmp_path / "slow"
+    tree.mkdir()
+    (tree / "main.c").write_text(FAKE_MAIN)
+    (tree / "CMakeLists.txt").write_text(f"execute_process(COMMAND sleep {marker})\n" + FAKE_CMAKE)
+    monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("STOKER_BUILD_SOURCE", f"dir:{tree}#build=7&commit=slow")
+
+    def sleepers() -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", marker]]
+
+    said: list[str] = []
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            for variant in ("compat", "avx2", "compat"):
+                nursery.start_soon(run_build, "cpu", variant, lambda fig: said.append(fig["line"]))
+            await until(lambda: len(sleepers()) == 2, timeout=60, what="both recipes configuring at once")
+            await until(
+                lambda: "the same engine build is running; waiting for it" in said,
+                timeout=30,
+                what="the second compat build to wait",
+                detail=lambda: f"{said}",
+            )
+            assert len(sleepers()) == 2  # not three: one recipe builds once
+            nursery.cancel_scope.cancel()
+    await until(lambda: sleepers() == [], timeout=10, what="the builds' process groups to be killed")
 
 
 async def test_a_build_whose_starter_was_killed_is_ended_by_the_next_daemon(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ request sent during the switch, and the conversation saved on the CPU is restore
 
 from __future__ import annotations
 
+import os
 import threading
 
 import attrs
@@ -69,6 +70,9 @@ def test_the_cpu_serves_while_the_gpu_engine_is_built_then_the_model_switches_wi
     # At once on the CPU, while the FakeGPU build waits: the reason says a GPU engine is built.
     st = d.wait_for(building, timeout=180, what="the CPU serving while the FakeGPU engine is built")
     wait_until(lambda: (build / "started").exists(), timeout=60, what="the FakeGPU build to start")
+    # The build yields the CPU to the engine that serves meanwhile.
+    wait_until(lambda: (build / "started").read_text().strip(), timeout=10, what="the build's niceness")
+    assert int((build / "started").read_text()) >= os.nice(0) + 10
     assert st["backend"] == "cpu" and st["fallback_reason"] == "gpu_engine_building"
     (fake,) = [f for f in st["fallbacks"] if f["backend"] == "fakegpu"]
     assert fake["reason"] == "gpu_engine_building" and fake["evidence"]["source"] == "local-build"
