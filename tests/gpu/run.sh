@@ -44,4 +44,8 @@ mkdir -p "$SITE/stoker"
 for d in daemon states store tui; do ln -sfn "$ROOT/$d" "$SITE/stoker/$d"; done
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+if [ "${1:-}" = bench ]; then  # a benchmark with the same environment: run.sh bench NAME ARGS
+    shift; name=$1; shift
+    exec "$PY" "tests/bench/$name.py" "$@"
+fi
 exec "$PY" tests/gpu/verify_gpu.py "$@"

@@ -5,6 +5,8 @@
     tests/gpu/run.sh build-bg            start `build` in its own session and return
     tests/gpu/run.sh build               the CUDA (ada-hopper family: 89-real;90-real) and CPU bundles, in parallel
     tests/gpu/run.sh verify [--only S]   every stage below; results under $OUT (or the work dir)
+    tests/gpu/run.sh upgrade             an empty home: the CPU serves now, CUDA built beside (upgrade_stage.py)
+    tests/gpu/run.sh bench NAME ARGS     tests/bench/NAME.py ARGS with the same environment
 
 Stages of `verify` (each one PASS, FAIL or SKIP with its evidence in results.json):
   machine      nvidia-smi, NVML, nvcc, where the CUDA libraries come from
@@ -1744,6 +1746,9 @@ def main() -> int:
     for name in ("build", "build-bg"):
         p = sub.add_parser(name)
         p.add_argument("--backends", nargs="+", default=["cuda", "cpu"])
+    p = sub.add_parser("upgrade")
+    p.add_argument("--timeout", type=float, default=1500)
+    p.add_argument("--seed-builds", type=Path, default=None, help="copy this build cache's entries in first")
     p = sub.add_parser("wait-build")
     p.add_argument("--timeout", type=float, default=540)
     for name in ("verify", "all"):
@@ -1755,6 +1760,13 @@ def main() -> int:
         p.add_argument("--speed-gib", type=float, default=2.0, help="the speed stage's model size")
         p.add_argument("--keep", action="store_true", help="merge into an earlier results.json")
     args = ap.parse_args()
+    if args.cmd == "upgrade":  # an empty home on a GPU: serve on the CPU now, switch to CUDA built beside
+        from tests.gpu.upgrade_stage import run as upgrade
+
+        WORK.mkdir(parents=True, exist_ok=True)
+        OUT.mkdir(parents=True, exist_ok=True)
+        upgrade(WORK, OUT, CARRY, args.timeout, args.seed_builds)
+        return 0
     if args.cmd == "setup":
         return cmd_setup(args)
     if args.cmd == "build":
