@@ -231,9 +231,9 @@ def answers() -> FitCache:
     return _CACHE
 
 
-def _file_id(path: str | Path) -> FitFileId:
+def _file_id(path: str | Path, content_id: str | None = None) -> FitFileId:
     st = os.stat(path)
-    return FitFileId(str(path), st.st_size, st.st_mtime_ns)
+    return FitFileId(str(path), st.st_size, content_id or f"mtime:{st.st_mtime_ns}")
 
 
 def _printed(
@@ -269,18 +269,20 @@ def project(
     *,
     fit_first: bool = False,
     room: FitRoom | None = None,
+    model_id: str | None = None,
     timeout: float = FIT_TIMEOUT_S,
 ) -> FitProjection:
     """The fitter's projection of `model` with `args` (the plan's memory-shaping arguments):
     with `fit_first`, of the arguments the engine would fit to `room` (the free device memory
     read for the plan): the projection of `args` themselves when they fit whole
     (states/fallback/fit_reuse.py `fits_whole`: one run, no fit), else of the fitted ones.
-    Every answer is kept by its key and reused (`FitCache`). Blocking (run it in a thread);
+    Every answer is kept by its key (the model by `model_id`, its content id, where given; else
+    by its mtime) and reused (`FitCache`). Blocking (run it in a thread);
     FitFailed when it does not answer within `timeout` seconds in all."""
     if not os.access(tool, os.X_OK):
         raise FitFailed(f"{tool} is not an executable file")
     started = time.monotonic()
-    ids = (_file_id(tool), _file_id(model))
+    ids = (_file_id(tool), _file_id(model, model_id))
     base = [str(tool), "-m", str(model), *args]
 
     def left() -> float:

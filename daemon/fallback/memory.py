@@ -39,6 +39,7 @@ from stoker.daemon.bundles.installed import InstalledBundle
 from stoker.daemon.engine.fit import FitFailed, memory_args, project
 from stoker.daemon.engine.process import ServerSpec, server_env
 from stoker.daemon.models.facts import model_facts, read_header, vocab_size
+from stoker.daemon.models.identity import model_identity
 from stoker.states.fallback.fit_reuse import FitRoom
 from stoker.states.launch.records import FITTER, STOKER_ESTIMATE, LaunchPlan, MemoryEstimate
 
@@ -94,6 +95,15 @@ def server_outputs_correction(plan: LaunchPlan, parts: dict[str, dict[str, float
     device = max(parts, key=lambda name: parts[name].get("compute", 0.0))
     taken = min(extra, parts[device].get("compute", 0.0))
     return (device, round(taken, 1)) if taken >= 1 else None
+
+
+def _content_id(plan: LaunchPlan) -> str | None:
+    """The model file's content id (the one snapshots use, cached; milliseconds), which keys
+    the fitter's answers: a file touched without a change keeps them. None where unreadable."""
+    try:
+        return model_identity(plan.model_path).model_id
+    except (OSError, ValueError):
+        return None
 
 
 def fitter_of(bundle: InstalledBundle) -> Path | None:
@@ -192,7 +202,7 @@ def estimate_memory(plan: LaunchPlan, bundle: InstalledBundle, room: FitRoom | N
         ctx = kv_context(plan)
         args = fitter_args(plan, ctx)
         try:
-            found = project(tool, plan.model_path, args, env, fit_first=fit_first, room=room)
+            found = project(tool, plan.model_path, args, env, fit_first=fit_first, room=room, model_id=_content_id(plan))
         except (FitFailed, OSError, ValueError) as err:
             detail = f"llama-fit-params did not answer: {err}"
             log.warning("%s; Stoker estimates %s's memory itself", detail, plan.model_path)

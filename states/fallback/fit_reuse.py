@@ -8,8 +8,9 @@ an H200), so an answer is kept (daemon/engine/fit.py `FitCache`, in memory and i
 the daemon's data dir, so a restarted daemon has it too) by what decides it:
 
 - a projection by `projection_key`: the fitter's identity (path, size, mtime: a new bundle
-  is another fitter), the model's (path, size, mtime: a changed file is another model), the
-  arguments and the environment;
+  is another fitter), the model's (path, size and content id, the one snapshots use: a file
+  whose bytes changed is another model; one only touched is not), the arguments and the
+  environment;
 - a fit by `fit_key`: the same, plus the free memory of each device rounded down to
   `FREE_BAND_MIB` (another process taking or freeing a band's worth fits anew).
 
@@ -35,11 +36,13 @@ FREE_BAND_MIB = 512
 
 @attrs.frozen
 class FileId:
-    """A file as the fitter's answer depends on it: where, how big, when last written."""
+    """A file as the fitter's answer depends on it: where, how big, and which version: the
+    model's content id where known (daemon/models/identity.py: its header and sampled blocks,
+    so a file touched or copied over with the same bytes keeps its answers), else its mtime."""
 
     path: str
     size: int
-    mtime_ns: int
+    version: str
 
 
 def free_bands(free_mib: Mapping[int, int]) -> tuple[tuple[int, int], ...]:

@@ -75,7 +75,7 @@ def test_a_daemon_started_again_reuses_the_answers_kept_in_its_data_dir(fitter, 
 def test_a_changed_model_file_runs_it_again_once(fitter):
     tool, model, log, _ = fitter
     fit.project(tool, model, ARGS, {}, fit_first=True, room=H200)
-    model.write_bytes(b"GGUF" + b"\0" * 80)  # rewritten: another size and mtime
+    model.write_bytes(b"GGUF" + b"\0" * 80)  # rewritten: another size and mtime (no content id given)
     fit.project(tool, model, ARGS, {}, fit_first=True, room=H200)
     assert len(runs(log)) == 2  # one run for each file, never a projection after a fit
 
@@ -103,3 +103,20 @@ def test_fits_whole_keeps_the_engines_margin_and_the_runtimes_share():
 
 def test_free_memory_is_compared_in_bands():
     assert free_bands({1: 1023, 0: 143_000}) == ((0, 142_848), (1, 512))
+
+
+def test_a_model_touched_without_a_change_keeps_its_answers_by_its_content_id(fitter, tmp_path):
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
+    from stoker.daemon.fallback.memory import _content_id
+    from stoker.states.launch.records import LaunchPlan
+
+    tool, _, log, _ = fitter
+    model = write_tiny_model(tmp_path / "tiny.gguf")
+    plan = LaunchPlan("cuda", "x", "/b", "/b/llama-server", str(model))
+    first = _content_id(plan)
+    fit.project(tool, model, ARGS, {}, fit_first=True, room=H200, model_id=first)
+    st = model.stat()
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched: same bytes
+    assert _content_id(plan) == first
+    fit.project(tool, model, ARGS, {}, fit_first=True, room=H200, model_id=_content_id(plan))
+    assert len(runs(log)) == 1
