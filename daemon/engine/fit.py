@@ -13,8 +13,8 @@ for a 13 GiB one) and prints either
 
 Stoker asks the first for every plan (the projection placement decides with) and, for a GPU
 plan whose layers the engine fits (`-ngl auto`) and that does not fit whole, the second first,
-so that the projection is for the layers the server will really place. The program gets the server's environment and an
-empty working directory (ggml loads backend libraries from the cwd), and only the arguments it
+so that the projection is for the layers the server will really place. The program gets the
+server's environment and an empty working directory (ggml loads backend libraries from the cwd), and only the arguments it
 accepts that shape memory (the server's own, such as --alias or --metrics, would make it exit).
 Figures are whole MiB, rounded down by the engine.
 
@@ -37,6 +37,7 @@ import logging
 import os
 import re
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -179,6 +180,7 @@ class FitCache:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
         self._answers: dict[str, Any] | None = None
+        self._lock = threading.Lock()  # plans of several models ask from their own threads
         self.runs = 0  # fitter runs made for this cache (tests and the benchmark read it)
 
     def _loaded(self) -> dict[str, Any]:
@@ -194,9 +196,14 @@ class FitCache:
         return self._answers
 
     def get(self, key: str) -> Any:
-        return self._loaded().get(key)
+        with self._lock:
+            return self._loaded().get(key)
 
     def put(self, key: str, answer: Any) -> None:
+        with self._lock:
+            self._put(key, answer)
+
+    def _put(self, key: str, answer: Any) -> None:
         answers = self._loaded()
         answers.pop(key, None)
         answers[key] = answer
