@@ -202,7 +202,9 @@ def estimate_memory(plan: LaunchPlan, bundle: InstalledBundle, room: FitRoom | N
         ctx = kv_context(plan)
         args = fitter_args(plan, ctx)
         try:
-            found = project(tool, plan.model_path, args, env, fit_first=fit_first, room=room, model_id=_content_id(plan))
+            found = project(
+                tool, plan.model_path, args, env, fit_first=fit_first, room=room, model_id=_content_id(plan)
+            )
         except (FitFailed, OSError, ValueError) as err:
             detail = f"llama-fit-params did not answer: {err}"
             log.warning("%s; Stoker estimates %s's memory itself", detail, plan.model_path)

@@ -67,13 +67,17 @@ def fit_key(
     return "fit:" + _digest(tool, model, list(argv), sorted(env.items()), free_bands(free_mib))
 
 
+def _by_device(value: Mapping[int, int]) -> dict[int, int]:
+    return dict(sorted(dict(value).items()))
+
+
 @attrs.frozen
 class FitRoom:
     """What the engine's fit at start compares a projection with: the free MiB of each device
     the server may use (one reading), the margin it keeps free on each (-fitt), and the share
     the GPU runtime takes of each before any model (Backend.runtime_reserve_mib)."""
 
-    free_mib: Mapping[int, int] = attrs.field(converter=lambda m: dict(sorted(dict(m).items())))
+    free_mib: dict[int, int] = attrs.field(converter=_by_device)
     margin_mib: int = 1024
     reserve_mib: int = 0
 

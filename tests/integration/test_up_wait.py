@@ -115,7 +115,11 @@ def test_up_wait_returns_on_the_ready_event_twice_in_a_row(daemon, model, tmp_pa
         assert json.loads(first.stdout)["state"] == "ready"
         frames = relay.take()
         assert len(asked(frames, "subscribe")) == 1, "it waits on the daemon's events"
-        launch = [f for f in frames if f[2] == "told" and str(f[3].get("params", {}).get("topic", "")).startswith("machine.launch.")]
+        launch = [
+            f
+            for f in frames
+            if f[2] == "told" and str(f[3].get("params", {}).get("topic", "")).startswith("machine.launch.")
+        ]
         ready = [f for f in launch if f[3]["params"]["topic"] == "machine.launch.ready"]
         assert ready, "the ready event reached it"
         statuses = asked(frames, "status")
