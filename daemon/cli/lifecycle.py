@@ -332,11 +332,13 @@ def wait_for_settled(as_json: bool, timeout: float, model: str | None = None) ->
     """Until the model's server is ready or has settled in failure (or time is up): the last
     status reply as sent, and as its record. It subscribes to the daemon's events first, then
     asks status, and asks again only when a launch machine moves (`machine.launch.*`), so ready
-    is seen as the daemon publishes it, with no polling in between."""
+    is seen as the daemon publishes it, with no polling in between (only a stream the daemon
+    dropped, its reader having fallen behind, leaves the rest of the time to polling)."""
     import threading
 
     from stoker.daemon.control.status_records import Status
 
+    deadline = time.monotonic() + timeout
     with reported(as_json):
         events = _client(timeout=10.0).subscribe()
     # The stream blocks until the next event: time up closes it, and the last status stands.
@@ -353,10 +355,15 @@ def wait_for_settled(as_json: bool, timeout: float, model: str | None = None) ->
                 reply, st = ask("status", as_json, Status, **_named(model))
                 if st.state in READY_STATES | SETTLED_FAILURES:
                     return reply, st
-        return ask("status", as_json, Status, **_named(model))
     finally:
         timer.cancel()
         events.close()
+    # The stream ended before time was up (it fell behind and was dropped): poll what is left.
+    while True:
+        reply, st = ask("status", as_json, Status, **_named(model))
+        if st.state in READY_STATES | SETTLED_FAILURES or time.monotonic() > deadline:
+            return reply, st
+        time.sleep(0.2)
 
 
 def _finish(as_json: bool, reply: Any, st: Status, want: str) -> None:
