@@ -39,7 +39,7 @@ def fitter(tmp_path: Path):
     tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
     model = tmp_path / "model.gguf"
     model.write_bytes(b"GGUF" + b"\0" * 60)
-    cache = fit.keep_answers_in(tmp_path / "data" / fit.CACHE_FILE)
+    cache = fit.keep_answers_in(tmp_path / fit.CACHE_FILE)
     yield tool, model, log, cache
     fit.keep_answers_in(None)
 
