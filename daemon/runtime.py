@@ -58,6 +58,9 @@ from stoker.daemon.core.errors import StokerError
 from stoker.daemon.core.events import EventBus
 from stoker.daemon.core.machines import EffectDriver, MachineRunner
 from stoker.daemon.core.paths import StokerPaths
+from stoker.daemon.engine.fit import CACHE_FILE as FIT_CACHE_FILE
+from stoker.daemon.engine.fit import keep_answers_in
+from stoker.daemon.models.facts import keep_layouts_in
 from stoker.daemon.core.pidlock import acquire_lock, data_dir_unwritable
 from stoker.daemon.core.store_keeper import serve_store_keeper
 from stoker.daemon.engine.launch_records import runs_root, stop_abandoned
@@ -478,6 +481,9 @@ async def run_daemon(
         raise data_dir_unwritable(paths.data_dir, exc) from None
     lock_fd = acquire_lock(paths.lock_file)
     try:
+        # The engine fitter's answers, kept across daemons (daemon/engine/fit.py FitCache).
+        keep_answers_in(paths.data_dir / FIT_CACHE_FILE)
+        keep_layouts_in(paths.data_dir / "gguf-headers.json")  # the GGUF headers parsed, likewise
         store = open_store(paths.db_file)
         config, problems = load_initial_config(paths)
         daemon = Daemon(paths, store, EventBus(), config)

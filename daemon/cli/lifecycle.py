@@ -329,11 +329,36 @@ def status(model: str | None, as_json: bool) -> None:
 
 
 def wait_for_settled(as_json: bool, timeout: float, model: str | None = None) -> tuple[Any, Status]:
-    """Poll status until the model's server is ready or has settled in failure (or time is up):
-    the last reply as sent, and as its record."""
+    """Until the model's server is ready or has settled in failure (or time is up): the last
+    status reply as sent, and as its record. It subscribes to the daemon's events first, then
+    asks status, and asks again only when a launch machine moves (`machine.launch.*`), so ready
+    is seen as the daemon publishes it, with no polling in between (only a stream the daemon
+    dropped, its reader having fallen behind, leaves the rest of the time to polling)."""
+    import threading
+
     from stoker.daemon.control.status_records import Status
 
     deadline = time.monotonic() + timeout
+    with reported(as_json):
+        events = _client(timeout=10.0).subscribe()
+    # The stream blocks until the next event: time up closes it, and the last status stands.
+    timer = threading.Timer(max(0.0, timeout), events.close)
+    timer.daemon = True
+    timer.start()
+    try:
+        reply, st = ask("status", as_json, Status, **_named(model))
+        if st.state in READY_STATES | SETTLED_FAILURES:
+            return reply, st
+        for event in events:
+            topic = str(event.get("topic", ""))
+            if topic.startswith("machine.launch.") or topic == "dropped":
+                reply, st = ask("status", as_json, Status, **_named(model))
+                if st.state in READY_STATES | SETTLED_FAILURES:
+                    return reply, st
+    finally:
+        timer.cancel()
+        events.close()
+    # The stream ended before time was up (it fell behind and was dropped): poll what is left.
     while True:
         reply, st = ask("status", as_json, Status, **_named(model))
         if st.state in READY_STATES | SETTLED_FAILURES or time.monotonic() > deadline:

@@ -12,31 +12,43 @@ for a 13 GiB one) and prints either
                      them to the free device memory it reads now (exit 1 when nothing fits).
 
 Stoker asks the first for every plan (the projection placement decides with) and, for a GPU
-plan whose layers the engine fits (`-ngl auto`), the second first, so that the projection is
-for the layers the server will really place. The program gets the server's environment and an
-empty working directory (ggml loads backend libraries from the cwd), and only the arguments it
+plan whose layers the engine fits (`-ngl auto`) and that does not fit whole, the second first,
+so that the projection is for the layers the server will really place. The program gets the
+server's environment and an empty working directory (ggml loads backend libraries from the cwd), and only the arguments it
 accepts that shape memory (the server's own, such as --alias or --metrics, would make it exit).
 Figures are whole MiB, rounded down by the engine.
 
 A projection for given arguments depends only on the program, the model file and the arguments
-(not on the free memory: only fitting does), so it is kept, by those, for the daemon's life: a
-model loaded again (an eviction swapped it out, an idle unload) pays nothing. Measured on this
+(not on the free memory: only fitting does); a fit depends on those and the free memory. Both
+are kept (`FitCache`: in memory and in fit-cache.json under the daemon's data dir, so a daemon
+started again has them) by the keys states/fallback/fit_reuse.py makes, and reused: a model
+loaded again (an eviction swapped it out, an idle unload, a new daemon) runs no fitter. A
+`-ngl auto` plan asks the projection of its own arguments first and runs the fit only when
+those do not fit whole (`fits_whole`), so one plan runs the fitter once where the engine would
+fit nothing away, and never where its answers are kept. Measured on this
 2-core machine: 0.05 s for the tiny test model, 0.45 s for SmolLM2-135M, 2.0 s for Gemma 3 270M
 (its 262k-token vocabulary); 0.4-0.5 s per run with CUDA on an H200 (its initialisation).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import subprocess
+import threading
 import time
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import attrs
 
 from stoker.daemon.engine.launch_records import launch_record
+from stoker.states.fallback.fit_reuse import FileId as FitFileId
+from stoker.states.fallback.fit_reuse import FitRoom, fit_key, fits_whole, projection_key
+
+log = logging.getLogger(__name__)
 
 # How long the fitter may take before Stoker gives up on it and estimates itself.
 FIT_TIMEOUT_S = 30.0
@@ -71,6 +83,9 @@ class FitProjection:
     fitted_args: tuple[str, ...] = ()
     argv: tuple[str, ...] = ()
     seconds: float = 0.0
+    # Where it fitted (fitted_args): the projection of the arguments as given first, every
+    # layer on the GPU for -ngl auto (what the whole model would take); None where not asked.
+    whole: dict[str, dict[str, float]] | None = None
 
     @property
     def host_mib(self) -> float:
@@ -154,23 +169,102 @@ def _run(argv: Sequence[str], env: Mapping[str, str], timeout: float) -> str:
     return done.stdout
 
 
-# (program, model file, its size and mtime, arguments, environment) -> the printed projection.
-_PROJECTIONS: dict[tuple[object, ...], dict[str, dict[str, float]]] = {}
-_KEPT = 64
+class FitCache:
+    """The fitter's answers by their keys (states/fallback/fit_reuse.py): in memory, and in a
+    JSON file when given one (the daemon's data dir), so a restarted daemon reuses them. The
+    file is written whole (a temporary file renamed over it), 0600; one that cannot be read
+    is started afresh; past `KEPT` answers the oldest go."""
+
+    KEPT = 256
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path
+        self._answers: dict[str, Any] | None = None
+        self._lock = threading.Lock()  # plans of several models ask from their own threads
+        self.runs = 0  # fitter runs made for this cache (tests and the benchmark read it)
+
+    def _loaded(self) -> dict[str, Any]:
+        if self._answers is None:
+            self._answers = {}
+            if self.path is not None:
+                try:
+                    found = json.loads(self.path.read_text())
+                    if isinstance(found, dict):
+                        self._answers = found
+                except (OSError, ValueError):
+                    pass
+        return self._answers
+
+    def get(self, key: str) -> Any:
+        with self._lock:
+            return self._loaded().get(key)
+
+    def put(self, key: str, answer: Any) -> None:
+        with self._lock:
+            self._put(key, answer)
+
+    def _put(self, key: str, answer: Any) -> None:
+        answers = self._loaded()
+        answers.pop(key, None)
+        answers[key] = answer
+        while len(answers) > self.KEPT:
+            answers.pop(next(iter(answers)))
+        if self.path is None:
+            return
+        try:
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                json.dump(answers, fh)
+            os.replace(tmp, self.path)
+        except OSError as err:  # kept in memory still; the next daemon runs the fitter again
+            log.warning("the fitter's answers could not be kept in %s: %s", self.path, err)
+
+
+# The daemon's cache (keep_answers_in points it at its data dir at start); in memory until then.
+_CACHE = FitCache()
+CACHE_FILE = "fit-cache.json"
+
+
+def keep_answers_in(path: Path | None) -> FitCache:
+    """Keep the fitter's answers in `path` from now on (None: in memory only); the cache."""
+    global _CACHE
+    _CACHE = FitCache(path)
+    return _CACHE
+
+
+def answers() -> FitCache:
+    return _CACHE
+
+
+def _file_id(path: str | Path, content_id: str | None = None) -> FitFileId:
+    st = os.stat(path)
+    return FitFileId(str(path), st.st_size, content_id or f"mtime:{st.st_mtime_ns}")
 
 
 def _printed(
-    argv: Sequence[str], model: str | Path, env: Mapping[str, str], timeout: float
+    argv: Sequence[str], ids: tuple[FitFileId, FitFileId], env: Mapping[str, str], timeout: float
 ) -> dict[str, dict[str, float]]:
-    stat = os.stat(model)
-    key = (tuple(argv), stat.st_size, stat.st_mtime_ns, tuple(sorted(env.items())))
-    found = _PROJECTIONS.get(key)
-    if found is None:
+    key = projection_key(*ids, argv[1:], env)
+    found = _CACHE.get(key)
+    if not isinstance(found, dict):
+        _CACHE.runs += 1
         found = parse_printed(_run(argv, env, timeout))
-        if len(_PROJECTIONS) >= _KEPT:
-            _PROJECTIONS.pop(next(iter(_PROJECTIONS)))
-        _PROJECTIONS[key] = found
-    return {name: dict(part) for name, part in found.items()}
+        _CACHE.put(key, found)
+    return {str(name): {k: float(v) for k, v in part.items()} for name, part in found.items()}
+
+
+def _fitted(
+    argv: Sequence[str], ids: tuple[FitFileId, FitFileId], env: Mapping[str, str], room: FitRoom | None, timeout: float
+) -> list[str]:
+    key = fit_key(*ids, argv[1:], env, room.free_mib if room else {})
+    found = _CACHE.get(key) if room is not None else None  # no reading: no band to key it by
+    if not isinstance(found, list):
+        _CACHE.runs += 1
+        found = parse_fitted(_run(argv, env, timeout))
+        if room is not None:
+            _CACHE.put(key, found)
+    return [str(item) for item in found]
 
 
 def project(
@@ -180,18 +274,36 @@ def project(
     env: Mapping[str, str],
     *,
     fit_first: bool = False,
+    room: FitRoom | None = None,
+    model_id: str | None = None,
     timeout: float = FIT_TIMEOUT_S,
 ) -> FitProjection:
-    """Run the fitter on `model` with `args` (the plan's memory-shaping arguments): with
-    `fit_first`, fit them to the free device memory first and project those. Blocking (run it
-    in a thread); FitFailed when it does not answer within `timeout` seconds in all."""
+    """The fitter's projection of `model` with `args` (the plan's memory-shaping arguments):
+    with `fit_first`, of the arguments the engine would fit to `room` (the free device memory
+    read for the plan): the projection of `args` themselves when they fit whole
+    (states/fallback/fit_reuse.py `fits_whole`: one run, no fit), else of the fitted ones.
+    Every answer is kept by its key (the model by `model_id`, its content id, where given; else
+    by its mtime) and reused (`FitCache`). Blocking (run it in a thread);
+    FitFailed when it does not answer within `timeout` seconds in all."""
     if not os.access(tool, os.X_OK):
         raise FitFailed(f"{tool} is not an executable file")
     started = time.monotonic()
+    ids = (_file_id(tool), _file_id(model, model_id))
     base = [str(tool), "-m", str(model), *args]
+
+    def left() -> float:
+        return max(1.0, timeout - (time.monotonic() - started))
+
     fitted: list[str] = []
+    whole: dict[str, dict[str, float]] | None = None
     if fit_first:
-        fitted = parse_fitted(_run(base, env, timeout))
+        whole_argv = [*base, "--fit-print", "on"]
+        if room is not None:
+            whole = _printed(whole_argv, ids, env, left())
+            devices = {name: float(sum(p.values())) for name, p in whole.items() if name != HOST}
+            if fits_whole(devices, room):
+                return FitProjection(whole, (), tuple(whole_argv), round(time.monotonic() - started, 3))
+        fitted = _fitted(base, ids, env, room, left())
     argv = [*base, *fitted, "--fit-print", "on"]
-    parts = _printed(argv, model, env, max(1.0, timeout - (time.monotonic() - started)))
-    return FitProjection(parts, tuple(fitted), tuple(argv), round(time.monotonic() - started, 3))
+    parts = _printed(argv, ids, env, left())
+    return FitProjection(parts, tuple(fitted), tuple(argv), round(time.monotonic() - started, 3), whole)

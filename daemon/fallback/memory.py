@@ -4,7 +4,7 @@ The complete plan (daemon/fallback/launch_plan.py) is handed to the bundle's lla
 (daemon/engine/fit.py) with the same model, context, slots' context, GPU layers, devices and
 memory-shaping arguments the server will get, in the server's environment; its projection
 (host and each device: model, context, compute) is recorded in the plan as `memory`, with
-`source` "llama-fit-params". Where the bundle has no fitter (built before BUILDER_REVISION 2) or
+`source` "llama-fit-params" (its answers are kept and reused: states/fallback/fit_reuse.py). Where the bundle has no fitter (built before BUILDER_REVISION 2) or
 it fails (exit status, timeout, output not read), Stoker estimates: the model file's size plus
 the KV cache at that context from the GGUF header (`kv_bytes_per_token_f16`), `source`
 "stoker", `partial` (it has no compute buffers), and `detail` says why the fitter did not
@@ -39,6 +39,8 @@ from stoker.daemon.bundles.installed import InstalledBundle
 from stoker.daemon.engine.fit import FitFailed, memory_args, project
 from stoker.daemon.engine.process import ServerSpec, server_env
 from stoker.daemon.models.facts import model_facts, read_header, vocab_size
+from stoker.daemon.models.identity import model_identity
+from stoker.states.fallback.fit_reuse import FitRoom
 from stoker.states.launch.records import FITTER, STOKER_ESTIMATE, LaunchPlan, MemoryEstimate
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,15 @@ def server_outputs_correction(plan: LaunchPlan, parts: dict[str, dict[str, float
     device = max(parts, key=lambda name: parts[name].get("compute", 0.0))
     taken = min(extra, parts[device].get("compute", 0.0))
     return (device, round(taken, 1)) if taken >= 1 else None
+
+
+def _content_id(plan: LaunchPlan) -> str | None:
+    """The model file's content id (the one snapshots use, cached; milliseconds), which keys
+    the fitter's answers: a file touched without a change keeps them. None where unreadable."""
+    try:
+        return model_identity(plan.model_path).model_id
+    except (OSError, ValueError):
+        return None
 
 
 def fitter_of(bundle: InstalledBundle) -> Path | None:
@@ -155,23 +166,33 @@ def take_off(parts: dict[str, dict[str, float]], correction: tuple[str, float] |
 
 
 def whole_offload(
-    tool: Path, model: str, args: list[str], env: dict[str, str], correction: tuple[str, float] | None
+    tool: Path,
+    model: str,
+    args: list[str],
+    env: dict[str, str],
+    correction: tuple[str, float] | None,
+    whole: dict[str, dict[str, float]] | None = None,
 ) -> dict[str, float]:
-    """The devices' MiB with every layer on the GPU(s) for the plan's arguments `args` (the
-    fitter's projection, kept for the daemon's life like every projection; the same compute
-    correction as the fitted one); empty when the fitter does not answer."""
-    try:
-        found = project(tool, model, [*args, "-ngl", "999"], env)
-    except (FitFailed, OSError, ValueError) as err:
-        log.warning("llama-fit-params did not project every layer of %s on the GPU: %s", model, err)
-        return {}
-    take_off(found.parts, correction)
-    return {name: round(mib, 1) for name, mib in found.devices.items()}
+    """The devices' MiB with every layer on the GPU(s) for the plan's arguments `args`: `whole`,
+    the projection the fit was asked after (no run), else the fitter's (kept like every
+    projection); the same compute correction as the fitted one; empty when it does not answer."""
+    if whole is not None:
+        parts = {name: dict(part) for name, part in whole.items()}
+    else:
+        try:
+            parts = project(tool, model, [*args, "-ngl", "999"], env).parts
+        except (FitFailed, OSError, ValueError) as err:
+            log.warning("llama-fit-params did not project every layer of %s on the GPU: %s", model, err)
+            return {}
+    take_off(parts, correction)
+    return {name: round(sum(p.values()), 1) for name, p in parts.items() if name != "Host"}
 
 
-def estimate_memory(plan: LaunchPlan, bundle: InstalledBundle) -> MemoryEstimate:
-    """The plan's memory: the fitter's projection, else Stoker's estimate saying why. Blocking
-    (runs a program, reads the header): call it in a thread."""
+def estimate_memory(plan: LaunchPlan, bundle: InstalledBundle, room: FitRoom | None = None) -> MemoryEstimate:
+    """The plan's memory: the fitter's projection, else Stoker's estimate saying why; `room`
+    (the free device memory read for the plan, the engine's margin and the runtime's share)
+    lets a `-ngl auto` plan that fits whole skip the fit. Blocking (runs a program, reads the
+    header): call it in a thread."""
     tool = fitter_of(bundle)
     if tool is None:
         detail = f"the {bundle.meta.backend} bundle {bundle.meta.version} has no llama-fit-params"
@@ -181,7 +202,9 @@ def estimate_memory(plan: LaunchPlan, bundle: InstalledBundle) -> MemoryEstimate
         ctx = kv_context(plan)
         args = fitter_args(plan, ctx)
         try:
-            found = project(tool, plan.model_path, args, env, fit_first=fit_first)
+            found = project(
+                tool, plan.model_path, args, env, fit_first=fit_first, room=room, model_id=_content_id(plan)
+            )
         except (FitFailed, OSError, ValueError) as err:
             detail = f"llama-fit-params did not answer: {err}"
             log.warning("%s; Stoker estimates %s's memory itself", detail, plan.model_path)
@@ -200,7 +223,7 @@ def estimate_memory(plan: LaunchPlan, bundle: InstalledBundle) -> MemoryEstimate
             devices = {name: sum(p.values()) for name, p in parts.items() if name != "Host"}
             whole: dict[str, float] = {}
             if found.fitted_args and fitted_short(plan, found.fitted_args, ctx):
-                whole = whole_offload(tool, plan.model_path, args, env, correction)
+                whole = whole_offload(tool, plan.model_path, args, env, correction, found.whole)
                 if whole:
                     said.append(f"every layer at the context asked would take {sum(whole.values()):.0f} MiB of VRAM")
             return MemoryEstimate(
@@ -215,12 +238,12 @@ def estimate_memory(plan: LaunchPlan, bundle: InstalledBundle) -> MemoryEstimate
     return stoker_estimate(plan, detail)
 
 
-async def with_memory(plan: LaunchPlan) -> LaunchPlan:
+async def with_memory(plan: LaunchPlan, room: FitRoom | None = None) -> LaunchPlan:
     """`plan` with its `memory` estimated (in a thread); unchanged when even Stoker's estimate
     cannot be made (no estimate is no reason to refuse a launch)."""
     try:
         bundle = await trio.to_thread.run_sync(InstalledBundle.from_dir, Path(plan.bundle_root))
-        return attrs.evolve(plan, memory=await trio.to_thread.run_sync(estimate_memory, plan, bundle))
+        return attrs.evolve(plan, memory=await trio.to_thread.run_sync(estimate_memory, plan, bundle, room))
     except Exception:
         log.exception("estimating the memory of %s failed", plan.model_path)
         return plan

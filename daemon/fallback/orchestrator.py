@@ -67,6 +67,7 @@ from stoker.daemon.models.pull import PullService
 from stoker.daemon.models.resolve import locate_model
 from stoker.daemon.probes.verdicts import ProbeService
 from stoker.states.fallback import table as F
+from stoker.states.fallback.fit_reuse import FitRoom
 from stoker.states.launch import records as LR
 from stoker.states.fallback.proof import acceleration_verdict
 from stoker.states.fallback.vram import FreeVram, VramCheck
@@ -183,6 +184,10 @@ class FallbackOrchestrator:
     _bundles: dict[str, InstalledBundle] = attrs.field(factory=dict, init=False)
     estimate: LayerEstimate | None = attrs.field(default=None, init=False)
     planned_why: str | None = attrs.field(default=None, init=False)
+    # The last plan's room for the engine's fit (its GPUs' free memory as read for it, the
+    # margin, the runtime's share); None for a CPU plan or no reading. The fitter's answers
+    # are kept by it (daemon/fallback/memory.py, states/fallback/fit_reuse.py).
+    fit_room: FitRoom | None = attrs.field(default=None, init=False)
     lock: trio.Lock = attrs.field(factory=trio.Lock, init=False)
     # Where a build beside runs (the member's nursery; None: waited for like any install), and
     # how a settled server is restarted onto the bundle built (the member's supervisor).
@@ -434,6 +439,7 @@ class FallbackOrchestrator:
         backend, config, model = eff.backend, request.config, request.model
         bundle, plugin = self._bundles[backend], self.backends[backend]
         self.estimate = None
+        self.fit_room = None
         layers: LR.GpuLayers = 0
         devices: tuple[int, ...] = ()
         if backend == LR.CPU_BACKEND:
@@ -443,6 +449,9 @@ class FallbackOrchestrator:
             free = request.free.get(backend)
             margin = fit_margin(config.server.extra_args)
             devices = keeps_to(plugin, layers, eff.devices)
+            if free is not None:
+                read = {i: mib for i, mib in free.mib if not devices or i in devices}
+                self.fit_room = FitRoom(read, margin, plugin.runtime_reserve_mib)
             try:
                 self.estimate = await trio.to_thread.run_sync(
                     estimate, model, config.server.ctx_size, free, devices, plugin.runtime_reserve_mib, margin, layers

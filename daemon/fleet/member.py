@@ -278,7 +278,8 @@ def build_member(served: ServedModel, services: Services, make_room: MakeRoom | 
 
     async def plan(config: Config, effect: LR.MakePlan) -> LR.LaunchPlan:
         async def planned() -> LR.LaunchPlan:
-            return await with_memory(await orchestrator.plan(config, effect))
+            made = await orchestrator.plan(config, effect)
+            return await with_memory(made, orchestrator.fit_room)
 
         first = await planned()
         return first if make_room is None else await make_room(member, first, planned)

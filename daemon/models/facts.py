@@ -5,15 +5,18 @@ for Gemma 3's 262k-token vocabulary on a busy 2-core machine), so this reads onl
 key-value header, skipping arrays without decoding them, with the GGUF format's value type ids
 (`ValueType`: the gguf package's `GGUFValueType`, which tests/unit/test_snapshots.py holds it
 to, copied so that the daemon's start does not import gguf and numpy). Results are cached by
-(path, size, mtime).
+(path, size, mtime): in memory, and in the daemon in gguf-headers.json under its data dir, so a
+daemon started again does not parse a header it has parsed before.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import mmap
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -195,11 +198,73 @@ _DEFAULT_ALIGNMENT = 32
 
 
 _LAYOUTS: dict[tuple[str, int, int], GGUFLayout] = {}
+# Where the daemon keeps the layouts it parsed (keep_layouts_in, at its start), so that a daemon
+# started again plans without parsing the header once more (0.07-0.12 s for Gemma 3's 262k-token
+# vocabulary on this 2-core machine); None: in memory only (the CLI, tests).
+_KEPT_FILE: Path | None = None
+_KEPT_MAX = 32
+_KEPT_LOCK = threading.Lock()
+
+
+def keep_layouts_in(path: Path | None) -> None:
+    """Keep parsed layouts in `path` (JSON, 0600, by path, size and mtime) from now on."""
+    global _KEPT_FILE
+    _KEPT_FILE = path
+
+
+def _kept() -> dict[str, Any]:
+    if _KEPT_FILE is None:
+        return {}
+    try:
+        found = json.loads(_KEPT_FILE.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _from_kept(key: str) -> GGUFLayout | None:
+    entry: Any = _kept().get(key)
+    try:
+        return GGUFLayout(
+            dict(entry["meta"]),
+            int(entry["data_offset"]),
+            tuple(int(o) for o in entry["tensor_offsets"]),
+            int(entry["n_params"]),
+            {str(k): int(v) for k, v in entry["array_lengths"].items()},
+        )
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return None  # none kept, or not one this code wrote: parsed again
+
+
+def _keep(key: str, layout: GGUFLayout) -> None:
+    if _KEPT_FILE is None:
+        return
+    with _KEPT_LOCK:
+        kept = _kept()
+        kept.pop(key, None)
+        kept[key] = {
+            "meta": layout.meta,
+            "data_offset": layout.data_offset,
+            "tensor_offsets": list(layout.tensor_offsets),
+            "n_params": layout.n_params,
+            "array_lengths": layout.array_lengths,
+        }
+        while len(kept) > _KEPT_MAX:
+            kept.pop(next(iter(kept)))
+        try:
+            tmp = _KEPT_FILE.with_name(f".{_KEPT_FILE.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                json.dump(kept, fh)
+            os.replace(tmp, _KEPT_FILE)
+        except (OSError, TypeError, ValueError):
+            pass  # kept in memory still
 
 
 def read_layout(path: str | Path) -> GGUFLayout:
     """The header and the tensor infos (names, shapes and types skipped over), not the data;
-    cached by path, size and mtime (the plan, the ready hook and the model's identity ask)."""
+    cached by path, size and mtime (the plan, the ready hook and the model's identity ask), in
+    memory and, in the daemon, in a file under its data dir (keep_layouts_in)."""
     path = Path(path)
     st = path.stat()
     key = (str(path), st.st_size, st.st_mtime_ns)
@@ -207,7 +272,12 @@ def read_layout(path: str | Path) -> GGUFLayout:
     if found is None:
         if len(_LAYOUTS) >= 16:
             _LAYOUTS.clear()
-        found = _LAYOUTS[key] = _read_layout(path)
+        text_key = f"{path}|{st.st_size}|{st.st_mtime_ns}"
+        found = _from_kept(text_key)
+        if found is None:
+            found = _read_layout(path)
+            _keep(text_key, found)
+        _LAYOUTS[key] = found
     return found
 
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python tests/bench/daemon_ready.py [--runs 5] [--model PATH]
     .venv/bin/python tests/bench/daemon_ready.py --big-gib 3 --runs 5   # a generated 3 GiB F16 model
+    .venv/bin/python tests/bench/daemon_ready.py --big-gib 1.6 --runs 3 --cli   # and `stoker up --wait`
 
 1. Time-to-ready: the same engine, model and arguments, (a) spawned directly and polled on
    /health every 2 ms until 200, and (b) through the daemon, from the `up` request to the
@@ -13,6 +14,10 @@
    `--big-gib N` writes an 8B-shaped F16 model of about N GiB (tests/bench/bigmodel.py) to
    $TMPDIR and uses it: the case where anything proportional to the model's size shows.
    `--backend cuda` runs a CUDA bundle (built or taken from the cache) on a GPU host.
+   `--cli` adds a third arm, the way a user starts it: `stoker up --wait` as its own process,
+   timed from spawn to exit, against the same direct start; reported with the CLI's own start
+   (a `stoker status` run beside it, spawn to exit: the interpreter, the imports, one round
+   trip) taken off, and with it.
 2. `status` round trips over the socket while a subscriber is attached: p50 and p99 on one
    connection and with a new connection per request, the way the CLI does it (target p99 < 5 ms).
    Skipped with --big-gib.
@@ -179,6 +184,32 @@ def time_daemon(d: DaemonProcess, model: Path | None = None) -> tuple[float, flo
     return elapsed, watch.spawned, watch.healthy
 
 
+STOKER = Path(sys.executable).with_name("stoker")
+
+
+def cli(*args: str) -> list[str]:
+    """The installed `stoker` script, as a user types it (else `python -m stoker.daemon`)."""
+    return [str(STOKER), *args] if STOKER.exists() else [sys.executable, "-m", "stoker.daemon", *args]
+
+
+def time_cli(d: DaemonProcess, model: Path | None = None) -> tuple[float, float]:
+    """`stoker up --wait` from spawn to exit (the model's mtime moved first, as time_daemon
+    does), and a `stoker status` run just before it (the CLI's own start and one round trip)."""
+    if model is not None:
+        st = model.stat()
+        os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    started = time.perf_counter()
+    subprocess.run(cli("status"), env=d.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    own = time.perf_counter() - started
+    started = time.perf_counter()
+    done = subprocess.run(cli("up", "--wait"), env=d.env, capture_output=True, text=True, check=False)
+    took = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"stoker up --wait failed: {done.stdout}{done.stderr}")
+    d.call("down")
+    return took, own
+
+
 def status_rtt(d: DaemonProcess, count: int) -> dict[str, list[float]]:
     """Round trips of `status` while a subscriber is attached."""
     stop = threading.Event()
@@ -221,6 +252,7 @@ def main() -> int:
     ap.add_argument("--no-touch", action="store_true", help="leave the model's mtime alone (a model already seen)")
     ap.add_argument("--status-calls", type=int, default=2000)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--cli", action="store_true", help="add the `stoker up --wait` arm")
     args = ap.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="stoker-bench-"))
@@ -258,6 +290,7 @@ def main() -> int:
         work = home / "direct"
         work.mkdir()
         direct, via_daemon = [], []
+        via_cli: list[tuple[float, float]] = []
         for i in range(args.runs):
             # Both arms start from a model in the page cache (read whole before each), and take
             # turns going first.
@@ -265,10 +298,15 @@ def main() -> int:
                 lambda: direct.append(time_direct(argv, server_env, work)),
                 lambda: via_daemon.append(time_daemon(d, None if args.no_touch else model)),
             ]
+            if args.cli:
+                arms.append(lambda: via_cli.append(time_cli(d, None if args.no_touch else model)))
             for arm in arms if i % 2 == 0 else arms[::-1]:
                 warm(model)
                 arm()
-            print(f"run {i + 1}: direct {direct[-1]:.3f} s, daemon {via_daemon[-1]}", file=sys.stderr)
+            print(
+                f"run {i + 1}: direct {direct[-1]:.3f} s, daemon {via_daemon[-1]}, up --wait {via_cli[-1:]}",
+                file=sys.stderr,
+            )
         ratios = [b[0] / a for a, b in zip(direct, via_daemon)]
         if not args.big_gib:
             d.call("up")
@@ -295,7 +333,10 @@ def main() -> int:
     command = (
         "`.venv/bin/python tests/bench/daemon_ready.py "
         + (f"--big-gib {args.big_gib:g} " if args.big_gib else "")
-        + f"--runs {args.runs}`"
+        + f"--runs {args.runs}"
+        + (" --cli" if args.cli else "")
+        + (" --no-touch" if args.no_touch else "")
+        + "`"
     )
     lines = [
         f"Machine: {machine()}. Engine {bundle.meta.version}, {bundle.meta.backend} variant {bundle.meta.variant}; "
@@ -327,6 +368,24 @@ def main() -> int:
         f"{statistics.median(added) * 1000:.0f} ms (planning and spawning before, the ready hook after).",
         "",
     ]
+    if via_cli:
+        lines += [
+            "### `stoker up --wait` against the same direct start (the CLI as its own process, spawn to exit)",
+            "",
+            "| run | direct (s) | `stoker up --wait` (s) | CLI's own start (s) | ratio, CLI start taken off | ratio, with it |",
+            "|---|---|---|---|---|---|",
+        ]
+        for i, (a, (c, own_s)) in enumerate(zip(direct, via_cli)):
+            lines.append(f"| {i + 1} | {a:.3f} | {c:.3f} | {own_s:.3f} | {(c - own_s) / a:.3f} | {c / a:.3f} |")
+        off = statistics.median((c - own_s) / a for a, (c, own_s) in zip(direct, via_cli))
+        on = statistics.median(c / a for a, (c, _) in zip(direct, via_cli))
+        lines += [
+            "",
+            f"**Median ratio `stoker up --wait` / direct: {off:.3f} with the CLI's own start taken off, {on:.3f} "
+            f"with it** (target <= 1.05 without it: {'met' if off <= 1.05 else 'NOT met'}). The CLI's own start is "
+            "a `stoker status` run just before: the interpreter, the CLI's imports and one round trip.",
+            "",
+        ]
     lines += [
         f"The model's identity for snapshots (daemon/models/identity.py): {ident_s * 1000:.1f} ms, reading "
         f"{ident.bytes_read / 2**10:.0f} KiB of the {size_gib:.2f} GiB file; the sha256 of the whole file that "
@@ -353,6 +412,8 @@ def main() -> int:
         heading = "Daemon time-to-ready and status round trips"
         if args.big_gib:
             heading = f"Daemon time-to-ready on a multi-GB model ({args.big_gib:g} GiB, {bundle.meta.backend})"
+        if args.cli:
+            heading += ", and `stoker up --wait`"
         write_section(heading, text)
     return 0
 

@@ -69,3 +69,31 @@ def test_a_fitter_that_never_answers_is_abandoned_at_its_bound(tmp_path, model):
             return True
 
     wait_until(gone, timeout=5, what=f"the fitter {pid} that ran past its time to be killed")
+
+
+def test_the_fitter_runs_once_for_a_model_across_plans_and_daemons(daemon, installed_cpu_bundle, model, tmp_path):
+    """Its answer is kept under the data dir: a second `up`, a daemon started again and the
+    model file touched with the same bytes run no fitter; its projection still decides."""
+    runs = tmp_path / "runs"
+    replace_fitter(installed_cpu_bundle.root, f'echo run >> "{runs}"\necho "Host 30 2 5"\n')
+
+    def fitter_runs() -> int:
+        return len(runs.read_text().splitlines()) if runs.exists() else 0
+
+    daemon.start()
+    daemon.wait_state("ready")
+    assert fitter_runs() == 1
+    (row,) = models_of(daemon).values()
+    assert row["memory"]["estimate"]["source"] == "llama-fit-params"
+    assert row["memory"]["estimate"]["ram_mib"] == 37.0
+    daemon.call("down")
+    daemon.call("up")
+    daemon.wait_state("ready")
+    daemon.stop()
+    st = model.stat()
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    daemon.start()
+    daemon.wait_state("ready")
+    assert fitter_runs() == 1
+    (row,) = models_of(daemon).values()
+    assert row["memory"]["estimate"]["source"] == "llama-fit-params"
