@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import attrs
 
 from stoker.states.reasons import ReasonCode, ReasonedError, message_for
+from stoker.states.snapshots.policy import drop_state
 
 if TYPE_CHECKING:
     from stoker.store.database import Store
@@ -90,7 +91,7 @@ class DropLog:
                 from_state="saved" if saved else "unsaved",
                 event=event,
                 event_data={k: entry[k] for k in ("snapshot_id", "slot", "slots") if k in entry},
-                to_state="refused" if reason == ReasonCode.SNAPSHOT_CORRUPT else "dropped",
+                to_state=drop_state(reason),
                 data={},
                 reason=str(reason),
                 evidence=entry,

@@ -109,7 +109,9 @@ def fold_sample(catalog: SnapshotCatalog, name: str, sample: float | None) -> No
         log.info("figure %s not kept: %s", name, err.evidence)
 
 
-def fold_restore_wall(catalog: SnapshotCatalog, backend: str | None, where: str, file_bytes: int, seconds: float) -> None:
+def fold_restore_wall(
+    catalog: SnapshotCatalog, backend: str | None, where: str, file_bytes: int, seconds: float
+) -> None:
     """One measured restore (from the daemon's side) into its place's RestoreFit moments."""
     for moment, sample in fit_samples(file_bytes, seconds).items():
         fold_sample(catalog, restore_wall_name(backend, where, moment), sample)

@@ -460,7 +460,9 @@ class SnapshotService:
         if not check.ok:
             evidence = {"checked": check.checked, **check.evidence}
             # Kept (it may be put back), but never silent: in the log, status and history.
-            self.drops.record(ReasonCode.SNAPSHOT_CORRUPT, **{"snapshot_id": rec.id, "slot": slot, **evidence, "why": "file_check"})
+            self.drops.record(
+                ReasonCode.SNAPSHOT_CORRUPT, **{"snapshot_id": rec.id, "slot": slot, **evidence, "why": "file_check"}
+            )
             raise StokerError(ReasonCode.SNAPSHOT_CORRUPT, evidence=evidence)
         if check.revouched is not None:  # moved or copied, and the full digest vouched for it
             self.catalog.update(rec.id, file_mtime_ns=check.revouched.mtime_ns, file_inode=check.revouched.inode)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import attrs
 
 from stoker.states.launch.records import AfterStop
+from stoker.states.reasons import ReasonCode
 
 GIB = 1 << 30
 MB = 1_000_000
@@ -282,6 +283,16 @@ def decide_save(inputs: RestoreInputs, save_mb_s: Figure | None) -> SaveDecision
         return SaveDecision("skip", why, save_s, restore_s, prefill_s)
     why = f"saving (~{save_s:.3f} s) and restoring (~{restore_s:.3f} s) is not slower than re-prefilling (~{prefill_s:.3f} s)"
     return SaveDecision("save", why, save_s, restore_s, prefill_s)
+
+
+# How a snapshot given up reads in `stoker history`: the state it moves to, by reason code (a
+# file the restore's checks refused is kept, since it may be put back; the rest are gone).
+DROP_STATES: dict[ReasonCode, str] = {ReasonCode.SNAPSHOT_CORRUPT: "refused"}
+
+
+def drop_state(reason: ReasonCode) -> str:
+    """The history row's to-state for a drop with this reason code."""
+    return DROP_STATES.get(reason, "dropped")
 
 
 def restore_band(resident: float | None) -> Literal["cache", "disk"] | None:
