@@ -220,14 +220,26 @@ def decisions(d: DaemonProcess, rows: list[dict], backend: str) -> str:
     path chosen against the better of the two measured paths."""
     import sqlite3
 
-    from stoker.daemon.snapshots.figures import prefill_name, restore_name
-    from stoker.states.snapshots.policy import Figure, RestoreInputs, decide_restore, prefill_band, prefill_rate
+    from stoker.daemon.snapshots.figures import prefill_name, restore_name, restore_wall_name
+    from stoker.states.snapshots.policy import (
+        Figure,
+        RestoreInputs,
+        decide_restore,
+        prefill_band,
+        prefill_rate,
+        restore_fit,
+    )
 
     with sqlite3.connect(d.paths.db_file) as db:
         figures = {name: Figure(v, n) for name, v, n in db.execute("select name, value, samples from snapshot_figures")}
         model_id = db.execute("select model_id from snapshots order by id desc limit 1").fetchone()[0]
     prefix = prefill_name(backend, model_id, "")
     bands = {k[len(prefix) :]: f for k, f in figures.items() if k.startswith(prefix)}
+
+    def fit(where: str):
+        wall = restore_wall_name(backend, where)
+        return restore_fit({k[len(wall) :]: f for k, f in figures.items() if k.startswith(wall)})
+
     out = [
         "| prompt tokens | where | prefill figure (tok/s) | restore figure (MB/s) | choice | chosen path | better measured path | chosen / better |",
         "|---:|---|---:|---:|---|---:|---:|---:|",
@@ -245,6 +257,8 @@ def decisions(d: DaemonProcess, rows: list[dict], backend: str) -> str:
                 prefill_tok_s=prefill_rate(r["tokens"], bands),
                 restore_cache_mb_s=figures.get(restore_name(backend, "cache")),
                 restore_disk_mb_s=figures.get(restore_name(backend, "disk")),
+                restore_cache_fit=fit("cache"),
+                restore_disk_fit=fit("disk"),
             )
             choice = decide_restore(inputs).choice
             chosen = restore_path if choice == "restore" else r["cold_s"]

@@ -557,6 +557,10 @@ def test_drops_and_refusals_are_in_stoker_history(daemon):
     restored = _stoker(daemon, "snapshot", "restore", str(snap["id"]))
     assert f"restored snapshot {snap['id']} into slot 0" in restored and "on the daemon's side" in restored
     assert "estimates: restore ~" in restored and "this command:" in restored, restored
+    # The restore was measured whole (the daemon's side), for the next estimate.
+    with sqlite3.connect(daemon.paths.db_file) as db:
+        walls = {n for (n,) in db.execute("select name from snapshot_figures where name like 'restore_wall/%'")}
+    assert {f"restore_wall/cpu/cache/{m}" for m in ("x", "y", "xx", "xy")} <= walls, walls
     path = daemon.paths.snapshots_dir / snap["filename"]
     good = path.read_bytes()
     path.write_bytes(good[: len(good) // 2])
