@@ -452,6 +452,12 @@ def test_restore_or_reprefill_is_decided_from_the_figures_and_said(daemon):
             (f"prefill/cpu/{model_id}/le1024", 1e9),
             ("restore/cpu/cache", 0.001),
             ("restore/cpu/disk", 0.001),
+            # Whole restores measured at 1000 s a MB (the daemon's side): these decide once kept.
+            *(
+                (f"restore_wall/cpu/{where}/{moment}", value)
+                for where in ("cache", "disk")
+                for moment, value in (("x", 1.0), ("y", 1000.0), ("xx", 1.0), ("xy", 1000.0))
+            ),
         ):
             db.execute(
                 "insert or replace into snapshot_figures (name, value, samples, updated_at) values (?, ?, 5, 0)",
