@@ -270,8 +270,11 @@ class Daemon:
     async def save_snapshots(self, member: Member, slot: int | None) -> Sequence[SnapshotRecord]:
         return await self.snapshots.save(member.supervisor, "manual", slot=slot)
 
-    async def restore_snapshot(self, member: Member, snapshot_id: int, slot: int | None) -> SnapshotRestored:
-        return structure(await self.snapshots.restore(member.supervisor, snapshot_id, slot), SnapshotRestored)
+    async def restore_snapshot(
+        self, member: Member, snapshot_id: int, slot: int | None, if_faster: bool = False
+    ) -> SnapshotRestored:
+        restored = await self.snapshots.restore(member.supervisor, snapshot_id, slot, if_faster=if_faster)
+        return structure(restored, SnapshotRestored)
 
     def remove_snapshot(self, record: SnapshotRecord) -> None:
         self.snapshots.remove([record])

@@ -315,12 +315,16 @@ MESSAGE_TEXT: dict[str, str] = {
     ),
     "snapshot_dropped": (
         "A snapshot was given up (removed by retention, not saved because it could not be kept, or lost to a "
-        "reboot before it reached the disk); the entry says which, with its figures. Raise `[snapshots] max_count` "
+        "reboot before it reached the disk, or its file no longer matched what was saved); the entry says which, with its figures. Raise `[snapshots] max_count` "
         'or `max_bytes` ("auto" scales with the model), or free disk space.'
     ),
     "snapshot_save_timeout": (
         "Saving the slots before the stop took longer than its budget, so the conversation was not saved; the "
         'previous snapshots are intact. Raise `[snapshots] stop_budget_s` ("auto" scales with the KV to save).'
+    ),
+    "snapshot_removed": (
+        "A snapshot was removed on request (`stoker snapshot rm`), or its row was dropped because its file was "
+        "gone from the snapshots directory; the entry says which."
     ),
     "frontdoor_hold_timeout": (
         "The server did not become ready within `[frontdoor] hold_timeout_s` while the request was held; retry "

@@ -159,6 +159,7 @@ class ReasonCode(enum.StrEnum):
     SNAPSHOT_DROPPED = "snapshot_dropped"
     SNAPSHOT_SAVE_SKIPPED = "snapshot_save_skipped"
     SNAPSHOT_SAVE_TIMEOUT = "snapshot_save_timeout"
+    SNAPSHOT_REMOVED = "snapshot_removed"
     # The front door (daemon/frontdoor/): why a held request was answered 503.
     FRONTDOOR_HOLD_TIMEOUT = "frontdoor_hold_timeout"
     FRONTDOOR_QUEUE_FULL = "frontdoor_queue_full"

@@ -3,6 +3,7 @@ model's own (the default model's without --model)."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +13,8 @@ from stoker.daemon.cli.output import emit, json_option
 from stoker.daemon.cli.lifecycle import ask
 
 if TYPE_CHECKING:
-    from stoker.daemon.control.replies import SnapshotListing, SnapshotRestored, SnapshotsSaved
+    from stoker.daemon.control.replies import SnapshotListing, SnapshotsSaved
+    from stoker.daemon.control.snapshot_replies import SnapshotRestored
 
 model_option = click.option(
     "--model",
@@ -81,9 +83,49 @@ def format_saved(saved: SnapshotsSaved) -> str:
     return "\n".join(lines or ["no slot holds anything to save"])
 
 
-def format_restored(restored: SnapshotRestored) -> str:
-    text = f"restored snapshot {restored.id} into slot {restored.slot}: {restored.n_tokens} tokens"
-    return text + f" in {restored.restore_ms} ms" + (f"\nnote: {restored.note}" if restored.note else "")
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc), so that a command can say what its
+    own Python start cost; None where that is not known."""
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - started
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def _ms(seconds: Any) -> str:
+    return "-" if not isinstance(seconds, (int, float)) else f"{seconds * 1000:.0f} ms"
+
+
+def format_restored(restored: SnapshotRestored, timing: dict[str, float | None] | None = None) -> str:
+    """What was restored and what it took on the daemon's side (the engine's part in it), the
+    estimates that judged it against a re-prefill, and what this command took on its own."""
+    decision = restored.decision or {}
+    estimates = f"restore ~{_ms(decision.get('restore_s_est'))}, re-prefill ~{_ms(decision.get('prefill_s_est'))}"
+    if not restored.restored:
+        lines = [
+            f"left snapshot {restored.id} (slot {restored.slot}, {restored.n_tokens} tokens) to a re-prefill: "
+            f"{decision.get('why')}"
+        ]
+    else:
+        lines = [
+            f"restored snapshot {restored.id} into slot {restored.slot}: {restored.n_tokens} tokens in "
+            f"{restored.daemon_ms} ms on the daemon's side (the engine's restore {restored.restore_ms} ms)"
+        ]
+        if decision.get("choice") == "reprefill":
+            lines.append(f"re-prefilling would have been faster here ({estimates}); --if-faster leaves it to that")
+    if decision:
+        lines.append(f"estimates: {estimates}")
+    if timing and timing.get("wall_s") is not None:
+        own = f"this command: {_ms(timing['wall_s'])} in all"
+        if timing.get("start_s") is not None:
+            own += f", {_ms(timing['start_s'])} of it starting Python before it asked the daemon"
+        lines.append(own)
+    if restored.note:
+        lines.append(f"note: {restored.note}")
+    return "\n".join(lines)
 
 
 @click.group()
@@ -118,16 +160,32 @@ def save(slot: int | None, model: str | None, as_json: bool) -> None:
 @snapshot.command()
 @click.argument("snapshot_id", type=int)
 @click.option("--slot", type=int, default=None, help="Restore into this slot instead of the one it came from.")
+@click.option(
+    "--if-faster",
+    is_flag=True,
+    default=False,
+    help="Leave the slot to a re-prefill where the daemon's figures say that is clearly faster.",
+)
 @model_option
 @json_option
-def restore(snapshot_id: int, slot: int | None, model: str | None, as_json: bool) -> None:
+def restore(snapshot_id: int, slot: int | None, if_faster: bool, model: str | None, as_json: bool) -> None:
     """Restore snapshot ID into its model's running server (refused if it does not fit, or if
-    another model saved it: a conversation never moves between models)."""
-    params = {"id": snapshot_id, **({} if slot is None else {"slot": slot}), **_model(model)}
-    from stoker.daemon.control.replies import SnapshotRestored
+    another model saved it: a conversation never moves between models). Says what the restore
+    took on the daemon's side, both estimates (restore, re-prefill) and this command's own time."""
+    start_s = process_age_s()
+    began = time.perf_counter()
+    params = {
+        "id": snapshot_id,
+        **({} if slot is None else {"slot": slot}),
+        **({"if_faster": True} if if_faster else {}),
+        **_model(model),
+    }
+    from stoker.daemon.control.snapshot_replies import SnapshotRestored
 
     reply, restored = ask("snapshot.restore", as_json, SnapshotRestored, timeout=120.0, **params)
-    emit(as_json, reply, lambda _: format_restored(restored))
+    asked_s = time.perf_counter() - began
+    timing = {"start_s": start_s, "wall_s": None if start_s is None else start_s + asked_s}
+    emit(as_json, reply, lambda _: format_restored(restored, timing))
 
 
 @snapshot.command()

@@ -194,8 +194,11 @@ class ControlledDaemon(Protocol):
     async def save_snapshots(self, member: Member, slot: int | None) -> Sequence[SnapshotRecord]:
         """Save the non-empty slots (or one) of `member`'s ready server now."""
 
-    async def restore_snapshot(self, member: Member, snapshot_id: int, slot: int | None) -> SnapshotRestored:
-        """Restore one of `member`'s snapshots into its ready server."""
+    async def restore_snapshot(
+        self, member: Member, snapshot_id: int, slot: int | None, if_faster: bool = False
+    ) -> SnapshotRestored:
+        """Restore one of `member`'s snapshots into its ready server (`if_faster`: unless its
+        re-prefill is measured to be clearly faster)."""
 
     def remove_snapshot(self, record: SnapshotRecord) -> None: ...
 

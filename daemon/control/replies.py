@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
+from stoker.daemon.control.snapshot_replies import SnapshotRestored as SnapshotRestored
 from stoker.daemon.control.status_records import EngineSlot, FrontDoorStatus, Status
 from stoker.daemon.backends.base import Device
 from stoker.store.catalog import ModelRecord
@@ -205,22 +206,6 @@ class SnapshotsSaved:
     """`snapshot.save`: the snapshots just written."""
 
     saved: tuple[SnapshotRecord, ...]
-
-
-@attrs.frozen
-class SnapshotRestored:
-    """`snapshot.restore`: the engine's figures for the restore."""
-
-    id: int
-    slot: int
-    n_tokens: int
-    restore_ms: float | None
-    checked: str  # how the file was checked: stat+sample or full_sha256
-    resident: float | None  # the share of the file in the page cache before
-    saved_on: str | None
-    restored_on: str | None
-    cross_backend: bool
-    note: str | None = None  # what a restore across backends keeps
 
 
 @attrs.frozen

@@ -5,6 +5,11 @@
   prompts under 64 tokens are left out (they measure the request, not the prefill).
 - `restore/<backend>/cache|disk` MB/s: the engine's `restore_ms` for the bytes it read, by
   how much of the file was in the page cache just before (mincore).
+- `restore_wall/<backend>/cache|disk/x|y|xx|xy`: what each whole restore took from the daemon's
+  side (its checks, the HTTP round trip, the engine's read) against the file's MB, as the
+  moments of a straight line (`policy.RestoreFit`: a fixed cost per restore plus a cost per MB);
+  once measured, the restore estimate comes from these (the engine's MB/s leaves the fixed
+  costs out, and underestimated a 4k-token restore on an H200 by a third).
 - `save/<backend>` MB/s: the engine's `save_ms` for the bytes it wrote.
 
 Each is a moving figure in the store (`SnapshotCatalog.fold_figure`); the decisions are pure
@@ -32,7 +37,9 @@ from stoker.states.snapshots.policy import (
     decide_restore,
     decide_save,
     prefill_band,
+    fit_samples,
     prefill_rate,
+    restore_fit,
     retention_bytes,
     snapshot_bytes,
     stop_budget,
@@ -51,6 +58,10 @@ def prefill_name(backend: str | None, model_id: str, band: str) -> str:
 
 def restore_name(backend: str | None, where: str) -> str:
     return f"restore/{backend or '?'}/{where}"
+
+
+def restore_wall_name(backend: str | None, where: str, moment: str = "") -> str:
+    return f"restore_wall/{backend or '?'}/{where}/{moment}"
 
 
 def save_name(backend: str | None) -> str:
@@ -98,6 +109,24 @@ def fold_sample(catalog: SnapshotCatalog, name: str, sample: float | None) -> No
         log.info("figure %s not kept: %s", name, err.evidence)
 
 
+def fold_restore_wall(
+    catalog: SnapshotCatalog, backend: str | None, where: str, file_bytes: int, seconds: float
+) -> None:
+    """One measured restore (from the daemon's side) into its place's RestoreFit moments."""
+    for moment, sample in fit_samples(file_bytes, seconds).items():
+        fold_sample(catalog, restore_wall_name(backend, where, moment), sample)
+
+
+def restore_fits(catalog: SnapshotCatalog, backend: str | None) -> dict[str, Any]:
+    """The measured RestoreFit of each place ("cache", "disk"), where all its moments are kept."""
+    fits = {}
+    for where in ("cache", "disk"):
+        prefix = restore_wall_name(backend, where)
+        moments = {name[len(prefix) :]: fig for name, fig in catalog.figures(prefix).items()}
+        fits[where] = restore_fit(moments)
+    return fits
+
+
 def fold_prefills(
     catalog: SnapshotCatalog, backend: str | None, model_id: str, samples: list[tuple[int, float]]
 ) -> None:
@@ -126,6 +155,7 @@ def restore_inputs(
     prefix = prefill_name(backend, model_id, "")
     by_band = {name[len(prefix) :]: fig for name, fig in catalog.figures(prefix).items()}
     restores = catalog.figures(restore_name(backend, ""))
+    fits = restore_fits(catalog, backend)
     inputs = RestoreInputs(
         n_tokens=n_tokens,
         file_bytes=file_bytes,
@@ -133,13 +163,24 @@ def restore_inputs(
         prefill_tok_s=prefill_rate(n_tokens, by_band),
         restore_cache_mb_s=restores.get(restore_name(backend, "cache")),
         restore_disk_mb_s=restores.get(restore_name(backend, "disk")),
+        restore_cache_fit=fits["cache"],
+        restore_disk_fit=fits["disk"],
     )
     shown = {
         "prefill_tok_s": {band: fig.to_dict() for band, fig in sorted(by_band.items())},
         "prefill_band": prefill_band(n_tokens),
         "restore_mb_s": {name.rsplit("/", 1)[1]: fig.to_dict() for name, fig in restores.items()},
+        "restore_line": {where: _line(fit) for where, fit in fits.items() if fit is not None},
     }
     return inputs, shown
+
+
+def _line(fit: Any) -> dict[str, Any]:
+    line = fit.line()
+    shown: dict[str, Any] = {"samples": fit.samples}
+    if line is not None:
+        shown.update(fixed_ms=round(line[0] * 1000, 2), ms_per_mb=round(line[1] * 1000, 4))
+    return shown
 
 
 def restore_decision(

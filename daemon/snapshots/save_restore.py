@@ -32,6 +32,7 @@ from stoker.daemon.snapshots.files import FileFacts, check_file, free_bytes, res
 from stoker.daemon.snapshots.figures import (
     LogCursor,
     fold_prefills,
+    fold_restore_wall,
     max_bytes_for,
     save_figure,
     stop_budget_for,
@@ -74,7 +75,7 @@ class SnapshotService:
     _cursors: dict[Path, LogCursor | None] = attrs.field(factory=dict)  # where each server log's harvest stopped
 
     def __attrs_post_init__(self) -> None:
-        self.drops = DropLog(self.publish)
+        self.drops = DropLog(self.publish, self.catalog.store)
         self.upkeep = SnapshotUpkeep(self.paths.snapshots_dir, self.catalog, self.drops, self.publish)
 
     @property
@@ -414,11 +415,33 @@ class SnapshotService:
 
     # --- restore ------------------------------------------------------------------------
 
-    async def restore(self, supervisor: ServedPlan, snapshot_id: int, slot: int | None = None) -> dict[str, Any]:
-        """Restore one of this instance's snapshots into its slot (or `slot`); the engine's figures."""
+    async def restore(
+        self, supervisor: ServedPlan, snapshot_id: int, slot: int | None = None, *, if_faster: bool = False
+    ) -> dict[str, Any]:
+        """Restore one of this instance's snapshots into its slot (or `slot`); the engine's and
+        the daemon's figures, and what the restore-or-re-prefill decision says of it. `if_faster`:
+        where that decision is re-prefill, the slot is left to the next request's prefill."""
         rec = self.get(snapshot_id, supervisor.instance.name)
         live = await self.inspect(supervisor)
-        result = await self._restore(live, rec, rec.slot_id if slot is None else slot)
+        target = rec.slot_id if slot is None else slot
+        self._check_slot(live, target)
+        decision = await self.decide(live, rec, target)
+        if if_faster and decision["choice"] == "reprefill" and self._fits(rec, live):
+            log.info("snapshot %d left to a re-prefill: %s", rec.id, decision["why"])
+            return {
+                "id": rec.id,
+                "slot": target,
+                "n_tokens": rec.n_tokens,
+                "restore_ms": None,
+                "checked": "none",
+                "resident": decision.get("resident"),
+                "saved_on": rec.backend,
+                "restored_on": live.backend,
+                "cross_backend": False,
+                "restored": False,
+                "decision": decision,
+            }
+        result = {**await self._restore(live, rec, target), "decision": decision}
         self._event("snapshot.restored", **result)
         return result
 
@@ -428,21 +451,30 @@ class SnapshotService:
             raise StokerError(ReasonCode.SNAPSHOT_BAD_SLOT, evidence={"slot": slot, "n_slots": live.n_slots})
 
     async def _restore(self, live: LiveServer, rec: SnapshotRecord, slot: int) -> dict[str, Any]:
+        began = time.perf_counter()  # what the restore takes on the daemon's side (a lock wait left out)
         self._check_slot(live, slot)
         check_identity(rec.identity(), live.identity, snapshot_id=rec.id)
         path = self.dir / rec.filename
         resident = await trio.to_thread.run_sync(resident_fraction, path)
         check = await trio.to_thread.run_sync(check_file, path, rec)
         if not check.ok:
-            raise StokerError(ReasonCode.SNAPSHOT_CORRUPT, evidence={"checked": check.checked, **check.evidence})
+            evidence = {"checked": check.checked, **check.evidence}
+            # Kept (it may be put back), but never silent: in the log, status and history.
+            self.drops.record(
+                ReasonCode.SNAPSHOT_CORRUPT, **{"snapshot_id": rec.id, "slot": slot, **evidence, "why": "file_check"}
+            )
+            raise StokerError(ReasonCode.SNAPSHOT_CORRUPT, evidence=evidence)
         if check.revouched is not None:  # moved or copied, and the full digest vouched for it
             self.catalog.update(rec.id, file_mtime_ns=check.revouched.mtime_ns, file_inode=check.revouched.inode)
+        checked_s = time.perf_counter() - began
         async with self._lock, EngineClient.open(live.base_url, live.api_key, timeout=None) as engine:
+            began = time.perf_counter()
             resp = None
             # A big file from a slow disk takes a while: at least 30 s, more as its size asks.
             disk = self.catalog.figures(restore_name(live.backend, "disk")).get(restore_name(live.backend, "disk"))
             with trio.move_on_after(max(SLOT_TIMEOUT, policy.transfer_budget(rec.file_size, disk))):
                 resp = await engine.restore_slot(slot, rec.filename)
+            daemon_s = checked_s + time.perf_counter() - began
             body = resp.json() if resp is not None and resp.status_code == 200 else {}
             if body.get("n_restored") != rec.n_tokens:
                 # The engine clears the slot after a failed restore; erase makes sure of it.
@@ -461,11 +493,13 @@ class SnapshotService:
         band = policy.restore_band(resident)
         if band is not None:
             fold_sample(self.catalog, restore_name(live.backend, band), throughput_mb_s(rec.file_size, restore_ms))
+            fold_restore_wall(self.catalog, live.backend, band, rec.file_size, daemon_s)
         result = {
             "id": rec.id,
             "slot": slot,
             "n_tokens": body["n_restored"],
             "restore_ms": restore_ms,
+            "daemon_ms": round(daemon_s * 1000, 1),
             "checked": check.checked,
             "resident": None if resident is None else round(resident, 3),
             "saved_on": rec.backend,
@@ -486,7 +520,19 @@ class SnapshotService:
         return rec
 
     def remove(self, records: list[SnapshotRecord]) -> None:
+        """Remove on request (`stoker snapshot rm`): each one is a drop, in history too."""
         self.upkeep.remove(records)
+        for rec in records:
+            self.drops.record(
+                ReasonCode.SNAPSHOT_REMOVED,
+                quiet=True,
+                why="rm",
+                snapshot_id=rec.id,
+                slot=rec.slot_id,
+                n_tokens=rec.n_tokens,
+                file_size=rec.file_size,
+                instance=rec.instance,
+            )
 
     def slots_saved(self, instance: str) -> int | None:
         """The slots `instance`'s next load restores, from its rows (None: snapshots are off)."""

@@ -185,6 +185,16 @@ class SnapshotUpkeep:
             elif rec.sealed_at is not None and rec.file_sha256 is None and rec.id not in self._digesting:
                 self._background.start_soon(self._seal_and_digest, rec.id, path)
         self.catalog.remove(r.id for r in gone)
+        for rec in gone:
+            self.drops.record(
+                ReasonCode.SNAPSHOT_REMOVED,
+                quiet=True,
+                why="file_gone",
+                snapshot_id=rec.id,
+                slot=rec.slot_id,
+                n_tokens=rec.n_tokens,
+                filename=rec.filename,
+            )
         self.remove(torn)
         for rec in torn:
             self.drops.record(

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import attrs
 
 from stoker.states.launch.records import AfterStop
+from stoker.states.reasons import ReasonCode
 
 GIB = 1 << 30
 MB = 1_000_000
@@ -85,6 +86,61 @@ def prefill_rate(n_tokens: int, by_band: dict[str, Figure]) -> Figure | None:
 
 
 @attrs.frozen
+class RestoreFit:
+    """What measured restores on one backend took, from the daemon's side (its checks, the HTTP
+    round trip and the engine's read): moving means of the file's MB (x), the seconds (y), x*x
+    and x*y, so that a straight line (a fixed cost per restore plus a cost per MB) fits them."""
+
+    x: Figure
+    y: Figure
+    xx: Figure
+    xy: Figure
+
+    @property
+    def samples(self) -> int:
+        return min(self.x.samples, self.y.samples, self.xx.samples, self.xy.samples)
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per MB); None while nothing was measured. Files of one size
+        only: no fixed cost can be told apart, so the seconds per MB of what was measured."""
+        if self.samples < 1 or self.x.value <= 0 or self.y.value <= 0:
+            return None
+        var = self.xx.value - self.x.value**2
+        if var > (FIT_SPREAD * self.x.value) ** 2:
+            per_mb = (self.xy.value - self.x.value * self.y.value) / var
+            if per_mb > 0:
+                return self.y.value - per_mb * self.x.value, per_mb
+        return 0.0, self.y.value / self.x.value
+
+    def estimate(self, mb: float) -> float | None:
+        """Seconds a restore of `mb` should take; never under half the measured mean rate's (a
+        line fitted on big files can cross zero before the small ones)."""
+        line = self.line()
+        if line is None:
+            return None
+        fixed, per_mb = line
+        return max(fixed + per_mb * mb, FIT_FLOOR * mb * self.y.value / self.x.value)
+
+
+FIT_MOMENTS = ("x", "y", "xx", "xy")
+FIT_SPREAD = 0.05  # sizes within 5 % of their mean are one size: no line through them
+FIT_FLOOR = 0.5
+
+
+def fit_samples(file_bytes: int, seconds: float) -> dict[str, float]:
+    """The samples one measured restore adds to its RestoreFit's moments (by FIT_MOMENTS name)."""
+    mb = file_bytes / MB
+    return {"x": mb, "y": seconds, "xx": mb * mb, "xy": mb * seconds}
+
+
+def restore_fit(moments: dict[str, Figure]) -> RestoreFit | None:
+    """A RestoreFit from its stored moments; None unless all four were measured."""
+    if not all(name in moments for name in FIT_MOMENTS):
+        return None
+    return RestoreFit(**{name: moments[name] for name in FIT_MOMENTS})
+
+
+@attrs.frozen
 class RestoreInputs:
     """What the decision for one conversation knows: its size, where its file is, the figures."""
 
@@ -94,6 +150,10 @@ class RestoreInputs:
     prefill_tok_s: Figure | None  # for this model on this backend, at this length
     restore_cache_mb_s: Figure | None  # the engine's restore from the page cache, on this backend
     restore_disk_mb_s: Figure | None  # from the disk
+    # What whole restores took here (checks, round trip, read), by where the file was: when
+    # measured, these decide instead of the engine's MB/s (which leaves out the fixed costs).
+    restore_cache_fit: RestoreFit | None = None
+    restore_disk_fit: RestoreFit | None = None
 
 
 def decision_dict(decision: Any) -> dict[str, Any]:
@@ -120,14 +180,22 @@ class RestoreDecision:
 
 
 def restore_estimate(inputs: RestoreInputs) -> float | None:
-    """Seconds a restore should take: the cached part at the cache figure, the rest at the disk
-    figure (an unknown residency counts as disk where that figure exists); None if a part
-    that must be read has no figure yet."""
+    """Seconds a restore should take. Where whole restores were measured here (RestoreFit),
+    each part of the file its share of its place's line for the whole file; else the cached
+    part at the engine's cache figure, the rest at its disk figure, plus RESTORE_OVERHEAD_S (an
+    unknown residency counts as disk where that figure exists); None if a part that must be
+    read has no figure yet."""
     resident = inputs.resident
     if resident is None:
-        resident = 0.0 if inputs.restore_disk_mb_s is not None else 1.0
+        known_disk = inputs.restore_disk_mb_s is not None or inputs.restore_disk_fit is not None
+        resident = 0.0 if known_disk else 1.0
     cached = inputs.file_bytes * resident
     uncached = inputs.file_bytes - cached
+    fitted = _fitted_estimate(
+        ((cached, inputs.restore_cache_fit), (uncached, inputs.restore_disk_fit)), inputs.file_bytes
+    )
+    if fitted is not None:
+        return fitted
     seconds = RESTORE_OVERHEAD_S
     for part, rate in ((cached, inputs.restore_cache_mb_s), (uncached, inputs.restore_disk_mb_s)):
         if part < 1:
@@ -136,6 +204,20 @@ def restore_estimate(inputs: RestoreInputs) -> float | None:
             return None
         seconds += part / (rate.value * MB)
     return seconds
+
+
+def _fitted_estimate(parts: tuple[tuple[float, RestoreFit | None], ...], file_bytes: int) -> float | None:
+    """The fitted estimate: every part that must be read at its own line's cost per MB (its
+    share of that line's estimate for the whole file), or None if one has no line yet."""
+    seconds = 0.0
+    for part, fit in parts:
+        if part < 1:
+            continue
+        whole = None if fit is None else fit.estimate(file_bytes / MB)
+        if whole is None:
+            return None
+        seconds += whole * part / file_bytes
+    return seconds if file_bytes >= 1 else None
 
 
 def decide_restore(inputs: RestoreInputs) -> RestoreDecision:
@@ -201,6 +283,16 @@ def decide_save(inputs: RestoreInputs, save_mb_s: Figure | None) -> SaveDecision
         return SaveDecision("skip", why, save_s, restore_s, prefill_s)
     why = f"saving (~{save_s:.3f} s) and restoring (~{restore_s:.3f} s) is not slower than re-prefilling (~{prefill_s:.3f} s)"
     return SaveDecision("save", why, save_s, restore_s, prefill_s)
+
+
+# How a snapshot given up reads in `stoker history`: the state it moves to, by reason code (a
+# file the restore's checks refused is kept, since it may be put back; the rest are gone).
+DROP_STATES: dict[ReasonCode, str] = {ReasonCode.SNAPSHOT_CORRUPT: "refused"}
+
+
+def drop_state(reason: ReasonCode) -> str:
+    """The history row's to-state for a drop with this reason code."""
+    return DROP_STATES.get(reason, "dropped")
 
 
 def restore_band(resident: float | None) -> Literal["cache", "disk"] | None:

@@ -15,9 +15,11 @@ processed at most a token or two. Results: docs/benchmarks.md "KV restore", docs
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -104,6 +106,29 @@ def read_file(path: Path) -> int:
     return total
 
 
+def cli_restore(d: DaemonProcess, snapshot_id: int) -> tuple[float, dict]:
+    """`stoker snapshot restore ID --json` as a user runs it: its wall time from spawn to exit
+    (Python's start included) and its reply (the daemon's side: `daemon_ms`, `decision`)."""
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "stoker.daemon", "snapshot", "restore", str(snapshot_id), "--json"],
+        env=d.env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    wall = time.perf_counter() - start
+    assert done.returncode == 0, done.stdout + done.stderr
+    return wall, json.loads(done.stdout)
+
+
+def python_start_s() -> float:
+    """What starting this Python and importing the CLI's entry costs, with nothing else done."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import stoker.daemon.cli"], check=True, timeout=120)
+    return time.perf_counter() - start
+
+
 def measure(d: DaemonProcess, eng: Engine, n: int, repeats: int) -> dict:
     tokens = text_tokens(eng, n)
     eng.post("/slots/0?action=erase", {})
@@ -123,8 +148,13 @@ def measure(d: DaemonProcess, eng: Engine, n: int, repeats: int) -> dict:
             "read_disk_s",
             "restore_disk_s",
             "stoker_restore_disk_s",
+            "cli_restore_s",
+            "cli_first_s",
+            "cli_daemon_ms",
+            "python_start_s",
         )
     }
+    decision: dict = {}
     # The warm paths are cheap: repeated, and the median taken (the machine is shared).
     for _ in range(repeats):
         # From disk: this file's pages are dropped from the page cache first (only this file's).
@@ -155,12 +185,26 @@ def measure(d: DaemonProcess, eng: Engine, n: int, repeats: int) -> dict:
         stoker_first_s, (tok_stoker, t_stoker) = timed(lambda: eng.first_token(tokens))
         runs["stoker_restore_s"].append(stoker_s)
         runs["stoker_first_s"].append(stoker_first_s)
-        assert tok_cold == tok_engine == tok_stoker, (tok_cold, tok_engine, tok_stoker)
-        assert t_engine["prompt_n"] <= 2 and t_stoker["prompt_n"] <= 2, (t_engine, t_stoker)
+        # `stoker snapshot restore` from a shell (page cache): the whole command, then the first token.
+        eng.post("/slots/0?action=erase", {})
+        cli_s, reply = cli_restore(d, saved["id"])
+        cli_first_s, (tok_cli, t_cli) = timed(lambda: eng.first_token(tokens))
+        runs["cli_restore_s"].append(cli_s)
+        runs["cli_first_s"].append(cli_first_s)
+        runs["cli_daemon_ms"].append(reply["daemon_ms"])
+        runs["python_start_s"].append(python_start_s())
+        decision = reply.get("decision") or {}
+        assert tok_cold == tok_engine == tok_stoker == tok_cli, (tok_cold, tok_engine, tok_stoker, tok_cli)
+        assert t_engine["prompt_n"] <= 2 and t_stoker["prompt_n"] <= 2 and t_cli["prompt_n"] <= 2, (t_engine, t_cli)
     row = {k: statistics.median(v) for k, v in runs.items()}
     row.update(tokens=n, cold_s=cold_s, size=size, save_ms=saved["save_ms"], save_s=save_s)
     row["warm_s"] = row["restore_s"] + row["first_s"]
     row["stoker_warm_s"] = row["stoker_restore_s"] + row["stoker_first_s"]
+    row["cli_warm_s"] = row["cli_restore_s"] + row["cli_first_s"]
+    row["cli_vs_cold"] = row["cli_warm_s"] / cold_s
+    row["restore_s_est"] = decision.get("restore_s_est")
+    row["prefill_s_est"] = decision.get("prefill_s_est")
+    row["choice"] = decision.get("choice")
     row["ratio"] = cold_s / row["warm_s"]
     row["stoker_ratio"] = cold_s / row["stoker_warm_s"]
     row["restore_vs_read"] = row["restore_s"] / row["read_s"]
@@ -176,14 +220,26 @@ def decisions(d: DaemonProcess, rows: list[dict], backend: str) -> str:
     path chosen against the better of the two measured paths."""
     import sqlite3
 
-    from stoker.daemon.snapshots.figures import prefill_name, restore_name
-    from stoker.states.snapshots.policy import Figure, RestoreInputs, decide_restore, prefill_band, prefill_rate
+    from stoker.daemon.snapshots.figures import prefill_name, restore_name, restore_wall_name
+    from stoker.states.snapshots.policy import (
+        Figure,
+        RestoreInputs,
+        decide_restore,
+        prefill_band,
+        prefill_rate,
+        restore_fit,
+    )
 
     with sqlite3.connect(d.paths.db_file) as db:
         figures = {name: Figure(v, n) for name, v, n in db.execute("select name, value, samples from snapshot_figures")}
         model_id = db.execute("select model_id from snapshots order by id desc limit 1").fetchone()[0]
     prefix = prefill_name(backend, model_id, "")
     bands = {k[len(prefix) :]: f for k, f in figures.items() if k.startswith(prefix)}
+
+    def fit(where: str):
+        wall = restore_wall_name(backend, where)
+        return restore_fit({k[len(wall) :]: f for k, f in figures.items() if k.startswith(wall)})
+
     out = [
         "| prompt tokens | where | prefill figure (tok/s) | restore figure (MB/s) | choice | chosen path | better measured path | chosen / better |",
         "|---:|---|---:|---:|---|---:|---:|---:|",
@@ -201,6 +257,8 @@ def decisions(d: DaemonProcess, rows: list[dict], backend: str) -> str:
                 prefill_tok_s=prefill_rate(r["tokens"], bands),
                 restore_cache_mb_s=figures.get(restore_name(backend, "cache")),
                 restore_disk_mb_s=figures.get(restore_name(backend, "disk")),
+                restore_cache_fit=fit("cache"),
+                restore_disk_fit=fit("disk"),
             )
             choice = decide_restore(inputs).choice
             chosen = restore_path if choice == "restore" else r["cold_s"]
@@ -227,6 +285,26 @@ def stoker_table(rows: list[dict]) -> str:
             f"{r['restore_s'] * 1000:.1f} ms | {r['stoker_restore_s'] * 1000:.1f} ms | **{r['stoker_vs_engine']:.2f}** | "
             f"{r['restore_disk_s'] * 1000:.1f} ms | {r['stoker_restore_disk_s'] * 1000:.1f} ms | "
             f"**{r['stoker_vs_engine_disk']:.2f}** |"
+        )
+    return "\n".join(out)
+
+
+def cli_table(rows: list[dict]) -> str:
+    """`stoker snapshot restore` from a shell against a re-prefill, side by side."""
+    out = [
+        "| prompt tokens | cold prefill + 1st token | `stoker snapshot restore` (wall, Python start included) + 1st token | CLI / cold | of it: Python start (bare `import stoker.daemon.cli`) | daemon's side (`daemon_ms`) | daemon's estimates: restore / re-prefill | daemon's choice |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        est = (
+            "-"
+            if r["restore_s_est"] is None or r["prefill_s_est"] is None
+            else f"{r['restore_s_est'] * 1000:.1f} ms / {r['prefill_s_est'] * 1000:.0f} ms"
+        )
+        out.append(
+            f"| {r['tokens']} | {r['cold_s'] * 1000:.0f} ms | {r['cli_warm_s'] * 1000:.0f} ms | "
+            f"**{r['cli_vs_cold']:.3f}** | {r['python_start_s'] * 1000:.0f} ms | {r['cli_daemon_ms']:.1f} ms | {est} | "
+            f"{r['choice'] or '-'} |"
         )
     return "\n".join(out)
 
@@ -345,7 +423,10 @@ def main() -> int:
                 print(
                     f"{n:>6} tokens: cold {row['cold_s']:.3f} s, restore+first {row['warm_s'] * 1000:.1f} ms "
                     f"-> {row['ratio']:.0f}x (Stoker path {row['stoker_ratio']:.0f}x); restore/read "
-                    f"{row['restore_vs_read']:.2f} (from disk {row['restore_vs_read_disk']:.2f})",
+                    f"{row['restore_vs_read']:.2f} (from disk {row['restore_vs_read_disk']:.2f}); "
+                    f"`stoker snapshot restore` + first {row['cli_warm_s'] * 1000:.0f} ms = "
+                    f"{row['cli_vs_cold']:.3f} of the cold prefill (Python start {row['python_start_s'] * 1000:.0f} ms, "
+                    f"daemon {row['cli_daemon_ms']:.1f} ms)",
                     flush=True,
                 )
         finally:
@@ -377,6 +458,13 @@ def main() -> int:
         "The save's fsync and full sha256 now run after the socket call returns (in the background); a restore "
         'reads 128 KiB of the file besides the engine\'s own read (docs/snapshots.md, "What a restore checks").\n\n'
         + stoker_table(rows)
+        + "\n\n### `stoker snapshot restore` from a shell against a re-prefill\n\n"
+        "The command as a user runs it (`stoker snapshot restore ID --json`, a fresh Python each time, from the "
+        "page cache), wall time from spawn to exit plus the first token, against the cold prefill; a bare "
+        "`python -c 'import stoker.daemon.cli'` beside it says what Python's start alone costs, and the reply's "
+        "`daemon_ms` what the restore took on the daemon's side (its checks and the engine's restore), with the "
+        "estimates the daemon's figures make for both paths (`--if-faster` lets the daemon choose by them).\n\n"
+        + cli_table(rows)
         + "\n\n### Restore or re-prefill\n\n"
         "What Stoker's policy (states/snapshots/policy.py) chooses for each conversation with the figures the daemon "
         "measured during this run (its prefill figures from the engine's own `prompt eval time` lines, its restore "

@@ -452,6 +452,12 @@ def test_restore_or_reprefill_is_decided_from_the_figures_and_said(daemon):
             (f"prefill/cpu/{model_id}/le1024", 1e9),
             ("restore/cpu/cache", 0.001),
             ("restore/cpu/disk", 0.001),
+            # Whole restores measured at 1000 s a MB (the daemon's side): these decide once kept.
+            *(
+                (f"restore_wall/cpu/{where}/{moment}", value)
+                for where in ("cache", "disk")
+                for moment, value in (("x", 1.0), ("y", 1000.0), ("xx", 1.0), ("xy", 1000.0))
+            ),
         ):
             db.execute(
                 "insert or replace into snapshot_figures (name, value, samples, updated_at) values (?, ?, 5, 0)",
@@ -538,3 +544,38 @@ def test_a_stop_skips_the_save_that_a_re_prefill_beats_and_says_so(daemon):
     assert entry["choice"] == "skip" and entry["cause"] == "restart", entry
     assert entry["prefill_s_est"] < entry["save_s_est"] + entry["restore_s_est"]
     assert entry["why"].startswith("re-prefilling")
+
+
+def _stoker(d: DaemonProcess, *args: str) -> str:
+    """`stoker ARGS` as a user runs it, against this daemon; its stdout."""
+    done = subprocess.run(
+        [sys.executable, "-m", "stoker.daemon", *args], env=d.env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_drops_and_refusals_are_in_stoker_history(daemon):
+    """A snapshot given up is a history row with its reason code: removed on request, and a file
+    the restore's checks refused; `stoker snapshot restore` says its times and both estimates."""
+    daemon.start()
+    snap = _saved(daemon)
+    restored = _stoker(daemon, "snapshot", "restore", str(snap["id"]))
+    assert f"restored snapshot {snap['id']} into slot 0" in restored and "on the daemon's side" in restored
+    assert "estimates: restore ~" in restored and "this command:" in restored, restored
+    # The restore was measured whole (the daemon's side), for the next estimate.
+    with sqlite3.connect(daemon.paths.db_file) as db:
+        walls = {n for (n,) in db.execute("select name from snapshot_figures where name like 'restore_wall/%'")}
+    assert {f"restore_wall/cpu/cache/{m}" for m in ("x", "y", "xx", "xy")} <= walls, walls
+    path = daemon.paths.snapshots_dir / snap["filename"]
+    good = path.read_bytes()
+    path.write_bytes(good[: len(good) // 2])
+    _refused(daemon, "snapshot_corrupt", id=snap["id"])
+    path.write_bytes(good)
+    _stoker(daemon, "snapshot", "rm", str(snap["id"]))
+    history = _stoker(daemon, "history", "--machine", "snapshots")
+    lines = history.splitlines()
+    assert "--rm--> dropped  [snapshot_removed]" in lines[0], history
+    assert "--file_check--> refused  [snapshot_corrupt]" in lines[1], history
+    rows = daemon.call("history", machine="snapshots")
+    assert rows[0]["evidence"]["snapshot_id"] == snap["id"] and rows[0]["kind"] == "snapshot"

@@ -278,3 +278,93 @@ def test_a_stop_never_spends_more_than_the_better_way_back(n_tokens, file_mib, p
         assert d.prefill_s < both
     else:
         assert both <= d.prefill_s + max(P.REPREFILL_MARGIN * both, P.REPREFILL_MARGIN_S)
+
+
+# --- the restore estimate learns from measured restores -------------------------------------
+
+# An 8B-shaped model on an H200 (128 KiB of KV per token): what whole restores took on the
+# daemon's side, where the engine's MB/s alone estimated 136 ms and 1559 ms.
+H200_RESTORES = {4096: 0.209, 32768: 1.922}
+
+
+def _learned(measured: list[tuple[int, float]], where: str = "cache") -> P.RestoreFit:
+    """The fit after these (tokens, seconds) restores, folded as the store folds them."""
+    moments: dict[str, Figure | None] = dict.fromkeys(P.FIT_MOMENTS)
+    for n_tokens, seconds in measured:
+        for name, sample in P.fit_samples(P.snapshot_bytes(n_tokens, LLAMA8B_PER_TOKEN), seconds).items():
+            moments[name] = P.fold(moments[name], sample)
+    fit = P.restore_fit({k: v for k, v in moments.items() if v is not None})
+    assert fit is not None
+    return fit
+
+
+def _estimate(n_tokens: int, fit: P.RestoreFit | None, **kw) -> float | None:
+    engine_rate = Figure(4000.0, 3)  # the engine's own MB/s: the estimate before the fit
+    return P.restore_estimate(
+        inputs(
+            n_tokens=n_tokens,
+            file_bytes=P.snapshot_bytes(n_tokens, LLAMA8B_PER_TOKEN),
+            restore_cache_mb_s=engine_rate,
+            restore_cache_fit=fit,
+            **kw,
+        )
+    )
+
+
+def test_one_measured_restore_makes_its_size_exact():
+    fit = _learned([(4096, H200_RESTORES[4096])])
+    assert _estimate(4096, fit) == pytest.approx(0.209, rel=0.01)
+    # Without the fit, the engine's MB/s leaves out the fixed costs: a third short at 4k.
+    assert _estimate(4096, None) < 0.209 * 0.9
+
+
+@pytest.mark.parametrize("order", [(4096, 32768), (32768, 4096)])
+def test_two_sizes_measured_put_every_estimate_within_ten_percent(order):
+    fit = _learned([(n, H200_RESTORES[n]) for n in order])
+    fixed, per_mb = fit.line()
+    assert per_mb > 0
+    for n, taken in H200_RESTORES.items():
+        assert _estimate(n, fit) == pytest.approx(taken, rel=0.10), n
+    # Sizes between the two measured: on the line between them.
+    assert 0.209 < _estimate(16384, fit) < 1.922
+
+
+def test_the_fit_follows_a_machine_that_got_slower():
+    before = [(4096, 0.209), (32768, 1.922)] * 3
+    slower = [(4096, 0.300), (32768, 2.600)] * 4
+    fit = _learned(before + slower)
+    assert _estimate(4096, fit) == pytest.approx(0.300, rel=0.10)
+    assert _estimate(32768, fit) == pytest.approx(2.600, rel=0.10)
+
+
+def test_a_fixed_cost_shows_where_the_engine_rate_cannot():
+    """Restores that cost 50 ms plus 2 ms per MB: the fit finds both."""
+    mb = lambda n: P.snapshot_bytes(n, LLAMA8B_PER_TOKEN) / P.MB  # noqa: E731
+    fit = _learned([(n, 0.050 + 0.002 * mb(n)) for n in (1024, 8192, 1024, 8192)])
+    fixed, per_mb = fit.line()
+    assert fixed == pytest.approx(0.050, rel=0.01) and per_mb == pytest.approx(0.002, rel=0.01)
+    assert _estimate(256, fit) == pytest.approx(0.050 + 0.002 * mb(256), rel=0.10)
+
+
+def test_a_part_with_no_line_falls_back_to_the_engine_figures():
+    fit = _learned([(4096, 0.209)])
+    # Half on disk, and no disk line yet: the engine's figures (disk measured) decide.
+    mixed = _estimate(4096, fit, resident=0.5, restore_disk_mb_s=Figure(1000.0, 2))
+    file_mb = P.snapshot_bytes(4096, LLAMA8B_PER_TOKEN) / P.MB
+    assert mixed == pytest.approx(P.RESTORE_OVERHEAD_S + file_mb / 2 / 4000 + file_mb / 2 / 1000)
+
+
+def test_the_learned_estimate_drives_the_decision():
+    # Prefill measured at 4k tokens/s: 1.0 s for 4096 tokens. The engine's MB/s says restore in
+    # ~0.14 s; measured restores that take 1.5 s say re-prefill.
+    slow = _learned([(4096, 1.5), (4096, 1.5)])
+    decision = P.decide_restore(
+        inputs(
+            n_tokens=4096,
+            file_bytes=P.snapshot_bytes(4096, LLAMA8B_PER_TOKEN),
+            prefill_tok_s=Figure(4096.0, 3),
+            restore_cache_mb_s=Figure(4000.0, 3),
+            restore_cache_fit=slow,
+        )
+    )
+    assert decision.choice == "reprefill" and decision.restore_s == pytest.approx(1.5)

@@ -522,3 +522,24 @@ def test_the_header_readers_value_types_are_the_gguf_formats():
     from stoker.daemon.models.facts import ValueType
 
     assert {t.name: int(t) for t in ValueType} == {t.name: int(t) for t in gguf.GGUFValueType}
+
+
+def test_retention_drops_are_history_rows_with_their_reason(tmp_path, catalog):
+    """`stoker history` reads the store's transitions: every drop is one, with its reason code."""
+    from stoker.daemon.cli.lifecycle import format_history
+    from stoker.daemon.snapshots.drops import DropLog
+    from stoker.daemon.snapshots.upkeep import SnapshotUpkeep
+
+    upkeep = SnapshotUpkeep(tmp_path, catalog, DropLog(None, catalog.store), boot="b")
+    recs = [catalog.add(_row(slot=0, at=float(i), size=400)) for i in range(3)]
+    upkeep.apply_retention(max_count=2, max_bytes=500)
+    rows = catalog.store.history(machine="snapshots")
+    assert [(r.event, r.reason, r.evidence["snapshot_id"]) for r in rows] == [
+        ("bytes", "snapshot_dropped", recs[1].id),
+        ("count", "snapshot_dropped", recs[0].id),
+    ]
+    assert "saved --bytes--> dropped  [snapshot_dropped]" in format_history(rows)
+    # A row whose file is gone is dropped, and said (snapshot_removed).
+    upkeep.cleanup_rows()
+    (gone,) = catalog.store.history(machine="snapshots", limit=1)
+    assert (gone.event, gone.reason, gone.evidence["snapshot_id"]) == ("file_gone", "snapshot_removed", recs[2].id)

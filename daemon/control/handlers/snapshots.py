@@ -90,6 +90,13 @@ async def snapshot_save(daemon: ControlledDaemon, params: Mapping[str, Any]) -> 
     "snapshot.restore",
     ID,
     Param("slot", Kind.INTEGER, "Restore into this slot instead of the one it was saved from. " + SLOT_DOC),
+    Param(
+        "if_faster",
+        Kind.BOOLEAN,
+        "Leave the slot to a re-prefill where this machine's figures say re-prefilling the conversation is "
+        "clearly faster than restoring it (the choice a restart's restore makes).",
+        default=False,
+    ),
     MODEL,
     errors=(
         ReasonCode.MODEL_NOT_FOUND,
@@ -111,13 +118,15 @@ async def snapshot_restore(daemon: ControlledDaemon, params: Mapping[str, Any]) 
     code if it does not fit, or if another model saved it (snapshot_instance_mismatch: a
     conversation never moves between models, even two serving the same file).
 
-    Reply: {id, slot, n_tokens, restore_ms, saved_on, restored_on, cross_backend, note?
-    (a restore across backends says what it keeps)}.
+    Reply: {id, slot, n_tokens, restore_ms (the engine's), daemon_ms (the daemon's checks and the
+    engine's restore), restored (false: left to a re-prefill, `if_faster`), decision (restore or
+    reprefill, with both estimates), saved_on, restored_on, cross_backend, note? (a restore across
+    backends says what it keeps)}.
     """
     member = daemon.fleet.member(params["model"])
     daemon.snapshot(params["id"], member.name)  # not_found and whose before not_ready: the id is checked first
     _ready(daemon, member)
-    return await daemon.restore_snapshot(member, params["id"], params["slot"])
+    return await daemon.restore_snapshot(member, params["id"], params["slot"], params["if_faster"])
 
 
 @method(
