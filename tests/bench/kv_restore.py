@@ -401,7 +401,9 @@ def main() -> int:
         if args.big_gib:
             from tests.bench.bigmodel import write_big_model
 
-            model = Path(tempfile.gettempdir()) / f"stoker-bench-{args.big_gib:g}g.gguf"
+            # A model trained for less context than asked is its own file (another size's is kept).
+            trained = "" if args.ctx <= 8192 else f"-ctx{args.ctx}"
+            model = Path(tempfile.gettempdir()) / f"stoker-bench-{args.big_gib:g}g{trained}.gguf"
             if not model.is_file():
                 write_big_model(model, args.big_gib, ctx=max(args.ctx, 8192))
         else:
