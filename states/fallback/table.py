@@ -40,6 +40,7 @@ from stoker.states.fallback.vram import VramCheck, devices_of, no_room
 from stoker.states.launch.records import CPU_BACKEND, ExitPhase
 from stoker.states.machine import (
     STAY,
+    Failure,
     MachineSpec,
     Rule,
     Step,
@@ -273,11 +274,8 @@ class UsePlan:
 
 
 @attrs.frozen
-class GiveUp:
+class GiveUp(Failure):
     """No backend is left (or the forced one failed): the launch machine's PlanFailed."""
-
-    reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 Effect = ProbeCandidates | CheckBackend | InstallBundle | InstallBeside | Upgrade | UsePlan | GiveUp
