@@ -52,6 +52,23 @@ def as_evidence(value: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(value or {})
 
 
+@attrs.frozen
+class Observed:
+    """The base of an event that carries nothing but the evidence of what was seen (a step
+    passed, the server answered); each such event is its own subclass."""
+
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+
+
+@attrs.frozen
+class Failure:
+    """The base of an event that ends an attempt: the reason code that says why, and the
+    evidence that decided it; each such event is its own subclass."""
+
+    reason: ReasonCode
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+
+
 # The converters of records' tuple fields, so a record read back from JSON (lists) or built
 # from any iterable compares and hashes the same.
 def str_tuple(value: Iterable[Any]) -> tuple[str, ...]:

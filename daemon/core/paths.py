@@ -14,6 +14,7 @@ import stat
 import sys
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 import attrs
 import platformdirs
@@ -21,6 +22,16 @@ import platformdirs
 APP = "stoker"
 PRIVATE_DIR_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
+
+
+class _Below:
+    """A path named `name` below the root directory `root` of a StokerPaths, read as an attribute."""
+
+    def __init__(self, root: Literal["config_dir", "data_dir", "runtime_dir", "cache_dir"], name: str) -> None:
+        self.root, self.name = root, name
+
+    def __get__(self, paths: StokerPaths, owner: object = None) -> Path:
+        return Path(getattr(paths, self.root)) / self.name
 
 
 @attrs.frozen
@@ -54,45 +65,17 @@ class StokerPaths:
             runtime_dir = Path(tempfile.gettempdir()) / f"{APP}-{os.getuid()}"
         return cls(Path(platformdirs.user_config_dir(APP)), Path(platformdirs.user_data_dir(APP)), runtime_dir, cache)
 
-    @property
-    def config_file(self) -> Path:
-        return self.config_dir / "config.toml"
-
-    @property
-    def db_file(self) -> Path:
-        return self.data_dir / "stoker.db"
-
-    @property
-    def bundles_dir(self) -> Path:
-        return self.data_dir / "bundles"
-
-    @property
-    def snapshots_dir(self) -> Path:
-        return self.data_dir / "snapshots"
-
-    @property
-    def models_dir(self) -> Path:
-        return self.data_dir / "models"
-
-    @property
-    def logs_dir(self) -> Path:
-        return self.data_dir / "logs"
-
-    @property
-    def socket_path(self) -> Path:
-        return self.runtime_dir / "stoker.sock"
-
-    @property
-    def lock_file(self) -> Path:
-        return self.data_dir / "daemon.lock"
-
-    @property
-    def build_cache_dir(self) -> Path:
-        return self.cache_dir / "builds"
-
-    @property
-    def source_cache_dir(self) -> Path:
-        return self.cache_dir / "sources"
+    # Stoker's files and directories, each below one of the four roots.
+    config_file = _Below("config_dir", "config.toml")
+    db_file = _Below("data_dir", "stoker.db")
+    bundles_dir = _Below("data_dir", "bundles")
+    snapshots_dir = _Below("data_dir", "snapshots")
+    models_dir = _Below("data_dir", "models")
+    logs_dir = _Below("data_dir", "logs")
+    socket_path = _Below("runtime_dir", "stoker.sock")
+    lock_file = _Below("data_dir", "daemon.lock")
+    build_cache_dir = _Below("cache_dir", "builds")
+    source_cache_dir = _Below("cache_dir", "sources")
 
     @property
     def private_dirs(self) -> tuple[Path, ...]:

@@ -151,26 +151,29 @@ class FrontDoorClient:
                         retry_after=response.headers.get("retry-after"),
                     )
                 return self._read_stream(response, started, on_text)
-        except httpx.ConnectError as exc:
-            raise StokerError(
+        except httpx.TransportError as exc:
+            raise self._transport_failure(exc) from exc
+
+    def _transport_failure(self, exc: httpx.TransportError) -> StokerError:
+        """What a failed exchange means: nothing listens, no answer in time, or the answer was cut."""
+        if isinstance(exc, httpx.ConnectError):
+            reason, said = (
                 ReasonCode.FRONTDOOR_UNAVAILABLE,
                 f"Nothing answers at the front door's address {self.url} ({exc}); `stoker status` says whether "
                 f"the daemon runs and where its front door listens.",
-                {"url": self.url},
-            ) from exc
-        except httpx.TimeoutException as exc:
-            raise StokerError(
+            )
+        elif isinstance(exc, httpx.TimeoutException):
+            reason, said = (
                 ReasonCode.ENGINE_UNREACHABLE,
                 f"No answer through the front door within {self.timeout:g} s; a long answer on a slow machine "
                 f"needs a larger --timeout (`stoker status` says what the server is doing).",
-                {"url": self.url},
-            ) from exc
-        except httpx.TransportError as exc:
-            raise StokerError(
+            )
+        else:
+            reason, said = (
                 ReasonCode.ENGINE_STREAM_CUT,
                 f"The answer was cut midway: the connection to the front door failed ({exc}).",
-                {"url": self.url},
-            ) from exc
+            )
+        return StokerError(reason, said, {"url": self.url})
 
     def _read_stream(
         self, response: httpx.Response, started: float, on_text: Callable[[str], None] | None

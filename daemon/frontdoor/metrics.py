@@ -276,6 +276,11 @@ class RequestFigures:
 # --- the daemon's state, read at scrape time ----------------------------------------------
 
 
+def _model_gauges(*rows: tuple[str, str]) -> list[GaugeMetricFamily]:
+    """One gauge a (name, help) row, each with the single label `model`."""
+    return [GaugeMetricFamily(name, help_text, labels=["model"]) for name, help_text in rows]
+
+
 class StokerCollector(Collector):
     """Gauges of the daemon's live state and counters from its history, read at each scrape."""
 
@@ -298,23 +303,13 @@ class StokerCollector(Collector):
             "The backend a model's plan chose and the one really in use (proven after ready; none while not serving).",
             labels=["model", "planned", "in_use"],
         )
-        accelerated = GaugeMetricFamily(
-            "stoker_accelerated", "1 while the model serves on an accelerator it really uses.", labels=["model"]
-        )
-        offloaded_layers = GaugeMetricFamily(
-            "stoker_offloaded_layers", "Layers the engine said it offloaded to the accelerator.", labels=["model"]
-        )
-        model_layers = GaugeMetricFamily(
-            "stoker_model_layers", "The model's layers, as the engine counted them.", labels=["model"]
-        )
-        partial = GaugeMetricFamily(
-            "stoker_offload_partial",
-            "1 when some but not all layers are offloaded (the rest computes on the CPU).",
-            labels=["model"],
-        )
-        depth = GaugeMetricFamily("stoker_queue_depth", "Requests waiting for the model to be ready.", labels=["model"])
-        in_flight = GaugeMetricFamily(
-            "stoker_requests_in_flight", "Requests sent to the model's engine, answer not over.", labels=["model"]
+        accelerated, offloaded_layers, model_layers, partial, depth, in_flight = _model_gauges(
+            ("stoker_accelerated", "1 while the model serves on an accelerator it really uses."),
+            ("stoker_offloaded_layers", "Layers the engine said it offloaded to the accelerator."),
+            ("stoker_model_layers", "The model's layers, as the engine counted them."),
+            ("stoker_offload_partial", "1 when some but not all layers are offloaded (the rest computes on the CPU)."),
+            ("stoker_queue_depth", "Requests waiting for the model to be ready."),
+            ("stoker_requests_in_flight", "Requests sent to the model's engine, answer not over."),
         )
         held = CounterMetricFamily(
             "stoker_requests_held", "Requests that had to wait for the model to be ready.", labels=["model"]
@@ -376,11 +371,9 @@ class StokerCollector(Collector):
             "1 per model served by an external endpoint; accelerated is unknown: Stoker runs nothing there to prove it.",
             labels=["model", "endpoint", "accelerated"],
         )
-        up = GaugeMetricFamily(
-            "stoker_remote_up", "1 when the endpoint answered its last check (GET /models) with 2xx.", labels=["model"]
-        )
-        latency = GaugeMetricFamily(
-            "stoker_remote_check_seconds", "How long the endpoint took to answer its last check.", labels=["model"]
+        up, latency = _model_gauges(
+            ("stoker_remote_up", "1 when the endpoint answered its last check (GET /models) with 2xx."),
+            ("stoker_remote_check_seconds", "How long the endpoint took to answer its last check."),
         )
         for remote in self.daemon.fleet.remotes.serving():
             name, check = remote.name, remote.check

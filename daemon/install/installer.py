@@ -36,7 +36,7 @@ from stoker.daemon.bundles.installed import InstalledBundle, find_installed, pro
 from stoker.daemon.bundles.metadata import BundleMeta, ManifestEntry
 from stoker.daemon.core.digests import sha256_file
 from stoker.daemon.core.download import download
-from stoker.daemon.core.download_records import DownloadProgress
+from stoker.daemon.core.download_records import DownloadProgress, DownloadResult
 from stoker.daemon.core.errors import StokerError, cause_of
 from stoker.daemon.core.machines import EffectDriver, Failure, MachineRunner, MachineRunners, Publish
 from stoker.states.machine import IllegalTransition
@@ -73,6 +73,28 @@ PROGRESS_TOPIC = "install.progress"
 SOURCE_STARTS = (IE.Resolve, IE.FindCachedBuild, IE.CheckToolchain)  # each source's first effect
 ATTEMPT_ENDS = (I.SourceUnavailable, I.InstallFailed, I.Promoted)  # events that end a source's try
 MAX_BUNDLE_BYTES = 8 * 2**30  # the archive checker's own total cap
+
+
+async def download_bundle(
+    url: str,
+    dest: Path,
+    sha256: str,
+    size: int | None,
+    *,
+    progress: Callable[[DownloadProgress], Any] | None = None,
+    failure_reason: ReasonCode = ReasonCode.BUNDLE_VERIFY_FAILED,
+) -> DownloadResult:
+    """Download one bundle zip to `dest`, checked against its sha256 and size and held to the
+    archive checker's cap: the one way an install and an engine update fetch a bundle."""
+    return await download(
+        url,
+        dest,
+        expected_sha256=sha256,
+        expected_size=size,
+        max_bytes=MAX_BUNDLE_BYTES,
+        progress=progress,
+        failure_reason=failure_reason,
+    )
 
 
 def install_failed_reason(backends: Mapping[str, Backend], backend: str) -> ReasonCode:
@@ -473,14 +495,8 @@ class InstallService:
             result = await trio.to_thread.run_sync(copy_file_url, effect.url, dest, effect.sha256, effect.size, reason)
             progress(DownloadProgress(effect.size, effect.size, 0.0, 0.0))
             return I.Downloaded(str(dest), result, effect.size)
-        done = await download(
-            effect.url,
-            dest,
-            expected_sha256=effect.sha256,
-            expected_size=effect.size,
-            max_bytes=MAX_BUNDLE_BYTES,
-            progress=progress,
-            failure_reason=reason,
+        done = await download_bundle(
+            effect.url, dest, effect.sha256, effect.size, progress=progress, failure_reason=reason
         )
         return I.Downloaded(str(done.path), done.sha256, done.size)
 

@@ -34,13 +34,12 @@ import trio
 
 from stoker.daemon.bundles.installed import PREVIOUS, bundle_meta_of, find_installed, promote
 from stoker.daemon.config.engine import EngineConfig
-from stoker.daemon.core.download import download
 from stoker.daemon.core.download_records import DownloadError
 from stoker.daemon.core.errors import StokerError, cause_of
 from stoker.daemon.core.machines import EffectDriver, MachineRunner, MachineRunners, Publish
 from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.install.manifest import choose_entry, load_manifest
-from stoker.daemon.install.installer import MAX_BUNDLE_BYTES, InstallService
+from stoker.daemon.install.installer import InstallService, download_bundle
 from stoker.daemon.install.update_steps import (
     bundle_digest,
     bundle_facts,
@@ -350,14 +349,7 @@ class EngineUpdateService:
                     archive = Path(unquote(urlparse(candidate.url).path))
                     await trio.to_thread.run_sync(check_archive, archive, candidate.sha256, candidate.size)
                 else:
-                    done = await download(
-                        candidate.url,
-                        archive,
-                        expected_sha256=candidate.sha256,
-                        expected_size=candidate.size,
-                        max_bytes=MAX_BUNDLE_BYTES,
-                    )
-                    archive = done.path
+                    archive = (await download_bundle(candidate.url, archive, candidate.sha256, candidate.size)).path
             except (StokerError, DownloadError) as err:
                 return UR.GateFailed(UR.Gate.FETCH, {"url": candidate.url, **cause_of(err)})
         staging = self.staging_root(slot) / "bundle"

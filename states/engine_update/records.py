@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from stoker.states.install.slot import Rejection
-from stoker.states.machine import as_evidence, as_tuple, int_tuple
+from stoker.states.machine import Observed, as_evidence, as_tuple, int_tuple
 from stoker.states.reasons import ReasonCode
 
 
@@ -210,17 +210,13 @@ class RollbackRequested:
 
 
 @attrs.frozen
-class RolledBack:
+class RolledBack(Observed):
     """The slot holds the bundle it was asked to (the previous one) again."""
-
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
-class RollbackFailed:
+class RollbackFailed(Observed):
     """The bundle to put back is not there (slot and `.previous` hold others)."""
-
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen

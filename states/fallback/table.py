@@ -40,6 +40,7 @@ from stoker.states.fallback.vram import VramCheck, devices_of, no_room
 from stoker.states.launch.records import CPU_BACKEND, ExitPhase
 from stoker.states.machine import (
     STAY,
+    Failure,
     MachineSpec,
     Rule,
     Step,
@@ -85,8 +86,8 @@ def cpu_variant_order(
 
 
 @attrs.frozen
-class Skipped:
-    """One backend given up on, and why."""
+class BackendReason:
+    """A backend, the reason code said of it, and the evidence that decided."""
 
     backend: str
     reason: ReasonCode
@@ -94,12 +95,13 @@ class Skipped:
 
 
 @attrs.frozen
-class Demotion:
-    """A server on `backend` that serves but is not really accelerated, and the proof."""
+class Skipped(BackendReason):
+    """One backend given up on, and why."""
 
-    backend: str
-    reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+
+@attrs.frozen
+class Demotion(BackendReason):
+    """A server on `backend` that serves but is not really accelerated, and the proof."""
 
 
 @attrs.frozen
@@ -162,12 +164,8 @@ class CheckPassed:
 
 
 @attrs.frozen
-class CheckFailed:
+class CheckFailed(BackendReason):
     """The backend cannot run, and why, as its probe or plugin classified it."""
-
-    backend: str
-    reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -193,10 +191,8 @@ class BundleInstalled:
 
 
 @attrs.frozen
-class BundleInstallFailed:
-    backend: str
-    reason: ReasonCode  # cuda_bundle_install_failed or its analogue
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
+class BundleInstallFailed(BackendReason):
+    """The missing bundle could not be installed: `reason` is cuda_bundle_install_failed or its analogue."""
 
 
 @attrs.frozen
@@ -208,12 +204,8 @@ class EngineBuilt:
 
 
 @attrs.frozen
-class EngineBuildFailed:
+class EngineBuildFailed(BackendReason):
     """A bundle being built beside could not be installed (the backend's install_failed code)."""
-
-    backend: str
-    reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -282,11 +274,8 @@ class UsePlan:
 
 
 @attrs.frozen
-class GiveUp:
+class GiveUp(Failure):
     """No backend is left (or the forced one failed): the launch machine's PlanFailed."""
-
-    reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 Effect = ProbeCandidates | CheckBackend | InstallBundle | InstallBeside | Upgrade | UsePlan | GiveUp

@@ -61,7 +61,18 @@ from stoker.states.install.sources import (
     sources_of,
     tries_of,
 )
-from stoker.states.machine import STAY, Guarded, MachineSpec, Rule, Step, guarded, step_with_reason, as_evidence
+from stoker.states.machine import (
+    STAY,
+    Failure,
+    Guarded,
+    MachineSpec,
+    Observed,
+    Rule,
+    Step,
+    as_evidence,
+    guarded,
+    step_with_reason,
+)
 from stoker.states.reasons import ReasonCode
 
 
@@ -148,10 +159,8 @@ class SourceUnavailable:
 
 
 @attrs.frozen
-class ToolchainReady:
+class ToolchainReady(Observed):
     """The builder can build this backend here (compiler, cmake, and what the backend needs)."""
-
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -164,10 +173,8 @@ class Downloaded:
 
 
 @attrs.frozen
-class Verified:
+class Verified(Observed):
     """The archive matches the resolved digest and size."""
-
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -190,10 +197,8 @@ class Validated:
 
 
 @attrs.frozen
-class SmokePassed:
+class SmokePassed(Observed):
     """The staged engine passed `--version`, `--list-devices` and the smoke test."""
-
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -215,11 +220,9 @@ class SlotChanged:
 
 
 @attrs.frozen
-class InstallFailed:
+class InstallFailed(Failure):
     """Any step failed; `reason` is its code (bundle_digest_mismatch, ...)."""
 
-    reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
     seconds: float | None = None  # the failed source's attempt, from its first step
 
 

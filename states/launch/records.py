@@ -11,7 +11,7 @@ from typing import Any, Literal, Union
 
 import attrs
 
-from stoker.states.machine import as_evidence, str_tuple
+from stoker.states.machine import Failure, Observed, as_evidence, str_tuple
 from stoker.states.reasons import ReasonCode
 from stoker.states.server_process import ProcessExit, SpawnFailure
 from stoker.states.fleet.rpc_placement import RpcPlacement
@@ -256,11 +256,9 @@ class PlanReady:
 
 
 @attrs.frozen
-class PlanFailed:
+class PlanFailed(Failure):
     """No plan is possible (model missing, no usable backend): fail with the reason."""
 
-    reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
     request: int | None = None  # the MakePlan it answers, as in PlanReady
 
 
@@ -296,25 +294,19 @@ class OrphanFound:
 
 
 @attrs.frozen
-class NothingToAdopt:
+class NothingToAdopt(Observed):
     """After a daemon restart: the identity file proves no live process of ours (there is none,
     it is unreadable, or the process it names is gone): resume with no server."""
 
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
-
 
 @attrs.frozen
-class LoadStarted:
+class LoadStarted(Observed):
     """The HTTP listener answers (503 while loading the model)."""
 
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
-
 
 @attrs.frozen
-class Ready:
+class Ready(Observed):
     """/health is 200 and the planned backend is really in use."""
-
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -361,10 +353,8 @@ class EngineSilent:
 
 
 @attrs.frozen
-class EngineAnswered:
+class EngineAnswered(Observed):
     """After EngineSilent: the watchdog sees signs of life again."""
-
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen

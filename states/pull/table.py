@@ -32,7 +32,7 @@ from typing import Any, Iterable
 
 import attrs
 
-from stoker.states.machine import STAY, MachineSpec, Rule, Step, guarded, as_evidence
+from stoker.states.machine import STAY, Failure, MachineSpec, Rule, Step, as_evidence, guarded
 from stoker.states.reasons import ReasonCode
 
 
@@ -132,11 +132,8 @@ class HeaderRead:
 
 
 @attrs.frozen
-class PullFailed:
+class PullFailed(Failure):
     """A step failed; `reason` is its classified code (pull_not_found, pull_disk_full, ...)."""
-
-    reason: ReasonCode
-    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 def _names(values: Iterable[str]) -> tuple[str, ...]:

@@ -27,6 +27,10 @@ BACKEND = Param(
     "backend", Kind.STRING, "The backend whose engine (default: the one the default model runs on).", choices=BACKENDS
 )
 VARIANT = Param("variant", Kind.STRING, "Its variant (default: the installed one that fits this machine).")
+# Besides bad_request, what naming the slot can fail with (`_slot`: no engine of that backend),
+# and what changing its engine can (the slot's update machine, which runs one change at a time).
+SLOT_ERRORS = (ReasonCode.BUNDLE_MISSING,)
+CHANGE_ERRORS = (ReasonCode.ENGINE_ROLLBACK_FAILED, ReasonCode.ENGINE_SLOT_BUSY, *SLOT_ERRORS)
 
 
 async def _slot(daemon: ControlledDaemon, backend: str | None, variant: str | None) -> tuple[str, str]:
@@ -58,14 +62,7 @@ async def _slot(daemon: ControlledDaemon, backend: str | None, variant: str | No
     VARIANT,
     Param("channel", Kind.STRING, "The update channel (default: [engine] channel; `stable` is [bundles] manifest)."),
     Param("bundle", Kind.STRING, "Update to this bundle zip instead (an absolute path the daemon can read)."),
-    errors=(
-        ReasonCode.ENGINE_UPDATE_REJECTED,
-        ReasonCode.ENGINE_UPDATE_ROLLED_BACK,
-        ReasonCode.ENGINE_ROLLBACK_FAILED,
-        ReasonCode.ENGINE_SLOT_BUSY,
-        ReasonCode.BUNDLE_MISSING,
-        ReasonCode.BAD_REQUEST,
-    ),
+    errors=(ReasonCode.ENGINE_UPDATE_REJECTED, ReasonCode.ENGINE_UPDATE_ROLLED_BACK, *CHANGE_ERRORS),
     result=EngineOutcome,
 )
 async def engine_update(daemon: ControlledDaemon, params: Mapping[str, Any]) -> EngineOutcome:
@@ -98,12 +95,7 @@ async def engine_update(daemon: ControlledDaemon, params: Mapping[str, Any]) -> 
     "engine.rollback",
     BACKEND,
     VARIANT,
-    errors=(
-        ReasonCode.ENGINE_ROLLBACK_UNAVAILABLE,
-        ReasonCode.ENGINE_ROLLBACK_FAILED,
-        ReasonCode.ENGINE_SLOT_BUSY,
-        ReasonCode.BAD_REQUEST,
-    ),
+    errors=(ReasonCode.ENGINE_ROLLBACK_UNAVAILABLE, *CHANGE_ERRORS),
     result=EngineOutcome,
 )
 async def engine_rollback(daemon: ControlledDaemon, params: Mapping[str, Any]) -> EngineOutcome:
@@ -116,9 +108,7 @@ async def engine_rollback(daemon: ControlledDaemon, params: Mapping[str, Any]) -
     return structure(await daemon.engine_updates.rollback(backend, variant), EngineOutcome)
 
 
-@method(
-    "engine.status", BACKEND, VARIANT, errors=(ReasonCode.BAD_REQUEST, ReasonCode.BUNDLE_MISSING), result=EngineStatus
-)
+@method("engine.status", BACKEND, VARIANT, errors=SLOT_ERRORS, result=EngineStatus)
 async def engine_status(daemon: ControlledDaemon, params: Mapping[str, Any]) -> EngineStatus:
     """The slot's engine version, the previous one kept (null: none), its update machine's state and
     reason, and its last steps.

@@ -34,6 +34,10 @@ MODEL = Param(
     Kind.STRING,
     "The configured model (its [models.NAME], or any name a request may use for it); default: the default model.",
 )
+# What moving a model's server can be refused with (`fire`, the model's name), and loading it
+# too (placement finds no room).
+MOVE_ERRORS = (ReasonCode.ILLEGAL_TRANSITION, ReasonCode.MODEL_NOT_FOUND)
+LOAD_ERRORS = (*MOVE_ERRORS, ReasonCode.PLACEMENT_NO_ROOM)
 
 
 def fire(member: Member, event: object) -> None:
@@ -81,17 +85,7 @@ async def status(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     return build_status(daemon, daemon.fleet.member(params["model"]))
 
 
-@method(
-    "up",
-    MODEL,
-    errors=(
-        ReasonCode.CONFIG_INVALID,
-        ReasonCode.ILLEGAL_TRANSITION,
-        ReasonCode.MODEL_NOT_FOUND,
-        ReasonCode.PLACEMENT_NO_ROOM,
-    ),
-    result=Status,
-)
+@method("up", MODEL, errors=(ReasonCode.CONFIG_INVALID, *LOAD_ERRORS), result=Status)
 async def up(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     """Start a model's server (the default model's, or `model`'s); a no-op while it is starting or
     running. With [placement] max_loaded models loaded, the least recently used idle one is
@@ -106,7 +100,7 @@ async def up(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     return build_status(daemon, member)
 
 
-@method("down", MODEL, errors=(ReasonCode.ILLEGAL_TRANSITION, ReasonCode.MODEL_NOT_FOUND), result=Status)
+@method("down", MODEL, errors=MOVE_ERRORS, result=Status)
 async def down(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     """Stop a model's server (the default model's, or `model`'s: TERM, the grace period, then
     KILL); the daemon and the other models keep running. It stays down until `up`: the front
@@ -121,12 +115,7 @@ async def down(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     return build_status(daemon, member)
 
 
-@method(
-    "restart",
-    MODEL,
-    errors=(ReasonCode.ILLEGAL_TRANSITION, ReasonCode.MODEL_NOT_FOUND, ReasonCode.PLACEMENT_NO_ROOM),
-    result=Status,
-)
+@method("restart", MODEL, errors=LOAD_ERRORS, result=Status)
 async def restart(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     """Stop a model's server if it runs (the default model's, or `model`'s), then plan and start
     it again; a model not loaded is loaded as `up` does (making room first).
