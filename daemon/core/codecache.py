@@ -45,11 +45,24 @@ class CodeCache:
         self.directory = directory
         self.hits = 0
         self.misses = 0
+        self._trusted: bool | None = None
+
+    def trusted(self) -> bool:
+        """Whether the directory is the user's own and no one else may write in it (the code
+        it holds runs in this process); created 0700 when missing. Asked once."""
+        if self._trusted is None:
+            try:
+                self.directory.mkdir(parents=True, mode=0o700, exist_ok=True)
+                st = self.directory.stat()
+                self._trusted = st.st_uid == os.getuid() and not st.st_mode & 0o022
+            except OSError:
+                self._trusted = False
+        return self._trusted
 
     def compile(self, source: Any, filename: Any, mode: str, *args: Any, **kwargs: Any) -> Any:
         """`compile(source, filename, mode)`, from the cache when it holds it (only plain
         source text is cached; any other call is compiled as asked)."""
-        if args or kwargs or not isinstance(source, str) or not isinstance(filename, str):
+        if args or kwargs or not isinstance(source, str) or not isinstance(filename, str) or not self.trusted():
             return _compile(source, filename, mode, *args, **kwargs)
         key = "\0".join((sys.implementation.cache_tag or "", filename, mode, HASH_SALT.sub(r"\1SALT,", source)))
         # A file is named by a checksum of its key and holds the key itself: a hit is the very
@@ -69,7 +82,6 @@ class CodeCache:
 
     def _write(self, path: Path, key: str, code: CodeType) -> None:
         try:
-            self.directory.mkdir(parents=True, mode=0o700, exist_ok=True)
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
                 out.write(marshal.dumps((key, code)))
