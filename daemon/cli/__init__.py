@@ -108,6 +108,9 @@ def load(module_name: str, group: click.Group) -> None:
     loaded = group.__dict__.setdefault("_stoker_loaded", set())
     if module_name not in loaded:
         loaded.add(module_name)
+        from stoker.daemon.core.codecache import install_for_cli
+
+        install_for_cli()  # the records' generated code from the cache (daemon/core/codecache.py)
         importlib.import_module(f"stoker.daemon.cli.{module_name}").register(group)
 
 

@@ -28,7 +28,10 @@ RECEIVE_SIZE = 64 * 1024
 def typed_reply(method: str, result: Any, record: type[R]) -> R:
     """`result` as a `record`: fields this client does not know are ignored; one it needs and
     did not get is daemon_version_skew, naming the method and what is missing."""
+    from stoker.daemon.core.codecache import extend
     from stoker.states.convert import MissingFields, structure  # cattrs: only for a call that asks for a record
+
+    extend()  # the structure functions cattrs generates from the CLI's cache, where it has one
 
     try:
         return structure(result, record)
