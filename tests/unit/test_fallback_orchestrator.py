@@ -51,7 +51,7 @@ class FakeInstalls:
     def __init__(self, paths: StokerPaths, *, fail: bool = False, min_driver: str | None = "580.65.06"):
         self.paths, self.fail, self.min_driver, self.calls = paths, fail, min_driver, []
 
-    async def install(self, backend, *, variant=None, detection=None):
+    async def install(self, backend, *, variant=None, detection=None, beside=False):
         self.calls.append((backend, detection))
         await trio.lowlevel.checkpoint()
         if self.fail:
@@ -600,7 +600,7 @@ class SlowBuild(FakeInstalls):
         await trio.lowlevel.checkpoint()
         return Source.LOCAL_BUILD
 
-    async def install(self, backend, *, variant=None, detection=None):
+    async def install(self, backend, *, variant=None, detection=None, beside=False):
         await self.done.wait()
         await super().install(backend, variant=variant, detection=detection)
 
