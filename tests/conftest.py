@@ -40,6 +40,43 @@ def cpu_bundle():
     return result.zip_path
 
 
+@pytest.fixture(scope="session")
+def plugin_site(tmp_path_factory):
+    """The FakeGPU distribution (tests/integration/fakegpu_plugin) built from its pyproject and
+    installed by pip into a directory of its own, once a session: tests only put the directory on
+    PYTHONPATH (tests/integration/test_third_party_backend.py with_plugin), never write in it."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    source = tmp_path_factory.mktemp("fakegpu-source")
+    plugin = Path(__file__).resolve().parent / "integration" / "fakegpu_plugin"
+    shutil.copytree(plugin, source, dirs_exist_ok=True)  # pip builds in the tree it is given
+    site = tmp_path_factory.mktemp("fakegpu-site")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-input",
+            "--disable-pip-version-check",
+            "--target",
+            str(site),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (site / "stoker_fakegpu.py").is_file() and list(site.glob("stoker_fakegpu-*.dist-info"))
+    return site
+
+
 @pytest.fixture
 def installed_cpu_bundle(stoker_home, cpu_bundle):
     """The CPU bundle installed (verified, without the smoke run) into this test's STOKER_HOME."""

@@ -39,9 +39,8 @@ from stoker.daemon.bundles.tinymodel import write_tiny_model
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config
 from tests.integration.daemon_harness import free_port
 from tests.integration.test_frontdoor_client_leaves import busy_slots
-from tests.integration.test_third_party_backend import (  # noqa: F401  (plugin_site, daemons: fixtures)
+from tests.integration.test_third_party_backend import (  # noqa: F401  (daemons: a fixture)
     daemons,
-    plugin_site,
     relabel_cpu_bundle,
     settled,
     stoker,
@@ -297,7 +296,7 @@ def test_gpu_plan_fails_and_falls_back(
     stoker_home,
     installed_cpu_bundle,
     model,
-    plugin_site,  # noqa: F811  (the imported fixture)
+    plugin_site,
     daemons,  # noqa: F811  (the imported fixture)
     tmp_path,
 ):

@@ -24,10 +24,9 @@ from rich.console import Console
 from stoker.daemon.cli.lifecycle import format_status
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config
 from tests.integration.test_launch_plan import recorded_plans
-from tests.integration.test_third_party_backend import (  # noqa: F401  (plugin_site, daemons: fixtures)
+from tests.integration.test_third_party_backend import (  # noqa: F401  (daemons: a fixture)
     daemons,
     fallback_of,
-    plugin_site,
     relabel_cpu_bundle,
     settled,
     stoker,
@@ -58,7 +57,7 @@ def test_telemetry_names_the_backend_in_use_and_a_demoted_respawn_is_recorded(
     stoker_home,
     installed_cpu_bundle,
     model,
-    plugin_site,  # noqa: F811  (the imported fixture)
+    plugin_site,
     daemons,  # noqa: F811  (the imported fixture)
     tmp_path,
 ):
@@ -98,7 +97,7 @@ def test_free_memory_is_read_when_the_plan_is_made_and_a_forced_backend_says_one
     stoker_home,
     installed_cpu_bundle,
     model,
-    plugin_site,  # noqa: F811  (the imported fixture)
+    plugin_site,
     daemons,  # noqa: F811  (the imported fixture)
     tmp_path,
 ):
@@ -144,7 +143,7 @@ def test_a_device_without_room_is_kept_from_the_server_and_history_says_so(
     stoker_home,
     installed_cpu_bundle,
     model,
-    plugin_site,  # noqa: F811  (the imported fixture)
+    plugin_site,
     daemons,  # noqa: F811  (the imported fixture)
     tmp_path,
 ):

@@ -26,8 +26,8 @@ from tests.integration import test_third_party_backend as third_party
 from tests.integration.test_third_party_backend import DEVICE, relabel_cpu_bundle, with_plugin
 from tests.waits import wait_until
 
-# The FakeGPU plugin installed by pip, and the daemons that must not outlive the test.
-plugin_site, daemons = third_party.plugin_site, third_party.daemons
+# The daemons that must not outlive the test (the FakeGPU plugin's site: tests/conftest.py).
+daemons = third_party.daemons
 
 pytestmark = [pytest.mark.engine]
 

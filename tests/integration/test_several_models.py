@@ -26,9 +26,8 @@ from stoker.daemon.bundles.tinymodel import write_tiny_model
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
 from tests.integration.daemon_harness import free_port
 from tests.integration.test_frontdoor import sdk
-from tests.integration.test_third_party_backend import (  # noqa: F401  (plugin_site, daemons: fixtures)
+from tests.integration.test_third_party_backend import (  # noqa: F401  (daemons: a fixture)
     daemons,
-    plugin_site,
     relabel_cpu_bundle,
     stoker,
     with_plugin,
@@ -217,7 +216,7 @@ def test_a_model_whose_gpu_plan_fails_falls_back_while_the_other_is_untouched(
     installed_cpu_bundle,
     model,
     other_model,
-    plugin_site,  # noqa: F811  (the imported fixture)
+    plugin_site,
     daemons,  # noqa: F811  (the imported fixture)
     tmp_path,
     no_server_left,

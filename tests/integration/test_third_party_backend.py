@@ -37,7 +37,6 @@ from stoker.tui.link import SocketLink
 from stoker.tui.screens.backend_choice import BackendChoiceScreen
 from stoker.tui.widgets.backend_card import BackendCard
 
-PLUGIN_SOURCE = Path(__file__).resolve().parent / "fakegpu_plugin"
 DEVICE = "FakeGPU 9000:8192"
 # The plugin's sentences (tests/integration/fakegpu_plugin/stoker_fakegpu.py), as a user reads them.
 ZERO_LAYERS = "The FakeGPU server offloaded no layer (its engine is the CPU build), so it is reported as the CPU."
@@ -52,35 +51,6 @@ case "$1" in
 esac
 exec "$(dirname "$0")/{real}" "$@"
 """
-
-
-@pytest.fixture(scope="module")
-def plugin_site(tmp_path_factory) -> Path:
-    """The FakeGPU distribution built from its pyproject and installed by pip into a directory of its own."""
-    source = tmp_path_factory.mktemp("fakegpu-source")
-    shutil.copytree(PLUGIN_SOURCE, source, dirs_exist_ok=True)  # pip builds in the tree it is given
-    site = tmp_path_factory.mktemp("fakegpu-site")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",
-            "--no-input",
-            "--disable-pip-version-check",
-            "--target",
-            str(site),
-            str(source),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert (site / "stoker_fakegpu.py").is_file() and list(site.glob("stoker_fakegpu-*.dist-info"))
-    return site
 
 
 def with_plugin(site: Path, devices: str | None) -> dict[str, str]:

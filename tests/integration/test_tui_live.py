@@ -254,6 +254,23 @@ def test_the_models_view_follows_two_real_models(daemon, model, other_model):
                 assert {r["machine_id"] for r in view.history_rows} <= {"launch:beta", "fallback:beta"}
                 beta = next(m for m in view.models if m["name"] == "beta")
                 assert beta["backend"] == "cpu" and beta["memory"]["rss_mib"] > 1
+                # A status refresh redraws the table: the cursor stays on beta and nothing asks for
+                # another model's history (a refill that passed through alpha could leave it there).
+                highlighted: list[str] = []
+                post = view.post_message
+
+                def recording(message):
+                    if isinstance(message, ModelsView.Highlighted):
+                        highlighted.append(message.name)
+                    return post(message)
+
+                view.post_message = recording
+                view.show_status(app.status)
+                view.show_status(app.status)
+                await pilot.pause()
+                view.post_message = post
+                assert highlighted == [] and view.selected == "beta"
+                assert app.query_one("#models-table").cursor_row == 1
 
                 # d on the Models tab: beta stops, alpha serves on.
                 await pilot.press("d")

@@ -571,12 +571,19 @@ def utc(monkeypatch):
     time.tzset()
 
 
+async def settle(pilot, check: Any, what: str, timeout: float = 30.0) -> None:
+    """Let the app run until `check()` holds; fail naming `what` after `timeout` s. The deadline is
+    for a loaded machine (the fake link answers from threads the app's loop must get round to)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        await pilot.pause(0.02)
+
+
 async def loaded(pilot) -> None:
     app = pilot.app
-    for _ in range(200):
-        if app.loaded >= EVERYTHING:
-            break
-        await pilot.pause(0.02)
+    await settle(pilot, lambda: app.loaded >= EVERYTHING, "status, history, telemetry and snapshots")
     await pilot.pause(0.1)
 
 
@@ -672,10 +679,7 @@ def test_help(snap_compare):
 
 def test_daemon_not_running(snap_compare):
     async def run_before(pilot) -> None:
-        for _ in range(100):
-            if pilot.app._not_running is not None:
-                break
-            await pilot.pause(0.02)
+        await settle(pilot, lambda: pilot.app._not_running is not None, "the not-running screen")
         await pilot.pause(0.2)
 
     # A long retry interval keeps the attempt counter at 1 for the picture.
@@ -710,10 +714,18 @@ def test_a_restore_across_backends_shows_the_daemons_note():
         async with app.run_test(size=(100, 30)) as pilot:
             await loaded(pilot)
             app.post_message(SnapshotsView.Requested("restore", snapshots()["snapshots"][0]))
-            for _ in range(100):
-                await pilot.pause(0.02)
-                if any(m == "snapshot.restore" for m, _ in link.calls) and list(app._notifications):
-                    break
+            await settle(
+                pilot,
+                lambda: any(m == "snapshot.restore" for m, _ in link.calls) and list(app._notifications),
+                "the restore and its toast",
+            )
+            # The restore's refreshes (snapshots, status) are handled before the app closes.
+            await settle(
+                pilot,
+                lambda: all(w.is_finished for w in app.workers if w.group != "events"),
+                "the refreshes after the restore",
+            )
+            await pilot.pause()
             return [n.message for n in app._notifications]
 
     import asyncio
@@ -769,10 +781,7 @@ def test_u_d_r_on_the_models_tab_act_on_the_highlighted_model():
         await pilot.pause(0.1)
         await pilot.press("down", "down", "down", "u")  # notes
         await pilot.press("d", "y")
-        for _ in range(100):
-            if sum(m in ("up", "down") for m, _ in link.calls) >= 3:
-                break
-            await pilot.pause(0.02)
+        await settle(pilot, lambda: sum(m in ("up", "down") for m, _ in link.calls) >= 3, "the three actions")
 
     run_app(link, scenario)
     acts = [(m, p) for m, p in link.calls if m in ("up", "down")]
@@ -797,10 +806,7 @@ def test_pull_progress_follows_the_events_and_leaves_when_the_pull_ends():
 
     async def scenario(app, pilot) -> list:
         panel = app.query_one(PullProgress)
-        for _ in range(100):
-            if "smollm2" in panel.pulls:
-                break
-            await pilot.pause(0.02)
+        await settle(pilot, lambda: "smollm2" in panel.pulls, "both pulls in the panel")
         seen = [dict(panel.pulls), panel.display]
         app.post_message(
             DaemonEvent({"topic": "machine.pull.cataloged", "machine": "pull:qwen2.5-7b", "to": "cataloged"})

@@ -308,27 +308,39 @@ class ModelsView(Vertical):
 
     def _fill(self) -> None:
         table = self.query_one("#models-table", DataTable)
-        keep = self.selected
-        table.clear()
-        for model in self.models:
-            name = str(model.get("name"))
-            state = str(model.get("state") or "?")
-            table.add_row(
-                Text(name + ("*" if model.get("default") else ""), style="bold" if model.get("default") else ""),
-                Text(state, style=STATE_STYLE.get(state, "")),
-                backend_cell(model),
-                layers_cell(model),
-                memory_cell(model, self.sample),
-                unload_cell(model),
-                why_cell(model),
-                key=name,
-            )
+        # The row under the cursor is the user's latest move, even one whose highlight is still queued.
+        keep = self._cursor_name(table) or self.selected
         names = [str(m.get("name")) for m in self.models]
+        # A refill's own highlights (its first row, the cursor put back) are no move of the user's:
+        # queued, they would select the first model and, read by the next refill, pull the cursor back there.
+        with self.prevent(DataTable.RowHighlighted):
+            table.clear()
+            for model in self.models:
+                name = str(model.get("name"))
+                state = str(model.get("state") or "?")
+                table.add_row(
+                    Text(name + ("*" if model.get("default") else ""), style="bold" if model.get("default") else ""),
+                    Text(state, style=STATE_STYLE.get(state, "")),
+                    backend_cell(model),
+                    layers_cell(model),
+                    memory_cell(model, self.sample),
+                    unload_cell(model),
+                    why_cell(model),
+                    key=name,
+                )
+            if keep in names:
+                table.move_cursor(row=names.index(str(keep)), animate=False)
         if keep in names:
-            table.move_cursor(row=names.index(str(keep)), animate=False)
+            self._select(str(keep))
         elif names:
             self._select(names[0])
         self._fill_detail()
+
+    @staticmethod
+    def _cursor_name(table: DataTable[Any]) -> str | None:
+        if table.row_count == 0:
+            return None
+        return str(table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value)
 
     def _fill_detail(self) -> None:
         model = self._model(self.selected)
