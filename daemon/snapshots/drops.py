@@ -77,6 +77,18 @@ class DropLog:
         self._history(reason, why if isinstance(why, str) else topic, entry)
         return entry
 
+    def removed(self, rec: Any, why: str, **figures: Any) -> dict[str, Any]:
+        """A snapshot record gone from the catalog (`why`: "rm" asked, "file_gone" found)."""
+        return self.record(
+            ReasonCode.SNAPSHOT_REMOVED,
+            quiet=True,
+            why=why,
+            snapshot_id=rec.id,
+            slot=rec.slot_id,
+            n_tokens=rec.n_tokens,
+            **figures,
+        )
+
     def _history(self, reason: ReasonCode, event: str, entry: dict[str, Any]) -> None:
         """One history row: a snapshot that existed goes saved -> dropped (a file that failed the
         restore's checks: saved -> refused, it is kept in case it is put back); one never saved

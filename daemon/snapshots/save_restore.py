@@ -523,16 +523,7 @@ class SnapshotService:
         """Remove on request (`stoker snapshot rm`): each one is a drop, in history too."""
         self.upkeep.remove(records)
         for rec in records:
-            self.drops.record(
-                ReasonCode.SNAPSHOT_REMOVED,
-                quiet=True,
-                why="rm",
-                snapshot_id=rec.id,
-                slot=rec.slot_id,
-                n_tokens=rec.n_tokens,
-                file_size=rec.file_size,
-                instance=rec.instance,
-            )
+            self.drops.removed(rec, "rm", file_size=rec.file_size, instance=rec.instance)
 
     def slots_saved(self, instance: str) -> int | None:
         """The slots `instance`'s next load restores, from its rows (None: snapshots are off)."""

@@ -186,15 +186,7 @@ class SnapshotUpkeep:
                 self._background.start_soon(self._seal_and_digest, rec.id, path)
         self.catalog.remove(r.id for r in gone)
         for rec in gone:
-            self.drops.record(
-                ReasonCode.SNAPSHOT_REMOVED,
-                quiet=True,
-                why="file_gone",
-                snapshot_id=rec.id,
-                slot=rec.slot_id,
-                n_tokens=rec.n_tokens,
-                filename=rec.filename,
-            )
+            self.drops.removed(rec, "file_gone", filename=rec.filename)
         self.remove(torn)
         for rec in torn:
             self.drops.record(

@@ -166,17 +166,23 @@ def decision_dict(decision: Any) -> dict[str, Any]:
     return shown
 
 
+class Shown:
+    """A decision that status shows (`decision_dict`)."""
+
+    __slots__ = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return decision_dict(self)
+
+
 @attrs.frozen
-class RestoreDecision:
+class RestoreDecision(Shown):
     """Restore the snapshot, or leave the slot empty and let the next request re-prefill."""
 
     choice: Literal["restore", "reprefill"]
     why: str
     restore_s: float | None  # the estimates that decided (None: not measured yet)
     prefill_s: float | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return decision_dict(self)
 
 
 def restore_estimate(inputs: RestoreInputs) -> float | None:
@@ -243,7 +249,7 @@ def decide_restore(inputs: RestoreInputs) -> RestoreDecision:
 
 
 @attrs.frozen
-class SaveDecision:
+class SaveDecision(Shown):
     """Save a slot before a planned stop, or let its next request re-prefill it."""
 
     choice: Literal["save", "skip"]
@@ -251,9 +257,6 @@ class SaveDecision:
     save_s: float | None  # the estimates that decided (None: not measured yet)
     restore_s: float | None
     prefill_s: float | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return decision_dict(self)
 
 
 def decide_save(inputs: RestoreInputs, save_mb_s: Figure | None) -> SaveDecision:

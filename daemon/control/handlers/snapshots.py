@@ -27,6 +27,13 @@ MODEL = Param(
     "default: the default model.",
 )
 # list and rm also reach the snapshots a model removed from the config left behind.
+# What a save from, or a restore into, a running server's slot can be refused with.
+INTO_A_SLOT = (
+    ReasonCode.MODEL_NOT_FOUND,
+    ReasonCode.SNAPSHOTS_DISABLED,
+    ReasonCode.SNAPSHOT_SERVER_NOT_READY,
+    ReasonCode.SNAPSHOT_BAD_SLOT,
+)
 PAST_MODEL = Param("model", Kind.STRING, MODEL.doc + " Also the NAME of a model configured before.")
 
 
@@ -65,15 +72,7 @@ async def snapshot_list(daemon: ControlledDaemon, params: Mapping[str, Any]) -> 
     "snapshot.save",
     Param("slot", Kind.INTEGER, "Only this slot. " + SLOT_DOC),
     MODEL,
-    errors=(
-        ReasonCode.MODEL_NOT_FOUND,
-        ReasonCode.SNAPSHOTS_DISABLED,
-        ReasonCode.SNAPSHOT_SERVER_NOT_READY,
-        ReasonCode.SNAPSHOT_BAD_SLOT,
-        ReasonCode.SNAPSHOT_SAVE_FAILED,
-        ReasonCode.SNAPSHOT_DISK_FULL,
-        ReasonCode.SNAPSHOT_DROPPED,
-    ),
+    errors=(*INTO_A_SLOT, ReasonCode.SNAPSHOT_SAVE_FAILED, ReasonCode.SNAPSHOT_DISK_FULL, ReasonCode.SNAPSHOT_DROPPED),
     result=SnapshotsSaved,
 )
 async def snapshot_save(daemon: ControlledDaemon, params: Mapping[str, Any]) -> SnapshotsSaved:
@@ -99,12 +98,9 @@ async def snapshot_save(daemon: ControlledDaemon, params: Mapping[str, Any]) -> 
     ),
     MODEL,
     errors=(
-        ReasonCode.MODEL_NOT_FOUND,
+        *INTO_A_SLOT,
         ReasonCode.SNAPSHOT_NOT_FOUND,
         ReasonCode.SNAPSHOT_INSTANCE_MISMATCH,
-        ReasonCode.SNAPSHOTS_DISABLED,
-        ReasonCode.SNAPSHOT_SERVER_NOT_READY,
-        ReasonCode.SNAPSHOT_BAD_SLOT,
         ReasonCode.SNAPSHOT_MODEL_MISMATCH,
         ReasonCode.SNAPSHOT_ENGINE_MISMATCH,
         ReasonCode.SNAPSHOT_LAYOUT_MISMATCH,
