@@ -11,6 +11,7 @@ import fcntl
 import os
 import subprocess
 import sys
+from typing import Callable
 
 import psutil
 import trio
@@ -22,8 +23,9 @@ from tests.integration.test_engine_sources import FAKE_CMAKE, FAKE_MAIN
 from tests.waits import until
 
 
-async def test_a_build_cancelled_with_the_daemon_leaves_no_process_and_no_lock(tmp_path, monkeypatch):
-    marker = f"{os.getpid() % 1000 + 3000}"  # a sleep no one else runs
+def slow_source(tmp_path, monkeypatch, marker: str) -> Callable[[], list[psutil.Process]]:
+    """An engine source whose cmake configure runs `sleep MARKER`, as the daemon's build source;
+    the sleeping processes it leaves, found by their command line."""
     tree = tmp_path / "slow"
     tree.mkdir()
     (tree / "main.c").write_text(FAKE_MAIN)
@@ -33,6 +35,13 @@ async def test_a_build_cancelled_with_the_daemon_leaves_no_process_and_no_lock(t
 
     def sleepers() -> list[psutil.Process]:
         return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", marker]]
+
+    return sleepers
+
+
+async def test_a_build_cancelled_with_the_daemon_leaves_no_process_and_no_lock(tmp_path, monkeypatch):
+    marker = f"{os.getpid() % 1000 + 3000}"  # a sleep no one else runs
+    sleepers = slow_source(tmp_path, monkeypatch, marker)
 
     building = trio.Event()
 
@@ -64,15 +73,7 @@ async def test_two_engines_build_side_by_side_and_one_recipe_once(tmp_path, monk
     it: builds of two recipes run at once; a second build of the same recipe waits for the
     first and finds it built."""
     marker = f"{os.getpid() % 1000 + 5000}"  # a sleep no one else runs
-    tree = tmp_path / "slow"
-    tree.mkdir()
-    (tree / "main.c").write_text(FAKE_MAIN)
-    (tree / "CMakeLists.txt").write_text(f"execute_process(COMMAND sleep {marker})\n" + FAKE_CMAKE)
-    monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("STOKER_BUILD_SOURCE", f"dir:{tree}#build=7&commit=slow")
-
-    def sleepers() -> list[psutil.Process]:
-        return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", marker]]
+    sleepers = slow_source(tmp_path, monkeypatch, marker)
 
     said: list[str] = []
     with trio.fail_after(120):
@@ -96,16 +97,8 @@ async def test_a_build_whose_starter_was_killed_is_ended_by_the_next_daemon(tmp_
     the build goes on in its own session. What the next daemon runs first at its start,
     `stop_abandoned` over its runtime dir's launch records, ends it, cmake's child included."""
     marker = f"{os.getpid() % 1000 + 4000}"  # a sleep no one else runs
-    tree = tmp_path / "slow"
-    tree.mkdir()
-    (tree / "main.c").write_text(FAKE_MAIN)
-    (tree / "CMakeLists.txt").write_text(f"execute_process(COMMAND sleep {marker})\n" + FAKE_CMAKE)
     monkeypatch.setenv("STOKER_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("STOKER_BUILD_SOURCE", f"dir:{tree}#build=7&commit=slow")
-
-    def sleepers() -> list[psutil.Process]:
-        return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", marker]]
+    sleepers = slow_source(tmp_path, monkeypatch, marker)
 
     code = (
         "import trio; from stoker.daemon.install.sources import run_build; trio.run(run_build, 'cpu', 'compat', print)"
