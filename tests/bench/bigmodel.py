@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,6 +48,16 @@ def _layer_shapes(i: int) -> list[tuple[str, tuple[int, ...], bool]]:
 
 def layer_bytes() -> int:
     return sum(int(np.prod(s)) * (2 if m else 4) for _, s, m in _layer_shapes(0))
+
+
+def big_model(gib: float, ctx: int = 8192) -> Path:
+    """The model of about `gib` GiB in the temp dir, written by the first benchmark that asks and
+    kept for the next (one trained for more context than 8192 tokens is a file of its own)."""
+    trained = "" if ctx <= 8192 else f"-ctx{ctx}"
+    path = Path(tempfile.gettempdir()) / f"stoker-bench-{gib:g}g{trained}.gguf"
+    if not path.is_file():
+        write_big_model(path, gib, ctx=max(ctx, 8192))
+    return path
 
 
 def write_big_model(path: Path, gib: float, *, ctx: int = 8192, seed: int = 0) -> Path:

@@ -32,11 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from stoker.daemon.bundles.build import build_bundle  # noqa: E402
-from stoker.daemon.bundles.installed import install_bundle  # noqa: E402
 from stoker.daemon.bundles.tinymodel import write_tiny_model  # noqa: E402
 from stoker.daemon.core.paths import StokerPaths  # noqa: E402
-from tests.bench.report import machine, percentile, write_section  # noqa: E402
+from tests.bench.report import engine_bundle, machine, percentile, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config  # noqa: E402
 
 STOKER = str(Path(sys.executable).with_name("stoker"))
@@ -71,7 +69,7 @@ def main() -> int:
     env = {**os.environ, "STOKER_HOME": str(home)}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     paths = StokerPaths.from_env(env)
-    install_bundle(build_bundle(paths, backend="cpu", progress=lambda line: None).zip_path, paths)
+    engine_bundle(paths)
     model = write_tiny_model(home / "tiny.gguf")
     daemon = DaemonProcess(home)
     write_config(daemon.paths, tiny_config(model))

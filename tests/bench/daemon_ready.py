@@ -44,16 +44,14 @@ import psutil
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from stoker.daemon.bundles.build import build_bundle  # noqa: E402
-from stoker.daemon.bundles.installed import install_bundle  # noqa: E402
 from stoker.daemon.control.client import ControlClient  # noqa: E402
 from tests.model_files import model_file  # noqa: E402
 from stoker.daemon.core.paths import StokerPaths  # noqa: E402
 from stoker.daemon.core.digests import sha256_file  # noqa: E402
 from stoker.daemon.models.identity import _CACHE as _IDENTITIES  # noqa: E402
 from stoker.daemon.models.identity import model_identity  # noqa: E402
-from tests.bench.bigmodel import write_big_model  # noqa: E402
-from tests.bench.report import machine, percentile, write_section  # noqa: E402
+from tests.bench.bigmodel import big_model  # noqa: E402
+from tests.bench.report import engine_bundle, machine, percentile, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config  # noqa: E402
 
 
@@ -258,15 +256,9 @@ def main() -> int:
     home = Path(tempfile.mkdtemp(prefix="stoker-bench-"))
     env = {**os.environ, "STOKER_HOME": str(home)}
     paths = StokerPaths.from_env(env)
-    if args.bundle is None:
-        zip_path = build_bundle(paths, backend="cpu", progress=lambda line: print(line, file=sys.stderr)).zip_path
-    else:
-        zip_path = args.bundle
-    bundle = install_bundle(zip_path, paths)
+    bundle = engine_bundle(paths, args.bundle, progress=lambda line: print(line, file=sys.stderr))
     if args.big_gib:
-        model = Path(tempfile.gettempdir()) / f"stoker-bench-{args.big_gib:g}g.gguf"
-        if not model.is_file():
-            write_big_model(model, args.big_gib)
+        model = big_model(args.big_gib)
     else:
         model = model_file(args.model, paths)
     ctx = args.ctx

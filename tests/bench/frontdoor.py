@@ -52,14 +52,12 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from stoker.daemon.bundles.build import build_bundle  # noqa: E402
-from stoker.daemon.bundles.installed import install_bundle  # noqa: E402
 from stoker.daemon.bundles.tinymodel import write_tiny_model  # noqa: E402
 from stoker.daemon.core.paths import StokerPaths  # noqa: E402
 from stoker.daemon.models.known import WELL_KNOWN  # noqa: E402
 from tests.model_files import GEMMA, model_file  # noqa: E402
 from tests.bench.rawchat import Conn, Stream, chat_body  # noqa: E402
-from tests.bench.report import machine, percentile, write_section  # noqa: E402
+from tests.bench.report import engine_bundle, machine, percentile, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, write_config  # noqa: E402
 
 PATHS = ("direct", "front door", "direct again")
@@ -401,7 +399,7 @@ def main() -> int:
         home = Path(tmp)
         os.environ["STOKER_HOME"] = str(home)
         paths = StokerPaths.from_env()
-        bundle = install_bundle(args.bundle or build_bundle(paths, backend="cpu").zip_path, paths)
+        bundle = engine_bundle(paths, args.bundle)
         spec, model = prepare_model(args.model, paths, home)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

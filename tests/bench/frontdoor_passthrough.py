@@ -37,14 +37,12 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from stoker.daemon.bundles.build import build_bundle
-from stoker.daemon.bundles.installed import install_bundle
 from stoker.daemon.bundles.tinymodel import write_tiny_model
 from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.models.known import WELL_KNOWN
 
 from tests.bench.frontdoor import prepare_model
-from tests.bench.report import machine, percentile, write_section
+from tests.bench.report import engine_bundle, machine, percentile, write_section
 from tests.integration.daemon_harness import DaemonProcess, write_config
 from tests.model_files import GEMMA
 
@@ -284,7 +282,7 @@ def main() -> None:
         home = Path(tmp)
         os.environ["STOKER_HOME"] = str(home)
         paths = StokerPaths.from_env()
-        bundle = install_bundle(args.bundle or build_bundle(paths, backend="cpu").zip_path, paths)
+        bundle = engine_bundle(paths, args.bundle)
         if args.model == "tiny":  # with fill-in-the-middle tokens, so that /infill answers
             model = write_tiny_model(home / "tiny.gguf", n_ctx=4096, fim=True)
             spec = str(model)

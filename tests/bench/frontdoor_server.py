@@ -58,8 +58,6 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from stoker.daemon.bundles.build import build_bundle  # noqa: E402
-from stoker.daemon.bundles.installed import install_bundle  # noqa: E402
 from stoker.daemon.config.model import Config  # noqa: E402
 from stoker.daemon.config.remote import is_loopback_host  # noqa: E402
 from stoker.daemon.core.http import loopback_client  # noqa: E402
@@ -78,7 +76,7 @@ from stoker.daemon.models.known import WELL_KNOWN  # noqa: E402
 from stoker.states.launch import records as LR  # noqa: E402
 from tests.bench.frontdoor import checked, prepare_model  # noqa: E402
 from tests.bench.rawchat import Conn, Stream, chat_body  # noqa: E402
-from tests.bench.report import machine, percentile, write_section  # noqa: E402
+from tests.bench.report import engine_bundle, machine, percentile, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, write_config  # noqa: E402
 from tests.model_files import GEMMA  # noqa: E402
 
@@ -643,7 +641,7 @@ def real_engine(args: argparse.Namespace, logs: Path) -> tuple[Results, str]:
         home = Path(tmp)
         os.environ["STOKER_HOME"] = str(home)
         paths = StokerPaths.from_env()
-        bundle = install_bundle(args.bundle or build_bundle(paths, backend="cpu").zip_path, paths)
+        bundle = engine_bundle(paths, args.bundle)
         spec, model = prepare_model(args.model, paths, home)
         d = DaemonProcess(home)
         config = f"[server]\nmodel = {json.dumps(spec)}\nctx_size = {parallel * args.slot_ctx}\nparallel = {parallel}\n"

@@ -46,10 +46,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from stoker.daemon.bundles.build import build_bundle  # noqa: E402
-from stoker.daemon.bundles.installed import install_bundle  # noqa: E402
 from stoker.daemon.core.paths import StokerPaths  # noqa: E402
-from tests.bench.report import machine, write_section  # noqa: E402
+from tests.bench.report import engine_bundle, machine, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config  # noqa: E402
 from tests.integration.daemon_harness import free_port  # noqa: E402
 from tests.model_files import GEMMA, model_file  # noqa: E402
@@ -283,7 +281,7 @@ def main() -> int:
         home = Path(tmp)
         os.environ["STOKER_HOME"] = str(home)
         paths = StokerPaths.from_env()
-        bundle = install_bundle(build_bundle(paths, backend="cpu").zip_path, paths)
+        bundle = engine_bundle(paths)
         model = model_file(GEMMA, paths)
         d = DaemonProcess(home)
         port = free_port()

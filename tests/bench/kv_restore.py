@@ -30,11 +30,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from stoker.daemon.bundles.build import build_bundle  # noqa: E402
-from stoker.daemon.bundles.installed import install_bundle  # noqa: E402
 from tests.model_files import model_file  # noqa: E402
 from stoker.daemon.core.paths import StokerPaths  # noqa: E402
-from tests.bench.report import machine, write_section  # noqa: E402
+from tests.bench.report import engine_bundle, machine, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config  # noqa: E402
 
 WORDS = (
@@ -397,15 +395,11 @@ def main() -> int:
         home = Path(tmp)
         os.environ["STOKER_HOME"] = str(home)
         paths = StokerPaths.from_env()
-        bundle = install_bundle(args.bundle or build_bundle(paths, backend="cpu").zip_path, paths)
+        bundle = engine_bundle(paths, args.bundle)
         if args.big_gib:
-            from tests.bench.bigmodel import write_big_model
+            from tests.bench.bigmodel import big_model
 
-            # A model trained for less context than asked is its own file (another size's is kept).
-            trained = "" if args.ctx <= 8192 else f"-ctx{args.ctx}"
-            model = Path(tempfile.gettempdir()) / f"stoker-bench-{args.big_gib:g}g{trained}.gguf"
-            if not model.is_file():
-                write_big_model(model, args.big_gib, ctx=max(args.ctx, 8192))
+            model = big_model(args.big_gib, ctx=args.ctx)
         else:
             model = model_file(args.model, paths)
         d = DaemonProcess(home)

@@ -34,13 +34,11 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from stoker.daemon.bundles.build import build_bundle  # noqa: E402
-from stoker.daemon.bundles.installed import install_bundle  # noqa: E402
 from stoker.daemon.core.paths import StokerPaths  # noqa: E402
 from stoker.daemon.models.known import WELL_KNOWN  # noqa: E402
 from tests.bench.frontdoor import DaemonCPU, checked, prepare_model, row, turns  # noqa: E402
 from tests.bench.rawchat import Conn, Stream, chat_body, chunked_body  # noqa: E402
-from tests.bench.report import machine, percentile, write_section  # noqa: E402
+from tests.bench.report import engine_bundle, machine, percentile, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, write_config  # noqa: E402
 from tests.model_files import GEMMA  # noqa: E402
 
@@ -190,7 +188,7 @@ def main() -> int:
         home = Path(tmp)
         os.environ["STOKER_HOME"] = str(home)
         paths = StokerPaths.from_env()
-        bundle = install_bundle(args.bundle or build_bundle(paths, backend="cpu").zip_path, paths)
+        bundle = engine_bundle(paths, args.bundle)
         spec, model = prepare_model(args.model, paths, home)
         port, ollama_port = free_port(), free_port()
         d = DaemonProcess(home)

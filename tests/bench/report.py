@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: a line describing the machine, and a section writer for docs/."""
+"""Shared by the benchmarks: the engine they run, a line describing the machine, and a section
+writer for docs/."""
 
 from __future__ import annotations
 
@@ -7,8 +8,20 @@ import platform
 import re
 import statistics
 from pathlib import Path
+from typing import Any, Callable
 
 BENCHMARKS_DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+
+
+def engine_bundle(paths: Any, zip_path: Path | None = None, progress: Callable[[str], None] | None = None) -> Any:
+    """The engine a benchmark runs, installed into `paths`' home: the bundle zip it was given
+    (`--bundle`), else the CPU build (from the build cache once built)."""
+    from stoker.daemon.bundles.build import build_bundle
+    from stoker.daemon.bundles.installed import install_bundle
+
+    if zip_path is None:
+        zip_path = build_bundle(paths, backend="cpu", progress=progress or (lambda _: None)).zip_path
+    return install_bundle(zip_path, paths)
 
 
 def machine() -> str:

@@ -32,11 +32,10 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from stoker.daemon.bundles.build import build_bundle  # noqa: E402
-from stoker.daemon.bundles.installed import install_bundle  # noqa: E402
 from stoker.daemon.bundles.tinymodel import write_tiny_model  # noqa: E402
 from stoker.daemon.core.paths import StokerPaths  # noqa: E402
 from stoker.daemon.workers.server import RPC_TOOL  # noqa: E402
+from tests.bench.report import engine_bundle  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 2
 
@@ -109,7 +108,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="stoker-rpc-bench-"))
     paths = StokerPaths.from_env({**os.environ, "STOKER_HOME": str(work / "home")})
-    bundle = install_bundle(build_bundle(paths, backend="cpu").zip_path, paths)
+    bundle = engine_bundle(paths)
     server, rpc = bundle.server, bundle.root / bundle.meta.tools[RPC_TOOL]
     model = args.model
     if model is None:

@@ -40,12 +40,10 @@ import psutil
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from stoker.daemon.bundles.build import build_bundle  # noqa: E402
-from stoker.daemon.bundles.installed import install_bundle  # noqa: E402
 from stoker.daemon.core.paths import StokerPaths  # noqa: E402
 from stoker.daemon.bundles.tinymodel import write_tiny_model  # noqa: E402
-from tests.bench.bigmodel import write_big_model  # noqa: E402
-from tests.bench.report import machine, write_section  # noqa: E402
+from tests.bench.bigmodel import big_model  # noqa: E402
+from tests.bench.report import engine_bundle, machine, write_section  # noqa: E402
 from tests.integration.daemon_harness import DaemonProcess, free_port, tiny_config, write_config  # noqa: E402
 from tests.model_files import GEMMA, model_file  # noqa: E402
 
@@ -185,15 +183,13 @@ def main() -> int:
         home = Path(tmp)
         os.environ["STOKER_HOME"] = str(home)
         paths = StokerPaths.from_env()
-        bundle = install_bundle(args.bundle or build_bundle(paths, backend="cpu").zip_path, paths)
+        bundle = engine_bundle(paths, args.bundle)
         if args.tiny_a:
             a = write_tiny_model(Path(tempfile.gettempdir()) / "stoker-bench-tiny.gguf")
         else:
             a = args.a or args.smollm or model_file(SMOLLM, paths)
         if args.big_gib:
-            b = Path(tempfile.gettempdir()) / f"stoker-bench-{args.big_gib:g}g.gguf"
-            if not b.is_file():
-                write_big_model(b, args.big_gib)
+            b = big_model(args.big_gib)
         else:
             b = args.b or model_file(GEMMA, paths)
         d = DaemonProcess(home)
