@@ -36,14 +36,13 @@ def run(work: Path, out: Path, carry: Path, timeout: float, seed_builds: Path | 
     """The scenario; `seed_builds`: a build cache whose entries are copied in first (a dry run
     of this script on a machine where building would take too long)."""
     from stoker.daemon.bundles.tinymodel import write_tiny_model
+    from stoker.daemon.core.digests import sha256_file
     from tests.integration.daemon_harness import DaemonProcess, free_port, tiny_config, write_config
 
     home, cache = work / "homes" / "upgrade", work / "cache-upgrade"
     shutil.rmtree(home, ignore_errors=True)
     shutil.rmtree(cache, ignore_errors=True)
     for sdist in sorted((carry / "src").glob("*.tar.gz")):  # the source "reachable": in the cache
-        from stoker.daemon.core.digests import sha256_file
-
         target = cache / "sources" / "downloads" / f"{sha256_file(sdist)}.tar.gz"
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(sdist, target)
@@ -117,9 +116,7 @@ def run(work: Path, out: Path, carry: Path, timeout: float, seed_builds: Path | 
                     for i in st.get("installs") or []
                 ],
             }
-            if not timeline or {k: v for k, v in sample.items() if k != "t"} != {
-                k: v for k, v in timeline[-1].items() if k != "t"
-            }:
+            if not timeline or {**timeline[-1], "t": sample["t"]} != sample:  # a change: kept
                 timeline.append(sample)
                 print(json.dumps(sample), flush=True)
             if st.get("state") == "ready" and st.get("backend") == "cuda" and cuda_serving_at is None:
@@ -188,6 +185,6 @@ def build_seconds(events: list[dict[str, Any]], backend: str) -> float | None:
     """A build's own seconds, from the install history's evidence (`build_seconds`)."""
     for e in events:
         ev = e.get("evidence") or {}
-        if str(e.get("machine_id", "")).find(backend) >= 0 and ev.get("build_seconds") is not None:
+        if backend in str(e.get("machine_id", "")) and ev.get("build_seconds") is not None:
             return ev["build_seconds"]
     return None
