@@ -32,18 +32,17 @@ fit nothing away, and never where its answers are kept. Measured on this
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import subprocess
-import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import attrs
 
+from stoker.daemon.core.kept import KeptAnswers
 from stoker.daemon.engine.launch_records import launch_record
 from stoker.states.fallback.fit_reuse import FileId as FitFileId
 from stoker.states.fallback.fit_reuse import FitRoom, fit_key, fits_whole, projection_key
@@ -169,56 +168,15 @@ def _run(argv: Sequence[str], env: Mapping[str, str], timeout: float) -> str:
     return done.stdout
 
 
-class FitCache:
-    """The fitter's answers by their keys (states/fallback/fit_reuse.py): in memory, and in a
-    JSON file when given one (the daemon's data dir), so a restarted daemon reuses them. The
-    file is written whole (a temporary file renamed over it), 0600; one that cannot be read
-    is started afresh; past `KEPT` answers the oldest go."""
+class FitCache(KeptAnswers):
+    """The fitter's answers by their keys (states/fallback/fit_reuse.py), kept in the daemon's
+    data dir (daemon/core/kept.py) so a restarted daemon reuses them."""
 
     KEPT = 256
 
     def __init__(self, path: Path | None = None) -> None:
-        self.path = path
-        self._answers: dict[str, Any] | None = None
-        self._lock = threading.Lock()  # plans of several models ask from their own threads
+        super().__init__(path, self.KEPT)
         self.runs = 0  # fitter runs made for this cache (tests and the benchmark read it)
-
-    def _loaded(self) -> dict[str, Any]:
-        if self._answers is None:
-            self._answers = {}
-            if self.path is not None:
-                try:
-                    found = json.loads(self.path.read_text())
-                    if isinstance(found, dict):
-                        self._answers = found
-                except (OSError, ValueError):
-                    pass
-        return self._answers
-
-    def get(self, key: str) -> Any:
-        with self._lock:
-            return self._loaded().get(key)
-
-    def put(self, key: str, answer: Any) -> None:
-        with self._lock:
-            self._put(key, answer)
-
-    def _put(self, key: str, answer: Any) -> None:
-        answers = self._loaded()
-        answers.pop(key, None)
-        answers[key] = answer
-        while len(answers) > self.KEPT:
-            answers.pop(next(iter(answers)))
-        if self.path is None:
-            return
-        try:
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                json.dump(answers, fh)
-            os.replace(tmp, self.path)
-        except OSError as err:  # kept in memory still; the next daemon runs the fitter again
-            log.warning("the fitter's answers could not be kept in %s: %s", self.path, err)
 
 
 # The daemon's cache (keep_answers_in points it at its data dir at start); in memory until then.

@@ -42,6 +42,7 @@ import attrs
 import psutil
 import trio
 
+from stoker.daemon.core.kept import write_private_json
 from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.core.process_group import GroupLeader, live_process, stop_group
 from stoker.daemon.engine.orphans import KEY_FILE, launched_from
@@ -67,14 +68,6 @@ def _identity(pid: int) -> dict[str, Any]:
     return {"pid": pid, "create_time": psutil.Process(pid).create_time()}
 
 
-def _write_json(path: Path, value: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(value, f)
-    os.replace(tmp, path)
-
-
 def _read_identity(path: Path) -> tuple[int, float] | None:
     try:
         data = json.loads(path.read_text())
@@ -96,7 +89,7 @@ class LaunchRecord:
         root = default_root() if root is None else root
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         directory = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=root))
-        _write_json(directory / OWNER_FILE, _identity(os.getpid()))
+        write_private_json(directory / OWNER_FILE, _identity(os.getpid()))
         (directory / "cwd").mkdir(mode=0o700)
         return cls(directory)
 
@@ -124,7 +117,7 @@ class LaunchRecord:
         """The spawned server's identity, for the sweep to prove it by (best effort: without it
         the key file's path in its command line still finds it)."""
         try:
-            _write_json(self.directory / PROCESS_FILE, _identity(pid))
+            write_private_json(self.directory / PROCESS_FILE, _identity(pid))
         except (OSError, psutil.Error):
             pass
 

@@ -12,15 +12,15 @@ daemon started again does not parse a header it has parsed before.
 from __future__ import annotations
 
 import enum
-import json
 import mmap
 import os
 import struct
-import threading
 from pathlib import Path
 from typing import Any
 
 import attrs
+
+from stoker.daemon.core.kept import KeptAnswers
 
 
 class ValueType(enum.IntEnum):
@@ -200,30 +200,18 @@ _DEFAULT_ALIGNMENT = 32
 _LAYOUTS: dict[tuple[str, int, int], GGUFLayout] = {}
 # Where the daemon keeps the layouts it parsed (keep_layouts_in, at its start), so that a daemon
 # started again plans without parsing the header once more (0.07-0.12 s for Gemma 3's 262k-token
-# vocabulary on this 2-core machine); None: in memory only (the CLI, tests).
-_KEPT_FILE: Path | None = None
-_KEPT_MAX = 32
-_KEPT_LOCK = threading.Lock()
+# vocabulary on this 2-core machine); in memory only until then (the CLI, tests).
+_KEPT = KeptAnswers(None, 32)
 
 
 def keep_layouts_in(path: Path | None) -> None:
     """Keep parsed layouts in `path` (JSON, 0600, by path, size and mtime) from now on."""
-    global _KEPT_FILE
-    _KEPT_FILE = path
-
-
-def _kept() -> dict[str, Any]:
-    if _KEPT_FILE is None:
-        return {}
-    try:
-        found = json.loads(_KEPT_FILE.read_text())
-    except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
+    global _KEPT
+    _KEPT = KeptAnswers(path, 32)
 
 
 def _from_kept(key: str) -> GGUFLayout | None:
-    entry: Any = _kept().get(key)
+    entry: Any = _KEPT.get(key)
     try:
         return GGUFLayout(
             dict(entry["meta"]),
@@ -237,28 +225,16 @@ def _from_kept(key: str) -> GGUFLayout | None:
 
 
 def _keep(key: str, layout: GGUFLayout) -> None:
-    if _KEPT_FILE is None:
-        return
-    with _KEPT_LOCK:
-        kept = _kept()
-        kept.pop(key, None)
-        kept[key] = {
+    _KEPT.put(
+        key,
+        {
             "meta": layout.meta,
             "data_offset": layout.data_offset,
             "tensor_offsets": list(layout.tensor_offsets),
             "n_params": layout.n_params,
             "array_lengths": layout.array_lengths,
-        }
-        while len(kept) > _KEPT_MAX:
-            kept.pop(next(iter(kept)))
-        try:
-            tmp = _KEPT_FILE.with_name(f".{_KEPT_FILE.name}.{os.getpid()}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                json.dump(kept, fh)
-            os.replace(tmp, _KEPT_FILE)
-        except (OSError, TypeError, ValueError):
-            pass  # kept in memory still
+        },
+    )
 
 
 def read_layout(path: str | Path) -> GGUFLayout:
