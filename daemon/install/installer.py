@@ -35,14 +35,13 @@ from stoker.daemon.bundles.build import cached_builds
 from stoker.daemon.bundles.installed import InstalledBundle, find_installed, promote
 from stoker.daemon.bundles.metadata import BundleMeta, ManifestEntry
 from stoker.daemon.core.digests import sha256_file
-from stoker.daemon.core.download import download
-from stoker.daemon.core.download_records import DownloadProgress, DownloadResult
+from stoker.daemon.core.download_records import DownloadProgress
 from stoker.daemon.core.errors import StokerError, cause_of
 from stoker.daemon.core.machines import EffectDriver, Failure, MachineRunner, MachineRunners, Publish
 from stoker.states.machine import IllegalTransition
 from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.install.checks import smoke_skip, smoke_staged, validate_staged
-from stoker.daemon.install.manifest import MANIFEST_ENV, choose_entry, load_manifest
+from stoker.daemon.install.manifest import MANIFEST_ENV, choose_entry, download_bundle, load_manifest
 from stoker.daemon.install.sources import (
     failure_sentence,
     copy_file_url,
@@ -72,29 +71,6 @@ log = logging.getLogger(__name__)
 PROGRESS_TOPIC = "install.progress"
 SOURCE_STARTS = (IE.Resolve, IE.FindCachedBuild, IE.CheckToolchain)  # each source's first effect
 ATTEMPT_ENDS = (I.SourceUnavailable, I.InstallFailed, I.Promoted)  # events that end a source's try
-MAX_BUNDLE_BYTES = 8 * 2**30  # the archive checker's own total cap
-
-
-async def download_bundle(
-    url: str,
-    dest: Path,
-    sha256: str,
-    size: int | None,
-    *,
-    progress: Callable[[DownloadProgress], Any] | None = None,
-    failure_reason: ReasonCode = ReasonCode.BUNDLE_VERIFY_FAILED,
-) -> DownloadResult:
-    """Download one bundle zip to `dest`, checked against its sha256 and size and held to the
-    archive checker's cap: the one way an install and an engine update fetch a bundle."""
-    return await download(
-        url,
-        dest,
-        expected_sha256=sha256,
-        expected_size=size,
-        max_bytes=MAX_BUNDLE_BYTES,
-        progress=progress,
-        failure_reason=failure_reason,
-    )
 
 
 def install_failed_reason(backends: Mapping[str, Backend], backend: str) -> ReasonCode:

@@ -8,13 +8,14 @@ backend and this platform,
 `choose_entry` keeps those the backend's plugin accepts for the detected hardware (driver
 floor, CUDA architectures vs compute capability, ...) and lets the plugin pick the variant.
 Every "cannot" is a StokerError (bundle_missing) whose evidence lists what was refused and why;
-the install service records it on the install machine.
+the install service records it on the install machine. `download_bundle` fetches the bundle an
+entry names, for an install and an engine update alike.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import unquote, urlparse
 
 import attrs
@@ -24,8 +25,8 @@ from stoker.daemon.backends.base import Backend, Detection
 from stoker.daemon.bundles.metadata import BundleManifest, ManifestEntry
 from stoker.daemon.bundles.mirror import DEFAULT_CHANNEL
 from stoker.daemon.bundles.variants import host_platform
-from stoker.daemon.core.download import fetch_bytes
-from stoker.daemon.core.download_records import DownloadError
+from stoker.daemon.core.download import download, fetch_bytes
+from stoker.daemon.core.download_records import DownloadError, DownloadProgress, DownloadResult
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.install.trust import ManifestTrust
 from stoker.states.engine_update.table import version_key
@@ -33,6 +34,29 @@ from stoker.states.reasons import ReasonCode
 
 MANIFEST_ENV = "STOKER_MANIFEST_URL"
 MANIFEST_MAX_BYTES = 4 * 2**20
+MAX_BUNDLE_BYTES = 8 * 2**30  # the archive checker's own total cap
+
+
+async def download_bundle(
+    url: str,
+    dest: Path,
+    sha256: str,
+    size: int | None,
+    *,
+    progress: Callable[[DownloadProgress], Any] | None = None,
+    failure_reason: ReasonCode = ReasonCode.BUNDLE_VERIFY_FAILED,
+) -> DownloadResult:
+    """Download one bundle zip to `dest`, checked against its sha256 and size and held to the
+    archive checker's cap: the one way an install and an engine update fetch a bundle."""
+    return await download(
+        url,
+        dest,
+        expected_sha256=sha256,
+        expected_size=size,
+        max_bytes=MAX_BUNDLE_BYTES,
+        progress=progress,
+        failure_reason=failure_reason,
+    )
 
 
 async def load_manifest(

@@ -38,8 +38,8 @@ from stoker.daemon.core.download_records import DownloadError
 from stoker.daemon.core.errors import StokerError, cause_of
 from stoker.daemon.core.machines import EffectDriver, MachineRunner, MachineRunners, Publish
 from stoker.daemon.core.paths import StokerPaths
-from stoker.daemon.install.manifest import choose_entry, load_manifest
-from stoker.daemon.install.installer import InstallService, download_bundle
+from stoker.daemon.install.manifest import choose_entry, download_bundle, load_manifest
+from stoker.daemon.install.installer import InstallService
 from stoker.daemon.install.update_steps import (
     bundle_digest,
     bundle_facts,
