@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from stoker.daemon.cli import cli
+from stoker.daemon.cli.group import cli
 
 PAGE = Path(__file__).resolve().parent / "cli.md"
 

@@ -8,70 +8,12 @@ from typing import Any
 
 import attrs
 import click
-from stoker.daemon.cli.lifecycle import _mib, ask
+from stoker.daemon.cli.lifecycle import ask
 from stoker.daemon.cli.output import emit, fail, json_option
-from stoker.daemon.control.status_records import ModelStatus, Status
+from stoker.daemon.control.status_records import Status
+from stoker.daemon.control.status_text import DOWN, mib_text, ps_text
 from stoker.daemon.core.errors import StokerError
 from stoker.states.reasons import ReasonCode
-
-# Every other state holds a server, or is on its way to or from one: what `ps` lists.
-DOWN = ("stopped", "failed")
-
-
-def _seconds(value: float | None) -> str:
-    if value is None:
-        return "-"
-    value = max(0.0, value)
-    return f"{value:.0f}s" if value < 120 else f"{value / 60:.0f}m"
-
-
-def _layers(m: ModelStatus) -> str:
-    offloaded, total = m.layers.offloaded, m.layers.total
-    if m.backend in (None, "cpu") or total is None:
-        return "cpu" if m.backend == "cpu" else "-"
-    return f"{offloaded if offloaded is not None else '?'}/{total}" + (" partial" if m.memory.partial else "")
-
-
-def _memory(m: ModelStatus) -> str:
-    text = _mib(m.memory.rss_mib) if m.memory.rss_mib is not None else "-"
-    if m.memory.on_accelerator:
-        text += f" + vram {_mib(m.memory.vram_mib)}"
-    return text
-
-
-def _unloads(m: ModelStatus) -> str:
-    if m.pinned:
-        return "pinned"
-    if m.idle_ttl_s <= 0:
-        return "never"
-    if m.in_flight:
-        return "in use"
-    return f"in {_seconds(m.idle_unload_in_s)}" if m.idle_unload_in_s is not None else "-"
-
-
-def ps_rows(status: Status) -> list[tuple[str, ...]]:
-    """One row per model that holds a server: name, state, backend, layers, memory, idle, unload."""
-    rows: list[tuple[str, ...]] = [("NAME", "STATE", "BACKEND", "LAYERS", "MEMORY", "IDLE", "UNLOADS")]
-    for m in status.models:
-        if m.state in DOWN:
-            continue
-        rows.append(
-            (
-                m.name,
-                m.state,
-                m.backend or m.planned_backend or "-",
-                _layers(m),
-                _memory(m),
-                _seconds(m.idle_s),
-                _unloads(m),
-            )
-        )
-    return rows
-
-
-def table(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
 @click.command()
@@ -82,8 +24,7 @@ def ps(as_json: bool) -> None:
     if as_json:
         emit(True, {"models": [m for m in reply["models"] if m["state"] not in DOWN]})
         return
-    rows = ps_rows(status)
-    click.echo(table(rows) if len(rows) > 1 else f"no model is loaded ({len(status.models)} can load on demand)")
+    click.echo(ps_text(status))
 
 
 def _catalog_path(name: str) -> Path | None:
@@ -150,7 +91,7 @@ def show_text(d: dict[str, Any]) -> str:
     facts = d["facts"]
     lines = [
         f"{d['name']}: {d['title'] or d['architecture'] or '?'}",
-        f"  file          {d['path']} ({_mib(d['size_bytes'] / 2**20)})",
+        f"  file          {d['path']} ({mib_text(d['size_bytes'] / 2**20)})",
         f"  architecture  {d['architecture'] or '?'}",
     ]
     lines += [f"  {key:<13} {value}" for key, value in facts.items() if value is not None]
@@ -158,10 +99,10 @@ def show_text(d: dict[str, Any]) -> str:
         lines.append(f"  state         {d['state']}" + (f" on {d['backend']}" if d["backend"] else ""))
     estimate = d["estimate"]
     if estimate:
-        devices = ", ".join(f"{k} {_mib(v)}" for k, v in (estimate.get("devices") or {}).items())
+        devices = ", ".join(f"{k} {mib_text(v)}" for k, v in (estimate.get("devices") or {}).items())
         lines.append(
-            f"  placement     {'partial ' if estimate.get('partial') else ''}ram {_mib(estimate.get('ram_mib'))}"
-            + (f" + vram {_mib(estimate.get('vram_mib'))}" if estimate.get("vram_mib") else "")
+            f"  placement     {'partial ' if estimate.get('partial') else ''}ram {mib_text(estimate.get('ram_mib'))}"
+            + (f" + vram {mib_text(estimate.get('vram_mib'))}" if estimate.get("vram_mib") else "")
             + (f" ({devices})" if devices else "")
             + f" by {estimate.get('source')}"
         )

@@ -22,7 +22,8 @@ import click
 import trio
 
 from stoker.daemon.cli.daemon_or_here import through_daemon_or_here
-from stoker.daemon.cli.output import emit, fail, json_option, progress_line, reported
+from stoker.daemon.cli.output import emit, fail, json_option, reported
+from stoker.daemon.control.status_text import progress_line
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.core.paths import StokerPaths
 

@@ -78,32 +78,6 @@ def run_guarded(group: click.Group) -> None:
         fail("--json" in sys.argv, err)
 
 
-BAR_WIDTH = 30
-
-
-def _size(n: float | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-def progress_line(event: dict[str, Any]) -> str:
-    """`[#####.....]  42%  12.3 MiB / 29.0 MiB  5.1 MiB/s  eta 3 s` for one progress event."""
-    done, total = event.get("bytes_done") or 0, event.get("total")
-    frac = min(1.0, done / total) if total else 0.0
-    filled = int(frac * BAR_WIDTH)
-    bar = "#" * filled + "." * (BAR_WIDTH - filled)
-    eta = event.get("eta")
-    tail = f"eta {eta:.0f} s" if isinstance(eta, (int, float)) else ""
-    return (
-        f"[{bar}] {frac * 100:3.0f}%  {_size(done)} / {_size(total)}  {_size(event.get('rate') or 0)}/s  {tail}"
-    ).rstrip()
-
-
 def invoked_path() -> Path | None:
     """The `stoker` executable running now, as an absolute path (None under `python -m`)."""
     argv0 = Path(sys.argv[0])

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import click
 
 from stoker.daemon.cli.output import emit, json_option
-from stoker.daemon.cli.lifecycle import ask, call, format_status
+from stoker.daemon.cli.lifecycle import ask, call
+from stoker.daemon.control.status_text import format_status
 
 if TYPE_CHECKING:
     from stoker.daemon.control.replies import ProbeReply

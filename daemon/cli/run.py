@@ -25,7 +25,8 @@ import attrs
 import click
 
 from stoker.daemon.cli.output import emit, fail, invoked_as, json_option
-from stoker.daemon.cli.lifecycle import call, format_status
+from stoker.daemon.cli.lifecycle import call
+from stoker.daemon.control.status_text import format_status
 from stoker.daemon.control.replies import ModelList
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.core.paths import StokerPaths
@@ -46,7 +47,8 @@ def wait_showing_installs(as_json: bool, timeout: float, **model: Any) -> dict:
     """Poll status until the server is ready or has settled in failure, saying each change of
     an engine install on the way (the source it tries, a local build's percentage). `timeout`
     counts from the last sign of progress: a build that is still moving is waited for."""
-    from stoker.daemon.cli.lifecycle import READY_STATES, SETTLED_FAILURES, format_installs
+    from stoker.daemon.cli.lifecycle import READY_STATES, SETTLED_FAILURES
+    from stoker.daemon.control.status_text import format_installs
 
     deadline = time.monotonic() + timeout
     shown: list[str] = []

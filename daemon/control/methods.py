@@ -30,6 +30,7 @@ def _by_name(*methods: Method) -> dict[str, Method]:
 
 METHODS: Mapping[str, Method] = _by_name(
     lifecycle.status,
+    lifecycle.status_text,
     lifecycle.up,
     lifecycle.down,
     lifecycle.restart,

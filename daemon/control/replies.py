@@ -35,6 +35,15 @@ class Pong:
 
 
 @attrs.frozen
+class StatusText:
+    """`status.text`: what `stoker status` or `stoker ps` prints, rendered by the daemon, and
+    whether the model described has failed (`stoker status` then exits 1)."""
+
+    text: str
+    failed: bool
+
+
+@attrs.frozen
 class ServedBy:
     """A configured model that serves a cataloged file, and its launch state."""
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import os
 import stat
-import sys
 from pathlib import Path
 from typing import Literal
 
 import attrs
 import platformdirs
 
-APP = "stoker"
+from stoker.daemon.core.runtime_path import APP, SOCKET_NAME, runtime_dir
+
 PRIVATE_DIR_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
 
@@ -49,22 +49,12 @@ class StokerPaths:
         """
         env = os.environ if environ is None else environ
         cache = Path(env["STOKER_CACHE_DIR"]) if env.get("STOKER_CACHE_DIR") else Path(platformdirs.user_cache_dir(APP))
+        runtime = Path(runtime_dir(env))
         home = env.get("STOKER_HOME")
         if home:
             root = Path(home).absolute()
-            return cls(root / "config", root / "data", root / "run", cache)
-        runtime = env.get("XDG_RUNTIME_DIR")
-        if runtime:
-            runtime_dir = Path(runtime) / APP
-        elif sys.platform == "darwin":
-            runtime_dir = Path(platformdirs.user_runtime_dir(APP))
-        else:
-            # No XDG runtime dir (a container, a cron job): a per-user dir that control.py
-            # creates 0700 and refuses if someone else owns it.
-            import tempfile  # here: ~9 ms of every `stoker` command that names no such dir
-
-            runtime_dir = Path(tempfile.gettempdir()) / f"{APP}-{os.getuid()}"
-        return cls(Path(platformdirs.user_config_dir(APP)), Path(platformdirs.user_data_dir(APP)), runtime_dir, cache)
+            return cls(root / "config", root / "data", runtime, cache)
+        return cls(Path(platformdirs.user_config_dir(APP)), Path(platformdirs.user_data_dir(APP)), runtime, cache)
 
     # Stoker's files and directories, each below one of the four roots.
     config_file = _Below("config_dir", "config.toml")
@@ -73,7 +63,7 @@ class StokerPaths:
     snapshots_dir = _Below("data_dir", "snapshots")
     models_dir = _Below("data_dir", "models")
     logs_dir = _Below("data_dir", "logs")
-    socket_path = _Below("runtime_dir", "stoker.sock")
+    socket_path = _Below("runtime_dir", SOCKET_NAME)
     lock_file = _Below("data_dir", "daemon.lock")
     build_cache_dir = _Below("cache_dir", "builds")
     source_cache_dir = _Below("cache_dir", "sources")

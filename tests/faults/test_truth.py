@@ -21,7 +21,7 @@ import psutil
 import pytest
 from rich.console import Console
 
-from stoker.daemon.cli.lifecycle import format_status
+from stoker.daemon.control.status_text import format_status
 from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config
 from tests.integration.test_launch_plan import recorded_plans
 from tests.integration.test_third_party_backend import (  # noqa: F401  (daemons: a fixture)

@@ -15,7 +15,7 @@ from stoker.daemon.bundles.build import build_bundle
 from stoker.daemon.bundles.installed import find_installed, install_bundle
 from stoker.daemon.bundles.smoke import generate
 from stoker.daemon.bundles.verify import verify_bundle
-from stoker.daemon.cli import cli
+from stoker.daemon.cli.group import cli
 from stoker.daemon.core.paths import StokerPaths
 
 pytestmark = pytest.mark.engine

@@ -60,3 +60,50 @@ def test_show_reads_a_file_without_a_daemon_and_names_a_missing_model(daemon, mo
     missing = stoker(daemon, "show", "no-such-model")
     assert missing.returncode == 1
     assert "error [model_not_found]" in missing.stderr and "stoker pull no-such-model" in missing.stderr
+
+
+# `stoker status` and `stoker ps` as the daemon renders them: the same text the full command line
+# prints from the status document, without loading click or the records (daemon/cli/quick.py).
+QUICK = (
+    "import atexit, sys\n"
+    "atexit.register(lambda: print('LOADED', *sorted(m for m in ('click', 'attrs', 'cattrs') if m in sys.modules), file=sys.stderr))\n"
+    "from stoker.daemon.cli import main\n"
+    "sys.argv[0] = 'stoker'\n"
+    "main()\n"
+)
+FULL = "import sys\nfrom stoker.daemon.cli.group import cli\ncli(prog_name='stoker')\n"
+
+
+def _steady(text: str) -> str:
+    """The text with its clocks (uptime, idle seconds) taken out: they move between two runs."""
+    import re
+
+    return re.sub(r"\b\d+(s|m)\b", "N", text)
+
+
+@pytest.mark.parametrize("args", [("status",), ("status", "default"), ("ps",)], ids=["status", "status-model", "ps"])
+def test_status_and_ps_print_the_daemons_text_without_click_twice_over(daemon, args):
+    daemon.start()
+    daemon.wait_state("ready")
+    for _ in range(2):
+        quick = subprocess.run(
+            [sys.executable, "-c", QUICK, *args], env=daemon.env, capture_output=True, text=True, timeout=60
+        )
+        full = subprocess.run(
+            [sys.executable, "-c", FULL, *args], env=daemon.env, capture_output=True, text=True, timeout=60
+        )
+        assert quick.returncode == full.returncode == 0, (quick.stderr, full.stderr)
+        assert "LOADED\n" in quick.stderr  # none of click, attrs or cattrs was imported
+        assert _steady(quick.stdout) == _steady(full.stdout)
+        assert ("backend   cpu" in quick.stdout) if args[0] == "status" else quick.stdout.startswith("NAME ")
+
+
+def test_status_of_an_unknown_model_or_without_a_daemon_says_so_as_the_full_command_does(daemon):
+    daemon.start()
+    daemon.wait_state("ready")
+    unknown = stoker(daemon, "status", "no-such-model")
+    assert unknown.returncode == 1 and "error [model_not_found]" in unknown.stderr
+    # The daemon gone: the full command line says so, with its exit code.
+    daemon.stop()
+    gone = stoker(daemon, "status")
+    assert gone.returncode == 3 and "daemon_not_running" in gone.stderr

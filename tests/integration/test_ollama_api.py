@@ -21,7 +21,7 @@ import click
 import httpx
 import pytest
 
-from stoker.daemon.cli.lifecycle import format_status
+from stoker.daemon.control.status_text import format_status
 
 from tests.integration.daemon_harness import DaemonProcess, free_port, tiny_config, write_config
 from tests.integration.model_sources import HF_REPO, FakeHub, HubRepo

@@ -7,7 +7,7 @@ import json
 from click.testing import CliRunner
 
 from bundlekit import engine_script, make_bundle_dir, make_bundle_zip
-from stoker.daemon.cli import cli
+from stoker.daemon.cli.group import cli
 
 
 def run(*args):

@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from stoker.daemon.cli import COMMAND_MODULES, COMMANDS
+from stoker.daemon.cli.group import COMMAND_MODULES, COMMANDS
 
 
 def test_the_command_table_is_what_the_modules_register():
@@ -26,7 +26,7 @@ def test_a_command_imports_only_its_own_module():
     code = (
         "import sys\n"
         "from click.testing import CliRunner\n"
-        "from stoker.daemon.cli import cli\n"
+        "from stoker.daemon.cli.group import cli\n"
         "r = CliRunner().invoke(cli, ['key', '--help'])\n"
         "assert r.exit_code == 0, r.output\n"
         "print(' '.join(sorted(m for m in sys.modules if m.startswith(('stoker.daemon.cli.', 'numpy', 'gguf')))))\n"
@@ -39,7 +39,7 @@ def test_a_command_imports_only_its_own_module():
 
 
 def test_the_help_summaries_are_the_commands_own():
-    from stoker.daemon.cli import SUMMARIES, cli
+    from stoker.daemon.cli.group import SUMMARIES, cli
 
     ctx = click.Context(cli)
     assert set(SUMMARIES) == set(COMMANDS)
@@ -56,10 +56,10 @@ def test_stoker_help_imports_no_command_module():
     code = (
         "import sys\n"
         "from click.testing import CliRunner\n"
-        "from stoker.daemon.cli import cli\n"
+        "from stoker.daemon.cli.group import cli\n"
         "r = CliRunner().invoke(cli, ['--help'])\n"
         "assert r.exit_code == 0 and 'status' in r.output, r.output\n"
         "print(' '.join(sorted(m for m in sys.modules if m.startswith('stoker.daemon.cli.'))))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["stoker.daemon.cli.output"], out
+    assert out == ["stoker.daemon.cli.group"], out

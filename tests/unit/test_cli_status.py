@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from stoker.daemon.cli.lifecycle import format_status
+from stoker.daemon.control.status_text import format_status
 
 
 def plain(text: str) -> str:
@@ -244,3 +244,12 @@ def test_the_ollama_line_says_where_or_why_not():
     shown = plain(format_status({**st, "ollama": taken}))
     assert "ollama    not listening: ollama_port_taken: 127.0.0.1:11434: cannot listen" in shown
     assert "ollama    off" in plain(format_status({**st, "ollama": {**listening, "url": None, "enabled": False}}))
+
+
+def test_the_daemons_text_is_coloured_for_a_terminal_and_plain_otherwise():
+    from stoker.daemon.control.status_text import plain
+
+    coloured = format_status({"state": "failed", "backend": "cpu", "config": {"problems": ["bad"]}})
+    assert "\x1b[31m" in coloured and "\x1b[33m" in coloured  # red state, yellow config warning
+    assert plain(coloured) == click.unstyle(coloured)  # what a pipe gets, as click.echo strips it
+    assert "\x1b" not in plain(coloured) and "state     failed" in plain(coloured)

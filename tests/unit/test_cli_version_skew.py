@@ -19,8 +19,10 @@ from typing import Any, Iterator
 import pytest
 
 from stoker.daemon.control import protocol
+from stoker.daemon.core.errors import StokerError
 from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.core.pidlock import acquire_lock
+from stoker.states.reasons import ReasonCode
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI_TIMEOUT_S = 60
@@ -101,7 +103,11 @@ def _answer(conn: socket.socket, replies: dict[str, Any]) -> None:
             decoder.feed(chunk)
             while (frame := decoder.next_frame()) is not None:
                 request = protocol.decode_request(frame)
-                conn.sendall(protocol.encode_result(request.id, replies[request.method]))
+                if request.method in replies:
+                    conn.sendall(protocol.encode_result(request.id, replies[request.method]))
+                else:  # what a daemon says of a method it does not have (`status.text` before it existed)
+                    unknown = StokerError(ReasonCode.UNKNOWN_METHOD, f"No method {request.method!r}.")
+                    conn.sendall(protocol.encode_stoker_error(request.id, unknown))
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 import trio
 from click.testing import CliRunner
 
-from stoker.daemon.cli import cli
+from stoker.daemon.cli.group import cli
 from stoker.daemon.config.model import Config, ConfigError, config_diff, load_config, needs_relaunch, parse_config
 from stoker.daemon.config.watch import watch_config
 from stoker.daemon.core.errors import StokerError

@@ -528,7 +528,7 @@ async def test_status_says_where_each_engine_came_from_and_how_a_build_is_going(
     st = await call(daemon, "status")
     # Each row as the service gave it, plus what the slot's record says it holds (none here).
     assert st["installs"] == [row | {"version": None, "by": None, "previous": None} for row in daemon.installs]
-    from stoker.daemon.cli.lifecycle import format_installs
+    from stoker.daemon.control.status_text import format_installs
 
     assert format_installs(st["installs"]) == [
         "engine    cpu-avx2: installed from build-cache",

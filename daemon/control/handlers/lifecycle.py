@@ -12,10 +12,11 @@ import os
 from typing import Any, Mapping
 
 from stoker.daemon.control.controlled import ControlledDaemon, HistoryQuery
-from stoker.daemon.control.params import Kind, Param, method
-from stoker.daemon.control.replies import Pong, Stopping
+from stoker.daemon.control.params import Choices, Kind, Param, method
+from stoker.daemon.control.replies import Pong, StatusText, Stopping
 from stoker.daemon.control.status_records import Status
 from stoker.daemon.control.status import build_status
+from stoker.daemon.control.status_text import format_status, plain, ps_text
 from stoker.daemon.core.version import stoker_version
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.fleet.member import Member
@@ -83,6 +84,34 @@ async def status(daemon: ControlledDaemon, params: Mapping[str, Any]) -> Status:
     it; null when snapshots are off)}]}.
     """
     return build_status(daemon, daemon.fleet.member(params["model"]))
+
+
+VIEW = Param(
+    "view",
+    Kind.STRING,
+    "Which command's text: `status` (the model's details, then every model) or `ps` (the models loaded now).",
+    default="status",
+    choices=Choices("status or ps", lambda daemon: ("status", "ps")),
+)
+COLOUR = Param("colour", Kind.BOOLEAN, "Colour the text with ANSI codes (the reader is a terminal).", default=False)
+
+
+@method("status.text", MODEL, VIEW, COLOUR, errors=(ReasonCode.MODEL_NOT_FOUND,), result=StatusText)
+async def status_text(daemon: ControlledDaemon, params: Mapping[str, Any]) -> StatusText:
+    """The text `stoker status` (`view` status, for the default model or `model`) or `stoker ps`
+    (`view` ps) prints, rendered here from the same status document (daemon/control/status_text.py),
+    so that the CLI prints it without building the document's records itself.
+
+    Reply: {text, failed (the model described is in state failed)}.
+    """
+    from stoker.states.convert import unstructure
+
+    status = build_status(daemon, daemon.fleet.member(params["model"]))
+    if params["view"] == "ps":
+        text = ps_text(status)
+    else:
+        text = format_status(unstructure(status))
+    return StatusText(text if params["colour"] else plain(text), failed=status.state == "failed")
 
 
 @method("up", MODEL, errors=(ReasonCode.CONFIG_INVALID, *LOAD_ERRORS), result=Status)
