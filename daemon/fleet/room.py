@@ -75,21 +75,31 @@ def no_room_sentence(name: str, placement: Placement) -> str:
     """placement_no_room's sentence, from the figures that decided."""
     ev = placement.evidence
     need = ev["need"]
-    short = ev.get("short_after_evicting_all") or ev.get("short") or {}
+    # Every figure said is one the verdict was computed from: what stays loaded once every idle
+    # model is unloaded (a NO_ROOM verdict's `staying_after_evicting_all`), so they add up.
+    left = ev.get("short_after_evicting_all")
+    short = left if left is not None else ev.get("short") or {}
+    stay = ev.get("staying_after_evicting_all") or {}
+    ram = stay.get("ram_mib", ev["used_ram_mib"])
+    vram = stay.get("vram_mib", ev["used_vram_mib"])
     said = []
     if "ram_cap" in short:
         said.append(
-            f"with what stays loaded ({_mib(ev['used_ram_mib'])} of RAM) it would pass [placement] max_ram_mib = "
+            f"with what stays loaded ({_mib(ram)} of RAM) it would pass [placement] max_ram_mib = "
             f"{ev['max_ram_mib']} by {_mib(short['ram_cap'])}"
         )
     if "vram_cap" in short:
         said.append(
-            f"with what stays loaded ({_mib(ev['used_vram_mib'])} of VRAM) it would pass [placement] max_vram_mib = "
+            f"with what stays loaded ({_mib(vram)} of VRAM) it would pass [placement] max_vram_mib = "
             f"{ev['max_vram_mib']} by {_mib(short['vram_cap'])}"
         )
     if "ram_available" in short:
+        freed, arriving = stay.get("freed_ram_mib") or 0, stay.get("arriving_ram_mib") or 0
         said.append(
-            f"only {_mib(ev['available_ram_mib'])} of RAM is available (short by {_mib(short['ram_available'])})"
+            f"only {_mib(ev['available_ram_mib'])} of RAM is available"
+            + (f", {_mib(freed)} more once the idle models are unloaded" if freed else "")
+            + (f", {_mib(arriving)} of it still to be taken by models on their way up" if arriving else "")
+            + f" (short by {_mib(short['ram_available'])})"
         )
     busy = [r["name"] for r in ev["loaded"] if r["state"] != LR.LaunchState.STOPPING.value]
     others = f" The loaded models ({', '.join(busy)}) are pinned, busy or on their way up." if busy else ""

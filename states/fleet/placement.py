@@ -220,7 +220,17 @@ def place_memory(wanted: str, need: Footprint, residents: Sequence[Resident], ro
     if stopping and not _short(need, loaded, [*victims, *stopping], room):
         return Placement(Verdict.WAIT_STOP, evidence={**evidence, "short": short})
     left = _short(need, loaded, victims, room)
-    return Placement(Verdict.NO_ROOM, evidence={**evidence, "short": short, "short_after_evicting_all": left})
+    staying = [r for r in loaded if r not in victims]
+    after = {  # the figures `left` was computed from, so that a sentence built on them adds up
+        "ram_mib": round(sum(r.footprint.ram_mib for r in staying), 1),
+        "vram_mib": round(sum(r.footprint.vram_mib for r in staying), 1),
+        "freed_ram_mib": round(sum(r.footprint.ram_mib for r in victims), 1),
+        "arriving_ram_mib": round(sum(r.footprint.ram_mib for r in staying if r.state in ARRIVING), 1),
+    }
+    return Placement(
+        Verdict.NO_ROOM,
+        evidence={**evidence, "short": short, "short_after_evicting_all": left, "staying_after_evicting_all": after},
+    )
 
 
 def place_offload(

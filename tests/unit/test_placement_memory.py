@@ -96,3 +96,32 @@ def test_a_model_already_stopping_is_waited_for_rather_than_evicting_another():
 def test_a_model_that_failed_only_for_want_of_room_loads_on_the_next_request(reason, loads):
     assert loads_on_demand(S.FAILED, None, reason) is loads
     assert loads_on_demand(S.STOPPED, DownCause.USER, ReasonCode.PLACEMENT_NO_ROOM) is False
+
+
+def test_the_no_room_sentence_says_figures_that_add_up():
+    import re
+
+    from stoker.daemon.fleet.room import no_room_sentence
+
+    residents = [
+        Resident("pinned", S.READY, pinned=True, footprint=fp(600)),
+        Resident("idle", S.READY, idle_s=99, footprint=fp(100)),
+        Resident("loading", S.LOADING, footprint=fp(250)),
+    ]
+    verdict = place_memory("new", NEED, residents, MemoryRoom(available_ram_mib=700, max_ram_mib=1000))
+    assert verdict.verdict is Verdict.NO_ROOM
+    said = no_room_sentence("new", verdict)
+    # The cap: what stays loaded (pinned 600 + loading 250) + the need 300 - the cap 1000 = 150.
+    stays, cap, over = map(float, re.search(r"stays loaded \((\d+) MiB of RAM\).*= (\d+) by (\d+) MiB", said).groups())
+    assert (stays, cap, over) == (850, 1000, 150) and stays + 300 - cap == over
+    # The RAM available: 700 + 100 freed - 250 still to be taken = 550 against 300 needed: fits.
+    assert "short by" not in said.split("max_ram_mib")[1]
+    room = MemoryRoom(available_ram_mib=400)
+    verdict = place_memory("new", NEED, residents, room)
+    said = no_room_sentence("new", verdict)
+    figures = re.search(
+        r"only (\d+) MiB of RAM is available, (\d+) MiB more once.*, (\d+) MiB of it still.*short by (\d+) MiB", said
+    )
+    assert figures is not None, said
+    available, freed, arriving, short = map(float, figures.groups())
+    assert 300 - (available + freed - arriving) == short == 50
