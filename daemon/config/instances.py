@@ -131,17 +131,30 @@ def _with_catalog(
     config: Config, configured: list[ServedModel], catalog: Sequence[ModelRecord], same_as: Callable[[str], str | None]
 ) -> tuple[ServedModel, ...]:
     """The configured models, then one model per cataloged file for the catalog names no
-    configured model claims (its spec, NAME or aliases), named by the shortest of them. Which
+    configured model claims (its spec, NAME or aliases, the same meaning, or the same file),
+    named by the shortest of them. Which
     member serves a name never depends on which other names were pulled since: a configured
     model's own row appearing later does not take another name's model away."""
     taken = {s.name for s in configured} | {s.spec for s in configured} | {a for s in configured for a in s.aliases}
     meaning = {m: index for index, s in enumerate(configured) if (m := same_as(s.spec)) is not None}
+    # The file each configured model serves (by its catalog row, or its path): a catalog name of
+    # that file is one more name of that model, never a second server of the same bytes.
+    rows = {r.spec: r for r in catalog if r.spec} | {r.name: r for r in catalog}
+    serving: dict[str, int] = {}
+    for index, served in enumerate(configured):
+        row_of = rows.get(served.spec)
+        if row_of is not None:
+            serving.setdefault(os.path.realpath(row_of.path), index)
+        elif model_form(served.spec) is ModelForm.PATH:
+            serving.setdefault(os.path.realpath(served.spec), index)
     result = list(configured)
     files: dict[str, list[ModelRecord]] = {}
     for row in catalog:
         if _projector_row(row) or row.name in taken:
             continue
         index = meaning.get(same_as(row.name) or "")
+        if index is None:
+            index = serving.get(os.path.realpath(row.path))
         if index is not None:
             result[index] = attrs.evolve(result[index], aliases=(*result[index].aliases, row.name))
             taken.add(row.name)

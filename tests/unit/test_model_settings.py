@@ -76,11 +76,31 @@ def test_every_catalog_model_is_served_by_name_once_per_file():
         row("qwen2.5:0.5b", "/m/qwen.gguf", spec="Qwen/x/q.gguf"),
         row("smolvlm.mmproj", "/m/mmproj.gguf", architecture="clip"),  # a projector: never served alone
     ]
-    default, smol, qwen = served_models(config, catalog)
-    assert default.name == "default" and default.aliases == ()
-    assert (smol.name, smol.public_id, smol.aliases, smol.spec) == ("smollm2", "smollm2", ("smollm2:135m",), "smollm2")
+    default, qwen = served_models(config, catalog)
+    # The other names of the default's file are its names: one server for one file.
+    assert default.name == "default" and default.aliases == ("smollm2", "smollm2:135m")
     assert (qwen.name, qwen.public_id, qwen.engine_alias) == ("qwen2-5-0-5b", "qwen2.5:0.5b", "qwen2.5:0.5b")
-    assert smol.catalog and smol.idle_ttl_s == CATALOG_IDLE_TTL_S and not smol.autostart
+    assert qwen.catalog and qwen.idle_ttl_s == CATALOG_IDLE_TTL_S and not qwen.autostart
+    # Names of a file no section serves share one catalog server, named by the shortest.
+    other = parse_config('[server]\nmodel = "qwen2.5:0.5b"\n')
+    default, smol = served_models(other, catalog)
+    assert (smol.name, smol.public_id, smol.aliases, smol.spec) == (
+        "smollm2",
+        "smollm2",
+        ("smollm2:135m", "smollm2-135m-instruct"),
+        "smollm2",
+    )
+
+
+def test_a_catalog_name_of_a_file_a_section_serves_by_path_is_that_sections_name():
+    config = parse_config(
+        '[models.chat]\nmodel = "/m/../m/smol.gguf"\nctx_size = 2048\n[models.code]\nmodel = "/m/code.gguf"\n'
+    )
+    catalog = [row("smollm2", "/m/smol.gguf"), row("coder", "/m/code.gguf"), row("qwen", "/m/qwen.gguf")]
+    chat, code, qwen = served_models(config, catalog)
+    assert (chat.name, chat.aliases) == ("chat", ("smollm2",))
+    assert (code.name, code.aliases) == ("code", ("coder",))
+    assert qwen.name == "qwen" and qwen.catalog
 
 
 def test_a_known_models_launch_arguments_and_its_projector_travel_with_its_row():
