@@ -138,7 +138,9 @@ class Daemon:
         self._config_effects = EffectDriver(C.CONFIG, {C.ApplyConfig: self._apply_config})
         self.snapshots = SnapshotService(self.paths, SnapshotCatalog(self.store), lambda: self.config, self.bus.publish)
         self.keys = KeyStore(self.store)
-        self.pulls = PullService(self.paths, self.store, self.publish, in_use=self.serves_model)
+        self.pulls = PullService(
+            self.paths, self.store, self.publish, in_use=self.serves_model, launched_by=self.serves_by_name
+        )
         self.probes = ProbeService(
             self.store,
             try_order(backends),
@@ -328,6 +330,12 @@ class Daemon:
         return any(
             m.data.plan is not None and m.occupies and os.path.realpath(m.data.plan.model_path) == wanted
             for m in self.fleet.members.values()
+        )
+
+    def serves_by_name(self, name: str) -> bool:
+        """Whether a server runs that was launched by the catalog name `name` (its config names it)."""
+        return any(
+            m.data.plan is not None and m.occupies and m.served.spec == name for m in self.fleet.members.values()
         )
 
     async def telemetry(self) -> TelemetryReading:

@@ -72,7 +72,8 @@ class PullService:
     paths: StokerPaths
     store: Store
     publish: Publish | None = None
-    in_use: Callable[[str], bool] = lambda path: False  # does the running server serve this file?
+    in_use: Callable[[str], bool] = lambda path: False  # does a running server serve this file?
+    launched_by: Callable[[str], bool] = lambda name: False  # was a running server launched by this name?
     on_change: Callable[[], None] = lambda: None  # the catalog gained or lost a name
     catalog: ModelCatalog = attrs.field(init=False)
     _machines: MachineRunners = attrs.field(init=False)
@@ -186,7 +187,8 @@ class PullService:
 
     async def remove(self, name: str) -> dict[str, Any]:
         """Remove `name` from the catalog (and its file, when Stoker downloaded it); model_in_use
-        while the running server serves that file, model_not_in_catalog for an unknown name."""
+        while a running server serves that file by this name or by it alone, model_not_in_catalog
+        for an unknown name."""
         runner = self.runner(name)
         async with self._machines.lock(runner.machine_id):
             record = self.catalog.find(name)
@@ -200,7 +202,9 @@ class PullService:
             in_use = record is not None and self.in_use(record.path)
             shared_with = tuple(r.name for r in self.catalog.by_path(record.path) if r.name != name) if record else ()
             try:
-                step = runner.fire(P.RemoveRequested(in_use=in_use, shared_with=shared_with))
+                step = runner.fire(
+                    P.RemoveRequested(in_use=in_use, shared_with=shared_with, launched_by_name=self.launched_by(name))
+                )
             except IllegalTransition:  # a row without its machine (an older database): drop the row
                 self.catalog.remove(name)
                 self.on_change()

@@ -142,11 +142,13 @@ def _names(values: Iterable[str]) -> tuple[str, ...]:
 
 @attrs.frozen
 class RemoveRequested:
-    """`stoker rm`: `in_use` says whether the running server serves this model's file now;
+    """`stoker rm`: `in_use` says whether a running server serves this model's file now,
+    `launched_by_name` whether one was launched by this very name (its config names it);
     `shared_with`, the other catalog names whose file is this one's."""
 
     in_use: bool = False
     shared_with: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    launched_by_name: bool = False
 
 
 @attrs.frozen
@@ -303,7 +305,9 @@ def failed(state: S, data: PullData, event: PullFailed) -> Step:
 
 @guarded(STAY, S.REMOVED)
 def remove_requested(state: S, data: PullData, event: RemoveRequested) -> Step:
-    if state is S.CATALOGED and event.in_use:
+    # A served file goes with its last name, or with the name its server was launched by: either
+    # would pull the model from under the server. Another name of a file that stays may go.
+    if state is S.CATALOGED and event.in_use and (event.launched_by_name or not event.shared_with):
         return Step(S.CATALOGED, data, (), ReasonCode.MODEL_IN_USE, {"path": data.path})
     if state is S.FAILED:  # a failed pull's kept partial file goes too
         return Step(S.REMOVED, attrs.evolve(data, part=None), (Discard(data.part if data.owned else None),))

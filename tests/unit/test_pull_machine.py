@@ -138,6 +138,17 @@ def test_rm_of_a_model_the_server_uses_is_refused_with_a_reason_and_changes_noth
     assert removed.state is S.REMOVED and removed.effects == (P.RemoveModel("/m/x.gguf", owned=True),)
 
 
+def test_rm_of_another_name_of_a_served_file_goes_but_not_the_name_its_server_was_launched_by():
+    state, data, _ = run(
+        [P.PullRequested("o/r", "o/r"), resolved(), P.Fetched("/p", 10, "a" * 64, ("a" * 64,)), P.HeaderRead({})]
+    )
+    alias = step(P.PULL, state, data, P.RemoveRequested(in_use=True, shared_with=("other",)))
+    assert alias.state is S.REMOVED and alias.effects[0].delete is False  # the server keeps its file
+    launched = P.RemoveRequested(in_use=True, shared_with=("other",), launched_by_name=True)
+    refused = step(P.PULL, state, data, launched)
+    assert refused.state is S.CATALOGED and refused.reason is ReasonCode.MODEL_IN_USE and refused.effects == ()
+
+
 def test_rm_keeps_a_downloaded_file_another_name_uses_and_says_who():
     state, data, _ = run(
         [P.PullRequested("o/r", "o/r"), resolved(), P.Fetched("/p", 10, "a" * 64, ("a" * 64,)), P.HeaderRead({})]

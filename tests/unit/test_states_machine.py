@@ -345,6 +345,8 @@ SAMPLES = {
         P.PullFailed(ReasonCode.PULL_DISK_FULL),
         P.RemoveRequested(),
         P.RemoveRequested(in_use=True),
+        P.RemoveRequested(in_use=True, shared_with=("other",)),
+        P.RemoveRequested(in_use=True, shared_with=("other",), launched_by_name=True),
         P.Resumed(),
     ],
     "config": [
