@@ -28,6 +28,9 @@ from stoker.daemon.engine.exits import ExitReport
 from stoker.states.reasons import ReasonCode
 
 LOG_TAIL_LINES = 400
+# Of a serving engine's new lines, the tail keeps at most the last this many bytes' worth (more
+# than LOG_TAIL_LINES of its ~100-byte lines): what is older would leave the tail at once anyway.
+LOG_TAIL_BYTES = 64 * 1024
 
 
 @attrs.frozen
@@ -88,7 +91,6 @@ class ServerLog:
     offset: int
     tail: collections.deque[str] = attrs.field(factory=lambda: collections.deque(maxlen=LOG_TAIL_LINES))
     last_progress: float = 0.0  # trio clock of the last new line
-    lines_read: int = 0
     model_loaded: bool = False
     loaded_at: float | None = None
     listening: tuple[str, int] | None = None
@@ -117,21 +119,37 @@ class ServerLog:
         # character split between two reads is decoded whole).
         end = len(data) if final else data.rfind(b"\n") + 1
         self._partial = data[end:]
-        if end:
+        if end and self.listening is None:
             self._read_lines(data[:end].decode("utf-8", "replace"))
+        elif end:
+            self._keep_tail(data[:end])
         self.last_progress = trio.current_time()
         return True
 
+    def _keep_tail(self, data: bytes) -> None:
+        """A serving engine's new lines: its facts were all stated before it listened, so only the
+        tail is kept. At -lv 4 it writes ~150 lines per request with 64 slots, ~200 KiB between two
+        polls of a busy server; reading them all on the daemon's one thread held it ~1.3 ms, a
+        wait for every answer the front door was relaying then. Only the last LOG_TAIL_BYTES are
+        decoded and split (docs/frontdoor.md, "The time to first token the front door adds")."""
+        if len(data) > LOG_TAIL_BYTES:
+            data = data[data.index(b"\n", len(data) - LOG_TAIL_BYTES) + 1 :]
+            self.tail.clear()  # the lines skipped are newer than those it holds: no gap in it
+        self._keep(data.decode("utf-8", "replace").split("\n"))
+
+    def _keep(self, lines: list[str]) -> None:
+        lines = lines[-LOG_TAIL_LINES - 1 :]
+        if any("\r" in line for line in lines):
+            lines = [line.rstrip("\r") for line in lines]
+        self.tail.extend(line for line in lines if line)
+
     def _read_lines(self, text: str) -> None:
-        # A serving engine at -lv 4 writes ~150 lines per request with 64 slots, none of them a
-        # fact: one decode and one split per read, and the facts' patterns only on a line that
-        # holds one of their words (9.6 -> 0.45 µs a line; docs/frontdoor.md, "Design").
+        # A loading engine's lines: one decode and one split per read, and the facts' patterns
+        # only on a line that holds one of their words (9.6 -> 0.45 µs a line).
         lines = text.split("\n")
         if "\r" in text:
             lines = [line.rstrip("\r") for line in lines]
-        lines = [line for line in lines if line]
-        self.tail.extend(lines[-LOG_TAIL_LINES:])
-        self.lines_read += len(lines)
+        self._keep(lines)
         if any(word in text for word in _FACT_WORDS):
             for line in lines:
                 if any(word in line for word in _FACT_WORDS):

@@ -121,7 +121,6 @@ async def test_log_facts_among_serving_lines_and_split_reads(tmp_path):
     path.write_bytes(raw)
     assert log.poll()
     assert log.tail[-1] == "srv  log: caf\u00e9 done" and len(log.tail) == 400
-    assert log.lines_read == 1000 + RECORDED_LOAD.count("\n") + 1
     assert len(log.buffers) == 3 and log.devices == ["CUDA0 (NVIDIA H200)"]
 
 
@@ -267,3 +266,21 @@ async def test_an_offload_claim_without_weights_on_a_device_is_not_believed(tmp_
     log = ServerLog(rpc, 0)
     log.poll()
     assert device_offload(log.offloaded, log.buffers) == (3, 3)  # a worker's device holds them
+
+
+async def test_a_serving_engines_burst_of_lines_leaves_its_last_lines_in_the_tail_without_a_gap(tmp_path):
+    path = tmp_path / "server.log"
+    path.write_text(RECORDED_LOAD)
+    log = ServerLog(path, 0)
+    assert log.poll() and log.listening is not None
+    with open(path, "a") as f:
+        f.write("".join(f"slot get_availabl: id {i % 64} | task {i} | checking sim\n" for i in range(50)))
+    assert log.poll()
+    assert log.tail[-1].endswith("task 49 | checking sim") and "model loaded" in "\n".join(log.tail)
+    with open(path, "a") as f:  # ~600 KB between two polls of a busy server with 64 slots
+        f.write("".join(f"slot get_availabl: id {i % 64} | task {i} | checking sim\n" for i in range(50, 12050)))
+    assert log.poll()
+    tail = list(log.tail)
+    assert len(tail) == 400 and tail == [
+        f"slot get_availabl: id {i % 64} | task {i} | checking sim" for i in range(12050 - 400, 12050)
+    ]
