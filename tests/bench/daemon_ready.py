@@ -16,8 +16,11 @@
    `--backend cuda` runs a CUDA bundle (built or taken from the cache) on a GPU host.
    `--cli` adds a third arm, the way a user starts it: `stoker up --wait` as its own process,
    timed from spawn to exit, against the same direct start; reported with the CLI's own start
-   (a `stoker status` run beside it, spawn to exit: the interpreter, the imports, one round
-   trip) taken off, and with it.
+   (a `stoker status --json` run beside it, spawn to exit: the interpreter, the imports, one
+   round trip) taken off, and with it.
+   `--fresh` adds a fourth arm: a daemon started in a fresh home (the engine bundle linked in,
+   nothing else: no kept fitter answer, no header cache, no history), from its spawn to its
+   default model's ready, with when its engine was spawned and first healthy in the same run.
 2. `status` round trips over the socket while a subscriber is attached: p50 and p99 on one
    connection and with a new connection per request, the way the CLI does it (target p99 < 5 ms).
    Skipped with --big-gib.
@@ -192,12 +195,15 @@ def cli(*args: str) -> list[str]:
 
 def time_cli(d: DaemonProcess, model: Path | None = None) -> tuple[float, float]:
     """`stoker up --wait` from spawn to exit (the model's mtime moved first, as time_daemon
-    does), and a `stoker status` run just before it (the CLI's own start and one round trip)."""
+    does), and a `stoker status --json` run just before it (the CLI's own start and one round
+    trip, through the full command line as `up` goes: plain `stoker status` takes a quicker path)."""
     if model is not None:
         st = model.stat()
         os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     started = time.perf_counter()
-    subprocess.run(cli("status"), env=d.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    subprocess.run(
+        cli("status", "--json"), env=d.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False
+    )
     own = time.perf_counter() - started
     started = time.perf_counter()
     done = subprocess.run(cli("up", "--wait"), env=d.env, capture_output=True, text=True, check=False)
@@ -206,6 +212,43 @@ def time_cli(d: DaemonProcess, model: Path | None = None) -> tuple[float, float]
         raise SystemExit(f"stoker up --wait failed: {done.stdout}{done.stderr}")
     d.call("down")
     return took, own
+
+
+def time_fresh(bundles: Path, config: dict, model: Path) -> tuple[float, float | None, float | None]:
+    """A daemon in a fresh home (the bundles hard-linked in), from its spawn to its default
+    model's ready (status polled every 5 ms), with when its engine was spawned and first healthy."""
+    import shutil
+
+    home = Path(tempfile.mkdtemp(prefix="stoker-fresh-"))
+    d = DaemonProcess(home)
+    shutil.copytree(bundles, d.paths.bundles_dir, copy_function=os.link)
+    write_config(d.paths, config)
+    try:
+        started = time.perf_counter()
+        d.start(wait=False)
+        assert d.proc is not None
+        watch = EngineWatch(d.proc.pid, started)
+        watch.before = set()
+        watch.start()
+        elapsed = None
+        while elapsed is None:
+            if d.proc.poll() is not None:
+                raise RuntimeError(f"the fresh daemon exited: {d.log_text()[-2000:]}")
+            try:
+                with d.client(timeout=5) as client:
+                    while elapsed is None:
+                        if client.call("status")["state"] == "ready":
+                            elapsed = time.perf_counter() - started
+                        else:
+                            time.sleep(0.005)
+            except Exception:  # not listening yet
+                time.sleep(0.005)
+        watch.stop.set()
+        watch.join(5)
+        return elapsed, watch.spawned, watch.healthy
+    finally:
+        d.stop()
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def status_rtt(d: DaemonProcess, count: int) -> dict[str, list[float]]:
@@ -251,6 +294,7 @@ def main() -> int:
     ap.add_argument("--status-calls", type=int, default=2000)
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--cli", action="store_true", help="add the `stoker up --wait` arm")
+    ap.add_argument("--fresh", action="store_true", help="add a daemon started in a fresh home, spawn to ready")
     args = ap.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="stoker-bench-"))
@@ -270,9 +314,8 @@ def main() -> int:
 
     d = DaemonProcess(home)
     # The daemon's defaults, snapshots included (on): what a user runs.
-    write_config(
-        d.paths, tiny_config(model, snapshots=True, ctx_size=ctx, stall_timeout_s=120.0, ready_timeout_s=600.0)
-    )
+    config = tiny_config(model, snapshots=True, ctx_size=ctx, stall_timeout_s=120.0, ready_timeout_s=600.0)
+    write_config(d.paths, config)
     d.start()
     rtts: dict[str, list[float]] = {}
     try:
@@ -283,6 +326,7 @@ def main() -> int:
         work.mkdir()
         direct, via_daemon = [], []
         via_cli: list[tuple[float, float]] = []
+        fresh: list[tuple[float, float | None, float | None]] = []
         for i in range(args.runs):
             # Both arms start from a model in the page cache (read whole before each), and take
             # turns going first.
@@ -292,11 +336,14 @@ def main() -> int:
             ]
             if args.cli:
                 arms.append(lambda: via_cli.append(time_cli(d, None if args.no_touch else model)))
+            if args.fresh:
+                arms.append(lambda: fresh.append(time_fresh(paths.bundles_dir, config, model)))
             for arm in arms if i % 2 == 0 else arms[::-1]:
                 warm(model)
                 arm()
             print(
-                f"run {i + 1}: direct {direct[-1]:.3f} s, daemon {via_daemon[-1]}, up --wait {via_cli[-1:]}",
+                f"run {i + 1}: direct {direct[-1]:.3f} s, daemon {via_daemon[-1]}, up --wait {via_cli[-1:]}, "
+                f"fresh {fresh[-1:]}",
                 file=sys.stderr,
             )
         ratios = [b[0] / a for a, b in zip(direct, via_daemon)]
@@ -327,6 +374,7 @@ def main() -> int:
         + (f"--big-gib {args.big_gib:g} " if args.big_gib else "")
         + f"--runs {args.runs}"
         + (" --cli" if args.cli else "")
+        + (" --fresh" if args.fresh else "")
         + (" --no-touch" if args.no_touch else "")
         + "`"
     )
@@ -375,7 +423,29 @@ def main() -> int:
             "",
             f"**Median ratio `stoker up --wait` / direct: {off:.3f} with the CLI's own start taken off, {on:.3f} "
             f"with it** (target <= 1.05 without it: {'met' if off <= 1.05 else 'NOT met'}). The CLI's own start is "
-            "a `stoker status` run just before: the interpreter, the CLI's imports and one round trip.",
+            "a `stoker status --json` run just before: the interpreter, the CLI's imports and one round trip.",
+            "",
+        ]
+    if fresh:
+        lines += [
+            "### A daemon started in a fresh home, from its spawn to its model's ready",
+            "",
+            "| run | direct (s) | fresh daemon (s) | ratio | spawn -> engine spawned | the engine's own start | "
+            "engine healthy -> ready seen | fresh daemon / its own engine |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for i, (a, (b, sp, h)) in enumerate(zip(direct, fresh)):
+            inner = (
+                "| - | - | - | - |"
+                if sp is None or h is None
+                else f"| {sp:.3f} | {h - sp:.3f} | {b - h:.3f} | {b / (h - sp):.3f} |"
+            )
+            lines.append(f"| {i + 1} | {a:.3f} | {b:.3f} | {b / a:.3f} " + inner)
+        lines += [
+            "",
+            f"**Median ratio fresh daemon / direct: {statistics.median(b / a for a, (b, _, _) in zip(direct, fresh)):.3f}**; "
+            "what comes before the engine's spawn is the daemon's own start (Python and its imports), the "
+            "probes and the plan (the fitter runs once in a fresh home).",
             "",
         ]
     lines += [
