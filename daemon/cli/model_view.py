@@ -50,8 +50,8 @@ def _unloads(m: ModelStatus) -> str:
 
 
 def ps_rows(status: Status) -> list[tuple[str, ...]]:
-    """One row per model that holds a server: name, state, backend, layers, memory, idle, unload."""
-    rows: list[tuple[str, ...]] = [("NAME", "STATE", "BACKEND", "LAYERS", "MEMORY", "IDLE", "UNLOADS")]
+    """One row per model that holds a server: name, state, backend, layers, context, memory, idle, unload."""
+    rows: list[tuple[str, ...]] = [("NAME", "STATE", "BACKEND", "LAYERS", "CTX", "MEMORY", "IDLE", "UNLOADS")]
     for m in status.models:
         if m.state in DOWN:
             continue
@@ -61,6 +61,7 @@ def ps_rows(status: Status) -> list[tuple[str, ...]]:
                 m.state,
                 m.backend or m.planned_backend or "-",
                 _layers(m),
+                str(m.n_ctx) if m.n_ctx else "-",
                 _memory(m),
                 _seconds(m.idle_s),
                 _unloads(m),
@@ -77,7 +78,7 @@ def table(rows: list[tuple[str, ...]]) -> str:
 @click.command()
 @json_option
 def ps(as_json: bool) -> None:
-    """The models loaded now: state, backend, layers, memory, idle time, when each unloads."""
+    """The models loaded now: state, backend, layers, context, memory, idle time, when each unloads."""
     reply, status = ask("status", as_json, Status)
     if as_json:
         emit(True, {"models": [m for m in reply["models"] if m["state"] not in DOWN]})

@@ -51,8 +51,11 @@ from stoker.daemon.frontdoor.ollama_shapes import (
 from stoker.daemon.frontdoor.routing import models_page, route, unknown_model
 from stoker.daemon.models.pull import PROGRESS_TOPIC
 from stoker.daemon.models.spec import parse_spec
+from stoker.daemon.fallback.memory import trained_context
 from stoker.states.frontdoor.catalog_answers import http_status
 from stoker.states.launch import records as LR
+from stoker.states.launch.context import context_for, num_ctx_of, planned_ctx_size
+from stoker.states.launch.steps import RUNNING as SERVER_RUNS
 from stoker.states.reasons import ReasonCode
 from stoker.store.catalog import ModelRecord
 
@@ -64,6 +67,7 @@ OLLAMA_API_VERSION = "0.13.0"
 NDJSON = (b"content-type", b"application/x-ndjson")
 RUNNING = b"Ollama is running"
 READY = LR.LaunchState.READY
+DOWN = (LR.LaunchState.STOPPED, LR.LaunchState.FAILED)
 
 Handler = Callable[[Request], Awaitable[Answer | None]]
 T = TypeVar("T")
@@ -178,10 +182,47 @@ class OllamaApi:
         member = self._model(request, body)
         if isinstance(member, Answer):
             return member
+        if (problem := await self._num_ctx(request, member, body)) is not None:
+            return problem
         try:
             return body, member, translate(body)
         except BadRequest as exc:
             return ollama_error(400, str(exc), "bad_request")
+
+    async def _num_ctx(self, request: Request, member: Any, body: dict[str, Any]) -> Answer | None:
+        """A request's `options.num_ctx` (as `keep_alive` is a request's own, but it needs a
+        server): larger than its model's server has, the server is relaunched with it as
+        states/launch/context.py decides (the request then held as for any restart); the error
+        to send, if any."""
+        if isinstance(member, RemoteModel):
+            return None
+        try:
+            num_ctx = num_ctx_of(body.get("options"))
+        except ValueError as exc:
+            return ollama_error(400, str(exc), "bad_request")
+        if num_ctx is None or (member.state in DOWN and not member.loads_on_demand):
+            return None  # nothing to ask; a model that will not load is refused by the hold
+        if member.data.plan is None:  # never planned: its file, and what it was trained on, are known once loaded
+            async with request.watching():
+                try:
+                    await self.front.hold.until_ready(member)
+                except Refused as exc:
+                    return as_ollama(refused(request.path, exc))
+            if member.data.plan is None:
+                return None
+        data, plan, server = member.data, member.data.plan, member.served.config.server
+        running = member.state in SERVER_RUNS
+        trained = await trio.to_thread.run_sync(trained_context, plan.model_path)
+        ask = context_for(
+            num_ctx,
+            ctx_size=plan.ctx_size if running else planned_ctx_size(server.ctx_size, data.ctx_size),
+            parallel=plan.parallel if running else server.parallel,
+            trained=trained,
+        )
+        if ask.ctx_size is not None:
+            log.info("%s: relaunched with -c %d for a request's num_ctx: %s", member.name, ask.ctx_size, ask.evidence)
+            member.supervisor.offer(LR.ContextRequested(ask.ctx_size, ask.evidence))
+        return None
 
     # --- generation: the engine through the front door's relay path ------------------------
 
@@ -379,6 +420,9 @@ class OllamaApi:
             expires = created_at(time.time() + ttl - member.idle_s()) if ttl else "2318-01-01T00:00:00.000000000Z"
             accelerated = member.effective_backend() not in (None, "cpu")
             entry |= {"expires_at": expires, "size_vram": entry["size"] if accelerated else 0}
+            # The context one conversation may use, as Ollama's num_ctx counts it: the server's per slot.
+            ready = member.supervisor.ready_evidence or {}
+            entry["context_length"] = ready.get("slot_n_ctx") or ready.get("n_ctx")
             models.append({k: v for k, v in entry.items() if v is not None})
         return json_answer({"models": models})
 
