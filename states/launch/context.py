@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 
+
 def num_ctx_of(options: Any) -> int | None:
     """A request's `options.num_ctx` (None: not asked, or 0 and below: the model's own, as on
     Ollama); ValueError says what is wrong with it."""

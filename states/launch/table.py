@@ -300,9 +300,7 @@ def relaunch(state: S, data: LaunchData, event: RestartRequested | ConfigChanged
 
 @guarded(S.STOPPING)
 def retarget_stop(
-    state: S,
-    data: LaunchData,
-    event: DownRequested | RestartRequested | UpRequested | ConfigChanged | ContextRequested,
+    state: S, data: LaunchData, event: DownRequested | RestartRequested | UpRequested | ConfigChanged | ContextRequested
 ) -> Step:
     """Already stopping: the newest request decides where it leads.
 

@@ -8,6 +8,8 @@ import pytest
 from stoker.states.launch.context import context_for, num_ctx_of, planned_ctx_size
 from stoker.states.launch.records import (
     AfterStop,
+    BackoffElapsed,
+    BackoffStarted,
     ContextRequested,
     DownCause,
     DownRequested,
@@ -24,8 +26,6 @@ from stoker.states.launch.records import (
     StopCompleted,
     Terminate,
     UpRequested,
-    BackoffElapsed,
-    BackoffStarted,
 )
 from stoker.states.reasons import ReasonCode
 
@@ -130,7 +130,16 @@ def test_the_context_asked_lasts_through_restarts_and_crashes_until_a_stop_for_g
     s = drive(PlanReady(WIDE, request=3), Spawned(44), Ready(), ServerExited(-9), state=s.state, data=s.data)
     assert s.state is S.CRASHED and s.data.ctx_size == 512  # respawned with the same (wide) plan
     for down in (DownRequested(), DownRequested(DownCause.IDLE), DownRequested(DownCause.EVICTED)):
-        stopped = drive(BackoffStarted(0.1), BackoffElapsed(), Spawned(45), Ready(), down, StopCompleted(0), state=s.state, data=s.data)
+        stopped = drive(
+            BackoffStarted(0.1),
+            BackoffElapsed(),
+            Spawned(45),
+            Ready(),
+            down,
+            StopCompleted(0),
+            state=s.state,
+            data=s.data,
+        )
         assert stopped.state is S.STOPPED and stopped.data.ctx_size is None
         again = drive(UpRequested(), state=stopped.state, data=stopped.data)
         assert again.effects == (MakePlan(previous=WIDE, request=4, ctx_size=None),)  # the config's again
