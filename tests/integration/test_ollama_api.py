@@ -295,3 +295,29 @@ def test_num_ctx_restarts_the_server_with_a_larger_context_that_lasts(daemon, lo
     daemon.call("down")
     daemon.call("up")
     assert daemon.wait_state("ready")["n_ctx"] == 256
+
+
+def test_a_num_ctx_whose_server_does_not_fit_is_refused_with_the_placements_reason(daemon, tmp_path):
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "wide" / "wide.gguf", n_ctx=65536)
+    # A few MiB hold the server at 256 tokens; its KV cache at 65536 takes tens more.
+    url = start(daemon, model, extra="[placement]\nmax_ram_mib = 12\n")
+    before = daemon.wait_state("ready")
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": False,
+        "options": {"num_ctx": 65536, "num_predict": 2},
+    }
+    refused = httpx.post(f"{url}/api/chat", json=body, trust_env=False, timeout=60)
+    assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+    answer = refused.json()
+    assert answer["code"] == "placement_no_room" and "max_ram_mib" in answer["error"], answer
+    assert daemon.call("status")["reason"] == "placement_no_room"
+
+    # The larger context is forgotten: the next request loads the model with its config's.
+    client = ollama.Client(host=url, trust_env=False)
+    assert client.chat(model="default", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 2}).done
+    after = daemon.call("status")
+    assert after["state"] == "ready" and after["n_ctx"] == before["n_ctx"] == 256
