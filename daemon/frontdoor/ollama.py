@@ -54,8 +54,7 @@ from stoker.daemon.models.spec import parse_spec
 from stoker.daemon.fallback.memory import trained_context
 from stoker.states.frontdoor.catalog_answers import http_status
 from stoker.states.launch import records as LR
-from stoker.states.launch.context import context_for, num_ctx_of, planned_ctx_size
-from stoker.states.launch.steps import RUNNING as SERVER_RUNS
+from stoker.states.launch.context import context_for, num_ctx_of
 from stoker.states.reasons import ReasonCode
 from stoker.store.catalog import ModelRecord
 
@@ -67,7 +66,6 @@ OLLAMA_API_VERSION = "0.13.0"
 NDJSON = (b"content-type", b"application/x-ndjson")
 RUNNING = b"Ollama is running"
 READY = LR.LaunchState.READY
-DOWN = (LR.LaunchState.STOPPED, LR.LaunchState.FAILED)
 
 Handler = Callable[[Request], Awaitable[Answer | None]]
 T = TypeVar("T")
@@ -200,24 +198,30 @@ class OllamaApi:
             num_ctx = num_ctx_of(body.get("options"))
         except ValueError as exc:
             return ollama_error(400, str(exc), "bad_request")
-        if num_ctx is None or (member.state in DOWN and not member.loads_on_demand):
-            return None  # nothing to ask; a model that will not load is refused by the hold
-        if member.data.plan is None:  # never planned: its file, and what it was trained on, are known once loaded
+        if num_ctx is None:
+            return None
+        if member.data.plan is None:
+            # Never planned: its file, and the context it was trained on, are known once it is loaded.
             async with request.watching():
                 try:
                     await self.front.hold.until_ready(member)
                 except Refused as exc:
                     return as_ollama(refused(request.path, exc))
-            if member.data.plan is None:
-                return None
-        data, plan, server = member.data, member.data.plan, member.served.config.server
-        running = member.state in SERVER_RUNS
-        trained = await trio.to_thread.run_sync(trained_context, plan.model_path)
+        plan, server = member.data.plan, member.served.config.server
+        if plan is None:
+            return None
+        try:
+            trained = await trio.to_thread.run_sync(trained_context, plan.model_path)
+        except (OSError, ValueError):  # the file is gone or unreadable: its next plan fails and says so
+            trained = None
         ask = context_for(
             num_ctx,
-            ctx_size=plan.ctx_size if running else planned_ctx_size(server.ctx_size, data.ctx_size),
-            parallel=plan.parallel if running else server.parallel,
+            state=member.state,
+            data=member.data,
+            ctx_size=server.ctx_size,
+            parallel=server.parallel,
             trained=trained,
+            loads=member.loads_on_demand,
         )
         if ask.ctx_size is not None:
             log.info("%s: relaunched with -c %d for a request's num_ctx: %s", member.name, ask.ctx_size, ask.evidence)

@@ -7,9 +7,10 @@ together, which the server divides among its `parallel` slots; so a request aski
 needs `num_ctx x parallel` cells. With `ctx_size = 0` the engine gives each slot the trained
 context, the most any request may have.
 
-The front door asks with the facts of the moment (daemon/frontdoor/ollama.py): the context the
-server runs with, or the one its next plan will get (`planned_ctx_size`), its slots, and the
-model's trained context (the GGUF header's `context_length`). A context at or below that is
+The front door asks with the facts of the moment (daemon/frontdoor/ollama.py): the launch
+machine's state and data (the plan that runs, or the context its next plan gets:
+`planned_ctx_size`), the model's config, and its trained context (the GGUF header's
+`context_length`). A context at or below that is
 served as it is; a larger one is bounded by the trained context and asked of the launch machine
 (`ContextRequested`), which relaunches the server through a planned restart (drained, its slots
 saved and restored, the requests held meanwhile), and keeps it for that server until it stops
@@ -21,6 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+
+from stoker.states.launch.records import LaunchData, LaunchState
+from stoker.states.launch.steps import RUNNING
 
 
 def num_ctx_of(options: Any) -> int | None:
@@ -53,7 +57,28 @@ class ContextAsk:
     evidence: dict[str, Any] = attrs.field(factory=dict, hash=False)
 
 
-def context_for(num_ctx: int, *, ctx_size: int, parallel: int, trained: int | None) -> ContextAsk:
+def context_for(
+    num_ctx: int,
+    *,
+    state: LaunchState,
+    data: LaunchData,
+    ctx_size: int,
+    parallel: int,
+    trained: int | None,
+    loads: bool = True,
+) -> ContextAsk:
+    """What a request asking `num_ctx` tokens of context needs of its model's server: the launch
+    machine's `state` and `data`, the model's config (`ctx_size`, `parallel`), what it was trained
+    on (`trained`; None: not known), and whether a request loads it while it is down (`loads`)."""
+    if state in (LaunchState.STOPPED, LaunchState.FAILED) and not loads:
+        return ContextAsk(None, {"num_ctx": num_ctx, "state": state.value})  # refused by the hold; nothing to ask
+    if state in RUNNING and data.plan is not None:  # the server that runs, or is on its way up
+        return widen(num_ctx, ctx_size=data.plan.ctx_size, parallel=data.plan.parallel, trained=trained)
+    # Down, planning, stopping or backing off: what its next plan gets.
+    return widen(num_ctx, ctx_size=planned_ctx_size(ctx_size, data.ctx_size), parallel=parallel, trained=trained)
+
+
+def widen(num_ctx: int, *, ctx_size: int, parallel: int, trained: int | None) -> ContextAsk:
     """What a request asking `num_ctx` tokens of context needs of a server with `ctx_size` cells
     over `parallel` slots (0: each slot the trained context), for a model trained on `trained`
     tokens (None: not known, no bound but the request's)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from stoker.states.launch.context import context_for, num_ctx_of, planned_ctx_size
+from stoker.states.launch.context import context_for, num_ctx_of, planned_ctx_size, widen
 from stoker.states.launch.records import (
     AfterStop,
     BackoffElapsed,
@@ -45,11 +45,11 @@ def running(*more, settings=LaunchSettings()):
 
 def test_a_context_at_or_below_the_servers_is_served_as_it_is():
     for num_ctx in (1, 255, 256):
-        assert context_for(num_ctx, ctx_size=256, parallel=1, trained=1024).ctx_size is None
+        assert widen(num_ctx, ctx_size=256, parallel=1, trained=1024).ctx_size is None
 
 
 def test_a_larger_context_asks_for_a_relaunch_with_it():
-    ask = context_for(512, ctx_size=256, parallel=1, trained=1024)
+    ask = widen(512, ctx_size=256, parallel=1, trained=1024)
     assert ask.ctx_size == 512
     assert ask.evidence == {
         "num_ctx": 512,
@@ -63,24 +63,24 @@ def test_a_larger_context_asks_for_a_relaunch_with_it():
 
 def test_num_ctx_is_one_slots_context_so_every_slot_gets_it():
     """Ollama's num_ctx is one conversation's; `-c` is every slot's together."""
-    assert context_for(1024, ctx_size=2048, parallel=2, trained=4096).ctx_size is None  # 1024 per slot already
-    assert context_for(1500, ctx_size=2048, parallel=2, trained=4096).ctx_size == 3000
+    assert widen(1024, ctx_size=2048, parallel=2, trained=4096).ctx_size is None  # 1024 per slot already
+    assert widen(1500, ctx_size=2048, parallel=2, trained=4096).ctx_size == 3000
 
 
 def test_never_above_the_trained_context():
-    ask = context_for(100_000, ctx_size=256, parallel=2, trained=1024)
+    ask = widen(100_000, ctx_size=256, parallel=2, trained=1024)
     assert ask.ctx_size == 2048 and ask.evidence["bounded_by"] == "trained_ctx"
     # Already at the trained context: nothing more to give, served as it is.
-    assert context_for(100_000, ctx_size=1024, parallel=1, trained=1024).ctx_size is None
+    assert widen(100_000, ctx_size=1024, parallel=1, trained=1024).ctx_size is None
 
 
 def test_ctx_size_zero_is_the_trained_context_already():
-    assert context_for(100_000, ctx_size=0, parallel=1, trained=1024).ctx_size is None
-    assert context_for(100_000, ctx_size=0, parallel=1, trained=None).ctx_size is None
+    assert widen(100_000, ctx_size=0, parallel=1, trained=1024).ctx_size is None
+    assert widen(100_000, ctx_size=0, parallel=1, trained=None).ctx_size is None
 
 
 def test_an_unknown_trained_context_bounds_nothing_but_the_request():
-    assert context_for(600, ctx_size=256, parallel=1, trained=None).ctx_size == 600
+    assert widen(600, ctx_size=256, parallel=1, trained=None).ctx_size == 600
 
 
 @pytest.mark.parametrize(
@@ -106,6 +106,29 @@ def test_the_planned_ctx_size_is_the_larger_of_the_configs_and_the_asked():
     assert planned_ctx_size(4096, 8192) == 8192
     assert planned_ctx_size(8192, 4096) == 8192  # a config raised meanwhile wins
     assert planned_ctx_size(0, 8192) == 0  # the trained context of each slot is never made smaller
+
+
+def test_the_server_that_runs_is_asked_about_its_plan_else_the_next_plans_context():
+    ready = running().data  # ready with PLAN: -c 256
+    assert context_for(512, state=S.READY, data=ready, ctx_size=4096, parallel=1, trained=1024).ctx_size == 512
+    # Stopped: its next plan gets the config's ctx_size (4096 here), and with it any asked before.
+    assert context_for(512, state=S.STOPPED, data=ready, ctx_size=256, parallel=1, trained=1024).ctx_size == 512
+    assert context_for(512, state=S.STOPPED, data=ready, ctx_size=4096, parallel=1, trained=8192).ctx_size is None
+    asked = drive(ContextRequested(1024), state=S.STOPPED, data=ready).data
+    assert context_for(512, state=S.STOPPED, data=asked, ctx_size=256, parallel=1, trained=1024).ctx_size is None
+    # A second request while the first one's restart is under way asks nothing more.
+    restarting = running(ContextRequested(512))
+    assert restarting.state is S.STOPPING
+    assert (
+        context_for(512, state=S.STOPPING, data=restarting.data, ctx_size=256, parallel=1, trained=1024).ctx_size
+        is None
+    )
+
+
+def test_a_model_a_request_does_not_load_is_asked_nothing():
+    stopped = running(DownRequested(), StopCompleted(0))
+    ask = context_for(512, state=S.STOPPED, data=stopped.data, ctx_size=256, parallel=1, trained=1024, loads=False)
+    assert ask.ctx_size is None
 
 
 # --- the launch machine -----------------------------------------------------------------
