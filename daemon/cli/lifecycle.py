@@ -141,7 +141,10 @@ def format_status(st: dict[str, Any]) -> str:
         # uptime_s is null until the server is ready (loading, or adopted and not yet proven).
         uptime = st.get("uptime_s")
         shown = "-" if uptime is None else f"{uptime:.0f}s"
-        lines.append(f"pid       {st['pid']}   uptime {shown}   restarts {st.get('restarts', 0)}")
+        line = f"pid       {st['pid']}   uptime {shown}   restarts {st.get('restarts', 0)}"
+        if st.get("n_ctx"):  # the context the engine allocated (all slots): a request's num_ctx may have raised it
+            line += f"   context {st['n_ctx']}"
+        lines.append(line)
     store = st.get("store") or {}
     if store.get("writable") is False:
         # The daemon keeps running on a full or read-only disk; say so, and what waits.

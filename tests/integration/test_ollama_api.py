@@ -274,6 +274,7 @@ def test_num_ctx_restarts_the_server_with_a_larger_context_that_lasts(daemon, lo
     status = daemon.call("status")
     assert status["state"] == "ready" and status["pid"] != before["pid"]
     assert status["n_ctx"] == 512 and status["models"][0]["n_ctx"] == 512
+    assert "   context 512" in click.unstyle(format_status(status))  # `stoker status`
     (loaded,) = client.ps().models
     assert loaded.context_length == 512
     restart = daemon.history(machine="launch", limit=50)
