@@ -6,7 +6,9 @@ as the OpenAI routes, through the same `FrontDoor` (daemon/frontdoor/app.py): it
 limits, its routing by `model`, its holding and loading on demand, its engine connections and
 retries (`FrontDoor.forward`, the one relay path), its metrics and access log. A request is
 translated into the engine's OpenAI-compatible one and the engine's answer, SSE event by event,
-into Ollama's NDJSON lines as it arrives (daemon/frontdoor/ollama_shapes.py, pure).
+into Ollama's NDJSON lines as it arrives (daemon/frontdoor/ollama_shapes.py, pure). A request's
+`options.num_ctx` larger than its model's server has relaunches that server with the larger
+context before it is answered (`OllamaApi._num_ctx`; states/launch/context.py decides).
 
 The catalog routes answer from the daemon: /api/tags lists what /v1/models lists, /api/ps the
 models loaded now, /api/show a model's facts from the catalog, /api/pull drives Stoker's own pull
