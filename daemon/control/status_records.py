@@ -216,6 +216,9 @@ class ModelStatus:
     machines: tuple[str, ...]  # its launch and fallback machines' ids (`stoker history --model NAME` reads them)
     memory: ModelMemory
     workers: dict[str, Any] | None = None  # where the layers are over RPC workers (None: no [[workers]])
+    # The context its server allocated, all slots together, as the engine reported it once ready
+    # (a request's larger num_ctx included); null unless it has been ready.
+    n_ctx: int | None = None
 
 
 @attrs.frozen

@@ -143,7 +143,10 @@ def format_status(st: dict[str, Any]) -> str:
         # uptime_s is null until the server is ready (loading, or adopted and not yet proven).
         uptime = st.get("uptime_s")
         shown = "-" if uptime is None else f"{uptime:.0f}s"
-        lines.append(f"pid       {st['pid']}   uptime {shown}   restarts {st.get('restarts', 0)}")
+        line = f"pid       {st['pid']}   uptime {shown}   restarts {st.get('restarts', 0)}"
+        if st.get("n_ctx"):  # the context the engine allocated (all slots): a request's num_ctx may have raised it
+            line += f"   context {st['n_ctx']}"
+        lines.append(line)
     store = st.get("store") or {}
     if store.get("writable") is False:
         # The daemon keeps running on a full or read-only disk; say so, and what waits.
@@ -335,8 +338,8 @@ def _unloads(m: ModelStatus) -> str:
 
 
 def ps_rows(status: Status) -> list[tuple[str, ...]]:
-    """One row per model that holds a server: name, state, backend, layers, memory, idle, unload."""
-    rows: list[tuple[str, ...]] = [("NAME", "STATE", "BACKEND", "LAYERS", "MEMORY", "IDLE", "UNLOADS")]
+    """One row per model that holds a server: name, state, backend, layers, context, memory, idle, unload."""
+    rows: list[tuple[str, ...]] = [("NAME", "STATE", "BACKEND", "LAYERS", "CTX", "MEMORY", "IDLE", "UNLOADS")]
     for m in status.models:
         if m.state in DOWN:
             continue
@@ -346,6 +349,7 @@ def ps_rows(status: Status) -> list[tuple[str, ...]]:
                 m.state,
                 m.backend or m.planned_backend or "-",
                 _layers(m),
+                str(m.n_ctx) if m.n_ctx else "-",
                 _memory(m),
                 _duration(m.idle_s),
                 _unloads(m),

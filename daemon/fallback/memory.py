@@ -49,7 +49,9 @@ MIB = 2**20
 FIT_TOOL = "fit_params"  # the bundle.json `tools` role of llama-fit-params
 
 
-def _trained_context(model_path: str) -> int | None:
+def trained_context(model_path: str) -> int | None:
+    """The context the model was trained on (the GGUF header's `context_length`; None: not
+    stated). Blocking, but the header is cached."""
     meta = read_header(Path(model_path))
     arch = str(meta.get("general.architecture") or "")
     value = meta.get(f"{arch}.context_length")
@@ -60,7 +62,7 @@ def kv_context(plan: LaunchPlan) -> int | None:
     """The KV cells the server allocates for all its slots together (None: not known)."""
     if plan.ctx_size:
         return plan.ctx_size
-    trained = _trained_context(plan.model_path)
+    trained = trained_context(plan.model_path)
     return None if trained is None else trained * max(1, plan.parallel)
 
 

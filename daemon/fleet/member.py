@@ -39,6 +39,7 @@ from stoker.states.fallback import table as F
 from stoker.states.launch import table as L
 from stoker.states.launch import records as LR
 from stoker.states.fleet.idle_unload import IdleFacts
+from stoker.states.launch.context import planned_ctx_size
 from stoker.states.pull.lookup import ModelForm, model_form
 from stoker.states.reasons import message_for
 from stoker.states.fleet.placement import Footprint, Resident, loads_on_demand, occupies
@@ -277,6 +278,10 @@ def build_member(served: ServedModel, services: Services, make_room: MakeRoom | 
         return extra
 
     async def plan(config: Config, effect: LR.MakePlan) -> LR.LaunchPlan:
+        if effect.ctx_size is not None:  # a request's larger context (states/launch/context.py)
+            server = attrs.evolve(config.server, ctx_size=planned_ctx_size(config.server.ctx_size, effect.ctx_size))
+            config = attrs.evolve(config, server=server)
+
         async def planned() -> LR.LaunchPlan:
             made = await orchestrator.plan(config, effect)
             return await with_memory(made, orchestrator.fit_room)

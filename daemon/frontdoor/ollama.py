@@ -6,7 +6,9 @@ as the OpenAI routes, through the same `FrontDoor` (daemon/frontdoor/app.py): it
 limits, its routing by `model`, its holding and loading on demand, its engine connections and
 retries (`FrontDoor.forward`, the one relay path), its metrics and access log. A request is
 translated into the engine's OpenAI-compatible one and the engine's answer, SSE event by event,
-into Ollama's NDJSON lines as it arrives (daemon/frontdoor/ollama_shapes.py, pure).
+into Ollama's NDJSON lines as it arrives (daemon/frontdoor/ollama_shapes.py, pure). A request's
+`options.num_ctx` larger than its model's server has relaunches that server with the larger
+context before it is answered (`OllamaApi._num_ctx`; states/launch/context.py decides).
 
 The catalog routes answer from the daemon: /api/tags lists what /v1/models lists, /api/ps the
 models loaded now, /api/show a model's facts from the catalog, /api/pull drives Stoker's own pull
@@ -51,8 +53,10 @@ from stoker.daemon.frontdoor.ollama_shapes import (
 from stoker.daemon.frontdoor.routing import models_page, route, unknown_model
 from stoker.daemon.models.pull import PROGRESS_TOPIC
 from stoker.daemon.models.spec import parse_spec
+from stoker.daemon.fallback.memory import trained_context
 from stoker.states.frontdoor.catalog_answers import http_status
 from stoker.states.launch import records as LR
+from stoker.states.launch.context import context_for, num_ctx_of
 from stoker.states.reasons import ReasonCode
 from stoker.store.catalog import ModelRecord
 
@@ -178,10 +182,53 @@ class OllamaApi:
         member = self._model(request, body)
         if isinstance(member, Answer):
             return member
+        if (problem := await self._num_ctx(request, member, body)) is not None:
+            return problem
         try:
             return body, member, translate(body)
         except BadRequest as exc:
             return ollama_error(400, str(exc), "bad_request")
+
+    async def _num_ctx(self, request: Request, member: Any, body: dict[str, Any]) -> Answer | None:
+        """A request's `options.num_ctx` (as `keep_alive` is a request's own, but it needs a
+        server): larger than its model's server has, the server is relaunched with it as
+        states/launch/context.py decides (the request then held as for any restart); the error
+        to send, if any."""
+        if isinstance(member, RemoteModel):
+            return None
+        try:
+            num_ctx = num_ctx_of(body.get("options"))
+        except ValueError as exc:
+            return ollama_error(400, str(exc), "bad_request")
+        if num_ctx is None:
+            return None
+        if member.data.plan is None:
+            # Never planned: its file, and the context it was trained on, are known once it is loaded.
+            async with request.watching():
+                try:
+                    await self.front.hold.until_ready(member)
+                except Refused as exc:
+                    return as_ollama(refused(request.path, exc))
+        plan, server = member.data.plan, member.served.config.server
+        if plan is None:
+            return None
+        try:
+            trained = await trio.to_thread.run_sync(trained_context, plan.model_path)
+        except (OSError, ValueError):  # the file is gone or unreadable: its next plan fails and says so
+            trained = None
+        ask = context_for(
+            num_ctx,
+            state=member.state,
+            data=member.data,
+            ctx_size=server.ctx_size,
+            parallel=server.parallel,
+            trained=trained,
+            loads=member.loads_on_demand,
+        )
+        if ask.ctx_size is not None:
+            log.info("%s: relaunched with -c %d for a request's num_ctx: %s", member.name, ask.ctx_size, ask.evidence)
+            member.supervisor.offer(LR.ContextRequested(ask.ctx_size, ask.evidence))
+        return None
 
     # --- generation: the engine through the front door's relay path ------------------------
 
@@ -379,6 +426,9 @@ class OllamaApi:
             expires = created_at(time.time() + ttl - member.idle_s()) if ttl else "2318-01-01T00:00:00.000000000Z"
             accelerated = member.effective_backend() not in (None, "cpu")
             entry |= {"expires_at": expires, "size_vram": entry["size"] if accelerated else 0}
+            # The context one conversation may use, as Ollama's num_ctx counts it: the server's per slot.
+            ready = member.supervisor.ready_evidence or {}
+            entry["context_length"] = ready.get("slot_n_ctx") or ready.get("n_ctx")
             models.append({k: v for k, v in entry.items() if v is not None})
         return json_answer({"models": models})
 

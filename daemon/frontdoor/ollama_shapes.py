@@ -52,8 +52,9 @@ SAME_OPTIONS = (
 )
 # Ollama's name -> the engine's.
 RENAMED_OPTIONS = {"num_predict": "max_tokens", "num_keep": "n_keep"}
-# Accepted and left to the server's launch (its context is `[server] ctx_size`, its threads and
-# layers its plan's): a request cannot change them, as on Ollama when the model is loaded.
+# Options that size the server as it loads, never sent to the engine: `num_ctx` larger than the
+# server's context relaunches it with that context (states/launch/context.py); the others are
+# accepted and left to Stoker's plan (its GPU layers, threads, batch, memory mapping: `[server]`).
 LAUNCH_OPTIONS = ("num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa")
 
 # The engine's finish_reason -> Ollama's done_reason (a tool call ends with "stop" there).

@@ -211,6 +211,9 @@ class LaunchData:
     reason: ReasonCode | None = None  # why the machine is where it is (None when healthy)
     evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
     down_cause: DownCause | None = None  # who stopped it, while a stop asked for lasts (None: never, or up since)
+    # The `-c` a request asked for (Ollama's num_ctx, states/launch/context.py) over the config's:
+    # every plan gets it until the server stops for good or a plan with it fails (None: the config's).
+    ctx_size: int | None = None
 
 
 # --- events -----------------------------------------------------------------------------
@@ -237,6 +240,16 @@ class DownRequested:
 @attrs.frozen
 class RestartRequested:
     """The user wants a fresh server now: stop, re-plan, start; the crash count starts over."""
+
+
+@attrs.frozen
+class ContextRequested:
+    """A request needs a larger context than the server has (states/launch/context.py decided):
+    plan with `ctx_size` as `-c` from now on, relaunching a running server (a planned restart);
+    `evidence` holds the figures that decided."""
+
+    ctx_size: int
+    evidence: dict[str, Any] = attrs.field(factory=dict, converter=as_evidence, hash=False)
 
 
 @attrs.frozen
@@ -377,6 +390,7 @@ class MakePlan:
     previous: LaunchPlan | None = None
     failure: PlanFailure | None = None
     request: int = 0  # numbered: only the answer to the newest request is taken
+    ctx_size: int | None = None  # the `-c` a request asked for (LaunchData.ctx_size); None: the config's
 
 
 @attrs.frozen

@@ -84,7 +84,7 @@ def ask_plan(data: LaunchData, failure: PlanFailure | None = None) -> tuple[Laun
     """A new MakePlan, numbered: an answer to any earlier one (a restart or a config change
     came while it was planned) is refused, so the plan that runs is the newest asked for."""
     data = attrs.evolve(data, plan_requests=data.plan_requests + 1)
-    return data, MakePlan(previous=data.plan, failure=failure, request=data.plan_requests)
+    return data, MakePlan(previous=data.plan, failure=failure, request=data.plan_requests, ctx_size=data.ctx_size)
 
 
 def without_server(data: LaunchData, **changes: Any) -> LaunchData:
@@ -150,9 +150,11 @@ def crash_step(
     evidence = {**evidence, "crashes": crashes, "returncode": returncode}
     data = without_server(data, crashes=crashes)
     if verdict is ExitVerdict.FATAL:
+        data = attrs.evolve(data, ctx_size=None)  # a context a request asked ends with its server
         return step_with_reason(S.FAILED, data, (Notify("status", f"failed: {reason}"),), reason, evidence)
     if crash_loop(crashes, data.settings.max_restarts):
         loop = {**evidence, "last_reason": str(reason), "max_restarts": data.settings.max_restarts}
+        data = attrs.evolve(data, ctx_size=None)
         return step_with_reason(S.FAILED, data, (Notify("status", "failed: crash_loop"),), ReasonCode.CRASH_LOOP, loop)
     failure = PlanFailure(reason, phase, evidence) if verdict is ExitVerdict.REPLAN else None
     effects = (StartBackoff(crashes), Notify("status", f"crashed: {reason}"))
@@ -184,10 +186,11 @@ def stop_done_step(data: LaunchData, event: StopCompleted | ServerExited | Spawn
         return crash_step(data, reason, evidence, verdict, phase, returncode)
     if data.after_stop is AfterStop.RESTART:
         return attrs.evolve(plan_step(data, reset=False), evidence=evidence)
+    # Stopped for good: a context a request asked ends with its server (Ollama's too, as it unloads).
     if data.after_stop is AfterStop.FAIL:
-        data = attrs.evolve(data, pid=None, create_time=None, after_stop=AfterStop.STOP)
+        data = attrs.evolve(data, pid=None, create_time=None, after_stop=AfterStop.STOP, ctx_size=None)
         return Step(S.FAILED, data, (Notify("status", f"failed: {data.reason}"),), evidence=evidence)
-    data = attrs.evolve(data, pid=None, create_time=None, reason=None, evidence={})
+    data = attrs.evolve(data, pid=None, create_time=None, reason=None, evidence={}, ctx_size=None)
     return Step(S.STOPPED, data, (Notify("status", "stopped"),), evidence=evidence)
 
 

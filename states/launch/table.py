@@ -66,6 +66,7 @@ from stoker.states.launch.records import (
     BackoffElapsed,
     BackoffStarted,
     ConfigChanged,
+    ContextRequested,
     DownCause,
     DownRequested,
     Effect,
@@ -120,7 +121,7 @@ def replan_on_config(state: S, data: LaunchData, event: ConfigChanged) -> Step:
 @guarded(S.STOPPED)
 def stop_idle(state: S, data: LaunchData, event: DownRequested) -> Step:
     """Nothing runs (planning, crashed, backoff): stopped at once."""
-    data = without_server(data, reason=None, evidence={}, down_cause=down_cause(data, event))
+    data = without_server(data, reason=None, evidence={}, down_cause=down_cause(data, event), ctx_size=None)
     return Step(S.STOPPED, data, (Notify("status", "stopped"),), evidence=down_evidence(event))
 
 
@@ -152,6 +153,28 @@ keep = Guarded(_keep, {STAY})
 
 
 @guarded(STAY)
+def remember_context(state: S, data: LaunchData, event: ContextRequested) -> Step:
+    """No server runs: the next start plans with the context asked."""
+    return Step(state, attrs.evolve(data, ctx_size=event.ctx_size), evidence=event.evidence)
+
+
+@guarded(S.PLANNING)
+def replan_for_context(state: S, data: LaunchData, event: ContextRequested) -> Step:
+    """Planning, crashed or backing off: plan again at once with the context asked (the crash
+    count kept, as for a config change)."""
+    step = plan_step(attrs.evolve(data, ctx_size=event.ctx_size), reset=False)
+    return attrs.evolve(step, evidence=event.evidence)
+
+
+@guarded(S.STOPPING)
+def relaunch_for_context(state: S, data: LaunchData, event: ContextRequested) -> Step:
+    """A running server with too small a context for a request: a planned restart (drained when
+    ready) into a plan with the context asked."""
+    data = attrs.evolve(data, ctx_size=event.ctx_size)
+    return stop_step(data, AfterStop.RESTART, evidence=event.evidence, drain=state is S.READY)
+
+
+@guarded(STAY)
 def new_settings_only(state: S, data: LaunchData, event: ConfigChanged) -> Step:
     """Not running: remember new knobs, launch nothing."""
     return Step(state, attrs.evolve(data, settings=settings_of(data, event.settings)))
@@ -174,10 +197,12 @@ def plan_ready(state: S, data: LaunchData, event: PlanReady) -> Step | None:
 
 @guarded(S.FAILED)
 def plan_failed(state: S, data: LaunchData, event: PlanFailed) -> Step | None:
+    """No plan: failed with its reason. A context a request asked is dropped with it, so the next
+    start (a request loads a model that failed for want of room) plans the config's."""
     if _stale(data, event):
         return None
     effects = (Notify("status", f"failed: {event.reason}"),)
-    return step_with_reason(S.FAILED, data, effects, event.reason, event.evidence, replan_for=None)
+    return step_with_reason(S.FAILED, data, effects, event.reason, event.evidence, replan_for=None, ctx_size=None)
 
 
 @guarded(STAY)
@@ -275,14 +300,14 @@ def relaunch(state: S, data: LaunchData, event: RestartRequested | ConfigChanged
 
 @guarded(S.STOPPING)
 def retarget_stop(
-    state: S, data: LaunchData, event: DownRequested | RestartRequested | UpRequested | ConfigChanged
+    state: S, data: LaunchData, event: DownRequested | RestartRequested | UpRequested | ConfigChanged | ContextRequested
 ) -> Step:
     """Already stopping: the newest request decides where it leads.
 
     Down: stopped (or failed, for a server found at start-up while failed). Restart: a fresh
     start with a clean count. Up: come back up if this was going to stay down (a stall or a
-    hang already comes back through backoff, counted). Config change: re-plan with the new
-    config unless this was going to stay down.
+    hang already comes back through backoff, counted). Config change, or a request's larger
+    context: re-plan with it unless this was going to stay down.
     """
     after = data.after_stop
     idle = after in (AfterStop.STOP, AfterStop.FAIL)  # it was going to stay down
@@ -292,6 +317,10 @@ def retarget_stop(
     elif isinstance(event, RestartRequested):
         after = AfterStop.RESTART
         data = fresh_count(data)
+    elif isinstance(event, ContextRequested):
+        if not idle:
+            after = AfterStop.RESTART
+        data = attrs.evolve(data, ctx_size=event.ctx_size)
     elif isinstance(event, UpRequested):
         if idle:
             after = AfterStop.RESTART
@@ -344,6 +373,7 @@ _RUNNING: dict[type, Rule] = {
     DownRequested: down,
     RestartRequested: relaunch,
     ConfigChanged: relaunch,
+    ContextRequested: relaunch_for_context,
     ServerExited: exited,
     StallTimeout: stall,
 }
@@ -357,6 +387,7 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
         RestartRequested: restart_now,
         DownRequested: down_again,
         ConfigChanged: new_settings_only,
+        ContextRequested: remember_context,
         **_STOP_FOUND,
     },
     S.PLANNING: {
@@ -366,6 +397,7 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
         DownRequested: stop_idle,
         RestartRequested: restart_now,
         ConfigChanged: replan_on_config,
+        ContextRequested: replan_for_context,
         **_STOP_FOUND,
         NothingToAdopt: nothing_adopted.only(STAY),
     },
@@ -407,6 +439,7 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
         UpRequested: retarget_stop,
         RestartRequested: retarget_stop,
         ConfigChanged: retarget_stop,
+        ContextRequested: retarget_stop,
         Adopted: adopted.only(STAY),
         OrphanFound: orphan_found,
         NothingToAdopt: nothing_adopted.only(S.STOPPED, S.PLANNING, S.CRASHED, S.FAILED),
@@ -417,6 +450,7 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
         DownRequested: stop_idle,
         RestartRequested: retry_now,
         ConfigChanged: retry_now,
+        ContextRequested: replan_for_context,
         **_STOP_FOUND,
         NothingToAdopt: nothing_adopted.only(STAY),
     },
@@ -427,6 +461,7 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
         DownRequested: stop_idle,
         RestartRequested: retry_now,
         ConfigChanged: retry_now,
+        ContextRequested: replan_for_context,
         **_STOP_FOUND,
         NothingToAdopt: nothing_adopted.only(STAY),
     },
@@ -435,6 +470,7 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
         RestartRequested: restart_now,
         DownRequested: down_again,
         ConfigChanged: new_settings_only,
+        ContextRequested: remember_context,
         **_STOP_FOUND,
     },
 }

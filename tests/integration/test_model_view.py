@@ -31,8 +31,8 @@ def test_ps_lists_what_is_loaded_and_show_describes_the_model(daemon, model):
         listed = stoker(daemon, "ps")
         assert listed.returncode == 0, listed.stderr
         head, row = listed.stdout.splitlines()
-        assert head.split() == ["NAME", "STATE", "BACKEND", "LAYERS", "MEMORY", "IDLE", "UNLOADS"]
-        assert row.split()[:3] == ["default", "ready", "cpu"]
+        assert head.split() == ["NAME", "STATE", "BACKEND", "LAYERS", "CTX", "MEMORY", "IDLE", "UNLOADS"]
+        assert row.split()[:5] == ["default", "ready", "cpu", "cpu", "256"]  # the context the server allocated
         as_json = json.loads(stoker(daemon, "ps", "--json").stdout)
         (loaded,) = as_json["models"]
         assert loaded["name"] == "default" and loaded["pid"] == daemon.call("status")["pid"]

@@ -162,7 +162,7 @@ def test_litellm_ollama_chat_provider(daemon, model):
     page = (Path(__file__).resolve().parents[2] / "docs" / "ollama.md").read_text()
     python = re.findall(r"```python\n(.*?)```", page, re.S)
     shell = re.findall(r"```sh\n(.*?)```", page, re.S)
-    assert len(python) == 2 and len(shell) == 1
+    assert len(python) == 3 and len(shell) == 1
     for example in python:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -243,3 +243,82 @@ def test_json_lines_are_ollamas(daemon, model):
     assert final["done"] is True and final["done_reason"] == "length" and final["eval_count"] == 3
     for key in ("total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration", "eval_duration"):
         assert isinstance(final[key], int), key
+
+
+@pytest.fixture
+def long_model(tmp_path):
+    """A tiny model trained on 1024 tokens of context, whose server the config gives 256."""
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
+
+    return write_tiny_model(tmp_path / "long" / "long.gguf", n_ctx=1024)
+
+
+def test_num_ctx_restarts_the_server_with_a_larger_context_that_lasts(daemon, long_model):
+    url = start(daemon, long_model)
+    before = daemon.wait_state("ready")
+    assert before["n_ctx"] == 256 and before["models"][0]["n_ctx"] == 256
+    client = ollama.Client(host=url, trust_env=False)
+    long_prompt = [{"role": "user", "content": " ".join(["fire"] * 70)}]  # about 380 tokens: more than 256
+    with pytest.raises(ollama.ResponseError) as overflow:  # what an Ollama user got with num_ctx ignored
+        client.chat(model="default", messages=long_prompt, options={"num_predict": 2})
+    assert overflow.value.status_code == 400
+
+    # At or below the server's context (and the options Stoker's plan decides): served as it is.
+    same = {"num_ctx": 256, "num_gpu": 99, "num_thread": 2, "num_batch": 64, "num_predict": 2}
+    assert client.chat(model="default", messages=[{"role": "user", "content": "hi"}], options=same).done
+    assert daemon.call("status")["pid"] == before["pid"]
+
+    # Larger: the server is restarted with it, then the request is answered.
+    reply = client.chat(model="default", messages=long_prompt, options={"num_ctx": 512, "num_predict": 2})
+    assert reply.done and 256 < reply.prompt_eval_count < 512, reply
+    status = daemon.call("status")
+    assert status["state"] == "ready" and status["pid"] != before["pid"]
+    assert status["n_ctx"] == 512 and status["models"][0]["n_ctx"] == 512
+    assert "   context 512" in click.unstyle(format_status(status))  # `stoker status`
+    (loaded,) = client.ps().models
+    assert loaded.context_length == 512
+    restart = daemon.history(machine="launch", limit=50)
+    asked = [row for row in restart if row["event"] == "ContextRequested"]
+    assert len(asked) == 1 and asked[0]["evidence"]["num_ctx"] == 512, asked
+
+    # It lasts while the server runs: a smaller num_ctx, or none, restarts nothing.
+    for options in ({"num_ctx": 400, "num_predict": 2}, {"num_predict": 2}):
+        assert client.chat(model="default", messages=long_prompt, options=options).done
+    assert daemon.call("status")["pid"] == status["pid"]
+    # Never above what the model was trained on.
+    client.chat(model="default", messages=[{"role": "user", "content": "hi"}], options={"num_ctx": 100_000})
+    assert daemon.wait_state("ready")["n_ctx"] == 1024
+    with pytest.raises(ollama.ResponseError) as bad:
+        client.chat(model="default", messages=[{"role": "user", "content": "hi"}], options={"num_ctx": "8k"})
+    assert bad.value.status_code == 400 and "num_ctx" in bad.value.error
+
+    # Stopped for good, it loads with its config's context again.
+    daemon.call("down")
+    daemon.call("up")
+    assert daemon.wait_state("ready")["n_ctx"] == 256
+
+
+def test_a_num_ctx_whose_server_does_not_fit_is_refused_with_the_placements_reason(daemon, tmp_path):
+    from stoker.daemon.bundles.tinymodel import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "wide" / "wide.gguf", n_ctx=65536)
+    # A few MiB hold the server at 256 tokens; its KV cache at 65536 takes tens more.
+    url = start(daemon, model, extra="[placement]\nmax_ram_mib = 12\n")
+    before = daemon.wait_state("ready")
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": False,
+        "options": {"num_ctx": 65536, "num_predict": 2},
+    }
+    refused = httpx.post(f"{url}/api/chat", json=body, trust_env=False, timeout=60)
+    assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+    answer = refused.json()
+    assert answer["code"] == "placement_no_room" and "max_ram_mib" in answer["error"], answer
+    assert daemon.call("status")["reason"] == "placement_no_room"
+
+    # The larger context is forgotten: the next request loads the model with its config's.
+    client = ollama.Client(host=url, trust_env=False)
+    assert client.chat(model="default", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 2}).done
+    after = daemon.call("status")
+    assert after["state"] == "ready" and after["n_ctx"] == before["n_ctx"] == 256

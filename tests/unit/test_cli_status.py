@@ -22,6 +22,12 @@ def test_a_ready_server_shows_its_uptime():
     assert "uptime 61s   restarts 2" in text
 
 
+def test_a_ready_server_shows_the_context_it_runs_with():
+    """A request's num_ctx may have raised it above the config's ctx_size: status says what runs."""
+    st = {"state": "ready", "backend": "cpu", "pid": 7, "uptime_s": 3.0, "restarts": 0, "n_ctx": 8192}
+    assert "restarts 0   context 8192" in plain(format_status(st))
+
+
 def test_a_failed_server_shows_the_reason_and_the_fallbacks():
     st = {
         "state": "failed",

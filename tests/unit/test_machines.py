@@ -102,6 +102,7 @@ LAUNCH_EVENTS = [
     LR.RestartRequested(),
     LR.ConfigChanged(),
     LR.ConfigChanged(LR.LaunchSettings(max_restarts=MAX_RESTARTS, stall_timeout=5.0)),
+    LR.ContextRequested(8192, {"num_ctx": 8192}),
     LR.PlanReady(PLAN),
     LR.PlanReady(GPU_PLAN),
     LR.PlanFailed(ReasonCode.MODEL_MISSING, {"path": "/m.gguf"}),

@@ -241,6 +241,7 @@ SAMPLES = {
         LR.DownRequested(),
         LR.RestartRequested(),
         LR.ConfigChanged(),
+        LR.ContextRequested(8192),
         LR.PlanReady(AUTO_PLAN),
         LR.PlanReady(CPU_PLAN),
         LR.PlanFailed(ReasonCode.MODEL_MISSING),
@@ -417,7 +418,9 @@ def launch_policy(state, data, event, result):
         assert (result.state, new.reason) == (LR.LaunchState.FAILED, event.reason)
     if isinstance(event, LR.BackoffElapsed):
         if data.replan_for is not None or data.plan is None:
-            asked = LR.MakePlan(previous=data.plan, failure=data.replan_for, request=data.plan_requests + 1)
+            asked = LR.MakePlan(
+                previous=data.plan, failure=data.replan_for, request=data.plan_requests + 1, ctx_size=data.ctx_size
+            )
             assert result.effects == (asked,)
         else:
             assert result.effects == (LR.Spawn(data.plan),)
@@ -433,6 +436,12 @@ def launch_policy(state, data, event, result):
     if isinstance(event, LR.Stable):
         # crashes are forgotten, unless the liveness watchdog finds the engine silent
         assert new.crashes == (data.crashes if data.silent else 0) and new.restarts == data.restarts
+    # A request's larger context rides every plan asked until the server stops for good.
+    assert all(e.ctx_size == new.ctx_size for e in result.effects if isinstance(e, LR.MakePlan))
+    if isinstance(event, LR.ContextRequested):
+        assert new.ctx_size == event.ctx_size
+    if result.state is LR.LaunchState.STOPPED and isinstance(event, (LR.StopCompleted, LR.DownRequested)):
+        assert state is LR.LaunchState.STOPPED or new.ctx_size is None
 
 
 def fallback_policy(state, data, event, result):
