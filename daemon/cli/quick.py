@@ -1,4 +1,4 @@
-"""`stoker status` and `stoker ps` as the daemon renders them, before click loads.
+"""`stoker status` and `stoker ps` as the daemon renders them, and `stoker --help`, before click loads.
 
 These two are what people type most, often in a loop or a prompt, and the full command line
 costs them ~200 ms of imports (click, attrs, cattrs, the status records) on top of Python's own
@@ -9,7 +9,8 @@ daemon/control/status_text.py), and the text printed. Only json and socket load.
 Anything else (another command, an option such as `--json`), or a daemon that cannot answer so
 (none running, an older daemon without `status.text`, a model it does not know), returns None:
 the full command line then runs the command and says what is wrong in its usual words and exit
-codes. The reply is checked against its record's shape (`StatusText`: text a string, failed a
+codes. `stoker --help` prints the text click lays out at the width it uses on a terminal of 80
+columns or more (daemon/cli/help_text.py, generated and checked by docs/cli_reference.py). The reply is checked against its record's shape (`StatusText`: text a string, failed a
 boolean) by hand, as building the record would cost what this path saves.
 """
 
@@ -55,10 +56,27 @@ def _reply(params: dict[str, object]) -> bytes | None:
         return None
 
 
+def _help(argv: list[str]) -> bool:
+    """Whether click would print exactly help_text.TEXT for this command line: `stoker --help`
+    run as `stoker`, on a terminal of 80 columns or more (or a pipe), where its layout is fixed."""
+    if argv not in (["--help"], ["-h"]) or not sys.argv[0].endswith("stoker"):
+        return False
+    import os
+    import shutil
+
+    return os.path.basename(sys.argv[0]) == "stoker" and shutil.get_terminal_size().columns >= 80
+
+
 def answered(argv: list[str]) -> int | None:
-    """Print the daemon's text for `stoker status` / `stoker ps` and return the command's exit code
-    (1 when the model described has failed, as the full command); None when the full command line
-    must run instead."""
+    """Print the daemon's text for `stoker status` / `stoker ps` (or the help that `stoker --help`
+    prints) and return the command's exit code (1 when the model described has failed, as the
+    full command); None when the full command line must run instead."""
+    if _help(argv):
+        from stoker.daemon.cli.help_text import TEXT
+
+        sys.stdout.write(TEXT)
+        sys.stdout.flush()
+        return 0
     params = request(argv)
     if params is None:
         return None

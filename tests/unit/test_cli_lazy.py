@@ -4,6 +4,7 @@ which module registers which command must be exactly what the modules register."
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 
@@ -63,3 +64,25 @@ def test_stoker_help_imports_no_command_module():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["stoker.daemon.cli.group"], out
+
+
+def test_stoker_help_prints_clicks_own_text_without_loading_click():
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('CLICK' if 'click' in sys.modules else 'NO CLICK', file=sys.stderr))\n"
+        "sys.argv = ['/usr/local/bin/stoker', *sys.argv[1:]]\n"
+        "from stoker.daemon.cli import main\n"
+        "main()\n"
+    )
+    full = "from stoker.daemon.cli.group import cli\ncli(prog_name='stoker')\n"
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    for flag in ("--help", "-h"):
+        quick = subprocess.run([sys.executable, "-c", code, flag], capture_output=True, text=True, env=env, check=True)
+        slow = subprocess.run([sys.executable, "-c", full, flag], capture_output=True, text=True, env=env, check=True)
+        assert quick.stdout == slow.stdout and "Usage: stoker [OPTIONS] COMMAND" in quick.stdout
+        assert quick.stderr.strip() == "NO CLICK"
+    # A narrow terminal gets click's own layout for it.
+    narrow = subprocess.run(
+        [sys.executable, "-c", code, "--help"], capture_output=True, text=True, env={**env, "COLUMNS": "60"}, check=True
+    )
+    assert narrow.stderr.strip() == "CLICK" and max(len(line) for line in narrow.stdout.splitlines()) <= 60

@@ -30,6 +30,7 @@ def test_every_reason_code_is_documented():
 def test_cli_reference_is_current():
     module = _load("cli_reference")
     assert module.PAGE.read_text() == module.document(), "run: python docs/cli_reference.py"
+    assert module.HELP_MODULE.read_text() == module.help_module(), "run: python docs/cli_reference.py"
 
 
 def test_protocol_method_reference_is_current():
