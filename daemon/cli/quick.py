@@ -67,6 +67,20 @@ def _help(argv: list[str]) -> bool:
     return os.path.basename(sys.argv[0]) == "stoker" and shutil.get_terminal_size().columns >= 80
 
 
+def _print(text: str) -> bool:
+    """Write `text` to stdout; False when the reader has gone (`stoker ps | head -0`): stdout then
+    points at /dev/null, so that Python's own flush at exit says nothing either."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return True
+    except BrokenPipeError:
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return False
+
+
 def answered(argv: list[str]) -> int | None:
     """Print the daemon's text for `stoker status` / `stoker ps` (or the help that `stoker --help`
     prints) and return the command's exit code (1 when the model described has failed, as the
@@ -74,9 +88,7 @@ def answered(argv: list[str]) -> int | None:
     if _help(argv):
         from stoker.daemon.cli.help_text import TEXT
 
-        sys.stdout.write(TEXT)
-        sys.stdout.flush()
-        return 0
+        return 0 if _print(TEXT) else 1
     params = request(argv)
     if params is None:
         return None
@@ -95,6 +107,6 @@ def answered(argv: list[str]) -> int | None:
         or not isinstance(result.get("failed"), bool)
     ):
         return None
-    sys.stdout.write(result["text"] + "\n")
-    sys.stdout.flush()
+    if not _print(result["text"] + "\n"):
+        return 1
     return 1 if result["failed"] else 0

@@ -86,3 +86,14 @@ def test_stoker_help_prints_clicks_own_text_without_loading_click():
         [sys.executable, "-c", code, "--help"], capture_output=True, text=True, env={**env, "COLUMNS": "60"}, check=True
     )
     assert narrow.stderr.strip() == "CLICK" and max(len(line) for line in narrow.stdout.splitlines()) <= 60
+
+
+def test_a_reader_that_left_gets_no_traceback():
+    code = "import sys\nsys.argv = ['/usr/local/bin/stoker', '--help']\nfrom stoker.daemon.cli import main\nmain()\n"
+    read, write = os.pipe()
+    os.close(read)  # `stoker --help | head -0`: nobody reads
+    try:
+        done = subprocess.run([sys.executable, "-c", code], stdout=write, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write)
+    assert done.returncode == 1 and done.stderr == ""
