@@ -283,6 +283,20 @@ def status_rtt(d: DaemonProcess, count: int) -> dict[str, list[float]]:
     return {"one connection": persistent, "connection per call": fresh}
 
 
+def run_rows(direct: list[float], runs: list[tuple[float, float | None, float | None]]) -> list[str]:
+    """One table row per run: the direct start, the run (whole, and until its engine was spawned,
+    the engine's own start, after it was healthy), against direct and against its own engine."""
+    rows = []
+    for i, (a, (b, sp, h)) in enumerate(zip(direct, runs)):
+        inner = (
+            "| - | - | - | - |"
+            if sp is None or h is None
+            else f"| {sp:.3f} | {h - sp:.3f} | {b - h:.3f} | {b / (h - sp):.3f} |"
+        )
+        rows.append(f"| {i + 1} | {a:.3f} | {b:.3f} | {b / a:.3f} " + inner)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
@@ -389,13 +403,7 @@ def main() -> int:
         "/health 200 -> ready event | daemon / its own engine |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for i, (a, (b, sp, h)) in enumerate(zip(direct, via_daemon)):
-        inner = (
-            "| - | - | - | - |"
-            if sp is None or h is None
-            else f"| {sp:.3f} | {h - sp:.3f} | {b - h:.3f} | {b / (h - sp):.3f} |"
-        )
-        lines.append(f"| {i + 1} | {a:.3f} | {b:.3f} | {b / a:.3f} " + inner)
+    lines += run_rows(direct, via_daemon)
     lines += [
         "",
         f"Median ratio daemon/direct over the pairs: {ratio:.3f}; medians {statistics.median(direct):.3f} s direct, "
@@ -434,13 +442,7 @@ def main() -> int:
             "engine healthy -> ready seen | fresh daemon / its own engine |",
             "|---|---|---|---|---|---|---|---|",
         ]
-        for i, (a, (b, sp, h)) in enumerate(zip(direct, fresh)):
-            inner = (
-                "| - | - | - | - |"
-                if sp is None or h is None
-                else f"| {sp:.3f} | {h - sp:.3f} | {b - h:.3f} | {b / (h - sp):.3f} |"
-            )
-            lines.append(f"| {i + 1} | {a:.3f} | {b:.3f} | {b / a:.3f} " + inner)
+        lines += run_rows(direct, fresh)
         lines += [
             "",
             f"**Median ratio fresh daemon / direct: {statistics.median(b / a for a, (b, _, _) in zip(direct, fresh)):.3f}**; "
