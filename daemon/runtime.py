@@ -63,7 +63,7 @@ from stoker.daemon.engine.fit import keep_answers_in
 from stoker.daemon.models.facts import keep_layouts_in
 from stoker.daemon.core.pidlock import acquire_lock, data_dir_unwritable
 from stoker.daemon.core.store_keeper import serve_store_keeper
-from stoker.daemon.engine.launch_records import runs_root, stop_abandoned
+from stoker.daemon.core.launch_records import runs_root, stop_abandoned
 from stoker.daemon.backends import load_backends
 from stoker.daemon.backends.registry import try_order
 from stoker.daemon.backends.base import Detection

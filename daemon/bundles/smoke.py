@@ -24,7 +24,7 @@ import trio
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.engine.api import EngineClient
 from stoker.daemon.engine.exits import classify_exit
-from stoker.daemon.engine.launch_records import LaunchRecord
+from stoker.daemon.core.launch_records import LaunchRecord
 from stoker.daemon.engine.ready import ServerLog
 from stoker.states.reasons import ReasonCode
 
@@ -115,7 +115,7 @@ def generate(
     scratch.mkdir(parents=True, exist_ok=True)
     log = scratch / "smoke-server.log"
     # Recorded before the spawn, so that whoever starts next ends it if this process dies
-    # mid-run (daemon/engine/launch_records.py); the key goes by file, never in the argv.
+    # mid-run (daemon/core/launch_records.py); the key goes by file, never in the argv.
     record = LaunchRecord.create("smoke")
     key = record.write_key()
     cmd = [

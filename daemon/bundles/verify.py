@@ -7,14 +7,16 @@ The steps, in order, each failing with its own reason code:
   version   `llama-server --version` names the stamped build     -> bundle_metadata_mismatch
   devices   `--list-devices` shows the backend's signature       -> bundle_verify_failed
   smoke     greedy tokens equal the build-time reference         -> bundle_verify_failed
-Any engine run that dies with SIGILL is cpu_illegal_instruction instead. Engines run from a
-scratch directory (ggml may load backend libraries from the cwd) with LLAMA_ARG_* dropped.
+Any engine run that dies with SIGILL is cpu_illegal_instruction instead. Engines run from an
+empty directory (ggml may load backend libraries from the cwd) with LLAMA_ARG_* dropped, each
+recorded before its spawn (daemon/core/launch_records.py).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -31,6 +33,7 @@ from stoker.daemon.bundles.metadata import BUNDLE_JSON, BundleMeta
 from stoker.daemon.bundles.smoke import SmokeSpec, engine_env, run_smoke
 from stoker.daemon.bundles.variants import host_platform
 from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.launch_records import launch_record
 from stoker.daemon.engine.exits import classify_exit
 from stoker.states.reasons import ReasonCode
 
@@ -145,32 +148,43 @@ def devices_env(backend: Backend) -> dict[str, str]:
 
 
 def _run_engine(server: Path, args: list[str], step: str, backend: Backend, timeout: float) -> tuple[str, str]:
-    with tempfile.TemporaryDirectory(prefix="stoker-verify-") as scratch:
+    # Recorded before the spawn (daemon/core/launch_records.py), in a session of its own: the
+    # timeout is this process's, so a daemon killed while `--list-devices` hangs on a broken
+    # driver leaves the engine to the next daemon's sweep. Run from the record's empty cwd.
+    with launch_record("verify") as record:
         try:
-            proc = subprocess.run(
+            proc = subprocess.Popen(
                 [str(server), *args],
-                cwd=scratch,
-                capture_output=True,
+                cwd=record.cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 text=True,
                 errors="replace",
-                timeout=timeout,
                 stdin=subprocess.DEVNULL,
-                env=engine_env(devices_env(backend)),
+                env=record.env(engine_env(devices_env(backend))),
+                start_new_session=True,
             )
-        except subprocess.TimeoutExpired:
-            raise StokerError(
-                ReasonCode.BUNDLE_VERIFY_FAILED,
-                f"`llama-server {' '.join(args)}` did not finish.",
-                {"step": step, "timeout_s": timeout},
-            ) from None
         except OSError as err:
             raise StokerError(
                 ReasonCode.BUNDLE_VERIFY_FAILED,
                 "The engine binary cannot be executed.",
                 {"step": step, "error": str(err)},
             ) from None
+        record.record_process(proc.pid)
+        try:
+            out, err_text = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise StokerError(
+                ReasonCode.BUNDLE_VERIFY_FAILED,
+                f"`llama-server {' '.join(args)}` did not finish.",
+                {"step": step, "timeout_s": timeout},
+            ) from None
+        except BaseException:
+            _kill_group(proc)
+            raise
     if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-8000:]
+        tail = (out + err_text)[-8000:]
         reason, exit_evidence = classify_exit(
             proc.returncode, tail.splitlines(), startup_failed=backend.reason(ReasonKind.STARTUP_FAILED)
         )
@@ -178,7 +192,17 @@ def _run_engine(server: Path, args: list[str], step: str, backend: Backend, time
         if reason == ReasonCode.CPU_ILLEGAL_INSTRUCTION:
             raise StokerError(reason, evidence=evidence)
         raise StokerError(ReasonCode.BUNDLE_VERIFY_FAILED, evidence=evidence)
-    return proc.stdout, proc.stderr
+    return out, err_text
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """The engine and its group killed (it leads the group, and is our child not yet reaped, so
+    the group's id is still ours), then reaped."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.communicate()
 
 
 def check_version(server: Path, meta: BundleMeta, backend: Backend, timeout: float = 30.0) -> str:

@@ -43,7 +43,7 @@ from typing import Iterable, Mapping, Sequence
 import attrs
 
 from stoker.daemon.core.kept import KeptAnswers
-from stoker.daemon.engine.launch_records import launch_record
+from stoker.daemon.core.launch_records import launch_record
 from stoker.states.fallback.fit_reuse import FileId as FitFileId
 from stoker.states.fallback.fit_reuse import FitRoom, fit_key, fits_whole, projection_key
 
@@ -143,7 +143,7 @@ def parse_fitted(stdout: str) -> list[str]:
 
 
 def _run(argv: Sequence[str], env: Mapping[str, str], timeout: float) -> str:
-    # Recorded before the spawn (daemon/engine/launch_records.py): the timeout below is this
+    # Recorded before the spawn (daemon/core/launch_records.py): the timeout below is this
     # thread's, so a run a killed daemon left is ended by the next one.
     with launch_record("fit") as record:
         try:

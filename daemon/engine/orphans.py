@@ -17,33 +17,15 @@ removed.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from pathlib import Path
 
-import psutil
 import trio
 
+from stoker.daemon.core.launch_records import launched_from
 from stoker.daemon.core.process_group import GroupLeader, stop_group
 
 log = logging.getLogger(__name__)
-
-KEY_FILE = "api-key"  # the file `serve_server` writes in each launch dir
-
-
-def launched_from(launch_dir: Path) -> list[psutil.Process]:
-    """Live processes of this user whose command line names `launch_dir`'s key file."""
-    token = str(launch_dir / KEY_FILE)
-    found = []
-    for proc in psutil.process_iter(["cmdline", "uids"]):
-        try:
-            uids = proc.info["uids"]
-            if token in (proc.info["cmdline"] or ()) and (uids is None or uids.real == os.getuid()):
-                if proc.status() != psutil.STATUS_ZOMBIE:
-                    found.append(proc)
-        except (psutil.Error, OSError):
-            continue
-    return found
 
 
 async def stop_unrecorded(launch_root: Path, keep: Path | None, grace: float) -> list[int]:

