@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from stoker.daemon.cli.output import run_guarded
@@ -111,6 +113,9 @@ def load(module_name: str, group: click.Group) -> None:
         from stoker.daemon.core.codecache import install_for_cli
 
         install_for_cli()  # the records' generated code from the cache (daemon/core/codecache.py)
+        # httpx loads its own command line (`httpx.main`: rich and pygments, ~75 ms of CPU) with
+        # itself; no Stoker command runs it, so it is marked absent and httpx keeps its stand-in.
+        sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
         importlib.import_module(f"stoker.daemon.cli.{module_name}").register(group)
 
 
