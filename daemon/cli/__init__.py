@@ -116,7 +116,11 @@ def load(module_name: str, group: click.Group) -> None:
         # httpx loads its own command line (`httpx.main`: rich and pygments, ~75 ms of CPU) with
         # itself; no Stoker command runs it, so it is marked absent and httpx keeps its stand-in.
         sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
-        importlib.import_module(f"stoker.daemon.cli.{module_name}").register(group)
+        from stoker.daemon.core.loading import loading
+
+        with loading():  # no garbage to collect among what an import makes (daemon/core/loading.py)
+            module = importlib.import_module(f"stoker.daemon.cli.{module_name}")
+        module.register(group)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
