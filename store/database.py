@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import attrs
-from sqlite_utils import Database
 
 from stoker.states.reasons import ReasonCode
 from stoker.store.errors import StoreError
 from stoker.store.migrations import MIGRATIONS, Migration, migrate
 from stoker.store.records import MachineRecord, TransitionRecord
+from stoker.store.sqlitedb import Database
 
 BUSY_TIMEOUT_MS = 5000
 MEMORY = ":memory:"

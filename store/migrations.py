@@ -12,10 +12,9 @@ import math
 import time
 from typing import Callable
 
-from sqlite_utils import Database
-
 from stoker.states.reasons import ReasonCode
 from stoker.store.errors import StoreError
+from stoker.store.sqlitedb import Database
 
 Migration = Callable[[Database], None]
 

@@ -19,9 +19,8 @@ from stoker.store.errors import StoreError
 from stoker.store.rows import StoredRecord
 
 if TYPE_CHECKING:
-    from sqlite_utils import Database
-
     from stoker.store.database import Store
+    from stoker.store.sqlitedb import Database
 
 # Which server instance a snapshot belongs to (a [models.NAME]; "default" without [models]): a
 # conversation never moves between instances, even two serving the same file (migration m007).

@@ -16,13 +16,14 @@ from __future__ import annotations
 import abc
 import enum
 import re
-from typing import Any, ClassVar, Iterable, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Protocol, runtime_checkable
 
 import attrs
 
-from stoker.states.convert import structure
-from stoker.states.launch.records import GpuLayers
 from stoker.states.reasons import ReasonCode, message_for
+
+if TYPE_CHECKING:
+    from stoker.states.launch.records import GpuLayers
 
 
 def _device_tuple(devices: Iterable["Device"]) -> tuple["Device", ...]:
@@ -65,6 +66,10 @@ class Device:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Device":
         """Parse the JSON form; fields this daemon does not know are ignored."""
+        # cattrs loads here, not with this module: the probe subprocess (daemon/probes/child.py)
+        # only writes Detections, and every daemon start runs one per GPU backend.
+        from stoker.states.convert import structure
+
         return structure(data, cls)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 
@@ -109,7 +111,14 @@ def load(module_name: str, group: click.Group) -> None:
         from stoker.daemon.core.codecache import install_for_cli
 
         install_for_cli()  # the records' generated code from the cache (daemon/core/codecache.py)
-        importlib.import_module(f"stoker.daemon.cli.{module_name}").register(group)
+        # httpx loads its own command line (`httpx.main`: rich and pygments, ~75 ms of CPU) with
+        # itself; no Stoker command runs it, so it is marked absent and httpx keeps its stand-in.
+        sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
+        from stoker.daemon.core.loading import loading
+
+        with loading():  # no garbage to collect among what an import makes (daemon/core/loading.py)
+            module = importlib.import_module(f"stoker.daemon.cli.{module_name}")
+        module.register(group)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -56,9 +56,14 @@ def ask(method: str, as_json: bool, returns: type[R], timeout: float = 10.0, **p
 )
 def daemon(log_level: str, no_default: bool) -> None:
     """Run the service in the foreground (systemd and launchd run it like this)."""
-    from stoker.daemon.cli.foreground import run_foreground
+    from stoker.daemon.core.loading import keep_loaded, loading
 
-    sys.exit(run_foreground(StokerPaths.from_env(), log_level=log_level, load_default=not no_default))
+    with loading():  # what the daemon imports, kept to its end (daemon/core/loading.py)
+        from stoker.daemon.cli.foreground import run_foreground
+    keep_loaded()
+    code = run_foreground(StokerPaths.from_env(), log_level=log_level, load_default=not no_default)
+    keep_loaded()  # and what the run left (all of it closed by now): the exit collects nothing
+    sys.exit(code)
 
 
 MODEL = click.argument("model", required=False)
