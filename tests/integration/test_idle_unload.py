@@ -295,7 +295,8 @@ def test_two_sections_on_one_file_never_restore_each_others_conversation(daemon,
 
     # Each model lists its own snapshots; an explicit restore into the other is refused.
     assert [s["id"] for s in daemon.call("snapshot.list", model="a")["snapshots"]] == [restored["id"]]
-    assert daemon.call("snapshot.list", model="b")["snapshots"] == []
+    # (b may have idled out while a reloaded on a busy machine, saving its own slot: never a's.)
+    assert restored["id"] not in {s["id"] for s in daemon.call("snapshot.list", model="b")["snapshots"]}
     with pytest.raises(StokerError) as refused:
         daemon.call("snapshot.restore", id=restored["id"], model="b")
     assert refused.value.reason == "snapshot_instance_mismatch", refused.value
