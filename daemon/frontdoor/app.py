@@ -465,9 +465,9 @@ class FrontDoor:
                 if request.exchange is not None and sends == 1 and not held:  # what the front door added
                     request.exchange.engine_s = time.perf_counter() - response.sent_at
             except BaseException as exc:
-                with trio.CancelScope(shield=True):
-                    if response is not None:
-                        await response.aclose()  # cancelled (the client left): the engine's connection closed, it stops
+                # `EngineAnswer.aclose` cannot be cancelled (it only pools or closes): no shield needed.
+                if response is not None:
+                    await response.aclose()  # cancelled (the client left): the engine's connection closed, it stops
                 over()
                 if not isinstance(exc, httpx.TransportError):
                     raise
@@ -499,7 +499,6 @@ class FrontDoor:
                 else:
                     await relay_with(request, response, sse and response.status_code == 200, first, chunks)
             finally:
-                with trio.CancelScope(shield=True):
-                    await response.aclose()  # the engine's connection pooled, or closed if the answer was cut
+                await response.aclose()  # the engine's connection pooled, or closed if the answer was cut
                 over()
             return None
