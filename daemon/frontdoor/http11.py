@@ -242,7 +242,7 @@ class Watching:
 
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    ) -> bool | None:  # typed as asynccontextmanager's: the Cancelled of a client that left is swallowed
         assert self._nursery is not None
         self._nursery.cancel_scope.cancel()
         try:
