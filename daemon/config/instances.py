@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -63,10 +64,11 @@ class ServedModel:
         carry a name the client may send, never the file's path."""
         return self.public_id
 
-    @property
+    @cached_property
     def public_id(self) -> str:
         """The id /v1/models lists it under: its NAME; without [models] (and for a catalog
-        model) the model's own name (its catalog name, or its file's name), the one the user wrote."""
+        model) the model's own name (its catalog name, or its file's name), the one the user wrote.
+        Worked out once (a config change makes new records): every forwarded request asks."""
         if self.catalog or (not self.config.models and self.name == DEFAULT_INSTANCE):
             return Path(self.spec).name if model_form(self.spec) is ModelForm.PATH else self.spec
         return self.name

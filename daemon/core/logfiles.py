@@ -150,14 +150,28 @@ class DaemonLogHandler(logging.handlers.RotatingFileHandler):
             os.chmod(path, FILE_MODE)
         self._failing = False  # the last write was refused (and said so once)
         self._refused = False
+        # The record last formatted and its text: the rotation check formats each record, and
+        # the write formats it again (the standard handler's two calls, one time stamp each).
+        self._formatted: tuple[logging.LogRecord, str] | None = None
         super().__init__(path, maxBytes=rotation.max_bytes, backupCount=rotation.keep, encoding="utf-8", delay=True)
 
     def _open(self):  # type: ignore[no-untyped-def]  # overrides the standard library's untyped method
         return open(self.baseFilename, self.mode, encoding=self.encoding, errors=self.errors, opener=_private_opener)
 
+    def format(self, record: logging.LogRecord) -> str:
+        formatted = self._formatted
+        if formatted is not None and formatted[0] is record:
+            return formatted[1]
+        text = super().format(record)
+        self._formatted = (record, text)
+        return text
+
     def emit(self, record: logging.LogRecord) -> None:
         self._refused = False
-        super().emit(record)
+        try:
+            super().emit(record)
+        finally:
+            self._formatted = None
         if not self._refused:
             self._failing = False
 

@@ -127,15 +127,33 @@ class EngineClient:
         llama-server closes its connection after every streamed answer though its headers say
         keep-alive; such a connection kept for the next request would carry it into a closed
         socket, a failure that looks like a dead engine: it goes with `Connection: close`."""
-        # Without the front door's shared wire (a one-off caller), nothing is kept for later.
-        wire = self.wire if self.wire is not None else EngineWire()
-        sent = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in (headers or {}).items()]
-        sent += self._auth_header
-        answer = await wire.send(self.base_url, method, path, sent, content, keep=not streamed and wire is self.wire)
+        answer = await self.send(method, path, content=content, headers=headers, streamed=streamed)
         try:
             yield answer
         finally:
             await answer.aclose()
+
+    async def send(
+        self,
+        method: str,
+        path: str,
+        *,
+        content: bytes | None = None,
+        headers: list[tuple[bytes, bytes]] | dict[str, str] | None = None,
+        streamed: bool = False,
+    ) -> EngineAnswer:
+        """`forward` without its context: the answer, which the caller closes (`aclose`) once
+        done with it. The front door's own path (daemon/frontdoor/app.py), which closes it in
+        its own `finally` rather than through one more context manager per request. `headers`
+        as bytes pairs, lower case, are sent as they are."""
+        # Without the front door's shared wire (a one-off caller), nothing is kept for later.
+        wire = self.wire if self.wire is not None else EngineWire()
+        if isinstance(headers, dict):
+            sent = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
+        else:
+            sent = list(headers or ())
+        sent += self._auth_header
+        return await wire.send(self.base_url, method, path, sent, content, keep=not streamed and wire is self.wire)
 
 
 def error_message(reply: httpx.Response, limit: int = 300) -> str:

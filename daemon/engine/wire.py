@@ -38,7 +38,7 @@ import socket
 import ssl
 import struct
 import time
-from functools import partial
+from functools import cached_property, partial
 from typing import AsyncGenerator, Callable
 from urllib.parse import urlsplit
 
@@ -144,10 +144,19 @@ class EngineAnswer:
         self._address = address
         self._conn: _Connection | None = conn
         self.status_code = response.status_code
-        self.headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in response.headers}
-        self._chunked = "chunked" in self.headers.get("transfer-encoding", "").lower()
+        # As h11 parsed them (names in lower case): the relay keeps a few as they are, and
+        # `headers` decodes them all only for a caller that asks.
+        self.raw_headers: list[tuple[bytes, bytes]] = list(response.headers)
+        self._chunked = any(
+            name == b"transfer-encoding" and b"chunked" in value.lower() for name, value in self.raw_headers
+        )
         self._chunks: Dechunker | None = None  # a chunked body's decoding, once `aiter_raw` began it
         self._interrupted = False
+
+    @cached_property
+    def headers(self) -> dict[str, str]:
+        """The answer's headers, decoded (a repeated one: its last value)."""
+        return {name.decode("latin-1"): value.decode("latin-1") for name, value in self.raw_headers}
 
     async def aiter_raw(self) -> AsyncGenerator[bytes, None]:
         """The body as it arrives: what each read brought, de-chunked (never buffered further)."""
@@ -252,7 +261,8 @@ class EngineAnswer:
         return self._interrupted
 
     async def aclose(self) -> None:
-        """Pool the connection if the answer was read whole and the engine keeps it; else close it."""
+        """Pool the connection if the answer was read whole and the engine keeps it; else close it.
+        Never cancelled (its one checkpoint is shielded): a caller in a cancelled scope needs no shield."""
         conn, self._conn = self._conn, None
         if conn is None:
             return

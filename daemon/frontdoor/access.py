@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # nothing heavy at run time: `stoker logs --access` imports ACCESS_LOGGER
@@ -32,6 +33,8 @@ log = logging.getLogger(ACCESS_LOGGER)
 
 # A model name as the client sent it is shown at most this long (the rest is the client's).
 MODEL_CHARS = 120
+# A word written as it is: not empty, no space, quote, `=` or backslash (and printable).
+_PLAIN = re.compile(r'[^ "=\\]+')
 
 
 class Request(Protocol):
@@ -53,7 +56,7 @@ def token(value: object) -> str:
         return "-"
     text = value if isinstance(value, str) else json.dumps(value)
     text = text[:MODEL_CHARS]
-    if text and text.isprintable() and not any(c in text for c in ' "=\\'):
+    if _PLAIN.fullmatch(text) and text.isprintable():
         return text
     return json.dumps(text)
 

@@ -34,7 +34,7 @@ import httpx
 import trio
 
 from stoker.daemon.engine.api import EngineClient
-from stoker.daemon.engine.wire import EngineWire
+from stoker.daemon.engine.wire import EngineAnswer, EngineWire
 from stoker.daemon.fleet.member import Member
 from stoker.daemon.fleet.remote import RemoteModel, contact_of, endpoint_error_message
 from stoker.daemon.frontdoor.chat_page import chat_page
@@ -445,7 +445,7 @@ class FrontDoor:
     ) -> Answer | None:
         """Hold until ready, send, relay. An engine lost before the first byte of its answer:
         sent again to the next ready server when states/frontdoor/policy.py says so."""
-        headers = {"Content-Type": "application/json"} if content is not None else {}
+        headers = [JSON] if content is not None else []
         sends = suspect = 0
         while True:
             held = member.state is not READY
@@ -455,20 +455,20 @@ class FrontDoor:
                 return refused(path, exc)
             sends += 1
             member.usage.on_drained = partial(self.wire.forget, base_url)  # before its planned stop
-            stack = contextlib.AsyncExitStack()
-            stack.callback(self.hold.sent(member))  # in flight until its answer is over (or failed)
+            over = self.hold.sent(member)  # in flight until its answer is over (or failed)
+            response: EngineAnswer | None = None
             try:
                 engine = EngineClient(base_url, api_key, self.http, wire=self.wire)
-                response = await stack.enter_async_context(
-                    engine.forward(method, path, content=content, headers=headers, streamed=sse)
-                )
+                response = await engine.send(method, path, content=content, headers=headers, streamed=sse)
                 # An answer the engine began and lost before its first bytes is still no answer.
                 first, chunks = await first_bytes(response, sse)
                 if request.exchange is not None and sends == 1 and not held:  # what the front door added
                     request.exchange.engine_s = time.perf_counter() - response.sent_at
             except BaseException as exc:
-                with trio.CancelScope(shield=True):
-                    await stack.aclose()  # cancelled (the client left): the engine's connection closed, it stops
+                # `EngineAnswer.aclose` cannot be cancelled (it only pools or closes): no shield needed.
+                if response is not None:
+                    await response.aclose()  # cancelled (the client left): the engine's connection closed, it stops
+                over()
                 if not isinstance(exc, httpx.TransportError):
                     raise
                 reached = not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
@@ -499,6 +499,6 @@ class FrontDoor:
                 else:
                     await relay_with(request, response, sse and response.status_code == 200, first, chunks)
             finally:
-                with trio.CancelScope(shield=True):
-                    await stack.aclose()  # the engine's connection pooled, or closed if the answer was cut
+                await response.aclose()  # the engine's connection pooled, or closed if the answer was cut
+                over()
             return None

@@ -30,7 +30,8 @@ import contextlib
 import logging
 import socket
 import time
-from typing import AsyncIterator, Awaitable, Callable
+from types import TracebackType
+from typing import Awaitable, Callable
 
 import h11
 import trio
@@ -214,19 +215,38 @@ class Request:
         the client can ask anything else (a scrape of /metrics, a read of the log)."""
         self._conn.settle(self, None)
 
-    @contextlib.asynccontextmanager
-    async def watching(self) -> AsyncIterator[None]:
+    def watching(self) -> Watching:
         """Cancel the block if the client leaves meanwhile (`gone` says so afterwards): nothing
         it waits for (a held request, an engine thinking) outlives the client that asked. What
         the block raises comes out as itself, not in the nursery's ExceptionGroup: a relay's
         write that failed (`ClientGone`) or an engine's cut is counted as what it is."""
+        return Watching(self)
+
+
+class Watching:
+    """`Request.watching()`: a nursery whose watcher (`Connection.watch`) cancels the block when
+    the client leaves. A plain async context manager rather than a generator-based one: it is
+    entered once per forwarded request, on the path to the first byte."""
+
+    __slots__ = ("_request", "_nursery", "_manager")
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+        self._manager = trio.open_nursery()
+        self._nursery: trio.Nursery | None = None
+
+    async def __aenter__(self) -> None:
+        nursery = self._nursery = await self._manager.__aenter__()
+        request = self._request
+        nursery.start_soon(request._conn.watch, request, nursery.cancel_scope)
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:  # typed as asynccontextmanager's: the Cancelled of a client that left is swallowed
+        assert self._nursery is not None
+        self._nursery.cancel_scope.cancel()
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._conn.watch, self, nursery.cancel_scope)
-                try:
-                    yield
-                finally:
-                    nursery.cancel_scope.cancel()
+            return bool(await self._manager.__aexit__(kind, exc, tb))
         except BaseExceptionGroup as group:  # the watcher raises nothing: the block's own
             if len(group.exceptions) != 1:
                 raise

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import attrs
 import httpx
@@ -232,6 +232,18 @@ class RequestFigures:
             registry=registry,
         )
 
+        # Each labelled series as first used, looked up once (prometheus_client's `labels` takes
+        # a lock and builds its key at every call): settling a request then costs dict lookups.
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def _child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        """`metric.labels(*labels)`, remembered (a series shows in /metrics from its first use, as before)."""
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def route_of(self, path: str) -> str | None:
         """The route label of a path; None for /metrics itself (a scrape is not a request)."""
         if path == "/metrics":
@@ -246,30 +258,31 @@ class RequestFigures:
         engine's figures read from a whole generating answer (for the access log), else None."""
         route, status = exchange.route, exchange.status
         end = exchange.ended = time.perf_counter()
-        self.requests.labels(route, NONE if status is None else str(status)).inc()
-        self.duration.labels(route).observe(end - exchange.started)
+        child = self._child
+        child(self.requests, route, NONE if status is None else str(status)).inc()
+        child(self.duration, route).observe(end - exchange.started)
         if status is None:
             return None
         if exchange.first_byte is not None and status < 400:  # the first token, not an error's JSON
-            self.first_byte.labels(route).observe(exchange.first_byte - exchange.started)
+            child(self.first_byte, route).observe(exchange.first_byte - exchange.started)
             if (added := exchange.added()) is not None:
-                self.added.labels(route).observe(added)
+                child(self.added, route).observe(added)
         if not exchange.complete:
             exchange.cut = cut_reason(exc)
-            self.cut.labels(route, exchange.cut).inc()
+            child(self.cut, route, exchange.cut).inc()
             return None
         if status != 200 or route not in self.generating:
             return None
         tail = exchange.tail()
         if STREAM_CUT_EVENT in tail:
-            self.cut.labels(route, "engine_stream_cut").inc()
+            child(self.cut, route, "engine_stream_cut").inc()
         figures = engine_figures(tail)
         if figures.generated is not None:
-            self.tokens.labels(route).inc(figures.generated)
+            child(self.tokens, route).inc(figures.generated)
         if figures.seconds is not None:
-            self.generation_seconds.labels(route).inc(figures.seconds)
+            child(self.generation_seconds, route).inc(figures.seconds)
         if figures.per_second is not None:
-            self.rate.labels(route).observe(figures.per_second)
+            child(self.rate, route).observe(figures.per_second)
         return figures
 
 

@@ -17,7 +17,7 @@ from stoker.daemon.frontdoor.rename import ModelRename
 log = logging.getLogger("stoker.frontdoor")
 
 # The engine's headers a relayed answer keeps (its framing is the front door's own).
-KEPT_HEADERS = ("content-type", "cache-control")
+KEPT_HEADERS = (b"content-type", b"cache-control")  # as h11 gives them: lower case
 
 
 def stream_cut_event(exc: Exception) -> bytes:
@@ -49,9 +49,7 @@ async def relay(
     stream ends with an error event, any other cut body aborts the client's connection (raised:
     a truncated JSON body never looks complete). A stream's rest is pumped from socket to
     socket in a worker thread (`relay_in_worker`) where both sides allow it."""
-    kept = [
-        (k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items() if k.lower() in KEPT_HEADERS
-    ]
+    kept = [(k, v) for k, v in response.raw_headers if k in KEPT_HEADERS]
     await request.start(response.status_code, kept, first if rename is None else rename.piece(first))
     send = request.send
     try:

@@ -277,3 +277,48 @@ async def test_an_engine_chunk_size_that_is_not_hexadecimal_ends_the_relay_with_
                         relayed_first.set()
     assert got.startswith(b"HTTP/1.1 200 ") and SSE in got
     assert b"engine_stream_cut" in got and b"chunk size" in got, got
+
+
+async def test_a_relayed_answer_keeps_the_engines_content_type_and_cache_control_only(nursery):
+    """The relay passes on the engine's Content-Type and Cache-Control as the engine wrote them
+    (read from the parsed head, not decoded and encoded back), and none of its other headers;
+    the answer's decoded `headers` still has them all for a caller that asks."""
+    decoded: list[dict[str, str]] = []
+
+    async def engine(stream: trio.SocketStream, request: bytes) -> bool:
+        await stream.send_all(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\nCache-Control: no-cache\r\n"
+            b"X-Engine-Own: slot 3\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(SSE), SSE)
+        )
+        return False
+
+    url = await serve(nursery, engine, [])
+    async with EngineWire() as wire:
+        client = EngineClient(url, "k", httpx.AsyncClient(), wire=wire)
+
+        async def relayed(request: Request) -> None:
+            async with client.forward("POST", "/x", content=b"{}", streamed=True) as answer:
+                first, chunks = await first_bytes(answer, True)
+                await relay(request, answer, True, first, chunks)
+                decoded.append(answer.headers)
+
+        listeners = await open_listeners("127.0.0.1", 0)
+        daemon = Daemon(None, None, config=Config())
+        await nursery.start(serve_http, listeners, daemon, metrics_for(daemon).requests, relayed)
+        got = b""
+        with trio.fail_after(5):
+            async with await trio.open_tcp_stream("127.0.0.1", listeners[0].getsockname()[1]) as front:
+                await front.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+                while not got.endswith(b"\r\n0\r\n\r\n"):
+                    got += await front.receive_some(65536)
+    head = got.split(b"\r\n\r\n")[0].lower()
+    assert b"content-type: text/event-stream; charset=utf-8" in head and b"cache-control: no-cache" in head
+    assert b"x-engine-own" not in head and SSE in got
+    assert decoded == [
+        {
+            "content-type": "text/event-stream; charset=utf-8",
+            "cache-control": "no-cache",
+            "x-engine-own": "slot 3",
+            "transfer-encoding": "chunked",
+        }
+    ]

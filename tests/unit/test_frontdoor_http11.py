@@ -151,6 +151,34 @@ async def test_an_answer_cut_while_the_client_is_watched_is_counted_as_what_cut_
     assert value(text, cuts, route="/v1/chat/completions", reason="error") is None, text
 
 
+async def test_a_client_that_leaves_cancels_the_watched_wait_and_is_counted_gone(nursery):
+    """A request waiting under `watching()` (held, or the engine thinking) whose client closes
+    its connection: the wait is cancelled at once, the request says `gone`, the handler's code
+    after the block still runs, and /metrics counts it with no status (none was sent)."""
+    waiting, left = trio.Event(), trio.Event()
+    seen: list[bool] = []
+
+    async def held(request: Request) -> None:
+        async with request.watching():
+            waiting.set()
+            await trio.sleep_forever()  # only the client's leaving ends this
+        seen.append(request.gone)
+        left.set()
+
+    daemon = Daemon(None, None, config=Config())
+    metrics = metrics_for(daemon)
+    listeners = await open_listeners("127.0.0.1", 0)
+    await nursery.start(serve_http, listeners, daemon, metrics.requests, held)
+    with trio.fail_after(10):
+        async with await trio.open_tcp_stream("127.0.0.1", listeners[0].getsockname()[1]) as client:
+            await client.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+            await waiting.wait()
+        await left.wait()
+    assert seen == [True]
+    text = (await metrics.scrape()).decode()
+    assert value(text, "stoker_requests_total", route="/v1/chat/completions", code="none") == 1, text
+
+
 async def test_an_answer_is_counted_by_the_time_its_client_has_it_whole(nursery, autojump_clock):
     """A client that scrapes /metrics once it has read an answer to its end finds it counted,
     whether streamed or whole, even while the handler has more to do after its last byte."""

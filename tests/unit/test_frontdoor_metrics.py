@@ -507,7 +507,7 @@ class EngineHead:
     """An engine answer's status and headers (what `relay` reads of it besides its chunks)."""
 
     status_code: int = 200
-    headers: dict[str, str] = attrs.field(factory=lambda: {"content-type": "text/event-stream"})
+    raw_headers: list[tuple[bytes, bytes]] = attrs.field(factory=lambda: [(b"content-type", b"text/event-stream")])
 
     def pumpable(self) -> bool:
         return False  # its chunks come from the test, not from an engine's socket

@@ -52,6 +52,33 @@ def test_last_lines_reach_into_the_generation_before_a_rotation(tmp_path):
     assert last_lines(tmp_path / "absent.log", 5) == []
 
 
+def test_each_line_is_formatted_once_and_written_whole_across_rotations(tmp_path):
+    """The rotation check and the write share one formatting of a record (one time stamp, half
+    the work on the front door's access-log path); every line still lands once, in order, each
+    with its own text, in whichever file the rotation put it."""
+    path = tmp_path / "daemon.log"
+    logger, handler = daemon_logger(path, max_bytes=200)
+    formatted: list[str] = []
+
+    class Counting(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            formatted.append(record.getMessage())
+            return super().format(record)
+
+    handler.setFormatter(Counting("%(message)s"))
+    try:
+        for i in range(30):
+            logger.info("line %02d of the daemon", i)
+    finally:
+        handler.close()
+    expected = [f"line {i:02d} of the daemon" for i in range(30)]
+    assert formatted == expected  # once each, not once for the size check and again to write
+    files = sorted(tmp_path.glob("daemon.log.*"), reverse=True) + [path]
+    assert len(files) > 1  # it did rotate
+    written = [line for f in files for line in f.read_text().splitlines()]
+    assert written == expected[-len(written) :] and len(written) >= 12
+
+
 def test_follow_survives_the_daemon_logs_rotation_without_losing_or_repeating_a_line(tmp_path):
     path = tmp_path / "daemon.log"
     logger, handler = daemon_logger(path, max_bytes=300)
