@@ -71,6 +71,20 @@ async def llama_like(stream: trio.SocketStream, request: bytes) -> bool:
     return True
 
 
+async def chat_through(port: int, first_seen: trio.Event | None = None) -> bytes:
+    """A chat request to the front door on `port`, and its whole chunked answer as it came;
+    `first_seen` is set once the engine's first event has come through."""
+    got = b""
+    with trio.fail_after(5):
+        async with await trio.open_tcp_stream("127.0.0.1", port) as front:
+            await front.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+            while not got.endswith(b"\r\n0\r\n\r\n"):
+                got += await front.receive_some(65536)
+                if first_seen is not None and SSE in got:
+                    first_seen.set()
+    return got
+
+
 async def ask(client: EngineClient, body: bytes, streamed: bool) -> tuple[int, bytes]:
     async with client.forward("POST", "/v1/chat/completions", content=body, streamed=streamed) as answer:
         return answer.status_code, b"".join([chunk async for chunk in answer.aiter_raw()])
@@ -267,14 +281,7 @@ async def test_an_engine_chunk_size_that_is_not_hexadecimal_ends_the_relay_with_
             metrics_for(Daemon(None, None)).requests,
             relayed,
         )
-        got = b""
-        with trio.fail_after(5):
-            async with await trio.open_tcp_stream("127.0.0.1", listeners[0].getsockname()[1]) as client:
-                await client.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
-                while not got.endswith(b"\r\n0\r\n\r\n"):
-                    got += await client.receive_some(65536)
-                    if SSE in got:
-                        relayed_first.set()
+        got = await chat_through(listeners[0].getsockname()[1], relayed_first)
     assert got.startswith(b"HTTP/1.1 200 ") and SSE in got
     assert b"engine_stream_cut" in got and b"chunk size" in got, got
 
@@ -305,12 +312,7 @@ async def test_a_relayed_answer_keeps_the_engines_content_type_and_cache_control
         listeners = await open_listeners("127.0.0.1", 0)
         daemon = Daemon(None, None, config=Config())
         await nursery.start(serve_http, listeners, daemon, metrics_for(daemon).requests, relayed)
-        got = b""
-        with trio.fail_after(5):
-            async with await trio.open_tcp_stream("127.0.0.1", listeners[0].getsockname()[1]) as front:
-                await front.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
-                while not got.endswith(b"\r\n0\r\n\r\n"):
-                    got += await front.receive_some(65536)
+        got = await chat_through(listeners[0].getsockname()[1])
     head = got.split(b"\r\n\r\n")[0].lower()
     assert b"content-type: text/event-stream; charset=utf-8" in head and b"cache-control: no-cache" in head
     assert b"x-engine-own" not in head and SSE in got

@@ -34,13 +34,19 @@ async def echo(request: Request) -> None:
     await request.respond(200, [], f"{request.method} {request.path} {len(body)}".encode())
 
 
-@pytest.fixture
-async def server(nursery) -> AsyncIterator[int]:
+async def front(nursery, handler) -> tuple[int, FrontDoorMetrics]:
+    """The HTTP server on a loopback port with `handler` for every request: (its port, its metrics)."""
     daemon = Daemon(None, None, config=Config())
     metrics: FrontDoorMetrics = metrics_for(daemon)
     listeners = await open_listeners("127.0.0.1", 0)
-    await nursery.start(serve_http, listeners, daemon, metrics.requests, echo)
-    yield listeners[0].getsockname()[1]
+    await nursery.start(serve_http, listeners, daemon, metrics.requests, handler)
+    return listeners[0].getsockname()[1], metrics
+
+
+@pytest.fixture
+async def server(nursery) -> AsyncIterator[int]:
+    port, _ = await front(nursery, echo)
+    yield port
 
 
 async def more(stream: trio.SocketStream) -> bytes:
@@ -132,13 +138,10 @@ async def test_an_answer_cut_while_the_client_is_watched_is_counted_as_what_cut_
                 raise ClientGone("the client's socket broke")
             raise httpx.ReadError("the engine's connection broke")
 
-    daemon = Daemon(None, None, config=Config())
-    metrics = metrics_for(daemon)
-    listeners = await open_listeners("127.0.0.1", 0)
-    await nursery.start(serve_http, listeners, daemon, metrics.requests, cut)
+    port, metrics = await front(nursery, cut)
     for path in (b"/v1/chat/completions", b"/v1/completions"):
         with trio.fail_after(10):
-            async with await trio.open_tcp_stream("127.0.0.1", listeners[0].getsockname()[1]) as client:
+            async with await trio.open_tcp_stream("127.0.0.1", port) as client:
                 await client.send_all(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n" % path)
                 got = b""
                 while data := await client.receive_some(65536):  # the first event, then the connection closed
@@ -165,12 +168,9 @@ async def test_a_client_that_leaves_cancels_the_watched_wait_and_is_counted_gone
         seen.append(request.gone)
         left.set()
 
-    daemon = Daemon(None, None, config=Config())
-    metrics = metrics_for(daemon)
-    listeners = await open_listeners("127.0.0.1", 0)
-    await nursery.start(serve_http, listeners, daemon, metrics.requests, held)
+    port, metrics = await front(nursery, held)
     with trio.fail_after(10):
-        async with await trio.open_tcp_stream("127.0.0.1", listeners[0].getsockname()[1]) as client:
+        async with await trio.open_tcp_stream("127.0.0.1", port) as client:
             await client.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
             await waiting.wait()
         await left.wait()
@@ -193,12 +193,9 @@ async def test_an_answer_is_counted_by_the_time_its_client_has_it_whole(nursery,
             await request.respond(200, [], b"{}")
         await after_the_answer.wait()  # the handler goes on; the client already has it all
 
-    daemon = Daemon(None, None, config=Config())
-    metrics = metrics_for(daemon)
-    listeners = await open_listeners("127.0.0.1", 0)
-    await nursery.start(serve_http, listeners, daemon, metrics.requests, answer)
+    port, metrics = await front(nursery, answer)
     with trio.fail_after(10):
-        async with await trio.open_tcp_stream("127.0.0.1", listeners[0].getsockname()[1]) as client:
+        async with await trio.open_tcp_stream("127.0.0.1", port) as client:
             buffered = bytearray()
             for path in (b"/v1/chat/completions", b"/v1/models"):
                 await client.send_all(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n" % path)
