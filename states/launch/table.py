@@ -380,6 +380,17 @@ _RUNNING: dict[type, Rule] = {
 
 # At daemon start, before anything else: what the identity file proved (Reattach's answer).
 _STOP_FOUND: dict[type, Rule] = {Adopted: adopted.only(S.STOPPING), OrphanFound: orphan_found}
+# A crashed server and one waiting out its backoff answer the user alike: a restart, a new config
+# or a larger context retries at once, down stops the retry.
+_AWAITING_RETRY: dict[type, Rule] = {
+    UpRequested: keep,
+    DownRequested: stop_idle,
+    RestartRequested: retry_now,
+    ConfigChanged: retry_now,
+    ContextRequested: replan_for_context,
+    **_STOP_FOUND,
+    NothingToAdopt: nothing_adopted.only(STAY),
+}
 
 TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
     S.STOPPED: {
@@ -444,26 +455,11 @@ TRANSITIONS: dict[enum.StrEnum, dict[type, Rule]] = {
         OrphanFound: orphan_found,
         NothingToAdopt: nothing_adopted.only(S.STOPPED, S.PLANNING, S.CRASHED, S.FAILED),
     },
-    S.CRASHED: {
-        BackoffStarted: backoff_started,
-        UpRequested: keep,
-        DownRequested: stop_idle,
-        RestartRequested: retry_now,
-        ConfigChanged: retry_now,
-        ContextRequested: replan_for_context,
-        **_STOP_FOUND,
-        NothingToAdopt: nothing_adopted.only(STAY),
-    },
+    S.CRASHED: {BackoffStarted: backoff_started, **_AWAITING_RETRY},
     S.BACKOFF: {
         BackoffElapsed: backoff_elapsed,
         BackoffStarted: backoff_started,  # re-armed after a daemon restart
-        UpRequested: keep,
-        DownRequested: stop_idle,
-        RestartRequested: retry_now,
-        ConfigChanged: retry_now,
-        ContextRequested: replan_for_context,
-        **_STOP_FOUND,
-        NothingToAdopt: nothing_adopted.only(STAY),
+        **_AWAITING_RETRY,
     },
     S.FAILED: {
         UpRequested: start,
