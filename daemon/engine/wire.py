@@ -208,20 +208,24 @@ class EngineAnswer:
             and self._wire.pumping < MAX_PUMPS
         )
 
-    async def pump_to(self, write: Callable[[bytes], None]) -> None:
-        """`pump` in a worker thread (`run_in_worker`), interrupted if the caller is cancelled."""
+    async def pump_to(self, write: Callable[[bytes], None]) -> bytes:
+        """`pump` in a worker thread (`run_in_worker`), interrupted if the caller is cancelled;
+        the answer's last piece, which `pump` leaves to the caller."""
         self._wire.pumping += 1
         try:
-            await run_in_worker(partial(self.pump, write), self.interrupt)
+            return await run_in_worker(partial(self.pump, write), self.interrupt)
         finally:
             self._wire.pumping -= 1
 
-    def pump(self, write: Callable[[bytes], None]) -> None:
+    def pump(self, write: Callable[[bytes], None]) -> bytes:
         """In a worker thread, never trio's: the rest of a `pumpable` answer, where `aiter_raw`
-        left it, each read's data handed to `write` as it arrives, until the last chunk. The
-        socket blocks here, so a token's event costs one wake-up of this thread and no pass of
-        trio's scheduler (docs/frontdoor.md, "The data path"). Raises what `aiter_raw` raises
-        (`ReadTimeout` after `timeouts.read` of silence); returns early once `interrupt`ed."""
+        left it, each read's data handed to `write` as it arrives, but the read that ends it:
+        that last piece is returned (b"" when interrupted), for the caller to write with the body's
+        end from trio's thread, where the answer is counted as its last byte leaves (a client that
+        stops reading at a stream's `[DONE]` finds it counted). The socket blocks here, so a
+        token's event costs one wake-up of this thread and no pass of trio's scheduler
+        (docs/frontdoor.md, "The data path"). Raises what `aiter_raw` raises (`ReadTimeout` after
+        `timeouts.read` of silence); returns early once `interrupt`ed."""
         conn, chunks = self._conn, self._chunks
         assert conn is not None and chunks is not None and isinstance(conn.stream, RelaySocket)
         sock, timeout = conn.stream.sock, self._wire.timeouts.read
@@ -236,14 +240,18 @@ class EngineAnswer:
                     raise httpx.ReadTimeout(f"the engine said nothing for {timeout:g} s") from None
                 except OSError as exc:
                     if self._interrupted:
-                        return
+                        return b""
                     raise httpx.ReadError(f"the engine's connection broke: {exc}") from exc
                 if not data:
                     if self._interrupted:
-                        return
+                        return b""
                     raise httpx.RemoteProtocolError("the engine's answer was cut: its connection closed midway")
-                if piece := _decoded(chunks, data):
+                piece = _decoded(chunks, data)
+                if _over(chunks):
+                    return piece
+                if piece:
                     write(piece)
+            return b""
         finally:
             sock.setblocking(False)
 
@@ -436,6 +444,11 @@ class EngineWire:
             for conn in idle:
                 conn.stream.close()
         self._idle.clear()
+
+
+def _over(chunks: Dechunker) -> bool:
+    """Whether the answer's last chunk has come (read anew: a `feed` may have just ended it)."""
+    return chunks.done
 
 
 def _decoded(chunks: Dechunker, data: bytes) -> bytes:

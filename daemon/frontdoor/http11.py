@@ -204,11 +204,16 @@ class Request:
 
         return write
 
-    async def end(self) -> None:
-        """The body is whole."""
+    async def end(self, last: bytes = b"") -> None:
+        """The body is whole: `last`, its last piece, and its end leave in one write, counted as
+        they leave (`_settled`), so that a client that stops reading at its last event (a stream's
+        `[DONE]`, Ollama's `done` line) finds the answer counted."""
         if self.exchange is not None:
+            if last:
+                self.exchange.body_sent(last)
             self.exchange.body_complete()
-        await self._conn.send_all(self._conn.h11.send(h11.EndOfMessage()), self._settled)
+        data = framed(last, self._chunked) if last else b""
+        await self._conn.send_all(data + self._conn.h11.send(h11.EndOfMessage()), self._settled)
 
     def _settled(self) -> None:
         """The answer's last byte is in the client's socket: count it and log it now, before

@@ -318,6 +318,7 @@ class OllamaApi:
             return
         stream = EventLines(translation)
         await request.start(200, [NDJSON], stream.feed(first))
+        last = b""
         try:
             if not stream.over and response.pumpable() and request.pumpable():
                 # As the OpenAI routes' streams: read and written in a worker thread, each of the
@@ -329,7 +330,7 @@ class OllamaApi:
                     if lines := stream.feed(data):
                         write(lines)
 
-                await response.pump_to(translated)
+                last = stream.feed(await response.pump_to(translated))
             else:
                 async for piece in chunks:
                     if lines := stream.feed(piece):
@@ -338,11 +339,10 @@ class OllamaApi:
                         break
         except httpx.TransportError as exc:
             log.warning("the engine's stream was cut midway: %s", exc)
-            await request.send(error_line(f"the engine's stream was cut midway ({exc})", "engine_stream_cut"))
-            await request.end()
+            await request.end(error_line(f"the engine's stream was cut midway ({exc})", "engine_stream_cut"))
             return
-        await request.send(translation.final_line(time.perf_counter()))
-        await request.end()
+        # The `done` line leaves with the body's end: a client that stops at it finds it counted.
+        await request.end(last + translation.final_line(time.perf_counter()))
 
     # --- embeddings ---------------------------------------------------------------------------
 

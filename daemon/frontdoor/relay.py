@@ -52,14 +52,15 @@ async def relay(
     kept = [(k, v) for k, v in response.raw_headers if k in KEPT_HEADERS]
     await request.start(response.status_code, kept, first if rename is None else rename.piece(first))
     send = request.send
+    last = b""  # the body's last piece, which leaves with its end
     try:
         if sse and response.pumpable() and request.pumpable():
             await chunks.aclose()  # the answer's decoding goes on in `relay_in_worker`, where it stopped
-            await relay_in_worker(request, response, rename)
+            last = await relay_in_worker(request, response, rename)
         elif rename is not None:  # the client sent another name than the engine reports
             async for chunk in chunks:
                 await send(rename.piece(chunk))
-            await send(rename.rest())
+            last = rename.rest()
         else:
             async for chunk in chunks:
                 await send(chunk)
@@ -67,29 +68,28 @@ async def relay(
         if not sse:
             raise
         log.warning("the engine's stream was cut midway: %s", exc)
-        await send(stream_cut_event(exc))
-    await request.end()
+        last = stream_cut_event(exc)
+    await request.end(last)
 
 
-async def relay_in_worker(request: Request, response: EngineAnswer, rename: ModelRename | None = None) -> None:
+async def relay_in_worker(request: Request, response: EngineAnswer, rename: ModelRename | None = None) -> bytes:
     """The rest of a stream, each read from the engine written to the client at once, in a
     worker thread with blocking reads: a token's event is then one wake-up of that thread, not
     a pass of trio's scheduler and the relay's coroutines, which cost ~3x the CPU on a machine
     whose engine fills both cores (docs/frontdoor.md, "The data path"). A client that leaves
     (`watching`) interrupts it: the engine's connection is shut, the thread returns. With
-    `rename`, the answer's `model` is renamed there too, event by event."""
+    `rename`, the answer's `model` is renamed there too, event by event. Returns the answer's
+    last piece, for `Request.end` to write with the body's end."""
     write = request.writer(lambda: response.interrupted)
     if rename is None:
-        await response.pump_to(write)
-        return
+        return await response.pump_to(write)
 
     def renamed(data: bytes) -> None:  # in the worker thread, as the pump's writer
         if piece := rename.piece(data):  # an empty piece would frame the body's end
             write(piece)
 
-    await response.pump_to(renamed)
-    if rest := rename.rest():
-        await request.send(rest)
+    last = await response.pump_to(renamed)
+    return rename.piece(last) + rename.rest()
 
 
 # What gives the engine's answer to the client: `relay` as it is, or translated into another

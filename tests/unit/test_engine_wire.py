@@ -324,3 +324,45 @@ async def test_a_relayed_answer_keeps_the_engines_content_type_and_cache_control
             "transfer-encoding": "chunked",
         }
     ]
+
+
+async def test_a_client_that_stops_reading_at_done_finds_the_pumped_stream_counted(nursery):
+    """The openai SDK stops reading a stream at its `data: [DONE]`, before the chunked body's end:
+    a scrape of /metrics right then must already count the answer and its tokens. The pump leaves
+    the answer's last piece to trio's thread, which writes it with the body's end, counted as it
+    leaves (before, the pump wrote `[DONE]` and the count came after its thread returned)."""
+    from prometheus_client import generate_latest
+
+    async def engine(stream: trio.SocketStream, request: bytes) -> bool:
+        await stream.send_all(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        await stream.send_all(b"%x\r\n%s\r\n" % (len(SSE), SSE))
+        await trio.sleep(0.05)  # the rest comes once the relay pumps it in a worker thread
+        tail = b'data: {"timings":{"predicted_n":3}}\n\ndata: [DONE]\n\n'
+        await stream.send_all(b"%x\r\n%s\r\n0\r\n\r\n" % (len(tail), tail))
+        return False
+
+    url = await serve(nursery, engine, [])
+    daemon = Daemon(None, None, config=Config())
+    metrics = metrics_for(daemon)
+    async with EngineWire() as wire:
+        client = EngineClient(url, "k", httpx.AsyncClient(), wire=wire)
+
+        async def relayed(request: Request) -> None:
+            async with client.forward("POST", "/x", content=b"{}", streamed=True) as answer:
+                first, chunks = await first_bytes(answer, True)
+                await relay(request, answer, True, first, chunks)
+
+        listeners = await open_listeners("127.0.0.1", 0)
+        await nursery.start(serve_http, listeners, daemon, metrics.requests, relayed)
+        for _ in range(5):
+            got = b""
+            with trio.fail_after(5):
+                async with await trio.open_tcp_stream("127.0.0.1", listeners[0].getsockname()[1]) as front:
+                    await front.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+                    while b"[DONE]" not in got:
+                        got += await front.receive_some(65536)
+                    text = generate_latest(metrics.registry).decode()  # at once, with no await between
+            assert 'stoker_requests_total{code="200",route="/v1/chat/completions"}' in text, text
+            assert 'stoker_generated_tokens_total{route="/v1/chat/completions"}' in text, text
