@@ -262,12 +262,18 @@ def test_a_daemon_killed_at_each_update_step_leaves_exactly_the_servers_status_r
     asker.start()
     smoke: list[psutil.Process] = []
 
+    def argv_of(proc: psutil.Process) -> list[str]:
+        try:
+            return proc.cmdline()
+        except psutil.Error:  # it ended since it was listed (a verification's short run)
+            return []
+
     def reached() -> bool:
         if not any(r["to_state"] == killed_in for r in daemon.history(machine=machine, limit=20)):
             return False
         if killed_in not in ("staging", "comparing"):
             return True
-        smoke[:] = [p for p in home_engines(daemon) if p.pid != served and "-m" in p.cmdline()]
+        smoke[:] = [p for p in home_engines(daemon) if p.pid != served and "-m" in argv_of(p)]
         return bool(smoke) and daemon.call("engine.status")["update_state"] == killed_in
 
     wait_until(reached, timeout=180, what=f"{machine} in {killed_in}", tick=0.01)
