@@ -71,6 +71,23 @@ async def llama_like(stream: trio.SocketStream, request: bytes) -> bool:
     return True
 
 
+async def relaying_front(nursery, client: EngineClient, daemon, metrics, seen=None) -> int:
+    """The front door's HTTP server on a loopback port, relaying every request's streamed answer
+    from `client`'s engine as the front door does (`seen` gets each answer's decoded headers):
+    its port."""
+
+    async def relayed(request: Request) -> None:
+        async with client.forward("POST", "/x", content=b"{}", streamed=True) as answer:
+            first, chunks = await first_bytes(answer, True)
+            await relay(request, answer, True, first, chunks)
+            if seen is not None:
+                seen(answer.headers)
+
+    listeners = await open_listeners("127.0.0.1", 0)
+    await nursery.start(serve_http, listeners, daemon, metrics.requests, relayed)
+    return listeners[0].getsockname()[1]
+
+
 async def chat_through(port: int, first_seen: trio.Event | None = None) -> bytes:
     """A chat request to the front door on `port`, and its whole chunked answer as it came;
     `first_seen` is set once the engine's first event has come through."""
@@ -303,16 +320,9 @@ async def test_a_relayed_answer_keeps_the_engines_content_type_and_cache_control
     async with EngineWire() as wire:
         client = EngineClient(url, "k", httpx.AsyncClient(), wire=wire)
 
-        async def relayed(request: Request) -> None:
-            async with client.forward("POST", "/x", content=b"{}", streamed=True) as answer:
-                first, chunks = await first_bytes(answer, True)
-                await relay(request, answer, True, first, chunks)
-                decoded.append(answer.headers)
-
-        listeners = await open_listeners("127.0.0.1", 0)
         daemon = Daemon(None, None, config=Config())
-        await nursery.start(serve_http, listeners, daemon, metrics_for(daemon).requests, relayed)
-        got = await chat_through(listeners[0].getsockname()[1])
+        port = await relaying_front(nursery, client, daemon, metrics_for(daemon), decoded.append)
+        got = await chat_through(port)
     head = got.split(b"\r\n\r\n")[0].lower()
     assert b"content-type: text/event-stream; charset=utf-8" in head and b"cache-control: no-cache" in head
     assert b"x-engine-own" not in head and SSE in got
@@ -349,17 +359,11 @@ async def test_a_client_that_stops_reading_at_done_finds_the_pumped_stream_count
     async with EngineWire() as wire:
         client = EngineClient(url, "k", httpx.AsyncClient(), wire=wire)
 
-        async def relayed(request: Request) -> None:
-            async with client.forward("POST", "/x", content=b"{}", streamed=True) as answer:
-                first, chunks = await first_bytes(answer, True)
-                await relay(request, answer, True, first, chunks)
-
-        listeners = await open_listeners("127.0.0.1", 0)
-        await nursery.start(serve_http, listeners, daemon, metrics.requests, relayed)
+        port = await relaying_front(nursery, client, daemon, metrics)
         for _ in range(5):
             got = b""
             with trio.fail_after(5):
-                async with await trio.open_tcp_stream("127.0.0.1", listeners[0].getsockname()[1]) as front:
+                async with await trio.open_tcp_stream("127.0.0.1", port) as front:
                     await front.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
                     while b"[DONE]" not in got:
                         got += await front.receive_some(65536)
