@@ -59,12 +59,13 @@ def _reply(params: dict[str, object]) -> bytes | None:
 def _help(argv: list[str]) -> bool:
     """Whether click would print exactly help_text.TEXT for this command line: `stoker --help`
     run as `stoker`, on a terminal of 80 columns or more (or a pipe), where its layout is fixed."""
-    if argv not in (["--help"], ["-h"]) or not sys.argv[0].endswith("stoker"):
-        return False
     import os
+
+    if argv not in (["--help"], ["-h"]) or os.path.basename(sys.argv[0]) != "stoker":
+        return False
     import shutil
 
-    return os.path.basename(sys.argv[0]) == "stoker" and shutil.get_terminal_size().columns >= 80
+    return shutil.get_terminal_size().columns >= 80
 
 
 def _print(text: str) -> bool:
