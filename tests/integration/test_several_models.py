@@ -267,8 +267,9 @@ def test_a_request_waits_while_the_loaded_model_answers_then_it_is_unloaded(
     stream = client.chat.completions.create(
         model="alpha",
         messages=[{"role": "user", "content": "hi"}],
-        # 1500 tokens: about 3 s on a quiet 2-core machine (300 were over in 0.6 s, before the check).
-        max_tokens=1500,
+        # Longer than any machine takes to show beta held (300 tokens were over in 0.6 s on a quiet
+        # 2-core machine, before the check); the client ends it once that is seen.
+        max_tokens=4000,
         stream=True,
         extra_body={"ignore_eos": True},
     )
@@ -282,9 +283,13 @@ def test_a_request_waits_while_the_loaded_model_answers_then_it_is_unloaded(
     )
     assert models["alpha"]["state"] == "ready" and models["alpha"]["in_flight"] == 1
     assert models["beta"]["state"] == "stopped" and "text" not in outcome  # held: no room while alpha is busy
-    rest = list(chunks)  # the answer ends: alpha is idle, unloaded, and beta loads for the held request
+    # alpha goes on answering while beta waits (it is not stopped under its answer), then the
+    # client ends the answer: alpha is idle, unloaded, and beta loads for the held request.
+    more = [next(chunks) for _ in range(100)]
+    assert all(chunk.choices for chunk in more) and "text" not in outcome
+    assert models_of(daemon)["beta"]["waiting"] == 1
+    stream.close()
     print(f"alpha's stream ran {time.monotonic() - asked_at:.1f} s more after beta was asked for")
-    assert len(rest) > 100  # the whole answer: alpha was not stopped under it
     asker.join(120)
     assert outcome["after_s"] >= 0.5 and outcome["text"]  # type: ignore[operator]
     models = models_of(daemon)
