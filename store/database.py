@@ -6,6 +6,9 @@ Connection settings, chosen on purpose (docs/store.md says why):
 - synchronous=NORMAL: in WAL mode a kill -9 of the daemon never loses a committed
   transition; only a power cut can drop the last few, and never corrupts the file;
 - foreign_keys=ON, so history rows always belong to a machine row.
+- no sqlite-utils plugins: none of them is Stoker's, and finding them scans the entry points
+  of every installed distribution (~50-100 ms at every daemon start; nothing of theirs may
+  touch the state database anyway).
 
 A disk that refuses a write (full, read-only, failing) never stops a machine: the transition
 waits in memory, in order, and is written when the disk takes writes again (`flush`, which
@@ -395,7 +398,7 @@ def _private(path: str) -> None:
 
 def _connect(path: str, busy_timeout_ms: int) -> Database:
     """A connection with the settings above (WAL is a property of the file, set once)."""
-    db = Database(memory=True) if path == MEMORY else Database(path)
+    db = Database(memory=True, execute_plugins=False) if path == MEMORY else Database(path, execute_plugins=False)
     try:
         db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
         db.execute("PRAGMA foreign_keys = ON")

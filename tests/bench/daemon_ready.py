@@ -139,7 +139,11 @@ class EngineWatch(threading.Thread):
             while not self.stop.is_set() and self.healthy is None:
                 if server is None:
                     for child in psutil.Process(self.daemon_pid).children(recursive=True):
-                        if child.pid not in self.before and child.name() == "llama-server":
+                        try:
+                            name = child.name()
+                        except psutil.Error:  # a probe or an instruction test that ended meanwhile
+                            continue
+                        if child.pid not in self.before and name == "llama-server":
                             self.spawned = time.perf_counter() - self.started
                             server = child
                 elif port is None:  # the daemon runs it with --port 0: the port it listens on

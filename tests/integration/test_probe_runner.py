@@ -12,12 +12,13 @@ import platform
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import trio
 
-from stoker.daemon.backends.cpu_features import CHILD, SIGILL, USABLE, X86_TESTS
+from stoker.daemon.backends.cpu_features import SIGILL, TESTER, USABLE, X86_TESTS
 from stoker.daemon.probes.runner import run_probe, run_probes
 from stoker.states.reasons import ReasonCode as R
 from tests.waits import until
@@ -75,10 +76,31 @@ async def test_real_cpu_probe_out_of_process():
         assert CpuBackend().choose_variant(d, ["native", "avx2", "compat"]) == "native"
 
 
-def _run_child(code_hex: str, mode: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-I", "-S", "-c", CHILD, code_hex, mode], capture_output=True, text=True, timeout=30
+def _run_child(code_hex: str, mode: str) -> int:
+    """The exit status of one instruction test, as the tester reports its forked process's."""
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", TESTER, "10", f"t:{code_hex}:{mode}"],
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
+    return int(done.stdout.split()[1])
+
+
+@x86_linux
+def test_each_instruction_test_is_its_own_process_a_fault_or_a_hang_costs_only_it():
+    """`ud2` always faults, `jmp $` never returns: the tester reports SIGILL for one and a
+    timeout for the other, and the plain `ret` beside them still exits 0."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", TESTER, "1", "ud2:0f0b:plain", "hang:ebfe:plain", "ret:c3:plain"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    said = {line.split()[0]: line.split()[1] for line in done.stdout.splitlines()}
+    assert said == {"ud2": "-4", "hang": "timeout", "ret": "0"}, done
+    assert done.returncode == 0 and time.monotonic() - started < 10
 
 
 @x86_linux
@@ -91,9 +113,9 @@ def test_amx_without_permission_or_tile_config_is_sigill():
     skips either step (the llama.cpp SIGILL at `tilezero`) fails on this CPU.
     """
     code, _ = X86_TESTS["amx_tile"]
-    assert _run_child(code, "amx-noperm").returncode == -4  # SIGILL: no arch_prctl permission
-    assert _run_child("c4e27b49c0c3", "amx").returncode == -4  # tilezero, no ldtilecfg
-    assert _run_child(code, "amx").returncode == 0
+    assert _run_child(code, "amx-noperm") == -4  # SIGILL: no arch_prctl permission
+    assert _run_child("c4e27b49c0c3", "amx") == -4  # tilezero, no ldtilecfg
+    assert _run_child(code, "amx") == 0
     assert SIGILL == "sigill"
 
 

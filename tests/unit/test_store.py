@@ -52,6 +52,28 @@ def test_pragmas_on_a_file(tmp_path):
         s.close()
 
 
+def test_no_sqlite_utils_plugin_touches_the_state_database(tmp_path, monkeypatch):
+    """An installed sqlite-utils plugin (its prepare_connection hook) is never run on Stoker's
+    database, and none is looked for: finding them scans every distribution's entry points."""
+    from sqlite_utils import hookimpl, plugins
+
+    prepared = []
+
+    class Plugin:
+        @hookimpl
+        def prepare_connection(self, conn):
+            prepared.append(conn)
+
+    monkeypatch.setattr(plugins, "_plugins_loaded", True)  # as if the entry points had been read
+    plugins.pm.register(Plugin(), name="test-plugin")
+    try:
+        open_store(tmp_path / "stoker.db").close()
+        open_store(":memory:").close()
+    finally:
+        plugins.pm.unregister(name="test-plugin")
+    assert prepared == []
+
+
 def test_migrations_recorded_and_idempotent(tmp_path):
     path = tmp_path / "stoker.db"
     open_store(path).close()
