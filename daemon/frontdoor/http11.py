@@ -223,39 +223,36 @@ class Request:
     def watching(self) -> Watching:
         """Cancel the block if the client leaves meanwhile (`gone` says so afterwards): nothing
         it waits for (a held request, an engine thinking) outlives the client that asked. What
-        the block raises comes out as itself, not in the nursery's ExceptionGroup: a relay's
-        write that failed (`ClientGone`) or an engine's cut is counted as what it is."""
+        the block raises comes out as itself: a relay's write that failed (`ClientGone`) or an
+        engine's cut is counted as what it is."""
         return Watching(self)
 
 
 class Watching:
-    """`Request.watching()`: a nursery whose watcher (`Connection.watch`) cancels the block when
-    the client leaves. A plain async context manager rather than a generator-based one: it is
-    entered once per forwarded request, on the path to the first byte."""
+    """`Request.watching()`: a cancel scope that the connection's reader (`Connection._read_all`,
+    which reads the client's socket for the connection's life) cancels when the client leaves.
+    No task of its own: entered once per forwarded request, on the path to the first byte."""
 
-    __slots__ = ("_request", "_nursery", "_manager")
+    __slots__ = ("_request", "_scope")
 
     def __init__(self, request: Request) -> None:
         self._request = request
-        self._manager = trio.open_nursery()
-        self._nursery: trio.Nursery | None = None
+        self._scope = trio.CancelScope()
 
     async def __aenter__(self) -> None:
-        nursery = self._nursery = await self._manager.__aenter__()
-        request = self._request
-        nursery.start_soon(request._conn.watch, request, nursery.cancel_scope)
+        request, scope = self._request, self._scope
+        scope.__enter__()
+        conn = request._conn
+        conn.watched = request, scope
+        if conn.eof:  # it left before the block began
+            request.gone = True
+            scope.cancel()
 
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool | None:  # typed as asynccontextmanager's: the Cancelled of a client that left is swallowed
-        assert self._nursery is not None
-        self._nursery.cancel_scope.cancel()
-        try:
-            return bool(await self._manager.__aexit__(kind, exc, tb))
-        except BaseExceptionGroup as group:  # the watcher raises nothing: the block's own
-            if len(group.exceptions) != 1:
-                raise
-            raise group.exceptions[0] from None
+    ) -> bool | None:  # the Cancelled of a client that left is swallowed
+        self._request._conn.watched = None
+        return self._scope.__exit__(kind, exc, tb)
 
 
 Handler = Callable[[Request], Awaitable[None]]
@@ -278,6 +275,13 @@ class Connection:
         # A malformed body that came with the head: raised when the handler reads the body, so
         # the handler answers it in its API's error shape.
         self.malformed: MalformedBody | None = None
+        # The reader (`_read_all`) feeds h11 what the client sends, for the connection's life;
+        # the serving task waits for it (`_more`) rather than reading itself.
+        self.eof = False  # the client closed its side (or the socket broke): no more will come
+        self.watched: tuple[Request, trio.CancelScope] | None = None  # `Request.watching()`, under way
+        self._waiting: trio.lowlevel.Task | None = None  # the serving task, in `_more`
+        self._held: trio.lowlevel.Task | None = None  # the reader, holding back past PIPELINED_BYTES
+        self._read_at = 0.0  # when the reader's last read returned
 
     def settle(self, request: Request, failure: BaseException | None) -> None:
         """Count the request and write its access line, once: as its answer's last byte goes
@@ -302,6 +306,79 @@ class Connection:
 
     async def serve(self, handler: Handler) -> None:
         """Read and answer requests until the client or the protocol ends the connection."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read_all)
+                try:
+                    await self._serve(handler)
+                finally:
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:  # the reader raises nothing: what serving raised
+            if len(group.exceptions) != 1:
+                raise
+            raise group.exceptions[0] from None
+
+    async def _read_all(self) -> None:
+        """The connection's one reader: what the client sends is fed to h11 as it arrives and
+        the serving task woken if it waits for it; past `PIPELINED_BYTES` not yet parsed (a
+        client that sends ahead of its answers) the client is not read until the serving task
+        wants more. The client's EOF cancels the watched block (`Request.watching()`), if one is
+        under way: so a client that leaves is noticed without a task per request."""
+        conn = self.h11
+        while True:
+            if self._waiting is None and len(conn.trailing_data[0]) > PIPELINED_BYTES:
+                self._held = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(self._release_held)
+                continue
+            data = await self._read()
+            self._read_at = time.perf_counter()
+            if not data:
+                self.eof = True
+                conn.receive_data(b"")
+                if self.watched is not None:
+                    request, scope = self.watched
+                    request.gone = True
+                    scope.cancel()
+                self._wake()
+                return
+            if self.body_check is not None:
+                try:
+                    self._check_body(data)
+                except MalformedBody as exc:  # raised where the handler reads the body
+                    self.malformed = self.malformed or exc
+                    self.eof = True  # nothing more of this connection is read
+                    conn.receive_data(b"")
+                    self._wake()
+                    return
+            conn.receive_data(data)
+            self._wake()
+
+    def _release_held(self, _: object) -> trio.lowlevel.Abort:
+        self._held = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def _wake(self) -> None:
+        """The serving task, if it waits in `_more`, goes on."""
+        task, self._waiting = self._waiting, None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
+
+    async def _more(self) -> None:
+        """Wait until the reader has fed h11 more of what the client sends, or its EOF."""
+        if self.eof:
+            await trio.lowlevel.checkpoint()
+            return
+        held, self._held = self._held, None
+        if held is not None:
+            trio.lowlevel.reschedule(held)
+        self._waiting = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(self._stop_waiting)
+
+    def _stop_waiting(self, _: object) -> trio.lowlevel.Abort:
+        self._waiting = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    async def _serve(self, handler: Handler) -> None:
         conn = self.h11
         while True:
             event = None
@@ -376,9 +453,8 @@ class Connection:
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
-                data = await self._read()
-                self.arrived = time.perf_counter()  # the head's last bytes (if they are these)
-                conn.receive_data(data)
+                await self._more()
+                self.arrived = self._read_at  # the head's last bytes (if they are these)
             elif type(event) is h11.Request:
                 return event
             else:  # ConnectionClosed, or PAUSED after a client that said Connection: close
@@ -420,22 +496,8 @@ class Connection:
             if conn.they_are_waiting_for_100_continue:
                 await self.send_all(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
             else:
-                data = await self._read()
-                self._check_body(data)
-                conn.receive_data(data)
+                await self._more()
         return piece
-
-    async def watch(self, request: Request, scope: trio.CancelScope) -> None:
-        """While an answer is under way: the client's EOF cancels `scope`."""
-        while True:
-            data = await self._read()
-            if not data:
-                request.gone = True
-                scope.cancel()
-                return
-            self.h11.receive_data(data)  # its next request, kept for after this answer
-            if len(self.h11.trailing_data[0]) > PIPELINED_BYTES:
-                await trio.sleep_forever()
 
     async def _refuse(self, status: int) -> None:
         """A bare error answer to a request h11 refused (malformed, or a head too large)."""

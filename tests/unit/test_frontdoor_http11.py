@@ -11,9 +11,17 @@ from typing import AsyncIterator
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from stoker.daemon.config.model import Config
-from stoker.daemon.frontdoor.http11 import ClientGone, Request, open_listeners, serve_http
+from stoker.daemon.frontdoor.http11 import (
+    PIPELINED_BYTES,
+    READ_BYTES,
+    ClientGone,
+    Request,
+    open_listeners,
+    serve_http,
+)
 from stoker.daemon.frontdoor.metrics import FrontDoorMetrics
 from tests.unit.test_frontdoor_metrics import Daemon, metrics_for, value
 
@@ -177,6 +185,60 @@ async def test_a_client_that_leaves_cancels_the_watched_wait_and_is_counted_gone
     assert seen == [True]
     text = (await metrics.scrape()).decode()
     assert value(text, "stoker_requests_total", route="/v1/chat/completions", code="none") == 1, text
+
+
+async def test_a_client_that_left_before_the_watched_block_began_cancels_it_at_once(nursery):
+    """The connection's reader notices a client that leaves while its request is still being
+    checked (before `watching()`): the watched block is cancelled as it begins."""
+    closed, left = trio.Event(), trio.Event()
+    seen: list[bool] = []
+
+    async def slow_check(request: Request) -> None:
+        await closed.wait()  # the key check, the body: the client leaves meanwhile
+        await trio.testing.wait_all_tasks_blocked()  # its EOF has been read
+        async with request.watching():
+            await trio.sleep_forever()
+        seen.append(request.gone)
+        left.set()
+
+    port, _ = await front(nursery, slow_check)
+    with trio.fail_after(10):
+        async with await trio.open_tcp_stream("127.0.0.1", port) as client:
+            await client.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        closed.set()
+        await left.wait()
+    assert seen == [True]
+
+
+async def test_a_client_far_ahead_of_its_answers_is_read_no_further_until_it_is_answered(nursery):
+    """While an answer is under way, a client's next requests are read up to `PIPELINED_BYTES`
+    and no further (its socket waits in the kernel); once the answer is over, the next request,
+    a large body, is read and answered whole."""
+    answering = trio.Event()
+    buffered_while_answering: list[int] = []
+
+    async def handler(request: Request) -> None:
+        if request.path == "/wait":
+            async with request.watching():
+                answering.set()
+                await trio.testing.wait_all_tasks_blocked()  # the client has sent its next, large request
+                buffered_while_answering.append(len(request._conn.h11.trailing_data[0]))
+        await echo(request)
+
+    port, _ = await front(nursery, handler)
+    body = b"x" * (4 * PIPELINED_BYTES)
+    with trio.fail_after(10):
+        async with await trio.open_tcp_stream("127.0.0.1", port) as client:
+            await client.send_all(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
+            await answering.wait()
+            async with trio.open_nursery() as sending:
+                sending.start_soon(
+                    client.send_all, b"POST /big HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
+                )
+                buffered = bytearray()
+                assert b"GET /wait 0" in await read_answer(client, buffered)
+                assert b"POST /big %d" % len(body) in await read_answer(client, buffered)
+    assert PIPELINED_BYTES < buffered_while_answering[0] <= PIPELINED_BYTES + READ_BYTES
 
 
 async def test_an_answer_is_counted_by_the_time_its_client_has_it_whole(nursery, autojump_clock):
