@@ -111,6 +111,59 @@ async def test_a_request_sent_before_the_last_answer_is_over_is_answered(server,
             assert b"GET /v1/models 0" in await read_answer(client, buffered)
 
 
+async def read_to_eof(stream: trio.SocketStream) -> bytes:
+    got = b""
+    while data := await stream.receive_some(65536):
+        got += data
+    return got
+
+
+async def test_clients_that_close_get_their_framing_and_the_close_heads_get_no_body(server, autojump_clock):
+    """The answers' heads are written by the server itself, as h11 wrote them: an HTTP/1.0
+    client's stream comes unchunked and ends with the connection; `Connection: close` is
+    answered with it and honoured; a HEAD gets the head a GET would, no body, and the connection
+    goes on."""
+    with trio.fail_after(10):
+        async with await trio.open_tcp_stream("127.0.0.1", server) as client:
+            await client.send_all(b"POST /slow HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
+            got = await read_to_eof(client)
+        head, body = got.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 200 ") and b"transfer-encoding" not in head.lower()
+        assert b"connection: close" in head.lower() and body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+        async with await trio.open_tcp_stream("127.0.0.1", server) as client:
+            await client.send_all(b"POST /v1/x HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 2\r\n\r\nhi")
+            got = await read_to_eof(client)
+        assert got.startswith(b"HTTP/1.1 200 ") and b"connection: close\r\n" in got and got.endswith(b"POST /v1/x 2")
+        async with await trio.open_tcp_stream("127.0.0.1", server) as client:
+            await client.send_all(b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            await client.send_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            buffered = bytearray()
+            while buffered.count(b"\r\n\r\n") < 2:
+                buffered += await more(client)
+            head, rest = bytes(buffered).split(b"\r\n\r\n", 1)
+            assert head.startswith(b"HTTP/1.1 200 ") and b"content-length: 17" in head  # "HEAD /v1/models 0", unsent
+            assert rest.startswith(b"HTTP/1.1 200 ")
+            assert b"GET /v1/models 0" in await read_answer(client, bytearray(rest))
+
+
+async def test_a_refusal_before_the_body_says_close_once_and_closes(nursery, autojump_clock):
+    """An answer given before the request's body was read (a refused key, a body too large) says
+    `Connection: close` once, whether the handler said it or not, and the connection closes."""
+
+    async def refuse(request: Request) -> None:
+        said = [(b"connection", b"close")] if request.path == "/said" else []
+        await request.respond(413, said, b"no")
+
+    port, _ = await front(nursery, refuse)
+    for path in (b"/said", b"/unsaid"):
+        with trio.fail_after(10):
+            async with await trio.open_tcp_stream("127.0.0.1", port) as client:
+                await client.send_all(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n" % path)
+                got = await read_to_eof(client)
+        assert got.startswith(b"HTTP/1.1 413 ") and got.endswith(b"\r\n\r\nno"), got
+        assert got.lower().count(b"connection:") == 1 and b"connection: close\r\n" in got, got
+
+
 async def test_expect_100_continue_is_answered_before_the_body(server):
     with trio.fail_after(10):
         async with await trio.open_tcp_stream("127.0.0.1", server) as client:
