@@ -170,7 +170,9 @@ class AnswerHead:
         status_line = lines[0].removesuffix(b"\r")
         match = _STATUS_LINE.fullmatch(status_line)
         if match is None:
-            raise httpx.RemoteProtocolError(f"the engine's answer does not begin with a status line: {status_line[:80]!r}")
+            raise httpx.RemoteProtocolError(
+                f"the engine's answer does not begin with a status line: {status_line[:80]!r}"
+            )
         headers = []
         length: int | None = None
         chunked = close = False
@@ -341,14 +343,16 @@ class EngineAnswer:
 
     async def aclose(self) -> None:
         """Pool the connection if the answer was read whole and the engine keeps it; else close it.
-        Never cancelled (its one checkpoint is shielded): a caller in a cancelled scope needs no shield."""
+        Never cancelled, and no checkpoint: it only pools or closes a socket (a caller in a
+        cancelled scope needs no shield), and a pass of trio's scheduler here was one more per
+        request; the caller's next wait yields."""
         conn, self._conn = self._conn, None
         if conn is None:
             return
         if self._whole and self._keep:
             self._wire.put(self._address, conn)
             return
-        await self._wire.close(conn)
+        conn.stream.close()
         if self._chunks is not None and self._chunks.done:  # a whole stream: the engine is well
             self._wire.spare(self._address)
 

@@ -14,14 +14,7 @@ import trio
 import trio.testing
 
 from stoker.daemon.config.model import Config
-from stoker.daemon.frontdoor.http11 import (
-    PIPELINED_BYTES,
-    READ_BYTES,
-    ClientGone,
-    Request,
-    open_listeners,
-    serve_http,
-)
+from stoker.daemon.frontdoor.http11 import PIPELINED_BYTES, READ_BYTES, ClientGone, Request, open_listeners, serve_http
 from stoker.daemon.frontdoor.metrics import FrontDoorMetrics
 from tests.unit.test_frontdoor_metrics import Daemon, metrics_for, value
 
@@ -286,7 +279,8 @@ async def test_a_client_far_ahead_of_its_answers_is_read_no_further_until_it_is_
             await answering.wait()
             async with trio.open_nursery() as sending:
                 sending.start_soon(
-                    client.send_all, b"POST /big HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
+                    client.send_all,
+                    b"POST /big HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body),
                 )
                 buffered = bytearray()
                 assert b"GET /wait 0" in await read_answer(client, buffered)
