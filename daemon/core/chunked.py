@@ -45,8 +45,8 @@ def chunk_size(line: bytes) -> int:
 class Dechunker:
     """The chunked coding taken off a body as its bytes arrive: what one read brought, its
     chunks' data joined. h11 parses the same at ~25 µs per chunk (a state machine pass and an
-    event per chunk): an SSE stream is a chunk per token, so the relay does this part itself and
-    leaves the heads to h11. Bytes past the body's end (a pipelined request) are left unread."""
+    event per chunk): an SSE stream is a chunk per token, so the relay does this part itself.
+    Bytes past the body's end (a pipelined request) are left unread."""
 
     _SIZE, _DATA, _CRLF, _TRAILER = range(4)
 

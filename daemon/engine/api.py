@@ -121,8 +121,8 @@ class EngineClient:
         left unread: the caller streams it (`aiter_raw`) as it arrives, never buffered. The path
         is absolute on `base_url`, so one shared `wire` serves every launch (the front door).
 
-        The forward path is the front door's data path, so it goes over `EngineWire` (h11 on a
-        trio socket: daemon/engine/wire.py) rather than httpx; its failures are httpx's
+        The forward path is the front door's data path, so it goes over `EngineWire` (its own
+        lean HTTP/1.1 on a trio socket: daemon/engine/wire.py) rather than httpx; its failures are httpx's
         exceptions all the same. `streamed`: the client asked for a streamed (SSE) answer.
         llama-server closes its connection after every streamed answer though its headers say
         keep-alive; such a connection kept for the next request would carry it into a closed

@@ -1,12 +1,20 @@
 """HTTP/1.1 to an engine, lean: the front door's forward path (`EngineClient.forward`).
 
-h11 (the parser under httpcore and Hypercorn) over a `RelaySocket` (daemon/core/relay_socket.py:
-a non-blocking socket driven with trio's I/O waits), without httpx's layers: the
-request's head and body leave in one `send_all` (httpcore sends them in two), the answer's body
-is handed on as it is received (what one read brought, its chunks joined), and the connection
-is made without a nursery. Measured against httpx on the 2-core test machine (a streamed answer
-of 7 events on a new connection each time): 1.7 -> 0.7 ms of CPU per request, 16 -> 10 µs per
-event (docs/frontdoor.md, "Design").
+Stoker's own request writer and answer reader over a `RelaySocket`
+(daemon/core/relay_socket.py: a non-blocking socket driven with trio's I/O waits), without
+httpx's layers or h11's: the request's head and body leave in one `send_all` (its head one
+`bytes.join` of values Stoker built), the answer's head is read by `AnswerHead` (its status
+line, its headers, then how its body is framed: chunked, `Content-Length`, or to the
+connection's close), and its body is handed on as it is received (what one read brought, its
+chunks joined). The peer is an engine Stoker launched (loopback, a per-launch key) or a remote
+endpoint the config names; either way its answer is read strictly: a head that is not HTTP/1.x,
+a header line that is not `name: value`, a head past `MAX_HEAD` bytes, an unknown transfer
+coding, a bad `Content-Length` or an answer cut midway raise `httpx.RemoteProtocolError`, which
+the front door answers with its reason codes (`engine_unreachable` before the first byte, the
+`engine_stream_cut` event midway), and every read is bounded by the read timeout. Measured
+against h11 on the 2-core test machine: docs/frontdoor.md, "The fixed work per request";
+against httpx (a streamed answer of 7 events on a new connection each time): 1.7 -> 0.7 ms of
+CPU per request, 16 -> 10 µs per event (docs/frontdoor.md, "Design").
 
 A streamed answer's rest can be read in a worker thread (`EngineAnswer.pump`, blocking reads
 on its own connection): the front door's relay does so once the first event is out.
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import re
 import socket
 import ssl
 import struct
@@ -43,7 +52,6 @@ from typing import AsyncGenerator, Callable
 from urllib.parse import urlsplit
 
 import attrs
-import h11
 import httpx
 import trio
 
@@ -60,6 +68,8 @@ KEEPALIVE_S = 4.0
 POOL_SIZE = 16
 # Streams pumped in worker threads at once (`EngineAnswer.pump`); more are relayed in trio's thread.
 MAX_PUMPS = 64
+# The largest answer head (status line and headers) read from an engine; past it the answer is refused.
+MAX_HEAD = 64 * 1024
 
 
 @attrs.frozen
@@ -124,7 +134,7 @@ class TlsSocket:
 @attrs.define(eq=False)
 class _Connection:
     stream: RelaySocket | TlsSocket
-    h11: h11.Connection
+    buffer: bytes = b""  # read past the answer's head: the start of its body
     idle_since: float = 0.0
 
     def reusable(self, now: float) -> bool:
@@ -132,24 +142,89 @@ class _Connection:
         return now - self.idle_since < KEEPALIVE_S and not self.stream.is_readable()
 
 
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+# A status line (its reason phrase may be empty) and a header field line, as RFC 9112 writes
+# them: no control characters in a value, no blank before the colon, no obsolete line folding.
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: [\t -~\x80-\xff]*)?")
+_FIELD_LINE = re.compile(rb"(" + _TOKEN + rb"):[ \t]*((?:[!-~\x80-\xff](?:[\t -~\x80-\xff]*[!-~\x80-\xff])?)?)[ \t]*")
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
+_DIGITS = re.compile(rb"[0-9]{1,18}")
+CHUNKED = -1  # `AnswerHead.length` of a chunked body
+TO_CLOSE = -2  # of a body that ends when the engine closes the connection
+
+
+@attrs.frozen
+class AnswerHead:
+    """An answer's status line and headers, read from the bytes, and how its body is framed."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]  # names in lower case, values as the engine wrote them
+    length: int  # the body's bytes (`Content-Length`; 0: none), `CHUNKED` or `TO_CLOSE`
+    keep_alive: bool  # the engine keeps the connection once the answer is whole
+
+    @classmethod
+    def parse(cls, head: bytes, method: str) -> AnswerHead:
+        """The head (its last line break excluded); raises `httpx.RemoteProtocolError` for
+        anything that is not an HTTP/1.x answer head."""
+        lines = head.split(b"\n")
+        status_line = lines[0].removesuffix(b"\r")
+        match = _STATUS_LINE.fullmatch(status_line)
+        if match is None:
+            raise httpx.RemoteProtocolError(
+                f"the engine's answer does not begin with a status line: {status_line[:80]!r}"
+            )
+        headers = []
+        length: int | None = None
+        chunked = close = False
+        for line in lines[1:]:
+            field = _FIELD_LINE.fullmatch(line.removesuffix(b"\r"))
+            if field is None:
+                raise httpx.RemoteProtocolError(f"the engine's answer has a malformed header line: {line[:80]!r}")
+            name, value = field[1].lower(), field[2]
+            headers.append((name, value))
+            if name == b"content-length":
+                if _DIGITS.fullmatch(value) is None or (length is not None and length != int(value)):
+                    raise httpx.RemoteProtocolError(f"the engine's answer has a bad Content-Length: {value[:40]!r}")
+                length = int(value)
+            elif name == b"transfer-encoding":
+                if value.lower() != b"chunked" or chunked:
+                    raise httpx.RemoteProtocolError(f"the engine's answer has an unsupported coding: {value[:40]!r}")
+                chunked = True
+            elif name == b"connection":
+                close = close or b"close" in [token.strip().lower() for token in value.split(b",")]
+        status = int(match[2])
+        if method == "HEAD" or status in (204, 304) or status < 200:
+            framing = 0
+        elif chunked:  # Transfer-Encoding wins over a Content-Length (RFC 9112, 6.3)
+            framing = CHUNKED
+        else:
+            framing = TO_CLOSE if length is None else length
+        keep = match[1] == b"1" and not close and framing != TO_CLOSE
+        return cls(status, headers, framing, keep)
+
+
 class EngineAnswer:
     """An engine's answer: status and headers read, the body read by the caller as it arrives
     (`aiter_raw`, as httpx names it). `aclose` gives the connection back or closes it."""
 
     def __init__(
-        self, wire: EngineWire, address: _Address, conn: _Connection, response: h11.Response, sent_at: float
+        self, wire: EngineWire, address: _Address, conn: _Connection, head: AnswerHead, keep: bool, sent_at: float
     ) -> None:
         self._wire = wire
         self.sent_at = sent_at  # `time.perf_counter()` as the request was handed to the engine's socket
         self._address = address
         self._conn: _Connection | None = conn
-        self.status_code = response.status_code
-        # As h11 parsed them (names in lower case): the relay keeps a few as they are, and
+        self.status_code = head.status
+        # As the engine wrote them (names in lower case): the relay keeps a few as they are, and
         # `headers` decodes them all only for a caller that asks.
-        self.raw_headers: list[tuple[bytes, bytes]] = list(response.headers)
-        self._chunked = any(
-            name == b"transfer-encoding" and b"chunked" in value.lower() for name, value in self.raw_headers
-        )
+        self.raw_headers = head.headers
+        self._length = head.length  # what is left of a Content-Length body, or its framing
+        self._chunked = head.length == CHUNKED
+        # The connection goes back to the pool once the answer is whole: both sides keep it.
+        self._keep = keep and head.keep_alive and not self._chunked
+        self._whole = head.length == 0
+        if self._whole and conn.buffer:  # bytes past an empty body: the connection is not reused
+            self._keep = False
         self._chunks: Dechunker | None = None  # a chunked body's decoding, once `aiter_raw` began it
         self._interrupted = False
 
@@ -161,11 +236,11 @@ class EngineAnswer:
     async def aiter_raw(self) -> AsyncGenerator[bytes, None]:
         """The body as it arrives: what each read brought, de-chunked (never buffered further)."""
         conn = self._conn
-        if conn is None:
+        if conn is None or self._whole:
             return
+        data, conn.buffer = conn.buffer, b""
         if self._chunked:  # the relay's own decoding; the connection is closed after it, never pooled
             chunks = self._chunks = Dechunker()
-            data = conn.h11.trailing_data[0]
             while True:
                 if piece := _decoded(chunks, data):
                     yield piece
@@ -173,27 +248,25 @@ class EngineAnswer:
                     return
                 if not (data := await self._wire.receive(conn)):
                     raise httpx.RemoteProtocolError("the engine's answer was cut: its connection closed midway")
-        parser = conn.h11
         while True:
-            pieces = []
-            try:
-                while True:
-                    event = parser.next_event()
-                    if type(event) is h11.Data:
-                        pieces.append(event.data)
-                    elif event is h11.NEED_DATA:
-                        break
-                    elif type(event) is h11.EndOfMessage:
-                        if pieces:
-                            yield b"".join(pieces)
+            if data:
+                left = self._length
+                if left == TO_CLOSE:
+                    yield data
+                else:
+                    if len(data) >= left:
+                        self._whole = True
+                        self._keep = self._keep and len(data) == left  # bytes past the body: not reused
+                        yield data[:left] if len(data) > left else data
                         return
-                    else:  # a response ends in EndOfMessage; anything else is the engine's error
-                        raise httpx.RemoteProtocolError(f"unexpected {type(event).__name__} in the engine's answer")
-            except h11.RemoteProtocolError as exc:
-                raise httpx.RemoteProtocolError(f"the engine's answer was cut: {exc}") from exc
-            if pieces:  # h11 hands out bytearrays: bytes leave here
-                yield bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
-            parser.receive_data(await self._wire.receive(conn))
+                    self._length = left - len(data)
+                    yield data
+            data = await self._wire.receive(conn)
+            if not data:
+                if self._length == TO_CLOSE:
+                    self._whole = True
+                    return
+                raise httpx.RemoteProtocolError("the engine's answer was cut: its connection closed midway")
 
     def pumpable(self) -> bool:
         """The rest of the body can be read by `pump` in a worker thread: a chunked answer
@@ -270,16 +343,16 @@ class EngineAnswer:
 
     async def aclose(self) -> None:
         """Pool the connection if the answer was read whole and the engine keeps it; else close it.
-        Never cancelled (its one checkpoint is shielded): a caller in a cancelled scope needs no shield."""
+        Never cancelled, and no checkpoint: it only pools or closes a socket (a caller in a
+        cancelled scope needs no shield), and a pass of trio's scheduler here was one more per
+        request; the caller's next wait yields."""
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        parser = conn.h11
-        if parser.our_state is h11.DONE and parser.their_state is h11.DONE:
-            parser.start_next_cycle()
+        if self._whole and self._keep:
             self._wire.put(self._address, conn)
             return
-        await self._wire.close(conn)
+        conn.stream.close()
         if self._chunks is not None and self._chunks.done:  # a whole stream: the engine is well
             self._wire.spare(self._address)
 
@@ -327,12 +400,8 @@ class EngineWire:
             head.append((b"content-length", b"%d" % len(body)))
         if not keep:
             head.append((b"connection", b"close"))
-        parser = conn.h11
         try:
-            data = parser.send(h11.Request(method=method, target=target, headers=head))
-            if body:
-                data += parser.send(h11.Data(data=body))
-            data += parser.send(h11.EndOfMessage())
+            data = request_bytes(method, target, head, body)
             await trio.lowlevel.checkpoint_if_cancelled()
             sent_at = time.perf_counter()
             stream = conn.stream
@@ -344,22 +413,37 @@ class EngineWire:
                 if scope.cancelled_caught:
                     raise httpx.WriteTimeout(f"the engine took no request for {self.timeouts.write:g} s")
             while True:
-                event = parser.next_event()
-                if event is h11.NEED_DATA:
-                    parser.receive_data(await self.receive(conn))
-                elif type(event) is h11.Response:
-                    return EngineAnswer(self, address, conn, event, sent_at)
-                elif type(event) is not h11.InformationalResponse:
-                    raise httpx.RemoteProtocolError(f"the engine answered {type(event).__name__}")
+                answer = await self._read_head(conn, method)
+                if answer.status >= 200:
+                    return EngineAnswer(self, address, conn, answer, keep, sent_at)
+                if answer.status == 101:  # no upgrade was asked for: nothing HTTP would follow
+                    raise httpx.RemoteProtocolError("the engine switched protocols unasked")
         except trio.BrokenResourceError as exc:
             await self.close(conn)
             raise httpx.WriteError(f"the engine's connection broke: {exc.__cause__ or exc}") from exc
-        except h11.RemoteProtocolError as exc:
-            await self.close(conn)
-            raise httpx.RemoteProtocolError(f"the engine closed the connection without answering: {exc}") from exc
         except BaseException:
             await self.close(conn)
             raise
+
+    async def _read_head(self, conn: _Connection, method: str) -> AnswerHead:
+        """The next answer head on `conn` (what follows it stays in `conn.buffer`)."""
+        data = conn.buffer
+        searched = 0
+        while True:
+            end = _HEAD_END.search(data, searched)
+            if end is not None:
+                conn.buffer = data[end.end() :]
+                return AnswerHead.parse(data[: end.start()], method)
+            if len(data) > MAX_HEAD:
+                raise httpx.RemoteProtocolError(f"the engine's answer head is over {MAX_HEAD} bytes")
+            searched = max(0, len(data) - 3)
+            more = await self.receive(conn)
+            if not more:
+                raise httpx.RemoteProtocolError(
+                    "the engine closed the connection without answering"
+                    + (f" (after {len(data)} bytes of its head)" if data else "")
+                )
+            data += more
 
     async def receive(self, conn: _Connection) -> bytes:
         """One read (b"" at EOF), within the read timeout."""
@@ -386,7 +470,7 @@ class EngineWire:
                     stream = await RelaySocket.connect(family, (str(sockaddr[0]), int(sockaddr[1])))
             except OSError as exc:
                 raise httpx.ConnectError(f"cannot connect to the engine at {host}:{port}: {exc}") from exc
-            return _Connection(stream, h11.Connection(h11.CLIENT))
+            return _Connection(stream)
         assert scope.cancelled_caught
         raise httpx.ConnectTimeout(f"the engine at {host}:{port} did not accept within {self.timeouts.connect:g} s")
 
@@ -415,7 +499,7 @@ class EngineWire:
         except OSError:  # refused: the engine is gone; the next request connects (and learns it)
             sock.close()
             return
-        self.put(address, _Connection(RelaySocket(sock), h11.Connection(h11.CLIENT)))
+        self.put(address, _Connection(RelaySocket(sock)))
 
     def forget(self, base_url: str) -> None:
         """Close the idle connections to the engine at `base_url` (it is about to be stopped: an
@@ -457,6 +541,21 @@ def _decoded(chunks: Dechunker, data: bytes) -> bytes:
         return chunks.feed(data)
     except MalformedChunk as exc:
         raise httpx.RemoteProtocolError(f"the engine's answer is malformed: {exc}") from None
+
+
+def request_bytes(method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes | None) -> bytes:
+    """A request as it goes on the wire: its line, `headers` (lower-case names, values Stoker
+    built), then `body`. Raises `httpx.LocalProtocolError` for a line break or a blank where
+    none may be (a header value or a target that would end the head early)."""
+    parts = [method.encode("ascii"), b" ", target.encode("latin-1"), b" HTTP/1.1\r\n"]
+    for name, value in headers:
+        parts += (name, b": ", value, b"\r\n")
+    parts.append(b"\r\n")
+    head = b"".join(parts)
+    lines = len(headers) + 2
+    if head.count(b"\n") != lines or head.count(b"\r") != lines or " " in target or not target:
+        raise httpx.LocalProtocolError(f"a request to the engine cannot carry a line break or a blank: {target[:80]!r}")
+    return head + body if body else head
 
 
 def _ip_family(host: str) -> int | None:

@@ -9,7 +9,7 @@ states/frontdoor/policy.py decides (each time, when the request cannot have caus
 Errors use the called API's shape: OpenAI's `{"error": {"message", "type", "param", "code"}}`,
 or Anthropic's `{"type": "error", "error": {"type", "message"}}` on /v1/messages.
 
-The HTTP server under these routes is daemon/frontdoor/http11.py (h11 on trio sockets); the
+The HTTP server under these routes is daemon/frontdoor/http11.py (trio sockets, h11 parsing requests); the
 engine is reached through `EngineClient.forward` over daemon/engine/wire.py. Both are lean on
 purpose: each SSE event is one read from the engine and one write to the client.
 

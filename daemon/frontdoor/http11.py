@@ -1,5 +1,6 @@
-"""The front door's HTTP/1.1 server: h11 on trio sockets, with nothing between a client's socket
-and the relay loop but h11 and the request figures.
+"""The front door's HTTP/1.1 server on trio sockets: h11 parses what clients send (untrusted
+input, read strictly), the answers' heads are written here (values the front door built), and
+nothing else stands between a client's socket and the relay loop but the request figures.
 
 Why not Hypercorn and Starlette, which served the first slice: measured on the 2-core test
 machine, Hypercorn's trio worker spends ~90 µs of CPU per SSE event it sends (a lock, a shielded
@@ -20,8 +21,11 @@ connection is closed either way. `Expect: 100-continue` is answered when the bod
 The handler reads the body (`receive`) and answers (`respond`, or
 `start`/`send`/`end` for a body relayed as it arrives: chunked, one `send_all` per piece);
 `watching()` cancels what it wraps when the client leaves, so the engine under a request nobody
-waits for any more is closed. Every request but a scrape of /metrics is counted as it goes by
-(`Exchange`: O(1) per piece sent).
+waits for any more is closed: one reader per connection (`Connection._read_all`) reads the
+client's socket for the connection's life, feeds h11, and notices the client's EOF, so a
+request costs no task of its own. Every request but a scrape of /metrics is counted as it goes
+by (`Exchange`: O(1) per piece sent). What each of these saves per request: docs/frontdoor.md,
+"The fixed work per request".
 """
 
 from __future__ import annotations
@@ -68,6 +72,29 @@ def framed(data: bytes, chunked: bool) -> bytes:
     return b"%x\r\n%b\r\n" % (len(data), data) if chunked else data
 
 
+def response_head(status: int, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """An answer's status line and headers as they go on the wire, as h11 wrote them (no reason
+    phrase). The values are the front door's own (or a client's header echoed, already parsed by
+    h11, or the engine's, read strictly): a line break in one raises `h11.LocalProtocolError`
+    rather than end the head early."""
+    parts = [b"HTTP/1.1 %d \r\n" % status]
+    for name, value in headers:
+        parts += (name, b": ", value, b"\r\n")
+    parts.append(b"\r\n")
+    head = b"".join(parts)
+    if head.count(b"\n") != len(headers) + 2 or head.count(b"\r") != len(headers) + 2:
+        raise h11.LocalProtocolError("an answer's header cannot carry a line break")
+    return head
+
+
+def says_close(headers: list[tuple[bytes, bytes]]) -> bool:
+    """The headers say `Connection: close` (a token of any `Connection` header, any case)."""
+    for name, value in headers:
+        if name == b"connection" and b"close" in (token.strip().lower() for token in value.split(b",")):
+            return True
+    return False
+
+
 class Request:
     """One request on a connection: its head, its body to read, and its answer to give."""
 
@@ -84,7 +111,10 @@ class Request:
         "added_headers",
         "_conn",
         "_started",
+        "_ended",
         "_chunked",
+        "_bodyless",
+        "keep_alive",
         "gone",
         "settled",
     )
@@ -106,7 +136,13 @@ class Request:
         # Headers every answer to it carries, whoever gives it (the Access-Control-* of CORS).
         self.added_headers: list[tuple[bytes, bytes]] = []
         self._started = False
-        self._chunked = True
+        self._ended = False  # the answer was written whole
+        # To an HTTP/1.0 client, which knows no chunks, a body goes as it is, ended by the close.
+        self._chunked = event.http_version >= b"1.1"
+        self._bodyless = self.method == "HEAD"  # its answer is the head a GET would get
+        # The connection carries the client's next request after this one's answer (HTTP/1.1,
+        # no `Connection: close` from either side), as h11 judges it.
+        self.keep_alive = self._chunked and not says_close(self.headers)
         self.gone = False
         self.settled = False  # counted and logged (`Connection.settle`)
 
@@ -136,39 +172,48 @@ class Request:
         """The client connected from a loopback address."""
         return self._conn.loopback
 
+    def _head(self, status: int, headers: list[tuple[bytes, bytes]]) -> bytes:
+        """The answer's head, written here (not by h11: its event objects and validation cost as
+        much as parsing the request did): `Connection: close` added when the connection will not
+        carry another request, and remembered when the handler's headers say it."""
+        if self._started:
+            raise h11.LocalProtocolError("the answer to this request has already begun")
+        self._started = True
+        if not self.keep_alive:
+            if not says_close(headers):
+                headers.append((b"connection", b"close"))
+        elif says_close(headers):
+            self.keep_alive = False
+        return response_head(status, headers)
+
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """A whole answer at once (errors, /metrics, the model list)."""
-        self._started = True
+        headers = [*headers, *self.added_headers, (b"content-length", b"%d" % len(body))]
+        if self.keep_alive and not says_close(headers) and not self._conn.request_ended():
+            # Answered before its body was read (a refusal): the connection cannot carry the client's
+            # next request, and says so, rather than closing under a client that would reuse it.
+            headers.append((b"connection", b"close"))
+        data = self._head(status, headers)
         if self.exchange is not None:
             self.exchange.status_sent(status)
             self.exchange.body_sent(body)
             self.exchange.body_complete()
-        conn = self._conn.h11
-        headers = [*headers, *self.added_headers, (b"content-length", b"%d" % len(body))]
-        if (b"connection", b"close") not in headers and not self._conn.request_ended():
-            # Answered before its body was read (a refusal): the connection cannot carry the client's
-            # next request, and says so, rather than closing under a client that would reuse it.
-            headers.append((b"connection", b"close"))
-        data = conn.send(h11.Response(status_code=status, headers=headers))
-        data += conn.send(h11.Data(data=body)) if body else b""
-        data += conn.send(h11.EndOfMessage())
-        await self._conn.send_all(data, self._settled)
+        self._ended = True
+        await self._conn.send_all(data if self._bodyless else data + body, self._settled)
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> None:
         """The head of an answer whose body follows in pieces (`send`, then `end`): chunked to an
         HTTP/1.1 client; to an HTTP/1.0 one, which knows no chunks, the body as it is, ended by
-        closing the connection (h11 drops the Transfer-Encoding and closes after the answer).
-        `first`, the body's first piece, leaves in the same write as the head (one wake-up of
-        the client, not two, before its first token)."""
-        self._started = True
+        closing the connection (no Transfer-Encoding, `Connection: close`). `first`, the body's
+        first piece, leaves in the same write as the head (one wake-up of the client, not two,
+        before its first token)."""
+        headers = [*headers, *self.added_headers]
+        if self._chunked:
+            headers.append((b"transfer-encoding", b"chunked"))
+        head = self._head(status, headers)
         if self.exchange is not None:
             self.exchange.status_sent(status)
-        conn = self._conn.h11
-        version = conn.their_http_version
-        self._chunked = version is not None and version >= b"1.1"
-        headers = [*headers, *self.added_headers, (b"transfer-encoding", b"chunked")]
-        head = conn.send(h11.Response(status_code=status, headers=headers))
-        if not first:
+        if not first or self._bodyless:
             await self._conn.send_all(head)
             return
         if self.exchange is not None:
@@ -179,14 +224,14 @@ class Request:
         """One piece of the body, in one write (as one chunk, but to an HTTP/1.0 client). The
         framing is written here rather than by h11 (whose chunked writer keeps no state between
         pieces), which saves a call layer per SSE event."""
-        if data:
+        if data and not self._bodyless:
             if self.exchange is not None:
                 self.exchange.body_sent(data)
             await self._conn.send_all(framed(data, self._chunked))
 
     def pumpable(self) -> bool:
         """`writer` can send this answer's body from a worker thread (a plain socket)."""
-        return self._started and isinstance(self._conn.stream, RelaySocket)
+        return self._started and not self._bodyless and isinstance(self._conn.stream, RelaySocket)
 
     def writer(self, stopped: Callable[[], bool]) -> Callable[[bytes], None]:
         """For a worker thread: `send`, as a plain call (each piece one write, framed as `send`
@@ -212,8 +257,16 @@ class Request:
             if last:
                 self.exchange.body_sent(last)
             self.exchange.body_complete()
-        data = framed(last, self._chunked) if last else b""
-        await self._conn.send_all(data + self._conn.h11.send(h11.EndOfMessage()), self._settled)
+        if not self._started or self._ended:
+            raise h11.LocalProtocolError("no answer under way to end")
+        self._ended = True
+        if self._bodyless:
+            data = b""
+        elif self._chunked:
+            data = framed(last, True) + b"0\r\n\r\n" if last else b"0\r\n\r\n"
+        else:
+            data = last
+        await self._conn.send_all(data, self._settled)
 
     def _settled(self) -> None:
         """The answer's last byte is in the client's socket: count it and log it now, before
@@ -223,39 +276,36 @@ class Request:
     def watching(self) -> Watching:
         """Cancel the block if the client leaves meanwhile (`gone` says so afterwards): nothing
         it waits for (a held request, an engine thinking) outlives the client that asked. What
-        the block raises comes out as itself, not in the nursery's ExceptionGroup: a relay's
-        write that failed (`ClientGone`) or an engine's cut is counted as what it is."""
+        the block raises comes out as itself: a relay's write that failed (`ClientGone`) or an
+        engine's cut is counted as what it is."""
         return Watching(self)
 
 
 class Watching:
-    """`Request.watching()`: a nursery whose watcher (`Connection.watch`) cancels the block when
-    the client leaves. A plain async context manager rather than a generator-based one: it is
-    entered once per forwarded request, on the path to the first byte."""
+    """`Request.watching()`: a cancel scope that the connection's reader (`Connection._read_all`,
+    which reads the client's socket for the connection's life) cancels when the client leaves.
+    No task of its own: entered once per forwarded request, on the path to the first byte."""
 
-    __slots__ = ("_request", "_nursery", "_manager")
+    __slots__ = ("_request", "_scope")
 
     def __init__(self, request: Request) -> None:
         self._request = request
-        self._manager = trio.open_nursery()
-        self._nursery: trio.Nursery | None = None
+        self._scope = trio.CancelScope()
 
     async def __aenter__(self) -> None:
-        nursery = self._nursery = await self._manager.__aenter__()
-        request = self._request
-        nursery.start_soon(request._conn.watch, request, nursery.cancel_scope)
+        request, scope = self._request, self._scope
+        scope.__enter__()
+        conn = request._conn
+        conn.watched = request, scope
+        if conn.eof:  # it left before the block began
+            request.gone = True
+            scope.cancel()
 
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool | None:  # typed as asynccontextmanager's: the Cancelled of a client that left is swallowed
-        assert self._nursery is not None
-        self._nursery.cancel_scope.cancel()
-        try:
-            return bool(await self._manager.__aexit__(kind, exc, tb))
-        except BaseExceptionGroup as group:  # the watcher raises nothing: the block's own
-            if len(group.exceptions) != 1:
-                raise
-            raise group.exceptions[0] from None
+    ) -> bool | None:  # the Cancelled of a client that left is swallowed
+        self._request._conn.watched = None
+        return self._scope.__exit__(kind, exc, tb)
 
 
 Handler = Callable[[Request], Awaitable[None]]
@@ -269,7 +319,8 @@ class Connection:
         self.daemon = daemon
         self.figures = figures
         limits = daemon.config.frontdoor
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
+        self.max_head = limits.max_header_bytes  # h11 buffers no more of an incomplete head
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_head)
         self.client = stream.peer()
         self.loopback = self.client is not None and is_loopback_host(self.client[0])
         self.arrived = 0.0  # when the read that brought a request's head returned (`_next_request`)
@@ -278,6 +329,13 @@ class Connection:
         # A malformed body that came with the head: raised when the handler reads the body, so
         # the handler answers it in its API's error shape.
         self.malformed: MalformedBody | None = None
+        # The reader (`_read_all`) feeds h11 what the client sends, for the connection's life;
+        # the serving task waits for it (`_more`) rather than reading itself.
+        self.eof = False  # the client closed its side (or the socket broke): no more will come
+        self.watched: tuple[Request, trio.CancelScope] | None = None  # `Request.watching()`, under way
+        self._waiting: trio.lowlevel.Task | None = None  # the serving task, in `_more`
+        self._held: trio.lowlevel.Task | None = None  # the reader, holding back past PIPELINED_BYTES
+        self._read_at = 0.0  # when the reader's last read returned
 
     def settle(self, request: Request, failure: BaseException | None) -> None:
         """Count the request and write its access line, once: as its answer's last byte goes
@@ -302,7 +360,78 @@ class Connection:
 
     async def serve(self, handler: Handler) -> None:
         """Read and answer requests until the client or the protocol ends the connection."""
-        conn = self.h11
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read_all)
+                try:
+                    await self._serve(handler)
+                finally:
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:  # the reader raises nothing: what serving raised
+            if len(group.exceptions) != 1:
+                raise
+            raise group.exceptions[0] from None
+
+    async def _read_all(self) -> None:
+        """The connection's one reader: what the client sends is fed to h11 as it arrives and
+        the serving task woken if it waits for it; past `PIPELINED_BYTES` not yet parsed (a
+        client that sends ahead of its answers) the client is not read until the serving task
+        wants more. The client's EOF cancels the watched block (`Request.watching()`), if one is
+        under way: so a client that leaves is noticed without a task per request."""
+        while True:
+            if self._waiting is None and len(self.h11.trailing_data[0]) > PIPELINED_BYTES:
+                self._held = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(self._release_held)
+                continue
+            data = await self._read()
+            self._read_at = time.perf_counter()
+            if not data:
+                self.eof = True
+                self.h11.receive_data(b"")
+                if self.watched is not None:
+                    request, scope = self.watched
+                    request.gone = True
+                    scope.cancel()
+                self._wake()
+                return
+            if self.body_check is not None:
+                try:
+                    self._check_body(data)
+                except MalformedBody as exc:  # raised where the handler reads the body
+                    self.malformed = self.malformed or exc
+                    self.eof = True  # nothing more of this connection is read
+                    self.h11.receive_data(b"")
+                    self._wake()
+                    return
+            self.h11.receive_data(data)
+            self._wake()
+
+    def _release_held(self, _: object) -> trio.lowlevel.Abort:
+        self._held = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def _wake(self) -> None:
+        """The serving task, if it waits in `_more`, goes on."""
+        task, self._waiting = self._waiting, None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
+
+    async def _more(self) -> None:
+        """Wait until the reader has fed h11 more of what the client sends, or its EOF."""
+        if self.eof:
+            await trio.lowlevel.checkpoint()
+            return
+        held, self._held = self._held, None
+        if held is not None:
+            trio.lowlevel.reschedule(held)
+        self._waiting = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(self._stop_waiting)
+
+    def _stop_waiting(self, _: object) -> trio.lowlevel.Abort:
+        self._waiting = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    async def _serve(self, handler: Handler) -> None:
         while True:
             event = None
             with trio.move_on_after(self.daemon.config.frontdoor.idle_timeout_s):
@@ -322,7 +451,7 @@ class Connection:
             self.malformed = None
             if chunked:
                 try:
-                    self._check_body(conn.trailing_data[0])  # what came with the head
+                    self._check_body(self.h11.trailing_data[0])  # what came with the head
                 except MalformedBody as exc:
                     self.malformed = exc
             try:
@@ -348,14 +477,24 @@ class Connection:
                     raise
             finally:
                 self.settle(request, failure)
-            if request.gone or failure is not None or conn.our_state is not h11.DONE:
+            if request.gone or failure is not None or not request._ended:
                 return  # cut midway (the client sees an incomplete body), or the client left
-            if conn.their_state is not h11.DONE and not self.request_ended():
+            if not request.keep_alive:
+                return  # Connection: close, on either side, or an HTTP/1.0 client
+            if self.h11.their_state is not h11.DONE and not self.request_ended():
                 return  # the body was not read whole: the connection cannot carry another request
-            try:
-                conn.start_next_cycle()
-            except h11.LocalProtocolError:
-                return  # Connection: close, on either side
+            self._next_cycle()
+
+    def _next_cycle(self) -> None:
+        """A new parser for the client's next request, fed what already came of it: the answers
+        are written without h11 (`Request._head`), so the parser that read this request never
+        saw its answer and cannot start a cycle itself."""
+        data, closed = self.h11.trailing_data
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_head)
+        if data:
+            self.h11.receive_data(data)
+        if closed:
+            self.h11.receive_data(b"")
 
     def request_ended(self) -> bool:
         """A request whose body the handler did not read (a GET's, empty): its end is taken from
@@ -376,9 +515,8 @@ class Connection:
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
-                data = await self._read()
-                self.arrived = time.perf_counter()  # the head's last bytes (if they are these)
-                conn.receive_data(data)
+                await self._more()
+                self.arrived = self._read_at  # the head's last bytes (if they are these)
             elif type(event) is h11.Request:
                 return event
             else:  # ConnectionClosed, or PAUSED after a client that said Connection: close
@@ -420,30 +558,13 @@ class Connection:
             if conn.they_are_waiting_for_100_continue:
                 await self.send_all(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
             else:
-                data = await self._read()
-                self._check_body(data)
-                conn.receive_data(data)
+                await self._more()
         return piece
-
-    async def watch(self, request: Request, scope: trio.CancelScope) -> None:
-        """While an answer is under way: the client's EOF cancels `scope`."""
-        while True:
-            data = await self._read()
-            if not data:
-                request.gone = True
-                scope.cancel()
-                return
-            self.h11.receive_data(data)  # its next request, kept for after this answer
-            if len(self.h11.trailing_data[0]) > PIPELINED_BYTES:
-                await trio.sleep_forever()
 
     async def _refuse(self, status: int) -> None:
         """A bare error answer to a request h11 refused (malformed, or a head too large)."""
-        with contextlib.suppress(h11.LocalProtocolError, ClientGone):
-            data = self.h11.send(
-                h11.Response(status_code=status, headers=[(b"content-length", b"0"), (b"connection", b"close")])
-            )
-            await self.send_all(data + self.h11.send(h11.EndOfMessage()))
+        with contextlib.suppress(ClientGone):
+            await self.send_all(response_head(status, [(b"content-length", b"0"), (b"connection", b"close")]))
 
 
 async def open_listeners(host: str, port: int) -> list[socket.socket]:

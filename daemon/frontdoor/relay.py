@@ -17,7 +17,7 @@ from stoker.daemon.frontdoor.rename import ModelRename
 log = logging.getLogger("stoker.frontdoor")
 
 # The engine's headers a relayed answer keeps (its framing is the front door's own).
-KEPT_HEADERS = (b"content-type", b"cache-control")  # as h11 gives them: lower case
+KEPT_HEADERS = (b"content-type", b"cache-control")  # as the wire reads them: lower case
 
 
 def stream_cut_event(exc: Exception) -> bytes:

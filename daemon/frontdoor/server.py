@@ -4,7 +4,7 @@ It binds `[frontdoor] host:port` (loopback by default, 127.0.0.1:11436). A port 
 program holds does not stop the daemon: the front door logs why and stays off, the rest of the
 daemon serves on. A reload that changes `enabled`, `host` or `port` closes the old address and
 listens on the new one; the requests the old one took are answered on. Requests are served by
-daemon/frontdoor/http11.py (h11 on trio sockets) and routed by `FrontDoor` (app.py); the engine
+daemon/frontdoor/http11.py (trio sockets, h11 parsing requests) and routed by `FrontDoor` (app.py); the engine
 is reached through one `EngineWire` (its keep-alive pool) for the daemon's life.
 """
 

@@ -370,3 +370,91 @@ async def test_a_client_that_stops_reading_at_done_finds_the_pumped_stream_count
                     text = generate_latest(metrics.registry).decode()  # at once, with no await between
             assert 'stoker_requests_total{code="200",route="/v1/chat/completions"}' in text, text
             assert 'stoker_generated_tokens_total{route="/v1/chat/completions"}' in text, text
+
+
+async def test_answers_framed_by_length_by_close_or_after_an_interim_answer_come_whole(nursery):
+    """The wire reads an answer's head itself: a Content-Length body that arrives in pieces (the
+    connection kept for the next request), a body that ends when the engine closes (never
+    kept), an empty 204, and a `100 Continue` before the real answer, headers as the engine wrote
+    them (names in lower case)."""
+
+    connections: list[object] = []  # for each request, the connection it came on (its client's port)
+
+    async def framed(stream: trio.SocketStream, request: bytes) -> bool:
+        connections.append(stream.socket.getpeername())
+        tail = request.split(b"\r\n\r\n", 1)[1]
+        if tail == b"pieces":
+            await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\nX-Slot:  3 \r\n\r\n01234")
+            await trio.sleep(0.01)
+            await stream.send_all(b"56789")
+            return True
+        if tail == b"to-close":
+            await stream.send_all(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it")
+            return False
+        if tail == b"empty":
+            await stream.send_all(b"HTTP/1.1 204 No Content\r\n\r\n")
+            return True
+        await stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 \r\ncontent-length: 2\r\n\r\nok")
+        return True
+
+    url = await serve(nursery, framed, [])
+    async with EngineWire() as wire:
+        client = EngineClient(url, None, httpx.AsyncClient(), wire=wire)
+        with trio.fail_after(5):
+            async with client.forward("POST", "/x", content=b"pieces") as answer:
+                assert answer.raw_headers == [(b"content-length", b"10"), (b"x-slot", b"3")]
+                assert b"".join([piece async for piece in answer.aiter_raw()]) == b"0123456789"
+            assert await ask(client, b"to-close", False) == (200, b"all of it")
+            assert await ask(client, b"empty", False) == (204, b"")
+            assert await ask(client, b"interim", False) == (201, b"ok")
+            assert await ask(client, b"pieces", False) == (200, b"0123456789")
+    # Each connection kept for the next request, but the one whose body ended with its close.
+    first, second = connections[0], connections[2]
+    assert connections == [first, first, second, second, second] and first != second
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"",  # closed without a word
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n",  # closed within the head
+        b"HTTP/2 200\r\n\r\n",
+        b"HTTP/1.1 20 OK\r\n\r\n",
+        b"SSH-2.0-OpenSSH_9.6\r\n\r\n",
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Type : text/plain\r\n\r\n",  # a blank before the colon
+        b"HTTP/1.1 200 OK\r\nX-A: 1\r\n folded\r\n\r\n",  # obsolete line folding
+        b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nabc",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n01234",  # cut within its body
+        b"HTTP/1.1 200 OK\r\nX-Big: " + b"x" * 70_000,  # a head that never ends
+    ],
+    ids=repr,
+)
+async def test_a_malformed_or_cut_answer_is_the_engines_protocol_error_never_a_hang(nursery, answer):
+    """What the front door answers with its reason codes (a 502 `engine_unreachable` before the
+    first byte, the `engine_stream_cut` event midway): a protocol error, at once."""
+
+    async def engine(stream: trio.SocketStream, request: bytes) -> bool:
+        await stream.send_all(answer)
+        return False
+
+    url = await serve(nursery, engine, [])
+    async with EngineWire() as wire:
+        with trio.fail_after(5), pytest.raises(httpx.RemoteProtocolError):
+            await ask(EngineClient(url, None, httpx.AsyncClient(), wire=wire), b"{}", False)
+
+
+async def test_a_request_whose_target_or_header_would_break_its_head_is_not_sent(nursery):
+    seen: list[bytes] = []
+    url = await serve(nursery, llama_like, seen)
+    async with EngineWire() as wire:
+        client = EngineClient(url, None, httpx.AsyncClient(), wire=wire)
+        for target, headers in [("/x HTTP/1.1\r\nX-Evil: 1", {}), ("/x", {"X-Key": "a\r\nX-Evil: 1"})]:
+            with trio.fail_after(5), pytest.raises(httpx.LocalProtocolError):
+                async with client.forward("POST", target, content=b"{}", headers=headers):
+                    pass
+        assert await ask(client, b"{}", False) == (200, b"{}")
+    assert len(seen) == 1 and b"evil" not in seen[0].lower()

@@ -11,9 +11,10 @@ from typing import AsyncIterator
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from stoker.daemon.config.model import Config
-from stoker.daemon.frontdoor.http11 import ClientGone, Request, open_listeners, serve_http
+from stoker.daemon.frontdoor.http11 import PIPELINED_BYTES, READ_BYTES, ClientGone, Request, open_listeners, serve_http
 from stoker.daemon.frontdoor.metrics import FrontDoorMetrics
 from tests.unit.test_frontdoor_metrics import Daemon, metrics_for, value
 
@@ -103,6 +104,59 @@ async def test_a_request_sent_before_the_last_answer_is_over_is_answered(server,
             assert b"GET /v1/models 0" in await read_answer(client, buffered)
 
 
+async def read_to_eof(stream: trio.SocketStream) -> bytes:
+    got = b""
+    while data := await stream.receive_some(65536):
+        got += data
+    return got
+
+
+async def test_clients_that_close_get_their_framing_and_the_close_heads_get_no_body(server, autojump_clock):
+    """The answers' heads are written by the server itself, as h11 wrote them: an HTTP/1.0
+    client's stream comes unchunked and ends with the connection; `Connection: close` is
+    answered with it and honoured; a HEAD gets the head a GET would, no body, and the connection
+    goes on."""
+    with trio.fail_after(10):
+        async with await trio.open_tcp_stream("127.0.0.1", server) as client:
+            await client.send_all(b"POST /slow HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
+            got = await read_to_eof(client)
+        head, body = got.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 200 ") and b"transfer-encoding" not in head.lower()
+        assert b"connection: close" in head.lower() and body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+        async with await trio.open_tcp_stream("127.0.0.1", server) as client:
+            await client.send_all(b"POST /v1/x HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 2\r\n\r\nhi")
+            got = await read_to_eof(client)
+        assert got.startswith(b"HTTP/1.1 200 ") and b"connection: close\r\n" in got and got.endswith(b"POST /v1/x 2")
+        async with await trio.open_tcp_stream("127.0.0.1", server) as client:
+            await client.send_all(b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            await client.send_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            buffered = bytearray()
+            while buffered.count(b"\r\n\r\n") < 2:
+                buffered += await more(client)
+            head, rest = bytes(buffered).split(b"\r\n\r\n", 1)
+            assert head.startswith(b"HTTP/1.1 200 ") and b"content-length: 17" in head  # "HEAD /v1/models 0", unsent
+            assert rest.startswith(b"HTTP/1.1 200 ")
+            assert b"GET /v1/models 0" in await read_answer(client, bytearray(rest))
+
+
+async def test_a_refusal_before_the_body_says_close_once_and_closes(nursery, autojump_clock):
+    """An answer given before the request's body was read (a refused key, a body too large) says
+    `Connection: close` once, whether the handler said it or not, and the connection closes."""
+
+    async def refuse(request: Request) -> None:
+        said = [(b"connection", b"close")] if request.path == "/said" else []
+        await request.respond(413, said, b"no")
+
+    port, _ = await front(nursery, refuse)
+    for path in (b"/said", b"/unsaid"):
+        with trio.fail_after(10):
+            async with await trio.open_tcp_stream("127.0.0.1", port) as client:
+                await client.send_all(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n" % path)
+                got = await read_to_eof(client)
+        assert got.startswith(b"HTTP/1.1 413 ") and got.endswith(b"\r\n\r\nno"), got
+        assert got.lower().count(b"connection:") == 1 and b"connection: close\r\n" in got, got
+
+
 async def test_expect_100_continue_is_answered_before_the_body(server):
     with trio.fail_after(10):
         async with await trio.open_tcp_stream("127.0.0.1", server) as client:
@@ -177,6 +231,61 @@ async def test_a_client_that_leaves_cancels_the_watched_wait_and_is_counted_gone
     assert seen == [True]
     text = (await metrics.scrape()).decode()
     assert value(text, "stoker_requests_total", route="/v1/chat/completions", code="none") == 1, text
+
+
+async def test_a_client_that_left_before_the_watched_block_began_cancels_it_at_once(nursery):
+    """The connection's reader notices a client that leaves while its request is still being
+    checked (before `watching()`): the watched block is cancelled as it begins."""
+    closed, left = trio.Event(), trio.Event()
+    seen: list[bool] = []
+
+    async def slow_check(request: Request) -> None:
+        await closed.wait()  # the key check, the body: the client leaves meanwhile
+        await trio.testing.wait_all_tasks_blocked()  # its EOF has been read
+        async with request.watching():
+            await trio.sleep_forever()
+        seen.append(request.gone)
+        left.set()
+
+    port, _ = await front(nursery, slow_check)
+    with trio.fail_after(10):
+        async with await trio.open_tcp_stream("127.0.0.1", port) as client:
+            await client.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        closed.set()
+        await left.wait()
+    assert seen == [True]
+
+
+async def test_a_client_far_ahead_of_its_answers_is_read_no_further_until_it_is_answered(nursery):
+    """While an answer is under way, a client's next requests are read up to `PIPELINED_BYTES`
+    and no further (its socket waits in the kernel); once the answer is over, the next request,
+    a large body, is read and answered whole."""
+    answering = trio.Event()
+    buffered_while_answering: list[int] = []
+
+    async def handler(request: Request) -> None:
+        if request.path == "/wait":
+            async with request.watching():
+                answering.set()
+                await trio.testing.wait_all_tasks_blocked()  # the client has sent its next, large request
+                buffered_while_answering.append(len(request._conn.h11.trailing_data[0]))
+        await echo(request)
+
+    port, _ = await front(nursery, handler)
+    body = b"x" * (4 * PIPELINED_BYTES)
+    with trio.fail_after(10):
+        async with await trio.open_tcp_stream("127.0.0.1", port) as client:
+            await client.send_all(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
+            await answering.wait()
+            async with trio.open_nursery() as sending:
+                sending.start_soon(
+                    client.send_all,
+                    b"POST /big HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body),
+                )
+                buffered = bytearray()
+                assert b"GET /wait 0" in await read_answer(client, buffered)
+                assert b"POST /big %d" % len(body) in await read_answer(client, buffered)
+    assert PIPELINED_BYTES < buffered_while_answering[0] <= PIPELINED_BYTES + READ_BYTES
 
 
 async def test_an_answer_is_counted_by_the_time_its_client_has_it_whole(nursery, autojump_clock):

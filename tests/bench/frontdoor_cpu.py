@@ -1,0 +1,135 @@
+"""The daemon's CPU per short streamed request through the front door: two trees side by side.
+
+    .venv/bin/python tests/bench/frontdoor_cpu.py --before ../main [--after .] [--block 200] [--blocks 10]
+
+Two daemons run at once, each from its own checkout's virtual environment (`TREE/.venv`), each
+serving the tiny generated model with its front door on a free port (16 slots). The same raw
+client as tests/bench/frontdoor.py sends short streamed chat completions (4 tokens), in blocks of
+`--block` requests to one daemon's front door, then to the other's, then the same to each engine
+directly, the order turned at every block; each block's figure is the daemon's CPU (user +
+system, from /proc) over it, per request. On a shared machine whose speed drifts from one minute
+to the next, runs of one tree after the other measure the drift more than the trees (two runs of
+tests/bench/frontdoor.py on one tree differed by 2x); blocks taking turns on two live daemons
+weigh it on both alike. The figure to read is the median of the per-block ratios, after / before.
+Prints only (docs/benchmarks.md quotes it by hand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from stoker.daemon.bundles.tinymodel import write_tiny_model  # noqa: E402
+from stoker.daemon.core.paths import StokerPaths  # noqa: E402
+from tests.bench.rawchat import Conn, chat_body  # noqa: E402
+from tests.bench.report import engine_bundle, machine  # noqa: E402
+from tests.integration.daemon_harness import DaemonProcess, write_config  # noqa: E402
+
+SLOTS = 16
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
+def start_daemon(tree: Path, home: Path, bundle_zip: Path | None) -> tuple[DaemonProcess, list[tuple[str, str | None]]]:
+    """A daemon of `tree` on `home`, ready: it and its (engine, front door) URLs with their keys."""
+    os.environ["STOKER_HOME"] = str(home)
+    engine_bundle(StokerPaths.from_env(), bundle_zip)
+    model = write_tiny_model(home / "tiny.gguf", n_ctx=4096)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    daemon = DaemonProcess(home)
+    config = f"[server]\nmodel = {json.dumps(str(model))}\nctx_size = {SLOTS * 2048}\nparallel = {SLOTS}\n"
+    write_config(daemon.paths, config + f"[frontdoor]\nport = {port}\n")
+    own, sys.executable = sys.executable, str(tree / ".venv" / "bin" / "python")  # the harness starts sys.executable
+    try:
+        daemon.start()
+    finally:
+        sys.executable = own
+    status = daemon.wait_state("ready", timeout=600)
+    return daemon, [(status["endpoint"], status["api_key"]), (f"http://127.0.0.1:{port}", None)]
+
+
+async def blocks(
+    arms: dict[str, tuple[psutil.Process, list[Conn]]], size: int, count: int
+) -> dict[tuple[str, int], list[float]]:
+    """Per arm and path (0 direct, 1 front door), each block's daemon CPU per request, in ms."""
+    body = chat_body("hi there", 4)
+    for _, conns in arms.values():
+        for conn in conns:
+            for _ in range(3):  # connections open, the prompt cached, the front door's pool filled
+                await conn.chat(chat_body("hi there", 2))
+    spent: dict[tuple[str, int], list[float]] = {(name, path): [] for name in arms for path in (0, 1)}
+    names = list(arms)
+    for i in range(count):
+        for path in (1, 0):
+            for name in names if i % 2 == 0 else names[::-1]:
+                proc, conns = arms[name]
+                before = cpu_s(proc)
+                for _ in range(size):
+                    stream = await conns[path].chat(body)
+                    if not stream.ok:
+                        raise RuntimeError(f"{name}: status {stream.status}, {stream.error}")
+                spent[(name, path)].append((cpu_s(proc) - before) / size * 1000)
+    return spent
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--before", type=Path, required=True, help="the tree before (its .venv runs its daemon)")
+    ap.add_argument("--after", type=Path, default=ROOT, help="the tree after (default: this one)")
+    ap.add_argument("--block", type=int, default=200, help="requests per block")
+    ap.add_argument("--blocks", type=int, default=10)
+    ap.add_argument("--bundle", type=Path, default=None, help="an engine bundle zip (default: build the CPU one)")
+    args = ap.parse_args()
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="frontdoor-cpu-") as tmp:
+        daemons: list[DaemonProcess] = []
+        arms: dict[str, tuple[psutil.Process, list[Conn]]] = {}
+        try:
+            for name, tree in (("before", args.before.resolve()), ("after", args.after.resolve())):
+                home = Path(tmp) / name
+                home.mkdir()
+                daemon, urls = start_daemon(tree, home, args.bundle)
+                daemons.append(daemon)
+                assert daemon.proc is not None
+                arms[name] = (psutil.Process(daemon.proc.pid), [Conn(url, key) for url, key in urls])
+            spent = asyncio.run(blocks(arms, args.block, args.blocks))
+        finally:
+            for daemon in daemons:
+                daemon.stop()
+    print(f"{machine()}; load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
+    print(f"{args.blocks} blocks of {args.block} short streamed requests on each path of each daemon, taking turns")
+    for path, label in ((1, "front door"), (0, "direct")):
+        for name in arms:
+            values = spent[(name, path)]
+            shown = ", ".join(f"{v:.2f}" for v in values)
+            print(
+                f"{label}, {name}: median {statistics.median(values):.2f} ms of the daemon's CPU per request ({shown})"
+            )
+    ratios = [a / b for a, b in zip(spent[("after", 1)], spent[("before", 1)])]
+    print(
+        f"front door, after / before, per block: median {statistics.median(ratios):.3f} "
+        f"({', '.join(f'{r:.2f}' for r in ratios)})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
