@@ -1,6 +1,7 @@
 """The daemon: one root nursery in which every service starts, in this order.
 
-    private dirs -> lock -> store -> config -> store keeper -> probes -> installs (resumes interrupted installs)
+    (daemon/start.py: private dirs -> lock -> store -> config -> plugins -> probes, while this
+     module loads) -> store keeper -> installs (resumes interrupted installs)
          -> pulls -> snapshots -> the fleet (one supervisor per configured model, each resuming its
             launch machine; its planner is its own fallback orchestrator) -> engine updates (resumes
             one left mid-way; the opt-in automatic check) -> telemetry
@@ -37,7 +38,7 @@ import trio
 
 from stoker.daemon.core import sdnotify
 from stoker.states.convert import structure, unstructure
-from stoker.daemon.config.model import Config, ConfigError, config_diff, load_config
+from stoker.daemon.config.model import Config, ConfigError, config_diff
 from stoker.daemon.config.watch import watch_config
 from stoker.daemon.control.controlled import HistoryQuery
 from stoker.daemon.control.methods import dispatch
@@ -58,15 +59,9 @@ from stoker.daemon.core.errors import StokerError
 from stoker.daemon.core.events import EventBus
 from stoker.daemon.core.machines import EffectDriver, MachineRunner
 from stoker.daemon.core.paths import StokerPaths
-from stoker.daemon.engine.fit import CACHE_FILE as FIT_CACHE_FILE
-from stoker.daemon.engine.fit import keep_answers_in
-from stoker.daemon.models.facts import keep_layouts_in
-from stoker.daemon.core.pidlock import acquire_lock, data_dir_unwritable
 from stoker.daemon.core.store_keeper import serve_store_keeper
 from stoker.daemon.core.launch_records import runs_root, stop_abandoned
-from stoker.daemon.backends import load_backends
-from stoker.daemon.backends.registry import try_order
-from stoker.daemon.backends.base import Detection
+from stoker.daemon.backends.base import Backend, Detection
 from stoker.daemon.bundles.installed import InstalledBundle
 from stoker.daemon.fallback.orchestrator import FallbackOrchestrator
 from stoker.daemon.fleet.engine_servers import FleetEngineServers
@@ -88,7 +83,7 @@ from stoker.daemon.telemetry.sampler import ServerTarget, TelemetrySampler
 from stoker.daemon.telemetry.publisher import serve_telemetry
 from stoker.states.config import table as C
 from stoker.states.launch import records as LR
-from stoker.store import TransitionRecord, open_store
+from stoker.store import TransitionRecord
 from stoker.store.catalog import ModelRecord
 from stoker.store.database import Store, StoreHealth
 from stoker.store.errors import StoreError
@@ -104,8 +99,9 @@ class Daemon:
     store: Store
     bus: EventBus
     config: Config
+    backends: dict[str, Backend]  # the plugins that loaded (daemon/start.py loads them first)
+    probes: ProbeService  # serving already (daemon/start.py: the probes run while this module loads)
     fleet: Fleet = attrs.field(init=False)  # every configured model's supervisor and orchestrator
-    probes: ProbeService = attrs.field(init=False)
     installs: InstallService = attrs.field(init=False)
     engine_updates: EngineUpdateService = attrs.field(init=False)  # `stoker engine update|rollback`
     snapshots: SnapshotService = attrs.field(init=False)
@@ -130,9 +126,8 @@ class Daemon:
     )  # fired at every transition (and every request's end)
 
     def __attrs_post_init__(self) -> None:
-        # Plugins first: loading one registers the reason codes it brings, which the machine
-        # rows restored below may hold (a fallback that recorded fakegpu_startup_failed).
-        backends = load_backends()
+        backends = self.backends
+        self.probes.publish = self.publish  # its events on the bus, and the change signal fired
         self.store.on_health = self._on_store_health
         self.config_runner = MachineRunner(C.CONFIG, "config", self.store, publish=self.publish)
         self._config_effects = EffectDriver(C.CONFIG, {C.ApplyConfig: self._apply_config})
@@ -140,12 +135,6 @@ class Daemon:
         self.keys = KeyStore(self.store)
         self.pulls = PullService(
             self.paths, self.store, self.publish, in_use=self.serves_model, launched_by=self.serves_by_name
-        )
-        self.probes = ProbeService(
-            self.store,
-            try_order(backends),
-            publish=self.publish,
-            quick={name: b.quick_detect for name, b in backends.items()},
         )
         self.installs = InstallService(
             self.paths,
@@ -387,6 +376,15 @@ class Daemon:
     def _frontdoor_bound(self, binds: list[str]) -> None:
         self.frontdoor_binds = binds
 
+    def refuse_initial_config(self, problems: list[str]) -> None:
+        """The config file read at start is invalid: defaults in force, nothing started until it is fixed."""
+        log.warning(
+            "config refused at start, the server is not started (fix it, then `stoker up`): %s", "; ".join(problems)
+        )
+        self.config_problems = problems
+        self.config_loaded_invalid = True
+        self.config_runner.fire(C.ConfigRejected(problems))
+
     def on_config_invalid(self, err: ConfigError) -> None:
         self.config_problems = list(err.problems)
         self.config_runner.fire(C.ConfigRejected(err.problems))
@@ -404,9 +402,6 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._handle_signals)
             await nursery.start(serve_store_keeper, self.store)
-            await nursery.start(self.probes.serve)
-            # What a killed daemon (or CLI) left running (a smoke run, a build, a probe) ends first.
-            await stop_abandoned(runs_root(self.paths.runtime_dir), self.config.supervisor.stop_grace_s)
             # Installs and pulls a killed daemon left mid-way go on while the rest starts.
             nursery.start_soon(self.installs.resume_all)
             nursery.start_soon(self.pulls.resume_all)
@@ -468,46 +463,3 @@ class Daemon:
                     continue  # the config watcher already follows the file
                 log.info("signal %s: shutting down", signal.Signals(signum).name)
                 self.request_shutdown()
-
-
-def load_initial_config(paths: StokerPaths) -> tuple[Config, list[str]]:
-    try:
-        return load_config(paths.config_file), []
-    except ConfigError as err:
-        return Config(), list(err.problems)
-
-
-async def run_daemon(
-    paths: StokerPaths,
-    *,
-    autostart: bool = True,
-    load_default: bool = True,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Run the daemon until shutdown; raises StokerError if it cannot start. `load_default`
-    False: the default model loads at its first request, not with the daemon."""
-    try:
-        paths.make_private()
-    except OSError as exc:
-        raise data_dir_unwritable(paths.data_dir, exc) from None
-    lock_fd = acquire_lock(paths.lock_file)
-    try:
-        # The engine fitter's answers, kept across daemons (daemon/engine/fit.py FitCache).
-        keep_answers_in(paths.data_dir / FIT_CACHE_FILE)
-        keep_layouts_in(paths.data_dir / "gguf-headers.json")  # the GGUF headers parsed, likewise
-        store = open_store(paths.db_file)
-        config, problems = load_initial_config(paths)
-        daemon = Daemon(paths, store, EventBus(), config)
-        if problems:
-            log.warning(
-                "config refused at start, the server is not started (fix it, then `stoker up`): %s", "; ".join(problems)
-            )
-            daemon.config_problems = problems
-            daemon.config_loaded_invalid = True
-            daemon.config_runner.fire(C.ConfigRejected(problems))
-        try:
-            await daemon.serve(autostart=autostart, load_default=load_default, task_status=task_status)
-        finally:
-            store.close()
-    finally:
-        os.close(lock_fd)

@@ -11,7 +11,7 @@ the reason codes it brings (`Backend.reason_messages`), so that every process th
 (the daemon, a probe child, `stoker bundle verify`) reads and stores them like Stoker's own.
 
 This module also answers the core's questions about the loaded set: the order auto mode
-tries them in (`try_order`), a backend's code for a fallback step (`family_reason`), and
+tries them in (`try_order`, and a preference's candidates: `candidates_for`), a backend's code for a fallback step (`family_reason`), and
 which names a config may prefer without importing any plugin (`registered_names`).
 """
 
@@ -164,6 +164,14 @@ def load_backend(name: str, entry_points: Iterable[metadata.EntryPoint] | None =
 def try_order(backends: Mapping[str, Backend]) -> tuple[str, ...]:
     """The names in the order auto mode tries them: by each backend's `auto_rank`, then name."""
     return tuple(sorted(backends, key=lambda name: (backends[name].auto_rank, name)))
+
+
+def candidates_for(prefer: str, backends: Mapping[str, Backend]) -> tuple[tuple[str, ...], bool]:
+    """(backends to try in order, forced). Anything but "auto" is forced: exactly that one;
+    auto tries every loaded backend in the order they declare (`auto_rank`: the CPU last)."""
+    if prefer != "auto":
+        return (prefer,), True
+    return try_order(backends), False
 
 
 def family_reason(backends: Mapping[str, Backend], name: str, kind: ReasonKind, default: ReasonCode) -> ReasonCode:

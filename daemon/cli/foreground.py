@@ -22,7 +22,7 @@ from stoker.daemon.core.logfiles import DaemonLogHandler
 from stoker.daemon.core.openfiles import raise_open_files_limit
 from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.core.pidlock import data_dir_unwritable
-from stoker.daemon.runtime import load_initial_config, log, run_daemon
+from stoker.daemon.start import load_initial_config, log, run_daemon
 from stoker.states.reasons import ReasonCode, ReasonedError
 
 

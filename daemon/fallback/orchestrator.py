@@ -40,7 +40,7 @@ import attrs
 import trio
 
 from stoker.daemon.backends.base import Backend, Detection, ReasonKind
-from stoker.daemon.backends.registry import family_reason, try_order
+from stoker.daemon.backends.registry import candidates_for, family_reason
 from stoker.daemon.bundles.installed import InstalledBundle, list_installed
 from stoker.daemon.config.model import Config
 from stoker.daemon.core.errors import StokerError
@@ -143,14 +143,6 @@ def startup_sentence(backend: str, reason: ReasonCode, detail: Mapping[str, Any]
     last = detail.get("line") or (tail[-1] if tail else None)
     said = f"; its log: {last}" if last else ""
     return f"The {backend} server {how} before it was ready ({reason}){said}. See the server log and `stoker history`."
-
-
-def candidates_for(prefer: str, backends: Mapping[str, Backend]) -> tuple[tuple[str, ...], bool]:
-    """(backends to try in order, forced). Anything but "auto" is forced: exactly that one;
-    auto tries every loaded backend in the order they declare (`auto_rank`: the CPU last)."""
-    if prefer != "auto":
-        return (prefer,), True
-    return try_order(backends), False
 
 
 def detection_evidence(detection: Detection) -> dict[str, Any]:

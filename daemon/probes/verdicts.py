@@ -168,6 +168,13 @@ class ProbeService:
                 nursery.start_soon(one, name)
         return {name: results[name] for name in names}
 
+    def start_probes(self, backends: Iterable[str]) -> None:
+        """Start a probe of each backend that has no verdict within the TTL and none in flight,
+        without waiting for it: a later `probe` joins it, or reads its verdict from the cache."""
+        for backend in backends:
+            if backend in self.backends and self.cached(backend) is None and not self._running.get(backend):
+                self._start(backend)
+
     def verdicts(self) -> dict[str, dict[str, Any]]:
         """Every backend's last verdict (cached or not) for status displays."""
         out = {}

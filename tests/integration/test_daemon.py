@@ -42,6 +42,22 @@ def test_up_ready_chat_down(daemon, model):
     assert path[-2:] == ["stopping", "stopped"]
 
 
+def test_a_fresh_daemon_probes_its_backends_once_and_ahead_where_it_has_the_cores(daemon):
+    """Where the probes get cores of their own (daemon/start.py) they start while the daemon's
+    code loads: each candidate's probe is asked for before the default model's launch machine
+    moves, and the plan joins it; elsewhere the plan asks for them. Either way, once each."""
+    from stoker.daemon.start import AHEAD_MIN_CORES, usable_cores
+
+    daemon.start()
+    daemon.wait_state("ready")
+    rows = daemon.history(kind="probe", limit=500)
+    asked = sorted(r["machine_id"] for r in rows if r["event"] == "ProbeRequested")
+    assert asked == sorted(f"probe:{name}" for name in daemon.call("status")["probes"]), rows
+    first_launch = min(r["id"] for r in daemon.history(machine="launch", limit=500))
+    ahead = max(r["id"] for r in rows if r["event"] == "ProbeRequested") < first_launch
+    assert ahead == (usable_cores() >= AHEAD_MIN_CORES)
+
+
 def test_killed_server_is_restarted_and_history_says_so(daemon, model):
     daemon.start()
     first = daemon.wait_state("ready")

@@ -23,7 +23,8 @@ from stoker.daemon.bundles.tinymodel import write_tiny_model
 from stoker.daemon.config.model import BackendConfig, Config, ServerConfig
 from stoker.daemon.core.errors import StokerError
 from stoker.daemon.engine.process import server_argv
-from stoker.daemon.fallback.orchestrator import FallbackOrchestrator, candidates_for
+from stoker.daemon.backends.registry import candidates_for
+from stoker.daemon.fallback.orchestrator import FallbackOrchestrator
 from stoker.daemon.launch.supervisor import server_spec
 from stoker.daemon.core.paths import StokerPaths
 from stoker.daemon.probes.verdicts import ProbeService

@@ -178,6 +178,31 @@ def test_concurrent_callers_share_one_probe():
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+def test_probes_started_ahead_are_joined_by_the_plan_and_run_once():
+    """A daemon asks for its candidates' verdicts while its code loads (daemon/start.py): the
+    plan's probes join those in flight, a fresh verdict starts nothing, an unknown name is skipped."""
+
+    async def main():
+        store = open_store(":memory:")
+        fake = FakeProbes([3.0])
+        service = ProbeService(store, ("cuda", "vulkan"), run_probe=fake)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.serve)
+            service.start_probes(["cuda", "vulkan", "nothing-such"])
+            await trio.sleep(1.0)
+            service.start_probes(["cuda"])  # in flight already: not started again
+            with trio.fail_after(5):
+                results = await service.probe_all(["cuda", "vulkan"])
+            assert trio.current_time() == pytest.approx(3.0)  # joined, not waited for anew
+            service.start_probes(["cuda", "vulkan"])  # verdicts within the TTL: nothing started
+            await trio.sleep(0)
+            nursery.cancel_scope.cancel()
+        assert fake.calls == 2
+        assert {name: r.generation for name, r in results.items()} == {"cuda": 1, "vulkan": 1}
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
 def test_a_machine_left_probing_by_a_dead_daemon_is_probed_again():
     async def main():
         store = open_store(":memory:")
