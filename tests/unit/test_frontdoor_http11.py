@@ -208,6 +208,14 @@ async def test_an_answer_cut_while_the_client_is_watched_is_counted_as_what_cut_
     assert value(text, cuts, route="/v1/chat/completions", reason="error") is None, text
 
 
+async def post_and_leave(port: int, *, once: trio.Event | None = None) -> None:
+    """A client that sends an empty POST and closes its connection (`once`: after that event)."""
+    async with await trio.open_tcp_stream("127.0.0.1", port) as client:
+        await client.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        if once is not None:
+            await once.wait()
+
+
 async def test_a_client_that_leaves_cancels_the_watched_wait_and_is_counted_gone(nursery):
     """A request waiting under `watching()` (held, or the engine thinking) whose client closes
     its connection: the wait is cancelled at once, the request says `gone`, the handler's code
@@ -224,9 +232,7 @@ async def test_a_client_that_leaves_cancels_the_watched_wait_and_is_counted_gone
 
     port, metrics = await front(nursery, held)
     with trio.fail_after(10):
-        async with await trio.open_tcp_stream("127.0.0.1", port) as client:
-            await client.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
-            await waiting.wait()
+        await post_and_leave(port, once=waiting)
         await left.wait()
     assert seen == [True]
     text = (await metrics.scrape()).decode()
@@ -249,8 +255,7 @@ async def test_a_client_that_left_before_the_watched_block_began_cancels_it_at_o
 
     port, _ = await front(nursery, slow_check)
     with trio.fail_after(10):
-        async with await trio.open_tcp_stream("127.0.0.1", port) as client:
-            await client.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        await post_and_leave(port)
         closed.set()
         await left.wait()
     assert seen == [True]
