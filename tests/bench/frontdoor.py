@@ -22,6 +22,8 @@ many tokens.
    from the daemon).
 2. Tokens/s of one long stream: median of the per-round ratios front door / direct (>= 0.99).
 3. Aggregate tokens/s with 16 and 64 concurrent streams (one connection each): the same (>= 0.97).
+   Beside it, how far apart the round's streams got their first tokens (the last one's time to
+   first token less the first one's): how spread out the engine received the round's requests.
 4. A planned restart (`restart` on the control socket, as `stoker restart` sends it) while
    clients loop through the front door: the longest request, the p99, and failures (target 0).
 
@@ -119,9 +121,19 @@ async def sequential(
     return out
 
 
+@attrs.frozen
+class Concurrent:
+    """Per path and round: the aggregate tokens/s, and the spread of the streams' first tokens
+    (the last one's time to first token less the first one's, ms): how far apart the engine got
+    the round's requests."""
+
+    tps: list[list[float]]
+    spread_ms: list[list[float]]
+
+
 async def concurrent(
     urls: list[tuple[str, str | None]], cpu: DaemonCPU, n: int, rounds: int, tokens: int
-) -> list[list[float]]:
+) -> Concurrent:
     """Aggregate tokens/s of `n` streams at once, one connection each, per path and round."""
     pools = [[Conn(u, k) for _ in range(n)] for u, k in urls]
     prompt = "Tell me about rivers."
@@ -129,7 +141,7 @@ async def concurrent(
     for pool in pools:  # the prompt cached in every slot, for both paths, before the first round
         for s in await asyncio.gather(*(c.chat(chat_body(prompt, 2)) for c in pool)):
             checked(s, "warm-up")
-    out: list[list[float]] = [[], []]
+    out = Concurrent([[], []], [[], []])
     for i in range(rounds):
         for p in turns(i):
             started = time.perf_counter()
@@ -137,7 +149,9 @@ async def concurrent(
             wall = time.perf_counter() - started
             for s in streams:
                 checked(s, f"{PATHS[p]}, {n} streams")
-            out[p].append(sum(s.tokens for s in streams) / wall)
+            out.tps[p].append(sum(s.tokens for s in streams) / wall)
+            firsts = [s.ttft for s in streams if s.ttft is not None]
+            out.spread_ms[p].append((max(firsts) - min(firsts)) * 1000)
     for pool in pools:
         for c in pool:
             c.close()
@@ -219,7 +233,7 @@ class Results:
     own_ms: list[float]  # the front door's clock: `added_ms` of each time-to-first-token request
     long: list[list[Stream]]
     long_cpu: list[float]
-    conc: dict[int, list[list[float]]]
+    conc: dict[int, Concurrent]
     restarts: list[RestartRun]
     retries: int = 0  # the front door's retries, from the daemon's log
 
@@ -265,7 +279,7 @@ def report(r: Results, args: argparse.Namespace) -> tuple[str, bool]:
     ttft_added_p99 = percentile(own, 99) + unseen
     tps = [[s.tokens / s.elapsed for s in path] for path in r.long]
     long_ratio = statistics.median(b / a for a, b in zip(*tps))
-    conc_ratio = {n: statistics.median(b / a for a, b in zip(*v)) for n, v in r.conc.items()}
+    conc_ratio = {n: statistics.median(b / a for a, b in zip(*v.tps)) for n, v in r.conc.items()}
     lat = [x for run in r.restarts for x in run.latencies_ms]
     before = [x for run in r.restarts for x in run.before_ms]
     failures = [f for run in r.restarts for f in run.failures]
@@ -327,12 +341,23 @@ def report(r: Results, args: argparse.Namespace) -> tuple[str, bool]:
     for n, v in r.conc.items():
         lines.append(
             row(
-                f"{n} concurrent streams, {args.conc_tokens} tokens each (aggregate tokens/s, median of {len(v[0])})",
-                f"{statistics.median(v[0]):.0f}",
-                f"{statistics.median(v[1]):.0f}",
+                f"{n} concurrent streams, {args.conc_tokens} tokens each (aggregate tokens/s, median of {len(v.tps[0])})",
+                f"{statistics.median(v.tps[0]):.0f}",
+                f"{statistics.median(v.tps[1]):.0f}",
                 f"{conc_ratio[n]:.3f}",
                 f">= {CONCURRENT}",
                 met[f"conc{n}"],
+            )
+        )
+    for n, v in r.conc.items():
+        lines.append(
+            row(
+                f"{n} concurrent streams: the round's first tokens, from the first to the last (median)",
+                f"{statistics.median(v.spread_ms[0]):.1f} ms",
+                f"{statistics.median(v.spread_ms[1]):.1f} ms",
+                f"+{statistics.median(v.spread_ms[1]) - statistics.median(v.spread_ms[0]):.1f} ms",
+                "-",
+                None,
             )
         )
     lines += [
