@@ -129,6 +129,7 @@ class Concurrent:
 
     tps: list[list[float]]
     spread_ms: list[list[float]]
+    pace: list[list[float]]  # a stream's tokens/s after its first token, the round's median
 
 
 async def concurrent(
@@ -141,7 +142,7 @@ async def concurrent(
     for pool in pools:  # the prompt cached in every slot, for both paths, before the first round
         for s in await asyncio.gather(*(c.chat(chat_body(prompt, 2)) for c in pool)):
             checked(s, "warm-up")
-    out = Concurrent([[], []], [[], []])
+    out = Concurrent([[], []], [[], []], [[], []])  # tps, spread_ms, pace
     for i in range(rounds):
         for p in turns(i):
             started = time.perf_counter()
@@ -152,6 +153,9 @@ async def concurrent(
             out.tps[p].append(sum(s.tokens for s in streams) / wall)
             firsts = [s.ttft for s in streams if s.ttft is not None]
             out.spread_ms[p].append((max(firsts) - min(firsts)) * 1000)
+            out.pace[p].append(
+                statistics.median((s.tokens - 1) / (s.elapsed - s.ttft) for s in streams if s.ttft is not None)
+            )
     for pool in pools:
         for c in pool:
             c.close()
@@ -356,6 +360,17 @@ def report(r: Results, args: argparse.Namespace) -> tuple[str, bool]:
                 f"{statistics.median(v.spread_ms[0]):.1f} ms",
                 f"{statistics.median(v.spread_ms[1]):.1f} ms",
                 f"+{statistics.median(v.spread_ms[1]) - statistics.median(v.spread_ms[0]):.1f} ms",
+                "-",
+                None,
+            )
+        )
+        # Once its first token came: the pace of the engine and of the relay, the arrival aside.
+        lines.append(
+            row(
+                f"{n} concurrent streams: a stream's tokens/s after its first token (median)",
+                f"{statistics.median(v.pace[0]):.0f}",
+                f"{statistics.median(v.pace[1]):.0f}",
+                f"{statistics.median(b / a for a, b in zip(*v.pace)):.3f}",
                 "-",
                 None,
             )
