@@ -59,6 +59,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from stoker.daemon.config.model import Config  # noqa: E402
+from stoker.daemon.config.instances import ServedModel  # noqa: E402
 from stoker.daemon.config.remote import is_loopback_host  # noqa: E402
 from stoker.daemon.core.http import loopback_client  # noqa: E402
 from stoker.daemon.core.paths import StokerPaths  # noqa: E402
@@ -120,6 +121,11 @@ class EngineMember:
     def endpoint(self) -> tuple[str | None, str | None]:
         return self.base_url, self.api_key
 
+    @property
+    def served(self) -> ServedModel:
+        """What the front door's rename reads: the id the engine answers under."""
+        return ServedModel(self.name, Config(), default=True)
+
 
 @attrs.define
 class EngineFleet:
@@ -139,6 +145,8 @@ class StandIn:
 
     config: Any
     fleet: EngineFleet
+    ollama_url: str | None = None  # Ollama's listener is not part of this comparison
+    ollama_error: str | None = None
 
     async def wait_state(self, states: Any) -> None:
         raise AssertionError("the engine is always ready here")
@@ -149,7 +157,10 @@ class StandIn:
 
 def stand_in(engine: str, key: str | None, port: int) -> StandIn:
     base = Config()
-    config = attrs.evolve(base, frontdoor=attrs.evolve(base.frontdoor, port=port))
+    # Ollama's listener is not part of this comparison (and its port is Ollama's own).
+    config = attrs.evolve(
+        base, frontdoor=attrs.evolve(base.frontdoor, port=port), ollama=attrs.evolve(base.ollama, enabled=False)
+    )
     return StandIn(config, EngineFleet(EngineMember(engine, key), Remotes()))
 
 
@@ -228,10 +239,12 @@ class AsgiRequest:
     def pumpable(self) -> bool:
         return False  # an ASGI app is handed no socket
 
-    async def end(self) -> None:
+    async def end(self, last: bytes = b"") -> None:
         if self.exchange is not None:
+            if last:
+                self.exchange.body_sent(last)
             self.exchange.body_complete()
-        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+        await self._send({"type": "http.response.body", "body": last, "more_body": False})
 
     @contextlib.asynccontextmanager
     async def watching(self) -> AsyncIterator[None]:
