@@ -141,6 +141,16 @@ class FaultServer:
         with self._lock:
             return sorted((r for r in self.log if path is None or r.path == path), key=lambda r: r.seq)
 
+    def requests_when(self, path: str | None, count: int, timeout: float = 10.0) -> list[RequestRecord]:
+        """`requests(path)` once `count` of them are recorded: a request is recorded as its
+        response ends in the server's thread, which may be after the client has read it all."""
+        deadline = time.monotonic() + timeout
+        while len(found := self.requests(path)) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(found)} requests for {path} recorded in {timeout:g} s, not {count}")
+            time.sleep(0.01)
+        return found
+
     def __enter__(self) -> "FaultServer":
         self._thread.start()
         return self
