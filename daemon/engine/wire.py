@@ -57,6 +57,7 @@ import trio
 
 from stoker.daemon.core.chunked import Dechunker, MalformedChunk
 from stoker.daemon.core.http import tls_context
+from stoker.daemon.core.http_heads import HeadLineBreak, head_bytes, says_close
 from stoker.daemon.core.relay_socket import RelaySocket, run_in_worker, socket_is_readable
 
 # One read: an SSE event is ~250 bytes, a non-streamed answer a few KiB; a read takes what is there.
@@ -175,7 +176,7 @@ class AnswerHead:
             )
         headers = []
         length: int | None = None
-        chunked = close = False
+        chunked = False
         for line in lines[1:]:
             field = _FIELD_LINE.fullmatch(line.removesuffix(b"\r"))
             if field is None:
@@ -190,8 +191,6 @@ class AnswerHead:
                 if value.lower() != b"chunked" or chunked:
                     raise httpx.RemoteProtocolError(f"the engine's answer has an unsupported coding: {value[:40]!r}")
                 chunked = True
-            elif name == b"connection":
-                close = close or b"close" in [token.strip().lower() for token in value.split(b",")]
         status = int(match[2])
         if method == "HEAD" or status in (204, 304) or status < 200:
             framing = 0
@@ -199,7 +198,7 @@ class AnswerHead:
             framing = CHUNKED
         else:
             framing = TO_CLOSE if length is None else length
-        keep = match[1] == b"1" and not close and framing != TO_CLOSE
+        keep = match[1] == b"1" and not says_close(headers) and framing != TO_CLOSE
         return cls(status, headers, framing, keep)
 
 
@@ -547,14 +546,13 @@ def request_bytes(method: str, target: str, headers: list[tuple[bytes, bytes]], 
     """A request as it goes on the wire: its line, `headers` (lower-case names, values Stoker
     built), then `body`. Raises `httpx.LocalProtocolError` for a line break or a blank where
     none may be (a header value or a target that would end the head early)."""
-    parts = [method.encode("ascii"), b" ", target.encode("latin-1"), b" HTTP/1.1\r\n"]
-    for name, value in headers:
-        parts += (name, b": ", value, b"\r\n")
-    parts.append(b"\r\n")
-    head = b"".join(parts)
-    lines = len(headers) + 2
-    if head.count(b"\n") != lines or head.count(b"\r") != lines or " " in target or not target:
-        raise httpx.LocalProtocolError(f"a request to the engine cannot carry a line break or a blank: {target[:80]!r}")
+    refused = f"a request to the engine cannot carry a line break or a blank: {target[:80]!r}"
+    if " " in target or not target:
+        raise httpx.LocalProtocolError(refused)
+    try:
+        head = head_bytes(b"%s %s HTTP/1.1" % (method.encode("ascii"), target.encode("latin-1")), headers)
+    except HeadLineBreak:
+        raise httpx.LocalProtocolError(refused) from None
     return head + body if body else head
 
 

@@ -42,6 +42,7 @@ import trio
 
 from stoker.daemon.config.remote import is_loopback_host
 from stoker.daemon.core.chunked import Dechunker, MalformedChunk
+from stoker.daemon.core.http_heads import HeadLineBreak, head_bytes, says_close
 from stoker.daemon.core.relay_socket import RelaySocket, accept_errors_to_retry, send_all_blocking
 from stoker.daemon.frontdoor.access import log_access
 from stoker.daemon.frontdoor.metrics import Exchange, RequestFigures
@@ -77,22 +78,10 @@ def response_head(status: int, headers: list[tuple[bytes, bytes]]) -> bytes:
     phrase). The values are the front door's own (or a client's header echoed, already parsed by
     h11, or the engine's, read strictly): a line break in one raises `h11.LocalProtocolError`
     rather than end the head early."""
-    parts = [b"HTTP/1.1 %d \r\n" % status]
-    for name, value in headers:
-        parts += (name, b": ", value, b"\r\n")
-    parts.append(b"\r\n")
-    head = b"".join(parts)
-    if head.count(b"\n") != len(headers) + 2 or head.count(b"\r") != len(headers) + 2:
-        raise h11.LocalProtocolError("an answer's header cannot carry a line break")
-    return head
-
-
-def says_close(headers: list[tuple[bytes, bytes]]) -> bool:
-    """The headers say `Connection: close` (a token of any `Connection` header, any case)."""
-    for name, value in headers:
-        if name == b"connection" and b"close" in (token.strip().lower() for token in value.split(b",")):
-            return True
-    return False
+    try:
+        return head_bytes(b"HTTP/1.1 %d " % status, headers)
+    except HeadLineBreak as exc:
+        raise h11.LocalProtocolError("an answer's header cannot carry a line break") from exc
 
 
 class Request:
@@ -386,25 +375,27 @@ class Connection:
             data = await self._read()
             self._read_at = time.perf_counter()
             if not data:
-                self.eof = True
-                self.h11.receive_data(b"")
                 if self.watched is not None:
                     request, scope = self.watched
                     request.gone = True
                     scope.cancel()
-                self._wake()
+                self._stop_reading()
                 return
             if self.body_check is not None:
                 try:
                     self._check_body(data)
                 except MalformedBody as exc:  # raised where the handler reads the body
                     self.malformed = self.malformed or exc
-                    self.eof = True  # nothing more of this connection is read
-                    self.h11.receive_data(b"")
-                    self._wake()
+                    self._stop_reading()  # nothing more of this connection is read
                     return
             self.h11.receive_data(data)
             self._wake()
+
+    def _stop_reading(self) -> None:
+        """No more of the client is read: h11 told its end, the serving task woken."""
+        self.eof = True
+        self.h11.receive_data(b"")
+        self._wake()
 
     def _release_held(self, _: object) -> trio.lowlevel.Abort:
         self._held = None
