@@ -16,32 +16,26 @@ trio's own sockets do after an operation that succeeded).
 Errors are trio's: `trio.BrokenResourceError` for a connection reset or broken, and
 `trio.ClosedResourceError` for a socket closed here (by another task).
 
-A stream's body is pumped from socket to socket in a worker thread instead (`run_in_worker`,
-`send_all_blocking`; daemon/engine/wire.py `EngineAnswer.pump`): where the engine generates a
-token every few milliseconds and fills both cores, each event is a wake-up of its own, and a
-pass of trio's scheduler with the relay's coroutines cost ~3x the CPU of a thread's blocking
-read and write (docs/frontdoor.md, "The data path").
+A stream's body is pumped from socket to socket by one thread instead (daemon/core/
+relay_loop.py, `RelayLoop`): where the engine generates a token every few milliseconds, a pass
+of trio's scheduler with the relay's coroutines per event cost ~3x the CPU of a plain read and
+write (docs/frontdoor.md, "The data path").
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import select
 import socket
-from typing import Any, Callable, TypeVar, cast
+from typing import Callable
 
 import trio
-
-T = TypeVar("T")
 
 CHECKPOINT_EVERY = 16
 # As trio's SocketStream sets it: at most this much sent but not yet taken by the peer waits in
 # the kernel, so a client that stops reading holds the relay (and the engine) back soon, and an
 # answer counts as in flight until the client has most of it.
 NOTSENT_LOWAT = 16 * 1024
-# A worker thread that waits for a slow peer's window checks this often whether to give up.
-WAIT_STEP_S = 0.25
 
 
 class RelaySocket:
@@ -165,33 +159,6 @@ class RelaySocket:
         await trio.lowlevel.checkpoint()
 
 
-async def run_in_worker(fn: Callable[[], T], interrupt: Callable[[], None]) -> T:
-    """`fn()` in a worker thread of trio's cache, waited for and never abandoned: if the caller
-    is cancelled meanwhile, `interrupt()` is called (in trio's thread) to make `fn` return soon
-    (shutting a socket it blocks on), and Cancelled is raised once it has, so nothing it uses is
-    closed under it. Its result or exception otherwise."""
-    await trio.lowlevel.checkpoint_if_cancelled()
-    token, task = trio.lowlevel.current_trio_token(), trio.lowlevel.current_task()
-    done: list[Any] = []  # fn's outcome (trio's `outcome.Outcome`)
-    cancelled = False
-
-    def deliver(result: Any) -> None:
-        done.append(result)
-        token.run_sync_soon(trio.lowlevel.reschedule, task)
-
-    def abort(_: object) -> trio.lowlevel.Abort:
-        nonlocal cancelled
-        cancelled = True
-        interrupt()
-        return trio.lowlevel.Abort.FAILED  # still waiting: `fn` returns soon
-
-    trio.lowlevel.start_thread_soon(fn, deliver)
-    await trio.lowlevel.wait_task_rescheduled(abort)
-    if cancelled:
-        await trio.lowlevel.checkpoint()  # the scope that cancelled it still is: raises Cancelled
-    return cast(T, done[0].unwrap())
-
-
 def socket_is_readable(sock: socket.socket) -> bool:
     """Whether a non-blocking socket has anything waiting (data, EOF, an error): a pooled
     connection in that state is not reused."""
@@ -201,23 +168,6 @@ def socket_is_readable(sock: socket.socket) -> bool:
         return False
     except OSError:
         return True
-
-
-def send_all_blocking(sock: socket.socket, data: bytes, stopped: Callable[[], bool]) -> None:
-    """From a worker thread: all of `data` on a non-blocking socket (the trio thread may read it
-    meanwhile), waiting while the peer's window is full, in `WAIT_STEP_S` steps that give up
-    once `stopped()`. Raises OSError (BrokenPipeError once stopped)."""
-    view = memoryview(data)
-    sent, total = 0, len(data)
-    while sent < total:
-        try:
-            sent += sock.send(view[sent:])
-        except BlockingIOError:
-            poller = select.poll()
-            poller.register(sock, select.POLLOUT)
-            while not poller.poll(WAIT_STEP_S * 1000):
-                if stopped():
-                    raise BrokenPipeError(errno.EPIPE, "the relay was stopped") from None
 
 
 def accept_errors_to_retry(exc: OSError) -> bool:

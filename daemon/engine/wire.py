@@ -16,8 +16,9 @@ against h11 on the 2-core test machine: docs/frontdoor.md, "The fixed work per r
 against httpx (a streamed answer of 7 events on a new connection each time): 1.7 -> 0.7 ms of
 CPU per request, 16 -> 10 µs per event (docs/frontdoor.md, "Design").
 
-A streamed answer's rest can be read in a worker thread (`EngineAnswer.pump`, blocking reads
-on its own connection): the front door's relay does so once the first event is out.
+A streamed answer's rest can be relayed by the wire's `RelayLoop` (`EngineAnswer.pump_to`: one
+thread that reads every pumped stream's engine socket and writes its client's, daemon/core/
+relay_loop.py): the front door's relay does so once the first event is out.
 
 Connections: a streamed request goes with `Connection: close` (llama-server closes after every
 streamed answer though its headers say keep-alive); other answers leave theirs in a small
@@ -45,7 +46,6 @@ import ipaddress
 import re
 import socket
 import ssl
-import struct
 import time
 from functools import cached_property, partial
 from typing import AsyncGenerator, Callable
@@ -58,7 +58,8 @@ import trio
 from stoker.daemon.core.chunked import Dechunker, MalformedChunk
 from stoker.daemon.core.http import tls_context
 from stoker.daemon.core.http_heads import HeadLineBreak, head_bytes, says_close
-from stoker.daemon.core.relay_socket import RelaySocket, run_in_worker, socket_is_readable
+from stoker.daemon.core.relay_loop import Pump, RelayLoop, SourceBroken, SourceClosed, SourceSilent
+from stoker.daemon.core.relay_socket import RelaySocket, socket_is_readable
 
 # One read: an SSE event is ~250 bytes, a non-streamed answer a few KiB; a read takes what is there.
 READ_BYTES = 64 * 1024
@@ -67,8 +68,6 @@ READ_BYTES = 64 * 1024
 KEEPALIVE_S = 4.0
 # Idle connections kept per engine address (the rest are closed once their answer is over).
 POOL_SIZE = 16
-# Streams pumped in worker threads at once (`EngineAnswer.pump`); more are relayed in trio's thread.
-MAX_PUMPS = 64
 # The largest answer head (status line and headers) read from an engine; past it the answer is refused.
 MAX_HEAD = 64 * 1024
 
@@ -268,64 +267,39 @@ class EngineAnswer:
                 raise httpx.RemoteProtocolError("the engine's answer was cut: its connection closed midway")
 
     def pumpable(self) -> bool:
-        """The rest of the body can be read by `pump` in a worker thread: a chunked answer
-        (`aiter_raw` began decoding it) on a plain socket (a TLS one is read in trio's thread),
-        while fewer than `MAX_PUMPS` are (past them, trio's loop relays many events per pass)."""
+        """The rest of the body can be relayed by `pump_to`: a chunked answer (`aiter_raw` began
+        decoding it) on a plain socket (a TLS one is read in trio's thread)."""
         conn = self._conn
         return (
             conn is not None
             and self._chunks is not None
             and not self._chunks.done  # all of it came with the first event: nothing to pump
             and isinstance(conn.stream, RelaySocket)
-            and self._wire.pumping < MAX_PUMPS
         )
 
-    async def pump_to(self, write: Callable[[bytes], None]) -> bytes:
-        """`pump` in a worker thread (`run_in_worker`), interrupted if the caller is cancelled;
-        the answer's last piece, which `pump` leaves to the caller."""
-        self._wire.pumping += 1
-        try:
-            return await run_in_worker(partial(self.pump, write), self.interrupt)
-        finally:
-            self._wire.pumping -= 1
-
-    def pump(self, write: Callable[[bytes], None]) -> bytes:
-        """In a worker thread, never trio's: the rest of a `pumpable` answer, where `aiter_raw`
-        left it, each read's data handed to `write` as it arrives, but the read that ends it:
-        that last piece is returned (b"" when interrupted), for the caller to write with the body's
-        end from trio's thread, where the answer is counted as its last byte leaves (a client that
-        stops reading at a stream's `[DONE]` finds it counted). The socket blocks here, so a
-        token's event costs one wake-up of this thread and no pass of trio's scheduler
-        (docs/frontdoor.md, "The data path"). Raises what `aiter_raw` raises (`ReadTimeout` after
-        `timeouts.read` of silence); returns early once `interrupt`ed."""
+    async def pump_to(self, shape: Callable[[bytes], bytes], sink: socket.socket) -> bytes:
+        """The rest of a `pumpable` answer, where `aiter_raw` left it, relayed by the wire's
+        `RelayLoop`: each read's data, de-chunked, goes through `shape` (b"": nothing) to the
+        non-blocking `sink` as it arrives, but the read that ends the answer: that last piece is
+        returned (b"" when interrupted), for the caller to write with the body's end from trio's
+        thread, where the answer is counted as its last byte leaves (a client that stops reading
+        at a stream's `[DONE]` finds it counted). A token's event is then one read and one write
+        in the loop's thread, and no pass of trio's scheduler (docs/frontdoor.md, "The data
+        path"). Raises what `aiter_raw` raises (`ReadTimeout` after `timeouts.read` of
+        silence), `SinkGone` when the sink's peer left, and what `shape` raises; the caller
+        cancelled interrupts it (`interrupt`)."""
         conn, chunks = self._conn, self._chunks
         assert conn is not None and chunks is not None and isinstance(conn.stream, RelaySocket)
-        sock, timeout = conn.stream.sock, self._wire.timeouts.read
-        sock.setblocking(True)  # the answer's own connection: closed after it, never pooled
-        seconds, micro = int(timeout), max(1, int(timeout % 1 * 1e6))  # a zero timeval would never time out
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", seconds, micro))
+        timeout = self._wire.timeouts.read
+        pump = Pump(conn.stream.sock, sink, partial(_decoded, chunks), partial(_over, chunks), shape, timeout)
         try:
-            while not chunks.done:
-                try:
-                    data = sock.recv(READ_BYTES)
-                except BlockingIOError:
-                    raise httpx.ReadTimeout(f"the engine said nothing for {timeout:g} s") from None
-                except OSError as exc:
-                    if self._interrupted:
-                        return b""
-                    raise httpx.ReadError(f"the engine's connection broke: {exc}") from exc
-                if not data:
-                    if self._interrupted:
-                        return b""
-                    raise httpx.RemoteProtocolError("the engine's answer was cut: its connection closed midway")
-                piece = _decoded(chunks, data)
-                if _over(chunks):
-                    return piece
-                if piece:
-                    write(piece)
-            return b""
-        finally:
-            sock.setblocking(False)
+            return await self._wire.relay.pump(pump, self.interrupt)
+        except SourceSilent:
+            raise httpx.ReadTimeout(f"the engine said nothing for {timeout:g} s") from None
+        except SourceBroken as exc:
+            raise httpx.ReadError(f"the engine's connection broke: {exc}") from exc
+        except SourceClosed:
+            raise httpx.RemoteProtocolError("the engine's answer was cut: its connection closed midway") from None
 
     def interrupt(self) -> None:
         """From trio's thread: a `pump` under way returns soon (its blocked read wakes), and
@@ -363,7 +337,7 @@ class EngineWire:
     timeouts: WireTimeouts = attrs.field(factory=WireTimeouts)
     tls: ssl.SSLContext | None = None  # https endpoints' context (None: certifi's CA bundle, made on first use)
     _idle: dict[_Address, list[_Connection]] = attrs.field(factory=dict)
-    pumping: int = 0  # answers being pumped in worker threads now (`EngineAnswer.pump_to`)
+    relay: RelayLoop = attrs.field(factory=RelayLoop)  # relays the answers pumped (`EngineAnswer.pump_to`)
     _addresses: dict[str, _Address] = attrs.field(factory=dict)
 
     def address(self, base_url: str) -> _Address:
@@ -450,7 +424,7 @@ class EngineWire:
             try:
                 return await conn.stream.receive_some(READ_BYTES)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                raise httpx.ReadError(f"the engine's connection broke: {exc.__cause__ or exc}") from exc
+                raise httpx.ReadError(f"the engine's connection broke: {exc}") from exc
         assert scope.cancelled_caught
         raise httpx.ReadTimeout(f"the engine said nothing for {self.timeouts.read:g} s")
 
@@ -527,6 +501,7 @@ class EngineWire:
             for conn in idle:
                 conn.stream.close()
         self._idle.clear()
+        self.relay.close()
 
 
 def _over(chunks: Dechunker) -> bool:

@@ -43,7 +43,7 @@ import trio
 from stoker.daemon.config.remote import is_loopback_host
 from stoker.daemon.core.chunked import Dechunker, MalformedChunk
 from stoker.daemon.core.http_heads import HeadLineBreak, head_bytes, says_close
-from stoker.daemon.core.relay_socket import RelaySocket, accept_errors_to_retry, send_all_blocking
+from stoker.daemon.core.relay_socket import RelaySocket, accept_errors_to_retry
 from stoker.daemon.frontdoor.access import log_access
 from stoker.daemon.frontdoor.metrics import Exchange, RequestFigures
 from stoker.daemon.frontdoor.daemon_view import Caller, FrontDoorDaemon
@@ -219,24 +219,23 @@ class Request:
             await self._conn.send_all(framed(data, self._chunked))
 
     def pumpable(self) -> bool:
-        """`writer` can send this answer's body from a worker thread (a plain socket)."""
+        """`sink` can take this answer's body (a plain socket)."""
         return self._started and not self._bodyless and isinstance(self._conn.stream, RelaySocket)
 
-    def writer(self, stopped: Callable[[], bool]) -> Callable[[bytes], None]:
-        """For a worker thread: `send`, as a plain call (each piece one write, framed as `send`
-        frames it), waiting while the client's window is full until `stopped()`; raises
-        ClientGone."""
-        sock, chunked, exchange = self._conn.stream.sock, self._chunked, self.exchange
+    def sink(self) -> tuple[socket.socket, Callable[[bytes], bytes]]:
+        """For a relay loop (daemon/core/relay_loop.py) that writes the body from its own thread:
+        the client's non-blocking socket, and what makes one piece the bytes `send` would write
+        (framed as `send` frames it, counted; b"" for an empty piece, which would end the body)."""
+        chunked, exchange = self._chunked, self.exchange
 
-        def write(data: bytes) -> None:
+        def frame(data: bytes) -> bytes:
+            if not data:
+                return b""
             if exchange is not None:
                 exchange.body_sent(data)
-            try:
-                send_all_blocking(sock, framed(data, chunked), stopped)
-            except OSError as exc:
-                raise ClientGone(str(exc)) from exc
+            return framed(data, chunked)
 
-        return write
+        return self._conn.stream.sock, frame
 
     async def end(self, last: bytes = b"") -> None:
         """The body is whole: `last`, its last piece, and its end leave in one write, counted as
@@ -256,6 +255,11 @@ class Request:
         else:
             data = last
         await self._conn.send_all(data, self._settled)
+        # Several answers ending at once (the engine ends a round of streams in one step) each
+        # go out before any of them goes on to what follows its end (its connection's next
+        # request, the engine's spare connection): the last of 16 left ~16 such tails later.
+        if trio.lowlevel.current_statistics().tasks_runnable:
+            await trio.lowlevel.cancel_shielded_checkpoint()
 
     def _settled(self) -> None:
         """The answer's last byte is in the client's socket: count it and log it now, before

@@ -32,7 +32,7 @@ from stoker.daemon.core.errors import StokerError
 from stoker.daemon.engine.wire import EngineAnswer
 from stoker.daemon.fleet.remote import RemoteModel
 from stoker.daemon.frontdoor.app import Answer, FrontDoor, json_answer, keep_alive, refused
-from stoker.daemon.frontdoor.relay import Relay
+from stoker.daemon.frontdoor.relay import Relay, pump
 from stoker.daemon.frontdoor.hold import Refused
 from stoker.daemon.frontdoor.http11 import Request
 from stoker.daemon.frontdoor.limits import LimitExceeded, read_body
@@ -321,16 +321,10 @@ class OllamaApi:
         last = b""
         try:
             if not stream.over and response.pumpable() and request.pumpable():
-                # As the OpenAI routes' streams: read and written in a worker thread, each of the
-                # engine's reads translated there (a token's event: one wake-up, no trio pass).
+                # As the OpenAI routes' streams: relayed by the relay loop, each of the engine's
+                # reads translated there (a token's event: no trio pass).
                 await chunks.aclose()
-                write = request.writer(lambda: response.interrupted)
-
-                def translated(data: bytes) -> None:
-                    if lines := stream.feed(data):
-                        write(lines)
-
-                last = stream.feed(await response.pump_to(translated))
+                last = stream.feed(await pump(request, response, stream.feed))
             else:
                 async for piece in chunks:
                     if lines := stream.feed(piece):

@@ -1,5 +1,5 @@
 """The engine's answer to the client, as it arrives: its first whole event before anything, then
-each piece, pumped from socket to socket in a worker thread where both sides allow it; a stream
+each piece, pumped from socket to socket by the relay loop where both sides allow it; a stream
 the engine cut ends with an error event."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from typing import AsyncGenerator, Awaitable, Callable
 
 import httpx
 
+from stoker.daemon.core.relay_loop import SinkGone
 from stoker.daemon.engine.wire import EngineAnswer
-from stoker.daemon.frontdoor.http11 import Request
+from stoker.daemon.frontdoor.http11 import ClientGone, Request
 from stoker.daemon.frontdoor.rename import ModelRename
 
 log = logging.getLogger("stoker.frontdoor")
@@ -48,15 +49,18 @@ async def relay(
     (already read), then each piece the rest of `chunks` brings, one write each; a cut SSE
     stream ends with an error event, any other cut body aborts the client's connection (raised:
     a truncated JSON body never looks complete). A stream's rest is pumped from socket to
-    socket in a worker thread (`relay_in_worker`) where both sides allow it."""
+    socket by the relay loop (`pump`) where both sides allow it."""
     kept = [(k, v) for k, v in response.raw_headers if k in KEPT_HEADERS]
     await request.start(response.status_code, kept, first if rename is None else rename.piece(first))
     send = request.send
     last = b""  # the body's last piece, which leaves with its end
     try:
         if sse and response.pumpable() and request.pumpable():
-            await chunks.aclose()  # the answer's decoding goes on in `relay_in_worker`, where it stopped
-            last = await relay_in_worker(request, response, rename)
+            await chunks.aclose()  # the answer's decoding goes on in `pump`, where it stopped
+            if rename is None:
+                last = await pump(request, response)
+            else:
+                last = rename.piece(await pump(request, response, rename.piece)) + rename.rest()
         elif rename is not None:  # the client sent another name than the engine reports
             async for chunk in chunks:
                 await send(rename.piece(chunk))
@@ -72,24 +76,21 @@ async def relay(
     await request.end(last)
 
 
-async def relay_in_worker(request: Request, response: EngineAnswer, rename: ModelRename | None = None) -> bytes:
-    """The rest of a stream, each read from the engine written to the client at once, in a
-    worker thread with blocking reads: a token's event is then one wake-up of that thread, not
-    a pass of trio's scheduler and the relay's coroutines, which cost ~3x the CPU on a machine
-    whose engine fills both cores (docs/frontdoor.md, "The data path"). A client that leaves
-    (`watching`) interrupts it: the engine's connection is shut, the thread returns. With
-    `rename`, the answer's `model` is renamed there too, event by event. Returns the answer's
-    last piece, for `Request.end` to write with the body's end."""
-    write = request.writer(lambda: response.interrupted)
-    if rename is None:
-        return await response.pump_to(write)
-
-    def renamed(data: bytes) -> None:  # in the worker thread, as the pump's writer
-        if piece := rename.piece(data):  # an empty piece would frame the body's end
-            write(piece)
-
-    last = await response.pump_to(renamed)
-    return rename.piece(last) + rename.rest()
+async def pump(request: Request, response: EngineAnswer, shape: Callable[[bytes], bytes] | None = None) -> bytes:
+    """The rest of a stream, relayed by the engine wire's relay loop (daemon/core/relay_loop.py):
+    each read from the engine, after `shape` (the answer's `model` renamed, or the events
+    translated into another API's lines; b"": nothing yet), written to the client at once from
+    that loop's thread. A token's event is then one read and one write there, not a pass of
+    trio's scheduler and the relay's coroutines, nor a thread's wake-up of its own
+    (docs/frontdoor.md, "The data path"). A client that leaves (`watching`) interrupts it: the
+    engine's connection is shut. Returns the answer's last piece, not shaped, for
+    `Request.end` to write with the body's end; a write the client's socket refuses raises
+    ClientGone."""
+    sock, frame = request.sink()
+    try:
+        return await response.pump_to(frame if shape is None else lambda data: frame(shape(data)), sock)
+    except SinkGone as exc:
+        raise ClientGone(str(exc)) from exc
 
 
 # What gives the engine's answer to the client: `relay` as it is, or translated into another

@@ -130,6 +130,7 @@ class Concurrent:
     tps: list[list[float]]
     spread_ms: list[list[float]]
     pace: list[list[float]]  # a stream's tokens/s after its first token, the round's median
+    tail_ms: list[list[float]]  # from a stream's last token to its body's end, the round's slowest
 
 
 async def concurrent(
@@ -142,7 +143,7 @@ async def concurrent(
     for pool in pools:  # the prompt cached in every slot, for both paths, before the first round
         for s in await asyncio.gather(*(c.chat(chat_body(prompt, 2)) for c in pool)):
             checked(s, "warm-up")
-    out = Concurrent([[], []], [[], []], [[], []])  # tps, spread_ms, pace
+    out = Concurrent([[], []], [[], []], [[], []], [[], []])  # tps, spread_ms, pace, tail_ms
     for i in range(rounds):
         for p in turns(i):
             started = time.perf_counter()
@@ -156,6 +157,7 @@ async def concurrent(
             out.pace[p].append(
                 statistics.median((s.tokens - 1) / (s.elapsed - s.ttft) for s in streams if s.ttft is not None)
             )
+            out.tail_ms[p].append(max((s.elapsed - s.last) * 1000 for s in streams if s.last is not None))
     for pool in pools:
         for c in pool:
             c.close()
@@ -371,6 +373,17 @@ def report(r: Results, args: argparse.Namespace) -> tuple[str, bool]:
                 f"{statistics.median(v.pace[0]):.0f}",
                 f"{statistics.median(v.pace[1]):.0f}",
                 f"{statistics.median(b / a for a, b in zip(*v.pace)):.3f}",
+                "-",
+                None,
+            )
+        )
+        # Where a stream's time after its first token goes: its tokens, or its end after the last.
+        lines.append(
+            row(
+                f"{n} concurrent streams: from a stream's last token to its end (the round's slowest, median)",
+                f"{statistics.median(v.tail_ms[0]):.1f} ms",
+                f"{statistics.median(v.tail_ms[1]):.1f} ms",
+                f"+{statistics.median(v.tail_ms[1]) - statistics.median(v.tail_ms[0]):.1f} ms",
                 "-",
                 None,
             )

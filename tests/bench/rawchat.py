@@ -32,6 +32,7 @@ class Stream:
     ok: bool = False
     status: int = 0
     ttft: float | None = None  # seconds from the request's first byte sent to the first token
+    last: float | None = None  # seconds from the request's first byte sent to the last token
     elapsed: float = 0.0  # to the end of the body
     tokens: int = 0
     error: str = ""
@@ -131,8 +132,9 @@ class Conn:
                         out.error = event.decode(errors="replace")[:200]
                     elif b'"content":"' in event and b'"content":""' not in event:
                         counted += 1
+                        out.last = time.perf_counter() - started
                         if out.ttft is None:
-                            out.ttft = time.perf_counter() - started
+                            out.ttft = out.last
                     if b'"timings"' in event:  # llama-server's last event: what it generated
                         predicted = json.loads(event[6:])["timings"]["predicted_n"]
         else:

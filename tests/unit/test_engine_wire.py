@@ -5,6 +5,8 @@ the engine is not there, cuts an answer, or says nothing."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from functools import partial
 from typing import Awaitable, Callable
 
@@ -204,18 +206,27 @@ async def test_failures_are_the_transport_errors_the_front_door_handles(nursery,
             await ask(EngineClient(silent_url, None, httpx.AsyncClient(), wire=wire), b"{}", True)
 
 
-async def test_a_stream_pumped_in_a_worker_thread_ends_whole_cut_silent_or_interrupted(nursery):
-    """`pump` (the front door's relay of a stream's rest, in a worker thread) goes on where
-    `aiter_raw` stopped: each event as it arrives, the end; a cut and a silence raise what
-    `aiter_raw` raises; an interrupt (the client left) ends it at once and shuts the engine's
-    connection."""
+def received(sock: socket.socket) -> bytes:
+    """What waits in a socket now (the peer of a relay's sink)."""
+    got = b""
+    with contextlib.suppress(BlockingIOError):
+        while data := sock.recv(65536):
+            got += data
+    return got
+
+
+async def test_a_stream_pumped_by_the_relay_loop_ends_whole_cut_silent_or_interrupted(nursery):
+    """`pump_to` (the front door's relay of a stream's rest, in the relay loop's thread) goes on
+    where `aiter_raw` stopped: each event shaped and written to the sink as it arrives, the last
+    read returned; a cut and a silence raise what `aiter_raw` raises; an interrupt (the client
+    left) ends it at once and shuts the engine's connection."""
 
     async def paced(stream: trio.SocketStream, request: bytes) -> bool:
         await stream.send_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
         for i in range(4):
             event = b"data: %d\n\n" % i
             await stream.send_all(b"%x\r\n%s\r\n" % (len(event), event))
-            await trio.sleep(0.02)  # paced, as an engine's tokens are (real time: `pump` reads in a thread)
+            await trio.sleep(0.02)  # paced, as an engine's tokens are (real time: the loop reads in a thread)
         tail = request.split(b"\r\n\r\n", 1)[1]
         if tail == b"cut":
             return False  # closed midway
@@ -226,19 +237,25 @@ async def test_a_stream_pumped_in_a_worker_thread_ends_whole_cut_silent_or_inter
 
     url = await serve(nursery, paced, [])
 
-    async def pumped(body: bytes, interrupt_after: float | None = None) -> list[bytes]:
-        got: list[bytes] = []
-        async with EngineClient(url, None, httpx.AsyncClient(), wire=wire).forward(
-            "POST", "/x", content=body, streamed=True
-        ) as answer:
-            chunks = answer.aiter_raw()
-            got.append(await anext(chunks))
-            await chunks.aclose()
-            assert answer.pumpable()
-            with trio.move_on_after(interrupt_after if interrupt_after is not None else 5) as scope:
-                await answer.pump_to(got.append)
-            assert scope.cancelled_caught == (interrupt_after is not None)
-        return got
+    async def pumped(body: bytes, interrupt_after: float | None = None) -> tuple[bytes, bytes, bytes]:
+        """The first piece, what the loop wrote to the sink (shaped: upper case), the last piece."""
+        sink, peer = socket.socketpair()
+        sink.setblocking(False)
+        peer.setblocking(False)
+        with sink, peer:
+            async with EngineClient(url, None, httpx.AsyncClient(), wire=wire).forward(
+                "POST", "/x", content=body, streamed=True
+            ) as answer:
+                chunks = answer.aiter_raw()
+                first = await anext(chunks)
+                await chunks.aclose()
+                assert answer.pumpable()
+                last = b""
+                with trio.move_on_after(interrupt_after if interrupt_after is not None else 5) as scope:
+                    last = await answer.pump_to(bytes.upper, sink)
+                assert scope.cancelled_caught == (interrupt_after is not None)
+                assert answer.interrupted == (interrupt_after is not None)
+            return first, received(peer), last
 
     async with EngineWire(WireTimeouts(read=0.5)) as wire:
         async with EngineClient(url, None, httpx.AsyncClient(), wire=wire).forward(
@@ -248,17 +265,99 @@ async def test_a_stream_pumped_in_a_worker_thread_ends_whole_cut_silent_or_inter
             assert [piece async for piece in answer.aiter_raw()]
             assert not answer.pumpable()  # read to its end: nothing left to pump
         with trio.fail_after(5):
-            assert b"".join(await pumped(b"whole")) == b"".join(b"data: %d\n\n" % i for i in range(4))
+            first, written, last = await pumped(b"whole")
+            assert first + written.lower() + last == b"".join(b"data: %d\n\n" % i for i in range(4))
+            assert written.startswith(b"DATA: ")  # shaped on its way
             with pytest.raises(httpx.RemoteProtocolError):
                 await pumped(b"cut")
             with pytest.raises(httpx.ReadTimeout):
                 await pumped(b"silent")
+            # Several at once, in the one loop: each whole, none mixed into another's sink.
+            async with trio.open_nursery() as several:
+                results: list[tuple[bytes, bytes, bytes]] = []
+
+                async def one() -> None:
+                    results.append(await pumped(b"whole"))
+
+                for _ in range(8):
+                    several.start_soon(one)
+            assert len(results) == 8
+            for first, written, last in results:
+                assert first + written.lower() + last == b"".join(b"data: %d\n\n" % i for i in range(4))
     # A read timeout far from the interrupt, so that a loaded machine cannot blur the two.
     async with EngineWire(WireTimeouts(read=5.0)) as wire:
         with trio.fail_after(10):
             began = trio.current_time()
-            assert len(await pumped(b"silent", interrupt_after=0.2)) == 4  # every event before the interrupt
+            first, written, last = await pumped(b"silent", interrupt_after=0.2)
+            assert (first + written).count(b"data: ") + written.count(b"DATA: ") == 4  # every event before it
+            assert last == b""
             assert trio.current_time() - began < 2.5  # not the read timeout: the interrupt woke it
+
+
+async def test_a_client_that_stops_reading_holds_only_its_own_stream_and_one_that_leaves_ends_it(nursery):
+    """The relay loop writes without blocking: a sink whose window is full holds its stream
+    (the engine's socket is not read meanwhile) while another stream goes on, gets all of it
+    once it reads again, and a sink whose peer left ends the pump with `SinkGone`."""
+    from stoker.daemon.core.relay_loop import SinkGone
+
+    big = b"x" * 60_000
+
+    async def flood(stream: trio.SocketStream, request: bytes) -> bool:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        count = 40 if request.endswith(b"big") else 4
+        for i in range(count):
+            event = (big if request.endswith(b"big") else b"") + b"data: %d\n\n" % i
+            await stream.send_all(b"%x\r\n%s\r\n" % (len(event), event))
+            await trio.sleep(0.01)
+        await stream.send_all(b"0\r\n\r\n")
+        return False
+
+    url = await serve(nursery, flood, [])
+
+    async def start(wire: EngineWire, body: bytes, sink: socket.socket, got: list[object]) -> None:
+        async with EngineClient(url, None, httpx.AsyncClient(), wire=wire).forward(
+            "POST", "/x", content=body, streamed=True
+        ) as answer:
+            chunks = answer.aiter_raw()
+            got.append(await anext(chunks))
+            await chunks.aclose()
+            try:
+                got.append(await answer.pump_to(lambda data: data, sink))
+            except SinkGone as exc:
+                got.append(exc)
+
+    async with EngineWire(WireTimeouts(read=5.0)) as wire:
+        slow_sink, slow_peer = socket.socketpair()
+        fast_sink, fast_peer = socket.socketpair()
+        for sock in (slow_sink, slow_peer, fast_sink, fast_peer):
+            sock.setblocking(False)
+        slow_sink.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        with slow_sink, slow_peer, fast_sink, fast_peer, trio.fail_after(20):
+            slow: list[object] = []
+            fast: list[object] = []
+            async with trio.open_nursery() as both:
+                both.start_soon(start, wire, b"big", slow_sink, slow)
+                both.start_soon(start, wire, b"small", fast_sink, fast)
+                while len(fast) < 2:  # the other stream ends while the slow one's client reads nothing
+                    await trio.sleep(0.01)
+                assert len(slow) == 1
+                held = b""
+                while len(slow) < 2:  # now the slow client reads: its stream goes on to its end
+                    held += received(slow_peer)
+                    await trio.sleep(0.005)
+                held += received(slow_peer)
+            assert isinstance(slow[1], bytes) and isinstance(fast[1], bytes)
+            whole = slow[0] + held + slow[1]  # type: ignore[operator]
+            assert whole == b"".join(big + b"data: %d\n\n" % i for i in range(40))
+            assert fast[0] + received(fast_peer) + fast[1] == b"".join(b"data: %d\n\n" % i for i in range(4))
+
+        gone_sink, gone_peer = socket.socketpair()
+        gone_sink.setblocking(False)
+        gone_peer.close()
+        with gone_sink, trio.fail_after(10):
+            gone: list[object] = []
+            await start(wire, b"small", gone_sink, gone)
+            assert isinstance(gone[1], SinkGone)
 
 
 @pytest.mark.parametrize("size", [b"+5", b"0x5", b"5_0", b" 5", b"5 ", "\u0665".encode(), b"1" * 20], ids=repr)
