@@ -95,9 +95,10 @@ class FitProjection:
         return {name: float(sum(p.values())) for name, p in self.parts.items() if name != HOST}
 
 
-def memory_args(args: Iterable[str]) -> list[str]:
-    """The memory-shaping arguments among `args` (in order, with their values), the rest left out."""
-    kept: list[str] = []
+def memory_items(args: Iterable[str]) -> list[tuple[str, ...]]:
+    """The memory-shaping arguments among `args`, each with its values (`("-c", "4096")`,
+    `("--fit-target=2048",)`, `("--swa-full",)`), in order."""
+    kept: list[tuple[str, ...]] = []
     items = list(args)
     i = 0
     while i < len(items):
@@ -108,12 +109,17 @@ def memory_args(args: Iterable[str]) -> list[str]:
             i += 1
             continue
         if "=" in flag or arity == 0:
-            kept.append(flag)
+            kept.append((flag,))
             i += 1
             continue
-        kept.extend(items[i : i + 1 + arity])
+        kept.append(tuple(items[i : i + 1 + arity]))
         i += 1 + arity
     return kept
+
+
+def memory_args(args: Iterable[str]) -> list[str]:
+    """The memory-shaping arguments among `args` (in order, with their values), the rest left out."""
+    return [item for flag in memory_items(args) for item in flag]
 
 
 def parse_printed(stdout: str) -> dict[str, dict[str, float]]:
