@@ -13,7 +13,10 @@ for a 13 GiB one) and prints either
 
 Stoker asks the first for every plan (the projection placement decides with) and, for a GPU
 plan whose layers the engine fits (`-ngl auto`) and that does not fit whole, the second first,
-so that the projection is for the layers the server will really place. The program gets the
+so that the projection is for the layers the server will really place. Except a `-ngl auto` plan
+that Stoker's own upper bound from the GGUF header clearly places in the free VRAM
+(states/fallback/memory_bound.py, daemon/fallback/memory.py): the engine's own fit keeps every
+layer there, so no fitter runs and the bound is the plan's figures. The program gets the
 server's environment and an empty working directory (ggml loads backend libraries from the cwd), and only the arguments it
 accepts that shape memory (the server's own, such as --alias or --metrics, would make it exit).
 Figures are whole MiB, rounded down by the engine.

@@ -1,5 +1,12 @@
 """A plan's memory, estimated when planning ends: the engine's fitter first, Stoker's own after.
 
+Except where the fitter's answer would decide nothing: a `-ngl auto` GPU plan whose upper bound
+from the GGUF header (states/fallback/memory_bound.py: the file, an f16 KV cache, one layer's
+compute, the token embeddings on the host) clearly fits the free VRAM read for the plan is placed
+by that bound, `source` "stoker", complete, its `detail` saying it is an upper bound that no
+fitter run checked and what free VRAM it was held against. No fitter runs for it (each run
+initialises the GPU runtime: 0.4-0.5 s with CUDA on an H200, before a fresh daemon's spawn).
+
 The complete plan (daemon/fallback/launch_plan.py) is handed to the bundle's llama-fit-params
 (daemon/engine/fit.py) with the same model, context, slots' context, GPU layers, devices and
 memory-shaping arguments the server will get, in the server's environment; its projection
