@@ -169,10 +169,10 @@ def bound_detail(bound: WholeGpuBound, room: FitRoom) -> str:
     need = bound_need_mib(bound, room)
     least = min(room.free_mib.values())
     each = f" on each of {bound.devices} GPUs" if bound.devices > 1 else ""
+    runtime = f", the runtime's {room.reserve_mib} MiB" if room.reserve_mib else ""
     return (
         f"Stoker's upper bound, not llama-fit-params (not run): every layer on the GPU at most "
         f"{bound.per_device_mib:.0f} MiB{each} (model {bound.model_mib:.0f}, KV {bound.context_mib:.0f}, "
-        f"compute {bound.compute_mib:.0f}); with a quarter again, the {room.margin_mib} MiB margin and the "
-        f"{room.reserve_mib} MiB runtime it needs {need:.0f} MiB, and the least free GPU had {least} MiB: "
-        f"the engine's own fit keeps every layer"
+        f"compute {bound.compute_mib:.0f}); with a quarter again{runtime} and the {room.margin_mib} MiB margin "
+        f"it needs {need:.0f} MiB, and the least free GPU had {least} MiB: the engine's own fit keeps every layer"
     )
