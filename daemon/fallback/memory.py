@@ -228,12 +228,14 @@ def plan_bound(plan: LaunchPlan, room: FitRoom) -> WholeGpuBound | None:
     GPUs of `room`; None where the header does not give it."""
     batch = _arg(plan.extra_args, ("-b", "--batch-size"), 2048)
     ubatch = min(batch, _arg(plan.extra_args, ("-ub", "--ubatch-size"), 512))
+    # The last -c is the one the server takes: the user's extra_args come after the plan's.
+    ctx = _arg(plan.extra_args, ("-c", "--ctx-size"), kv_context(plan) or 0)
     try:
         shape = model_shape(plan.model_path)
     except (OSError, ValueError) as err:
         log.info("no upper bound on %s's memory: %s", plan.model_path, err)
         return None
-    return whole_gpu_bound(shape, kv_context(plan) or 0, ubatch, plan.flash_attn == "on", len(room.free_mib))
+    return whole_gpu_bound(shape, ctx, ubatch, plan.flash_attn == "on", len(room.free_mib))
 
 
 def bound_estimate(plan: LaunchPlan, bound: WholeGpuBound, room: FitRoom, seconds: float) -> MemoryEstimate:

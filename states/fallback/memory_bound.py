@@ -141,15 +141,23 @@ def bound_need_mib(bound: WholeGpuBound, room: FitRoom) -> float:
     return bound.per_device_mib * (1 + CLEARANCE) + room.margin_mib + room.reserve_mib
 
 
+_LAYERS = ("-ngl", "--gpu-layers", "--n-gpu-layers")
+_CACHE_TYPES = ("-ctk", "--cache-type-k", "-ctv", "--cache-type-v")
+
+
 def bounded(args: Iterable[Sequence[str]]) -> bool:
     """Whether the bound models a plan's memory-shaping arguments (each flag with its values, as
-    the server gets them): only BOUNDED_FLAGS, and every -ngl `auto` (a backend that offloads
-    nothing says `-ngl 0`: its model is on the host, not where the bound puts it)."""
+    the server gets them): only BOUNDED_FLAGS, every -ngl `auto` (a backend that offloads
+    nothing says `-ngl 0`: its model is on the host, not where the bound puts it), and no f32
+    KV cache (twice the f16 the bound counts)."""
     for flag, *values in args:
         name, _, inline = flag.partition("=")
+        value = inline or (values or [""])[0]
         if name not in BOUNDED_FLAGS:
             return False
-        if name in ("-ngl", "--gpu-layers", "--n-gpu-layers") and (inline or (values or [""])[0]) != "auto":
+        if name in _LAYERS and value != "auto":
+            return False
+        if name in _CACHE_TYPES and value == "f32":
             return False
     return True
 

@@ -161,6 +161,14 @@ def test_which_arguments_the_bound_models():
     assert not bounded(memory_items(["-ngl", "auto", "-ts", "1,1"]))
     assert not bounded(memory_items(["-ngl", "auto", "-nkvo"]))  # the KV cache on the host
     assert not bounded(memory_items(["-ngl", "auto", "--n-gpu-layers=12"]))
+    assert not bounded(memory_items(["-ngl", "auto", "-ctv", "f32"]))  # twice the f16 cache counted
+
+
+def test_the_users_context_after_the_plans_is_the_one_bounded(fresh):
+    _, model, _ = fresh
+    plain = memory.plan_bound(gpu_plan(model, ctx_size=4096), H200)
+    larger = memory.plan_bound(gpu_plan(model, ctx_size=4096, extra_args=("-c", "65536")), H200)
+    assert plain is not None and larger is not None and larger.context_mib == 16 * plain.context_mib
 
 
 def test_several_gpus_each_pay_a_compute_buffer():
