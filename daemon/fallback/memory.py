@@ -3,7 +3,7 @@
 Except where the fitter's answer would decide nothing: a `-ngl auto` GPU plan whose upper bound
 from the GGUF header (states/fallback/memory_bound.py: the file, an f16 KV cache, one layer's
 compute, the token embeddings on the host) clearly fits the free VRAM read for the plan is placed
-by that bound, `source` "stoker", complete, its `detail` saying it is an upper bound that no
+by that bound, `source` "stoker-bound", complete, its `detail` saying it is an upper bound that no
 fitter run checked and what free VRAM it was held against. No fitter runs for it (each run
 initialises the GPU runtime: 0.4-0.5 s with CUDA on an H200, before a fresh daemon's spawn).
 
@@ -49,7 +49,7 @@ from stoker.daemon.models.facts import facts_from_header, model_facts, read_head
 from stoker.daemon.models.identity import model_identity
 from stoker.states.fallback.fit_reuse import FitRoom
 from stoker.states.fallback.memory_bound import ModelShape, WholeGpuBound, bound_detail, bound_places, whole_gpu_bound
-from stoker.states.launch.records import FITTER, STOKER_ESTIMATE, LaunchPlan, MemoryEstimate
+from stoker.states.launch.records import FITTER, STOKER_BOUND, STOKER_ESTIMATE, LaunchPlan, MemoryEstimate
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ def plan_bound(plan: LaunchPlan, room: FitRoom) -> WholeGpuBound | None:
 
 
 def bound_estimate(plan: LaunchPlan, bound: WholeGpuBound, room: FitRoom, seconds: float) -> MemoryEstimate:
-    """The plan's memory as the bound placed it: labelled Stoker's ("stoker"), complete (it
+    """The plan's memory as the bound placed it: labelled as Stoker's bound ("stoker-bound"), complete (it
     counts compute buffers), its detail saying it is an upper bound and what it was held against."""
     parts = {
         "Host": {"model": bound.host_model_mib, "context": 0.0, "compute": bound.host_compute_mib},
@@ -250,7 +250,7 @@ def bound_estimate(plan: LaunchPlan, bound: WholeGpuBound, room: FitRoom, second
         },
     }
     return MemoryEstimate(
-        STOKER_ESTIMATE,
+        STOKER_BOUND,
         host_mib=round(bound.host_mib, 1),
         devices={plan.backend: round(bound.vram_mib, 1)},
         parts={k: {n: round(x, 1) for n, x in p.items()} for k, p in parts.items()},

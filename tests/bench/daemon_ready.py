@@ -220,13 +220,11 @@ def time_cli(d: DaemonProcess, model: Path | None = None) -> tuple[float, float]
 
 
 def plan_memory_said(d: DaemonProcess) -> str:
-    """Which estimate the daemon's first plan recorded: Stoker's upper bound (no fitter run),
-    llama-fit-params, or Stoker's own partial estimate."""
+    """Which estimate the daemon's first plan recorded: "stoker-bound" (Stoker's upper bound, no
+    fitter run), "llama-fit-params", or "stoker" (its partial estimate where the fitter failed)."""
     rows = sorted(d.history(machine="launch", limit=50), key=lambda r: r["id"])
     plans = [(r.get("event_data") or {}).get("plan") or {} for r in rows if r["event"] == "PlanReady"]
     memory = (plans[0].get("memory") if plans else None) or {}
-    if "upper bound" in str(memory.get("detail")):
-        return "Stoker's upper bound (no fitter run)"
     return str(memory.get("source") or "none recorded")
 
 
@@ -471,7 +469,7 @@ def main() -> int:
             "what comes before the engine's spawn is the daemon's own start (Python and its imports), the "
             "probes and the plan. The plan's memory in each fresh home: "
             + ", ".join(f"{said} ({n} of {len(fresh_said)})" for said, n in collections.Counter(fresh_said).items())
-            + " (a GPU plan that clearly fits runs no fitter; any other runs it once).",
+            + " (stoker-bound: a GPU plan that clearly fits, no fitter run; llama-fit-params: it ran once).",
             "",
         ]
     lines += [

@@ -412,7 +412,7 @@ def st_speed(homes: Any, cuda_zip: Path, cpu_zip: Path, vulkan_zip: Path | None,
         and status.get("backend") == "cuda"
         and bool(layers.get("offloaded"))
         and layers.get("offloaded") == layers.get("total"),
-        "the plan's estimate is Stoker's upper bound (no fitter run)": estimate.get("source") == "stoker"
+        "the plan's estimate is Stoker's upper bound (no fitter run)": estimate.get("source") == "stoker-bound"
         and "upper bound" in str(estimate.get("detail")),
         "the bound at or above what the engine loaded": placed.get("reading") == "engine"
         and (estimate.get("vram_mib") or 0) >= (placed.get("vram_mib") or 0) > 0,

@@ -83,10 +83,10 @@ def st_offload(
         "unload: a unloaded for b's full offload (placement_evicted, why full_offload)": on.get("a_evicted_for_offload")
         is True,
         "unload: b on cuda with every layer offloaded": on.get("b_whole") is True,
-        # Planned again after the unload: the fitter's figures, or (with room to spare for its
-        # bound) Stoker's upper bound; either way not the figures it was fitted short with.
+        # Planned again after the unload: the fitter's figures, or (with room to spare for it)
+        # Stoker's upper bound; either way not the figures it was fitted short with.
         "unload: b's plan estimated again after the unload, whole": on.get("b_memory_source")
-        in ("llama-fit-params", "stoker")
+        in ("llama-fit-params", "stoker-bound")
         and on.get("b_whole_vram_mib") == 0,
         "unload: NVML sees b's server hold more VRAM than in the control": (on.get("b_vram_mib") or 0)
         > (off.get("b_vram_mib") or 0),

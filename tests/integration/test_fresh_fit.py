@@ -86,7 +86,7 @@ def test_a_fresh_daemon_whose_gpu_plan_clearly_fits_runs_no_fitter(fresh_fakegpu
     d = start(80_000)
     assert not log.exists(), log.read_text()  # llama-fit-params ran zero times for the GPU plan
     memory = fakegpu_plan_memory(d)
-    assert memory["source"] == "stoker" and not memory["partial"]
+    assert memory["source"] == "stoker-bound" and not memory["partial"]
     assert "upper bound, not llama-fit-params (not run)" in memory["detail"]
     assert "the least free GPU had 80000 MiB" in memory["detail"]
 

@@ -21,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stoker.daemon.bundles.tinymodel import write_tiny_model
+from stoker.daemon.control.status_text import estimate_text
 from stoker.daemon.engine import fit
 from stoker.daemon.engine.fit import memory_items
 from stoker.daemon.fallback import memory
@@ -35,7 +36,7 @@ from stoker.states.fallback.memory_bound import (
     bounded,
     whole_gpu_bound,
 )
-from stoker.states.launch.records import FITTER, STOKER_ESTIMATE, LaunchPlan
+from stoker.states.launch.records import FITTER, STOKER_BOUND, LaunchPlan
 
 # The tiny model's projection with every layer (66 MiB on the GPU), its fit, and that projection.
 FAKE = """#!/bin/sh
@@ -82,7 +83,7 @@ def test_a_model_that_clearly_fits_runs_no_fitter_and_says_the_bound_placed_it(f
     bundle, model, log = fresh
     found = memory.estimate_memory(gpu_plan(model), bundle, H200)
     assert runs(log) == [] and fit.answers().runs == 0
-    assert found.source == STOKER_ESTIMATE and not found.partial and found.whole == {}
+    assert found.source == STOKER_BOUND and not found.partial and found.whole == {}
     assert found.detail is not None and "upper bound, not llama-fit-params (not run)" in found.detail
     assert "the least free GPU had 143000 MiB" in found.detail
     # Its figures bound what the engine holds: the whole file and its KV on the GPU, compute
@@ -91,6 +92,9 @@ def test_a_model_that_clearly_fits_runs_no_fitter_and_says_the_bound_placed_it(f
     assert found.parts["cuda"]["model"] == round(model.stat().st_size / 2**20, 1)
     assert found.parts["cuda"]["compute"] > 0 and found.vram_mib > model.stat().st_size / 2**20
     assert found.parts["Host"]["model"] == round(layout.input_bytes / 2**20, 1) and found.host_mib > 0
+    # `stoker status` names it as the bound, with its own figures.
+    shown = estimate_text({"estimate": memory.estimate_json(found)})
+    assert shown == f"stoker-bound {found.host_mib:.0f} MiB + vram {found.vram_mib:.0f} MiB", shown
 
 
 def test_near_the_boundary_the_fitter_answers_as_before(fresh):
