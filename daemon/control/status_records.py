@@ -125,8 +125,9 @@ class ModelMemory:
     vram_mib: float | None
     on_accelerator: bool  # the backend really in use offloads (not the CPU)
     partial: bool
-    # Its plan's memory estimate, which answered ("source": "llama-fit-params", or "stoker" where
-    # the bundle has no fitter or it failed: "detail" says why) with its figures: ram_mib, vram_mib,
+    # Its plan's memory estimate, which answered ("source": "llama-fit-params"; "stoker-bound" where a
+    # GPU plan clearly fits and no fitter ran; or "stoker" where the bundle has no fitter or it
+    # failed: "detail" says why or what the bound was held against) with its figures: ram_mib, vram_mib,
     # devices, parts (model/context/compute per device and Host), partial; null: no plan yet.
     estimate: dict[str, Any] | None = None
     # What placement counts for it now ([placement] max_ram_mib / max_vram_mib): ram_mib, vram_mib,

@@ -13,7 +13,10 @@ for a 13 GiB one) and prints either
 
 Stoker asks the first for every plan (the projection placement decides with) and, for a GPU
 plan whose layers the engine fits (`-ngl auto`) and that does not fit whole, the second first,
-so that the projection is for the layers the server will really place. The program gets the
+so that the projection is for the layers the server will really place. Except a `-ngl auto` plan
+that Stoker's own upper bound from the GGUF header clearly places in the free VRAM
+(states/fallback/memory_bound.py, daemon/fallback/memory.py): the engine's own fit keeps every
+layer there, so no fitter runs and the bound is the plan's figures. The program gets the
 server's environment and an empty working directory (ggml loads backend libraries from the cwd), and only the arguments it
 accepts that shape memory (the server's own, such as --alias or --metrics, would make it exit).
 Figures are whole MiB, rounded down by the engine.
@@ -95,9 +98,10 @@ class FitProjection:
         return {name: float(sum(p.values())) for name, p in self.parts.items() if name != HOST}
 
 
-def memory_args(args: Iterable[str]) -> list[str]:
-    """The memory-shaping arguments among `args` (in order, with their values), the rest left out."""
-    kept: list[str] = []
+def memory_items(args: Iterable[str]) -> list[tuple[str, ...]]:
+    """The memory-shaping arguments among `args`, each with its values (`("-c", "4096")`,
+    `("--fit-target=2048",)`, `("--swa-full",)`), in order."""
+    kept: list[tuple[str, ...]] = []
     items = list(args)
     i = 0
     while i < len(items):
@@ -108,12 +112,17 @@ def memory_args(args: Iterable[str]) -> list[str]:
             i += 1
             continue
         if "=" in flag or arity == 0:
-            kept.append(flag)
+            kept.append((flag,))
             i += 1
             continue
-        kept.extend(items[i : i + 1 + arity])
+        kept.append(tuple(items[i : i + 1 + arity]))
         i += 1 + arity
     return kept
+
+
+def memory_args(args: Iterable[str]) -> list[str]:
+    """The memory-shaping arguments among `args` (in order, with their values), the rest left out."""
+    return [item for flag in memory_items(args) for item in flag]
 
 
 def parse_printed(stdout: str) -> dict[str, dict[str, float]]:

@@ -192,9 +192,14 @@ class GGUFLayout:
     n_params: int = 0  # elements over every tensor: the parameter count the catalog shows
     # Each array's element count by key (the arrays themselves are skipped: None in `meta`).
     array_lengths: dict[str, int] = attrs.field(factory=dict, hash=False)
+    # The bytes of the input layer's tensors (the token embeddings, `token_embd.*`), which the
+    # engine keeps on the host even with every layer on a GPU: from the data offsets (the next
+    # tensor's offset, or the file's end, less this one's), so alignment padding included.
+    input_bytes: int = 0
 
 
 _DEFAULT_ALIGNMENT = 32
+_INPUT_TENSORS = b"token_embd."  # the input layer's tensors (llama.cpp's LLM_TENSOR_TOKEN_EMBD)
 
 
 _LAYOUTS: dict[tuple[str, int, int], GGUFLayout] = {}
@@ -219,6 +224,7 @@ def _from_kept(key: str) -> GGUFLayout | None:
             tuple(int(o) for o in entry["tensor_offsets"]),
             int(entry["n_params"]),
             {str(k): int(v) for k, v in entry["array_lengths"].items()},
+            int(entry["input_bytes"]),
         )
     except (TypeError, KeyError, ValueError, AttributeError):
         return None  # none kept, or not one this code wrote: parsed again
@@ -233,6 +239,7 @@ def _keep(key: str, layout: GGUFLayout) -> None:
             "tensor_offsets": list(layout.tensor_offsets),
             "n_params": layout.n_params,
             "array_lengths": layout.array_lengths,
+            "input_bytes": layout.input_bytes,
         },
     )
 
@@ -275,6 +282,7 @@ def _parse(head: _Header) -> GGUFLayout:
     head._need(n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_BYTES, f"{n_kv} keys and {n_tensors} tensors")
     out: dict[str, Any] = {}
     offsets: list[int] = []
+    inputs: list[int] = []  # indices (into offsets) of the input layer's tensors
     n_params = 0
     lengths: dict[str, int] = {}
     for _ in range(n_kv):
@@ -286,8 +294,12 @@ def _parse(head: _Header) -> GGUFLayout:
             head._need(12, "an array's type and count")
             lengths[key] = struct.unpack_from("<Q", head.buf, head.pos + 4)[0]
         out[key] = head.value(vtype, keep=False)
-    for _ in range(n_tensors):
-        head.skip(head.unpack("<Q"), "a tensor's name")
+    for index in range(n_tensors):
+        name_length = head.unpack("<Q")
+        head._need(name_length, "a tensor's name")
+        if name_length >= len(_INPUT_TENSORS) and head.buf[head.pos : head.pos + len(_INPUT_TENSORS)] == _INPUT_TENSORS:
+            inputs.append(index)
+        head.pos += name_length
         n_dims = head.unpack("<I")
         if not 1 <= n_dims <= MAX_DIMS:
             raise GGUFError(f"a tensor has {n_dims} dimensions (1 to {MAX_DIMS} are possible)")
@@ -306,7 +318,10 @@ def _parse(head: _Header) -> GGUFLayout:
     beyond = [o for o in offsets if data_offset + o > head.size]
     if beyond:
         raise GGUFError(f"a tensor's data starts at {data_offset + beyond[0]}, past the file's end ({head.size} bytes)")
-    return GGUFLayout(out, data_offset, tuple(offsets), n_params, lengths)
+    starts = sorted({*offsets, head.size - data_offset})
+    following = dict(zip(starts, starts[1:]))
+    input_bytes = sum(following.get(offsets[i], offsets[i]) - offsets[i] for i in inputs)
+    return GGUFLayout(out, data_offset, tuple(offsets), n_params, lengths, input_bytes)
 
 
 def vocab_size(path: str | Path) -> int | None:

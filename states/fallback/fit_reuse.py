@@ -18,7 +18,8 @@ And one plan runs the fitter once where the engine would not fit anything: the p
 the plan's own arguments (every layer on the GPU for `-ngl auto`) is asked first, and when it
 leaves every device the engine's margin and its runtime's share (`fits_whole`), that is the
 answer: the engine's own fit at start would change nothing, so no fit is run. Only a plan that
-does not fit whole runs the fit (and projects what it fitted).
+does not fit whole runs the fit (and projects what it fitted). A plan that fits with room to
+spare is not even projected: Stoker's own upper bound places it (memory_bound.py).
 """
 
 from __future__ import annotations

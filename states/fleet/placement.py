@@ -55,7 +55,7 @@ def capacity(max_loaded: int, pinned: int) -> int:
 @attrs.frozen
 class Footprint:
     """A model's memory in MiB as one reading says it: RAM and VRAM (summed over its devices),
-    which reading (the plan's estimate, "llama-fit-params" or "stoker", or "engine": the buffers
+    which reading (the plan's estimate, "llama-fit-params", "stoker-bound" or "stoker", or "engine": the buffers
     its server reported as it loaded), and whether that reading leaves something out."""
 
     ram_mib: float = 0.0

@@ -88,9 +88,12 @@ def _parts(value: Any) -> dict[str, dict[str, float]]:
 
 
 # Which estimate answered a plan's memory figures (states/fleet/placement.py decides with them): the
-# engine's own fitter (the bundle's llama-fit-params, run with the plan's arguments), or Stoker's
-# (the file size plus the KV cache from the GGUF header) where the fitter is absent or failed.
+# engine's own fitter (the bundle's llama-fit-params, run with the plan's arguments), Stoker's
+# upper bound from the GGUF header where a `-ngl auto` plan clearly fits the free VRAM and no
+# fitter ran (states/fallback/memory_bound.py), or Stoker's estimate (the file size plus the KV
+# cache from the GGUF header, no compute buffers) where the fitter is absent or failed.
 FITTER = "llama-fit-params"
+STOKER_BOUND = "stoker-bound"
 STOKER_ESTIMATE = "stoker"
 
 

@@ -31,6 +31,7 @@ Results go to docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import socket
 import statistics
@@ -218,9 +219,21 @@ def time_cli(d: DaemonProcess, model: Path | None = None) -> tuple[float, float]
     return took, own
 
 
-def time_fresh(bundles: Path, config: dict, model: Path) -> tuple[float, float | None, float | None]:
+def plan_memory_said(d: DaemonProcess) -> str:
+    """Which estimate the daemon's first plan recorded: "stoker-bound" (Stoker's upper bound, no
+    fitter run), "llama-fit-params", or "stoker" (its partial estimate where the fitter failed)."""
+    rows = sorted(d.history(machine="launch", limit=50), key=lambda r: r["id"])
+    plans = [(r.get("event_data") or {}).get("plan") or {} for r in rows if r["event"] == "PlanReady"]
+    memory = (plans[0].get("memory") if plans else None) or {}
+    return str(memory.get("source") or "none recorded")
+
+
+def time_fresh(
+    bundles: Path, config: dict, model: Path, said: list[str] | None = None
+) -> tuple[float, float | None, float | None]:
     """A daemon in a fresh home (the bundles hard-linked in), from its spawn to its default
-    model's ready (status polled every 5 ms), with when its engine was spawned and first healthy."""
+    model's ready (status polled every 5 ms), with when its engine was spawned and first healthy;
+    `said` gets which estimate its plan recorded (`plan_memory_said`)."""
     import shutil
 
     home = Path(tempfile.mkdtemp(prefix="stoker-fresh-"))
@@ -249,6 +262,8 @@ def time_fresh(bundles: Path, config: dict, model: Path) -> tuple[float, float |
                 time.sleep(0.005)
         watch.stop.set()
         watch.join(5)
+        if said is not None:
+            said.append(plan_memory_said(d))
         return elapsed, watch.spawned, watch.healthy
     finally:
         d.stop()
@@ -345,6 +360,7 @@ def main() -> int:
         direct, via_daemon = [], []
         via_cli: list[tuple[float, float]] = []
         fresh: list[tuple[float, float | None, float | None]] = []
+        fresh_said: list[str] = []
         for i in range(args.runs):
             # Both arms start from a model in the page cache (read whole before each), and take
             # turns going first.
@@ -355,13 +371,13 @@ def main() -> int:
             if args.cli:
                 arms.append(lambda: via_cli.append(time_cli(d, None if args.no_touch else model)))
             if args.fresh:
-                arms.append(lambda: fresh.append(time_fresh(paths.bundles_dir, config, model)))
+                arms.append(lambda: fresh.append(time_fresh(paths.bundles_dir, config, model, fresh_said)))
             for arm in arms if i % 2 == 0 else arms[::-1]:
                 warm(model)
                 arm()
             print(
                 f"run {i + 1}: direct {direct[-1]:.3f} s, daemon {via_daemon[-1]}, up --wait {via_cli[-1:]}, "
-                f"fresh {fresh[-1:]}",
+                f"fresh {fresh[-1:]} {fresh_said[-1:]}",
                 file=sys.stderr,
             )
         ratios = [b[0] / a for a, b in zip(direct, via_daemon)]
@@ -451,7 +467,9 @@ def main() -> int:
             "",
             f"**Median ratio fresh daemon / direct: {statistics.median(b / a for a, (b, _, _) in zip(direct, fresh)):.3f}**; "
             "what comes before the engine's spawn is the daemon's own start (Python and its imports), the "
-            "probes and the plan (the fitter runs once in a fresh home).",
+            "probes and the plan. The plan's memory in each fresh home: "
+            + ", ".join(f"{said} ({n} of {len(fresh_said)})" for said, n in collections.Counter(fresh_said).items())
+            + " (stoker-bound: a GPU plan that clearly fits, no fitter run; llama-fit-params: it ran once).",
             "",
         ]
     lines += [

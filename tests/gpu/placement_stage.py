@@ -83,7 +83,11 @@ def st_offload(
         "unload: a unloaded for b's full offload (placement_evicted, why full_offload)": on.get("a_evicted_for_offload")
         is True,
         "unload: b on cuda with every layer offloaded": on.get("b_whole") is True,
-        "unload: b's plan says the fitter's figures after the unload": on.get("b_memory_source") == "llama-fit-params",
+        # Planned again after the unload: the fitter's figures, or (with room to spare for it)
+        # Stoker's upper bound; either way not the figures it was fitted short with.
+        "unload: b's plan estimated again after the unload, whole": on.get("b_memory_source")
+        in ("llama-fit-params", "stoker-bound")
+        and on.get("b_whole_vram_mib") == 0,
         "unload: NVML sees b's server hold more VRAM than in the control": (on.get("b_vram_mib") or 0)
         > (off.get("b_vram_mib") or 0),
         "both answered": on.get("answer") == 200 and off.get("answer") == 200,
@@ -146,7 +150,8 @@ def one_case(
             and bool(layers.get("total"))
             and 0 <= (layers.get("offloaded") or 0) < layers["total"]
         )
-        ev["b_memory_source"] = ((b_now.get("memory") or {}).get("estimate") or {}).get("source")
+        estimate = (b_now.get("memory") or {}).get("estimate") or {}
+        ev["b_memory_source"], ev["b_whole_vram_mib"] = estimate.get("source"), estimate.get("whole_vram_mib")
         history = sc.daemon.history(machine="launch:a", limit=50)
         evicted = [r for r in history if r.get("reason") == "placement_evicted"]
         ev["a_evictions"] = [r.get("evidence") for r in evicted]
