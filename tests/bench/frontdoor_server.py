@@ -12,7 +12,7 @@ relay to that engine, each on its own port, started from this file (`--serve ARM
 - `own`: `serve_frontdoor`, the daemon's front door service itself (daemon/frontdoor/http11.py
   under `FrontDoor.handle`), with a stand-in daemon whose one model is the engine, ready;
 - `own, no pump`: the same, a stream's rest relayed on trio's loop rather than pumped from socket
-  to socket in a worker thread (what any ASGI server must do: it hands the app no socket);
+  to socket by the relay loop (what any ASGI server must do: it hands the app no socket);
 - `hypercorn`: `hypercorn.trio.serve` with an ASGI app that gives every request to the same
   `FrontDoor.handle` (the same key check, body limits, hold, engine wire, relay and request
   figures) through a `Request` of ASGI messages.
@@ -91,7 +91,7 @@ METHOD = (
     "Does the front door's hand-written HTTP/1.1 server (daemon/frontdoor/http11.py) earn its place "
     "against a well-kept one? The same relay (`FrontDoor.handle`: key check, body limits, hold, engine "
     "wire, relay, request figures) is served by `own` (`serve_frontdoor`, as the daemon runs it), `own, "
-    "no pump` (the same, a stream's rest relayed on trio's loop instead of pumped in a worker thread, as "
+    "no pump` (the same, a stream's rest relayed on trio's loop instead of pumped by the relay loop, as "
     "any ASGI server must) and `hypercorn` (Hypercorn's trio worker, `hypercorn.trio.serve`, with an ASGI "
     "app handing each request to `FrontDoor.handle`), each in its own process, against the same engine; "
     "`direct` is the engine itself. The same raw client sends the same streamed chat completions to each "
