@@ -3,11 +3,11 @@
 A streamed answer is one event per token. Read and written by trio's tasks, each event was a
 pass of the scheduler and the relay's coroutines; read and written by a worker thread of its
 own, each event woke that thread and took the interpreter's lock from the others, so 16
-streams at ~1 100 tokens/s each (an 8B model on an H200) were 16 threads handing the lock
-around ~18 000 times a second. Here one thread waits on every pumped stream's engine socket at
-once (epoll): the engine writes a token's event for each of its slots in the same step, so a
-wake-up finds several streams ready and relays each with one read and one write, and no other
-thread takes turns with it.
+streams at ~1 100 tokens/s each (the tiny test model on an H200) were 16 threads handing the
+lock around ~18 000 times a second. Here one thread waits on every pumped stream's engine
+socket at once (a selector: epoll on Linux, kqueue on macOS): the engine writes a token's event
+for each of its slots in the same step, so a wake-up finds several streams ready and relays
+each with one read and one write, and no other thread takes turns with it.
 
 A pump's sink (the client's socket) is written without blocking. A client whose window is full
 stops only its own stream: what it could not take waits in the pump, the engine's socket is
@@ -20,7 +20,7 @@ once with b"", and nothing it uses is closed under it, since its caller waits fo
 from __future__ import annotations
 
 import math
-import select
+import selectors
 import socket
 import threading
 import time
@@ -141,17 +141,18 @@ class RelayLoop:
             pass
 
     def _run(self, wake: socket.socket) -> None:
-        poller = select.epoll()
-        poller.register(wake.fileno(), select.EPOLLIN)
+        poller = selectors.DefaultSelector()
+        poller.register(wake.fileno(), selectors.EVENT_READ)
         by_fd: dict[int, _Job] = {}
         closing = False
         try:
             while not (closing and not by_fd):
                 soonest = self._soonest
                 wait = -1.0 if soonest == math.inf else max(0.0, soonest - time.monotonic())
-                ready = poller.poll(wait)
+                ready = poller.select(None if wait < 0 else wait)
                 now = time.monotonic()
-                for fd, _ in ready:
+                for key, _ in ready:
+                    fd = key.fd
                     if fd == wake.fileno():
                         closing = self._commands(wake, poller, by_fd, now) or closing
                     elif (job := by_fd.get(fd)) is not None:
@@ -176,7 +177,9 @@ class RelayLoop:
         finally:
             poller.close()
 
-    def _commands(self, wake: socket.socket, poller: select.epoll, by_fd: dict[int, _Job], now: float) -> bool:
+    def _commands(
+        self, wake: socket.socket, poller: selectors.BaseSelector, by_fd: dict[int, _Job], now: float
+    ) -> bool:
         """What trio's thread asked; whether to close."""
         try:
             while wake.recv(4096):
@@ -195,14 +198,14 @@ class RelayLoop:
                 job.deadline = now + job.pump.timeout
                 self._soonest = min(self._soonest, job.deadline)
                 by_fd[job.pump.source.fileno()] = job
-                poller.register(job.pump.source.fileno(), select.EPOLLIN)
+                poller.register(job.pump.source.fileno(), selectors.EVENT_READ)
                 if job.stopped:
                     self._finish(job, poller, by_fd, outcome.Value(b""))
             else:  # "stop"
                 self._finish(job, poller, by_fd, outcome.Value(b""))
         return closing
 
-    def _read(self, job: _Job, poller: select.epoll, by_fd: dict[int, _Job], now: float) -> None:
+    def _read(self, job: _Job, poller: selectors.BaseSelector, by_fd: dict[int, _Job], now: float) -> None:
         pump = job.pump
         try:
             data = pump.source.recv(READ_BYTES)
@@ -227,7 +230,7 @@ class RelayLoop:
         if out:
             self._send(job, memoryview(out), poller, by_fd)
 
-    def _send(self, job: _Job, out: memoryview, poller: select.epoll, by_fd: dict[int, _Job]) -> bool:
+    def _send(self, job: _Job, out: memoryview, poller: selectors.BaseSelector, by_fd: dict[int, _Job]) -> bool:
         """`out` to the sink, what it cannot take kept; whether the sink took all there was."""
         pump = job.pump
         try:
@@ -242,23 +245,25 @@ class RelayLoop:
                 job.pending = None
                 poller.unregister(pump.sink.fileno())
                 del by_fd[pump.sink.fileno()]
-                poller.register(pump.source.fileno(), select.EPOLLIN)
+                poller.register(pump.source.fileno(), selectors.EVENT_READ)
             return True
         if job.pending is None:  # the client's window is full: hold the source until it drains
             poller.unregister(pump.source.fileno())
             by_fd[pump.sink.fileno()] = job
-            poller.register(pump.sink.fileno(), select.EPOLLOUT)
+            poller.register(pump.sink.fileno(), selectors.EVENT_WRITE)
             job.deadline = math.inf
         job.pending = out[sent:]
         return False
 
-    def _drain(self, job: _Job, poller: select.epoll, by_fd: dict[int, _Job], now: float) -> None:
+    def _drain(self, job: _Job, poller: selectors.BaseSelector, by_fd: dict[int, _Job], now: float) -> None:
         assert job.pending is not None
         if self._send(job, job.pending, poller, by_fd):
             job.deadline = now + job.pump.timeout
             self._soonest = min(self._soonest, job.deadline)
 
-    def _finish(self, job: _Job, poller: select.epoll, by_fd: dict[int, _Job], result: outcome.Outcome[Any]) -> None:
+    def _finish(
+        self, job: _Job, poller: selectors.BaseSelector, by_fd: dict[int, _Job], result: outcome.Outcome[Any]
+    ) -> None:
         if job.done:
             return
         job.done = True
@@ -268,6 +273,6 @@ class RelayLoop:
                 del by_fd[fd]
                 try:
                     poller.unregister(fd)
-                except (OSError, ValueError):  # not registered now (the source while the sink drained)
+                except (KeyError, ValueError):  # not registered now (the source while the sink drained)
                     pass
         job.deliver(result)

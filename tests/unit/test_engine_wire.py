@@ -21,6 +21,7 @@ from stoker.daemon.engine.wire import EngineWire, WireTimeouts
 from stoker.daemon.frontdoor.relay import first_bytes, relay
 from stoker.daemon.frontdoor.http11 import Request, open_listeners, serve_http
 from tests.unit.test_frontdoor_metrics import Daemon, metrics_for
+from tests.waits import until
 
 SSE = b"data: {}\n\n"
 
@@ -338,13 +339,14 @@ async def test_a_client_that_stops_reading_holds_only_its_own_stream_and_one_tha
             async with trio.open_nursery() as both:
                 both.start_soon(start, wire, b"big", slow_sink, slow)
                 both.start_soon(start, wire, b"small", fast_sink, fast)
-                while len(fast) < 2:  # the other stream ends while the slow one's client reads nothing
-                    await trio.sleep(0.01)
+                # The other stream ends while the slow one's client reads nothing.
+                await until(lambda: len(fast) == 2, timeout=10, what="the other stream's end")
                 assert len(slow) == 1
                 held = b""
                 while len(slow) < 2:  # now the slow client reads: its stream goes on to its end
+                    with trio.move_on_after(0.5):  # its pump may end while this waits
+                        await trio.lowlevel.wait_readable(slow_peer)
                     held += received(slow_peer)
-                    await trio.sleep(0.005)
                 held += received(slow_peer)
             assert isinstance(slow[1], bytes) and isinstance(fast[1], bytes)
             whole = slow[0] + held + slow[1]  # type: ignore[operator]
