@@ -20,7 +20,8 @@ import attrs
 import pytest
 
 from stoker.daemon.bundles.metadata import BUNDLE_JSON, BundleMeta, FileEntry
-from tests.integration.daemon_harness import DaemonProcess, servers_for, tiny_config, write_config
+from tests.integration.daemon_harness import DaemonProcess, tiny_config, write_config
+from tests.integration.test_third_party_backend import daemons  # noqa: F401 (the fixture, used below)
 from tests.integration.test_third_party_backend import relabel_cpu_bundle, settled, stoker, with_plugin
 
 FIT_WRAPPER = """#!/bin/sh
@@ -53,9 +54,8 @@ def fakegpu_plan_memory(d: DaemonProcess) -> dict[str, Any]:
 
 
 @pytest.fixture
-def fresh_fakegpu(stoker_home, installed_cpu_bundle, model, plugin_site, tmp_path):
+def fresh_fakegpu(stoker_home, installed_cpu_bundle, model, plugin_site, tmp_path, daemons):  # noqa: F811
     """A fresh home with the FakeGPU bundle (logging fitter) installed; start(free MiB) runs it."""
-    started: list[DaemonProcess] = []
     log = tmp_path / "fit-runs.log"
 
     def start(free_mib: int) -> DaemonProcess:
@@ -67,17 +67,11 @@ def fresh_fakegpu(stoker_home, installed_cpu_bundle, model, plugin_site, tmp_pat
         installed = stoker(d.env, "bundle", "install", str(bundle_dir), "--json")
         assert installed.returncode == 0, installed.stdout + installed.stderr
         assert not (d.paths.data_dir / "fit-cache.json").exists()  # fresh: nothing kept
-        started.append(d.start())
+        daemons.append(d.start())
         d.wait_for(settled, timeout=180, what="the plan to settle")
         return d
 
-    yield start, log
-    for d in started:
-        d.stop()
-    leftovers = servers_for(model)
-    for proc in leftovers:
-        proc.kill()
-    assert not leftovers, f"servers left behind: {[p.pid for p in leftovers]}"
+    return start, log
 
 
 @pytest.mark.engine
