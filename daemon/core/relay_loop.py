@@ -97,7 +97,10 @@ class RelayLoop:
 
         def deliver(done: outcome.Outcome[bytes]) -> None:  # in the loop's thread
             result.append(done)
-            token.run_sync_soon(trio.lowlevel.reschedule, task)
+            try:
+                token.run_sync_soon(trio.lowlevel.reschedule, task)
+            except trio.RunFinishedError:  # the daemon's run is over: nobody waits any more
+                pass
 
         job = _Job(pump, deliver)
 
