@@ -42,11 +42,11 @@ DOCS_SHOT = Path(__file__).resolve().parents[2] / "docs" / "chat-page.png"
 # ignore its end-of-text, streams for seconds on the 2-core machine.
 LONG_ANSWER_TOKENS = 3500
 SHORT_ANSWER_TOKENS = 256  # long enough to arrive in several reads on a quiet machine too
-# The answer whose streaming is checked: ~0.3 s of the tiny model on the 2-core machine, so that
+# The answer whose streaming is checked: ~0.2 s of the tiny model on the 2-core machine, so that
 # the daemon kept off both cores by the engine's threads for some tens of milliseconds (seen
 # with and without the front door's relay changes: its first event then comes with most of a
-# 256-token answer behind it) still leaves it many reads.
-STREAMED_ANSWER_TOKENS = 1024
+# 256-token answer behind it) still leaves it many reads. (1024 tokens cost the page 5 s more.)
+STREAMED_ANSWER_TOKENS = 512
 
 
 @pytest.fixture
