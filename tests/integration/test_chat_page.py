@@ -45,7 +45,7 @@ SHORT_ANSWER_TOKENS = 256  # long enough to arrive in several reads on a quiet m
 # The answer whose streaming is checked: ~0.2 s of the tiny model on the 2-core machine, so that
 # the daemon kept off both cores by the engine's threads for some tens of milliseconds (seen
 # with and without the front door's relay changes: its first event then comes with most of a
-# 256-token answer behind it) still leaves it many reads. (1024 tokens cost the page 5 s more.)
+# 256-token answer behind it) still leaves it many reads.
 STREAMED_ANSWER_TOKENS = 512
 
 
