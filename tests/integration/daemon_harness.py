@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -164,6 +165,22 @@ def servers_for(model: Path) -> list[psutil.Process]:
 
 
 def free_port() -> int:
+    """A free loopback port below the kernel's ephemeral range: a port the kernel hands out
+    (`bind` to 0, every outgoing connection, every engine's `--port 0`) could be taken by
+    another test process between this check and the daemon's own bind (a front door then found
+    its port in use); one below that range is only ever taken by an explicit bind."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
