@@ -82,7 +82,6 @@ class RelayLoop:
     _asked: list[tuple[str, _Job | None]] = attrs.field(factory=list)
     _thread: threading.Thread | None = None
     _wake: tuple[socket.socket, socket.socket] | None = None
-    pumping: int = 0  # pumps under way (trio's side)
     _soonest: float = math.inf  # the loop's: no pump reading its source has a deadline before this
 
     async def pump(self, pump: Pump, interrupt: Callable[[], None]) -> bytes:
@@ -112,12 +111,8 @@ class RelayLoop:
             self._ask("stop", job)
             return trio.lowlevel.Abort.FAILED  # still waiting: the loop lets go soon
 
-        self.pumping += 1
-        try:
-            self._ask("add", job)
-            await trio.lowlevel.wait_task_rescheduled(abort)
-        finally:
-            self.pumping -= 1
+        self._ask("add", job)
+        await trio.lowlevel.wait_task_rescheduled(abort)
         if cancelled:
             await trio.lowlevel.checkpoint()  # the scope that cancelled it still is: raises Cancelled
         return result[0].unwrap()
